@@ -1,0 +1,29 @@
+"""orbax_tunix: restore Tunix checkpoints with any Orbax restore.
+
+The whole public API::
+
+  detect(path) -> Detection              what a path holds, which rewrites apply
+  TunixPyTreeHandler                     item handler (PyTreeCheckpointHandler)
+  TunixAwareHandler                      composite handler, the drop-in for steps
+  handler_registry()                     for ocp.CheckpointManager
+  register(), load_plugins()             Orbax v1 and entry-point plugins
+  hyperparameters(path)                  the inject_hyperparams values
+  to_canonical_tree, to_disk_tree        the rewrite rules on whole trees
+  TunixCheckpointError and subclasses    every error raised
+"""
+
+from orbax_tunix.composite_handler import TunixAwareHandler
+from orbax_tunix.detect import Detection, detect
+from orbax_tunix.errors import (
+    CorruptMetadataError,
+    NotACheckpointError,
+    TargetMismatchError,
+    TunixCheckpointError,
+    UncommittedStepError,
+    UnsupportedLayoutError,
+)
+from orbax_tunix.layout import ItemLayout, to_canonical_tree, to_disk_tree
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.registry import handler_registry, load_plugins, register
+
+__version__ = '0.1.0'

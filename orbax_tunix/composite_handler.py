@@ -1,0 +1,96 @@
+"""`TunixAwareHandler`: the drop-in composite handler for Tunix steps.
+
+`ocp.Checkpointer(TunixAwareHandler()).restore(step_dir)` returns every item,
+Tunix items in canonical form, whether the step was written through Orbax's v0
+or v1 API. Items restored with `PyTreeRestore` or `StandardRestore` go to
+`TunixPyTreeHandler`; saving goes to Orbax's own handlers and writes an
+ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint._src.handlers import handler_type_registry
+
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
+
+# Item handler typestrs whose items hold a PyTree `TunixPyTreeHandler` reads:
+# the v0 PyTree and Standard handlers (both module spellings) and v1's.
+PYTREE_TYPESTRS = frozenset(
+    f'orbax.checkpoint.{space}._src.handlers.{module}'.replace('..', '.')
+    for space in ('', 'v0')
+    for module in (
+        'pytree_checkpoint_handler.PyTreeCheckpointHandler',
+        'standard_checkpoint_handler.StandardCheckpointHandler',
+    )
+) | {
+    'orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler',
+    TunixPyTreeHandler.typestr(),
+}
+
+RESTORE_ARGS = (TunixPyTreeRestore, ocp.args.PyTreeRestore, ocp.args.StandardRestore)
+
+
+class TunixAwareHandler(ocp.CompositeCheckpointHandler):
+  """A `CompositeCheckpointHandler` that restores Tunix steps canonically.
+
+  Example::
+
+    ckptr = ocp.Checkpointer(orbax_tunix.TunixAwareHandler())
+    state = ckptr.restore(step_dir)                      # every item
+    params = ckptr.restore(step_dir, args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeRestore(item=abstract_params)))
+
+  Args:
+    *item_names, **kwargs: as for `ocp.CompositeCheckpointHandler`.
+    item_handler: the handler for PyTree items (a `TunixPyTreeHandler` by
+      default; pass one to set its options).
+  """
+
+  def __init__(
+      self,
+      *item_names: str,
+      item_handler: TunixPyTreeHandler | None = None,
+      handler_registry: Any = None,
+      **kwargs: Any,
+  ):
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry(handler_registry)
+    self._item_handler = item_handler or TunixPyTreeHandler()
+    for args_type in RESTORE_ARGS:
+      if not registry.has(None, args_type):
+        registry.add(None, args_type, self._item_handler)
+    super().__init__(*item_names, handler_registry=registry, **kwargs)
+
+  def restore(self, directory: epath.Path, args: ocp.args.Composite | None = None) -> Any:
+    """Restores the items named in `args`, or every item when there are none."""
+    directory = epath.Path(directory)
+    if args is None or not dict(args.items()):
+      args = self._default_args(directory)
+    return super().restore(directory, args=args)
+
+  def _default_args(self, directory: epath.Path) -> ocp.args.Composite:
+    """Args for every item on disk; PyTree items get the Tunix handler."""
+    recorded = ocp.metadata.get_step_metadata(directory).item_handlers or {}
+    if not isinstance(recorded, dict):
+      recorded = {}
+    items = {}
+    for name in self._existing_items(directory):
+      typestr = recorded.get(name)
+      if typestr is None or typestr in PYTREE_TYPESTRS:
+        items[name] = TunixPyTreeRestore()
+        continue
+      try:
+        handler_type = handler_type_registry.get_handler_type(typestr)
+        items[name] = ocp.args.get_registered_args_cls(handler_type)[1]()
+      except (KeyError, ValueError):
+        continue  # As Orbax does: an item no handler can read is skipped.
+    return ocp.args.Composite(**items)
+
+
+@ocp.args.register_with_handler(TunixAwareHandler, for_save=True, for_restore=True)
+class TunixComposite(ocp.args.Composite):
+  """`ocp.args.Composite`, registered for `TunixAwareHandler`."""

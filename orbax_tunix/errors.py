@@ -1,0 +1,53 @@
+"""The errors orbax_tunix raises: one base class, one subclass per kind of failure.
+
+Every message names the path it is about, what was expected, what was found and
+what to do, so that a failed restore of a weeks-old run can be fixed from the
+message alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# At most this many paths are listed in one message; the rest are counted.
+MAX_LISTED = 20
+
+
+class TunixCheckpointError(ValueError):
+  """Base class of every error raised by orbax_tunix."""
+
+
+class NotACheckpointError(TunixCheckpointError):
+  """The path does not exist or holds no Orbax checkpoint."""
+
+
+class UncommittedStepError(TunixCheckpointError):
+  """The step is unfinished (still being written, or its writer died)."""
+
+
+class CorruptMetadataError(TunixCheckpointError):
+  """A metadata file is missing, truncated, or not what Orbax writes."""
+
+
+class TargetMismatchError(TunixCheckpointError):
+  """The restore target disagrees with the checkpoint (paths, shapes, dtypes)."""
+
+
+class UnsupportedLayoutError(TunixCheckpointError):
+  """The checkpoint's layout is one this version cannot map."""
+
+
+def list_paths(paths: Sequence[str], limit: int = MAX_LISTED) -> str:
+  """Formats paths one per line, at most `limit` of them, then a count.
+
+  Args:
+    paths: already formatted paths (e.g. 'layers/0/attn/w').
+    limit: how many to show before summarising the rest.
+
+  Returns:
+    An indented block of lines, ending in '... and N more' when cut.
+  """
+  shown = [f'  {p}' for p in paths[:limit]]
+  if len(paths) > limit:
+    shown.append(f'  ... and {len(paths) - limit} more')
+  return '\n'.join(shown)

@@ -1,0 +1,138 @@
+"""Plans: the rules applied to one step's metadata, computed once.
+
+An `ItemLayout` maps every on-disk leaf path of one item to its canonical path
+(or marks it as a side leaf outside the canonical view) and back. Restoring is
+executing a layout: the caller's canonical target is rewritten path by path
+into the on-disk target, and the result back, with no array touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from orbax_tunix import errors
+from orbax_tunix import rules as rules_lib
+from orbax_tunix.tree_paths import Path, flatten, fmt, nest
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemLayout:
+  """How one item's on-disk tree maps to its canonical tree.
+
+  Attributes:
+    item: item name (e.g. 'model_params').
+    rewrites: the planned rules, in application order (disk -> canonical).
+    disk_to_canonical: every on-disk leaf path -> canonical path, or None for
+      side leaves that the canonical view leaves out (e.g. hyperparameters).
+  """
+
+  item: str
+  rewrites: tuple[rules_lib.Rewrite, ...]
+  disk_to_canonical: Mapping[Path, Path | None]
+
+  @property
+  def rule_names(self) -> tuple[str, ...]:
+    return tuple(r.rule.name for r in self.rewrites)
+
+  @functools.cached_property
+  def canonical_to_disk(self) -> dict[Path, Path]:
+    return {c: d for d, c in self.disk_to_canonical.items() if c is not None}
+
+  @property
+  def side_paths(self) -> tuple[Path, ...]:
+    return tuple(d for d, c in self.disk_to_canonical.items() if c is None)
+
+  def to_canonical_path(self, path: Path) -> Path | None:
+    """Runs the rules forwards on one on-disk path."""
+    for rewrite in self.rewrites:
+      path = rewrite.to_canonical(path)
+      if path is None:
+        return None
+    return path
+
+  def to_disk_path(self, path: Path) -> Path:
+    """Runs the rules backwards on one canonical path."""
+    for rewrite in reversed(self.rewrites):
+      path = rewrite.to_disk(path)
+    return path
+
+
+def plan_step(
+    item_paths: Mapping[str, frozenset[Path]],
+    rules: Sequence[rules_lib.Rule] = rules_lib.RULES,
+) -> dict[str, ItemLayout]:
+  """Plans every rule on every item of one step.
+
+  Args:
+    item_paths: item name -> the set of on-disk leaf paths of that item.
+    rules: the rules to plan, in order.
+
+  Returns:
+    item name -> its `ItemLayout`.
+
+  Raises:
+    UnsupportedLayoutError: two on-disk leaves would share a canonical path.
+  """
+  current = {item: {p: p for p in paths} for item, paths in item_paths.items()}
+  planned: dict[str, list[rules_lib.Rewrite]] = {item: [] for item in item_paths}
+  for rule in rules:
+    stage = {
+        item: frozenset(c for c in mapping.values() if c is not None)
+        for item, mapping in current.items()
+    }
+    for item, mapping in current.items():
+      anchors = rule.find(item, stage)
+      if not anchors:
+        continue
+      rewrite = rules_lib.Rewrite(rule, anchors)
+      planned[item].append(rewrite)
+      current[item] = {
+          d: None if c is None else rewrite.to_canonical(c)
+          for d, c in mapping.items()
+      }
+  layouts = {}
+  for item, mapping in current.items():
+    _check_bijective(item, mapping)
+    layouts[item] = ItemLayout(item, tuple(planned[item]), mapping)
+  return layouts
+
+
+def _check_bijective(item: str, mapping: Mapping[Path, Path | None]) -> None:
+  seen: dict[Path, Path] = {}
+  clashes = []
+  for disk, canon in mapping.items():
+    if canon is None:
+      continue
+    if canon in seen:
+      clashes.append(f'{fmt(seen[canon])} and {fmt(disk)} -> {fmt(canon)}')
+    seen[canon] = disk
+  if clashes:
+    raise errors.UnsupportedLayoutError(
+        f'Item {item!r}: the rewrite rules map several on-disk leaves to one'
+        f' canonical path:\n{errors.list_paths(clashes)}\nThis layout is not'
+        ' supported; restore it with plain Orbax (no orbax_tunix handler).'
+    )
+
+
+def to_canonical_tree(tree: Any, layout: ItemLayout) -> dict[str, Any]:
+  """Rewrites an on-disk tree (nested dicts, as Orbax restores it) to canonical.
+
+  Side leaves (see `ItemLayout.side_paths`) are left out. Leaves are moved,
+  never copied.
+  """
+  pairs, _ = flatten(tree)
+  out = []
+  for path, leaf in pairs:
+    canon = layout.to_canonical_path(path)
+    if canon is not None:
+      out.append((canon, leaf))
+  return nest(out)
+
+
+def to_disk_tree(tree: Any, layout: ItemLayout) -> dict[str, Any]:
+  """Rewrites a canonical tree to the on-disk structure: the exact inverse."""
+  pairs, _ = flatten(tree)
+  return nest((layout.to_disk_path(path), leaf) for path, leaf in pairs)

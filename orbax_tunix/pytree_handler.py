@@ -1,0 +1,211 @@
+"""`TunixPyTreeHandler`: an Orbax PyTree handler that reads Tunix items canonically.
+
+The restore target is rewritten, path by path, into the on-disk structure and
+read with Orbax's own partial restore, so every array is read once, straight
+into the target's sharding and dtype, and arrays the target does not name are
+never opened. Items that are not Tunix go to the plain `PyTreeCheckpointHandler`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint._src.metadata import tree as tree_metadata
+
+from orbax_tunix import errors
+from orbax_tunix import layout as layout_lib
+from orbax_tunix.detect import plan_item
+from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, nest
+
+PyTree = Any
+
+
+def _shape(leaf: Any) -> tuple[int, ...] | None:
+  shape = getattr(leaf, 'shape', None)
+  return None if shape is None else tuple(shape)
+
+
+def validate_target(
+    directory: epath.Path,
+    layout: layout_lib.ItemLayout,
+    canonical: list[Path],
+    leaves: list[Any],
+    disk_shapes: dict[Path, tuple[int, ...] | None],
+) -> list[Path]:
+  """Checks a canonical target against the checkpoint before anything is read.
+
+  Args:
+    directory: the item directory (for messages).
+    layout: the item's layout.
+    canonical: the target's leaf paths, canonical.
+    leaves: the target's leaves, in the same order.
+    disk_shapes: on-disk leaf path -> global shape.
+
+  Returns:
+    The on-disk path of each target leaf.
+
+  Raises:
+    TargetMismatchError: leaves absent on disk, or with another shape; the
+      message lists them all (up to a screenful) with counts.
+  """
+  disk = [layout.to_disk_path(p) for p in canonical]
+  missing = [fmt(c) for c, d in zip(canonical, disk) if d not in disk_shapes]
+  shapes = [
+      f'{fmt(c)}: target {_shape(leaf)}, on disk {disk_shapes[d]}'
+      for c, d, leaf in zip(canonical, disk, leaves)
+      if d in disk_shapes
+      and _shape(leaf) is not None
+      and disk_shapes[d] is not None
+      and _shape(leaf) != disk_shapes[d]
+  ]
+  if missing or shapes:
+    parts = [f'{directory}: the restore target does not match the checkpoint.']
+    if missing:
+      parts.append(
+          f'{len(missing)} target leaves are not in the checkpoint (canonical'
+          f' paths):\n{errors.list_paths(missing)}'
+      )
+    if shapes:
+      parts.append(f'{len(shapes)} leaves differ in shape:\n{errors.list_paths(shapes)}')
+    parts.append(
+        'Remove these leaves from the target, or fix their shapes; '
+        '`TunixPyTreeHandler().metadata(path)` shows the canonical tree.'
+    )
+    raise errors.TargetMismatchError('\n'.join(parts))
+  return disk
+
+
+class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
+  """A `PyTreeCheckpointHandler` that shows Tunix items in canonical form.
+
+  Example::
+
+    ckptr = ocp.Checkpointer(orbax_tunix.TunixPyTreeHandler())
+    params = ckptr.restore(step_dir / 'model_params',
+                           args=ocp.args.PyTreeRestore(item=abstract_params))
+
+  Restoring accepts `ocp.args.PyTreeRestore`, `ocp.args.StandardRestore` or no
+  arguments. On a Tunix item, `item` is a canonical target (arrays or
+  `jax.ShapeDtypeStruct`s, with shardings); only the arrays it names are read.
+  Anything else behaves as the plain `PyTreeCheckpointHandler`.
+  """
+
+  def restore(
+      self,
+      directory: epath.Path,
+      item: PyTree | None = None,
+      restore_args: PyTree | None = None,
+      transforms: PyTree | None = None,
+      transforms_default_to_original: bool = True,
+      legacy_transform_fn: Any = None,
+      args: ocp.args.CheckpointArgs | None = None,
+  ) -> PyTree:
+    """Restores an item; see the class docstring.
+
+    Raises:
+      TargetMismatchError: the target names leaves absent on disk or with
+        another shape (checked before any array is read).
+      UnsupportedLayoutError: legacy `transforms` on a Tunix item.
+    """
+    directory = epath.Path(directory)
+    if isinstance(args, ocp.args.StandardRestore):
+      item, restore_args = args.item, None
+      if item is not None and args.strict is False:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item, strict=False)
+      args = None
+    if args is None:
+      args = ocp.args.PyTreeRestore(
+          item=item,
+          restore_args=restore_args,
+          transforms=transforms,
+          transforms_default_to_original=transforms_default_to_original,
+          legacy_transform_fn=legacy_transform_fn,
+      )
+    layout = plan_item(directory)
+    if layout is None or not layout.rewrites:
+      if args.item is not None and args.restore_args is None and args.transforms is None:
+        args = ocp.args.PyTreeRestore(
+            item=args.item,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(args.item),
+            partial_restore=args.partial_restore,
+        )
+      return super().restore(directory, args=args)
+    if args.transforms is not None or args.legacy_transform_fn is not None:
+      raise errors.UnsupportedLayoutError(
+          f'{directory}: legacy `transforms` are not supported on a Tunix item;'
+          ' pass the canonical target as `item` instead (the rewrites apply'
+          ' to it).'
+      )
+    if args.item is None:
+      raw = super().restore(
+          directory, args=ocp.args.PyTreeRestore(restore_args=args.restore_args)
+      )
+      return layout_lib.to_canonical_tree(raw, layout)
+    return self._restore_target(directory, layout, args)
+
+  def _restore_target(
+      self,
+      directory: epath.Path,
+      layout: layout_lib.ItemLayout,
+      args: ocp.args.PyTreeRestore,
+  ) -> PyTree:
+    pairs, treedef = flatten(args.item)
+    canonical = [p for p, _ in pairs]
+    leaves = [leaf for _, leaf in pairs]
+    restore_args = args.restore_args
+    if restore_args is None:
+      restore_args = ocp.checkpoint_utils.construct_restore_args(args.item)
+    leaf_args = jax.tree_util.tree_leaves(
+        restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs)
+    )
+    if len(leaf_args) != len(leaves):
+      raise errors.TargetMismatchError(
+          f'{directory}: `restore_args` has {len(leaf_args)} leaves, the target'
+          f' `item` {len(leaves)}. Give one RestoreArgs per target leaf, in the'
+          " target's structure (or none: they are derived from the target)."
+      )
+    disk = validate_target(directory, layout, canonical, leaves, self._disk_shapes(directory))
+    restored = super().restore(
+        directory,
+        args=ocp.args.PyTreeRestore(
+            item=nest(zip(disk, leaves)),
+            restore_args=nest(zip(disk, leaf_args)),
+            partial_restore=True,
+        ),
+    )
+    by_path = flat_dict(restored)
+    return jax.tree_util.tree_unflatten(treedef, [by_path[d] for d in disk])
+
+  def _disk_shapes(self, directory: epath.Path) -> dict[Path, tuple[int, ...] | None]:
+    meta = super().metadata(directory)
+    return {p: _shape(m) for p, m in flat_dict(meta.tree).items()}
+
+  def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
+    """Returns the item's metadata tree, canonical for a Tunix item."""
+    directory = epath.Path(directory)
+    meta = super().metadata(directory)
+    layout = plan_item(directory)
+    if layout is None or not layout.rewrites:
+      return meta
+    return tree_metadata.build_default_tree_metadata(
+        layout_lib.to_canonical_tree(meta.tree, layout),
+        custom_metadata=meta.custom_metadata,
+    )
+
+
+# Registering args of its own keeps `ocp.Checkpointer` from wrapping the handler
+# in its legacy adapter, and gives composites default args for no-arg restores.
+@ocp.args.register_with_handler(TunixPyTreeHandler, for_save=True)
+@dataclasses.dataclass
+class TunixPyTreeSave(ocp.args.PyTreeSave):
+  """Saves like `ocp.args.PyTreeSave` (an ordinary Orbax PyTree)."""
+
+
+@ocp.args.register_with_handler(TunixPyTreeHandler, for_restore=True)
+@dataclasses.dataclass
+class TunixPyTreeRestore(ocp.args.PyTreeRestore):
+  """Restores like `ocp.args.PyTreeRestore`, with the canonical target."""

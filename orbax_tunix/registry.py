@@ -1,0 +1,127 @@
+"""Plugging into Orbax: the v0 handler registry, the v1 API, entry points.
+
+Orbax loads no plugins by itself. `register()` is what the entry point
+`tunix = orbax_tunix:register` (group `orbax.checkpoint.handlers`) runs, and
+`load_plugins()` is the one line a trainer adds to load every plugin declared
+in that group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix import rules
+from orbax_tunix.composite_handler import PYTREE_TYPESTRS
+from orbax_tunix.detect import plan_item
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
+
+ENTRY_POINT_GROUP = 'orbax.checkpoint.handlers'
+
+
+def handler_registry(
+    item_handler: TunixPyTreeHandler | None = None,
+) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  """A v0 handler registry for `ocp.CheckpointManager`.
+
+  Example::
+
+    mngr = ocp.CheckpointManager(root, handler_registry=orbax_tunix.handler_registry())
+    state = mngr.restore(mngr.latest_step())
+
+  Tunix's items (`model_params`, `optimizer_state`) restore in canonical form,
+  with no arguments or with `PyTreeRestore`/`StandardRestore`; they save as
+  ordinary Orbax PyTrees.
+
+  Args:
+    item_handler: the handler for Tunix items (a new `TunixPyTreeHandler` by
+      default).
+
+  Returns:
+    A `DefaultCheckpointHandlerRegistry`.
+  """
+  restore_handler = item_handler or TunixPyTreeHandler()
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  for item in rules.TUNIX_ITEMS:
+    # Save handlers first: on a no-arg restore the composite uses the item's
+    # last-registered handler, which must be the Tunix one.
+    registry.add(item, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler())
+    registry.add(item, ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+    for args_type in (TunixPyTreeRestore, ocp.args.PyTreeRestore, ocp.args.StandardRestore):
+      registry.add(item, args_type, restore_handler)
+  return registry
+
+
+class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
+  """The v1 PyTree handler, reading Tunix items canonically.
+
+  Registered for loading only (`is_handleable` is False, so saving keeps
+  Orbax's own handler and typestr); any item that is not Tunix is loaded by
+  the stock `PyTreeHandler` unchanged.
+  """
+
+  def is_handleable(self, checkpointable: Any) -> bool:
+    del checkpointable
+    return False
+
+  async def load(self, directory: epath.Path, abstract_checkpointable: Any = None):
+    layout = await asyncio.to_thread(plan_item, directory)
+    if layout is None or not layout.rewrites:
+      return await super().load(directory, abstract_checkpointable)
+    args = TunixPyTreeRestore(item=abstract_checkpointable)
+    # The v0 handler does the planning and the read; v1 awaits the result.
+    restored = await asyncio.to_thread(TunixPyTreeHandler().restore, directory, args=args)
+
+    async def _done():
+      return restored
+
+    return _done()
+
+  async def metadata(self, directory: epath.Path) -> Any:
+    layout = await asyncio.to_thread(plan_item, directory)
+    if layout is None or not layout.rewrites:
+      return await super().metadata(directory)
+    meta = await asyncio.to_thread(TunixPyTreeHandler().metadata, directory)
+    return meta.tree
+
+
+_registered = False
+
+
+def register() -> None:
+  """Registers orbax_tunix with Orbax's v1 API. Idempotent.
+
+  After it, `ocp.v1.load_checkpointables(step_dir)` returns Tunix items in
+  canonical form and leaves every other checkpoint to Orbax's handlers. The
+  v0 handlers need no registration: pass `TunixAwareHandler()` or
+  `handler_registry()` where Orbax takes a handler.
+  """
+  global _registered
+  if _registered:
+    return
+  ocp.v1.handlers.register_handler(
+      TunixV1PyTreeHandler, secondary_typestrs=sorted(PYTREE_TYPESTRS)
+  )
+  _registered = True
+
+
+def load_plugins(group: str = ENTRY_POINT_GROUP) -> list[str]:
+  """Loads and runs every plugin declared in an entry-point group.
+
+  Args:
+    group: the entry-point group (Orbax handler plugins by default).
+
+  Returns:
+    The names of the plugins loaded, in the order run.
+  """
+  loaded = []
+  for entry_point in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
+    plugin = entry_point.load()
+    if callable(plugin):
+      plugin()
+    loaded.append(entry_point.name)
+  return loaded

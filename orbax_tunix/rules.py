@@ -1,0 +1,200 @@
+"""The rewrite rules: each wrapper level Tunix adds, as a small value.
+
+A `Rule` is data: a `find` that says where in a tree of key paths the wrapper
+sits (its anchors), and two pure functions on one path, `to_canonical`
+(on-disk -> canonical) and `to_disk` (its exact inverse). Rules compose in the
+order of `RULES`; supporting a new wrapper format means appending one rule.
+
+All functions here work on key paths (tuples of strings), never on arrays:
+rewriting a restore target costs nothing on the array path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+
+from orbax_tunix.tree_paths import Path
+
+# The two items every Tunix trainer writes (tunix/sft/checkpoint_manager.py).
+MODEL_ITEM = 'model_params'
+OPTIMIZER_ITEM = 'optimizer_state'
+TUNIX_ITEMS = (MODEL_ITEM, OPTIMIZER_ITEM)
+
+Anchors = frozenset[Path]
+# The paths of every item of one step, as seen by the rule being planned.
+StepPaths = Mapping[str, frozenset[Path]]
+
+# optax.inject_hyperparams' InjectHyperparamsState / InjectStatefulHyperparamsState
+# fields; nnx drops `hyperparams_states` when it holds no leaves.
+_SHELL_FIELDS = frozenset({'count', 'hyperparams', 'hyperparams_states', 'inner_state'})
+_SHELL_REQUIRED = frozenset({'hyperparams', 'inner_state'})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One wrapper level, as data.
+
+  Attributes:
+    name: short identifier, shown by `detect()` and the CLI.
+    description: one line for people.
+    find: `find(item, step) -> anchors`: where the wrapper sits in item
+      `item` of a step (empty when it does not apply).
+    to_canonical: `(path, anchors) -> path or None`; None marks a leaf that
+      leaves the canonical view (e.g. the inject shell's hyperparameters).
+    to_disk: `(path, anchors) -> path`, the inverse of `to_canonical` on every
+      path it does not send to None.
+  """
+
+  name: str
+  description: str
+  find: Callable[[str, StepPaths], Anchors]
+  to_canonical: Callable[[Path, Anchors], Path | None]
+  to_disk: Callable[[Path, Anchors], Path]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+  """A rule planned on one item: the rule and the anchors where it applies."""
+
+  rule: Rule
+  anchors: Anchors
+
+  def to_canonical(self, path: Path) -> Path | None:
+    return self.rule.to_canonical(path, self.anchors)
+
+  def to_disk(self, path: Path) -> Path:
+    return self.rule.to_disk(path, self.anchors)
+
+
+def children(paths: Iterable[Path]) -> dict[Path, set[str]]:
+  """Maps every inner node (a proper prefix of some path) to its child keys."""
+  kids: dict[Path, set[str]] = {}
+  for path in paths:
+    for i in range(len(path)):
+      kids.setdefault(path[:i], set()).add(path[i])
+  return kids
+
+
+# --- the nnx `value` level -------------------------------------------------
+
+
+def _find_value(item: str, step: StepPaths) -> Anchors:
+  paths = step[item]
+  if paths and all(len(p) >= 2 and p[-1] == 'value' for p in paths):
+    return frozenset({()})
+  return frozenset()
+
+
+NNX_VALUE = Rule(
+    name='nnx_value',
+    description="every leaf is an nnx Variable saved under its 'value' attribute",
+    find=_find_value,
+    to_canonical=lambda path, _: path[:-1],
+    to_disk=lambda path, _: path + ('value',),
+)
+
+
+# --- wrapper levels: one key inserted below some nodes ---------------------
+
+
+def _drop_level(key: str, keep_siblings: bool) -> Callable[[Path, Anchors], Path | None]:
+  """Path function that removes `key` right below each anchor.
+
+  Siblings of `key` under an anchor are kept when `keep_siblings`, else the
+  leaf leaves the canonical view (None).
+  """
+
+  def to_canonical(path: Path, anchors: Anchors) -> Path | None:
+    out = []
+    for i, k in enumerate(path):
+      if path[:i] in anchors:
+        if k == key:
+          continue
+        if not keep_siblings:
+          return None
+      out.append(k)
+    return tuple(out)
+
+  return to_canonical
+
+
+def _insert_level(key: str) -> Callable[[Path, Anchors], Path]:
+  """Path function that puts `key` back right below each anchor."""
+
+  def to_disk(path: Path, anchors: Anchors) -> Path:
+    out: list[str] = []
+    for k in path:
+      while tuple(out) in anchors:  # `while`: wrappers may nest.
+        out.append(key)
+      out.append(k)
+    return tuple(out)
+
+  return to_disk
+
+
+def _find_shells(item: str, step: StepPaths) -> Anchors:
+  """Nodes holding an `inject_hyperparams` state, at any depth."""
+  return frozenset(
+      node
+      for node, keys in children(step[item]).items()
+      if _SHELL_REQUIRED <= keys <= _SHELL_FIELDS
+  )
+
+
+INJECT_SHELL = Rule(
+    name='inject_hyperparams',
+    description=(
+        'optax.inject_hyperparams shell (count, hyperparams, inner_state)'
+        ' around the optimizer state'
+    ),
+    find=_find_shells,
+    to_canonical=_drop_level('inner_state', keep_siblings=False),
+    to_disk=_insert_level('inner_state'),
+)
+
+
+def _has_adapter(model_paths: frozenset[Path]) -> bool:
+  kids = children(model_paths).get((), set())
+  return kids == {'base'}
+
+
+def _find_adapter(item: str, step: StepPaths) -> Anchors:
+  """The adapter `base` level: only where it wraps the whole weight tree.
+
+  In the model item that is a root whose sole key is `base`. In other items
+  (the optimizer state) it is a node whose sole key is `base` and whose
+  subtree mirrors the weights (every path below `base` is a weight path);
+  when the step has no model item to compare with, a sole `base` key
+  suffices. A model's own module called `base` beside other modules is never
+  an adapter level.
+  """
+  paths = step[item]
+  if item == MODEL_ITEM:
+    return frozenset({()}) if _has_adapter(paths) else frozenset()
+  model = step.get(MODEL_ITEM)
+  if model is not None and not _has_adapter(model):
+    return frozenset()
+  weights = None if model is None else frozenset(p[1:] for p in model)
+  kids = children(paths)
+  anchors = set()
+  for node, keys in kids.items():
+    if not node or keys != {'base'}:
+      continue
+    depth = len(node) + 1
+    below = [p[depth:] for p in paths if p[: depth] == node + ('base',)]
+    if weights is None or all(p in weights for p in below):
+      anchors.add(node)
+  return frozenset(anchors)
+
+
+ADAPTER_BASE = Rule(
+    name='adapter_base',
+    description="adapter level 'base' over the whole weight tree (and in mu/nu)",
+    find=_find_adapter,
+    to_canonical=_drop_level('base', keep_siblings=True),
+    to_disk=_insert_level('base'),
+)
+
+# Order matters: each rule is planned on the paths the previous ones produced.
+RULES: tuple[Rule, ...] = (NNX_VALUE, INJECT_SHELL, ADAPTER_BASE)

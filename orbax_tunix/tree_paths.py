@@ -1,0 +1,70 @@
+"""Key paths as tuples of strings, the one currency of the rewrite rules.
+
+Orbax records every leaf of a saved tree under a tuple of string keys (dict
+keys and sequence indices alike are written as strings). The rules and layouts
+work on those tuples only; these helpers convert a caller's pytree to and from
+them without touching the leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+
+Path = tuple[str, ...]
+
+
+def key_str(key: Any) -> str:
+  """The string Orbax writes for one jax key-path entry."""
+  if isinstance(key, jax.tree_util.DictKey):
+    return str(key.key)
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return str(key.idx)
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return key.name
+  if isinstance(key, jax.tree_util.FlattenedIndexKey):
+    return str(key.key)
+  return str(key)
+
+
+def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
+  """Flattens a pytree into (string path, leaf) pairs and its treedef.
+
+  `None` leaves are structure, as in jax: they are not returned.
+  """
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [(tuple(key_str(k) for k in kp), leaf) for kp, leaf in pairs], treedef
+
+
+def nest(items: Iterable[tuple[Path, Any]]) -> dict[str, Any]:
+  """Builds nested dicts from (path, value) pairs.
+
+  Raises:
+    ValueError: when one path is a prefix of another (a leaf and a subtree
+      at the same place), which no Orbax tree can hold.
+  """
+  root: dict[str, Any] = {}
+  for path, value in items:
+    node = root
+    for key in path[:-1]:
+      child = node.setdefault(key, {})
+      if not isinstance(child, dict):
+        raise ValueError(f'{fmt(path)}: a leaf already sits at a prefix of it.')
+      node = child
+    if path[-1] in node and isinstance(node[path[-1]], dict):
+      raise ValueError(f'{fmt(path)}: a subtree already sits at this path.')
+    node[path[-1]] = value
+  return root
+
+
+def flat_dict(tree: Mapping[str, Any] | Any) -> dict[Path, Any]:
+  """The leaves of a tree of nested dicts/lists as {path: leaf}."""
+  pairs, _ = flatten(tree)
+  return dict(pairs)
+
+
+def fmt(path: Path) -> str:
+  """A path as people write it: 'opt_state/0/mu/layers/0/w'."""
+  return '/'.join(path) if path else '<root>'
