@@ -1,0 +1,407 @@
+#!/usr/bin/env python3
+"""Writes tiny Tunix checkpoints used as test fixtures.
+
+Every fixture is written by the real ``google-tunix`` package (its
+``tunix.sft.checkpoint_manager.CheckpointManager``), except ``v1_writer``, see
+below. The script must run in a separate environment that has Tunix installed,
+not in the project's own venv::
+
+    python3 -m venv /work/tunix-venv
+    /work/tunix-venv/bin/pip install "google-tunix==0.1.7" "jax==0.10.2" \\
+        "flax==0.12.8" "optax==0.2.8" "orbax-checkpoint==0.12.8" "qwix==0.1.8"
+    JAX_PLATFORMS=cpu /work/tunix-venv/bin/python scripts/make_tunix_fixtures.py
+
+Each fixture is one checkpoint root directory under ``--out`` (deleted and
+recreated on every run). ``--out/MANIFEST.json`` records, for each fixture, the
+library versions, the optimizer and, for each saved item, every leaf's on-disk
+key path ("a/b/c"), shape and dtype. The manifest is computed from the
+in-memory trees handed to Tunix, not by reading the checkpoint back, so tests
+can use it as ground truth independent of Orbax.
+
+Fixtures:
+  sft_full             full fine-tune, adamw, steps 1 and 2.
+  lora_qwix            qwix LoRA on q_proj/k_proj; Tunix saves only LoRA params
+                       (``save_only_lora_params=True``, as PeftTrainer does
+                       whenever the model holds an ``nnx.LoRAParam``).
+  adapter_inject       model wrapped as ``Adapter.base`` (MaxText's
+                       TunixMaxTextAdapter pattern); inject_hyperparams(adamw)
+                       with a learning-rate schedule.
+  chain_clip           chain(clip_by_global_norm, adamw).
+  grad_accum           MultiSteps(inject_hyperparams(adamw), every_k_schedule=2).
+  adapter_inject_clip  adapter + chain(clip, inject_hyperparams(adamw)).
+  own_base_module      a model with its own submodule named ``base`` (not an
+                       adapter level), adamw.
+  v1_writer            same as sft_full, written through the Orbax v1
+                       ``training.Checkpointer.save_checkpointables`` the way
+                       unreleased Tunix head does. Tunix 0.1.7 has no v1 path,
+                       so this one fixture calls Orbax v1 directly with the
+                       checkpointables Tunix head builds.
+  rl_actor             RL layout: steps under ``<root>/actor/<step>/`` (Tunix's
+                       RLCluster roots the actor's CheckpointManager there),
+                       with the RL custom metadata.
+  rng_vars             a model holding ``nnx.Rngs`` (and a Dropout with its own
+                       RNG stream), so RNG variables sit among the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+import qwix  # noqa: E402
+from flax import nnx  # noqa: E402
+from orbax.checkpoint import v1 as ocp_v1  # noqa: E402
+from tunix.sft import checkpoint_manager as tunix_ckpt  # noqa: E402
+from tunix.sft import utils as tunix_sft_utils  # noqa: E402
+
+VOCAB = 16
+DIM = 8
+HIDDEN = 16
+NUM_LAYERS = 2
+SEQ = 4
+BATCH = 2
+
+PACKAGES = ["google-tunix", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix"]
+
+
+# --------------------------------------------------------------------------- #
+# Tiny models
+# --------------------------------------------------------------------------- #
+class Einsum(nnx.Module):
+  """Einsum layer with a weight named ``w`` (as in Tunix's Gemma models)."""
+
+  def __init__(self, eq: str, shape: tuple[int, ...], *, rngs: nnx.Rngs):
+    self.eq = eq
+    self.w = nnx.Param(nnx.initializers.normal(0.1)(rngs.params(), shape))
+
+  def __call__(self, x):
+    return jnp.einsum(self.eq, x, self.w[...])
+
+
+class Attention(nnx.Module):
+  """Stand-in attention: q_proj is an Einsum (``w``), k_proj an nnx.Linear (``kernel``)."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.q_proj = Einsum("btd,dh->bth", (DIM, DIM), rngs=rngs)
+    self.k_proj = nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    q = self.q_proj(x)
+    k = self.k_proj(x)
+    scores = jnp.einsum("bqh,bkh->bqk", q, k) / np.sqrt(DIM)
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), x)
+
+
+class Mlp(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.up_proj = nnx.Linear(DIM, HIDDEN, rngs=rngs)
+    self.down_proj = nnx.Linear(HIDDEN, DIM, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.gelu(self.up_proj(x)))
+
+
+class Block(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.attn = Attention(rngs=rngs)
+    self.mlp = Mlp(rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(x)
+    return x + self.mlp(x)
+
+
+class TinyLM(nnx.Module):
+  """Embedding, ``NUM_LAYERS`` blocks in an ``nnx.List``, tied output head."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embedder = nnx.Embed(VOCAB, DIM, rngs=rngs)
+    self.layers = nnx.List([Block(rngs=rngs) for _ in range(NUM_LAYERS)])
+    self.final_norm = nnx.RMSNorm(DIM, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embedder(tokens)
+    for layer in self.layers:
+      x = layer(x)
+    return self.embedder.attend(self.final_norm(x))
+
+
+class Adapter(nnx.Module):
+  """MaxText's TunixMaxTextAdapter pattern: the whole model under ``base``."""
+
+  def __init__(self, model: nnx.Module):
+    self.base = model
+
+  def __call__(self, tokens):
+    return self.base(tokens)
+
+
+class OwnBaseModel(nnx.Module):
+  """A model with a submodule of its own literally named ``base``."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embedder = nnx.Embed(VOCAB, DIM, rngs=rngs)
+    self.base = nnx.Linear(DIM, DIM, rngs=rngs)
+    self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.head(jax.nn.gelu(self.base(self.embedder(tokens))))
+
+
+class RngModel(nnx.Module):
+  """Keeps the ``nnx.Rngs`` as an attribute and has a Dropout with its own stream."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embedder = nnx.Embed(VOCAB, DIM, rngs=rngs)
+    self.proj = nnx.Linear(DIM, DIM, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+    self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
+    self.rngs = rngs
+
+  def __call__(self, tokens):
+    x = self.dropout(self.proj(self.embedder(tokens)))
+    return self.head(x)
+
+
+# --------------------------------------------------------------------------- #
+# Training helpers
+# --------------------------------------------------------------------------- #
+def batch(seed: int):
+  tokens = jax.random.randint(jax.random.key(1000 + seed), (BATCH, SEQ + 1), 0, VOCAB)
+  return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, seed: int, lora: bool) -> None:
+  """One real optimizer update (so mu/nu/acc_grads are non-zero)."""
+  inputs, targets = batch(seed)
+
+  def loss_fn(m):
+    logits = m(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  wrt = nnx.DiffState(0, nnx.LoRAParam) if lora else nnx.DiffState(0, nnx.Param)
+  grads = nnx.grad(loss_fn, argnums=wrt)(model)
+  optimizer.update(model, grads)
+
+
+def key_str(k: Any) -> str:
+  if isinstance(k, jax.tree_util.DictKey):
+    return str(k.key)
+  if isinstance(k, jax.tree_util.GetAttrKey):
+    return k.name
+  if isinstance(k, jax.tree_util.SequenceKey):
+    return str(k.idx)
+  if isinstance(k, jax.tree_util.FlattenedIndexKey):
+    return str(k.key)
+  raise TypeError(f"unexpected key {k!r}")
+
+
+def describe_tree(tree: Any) -> list[dict[str, Any]]:
+  """On-disk key paths, shapes and dtypes of a tree handed to Orbax.
+
+  Orbax writes typed PRNG keys as their raw key data (uint32, with a trailing
+  dimension of 2 for threefry); ``prng_impl`` records the impl for those.
+  """
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    arr = leaf
+    entry: dict[str, Any] = {"path": "/".join(key_str(k) for k in path)}
+    if isinstance(arr, jax.Array) and jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
+      data = jax.random.key_data(arr)
+      entry.update(shape=list(data.shape), dtype=str(data.dtype),
+                   prng_impl=str(jax.random.key_impl(arr)))
+    else:
+      a = np.asarray(arr) if not hasattr(arr, "dtype") else arr
+      entry.update(shape=list(a.shape), dtype=str(a.dtype))
+    out.append(entry)
+  return sorted(out, key=lambda e: e["path"])
+
+
+def items_for(model, optimizer, lora: bool) -> dict[str, Any]:
+  """The exact trees Tunix's CheckpointManager.save hands to Orbax."""
+  params = nnx.state(model, nnx.LoRAParam) if lora else nnx.state(model)
+  items = {"model_params": describe_tree(params)}
+  if optimizer is not None:
+    items["optimizer_state"] = describe_tree(nnx.state(optimizer, nnx.optimizer.OptState))
+  return items
+
+
+# --------------------------------------------------------------------------- #
+# Fixture builders
+# --------------------------------------------------------------------------- #
+def build(kind: str, seed: int):
+  """Returns (model_to_save, optimizer, lora, optimizer description)."""
+  rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+  lora = False
+  if kind in ("sft_full", "v1_writer", "rl_actor"):
+    model = TinyLM(rngs=rngs)
+    tx, desc = optax.adamw(1e-3), "optax.adamw(1e-3)"
+  elif kind == "lora_qwix":
+    base = TinyLM(rngs=rngs)
+    provider = qwix.LoraProvider(module_path=".*q_proj|.*k_proj", rank=2, alpha=4.0)
+    model = qwix.apply_lora_to_model(base, provider, jnp.zeros((BATCH, SEQ), jnp.int32),
+                                     rngs=nnx.Rngs(seed + 2))
+    lora = True
+    tx, desc = optax.adamw(1e-3), "optax.adamw(1e-3), wrt=nnx.LoRAParam"
+  elif kind == "adapter_inject":
+    model = Adapter(TinyLM(rngs=rngs))
+    tx = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.linear_schedule(1e-3, 1e-4, transition_steps=10),
+        weight_decay=1e-4,
+    )
+    desc = ("optax.inject_hyperparams(optax.adamw)(learning_rate="
+            "optax.linear_schedule(1e-3, 1e-4, transition_steps=10), weight_decay=1e-4)")
+  elif kind == "chain_clip":
+    model = TinyLM(rngs=rngs)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    desc = "optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))"
+  elif kind == "grad_accum":
+    model = TinyLM(rngs=rngs)
+    tx = optax.MultiSteps(optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+                          every_k_schedule=2)
+    desc = ("optax.MultiSteps(optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), "
+            "every_k_schedule=2)")
+  elif kind == "adapter_inject_clip":
+    model = Adapter(TinyLM(rngs=rngs))
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3))
+    desc = ("optax.chain(optax.clip_by_global_norm(1.0), "
+            "optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3))")
+  elif kind == "own_base_module":
+    model = OwnBaseModel(rngs=rngs)
+    tx, desc = optax.adamw(1e-3), "optax.adamw(1e-3)"
+  elif kind == "rng_vars":
+    model = RngModel(rngs=rngs)
+    tx, desc = optax.adamw(1e-3), "optax.adamw(1e-3)"
+  else:
+    raise ValueError(kind)
+  # Tunix's PeftTrainer decides LoRA the same way (tunix.sft.utils.is_lora_enabled).
+  assert tunix_sft_utils.is_lora_enabled(model) == lora
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam if lora else nnx.Param)
+  return model, optimizer, lora, desc
+
+
+FIXTURES: dict[str, dict[str, Any]] = {
+    "sft_full": {"steps": [1, 2]},
+    "lora_qwix": {"steps": [1]},
+    "adapter_inject": {"steps": [1]},
+    "chain_clip": {"steps": [1]},
+    "grad_accum": {"steps": [1]},
+    "adapter_inject_clip": {"steps": [1]},
+    "own_base_module": {"steps": [1]},
+    "v1_writer": {"steps": [1, 2], "writer": "orbax_v1"},
+    "rl_actor": {"steps": [1], "subdir": "actor",
+                 "custom_metadata": lambda step: {"global_step": step + 1, "role": "actor"}},
+    "rng_vars": {"steps": [1]},
+}
+
+
+def make_fixture(name: str, root: Path, seed: int) -> dict[str, Any]:
+  spec = FIXTURES[name]
+  if root.exists():
+    shutil.rmtree(root)
+  root.mkdir(parents=True)
+  ckpt_dir = root / spec["subdir"] if "subdir" in spec else root
+  model, optimizer, lora, desc = build(name, seed)
+
+  meta_fn: Callable[[int], dict] = spec.get("custom_metadata", lambda step: {})
+  writer = spec.get("writer", "tunix_v0")
+  if writer == "tunix_v0":
+    # Tunix's own defaults (no options) — force=True bypasses the 180 s policy.
+    manager = tunix_ckpt.CheckpointManager(str(ckpt_dir))
+  else:
+    # What Tunix head's CheckpointManager does: ocp.v1.training.Checkpointer
+    # with its default policies, save_checkpointables({'model_params': ...,
+    # 'optimizer_state': ...}). Saved synchronously here (async only changes
+    # timing, not the files).
+    checkpointer = ocp_v1.training.Checkpointer(
+        str(ckpt_dir),
+        save_decision_policy=ocp_v1.training.save_decision_policies.ContinuousCheckpointingPolicy(
+            minimum_interval_secs=180),
+        preservation_policy=ocp_v1.training.preservation_policies.LatestN(n=3),
+        step_name_format=ocp_v1.path.step.standard_name_format(),
+    )
+
+  steps_info = {}
+  for i, step in enumerate(spec["steps"]):
+    # One real update before each saved step, so mu/nu are non-zero.
+    # MultiSteps(every_k=2) gets three micro-steps: the inner adamw updates once
+    # (mu/nu non-zero) and acc_grads holds one pending, non-zero gradient.
+    # LoRA gets two updates: lora_b starts at zero, so lora_a's first gradient
+    # (and its mu/nu) is zero.
+    micro = {"grad_accum": 3, "lora_qwix": 2}.get(name, 1)
+    for j in range(micro):
+      train_step(model, optimizer, seed=100 * i + j, lora=lora)
+    custom_metadata = meta_fn(step)
+    if writer == "tunix_v0":
+      saved = manager.save(step, model, optimizer, save_only_lora_params=lora,
+                           force=True, custom_metadata=custom_metadata)
+    else:
+      params = nnx.state(model, nnx.LoRAParam) if lora else nnx.state(model)
+      saved = checkpointer.save_checkpointables(
+          step,
+          {"model_params": params,
+           "optimizer_state": nnx.state(optimizer, nnx.optimizer.OptState)},
+          force=True, custom_metadata=custom_metadata)
+    assert saved, f"{name}: step {step} not saved"
+    steps_info[str(step)] = {"items": items_for(model, optimizer, lora),
+                             "custom_metadata": custom_metadata}
+  if writer == "tunix_v0":
+    manager.close()
+  else:
+    checkpointer.close()
+
+  return {
+      "writer": ("tunix.sft.checkpoint_manager.CheckpointManager (Orbax v0 API)"
+                 if writer == "tunix_v0" else
+                 "orbax.checkpoint.v1.training.Checkpointer.save_checkpointables "
+                 "(as unreleased Tunix head; Tunix 0.1.7 has no v1 path)"),
+      "step_dir": (spec["subdir"] + "/<step>") if "subdir" in spec else "<step>",
+      "steps": spec["steps"],
+      "model": type(model).__name__,
+      "lora": lora,
+      "optimizer": desc,
+      "optimizer_wrt": "nnx.LoRAParam" if lora else "nnx.Param",
+      "step_items": steps_info,
+  }
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default="tests/data/tunix", help="output directory")
+  parser.add_argument("--only", nargs="*", choices=sorted(FIXTURES), help="subset to write")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+
+  out = Path(args.out).resolve()  # Orbax (OCDBT) requires absolute paths.
+  out.mkdir(parents=True, exist_ok=True)
+  versions = {p: importlib.metadata.version(p) for p in PACKAGES}
+  manifest_path = out / "MANIFEST.json"
+  manifest = {"versions": versions, "fixtures": {}}
+  if args.only and manifest_path.exists():
+    manifest["fixtures"] = json.loads(manifest_path.read_text())["fixtures"]
+  for name in args.only or FIXTURES:
+    print(f"writing {name}", file=sys.stderr)
+    entry = make_fixture(name, out / name, args.seed)
+    entry["versions"] = versions
+    manifest["fixtures"][name] = entry
+  manifest["fixtures"] = dict(sorted(manifest["fixtures"].items()))
+  manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
