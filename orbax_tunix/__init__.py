@@ -22,8 +22,29 @@ from orbax_tunix.errors import (
     UncommittedStepError,
     UnsupportedLayoutError,
 )
+from orbax_tunix.hyperparams import hyperparameters
 from orbax_tunix.layout import ItemLayout, to_canonical_tree, to_disk_tree
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.registry import handler_registry, load_plugins, register
+
+__all__ = [
+    'CorruptMetadataError',
+    'Detection',
+    'ItemLayout',
+    'NotACheckpointError',
+    'TargetMismatchError',
+    'TunixAwareHandler',
+    'TunixCheckpointError',
+    'TunixPyTreeHandler',
+    'UncommittedStepError',
+    'UnsupportedLayoutError',
+    'detect',
+    'handler_registry',
+    'hyperparameters',
+    'load_plugins',
+    'register',
+    'to_canonical_tree',
+    'to_disk_tree',
+]
 
 __version__ = '0.1.0'

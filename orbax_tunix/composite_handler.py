@@ -9,7 +9,6 @@ ordinary checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -33,6 +32,10 @@ PYTREE_TYPESTRS = frozenset(
 }
 
 RESTORE_ARGS = (TunixPyTreeRestore, ocp.args.PyTreeRestore, ocp.args.StandardRestore)
+SAVE_HANDLERS = {
+    ocp.args.PyTreeSave: ocp.PyTreeCheckpointHandler,
+    ocp.args.StandardSave: ocp.StandardCheckpointHandler,
+}
 
 
 class TunixAwareHandler(ocp.CompositeCheckpointHandler):
@@ -63,7 +66,17 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     for args_type in RESTORE_ARGS:
       if not registry.has(None, args_type):
         registry.add(None, args_type, self._item_handler)
+    # Saves go to Orbax's own handlers, so what is written is ordinary.
+    for args_type, handler_type in SAVE_HANDLERS.items():
+      if not registry.has(None, args_type):
+        registry.add(None, args_type, handler_type())
     super().__init__(*item_names, handler_registry=registry, **kwargs)
+
+  def metadata(self, directory: epath.Path) -> Any:
+    """Step metadata; PyTree items' trees are canonical for Tunix items."""
+    directory = epath.Path(directory)
+    self._bind_pytree_items(directory)
+    return super().metadata(directory)
 
   def restore(self, directory: epath.Path, args: ocp.args.Composite | None = None) -> Any:
     """Restores the items named in `args`, or every item when there are none."""
@@ -72,17 +85,31 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       args = self._default_args(directory)
     return super().restore(directory, args=args)
 
-  def _default_args(self, directory: epath.Path) -> ocp.args.Composite:
-    """Args for every item on disk; PyTree items get the Tunix handler."""
+  def _pytree_items(self, directory: epath.Path) -> tuple[list[str], dict[str, Any]]:
+    """(PyTree items, other items -> recorded typestr) of a step on disk."""
     recorded = ocp.metadata.get_step_metadata(directory).item_handlers or {}
     if not isinstance(recorded, dict):
       recorded = {}
-    items = {}
+    pytrees, others = [], {}
     for name in self._existing_items(directory):
       typestr = recorded.get(name)
       if typestr is None or typestr in PYTREE_TYPESTRS:
-        items[name] = TunixPyTreeRestore()
-        continue
+        pytrees.append(name)
+      else:
+        others[name] = typestr
+    return pytrees, others
+
+  def _bind_pytree_items(self, directory: epath.Path) -> None:
+    """Gives each PyTree item the Tunix handler, as Orbax's metadata() needs."""
+    for name in self._pytree_items(directory)[0]:
+      if not self._handler_registry.has(name, TunixPyTreeRestore):
+        self._handler_registry.add(name, TunixPyTreeRestore, self._item_handler)
+
+  def _default_args(self, directory: epath.Path) -> ocp.args.Composite:
+    """Args for every item on disk; PyTree items get the Tunix handler."""
+    pytrees, others = self._pytree_items(directory)
+    items: dict[str, Any] = {name: TunixPyTreeRestore() for name in pytrees}
+    for name, typestr in others.items():
       try:
         handler_type = handler_type_registry.get_handler_type(typestr)
         items[name] = ocp.args.get_registered_args_cls(handler_type)[1]()

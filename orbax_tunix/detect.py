@@ -16,9 +16,8 @@ from typing import Any
 
 from etils import epath
 
-from orbax_tunix import errors
+from orbax_tunix import errors, rules
 from orbax_tunix import layout as layout_lib
-from orbax_tunix import rules
 from orbax_tunix.tree_paths import Path
 
 CHECKPOINT_METADATA = '_CHECKPOINT_METADATA'

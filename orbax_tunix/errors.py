@@ -26,7 +26,7 @@ class UncommittedStepError(TunixCheckpointError):
 
 
 class CorruptMetadataError(TunixCheckpointError):
-  """A metadata file is missing, truncated, or not what Orbax writes."""
+  """A metadata file or an array's store is missing, truncated or unreadable."""
 
 
 class TargetMismatchError(TunixCheckpointError):

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 from orbax_tunix import errors
@@ -31,32 +32,28 @@ def _shape(leaf: Any) -> tuple[int, ...] | None:
 
 def validate_target(
     directory: epath.Path,
-    layout: layout_lib.ItemLayout,
     canonical: list[Path],
+    disk: list[Path],
     leaves: list[Any],
     disk_shapes: dict[Path, tuple[int, ...] | None],
-) -> list[Path]:
+) -> None:
   """Checks a canonical target against the checkpoint before anything is read.
 
   Args:
     directory: the item directory (for messages).
-    layout: the item's layout.
     canonical: the target's leaf paths, canonical.
+    disk: the on-disk path of each, in the same order.
     leaves: the target's leaves, in the same order.
-    disk_shapes: on-disk leaf path -> global shape.
-
-  Returns:
-    The on-disk path of each target leaf.
+    disk_shapes: on-disk leaf path -> global shape, for the leaves present.
 
   Raises:
     TargetMismatchError: leaves absent on disk, or with another shape; the
       message lists them all (up to a screenful) with counts.
   """
-  disk = [layout.to_disk_path(p) for p in canonical]
-  missing = [fmt(c) for c, d in zip(canonical, disk) if d not in disk_shapes]
+  missing = [fmt(c) for c, d in zip(canonical, disk, strict=True) if d not in disk_shapes]
   shapes = [
       f'{fmt(c)}: target {_shape(leaf)}, on disk {disk_shapes[d]}'
-      for c, d, leaf in zip(canonical, disk, leaves)
+      for c, d, leaf in zip(canonical, disk, leaves, strict=True)
       if d in disk_shapes
       and _shape(leaf) is not None
       and disk_shapes[d] is not None
@@ -76,7 +73,6 @@ def validate_target(
         '`TunixPyTreeHandler().metadata(path)` shows the canonical tree.'
     )
     raise errors.TargetMismatchError('\n'.join(parts))
-  return disk
 
 
 class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
@@ -168,21 +164,54 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           f' `item` {len(leaves)}. Give one RestoreArgs per target leaf, in the'
           " target's structure (or none: they are derived from the target)."
       )
-    disk = validate_target(directory, layout, canonical, leaves, self._disk_shapes(directory))
-    restored = super().restore(
-        directory,
-        args=ocp.args.PyTreeRestore(
-            item=nest(zip(disk, leaves)),
-            restore_args=nest(zip(disk, leaf_args)),
-            partial_restore=True,
-        ),
-    )
+    disk = [layout.to_disk_path(p) for p in canonical]
+    shapes = self._disk_shapes(directory, frozenset(disk))
+    validate_target(directory, canonical, disk, leaves, shapes)
+    try:
+      restored = super().restore(
+          directory,
+          args=ocp.args.PyTreeRestore(
+              item=nest(zip(disk, leaves, strict=True)),
+              restore_args=nest(zip(disk, leaf_args, strict=True)),
+              partial_restore=True,
+          ),
+      )
+    except (ValueError, OSError) as e:
+      raise errors.CorruptMetadataError(
+          f'{directory}: reading the arrays failed ({e}). Expected readable'
+          ' array data for every leaf of the target; check that the step is'
+          ' complete and readable, or restore another step.'
+      ) from e
     by_path = flat_dict(restored)
     return jax.tree_util.tree_unflatten(treedef, [by_path[d] for d in disk])
 
-  def _disk_shapes(self, directory: epath.Path) -> dict[Path, tuple[int, ...] | None]:
-    meta = super().metadata(directory)
-    return {p: _shape(m) for p, m in flat_dict(meta.tree).items()}
+  def _disk_shapes(
+      self, directory: epath.Path, wanted: frozenset[Path]
+  ) -> dict[Path, tuple[int, ...] | None]:
+    """Global shapes of the on-disk leaves in `wanted` (those absent are left out).
+
+    Global shapes live only in each array's own store metadata, so this opens
+    the metadata of the wanted arrays, and of no other: arrays the target does
+    not name are never touched.
+    """
+    internal = asyncio_utils.run_sync(self._handler_impl._read_metadata_file(directory))  # pylint: disable=protected-access
+    entries = [
+        e for e in internal.tree_metadata_entries
+        if tuple(k.nested_key_name for k in e.key_metadata.nested_key_metadata_entries) in wanted
+    ]
+    if not entries:
+      return {}
+    subset = dataclasses.replace(internal, tree_metadata_entries=entries, value_metadata_tree=None)
+    try:
+      tree = subset.as_custom_metadata(directory, self._type_handler_registry)
+    except (ValueError, OSError) as e:
+      raise errors.CorruptMetadataError(
+          f'{directory}: expected the array stores of the {len(entries)} leaves'
+          f' the target names, found some missing or unreadable ({e}). The'
+          ' checkpoint is damaged: restore another step, or leave those'
+          ' leaves out of the target.'
+      ) from e
+    return {p: _shape(m) for p, m in flat_dict(tree).items()}
 
   def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
     """Returns the item's metadata tree, canonical for a Tunix item."""

@@ -51,8 +51,9 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -60,7 +61,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 import qwix  # noqa: E402
 from flax import nnx  # noqa: E402
 from orbax.checkpoint import v1 as ocp_v1  # noqa: E402

@@ -1,0 +1,133 @@
+"""detect(): roots, steps, items, v0/v1 writers, RL roots, non-Tunix checkpoints."""
+
+import json
+import shutil
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_tunix as ot
+
+EXPECTED_REWRITES = {
+    'sft_full': (('nnx_value',), ('nnx_value',)),
+    'lora_qwix': (('nnx_value',), ('nnx_value',)),
+    'adapter_inject': (('nnx_value', 'adapter_base'), ('nnx_value', 'inject_hyperparams', 'adapter_base')),
+    'chain_clip': (('nnx_value',), ('nnx_value',)),
+    'grad_accum': (('nnx_value',), ('nnx_value', 'inject_hyperparams')),
+    'adapter_inject_clip': (
+        ('nnx_value', 'adapter_base'),
+        ('nnx_value', 'inject_hyperparams', 'adapter_base'),
+    ),
+    'own_base_module': (('nnx_value',), ('nnx_value',)),
+    'v1_writer': (('nnx_value',), ('nnx_value',)),
+    'rl_actor': (('nnx_value',), ('nnx_value',)),
+    'rng_vars': (('nnx_value',), ('nnx_value',)),
+}
+
+
+@pytest.mark.parametrize('name', sorted(EXPECTED_REWRITES))
+def test_fixture_rewrites(tunix_data, name):
+  d = ot.detect(tunix_data / name)
+  assert d.is_tunix and d.kind == 'tunix'
+  assert d.items == ('model_params', 'optimizer_state')
+  model, opt = EXPECTED_REWRITES[name]
+  assert d.rewrites == {'model_params': model, 'optimizer_state': opt}
+
+
+def test_root_resolves_to_latest_committed_step(tunix_data):
+  d = ot.detect(tunix_data / 'sft_full')
+  assert d.step == 2 and d.step_dir == tunix_data / 'sft_full' / '2'
+  assert d.writer == 'v0' and d.item is None
+
+
+def test_step_and_item_directories(tunix_data):
+  step = ot.detect(tunix_data / 'sft_full' / '1')
+  assert step.step == 1 and step.step_dir.name == '1'
+  item = ot.detect(tunix_data / 'sft_full' / '1' / 'optimizer_state')
+  assert item.step_dir == step.step_dir and item.item == 'optimizer_state'
+  assert item.rewrites == step.rewrites
+
+
+def test_rl_root_uses_actor(tunix_data):
+  d = ot.detect(tunix_data / 'rl_actor')
+  assert d.step_dir == tunix_data / 'rl_actor' / 'actor' / '1'
+  assert any('actor' in n for n in d.notes)
+
+
+def test_v1_writer(tunix_data):
+  d = ot.detect(tunix_data / 'v1_writer')
+  assert d.writer == 'v1' and d.is_tunix and d.step == 2
+
+
+def test_old_standard_save_layout(tmp_path):
+  """Tunix 0.1.0 saved model_params with StandardSave: still Tunix."""
+  tree = {'w1': {'kernel': {'value': np.ones((2, 3), np.float32)}}}
+  ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
+      tmp_path / '5', args=ocp.args.Composite(model_params=ocp.args.StandardSave(tree))
+  )
+  d = ot.detect(tmp_path)
+  assert d.is_tunix and d.step == 5
+  assert 'StandardCheckpointHandler' in d.item_handlers['model_params']
+  assert d.rewrites == {'model_params': ('nnx_value',)}
+
+
+def test_plain_orbax_and_maxtext_are_not_tunix(tmp_path):
+  plain = {'params': {'w': np.ones((2,), np.float32)}}
+  ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  ckptr.save(tmp_path / 'plain' / '1', args=ocp.args.Composite(state=ocp.args.PyTreeSave(plain)))
+  mt = {'params': {'params': {'w': np.ones((2,), np.float32)}}, 'step': np.int32(3)}
+  ckptr.save(tmp_path / 'mt' / '7', args=ocp.args.Composite(items=ocp.args.PyTreeSave(mt)))
+  p = ot.detect(tmp_path / 'plain')
+  assert p.kind == 'orbax' and not p.is_tunix and p.layouts == {}
+  m = ot.detect(tmp_path / 'mt')
+  assert m.kind == 'maxtext' and not m.is_tunix and m.step == 7
+
+
+def test_unfinished_steps_are_skipped(tunix_data, tmp_path):
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', root)
+  (root / '2').rename(root / '3.orbax-checkpoint-tmp-1234')
+  d = ot.detect(root)
+  assert d.step == 1
+  assert any('unfinished step 3' in n for n in d.notes)
+  with pytest.raises(ot.UncommittedStepError, match='orbax-checkpoint-tmp'):
+    ot.detect(root / '3.orbax-checkpoint-tmp-1234')
+
+
+def test_missing_and_empty_paths_raise(tmp_path):
+  with pytest.raises(ot.NotACheckpointError, match=str(tmp_path / 'nope')):
+    ot.detect(tmp_path / 'nope')
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(ot.NotACheckpointError, match='empty'):
+    ot.detect(tmp_path / 'empty')
+  (tmp_path / 'only_tmp' / '4.orbax-checkpoint-tmp-9').mkdir(parents=True)
+  with pytest.raises(ot.UncommittedStepError, match='only_tmp'):
+    ot.detect(tmp_path / 'only_tmp')
+
+
+def test_detect_reads_json_only(tunix_data, tmp_path):
+  """Detection still works with every array data file removed."""
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'adapter_inject', root)
+  for data in list(root.rglob('d')):
+    shutil.rmtree(data)
+  d = ot.detect(root)
+  assert d.rewrites['optimizer_state'] == ('nnx_value', 'inject_hyperparams', 'adapter_base')
+
+
+def test_manifest_round_trip(tunix_data):
+  """Every on-disk path of every fixture maps to canonical and back exactly."""
+  manifest = json.loads((tunix_data / 'MANIFEST.json').read_text())
+  for name, fixture in manifest['fixtures'].items():
+    d = ot.detect(tunix_data / name)
+    for item, leaves in fixture['step_items'][str(d.step)]['items'].items():
+      layout = d.layouts[item]
+      disk = {tuple(leaf['path'].split('/')) for leaf in leaves}
+      assert set(layout.disk_to_canonical) == disk, (name, item)
+      for path in disk:
+        canon = layout.to_canonical_path(path)
+        if canon is None:
+          assert 'hyperparams' in path or path[-2:] == ('count', 'value'), path
+          continue
+        assert 'value' not in canon and layout.to_disk_path(canon) == path, (name, path)
