@@ -1,0 +1,92 @@
+"""Plugging in: CheckpointManager registry, Orbax v1, entry points, examples."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_tunix as ot
+from tests import builders
+
+ROOT = builders.pathlib.Path(__file__).resolve().parents[1]
+
+
+def _manager(root):
+  return ocp.CheckpointManager(
+      root, options=ocp.CheckpointManagerOptions(read_only=True),
+      handler_registry=ot.handler_registry())
+
+
+@pytest.mark.parametrize('name', ['sft_full', 'v1_writer'])
+def test_checkpoint_manager_lists_and_restores(tunix_data, name):
+  mngr = _manager(tunix_data / name)
+  assert mngr.all_steps() == [1, 2]
+  restored = mngr.restore(2)
+  assert set(restored.keys()) == {'model_params', 'optimizer_state'}
+  raw = builders.raw_leaves(tunix_data / name / '2' / 'model_params')
+  np.testing.assert_array_equal(
+      restored['model_params']['layers']['1']['attn']['q_proj']['w'],
+      raw['layers/1/attn/q_proj/w/value'])
+  assert restored['optimizer_state']['step'].dtype == np.uint32  # no 'value' level
+  mngr.close()
+
+
+def test_checkpoint_manager_with_args(tunix_data, mesh):
+  mngr = _manager(tunix_data / 'sft_full')
+  s = NamedSharding(mesh, P('data'))
+  target = {'embedder': {'embedding': jax.ShapeDtypeStruct((16, 8), jnp.bfloat16, sharding=s)}}
+  for args in (ocp.args.PyTreeRestore(item=target), ocp.args.StandardRestore(target)):
+    r = mngr.restore(1, args=ocp.args.Composite(model_params=args))
+    e = r['model_params']['embedder']['embedding']
+    assert e.dtype == jnp.bfloat16 and e.sharding == s
+  mngr.close()
+
+
+def test_register_is_idempotent_and_v1_loads_canonical(tunix_data, mesh):
+  ot.register()
+  ot.register()
+  for name in ('v1_writer', 'adapter_inject'):
+    step_dir = ot.detect(tunix_data / name).step_dir
+    state = ocp.v1.load_checkpointables(step_dir)
+    assert set(state) == {'model_params', 'optimizer_state'}
+    paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_leaves_with_path(state)]
+    assert not any("'value'" in p or "'base'" in p or 'inner_state' in p for p in paths)
+  s = NamedSharding(mesh, P('data', 'model'))
+  abstract = {'layers': {'0': {'attn': {'q_proj': {'w': jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=s)}}}}}
+  params = ocp.v1.load_checkpointables(
+      tunix_data / 'adapter_inject' / '1', {'model_params': abstract})['model_params']
+  w = params['layers']['0']['attn']['q_proj']['w']
+  assert w.sharding == s
+  raw = builders.raw_leaves(tunix_data / 'adapter_inject' / '1' / 'model_params')
+  np.testing.assert_array_equal(w, raw['base/layers/0/attn/q_proj/w/value'])
+
+
+def test_v1_leaves_other_checkpoints_alone(tmp_path):
+  ot.register()
+  tree = {'a': {'value': np.arange(3, dtype=np.float32)}}
+  ocp.v1.save_checkpointables(tmp_path / 'ckpt', {'state': tree})
+  loaded = ocp.v1.load_checkpointables(tmp_path / 'ckpt')
+  np.testing.assert_array_equal(loaded['state']['a']['value'], tree['a']['value'])
+
+
+def test_entry_point_declared_and_loaded():
+  eps = importlib.metadata.entry_points(group=ot.registry.ENTRY_POINT_GROUP)
+  assert 'tunix' in [e.name for e in eps]
+  assert next(e for e in eps if e.name == 'tunix').value == 'orbax_tunix:register'
+  assert 'tunix' in ot.load_plugins()
+
+
+@pytest.mark.parametrize('example', ['quickstart.py', 'checkpoint_manager.py', 'v1_load.py'])
+def test_examples_run(example, tmp_path):
+  out = subprocess.run(
+      [sys.executable, str(ROOT / 'examples' / example)],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 'model_params' in out.stdout
