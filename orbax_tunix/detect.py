@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import msgpack
 from etils import epath
 
 from orbax_tunix import errors, rules
@@ -22,6 +23,7 @@ from orbax_tunix.tree_paths import Path
 
 CHECKPOINT_METADATA = '_CHECKPOINT_METADATA'
 PYTREE_METADATA = '_METADATA'
+AGGREGATE_FILE = 'checkpoint'  # msgpack tree of Orbax releases before _METADATA
 TMP_MARKER = '.orbax-checkpoint-tmp'
 # RL trainers nest each model's steps one level deeper.
 RL_ROLES = ('actor', 'critic')
@@ -104,13 +106,45 @@ def read_json(path: epath.Path) -> Any:
     ) from e
 
 
+def _aggregate_paths(aggregate: epath.Path) -> frozenset[Path]:
+  """Leaf paths of an old checkpoint's msgpack `checkpoint` file (no _METADATA)."""
+  try:
+    tree = msgpack.unpackb(aggregate.read_bytes(), raw=False, strict_map_key=False)
+  except (ValueError, msgpack.UnpackException) as e:
+    raise errors.CorruptMetadataError(
+        f'{aggregate}: expected Orbax\'s msgpack tree file, found bytes that do not'
+        f' decode ({e}). The file is damaged; restore another step.'
+    ) from e
+  paths: set[Path] = set()
+
+  def walk(node: Any, prefix: Path) -> None:
+    if isinstance(node, dict) and node:
+      for key, child in node.items():
+        walk(child, prefix + (str(key),))
+    else:
+      paths.add(prefix)
+
+  walk(tree, ())
+  return frozenset(paths)
+
+
+def has_tree(item_dir: epath.Path) -> bool:
+  """Whether a directory holds PyTree metadata (`_METADATA` or the older msgpack)."""
+  return (item_dir / PYTREE_METADATA).exists() or (item_dir / AGGREGATE_FILE).exists()
+
+
 def tree_paths(item_dir: epath.Path) -> frozenset[Path]:
-  """The leaf key paths recorded in an item's `_METADATA`, without reading arrays.
+  """The leaf key paths recorded in an item's metadata, without reading arrays.
+
+  Newer Orbax writes them in `_METADATA`; checkpoints older than that have
+  only the msgpack `checkpoint` file, read as a fallback.
 
   Raises:
-    CorruptMetadataError: `_METADATA` is missing, damaged or not a PyTree's.
+    CorruptMetadataError: the metadata is missing, damaged or not a PyTree's.
   """
   meta_file = item_dir / PYTREE_METADATA
+  if not meta_file.exists() and (item_dir / AGGREGATE_FILE).exists():
+    return _aggregate_paths(item_dir / AGGREGATE_FILE)
   meta = read_json(meta_file)
   try:
     entries = meta['tree_metadata']
@@ -177,7 +211,7 @@ def resolve_step(path: epath.Path) -> tuple[epath.Path, str | None, tuple[str, .
     )
   if (path / CHECKPOINT_METADATA).exists():
     return path, None, ()
-  if (path / PYTREE_METADATA).exists() and (path.parent / CHECKPOINT_METADATA).exists():
+  if has_tree(path) and (path.parent / CHECKPOINT_METADATA).exists():
     return path.parent, path.name, ()
   steps = list_steps(path)
   committed = [s for s in steps if s.committed]
@@ -251,11 +285,7 @@ def detect(path: epath.PathLike) -> Detection:
   path = epath.Path(path)
   step_dir, item, notes = resolve_step(path)
   handlers = _item_handlers(step_dir)
-  paths = {
-      name: tree_paths(step_dir / name)
-      for name in handlers
-      if (step_dir / name / PYTREE_METADATA).exists()
-  }
+  paths = {name: tree_paths(step_dir / name) for name in handlers if has_tree(step_dir / name)}
   kind = _classify(paths)
   layouts = {}
   if kind == 'tunix':
@@ -285,12 +315,12 @@ def plan_item(item_dir: epath.Path) -> layout_lib.ItemLayout | None:
   """
   item_dir = epath.Path(item_dir)
   name = item_dir.name
-  if name not in rules.TUNIX_ITEMS or not (item_dir / PYTREE_METADATA).exists():
+  if name not in rules.TUNIX_ITEMS or not has_tree(item_dir):
     return None
   paths = {name: tree_paths(item_dir)}
   if not rules.NNX_VALUE.find(name, paths):
     return None
   for sibling in rules.TUNIX_ITEMS:
-    if sibling != name and (item_dir.parent / sibling / PYTREE_METADATA).exists():
+    if sibling != name and has_tree(item_dir.parent / sibling):
       paths[sibling] = tree_paths(item_dir.parent / sibling)
   return layout_lib.plan_step(paths)[name]

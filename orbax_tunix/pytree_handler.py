@@ -19,7 +19,7 @@ from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 from orbax_tunix import errors
 from orbax_tunix import layout as layout_lib
-from orbax_tunix.detect import plan_item
+from orbax_tunix.detect import PYTREE_METADATA, plan_item
 from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, nest
 
 PyTree = Any
@@ -149,6 +149,13 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       layout: layout_lib.ItemLayout,
       args: ocp.args.PyTreeRestore,
   ) -> PyTree:
+    if not (directory / PYTREE_METADATA).exists():
+      raise errors.UnsupportedLayoutError(
+          f'{directory}: this item predates Orbax\'s _METADATA file, so a'
+          ' partial restore into a target is not possible. Restore it without'
+          ' a target (every array, canonical), or re-save it with a current'
+          ' Orbax.'
+      )
     pairs, treedef = flatten(args.item)
     canonical = [p for p, _ in pairs]
     leaves = [leaf for _, leaf in pairs]

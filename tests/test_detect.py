@@ -131,3 +131,19 @@ def test_manifest_round_trip(tunix_data):
           assert 'hyperparams' in path or path[-2:] == ('count', 'value'), path
           continue
         assert 'value' not in canon and layout.to_disk_path(canon) == path, (name, path)
+
+
+def test_old_aggregate_only_checkpoint(tmp_path):
+  """Checkpoints from before _METADATA: paths come from the msgpack tree file."""
+  import msgpack
+
+  item = tmp_path / '1' / 'model_params'
+  item.mkdir(parents=True)
+  tree = {'w1': {'kernel': {'value': 'PLACEHOLDER://w1.kernel.value'}}, 'w2': {'bias': {'value': 1.0}}}
+  (item / 'checkpoint').write_bytes(msgpack.packb(tree))
+  from orbax_tunix.detect import tree_paths
+
+  assert tree_paths(item) == {('w1', 'kernel', 'value'), ('w2', 'bias', 'value')}
+  (item / 'checkpoint').write_bytes(b'\xc1\xc1garbage')
+  with pytest.raises(ot.CorruptMetadataError, match='checkpoint'):
+    tree_paths(item)
