@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.handlers import handler_type_registry
 
+from orbax_tunix import detect, errors
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
 
 # Item handler typestrs whose items hold a PyTree `TunixPyTreeHandler` reads:
@@ -74,24 +75,39 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
 
   def metadata(self, directory: epath.Path) -> Any:
     """Step metadata; PyTree items' trees are canonical for Tunix items."""
-    directory = epath.Path(directory)
+    directory = detect.require_step_dir(directory)
     self._bind_pytree_items(directory)
     return super().metadata(directory)
 
   def restore(self, directory: epath.Path, args: ocp.args.Composite | None = None) -> Any:
     """Restores the items named in `args`, or every item when there are none."""
-    directory = epath.Path(directory)
+    directory = detect.require_step_dir(directory)
     if args is None or not dict(args.items()):
       args = self._default_args(directory)
+    missing = sorted(name for name in args.keys() if not (directory / name).is_dir())
+    if missing:
+      raise errors.TargetMismatchError(
+          f'{directory}: expected the items asked for, {missing} not found (the'
+          f' step has {sorted(self._existing_items(directory))}). Ask only for'
+          ' items the step has, or pick another step.'
+      )
     return super().restore(directory, args=args)
 
   def _pytree_items(self, directory: epath.Path) -> tuple[list[str], dict[str, Any]]:
     """(PyTree items, other items -> recorded typestr) of a step on disk."""
-    recorded = ocp.metadata.get_step_metadata(directory).item_handlers or {}
-    if not isinstance(recorded, dict):
-      recorded = {}
+    recorded = detect.recorded_item_handlers(directory)
+    existing = self._existing_items(directory)
+    absent = sorted(set(recorded) - set(existing))
+    if absent:
+      # Restoring the rest would hand back a partial step as if it were whole.
+      raise errors.CorruptMetadataError(
+          f'{directory}: {detect.CHECKPOINT_METADATA} records the items'
+          f' {sorted(recorded)}, but {absent} are missing (or not directories).'
+          ' The step is damaged: restore another step, or name the items you'
+          ' want in args.'
+      )
     pytrees, others = [], {}
-    for name in self._existing_items(directory):
+    for name in existing:
       typestr = recorded.get(name)
       if typestr is None or typestr in PYTREE_TYPESTRS:
         pytrees.append(name)

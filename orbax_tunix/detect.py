@@ -238,9 +238,39 @@ def resolve_step(path: epath.Path) -> tuple[epath.Path, str | None, tuple[str, .
   )
 
 
-def _item_handlers(step_dir: epath.Path) -> dict[str, str | None]:
+def require_step_dir(path: epath.Path) -> epath.Path:
+  """Checks that `path` is a committed step directory, as Orbax restores take.
+
+  Raises:
+    NotACheckpointError: it does not exist, is a file, or is a root/other
+      directory (the message names the step to use when there is one).
+    UncommittedStepError: it is an unfinished step.
+  """
+  path = epath.Path(path)
+  step_dir, item, _ = resolve_step(path)
+  if step_dir != path or item is not None:
+    raise errors.NotACheckpointError(
+        f'{path}: expected a step directory (holding {CHECKPOINT_METADATA}),'
+        f' found {"an item of" if item else "a checkpoint root containing"} one.'
+        f' Pass the step directory instead, e.g. {step_dir}.'
+    )
+  return step_dir
+
+
+def recorded_item_handlers(step_dir: epath.Path) -> dict[str, str | None]:
+  """Item name -> handler typestr, as `_CHECKPOINT_METADATA` records them.
+
+  Raises:
+    CorruptMetadataError: the file is missing, damaged or not a JSON object.
+  """
   meta = read_json(step_dir / CHECKPOINT_METADATA)
-  handlers = meta.get('item_handlers') if isinstance(meta, dict) else None
+  if not isinstance(meta, dict):
+    raise errors.CorruptMetadataError(
+        f'{step_dir / CHECKPOINT_METADATA}: expected a JSON object with'
+        f' "item_handlers", found {type(meta).__name__}. The file is damaged;'
+        ' restore another step.'
+    )
+  handlers = meta.get('item_handlers')
   if isinstance(handlers, dict):
     return {str(k): v if isinstance(v, str) else None for k, v in handlers.items()}
   # Older or v1 writers may not list items: every subdirectory is one.
@@ -284,7 +314,7 @@ def detect(path: epath.PathLike) -> Detection:
   """
   path = epath.Path(path)
   step_dir, item, notes = resolve_step(path)
-  handlers = _item_handlers(step_dir)
+  handlers = recorded_item_handlers(step_dir)
   paths = {name: tree_paths(step_dir / name) for name in handlers if has_tree(step_dir / name)}
   kind = _classify(paths)
   layouts = {}

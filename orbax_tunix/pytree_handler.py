@@ -19,7 +19,7 @@ from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 from orbax_tunix import errors
 from orbax_tunix import layout as layout_lib
-from orbax_tunix.detect import PYTREE_METADATA, plan_item
+from orbax_tunix.detect import PYTREE_METADATA, has_tree, plan_item
 from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, nest
 
 PyTree = Any
@@ -108,6 +108,14 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       UnsupportedLayoutError: legacy `transforms` on a Tunix item.
     """
     directory = epath.Path(directory)
+    if not has_tree(directory):
+      found = 'a directory without it' if directory.is_dir() else (
+          'a file' if directory.exists() else 'nothing')
+      raise errors.NotACheckpointError(
+          f'{directory}: expected an item directory of an Orbax checkpoint'
+          f' (holding {PYTREE_METADATA}), found {found}. Pass an item, e.g.'
+          ' <step>/model_params or <step>/optimizer_state.'
+      )
     if isinstance(args, ocp.args.StandardRestore):
       item, restore_args = args.item, None
       if item is not None and args.strict is False:
@@ -137,9 +145,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           ' to it).'
       )
     if args.item is None:
-      raw = super().restore(
-          directory, args=ocp.args.PyTreeRestore(restore_args=args.restore_args)
-      )
+      raw = self._read(directory, ocp.args.PyTreeRestore(restore_args=args.restore_args))
       return layout_lib.to_canonical_tree(raw, layout)
     return self._restore_target(directory, layout, args)
 
@@ -174,23 +180,27 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     disk = [layout.to_disk_path(p) for p in canonical]
     shapes = self._disk_shapes(directory, frozenset(disk))
     validate_target(directory, canonical, disk, leaves, shapes)
-    try:
-      restored = super().restore(
-          directory,
-          args=ocp.args.PyTreeRestore(
-              item=nest(zip(disk, leaves, strict=True)),
-              restore_args=nest(zip(disk, leaf_args, strict=True)),
-              partial_restore=True,
-          ),
-      )
-    except (ValueError, OSError) as e:
-      raise errors.CorruptMetadataError(
-          f'{directory}: reading the arrays failed ({e}). Expected readable'
-          ' array data for every leaf of the target; check that the step is'
-          ' complete and readable, or restore another step.'
-      ) from e
+    restored = self._read(
+        directory,
+        ocp.args.PyTreeRestore(
+            item=nest(zip(disk, leaves, strict=True)),
+            restore_args=nest(zip(disk, leaf_args, strict=True)),
+            partial_restore=True,
+        ),
+    )
     by_path = flat_dict(restored)
     return jax.tree_util.tree_unflatten(treedef, [by_path[d] for d in disk])
+
+  def _read(self, directory: epath.Path, args: ocp.args.PyTreeRestore) -> PyTree:
+    """Orbax's own read of the on-disk target, its failures put in our terms."""
+    try:
+      return super().restore(directory, args=args)
+    except (ValueError, OSError, KeyError) as e:
+      raise errors.CorruptMetadataError(
+          f'{directory}: reading the arrays failed ({type(e).__name__}: {e}).'
+          ' Expected readable array data for every leaf asked for; check that'
+          ' the step is complete and readable, or restore another step.'
+      ) from e
 
   def _disk_shapes(
       self, directory: epath.Path, wanted: frozenset[Path]
@@ -223,10 +233,17 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
   def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
     """Returns the item's metadata tree, canonical for a Tunix item."""
     directory = epath.Path(directory)
-    meta = super().metadata(directory)
     layout = plan_item(directory)
     if layout is None or not layout.rewrites:
-      return meta
+      return super().metadata(directory)
+    try:
+      meta = super().metadata(directory)
+    except (ValueError, OSError, KeyError) as e:
+      raise errors.CorruptMetadataError(
+          f'{directory}: reading the arrays\' metadata failed ({type(e).__name__}:'
+          f' {e}). Expected a readable store for every leaf in _METADATA; the'
+          ' step is damaged or incomplete: use another step.'
+      ) from e
     return tree_metadata.build_default_tree_metadata(
         layout_lib.to_canonical_tree(meta.tree, layout),
         custom_metadata=meta.custom_metadata,

@@ -1,0 +1,478 @@
+"""Convert: a checkpoint rewritten as an ordinary Orbax checkpoint, streamed and atomic.
+
+What is written (DST is a step directory):
+
+* `--layout canonical`: one item per source PyTree item, each holding the
+  item's canonical tree (for Tunix: `model_params` without the nnx `value`
+  level and adapter `base` level, `optimizer_state` without the
+  inject_hyperparams shell). With `params_only`, only `model_params` holding
+  the weights (no RNG state).
+* `--layout maxtext` (with `params_only`): one item `items` holding
+  `{'params': {'params': <weights>}}`, no RNG state: MaxText's
+  `load_parameters_path` is then `DST/items`.
+
+Every item is a plain `PyTreeCheckpointHandler` item and `_CHECKPOINT_METADATA`
+names that handler, so plain Orbax (`ocp.Checkpointer(
+ocp.CompositeCheckpointHandler()).restore(DST)`, or `ocp.CheckpointManager` on
+the parent when DST is named by its step number) restores it without this
+package. The step's custom metadata keeps the source's and adds
+`orbax_tunix`: where it came from, and the inject_hyperparams values the
+canonical view leaves out.
+
+Streaming: leaves are read in batches whose bytes fit the memory budget (one
+Orbax partial restore each) and each batch is saved with Orbax's own
+`PyTreeCheckpointHandler` into the same item directory. With OCDBT (Orbax's
+default) every save adds its arrays to the item's per-process database, and
+Orbax appends to `_sharding` and `array_metadatas/` itself; only the tree
+metadata (`_METADATA`, one entry per leaf) is written per save, so the
+entries of all saves are merged once at the end (the same union Orbax's own
+partial-save finalization does) before Orbax's `finalize` merges the OCDBT
+database into the item's root manifest.
+
+Atomic: everything is written to `<DST>.orbax-checkpoint-tmp-<ns>` beside DST
+(the name Orbax and this package treat as an unfinished step) and renamed to
+DST at the end; any failure or interrupt removes it. An existing DST is
+refused unless `force`, and then replaced only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint._src.metadata import step_metadata_serialization
+
+from orbax_tunix import errors, reader, rules
+from orbax_tunix.detect import CHECKPOINT_METADATA, PYTREE_METADATA, TMP_MARKER, read_json
+from orbax_tunix.hyperparams import hyperparameters
+from orbax_tunix.tree_paths import Path, fmt, nest
+
+CANONICAL = 'canonical'
+MAXTEXT = 'maxtext'
+LAYOUTS = (CANONICAL, MAXTEXT)
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+# Bytes held per byte of array data in a batch, measured with
+# benchmarks/convert_memory.py: the compressed bytes read and the decoded
+# array (restore), then the host copy and the compressed bytes written
+# (save) overlap to about 3x. The batch is sized budget / this.
+COPIES_IN_FLIGHT = 3
+
+COMMIT_SUCCESS = 'commit_success.txt'
+PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
+METADATA_KEY = 'orbax_tunix'
+
+
+class DestinationExistsError(errors.TunixCheckpointError):
+  """The destination exists and replacing it was not asked for."""
+
+
+class InvalidDestinationError(errors.TunixCheckpointError):
+  """The destination overlaps the source, or the options cannot be met."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemPlan:
+  """One item to write.
+
+  Attributes:
+    name: the item written (e.g. 'model_params', or 'items' for MaxText).
+    source_item: the source item its leaves are read from.
+    leaves: the source leaves, in write order.
+    paths: the path each leaf is written under, in the same order.
+  """
+
+  name: str
+  source_item: str
+  leaves: tuple[reader.LeafInfo, ...]
+  paths: tuple[Path, ...]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(leaf.nbytes for leaf in self.leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertPlan:
+  """Everything a conversion does, decided from metadata before any write.
+
+  Attributes:
+    source: the source step, canonical.
+    dst: the step directory to create.
+    layout: CANONICAL or MAXTEXT.
+    params_only: weights only (no optimizer state, no RNG state).
+    dtype: floating leaves are cast to this dtype (None: kept).
+    memory_budget: bytes of memory the streaming may use.
+    force: replace an existing DST.
+    items: the items to write.
+    notes: things a person should know (e.g. items skipped).
+  """
+
+  source: reader.CanonicalCheckpoint
+  dst: epath.Path
+  layout: str
+  params_only: bool
+  dtype: np.dtype | None
+  memory_budget: int
+  force: bool
+  items: tuple[ItemPlan, ...]
+  notes: tuple[str, ...] = ()
+
+  @property
+  def total_bytes(self) -> int:
+    return sum(item.nbytes for item in self.items)
+
+  @property
+  def num_leaves(self) -> int:
+    return sum(len(item.leaves) for item in self.items)
+
+  @property
+  def batch_bytes(self) -> int:
+    return max(1, self.memory_budget // COPIES_IN_FLIGHT)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertResult:
+  """What a conversion wrote.
+
+  Attributes:
+    dst: the step directory written.
+    items: item name -> number of leaves written.
+    bytes_read: array bytes read from the source.
+    seconds: wall time of the streaming and commit.
+    replaced: an existing DST was replaced (`force`).
+  """
+
+  dst: epath.Path
+  items: dict[str, int]
+  bytes_read: int
+  seconds: float
+  replaced: bool
+
+  @property
+  def num_leaves(self) -> int:
+    return sum(self.items.values())
+
+
+def parse_dtype(name: str | None) -> np.dtype | None:
+  """The floating dtype named by `--dtype` (e.g. 'bfloat16'), or None.
+
+  Raises:
+    InvalidDestinationError: the name is not a floating dtype.
+  """
+  if name is None:
+    return None
+  try:
+    dtype = np.dtype(jnp.dtype(name))
+  except TypeError as e:
+    raise InvalidDestinationError(
+        f'--dtype {name}: not a dtype. Use a floating dtype such as bfloat16,'
+        ' float16 or float32.'
+    ) from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise InvalidDestinationError(
+        f'--dtype {name}: expected a floating dtype (bfloat16, float16,'
+        ' float32), found a non-floating one. Only floating leaves are cast;'
+        ' integer and RNG leaves always keep their dtype.'
+    )
+  return dtype
+
+
+def _check_destination(src: reader.CanonicalCheckpoint, dst: epath.Path, force: bool) -> None:
+  source = os.path.abspath(os.fspath(src.step_dir))
+  target = os.path.abspath(os.fspath(dst))
+  overlap = source == target or source.startswith(target + os.sep) or target.startswith(source + os.sep)
+  if overlap:
+    raise InvalidDestinationError(
+        f'{dst}: the destination overlaps the source step {src.step_dir}.'
+        ' Choose a DST outside the source checkpoint.'
+    )
+  if dst.exists() and not force:
+    raise DestinationExistsError(
+        f'{dst}: already exists. Pass --force to replace it (the old one is'
+        ' removed only once the new one is complete), or choose another DST.'
+    )
+
+
+def plan_convert(
+    src: epath.PathLike,
+    dst: epath.PathLike,
+    *,
+    step: int | None = None,
+    layout: str = CANONICAL,
+    params_only: bool = False,
+    dtype: np.dtype | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    force: bool = False,
+) -> ConvertPlan:
+  """Plans a conversion from metadata only; nothing is written.
+
+  Args:
+    src: the source: a root (latest committed step, or `step`), a step or an
+      item directory.
+    dst: the step directory to create.
+    step: the source step (see `reader.resolve`).
+    layout: CANONICAL or MAXTEXT (MAXTEXT needs `params_only`).
+    params_only: write the weights only.
+    dtype: cast floating leaves to this dtype.
+    memory_budget: bytes the streaming may hold at once.
+    force: replace an existing DST.
+
+  Returns:
+    A `ConvertPlan`.
+
+  Raises:
+    InvalidDestinationError: bad options, or DST overlaps the source.
+    DestinationExistsError: DST exists and not `force`.
+    TunixCheckpointError subclasses: the source is not readable.
+  """
+  if layout not in LAYOUTS:
+    raise InvalidDestinationError(
+        f'--layout {layout}: expected one of {", ".join(LAYOUTS)}.'
+    )
+  if layout == MAXTEXT and not params_only:
+    raise InvalidDestinationError(
+        '--layout maxtext writes the parameter tree MaxText loads with'
+        ' load_parameters_path, and nothing else: add --params-only. (A full'
+        ' MaxText TrainState with its optimizer state is not written by this'
+        ' command.)'
+    )
+  if memory_budget < 1:
+    raise InvalidDestinationError(
+        f'--memory-budget {memory_budget}: expected a positive number of bytes.'
+    )
+  source = reader.open_checkpoint(src, step)
+  dst = epath.Path(dst)
+  _check_destination(source, dst, force)
+  notes = [f'skipped item {name!r}: {why}' for name, why in sorted(source.skipped.items())]
+  items: list[ItemPlan] = []
+  if params_only:
+    found = reader.weights(source)
+    source_items = {leaf.item for leaf, _ in found}
+    prefix = reader.MAXTEXT_PARAMS if layout == MAXTEXT else ()
+    name = reader.MAXTEXT_ITEM if layout == MAXTEXT else rules.MODEL_ITEM
+    items.append(
+        ItemPlan(
+            name=name,
+            source_item=source_items.pop(),  # weights() reads one item.
+            leaves=tuple(leaf for leaf, _ in found),
+            paths=tuple(prefix + path for _, path in found),
+        )
+    )
+    dropped = [
+        leaf for leaf in source.items.get(rules.MODEL_ITEM, ()) if reader.is_rng_state(leaf.path)
+    ]
+    if dropped:
+      notes.append(f'left out {len(dropped)} RNG state leaves (paths with {reader.RNG_KEY!r})')
+    if all(path[-1].endswith(('_lora_a', '_lora_b', 'lora_a', 'lora_b')) for _, path in found):
+      notes.append(
+          'the weights are LoRA adapters only (the run saved no base weights):'
+          ' merge them with the base model before loading them alone'
+      )
+  else:
+    for name in sorted(source.items):
+      leaves = source.items[name]
+      if not leaves:
+        notes.append(f'skipped item {name!r}: it has no leaves')
+        continue
+      items.append(ItemPlan(name, name, leaves, tuple(leaf.path for leaf in leaves)))
+  return ConvertPlan(
+      source=source,
+      dst=dst,
+      layout=layout,
+      params_only=params_only,
+      dtype=dtype,
+      memory_budget=memory_budget,
+      force=force,
+      items=tuple(items),
+      notes=tuple(notes),
+  )
+
+
+def _write_item(
+    plan: ConvertPlan,
+    item: ItemPlan,
+    item_dir: epath.Path,
+    progress: reader.Progress,
+) -> None:
+  """Streams one item into `item_dir`, batch by batch, with Orbax's handler."""
+  item_dir.mkdir(parents=True)
+  writer = ocp.PyTreeCheckpointHandler()
+  source_handler = ocp.PyTreeCheckpointHandler()
+  dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths))
+  header: dict[str, Any] | None = None
+  entries: dict[str, Any] = {}
+  for batch in reader.batches(item.leaves, plan.batch_bytes):
+    values = reader.read(
+        plan.source.step_dir,
+        item.source_item,
+        batch,
+        as_numpy=False,
+        dtype=plan.dtype,
+        handler=source_handler,
+    )
+    tree = nest(zip((dst_path[leaf.disk_path] for leaf in batch), values))
+    writer.save(item_dir, args=ocp.args.PyTreeSave(tree))
+    del values, tree  # Free the batch before the next is read.
+    # Each save writes `_METADATA` for its own leaves only: keep them all.
+    meta = read_json(item_dir / PYTREE_METADATA)
+    entries.update(meta['tree_metadata'])
+    header = header or meta
+    progress.advance(sum(leaf.nbytes for leaf in batch))
+  assert header is not None  # plan_convert writes no empty item.
+  (item_dir / PYTREE_METADATA).write_text(json.dumps({**header, 'tree_metadata': entries}))
+  writer.finalize(item_dir)
+  (item_dir / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {item_dir}')
+
+
+def _json_scalar(value: Any) -> Any:
+  value = np.asarray(value)[()]
+  if isinstance(value, np.floating):
+    return float(value)
+  if isinstance(value, np.integer | np.bool_):
+    return value.item()
+  return str(value)
+
+
+def _provenance(plan: ConvertPlan) -> dict[str, Any]:
+  """What DST's custom metadata records about where it came from."""
+  from orbax_tunix import __version__  # Late: the package imports this module's users.
+
+  detection = plan.source.detection
+  record: dict[str, Any] = {
+      'source': os.fspath(plan.source.step_dir),
+      'source_step': detection.step,
+      'source_kind': detection.kind,
+      'layout': plan.layout,
+      'params_only': plan.params_only,
+      'dtype': None if plan.dtype is None else plan.dtype.name,
+      'version': __version__,
+  }
+  if detection.is_tunix and rules.OPTIMIZER_ITEM in detection.layouts:
+    found = hyperparameters(detection.step_dir)
+    if found:
+      record['hyperparameters'] = {
+          shell: {name: _json_scalar(v) for name, v in values.items()}
+          for shell, values in found.items()
+      }
+  return record
+
+
+def _write_step_metadata(tmp: epath.Path, plan: ConvertPlan, init_ns: int) -> None:
+  custom = reader.custom_metadata(plan.source.step_dir)
+  custom[METADATA_KEY] = _provenance(plan)
+  meta = ocp.metadata.StepMetadata(
+      item_handlers={item.name: PYTREE_TYPESTR for item in plan.items},
+      init_timestamp_nsecs=init_ns,
+      commit_timestamp_nsecs=time.time_ns(),
+      custom_metadata=custom,
+  )
+  store = ocp.metadata.metadata_store(enable_write=True, blocking_write=True)
+  store.write(
+      file_path=tmp / CHECKPOINT_METADATA,
+      metadata=step_metadata_serialization.serialize(meta),
+  )
+
+
+def remove_tree(path: epath.Path) -> None:
+  """Removes a directory tree, tolerating writers still finishing in it."""
+  for _ in range(5):
+    if not path.exists():
+      return
+    try:
+      if isinstance(path, epath.Path) and os.path.isdir(os.fspath(path)):
+        shutil.rmtree(os.fspath(path), ignore_errors=True)
+      else:
+        path.rmtree()
+    except OSError:
+      pass
+    time.sleep(0.05)
+
+
+def _commit(tmp: epath.Path, dst: epath.Path, force: bool) -> bool:
+  """Renames `tmp` to `dst`; an existing `dst` (with `force`) goes after."""
+  if not dst.exists():
+    tmp.rename(dst)
+    return False
+  if not force:
+    raise DestinationExistsError(
+        f'{dst}: appeared while converting. Nothing was replaced; pass --force'
+        ' to replace it, or choose another DST.'
+    )
+  old = dst.parent / f'{dst.name}.orbax-tunix-old-{time.time_ns()}'
+  dst.rename(old)
+  try:
+    tmp.rename(dst)
+  except BaseException:
+    old.rename(dst)
+    raise
+  remove_tree(old)
+  return True
+
+
+def temporary_path(dst: epath.Path) -> epath.Path:
+  """Where DST is written before it is renamed: beside it, as Orbax names it."""
+  return dst.parent / f'{dst.name}{TMP_MARKER}-{time.time_ns()}'
+
+
+def leftover_temporaries(dst: epath.Path) -> list[epath.Path]:
+  """Temporary directories of earlier conversions to `dst` that were killed."""
+  if not dst.parent.exists():
+    return []
+  return sorted(dst.parent.glob(f'{dst.name}{TMP_MARKER}-*'))
+
+
+def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> ConvertResult:
+  """Executes a plan: streams every item into a temporary step, then renames it.
+
+  Args:
+    plan: from `plan_convert`.
+    progress: told the bytes done after each batch.
+
+  Returns:
+    A `ConvertResult`.
+
+  Raises:
+    DestinationExistsError: DST appeared meanwhile and not `force`.
+    OSError and Orbax errors from reading or writing; in every case (and on
+    KeyboardInterrupt) the temporary directory is removed and DST is untouched.
+  """
+  progress = progress or reader.NullProgress()
+  start = time.monotonic()
+  init_ns = time.time_ns()
+  plan.dst.parent.mkdir(parents=True, exist_ok=True)
+  tmp = temporary_path(plan.dst)
+  tmp.mkdir()
+  progress.start(plan.total_bytes, f'converting to {plan.dst}')
+  try:
+    for item in plan.items:
+      _write_item(plan, item, tmp / item.name, progress)
+    _write_step_metadata(tmp, plan, init_ns)
+    (tmp / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {plan.dst}')
+    replaced = _commit(tmp, plan.dst, plan.force)
+  except BaseException:
+    remove_tree(tmp)
+    raise
+  finally:
+    progress.finish()
+  return ConvertResult(
+      dst=plan.dst,
+      items={item.name: len(item.leaves) for item in plan.items},
+      bytes_read=plan.total_bytes,
+      seconds=time.monotonic() - start,
+      replaced=replaced,
+  )
+
+
+def describe_paths(paths: Sequence[Path]) -> list[str]:
+  """Paths as people write them."""
+  return [fmt(p) for p in paths]

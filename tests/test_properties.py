@@ -1,0 +1,104 @@
+"""Property tests: the canonical rewrite and its inverse round-trip on generated trees."""
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from orbax_tunix import layout as layout_lib
+from orbax_tunix.tree_paths import nest
+
+# Module names a model may use, `base` among them (a model's own module).
+NAMES = st.sampled_from(['base', 'layers', 'attn', 'mlp', 'w', 'kernel', 'bias', 'q', '0', '1', 'head', 'mu'])
+
+
+def _tree(depth):
+  if depth == 0:
+    return st.just(None)
+  return st.dictionaries(NAMES, st.one_of(st.just(None), _tree(depth - 1)), min_size=1, max_size=3)
+
+
+def _paths(tree, prefix=()):
+  for key, child in tree.items():
+    if child is None:
+      yield prefix + (key,)
+    else:
+      yield from _paths(child, prefix + (key,))
+
+
+@st.composite
+def weight_paths(draw):
+  tree = draw(_tree(4))
+  # A model whose only top-level module is called `base` is indistinguishable
+  # from the adapter level (documented); the generator leaves that case out.
+  if set(tree) == {'base'}:
+    tree['head'] = None
+  return sorted(set(_paths(tree)))
+
+
+@st.composite
+def checkpoint(draw):
+  weights = draw(weight_paths())
+  value = draw(st.booleans())
+  adapter = draw(st.booleans())
+  shell_at = draw(st.sampled_from([None, 'top', 'chain', 'accum']))
+  chain_pos = draw(st.sampled_from(['0', '1', '3']))
+  mirror = [('base',) + w if adapter else w for w in weights]
+  inner = [('0', 'count')] + [('0', f) + w for f in ('mu', 'nu') for w in mirror]
+  if shell_at is None:
+    opt = [('opt_state',) + p for p in inner]
+  else:
+    shell = [('count',), ('hyperparams', 'learning_rate'), ('hyperparams', 'b1')]
+    shell += [('inner_state',) + p for p in inner]
+    where = {'top': ('opt_state',), 'chain': ('opt_state', chain_pos),
+             'accum': ('opt_state', 'inner_opt_state')}[shell_at]
+    opt = [where + p for p in shell]
+    if shell_at == 'accum':
+      opt += [('opt_state', 'mini_step'), ('opt_state', 'gradient_step')]
+      opt += [('opt_state', 'acc_grads') + w for w in mirror]
+  opt.append(('step',))
+  model = mirror
+  if value:
+    model = [p + ('value',) for p in model]
+    opt = [p + ('value',) for p in opt]
+  return weights, value, adapter, shell_at, frozenset(model), frozenset(opt)
+
+
+@settings(max_examples=150, deadline=None)
+@given(checkpoint())
+def test_round_trip_and_canonical_form(ckpt):
+  weights, value, adapter, shell_at, model, opt = ckpt
+  layouts = layout_lib.plan_step({'model_params': model, 'optimizer_state': opt})
+  m, o = layouts['model_params'], layouts['optimizer_state']
+  for lay in (m, o):
+    for disk, canon in lay.disk_to_canonical.items():
+      if canon is not None:
+        assert lay.to_disk_path(canon) == disk
+  # The model's canonical paths are exactly its weights: a `base` of its own
+  # survives; the adapter level and the value level do not.
+  assert set(m.canonical_to_disk) == set(weights)
+  canon_opt = set(o.canonical_to_disk)
+  assert ('step',) in canon_opt
+  if value:
+    assert not any(p[-1] == 'value' for p in canon_opt)
+  mu_prefix = {None: ('opt_state', '0'), 'top': ('opt_state', '0'),
+               'chain': ('opt_state', None, '0'), 'accum': ('opt_state', 'inner_opt_state', '0')}[shell_at]
+  mus = {p[len(mu_prefix) + 1:] for p in canon_opt
+         if len(p) > len(mu_prefix) and p[len(mu_prefix)] == 'mu'
+         and all(a is None or a == b for a, b in zip(mu_prefix, p, strict=False))}
+  assert mus == set(weights)
+  # The shell's hyperparameters are the only leaves left out.
+  side = {p[:-1] if value else p for p in o.side_paths}
+  assert all('hyperparams' in p or p[-1] == 'count' for p in side)
+  assert len(side) == (0 if shell_at is None else 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(checkpoint())
+def test_tree_round_trip(ckpt):
+  *_, model, opt = ckpt
+  layouts = layout_lib.plan_step({'model_params': model, 'optimizer_state': opt})
+  for paths, lay in ((model, layouts['model_params']), (opt, layouts['optimizer_state'])):
+    disk_tree = nest((p, i) for i, p in enumerate(sorted(paths)))
+    canonical = layout_lib.to_canonical_tree(disk_tree, lay)
+    back = layout_lib.to_disk_tree(canonical, lay)
+    kept = {p: i for i, p in enumerate(sorted(paths)) if lay.to_canonical_path(p) is not None}
+    assert back == nest(kept.items())

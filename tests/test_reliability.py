@@ -1,0 +1,197 @@
+"""Broken checkpoints get clear errors; the source is never written to."""
+
+import hashlib
+import os
+import shutil
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_tunix as ot
+
+
+def snapshot(root):
+  """Every file's bytes and timestamps, and every directory's entries."""
+  out = {}
+  for dirpath, dirnames, filenames in os.walk(root):
+    st = os.stat(dirpath)
+    out[dirpath] = ('dir', tuple(sorted(dirnames + filenames)), st.st_mtime_ns)
+    for name in filenames:
+      p = os.path.join(dirpath, name)
+      st = os.stat(p)
+      with open(p, 'rb') as f:
+        out[p] = (hashlib.sha256(f.read()).hexdigest(), st.st_mtime_ns, st.st_size)
+  return out
+
+
+@pytest.fixture
+def run(tunix_data, tmp_path):
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'adapter_inject', root)
+  return root
+
+
+def _truncate(path):
+  data = path.read_bytes()
+  path.write_bytes(data[: len(data) // 2])
+
+
+def _delete_array_data(item):
+  for d in list(item.rglob('d')):
+    shutil.rmtree(d)
+
+
+BREAKS = {
+    'truncated _METADATA': (lambda r: _truncate(r / '1/model_params/_METADATA'), ot.CorruptMetadataError, '_METADATA'),
+    'non-tree _METADATA': (lambda r: (r / '1/optimizer_state/_METADATA').write_text('[1, 2]'), ot.CorruptMetadataError, '_METADATA'),
+    'invalid _CHECKPOINT_METADATA': (lambda r: (r / '1/_CHECKPOINT_METADATA').write_text('{"item_h'), ot.CorruptMetadataError, '_CHECKPOINT_METADATA'),
+    'list _CHECKPOINT_METADATA': (lambda r: (r / '1/_CHECKPOINT_METADATA').write_text('[]'), ot.CorruptMetadataError, '_CHECKPOINT_METADATA'),
+    'deleted array data': (lambda r: _delete_array_data(r / '1/model_params'), ot.CorruptMetadataError, 'model_params'),
+    'item directory missing': (lambda r: shutil.rmtree(r / '1/optimizer_state'), ot.CorruptMetadataError, 'optimizer_state'),
+    'file instead of item directory': (
+        lambda r: (shutil.rmtree(r / '1/model_params'), (r / '1/model_params').write_text('x')),
+        ot.CorruptMetadataError, 'model_params'),
+}
+
+
+def _restore_all(root):
+  return ocp.Checkpointer(ot.TunixAwareHandler()).restore(root / '1')
+
+
+@pytest.mark.parametrize('case', sorted(BREAKS))
+def test_broken_checkpoint_errors(run, case):
+  breaker, error, names = BREAKS[case]
+  breaker(run)
+  before = snapshot(run)
+  with pytest.raises(error) as e:
+    ot.detect(run)
+    _restore_all(run)
+  assert isinstance(e.value, ot.TunixCheckpointError)
+  assert str(run) in str(e.value) and names in str(e.value), str(e.value)
+  assert snapshot(run) == before
+
+
+def test_missing_item_asked_for_explicitly(run):
+  shutil.rmtree(run / '1/optimizer_state')
+  before = snapshot(run)
+  with pytest.raises(ot.TargetMismatchError, match='optimizer_state'):
+    ocp.Checkpointer(ot.TunixAwareHandler()).restore(
+        run / '1', args=ocp.args.Composite(optimizer_state=ocp.args.PyTreeRestore()))
+  # What is there still restores.
+  r = ocp.Checkpointer(ot.TunixAwareHandler()).restore(
+      run / '1', args=ocp.args.Composite(model_params=ocp.args.PyTreeRestore()))
+  assert 'layers' in r['model_params']
+  assert snapshot(run) == before
+
+
+@pytest.mark.parametrize('where', ['empty', 'file', 'missing', 'only unfinished'])
+def test_not_a_checkpoint(tmp_path, where):
+  path = tmp_path / 'x'
+  error = ot.NotACheckpointError
+  if where == 'empty':
+    path.mkdir()
+  elif where == 'file':
+    path.write_text('not a checkpoint')
+  elif where == 'only unfinished':
+    (path / '3.orbax-checkpoint-tmp-77' / 'model_params').mkdir(parents=True)
+    error = ot.UncommittedStepError
+  # The handlers are called directly: ocp.Checkpointer checks existence and
+  # tmp names itself before it reaches them.
+  calls = {
+      ot.detect: error,
+      lambda p: ot.TunixAwareHandler().restore(p): error,
+      # The item handler takes item directories only; anything else is not one.
+      lambda p: ot.TunixPyTreeHandler().restore(p): ot.NotACheckpointError,
+  }
+  for call, expected in calls.items():
+    with pytest.raises(expected) as e:
+      call(path)
+    assert str(path) in str(e.value)
+
+
+def test_root_given_where_a_step_is_needed(tunix_data):
+  with pytest.raises(ot.NotACheckpointError, match=r'sft_full/2'):
+    ocp.Checkpointer(ot.TunixAwareHandler()).restore(tunix_data / 'sft_full')
+
+
+def test_wrong_shapes_in_target(run, mesh):
+  before = snapshot(run)
+  s = NamedSharding(mesh, P())
+  with pytest.raises(ot.TargetMismatchError) as e:
+    ocp.Checkpointer(ot.TunixAwareHandler()).restore(run / '1', args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeRestore(item={'final_norm': {'scale': jax.ShapeDtypeStruct((9,), jnp.float32, sharding=s)}})))
+  assert 'final_norm/scale: target (9,), on disk (8,)' in str(e.value)
+  assert str(run / '1' / 'model_params') in str(e.value)
+  assert snapshot(run) == before
+
+
+def test_every_read_operation_leaves_source_untouched(run, mesh):
+  before = snapshot(run)
+  ot.detect(run)
+  ot.hyperparameters(run)
+  ckptr = ocp.Checkpointer(ot.TunixAwareHandler())
+  ckptr.metadata(run / '1')
+  ckptr.restore(run / '1')
+  ocp.Checkpointer(ot.TunixPyTreeHandler()).restore(run / '1' / 'model_params')
+  mngr = ocp.CheckpointManager(
+      run, options=ocp.CheckpointManagerOptions(read_only=True), handler_registry=ot.handler_registry())
+  mngr.restore(1)
+  mngr.close()
+  ot.register()
+  ocp.v1.load_checkpointables(run / '1')
+  assert snapshot(run) == before
+
+
+def test_read_only_file_system(run):
+  """Restores work from a read-only mount when the sandbox allows one."""
+  ro = run.parent / 'ro'
+  ro.mkdir()
+  if os.system(f'mount --bind {run} {ro} 2>/dev/null && mount -o remount,ro,bind {ro} 2>/dev/null') != 0:
+    os.system(f'umount {ro} 2>/dev/null')
+    pytest.skip('no bind mounts here; the snapshot tests cover writes')
+  try:
+    with pytest.raises(OSError):
+      (ro / 'probe').write_text('x')
+    r = ocp.Checkpointer(ot.TunixAwareHandler()).restore(ro / '1')
+    assert 'layers' in r['model_params']
+    assert ot.detect(ro).step == 1
+  finally:
+    os.system(f'umount {ro}')
+
+
+def test_step_being_written_while_root_is_read(run):
+  """An async save in flight creates a tmp step; readers keep using step 1."""
+  # A half-written step, as a writer that died leaves it...
+  half = run / '5.orbax-checkpoint-tmp-1700000000'
+  shutil.copytree(run / '1' / 'model_params', half / 'model_params')
+  _truncate(half / 'model_params' / '_METADATA')
+  # ...and a save in flight.
+  tree = {'w': {'value': np.ones((256, 256), np.float32)}}
+  ckptr = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+  ckptr.save(run / '2', args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(tree)))
+  errors = []
+
+  def read():
+    try:
+      for _ in range(3):
+        d = ot.detect(run)
+        assert d.step in (1, 2)
+        if d.step == 1:
+          ocp.Checkpointer(ot.TunixAwareHandler()).restore(d.step_dir)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  t = threading.Thread(target=read)
+  t.start()
+  t.join()
+  ckptr.wait_until_finished()
+  ckptr.close()
+  assert not errors, errors
+  d = ot.detect(run)
+  assert d.step == 2 and any('unfinished step 5' in n for n in d.notes)
