@@ -32,8 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors
-from orbax_tunix import rules
+from orbax_tunix import errors, rules
 from orbax_tunix.detect import Detection, detect
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
 from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, key_str, nest
@@ -284,12 +283,19 @@ def opt_states(splits: Iterable[tuple[Path, str, Path | None]]) -> list[OptState
   ]
 
 
+def _worth(state: OptState) -> int:
+  """How much a match is worth: a state holding weight-shaped data beats a counter."""
+  return 1 + sum(mirrored for _, mirrored in state.fields)
+
+
 def align_states(target: Sequence[OptState], source: Sequence[OptState]) -> dict[int, int]:
   """Matches target states to checkpoint states with the same fields, in order.
 
-  The longest common subsequence of the two chains, so empty states (missing
-  on one side or `None` on the other), a clipping transform in front, or
-  wrappers the checkpoint has and the target not, all fall out of the match.
+  An order-preserving alignment (a longest common subsequence, weighted by
+  `_worth`), so empty states (missing on one side, `None` on the other), a
+  clipping transform in front, or wrappers only one side has all fall out of
+  the match, and where two matches exclude each other the one carrying
+  `mu`/`nu`-like data wins over a lone counter (which can be filled).
 
   Returns:
     target index -> source index, for every matched state.
@@ -298,13 +304,13 @@ def align_states(target: Sequence[OptState], source: Sequence[OptState]) -> dict
   best = [[0] * (m + 1) for _ in range(n + 1)]
   for i in range(n - 1, -1, -1):
     for j in range(m - 1, -1, -1):
+      best[i][j] = max(best[i + 1][j], best[i][j + 1])
       if target[i].fields == source[j].fields:
-        best[i][j] = best[i + 1][j + 1] + 1
-      else:
-        best[i][j] = max(best[i + 1][j], best[i][j + 1])
+        best[i][j] = max(best[i][j], _worth(target[i]) + best[i + 1][j + 1])
   matched, i, j = {}, 0, 0
   while i < n and j < m:
-    if target[i].fields == source[j].fields and best[i][j] == best[i + 1][j + 1] + 1:
+    same = target[i].fields == source[j].fields
+    if same and best[i][j] == _worth(target[i]) + best[i + 1][j + 1]:
       matched[i] = j
       i, j = i + 1, j + 1
     elif best[i + 1][j] >= best[i][j + 1]:
@@ -453,6 +459,12 @@ def _check_weights(
           f'{len(extra)} weights in the checkpoint are not in the target:\n'
           + errors.list_paths([fmt(w) for w in extra])
       )
+    sections.append(
+        'Build the abstract state from the model the checkpoint was trained'
+        ' with (same parameter names; target params/params/<w> is the'
+        " checkpoint's <w>); `orbax_tunix.detect(path).layouts` lists the"
+        " checkpoint's canonical paths."
+    )
   return sections
 
 
@@ -494,6 +506,162 @@ def _scan_message(
 # --- planning ---------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Draft:
+  """A plan being worked out: what the planners below add, and what they find wrong."""
+
+  view: CheckpointView
+  target: Mapping[Path, Shape | None]
+  reads: dict[Path, Source] = dataclasses.field(default_factory=dict)
+  fills: dict[Path, Fill] = dataclasses.field(default_factory=dict)
+  left_out: list[str] = dataclasses.field(default_factory=list)
+  problems: list[str] = dataclasses.field(default_factory=list)
+  shapes: list[str] = dataclasses.field(default_factory=list)
+
+  def read(self, target: Path, item: str, path: Path) -> None:
+    disk = self.view.model if item == rules.MODEL_ITEM else self.view.optimizer
+    have, want = disk[path], self.target[target]
+    if have is not None and want is not None and have != want:
+      self.shapes.append(f'{fmt(target)}: target {want}, checkpoint {have} ({item}:{fmt(path)})')
+    self.reads[target] = Source(item, path)
+
+  @property
+  def step_source(self) -> Source | None:
+    if self.view.optimizer is not None and _TUNIX_STEP in self.view.optimizer:
+      return Source(rules.OPTIMIZER_ITEM, _TUNIX_STEP)
+    return None
+
+
+def _plan_weights(draft: _Draft, aux: frozenset[Path]) -> dict[Path, Path]:
+  """params/params/<w> <- model_params:<w>; returns canonical weight -> target path."""
+  weights = {p[2:]: p for p in draft.target if p[0] == PARAMS}
+  draft.problems += _check_weights(draft.view, weights, draft.target, aux)
+  for w, target in weights.items():
+    if w in draft.view.model:
+      draft.read(target, rules.MODEL_ITEM, w)
+  return weights
+
+
+def _plan_aux(draft: _Draft, aux: frozenset[Path]) -> None:
+  """nnx_aux[/model]/<path> <- model_params:<path>; other RNG state is left out."""
+  targets = [p for p in draft.target if p[0] == NNX_AUX]
+  nested = targets and all(len(p) > 2 and p[1] == NNX_AUX_MODEL for p in targets)
+  depth = 2 if nested else 1
+  missing = [p for p in targets if p[depth:] not in draft.view.model]
+  if missing:
+    draft.problems.append(
+        f'{len(missing)} {NNX_AUX} leaves are not in the checkpoint'
+        f"'s {rules.MODEL_ITEM}:\n{errors.list_paths([fmt(p) for p in missing])}"
+    )
+  for p in targets:
+    if p[depth:] in draft.view.model:
+      draft.read(p, rules.MODEL_ITEM, p[depth:])
+  taken = {s.path for s in draft.reads.values() if s.item == rules.MODEL_ITEM}
+  unused = sorted(w for w in aux if w not in taken)
+  if unused:
+    why = 'not in the target' if targets else 'the target has no nnx_aux'
+    draft.left_out.append(
+        f'{len(unused)} RNG/non-weight variables of {rules.MODEL_ITEM} ({why}),'
+        f' e.g. {fmt(unused[0])}'
+    )
+
+
+def _plan_step(draft: _Draft) -> None:
+  """step <- optimizer_state:step (uint32, cast to the target's dtype on read)."""
+  if (STEP,) not in draft.target:
+    return
+  if draft.step_source is not None:
+    draft.read((STEP,), rules.OPTIMIZER_ITEM, _TUNIX_STEP)
+  elif draft.view.step is not None:
+    draft.fills[(STEP,)] = Fill(
+        None, draft.view.step, f'no {rules.OPTIMIZER_ITEM} item: the step directory number'
+    )
+  else:
+    draft.problems.append(
+        f'the target has {STEP}, but the checkpoint has no {rules.OPTIMIZER_ITEM}'
+        ' item and its directory name carries no step number.'
+    )
+
+
+def _plan_optimizer(
+    draft: _Draft,
+    weights: Collection[Path],
+    source_splits: Mapping[Path, tuple[Path, str, Path | None]],
+) -> None:
+  """opt_state/... <- optimizer_state:opt_state/..., state by state.
+
+  Target and checkpoint states are matched by their fields in chain order
+  (`align_states`); a matched state's leaves map field by field. A target
+  state left unmatched is filled when it is a lone `count` (a schedule's
+  state, which Tunix's optimizer may not have: it equals the step), and is an
+  error otherwise.
+  """
+  view = draft.view
+  targets = [p for p in draft.target if p[0] == OPT_STATE]
+  if not targets:
+    return
+  if view.optimizer is None:
+    draft.problems.append(
+        f'the target has {len(targets)} {OPT_STATE} leaves, but the checkpoint'
+        f' has no {rules.OPTIMIZER_ITEM} item (Tunix wrote only the weights). Use'
+        ' params_only=True, or a target without opt_state.'
+    )
+    return
+  known = set(weights) | set(view.model)
+  splits = {p: split_opt_path(p, known, COLLECTION) for p in targets}
+  target_states = opt_states(splits.values())
+  source_states = opt_states(source_splits.values())
+  matched = align_states(target_states, source_states)
+  index = {s.node: i for i, s in enumerate(target_states)}
+  fillable = draft.step_source is not None or view.step is not None
+  unmatched: list[OptState] = []
+  missing = []
+  for p in sorted(targets, key=_order):
+    node, field, weight = splits[p]
+    i = index[node]
+    if i in matched:
+      source = (OPT_STATE,) + source_states[matched[i]].node + (field,) + (weight or ())
+      if source in view.optimizer:
+        draft.read(p, rules.OPTIMIZER_ITEM, source)
+      else:
+        missing.append(f'{fmt(p)} (checkpoint path {fmt(source)})')
+    elif target_states[i].fields == _STEP_COUNTER_FIELDS and fillable:
+      draft.fills[p] = Fill(
+          draft.step_source,
+          None if draft.step_source else view.step,
+          "Tunix never wrote this state; a schedule's count is the step",
+      )
+    elif target_states[i] not in unmatched:
+      unmatched.append(target_states[i])
+  if unmatched:
+    draft.problems.append(
+        f"{len(unmatched)} states of the target's optimizer have no counterpart in"
+        f' the checkpoint:\n{errors.list_paths([str(s) for s in unmatched])}\n'
+        "The checkpoint's optimizer states (canonical):\n"
+        + errors.list_paths([str(s) for s in source_states])
+        + '\nBuild the abstract state with the optimizer the Tunix run used'
+        ' (empty states, a clipping transform and inject_hyperparams may'
+        ' differ), or restore with params_only=True.'
+    )
+  if missing:
+    draft.problems.append(
+        f'{len(missing)} {OPT_STATE} leaves are not in the checkpoint:\n'
+        + errors.list_paths(missing)
+    )
+  used = set(matched.values())
+  draft.left_out += [
+      f"optimizer state {state} (the target's optimizer has no such state)"
+      for j, state in enumerate(source_states)
+      if j not in used
+  ]
+  if view.side_paths:
+    draft.left_out.append(
+        f'{len(view.side_paths)} leaves outside the canonical view (the'
+        ' inject_hyperparams count and hyperparameters): MaxText takes its'
+        ' hyperparameters from its config'
+    )
+
+
 def make_plan(
     view: CheckpointView,
     target_shapes: Mapping[Path, Shape | None],
@@ -505,7 +673,8 @@ def make_plan(
 
   Args:
     view: the checkpoint's canonical leaves.
-    target_shapes: the target's leaf paths (MaxText key paths) -> shapes.
+    target_shapes: the target's leaf paths (MaxText key paths) -> shapes as
+      stored (key data for PRNG keys).
     params_only: plan the `params` subtree only; other leaves are kept.
     notes: carried into the plan.
 
@@ -518,9 +687,11 @@ def make_plan(
       checkpoint; the message lists every problem.
   """
   wanted = {p: s for p, s in target_shapes.items() if not params_only or p[0] == PARAMS}
-  kept = frozenset(p for p in target_shapes if p not in wanted)
   where = f'{view.step_dir}: the MaxText target does not match the Tunix checkpoint.'
-  unknown = [p for p in wanted if p[0] not in TOP_KEYS or (p[0] == PARAMS and (len(p) < 3 or p[1] != COLLECTION))]
+  unknown = [
+      p for p in wanted
+      if p[0] not in TOP_KEYS or (p[0] == PARAMS and (len(p) < 3 or p[1] != COLLECTION))
+  ]
   if unknown:
     raise errors.TargetMismatchError(
         f'{where}\n{len(unknown)} target leaves are not where a MaxText train'
@@ -533,154 +704,52 @@ def make_plan(
         f'{where}\nparams_only=True, but the target has no'
         f' {PARAMS}/{COLLECTION}/... leaves. Pass the abstract state with its params.'
     )
-
-  reads: dict[Path, Source] = {}
-  fills: dict[Path, Fill] = {}
-  left_out: list[str] = []
-  problems: list[str] = []
-  shape_problems: list[str] = []
-
-  def read(target: Path, item: str, path: Path, disk: Mapping[Path, Shape | None]) -> None:
-    have, want = disk[path], wanted[target]
-    if have is not None and want is not None and have != want:
-      shape_problems.append(f'{fmt(target)}: target {want}, checkpoint {have} ({item}:{fmt(path)})')
-    reads[target] = Source(item, path)
-
+  draft = _Draft(view, wanted)
   # Which model leaves are weights: those the optimizer mirrors (its `wrt`),
-  # never RNG state; without an optimizer item, everything but RNG state.
-  src_splits = {
-      p: split_opt_path(p, view.model)
-      for p in (view.optimizer or {})
-      if p[0] == OPT_STATE
+  # never RNG state; with no optimizer item, everything but RNG state.
+  source_splits = {
+      p: split_opt_path(p, view.model) for p in (view.optimizer or {}) if p[0] == OPT_STATE
   }
-  mirrored = {w for _, _, w in src_splits.values() if w is not None}
-  aux = frozenset(
-      w for w in view.model if _RNG_KEY in w or (mirrored and w not in mirrored)
-  )
+  mirrored = {w for _, _, w in source_splits.values() if w is not None}
+  aux = frozenset(w for w in view.model if _RNG_KEY in w or (mirrored and w not in mirrored))
 
-  # Weights: params/params/<w> <- model_params:<w>.
-  weights = {p[2:]: p for p in wanted if p[0] == PARAMS}
-  problems += _check_weights(view, weights, wanted, aux)
-  for w, target in weights.items():
-    if w in view.model:
-      read(target, rules.MODEL_ITEM, w, view.model)
-
-  # Non-weight variables: nnx_aux[/model]/<path> <- model_params:<path>.
-  aux_targets = [p for p in wanted if p[0] == NNX_AUX]
-  depth = 2 if aux_targets and all(len(p) > 2 and p[1] == NNX_AUX_MODEL for p in aux_targets) else 1
-  missing_aux = [p for p in aux_targets if p[depth:] not in view.model]
-  if missing_aux:
-    problems.append(
-        f'{len(missing_aux)} {NNX_AUX} leaves are not in the checkpoint'
-        f"'s {rules.MODEL_ITEM}:\n{errors.list_paths([fmt(p) for p in missing_aux])}"
-    )
-  for p in aux_targets:
-    if p[depth:] in view.model:
-      read(p, rules.MODEL_ITEM, p[depth:], view.model)
-  taken = {s.path for s in reads.values() if s.item == rules.MODEL_ITEM}
-  unused_aux = sorted(w for w in aux if w not in taken)
-  if unused_aux:
-    why = 'the target has no nnx_aux' if not aux_targets else 'not in the target'
-    left_out.append(
-        f'{len(unused_aux)} RNG/non-weight variables of {rules.MODEL_ITEM} ({why}),'
-        f' e.g. {fmt(unused_aux[0])}'
-    )
-
-  # Step and optimizer state.
-  opt_targets = {p: s for p, s in wanted.items() if p[0] == OPT_STATE}
-  step_source = None
-  if view.optimizer is not None and _TUNIX_STEP in view.optimizer:
-    step_source = Source(rules.OPTIMIZER_ITEM, _TUNIX_STEP)
-  if (STEP,) in wanted:
-    if step_source is not None:
-      read((STEP,), rules.OPTIMIZER_ITEM, _TUNIX_STEP, view.optimizer)
-    elif view.step is not None:
-      fills[(STEP,)] = Fill(None, view.step, f'no {rules.OPTIMIZER_ITEM} item: the step directory')
-    else:
-      problems.append(
-          f'the target has {STEP}, but the checkpoint has no {rules.OPTIMIZER_ITEM}'
-          ' item and its directory name carries no step number.'
-      )
-  if opt_targets and view.optimizer is None:
-    problems.append(
-        f'the target has {len(opt_targets)} {OPT_STATE} leaves, but the checkpoint'
-        f' has no {rules.OPTIMIZER_ITEM} item (Tunix wrote only the weights). Use'
-        ' params_only=True, or a target without opt_state.'
-    )
-  elif opt_targets:
-    target_splits = {
-        p: split_opt_path(p, set(weights) | set(view.model), COLLECTION) for p in opt_targets
-    }
-    target_states = opt_states(target_splits.values())
-    source_states = opt_states(src_splits.values())
-    matched = align_states(target_states, source_states)
-    index = {s.node: i for i, s in enumerate(target_states)}
-    unmatched: list[OptState] = []
-    missing_opt = []
-    for p in sorted(opt_targets, key=_order):
-      node, field, weight = target_splits[p]
-      i = index[node]
-      if i in matched:
-        src_node = source_states[matched[i]].node
-        src = (OPT_STATE,) + src_node + (field,) + (weight or ())
-        if src in view.optimizer:
-          read(p, rules.OPTIMIZER_ITEM, src, view.optimizer)
-        else:
-          missing_opt.append(f'{fmt(p)} (checkpoint path {fmt(src)})')
-      elif target_states[i].fields == _STEP_COUNTER_FIELDS and (
-          step_source is not None or view.step is not None
-      ):
-        fills[p] = Fill(
-            step_source,
-            None if step_source else view.step,
-            "Tunix never wrote this state; a schedule's count is the step",
-        )
-      elif target_states[i] not in unmatched:
-        unmatched.append(target_states[i])
-    if unmatched:
-      problems.append(
-          f"{len(unmatched)} states of the target's optimizer have no counterpart in"
-          f' the checkpoint:\n{errors.list_paths([str(s) for s in unmatched])}\n'
-          "The checkpoint's optimizer states (canonical):\n"
-          + errors.list_paths([str(s) for s in source_states])
-          + '\nBuild the abstract state with the optimizer the Tunix run used'
-          ' (empty states, a clipping transform and inject_hyperparams may'
-          ' differ), or restore with params_only=True.'
-      )
-    if missing_opt:
-      problems.append(
-          f'{len(missing_opt)} {OPT_STATE} leaves are not in the checkpoint:\n'
-          + errors.list_paths(missing_opt)
-      )
-    used = set(matched.values())
-    for j, state in enumerate(source_states):
-      if j not in used:
-        left_out.append(f"optimizer state {state} (the target's optimizer has no such state)")
-    if view.side_paths:
-      left_out.append(
-          f'{len(view.side_paths)} inject_hyperparams leaves (count, hyperparams):'
-          ' MaxText takes its hyperparameters from its config'
-      )
+  weights = _plan_weights(draft, aux)
+  _plan_aux(draft, aux)
+  _plan_step(draft)
+  _plan_optimizer(draft, weights, source_splits)
   if params_only and view.optimizer is not None:
-    left_out.append(f'{rules.OPTIMIZER_ITEM} (params_only=True)')
-
-  if shape_problems:
-    problems.append(
-        f'{len(shape_problems)} leaves differ in shape:\n' + errors.list_paths(shape_problems)
+    draft.left_out.append(f'{rules.OPTIMIZER_ITEM} (params_only=True)')
+  if draft.shapes:
+    draft.problems.append(
+        f'{len(draft.shapes)} leaves differ in shape:\n' + errors.list_paths(draft.shapes)
+        + '\nThe target must have the shapes the run trained with (vocabulary,'
+        ' widths, number of layers).'
     )
-  if problems:
-    raise errors.TargetMismatchError('\n'.join([where, *problems]))
+  if draft.problems:
+    raise errors.TargetMismatchError('\n'.join([where, *draft.problems]))
   return RestorePlan(
       step_dir=view.step_dir,
-      reads=reads,
-      fills=fills,
-      kept=kept,
-      left_out=tuple(left_out),
+      reads=draft.reads,
+      fills=draft.fills,
+      kept=frozenset(p for p in target_shapes if p not in wanted),
+      left_out=tuple(draft.left_out),
       notes=tuple(notes),
   )
 
 
+def _is_key(dtype: Any) -> bool:
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _stored_form(shape: Shape, dtype: Any) -> jax.ShapeDtypeStruct:
+  """The shape and dtype a leaf has on disk: PRNG keys are stored as their key data."""
+  if not _is_key(dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+
+
 def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None]:
+  """Target leaf path -> the shape it has on disk (key data for typed PRNG keys)."""
   bad = [fmt(p) for p, leaf in pairs if not hasattr(leaf, 'dtype') or _shape(leaf) is None]
   if bad:
     raise errors.TargetMismatchError(
@@ -688,7 +757,7 @@ def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None
         ' jax.ShapeDtypeStruct or jax.Array):\n'
         f'{errors.list_paths(bad)}\nBuild it with jax.eval_shape.'
     )
-  return {p: _shape(leaf) for p, leaf in pairs}
+  return {p: _stored_form(_shape(leaf), leaf.dtype).shape for p, leaf in pairs}
 
 
 def plan_restore(
@@ -783,8 +852,44 @@ def _constant(value: int, target: jax.ShapeDtypeStruct) -> jax.Array:
   return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: host[idx])
 
 
+def _read_form(
+    target: jax.ShapeDtypeStruct, arg: ocp.ArrayRestoreArgs
+) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestoreArgs]:
+  """What to ask the item handler for: a typed PRNG key is read as its key data.
+
+  The checkpoint records key data (e.g. uint32 (2,) for a threefry key of
+  shape ()); Orbax wraps it back into a key after reading, see `_as_target`.
+  """
+  if not _is_key(target.dtype):
+    return target, arg
+  data = _stored_form(target.shape, target.dtype)
+  sharding = target.sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    trailing = (None,) * (len(data.shape) - len(target.shape))
+    sharding = jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, *trailing)
+    )
+  arg = dataclasses.replace(
+      arg, dtype=data.dtype, global_shape=data.shape, shape=data.shape, sharding=sharding,
+      mesh=None, mesh_axes=None,
+  )
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding), arg
+
+
+def _as_target(value: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
+  """Puts PRNG keys in the target's form (typed key or key data), as read otherwise."""
+  want_key, is_key = _is_key(target.dtype), _is_key(value.dtype)
+  if want_key == is_key:
+    return value
+  value = jax.random.wrap_key_data(value) if want_key else jax.random.key_data(value)
+  return jax.device_put(value, target.sharding)
+
+
 def _convert(array: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
   """A second target leaf from the same source: cast and reshard on device."""
+  array = _as_target(array, target)
+  if _is_key(target.dtype):
+    return jax.device_put(array, target.sharding)
   return jax.jit(lambda x: x.astype(target.dtype), out_shardings=target.sharding)(array)
 
 
@@ -824,7 +929,7 @@ def execute_plan(
     for path in paths:
       source = Source(item, path)
       if source in primary:
-        sds, arg = resolved[primary[source]]
+        sds, arg = _read_form(*resolved[primary[source]])
       else:  # Only a fill needs it (the step): a scalar on one device.
         sharding = _default_sharding(None)
         sds = jax.ShapeDtypeStruct((), np.uint32, sharding=sharding)
@@ -842,7 +947,11 @@ def execute_plan(
     if path in plan.reads:
       source = plan.reads[path]
       value = values[source]
-      leaves.append(value if primary[source] == path else _convert(value, resolved[path][0]))
+      target = resolved[path][0]
+      if primary[source] == path:
+        leaves.append(_as_target(value, target))
+      else:
+        leaves.append(_convert(value, target))
     elif path in plan.fills:
       fill = plan.fills[path]
       number = fill.value if fill.source is None else _host_int(values[fill.source])
