@@ -10,8 +10,10 @@ The whole public API::
   hyperparameters(path)                  the inject_hyperparams values
   to_canonical_tree, to_disk_tree        the rewrite rules on whole trees
   TunixCheckpointError and subclasses    every error raised
+  maxtext.restore_train_state            a Tunix step as MaxText's TrainState
 """
 
+from orbax_tunix import maxtext
 from orbax_tunix.composite_handler import TunixAwareHandler
 from orbax_tunix.detect import Detection, detect
 from orbax_tunix.errors import (
@@ -42,6 +44,7 @@ __all__ = [
     'handler_registry',
     'hyperparameters',
     'load_plugins',
+    'maxtext',
     'register',
     'to_canonical_tree',
     'to_disk_tree',

@@ -80,6 +80,12 @@ class Detection:
     return {name: lay.rule_names for name, lay in self.layouts.items()}
 
 
+def as_path(path: epath.PathLike) -> epath.Path:
+  """An `epath.Path`, made absolute when local (TensorStore's OCDBT needs it)."""
+  path = epath.Path(path)
+  return path if path.is_absolute() else path.resolve()
+
+
 def read_json(path: epath.Path) -> Any:
   """Reads a JSON metadata file.
 
@@ -246,7 +252,7 @@ def require_step_dir(path: epath.Path) -> epath.Path:
       directory (the message names the step to use when there is one).
     UncommittedStepError: it is an unfinished step.
   """
-  path = epath.Path(path)
+  path = as_path(path)
   step_dir, item, _ = resolve_step(path)
   if step_dir != path or item is not None:
     raise errors.NotACheckpointError(
@@ -312,7 +318,7 @@ def detect(path: epath.PathLike) -> Detection:
     NotACheckpointError, UncommittedStepError, CorruptMetadataError,
     UnsupportedLayoutError: see their docstrings; each message names the path.
   """
-  path = epath.Path(path)
+  path = as_path(path)
   step_dir, item, notes = resolve_step(path)
   handlers = recorded_item_handlers(step_dir)
   paths = {name: tree_paths(step_dir / name) for name in handlers if has_tree(step_dir / name)}
@@ -343,7 +349,7 @@ def plan_item(item_dir: epath.Path) -> layout_lib.ItemLayout | None:
   Raises:
     CorruptMetadataError, UnsupportedLayoutError.
   """
-  item_dir = epath.Path(item_dir)
+  item_dir = as_path(item_dir)
   name = item_dir.name
   if name not in rules.TUNIX_ITEMS or not has_tree(item_dir):
     return None

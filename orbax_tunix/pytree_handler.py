@@ -19,15 +19,21 @@ from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 from orbax_tunix import errors
 from orbax_tunix import layout as layout_lib
-from orbax_tunix.detect import PYTREE_METADATA, has_tree, plan_item
+from orbax_tunix.detect import PYTREE_METADATA, as_path, has_tree, plan_item
 from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, nest
 
 PyTree = Any
 
 
 def _shape(leaf: Any) -> tuple[int, ...] | None:
+  """The shape a leaf has on disk; typed PRNG keys are stored as their key data."""
   shape = getattr(leaf, 'shape', None)
-  return None if shape is None else tuple(shape)
+  if shape is None:
+    return None
+  dtype = getattr(leaf, 'dtype', None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return tuple(shape) + tuple(jax.eval_shape(jax.random.key_data, leaf).shape[len(shape):])
+  return tuple(shape)
 
 
 def validate_target(
@@ -107,7 +113,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
         another shape (checked before any array is read).
       UnsupportedLayoutError: legacy `transforms` on a Tunix item.
     """
-    directory = epath.Path(directory)
+    directory = as_path(directory)
     if not has_tree(directory):
       found = 'a directory without it' if directory.is_dir() else (
           'a file' if directory.exists() else 'nothing')
@@ -232,7 +238,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
 
   def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
     """Returns the item's metadata tree, canonical for a Tunix item."""
-    directory = epath.Path(directory)
+    directory = as_path(directory)
     layout = plan_item(directory)
     if layout is None or not layout.rewrites:
       return super().metadata(directory)

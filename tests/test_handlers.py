@@ -275,3 +275,19 @@ def test_same_handler_restores_then_saves_ordinary(tunix_data, tmp_path):
       model_params=ocp.args.PyTreeSave(restored['model_params'])))
   plain = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(tmp_path / '1')
   _assert_values(plain['model_params'], _leaves(restored['model_params']))
+
+
+def test_relative_paths_and_typed_key_targets(tunix_data, mesh, monkeypatch):
+  monkeypatch.chdir(tunix_data)
+  item = 'rng_vars/1/model_params'
+  meta = ot.TunixPyTreeHandler().metadata(item).tree
+  key_meta = meta['rngs']['params']['key']
+  rep = NamedSharding(mesh, P())
+  target = {'rngs': {'params': {'key': jax.ShapeDtypeStruct(
+      (), jax.random.key(0).dtype, sharding=rep)}}}
+  r = ot.TunixPyTreeHandler().restore(item, args=ocp.args.PyTreeRestore(item=target))
+  key = r['rngs']['params']['key']
+  assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  raw = builders.raw_leaves(tunix_data / item)
+  np.testing.assert_array_equal(jax.random.key_data(key), raw['rngs/params/key/value'])
+  assert key_meta is not None
