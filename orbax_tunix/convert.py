@@ -23,16 +23,18 @@ Streaming: leaves are read in batches whose bytes fit the memory budget (one
 Orbax partial restore each) and each batch is saved with Orbax's own
 `PyTreeCheckpointHandler` into the same item directory. With OCDBT (Orbax's
 default) every save adds its arrays to the item's per-process database, and
-Orbax appends to `_sharding` and `array_metadatas/` itself; only the tree
-metadata (`_METADATA`, one entry per leaf) is written per save, so the
-entries of all saves are merged once at the end (the same union Orbax's own
-partial-save finalization does) before Orbax's `finalize` merges the OCDBT
-database into the item's root manifest.
+Orbax appends to `_sharding` and `array_metadatas/` itself; but each save
+rewrites the tree metadata (`_METADATA`, one entry per leaf) with its own
+leaves only, so the entries of all saves are kept and written once at the end
+(the same union Orbax's own partial-save finalization does) before Orbax's
+`finalize` merges the OCDBT database into the item's root manifest.
 
 Atomic: everything is written to `<DST>.orbax-checkpoint-tmp-<ns>` beside DST
 (the name Orbax and this package treat as an unfinished step) and renamed to
-DST at the end; any failure or interrupt removes it. An existing DST is
-refused unless `force`, and then replaced only once the new one is complete.
+DST at the end; any failure or interrupt removes it (a killed process leaves
+only that temporary directory). An existing DST is refused unless `force`,
+and then replaced only once the new one is complete. DST must be local: an
+object store has no directory rename.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -51,21 +52,29 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-from orbax_tunix import errors, reader, rules
-from orbax_tunix.detect import CHECKPOINT_METADATA, PYTREE_METADATA, TMP_MARKER, read_json
+from orbax_tunix import __version__, errors, reader, rules
+from orbax_tunix.detect import (
+    CHECKPOINT_METADATA,
+    PYTREE_METADATA,
+    TMP_MARKER,
+    as_path,
+    read_json,
+)
 from orbax_tunix.hyperparams import hyperparameters
-from orbax_tunix.tree_paths import Path, fmt, nest
+from orbax_tunix.tree_paths import Path, nest
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
 LAYOUTS = (CANONICAL, MAXTEXT)
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
-# Bytes held per byte of array data in a batch, measured with
-# benchmarks/convert_memory.py: the compressed bytes read and the decoded
-# array (restore), then the host copy and the compressed bytes written
-# (save) overlap to about 3x. The batch is sized budget / this.
-COPIES_IN_FLIGHT = 3
+# Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
+# TensorStore holds the compressed bytes and the decoded array while reading,
+# the host copy and the compressed bytes while writing, and freed buffers are
+# not all returned at once: a batch of B bytes peaks at 2.5 B to 4.5 B above
+# `reader.FIXED_OVERHEAD` (the larger factors for small batches, and from run
+# to run). Sized for the worst case seen.
+COPIES_IN_FLIGHT = 5
 
 COMMIT_SUCCESS = 'commit_success.txt'
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
@@ -137,7 +146,7 @@ class ConvertPlan:
 
   @property
   def batch_bytes(self) -> int:
-    return max(1, self.memory_budget // COPIES_IN_FLIGHT)
+    return reader.batch_bytes(self.memory_budget, COPIES_IN_FLIGHT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,10 +196,21 @@ def parse_dtype(name: str | None) -> np.dtype | None:
   return dtype
 
 
+def _absolute(path: epath.Path) -> str:
+  text = os.fspath(path)
+  return text.rstrip('/') if '://' in text else os.path.abspath(text)
+
+
+
 def _check_destination(src: reader.CanonicalCheckpoint, dst: epath.Path, force: bool) -> None:
-  source = os.path.abspath(os.fspath(src.step_dir))
-  target = os.path.abspath(os.fspath(dst))
-  overlap = source == target or source.startswith(target + os.sep) or target.startswith(source + os.sep)
+  if '://' in os.fspath(dst):
+    # Atomicity is a directory rename, which object stores do not have.
+    raise InvalidDestinationError(
+        f'{dst}: expected a local destination, found a bucket path. Convert to'
+        ' a local directory, then upload it (e.g. gcloud storage cp -r).'
+    )
+  source, target = _absolute(src.step_dir), _absolute(dst)
+  overlap = source == target or source.startswith(target + '/') or target.startswith(source + '/')
   if overlap:
     raise InvalidDestinationError(
         f'{dst}: the destination overlaps the source step {src.step_dir}.'
@@ -251,7 +271,7 @@ def plan_convert(
         f'--memory-budget {memory_budget}: expected a positive number of bytes.'
     )
   source = reader.open_checkpoint(src, step)
-  dst = epath.Path(dst)
+  dst = as_path(dst)
   _check_destination(source, dst, force)
   notes = [f'skipped item {name!r}: {why}' for name, why in sorted(source.skipped.items())]
   items: list[ItemPlan] = []
@@ -273,7 +293,7 @@ def plan_convert(
     ]
     if dropped:
       notes.append(f'left out {len(dropped)} RNG state leaves (paths with {reader.RNG_KEY!r})')
-    if all(path[-1].endswith(('_lora_a', '_lora_b', 'lora_a', 'lora_b')) for _, path in found):
+    if all(path[-1].endswith(('lora_a', 'lora_b')) for _, path in found):
       notes.append(
           'the weights are LoRA adapters only (the run saved no base weights):'
           ' merge them with the base model before loading them alone'
@@ -285,6 +305,11 @@ def plan_convert(
         notes.append(f'skipped item {name!r}: it has no leaves')
         continue
       items.append(ItemPlan(name, name, leaves, tuple(leaf.path for leaf in leaves)))
+  if not items:
+    raise errors.UnsupportedLayoutError(
+        f'{source.step_dir}: expected at least one PyTree item to convert,'
+        f' found none ({"; ".join(notes) or "the step has no items"}).'
+    )
   return ConvertPlan(
       source=source,
       dst=dst,
@@ -308,7 +333,7 @@ def _write_item(
   item_dir.mkdir(parents=True)
   writer = ocp.PyTreeCheckpointHandler()
   source_handler = ocp.PyTreeCheckpointHandler()
-  dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths))
+  dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths, strict=True))
   header: dict[str, Any] | None = None
   entries: dict[str, Any] = {}
   for batch in reader.batches(item.leaves, plan.batch_bytes):
@@ -320,7 +345,7 @@ def _write_item(
         dtype=plan.dtype,
         handler=source_handler,
     )
-    tree = nest(zip((dst_path[leaf.disk_path] for leaf in batch), values))
+    tree = nest(zip((dst_path[leaf.disk_path] for leaf in batch), values, strict=True))
     writer.save(item_dir, args=ocp.args.PyTreeSave(tree))
     del values, tree  # Free the batch before the next is read.
     # Each save writes `_METADATA` for its own leaves only: keep them all.
@@ -334,19 +359,8 @@ def _write_item(
   (item_dir / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {item_dir}')
 
 
-def _json_scalar(value: Any) -> Any:
-  value = np.asarray(value)[()]
-  if isinstance(value, np.floating):
-    return float(value)
-  if isinstance(value, np.integer | np.bool_):
-    return value.item()
-  return str(value)
-
-
 def _provenance(plan: ConvertPlan) -> dict[str, Any]:
   """What DST's custom metadata records about where it came from."""
-  from orbax_tunix import __version__  # Late: the package imports this module's users.
-
   detection = plan.source.detection
   record: dict[str, Any] = {
       'source': os.fspath(plan.source.step_dir),
@@ -361,7 +375,7 @@ def _provenance(plan: ConvertPlan) -> dict[str, Any]:
     found = hyperparameters(detection.step_dir)
     if found:
       record['hyperparameters'] = {
-          shell: {name: _json_scalar(v) for name, v in values.items()}
+          shell: {name: reader.json_scalar(v) for name, v in values.items()}
           for shell, values in found.items()
       }
   return record
@@ -385,12 +399,13 @@ def _write_step_metadata(tmp: epath.Path, plan: ConvertPlan, init_ns: int) -> No
 
 def remove_tree(path: epath.Path) -> None:
   """Removes a directory tree, tolerating writers still finishing in it."""
-  for _ in range(5):
+  for _ in range(5):  # Retried: a background write may still add a file.
     if not path.exists():
       return
+    local = os.fspath(path)
     try:
-      if isinstance(path, epath.Path) and os.path.isdir(os.fspath(path)):
-        shutil.rmtree(os.fspath(path), ignore_errors=True)
+      if os.path.isdir(local):
+        shutil.rmtree(local, ignore_errors=True)
       else:
         path.rmtree()
     except OSError:
@@ -471,8 +486,3 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
       seconds=time.monotonic() - start,
       replaced=replaced,
   )
-
-
-def describe_paths(paths: Sequence[Path]) -> list[str]:
-  """Paths as people write them."""
-  return [fmt(p) for p in paths]

@@ -23,11 +23,13 @@ from etils import epath
 
 from orbax_tunix import errors, rules
 from orbax_tunix.detect import (
+    AGGREGATE_FILE,
     CHECKPOINT_METADATA,
     PYTREE_METADATA,
     RL_ROLES,
     Detection,
     StepInfo,
+    as_path,
     detect,
     list_steps,
     read_json,
@@ -129,7 +131,7 @@ def find_steps(path: epath.PathLike) -> list[StepInfo]:
   Returns:
     The steps found, by step number; empty when there are none.
   """
-  path = epath.Path(path)
+  path = as_path(path)
   if not path.is_dir():
     return []
   if (path / PYTREE_METADATA).exists() and (path.parent / CHECKPOINT_METADATA).exists():
@@ -160,7 +162,7 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Detection:
     UncommittedStepError: step `step` exists but is unfinished.
     NotACheckpointError, CorruptMetadataError: as `detect`.
   """
-  path = epath.Path(path)
+  path = as_path(path)
   if step is None:
     return detect(path)
   detection = detect(path)  # Raises the usual errors for non-checkpoints.
@@ -267,8 +269,16 @@ def open_checkpoint(
   for item in detection.items:
     if wanted is not None and item not in wanted:
       continue
-    if not (detection.step_dir / item / PYTREE_METADATA).exists():
-      skipped[item] = 'not a PyTree item (no _METADATA)'
+    item_dir = detection.step_dir / item
+    if not (item_dir / PYTREE_METADATA).exists():
+      if (item_dir / AGGREGATE_FILE).exists():
+        skipped[item] = (
+            'written by an Orbax release older than _METADATA, so its shapes'
+            ' and dtypes are not in metadata; restore it with'
+            ' orbax_tunix.TunixPyTreeHandler, then save it with Orbax'
+        )
+      else:
+        skipped[item] = 'not a PyTree item (no _METADATA)'
       continue
     leaves[item], side[item] = item_leaves(detection, item)
   return CanonicalCheckpoint(detection, leaves, side, skipped)
@@ -317,6 +327,16 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
   return sorted(found, key=lambda pair: pair[1])
 
 
+def json_scalar(value: Any) -> Any:
+  """A numpy scalar as JSON holds it (float, int, bool; else its text)."""
+  value = np.asarray(value)[()]
+  if isinstance(value, np.floating):
+    return float(value)
+  if isinstance(value, np.integer | np.bool_):
+    return value.item()
+  return str(value)
+
+
 def custom_metadata(step_dir: epath.Path) -> dict[str, Any]:
   """The user's custom metadata recorded in a step's `_CHECKPOINT_METADATA`."""
   meta = read_json(step_dir / CHECKPOINT_METADATA)
@@ -351,6 +371,26 @@ class NullProgress:
 
   def finish(self) -> None:
     pass
+
+
+# Memory the streaming needs whatever the batch size (TensorStore's thread
+# pools and caches, allocator slack), measured with
+# benchmarks/convert_memory.py; the rest of a budget goes to batches.
+FIXED_OVERHEAD = 64 << 20
+
+
+def batch_bytes(memory_budget: int, copies: int) -> int:
+  """Bytes of array data per batch so that the streaming fits `memory_budget`.
+
+  Args:
+    memory_budget: bytes the streaming may use above the process's start-up.
+    copies: bytes held per byte of a batch while it is read and used.
+
+  Returns:
+    (budget - FIXED_OVERHEAD) / copies, and at least budget / (4 * copies)
+    so that small budgets still make progress.
+  """
+  return max(memory_budget // (4 * copies), (memory_budget - FIXED_OVERHEAD) // copies, 1)
 
 
 def batches(leaves: Sequence[LeafInfo], budget: int) -> Iterator[list[LeafInfo]]:
@@ -434,8 +474,8 @@ def read(
   restored = handler.restore(
       step_dir / item,
       args=ocp.args.PyTreeRestore(
-          item=nest((leaf.disk_path, t) for leaf, (t, _) in zip(leaves, pairs)),
-          restore_args=nest((leaf.disk_path, a) for leaf, (_, a) in zip(leaves, pairs)),
+          item=nest((leaf.disk_path, t) for leaf, (t, _) in zip(leaves, pairs, strict=True)),
+          restore_args=nest((leaf.disk_path, a) for leaf, (_, a) in zip(leaves, pairs, strict=True)),
           partial_restore=True,
       ),
   )

@@ -1,0 +1,268 @@
+"""Diff: two checkpoints compared leaf by leaf in canonical form, streaming.
+
+Both sides are opened with `reader.open_checkpoint` (Tunix checkpoints in
+their canonical form, any other Orbax checkpoint as it is), their leaves are
+matched by `item/path`, and the leaves both sides hold with one shape are read
+in batches that fit the memory budget and compared value by value (the largest
+absolute difference per leaf). `params_only` compares the weights alone (see
+`reader.weights`), which matches a Tunix step against its MaxText
+parameter conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from etils import epath
+
+from orbax_tunix import reader
+from orbax_tunix.tree_paths import fmt
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+# Bytes held per byte read from either side: the compressed bytes and the
+# decoded array. A batch (A's and B's leaves together) is sized budget / this.
+COPIES_IN_FLIGHT = 2
+# Elements compared at once, so that the float64 working copies stay small.
+_CHUNK = 1 << 18
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+  """One leaf that differs.
+
+  Attributes:
+    path: 'item/canonical/path' (the weight path with `params_only`).
+    a: what A holds, e.g. '(8, 8) float32'.
+    b: what B holds.
+  """
+
+  path: str
+  a: str
+  b: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueDiff:
+  """A leaf whose values differ by more than the tolerance."""
+
+  path: str
+  max_abs_diff: float
+  differing: int
+  size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffResult:
+  """What `diff_checkpoints` found.
+
+  Attributes:
+    a, b: the two step directories compared.
+    only_a, only_b: paths present on one side only.
+    shape: leaves whose shapes differ (values not compared).
+    dtype: leaves whose dtypes differ (values compared after upcasting).
+    values: leaves whose values differ by more than `atol`.
+    compared: number of leaves whose values were compared.
+    bytes_compared: array bytes read from A for them.
+    atol: the tolerance.
+    max_abs_diff: the largest difference over every compared leaf.
+    seconds: wall time.
+  """
+
+  a: epath.Path
+  b: epath.Path
+  only_a: tuple[str, ...]
+  only_b: tuple[str, ...]
+  shape: tuple[Mismatch, ...]
+  dtype: tuple[Mismatch, ...]
+  values: tuple[ValueDiff, ...]
+  compared: int
+  bytes_compared: int
+  atol: float
+  max_abs_diff: float
+  seconds: float
+  ignore_dtype: bool = False
+
+  @property
+  def match(self) -> bool:
+    return not (
+        self.only_a
+        or self.only_b
+        or self.shape
+        or self.values
+        or (self.dtype and not self.ignore_dtype)
+    )
+
+
+def _describe(leaf: reader.LeafInfo) -> str:
+  if leaf.kind == reader.STRING:
+    return 'string'
+  return f'{leaf.shape} {leaf.dtype}'
+
+
+def _as_comparable(x: np.ndarray) -> np.ndarray:
+  """A view of `x` that subtracts meaningfully (floats, or int64 for integers)."""
+  if x.dtype == np.bool_:
+    return x.astype(np.int8)
+  if np.issubdtype(x.dtype, np.complexfloating):
+    return x.astype(np.complex128)
+  if np.issubdtype(x.dtype, np.integer):
+    return x.astype(np.int64) if x.dtype != np.uint64 else x.astype(np.float64)
+  return x.astype(np.float64)
+
+
+def compare_values(a: object, b: object) -> tuple[float, int]:
+  """Largest absolute difference between two same-shaped values, and how many differ.
+
+  NaNs at the same place count as equal, a NaN against a number as an
+  infinite difference. Worked through in chunks, so the float64 copies stay
+  at `_CHUNK` elements whatever the size of the arrays.
+
+  Args:
+    a, b: arrays (or scalars, or strings) of one shape.
+
+  Returns:
+    (max |a - b| over all elements, number of elements that are not equal).
+  """
+  if isinstance(a, str) or isinstance(b, str):
+    return (0.0, 0) if a == b else (float('inf'), 1)
+  a = np.asarray(a).reshape(-1)
+  b = np.asarray(b).reshape(-1)
+  worst, differing = 0.0, 0
+  for start in range(0, a.size, _CHUNK):
+    x = _as_comparable(a[start : start + _CHUNK])
+    y = _as_comparable(b[start : start + _CHUNK])
+    with np.errstate(invalid='ignore', over='ignore'):
+      delta = np.abs(x - y)
+    if np.issubdtype(delta.dtype, np.floating):
+      x_nan = np.isnan(x) if np.issubdtype(x.dtype, np.inexact) else False
+      y_nan = np.isnan(y) if np.issubdtype(y.dtype, np.inexact) else False
+      delta = np.where(x_nan & y_nan, 0.0, delta)
+      delta = np.where(x_nan ^ y_nan, np.inf, delta)
+    if delta.size:
+      worst = max(worst, float(np.max(delta)))
+      differing += int(np.count_nonzero(delta))
+  return worst, differing
+
+
+def _views(
+    ckpt: reader.CanonicalCheckpoint, params_only: bool
+) -> dict[str, reader.LeafInfo]:
+  if params_only:
+    return {fmt(path): leaf for leaf, path in reader.weights(ckpt)}
+  return {leaf.name: leaf for leaf in ckpt.leaves}
+
+
+def _pair_batches(
+    pairs: Sequence[tuple[str, reader.LeafInfo, reader.LeafInfo]], budget: int
+) -> list[list[tuple[str, reader.LeafInfo, reader.LeafInfo]]]:
+  """Groups pairs, in order, so that A's and B's bytes together fit `budget`."""
+  out: list[list[tuple[str, reader.LeafInfo, reader.LeafInfo]]] = []
+  batch: list[tuple[str, reader.LeafInfo, reader.LeafInfo]] = []
+  size = 0
+  for pair in pairs:
+    nbytes = pair[1].nbytes + pair[2].nbytes
+    if batch and size + nbytes > budget:
+      out.append(batch)
+      batch, size = [], 0
+    batch.append(pair)
+    size += nbytes
+  if batch:
+    out.append(batch)
+  return out
+
+
+def _read_side(
+    ckpt: reader.CanonicalCheckpoint, leaves: Sequence[reader.LeafInfo]
+) -> list[object]:
+  """Reads leaves that may span items: one partial restore per item."""
+  by_item: dict[str, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    by_item.setdefault(leaf.item, []).append(i)
+  values: list[object] = [None] * len(leaves)
+  for item, indices in by_item.items():
+    got = reader.read(ckpt.step_dir, item, [leaves[i] for i in indices], as_numpy=True)
+    for i, value in zip(indices, got, strict=True):
+      values[i] = value
+  return values
+
+
+def diff_checkpoints(
+    a: epath.PathLike | reader.CanonicalCheckpoint,
+    b: epath.PathLike | reader.CanonicalCheckpoint,
+    *,
+    atol: float = 0.0,
+    params_only: bool = False,
+    ignore_dtype: bool = False,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: reader.Progress | None = None,
+) -> DiffResult:
+  """Compares two checkpoints in canonical form.
+
+  Args:
+    a, b: checkpoints (root, step or item directory) or opened ones.
+    atol: a leaf differs when some element differs by more than this
+      (0: exact equality).
+    params_only: compare the weights only (no optimizer state, no RNG state);
+      a Tunix step then matches its MaxText parameter conversion.
+    ignore_dtype: do not count dtype differences (values are still compared,
+      upcast to float64, against `atol`): for checking a `--dtype` conversion.
+    memory_budget: bytes the streaming may hold at once.
+    progress: told the bytes of A compared after each batch.
+
+  Returns:
+    A `DiffResult`; `.match` says whether they match.
+
+  Raises:
+    TunixCheckpointError subclasses: a side cannot be read.
+  """
+  start = time.monotonic()
+  progress = progress or reader.NullProgress()
+  ckpt_a = a if isinstance(a, reader.CanonicalCheckpoint) else reader.open_checkpoint(a)
+  ckpt_b = b if isinstance(b, reader.CanonicalCheckpoint) else reader.open_checkpoint(b)
+  view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
+  only_a = tuple(sorted(set(view_a) - set(view_b)))
+  only_b = tuple(sorted(set(view_b) - set(view_a)))
+  shape, dtype, pairs = [], [], []
+  for path in sorted(set(view_a) & set(view_b)):
+    la, lb = view_a[path], view_b[path]
+    if la.shape != lb.shape or (la.kind == reader.STRING) != (lb.kind == reader.STRING):
+      shape.append(Mismatch(path, _describe(la), _describe(lb)))
+      continue
+    if la.dtype != lb.dtype:
+      dtype.append(Mismatch(path, _describe(la), _describe(lb)))
+    pairs.append((path, la, lb))
+  values, worst, compared_bytes = [], 0.0, 0
+  budget = reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)
+  progress.start(sum(la.nbytes for _, la, _ in pairs), 'comparing')
+  try:
+    for batch in _pair_batches(pairs, budget):
+      got_a = _read_side(ckpt_a, [la for _, la, _ in batch])
+      got_b = _read_side(ckpt_b, [lb for _, _, lb in batch])
+      for (path, la, _), x, y in zip(batch, got_a, got_b, strict=True):
+        max_diff, differing = compare_values(x, y)
+        worst = max(worst, max_diff)
+        if max_diff > atol:
+          values.append(ValueDiff(path, max_diff, differing, max(1, int(np.size(x)))))
+        compared_bytes += la.nbytes
+      del got_a, got_b
+      progress.advance(sum(la.nbytes for _, la, _ in batch))
+  finally:
+    progress.finish()
+  return DiffResult(
+      a=ckpt_a.step_dir,
+      b=ckpt_b.step_dir,
+      only_a=only_a,
+      only_b=only_b,
+      shape=tuple(shape),
+      dtype=tuple(dtype),
+      values=tuple(values),
+      compared=len(pairs),
+      bytes_compared=compared_bytes,
+      atol=atol,
+      max_abs_diff=worst,
+      seconds=time.monotonic() - start,
+      ignore_dtype=ignore_dtype,
+  )

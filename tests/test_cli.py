@@ -1,0 +1,605 @@
+"""The `orbax-tunix` command line: inspect, convert and diff, as a user runs them."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_tunix
+from orbax_tunix import cli, convert, inspection, reader
+from orbax_tunix.tree_paths import flat_dict, fmt
+
+FIXTURES = (
+    'sft_full',
+    'lora_qwix',
+    'adapter_inject',
+    'chain_clip',
+    'grad_accum',
+    'adapter_inject_clip',
+    'own_base_module',
+    'v1_writer',
+    'rl_actor',
+    'rng_vars',
+)
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# The subprocesses run on one CPU device, away from the test's 8 fake ones.
+SUBPROCESS_ENV = {
+    **{k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'},
+    'JAX_PLATFORMS': 'cpu',
+}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+  """Runs the CLI in-process; returns (exit status, stdout, stderr)."""
+  status = cli.main([str(a) for a in argv])
+  captured = capsys.readouterr()
+  return status, captured.out, captured.err
+
+
+def plain(value):
+  """A restored leaf as a numpy array (PRNG keys as their key data)."""
+  if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    value = jax.random.key_data(value)
+  return np.asarray(value)
+
+
+def canonical_source(step_dir: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
+  """Every item of a step in canonical form, read by the package's handler."""
+  with ocp.Checkpointer(orbax_tunix.TunixAwareHandler()) as ckptr:
+    restored = ckptr.restore(step_dir)
+  return {item: {fmt(p): plain(v) for p, v in flat_dict(tree).items()} for item, tree in restored.items()}
+
+
+def plain_orbax_restore(step_dir: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
+  """Every item of a step, read by plain Orbax with no arguments."""
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    restored = ckptr.restore(step_dir)
+  return {item: {fmt(p): plain(v) for p, v in flat_dict(tree).items()} for item, tree in restored.items()}
+
+
+def write_big_checkpoint(root: pathlib.Path, n_leaves: int, leaf_mib: int) -> pathlib.Path:
+  """A Tunix-layout step of incompressible float32 arrays; returns the step dir."""
+  rng = np.random.default_rng(0)
+  side = int((leaf_mib * 2**20 // 4) ** 0.5)
+
+  def noise():
+    # Random bytes, not random normals: fast, and zstd cannot shrink them.
+    return np.frombuffer(rng.bytes(side * side * 4), np.float32).reshape(side, side).copy()
+
+  params = {'layers': {str(i): {'w': {'value': jax.numpy.asarray(noise())}} for i in range(n_leaves)}}
+  params['rngs'] = {'default': {'count': {'value': jax.numpy.uint32(1)}}}
+  step_dir = root / '1'
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(step_dir, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(params)))
+  return step_dir
+
+
+@pytest.fixture(scope='module')
+def big_checkpoint(tmp_path_factory) -> pathlib.Path:
+  """About 200 MiB of array data in 50 leaves (written once per module)."""
+  return write_big_checkpoint(tmp_path_factory.mktemp('big'), n_leaves=50, leaf_mib=4)
+
+
+# --- inspect ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', FIXTURES)
+def test_inspect_every_fixture(capsys, tunix_data, name):
+  status, out, err = run(capsys, 'inspect', tunix_data / name)
+  assert status == 0, err
+  assert 'kind        Tunix' in out
+  assert 'model_params: ' in out and 'Totals' in out
+  assert 'nnx_value' in out
+
+
+@pytest.mark.parametrize('name', FIXTURES)
+def test_inspect_json_leaves_are_the_canonical_metadata(capsys, tunix_data, name):
+  status, out, _ = run(capsys, 'inspect', tunix_data / name, '--json')
+  assert status == 0
+  doc = json.loads(out)
+  step_dir = pathlib.Path(doc['step_dir'])
+  for item, body in doc['items'].items():
+    meta = flat_dict(orbax_tunix.TunixPyTreeHandler().metadata(step_dir / item).tree)
+    expected = {
+        fmt(p): {
+            'shape': list(m.shape),
+            'dtype': str(np.dtype(m.dtype)),
+            'bytes': int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize,
+        }
+        for p, m in meta.items()
+    }
+    assert body['leaves'] == expected
+    assert body['bytes'] == sum(leaf['bytes'] for leaf in expected.values())
+  assert doc['bytes'] == sum(body['bytes'] for body in doc['items'].values())
+
+
+def test_inspect_shows_steps_rewrites_hyperparameters(capsys, tunix_data):
+  _, out, _ = run(capsys, 'inspect', tunix_data / 'adapter_inject', '--json')
+  doc = json.loads(out)
+  assert doc['items']['optimizer_state']['rewrites'] == [
+      {'rule': 'nnx_value', 'description': doc['items']['optimizer_state']['rewrites'][0]['description']},
+      {'rule': 'inject_hyperparams', 'description': doc['items']['optimizer_state']['rewrites'][1]['description']},
+      {'rule': 'adapter_base', 'description': doc['items']['optimizer_state']['rewrites'][2]['description']},
+  ]
+  hp = doc['hyperparameters']['opt_state']
+  assert hp['b1'] == pytest.approx(0.9) and hp['learning_rate'] == pytest.approx(1e-3)
+  outline = {row['path']: row['description'] for row in doc['optimizer']['outline']}
+  assert outline['opt_state/0/mu'].startswith('mirrors the weights (14 of 14')
+  assert 'inject_hyperparams' in outline['opt_state']
+  _, out, _ = run(capsys, 'inspect', tunix_data / 'sft_full', '--json')
+  doc = json.loads(out)
+  assert [(s['step'], s['committed']) for s in doc['steps']] == [(1, True), (2, True)]
+  assert doc['step'] == 2
+
+
+def test_inspect_lora(capsys, tunix_data):
+  _, out, _ = run(capsys, 'inspect', tunix_data / 'lora_qwix', '--json')
+  lora = json.loads(out)['lora']
+  assert lora['style'] == 'qwix' and lora['ranks'] == [2]
+  assert lora['base_weights'] is False
+  assert lora['targets'] == [
+      'layers/0/attn/k_proj/kernel',
+      'layers/0/attn/q_proj/w',
+      'layers/1/attn/k_proj/kernel',
+      'layers/1/attn/q_proj/w',
+  ]
+  _, out, _ = run(capsys, 'inspect', tunix_data / 'lora_qwix')
+  assert 'rank          2' in out and 'not saved (adapters only)' in out
+
+
+def test_inspect_collapses_layers_on_request(capsys, tunix_data):
+  _, full, _ = run(capsys, 'inspect', tunix_data / 'sft_full')
+  assert 'layers/1/attn/q_proj/w' in full  # Piped: every leaf.
+  _, folded, _ = run(capsys, 'inspect', tunix_data / 'sft_full', '--collapse')
+  assert 'layers/[0-1]/attn/q_proj/w' in folded and 'layers/1/' not in folded
+
+
+def test_collapse_groups_identical_layers_only():
+  def leaf(path, shape):
+    return reader.LeafInfo('m', tuple(path.split('/')), (), shape, np.dtype('float32'))
+
+  leaves = [leaf(f'layers/{i}/w', (4, 4)) for i in (0, 1, 2, 3, 5)]
+  leaves += [leaf('layers/4/w', (8, 4)), leaf('opt/0/count', ())]
+  rows = {r.path: (r.count, r.nbytes) for r in inspection.collapse(leaves)}
+  assert rows == {
+      'layers/[0-3,5]/w': (5, 5 * 64),
+      'layers/4/w': (1, 128),
+      'opt/0/count': (1, 4),
+  }
+
+
+def test_inspect_lists_unfinished_steps(capsys, tunix_data, tmp_path):
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', root)
+  shutil.copytree(root / '2', root / '3.orbax-checkpoint-tmp-123')
+  status, out, _ = run(capsys, 'inspect', root, '--json')
+  assert status == 0
+  steps = [(s['step'], s['committed']) for s in json.loads(out)['steps']]
+  assert steps == [(1, True), (2, True), (3, False)]
+  _, out, _ = run(capsys, 'inspect', root)
+  assert '(unfinished: 3)' in out
+  status, _, err = run(capsys, 'inspect', root, '--step', '3')
+  assert status == 2 and 'step 3 is unfinished' in err
+  status, out, _ = run(capsys, 'inspect', root, '--step', '1', '--json')
+  assert status == 0 and json.loads(out)['step'] == 1
+
+
+def test_inspect_reads_metadata_only(big_checkpoint, tunix_data):
+  """On ~200 MiB of arrays, inspect reads a tiny fraction of them (rchar)."""
+  array_bytes = 50 * 4 * 2**20
+  on_disk = sum(f.stat().st_size for f in big_checkpoint.rglob('*') if f.is_file())
+  assert on_disk > 0.8 * array_bytes  # The data did not compress away.
+  script = (
+      'import io, sys\n'
+      'from orbax_tunix import cli\n'
+      'def rchar():\n'
+      '  return int(next(l for l in open("/proc/self/io") if l.startswith("rchar")).split()[1])\n'
+      'sys.stdout = io.StringIO()\n'
+      # Warm-up on a tiny checkpoint: lazy imports and backend start-up.
+      f'cli.main(["inspect", {str(tunix_data / "sft_full")!r}, "--json"])\n'
+      'before = rchar()\n'
+      f'status = cli.main(["inspect", {str(big_checkpoint)!r}, "--json"])\n'
+      'after = rchar()\n'
+      'sys.stdout = sys.__stdout__\n'
+      'print(status, after - before)\n'
+  )
+  done = subprocess.run(
+      [sys.executable, '-c', script], capture_output=True, text=True, env=SUBPROCESS_ENV,
+      cwd=REPO, timeout=120, check=True,
+  )
+  status, read = map(int, done.stdout.split())
+  assert status == 0
+  assert read < 0.01 * array_bytes, f'inspect read {read} bytes of {array_bytes}'
+
+
+# --- convert ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', FIXTURES)
+def test_convert_then_plain_orbax_then_diff(capsys, tunix_data, tmp_path, name):
+  dst = tmp_path / 'out' / '7'
+  # A tiny budget forces one batch per few leaves: the streaming path.
+  status, out, err = run(capsys, 'convert', tunix_data / name, dst, '--memory-budget', '2K')
+  assert status == 0, err
+  assert out.startswith('converted ') and out.count('\n') == 1
+  source = canonical_source(reader.resolve(tunix_data / name).step_dir)
+  restored = plain_orbax_restore(dst)
+  assert restored.keys() == source.keys()
+  for item in source:
+    assert restored[item].keys() == source[item].keys()
+    for path, value in source[item].items():
+      np.testing.assert_array_equal(restored[item][path], value, err_msg=f'{item}/{path}')
+  meta = json.loads((dst / '_CHECKPOINT_METADATA').read_text())
+  assert set(meta['item_handlers'].values()) == {ocp.PyTreeCheckpointHandler.typestr()}
+  for item in source:
+    tree = flat_dict(ocp.PyTreeCheckpointHandler().metadata(dst / item).tree)
+    assert {fmt(p) for p in tree} == set(source[item])
+  status, out, _ = run(capsys, 'diff', tunix_data / name, dst)
+  assert status == 0 and out.strip().splitlines()[-1].startswith('match:')
+
+
+def test_convert_output_is_a_checkpoint_manager_step(capsys, tunix_data, tmp_path):
+  root = tmp_path / 'ckpts'
+  assert run(capsys, 'convert', tunix_data / 'rl_actor', root / '5')[0] == 0
+  with ocp.CheckpointManager(root) as mngr:
+    assert mngr.all_steps() == [5]
+    restored = mngr.restore(5)
+  assert set(restored.keys()) == {'model_params', 'optimizer_state'}
+  custom = json.loads((root / '5' / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
+  assert custom['global_step'] == 2 and custom['role'] == 'actor'  # Kept from the source.
+  assert custom['orbax_tunix']['source_step'] == 1
+
+
+def test_convert_keeps_hyperparameters_in_custom_metadata(capsys, tunix_data, tmp_path):
+  assert run(capsys, 'convert', tunix_data / 'grad_accum', tmp_path / '1')[0] == 0
+  custom = json.loads((tmp_path / '1' / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
+  hp = custom['orbax_tunix']['hyperparameters']['opt_state/inner_opt_state']
+  assert hp['learning_rate'] == pytest.approx(1e-3)
+
+
+def test_convert_relative_paths(capsys, tunix_data, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  src = os.path.relpath(tunix_data / 'sft_full', tmp_path)
+  status, _, err = run(capsys, 'convert', src, 'out/2')
+  assert status == 0, err
+  assert run(capsys, 'diff', src, 'out/2')[0] == 0
+  assert run(capsys, 'inspect', 'out')[0] == 0
+
+
+def test_convert_step(capsys, tunix_data, tmp_path):
+  assert run(capsys, 'convert', tunix_data / 'sft_full', tmp_path / '1', '--step', '1')[0] == 0
+  assert run(capsys, 'diff', tunix_data / 'sft_full' / '1', tmp_path / '1')[0] == 0
+  assert run(capsys, 'diff', tunix_data / 'sft_full', tmp_path / '1')[0] == 1  # Latest is 2.
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', tmp_path / '9', '--step', '9')
+  assert status == 2
+  assert 'expected a step 9, found none. Steps present: 1, 2' in err
+  assert not (tmp_path / '9').exists()
+
+
+@pytest.mark.parametrize('name', ['rng_vars', 'adapter_inject', 'sft_full'])
+def test_convert_maxtext_params_as_maxtext_reads_them(capsys, tunix_data, tmp_path, name):
+  dst = tmp_path / '3'
+  status, _, err = run(capsys, 'convert', tunix_data / name, dst, '--layout', 'maxtext', '--params-only')
+  assert status == 0, err
+  assert sorted(p.name for p in dst.iterdir() if p.is_dir()) == ['items']
+  weights = {
+      path: value
+      for path, value in canonical_source(reader.resolve(tunix_data / name).step_dir)['model_params'].items()
+      if 'rngs' not in path.split('/')
+  }
+  # MaxText's load_parameters_path read (checkpointing.load_params_from_path).
+  items = dst / 'items'
+  meta = ocp.PyTreeCheckpointHandler().metadata(items).tree
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), meta['params'])
+  ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+  legacy = ckptr.restore(
+      items,
+      item={'params': abstract},
+      transforms={},
+      restore_args={'params': ocp.checkpoint_utils.construct_restore_args(abstract)},
+  )
+  partial = ckptr.restore(
+      items,
+      args=ocp.args.PyTreeRestore(
+          item={'params': abstract},
+          restore_args=ocp.checkpoint_utils.construct_restore_args({'params': abstract}),
+          partial_restore=True,
+      ),
+  )
+  for restored in (legacy, partial):
+    got = {fmt(p): np.asarray(v) for p, v in flat_dict(restored['params']['params']).items()}
+    assert got.keys() == weights.keys()
+    for path, value in weights.items():
+      np.testing.assert_array_equal(got[path], value)
+  assert run(capsys, 'diff', tunix_data / name, dst, '--params-only')[0] == 0
+  status, out, _ = run(capsys, 'diff', tunix_data / name, dst)
+  assert status == 1 and 'add --params-only' in out
+
+
+def test_convert_maxtext_needs_params_only(capsys, tunix_data, tmp_path):
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', tmp_path / '1', '--layout', 'maxtext')
+  assert status == 2 and '--params-only' in err
+  assert not (tmp_path / '1').exists()
+
+
+def test_convert_params_only_canonical_drops_rng_and_optimizer(capsys, tunix_data, tmp_path):
+  dst = tmp_path / '1'
+  status, _, err = run(capsys, 'convert', tunix_data / 'rng_vars', dst, '--params-only')
+  assert status == 0 and 'RNG state' in err
+  restored = plain_orbax_restore(dst)
+  assert list(restored) == ['model_params']
+  assert not any('rngs' in p.split('/') for p in restored['model_params'])
+  assert run(capsys, 'diff', tunix_data / 'rng_vars', dst, '--params-only')[0] == 0
+
+
+def test_convert_dtype(capsys, tunix_data, tmp_path):
+  dst = tmp_path / '1'
+  assert run(capsys, 'convert', tunix_data / 'rng_vars', dst, '--dtype', 'bfloat16')[0] == 0
+  meta = {
+      fmt(p): np.dtype(m.dtype)
+      for p, m in flat_dict(ocp.PyTreeCheckpointHandler().metadata(dst / 'model_params').tree).items()
+  }
+  assert meta['embedder/embedding'] == jax.numpy.bfloat16
+  assert meta['rngs/params/key'] == np.uint32 and meta['rngs/params/count'] == np.uint32
+  status, out, _ = run(capsys, 'diff', tunix_data / 'rng_vars', dst)
+  assert status == 1 and 'Dtypes differ' in out
+  assert run(capsys, 'diff', tunix_data / 'rng_vars', dst, '--ignore-dtype', '--atol', '0.01')[0] == 0
+  status, _, err = run(capsys, 'convert', tunix_data / 'rng_vars', tmp_path / '2', '--dtype', 'int8')
+  assert status == 2 and 'floating dtype' in err
+
+
+def test_convert_refuses_existing_destination(capsys, tunix_data, tmp_path):
+  dst = tmp_path / '1'
+  dst.mkdir()
+  (dst / 'keep.txt').write_text('mine')
+  status, out, err = run(capsys, 'convert', tunix_data / 'sft_full', dst)
+  assert status == 2 and out == ''
+  assert 'already exists. Pass --force' in err and 'Traceback' not in err
+  assert (dst / 'keep.txt').read_text() == 'mine'
+  assert run(capsys, 'convert', tunix_data / 'sft_full', dst, '--force')[0] == 0
+  assert not (dst / 'keep.txt').exists()
+  assert run(capsys, 'diff', tunix_data / 'sft_full', dst)[0] == 0
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['1']  # No temporaries left.
+
+
+def test_convert_refuses_destination_inside_source(capsys, tunix_data, tmp_path):
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', root)
+  status, _, err = run(capsys, 'convert', root, root / '2' / 'converted', '--force')
+  assert status == 2 and 'overlaps the source' in err
+  status, _, err = run(capsys, 'convert', root / '2', root, '--force')
+  assert status == 2 and 'overlaps the source' in err
+
+
+def test_convert_refuses_bucket_destination(capsys, tunix_data):
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', 'gs://some-bucket/out/1')
+  assert status == 2 and 'expected a local destination' in err
+
+
+def test_convert_failure_leaves_nothing(capsys, tunix_data, tmp_path, monkeypatch):
+  real_save = ocp.PyTreeCheckpointHandler.save
+  calls = []
+
+  def failing_save(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+      raise OSError(28, 'No space left on device')
+    return real_save(self, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'save', failing_save)
+  out_dir = tmp_path / 'out'
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', out_dir / '1', '--memory-budget', '2K')
+  assert status == 2 and 'No space left on device' in err and 'Traceback' not in err
+  assert list(out_dir.iterdir()) == []
+
+
+def test_convert_interrupt_leaves_nothing(capsys, tunix_data, tmp_path, monkeypatch):
+  real_save = ocp.PyTreeCheckpointHandler.save
+
+  def interrupted_save(self, *args, **kwargs):
+    real_save(self, *args, **kwargs)
+    raise KeyboardInterrupt  # Ctrl-C after the first batch.
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'save', interrupted_save)
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', tmp_path / 'out' / '1')
+  assert status == 130 and 'interrupted' in err
+  assert list((tmp_path / 'out').iterdir()) == []
+
+
+def _wait_for_first_batch(proc: subprocess.Popen, parent: pathlib.Path) -> None:
+  """Waits until a conversion has written its first batch into its temporary dir."""
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline:
+    assert proc.poll() is None, proc.communicate()
+    if any((tmp / 'model_params' / '_METADATA').exists() for tmp in parent.glob('*.orbax-checkpoint-tmp-*')):
+      return
+    time.sleep(0.005)
+  raise AssertionError('the conversion never wrote a batch')
+
+
+def test_convert_killed_midway_leaves_no_destination(big_checkpoint, tmp_path):
+  dst = tmp_path / 'out' / '1'
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
+       '--memory-budget', '12M'],
+      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+  )
+  _wait_for_first_batch(proc, dst.parent)
+  proc.kill()
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  assert not dst.exists()
+  # What a kill leaves is a temporary directory Orbax and this tool call unfinished.
+  leftovers = list(dst.parent.iterdir())
+  assert [p.name.startswith('1.orbax-checkpoint-tmp-') for p in leftovers] == [True]
+  assert reader.find_steps(dst.parent)[0].committed is False
+
+
+def test_convert_sigterm_removes_its_temporary(big_checkpoint, tmp_path):
+  dst = tmp_path / 'out' / '1'
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
+       '--memory-budget', '12M'],
+      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  _wait_for_first_batch(proc, dst.parent)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130, err
+  assert 'interrupted' in err
+  assert list(dst.parent.iterdir()) == []
+
+
+# --- diff -------------------------------------------------------------------
+
+
+def test_diff_reports_value_differences(capsys, tunix_data):
+  a, b = tunix_data / 'sft_full' / '1', tunix_data / 'sft_full' / '2'
+  status, out, _ = run(capsys, 'diff', a, b)
+  assert status == 1
+  assert 'Values differ (atol 0): 44' in out and out.strip().splitlines()[-1].startswith('differ:')
+  status, out, _ = run(capsys, 'diff', a, b, '--json')
+  doc = json.loads(out)
+  assert status == 1 and doc['match'] is False
+  by_path = {v['path']: v for v in doc['values']}
+  expected = np.abs(
+      canonical_source(a)['model_params']['embedder/embedding']
+      - canonical_source(b)['model_params']['embedder/embedding']
+  ).max()
+  assert by_path['model_params/embedder/embedding']['max_abs_diff'] == pytest.approx(float(expected))
+  assert run(capsys, 'diff', a, b, '--atol', '1')[0] == 0
+  assert run(capsys, 'diff', a, a)[0] == 0
+
+
+def test_diff_reports_missing_and_mismatched_leaves(capsys, tmp_path):
+  """Plain Orbax checkpoints (not Tunix) compare as they are."""
+
+  def save(step_dir, tree):
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      ckptr.save(step_dir, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)))
+
+  ones = np.ones((2, 3), np.float32)
+  save(tmp_path / 'a' / '1', {'w': ones, 'b': np.zeros(3, np.float32), 'x': np.arange(2), 'same': ones})
+  save(tmp_path / 'b' / '1', {'w': ones.T.copy(), 'b': np.zeros(3, np.float16), 'y': np.arange(2), 'same': ones})
+  status, out, _ = run(capsys, 'diff', tmp_path / 'a', tmp_path / 'b', '--json')
+  doc = json.loads(out)
+  assert status == 1
+  assert doc['only_a'] == ['state/x'] and doc['only_b'] == ['state/y']
+  assert doc['shape'] == [{'path': 'state/w', 'a': '(2, 3) float32', 'b': '(3, 2) float32'}]
+  assert doc['dtype'] == [{'path': 'state/b', 'a': '(3,) float32', 'b': '(3,) float16'}]
+  assert doc['values'] == [] and doc['compared'] == 2
+  status, out, _ = run(capsys, 'diff', tmp_path / 'a', tmp_path / 'b')
+  for title in ('Only in A', 'Only in B', 'Shapes differ: 1', 'Dtypes differ: 1'):
+    assert title in out
+
+
+def test_diff_tunix_against_its_v1_twin(capsys, tunix_data):
+  """Same run written through Orbax v0 and v1: equal in canonical form."""
+  assert run(capsys, 'diff', tunix_data / 'sft_full', tunix_data / 'v1_writer')[0] == 0
+
+
+def test_diff_error_status(capsys, tunix_data, tmp_path):
+  status, out, err = run(capsys, 'diff', tunix_data / 'sft_full', tmp_path / 'nothing')
+  assert status == 2 and out == ''
+  assert 'no such file or directory' in err and 'Traceback' not in err
+
+
+def test_compare_values_handles_nan_and_chunks():
+  from orbax_tunix import diff
+
+  a = np.arange(300_000, dtype=np.float32)
+  b = a.copy()
+  b[-1] += 2
+  assert diff.compare_values(a, b) == (2.0, 1)
+  x = np.array([np.nan, 1.0])
+  assert diff.compare_values(x, x.copy()) == (0.0, 0)
+  assert diff.compare_values(x, np.array([0.0, 1.0]))[0] == float('inf')
+  assert diff.compare_values(np.uint32(5), np.uint32(3)) == (2.0, 1)
+
+
+# --- messages, output and packaging -----------------------------------------
+
+
+def test_not_a_checkpoint_message(capsys, tmp_path):
+  status, out, err = run(capsys, 'inspect', tmp_path)
+  assert status == 2 and out == ''
+  assert err.startswith(f'orbax-tunix: error: {tmp_path}: expected an Orbax checkpoint')
+  assert 'Traceback' not in err
+
+
+def test_debug_shows_the_traceback(capsys, tmp_path):
+  status, _, err = run(capsys, 'inspect', tmp_path, '--debug')
+  assert status == 2 and 'Traceback' in err and 'NotACheckpointError' in err
+
+
+def test_usage_errors_exit_2(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(['convert', 'a', 'b', '--memory-budget', 'lots'])
+  assert e.value.code == 2
+  assert 'is not a size' in capsys.readouterr().err
+
+
+def test_parse_size():
+  assert cli.parse_size('1000') == 1000
+  assert cli.parse_size('2K') == 2048
+  assert cli.parse_size('512M') == 512 * 2**20
+  assert cli.parse_size('1.5GiB') == 3 * 2**29
+  assert cli.parse_size('1gb') == 2**30
+
+
+def test_rich_tables_and_plain_fallback(monkeypatch, tunix_data):
+  report = inspection.inspect_checkpoint(tunix_data / 'lora_qwix')
+  stream = io.StringIO()
+  cli.show_inspect(cli.Output(stream, fancy=True), report, collapse=True)
+  drawn = stream.getvalue()
+  # Brackets in folded paths are text, not rich markup.
+  assert 'layers/[0-1]/attn/q_proj/w_lora_a' in drawn
+  monkeypatch.setattr(cli, 'rich', None)  # As if rich were not installed.
+  stream = io.StringIO()
+  output = cli.Output(stream, fancy=True)
+  assert not output.fancy
+  cli.show_inspect(output, report, collapse=True)
+  assert 'layers/[0-1]/attn/q_proj/w_lora_a' in stream.getvalue()
+
+
+def test_progress_lines(monkeypatch):
+  monkeypatch.setattr(cli, 'LOG_INTERVAL', 0.0)
+  stream = io.StringIO()
+  progress = cli.make_progress(stream, fancy=True)  # Not a terminal: log lines.
+  progress.start(2 * 2**20, 'converting')
+  progress.advance(2**20)
+  progress.advance(2**20)
+  progress.finish()
+  assert stream.getvalue().splitlines()[-1].startswith('converting: 2.0 MiB / 2.0 MiB (100%)')
+
+
+def test_console_script_is_declared():
+  scripts = importlib.metadata.entry_points(group='console_scripts')
+  assert any(s.name == 'orbax-tunix' and s.value == 'orbax_tunix.cli:main' for s in scripts)
+
+
+def test_batches_fit_the_budget():
+  leaves = [reader.LeafInfo('m', (str(i),), (str(i),), (n,), np.dtype('uint8')) for i, n in enumerate([3, 3, 3, 10, 1])]
+  sizes = [[leaf.nbytes for leaf in b] for b in reader.batches(leaves, 6)]
+  assert sizes == [[3, 3], [3], [10], [1]]
+
+
+def test_plan_is_metadata_only(tunix_data, tmp_path):
+  plan = convert.plan_convert(tunix_data / 'adapter_inject', tmp_path / '1', memory_budget=2**30)
+  assert [item.name for item in plan.items] == ['model_params', 'optimizer_state']
+  assert plan.batch_bytes == (2**30 - reader.FIXED_OVERHEAD) // convert.COPIES_IN_FLIGHT
+  assert not (tmp_path / '1').exists()
