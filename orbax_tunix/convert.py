@@ -458,15 +458,22 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
 
   Raises:
     DestinationExistsError: DST appeared meanwhile and not `force`.
-    OSError and Orbax errors from reading or writing; in every case (and on
-    KeyboardInterrupt) the temporary directory is removed and DST is untouched.
+    InvalidDestinationError: the destination cannot be written (permissions,
+      space). In every case (and on KeyboardInterrupt) the temporary
+      directory is removed and DST is untouched.
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
   init_ns = time.time_ns()
-  plan.dst.parent.mkdir(parents=True, exist_ok=True)
   tmp = temporary_path(plan.dst)
-  tmp.mkdir()
+  try:
+    plan.dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+  except OSError as e:
+    raise InvalidDestinationError(
+        f'{plan.dst}: cannot create the destination beside it ({e}). Expected a'
+        ' writable directory; choose another DST or fix its permissions.'
+    ) from e
   progress.start(plan.total_bytes, f'converting to {plan.dst}')
   try:
     for item in plan.items:
@@ -474,6 +481,13 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
     _write_step_metadata(tmp, plan, init_ns)
     (tmp / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {plan.dst}')
     replaced = _commit(tmp, plan.dst, plan.force)
+  except OSError as e:
+    remove_tree(tmp)
+    raise InvalidDestinationError(
+        f'{plan.dst}: writing failed ({e}). Expected a writable destination with'
+        f' room for about {plan.total_bytes} bytes; nothing was left behind.'
+        ' Free space or choose another DST.'
+    ) from e
   except BaseException:
     remove_tree(tmp)
     raise

@@ -195,3 +195,27 @@ def test_step_being_written_while_root_is_read(run):
   assert not errors, errors
   d = ot.detect(run)
   assert d.step == 2 and any('unfinished step 5' in n for n in d.notes)
+
+
+def test_convert_to_read_only_destination(run, tmp_path):
+  """A destination that cannot be written: a clear error, nothing left, source intact."""
+  from orbax_tunix import cli
+
+  parent = tmp_path / 'ro_parent'
+  parent.mkdir()
+  if os.system(f'mount --bind {parent} {parent} 2>/dev/null && mount -o remount,ro,bind {parent} 2>/dev/null') != 0:
+    os.system(f'umount {parent} 2>/dev/null')
+    pytest.skip('no bind mounts here')
+  before = snapshot(run)
+  try:
+    from orbax_tunix import convert
+
+    with pytest.raises(convert.InvalidDestinationError) as e:
+      convert.run_convert(convert.plan_convert(run, parent / 'out'))
+    assert str(parent / 'out') in str(e.value) and 'writable' in str(e.value)
+    assert isinstance(e.value, ot.TunixCheckpointError)
+    assert cli.main(['convert', str(run), str(parent / 'out')]) == 2
+    assert list(parent.iterdir()) == []
+  finally:
+    os.system(f'umount {parent}')
+  assert snapshot(run) == before
