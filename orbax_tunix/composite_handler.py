@@ -16,7 +16,7 @@ from etils import epath
 from orbax.checkpoint._src.handlers import handler_type_registry
 
 from orbax_tunix import detect, errors
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
+from orbax_tunix.pytree_handler import V1_PYTREE_TYPESTR, TunixPyTreeHandler, TunixPyTreeRestore
 
 # Item handler typestrs whose items hold a PyTree `TunixPyTreeHandler` reads:
 # the v0 PyTree and Standard handlers (both module spellings) and v1's.
@@ -27,10 +27,7 @@ PYTREE_TYPESTRS = frozenset(
         'pytree_checkpoint_handler.PyTreeCheckpointHandler',
         'standard_checkpoint_handler.StandardCheckpointHandler',
     )
-) | {
-    'orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler',
-    TunixPyTreeHandler.typestr(),
-}
+) | {V1_PYTREE_TYPESTR, TunixPyTreeHandler.typestr()}
 
 RESTORE_ARGS = (TunixPyTreeRestore, ocp.args.PyTreeRestore, ocp.args.StandardRestore)
 SAVE_HANDLERS = {

@@ -33,8 +33,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors, rules
-from orbax_tunix.detect import Detection, detect
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
+from orbax_tunix.detect import Detection, as_path, detect
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, as_pytree_restore
 from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, key_str, nest
 
 PyTree = Any
@@ -1044,17 +1044,10 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
       TargetMismatchError: no target given, or it does not fit the checkpoint.
       UnsupportedLayoutError: legacy `transforms` on a Tunix checkpoint.
     """
-    directory = epath.Path(directory)
-    if isinstance(args, ocp.args.StandardRestore):
-      args = ocp.args.PyTreeRestore(item=args.item)
-    if args is None:
-      args = ocp.args.PyTreeRestore(
-          item=item,
-          restore_args=restore_args,
-          transforms=transforms,
-          transforms_default_to_original=transforms_default_to_original,
-          legacy_transform_fn=legacy_transform_fn,
-      )
+    directory = as_path(directory)
+    args = as_pytree_restore(
+        args, item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
+    )
     if not detect(directory).is_tunix:
       return super().restore(directory, args=args)
     if args.transforms is not None or args.legacy_transform_fn is not None:

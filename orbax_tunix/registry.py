@@ -18,7 +18,7 @@ from etils import epath
 from orbax_tunix import rules
 from orbax_tunix.composite_handler import PYTREE_TYPESTRS
 from orbax_tunix.detect import plan_item
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, V1ItemRestore
 
 ENTRY_POINT_GROUP = 'orbax.checkpoint.handlers'
 
@@ -33,9 +33,10 @@ def handler_registry(
     mngr = ocp.CheckpointManager(root, handler_registry=orbax_tunix.handler_registry())
     state = mngr.restore(mngr.latest_step())
 
-  Tunix's items (`model_params`, `optimizer_state`) restore in canonical form,
-  with no arguments or with `PyTreeRestore`/`StandardRestore`; they save as
-  ordinary Orbax PyTrees.
+  PyTree items restore through `TunixPyTreeHandler` (Tunix items in canonical
+  form), with no arguments or with `PyTreeRestore`/`StandardRestore`, whether
+  the step was written with Orbax's v0 or v1 API. Saves go to Orbax's own
+  handlers and write ordinary checkpoints.
 
   Args:
     item_handler: the handler for Tunix items (a new `TunixPyTreeHandler` by
@@ -46,13 +47,14 @@ def handler_registry(
   """
   restore_handler = item_handler or TunixPyTreeHandler()
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-  for item in rules.TUNIX_ITEMS:
-    # Save handlers first: on a no-arg restore the composite uses the item's
-    # last-registered handler, which must be the Tunix one.
-    registry.add(item, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler())
-    registry.add(item, ocp.args.StandardSave, ocp.StandardCheckpointHandler())
-    for args_type in (TunixPyTreeRestore, ocp.args.PyTreeRestore, ocp.args.StandardRestore):
-      registry.add(item, args_type, restore_handler)
+  # General entries, not per item name: saves then fall through to Orbax's
+  # own handlers, so the typestr recorded in a new step is Orbax's and the
+  # step restores without this package. A no-arg restore finds the handler
+  # type by the recorded typestr, then these entries by its default args.
+  for args_type in (
+      TunixPyTreeRestore, V1ItemRestore, ocp.args.PyTreeRestore, ocp.args.StandardRestore
+  ):
+    registry.add(None, args_type, restore_handler)
   return registry
 
 

@@ -90,3 +90,38 @@ def test_examples_run(example, tmp_path):
       cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'model_params' in out.stdout
+
+
+def test_saves_are_ordinary_checkpoints(tmp_path):
+  """Saved through our registry or composite, a step restores without orbax_tunix."""
+  import json
+
+  tree = {'w': np.arange(4, dtype=np.float32)}
+  mngr = ocp.CheckpointManager(tmp_path / 'mngr', handler_registry=ot.handler_registry())
+  mngr.save(1, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(tree)))
+  mngr.wait_until_finished()
+  mngr.close()
+  ocp.Checkpointer(ot.TunixAwareHandler()).save(
+      tmp_path / 'ckptr' / '1', args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(tree)))
+  for root in ('mngr', 'ckptr'):
+    meta = json.loads((tmp_path / root / '1' / '_CHECKPOINT_METADATA').read_text())
+    assert meta['item_handlers'] == {'model_params': ocp.PyTreeCheckpointHandler.typestr()}
+    code = (
+        'import sys, orbax.checkpoint as ocp\n'
+        f'r = ocp.CheckpointManager({str(tmp_path / root)!r}).restore(1)\n'
+        "assert 'orbax_tunix' not in sys.modules\n"
+        "print(r['model_params']['w'].tolist())\n")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith('[0.0, 1.0, 2.0, 3.0]')
+
+
+def test_v1_written_step_through_v0_apis(tunix_data):
+  """Orbax's v0 composite has no handler for v1's typestr; ours fills the gap."""
+  mngr = ocp.CheckpointManager(
+      tunix_data / 'v1_writer', options=ocp.CheckpointManagerOptions(read_only=True),
+      handler_registry=ot.handler_registry())
+  r = mngr.restore(1)
+  assert 'layers' in r['model_params'] and 'opt_state' in r['optimizer_state']
+  mngr.close()
