@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -36,7 +37,7 @@ import numpy as np
 
 from orbax_tunix import convert as convert_lib
 from orbax_tunix import diff as diff_lib
-from orbax_tunix import errors, inspection
+from orbax_tunix import errors, inspection, reader
 from orbax_tunix.inspection import format_bytes
 from orbax_tunix.tree_paths import fmt
 
@@ -374,23 +375,49 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
 # --- convert ----------------------------------------------------------------
 
 
+class _Interruptible:
+  """A `Progress` that stops the conversion at the next batch once signalled.
+
+  A KeyboardInterrupt raised by a signal handler can land in a callback whose
+  exceptions Python ignores (e.g. XLA's garbage-collection hook) and be lost;
+  the flag makes the stop certain, at the latest after the current batch.
+  """
+
+  def __init__(self, inner: reader.Progress):
+    self._inner = inner
+    self.stop = threading.Event()
+
+  def start(self, total_bytes: int, description: str) -> None:
+    self._inner.start(total_bytes, description)
+
+  def advance(self, nbytes: int) -> None:
+    self._inner.advance(nbytes)
+    if self.stop.is_set():
+      raise KeyboardInterrupt
+
+  def finish(self) -> None:
+    self._inner.finish()
+
+
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-  """Turns SIGTERM into KeyboardInterrupt, so the temporary files are removed."""
+def _signals_stop(progress: _Interruptible) -> Iterator[None]:
+  """SIGINT and SIGTERM stop the conversion, so its temporary files are removed."""
 
   def handler(signum: int, frame: Any) -> None:
     del signum, frame
+    progress.stop.set()
     raise KeyboardInterrupt
 
   try:
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
   except ValueError:  # Not the main thread: leave signals alone.
     yield
     return
   try:
     yield
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for sig, old in previous.items():
+      signal.signal(sig, old)
 
 
 def cmd_convert(args: argparse.Namespace, out: Output) -> int:
@@ -413,8 +440,8 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
         ' when no conversion is running.',
         file=sys.stderr,
     )
-  progress = make_progress(sys.stderr, out.fancy or args.fancy_progress)
-  with _sigterm_as_interrupt():
+  progress = _Interruptible(make_progress(sys.stderr, out.fancy or args.fancy_progress))
+  with _signals_stop(progress):
     result = convert_lib.run_convert(plan, progress)
   source = plan.source.detection
   rate = result.bytes_read / max(result.seconds, 1e-9)

@@ -29,7 +29,7 @@ from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, nest
 PyTree = Any
 
 
-def _shape(leaf: Any) -> tuple[int, ...] | None:
+def stored_shape(leaf: Any) -> tuple[int, ...] | None:
   """The shape a leaf has on disk; typed PRNG keys are stored as their key data."""
   shape = getattr(leaf, 'shape', None)
   if shape is None:
@@ -62,12 +62,12 @@ def validate_target(
   """
   missing = [fmt(c) for c, d in zip(canonical, disk, strict=True) if d not in disk_shapes]
   shapes = [
-      f'{fmt(c)}: target {_shape(leaf)}, on disk {disk_shapes[d]}'
+      f'{fmt(c)}: target {stored_shape(leaf)}, on disk {disk_shapes[d]}'
       for c, d, leaf in zip(canonical, disk, leaves, strict=True)
       if d in disk_shapes
-      and _shape(leaf) is not None
+      and stored_shape(leaf) is not None
       and disk_shapes[d] is not None
-      and _shape(leaf) != disk_shapes[d]
+      and stored_shape(leaf) != disk_shapes[d]
   ]
   if missing or shapes:
     parts = [f'{directory}: the restore target does not match the checkpoint.']
@@ -115,7 +115,7 @@ def _header_shapes(directory: epath.Path, paths: frozenset[Path]) -> dict[Path, 
     # zarr2 (Orbax's v0 default) or zarr3 (v1): the first array found says.
     probes = [(h, n) for n in list(names.values())[:8] for h in ('.zarray', 'zarr.json')]
     probe_reads = [store.read(f'{n}/{h}') for h, n in probes]
-    header = next((h for (h, _), r in zip(probes, probe_reads) if r.result().value), None)
+    header = next((h for (h, _), r in zip(probes, probe_reads, strict=True) if r.result().value), None)
     if header is None:
       return {}
     reads = {p: store.read(f'{n}/{header}') for p, n in names.items()}
@@ -310,7 +310,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           ' checkpoint is damaged: restore another step, or leave those'
           ' leaves out of the target.'
       ) from e
-    return shapes | {p: _shape(m) for p, m in flat_dict(tree).items()}
+    return shapes | {p: stored_shape(m) for p, m in flat_dict(tree).items()}
 
   def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
     """Returns the item's metadata tree, canonical for a Tunix item."""

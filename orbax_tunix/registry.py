@@ -15,7 +15,6 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import rules
 from orbax_tunix.composite_handler import PYTREE_TYPESTRS
 from orbax_tunix.detect import plan_item
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, V1ItemRestore

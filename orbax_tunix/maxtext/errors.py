@@ -1,0 +1,15 @@
+"""The MaxText view's own errors: two `TargetMismatchError`s with a known cause.
+
+Each explains a whole set of missing weights at once; `weights.py` raises them
+before any array is read.
+"""
+
+from orbax_tunix import errors
+
+
+class LayerScanMismatchError(errors.TargetMismatchError):
+  """One side stacks the layers into one array per weight (scanned), the other not."""
+
+
+class LoraOnlyCheckpointError(errors.TargetMismatchError):
+  """The checkpoint holds only LoRA adapters; the target needs full weights."""

@@ -1,0 +1,244 @@
+"""Executing a plan: each needed array read once, into the target's shardings and dtypes.
+
+`execute_plan` reads through `TunixPyTreeHandler`, an item at a time, and fills
+what Tunix never wrote; `restore_train_state` is planning and executing in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
+from orbax_tunix.maxtext.view import Shape
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
+from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, key_str, nest
+
+PyTree = Any
+
+logger = logging.getLogger('orbax_tunix')
+
+
+def _is_key(dtype: Any) -> bool:
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _stored_form(shape: Shape, dtype: Any) -> jax.ShapeDtypeStruct:
+  """The shape and dtype a leaf has on disk: PRNG keys are stored as their key data."""
+  if not _is_key(dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+
+
+def _default_sharding(leaf: Any) -> jax.sharding.Sharding:
+  sharding = getattr(leaf, 'sharding', None)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return sharding
+  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _resolve(leaf: Any, arg: Any) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestoreArgs]:
+  """The target leaf as a sharded abstract array, and its restore args.
+
+  Caller-given `ArrayRestoreArgs` are kept (their class too, e.g. MaxText's
+  single-replica ones); what they leave open is taken from the abstract leaf,
+  so every result has the target's dtype (MaxText passes shardings only).
+  """
+  shape = tuple(leaf.shape)
+  if isinstance(arg, ocp.ArrayRestoreArgs):
+    sharding = arg.sharding
+    if not isinstance(sharding, jax.sharding.Sharding):
+      sharding = None
+    if sharding is None and arg.mesh is not None and arg.mesh_axes is not None:
+      sharding = jax.sharding.NamedSharding(arg.mesh, arg.mesh_axes)
+    changes: dict[str, Any] = {}
+    if arg.dtype is None:
+      changes['dtype'] = leaf.dtype
+    if sharding is None:
+      sharding = _default_sharding(leaf)
+      if arg.sharding is None and arg.mesh is None:
+        changes['sharding'] = sharding
+    arg = dataclasses.replace(arg, **changes) if changes else arg
+    return jax.ShapeDtypeStruct(shape, arg.dtype, sharding=sharding), arg
+  dtype = getattr(arg, 'dtype', None) or leaf.dtype
+  sharding = _default_sharding(leaf)
+  args = ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype, global_shape=shape)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), args
+
+
+def _restore_args_by_path(restore_args: PyTree | None) -> dict[Path, Any]:
+  if restore_args is None:
+    return {}
+  pairs, _ = jax.tree_util.tree_flatten_with_path(
+      restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs)
+  )
+  return {tuple(key_str(k) for k in keys): arg for keys, arg in pairs}
+
+
+def _constant(value: int, target: jax.ShapeDtypeStruct) -> jax.Array:
+  host = np.full(target.shape, value, dtype=target.dtype)
+  return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: host[idx])
+
+
+def _read_form(
+    target: jax.ShapeDtypeStruct, arg: ocp.ArrayRestoreArgs
+) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestoreArgs]:
+  """What to ask the item handler for: a typed PRNG key is read as its key data.
+
+  The checkpoint records key data (e.g. uint32 (2,) for a threefry key of
+  shape ()); Orbax wraps it back into a key after reading, see `_as_target`.
+  """
+  if not _is_key(target.dtype):
+    return target, arg
+  data = _stored_form(target.shape, target.dtype)
+  sharding = target.sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    trailing = (None,) * (len(data.shape) - len(target.shape))
+    sharding = jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, *trailing)
+    )
+  arg = dataclasses.replace(
+      arg, dtype=data.dtype, global_shape=data.shape, shape=data.shape, sharding=sharding,
+      mesh=None, mesh_axes=None,
+  )
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding), arg
+
+
+def _as_target(value: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
+  """Puts PRNG keys in the target's form (typed key or key data), as read otherwise."""
+  want_key, is_key = _is_key(target.dtype), _is_key(value.dtype)
+  if want_key == is_key:
+    return value
+  value = jax.random.wrap_key_data(value) if want_key else jax.random.key_data(value)
+  return jax.device_put(value, target.sharding)
+
+
+def _convert(array: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
+  """A second target leaf from the same source: cast and reshard on device."""
+  array = _as_target(array, target)
+  if _is_key(target.dtype):
+    return jax.device_put(array, target.sharding)
+  return jax.jit(lambda x: x.astype(target.dtype), out_shardings=target.sharding)(array)
+
+
+def _host_int(array: jax.Array) -> int:
+  # A scalar is replicated: any local shard holds the value (multi-process too).
+  return int(np.asarray(array.addressable_data(0)).item())
+
+
+def execute_plan(
+    plan: RestorePlan, abstract_state: PyTree, *, restore_args: PyTree | None = None
+) -> PyTree:
+  """Reads what a plan says, once per array, into the target's shardings and dtypes.
+
+  Args:
+    plan: from `plan_restore` for this `abstract_state`.
+    abstract_state: the target (abstract arrays with shardings).
+    restore_args: optional `ocp.RestoreArgs` tree in the target's structure.
+
+  Returns:
+    A tree of the target's structure; planned leaves are `jax.Array`s, kept
+    leaves are returned as given.
+  """
+  pairs, treedef = flatten(abstract_state)
+  given = _restore_args_by_path(restore_args)
+  resolved = {
+      p: _resolve(leaf, given.get(p))
+      for p, leaf in pairs
+      if p in plan.reads or p in plan.fills
+  }
+  # Each source is read once, with the args of the first target leaf it fills.
+  primary: dict[Source, Path] = {}
+  for target, source in sorted(plan.reads.items()):
+    primary.setdefault(source, target)
+  values: dict[Source, jax.Array] = {}
+  for item, paths in plan.sources().items():
+    abstract, args = [], []
+    for path in paths:
+      source = Source(item, path)
+      if source in primary:
+        sds, arg = _read_form(*resolved[primary[source]])
+      else:  # Only a fill needs it (the step): a scalar on one device.
+        sharding = _default_sharding(None)
+        sds = jax.ShapeDtypeStruct((), np.uint32, sharding=sharding)
+        arg = ocp.ArrayRestoreArgs(sharding=sharding)
+      abstract.append((path, sds))
+      args.append((path, arg))
+    restored = TunixPyTreeHandler().restore(
+        plan.step_dir / item,
+        args=TunixPyTreeRestore(item=nest(abstract), restore_args=nest(args)),
+    )
+    by_path = flat_dict(restored)
+    values.update((Source(item, p), by_path[p]) for p in paths)
+  leaves = []
+  for path, leaf in pairs:
+    if path in plan.reads:
+      source = plan.reads[path]
+      value = values[source]
+      target = resolved[path][0]
+      if primary[source] == path:
+        leaves.append(_as_target(value, target))
+      else:
+        leaves.append(_convert(value, target))
+    elif path in plan.fills:
+      fill = plan.fills[path]
+      number = fill.value if fill.source is None else _host_int(values[fill.source])
+      logger.info('%s: filled with %d from %s', fmt(path), number, fill.describe())
+      leaves.append(_constant(number, resolved[path][0]))
+    else:
+      leaves.append(leaf)
+  for note in plan.left_out:
+    logger.info('%s: left out of the MaxText state: %s', plan.step_dir, note)
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def restore_train_state(
+    path: epath.PathLike,
+    abstract_state: PyTree,
+    *,
+    params_only: bool = False,
+    restore_args: PyTree | None = None,
+) -> PyTree:
+  """Restores a Tunix checkpoint as MaxText's train state.
+
+  Example::
+
+    abstract = jax.eval_shape(init_train_state)   # with shardings attached
+    state = orbax_tunix.maxtext.restore_train_state(tunix_root, abstract)
+
+  Args:
+    path: a Tunix root (the latest committed step), step or RL root.
+    abstract_state: a pytree with MaxText's key paths (a flax `TrainState`
+      from `jax.eval_shape`, or a dict): `params/params/<weights>`,
+      `opt_state` (optax states in chain order, empty ones `None` or
+      `EmptyState`), `step`, and optionally `nnx_aux/model/<variables>` (or
+      `nnx_aux/<variables>`) for RNGs and other non-weight variables. Leaves
+      are `jax.ShapeDtypeStruct`s or arrays; their sharding and dtype are
+      those of the result (a single local device when they have none).
+    params_only: restore the `params` subtree only and open only the weights;
+      every other leaf is returned as given.
+    restore_args: optional `ocp.ArrayRestoreArgs` in the target's structure
+      (as MaxText passes them); unset dtypes and shardings come from the
+      abstract leaves.
+
+  Returns:
+    A tree of the same structure whose restored leaves are `jax.Array`s. Each
+    needed array is read once; nothing the target does not need is read.
+
+  Raises:
+    TargetMismatchError: the target does not fit the checkpoint (weights on
+      one side only, shapes, optimizer states); raised before any array is
+      read. `LayerScanMismatchError` and `LoraOnlyCheckpointError` are the
+      scanned/unscanned and LoRA-only cases.
+    UnsupportedLayoutError: not a Tunix checkpoint.
+    NotACheckpointError, UncommittedStepError, CorruptMetadataError.
+  """
+  plan = plan_restore(path, abstract_state, params_only=params_only)
+  logger.debug('%s', plan.describe())
+  return execute_plan(plan, abstract_state, restore_args=restore_args)

@@ -1,0 +1,114 @@
+"""Matching optax states: the target's `opt_state` against the checkpoint's.
+
+Leaf paths are split into (state node, field, mirrored weight), grouped into
+`OptState`s in chain order, and aligned by their fields; nothing here knows an
+optimizer by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterable, Sequence
+
+from orbax_tunix.maxtext.train_state import OPT_STATE
+from orbax_tunix.tree_paths import Path, fmt
+
+
+@dataclasses.dataclass(frozen=True)
+class OptState:
+  """One optax state: the fields found under one node of `opt_state`.
+
+  Attributes:
+    node: its path below `opt_state` (chain positions, e.g. ('1', '0')).
+    fields: (field name, mirrors the weights) pairs, sorted; e.g. adam's
+      (('count', False), ('mu', True), ('nu', True)).
+  """
+
+  node: Path
+  fields: tuple[tuple[str, bool], ...]
+
+  def __str__(self) -> str:
+    names = ', '.join(f'{f}[weights]' if mirrored else f for f, mirrored in self.fields)
+    return f'{fmt((OPT_STATE,) + self.node)} {{{names}}}'
+
+
+def chain_order(path: Path) -> tuple[tuple[int, int, str], ...]:
+  """Sort key putting chain positions in numeric order ('2' before '10')."""
+  return tuple((0, int(k), '') if k.isdigit() else (1, 0, k) for k in path)
+
+
+def split_opt_path(
+    path: Path, weights: Collection[Path], collection: str | None = None
+) -> tuple[Path, str, Path | None]:
+  """Splits an `opt_state/...` leaf path into (state node, field, weight).
+
+  A field mirrors the weights (optax's `mu`, `nu`, `trace`, ...) when the rest
+  of the path below it is a weight path, optionally under `collection` (the
+  Linen `params` level in MaxText's `mu/params/<w>`); the shortest such field
+  wins. Any other leaf is a field of its own (e.g. `count`).
+
+  Args:
+    path: the full path, starting with 'opt_state'.
+    weights: canonical weight paths (no collection level).
+    collection: a level that may sit between the field and the weight.
+
+  Returns:
+    (node below `opt_state`, field name, canonical weight path or None).
+  """
+  rest = path[1:]
+  for j in range(1, len(rest)):
+    tail = rest[j:]
+    if collection is not None and tail[0] == collection and tail[1:] in weights:
+      return rest[: j - 1], rest[j - 1], tail[1:]
+    if tail in weights:
+      return rest[: j - 1], rest[j - 1], tail
+  return rest[:-1], rest[-1], None
+
+
+def opt_states(splits: Iterable[tuple[Path, str, Path | None]]) -> list[OptState]:
+  """Groups split leaf paths into optax states, in chain order."""
+  fields: dict[Path, dict[str, bool]] = {}
+  for node, field, weight in splits:
+    known = fields.setdefault(node, {})
+    known[field] = known.get(field, False) or weight is not None
+  return [
+      OptState(node, tuple(sorted(fields[node].items())))
+      for node in sorted(fields, key=chain_order)
+  ]
+
+
+def _worth(state: OptState) -> int:
+  """How much a match is worth: a state holding weight-shaped data beats a counter."""
+  return 1 + sum(mirrored for _, mirrored in state.fields)
+
+
+def align_states(target: Sequence[OptState], source: Sequence[OptState]) -> dict[int, int]:
+  """Matches target states to checkpoint states with the same fields, in order.
+
+  An order-preserving alignment (a longest common subsequence, weighted by
+  `_worth`), so empty states (missing on one side, `None` on the other), a
+  clipping transform in front, or wrappers only one side has all fall out of
+  the match, and where two matches exclude each other the one carrying
+  `mu`/`nu`-like data wins over a lone counter (which can be filled).
+
+  Returns:
+    target index -> source index, for every matched state.
+  """
+  n, m = len(target), len(source)
+  best = [[0] * (m + 1) for _ in range(n + 1)]
+  for i in range(n - 1, -1, -1):
+    for j in range(m - 1, -1, -1):
+      best[i][j] = max(best[i + 1][j], best[i][j + 1])
+      if target[i].fields == source[j].fields:
+        best[i][j] = max(best[i][j], _worth(target[i]) + best[i + 1][j + 1])
+  matched, i, j = {}, 0, 0
+  while i < n and j < m:
+    same = target[i].fields == source[j].fields
+    if same and best[i][j] == _worth(target[i]) + best[i + 1][j + 1]:
+      matched[i] = j
+      i, j = i + 1, j + 1
+    elif best[i + 1][j] >= best[i][j + 1]:
+      i += 1
+    else:
+      j += 1
+  return matched

@@ -1,0 +1,408 @@
+"""Planning: where every leaf of a MaxText target comes from, worked out once.
+
+`make_plan` is a pure function of the checkpoint's view and the target's key
+paths and shapes; `plan_restore` gathers both from a path. Every mismatch is
+reported here, before any array is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from etils import epath
+
+from orbax_tunix import errors, rules
+from orbax_tunix.detect import detect
+from orbax_tunix.maxtext.optimizer import (
+    OptState,
+    align_states,
+    chain_order,
+    opt_states,
+    split_opt_path,
+)
+from orbax_tunix.maxtext.train_state import (
+    COLLECTION,
+    NNX_AUX,
+    NNX_AUX_MODEL,
+    OPT_STATE,
+    PARAMS,
+    STEP,
+    TOP_KEYS,
+)
+from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
+from orbax_tunix.maxtext.weights import check_weights
+from orbax_tunix.pytree_handler import stored_shape
+from orbax_tunix.tree_paths import Path, flatten, fmt
+
+PyTree = Any
+
+# The optimizer's step counter in Tunix's optimizer item (canonical path).
+_TUNIX_STEP: Path = ('step',)
+# nnx.Rngs streams and the RNGs of Dropout & co. sit under a key 'rngs'.
+_RNG_KEY = 'rngs'
+# A state Tunix may not have written but whose value is known: a schedule's
+# `count` (ScaleByScheduleState) is the number of steps taken.
+_STEP_COUNTER_FIELDS = (('count', False),)
+
+
+# --- the plan --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Source:
+  """One leaf of a Tunix item, by its canonical path."""
+
+  item: str
+  path: Path
+
+  def __str__(self) -> str:
+    return f'{self.item}:{fmt(self.path)}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+  """A target leaf Tunix never wrote, computed instead of read.
+
+  Attributes:
+    source: the leaf whose value it takes (the optimizer's step), or None.
+    value: the value when there is no source (the step directory's number).
+    reason: why this is right, for the log.
+  """
+
+  source: Source | None
+  value: int | None
+  reason: str
+
+  def describe(self) -> str:
+    origin = f"the checkpoint's {self.source}" if self.source else f'{self.value}'
+    return f'{origin} ({self.reason})'
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+  """Where every leaf of a MaxText target comes from; computed once, before any read.
+
+  Attributes:
+    step_dir: the Tunix step directory.
+    reads: target leaf path -> the Tunix leaf it is read from.
+    fills: target leaf path -> how it is filled (leaves Tunix never wrote).
+    kept: target leaves returned as given (outside `params` when params_only).
+    left_out: what the checkpoint holds that the target does not take.
+    notes: what `detect()` noticed (e.g. unfinished steps skipped).
+  """
+
+  step_dir: epath.Path
+  reads: Mapping[Path, Source]
+  fills: Mapping[Path, Fill]
+  kept: frozenset[Path]
+  left_out: tuple[str, ...] = ()
+  notes: tuple[str, ...] = ()
+
+  def sources(self) -> dict[str, list[Path]]:
+    """Tunix item -> the canonical paths read from it, each once, sorted."""
+    needed = set(self.reads.values())
+    needed.update(f.source for f in self.fills.values() if f.source is not None)
+    out: dict[str, list[Path]] = {}
+    for source in sorted(needed):
+      out.setdefault(source.item, []).append(source.path)
+    return out
+
+  def describe(self) -> str:
+    """A few lines for people: what is read, filled and left out."""
+    lines = [f'{self.step_dir} -> MaxText train state']
+    lines += [f'  note: {n}' for n in self.notes]
+    for item, paths in self.sources().items():
+      lines.append(f'  read {len(paths)} arrays from {item}')
+    for target, fill in sorted(self.fills.items()):
+      lines.append(f'  fill {fmt(target)} from {fill.describe()}')
+    if self.kept:
+      lines.append(f'  keep {len(self.kept)} target leaves as given (not restored)')
+    lines += [f'  left out: {n}' for n in self.left_out]
+    return '\n'.join(lines)
+
+
+# --- planning ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Draft:
+  """A plan being worked out: what the planners below add, and what they find wrong."""
+
+  view: CheckpointView
+  target: Mapping[Path, Shape | None]
+  reads: dict[Path, Source] = dataclasses.field(default_factory=dict)
+  fills: dict[Path, Fill] = dataclasses.field(default_factory=dict)
+  left_out: list[str] = dataclasses.field(default_factory=list)
+  problems: list[str] = dataclasses.field(default_factory=list)
+  shapes: list[str] = dataclasses.field(default_factory=list)
+
+  def read(self, target: Path, item: str, path: Path) -> None:
+    disk = self.view.model if item == rules.MODEL_ITEM else self.view.optimizer
+    have, want = disk[path], self.target[target]
+    if have is not None and want is not None and have != want:
+      self.shapes.append(f'{fmt(target)}: target {want}, checkpoint {have} ({item}:{fmt(path)})')
+    self.reads[target] = Source(item, path)
+
+  @property
+  def step_source(self) -> Source | None:
+    if self.view.optimizer is not None and _TUNIX_STEP in self.view.optimizer:
+      return Source(rules.OPTIMIZER_ITEM, _TUNIX_STEP)
+    return None
+
+
+def _plan_weights(draft: _Draft, aux: frozenset[Path]) -> dict[Path, Path]:
+  """params/params/<w> <- model_params:<w>; returns canonical weight -> target path."""
+  weights = {p[2:]: p for p in draft.target if p[0] == PARAMS}
+  draft.problems += check_weights(draft.view, weights, draft.target, aux)
+  for w, target in weights.items():
+    if w in draft.view.model:
+      draft.read(target, rules.MODEL_ITEM, w)
+  return weights
+
+
+def _plan_aux(draft: _Draft, aux: frozenset[Path]) -> None:
+  """nnx_aux[/model]/<path> <- model_params:<path>; other RNG state is left out."""
+  targets = [p for p in draft.target if p[0] == NNX_AUX]
+  nested = targets and all(len(p) > 2 and p[1] == NNX_AUX_MODEL for p in targets)
+  depth = 2 if nested else 1
+  missing = [p for p in targets if p[depth:] not in draft.view.model]
+  if missing:
+    draft.problems.append(
+        f'{len(missing)} {NNX_AUX} leaves are not in the checkpoint'
+        f"'s {rules.MODEL_ITEM}:\n{errors.list_paths([fmt(p) for p in missing])}"
+    )
+  for p in targets:
+    if p[depth:] in draft.view.model:
+      draft.read(p, rules.MODEL_ITEM, p[depth:])
+  taken = {s.path for s in draft.reads.values() if s.item == rules.MODEL_ITEM}
+  unused = sorted(w for w in aux if w not in taken)
+  if unused:
+    why = 'not in the target' if targets else 'the target has no nnx_aux'
+    draft.left_out.append(
+        f'{len(unused)} RNG/non-weight variables of {rules.MODEL_ITEM} ({why}),'
+        f' e.g. {fmt(unused[0])}'
+    )
+
+
+def _plan_step(draft: _Draft) -> None:
+  """step <- optimizer_state:step (uint32, cast to the target's dtype on read)."""
+  if (STEP,) not in draft.target:
+    return
+  if draft.step_source is not None:
+    draft.read((STEP,), rules.OPTIMIZER_ITEM, _TUNIX_STEP)
+  elif draft.view.step is not None:
+    draft.fills[(STEP,)] = Fill(
+        None, draft.view.step, f'no {rules.OPTIMIZER_ITEM} item: the step directory number'
+    )
+  else:
+    draft.problems.append(
+        f'the target has {STEP}, but the checkpoint has no {rules.OPTIMIZER_ITEM}'
+        ' item and its directory name carries no step number.'
+    )
+
+
+def _plan_optimizer(
+    draft: _Draft,
+    weights: Collection[Path],
+    source_splits: Mapping[Path, tuple[Path, str, Path | None]],
+) -> None:
+  """opt_state/... <- optimizer_state:opt_state/..., state by state.
+
+  Target and checkpoint states are matched by their fields in chain order
+  (`align_states`); a matched state's leaves map field by field. A target
+  state left unmatched is filled when it is a lone `count` (a schedule's
+  state, which Tunix's optimizer may not have: it equals the step), and is an
+  error otherwise.
+  """
+  view = draft.view
+  targets = [p for p in draft.target if p[0] == OPT_STATE]
+  if not targets:
+    return
+  if view.optimizer is None:
+    draft.problems.append(
+        f'the target has {len(targets)} {OPT_STATE} leaves, but the checkpoint'
+        f' has no {rules.OPTIMIZER_ITEM} item (Tunix wrote only the weights). Use'
+        ' params_only=True, or a target without opt_state.'
+    )
+    return
+  known = set(weights) | set(view.model)
+  splits = {p: split_opt_path(p, known, COLLECTION) for p in targets}
+  target_states = opt_states(splits.values())
+  source_states = opt_states(source_splits.values())
+  matched = align_states(target_states, source_states)
+  index = {s.node: i for i, s in enumerate(target_states)}
+  fillable = draft.step_source is not None or view.step is not None
+  unmatched: list[OptState] = []
+  missing = []
+  for p in sorted(targets, key=chain_order):
+    node, field, weight = splits[p]
+    i = index[node]
+    if i in matched:
+      source = (OPT_STATE,) + source_states[matched[i]].node + (field,) + (weight or ())
+      if source in view.optimizer:
+        draft.read(p, rules.OPTIMIZER_ITEM, source)
+      else:
+        missing.append(f'{fmt(p)} (checkpoint path {fmt(source)})')
+    elif target_states[i].fields == _STEP_COUNTER_FIELDS and fillable:
+      draft.fills[p] = Fill(
+          draft.step_source,
+          None if draft.step_source else view.step,
+          "Tunix never wrote this state; a schedule's count is the step",
+      )
+    elif target_states[i] not in unmatched:
+      unmatched.append(target_states[i])
+  if unmatched:
+    draft.problems.append(
+        f"{len(unmatched)} states of the target's optimizer have no counterpart in"
+        f' the checkpoint:\n{errors.list_paths([str(s) for s in unmatched])}\n'
+        "The checkpoint's optimizer states (canonical):\n"
+        + errors.list_paths([str(s) for s in source_states])
+        + '\nBuild the abstract state with the optimizer the Tunix run used'
+        ' (empty states, a clipping transform and inject_hyperparams may'
+        ' differ), or restore with params_only=True.'
+    )
+  if missing:
+    draft.problems.append(
+        f'{len(missing)} {OPT_STATE} leaves are not in the checkpoint:\n'
+        + errors.list_paths(missing)
+    )
+  used = set(matched.values())
+  draft.left_out += [
+      f"optimizer state {state} (the target's optimizer has no such state)"
+      for j, state in enumerate(source_states)
+      if j not in used
+  ]
+  if view.side_paths:
+    draft.left_out.append(
+        f'{len(view.side_paths)} leaves outside the canonical view (the'
+        ' inject_hyperparams count and hyperparameters): MaxText takes its'
+        ' hyperparameters from its config'
+    )
+
+
+def make_plan(
+    view: CheckpointView,
+    target_shapes: Mapping[Path, Shape | None],
+    *,
+    params_only: bool = False,
+    notes: Sequence[str] = (),
+) -> RestorePlan:
+  """Works out where every target leaf comes from; a pure function of metadata.
+
+  Args:
+    view: the checkpoint's canonical leaves.
+    target_shapes: the target's leaf paths (MaxText key paths) -> shapes as
+      stored (key data for PRNG keys).
+    params_only: plan the `params` subtree only; other leaves are kept.
+    notes: carried into the plan.
+
+  Returns:
+    A `RestorePlan`.
+
+  Raises:
+    TargetMismatchError (or its subclasses `LoraOnlyCheckpointError`,
+      `LayerScanMismatchError`): the target cannot be filled from the
+      checkpoint; the message lists every problem.
+  """
+  wanted = {p: s for p, s in target_shapes.items() if not params_only or p[0] == PARAMS}
+  where = f'{view.step_dir}: the MaxText target does not match the Tunix checkpoint.'
+  unknown = [
+      p for p in wanted
+      if p[0] not in TOP_KEYS or (p[0] == PARAMS and (len(p) < 3 or p[1] != COLLECTION))
+  ]
+  if unknown:
+    raise errors.TargetMismatchError(
+        f'{where}\n{len(unknown)} target leaves are not where a MaxText train'
+        f' state has them (params/{COLLECTION}/<weights>, {OPT_STATE}/...,'
+        f' {STEP}, {NNX_AUX}/...):\n{errors.list_paths([fmt(p) for p in unknown])}\n'
+        'Pass the train state MaxText builds (or a dict with the same key paths).'
+    )
+  if params_only and not wanted:
+    raise errors.TargetMismatchError(
+        f'{where}\nparams_only=True, but the target has no'
+        f' {PARAMS}/{COLLECTION}/... leaves. Pass the abstract state with its params.'
+    )
+  draft = _Draft(view, wanted)
+  # Which model leaves are weights: those the optimizer mirrors (its `wrt`),
+  # never RNG state; with no optimizer item, everything but RNG state.
+  source_splits = {
+      p: split_opt_path(p, view.model) for p in (view.optimizer or {}) if p[0] == OPT_STATE
+  }
+  mirrored = {w for _, _, w in source_splits.values() if w is not None}
+  aux = frozenset(w for w in view.model if _RNG_KEY in w or (mirrored and w not in mirrored))
+
+  weights = _plan_weights(draft, aux)
+  _plan_aux(draft, aux)
+  _plan_step(draft)
+  _plan_optimizer(draft, weights, source_splits)
+  if params_only and view.optimizer is not None:
+    draft.left_out.append(f'{rules.OPTIMIZER_ITEM} (params_only=True)')
+  if draft.shapes:
+    draft.problems.append(
+        f'{len(draft.shapes)} leaves differ in shape:\n' + errors.list_paths(draft.shapes)
+        + '\nThe target must have the shapes the run trained with (vocabulary,'
+        ' widths, number of layers).'
+    )
+  if draft.problems:
+    raise errors.TargetMismatchError('\n'.join([where, *draft.problems]))
+  return RestorePlan(
+      step_dir=view.step_dir,
+      reads=draft.reads,
+      fills=draft.fills,
+      kept=frozenset(p for p in target_shapes if p not in wanted),
+      left_out=tuple(draft.left_out),
+      notes=tuple(notes),
+  )
+
+
+def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None]:
+  """Target leaf path -> the shape it has on disk (key data for typed PRNG keys)."""
+  bad = [fmt(p) for p, leaf in pairs if not hasattr(leaf, 'dtype') or stored_shape(leaf) is None]
+  if bad:
+    raise errors.TargetMismatchError(
+        f'The abstract state has {len(bad)} leaves that are not arrays (expected'
+        ' jax.ShapeDtypeStruct or jax.Array):\n'
+        f'{errors.list_paths(bad)}\nBuild it with jax.eval_shape.'
+    )
+  return {p: stored_shape(leaf) for p, leaf in pairs}
+
+
+def plan_restore(
+    path: epath.PathLike, abstract_state: PyTree, *, params_only: bool = False
+) -> RestorePlan:
+  """Plans restoring a Tunix checkpoint into a MaxText-shaped abstract state.
+
+  Reads metadata only: both items' JSON, and the array metadata of the items
+  the target needs (only the weights' when `params_only`).
+
+  Args:
+    path: a Tunix root (latest committed step), step or RL root.
+    abstract_state: MaxText's train state, abstract (see `restore_train_state`).
+    params_only: plan the `params` subtree only.
+
+  Returns:
+    A `RestorePlan`; `describe()` says what it will do.
+
+  Raises:
+    UnsupportedLayoutError: not a Tunix checkpoint.
+    TargetMismatchError (and subclasses): see `make_plan`.
+    NotACheckpointError, UncommittedStepError, CorruptMetadataError.
+  """
+  path = epath.Path(path)
+  # Orbax reads only absolute paths; a relative one is the user's working dir.
+  detection = detect(path if path.is_absolute() else path.resolve())
+  if not detection.is_tunix:
+    raise errors.UnsupportedLayoutError(
+        f'{detection.step_dir}: expected a Tunix checkpoint, found a'
+        f' {detection.kind} one (items {list(detection.items)}). Restore it with'
+        ' plain Orbax; `ItemsHandler` does so by itself.'
+    )
+  pairs, _ = flatten(abstract_state)
+  shapes = _target_shapes(pairs)
+  needed = {rules.MODEL_ITEM}
+  if not params_only and any(p[0] in (OPT_STATE, STEP) for p in shapes):
+    needed.add(rules.OPTIMIZER_ITEM)
+  view = read_view(detection, shapes_of=needed)
+  return make_plan(view, shapes, params_only=params_only, notes=detection.notes)

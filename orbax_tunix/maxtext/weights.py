@@ -1,0 +1,200 @@
+"""Checking the target's weights against the checkpoint's, before any read.
+
+Besides listing weights found on one side only, it recognises the two cases that
+explain a whole set of them at once: scanned vs unscanned layers (inferred from
+paths and shapes) and a LoRA-only checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Collection, Mapping, Sequence
+
+from etils import epath
+
+from orbax_tunix import errors
+from orbax_tunix.maxtext.errors import LayerScanMismatchError, LoraOnlyCheckpointError
+from orbax_tunix.maxtext.view import CheckpointView, Shape
+from orbax_tunix.tree_paths import Path, fmt
+
+_LORA_SUFFIXES = ('_lora_a', '_lora_b')
+_LORA_KEYS = frozenset({'lora_a', 'lora_b'})
+# A layer index as a key of its own ('layers/0/...', nnx.List) or a name
+# suffix ('layers_0/...', Linen's unscanned layers).
+_INDEXED_NAME = re.compile(r'(.+)_(\d+)')
+
+
+def _is_lora(path: Path) -> bool:
+  return any(k.endswith(_LORA_SUFFIXES) or k in _LORA_KEYS for k in path)
+
+
+def _unindexed(path: Path) -> tuple[Path, int] | None:
+  """The path without its first layer index, and that index ('layers/0' or 'layers_0')."""
+  for i, key in enumerate(path):
+    if key.isdigit():
+      return path[:i] + path[i + 1 :], int(key)
+    m = _INDEXED_NAME.fullmatch(key)
+    if m:
+      return path[:i] + (m.group(1),) + path[i + 1 :], int(m.group(2))
+  return None
+
+
+def _layer_axis(stacked: Shape | None, per_layer: Shape | None, n: int) -> int | None:
+  """The axis of `stacked` that holds `n` layers of shape `per_layer`, if any."""
+  if stacked is None or per_layer is None:
+    return None
+  for axis, size in enumerate(stacked):
+    if size == n and stacked[:axis] + stacked[axis + 1 :] == per_layer:
+      return axis
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stacking:
+  """Evidence of scanned vs unscanned: one stacked leaf and its per-layer leaves."""
+
+  stacked: str
+  stacked_shape: Shape | None
+  per_layer: tuple[str, ...]
+  per_layer_shape: Shape | None
+  axis: int | None
+
+  def __str__(self) -> str:
+    axis = f'layer axis {self.axis}' if self.axis is not None else 'no layer axis fits'
+    return (
+        f'{self.stacked} {self.stacked_shape} <-> {len(self.per_layer)} per-layer leaves'
+        f' {self.per_layer[0]}, ... {self.per_layer_shape} ({axis})'
+    )
+
+
+def _stackings(
+    per_layer: Mapping[Path, tuple[str, Shape | None]],
+    stacked: Mapping[Path, tuple[str, Shape | None]],
+) -> list[_Stacking]:
+  """Pairs each stacked leaf with the per-layer leaves that would make it.
+
+  Args:
+    per_layer: path -> (name for messages, shape) on the per-layer side.
+    stacked: path -> (name for messages, shape) on the other side.
+  """
+  groups: dict[Path, list[tuple[int, Path]]] = {}
+  for path in per_layer:
+    unindexed = _unindexed(path)
+    if unindexed is not None:
+      groups.setdefault(unindexed[0], []).append((unindexed[1], path))
+  found = []
+  for path, (name, shape) in sorted(stacked.items()):
+    layers = sorted(groups.get(path, ()))
+    if not layers:
+      continue
+    per_shape = per_layer[layers[0][1]][1]
+    found.append(
+        _Stacking(
+            stacked=name,
+            stacked_shape=shape,
+            per_layer=tuple(per_layer[p][0] for _, p in layers),
+            per_layer_shape=per_shape,
+            axis=_layer_axis(shape, per_shape, len(layers)),
+        )
+    )
+  return found
+
+
+def check_weights(
+    view: CheckpointView,
+    target: Mapping[Path, Path],
+    target_shapes: Mapping[Path, Shape | None],
+    aux: Collection[Path],
+) -> list[str]:
+  """Checks the target's weights against the checkpoint's.
+
+  Args:
+    view: the checkpoint.
+    target: canonical weight path -> target leaf path.
+    target_shapes: target leaf path -> shape.
+    aux: canonical paths of non-weight variables (never required).
+
+  Returns:
+    Message sections for a generic mismatch (empty when all is well).
+
+  Raises:
+    LoraOnlyCheckpointError, LayerScanMismatchError: those two cases, which
+      explain a whole set of missing leaves at once.
+  """
+  missing = [w for w in target if w not in view.model]
+  extra = [w for w in view.model if w not in target and w not in aux] if target else []
+  sections = []
+  if missing or extra:
+    disk_weights = [w for w in view.model if w not in aux]
+    needed_full = [w for w in missing if not _is_lora(w)]
+    if disk_weights and all(_is_lora(w) for w in disk_weights) and needed_full:
+      raise LoraOnlyCheckpointError(
+          f'{view.step_dir}: the checkpoint holds only LoRA adapter weights'
+          f' ({len(disk_weights)} leaves), but the target needs full weights:'
+          f' {len(needed_full)} target weights are not in it, e.g.\n'
+          f'{errors.list_paths([fmt(target[w]) for w in needed_full])}\n'
+          f'The checkpoint has:\n{errors.list_paths([fmt(w) for w in disk_weights])}\n'
+          'A Tunix LoRA run saves only the adapters. Restore the base weights'
+          ' from the checkpoint the run started from, or merge the adapters'
+          ' into them and save full weights, then restore that.'
+      )
+    # (name for messages, shape) of the leaves found on one side only.
+    disk_only = {w: (fmt(w), view.model[w]) for w in extra}
+    target_only = {w: (fmt(target[w]), target_shapes[target[w]]) for w in missing}
+    scanned_target = _stackings(disk_only, target_only)
+    scanned_disk = _stackings(target_only, disk_only)
+    if scanned_target or scanned_disk:
+      raise LayerScanMismatchError(
+          _scan_message(view.step_dir, scanned_target, scanned_disk, len(missing), len(extra))
+      )
+    if missing:
+      sections.append(
+          f'{len(missing)} target weights are not in the checkpoint:\n'
+          + errors.list_paths([f'{fmt(target[w])} (checkpoint path {fmt(w)})' for w in missing])
+      )
+    if extra:
+      sections.append(
+          f'{len(extra)} weights in the checkpoint are not in the target:\n'
+          + errors.list_paths([fmt(w) for w in extra])
+      )
+    sections.append(
+        'Build the abstract state from the model the checkpoint was trained'
+        ' with (same parameter names; target params/params/<w> is the'
+        " checkpoint's <w>); `orbax_tunix.detect(path).layouts` lists the"
+        " checkpoint's canonical paths."
+    )
+  return sections
+
+
+def _scan_message(
+    step_dir: epath.Path,
+    scanned_target: Sequence[_Stacking],
+    scanned_disk: Sequence[_Stacking],
+    n_missing: int,
+    n_extra: int,
+) -> str:
+  """The `LayerScanMismatchError` message: the stacked leaves of each side, and the fix."""
+  parts = [
+      f'{step_dir}: scanned vs unscanned layers. Tunix records neither; this is'
+      ' inferred from the paths and shapes.'
+  ]
+  for scanned, unscanned, stackings in (
+      ('target', 'checkpoint', scanned_target),
+      ('checkpoint', 'target', scanned_disk),
+  ):
+    if stackings:
+      parts.append(
+          f'The {scanned} is SCANNED (one array per weight holding every layer) and'
+          f' the {unscanned} UNSCANNED (one array per layer): {len(stackings)}'
+          f' {scanned} weights ({scanned} <-> {unscanned}):\n'
+          + errors.list_paths([str(s) for s in stackings])
+      )
+  parts.append(
+      f'In all, {n_missing} target weights are not in the checkpoint and'
+      f' {n_extra} checkpoint weights not in the target. Build the abstract'
+      ' state with the same layer layout as the checkpoint (MaxText:'
+      f' scan_layers={"False" if scanned_target else "True"}), or convert the'
+      ' checkpoint first.'
+  )
+  return '\n'.join(parts)
