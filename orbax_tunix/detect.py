@@ -342,9 +342,9 @@ def detect(path: epath.PathLike) -> Detection:
 def plan_item(item_dir: epath.Path) -> layout_lib.ItemLayout | None:
   """Plans the rewrites of one item directory, or None when it is not Tunix.
 
-  The item's name says which Tunix item it is; its sibling item (model or
-  optimizer) is consulted too, since the adapter level in the optimizer is
-  recognised by comparison with the weights. Only JSON is read.
+  The item's name says which Tunix item it is. For the optimizer the model
+  item is consulted too, since the adapter level in mu/nu is recognised by
+  comparison with the weights. Only JSON is read.
 
   Raises:
     CorruptMetadataError, UnsupportedLayoutError.
@@ -356,7 +356,10 @@ def plan_item(item_dir: epath.Path) -> layout_lib.ItemLayout | None:
   paths = {name: tree_paths(item_dir)}
   if not rules.NNX_VALUE.find(name, paths):
     return None
-  for sibling in rules.TUNIX_ITEMS:
-    if sibling != name and has_tree(item_dir.parent / sibling):
-      paths[sibling] = tree_paths(item_dir.parent / sibling)
+  # Only the optimizer's rules consult another item (the weights, to find the
+  # adapter level in mu/nu): a params-only restore never parses the optimizer's
+  # metadata, often twice the weights' size.
+  model_dir = item_dir.parent / rules.MODEL_ITEM
+  if name == rules.OPTIMIZER_ITEM and has_tree(model_dir):
+    paths[rules.MODEL_ITEM] = tree_paths(model_dir)
   return layout_lib.plan_step(paths)[name]
