@@ -1,0 +1,382 @@
+"""One repetition of one contender, in a fresh process; prints one JSON line.
+
+Run by `restore_cost.py`, never by hand (but `--help` says how). A fresh
+process per repetition gives every contender the same start: no warm
+tensorstore context or jit cache from a previous contender, and a peak RSS of
+its own. What is measured is the call a user makes, from the moment the target
+exists until every array is ready:
+
+  a   plain Orbax: the canonical copy into the target (the floor).
+  b   orbax_tunix: the Tunix checkpoint into the same target, full state.
+  c   orbax_tunix: params only (the `model_params` item).
+  d   naive: plain Orbax restores the raw Tunix tree, Python rewrites it to
+      canonical, `jax.device_put` moves it into the target's shardings.
+  e   `orbax-tunix convert` of the Tunix step to a canonical copy.
+  plan      times the planning steps of b one by one (no array is read).
+  verify    b, c and d against a, leaf by leaf (not timed).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Eight simulated CPU devices; must be set before jax is imported.
+os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+).strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+import synthetic  # noqa: E402  (sibling module; the script's directory is on sys.path)
+from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base_lib  # noqa: E402
+
+import orbax_tunix  # noqa: E402
+from orbax_tunix import pytree_handler  # noqa: E402
+from orbax_tunix.detect import plan_item  # noqa: E402
+from orbax_tunix.tree_paths import flatten, nest  # noqa: E402
+
+CONTENDERS = ('a', 'b', 'c', 'd', 'e')
+
+
+# --- process measurements --------------------------------------------------
+
+
+def proc_io() -> dict[str, int]:
+  """This process's I/O counters (all threads, dead ones included)."""
+  with open('/proc/self/io') as f:
+    return {k: int(v) for k, v in (line.split(':') for line in f)}
+
+
+def proc_status_kb(field: str) -> int:
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith(field + ':'):
+        return int(line.split()[1])
+  raise KeyError(field)
+
+
+def reset_peak_rss() -> bool:
+  """Resets VmHWM to the current RSS (Linux >= 4.0); False when not allowed."""
+  try:
+    with open('/proc/self/clear_refs', 'w') as f:
+      f.write('5')
+    return True
+  except OSError:
+    return False
+
+
+class Timeline:
+  """Times where the array reads start, by wrapping the handlers' methods.
+
+  Per item restore it records: entry into the outermost item handler
+  (`TunixPyTreeHandler.restore` or, for plain Orbax, `PyTreeCheckpointHandler
+  .restore`), entry into Orbax's own `PyTreeCheckpointHandler.restore` (for
+  orbax_tunix: the end of its planning), entry into Orbax's deserialisation
+  (`_maybe_deserialize`: the first array read) and the handler's return.
+  """
+
+  def __init__(self):
+    self.items: list[dict[str, float]] = []
+    self._depth = 0
+
+  def _wrap(self, cls: type, name: str, mark: str) -> None:
+    """Wraps `cls.name`; the outermost call opens an item, inner ones mark it."""
+    original = getattr(cls, name)
+    timeline = self
+
+    def wrapper(*args, **kwargs):
+      now = time.perf_counter()
+      if timeline._depth == 0:
+        timeline.items.append({'entry': now})
+      elif mark not in timeline.items[-1]:
+        timeline.items[-1][mark] = now
+      timeline._depth += 1
+      try:
+        return original(*args, **kwargs)
+      finally:
+        timeline._depth -= 1
+        if timeline._depth == 0:
+          timeline.items[-1]['exit'] = time.perf_counter()
+
+    setattr(cls, name, wrapper)
+
+  def _mark_async(self, cls: type, name: str, mark: str) -> None:
+    """Wraps the coroutine function `cls.name` to mark its first call."""
+    original = getattr(cls, name)
+    timeline = self
+
+    async def wrapper(*args, **kwargs):
+      if timeline.items and mark not in timeline.items[-1]:
+        timeline.items[-1][mark] = time.perf_counter()
+      return await original(*args, **kwargs)
+
+    setattr(cls, name, wrapper)
+
+  def install(self) -> Timeline:
+    self._wrap(pytree_handler.TunixPyTreeHandler, 'restore', 'entry')
+    self._wrap(ocp.PyTreeCheckpointHandler, 'restore', 'orbax')
+    self._mark_async(base_lib.BasePyTreeCheckpointHandler, '_maybe_deserialize', 'read')
+    return self
+
+  def summary(self, start: float, end: float) -> dict[str, float]:
+    """Seconds: our planning and all pre-read work (summed over items), and the
+    time outside the item handlers (the composite's own work, before and after)."""
+    plan = pre_read = inside = 0.0
+    for it in self.items:
+      plan += it.get('orbax', it['entry']) - it['entry']
+      pre_read += it.get('read', it['entry']) - it['entry']
+      inside += it.get('exit', it['entry']) - it['entry']
+    return {
+        'plan_s': plan,
+        'pre_read_s': pre_read,
+        'outside_items_s': (end - start) - inside if self.items else 0.0,
+        'items': len(self.items),
+    }
+
+
+# --- the contenders --------------------------------------------------------
+
+# Options given to every contender's PyTree handlers alike (see
+# `restore_cost.py --restore-concurrent-gb`): Orbax's in-flight read budget.
+HANDLER_OPTIONS: dict[str, Any] = {}
+if os.environ.get('BENCH_RESTORE_CONCURRENT_GB'):
+  HANDLER_OPTIONS['restore_concurrent_gb'] = float(os.environ['BENCH_RESTORE_CONCURRENT_GB'])
+
+
+def tunix_handler() -> orbax_tunix.TunixAwareHandler:
+  return orbax_tunix.TunixAwareHandler(
+      item_handler=orbax_tunix.TunixPyTreeHandler(**HANDLER_OPTIONS)
+  )
+
+
+
+def run_a(dirs, tgt):
+  # Plain Orbax needs restore_args to read into shardings; deriving them is
+  # part of what its user does, so it is timed.
+  items = {
+      k: ocp.args.PyTreeRestore(item=v, restore_args=ocp.checkpoint_utils.construct_restore_args(v))
+      for k, v in tgt.items()
+  }
+  handlers = {k: ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS) for k in tgt}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as ckptr:
+    return dict(ckptr.restore(dirs['canonical'], args=ocp.args.Composite(**items)).items())
+
+
+def run_b(dirs, tgt):
+  items = {k: ocp.args.PyTreeRestore(item=v) for k, v in tgt.items()}
+  with ocp.Checkpointer(tunix_handler()) as ckptr:
+    return dict(ckptr.restore(dirs['tunix'], args=ocp.args.Composite(**items)).items())
+
+
+def run_c(dirs, tgt):
+  item = ocp.args.PyTreeRestore(item=tgt[synthetic.MODEL_ITEM])
+  with ocp.Checkpointer(tunix_handler()) as ckptr:
+    return dict(ckptr.restore(dirs['tunix'], args=ocp.args.Composite(model_params=item)).items())
+
+
+def naive_canonical(tree: Any) -> Any:
+  """What a user writes by hand: drop `value`, `base` and the inject shell."""
+  if not isinstance(tree, dict):
+    return tree
+  if set(tree) == {'value'}:
+    return tree['value']
+  if set(tree) == {'base'}:
+    return naive_canonical(tree['base'])
+  if 'inner_state' in tree and 'hyperparams' in tree:
+    return naive_canonical(tree['inner_state'])
+  return {k: naive_canonical(v) for k, v in tree.items()}
+
+
+def run_d(dirs, tgt):
+  handlers = {k: ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS) for k in tgt}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as ckptr:
+    raw = dict(ckptr.restore(dirs['tunix']).items())  # no target: the tree as saved
+  canonical = {k: naive_canonical(raw[k]) for k in tgt}
+  shardings = jax.tree.map(lambda t: t.sharding, tgt)
+  return jax.device_put(canonical, shardings)
+
+
+def run_e(dirs, tgt):
+  del tgt
+  from orbax_tunix import cli  # pylint: disable=g-import-not-at-top
+
+  out = pathlib.Path(tempfile.mkdtemp(dir=dirs['tunix'].parent.parent, prefix='convert-'))
+  dst = out / str(synthetic.STEP)
+  try:
+    code = cli.main(['convert', str(dirs['tunix']), str(dst)])
+    if code not in (None, 0):
+      raise RuntimeError(f'orbax-tunix convert exited with {code}')
+  finally:
+    shutil.rmtree(out, ignore_errors=True)
+  return None
+
+
+RUNNERS = {'a': run_a, 'b': run_b, 'c': run_c, 'd': run_d, 'e': run_e}
+
+
+def target_bytes(tree: Any) -> tuple[int, int]:
+  """(global bytes, bytes held over all devices) of a target's leaves."""
+  total = held = 0
+  for leaf in jax.tree.leaves(tree):
+    n = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    total += n
+    shard = leaf.sharding.shard_shape(leaf.shape)
+    held += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize * len(leaf.sharding.device_set)
+  return total, held
+
+
+def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) -> dict[str, Any]:
+  mesh = synthetic.make_mesh()
+  tgt = synthetic.target(shape, mesh)
+  if name == 'c':
+    tgt = {synthetic.MODEL_ITEM: tgt[synthetic.MODEL_ITEM]}
+  nbytes, held = target_bytes(tgt)
+  timeline = Timeline().install()
+  gc.collect()
+  rss0 = proc_status_kb('VmRSS')
+  hwm_reset = reset_peak_rss()
+  maxrss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  io0 = proc_io()
+  cpu0 = os.times()
+  t0 = time.perf_counter()
+  out = RUNNERS[name](dirs, tgt)
+  jax.block_until_ready(out)
+  wall = time.perf_counter() - t0
+  cpu1 = os.times()
+  io1 = proc_io()
+  peak_kb = proc_status_kb('VmHWM') if hwm_reset else resource.getrusage(
+      resource.RUSAGE_SELF).ru_maxrss
+  result = {
+      'contender': name,
+      'wall_s': wall,
+      'cpu_s': (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
+      'rchar': io1['rchar'] - io0['rchar'],
+      'read_bytes': io1['read_bytes'] - io0['read_bytes'],
+      'wchar': io1['wchar'] - io0['wchar'],
+      'peak_rss_delta': (peak_kb - rss0) * 1024,
+      'peak_rss_exact': hwm_reset or maxrss0 <= rss0,
+      'target_bytes': nbytes,
+      'target_held_bytes': held,
+      'leaves': len(jax.tree.leaves(out)) if out is not None else 0,
+  }
+  result.update(timeline.summary(t0, t0 + wall))
+  return result
+
+
+def orbax_shapes(item_dir: pathlib.Path, wanted: frozenset) -> dict:
+  """Shapes the way `_disk_shapes` got them before `_header_shapes`: Orbax's metadata."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+
+  handler = ocp.PyTreeCheckpointHandler()
+  internal = asyncio_utils.run_sync(handler._handler_impl._read_metadata_file(item_dir))  # pylint: disable=protected-access
+  entries = [
+      e for e in internal.tree_metadata_entries
+      if tuple(k.nested_key_name for k in e.key_metadata.nested_key_metadata_entries) in wanted
+  ]
+  subset = dataclasses.replace(internal, tree_metadata_entries=entries, value_metadata_tree=None)
+  return subset.as_custom_metadata(item_dir, handler._type_handler_registry)  # pylint: disable=protected-access
+
+
+def to_disk_paths(layout, canonical):
+  return [layout.to_disk_path(p) for p in canonical]
+
+
+def nest_both(disk, leaves, leaf_args):
+  """The on-disk target and its restore args, as `_restore_target` builds them."""
+  return nest(zip(disk, leaves, strict=True)), nest(zip(disk, leaf_args, strict=True))
+
+
+def plan_steps(
+    dirs: dict[str, pathlib.Path], shape: synthetic.Shape, with_orbax: bool = False
+) -> dict[str, Any]:
+  """Times b's planning steps separately, as `_restore_target` runs them.
+
+  With `with_orbax`, also times Orbax's own metadata for the same leaves (what
+  the shape check cost before `_header_shapes`), outside the total.
+  """
+  tgt = synthetic.target(shape, synthetic.make_mesh())
+  handler = orbax_tunix.TunixPyTreeHandler()
+  times: dict[str, float] = {}
+
+  def timed(key, fn, *args):
+    t = time.perf_counter()
+    out = fn(*args)
+    times[key] = times.get(key, 0.0) + time.perf_counter() - t
+    return out
+
+  timed('detect', orbax_tunix.detect, dirs['tunix'])
+  for item, tree in tgt.items():
+    item_dir = dirs['tunix'] / item
+    layout = timed('plan_item', plan_item, item_dir)
+    pairs, _ = timed('flatten', flatten, tree)
+    canonical = [p for p, _ in pairs]
+    leaves = [leaf for _, leaf in pairs]
+    restore_args = timed('restore_args', ocp.checkpoint_utils.construct_restore_args, tree)
+    disk = timed('to_disk', to_disk_paths, layout, canonical)
+    shapes = timed('disk_shapes', handler._disk_shapes, item_dir, frozenset(disk))  # pylint: disable=protected-access
+    timed('validate', pytree_handler.validate_target, item_dir, canonical, disk, leaves, shapes)
+    leaf_args = jax.tree.leaves(restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs))
+    timed('nest', nest_both, disk, leaves, leaf_args)
+    if with_orbax:
+      timed('orbax_metadata', orbax_shapes, item_dir, frozenset(disk))
+  times['total'] = sum(v for k, v in times.items() if k not in ('detect', 'orbax_metadata'))
+  return {'contender': 'plan', 'steps_s': times, 'leaves': shape.disk_leaves}
+
+
+def verify(dirs: dict[str, pathlib.Path], shape: synthetic.Shape) -> dict[str, Any]:
+  """b, c and d must return exactly a's arrays, in the target's shardings."""
+  tgt = synthetic.target(shape, synthetic.make_mesh())
+  ref = flatten(run_a(dirs, tgt))[0]
+  report = {'contender': 'verify', 'leaves': len(ref)}
+  for name in ('b', 'c', 'd'):
+    got = dict(flatten(RUNNERS[name](dirs, tgt if name != 'c' else {
+        synthetic.MODEL_ITEM: tgt[synthetic.MODEL_ITEM]}))[0])
+    want = [(p, v) for p, v in ref if name != 'c' or p[0] == synthetic.MODEL_ITEM]
+    bad = [
+        '/'.join(p) for p, v in want
+        if p not in got
+        or got[p].sharding != v.sharding
+        or got[p].dtype != v.dtype
+        or not np.array_equal(np.asarray(got[p]), np.asarray(v))
+    ]
+    report[name] = 'ok' if not bad and len(got) == len(want) else f'MISMATCH {bad[:5]}'
+    del got
+    gc.collect()
+  return report
+
+
+def main(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('contender', choices=CONTENDERS + ('plan', 'verify'))
+  parser.add_argument('workdir', type=pathlib.Path, help='as written by synthetic.write')
+  parser.add_argument('--with-orbax', action='store_true',
+                      help='plan: also time Orbax metadata() for the same leaves')
+  args = parser.parse_args(argv)
+  shape = synthetic.read_shape(args.workdir)
+  dirs = {k: synthetic.step_dir(args.workdir, k) for k in synthetic.LAYOUTS}
+  if args.contender == 'plan':
+    result = plan_steps(dirs, shape, args.with_orbax)
+  elif args.contender == 'verify':
+    result = verify(dirs, shape)
+  else:
+    result = measure(args.contender, dirs, shape)
+  print('RESULT ' + json.dumps(result), flush=True)
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])

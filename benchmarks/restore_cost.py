@@ -1,0 +1,618 @@
+"""Does a Tunix restore through orbax_tunix cost what a plain Orbax restore costs?
+
+  python benchmarks/restore_cost.py                 # the full run (~1 GB, 5 rounds)
+  python benchmarks/restore_cost.py --quick         # a smoke run (64 MB, 2 rounds)
+
+Writes, with Orbax directly, a synthetic transformer state twice (Tunix layout
+and canonical, see `synthetic.py`), then runs the contenders of
+`contenders.py` round after round, each repetition in a fresh process, the
+order rotating every round:
+
+  a  plain Orbax, canonical copy into the sharded target (the floor)
+  b  orbax_tunix, Tunix checkpoint into the same target, full state
+  c  orbax_tunix, params only
+  d  naive: plain Orbax reads the raw Tunix tree, Python rewrites it
+  e  `orbax-tunix convert` of the Tunix step (when the CLI is installed)
+
+and reports medians and spread, the time ratios b/a, c/a, d/b, e/a, the bytes
+each read (/proc/self/io), peak resident memory against the target's bytes,
+and, over a scan of leaf counts, the planning time of b (everything before
+Orbax's first array read) against its restore time.
+
+Only the project's own dependencies are needed. Figures go to stdout as
+Markdown tables (and to `--json`); `BENCHMARKS.md` holds a full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import synthetic
+
+HERE = pathlib.Path(__file__).resolve().parent
+CHILD = HERE / 'contenders.py'
+MiB = 2**20
+CONTENDER_NAMES = {
+    'a': 'plain Orbax, canonical copy (floor)',
+    'b': 'orbax_tunix, full state',
+    'c': 'orbax_tunix, params only',
+    'd': 'naive: raw restore + Python rewrite',
+    'e': 'orbax-tunix convert',
+}
+# The issue's targets.
+TARGET_B_OVER_A = 1.05
+TARGET_C_SLACK = 0.05
+TARGET_PEAK = 1.2
+TARGET_PLAN_SHARE = 0.02
+
+
+# --- the machine -------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+  """What the figures depend on: CPUs, memory, versions, load."""
+  cpu = 'unknown'
+  with open('/proc/cpuinfo') as f:
+    for line in f:
+      if line.startswith('model name'):
+        cpu = line.split(':', 1)[1].strip()
+        break
+  with open('/proc/meminfo') as f:
+    mem_kb = int(next(line for line in f if line.startswith('MemTotal')).split()[1])
+  versions = {}
+  for dist in ('jax', 'jaxlib', 'orbax-checkpoint', 'tensorstore', 'numpy', 'orbax-tunix'):
+    try:
+      versions[dist] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      versions[dist] = 'not installed'
+  commit = subprocess.run(
+      ['git', '-C', str(HERE.parent), 'describe', '--always', '--dirty'],
+      capture_output=True, text=True, check=False,
+  ).stdout.strip()
+  return {
+      'nproc': os.cpu_count(),
+      'usable_cpus': len(os.sched_getaffinity(0)),
+      'memory_gib': round(mem_kb / 2**20, 1),
+      'cpu': cpu,
+      'kernel': platform.release(),
+      'python': platform.python_version(),
+      'versions': versions,
+      'commit': commit or 'unknown',
+      'loadavg_start': os.getloadavg(),
+  }
+
+
+# --- the page cache ----------------------------------------------------------
+
+
+def _files(dirs: Iterable[pathlib.Path]) -> list[pathlib.Path]:
+  return [p for d in dirs for p in synthetic.files(d)]
+
+
+def drop_all_caches() -> bool:
+  """The kernel's own drop (root only); False when not permitted."""
+  os.sync()
+  try:
+    with open('/proc/sys/vm/drop_caches', 'w') as f:
+      f.write('3\n')
+    return True
+  except OSError:
+    return False
+
+
+def evict(dirs: Iterable[pathlib.Path]) -> None:
+  """Drops the checkpoints' pages from the page cache, and nothing else's.
+
+  `posix_fadvise(DONTNEED)` needs no privilege and leaves the interpreter's and
+  libraries' pages cached, so child start-up stays the same for everyone.
+  """
+  os.sync()  # dirty pages are not dropped
+  for path in _files(dirs):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+
+
+def warm(dirs: Iterable[pathlib.Path]) -> None:
+  """Reads every checkpoint file once, so the contenders read from memory."""
+  for path in _files(dirs):
+    with open(path, 'rb') as f:
+      while f.read(16 * MiB):
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePolicy:
+  """What happens to the page cache before every repetition (same for all)."""
+
+  mode: str  # 'cold' or 'warm'
+  drop_all: bool  # cold via /proc/sys/vm/drop_caches rather than fadvise
+
+  def prepare(self, dirs: Sequence[pathlib.Path]) -> None:
+    if self.mode == 'warm':
+      warm(dirs)
+    elif self.drop_all:
+      drop_all_caches()
+    else:
+      evict(dirs)
+
+  def describe(self) -> str:
+    if self.mode == 'warm':
+      return 'warm: every checkpoint file read into the page cache before each repetition'
+    if self.drop_all:
+      return ('cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before each repetition'
+              ' (permitted here)')
+    return ('cold: the checkpoint files evicted from the page cache with'
+            ' posix_fadvise(DONTNEED) before each repetition (other pages stay cached)')
+
+
+# --- running the children ----------------------------------------------------
+
+
+def run_child(
+    contender: str,
+    workdir: pathlib.Path,
+    timeout: float,
+    extra: Sequence[str] = (),
+    concurrent_gb: float | None = None,
+) -> dict[str, Any]:
+  """Runs one repetition in a fresh interpreter; returns its RESULT (or the error)."""
+  cmd = [sys.executable, str(CHILD), contender, str(workdir), *extra]
+  env = dict(os.environ)
+  env.pop('BENCH_RESTORE_CONCURRENT_GB', None)
+  if concurrent_gb:
+    env['BENCH_RESTORE_CONCURRENT_GB'] = str(concurrent_gb)
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                          env=env)
+  except subprocess.TimeoutExpired:
+    return {'contender': contender, 'error': f'timed out after {timeout:.0f} s'}
+  for line in proc.stdout.splitlines():
+    if line.startswith('RESULT '):
+      result = json.loads(line[len('RESULT '):])
+      result['process_s'] = time.perf_counter() - start
+      return result
+  tail = '\n'.join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+  return {'contender': contender, 'error': f'exit {proc.returncode}:\n{tail}'}
+
+
+def write(workdir: pathlib.Path, shape: synthetic.Shape,
+          layouts: tuple[str, ...] = synthetic.LAYOUTS) -> dict[str, pathlib.Path]:
+  """Writes the checkpoints in a process of its own (jax with 8 devices), or reuses them."""
+  cmd = [sys.executable, str(HERE / 'synthetic.py'), str(workdir), str(shape.layers),
+         str(shape.d_model), shape.param_dtype, *layouts]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise RuntimeError(f'writing {workdir} failed:\n{proc.stderr[-3000:]}')
+  return {k: synthetic.step_dir(workdir, k) for k in layouts}
+
+
+def cli_available() -> bool:
+  spec = importlib.util.find_spec('orbax_tunix')  # finds, does not import
+  if spec is None or not spec.submodule_search_locations:
+    return False
+  return any((pathlib.Path(p) / 'cli.py').exists() for p in spec.submodule_search_locations)
+
+
+# --- statistics and tables -----------------------------------------------------
+
+
+def med(xs: Sequence[float]) -> float:
+  return statistics.median(xs) if xs else float('nan')
+
+
+def spread(xs: Sequence[float]) -> str:
+  """min-max around the median, as percentages: '-4% +7%'."""
+  if len(xs) < 2:
+    return 'n/a'
+  m = med(xs)
+  return f'-{(m - min(xs)) / m:.0%} +{(max(xs) - m) / m:.0%}'
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+  rows = [[str(c) for c in r] for r in rows]
+  out = ['| ' + ' | '.join(header) + ' |', '|' + '|'.join('---' for _ in header) + '|']
+  out += ['| ' + ' | '.join(r) + ' |' for r in rows]
+  return '\n'.join(out)
+
+
+def verdict(ok: bool) -> str:
+  return 'MET' if ok else 'MISSED'
+
+
+# --- the main comparison ------------------------------------------------------
+
+
+def compare(args, policy: CachePolicy, info: dict[str, Any]) -> dict[str, Any]:
+  shape = synthetic.shape_for(args.size_mb, args.leaves, args.param_dtype)
+  t = time.perf_counter()
+  dirs = write(args.workdir / 'main', shape)
+  print(f'checkpoints ready in {time.perf_counter() - t:.0f} s: {args.workdir / "main"}', flush=True)
+  disk = {
+      'tunix': synthetic.disk_bytes(dirs['tunix']),
+      'canonical': synthetic.disk_bytes(dirs['canonical']),
+      'tunix_params': synthetic.disk_bytes(dirs['tunix'], synthetic.MODEL_ITEM),
+  }
+  contenders = [c for c in args.contenders if c != 'e' or cli_available()]
+  notes = []
+  if 'e' in args.contenders and 'e' not in contenders:
+    notes.append('e skipped: orbax_tunix.cli is not installed (`orbax-tunix convert` absent).')
+  out: dict[str, Any] = {
+      'shape': shape.to_json(),
+      'disk_leaves': shape.disk_leaves,
+      'logical_bytes': shape.total_bytes,
+      'params_share': shape.params_bytes / shape.total_bytes,
+      'disk_bytes': disk,
+      'notes': notes,
+  }
+  if args.verify:
+    check = run_child('verify', args.workdir / 'main', args.timeout)
+    out['verify'] = check
+    print(f'verify: {check}', flush=True)
+  results: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+  for r in range(args.reps):
+    k = r % len(contenders)
+    order = contenders[k:] + contenders[:k]
+    for c in order:
+      policy.prepare(list(dirs.values()))
+      res = run_child(c, args.workdir / 'main', args.timeout,
+                      concurrent_gb=args.restore_concurrent_gb)
+      res['round'] = r
+      results[c].append(res)
+      if 'error' in res:
+        print(f'round {r} {c}: FAILED {res["error"]}', flush=True)
+      else:
+        print(f'round {r} {c}: {res["wall_s"]:.2f} s wall, {res["cpu_s"]:.2f} s cpu,'
+              f' peak +{res["peak_rss_delta"] / MiB:.0f} MiB', flush=True)
+  out['results'] = results
+  out['report'] = report_compare(shape, disk, results, contenders, notes)
+  if args.memory_check_gb and args.memory_reps:
+    out['memory'] = memory_check(args, policy, dirs, shape)
+  return out
+
+
+def memory_check(args, policy: CachePolicy, dirs, shape) -> dict[str, Any]:
+  """a and b again, with Orbax's in-flight read budget (`restore_concurrent_gb`) set."""
+  runs: dict[str, list[dict[str, Any]]] = {'a': [], 'b': []}
+  for r in range(args.memory_reps):
+    for c in (('a', 'b') if r % 2 == 0 else ('b', 'a')):
+      policy.prepare(list(dirs.values()))
+      res = run_child(c, args.workdir / 'main', args.timeout, concurrent_gb=args.memory_check_gb)
+      res['round'] = r
+      runs[c].append(res)
+      print(f'memory check {c} (restore_concurrent_gb={args.memory_check_gb}):'
+            f' {res.get("wall_s", float("nan")):.2f} s,'
+            f' peak +{res.get("peak_rss_delta", 0) / MiB:.0f} MiB', flush=True)
+  rows = []
+  for c, rs in runs.items():
+    rs = _ok(rs)
+    if not rs:
+      continue
+    x = [r['peak_rss_delta'] / r['target_bytes'] for r in rs]
+    rows.append([c, len(rs), f'{med([r["wall_s"] for r in rs]):.2f}',
+                 f'{med([r["peak_rss_delta"] for r in rs]) / MiB:.0f}', f'{med(x):.2f}',
+                 f'{max(x):.2f}',
+                 verdict(med(x) <= TARGET_PEAK) if c == 'b' else ''])
+  report = table(['', 'n', 'wall s', 'peak RSS MiB', 'x target (median)', 'x target (max)',
+                  f'b <= {TARGET_PEAK}'], rows)
+  return {'budget_gb': args.memory_check_gb, 'runs': runs, 'report': report}
+
+
+def _ok(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  return [r for r in rs if 'error' not in r]
+
+
+def _paired(results, num: str, den: str, key: str) -> list[float]:
+  by_round = {r['round']: r[key] for r in _ok(results[den])}
+  return [r[key] / by_round[r['round']] for r in _ok(results[num]) if r['round'] in by_round]
+
+
+def report_compare(shape, disk, results, contenders, notes) -> str:
+  lines = []
+  expected = {
+      'a': disk['canonical'], 'b': disk['tunix'], 'c': disk['tunix_params'],
+      'd': disk['tunix'], 'e': disk['tunix'],
+  }
+  rows = []
+  for c in contenders:
+    rs = _ok(results[c])
+    if not rs:
+      rows.append([c, CONTENDER_NAMES[c], 'FAILED'] + [''] * 8)
+      continue
+    wall = [r['wall_s'] for r in rs]
+    cpu = [r['cpu_s'] for r in rs]
+    peak = [r['peak_rss_delta'] / r['target_bytes'] for r in rs] if c != 'e' else []
+    plan = [r['plan_s'] for r in rs]
+    pre = [r['pre_read_s'] for r in rs]
+    rows.append([
+        c, CONTENDER_NAMES[c], len(rs),
+        f'{med(wall):.2f}', spread(wall), f'{med(cpu):.2f}',
+        f'{med(plan):.3f}' if c in 'bc' else '-',
+        f'{med(pre):.3f}' if c != 'e' else '-',
+        f'{med([r["rchar"] for r in rs]) / MiB:.0f} / {expected[c] / MiB:.0f}',
+        f'{med([r["read_bytes"] for r in rs]) / MiB:.0f}',
+        (f'{med([r["peak_rss_delta"] for r in rs]) / MiB:.0f}'
+         f' ({med(peak):.2f}x)' if peak else
+         f'{med([r["peak_rss_delta"] for r in rs]) / MiB:.0f}'),
+    ])
+  lines.append(table(
+      ['', 'contender', 'n', 'wall s (median)', 'spread (min/max)', 'cpu s',
+       'planning s', 'before 1st read s', 'read MiB (rchar) / on disk',
+       'read MiB (storage)', 'peak RSS MiB (x target)'],
+      rows,
+  ))
+  lines.append('')
+  have = {c for c in contenders if _ok(results[c])}
+
+  def ratio(num, den, key='wall_s'):
+    a = med([r[key] for r in _ok(results[num])])
+    b = med([r[key] for r in _ok(results[den])])
+    paired = _paired(results, num, den, key)
+    return a / b, paired
+
+  share = shape.params_bytes / shape.total_bytes
+  rrows = []
+  checks = []
+  if {'a', 'b'} <= have:
+    w, pw = ratio('b', 'a')
+    cp, _ = ratio('b', 'a', 'cpu_s')
+    rrows.append(['b/a', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
+                  f'{cp:.3f}', f'<= {TARGET_B_OVER_A}', verdict(w <= TARGET_B_OVER_A)])
+    checks.append(('b/a', w <= TARGET_B_OVER_A))
+  if {'a', 'c'} <= have:
+    w, pw = ratio('c', 'a')
+    cp, _ = ratio('c', 'a', 'cpu_s')
+    bound = share + TARGET_C_SLACK
+    rrows.append(['c/a', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
+                  f'{cp:.3f}', f'<= {bound:.2f} (params {share:.2f} of the bytes)',
+                  verdict(w <= bound)])
+  if {'b', 'd'} <= have:
+    w, pw = ratio('d', 'b')
+    cp, _ = ratio('d', 'b', 'cpu_s')
+    rrows.append(['d/b', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
+                  f'{cp:.3f}', '(naive vs orbax_tunix)', ''])
+  if {'a', 'e'} <= have:
+    w, pw = ratio('e', 'a')
+    cp, _ = ratio('e', 'a', 'cpu_s')
+    rrows.append(['e/a', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
+                  f'{cp:.3f}', '(convert: reads and writes)', ''])
+  lines.append(table(
+      ['ratio', 'wall, of medians', 'wall, paired per round: median [min-max]',
+       'cpu, of medians', 'target', ''],
+      rrows,
+  ))
+  lines.append('')
+  prow = []
+  for c in [c for c in 'abcd' if c in have]:
+    rs = _ok(results[c])
+    m = med([r['peak_rss_delta'] / r['target_bytes'] for r in rs])
+    mx = max(r['peak_rss_delta'] / r['target_bytes'] for r in rs)
+    target = f'<= {TARGET_PEAK}' if c == 'b' else ''
+    prow.append([c, f'{rs[0]["target_bytes"] / MiB:.0f}', f'{m:.2f}', f'{mx:.2f}', target,
+                 verdict(m <= TARGET_PEAK) if c == 'b' else ''])
+  lines.append(table(
+      ['peak RSS above baseline', 'target MiB', 'x target (median)', 'x target (max)',
+       'target', ''],
+      prow,
+  ))
+  for note in notes:
+    lines.append(f'\nNote: {note}')
+  return '\n'.join(lines)
+
+
+# --- the planning scan ---------------------------------------------------------
+
+
+def scan(args, policy: CachePolicy) -> dict[str, Any]:
+  out: dict[str, Any] = {'points': []}
+  for n in args.scan_leaves:
+    shape = synthetic.shape_for(args.scan_size_mb, n, args.param_dtype)
+    workdir = args.workdir / f'scan-{n}'
+    t = time.perf_counter()
+    restore = n <= args.scan_restore_max
+    layouts = tuple(synthetic.LAYOUTS if restore and 'a' in args.scan_contenders else ('tunix',))
+    dirs = write(workdir, shape, layouts)
+    print(f'scan {shape.disk_leaves} leaves: checkpoint ready in {time.perf_counter() - t:.0f} s',
+          flush=True)
+    point: dict[str, Any] = {'leaves': shape.disk_leaves, 'shape': shape.to_json(), 'runs': {}}
+    plans = []
+    for i in range(args.scan_reps):
+      policy.prepare(list(dirs.values()))
+      extra = ['--with-orbax'] if i == 0 and n <= args.orbax_metadata_max else []
+      plans.append(run_child('plan', workdir, args.timeout, extra))
+    point['plan'] = plans
+    if restore:
+      for c in args.scan_contenders:
+        if c == 'a' and 'canonical' not in dirs:
+          continue
+        point['runs'][c] = []
+      for _ in range(args.scan_reps):
+        for c in point['runs']:
+          policy.prepare(list(dirs.values()))
+          res = run_child(c, workdir, args.timeout, concurrent_gb=args.restore_concurrent_gb)
+          point['runs'][c].append(res)
+          print(f'scan {shape.disk_leaves} {c}: {res.get("wall_s", float("nan")):.2f} s,'
+                f' planning {res.get("plan_s", float("nan")):.3f} s'
+                + (f' FAILED {res["error"]}' if 'error' in res else ''), flush=True)
+    out['points'].append(point)
+  out['report'] = report_scan(out['points'])
+  return out
+
+
+def report_scan(points) -> str:
+  rows = []
+  steps = ('plan_item', 'flatten', 'restore_args', 'to_disk', 'disk_shapes', 'validate', 'nest')
+  srows = []
+  for p in points:
+    plans = _ok(p['plan'])
+    direct = med([x['steps_s']['total'] for x in plans]) if plans else float('nan')
+    b = _ok(p['runs'].get('b', []))
+    a = _ok(p['runs'].get('a', []))
+    plan_b = med([r['plan_s'] for r in b]) if b else float('nan')
+    wall_b = med([r['wall_s'] for r in b]) if b else float('nan')
+    share = plan_b / wall_b if b else float('nan')
+    rows.append([
+        p['leaves'],
+        f'{direct:.3f}', f'{direct / p["leaves"] * 1e6:.0f}',
+        f'{plan_b:.3f}' if b else '-',
+        f'{med([r["pre_read_s"] for r in b]):.3f}' if b else '-',
+        f'{med([r["pre_read_s"] for r in a]):.3f}' if a else '-',
+        f'{wall_b:.2f}' if b else '-',
+        f'{med([r["wall_s"] for r in a]):.2f}' if a else '-',
+        f'{share:.2%}' if b else '-',
+        (f'{verdict(share <= TARGET_PLAN_SHARE)} (<= {TARGET_PLAN_SHARE:.0%})'
+         if b and 9000 <= p['leaves'] <= 11000 else ''),
+    ])
+    orbax = [x['steps_s']['orbax_metadata'] for x in plans if 'orbax_metadata' in x['steps_s']]
+    if plans:
+      srows.append([p['leaves'], f'{med(orbax):.3f}' if orbax else 'not run'] + [
+          f'{med([x["steps_s"].get(s, 0.0) for x in plans]):.3f}' for s in steps
+      ] + [f'{med([x["steps_s"]["detect"] for x in plans]):.3f}'])
+  lines = [table(
+      ['leaves on disk', 'planning s (steps timed directly)', 'us / leaf',
+       'planning s (in b)', 'b: before 1st read s', 'a: before 1st read s',
+       'b restore s', 'a restore s', 'planning / b restore', 'target'],
+      rows,
+  ), '', table(['leaves', 'before: Orbax metadata() for the same leaves s']
+               + [f'{s} s' for s in steps] + ['(detect s)'], srows)]
+  for first, last in zip(points, points[1:], strict=False):
+    def total(p, skip=()):
+      return med([sum(v for k, v in x['steps_s'].items()
+                      if k not in ('total', 'detect', 'orbax_metadata') + skip)
+                  for x in _ok(p['plan'])])
+    lines.append(
+        f'\nGrowth {first["leaves"]} -> {last["leaves"]} leaves'
+        f' ({last["leaves"] / first["leaves"]:.1f}x): planning {total(last) / total(first):.1f}x;'
+        f' without the shape check (disk_shapes) {total(last, ("disk_shapes",)) / total(first, ("disk_shapes",)):.1f}x;'
+        f' the shape check alone {total(last) - total(last, ("disk_shapes",)):.3f} /'
+        f' {total(first) - total(first, ("disk_shapes",)):.3f} s ='
+        f' {(total(last) - total(last, ("disk_shapes",))) / (total(first) - total(first, ("disk_shapes",))):.1f}x.'
+    )
+  return '\n'.join(lines)
+
+
+# --- entry point -----------------------------------------------------------------
+
+
+# Defaults of the full run and of `--quick`, for the flags they differ on.
+FULL = {'size_mb': 1024, 'reps': 5, 'scan_leaves': '1000,10000,50000', 'scan_size_mb': 256,
+        'scan_restore_max': 10000, 'memory_reps': 3}
+QUICK = {'size_mb': 64, 'reps': 2, 'scan_leaves': '300,1000,3000', 'scan_size_mb': 16,
+         'scan_restore_max': 3000, 'memory_reps': 2}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description=__doc__.split('\n\n')[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument('--size-mb', type=float, help='state size, params + mu + nu (1024; quick 64)')
+  p.add_argument('--leaves', type=int, default=1000, help='leaves on disk (sets the layers)')
+  p.add_argument('--param-dtype', default='bfloat16', help='weights dtype (mu, nu: float32)')
+  p.add_argument('--reps', type=int, help='rounds of all contenders (5; quick 2)')
+  p.add_argument('--contenders', default='abcde', help='subset of abcde')
+  p.add_argument('--workdir', type=pathlib.Path, default=pathlib.Path('/tmp/orbax_tunix_bench'),
+                 help='checkpoints are written here once and reused')
+  p.add_argument('--cache', choices=('cold', 'warm'), default='cold',
+                 help='page cache state before each repetition')
+  p.add_argument('--drop-caches', action='store_true',
+                 help='cold via /proc/sys/vm/drop_caches (root) instead of fadvise')
+  p.add_argument('--no-verify', dest='verify', action='store_false',
+                 help='skip checking b, c, d against a')
+  p.add_argument('--scan-leaves',
+                 help='leaf counts of the planning scan, "" for none (1000,10000,50000; quick 300,1000,3000)')
+  p.add_argument('--scan-size-mb', type=float, help='state size in the scan (256; quick 16)')
+  p.add_argument('--scan-reps', type=int, default=2)
+  p.add_argument('--scan-restore-max', type=int,
+                 help='restore (not only plan) up to this many leaves (10000; quick 3000)')
+  p.add_argument('--scan-contenders', default='ab', help='restored in the scan: ab, or b')
+  p.add_argument('--orbax-metadata-max', type=int, default=10000,
+                 help='scan: also time Orbax metadata() (the old shape check) up to this many leaves')
+  p.add_argument('--restore-concurrent-gb', type=float, default=None,
+                 help="Orbax's in-flight read budget for every contender (default: Orbax's)")
+  p.add_argument('--memory-check-gb', type=float, default=0.1,
+                 help='after the rounds, a and b again with this in-flight budget (0: skip)')
+  p.add_argument('--memory-reps', type=int, help='repetitions of the memory check (3; quick 2)')
+  p.add_argument('--timeout', type=float, default=1800, help='per child, seconds')
+  p.add_argument('--json', type=pathlib.Path, help='also write every figure here')
+  p.add_argument('--quick', action='store_true',
+                 help='smoke run: 64 MB, 2 rounds, scan 300/1000/3000 leaves at 16 MB')
+  args = p.parse_args(argv)
+  for key, value in (QUICK if args.quick else FULL).items():
+    if getattr(args, key) is None:  # flags given explicitly win over the preset
+      setattr(args, key, value)
+  args.scan_leaves = [int(x) for x in args.scan_leaves.split(',') if x.strip()]
+  args.contenders = [c for c in 'abcde' if c in args.contenders]
+  args.scan_contenders = [c for c in 'ab' if c in args.scan_contenders]
+  return args
+
+
+def main(argv: Sequence[str]) -> None:
+  args = parse_args(argv)
+  drop_ok = drop_all_caches() if args.drop_caches else False
+  policy = CachePolicy(args.cache, drop_ok)
+  info = machine()
+  command = 'python ' + ' '.join(shlex.quote(a) for a in [
+      os.path.relpath(__file__, HERE.parent)] + list(argv))
+  print(f'command: {command}\nmachine: {json.dumps(info)}\ncache: {policy.describe()}', flush=True)
+  if args.drop_caches and not drop_ok:
+    print('note: /proc/sys/vm/drop_caches is not writable here; evicting with fadvise.')
+  t0 = time.perf_counter()
+  out = {'command': command, 'machine': info, 'cache': policy.describe()}
+  if args.reps > 0:
+    out['compare'] = compare(args, policy, info)
+  if args.scan_leaves:
+    out['scan'] = scan(args, policy)
+  info['loadavg_end'] = os.getloadavg()
+  out['elapsed_s'] = time.perf_counter() - t0
+  print('\n## Results\n')
+  print(f'Command: `{command}`  ')
+  print(f'Machine: {info["nproc"]} CPUs ({info["cpu"]}), {info["memory_gib"]} GiB,'
+        f' Linux {info["kernel"]}, Python {info["python"]}  ')
+  print('Versions: ' + ', '.join(f'{k} {v}' for k, v in info['versions'].items())
+        + f' (orbax-tunix at {info["commit"]})  ')
+  print(f'Load average at start / end: {info["loadavg_start"][0]:.1f} /'
+        f' {info["loadavg_end"][0]:.1f}; page cache: {policy.describe()}  ')
+  print(f'Elapsed: {out["elapsed_s"] / 60:.1f} min\n')
+  if 'compare' in out:
+    c = out['compare']
+    s = c['shape']
+    print(f'### Restore: {c["disk_leaves"]} leaves on disk, {c["logical_bytes"] / MiB:.0f} MiB'
+          f' of state ({s["layers"]} layers, d_model {s["d_model"]}, params {s["param_dtype"]},'
+          f' mu/nu float32; on disk: Tunix {c["disk_bytes"]["tunix"] / MiB:.0f} MiB,'
+          f' canonical {c["disk_bytes"]["canonical"] / MiB:.0f} MiB), {args.reps} rounds\n')
+    if 'verify' in c:
+      v = c['verify']
+      print(f'Correctness (b, c, d against a, every leaf, values and shardings):'
+            f' b {v.get("b")}, c {v.get("c")}, d {v.get("d")}\n')
+    print(c['report'])
+    if 'memory' in c:
+      print(f'\nPeak memory with Orbax\'s in-flight read budget set'
+            f' (`restore_concurrent_gb={c["memory"]["budget_gb"]}`, a and b alike):\n')
+      print(c['memory']['report'])
+  if 'scan' in out:
+    print(f'\n### Planning scan ({args.scan_size_mb:.0f} MiB of state at each leaf count)\n')
+    print(out['scan']['report'])
+  if args.json:
+    args.json.write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
