@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import optax
 from etils import epath
 
 from orbax_tunix import errors, reader, rules
@@ -27,16 +28,37 @@ from orbax_tunix.tree_paths import Path, fmt, nest
 
 _RULE_DESCRIPTIONS = {rule.name: rule.description for rule in rules.RULES}
 
-# Well-known optax states, recognised by their field names, for the outline.
-_STATE_NAMES = {
-    frozenset({'count', 'mu', 'nu'}): 'adam-family moments (ScaleByAdamState)',
-    frozenset({'acc_grads', 'gradient_step', 'inner_opt_state', 'mini_step'}): (
-        'gradient accumulation (optax.MultiSteps)'
-    ),
-    frozenset({'trace'}): 'momentum (TraceState)',
-    frozenset({'count', 'mu'}): 'first moment (ScaleByBeliefState-like)',
-    frozenset({'nu'}): 'second moment',
-}
+def _optax_state_fields() -> dict[str, frozenset[str]]:
+  """optax's own state NamedTuples, by name: the outline names states with them."""
+  return {
+      name: frozenset(obj._fields)
+      for name, obj in vars(optax).items()
+      if isinstance(obj, type) and issubclass(obj, tuple) and getattr(obj, '_fields', ())
+      and name.endswith('State')
+  }
+
+
+_OPTAX_STATES = _optax_state_fields()
+
+
+def optax_state_names(keys: frozenset[str]) -> tuple[str, ...]:
+  """The optax state types whose fields fit a saved node's keys.
+
+  nnx drops fields that hold no leaves, so a saved node's keys may be a subset
+  of its type's fields: exact matches win, else the types with fewest extra
+  fields.
+
+  Args:
+    keys: the child keys of one node of a saved optimizer state.
+
+  Returns:
+    Sorted type names (e.g. ('ScaleByAdamState', ...)); empty when none fit.
+  """
+  fits = {name: len(fields - keys) for name, fields in _OPTAX_STATES.items() if keys <= fields}
+  if not keys or not fits:
+    return ()
+  best = min(fits.values())
+  return tuple(sorted(name for name, extra in fits.items() if extra == best))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,8 +282,9 @@ def optimizer_outline(
       notes = []
       if fmt(path) in shell_set:
         notes.append('inject_hyperparams shell (hyperparameters listed below)')
-      if keys in _STATE_NAMES:
-        notes.append(_STATE_NAMES[keys])
+      names = optax_state_names(keys)
+      if names and not all(k.isdigit() for k in keys):
+        notes.append('optax ' + ' / '.join(names))
       elif keys and all(k.isdigit() for k in keys):
         notes.append('optax chain: one entry per transform with state')
       rows.append(OutlineRow(depth, path, False, '; '.join(notes)))

@@ -603,3 +603,13 @@ def test_plan_is_metadata_only(tunix_data, tmp_path):
   assert [item.name for item in plan.items] == ['model_params', 'optimizer_state']
   assert plan.batch_bytes == (2**30 - reader.FIXED_OVERHEAD) // convert.COPIES_IN_FLIGHT
   assert not (tmp_path / '1').exists()
+
+
+def test_optax_state_names_come_from_optax():
+  from orbax_tunix.inspection import optax_state_names
+
+  assert 'ScaleByAdamState' in optax_state_names(frozenset({'count', 'mu', 'nu'}))
+  # nnx drops MultiSteps' empty skip_state: a subset of the fields still fits.
+  assert optax_state_names(
+      frozenset({'mini_step', 'gradient_step', 'inner_opt_state', 'acc_grads'})) == ('MultiStepsState',)
+  assert optax_state_names(frozenset({'not_an_optax_field'})) == ()
