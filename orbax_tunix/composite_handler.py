@@ -15,7 +15,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.handlers import handler_type_registry
 
-from orbax_tunix import detect, errors
+from orbax_tunix import errors
+
+# Names, not the module: the package re-exports the function `detect`, which
+# shadows the module attribute of the same name.
+from orbax_tunix.detect import CHECKPOINT_METADATA, recorded_item_handlers, require_step_dir
 from orbax_tunix.pytree_handler import V1_PYTREE_TYPESTR, TunixPyTreeHandler, TunixPyTreeRestore
 
 # Item handler typestrs whose items hold a PyTree `TunixPyTreeHandler` reads:
@@ -72,13 +76,13 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
 
   def metadata(self, directory: epath.Path) -> Any:
     """Step metadata; PyTree items' trees are canonical for Tunix items."""
-    directory = detect.require_step_dir(directory)
+    directory = require_step_dir(directory)
     self._bind_pytree_items(directory)
     return super().metadata(directory)
 
   def restore(self, directory: epath.Path, args: ocp.args.Composite | None = None) -> Any:
     """Restores the items named in `args`, or every item when there are none."""
-    directory = detect.require_step_dir(directory)
+    directory = require_step_dir(directory)
     if args is None or not dict(args.items()):
       args = self._default_args(directory)
     missing = sorted(name for name in args.keys() if not (directory / name).is_dir())
@@ -92,13 +96,13 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
 
   def _pytree_items(self, directory: epath.Path) -> tuple[list[str], dict[str, Any]]:
     """(PyTree items, other items -> recorded typestr) of a step on disk."""
-    recorded = detect.recorded_item_handlers(directory)
+    recorded = recorded_item_handlers(directory)
     existing = self._existing_items(directory)
     absent = sorted(set(recorded) - set(existing))
     if absent:
       # Restoring the rest would hand back a partial step as if it were whole.
       raise errors.CorruptMetadataError(
-          f'{directory}: {detect.CHECKPOINT_METADATA} records the items'
+          f'{directory}: {CHECKPOINT_METADATA} records the items'
           f' {sorted(recorded)}, but {absent} are missing (or not directories).'
           ' The step is damaged: restore another step, or name the items you'
           ' want in args.'

@@ -135,6 +135,8 @@ def _insert_level(key: str) -> Callable[[Path, Anchors], Path]:
 
 def _find_shells(item: str, step: StepPaths) -> Anchors:
   """Nodes holding an `inject_hyperparams` state, at any depth."""
+  if not any('inner_state' in p for p in step[item]):
+    return frozenset()  # The common case, decided without building every prefix.
   return frozenset(
       node
       for node, keys in children(step[item]).items()
@@ -155,8 +157,7 @@ INJECT_SHELL = Rule(
 
 
 def _has_adapter(model_paths: frozenset[Path]) -> bool:
-  kids = children(model_paths).get((), set())
-  return kids == {'base'}
+  return bool(model_paths) and all(p[0] == 'base' and len(p) > 1 for p in model_paths)
 
 
 def _find_adapter(item: str, step: StepPaths) -> Anchors:
@@ -174,6 +175,8 @@ def _find_adapter(item: str, step: StepPaths) -> Anchors:
     return frozenset({()}) if _has_adapter(paths) else frozenset()
   model = step.get(MODEL_ITEM)
   if model is not None and not _has_adapter(model):
+    return frozenset()
+  if not any('base' in p for p in paths):
     return frozenset()
   weights = None if model is None else frozenset(p[1:] for p in model)
   kids = children(paths)
