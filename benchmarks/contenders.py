@@ -277,7 +277,7 @@ def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) ->
 
 
 def orbax_shapes(item_dir: pathlib.Path, wanted: frozenset) -> dict:
-  """Shapes the way `_disk_shapes` got them before `_header_shapes`: Orbax's metadata."""
+  """Shapes the way `disk_shapes` got them before `_header_shapes`: Orbax's metadata."""
   import dataclasses  # pylint: disable=g-import-not-at-top
 
   from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
@@ -328,7 +328,7 @@ def plan_steps(
     leaves = [leaf for _, leaf in pairs]
     restore_args = timed('restore_args', ocp.checkpoint_utils.construct_restore_args, tree)
     disk = timed('to_disk', to_disk_paths, layout, canonical)
-    shapes = timed('disk_shapes', handler._disk_shapes, item_dir, frozenset(disk))  # pylint: disable=protected-access
+    shapes = timed('disk_shapes', handler.disk_shapes, item_dir, frozenset(disk))  # pylint: disable=protected-access
     timed('validate', pytree_handler.validate_target, item_dir, canonical, disk, leaves, shapes)
     leaf_args = jax.tree.leaves(restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs))
     timed('nest', nest_both, disk, leaves, leaf_args)

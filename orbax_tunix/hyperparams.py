@@ -44,17 +44,15 @@ def hyperparameters(path: epath.PathLike) -> dict[str, dict[str, Any]]:
   layout = detection.layouts.get(rules.OPTIMIZER_ITEM)
   if layout is None:
     return {}
-  value_level = rules.NNX_VALUE.name in layout.rule_names
   shell_rewrites = [r for r in layout.rewrites if r.rule is rules.INJECT_SHELL]
   if not shell_rewrites:
     return {}
-  # Shell anchors are recorded after the value level was removed; on-disk
-  # leaves carry it, so strip it before matching.
   shells = shell_rewrites[0].anchors
   wanted = {}
   for disk in sorted(layout.side_paths):
-    stripped = disk[:-1] if value_level else disk
-    found = _hyperparam_name(stripped, shells)
+    # Shell anchors are in the coordinates the shell rule saw (e.g. without
+    # the nnx value level); match each leaf in those.
+    found = _hyperparam_name(layout.path_before(rules.INJECT_SHELL, disk), shells)
     if found is not None:
       wanted[disk] = found
   if not wanted:

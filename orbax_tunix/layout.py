@@ -53,6 +53,16 @@ class ItemLayout:
         return None
     return path
 
+  def path_before(self, rule: rules_lib.Rule, path: Path) -> Path | None:
+    """An on-disk path as `rule` saw it: only the rules planned before it applied."""
+    for rewrite in self.rewrites:
+      if rewrite.rule is rule:
+        break
+      path = rewrite.to_canonical(path)
+      if path is None:
+        return None
+    return path
+
   def to_disk_path(self, path: Path) -> Path:
     """Runs the rules backwards on one canonical path."""
     for rewrite in reversed(self.rewrites):

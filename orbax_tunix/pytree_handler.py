@@ -255,7 +255,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           " target's structure (or none: they are derived from the target)."
       )
     disk = [layout.to_disk_path(p) for p in canonical]
-    shapes = self._disk_shapes(directory, frozenset(disk))
+    shapes = self.disk_shapes(directory, frozenset(disk))
     validate_target(directory, canonical, disk, leaves, shapes)
     restored = self._read(
         directory,
@@ -279,7 +279,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           ' the step is complete and readable, or restore another step.'
       ) from e
 
-  def _disk_shapes(
+  def disk_shapes(
       self, directory: epath.Path, wanted: frozenset[Path]
   ) -> dict[Path, tuple[int, ...] | None]:
     """Global shapes of the on-disk leaves in `wanted` (those absent are left out).

@@ -13,8 +13,8 @@ from etils import epath
 
 from orbax_tunix import errors, rules
 from orbax_tunix.detect import Detection
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, stored_shape
-from orbax_tunix.tree_paths import Path, flat_dict
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.tree_paths import Path
 
 Shape = tuple[int, ...]
 
@@ -45,8 +45,8 @@ def read_view(detection: Detection, *, shapes_of: Collection[str]) -> Checkpoint
 
   Args:
     detection: what `detect()` found (must be Tunix).
-    shapes_of: items whose shapes to look up (Orbax opens each array's
-      metadata for them); the others give paths only, from JSON.
+    shapes_of: items whose shapes to look up (from each array's zarr
+      header); the others give paths only, from JSON.
 
   Returns:
     A `CheckpointView`.
@@ -62,11 +62,15 @@ def read_view(detection: Detection, *, shapes_of: Collection[str]) -> Checkpoint
         ' restored as a MaxText train state.'
     )
 
+  handler = TunixPyTreeHandler()
+
   def canonical(item: str) -> dict[Path, Shape | None]:
+    to_disk = layouts[item].canonical_to_disk
     if item not in shapes_of:
-      return {p: None for p in layouts[item].canonical_to_disk}
-    meta = TunixPyTreeHandler().metadata(detection.step_dir / item)
-    return {p: stored_shape(m) for p, m in flat_dict(meta.tree).items()}
+      return {p: None for p in to_disk}
+    # The plan from `detect` is reused; only the arrays' small headers are read.
+    shapes = handler.disk_shapes(detection.step_dir / item, frozenset(to_disk.values()))
+    return {p: shapes.get(d) for p, d in to_disk.items()}
 
   has_optimizer = rules.OPTIMIZER_ITEM in layouts
   return CheckpointView(
