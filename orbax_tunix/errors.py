@@ -17,8 +17,12 @@ class TunixCheckpointError(ValueError):
   """Base class of every error raised by orbax_tunix."""
 
 
-class NotACheckpointError(TunixCheckpointError):
-  """The path does not exist or holds no Orbax checkpoint."""
+class NotACheckpointError(TunixCheckpointError, FileNotFoundError):
+  """The path does not exist or holds no Orbax checkpoint.
+
+  Also a `FileNotFoundError`, which is what Orbax's own handlers raise for a
+  missing directory.
+  """
 
 
 class UncommittedStepError(TunixCheckpointError):
@@ -31,6 +35,19 @@ class CorruptMetadataError(TunixCheckpointError):
 
 class TargetMismatchError(TunixCheckpointError):
   """The restore target disagrees with the checkpoint (paths, shapes, dtypes)."""
+
+
+class MissingItemError(TargetMismatchError, KeyError):
+  """An item asked for is not in the step.
+
+  Also the `KeyError` Orbax's composite handler raises for it.
+  """
+
+  __str__ = TargetMismatchError.__str__  # KeyError would quote the message.
+
+
+class LoraOnlyCheckpointError(TargetMismatchError):
+  """The checkpoint holds only LoRA adapters; full weights were asked for."""
 
 
 class UnsupportedLayoutError(TunixCheckpointError):

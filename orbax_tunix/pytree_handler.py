@@ -9,6 +9,7 @@ never opened. Items that are not Tunix go to the plain `PyTreeCheckpointHandler`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -21,10 +22,10 @@ from orbax.checkpoint._src.metadata import tree as tree_metadata
 from orbax.checkpoint._src.path import format_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from orbax_tunix import errors
+from orbax_tunix import _orbax, errors
 from orbax_tunix import layout as layout_lib
 from orbax_tunix.detect import PYTREE_METADATA, as_path, has_tree, plan_item
-from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, nest
+from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, key_str, nest
 
 PyTree = Any
 
@@ -130,36 +131,53 @@ def _header_shapes(directory: epath.Path, paths: frozenset[Path]) -> dict[Path, 
     return {}
 
 
-def as_pytree_restore(
-    args: ocp.args.CheckpointArgs | None,
-    item: PyTree | None = None,
-    restore_args: PyTree | None = None,
-    transforms: PyTree | None = None,
-    transforms_default_to_original: bool = True,
-    legacy_transform_fn: Any = None,
-) -> ocp.args.PyTreeRestore:
-  """The restore request as `PyTreeRestore`, whichever way the caller made it.
+def _existing(directory: epath.PathLike) -> epath.Path:
+  """`directory` as an absolute `epath.Path`, which must exist.
 
-  Accepts `PyTreeRestore` (or a subclass), `StandardRestore`, or the legacy
-  keyword arguments of `PyTreeCheckpointHandler.restore`.
+  Raises:
+    NotACheckpointError: it does not exist (also a `FileNotFoundError`).
   """
-  if isinstance(args, ocp.args.StandardRestore):
-    loose = args.item is not None and args.strict is False
-    return ocp.args.PyTreeRestore(
-        item=args.item,
-        restore_args=(
-            ocp.checkpoint_utils.construct_restore_args(args.item, strict=False) if loose else None
-        ),
+  directory = as_path(directory)
+  if not directory.is_dir():
+    found = 'a file' if directory.exists() else 'nothing'
+    raise errors.NotACheckpointError(
+        f'{directory}: expected an item directory of an Orbax checkpoint, found'
+        f' {found}. Pass an item, e.g. <step>/model_params.'
     )
-  if args is not None:
-    return args
-  return ocp.args.PyTreeRestore(
-      item=item,
-      restore_args=restore_args,
-      transforms=transforms,
-      transforms_default_to_original=transforms_default_to_original,
-      legacy_transform_fn=legacy_transform_fn,
+  return directory
+
+
+def _is_placeholder(leaf: Any) -> bool:
+  return leaf is ocp.PLACEHOLDER
+
+
+def canonical_metadata(
+    meta: _orbax.TreeMetadata, layout: layout_lib.ItemLayout
+) -> _orbax.TreeMetadata:
+  """An on-disk item's metadata tree in canonical form (no store is read)."""
+  return _orbax.tree_metadata_like(meta, layout_lib.to_canonical_tree(meta.tree, layout))
+
+
+def _default_restore_arg(leaf: Any) -> ocp.RestoreArgs:
+  """Restore args for a target leaf given without any: read into its sharding and dtype.
+
+  Arrays and `jax.ShapeDtypeStruct`s with a sharding get `ArrayRestoreArgs`
+  from it (Orbax's `construct_restore_args`); anything else (placeholders,
+  values without a sharding) gets Orbax's default `RestoreArgs()`.
+  """
+  if isinstance(getattr(leaf, 'sharding', None), jax.sharding.Sharding):
+    return ocp.checkpoint_utils.construct_restore_args(leaf)
+  return ocp.RestoreArgs()
+
+
+def _args_by_path(restore_args: PyTree | None) -> dict[Path, ocp.RestoreArgs]:
+  """A restore-args tree as {path: RestoreArgs}."""
+  if restore_args is None:
+    return {}
+  pairs, _ = jax.tree_util.tree_flatten_with_path(
+      restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs)
   )
+  return {tuple(key_str(k) for k in kp): arg for kp, arg in pairs}
 
 
 class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
@@ -171,11 +189,47 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     params = ckptr.restore(step_dir / 'model_params',
                            args=ocp.args.PyTreeRestore(item=abstract_params))
 
-  Restoring accepts `ocp.args.PyTreeRestore`, `ocp.args.StandardRestore` or no
-  arguments. On a Tunix item, `item` is a canonical target (arrays or
-  `jax.ShapeDtypeStruct`s, with shardings); only the arrays it names are read.
-  Anything else behaves as the plain `PyTreeCheckpointHandler`.
+  On a Tunix item, `item` is a canonical target (arrays or
+  `jax.ShapeDtypeStruct`s, with shardings): only the arrays it names are read,
+  each straight into its sharding and dtype (from `restore_args` when given,
+  else from the target leaf). `ocp.args.StandardRestore` has Orbax's
+  `StandardCheckpointHandler` semantics on the canonical tree. Any other item
+  is restored by the plain `PyTreeCheckpointHandler` (or `reader`) exactly as
+  asked.
+
+  Args:
+    reader: an Orbax `PyTreeCheckpointHandler` or `StandardCheckpointHandler`
+      to read with (its options apply); by default this handler reads itself.
+    **kwargs: as for `ocp.PyTreeCheckpointHandler`.
   """
+
+  def __init__(
+      self,
+      *,
+      reader: ocp.PyTreeCheckpointHandler | ocp.StandardCheckpointHandler | None = None,
+      **kwargs: Any,
+  ):
+    super().__init__(**kwargs)
+    self._reader = reader
+
+  @functools.cached_property
+  def _standard(self) -> ocp.StandardCheckpointHandler:
+    """Orbax's StandardCheckpointHandler over this one, for `StandardRestore`."""
+    return _orbax.standard_handler_over(self)
+
+  def _orbax_restore(self, directory: epath.Path, args: ocp.args.CheckpointArgs) -> PyTree:
+    """Orbax's own restore, by the reader when there is one."""
+    if self._reader is not None:
+      return self._reader.restore(directory, args=args)
+    if isinstance(args, ocp.args.StandardRestore):
+      return self._standard.restore(directory, args=args)
+    return super().restore(directory, args=args)
+
+  def _orbax_pytree(self) -> ocp.PyTreeCheckpointHandler | None:
+    """The PyTree handler that reads on-disk targets (None: this one)."""
+    if isinstance(self._reader, ocp.StandardCheckpointHandler):
+      return _orbax.pytree_handler_of(self._reader)
+    return self._reader
 
   def restore(
       self,
@@ -190,93 +244,116 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     """Restores an item; see the class docstring.
 
     Raises:
+      NotACheckpointError: `directory` does not exist (also a
+        `FileNotFoundError`, as Orbax raises).
       TargetMismatchError: the target names leaves absent on disk or with
         another shape (checked before any array is read).
       UnsupportedLayoutError: legacy `transforms` on a Tunix item.
+      CorruptMetadataError: stored data the target needs is missing or damaged.
     """
-    directory = as_path(directory)
-    if not has_tree(directory):
-      found = 'a directory without it' if directory.is_dir() else (
-          'a file' if directory.exists() else 'nothing')
+    if args is None:
+      args = ocp.args.PyTreeRestore(
+          item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
+      )
+    directory = _existing(directory)
+    layout = plan_item(directory)
+    if layout is None and not has_tree(directory) and getattr(args, 'item', None) is None:
+      # Orbax raises FileNotFoundError here too; ours is one, and says more.
       raise errors.NotACheckpointError(
           f'{directory}: expected an item directory of an Orbax checkpoint'
-          f' (holding {PYTREE_METADATA}), found {found}. Pass an item, e.g.'
-          ' <step>/model_params or <step>/optimizer_state.'
+          f' (holding {PYTREE_METADATA}), found a directory without it. Pass an'
+          ' item, e.g. <step>/model_params or <step>/optimizer_state.'
       )
-    args = as_pytree_restore(
-        args, item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
-    )
-    layout = plan_item(directory)
     if layout is None or not layout.rewrites:
-      if args.item is not None and args.restore_args is None and args.transforms is None:
-        args = ocp.args.PyTreeRestore(
-            item=args.item,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(args.item),
-            partial_restore=args.partial_restore,
-        )
-      return super().restore(directory, args=args)
-    if args.transforms is not None or args.legacy_transform_fn is not None:
+      return self._orbax_restore(directory, args)
+    if isinstance(args, ocp.args.StandardRestore):
+      # Orbax's own StandardRestore logic, which reads through `restore` below.
+      return self._standard.restore(directory, args=args)
+    if args.transforms or args.legacy_transform_fn is not None:
       raise errors.UnsupportedLayoutError(
           f'{directory}: legacy `transforms` are not supported on a Tunix item;'
           ' pass the canonical target as `item` instead (the rewrites apply'
           ' to it).'
       )
-    if args.item is None:
-      raw = self._read(directory, ocp.args.PyTreeRestore(restore_args=args.restore_args))
-      return layout_lib.to_canonical_tree(raw, layout)
-    return self._restore_target(directory, layout, args)
-
-  def _restore_target(
-      self,
-      directory: epath.Path,
-      layout: layout_lib.ItemLayout,
-      args: ocp.args.PyTreeRestore,
-  ) -> PyTree:
     if not (directory / PYTREE_METADATA).exists():
+      return self._restore_legacy(directory, layout, args)
+    return self._restore_canonical(directory, layout, args)
+
+  def _restore_legacy(
+      self, directory: epath.Path, layout: layout_lib.ItemLayout, args: ocp.args.PyTreeRestore
+  ) -> PyTree:
+    """An item older than `_METADATA`: read whole, as Orbax does, then rewritten."""
+    if args.item is not None:
       raise errors.UnsupportedLayoutError(
           f'{directory}: this item predates Orbax\'s _METADATA file, so a'
           ' partial restore into a target is not possible. Restore it without'
           ' a target (every array, canonical), or re-save it with a current'
           ' Orbax.'
       )
-    pairs, treedef = flatten(args.item)
-    canonical = [p for p, _ in pairs]
-    leaves = [leaf for _, leaf in pairs]
-    restore_args = args.restore_args
-    if restore_args is None:
-      restore_args = ocp.checkpoint_utils.construct_restore_args(args.item)
-    leaf_args = jax.tree_util.tree_leaves(
-        restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs)
-    )
-    if len(leaf_args) != len(leaves):
-      raise errors.TargetMismatchError(
-          f'{directory}: `restore_args` has {len(leaf_args)} leaves, the target'
-          f' `item` {len(leaves)}. Give one RestoreArgs per target leaf, in the'
-          " target's structure (or none: they are derived from the target)."
-      )
+    return layout_lib.to_canonical_tree(self._read(directory, ocp.args.PyTreeRestore()), layout)
+
+  def _restore_canonical(
+      self, directory: epath.Path, layout: layout_lib.ItemLayout, args: ocp.args.PyTreeRestore
+  ) -> PyTree:
+    """Rewrites the canonical target to disk paths, checks it, reads only it."""
+    given = _args_by_path(args.restore_args)
+    if args.item is None:
+      # Every canonical leaf, as Orbax restores a tree without a target.
+      canonical = sorted(layout.canonical_to_disk)
+      leaves = [0] * len(canonical)  # Any non-placeholder: restored as saved.
+      treedef = None
+      arg_of = [given.get(c, ocp.RestoreArgs()) for c in canonical]
+    else:
+      pairs, treedef = flatten(args.item)
+      canonical = [p for p, _ in pairs]
+      leaves = [leaf for _, leaf in pairs]
+      arg_of = [given.get(c) or _default_restore_arg(leaf) for c, leaf in pairs]
     disk = [layout.to_disk_path(p) for p in canonical]
-    shapes = self.disk_shapes(directory, frozenset(disk))
-    validate_target(directory, canonical, disk, leaves, shapes)
-    restored = self._read(
-        directory,
-        ocp.args.PyTreeRestore(
-            item=nest(zip(disk, leaves, strict=True)),
-            restore_args=nest(zip(disk, leaf_args, strict=True)),
-            partial_restore=True,
-        ),
-    )
-    by_path = flat_dict(restored)
-    return jax.tree_util.tree_unflatten(treedef, [by_path[d] for d in disk])
+    wanted = [i for i, leaf in enumerate(leaves) if not _is_placeholder(leaf)]
+    if treedef is not None:
+      shapes = self.disk_shapes(directory, frozenset(disk[i] for i in wanted))
+      validate_target(
+          directory,
+          [canonical[i] for i in wanted],
+          [disk[i] for i in wanted],
+          [leaves[i] for i in wanted],
+          shapes,
+      )
+    by_path: dict[Path, Any] = {}
+    if wanted:
+      restored = self._read(
+          directory,
+          ocp.args.PyTreeRestore(
+              item=nest((disk[i], leaves[i]) for i in wanted),
+              restore_args=nest((disk[i], arg_of[i]) for i in wanted),
+              partial_restore=True,
+          ),
+      )
+      by_path = flat_dict(restored)
+    values = [by_path.get(d, leaf) for d, leaf in zip(disk, leaves, strict=True)]
+    if treedef is None:
+      return nest(zip(canonical, values, strict=True))
+    return jax.tree_util.tree_unflatten(treedef, values)
 
   def _read(self, directory: epath.Path, args: ocp.args.PyTreeRestore) -> PyTree:
-    """Orbax's own read of the on-disk target, its failures put in our terms."""
+    """Orbax's read of an on-disk target; damaged data is put in our terms.
+
+    Failures that are about the request (e.g. a sharding that does not divide
+    an array) reach the caller as Orbax raised them.
+    """
+    pytree = self._orbax_pytree()
     try:
+      if pytree is not None:
+        return pytree.restore(directory, args=args)
       return super().restore(directory, args=args)
-    except (ValueError, OSError, KeyError) as e:
+    except Exception as e:  # pylint: disable=broad-except
+      cause = _orbax.storage_failure(e)
+      if cause is None:
+        raise
       raise errors.CorruptMetadataError(
-          f'{directory}: reading the arrays failed ({type(e).__name__}: {e}).'
-          ' Expected readable array data for every leaf asked for; check that'
-          ' the step is complete and readable, or restore another step.'
+          f'{directory}: reading the arrays failed: stored data is missing or'
+          f' damaged ({_orbax.failure_text(cause)}). Expected readable array data'
+          ' for every leaf asked for; restore another step, or re-save this one.'
       ) from e
 
   def disk_shapes(
@@ -312,24 +389,30 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       ) from e
     return shapes | {p: stored_shape(m) for p, m in flat_dict(tree).items()}
 
-  def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
-    """Returns the item's metadata tree, canonical for a Tunix item."""
-    directory = as_path(directory)
+  def metadata(self, directory: epath.Path) -> _orbax.TreeMetadata:
+    """Returns the item's metadata tree, canonical for a Tunix item.
+
+    Raises:
+      NotACheckpointError: `directory` does not exist.
+      CorruptMetadataError: a Tunix item's array stores are unreadable.
+    """
+    directory = _existing(directory)
+    reader = self._reader or super()
     layout = plan_item(directory)
     if layout is None or not layout.rewrites:
-      return super().metadata(directory)
+      return reader.metadata(directory)
     try:
-      meta = super().metadata(directory)
-    except (ValueError, OSError, KeyError) as e:
+      meta = reader.metadata(directory)
+    except Exception as e:  # pylint: disable=broad-except
+      cause = _orbax.storage_failure(e)
+      if cause is None:
+        raise
       raise errors.CorruptMetadataError(
-          f'{directory}: reading the arrays\' metadata failed ({type(e).__name__}:'
-          f' {e}). Expected a readable store for every leaf in _METADATA; the'
-          ' step is damaged or incomplete: use another step.'
+          f'{directory}: reading the arrays\' metadata failed: stored data is'
+          f' missing or damaged ({_orbax.failure_text(cause)}). Expected a readable'
+          ' store for every leaf in _METADATA; restore another step.'
       ) from e
-    return tree_metadata.build_default_tree_metadata(
-        layout_lib.to_canonical_tree(meta.tree, layout),
-        custom_metadata=meta.custom_metadata,
-    )
+    return canonical_metadata(meta, layout)
 
 
 # Registering args of its own keeps `ocp.Checkpointer` from wrapping the handler

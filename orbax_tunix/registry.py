@@ -15,9 +15,24 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix.composite_handler import PYTREE_TYPESTRS
 from orbax_tunix.detect import plan_item
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, V1ItemRestore
+from orbax_tunix.pytree_handler import (
+    V1_PYTREE_TYPESTR,
+    TunixPyTreeHandler,
+    TunixPyTreeRestore,
+    V1ItemRestore,
+)
+
+# Item handler typestrs whose items hold a PyTree that the v1 loader reads:
+# the v0 PyTree and Standard handlers (both module spellings) and v1's.
+PYTREE_TYPESTRS = frozenset(
+    f'orbax.checkpoint.{space}_src.handlers.{module}'
+    for space in ('', 'v0.')
+    for module in (
+        'pytree_checkpoint_handler.PyTreeCheckpointHandler',
+        'standard_checkpoint_handler.StandardCheckpointHandler',
+    )
+) | {V1_PYTREE_TYPESTR, TunixPyTreeHandler.typestr()}
 
 ENTRY_POINT_GROUP = 'orbax.checkpoint.handlers'
 
