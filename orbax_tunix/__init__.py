@@ -18,6 +18,8 @@ from orbax_tunix.composite_handler import TunixAwareHandler
 from orbax_tunix.detect import Detection, detect
 from orbax_tunix.errors import (
     CorruptMetadataError,
+    LoraOnlyCheckpointError,
+    MissingItemError,
     NotACheckpointError,
     TargetMismatchError,
     TunixCheckpointError,
@@ -33,6 +35,8 @@ __all__ = [
     'CorruptMetadataError',
     'Detection',
     'ItemLayout',
+    'LoraOnlyCheckpointError',
+    'MissingItemError',
     'NotACheckpointError',
     'TargetMismatchError',
     'TunixAwareHandler',

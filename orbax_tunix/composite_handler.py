@@ -1,43 +1,36 @@
 """`TunixAwareHandler`: the drop-in composite handler for Tunix steps.
 
-`ocp.Checkpointer(TunixAwareHandler()).restore(step_dir)` returns every item,
-Tunix items in canonical form, whether the step was written through Orbax's v0
-or v1 API. Items restored with `PyTreeRestore` or `StandardRestore` go to
-`TunixPyTreeHandler`; saving goes to Orbax's own handlers and writes an
-ordinary checkpoint.
+It is Orbax's `CompositeCheckpointHandler`, constructed, saving and choosing
+handlers exactly as Orbax's does, with one difference: an item restored by a
+PyTree handler (`PyTreeRestore`, `StandardRestore`, or no args for an item
+saved by one) reads a Tunix item in canonical form, through the handler Orbax
+chose, with its options. Items that are not Tunix's, and every other handler,
+behave as with Orbax's own class.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint._src.handlers import handler_type_registry
 
-from orbax_tunix import errors
+from orbax_tunix import _orbax, errors
+from orbax_tunix.detect import (
+    CHECKPOINT_METADATA,
+    PYTREE_METADATA,
+    RL_ROLES,
+    has_tree,
+    list_steps,
+    plan_item,
+    read_json,
+    resolve_step,
+)
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, canonical_metadata
 
-# Names, not the module: the package re-exports the function `detect`, which
-# shadows the module attribute of the same name.
-from orbax_tunix.detect import CHECKPOINT_METADATA, recorded_item_handlers, require_step_dir
-from orbax_tunix.pytree_handler import V1_PYTREE_TYPESTR, TunixPyTreeHandler, TunixPyTreeRestore
-
-# Item handler typestrs whose items hold a PyTree `TunixPyTreeHandler` reads:
-# the v0 PyTree and Standard handlers (both module spellings) and v1's.
-PYTREE_TYPESTRS = frozenset(
-    f'orbax.checkpoint.{space}._src.handlers.{module}'.replace('..', '.')
-    for space in ('', 'v0')
-    for module in (
-        'pytree_checkpoint_handler.PyTreeCheckpointHandler',
-        'standard_checkpoint_handler.StandardCheckpointHandler',
-    )
-) | {V1_PYTREE_TYPESTR, TunixPyTreeHandler.typestr()}
-
-RESTORE_ARGS = (TunixPyTreeRestore, ocp.args.PyTreeRestore, ocp.args.StandardRestore)
-SAVE_HANDLERS = {
-    ocp.args.PyTreeSave: ocp.PyTreeCheckpointHandler,
-    ocp.args.StandardSave: ocp.StandardCheckpointHandler,
-}
+_PYTREE_HANDLERS = (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler)
+_PYTREE_RESTORE_ARGS = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
 
 
 class TunixAwareHandler(ocp.CompositeCheckpointHandler):
@@ -50,89 +43,144 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     params = ckptr.restore(step_dir, args=ocp.args.Composite(
         model_params=ocp.args.PyTreeRestore(item=abstract_params)))
 
-  Args:
-    *item_names, **kwargs: as for `ocp.CompositeCheckpointHandler`.
-    item_handler: the handler for PyTree items (a `TunixPyTreeHandler` by
-      default; pass one to set its options).
+  Takes the arguments of `ocp.CompositeCheckpointHandler` (item names, item
+  handlers or a handler registry, composite options) with the same meaning.
   """
 
-  def __init__(
-      self,
-      *item_names: str,
-      item_handler: TunixPyTreeHandler | None = None,
-      handler_registry: Any = None,
-      **kwargs: Any,
-  ):
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry(handler_registry)
-    self._item_handler = item_handler or TunixPyTreeHandler()
-    for args_type in RESTORE_ARGS:
-      if not registry.has(None, args_type):
-        registry.add(None, args_type, self._item_handler)
-    # Saves go to Orbax's own handlers, so what is written is ordinary.
-    for args_type, handler_type in SAVE_HANDLERS.items():
-      if not registry.has(None, args_type):
-        registry.add(None, args_type, handler_type())
-    super().__init__(*item_names, handler_registry=registry, **kwargs)
+  def __init__(self, *item_names: str, **kwargs: Any):
+    super().__init__(*item_names, **kwargs)
+    # Orbax's handler for an item -> the Tunix reader over it (one each).
+    self._tunix_readers: dict[int, tuple[Any, TunixPyTreeHandler]] = {}
+    # Orbax's no-arg restore calls metadata() for the recorded handlers only:
+    # the canonical item trees (which open every array) are not needed then.
+    self._restoring = False
 
-  def metadata(self, directory: epath.Path) -> Any:
-    """Step metadata; PyTree items' trees are canonical for Tunix items."""
-    directory = require_step_dir(directory)
-    self._bind_pytree_items(directory)
-    return super().metadata(directory)
+  def _tunix_reader(self, handler: Any) -> Any:
+    """The handler an item restore goes to: Tunix-aware over a PyTree handler."""
+    if isinstance(handler, TunixPyTreeHandler) or not isinstance(handler, _PYTREE_HANDLERS):
+      return handler
+    key = id(handler)
+    if key not in self._tunix_readers:
+      self._tunix_readers[key] = (handler, TunixPyTreeHandler(reader=handler))
+    return self._tunix_readers[key][1]
+
+  # The one Orbax hook used: the composite asks this method for each item's
+  # handler (tests/test_orbax_assumptions.py pins it). Saves, and the item's
+  # binding to its handler, stay Orbax's; only restores are routed.
+  def _get_or_set_handler(self, item_name: str, args: Any) -> Any:
+    handler = super()._get_or_set_handler(item_name, args)
+    if isinstance(args, _PYTREE_RESTORE_ARGS):
+      return self._tunix_reader(handler)
+    return handler
 
   def restore(self, directory: epath.Path, args: ocp.args.Composite | None = None) -> Any:
-    """Restores the items named in `args`, or every item when there are none."""
-    directory = require_step_dir(directory)
+    """Restores the items named in `args`, or every item when there are none.
+
+    Raises:
+      NotACheckpointError: `directory` is missing or a file (also a
+        `FileNotFoundError`), or Orbax found nothing to restore because it is
+        a checkpoint root or an item, not a step (the message names the step).
+      UncommittedStepError: it is a root whose steps are all unfinished.
+      MissingItemError: an item named in `args` is not in the step (also the
+        `KeyError` Orbax raises).
+      CorruptMetadataError: a whole Tunix step is asked for and some of its
+        recorded items are not on disk (a partial step would pass for whole).
+    """
+    directory = epath.Path(directory)
+    if not directory.is_dir():
+      raise errors.NotACheckpointError(
+          f'{directory}: expected a step directory, found'
+          f' {"a file" if directory.exists() else "nothing"}. Check the path.'
+      )
     if args is None or not dict(args.items()):
-      args = self._default_args(directory)
-    missing = sorted(name for name in args.keys() if not (directory / name).is_dir())
-    if missing:
-      raise errors.TargetMismatchError(
-          f'{directory}: expected the items asked for, {missing} not found (the'
-          f' step has {sorted(self._existing_items(directory))}). Ask only for'
-          ' items the step has, or pick another step.'
+      _check_whole_tunix_step(directory)
+    else:
+      missing = sorted(name for name in args.keys() if not (directory / name).is_dir())
+      if missing:
+        present = sorted(p.name for p in directory.iterdir() if p.is_dir())
+        raise errors.MissingItemError(
+            f'{directory}: expected the items asked for, {missing} not found (the'
+            f' step has {present}). Ask only for items the step has, or pick'
+            ' another step.'
+        )
+    self._restoring = True
+    try:
+      return super().restore(directory, args=args)
+    except (ValueError, KeyError) as e:
+      _raise_if_not_a_step(directory, e)
+      raise
+    finally:
+      self._restoring = False
+
+  def metadata(self, directory: epath.Path) -> ocp.metadata.StepMetadata:
+    """Step metadata as Orbax gives it; Tunix items' trees are canonical."""
+    meta = super().metadata(directory)
+    if self._restoring:
+      return meta
+    found = dict(meta.item_metadata.items()) if meta.item_metadata is not None else {}
+    changed = False
+    for name, item_meta in found.items():
+      item_dir = epath.Path(directory) / name
+      if item_meta is not None and not isinstance(item_meta, _orbax.TreeMetadata):
+        continue  # Another kind of item (JSON, ...): as Orbax described it.
+      layout = plan_item(item_dir) if has_tree(item_dir) else None
+      if layout is None or not layout.rewrites:
+        continue
+      found[name] = (
+          TunixPyTreeHandler().metadata(item_dir)
+          if item_meta is None
+          else canonical_metadata(item_meta, layout)
       )
-    return super().restore(directory, args=args)
+      changed = True
+    if not changed:
+      return meta
+    return dataclasses.replace(meta, item_metadata=type(meta.item_metadata)(**found))
 
-  def _pytree_items(self, directory: epath.Path) -> tuple[list[str], dict[str, Any]]:
-    """(PyTree items, other items -> recorded typestr) of a step on disk."""
-    recorded = recorded_item_handlers(directory)
-    existing = self._existing_items(directory)
-    absent = sorted(set(recorded) - set(existing))
-    if absent:
-      # Restoring the rest would hand back a partial step as if it were whole.
-      raise errors.CorruptMetadataError(
-          f'{directory}: {CHECKPOINT_METADATA} records the items'
-          f' {sorted(recorded)}, but {absent} are missing (or not directories).'
-          ' The step is damaged: restore another step, or name the items you'
-          ' want in args.'
-      )
-    pytrees, others = [], {}
-    for name in existing:
-      typestr = recorded.get(name)
-      if typestr is None or typestr in PYTREE_TYPESTRS:
-        pytrees.append(name)
-      else:
-        others[name] = typestr
-    return pytrees, others
 
-  def _bind_pytree_items(self, directory: epath.Path) -> None:
-    """Gives each PyTree item the Tunix handler, as Orbax's metadata() needs."""
-    for name in self._pytree_items(directory)[0]:
-      if not self._handler_registry.has(name, TunixPyTreeRestore):
-        self._handler_registry.add(name, TunixPyTreeRestore, self._item_handler)
+def _check_whole_tunix_step(directory: epath.Path) -> None:
+  """Refuses a whole-step restore of a Tunix step some of whose items are gone."""
+  meta_file = directory / CHECKPOINT_METADATA
+  if not meta_file.exists():
+    return
+  recorded = read_json(meta_file)
+  handlers = recorded.get('item_handlers') if isinstance(recorded, dict) else None
+  if not isinstance(handlers, dict):
+    return
+  present = {name for name in handlers if (directory / name).is_dir()}
+  absent = sorted(set(handlers) - present)
+  is_tunix = any(
+      has_tree(directory / name) and plan_item(directory / name) is not None for name in present
+  )
+  if absent and is_tunix:
+    raise errors.CorruptMetadataError(
+        f'{directory}: {CHECKPOINT_METADATA} records the items {sorted(handlers)},'
+        f' but {absent} are missing (or not directories). The step is damaged:'
+        ' restore another step, or name the items you want in args.'
+    )
 
-  def _default_args(self, directory: epath.Path) -> ocp.args.Composite:
-    """Args for every item on disk; PyTree items get the Tunix handler."""
-    pytrees, others = self._pytree_items(directory)
-    items: dict[str, Any] = {name: TunixPyTreeRestore() for name in pytrees}
-    for name, typestr in others.items():
-      try:
-        handler_type = handler_type_registry.get_handler_type(typestr)
-        items[name] = ocp.args.get_registered_args_cls(handler_type)[1]()
-      except (KeyError, ValueError):
-        continue  # As Orbax does: an item no handler can read is skipped.
-    return ocp.args.Composite(**items)
+
+def _raise_if_not_a_step(directory: epath.Path, error: Exception) -> None:
+  """Says what to pass instead when Orbax failed on a root or an item directory.
+
+  Only when the directory is recognisably one of those; otherwise Orbax's own
+  error stands.
+  """
+  if (directory / CHECKPOINT_METADATA).exists():
+    return
+  if (directory / PYTREE_METADATA).exists():
+    raise errors.NotACheckpointError(
+        f'{directory}: expected a step directory (holding {CHECKPOINT_METADATA}),'
+        f' found an item of the step {directory.parent}. Pass the step'
+        f' directory instead, or restore the item with TunixPyTreeHandler.'
+    ) from error
+  roots = [directory] + [directory / role for role in RL_ROLES]
+  if not any(root.is_dir() and list_steps(root) for root in roots):
+    return
+  step_dir = resolve_step(directory)[0]  # Raises UncommittedStepError if none is done.
+  raise errors.NotACheckpointError(
+      f'{directory}: expected a step directory (holding {CHECKPOINT_METADATA}),'
+      f' found a checkpoint root. Pass the step directory instead, e.g. {step_dir}.'
+  ) from error
 
 
 @ocp.args.register_with_handler(TunixAwareHandler, for_save=True, for_restore=True)
