@@ -52,7 +52,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-from orbax_tunix import __version__, errors, reader, rules
+from orbax_tunix import __version__, errors, lora, reader, rules
 from orbax_tunix.detect import (
     CHECKPOINT_METADATA,
     PYTREE_METADATA,
@@ -61,7 +61,7 @@ from orbax_tunix.detect import (
     read_json,
 )
 from orbax_tunix.hyperparams import hyperparameters
-from orbax_tunix.tree_paths import Path, nest
+from orbax_tunix.tree_paths import Path, fmt, nest
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
@@ -293,10 +293,15 @@ def plan_convert(
     ]
     if dropped:
       notes.append(f'left out {len(dropped)} RNG state leaves (paths with {reader.RNG_KEY!r})')
-    if all(path[-1].endswith(('lora_a', 'lora_b')) for _, path in found):
-      notes.append(
-          'the weights are LoRA adapters only (the run saved no base weights):'
-          ' merge them with the base model before loading them alone'
+    if lora.adapters_only(path for _, path in found):
+      adapters = [fmt(path) for _, path in found]
+      raise errors.LoraOnlyCheckpointError(
+          f'{source.step_dir}: expected full model weights for params_only, found'
+          f' LoRA adapters only ({len(adapters)} leaves, e.g. {adapters[0]}): the run'
+          ' saved no base weights (Tunix\'s save_only_lora_params). Written alone,'
+          ' they are not parameters MaxText can load. Convert without params_only'
+          ' to keep the adapters as they are, or convert the full checkpoint the'
+          ' LoRA run started from.'
       )
   else:
     for name in sorted(source.items):

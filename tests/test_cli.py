@@ -336,6 +336,22 @@ def test_convert_maxtext_needs_params_only(capsys, tunix_data, tmp_path):
   assert not (tmp_path / '1').exists()
 
 
+def test_convert_params_only_of_a_lora_only_save_fails_as_the_api_does(tunix_data, tmp_path):
+  """Adapters alone are not parameters: the CLI refuses, as restore_train_state does."""
+  dst = tmp_path / 'out' / '1'
+  done = subprocess.run(
+      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(tunix_data / 'lora_qwix'),
+       str(dst), '--params-only', '--layout', 'maxtext'],
+      capture_output=True, text=True, env=SUBPROCESS_ENV, cwd=REPO, timeout=120,
+  )
+  assert done.returncode == 2, done.stderr
+  assert 'LoRA adapters only' in done.stderr and '_lora_a' in done.stderr
+  assert 'Traceback' not in done.stderr
+  assert not (tmp_path / 'out').exists()
+  with pytest.raises(orbax_tunix.LoraOnlyCheckpointError):
+    convert.plan_convert(tunix_data / 'lora_qwix', dst, params_only=True)
+
+
 def test_convert_params_only_canonical_drops_rng_and_optimizer(capsys, tunix_data, tmp_path):
   dst = tmp_path / '1'
   status, _, err = run(capsys, 'convert', tunix_data / 'rng_vars', dst, '--params-only')

@@ -459,6 +459,56 @@ def test_items_handler_reads_maxtext_items_as_orbax_does(tmp_path, mesh):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=fmt(path))
 
 
+def load_params_as_maxtext_does(path, abstract_params):
+  """The call MaxText's `load_params_from_path` makes (common/checkpointing.py,
+  main), with `ItemsHandler` where MaxText constructs its PyTree handler: the
+  item `{'params': <Linen params collection>}`, `transforms={}`, and restore
+  args from `construct_restore_args`."""
+  ckptr = ocp.Checkpointer(maxtext.ItemsHandler(
+      restore_concurrent_gb=96, save_concurrent_gb=96, use_ocdbt=True, use_zarr3=True))
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+  restored = ckptr.restore(
+      pathlib.Path(path), item={'params': abstract_params}, transforms={},
+      restore_args={'params': restore_args})
+  return restored['params']
+
+
+def test_maxtext_load_params_from_path_on_a_tunix_step(tunix_data, mesh):
+  abstract = abstract_state(TinyLM(), adamw(), mesh)
+  step_dir = tunix_data / 'sft_full' / '2'
+  params = load_params_as_maxtext_does(step_dir, abstract.params)
+  assert_restored({'params': params}, {'params': abstract.params}, step_dir, {})
+
+
+def test_maxtext_load_full_state_from_path_on_a_tunix_step(tunix_data, mesh):
+  """The v0 call of MaxText's `_load_full_state_from_path` (Linen TrainState), with
+  `ItemsHandler` in place of its PyTree handler: item positional, restore args
+  carrying shardings only."""
+  abstract = abstract_state(TinyLM(), clip_adamw(), mesh)
+  step_dir = tunix_data / 'adapter_inject_clip' / '1'
+  handler = maxtext.ItemsHandler(
+      restore_concurrent_gb=96, save_concurrent_gb=96, use_ocdbt=True, use_zarr3=True)
+  restore_args = jax.tree_util.tree_map(
+      lambda x: ocp.type_handlers.ArrayRestoreArgs(sharding=x.sharding), abstract)
+  restored = ocp.Checkpointer(handler).restore(step_dir, abstract, restore_args=restore_args)
+  assert_restored(
+      restored, abstract, step_dir, {'1/0': 'opt_state/1/inner_state/0'},
+      ['opt_state/1/2/count'], 'base/')
+
+
+def test_maxtext_load_params_from_path_on_maxtext_items(tmp_path, mesh):
+  model = TinyLM()
+  params = model.init(jax.random.key(3), jnp.zeros((1, 4), jnp.int32))
+  state = as_dict(train_state.TrainState.create(apply_fn=model.apply, params=params, tx=adamw()))
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'items', args=ocp.args.PyTreeSave(state))
+  abstract = sharded(jax.eval_shape(lambda: state['params']), mesh)
+  restored = load_params_as_maxtext_does(tmp_path / 'items', abstract)
+  for (path, got), (_, want) in zip(flatten(restored)[0], flatten(params)[0], strict=True):
+    assert got.sharding == dict(flatten(abstract)[0])[path].sharding, fmt(path)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=fmt(path))
+
+
 # --- errors: raised before any array is read ------------------------------------
 
 

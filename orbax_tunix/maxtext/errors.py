@@ -11,5 +11,5 @@ class LayerScanMismatchError(errors.TargetMismatchError):
   """One side stacks the layers into one array per weight (scanned), the other not."""
 
 
-class LoraOnlyCheckpointError(errors.TargetMismatchError):
-  """The checkpoint holds only LoRA adapters; the target needs full weights."""
+# Raised by the MaxText view and by convert alike; defined with the others.
+LoraOnlyCheckpointError = errors.LoraOnlyCheckpointError

@@ -15,7 +15,6 @@ from etils import epath
 from orbax_tunix import errors
 from orbax_tunix.detect import as_path, detect
 from orbax_tunix.maxtext.execute import restore_train_state
-from orbax_tunix.pytree_handler import as_pytree_restore
 
 PyTree = Any
 
@@ -63,13 +62,16 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
       TargetMismatchError: no target given, or it does not fit the checkpoint.
       UnsupportedLayoutError: legacy `transforms` on a Tunix checkpoint.
     """
+    if args is None:
+      args = ocp.args.PyTreeRestore(
+          item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
+      )
     directory = as_path(directory)
-    args = as_pytree_restore(
-        args, item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
-    )
     if not detect(directory).is_tunix:
       return super().restore(directory, args=args)
-    if args.transforms is not None or args.legacy_transform_fn is not None:
+    # MaxText passes `transforms={}` to mean "partial restore"; it requests
+    # nothing, so it is no transform.
+    if getattr(args, 'transforms', None) or getattr(args, 'legacy_transform_fn', None):
       raise errors.UnsupportedLayoutError(
           f'{directory}: legacy `transforms` are not supported on a Tunix'
           ' checkpoint; pass the MaxText abstract state as `item` (the mapping'
@@ -84,7 +86,7 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
         directory,
         args.item,
         params_only=getattr(args, 'params_only', False),
-        restore_args=args.restore_args,
+        restore_args=getattr(args, 'restore_args', None),
     )
 
 

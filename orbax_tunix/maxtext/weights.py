@@ -13,20 +13,14 @@ from collections.abc import Collection, Mapping, Sequence
 
 from etils import epath
 
-from orbax_tunix import errors
+from orbax_tunix import errors, lora
 from orbax_tunix.maxtext.errors import LayerScanMismatchError, LoraOnlyCheckpointError
 from orbax_tunix.maxtext.view import CheckpointView, Shape
 from orbax_tunix.tree_paths import Path, fmt
 
-_LORA_SUFFIXES = ('_lora_a', '_lora_b')
-_LORA_KEYS = frozenset({'lora_a', 'lora_b'})
 # A layer index as a key of its own ('layers/0/...', nnx.List) or a name
 # suffix ('layers_0/...', Linen's unscanned layers).
 _INDEXED_NAME = re.compile(r'(.+)_(\d+)')
-
-
-def _is_lora(path: Path) -> bool:
-  return any(k.endswith(_LORA_SUFFIXES) or k in _LORA_KEYS for k in path)
 
 
 def _unindexed(path: Path) -> tuple[Path, int] | None:
@@ -127,8 +121,8 @@ def check_weights(
   sections = []
   if missing or extra:
     disk_weights = [w for w in view.model if w not in aux]
-    needed_full = [w for w in missing if not _is_lora(w)]
-    if disk_weights and all(_is_lora(w) for w in disk_weights) and needed_full:
+    needed_full = [w for w in missing if not lora.is_adapter(w)]
+    if disk_weights and all(lora.is_adapter(w) for w in disk_weights) and needed_full:
       raise LoraOnlyCheckpointError(
           f'{view.step_dir}: the checkpoint holds only LoRA adapter weights'
           f' ({len(disk_weights)} leaves), but the target needs full weights:'
