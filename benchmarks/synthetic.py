@@ -295,14 +295,25 @@ def disk_bytes(step_dir: pathlib.Path, item: str | None = None) -> int:
 
 def main(argv: list[str]) -> None:
   """`python synthetic.py WORKDIR LAYERS D_MODEL DTYPE LAYOUT...`: writes in a process of its own."""
+  import argparse  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
 
+  parser = argparse.ArgumentParser(
+      prog='synthetic.py',
+      description='Writes the synthetic decoder checkpoints restore_cost.py measures, with'
+      ' Orbax alone (no orbax_tunix code), on 8 simulated CPU devices.',
+  )
+  parser.add_argument('workdir', type=pathlib.Path, help='where the checkpoints go')
+  parser.add_argument('layers', type=int, help='decoder layers (27 leaves each)')
+  parser.add_argument('d_model', type=int, help='model width')
+  parser.add_argument('dtype', help='the weights\' dtype, e.g. bfloat16')
+  parser.add_argument('layouts', nargs='+', choices=LAYOUTS, help='layouts to write')
+  args = parser.parse_args(argv)
   os.environ['XLA_FLAGS'] = (
       os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
   ).strip()
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  workdir, layers, d_model, dtype, *layouts = argv
-  write(pathlib.Path(workdir), Shape(int(layers), int(d_model), dtype), tuple(layouts))
+  write(args.workdir, Shape(args.layers, args.d_model, args.dtype), tuple(args.layouts))
 
 
 if __name__ == '__main__':
