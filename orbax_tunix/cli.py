@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -35,9 +36,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from orbax_tunix import checksums, errors, inspection, reader
 from orbax_tunix import convert as convert_lib
 from orbax_tunix import diff as diff_lib
-from orbax_tunix import errors, inspection, reader
 from orbax_tunix.inspection import format_bytes
 from orbax_tunix.tree_paths import fmt
 
@@ -363,13 +364,51 @@ def _fold_targets(targets: Sequence[str], collapse: bool) -> list[str]:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
-  """`orbax-tunix inspect`: draws the report (or prints its JSON); returns 0."""
+  """`orbax-tunix inspect`: draws the report (or prints its JSON).
+
+  Returns 0; with --verify, 1 when some array does not match its checksum.
+  """
   report = inspection.inspect_checkpoint(args.path, args.step)
+  verification = None
+  if args.verify:
+    progress = make_progress(sys.stderr, out.fancy or args.fancy_progress)
+    verification = checksums.verify(
+        report.checkpoint, memory_budget=args.memory_budget, progress=progress
+    )
+    if verification is None:
+      raise errors.UnsupportedLayoutError(
+          f'{report.detection.step_dir}: records no checksums, so its data cannot be'
+          ' verified: only checkpoints written by orbax-tunix convert record them.'
+          ' TensorStore checks the OCDBT index, not the array data; diff it against'
+          ' a trusted copy instead.'
+      )
   if args.json:
-    print(json.dumps(inspection.to_json(report), indent=1), file=out.stream)
-    return EXIT_OK
-  show_inspect(out, report, collapse=args.collapse)
-  return EXIT_OK
+    document = inspection.to_json(report)
+    if verification is not None:
+      document['verify'] = dataclasses.asdict(verification) | {
+          'step_dir': str(verification.step_dir), 'ok': verification.ok}
+    print(json.dumps(document, indent=1), file=out.stream)
+  else:
+    show_inspect(out, report, collapse=args.collapse)
+    if verification is not None:
+      show_verification(out, verification)
+  return EXIT_OK if verification is None or verification.ok else EXIT_DIFFER
+
+
+def show_verification(out: Output, verification: checksums.Verification) -> None:
+  """Draws what `inspect --verify` found."""
+  out.title('Verify (checksums recorded by orbax-tunix convert)')
+  for title, paths in (
+      ('damaged: data does not match its checksum', verification.damaged),
+      ('recorded but missing from the step', verification.missing),
+      ('no checksum recorded (not checked)', verification.unrecorded),
+  ):
+    if paths:
+      out.text(f'  {title}: {len(paths)}')
+      for path in paths[:DIFF_ROWS]:
+        out.text(f'    {path}')
+  verdict = 'ok' if verification.ok else 'FAILED'
+  out.text(f'  {verdict}: {verification.checked} arrays checked')
 
 
 # --- convert ----------------------------------------------------------------
@@ -401,7 +440,7 @@ class _Interruptible:
 
 @contextlib.contextmanager
 def _signals_stop(progress: _Interruptible) -> Iterator[None]:
-  """SIGINT and SIGTERM stop the conversion, so its temporary files are removed."""
+  """SIGINT, SIGTERM and SIGHUP stop the conversion, so its temporary files are removed."""
 
   def handler(signum: int, frame: Any) -> None:
     del signum, frame
@@ -409,7 +448,10 @@ def _signals_stop(progress: _Interruptible) -> Iterator[None]:
     raise KeyboardInterrupt
 
   try:
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
   except ValueError:  # Not the main thread: leave signals alone.
     yield
     return
@@ -433,7 +475,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       force=args.force,
   )
   for note in plan.notes:
-    print(f'note: {note}', file=sys.stderr)
+    print(f'note: {as_flags(note)}', file=sys.stderr)
   for leftover in convert_lib.leftover_temporaries(plan.dst):
     print(
         f'note: {leftover} is left from an interrupted conversion; remove it'
@@ -484,6 +526,8 @@ def _diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
       'a': str(result.a),
       'b': str(result.b),
       'match': result.match,
+      'damaged_a': list(result.damaged_a),
+      'damaged_b': list(result.damaged_b),
       'only_a': list(result.only_a),
       'only_b': list(result.only_b),
       'shape': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.shape],
@@ -509,6 +553,14 @@ def _limited(rows: list[list[str]], limit: int | None) -> tuple[list[list[str]],
 def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint: str | None) -> None:
   """Draws a diff result, then its one-line verdict."""
   sections = [
+      (
+          f'Damaged in A ({result.a}): data does not match its recorded checksum',
+          ['path'], [[p] for p in result.damaged_a], (),
+      ),
+      (
+          f'Damaged in B ({result.b}): data does not match its recorded checksum',
+          ['path'], [[p] for p in result.damaged_b], (),
+      ),
       (f'Only in A ({result.a})', ['path'], [[p] for p in result.only_a], ()),
       (f'Only in B ({result.b})', ['path'], [[p] for p in result.only_b], ()),
       ('Shapes differ', ['path', 'A', 'B'], [[m.path, m.a, m.b] for m in result.shape], ()),
@@ -544,7 +596,8 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
     )
   else:
     out.text(
-        f'differ: {len(result.only_a)} only in A, {len(result.only_b)} only in B,'
+        f'differ: {len(result.damaged_a) + len(result.damaged_b)} damaged,'
+        f' {len(result.only_a)} only in A, {len(result.only_b)} only in B,'
         f' {len(result.shape)} shapes, {len(result.dtype)} dtypes,'
         f' {len(result.values)} values (max abs diff {result.max_abs_diff:g}, atol'
         f' {result.atol:g}); {result.compared} leaves compared'
@@ -586,6 +639,41 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
 
 
 # --- arguments and main -----------------------------------------------------
+
+# The library's parameters, as its messages name them (in backquotes), and the
+# flags that set them here.
+_FLAGS = {
+    'force': '--force',
+    'params_only': '--params-only',
+    'layout': '--layout',
+    'dtype': '--dtype',
+    'memory_budget': '--memory-budget',
+    'step': '--step',
+    'atol': '--atol',
+    'ignore_dtype': '--ignore-dtype',
+    'dst': 'DST',
+    'src': 'SRC',
+}
+_PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
+
+
+def as_flags(message: str) -> str:
+  """A library message with its parameters named as this command's flags.
+
+  `force=True` becomes --force, `step=3` --step 3, `dst` DST; other
+  backquoted names are left as they are.
+  """
+
+  def flag(m: re.Match[str]) -> str:
+    name, value = m.group(1), m.group(2)
+    if name not in _FLAGS:
+      return m.group(0)
+    if value is None or value == '=True':
+      return _FLAGS[name]
+    return f'{_FLAGS[name]} {value[1:]}'
+
+  return _PARAMETER.sub(flag, message)
+
 
 
 def _step(text: str) -> int:
@@ -656,6 +744,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('path', metavar='PATH')
   p.add_argument('--step', type=_step, help='the step to show (default: the latest committed)')
   p.add_argument('--json', action='store_true', help='print one JSON document')
+  p.add_argument('--verify', action='store_true',
+                 help='read every array and check it against the checksums orbax-tunix'
+                 ' convert recorded (exit 1 if one differs)')
+  p.add_argument('--memory-budget', type=parse_size, default=convert_lib.DEFAULT_MEMORY_BUDGET,
+                 metavar='SIZE', help='memory --verify may use (default 1G)')
   group = p.add_mutually_exclusive_group()
   group.add_argument('--full', dest='collapse', action='store_false', default=None,
                      help='list every leaf (the default when piped)')
@@ -732,7 +825,7 @@ def _quiet(debug: bool) -> Iterator[None]:
   if debug:
     yield
     return
-  loggers = [logging.getLogger(name) for name in ('absl', 'jax', 'orbax')]
+  loggers = [logging.getLogger(name) for name in ('absl', 'jax', 'orbax', 'asyncio')]
   levels = [lg.level for lg in loggers]
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
@@ -743,6 +836,33 @@ def _quiet(debug: bool) -> Iterator[None]:
     finally:
       for lg, level in zip(loggers, levels, strict=True):
         lg.setLevel(level)
+
+
+def _is_closed_loop_noise(exc: BaseException | None) -> bool:
+  return isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed'
+
+
+def _silence_closed_loop_noise() -> None:
+  """Drops "Event loop is closed" reports of TensorStore's and Orbax's late callbacks.
+
+  When a command stops (an error, Ctrl-C, the end), callbacks still queued on
+  Orbax's event loop may fire after it closed; Python then prints a traceback
+  that says nothing about the command. Every other report is kept.
+  """
+  if getattr(sys.unraisablehook, 'orbax_tunix', False):
+    return  # Already installed (main may run many times in one process).
+  unraisable, in_thread = sys.unraisablehook, threading.excepthook
+
+  def on_unraisable(report: Any) -> None:
+    if not _is_closed_loop_noise(report.exc_value):
+      unraisable(report)
+
+  def on_thread_error(report: Any) -> None:
+    if not _is_closed_loop_noise(report.exc_value):
+      in_thread(report)
+
+  on_unraisable.orbax_tunix = True
+  sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_error
 
 
 def _use_cpu() -> None:
@@ -757,6 +877,22 @@ def _use_cpu() -> None:
 
   with contextlib.suppress(Exception):  # Backends already up (e.g. in tests).
     jax.config.update('jax_platforms', 'cpu')
+
+
+@contextlib.contextmanager
+def _x64() -> Iterator[None]:
+  """JAX's 64-bit mode for the command, so float64 and int64 leaves keep 64 bits.
+
+  Restored afterwards: `main` may run inside a caller's process.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  previous = jax.config.jax_enable_x64
+  jax.config.update('jax_enable_x64', True)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_x64', previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -777,8 +913,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command == 'inspect' and args.collapse is None:
     args.collapse = out.fancy or _is_tty(sys.stdout)
   _use_cpu()
+  if not debug:
+    _silence_closed_loop_noise()
   try:
-    with _quiet(debug):
+    with _quiet(debug), _x64():
       return args.handler(args, out)
   except KeyboardInterrupt:
     print('orbax-tunix: interrupted; nothing was written at the destination.', file=sys.stderr)
@@ -791,7 +929,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except errors.TunixCheckpointError as e:
     if debug:
       traceback.print_exc()
-    print(f'orbax-tunix: error: {e}', file=sys.stderr)
+    print(f'orbax-tunix: error: {as_flags(str(e))}', file=sys.stderr)
     return EXIT_ERROR
   except OSError as e:
     if debug:

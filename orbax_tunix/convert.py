@@ -39,24 +39,30 @@ object store has no directory rename.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-from orbax_tunix import __version__, errors, lora, reader, rules
+from orbax_tunix import __version__, checksums, errors, lora, reader, rules
 from orbax_tunix.detect import (
     CHECKPOINT_METADATA,
     PYTREE_METADATA,
+    RL_ROLES,
     TMP_MARKER,
+    _step_number,
     as_path,
     read_json,
 )
@@ -78,7 +84,7 @@ COPIES_IN_FLIGHT = 5
 
 COMMIT_SUCCESS = 'commit_success.txt'
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
-METADATA_KEY = 'orbax_tunix'
+METADATA_KEY = checksums.RECORD_KEY
 
 
 class DestinationExistsError(errors.TunixCheckpointError):
@@ -173,7 +179,7 @@ class ConvertResult:
 
 
 def parse_dtype(name: str | None) -> np.dtype | None:
-  """The floating dtype named by `--dtype` (e.g. 'bfloat16'), or None.
+  """The floating dtype named by `name` (e.g. 'bfloat16'), or None.
 
   Raises:
     InvalidDestinationError: the name is not a floating dtype.
@@ -184,22 +190,64 @@ def parse_dtype(name: str | None) -> np.dtype | None:
     dtype = np.dtype(jnp.dtype(name))
   except TypeError as e:
     raise InvalidDestinationError(
-        f'--dtype {name}: not a dtype. Use a floating dtype such as bfloat16,'
+        f'`dtype` {name!r}: not a dtype. Use a floating dtype such as bfloat16,'
         ' float16 or float32.'
     ) from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise InvalidDestinationError(
-        f'--dtype {name}: expected a floating dtype (bfloat16, float16,'
+        f'`dtype` {name!r}: expected a floating dtype (bfloat16, float16,'
         ' float32), found a non-floating one. Only floating leaves are cast;'
         ' integer and RNG leaves always keep their dtype.'
     )
   return dtype
 
 
+def _needs_x64(dtype: np.dtype | None) -> bool:
+  """Whether JAX holds this dtype only in its 64-bit mode (else it narrows it)."""
+  if dtype is None:
+    return False
+  return (dtype.kind in 'fiu' and dtype.itemsize == 8) or (dtype.kind == 'c' and dtype.itemsize == 16)
+
+
+def _check_representable(items: Sequence[ItemPlan], dtype: np.dtype | None) -> None:
+  """Refuses leaves JAX would silently narrow (float64 to float32, ...) with x64 off.
+
+  Raises:
+    InvalidDestinationError: naming the leaves and the fix.
+  """
+  if jax.config.jax_enable_x64:
+    return
+  wide = [
+      f'{leaf.name} ({reader.cast_dtype(leaf, dtype)})'
+      for item in items
+      for leaf in item.leaves
+      if _needs_x64(reader.cast_dtype(leaf, dtype))
+  ]
+  if wide:
+    raise InvalidDestinationError(
+        f'{len(wide)} leaves would be written as 64-bit arrays, which JAX narrows'
+        f' to 32 bits unless its 64-bit mode is on:\n{errors.list_paths(wide)}\n'
+        "Call jax.config.update('jax_enable_x64', True) before converting (the"
+        ' orbax-tunix command does), or pass a 32-bit `dtype`.'
+    )
+
+
 def _absolute(path: epath.Path) -> str:
   text = os.fspath(path)
   return text.rstrip('/') if '://' in text else os.path.abspath(text)
 
+
+
+def _protected(step_dir: epath.Path) -> epath.Path:
+  """What a conversion must not write into: the source's whole run.
+
+  That is the root holding the step when the step is named as Orbax names
+  steps (an RL root above its `actor/` or `critic/`), else the step itself.
+  """
+  if _step_number(step_dir.name) is None:
+    return step_dir
+  root = step_dir.parent
+  return root.parent if root.name in RL_ROLES else root
 
 
 def _check_destination(src: reader.CanonicalCheckpoint, dst: epath.Path, force: bool) -> None:
@@ -209,17 +257,30 @@ def _check_destination(src: reader.CanonicalCheckpoint, dst: epath.Path, force: 
         f'{dst}: expected a local destination, found a bucket path. Convert to'
         ' a local directory, then upload it (e.g. gcloud storage cp -r).'
     )
-  source, target = _absolute(src.step_dir), _absolute(dst)
-  overlap = source == target or source.startswith(target + '/') or target.startswith(source + '/')
-  if overlap:
+  protected, step, target = (
+      _absolute(_protected(src.step_dir)), _absolute(src.step_dir), _absolute(dst)
+  )
+  if target == protected or target.startswith(protected + '/') or step.startswith(target + '/'):
     raise InvalidDestinationError(
-        f'{dst}: the destination overlaps the source step {src.step_dir}.'
-        ' Choose a DST outside the source checkpoint.'
+        f'{dst}: the destination is inside the source checkpoint {protected} (or'
+        ' holds it). The source run, every step and item in it, is never written'
+        ' to: choose a dst outside it.'
     )
-  if dst.exists() and not force:
+  if not dst.exists():
+    return
+  if not force:
     raise DestinationExistsError(
-        f'{dst}: already exists. Pass --force to replace it (the old one is'
-        ' removed only once the new one is complete), or choose another DST.'
+        f'{dst}: already exists. Pass `force=True` to replace it (the old one is'
+        ' removed only once the new one is complete), or choose another dst.'
+    )
+  if not dst.is_dir() or not (dst / CHECKPOINT_METADATA).exists() or TMP_MARKER in dst.name:
+    found = 'a file' if not dst.is_dir() else (
+        'a directory holding ' + (', '.join(sorted(p.name for p in dst.iterdir())[:5]) or 'nothing')
+    )
+    raise InvalidDestinationError(
+        f'{dst}: `force=True` replaces only a checkpoint step (a directory holding'
+        f' {CHECKPOINT_METADATA}), found {found}. Remove it yourself if it may go,'
+        ' or choose another dst.'
     )
 
 
@@ -257,18 +318,18 @@ def plan_convert(
   """
   if layout not in LAYOUTS:
     raise InvalidDestinationError(
-        f'--layout {layout}: expected one of {", ".join(LAYOUTS)}.'
+        f'`layout` {layout!r}: expected one of {", ".join(LAYOUTS)}.'
     )
   if layout == MAXTEXT and not params_only:
     raise InvalidDestinationError(
-        '--layout maxtext writes the parameter tree MaxText loads with'
-        ' load_parameters_path, and nothing else: add --params-only. (A full'
+        '`layout` maxtext writes the parameter tree MaxText loads with'
+        ' load_parameters_path, and nothing else: add `params_only=True`. (A full'
         ' MaxText TrainState with its optimizer state is not written by this'
         ' command.)'
     )
   if memory_budget < 1:
     raise InvalidDestinationError(
-        f'--memory-budget {memory_budget}: expected a positive number of bytes.'
+        f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
     )
   source = reader.open_checkpoint(src, step)
   dst = as_path(dst)
@@ -296,10 +357,10 @@ def plan_convert(
     if lora.adapters_only(path for _, path in found):
       adapters = [fmt(path) for _, path in found]
       raise errors.LoraOnlyCheckpointError(
-          f'{source.step_dir}: expected full model weights for params_only, found'
+          f'{source.step_dir}: expected full model weights for `params_only=True`, found'
           f' LoRA adapters only ({len(adapters)} leaves, e.g. {adapters[0]}): the run'
           ' saved no base weights (Tunix\'s save_only_lora_params). Written alone,'
-          ' they are not parameters MaxText can load. Convert without params_only'
+          ' they are not parameters MaxText can load. Convert without `params_only=True`'
           ' to keep the adapters as they are, or convert the full checkpoint the'
           ' LoRA run started from.'
       )
@@ -314,6 +375,16 @@ def plan_convert(
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: expected at least one PyTree item to convert,'
         f' found none ({"; ".join(notes) or "the step has no items"}).'
+    )
+  _check_representable(items, dtype)
+  largest = max((leaf.nbytes for item in items for leaf in item.leaves), default=0)
+  needed = reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest
+  if memory_budget < needed:
+    notes.append(
+        f'`memory_budget` {memory_budget} bytes cannot be met: streaming needs about'
+        f' {needed} ({reader.FIXED_OVERHEAD >> 20} MiB whatever the batch, and'
+        f' {COPIES_IN_FLIGHT}x the largest array, {largest} bytes, in flight); each'
+        ' array is copied alone, and the peak will be about that'
     )
   return ConvertPlan(
       source=source,
@@ -333,39 +404,49 @@ def _write_item(
     item: ItemPlan,
     item_dir: epath.Path,
     progress: reader.Progress,
-) -> None:
-  """Streams one item into `item_dir`, batch by batch, with Orbax's handler."""
+) -> dict[str, str]:
+  """Streams one item into `item_dir`, batch by batch, with Orbax's handler.
+
+  Returns:
+    The checksum of every leaf written, by formatted path (see `checksums`).
+  """
   item_dir.mkdir(parents=True)
   writer = ocp.PyTreeCheckpointHandler()
   source_handler = ocp.PyTreeCheckpointHandler()
   dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths, strict=True))
   header: dict[str, Any] | None = None
   entries: dict[str, Any] = {}
-  for batch in reader.batches(item.leaves, plan.batch_bytes):
-    values = reader.read(
-        plan.source.step_dir,
-        item.source_item,
-        batch,
-        as_numpy=False,
-        dtype=plan.dtype,
-        handler=source_handler,
-    )
-    tree = nest(zip((dst_path[leaf.disk_path] for leaf in batch), values, strict=True))
-    writer.save(item_dir, args=ocp.args.PyTreeSave(tree))
-    del values, tree  # Free the batch before the next is read.
-    # Each save writes `_METADATA` for its own leaves only: keep them all.
-    meta = read_json(item_dir / PYTREE_METADATA)
-    entries.update(meta['tree_metadata'])
-    header = header or meta
-    progress.advance(sum(leaf.nbytes for leaf in batch))
+  sums: dict[str, str] = {}
+  with concurrent.futures.ThreadPoolExecutor(1) as summer:
+    for batch in reader.batches(item.leaves, plan.batch_bytes):
+      values = reader.read(
+          plan.source.step_dir,
+          item.source_item,
+          batch,
+          as_numpy=False,
+          dtype=plan.dtype,
+          handler=source_handler,
+      )
+      paths = [dst_path[leaf.disk_path] for leaf in batch]
+      # Checksums are taken beside the write (zlib releases the GIL).
+      summing = summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
+      writer.save(item_dir, args=ocp.args.PyTreeSave(nest(zip(paths, values, strict=True))))
+      sums.update(zip((checksums.key(p) for p in paths), summing.result(), strict=True))
+      del values, summing  # Free the batch before the next is read.
+      # Each save writes `_METADATA` for its own leaves only: keep them all.
+      meta = read_json(item_dir / PYTREE_METADATA)
+      entries.update(meta['tree_metadata'])
+      header = header or meta
+      progress.advance(sum(leaf.nbytes for leaf in batch))
   assert header is not None  # plan_convert writes no empty item.
   (item_dir / PYTREE_METADATA).write_text(json.dumps({**header, 'tree_metadata': entries}))
   writer.finalize(item_dir)
   (item_dir / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {item_dir}')
+  return sums
 
 
-def _provenance(plan: ConvertPlan) -> dict[str, Any]:
-  """What DST's custom metadata records about where it came from."""
+def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str, Any]:
+  """What DST's custom metadata records: where it came from, and its checksums."""
   detection = plan.source.detection
   record: dict[str, Any] = {
       'source': os.fspath(plan.source.step_dir),
@@ -375,6 +456,7 @@ def _provenance(plan: ConvertPlan) -> dict[str, Any]:
       'params_only': plan.params_only,
       'dtype': None if plan.dtype is None else plan.dtype.name,
       'version': __version__,
+      checksums.KEY: sums,
   }
   if detection.is_tunix and rules.OPTIMIZER_ITEM in detection.layouts:
     found = hyperparameters(detection.step_dir)
@@ -386,9 +468,11 @@ def _provenance(plan: ConvertPlan) -> dict[str, Any]:
   return record
 
 
-def _write_step_metadata(tmp: epath.Path, plan: ConvertPlan, init_ns: int) -> None:
+def _write_step_metadata(
+    tmp: epath.Path, plan: ConvertPlan, init_ns: int, sums: dict[str, dict[str, str]]
+) -> None:
   custom = reader.custom_metadata(plan.source.step_dir)
-  custom[METADATA_KEY] = _provenance(plan)
+  custom[METADATA_KEY] = _provenance(plan, sums)
   meta = ocp.metadata.StepMetadata(
       item_handlers={item.name: PYTREE_TYPESTR for item in plan.items},
       init_timestamp_nsecs=init_ns,
@@ -425,7 +509,7 @@ def _commit(tmp: epath.Path, dst: epath.Path, force: bool) -> bool:
     return False
   if not force:
     raise DestinationExistsError(
-        f'{dst}: appeared while converting. Nothing was replaced; pass --force'
+        f'{dst}: appeared while converting. Nothing was replaced; pass `force=True`'
         ' to replace it, or choose another DST.'
     )
   old = dst.parent / f'{dst.name}.orbax-tunix-old-{time.time_ns()}'
@@ -437,6 +521,24 @@ def _commit(tmp: epath.Path, dst: epath.Path, force: bool) -> bool:
     raise
   remove_tree(old)
   return True
+
+
+def _missing_parents(dst: epath.Path) -> list[epath.Path]:
+  """DST's ancestors that do not exist yet, deepest first (a failure removes them)."""
+  missing = []
+  parent = dst.parent
+  while not parent.exists() and parent != parent.parent:
+    missing.append(parent)
+    parent = parent.parent
+  return missing
+
+
+def _remove_empty(directories: Sequence[epath.Path]) -> None:
+  """Removes the directories a failed conversion created, deepest first, if empty."""
+  for directory in directories:
+    with contextlib.suppress(OSError):
+      if directory.exists() and not any(directory.iterdir()):
+        directory.rmdir()
 
 
 def temporary_path(dst: epath.Path) -> epath.Path:
@@ -471,23 +573,27 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   start = time.monotonic()
   init_ns = time.time_ns()
   tmp = temporary_path(plan.dst)
+  created = _missing_parents(plan.dst)
   try:
     plan.dst.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
   except OSError as e:
+    _remove_empty(created)
     raise InvalidDestinationError(
         f'{plan.dst}: cannot create the destination beside it ({e}). Expected a'
         ' writable directory; choose another DST or fix its permissions.'
     ) from e
   progress.start(plan.total_bytes, f'converting to {plan.dst}')
+  sums: dict[str, dict[str, str]] = {}
   try:
     for item in plan.items:
-      _write_item(plan, item, tmp / item.name, progress)
-    _write_step_metadata(tmp, plan, init_ns)
+      sums[item.name] = _write_item(plan, item, tmp / item.name, progress)
+    _write_step_metadata(tmp, plan, init_ns, sums)
     (tmp / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {plan.dst}')
     replaced = _commit(tmp, plan.dst, plan.force)
   except OSError as e:
     remove_tree(tmp)
+    _remove_empty(created)
     raise InvalidDestinationError(
         f'{plan.dst}: writing failed ({e}). Expected a writable destination with'
         f' room for about {plan.total_bytes} bytes; nothing was left behind.'
@@ -495,6 +601,7 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
     ) from e
   except BaseException:
     remove_tree(tmp)
+    _remove_empty(created)
     raise
   finally:
     progress.finish()

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 from etils import epath
 
-from orbax_tunix import reader
+from orbax_tunix import checksums, reader
 from orbax_tunix.tree_paths import fmt
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -64,6 +64,9 @@ class DiffResult:
     shape: leaves whose shapes differ (values not compared).
     dtype: leaves whose dtypes differ (values compared after upcasting).
     values: leaves whose values differ by more than `atol`.
+    damaged_a, damaged_b: leaves whose data does not match the checksum their
+      checkpoint records (see `checksums`; only checkpoints `convert` wrote
+      record them).
     compared: number of leaves whose values were compared.
     bytes_compared: array bytes read from A for them.
     atol: the tolerance.
@@ -84,6 +87,8 @@ class DiffResult:
   max_abs_diff: float
   seconds: float
   ignore_dtype: bool = False
+  damaged_a: tuple[str, ...] = ()
+  damaged_b: tuple[str, ...] = ()
 
   @property
   def match(self) -> bool:
@@ -92,6 +97,8 @@ class DiffResult:
         or self.only_b
         or self.shape
         or self.values
+        or self.damaged_a
+        or self.damaged_b
         or (self.dtype and not self.ignore_dtype)
     )
 
@@ -113,18 +120,20 @@ def _as_comparable(x: np.ndarray) -> np.ndarray:
   return x.astype(np.float64)
 
 
-def compare_values(a: object, b: object) -> tuple[float, int]:
+def compare_values(a: object, b: object, atol: float = 0.0) -> tuple[float, int]:
   """Largest absolute difference between two same-shaped values, and how many differ.
 
-  NaNs at the same place count as equal, a NaN against a number as an
-  infinite difference. Worked through in chunks, so the float64 copies stay
-  at `_CHUNK` elements whatever the size of the arrays.
+  NaNs at the same place count as equal; a NaN against a number differs
+  whatever the tolerance (its difference counts as infinite). Worked through
+  in chunks, so the float64 copies stay at `_CHUNK` elements whatever the
+  size of the arrays.
 
   Args:
     a, b: arrays (or scalars, or strings) of one shape.
+    atol: elements differ when |a - b| > atol.
 
   Returns:
-    (max |a - b| over all elements, number of elements that are not equal).
+    (max |a - b| over all elements, number of elements that differ).
   """
   if isinstance(a, str) or isinstance(b, str):
     return (0.0, 0) if a == b else (float('inf'), 1)
@@ -136,15 +145,22 @@ def compare_values(a: object, b: object) -> tuple[float, int]:
     y = _as_comparable(b[start : start + _CHUNK])
     with np.errstate(invalid='ignore', over='ignore'):
       delta = np.abs(x - y)
-    if np.issubdtype(delta.dtype, np.floating):
+    beyond = delta > atol
+    if np.issubdtype(delta.dtype, np.inexact):
       x_nan = np.isnan(x) if np.issubdtype(x.dtype, np.inexact) else False
       y_nan = np.isnan(y) if np.issubdtype(y.dtype, np.inexact) else False
-      delta = np.where(x_nan & y_nan, 0.0, delta)
-      delta = np.where(x_nan ^ y_nan, np.inf, delta)
+      delta = np.where(x_nan & y_nan, 0.0, np.where(x_nan ^ y_nan, np.inf, delta))
+      beyond = (beyond & ~(x_nan | y_nan)) | (x_nan ^ y_nan)
     if delta.size:
       worst = max(worst, float(np.max(delta)))
-      differing += int(np.count_nonzero(delta))
+      differing += int(np.count_nonzero(beyond))
   return worst, differing
+
+
+def _damaged(sums: dict[str, dict[str, str]], leaf: reader.LeafInfo, value: object) -> bool:
+  """Whether a value read disagrees with the checksum its checkpoint records."""
+  want = sums.get(leaf.item, {}).get(checksums.key(leaf.path))
+  return want is not None and checksums.checksum(value) != want
 
 
 def _views(
@@ -235,16 +251,24 @@ def diff_checkpoints(
       dtype.append(Mismatch(path, _describe(la), _describe(lb)))
     pairs.append((path, la, lb))
   values, worst, compared_bytes = [], 0.0, 0
+  sums_a = checksums.recorded(reader.custom_metadata(ckpt_a.step_dir))
+  sums_b = checksums.recorded(reader.custom_metadata(ckpt_b.step_dir))
+  damaged_a: list[str] = []
+  damaged_b: list[str] = []
   budget = reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)
   progress.start(sum(la.nbytes for _, la, _ in pairs), 'comparing')
   try:
     for batch in _pair_batches(pairs, budget):
       got_a = _read_side(ckpt_a, [la for _, la, _ in batch])
       got_b = _read_side(ckpt_b, [lb for _, _, lb in batch])
-      for (path, la, _), x, y in zip(batch, got_a, got_b, strict=True):
-        max_diff, differing = compare_values(x, y)
+      for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):
+        if _damaged(sums_a, la, x):
+          damaged_a.append(path)
+        if _damaged(sums_b, lb, y):
+          damaged_b.append(path)
+        max_diff, differing = compare_values(x, y, atol)
         worst = max(worst, max_diff)
-        if max_diff > atol:
+        if differing:
           values.append(ValueDiff(path, max_diff, differing, max(1, int(np.size(x)))))
         compared_bytes += la.nbytes
       del got_a, got_b
@@ -265,4 +289,6 @@ def diff_checkpoints(
       max_abs_diff=worst,
       seconds=time.monotonic() - start,
       ignore_dtype=ignore_dtype,
+      damaged_a=tuple(damaged_a),
+      damaged_b=tuple(damaged_b),
   )

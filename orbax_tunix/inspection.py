@@ -138,6 +138,7 @@ class Report:
     optimizer: the optimizer outline.
     hyperparameters: inject_hyperparams shell -> {name: value}.
     notes: things a person should know.
+    checkpoint: the step as opened (to read it further, e.g. to verify).
   """
 
   detection: Detection
@@ -149,6 +150,7 @@ class Report:
   optimizer: tuple[OutlineRow, ...]
   hyperparameters: Mapping[str, Mapping[str, Any]]
   notes: tuple[str, ...]
+  checkpoint: reader.CanonicalCheckpoint | None = None
 
   @property
   def nbytes(self) -> int:
@@ -365,6 +367,7 @@ def inspect_checkpoint(path: epath.PathLike, step: int | None = None) -> Report:
       optimizer=outline,
       hyperparameters=hparams,
       notes=tuple(notes),
+      checkpoint=ckpt,
   )
 
 

@@ -83,8 +83,8 @@ class LeafInfo:
 
   @property
   def name(self) -> str:
-    """'item/canonical/path', as the tools print it."""
-    return f'{self.item}/{fmt(self.path)}'
+    """'item/canonical/path', as the tools print it (one text per leaf)."""
+    return fmt((self.item, *self.path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +171,8 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Detection:
   steps = find_steps(path)
   if (path / CHECKPOINT_METADATA).exists() or detection.item is not None:
     raise StepNotFoundError(
-        f'{path}: this is step {detection.step}, but --step {step} was asked'
-        ' for. Pass the root directory that holds the steps, or drop --step.'
+        f'{path}: this is step {detection.step}, but `step={step}` was asked'
+        ' for. Pass the root directory that holds the steps, or drop `step`.'
     )
   matching = [s for s in steps if s.step == step]
   committed = [s for s in matching if s.committed]
@@ -186,7 +186,7 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Detection:
     )
   raise StepNotFoundError(
       f'{path}: expected a step {step}, found none. Steps present:'
-      f' {describe_steps(steps)}. Pass one of these to --step.'
+      f' {describe_steps(steps)}. Pass one of these as `step`.'
   )
 
 

@@ -8,6 +8,7 @@ them without touching the leaves.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -65,6 +66,20 @@ def flat_dict(tree: Mapping[str, Any] | Any) -> dict[Path, Any]:
   return dict(pairs)
 
 
+def _fmt_key(key: str) -> str:
+  # A key that could be read as more than one (a '/' inside, empty, or
+  # starting with a quote) is written as a JSON string, so that the text
+  # names exactly one path.
+  if not key or '/' in key or key.startswith('"'):
+    return json.dumps(key)
+  return key
+
+
 def fmt(path: Path) -> str:
-  """A path as people write it: 'opt_state/0/mu/layers/0/w'."""
-  return '/'.join(path) if path else '<root>'
+  """A path as people write it: 'opt_state/0/mu/layers/0/w'.
+
+  One text per path: keys joined with '/', a key that holds a '/' (or is
+  empty) written as a JSON string, e.g. `"a/b"/c`.
+  """
+  return '/'.join(_fmt_key(k) for k in path) if path else '<root>'
+

@@ -385,20 +385,28 @@ def test_convert_refuses_existing_destination(capsys, tunix_data, tmp_path):
   status, out, err = run(capsys, 'convert', tunix_data / 'sft_full', dst)
   assert status == 2 and out == ''
   assert 'already exists. Pass --force' in err and 'Traceback' not in err
-  assert (dst / 'keep.txt').read_text() == 'mine'
+  # --force replaces a checkpoint step only, never a folder of something else.
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', dst, '--force')
+  assert status == 2 and '--force replaces only a checkpoint step' in err and 'keep.txt' in err
+  assert sorted(p.name for p in dst.iterdir()) == ['keep.txt']
+  shutil.rmtree(dst)
+  assert run(capsys, 'convert', tunix_data / 'chain_clip', dst)[0] == 0
   assert run(capsys, 'convert', tunix_data / 'sft_full', dst, '--force')[0] == 0
-  assert not (dst / 'keep.txt').exists()
   assert run(capsys, 'diff', tunix_data / 'sft_full', dst)[0] == 0
   assert sorted(p.name for p in tmp_path.iterdir()) == ['1']  # No temporaries left.
 
 
-def test_convert_refuses_destination_inside_source(capsys, tunix_data, tmp_path):
+@pytest.mark.parametrize('dst', ['2/converted', '3', '1/model_params/sub', '.', 'actor/9'])
+def test_convert_refuses_destination_inside_source_run(capsys, tunix_data, tmp_path, dst):
+  """The source run, every step and item in it, is never written to."""
   root = tmp_path / 'run'
   shutil.copytree(tunix_data / 'sft_full', root)
-  status, _, err = run(capsys, 'convert', root, root / '2' / 'converted', '--force')
-  assert status == 2 and 'overlaps the source' in err
-  status, _, err = run(capsys, 'convert', root / '2', root, '--force')
-  assert status == 2 and 'overlaps the source' in err
+  before = sorted(str(p) for p in root.rglob('*'))
+  status, _, err = run(capsys, 'convert', root / '1', root / dst, '--force')
+  assert status == 2 and 'inside the source checkpoint' in err, err
+  assert sorted(str(p) for p in root.rglob('*')) == before
+  status, _, err = run(capsys, 'convert', root / '2', tmp_path, '--force')
+  assert status == 2 and 'inside the source checkpoint' in err
 
 
 def test_convert_refuses_bucket_destination(capsys, tunix_data):
@@ -420,7 +428,7 @@ def test_convert_failure_leaves_nothing(capsys, tunix_data, tmp_path, monkeypatc
   out_dir = tmp_path / 'out'
   status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', out_dir / '1', '--memory-budget', '2K')
   assert status == 2 and 'No space left on device' in err and 'Traceback' not in err
-  assert list(out_dir.iterdir()) == []
+  assert not out_dir.exists()  # The parent it created goes too.
 
 
 def test_convert_interrupt_leaves_nothing(capsys, tunix_data, tmp_path, monkeypatch):
@@ -433,7 +441,7 @@ def test_convert_interrupt_leaves_nothing(capsys, tunix_data, tmp_path, monkeypa
   monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'save', interrupted_save)
   status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', tmp_path / 'out' / '1')
   assert status == 130 and 'interrupted' in err
-  assert list((tmp_path / 'out').iterdir()) == []
+  assert list(tmp_path.iterdir()) == []
 
 
 def _wait_for_first_batch(proc: subprocess.Popen, parent: pathlib.Path) -> None:
@@ -465,7 +473,8 @@ def test_convert_killed_midway_leaves_no_destination(big_checkpoint, tmp_path):
   assert reader.find_steps(dst.parent)[0].committed is False
 
 
-def test_convert_sigterm_removes_its_temporary(big_checkpoint, tmp_path):
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
+def test_convert_sigterm_removes_its_temporary(big_checkpoint, tmp_path, sig):
   dst = tmp_path / 'out' / '1'
   proc = subprocess.Popen(
       [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
@@ -473,11 +482,11 @@ def test_convert_sigterm_removes_its_temporary(big_checkpoint, tmp_path):
       env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
   )
   _wait_for_first_batch(proc, dst.parent)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(sig)
   _, err = proc.communicate(timeout=60)
   assert proc.returncode == 130, err
-  assert 'interrupted' in err
-  assert list(dst.parent.iterdir()) == []
+  assert 'interrupted' in err and 'Traceback' not in err
+  assert list(tmp_path.iterdir()) == []
 
 
 # --- diff -------------------------------------------------------------------
