@@ -45,8 +45,8 @@ from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as bas
 
 import orbax_tunix  # noqa: E402
 from orbax_tunix import pytree_handler  # noqa: E402
-from orbax_tunix.detect import plan_item  # noqa: E402
-from orbax_tunix.tree_paths import flatten, nest  # noqa: E402
+from orbax_tunix.detection import plan_item  # noqa: E402
+from orbax_tunix.keypaths import flatten, nest  # noqa: E402
 
 CONTENDERS = ('a', 'b', 'c', 'd', 'e')
 

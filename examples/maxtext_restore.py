@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import orbax_tunix  # noqa: E402
 from orbax_tunix import maxtext  # noqa: E402
-from orbax_tunix.tree_paths import flatten, fmt  # noqa: E402
+from orbax_tunix.keypaths import flatten, fmt  # noqa: E402
 
 DEFAULT = pathlib.Path(__file__).resolve().parent.parent / 'tests/data/tunix/adapter_inject_clip'
 

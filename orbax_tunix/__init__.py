@@ -14,8 +14,9 @@ The whole public API::
 """
 
 from orbax_tunix import maxtext
+from orbax_tunix.canonical import CanonicalMap, to_canonical_tree, to_disk_tree
 from orbax_tunix.composite_handler import TunixAwareHandler
-from orbax_tunix.detect import Detection, detect
+from orbax_tunix.detection import Detection, detect
 from orbax_tunix.errors import (
     CorruptMetadataError,
     LoraOnlyCheckpointError,
@@ -27,14 +28,13 @@ from orbax_tunix.errors import (
     UnsupportedLayoutError,
 )
 from orbax_tunix.hyperparams import hyperparameters
-from orbax_tunix.layout import ItemLayout, to_canonical_tree, to_disk_tree
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.registry import handler_registry, load_plugins, register
 
 __all__ = [
     'CorruptMetadataError',
     'Detection',
-    'ItemLayout',
+    'CanonicalMap',
     'LoraOnlyCheckpointError',
     'MissingItemError',
     'NotACheckpointError',

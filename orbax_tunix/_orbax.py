@@ -8,10 +8,21 @@ moves it fails there, loudly, and nowhere else.
 
 from __future__ import annotations
 
+import bisect
+import json
+import re
+from collections.abc import Collection, Sequence
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
 from orbax.checkpoint._src.metadata import tree as _tree_metadata
+from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
+
+from orbax_tunix.keypaths import Path
 
 # What a PyTree handler's `metadata()` returns (not exported by Orbax).
 TreeMetadata = _tree_metadata.TreeMetadata
@@ -72,3 +83,97 @@ def failure_text(exc: BaseException) -> str:
   """A storage failure's first line, without the TensorStore spec Orbax appends."""
   text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
   return text.split(' [tensorstore_spec=')[0]
+
+
+# --- where Orbax keeps an item's arrays ------------------------------------------
+
+
+def array_name(path: Path) -> str:
+  """The name Orbax stores a leaf's array under: its keys joined with '.'."""
+  return '.'.join(path)
+
+
+def is_ocdbt(directory: epath.Path) -> bool:
+  """Whether an item's arrays sit in one OCDBT store (Orbax's default)."""
+  return ocp.path.format_utils.is_ocdbt_checkpoint(directory)
+
+
+def open_kvstore(directory: epath.Path, *, use_ocdbt: bool) -> ts.KvStore:
+  """The key-value store Orbax's own read of the item uses (OCDBT, or per-array)."""
+  spec = _ts_utils.build_kvstore_tspec(
+      directory.as_posix(), name=None if use_ocdbt else '', use_ocdbt=use_ocdbt
+  )
+  return ts.KvStore.open(spec, context=_ts_utils.get_ts_context(use_ocdbt=use_ocdbt)).result()
+
+
+def parse_zarr_header(data: bytes, zarr3: bool) -> Any:
+  """(shape, dtype) from an array's `.zarray` (zarr v2) or `zarr.json` (v3)."""
+  from orbax_tunix.storage import ArrayInfo  # pylint: disable=g-import-not-at-top
+
+  header = json.loads(data)
+  dtype = header['data_type'] if zarr3 else header['dtype']
+  return ArrayInfo(tuple(header['shape']), np.dtype(jnp.dtype(dtype)))
+
+
+_ZARR2_CHUNK = re.compile(r'\d+(?:\.\d+)*')
+_ZARR3_CHUNK = re.compile(r'c(?:/\d+)*')
+
+
+def chunk_grids(
+    keys: Collection[str], paths: Sequence[Path], zarr3: bool
+) -> dict[Path, tuple[int, ...]]:
+  """Chunks per dimension of each array, from a listing of the store's keys.
+
+  Zarr names chunk `(i, j)` of array `a` `a/i.j` (v2) or `a/c/i/j` (v3); the
+  grid's extent is the largest index plus one per dimension. Arrays with no
+  chunk key are left out.
+  """
+  ordered = sorted(keys)
+  pattern = _ZARR3_CHUNK if zarr3 else _ZARR2_CHUNK
+  grids = {}
+  for path in paths:
+    prefix = array_name(path) + '/'
+    start = bisect.bisect_left(ordered, prefix)
+    end = bisect.bisect_left(ordered, prefix[:-1] + '0')  # '0' follows '/'.
+    extent: list[int] | None = None
+    for key in ordered[start:end]:
+      chunk = key[len(prefix):]
+      if not pattern.fullmatch(chunk):
+        continue
+      digits = chunk[2:] if zarr3 else chunk
+      index = [int(i) for i in re.split(r'[./]', digits) if i] if digits else []
+      if extent is None:
+        extent = [i + 1 for i in index]
+      elif len(extent) == len(index):
+        extent = [max(e, i + 1) for e, i in zip(extent, index, strict=True)]
+    if extent is not None:
+      grids[path] = tuple(extent)
+  return grids
+
+
+# --- the handler an item records ----------------------------------------------
+
+# What Orbax's v1 API records for a PyTree item; v0 has no handler class for it.
+V1_PYTREE_TYPESTR = 'orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler'
+
+
+def handler_class(typestr: str) -> type | None:
+  """The handler class Orbax registered under a typestr, or None if unknown here."""
+  from orbax.checkpoint._src.handlers import handler_type_registry  # pylint: disable=g-import-not-at-top
+
+  try:
+    return handler_type_registry.get_handler_type(typestr)
+  except (KeyError, ValueError):
+    return None
+
+
+def is_pytree_handler(typestr: str | None) -> bool | None:
+  """Whether a recorded handler reads PyTrees: True, False, or None when unknown."""
+  if typestr is None:
+    return None
+  if typestr == V1_PYTREE_TYPESTR:
+    return True
+  cls = handler_class(typestr)
+  if cls is None:
+    return None
+  return issubclass(cls, (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler))

@@ -20,8 +20,7 @@ import numpy as np
 from etils import epath
 
 from orbax_tunix import reader
-from orbax_tunix.reader import custom_metadata
-from orbax_tunix.tree_paths import Path, fmt
+from orbax_tunix.keypaths import Path, fmt
 
 # Where in `_CHECKPOINT_METADATA`'s custom metadata the checksums sit: under
 # the record `convert` writes, {item: {formatted path: 'crc32:%08x'}}.
@@ -100,7 +99,7 @@ def verify(
     A `Verification`, or None when the step records no checksums (it was not
     written by `convert`).
   """
-  sums = recorded(custom_metadata(ckpt.step_dir))
+  sums = recorded(ckpt.detection.source.custom_metadata)
   if not sums:
     return None
   progress = progress or reader.NullProgress()
@@ -122,7 +121,7 @@ def verify(
     for item in sorted(ckpt.items):
       leaves = [leaf for leaf in todo if leaf.item == item]
       for batch in reader.batches(leaves, reader.batch_bytes(memory_budget, 2)):
-        values = reader.read(ckpt.step_dir, item, batch, as_numpy=True)
+        values = reader.read(ckpt, item, batch, as_numpy=True)
         for leaf, value in zip(batch, values, strict=True):
           checked += 1
           if checksum(value) != sums[item][key(leaf.path)]:

@@ -16,18 +16,11 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, errors
-from orbax_tunix.detect import (
-    CHECKPOINT_METADATA,
-    PYTREE_METADATA,
-    RL_ROLES,
-    has_tree,
-    list_steps,
-    plan_item,
-    read_json,
-    resolve_step,
-)
+from orbax_tunix import _orbax, errors, storage
+from orbax_tunix.conventions import RL_ROLES
+from orbax_tunix.detection import Detection, detect, plan_item
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, canonical_metadata
+from orbax_tunix.storage import CHECKPOINT_METADATA, PYTREE_METADATA
 
 _PYTREE_HANDLERS = (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler)
 _PYTREE_RESTORE_ARGS = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
@@ -51,6 +44,9 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     super().__init__(*item_names, **kwargs)
     # Orbax's handler for an item -> the Tunix reader over it (one each).
     self._tunix_readers: dict[int, tuple[Any, TunixPyTreeHandler]] = {}
+    # The items of the step being restored, planned once and handed to every
+    # reader ({item directory: (item, canonical map)}).
+    self._plans: dict[epath.Path, Any] = {}
     # Orbax's no-arg restore calls metadata() for the recorded handlers only:
     # the canonical item trees (which open every array) are not needed then.
     self._restoring = False
@@ -61,7 +57,7 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       return handler
     key = id(handler)
     if key not in self._tunix_readers:
-      self._tunix_readers[key] = (handler, TunixPyTreeHandler(reader=handler))
+      self._tunix_readers[key] = (handler, TunixPyTreeHandler(reader=handler, plans=self._plans))
     return self._tunix_readers[key][1]
 
   # The one Orbax hook used: the composite asks this method for each item's
@@ -86,14 +82,18 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       CorruptMetadataError: a whole Tunix step is asked for and some of its
         recorded items are not on disk (a partial step would pass for whole).
     """
-    directory = epath.Path(directory)
+    directory = storage.as_path(directory)
     if not directory.is_dir():
       raise errors.NotACheckpointError(
           f'{directory}: expected a step directory, found'
           f' {"a file" if directory.exists() else "nothing"}. Check the path.'
       )
     if args is None or not dict(args.items()):
-      _check_whole_tunix_step(directory)
+      found = _tunix_detection(directory)
+      if found is not None:
+        self._plans.update(
+            (found.source.item_dir(n), (found.item_meta(n), m)) for n, m in found.maps.items()
+        )
     else:
       missing = sorted(name for name in args.keys() if not (directory / name).is_dir())
       if missing:
@@ -111,6 +111,7 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       raise
     finally:
       self._restoring = False
+      self._plans.clear()
 
   def metadata(self, directory: epath.Path) -> ocp.metadata.StepMetadata:
     """Step metadata as Orbax gives it; Tunix items' trees are canonical."""
@@ -123,13 +124,13 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       item_dir = epath.Path(directory) / name
       if item_meta is not None and not isinstance(item_meta, _orbax.TreeMetadata):
         continue  # Another kind of item (JSON, ...): as Orbax described it.
-      layout = plan_item(item_dir) if has_tree(item_dir) else None
-      if layout is None or not layout.rewrites:
+      planned = plan_item(item_dir)
+      if planned is None or not planned[1].rewrites:
         continue
       found[name] = (
           TunixPyTreeHandler().metadata(item_dir)
           if item_meta is None
-          else canonical_metadata(item_meta, layout)
+          else canonical_metadata(item_meta, planned[1])
       )
       changed = True
     if not changed:
@@ -137,26 +138,29 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     return dataclasses.replace(meta, item_metadata=type(meta.item_metadata)(**found))
 
 
-def _check_whole_tunix_step(directory: epath.Path) -> None:
-  """Refuses a whole-step restore of a Tunix step some of whose items are gone."""
-  meta_file = directory / CHECKPOINT_METADATA
-  if not meta_file.exists():
-    return
-  recorded = read_json(meta_file)
-  handlers = recorded.get('item_handlers') if isinstance(recorded, dict) else None
-  if not isinstance(handlers, dict):
-    return
-  present = {name for name in handlers if (directory / name).is_dir()}
-  absent = sorted(set(handlers) - present)
-  is_tunix = any(
-      has_tree(directory / name) and plan_item(directory / name) is not None for name in present
-  )
-  if absent and is_tunix:
-    raise errors.CorruptMetadataError(
-        f'{directory}: {CHECKPOINT_METADATA} records the items {sorted(handlers)},'
-        f' but {absent} are missing (or not directories). The step is damaged:'
-        ' restore another step, or name the items you want in args.'
-    )
+def _tunix_detection(directory: epath.Path) -> Detection | None:
+  """The detection of a whole Tunix step, or None for any other step.
+
+  For a Tunix step, damage is raised here (a recorded item missing, or
+  holding other than its recorded handler says): restoring the rest would
+  hand back a partial step as if it were whole. Other steps restore, or fail,
+  exactly as with Orbax's own handler.
+  """
+  if not (directory / CHECKPOINT_METADATA).exists() or storage.has_tree(directory):
+    return None
+  try:
+    found = detect(directory)
+  except errors.TunixCheckpointError:
+    step = storage.open_step(directory)
+    for name in step.present:
+      try:
+        planned = plan_item(step.item_dir(name))
+      except errors.TunixCheckpointError:
+        continue
+      if planned is not None and planned[1].rewrites:
+        raise
+    return None
+  return found if found.is_tunix else None
 
 
 def _raise_if_not_a_step(directory: epath.Path, error: Exception) -> None:
@@ -174,9 +178,9 @@ def _raise_if_not_a_step(directory: epath.Path, error: Exception) -> None:
         f' directory instead, or restore the item with TunixPyTreeHandler.'
     ) from error
   roots = [directory] + [directory / role for role in RL_ROLES]
-  if not any(root.is_dir() and list_steps(root) for root in roots):
+  if not any(root.is_dir() and storage.list_steps(root) for root in roots):
     return
-  step_dir = resolve_step(directory)[0]  # Raises UncommittedStepError if none is done.
+  step_dir = storage.resolve(directory).step.directory  # Raises if none is committed.
   raise errors.NotACheckpointError(
       f'{directory}: expected a step directory (holding {CHECKPOINT_METADATA}),'
       f' found a checkpoint root. Pass the step directory instead, e.g. {step_dir}.'

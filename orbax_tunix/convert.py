@@ -46,34 +46,33 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-from orbax_tunix import __version__, checksums, errors, lora, reader, rules
-from orbax_tunix.detect import (
-    CHECKPOINT_METADATA,
-    PYTREE_METADATA,
-    RL_ROLES,
-    TMP_MARKER,
-    _step_number,
-    as_path,
-    read_json,
+from orbax_tunix import __version__, checksums, conventions, errors, lora, reader
+from orbax_tunix.conventions import RL_ROLES
+from orbax_tunix.hyperparams import read_hyperparameters
+from orbax_tunix.keypaths import Path, fmt, nest
+from orbax_tunix.storage import (
+  CHECKPOINT_METADATA,
+  PYTREE_METADATA,
+  TMP_MARKER,
+  as_path,
+  read_json,
+  step_number,
 )
-from orbax_tunix.hyperparams import hyperparameters
-from orbax_tunix.tree_paths import Path, fmt, nest
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
 LAYOUTS = (CANONICAL, MAXTEXT)
 
-DEFAULT_MEMORY_BUDGET = 1 << 30
+DEFAULT_MEMORY_BUDGET = reader.DEFAULT_MEMORY_BUDGET
 # Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
 # TensorStore holds the compressed bytes and the decoded array while reading,
 # the host copy and the compressed bytes while writing, and freed buffers are
@@ -84,6 +83,7 @@ COPIES_IN_FLIGHT = 5
 
 COMMIT_SUCCESS = 'commit_success.txt'
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
+JSON_TYPESTR = ocp.JsonCheckpointHandler.typestr()
 METADATA_KEY = checksums.RECORD_KEY
 
 
@@ -104,12 +104,14 @@ class ItemPlan:
     source_item: the source item its leaves are read from.
     leaves: the source leaves, in write order.
     paths: the path each leaf is written under, in the same order.
+    json: a JSON item, copied whole (no leaves).
   """
 
   name: str
   source_item: str
   leaves: tuple[reader.LeafInfo, ...]
   paths: tuple[Path, ...]
+  json: bool = False
 
   @property
   def nbytes(self) -> int:
@@ -178,30 +180,6 @@ class ConvertResult:
     return sum(self.items.values())
 
 
-def parse_dtype(name: str | None) -> np.dtype | None:
-  """The floating dtype named by `name` (e.g. 'bfloat16'), or None.
-
-  Raises:
-    InvalidDestinationError: the name is not a floating dtype.
-  """
-  if name is None:
-    return None
-  try:
-    dtype = np.dtype(jnp.dtype(name))
-  except TypeError as e:
-    raise InvalidDestinationError(
-        f'`dtype` {name!r}: not a dtype. Use a floating dtype such as bfloat16,'
-        ' float16 or float32.'
-    ) from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise InvalidDestinationError(
-        f'`dtype` {name!r}: expected a floating dtype (bfloat16, float16,'
-        ' float32), found a non-floating one. Only floating leaves are cast;'
-        ' integer and RNG leaves always keep their dtype.'
-    )
-  return dtype
-
-
 def _needs_x64(dtype: np.dtype | None) -> bool:
   """Whether JAX holds this dtype only in its 64-bit mode (else it narrows it)."""
   if dtype is None:
@@ -244,7 +222,7 @@ def _protected(step_dir: epath.Path) -> epath.Path:
   That is the root holding the step when the step is named as Orbax names
   steps (an RL root above its `actor/` or `critic/`), else the step itself.
   """
-  if _step_number(step_dir.name) is None:
+  if step_number(step_dir.name) is None:
     return step_dir
   root = step_dir.parent
   return root.parent if root.name in RL_ROLES else root
@@ -294,6 +272,7 @@ def plan_convert(
     dtype: np.dtype | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     force: bool = False,
+    items: Iterable[str] | None = None,
 ) -> ConvertPlan:
   """Plans a conversion from metadata only; nothing is written.
 
@@ -306,7 +285,9 @@ def plan_convert(
     params_only: write the weights only.
     dtype: cast floating leaves to this dtype.
     memory_budget: bytes the streaming may hold at once.
-    force: replace an existing DST.
+    force: replace an existing DST (only if it is a checkpoint step).
+    items: the source items to convert (default: every item the step records;
+      a step holding items that are neither PyTrees nor JSON needs them named).
 
   Returns:
     A `ConvertPlan`.
@@ -331,17 +312,17 @@ def plan_convert(
     raise InvalidDestinationError(
         f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
     )
-  source = reader.open_checkpoint(src, step)
+  source = reader.open_checkpoint(src, step, items)
   dst = as_path(dst)
   _check_destination(source, dst, force)
-  notes = [f'skipped item {name!r}: {why}' for name, why in sorted(source.skipped.items())]
-  items: list[ItemPlan] = []
+  notes: list[str] = []
+  plans: list[ItemPlan] = []
   if params_only:
     found = reader.weights(source)
     source_items = {leaf.item for leaf, _ in found}
-    prefix = reader.MAXTEXT_PARAMS if layout == MAXTEXT else ()
-    name = reader.MAXTEXT_ITEM if layout == MAXTEXT else rules.MODEL_ITEM
-    items.append(
+    prefix = conventions.MAXTEXT_PARAMS if layout == MAXTEXT else ()
+    name = conventions.MAXTEXT_ITEM if layout == MAXTEXT else conventions.MODEL_ITEM
+    plans.append(
         ItemPlan(
             name=name,
             source_item=source_items.pop(),  # weights() reads one item.
@@ -350,10 +331,13 @@ def plan_convert(
         )
     )
     dropped = [
-        leaf for leaf in source.items.get(rules.MODEL_ITEM, ()) if reader.is_rng_state(leaf.path)
+        leaf for leaf in source.items.get(conventions.MODEL_ITEM, ())
+        if conventions.is_rng_state(leaf.path)
     ]
     if dropped:
-      notes.append(f'left out {len(dropped)} RNG state leaves (paths with {reader.RNG_KEY!r})')
+      notes.append(
+          f'left out {len(dropped)} RNG state leaves (paths with {conventions.RNG_KEY!r})'
+      )
     if lora.adapters_only(path for _, path in found):
       adapters = [fmt(path) for _, path in found]
       raise errors.LoraOnlyCheckpointError(
@@ -370,14 +354,15 @@ def plan_convert(
       if not leaves:
         notes.append(f'skipped item {name!r}: it has no leaves')
         continue
-      items.append(ItemPlan(name, name, leaves, tuple(leaf.path for leaf in leaves)))
-  if not items:
+      plans.append(ItemPlan(name, name, leaves, tuple(leaf.path for leaf in leaves)))
+    plans += [ItemPlan(name, name, (), (), json=True) for name in source.json_items]
+  if not plans:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: expected at least one PyTree item to convert,'
         f' found none ({"; ".join(notes) or "the step has no items"}).'
     )
-  _check_representable(items, dtype)
-  largest = max((leaf.nbytes for item in items for leaf in item.leaves), default=0)
+  _check_representable(plans, dtype)
+  largest = max((leaf.nbytes for item in plans for leaf in item.leaves), default=0)
   needed = reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest
   if memory_budget < needed:
     notes.append(
@@ -394,7 +379,7 @@ def plan_convert(
       dtype=dtype,
       memory_budget=memory_budget,
       force=force,
-      items=tuple(items),
+      items=tuple(plans),
       notes=tuple(notes),
   )
 
@@ -412,7 +397,7 @@ def _write_item(
   """
   item_dir.mkdir(parents=True)
   writer = ocp.PyTreeCheckpointHandler()
-  source_handler = ocp.PyTreeCheckpointHandler()
+  source_handler = reader.TunixPyTreeHandler()
   dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths, strict=True))
   header: dict[str, Any] | None = None
   entries: dict[str, Any] = {}
@@ -420,7 +405,7 @@ def _write_item(
   with concurrent.futures.ThreadPoolExecutor(1) as summer:
     for batch in reader.batches(item.leaves, plan.batch_bytes):
       values = reader.read(
-          plan.source.step_dir,
+          plan.source,
           item.source_item,
           batch,
           as_numpy=False,
@@ -458,8 +443,8 @@ def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str,
       'version': __version__,
       checksums.KEY: sums,
   }
-  if detection.is_tunix and rules.OPTIMIZER_ITEM in detection.layouts:
-    found = hyperparameters(detection.step_dir)
+  if detection.is_tunix:
+    found = read_hyperparameters(detection)
     if found:
       record['hyperparameters'] = {
           shell: {name: reader.json_scalar(v) for name, v in values.items()}
@@ -471,10 +456,12 @@ def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str,
 def _write_step_metadata(
     tmp: epath.Path, plan: ConvertPlan, init_ns: int, sums: dict[str, dict[str, str]]
 ) -> None:
-  custom = reader.custom_metadata(plan.source.step_dir)
+  custom = dict(plan.source.detection.source.custom_metadata)
   custom[METADATA_KEY] = _provenance(plan, sums)
   meta = ocp.metadata.StepMetadata(
-      item_handlers={item.name: PYTREE_TYPESTR for item in plan.items},
+      item_handlers={
+          item.name: JSON_TYPESTR if item.json else PYTREE_TYPESTR for item in plan.items
+      },
       init_timestamp_nsecs=init_ns,
       commit_timestamp_nsecs=time.time_ns(),
       custom_metadata=custom,
@@ -587,6 +574,13 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   sums: dict[str, dict[str, str]] = {}
   try:
     for item in plan.items:
+      if item.json:
+        (tmp / item.name).mkdir()
+        ocp.JsonCheckpointHandler().save(
+            tmp / item.name,
+            args=ocp.args.JsonSave(reader.read_json_item(plan.source, item.source_item)),
+        )
+        continue
       sums[item.name] = _write_item(plan, item, tmp / item.name, progress)
     _write_step_metadata(tmp, plan, init_ns, sums)
     (tmp / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {plan.dst}')

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from etils import epath
 
 from orbax_tunix import checksums, reader
-from orbax_tunix.tree_paths import fmt
+from orbax_tunix.keypaths import fmt
 
-DEFAULT_MEMORY_BUDGET = 1 << 30
+DEFAULT_MEMORY_BUDGET = reader.DEFAULT_MEMORY_BUDGET
 # Bytes held per byte read from either side: the compressed bytes and the
 # decoded array. A batch (A's and B's leaves together) is sized budget / this.
 COPIES_IN_FLIGHT = 2
@@ -199,7 +199,7 @@ def _read_side(
     by_item.setdefault(leaf.item, []).append(i)
   values: list[object] = [None] * len(leaves)
   for item, indices in by_item.items():
-    got = reader.read(ckpt.step_dir, item, [leaves[i] for i in indices], as_numpy=True)
+    got = reader.read(ckpt, item, [leaves[i] for i in indices], as_numpy=True)
     for i, value in zip(indices, got, strict=True):
       values[i] = value
   return values
@@ -214,6 +214,7 @@ def diff_checkpoints(
     ignore_dtype: bool = False,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: reader.Progress | None = None,
+    items: Iterable[str] | None = None,
 ) -> DiffResult:
   """Compares two checkpoints in canonical form.
 
@@ -227,6 +228,7 @@ def diff_checkpoints(
       upcast to float64, against `atol`): for checking a `--dtype` conversion.
     memory_budget: bytes the streaming may hold at once.
     progress: told the bytes of A compared after each batch.
+    items: compare only these items (default: every item of each side).
 
   Returns:
     A `DiffResult`; `.match` says whether they match.
@@ -236,8 +238,8 @@ def diff_checkpoints(
   """
   start = time.monotonic()
   progress = progress or reader.NullProgress()
-  ckpt_a = a if isinstance(a, reader.CanonicalCheckpoint) else reader.open_checkpoint(a)
-  ckpt_b = b if isinstance(b, reader.CanonicalCheckpoint) else reader.open_checkpoint(b)
+  ckpt_a = a if isinstance(a, reader.CanonicalCheckpoint) else reader.open_checkpoint(a, items=items)
+  ckpt_b = b if isinstance(b, reader.CanonicalCheckpoint) else reader.open_checkpoint(b, items=items)
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
   only_a = tuple(sorted(set(view_a) - set(view_b)))
   only_b = tuple(sorted(set(view_b) - set(view_a)))
@@ -251,8 +253,8 @@ def diff_checkpoints(
       dtype.append(Mismatch(path, _describe(la), _describe(lb)))
     pairs.append((path, la, lb))
   values, worst, compared_bytes = [], 0.0, 0
-  sums_a = checksums.recorded(reader.custom_metadata(ckpt_a.step_dir))
-  sums_b = checksums.recorded(reader.custom_metadata(ckpt_b.step_dir))
+  sums_a = checksums.recorded(ckpt_a.detection.source.custom_metadata)
+  sums_b = checksums.recorded(ckpt_b.detection.source.custom_metadata)
   damaged_a: list[str] = []
   damaged_b: list[str] = []
   budget = reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)

@@ -13,8 +13,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import rules
-from orbax_tunix.detect import detect
-from orbax_tunix.tree_paths import Path, flat_dict, fmt, nest
+from orbax_tunix.detection import Detection, detect
+from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
 
 
 def _hyperparam_name(path: Path, shells: frozenset[Path]) -> tuple[Path, str] | None:
@@ -26,11 +27,13 @@ def _hyperparam_name(path: Path, shells: frozenset[Path]) -> tuple[Path, str] | 
   return None
 
 
-def hyperparameters(path: epath.PathLike) -> dict[str, dict[str, Any]]:
+def hyperparameters(path: epath.PathLike, *, step: int | None = None) -> dict[str, dict[str, Any]]:
   """Reads the hyperparameters of every inject_hyperparams shell of a step.
 
   Args:
-    path: a Tunix root, step or item directory.
+    path: a Tunix root, step or item directory (or an optimizer item saved on
+      its own).
+    step: the step wanted under a root (None: the latest committed one).
 
   Returns:
     Shell location (canonical, e.g. 'opt_state' or 'opt_state/1') ->
@@ -40,37 +43,34 @@ def hyperparameters(path: epath.PathLike) -> dict[str, dict[str, Any]]:
   Raises:
     TunixCheckpointError subclasses, as `detect()`.
   """
-  detection = detect(path)
-  layout = detection.layouts.get(rules.OPTIMIZER_ITEM)
-  if layout is None:
-    return {}
-  shell_rewrites = [r for r in layout.rewrites if r.rule is rules.INJECT_SHELL]
-  if not shell_rewrites:
-    return {}
-  shells = shell_rewrites[0].anchors
-  wanted = {}
-  for disk in sorted(layout.side_paths):
-    # Shell anchors are in the coordinates the shell rule saw (e.g. without
-    # the nnx value level); match each leaf in those.
-    found = _hyperparam_name(layout.path_before(rules.INJECT_SHELL, disk), shells)
-    if found is not None:
-      wanted[disk] = found
-  if not wanted:
-    return {}
-  item_dir = detection.step_dir / rules.OPTIMIZER_ITEM
-  restored = ocp.PyTreeCheckpointHandler().restore(
-      item_dir,
-      args=ocp.args.PyTreeRestore(
-          item=nest((d, 0) for d in wanted),
-          restore_args=nest((d, ocp.RestoreArgs(restore_type=np.ndarray)) for d in wanted),
-          partial_restore=True,
-      ),
-  )
-  values = flat_dict(restored)
-  out: dict[str, dict[str, Any]] = {}
-  for disk, (shell, name) in wanted.items():
-    out.setdefault(fmt(_canonical_shell(shell, shells)), {})[name] = np.asarray(values[disk])[()]
-  return out
+  return read_hyperparameters(detect(path, step=step))
+
+
+def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
+  """`hyperparameters` of an already detected step (its metadata is not read again)."""
+  for name, cmap in detection.maps.items():
+    shells = next((r.anchors for r in cmap.rewrites if r.rule is rules.INJECT_SHELL), None)
+    if shells is None:
+      continue
+    wanted = {}
+    for disk in sorted(cmap.side_paths):
+      # Shell anchors are in the coordinates the shell rule saw (e.g. without
+      # the nnx value level); match each leaf in those.
+      found = _hyperparam_name(cmap.path_before(rules.INJECT_SHELL, disk), shells)
+      if found is not None:
+        wanted[disk] = found
+    if not wanted:
+      continue
+    values = TunixPyTreeHandler().read(
+        detection.item_meta(name),
+        None,
+        {d: (0, ocp.RestoreArgs(restore_type=np.ndarray)) for d in wanted},
+    )
+    out: dict[str, dict[str, Any]] = {}
+    for disk, (shell, key) in wanted.items():
+      out.setdefault(fmt(_canonical_shell(shell, shells)), {})[key] = np.asarray(values[disk])[()]
+    return out
+  return {}
 
 
 def _canonical_shell(shell: Path, shells: frozenset[Path]) -> Path:

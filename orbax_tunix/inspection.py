@@ -1,30 +1,29 @@
 """Inspect: what a checkpoint holds, from metadata only.
 
 `inspect_checkpoint` gathers, without reading any array data: the steps under
-the root, the layout detected and the rewrites that apply, every item's
+the root, the kind of checkpoint and the rewrites that apply, every item's
 canonical leaves (shape, dtype, bytes), the LoRA adapters, the optimizer
-state's structure, and the inject_hyperparams values (small scalars, the only
-values read). Orbax's `metadata()` opens each array's small zarr header for
-its dtype; that is the only per-array read.
-
-The rest of the module shapes that report for people: `collapse` folds
-identical numbered layers into one row, `to_json` gives the machine form.
+state's structure, and two kinds of small scalars, the only values read: the
+inject_hyperparams values and the optimizer's own step counter. Shapes and
+dtypes come from each array's small zarr header. The command line draws the
+report (`orbax_tunix.cli.display`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import optax
 from etils import epath
 
-from orbax_tunix import errors, reader, rules
-from orbax_tunix.detect import Detection, StepInfo
-from orbax_tunix.hyperparams import hyperparameters
-from orbax_tunix.tree_paths import Path, fmt, nest
+from orbax_tunix import conventions, errors, reader, rules
+from orbax_tunix.detection import Detection
+from orbax_tunix.hyperparams import read_hyperparameters
+from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
+from orbax_tunix.storage import StepEntry
 
 _RULE_DESCRIPTIONS = {rule.name: rule.description for rule in rules.RULES}
 
@@ -109,19 +108,27 @@ class LoraReport:
 
 @dataclasses.dataclass(frozen=True)
 class OutlineRow:
-  """One line of the optimizer outline.
+  """One node of the optimizer outline.
 
   Attributes:
     depth: nesting depth (0 for the item's top level).
     path: the node's canonical path in the optimizer item.
-    leaf: whether the node is a leaf.
-    text: what it is ('() int32', 'mirrors the weights: ...', a state name).
+    leaf: the leaf, when the node is one.
+    mirrored: (leaves, bytes) when the subtree holds one leaf per weight,
+      shaped like it (optax's mu, nu, acc_grads...); its rows are folded.
+    states: the optax state types whose fields are the node's keys (several
+      types share fields: ScaleByAdamState, ScaleByBeliefState...).
+    shell: the node is an inject_hyperparams shell.
+    chain: the node's keys are chain positions (one per transform with state).
   """
 
   depth: int
   path: Path
-  leaf: bool
-  text: str
+  leaf: reader.LeafInfo | None = None
+  mirrored: tuple[int, int] | None = None
+  states: tuple[str, ...] = ()
+  shell: bool = False
+  chain: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,22 +139,27 @@ class Report:
     detection: what `detect()` found.
     steps: the steps under the root, committed or not.
     items: the step's PyTree items.
-    skipped: items that are not PyTrees -> why.
+    json_items: the step's JSON items (read whole by the tools).
+    state_step: the step counter the optimizer state holds (it may differ
+      from the step directory's number), when there is one.
     lora: the LoRA adapters, if any.
     optimizer_item: the item the optimizer outline describes, if any.
     optimizer: the optimizer outline.
+    num_weights: the model's weight leaves (what `mirrored` rows count against).
     hyperparameters: inject_hyperparams shell -> {name: value}.
     notes: things a person should know.
     checkpoint: the step as opened (to read it further, e.g. to verify).
   """
 
   detection: Detection
-  steps: tuple[StepInfo, ...]
+  steps: tuple[StepEntry, ...]
   items: tuple[ItemReport, ...]
-  skipped: Mapping[str, str]
+  json_items: tuple[str, ...]
+  state_step: int | None
   lora: LoraReport | None
   optimizer_item: str | None
   optimizer: tuple[OutlineRow, ...]
+  num_weights: int
   hyperparameters: Mapping[str, Mapping[str, Any]]
   notes: tuple[str, ...]
   checkpoint: reader.CanonicalCheckpoint | None = None
@@ -159,18 +171,6 @@ class Report:
   @property
   def num_leaves(self) -> int:
     return sum(len(item.leaves) for item in self.items)
-
-
-# --- helpers on paths -------------------------------------------------------
-
-
-def natural_key(key: str) -> tuple[int, int, str]:
-  """Sorts '2' before '10', and numbers before names."""
-  return (0, int(key), '') if key.isdigit() else (1, 0, key)
-
-
-def _path_key(path: Path) -> tuple[tuple[int, int, str], ...]:
-  return tuple(natural_key(k) for k in path)
 
 
 # --- LoRA -------------------------------------------------------------------
@@ -222,7 +222,7 @@ def lora_report(leaves: Sequence[reader.LeafInfo]) -> LoraReport | None:
     base = all(has_base(t) for t in targets)
   return LoraReport(
       style=style,
-      targets=tuple(fmt(t) for t in sorted(targets, key=_path_key)),
+      targets=tuple(fmt(t) for t in sorted(targets, key=natural_order)),
       ranks=tuple(sorted(ranks)),
       num_leaves=len(lora_leaves),
       nbytes=sum(leaf.nbytes for leaf in lora_leaves),
@@ -272,24 +272,17 @@ def optimizer_outline(
     for key in sorted(groups, key=natural_key):
       path, sub = node + (key,), groups[key]
       if len(sub) == 1 and sub[0][0] == ():
-        leaf = sub[0][1]
-        rows.append(OutlineRow(depth, path, True, f'{leaf.shape} {leaf.dtype}'))
+        rows.append(OutlineRow(depth, path, leaf=sub[0][1]))
         continue
       if _mirrors(sub, weights):
-        nbytes = sum(leaf.nbytes for _, leaf in sub)
-        text = f'mirrors the weights ({len(sub)} of {len(weights)} leaves, {format_bytes(nbytes)})'
-        rows.append(OutlineRow(depth, path, False, text))
+        rows.append(OutlineRow(depth, path, mirrored=(len(sub), sum(x.nbytes for _, x in sub))))
         continue
       keys = frozenset(rel[0] for rel, _ in sub if rel)
-      notes = []
-      if fmt(path) in shell_set:
-        notes.append('inject_hyperparams shell (hyperparameters listed below)')
-      names = optax_state_names(keys)
-      if names and not all(k.isdigit() for k in keys):
-        notes.append('optax ' + ' / '.join(names))
-      elif keys and all(k.isdigit() for k in keys):
-        notes.append('optax chain: one entry per transform with state')
-      rows.append(OutlineRow(depth, path, False, '; '.join(notes)))
+      chain = bool(keys) and all(k.isdigit() for k in keys)
+      rows.append(OutlineRow(
+          depth, path, states=() if chain else optax_state_names(keys),
+          shell=fmt(path) in shell_set, chain=chain,
+      ))
       visit(path, sub, depth + 1)
 
   visit((), [(path, leaf) for path, leaf in leaves if path], 0)
@@ -300,25 +293,40 @@ def optimizer_outline(
 
 
 def _optimizer_leaves(ckpt: reader.CanonicalCheckpoint) -> tuple[str | None, list[tuple[Path, reader.LeafInfo]]]:
-  if rules.OPTIMIZER_ITEM in ckpt.items:
-    return rules.OPTIMIZER_ITEM, [(leaf.path, leaf) for leaf in ckpt.items[rules.OPTIMIZER_ITEM]]
-  if reader.MAXTEXT_ITEM in ckpt.items:
-    found = [(leaf.path, leaf) for leaf in ckpt.items[reader.MAXTEXT_ITEM] if leaf.path[:1] == ('opt_state',)]
+  for name, leaves in sorted(ckpt.items.items()):
+    keys = {leaf.path[0] for leaf in leaves if leaf.path}
+    if name != conventions.MAXTEXT_ITEM and conventions.role(name, keys) == conventions.OPTIMIZER_ITEM:
+      return name, [(leaf.path, leaf) for leaf in leaves]
+  if conventions.MAXTEXT_ITEM in ckpt.items:
+    found = [
+        (leaf.path, leaf) for leaf in ckpt.items[conventions.MAXTEXT_ITEM]
+        if leaf.path[:1] == ('opt_state',)
+    ]
     if found:
-      return reader.MAXTEXT_ITEM, found
+      return conventions.MAXTEXT_ITEM, found
   return None, []
 
 
-def _steps(detection: Detection) -> tuple[StepInfo, ...]:
-  return tuple(reader.find_steps(detection.step_dir))
+def _state_step(ckpt: reader.CanonicalCheckpoint, opt_item: str | None) -> int | None:
+  """The optimizer's own step counter (one scalar read), if the state has one."""
+  if opt_item is None:
+    return None
+  leaf = next((x for x in ckpt.items[opt_item] if x.path == conventions.OPTIMIZER_STEP), None)
+  if leaf is None or leaf.shape != () or leaf.dtype is None or leaf.dtype.kind not in 'iu':
+    return None
+  (value,) = reader.read(ckpt, opt_item, [leaf])
+  return int(np.asarray(value))
 
 
-def inspect_checkpoint(path: epath.PathLike, step: int | None = None) -> Report:
+def inspect_checkpoint(
+    path: epath.PathLike, step: int | None = None, items: Iterable[str] | None = None
+) -> Report:
   """Builds the inspect report of a checkpoint, from metadata only.
 
   Args:
     path: a root (latest committed step, or `step`), a step or an item.
     step: the step to describe.
+    items: the items to describe (default: every item the step records).
 
   Returns:
     A `Report`.
@@ -326,18 +334,17 @@ def inspect_checkpoint(path: epath.PathLike, step: int | None = None) -> Report:
   Raises:
     TunixCheckpointError subclasses: the path is not a readable checkpoint.
   """
-  ckpt = reader.open_checkpoint(path, step)
+  ckpt = reader.open_checkpoint(path, step, items)
   detection = ckpt.detection
-  items = []
+  reports = []
   for name in sorted(ckpt.items):
-    layout = detection.layouts.get(name)
-    names = layout.rule_names if layout is not None else ()
-    items.append(
+    names = detection.maps[name].rule_names
+    reports.append(
         ItemReport(
             name=name,
             handler=detection.item_handlers.get(name),
             rewrites=tuple((n, _RULE_DESCRIPTIONS.get(n, '')) for n in names),
-            leaves=tuple(sorted(ckpt.items[name], key=lambda leaf: _path_key(leaf.path))),
+            leaves=tuple(sorted(ckpt.items[name], key=lambda leaf: natural_order(leaf.path))),
             side_leaves=ckpt.side_leaves.get(name, ()),
         )
     )
@@ -348,172 +355,23 @@ def inspect_checkpoint(path: epath.PathLike, step: int | None = None) -> Report:
     weight_pairs = []
   lora = lora_report([leaf for leaf, _ in weight_pairs]) if weight_pairs else None
   hparams: dict[str, dict[str, Any]] = {}
-  if detection.is_tunix and rules.OPTIMIZER_ITEM in ckpt.items:
-    try:
-      hparams = {k: dict(v) for k, v in hyperparameters(detection.step_dir).items()}
-    except errors.TunixCheckpointError as e:
-      notes.append(f'hyperparameters not read: {e}')
+  if detection.is_tunix:
+    hparams = {k: dict(v) for k, v in read_hyperparameters(detection).items()}
   opt_item, opt_leaves = _optimizer_leaves(ckpt)
   outline = optimizer_outline(
       opt_leaves, {path: leaf.shape for leaf, path in weight_pairs}, tuple(hparams)
   )
   return Report(
       detection=detection,
-      steps=_steps(detection),
-      items=tuple(items),
-      skipped=dict(ckpt.skipped),
+      steps=detection.steps,
+      items=tuple(reports),
+      json_items=ckpt.json_items,
+      state_step=_state_step(ckpt, opt_item),
       lora=lora,
       optimizer_item=opt_item,
       optimizer=outline,
+      num_weights=len(weight_pairs),
       hyperparameters=hparams,
       notes=tuple(notes),
       checkpoint=ckpt,
   )
-
-
-# --- shaping for people -----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-  """One display row: a leaf, or identical leaves of numbered layers folded.
-
-  Attributes:
-    path: e.g. 'layers/[0-27]/attn/q_proj/w'.
-    count: how many leaves it stands for.
-    shape: each leaf's shape.
-    dtype: each leaf's dtype.
-    nbytes: bytes of all `count` leaves.
-  """
-
-  path: str
-  count: int
-  shape: tuple[int, ...] | None
-  dtype: np.dtype | None
-  nbytes: int
-
-
-def _range_label(keys: Sequence[str]) -> str:
-  """'[0-3,7]' for ['0', '1', '2', '3', '7']."""
-  numbers = sorted(int(k) for k in keys)
-  spans = [[numbers[0], numbers[0]]]
-  for n in numbers[1:]:
-    if n == spans[-1][1] + 1:
-      spans[-1][1] = n
-    else:
-      spans.append([n, n])
-  return '[' + ','.join(f'{a}' if a == b else f'{a}-{b}' for a, b in spans) + ']'
-
-
-def _signature(node: Any) -> Any:
-  if isinstance(node, reader.LeafInfo):
-    return (node.shape, str(node.dtype), node.kind)
-  return tuple(sorted((k, _signature(v)) for k, v in node.items()))
-
-
-def _collapse(node: Any) -> list[tuple[Path, int, reader.LeafInfo]]:
-  if isinstance(node, reader.LeafInfo):
-    return [((), 1, node)]
-  groups: dict[Any, list[str]] = {}
-  for key in node:
-    if key.isdigit():
-      groups.setdefault(_signature(node[key]), []).append(key)
-  out, done = [], set()
-  for key in sorted(node, key=natural_key):
-    if key in done:
-      continue
-    members = groups.get(_signature(node[key])) if key.isdigit() else None
-    if members and len(members) > 1:
-      done.update(members)
-      label, factor = _range_label(members), len(members)
-    else:
-      label, factor = key, 1
-    out += [((label,) + p, n * factor, leaf) for p, n, leaf in _collapse(node[key])]
-  return out
-
-
-def collapse(leaves: Sequence[reader.LeafInfo]) -> list[Row]:
-  """Folds numbered siblings with identical subtrees (layers) into one row each.
-
-  `layers/0/...` to `layers/27/...` become `layers/[0-27]/...` when every
-  layer holds the same leaves with the same shapes and dtypes; layers that
-  differ are grouped by kind (`layers/[0,2-5]`, `layers/[1]`). Optimizer
-  chain positions (a lone `0`) stay as they are.
-
-  Args:
-    leaves: canonical leaves of one item.
-
-  Returns:
-    Display rows, in natural order.
-  """
-  if not leaves:
-    return []
-  tree = nest((leaf.path, leaf) for leaf in leaves)
-  return [
-      Row(fmt(path), count, leaf.shape, leaf.dtype, leaf.nbytes * count)
-      for path, count, leaf in _collapse(tree)
-  ]
-
-
-def format_bytes(n: int) -> str:
-  """'1.5 MiB': sizes for people (binary units)."""
-  value = float(n)
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if value < 1024 or unit == 'TiB':
-      return f'{int(value)} {unit}' if unit == 'B' else f'{value:.1f} {unit}'
-    value /= 1024
-  return f'{n} B'
-
-
-def _leaf_json(leaf: reader.LeafInfo) -> dict[str, Any]:
-  return {
-      'shape': None if leaf.shape is None else list(leaf.shape),
-      'dtype': None if leaf.dtype is None else str(leaf.dtype),
-      'bytes': leaf.nbytes,
-  }
-
-
-def to_json(report: Report) -> dict[str, Any]:
-  """The report as one JSON-ready document.
-
-  Each item's `leaves` maps every canonical path to its shape, dtype and
-  bytes.
-  """
-  d = report.detection
-  return {
-      'path': str(d.path),
-      'step_dir': str(d.step_dir),
-      'step': d.step,
-      'kind': d.kind,
-      'writer': d.writer,
-      'steps': [
-          {'step': s.step, 'committed': s.committed, 'path': str(s.path)} for s in report.steps
-      ],
-      'items': {
-          item.name: {
-              'handler': item.handler,
-              'rewrites': [{'rule': n, 'description': t} for n, t in item.rewrites],
-              'num_leaves': len(item.leaves),
-              'bytes': item.nbytes,
-              'side_leaves': [fmt(p) for p in item.side_leaves],
-              'leaves': {fmt(leaf.path): _leaf_json(leaf) for leaf in item.leaves},
-          }
-          for item in report.items
-      },
-      'skipped_items': dict(report.skipped),
-      'num_leaves': report.num_leaves,
-      'bytes': report.nbytes,
-      'lora': None if report.lora is None else dataclasses.asdict(report.lora),
-      'optimizer': {
-          'item': report.optimizer_item,
-          'outline': [
-              {'path': fmt(r.path), 'depth': r.depth, 'leaf': r.leaf, 'description': r.text}
-              for r in report.optimizer
-          ],
-      },
-      'hyperparameters': {
-          shell: {k: reader.json_scalar(v) for k, v in values.items()}
-          for shell, values in report.hyperparameters.items()
-      },
-      'notes': list(report.notes),
-  }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from orbax_tunix.tree_paths import Path
+from orbax_tunix.keypaths import Path
 
 QWIX_SUFFIXES = ('_lora_a', '_lora_b')
 FLAX_KEYS = frozenset({'lora_a', 'lora_b'})

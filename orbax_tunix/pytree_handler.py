@@ -1,33 +1,33 @@
 """`TunixPyTreeHandler`: an Orbax PyTree handler that reads Tunix items canonically.
 
 The restore target is rewritten, path by path, into the on-disk structure and
-read with Orbax's own partial restore, so every array is read once, straight
-into the target's sharding and dtype, and arrays the target does not name are
-never opened. Items that are not Tunix go to the plain `PyTreeCheckpointHandler`.
+read with Orbax's own restore (every leaf the target leaves out named as
+`ocp.PLACEHOLDER`), so every array is read once, straight into the target's
+sharding and dtype, and arrays the target does not name are never opened.
+Items that are not Tunix's go to the plain `PyTreeCheckpointHandler` exactly
+as asked. `read` is the one read path everything in this package uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
-from orbax.checkpoint._src import asyncio_utils
-from orbax.checkpoint._src.metadata import tree as tree_metadata
-from orbax.checkpoint._src.path import format_utils
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from orbax_tunix import _orbax, errors
-from orbax_tunix import layout as layout_lib
-from orbax_tunix.detect import PYTREE_METADATA, as_path, has_tree, plan_item
-from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, key_str, nest
+from orbax_tunix import _orbax, canonical, errors, storage
+from orbax_tunix.detection import plan_item
+from orbax_tunix.keypaths import Path, flat_dict, flatten, fmt, key_str, nest
 
 PyTree = Any
+# (target leaf, restore args) for one leaf to read.
+Request = tuple[Any, ocp.RestoreArgs]
+# An item as read from disk, and its canonical map.
+Planned = tuple[storage.Item, canonical.CanonicalMap]
 
 
 def stored_shape(leaf: Any) -> tuple[int, ...] | None:
@@ -43,33 +43,30 @@ def stored_shape(leaf: Any) -> tuple[int, ...] | None:
 
 def validate_target(
     directory: epath.Path,
-    canonical: list[Path],
-    disk: list[Path],
-    leaves: list[Any],
-    disk_shapes: dict[Path, tuple[int, ...] | None],
+    canonical_paths: Sequence[Path],
+    disk: Sequence[Path | None],
+    leaves: Sequence[Any],
+    disk_shapes: Mapping[Path, tuple[int, ...]],
 ) -> None:
   """Checks a canonical target against the checkpoint before anything is read.
 
   Args:
     directory: the item directory (for messages).
-    canonical: the target's leaf paths, canonical.
-    disk: the on-disk path of each, in the same order.
+    canonical_paths: the target's leaf paths, canonical.
+    disk: the on-disk path of each, in the same order (None: not on disk).
     leaves: the target's leaves, in the same order.
-    disk_shapes: on-disk leaf path -> global shape, for the leaves present.
+    disk_shapes: on-disk array path -> global shape.
 
   Raises:
     TargetMismatchError: leaves absent on disk, or with another shape; the
       message lists them all (up to a screenful) with counts.
   """
-  missing = [fmt(c) for c, d in zip(canonical, disk, strict=True) if d not in disk_shapes]
-  shapes = [
-      f'{fmt(c)}: target {stored_shape(leaf)}, on disk {disk_shapes[d]}'
-      for c, d, leaf in zip(canonical, disk, leaves, strict=True)
-      if d in disk_shapes
-      and stored_shape(leaf) is not None
-      and disk_shapes[d] is not None
-      and stored_shape(leaf) != disk_shapes[d]
-  ]
+  missing = [fmt(c) for c, d in zip(canonical_paths, disk, strict=True) if d is None]
+  shapes = []
+  for c, d, leaf in zip(canonical_paths, disk, leaves, strict=True):
+    want, have = stored_shape(leaf), disk_shapes.get(d) if d is not None else None
+    if want is not None and have is not None and want != have:
+      shapes.append(f'{fmt(c)}: target {want}, on disk {have}')
   if missing or shapes:
     parts = [f'{directory}: the restore target does not match the checkpoint.']
     if missing:
@@ -86,58 +83,14 @@ def validate_target(
     raise errors.TargetMismatchError('\n'.join(parts))
 
 
-def _entry_path(entry: tree_metadata.InternalTreeMetadataEntry) -> Path:
-  return tuple(k.nested_key_name for k in entry.key_metadata.nested_key_metadata_entries)
-
-
-def _header_shapes(directory: epath.Path, paths: frozenset[Path]) -> dict[Path, tuple[int, ...]]:
-  """Global shapes from the arrays' zarr headers, read in one batch.
-
-  Orbax's `as_custom_metadata` parses `_METADATA`, opens every array as a
-  TensorStore and reads the `_sharding` file once per array: ~1.5 ms a leaf
-  (16 s for 6.7k leaves in benchmarks/). The shape alone sits in each array's
-  small zarr header (`<param>/.zarray`, or `zarr.json` for zarr3) in the
-  key-value store the read uses; reading just those keys costs ~0.1 ms a leaf
-  and reads no array data. Paths without a header (absent on disk, or stored
-  some other way) are left out, and any failure gives {}: the caller asks
-  Orbax for whatever is left, so this is only ever a shortcut.
-  """
-  if not paths:
-    return {}
-  try:
-    use_ocdbt = format_utils.is_ocdbt_checkpoint(directory)
-    # Without OCDBT each array is a directory: the store is the item directory.
-    spec = ts_utils.build_kvstore_tspec(
-        directory.as_posix(), name=None if use_ocdbt else '', use_ocdbt=use_ocdbt
-    )
-    store = ts.KvStore.open(spec, context=ts_utils.get_ts_context(use_ocdbt=use_ocdbt)).result()
-    # Orbax names each array's store by its key path joined with '.'.
-    names = {p: '.'.join(p) for p in paths}
-    # zarr2 (Orbax's v0 default) or zarr3 (v1): the first array found says.
-    probes = [(h, n) for n in list(names.values())[:8] for h in ('.zarray', 'zarr.json')]
-    probe_reads = [store.read(f'{n}/{h}') for h, n in probes]
-    header = next((h for (h, _), r in zip(probes, probe_reads, strict=True) if r.result().value), None)
-    if header is None:
-      return {}
-    reads = {p: store.read(f'{n}/{header}') for p, n in names.items()}
-    shapes = {}
-    for path, read in reads.items():
-      value = read.result().value
-      shape = json.loads(value).get('shape') if value else None
-      if isinstance(shape, list):
-        shapes[path] = tuple(shape)
-    return shapes
-  except Exception:  # pylint: disable=broad-except  (the fallback reports real errors)
-    return {}
-
-
 def _existing(directory: epath.PathLike) -> epath.Path:
-  """`directory` as an absolute `epath.Path`, which must exist.
+  """`directory` as an absolute `epath.Path`, which must be a directory.
 
   Raises:
-    NotACheckpointError: it does not exist (also a `FileNotFoundError`).
+    NotACheckpointError: it does not exist or is a file (also a
+      `FileNotFoundError`).
   """
-  directory = as_path(directory)
+  directory = storage.as_path(directory)
   if not directory.is_dir():
     found = 'a file' if directory.exists() else 'nothing'
     raise errors.NotACheckpointError(
@@ -147,15 +100,11 @@ def _existing(directory: epath.PathLike) -> epath.Path:
   return directory
 
 
-def _is_placeholder(leaf: Any) -> bool:
-  return leaf is ocp.PLACEHOLDER
-
-
 def canonical_metadata(
-    meta: _orbax.TreeMetadata, layout: layout_lib.ItemLayout
+    meta: _orbax.TreeMetadata, cmap: canonical.CanonicalMap
 ) -> _orbax.TreeMetadata:
   """An on-disk item's metadata tree in canonical form (no store is read)."""
-  return _orbax.tree_metadata_like(meta, layout_lib.to_canonical_tree(meta.tree, layout))
+  return _orbax.tree_metadata_like(meta, canonical.to_canonical_tree(meta.tree, cmap))
 
 
 def _default_restore_arg(leaf: Any) -> ocp.RestoreArgs:
@@ -180,6 +129,29 @@ def _args_by_path(restore_args: PyTree | None) -> dict[Path, ocp.RestoreArgs]:
   return {tuple(key_str(k) for k in kp): arg for kp, arg in pairs}
 
 
+def _skeleton(
+    item: storage.Item, requests: Mapping[Path, Request]
+) -> tuple[PyTree, PyTree]:
+  """The item's whole on-disk tree as a target: requested leaves, the rest placeholders.
+
+  Orbax's own restore then reads exactly the requested leaves, whatever the
+  tree's containers (lists where `_METADATA` records sequence keys, `None`
+  where it records an empty node).
+  """
+  targets, args, sequences = [], [], set()
+  for leaf in item.leaves:
+    if leaf.path in requests:
+      target, arg = requests[leaf.path]
+    elif leaf.is_empty:
+      target, arg = None, ocp.RestoreArgs()
+    else:
+      target, arg = ocp.PLACEHOLDER, ocp.RestoreArgs()
+    targets.append((leaf.path, target))
+    args.append((leaf.path, arg))
+    sequences.update(leaf.path[:i] for i, t in enumerate(leaf.key_types) if t == storage.SEQUENCE_KEY)
+  return nest(targets, sequences), nest(args, sequences)
+
+
 class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
   """A `PyTreeCheckpointHandler` that shows Tunix items in canonical form.
 
@@ -200,6 +172,8 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
   Args:
     reader: an Orbax `PyTreeCheckpointHandler` or `StandardCheckpointHandler`
       to read with (its options apply); by default this handler reads itself.
+    plans: items already read and planned by the caller, by item directory
+      (from `detect`), so that they are not read again.
     **kwargs: as for `ocp.PyTreeCheckpointHandler`.
   """
 
@@ -207,10 +181,14 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       self,
       *,
       reader: ocp.PyTreeCheckpointHandler | ocp.StandardCheckpointHandler | None = None,
+      plans: MutableMapping[epath.Path, Planned] | None = None,
       **kwargs: Any,
   ):
     super().__init__(**kwargs)
     self._reader = reader
+    # Orbax's StandardRestore logic calls back into `metadata` and `restore`:
+    # the plan made for the first call serves the others.
+    self._planned = {} if plans is None else plans
 
   @functools.cached_property
   def _standard(self) -> ocp.StandardCheckpointHandler:
@@ -225,11 +203,15 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       return self._standard.restore(directory, args=args)
     return super().restore(directory, args=args)
 
-  def _orbax_pytree(self) -> ocp.PyTreeCheckpointHandler | None:
-    """The PyTree handler that reads on-disk targets (None: this one)."""
-    if isinstance(self._reader, ocp.StandardCheckpointHandler):
-      return _orbax.pytree_handler_of(self._reader)
-    return self._reader
+  def _orbax_metadata(self, directory: epath.Path) -> _orbax.TreeMetadata:
+    if self._reader is not None:
+      return self._reader.metadata(directory)
+    return super().metadata(directory)
+
+  def _plan(self, directory: epath.Path) -> Planned | None:
+    if directory in self._planned:
+      return self._planned[directory]
+    return plan_item(directory)
 
   def restore(
       self,
@@ -256,31 +238,37 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
       )
     directory = _existing(directory)
-    layout = plan_item(directory)
-    if layout is None and not has_tree(directory) and getattr(args, 'item', None) is None:
+    planned = self._plan(directory)
+    if planned is None and getattr(args, 'item', None) is None:
       # Orbax raises FileNotFoundError here too; ours is one, and says more.
       raise errors.NotACheckpointError(
           f'{directory}: expected an item directory of an Orbax checkpoint'
-          f' (holding {PYTREE_METADATA}), found a directory without it. Pass an'
-          ' item, e.g. <step>/model_params or <step>/optimizer_state.'
+          f' (holding {storage.PYTREE_METADATA}), found a directory without it.'
+          ' Pass an item, e.g. <step>/model_params or <step>/optimizer_state.'
       )
-    if layout is None or not layout.rewrites:
+    if planned is None or not planned[1].rewrites:
       return self._orbax_restore(directory, args)
     if isinstance(args, ocp.args.StandardRestore):
-      # Orbax's own StandardRestore logic, which reads through `restore` below.
-      return self._standard.restore(directory, args=args)
+      # Orbax's own StandardRestore logic, which calls back `metadata` and
+      # `restore` (with PyTreeRestore) on this handler: plan once for both.
+      self._planned[directory] = planned
+      try:
+        return self._standard.restore(directory, args=args)
+      finally:
+        self._planned.pop(directory, None)
     if args.transforms or args.legacy_transform_fn is not None:
       raise errors.UnsupportedLayoutError(
           f'{directory}: legacy `transforms` are not supported on a Tunix item;'
           ' pass the canonical target as `item` instead (the rewrites apply'
           ' to it).'
       )
-    if not (directory / PYTREE_METADATA).exists():
-      return self._restore_legacy(directory, layout, args)
-    return self._restore_canonical(directory, layout, args)
+    meta, cmap = planned
+    if meta.legacy:
+      return self._restore_legacy(directory, cmap, args)
+    return self._restore_canonical(meta, cmap, args)
 
   def _restore_legacy(
-      self, directory: epath.Path, layout: layout_lib.ItemLayout, args: ocp.args.PyTreeRestore
+      self, directory: epath.Path, cmap: canonical.CanonicalMap, args: ocp.args.PyTreeRestore
   ) -> PyTree:
     """An item older than `_METADATA`: read whole, as Orbax does, then rewritten."""
     if args.item is not None:
@@ -290,58 +278,72 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           ' a target (every array, canonical), or re-save it with a current'
           ' Orbax.'
       )
-    return layout_lib.to_canonical_tree(self._read(directory, ocp.args.PyTreeRestore()), layout)
+    return canonical.to_canonical_tree(
+        self._orbax_read(directory, ocp.args.PyTreeRestore()), cmap
+    )
 
   def _restore_canonical(
-      self, directory: epath.Path, layout: layout_lib.ItemLayout, args: ocp.args.PyTreeRestore
+      self, meta: storage.Item, cmap: canonical.CanonicalMap, args: ocp.args.PyTreeRestore
   ) -> PyTree:
-    """Rewrites the canonical target to disk paths, checks it, reads only it."""
+    """Checks the canonical target against the checkpoint, then reads only it."""
     given = _args_by_path(args.restore_args)
     if args.item is None:
-      # Every canonical leaf, as Orbax restores a tree without a target.
-      canonical = sorted(layout.canonical_to_disk)
-      leaves = [0] * len(canonical)  # Any non-placeholder: restored as saved.
-      treedef = None
-      arg_of = [given.get(c, ocp.RestoreArgs()) for c in canonical]
-    else:
-      pairs, treedef = flatten(args.item)
-      canonical = [p for p, _ in pairs]
-      leaves = [leaf for _, leaf in pairs]
-      arg_of = [given.get(c) or _default_restore_arg(leaf) for c, leaf in pairs]
-    disk = [layout.to_disk_path(p) for p in canonical]
-    wanted = [i for i, leaf in enumerate(leaves) if not _is_placeholder(leaf)]
-    if treedef is not None:
-      shapes = self.disk_shapes(directory, frozenset(disk[i] for i in wanted))
-      validate_target(
-          directory,
-          [canonical[i] for i in wanted],
-          [disk[i] for i in wanted],
-          [leaves[i] for i in wanted],
-          shapes,
-      )
-    by_path: dict[Path, Any] = {}
-    if wanted:
-      restored = self._read(
-          directory,
-          ocp.args.PyTreeRestore(
-              item=nest((disk[i], leaves[i]) for i in wanted),
-              restore_args=nest((disk[i], arg_of[i]) for i in wanted),
-              partial_restore=True,
-          ),
-      )
-      by_path = flat_dict(restored)
-    values = [by_path.get(d, leaf) for d, leaf in zip(disk, leaves, strict=True)]
-    if treedef is None:
-      return nest(zip(canonical, values, strict=True))
-    return jax.tree_util.tree_unflatten(treedef, values)
+      # Every canonical leaf, restored as saved (as Orbax does without a target).
+      requests = {c: (0, given.get(c, ocp.RestoreArgs())) for c in sorted(cmap.canonical_to_disk)}
+      return nest(self.read(meta, cmap, requests).items())
+    pairs, treedef = flatten(args.item)
+    to_disk = cmap.canonical_to_disk
+    wanted = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
+    disk = [to_disk.get(c) for c, _ in wanted]
+    shapes = meta.shapes([d for d in disk if d is not None and d in meta.by_path])
+    validate_target(
+        meta.directory, [c for c, _ in wanted], disk, [leaf for _, leaf in wanted], shapes
+    )
+    requests = {c: (leaf, given.get(c) or _default_restore_arg(leaf)) for c, leaf in wanted}
+    values = self.read(meta, cmap, requests)
+    return jax.tree_util.tree_unflatten(treedef, [values.get(c, leaf) for c, leaf in pairs])
 
-  def _read(self, directory: epath.Path, args: ocp.args.PyTreeRestore) -> PyTree:
+  def read(
+      self,
+      meta: storage.Item,
+      cmap: canonical.CanonicalMap | None,
+      requests: Mapping[Path, Request],
+  ) -> dict[Path, Any]:
+    """Reads some leaves of an item, by canonical path: the one read path.
+
+    Args:
+      meta: the item, as `storage` read it.
+      cmap: its canonical map (None: paths are on-disk paths).
+      requests: canonical path -> (target leaf, restore args) for each leaf to
+        read; the paths must be in the checkpoint (checked by the caller).
+
+    Returns:
+      canonical path -> value read.
+
+    Raises:
+      CorruptMetadataError: stored data is missing or damaged.
+    """
+    if not requests:
+      return {}
+    to_disk = cmap.canonical_to_disk if cmap is not None else {p: p for p in requests}
+    by_disk = {to_disk[c]: request for c, request in requests.items()}
+    target, restore_args = _skeleton(meta, by_disk)
+    restored = flat_dict(
+        self._orbax_read(meta.directory, ocp.args.PyTreeRestore(target, restore_args))
+    )
+    return {c: restored[to_disk[c]] for c in requests}
+
+  def _orbax_read(self, directory: epath.Path, args: ocp.args.PyTreeRestore) -> PyTree:
     """Orbax's read of an on-disk target; damaged data is put in our terms.
 
     Failures that are about the request (e.g. a sharding that does not divide
     an array) reach the caller as Orbax raised them.
     """
-    pytree = self._orbax_pytree()
+    pytree = (
+        _orbax.pytree_handler_of(self._reader)
+        if isinstance(self._reader, ocp.StandardCheckpointHandler)
+        else self._reader
+    )
     try:
       if pytree is not None:
         return pytree.restore(directory, args=args)
@@ -356,39 +358,6 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           ' for every leaf asked for; restore another step, or re-save this one.'
       ) from e
 
-  def disk_shapes(
-      self, directory: epath.Path, wanted: frozenset[Path]
-  ) -> dict[Path, tuple[int, ...] | None]:
-    """Global shapes of the on-disk leaves in `wanted` (those absent are left out).
-
-    Global shapes live only in each array's own store metadata, so this reads
-    the zarr headers of the wanted arrays (`_header_shapes`), and of no other:
-    arrays the target does not name are never touched.
-    """
-    shapes = _header_shapes(directory, wanted)
-    if len(shapes) == len(wanted):
-      return shapes
-    # The rest (absent on disk, stored without a zarr header, or in a store the
-    # shortcut does not know) goes through Orbax's own metadata, as before.
-    internal = asyncio_utils.run_sync(self._handler_impl._read_metadata_file(directory))  # pylint: disable=protected-access
-    entries = [
-        e for e in internal.tree_metadata_entries
-        if _entry_path(e) in wanted and _entry_path(e) not in shapes
-    ]
-    if not entries:
-      return shapes
-    subset = dataclasses.replace(internal, tree_metadata_entries=entries, value_metadata_tree=None)
-    try:
-      tree = subset.as_custom_metadata(directory, self._type_handler_registry)
-    except (ValueError, OSError) as e:
-      raise errors.CorruptMetadataError(
-          f'{directory}: expected the array stores of the {len(entries)} leaves'
-          f' the target names, found some missing or unreadable ({e}). The'
-          ' checkpoint is damaged: restore another step, or leave those'
-          ' leaves out of the target.'
-      ) from e
-    return shapes | {p: stored_shape(m) for p, m in flat_dict(tree).items()}
-
   def metadata(self, directory: epath.Path) -> _orbax.TreeMetadata:
     """Returns the item's metadata tree, canonical for a Tunix item.
 
@@ -397,12 +366,11 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       CorruptMetadataError: a Tunix item's array stores are unreadable.
     """
     directory = _existing(directory)
-    reader = self._reader or super()
-    layout = plan_item(directory)
-    if layout is None or not layout.rewrites:
-      return reader.metadata(directory)
+    planned = self._plan(directory)
+    if planned is None or not planned[1].rewrites:
+      return self._orbax_metadata(directory)
     try:
-      meta = reader.metadata(directory)
+      meta = self._orbax_metadata(directory)
     except Exception as e:  # pylint: disable=broad-except
       cause = _orbax.storage_failure(e)
       if cause is None:
@@ -412,7 +380,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           f' missing or damaged ({_orbax.failure_text(cause)}). Expected a readable'
           ' store for every leaf in _METADATA; restore another step.'
       ) from e
-    return canonical_metadata(meta, layout)
+    return canonical_metadata(meta, planned[1])
 
 
 # Registering args of its own keeps `ocp.Checkpointer` from wrapping the handler
@@ -429,9 +397,6 @@ class TunixPyTreeRestore(ocp.args.PyTreeRestore):
   """Restores like `ocp.args.PyTreeRestore`, with the canonical target."""
 
 
-V1_PYTREE_TYPESTR = 'orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler'
-
-
 class V1ItemHandler(TunixPyTreeHandler):
   """`TunixPyTreeHandler` under the typestr Orbax's v1 API records for PyTrees.
 
@@ -444,7 +409,7 @@ class V1ItemHandler(TunixPyTreeHandler):
 
   @classmethod
   def typestr(cls) -> str:
-    return V1_PYTREE_TYPESTR
+    return _orbax.V1_PYTREE_TYPESTR
 
 
 @ocp.args.register_with_handler(V1ItemHandler, for_save=True)

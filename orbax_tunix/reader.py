@@ -1,11 +1,11 @@
-"""A checkpoint as canonical leaves: listed from metadata, read in bounded batches.
+"""A step as canonical leaves: listed from metadata, read in bounded batches.
 
-The command line's three tools (inspect, convert, diff) share one view of a
-checkpoint: every PyTree item of one step, each leaf under its canonical path
-(the Tunix rewrites applied; other checkpoints as they are) with its shape,
-dtype and size, known from metadata alone. Reading is executing that listing
-in batches whose bytes fit a budget, each batch one Orbax partial restore of
-the named on-disk leaves, so no tool ever holds the whole checkpoint.
+The tools (inspect, convert, diff) share one view of a step: every PyTree item,
+each leaf under its canonical path (the Tunix rewrites applied; other
+checkpoints as they are) with its shape, dtype and size, known from metadata
+alone. Reading is executing that listing in batches whose bytes fit a budget,
+each batch one read through `TunixPyTreeHandler.read`, so no tool ever holds
+the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -21,37 +21,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors, rules
-from orbax_tunix.detect import (
-    AGGREGATE_FILE,
-    CHECKPOINT_METADATA,
-    PYTREE_METADATA,
-    RL_ROLES,
-    Detection,
-    StepInfo,
-    as_path,
-    detect,
-    list_steps,
-    read_json,
-)
-from orbax_tunix.tree_paths import Path, flat_dict, fmt, nest
+from orbax_tunix import conventions, errors, storage
+from orbax_tunix.detection import Detection, detect
+from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
 
-# Leaf kinds, from the Orbax metadata class of each leaf.
+# Leaf kinds, from the Orbax value type of each leaf.
 ARRAY = 'array'
 SCALAR = 'scalar'
 STRING = 'string'
-
-# Where the weights sit: Tunix's (and the canonical) model item, or MaxText's
-# `items` item under its `params` collection level.
-MAXTEXT_ITEM = 'items'
-MAXTEXT_PARAMS = ('params', 'params')
-# nnx keeps RNG state (`rngs/<stream>/{count,key}`, `dropout/rngs/...`) among
-# the weights; any path with this key is RNG state, not a weight.
-RNG_KEY = 'rngs'
-
-
-class StepNotFoundError(errors.NotACheckpointError):
-  """The step asked for is not under the given root."""
+# What JsonCheckpointHandler items record; their values are read whole.
+_JSON_HANDLER = ocp.JsonCheckpointHandler.typestr()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,17 +72,17 @@ class CanonicalCheckpoint:
   """One step of a checkpoint, seen leaf by leaf in canonical form.
 
   Attributes:
-    detection: what `detect()` found (kind, step directory, layouts, notes).
-    items: item name -> its leaves, sorted by canonical path.
+    detection: what `detect()` found (kind, step, canonical maps, notes).
+    items: PyTree item name -> its leaves, sorted by canonical path.
     side_leaves: item name -> on-disk paths left out of the canonical view
-      (e.g. the inject_hyperparams scalars).
-    skipped: item name -> why it is not listed (not a PyTree item).
+      (e.g. the inject_hyperparams scalars, read by `hyperparameters`).
+    json_items: items saved by Orbax's JSON handler (read whole).
   """
 
   detection: Detection
   items: Mapping[str, tuple[LeafInfo, ...]]
   side_leaves: Mapping[str, tuple[Path, ...]]
-  skipped: Mapping[str, str]
+  json_items: tuple[str, ...] = ()
 
   @property
   def step_dir(self) -> epath.Path:
@@ -117,128 +97,58 @@ class CanonicalCheckpoint:
     return sum(leaf.nbytes for leaf in leaves)
 
 
-def _roots(path: epath.Path) -> list[epath.Path]:
-  """The directories whose children may be steps: the path, then RL roles."""
-  return [path] + [path / role for role in RL_ROLES if (path / role).is_dir()]
+def _kind(leaf: storage.Leaf) -> str | None:
+  if leaf.value_type == 'string':
+    return STRING
+  if leaf.value_type == 'scalar':
+    return SCALAR
+  if leaf.is_array:
+    return ARRAY
+  return None
 
 
-def find_steps(path: epath.PathLike) -> list[StepInfo]:
-  """Every step, committed or not, under a root (or the root of a step).
-
-  Args:
-    path: a root, an RL root (`actor/` is used), a step or an item directory.
-
-  Returns:
-    The steps found, by step number; empty when there are none.
-  """
-  path = as_path(path)
-  if not path.is_dir():
-    return []
-  if (path / PYTREE_METADATA).exists() and (path.parent / CHECKPOINT_METADATA).exists():
-    path = path.parent.parent
-  elif (path / CHECKPOINT_METADATA).exists():
-    path = path.parent
-  for root in _roots(path):
-    steps = list_steps(root)
-    if steps:
-      return steps
-  return []
-
-
-def resolve(path: epath.PathLike, step: int | None = None) -> Detection:
-  """Detects a checkpoint, at a given step when one is asked for.
-
-  Args:
-    path: a root, a step or an item directory (see `detect`).
-    step: the step number wanted; None for what `detect` picks (the path's
-      own step, or the latest committed one under a root).
-
-  Returns:
-    The `Detection` of the step.
+def _item_leaves(
+    detection: Detection, name: str
+) -> tuple[tuple[LeafInfo, ...], tuple[Path, ...]]:
+  """One item's leaves in canonical form: `_METADATA`, one store listing, the headers.
 
   Raises:
-    StepNotFoundError: no step `step` under `path` (the message lists those
-      present).
-    UncommittedStepError: step `step` exists but is unfinished.
-    NotACheckpointError, CorruptMetadataError: as `detect`.
+    CorruptMetadataError: a leaf has no array data or its header is damaged.
+    UnsupportedLayoutError: the item predates `_METADATA`, or holds leaves of
+      a kind the tools do not read.
   """
-  path = as_path(path)
-  if step is None:
-    return detect(path)
-  detection = detect(path)  # Raises the usual errors for non-checkpoints.
-  if detection.step == step:
-    return detection
-  steps = find_steps(path)
-  if (path / CHECKPOINT_METADATA).exists() or detection.item is not None:
-    raise StepNotFoundError(
-        f'{path}: this is step {detection.step}, but `step={step}` was asked'
-        ' for. Pass the root directory that holds the steps, or drop `step`.'
+  meta = detection.item_meta(name)
+  if meta.legacy:
+    raise errors.UnsupportedLayoutError(
+        f'{meta.directory}: this item was written by an Orbax release older than'
+        f' {storage.PYTREE_METADATA}, so its shapes and dtypes are not in metadata.'
+        ' Restore it with orbax_tunix.TunixPyTreeHandler and save it with a current'
+        ' Orbax, or leave the item out (`items`).'
     )
-  matching = [s for s in steps if s.step == step]
-  committed = [s for s in matching if s.committed]
-  if committed:
-    return detect(committed[-1].path)
-  if matching:
-    raise errors.UncommittedStepError(
-        f'{matching[0].path}: step {step} is unfinished (its writer is still'
-        ' running or died). Pick a committed step:'
-        f' {describe_steps(steps)}.'
-    )
-  raise StepNotFoundError(
-      f'{path}: expected a step {step}, found none. Steps present:'
-      f' {describe_steps(steps)}. Pass one of these as `step`.'
-  )
-
-
-def describe_steps(steps: Sequence[StepInfo]) -> str:
-  """'1, 2, 3 (unfinished)': the steps of a root, for messages."""
-  if not steps:
-    return 'none'
-  return ', '.join(f'{s.step}' + ('' if s.committed else ' (unfinished)') for s in steps)
-
-
-def _leaf_info(item: str, path: Path, disk: Path, meta: Any) -> LeafInfo:
-  if isinstance(meta, ocp.metadata.StringMetadata):
-    return LeafInfo(item, path, disk, None, None, STRING)
-  shape = tuple(getattr(meta, 'shape', None) or ())
-  dtype = getattr(meta, 'dtype', None)
-  kind = SCALAR if isinstance(meta, ocp.metadata.ScalarMetadata) else ARRAY
-  return LeafInfo(item, path, disk, shape, None if dtype is None else np.dtype(dtype), kind)
-
-
-def item_leaves(detection: Detection, item: str) -> tuple[tuple[LeafInfo, ...], tuple[Path, ...]]:
-  """Lists one item's leaves in canonical form, from metadata only.
-
-  Orbax's `metadata()` reads `_METADATA` and opens each array's small zarr
-  header (for its dtype); no array data is read.
-
-  Args:
-    detection: the step's detection.
-    item: the item name.
-
-  Returns:
-    (leaves sorted by canonical path, on-disk paths of side leaves).
-
-  Raises:
-    CorruptMetadataError: the item's metadata cannot be read.
-  """
-  item_dir = detection.step_dir / item
-  try:
-    tree = ocp.PyTreeCheckpointHandler().metadata(item_dir).tree
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise errors.CorruptMetadataError(
-        f'{item_dir}: expected readable Orbax PyTree metadata, found an error'
-        f' ({type(e).__name__}: {e}). The item is damaged or incomplete;'
-        ' try another step.'
-    ) from e
-  layout = detection.layouts.get(item)
-  leaves, side = [], []
-  for disk, meta in flat_dict(tree).items():
-    canon = disk if layout is None else layout.disk_to_canonical.get(disk, disk)
+  cmap = detection.maps[name]
+  meta.check_arrays_exist()
+  arrays = meta.arrays([leaf.path for leaf in meta.leaves if _kind(leaf) != STRING])
+  leaves, side, odd = [], [], []
+  for leaf in meta.leaves:
+    canon = cmap.disk_to_canonical[leaf.path]
+    kind = _kind(leaf)
+    if leaf.is_empty:
+      continue  # Structure (an empty state), no data.
     if canon is None:
-      side.append(disk)
+      side.append(leaf.path)
+    elif kind is None:
+      odd.append(f'{fmt(leaf.path)} ({leaf.value_type})')
+    elif kind == STRING:
+      leaves.append(LeafInfo(name, canon, leaf.path, None, None, STRING))
     else:
-      leaves.append(_leaf_info(item, canon, disk, meta))
+      info = arrays[leaf.path]
+      leaves.append(LeafInfo(name, canon, leaf.path, info.shape, info.dtype, kind))
+  if odd:
+    raise errors.UnsupportedLayoutError(
+        f'{meta.directory}: holds leaves of types the tools do not read:\n'
+        f'{errors.list_paths(odd)}\nRestore the item with Orbax, or leave it out'
+        ' (`items`).'
+    )
   return tuple(sorted(leaves, key=lambda leaf: leaf.path)), tuple(sorted(side))
 
 
@@ -249,55 +159,44 @@ def open_checkpoint(
 ) -> CanonicalCheckpoint:
   """Opens a checkpoint's step in canonical form, from metadata only.
 
+  Every item the step records is covered: a PyTree item is listed leaf by
+  leaf, a JSON item by name; anything else is an error, unless `items` leaves
+  it out.
+
   Args:
     path: a root, a step or an item directory (an item directory limits the
       view to that item).
-    step: the step wanted (see `resolve`).
-    items: limit the view to these items (all PyTree items by default).
+    step: the step wanted under a root (None: the latest committed one).
+    items: the items to open (default: every item the step records).
 
   Returns:
     A `CanonicalCheckpoint`.
 
   Raises:
-    TunixCheckpointError subclasses: see `resolve` and `item_leaves`.
+    TunixCheckpointError subclasses: a recorded item is missing, damaged, or
+      of a kind the tools cannot read; the message says which.
   """
-  detection = resolve(path, step)
-  wanted = set(items) if items is not None else None
-  if detection.item is not None:
-    wanted = {detection.item} if wanted is None else wanted & {detection.item}
-  leaves, side, skipped = {}, {}, {}
-  for item in detection.items:
-    if wanted is not None and item not in wanted:
-      continue
-    item_dir = detection.step_dir / item
-    if not (item_dir / PYTREE_METADATA).exists():
-      if (item_dir / AGGREGATE_FILE).exists():
-        skipped[item] = (
-            'written by an Orbax release older than _METADATA, so its shapes'
-            ' and dtypes are not in metadata; restore it with'
-            ' orbax_tunix.TunixPyTreeHandler, then save it with Orbax'
-        )
-      else:
-        skipped[item] = 'not a PyTree item (no _METADATA)'
-      continue
-    leaves[item], side[item] = item_leaves(detection, item)
-  return CanonicalCheckpoint(detection, leaves, side, skipped)
-
-
-def is_rng_state(path: Path) -> bool:
-  """True for nnx RNG state (a path with an `rngs` key), which is no weight."""
-  return RNG_KEY in path
+  detection = detect(path, step=step, items=items)
+  leaves, side = {}, {}
+  for name in detection.maps:
+    leaves[name], side[name] = _item_leaves(detection, name)
+  unreadable = {n: t for n, t in detection.others.items() if t != _JSON_HANDLER}
+  if unreadable:
+    listed = ', '.join(f'{n!r} ({t})' for n, t in sorted(unreadable.items()))
+    raise errors.UnsupportedLayoutError(
+        f'{detection.step_dir}: the step holds items the tools cannot read: {listed}.'
+        ' Only PyTree and JSON items can be inspected, converted or compared. Leave'
+        ' them out (`items`) to work on the others.'
+    )
+  json_items = tuple(sorted(n for n in detection.others if n not in unreadable))
+  return CanonicalCheckpoint(detection, leaves, side, json_items)
 
 
 def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
   """The model weights of a checkpoint, without RNG state.
 
-  The weights are the `model_params` item (Tunix, or a canonical conversion)
-  or, in a MaxText checkpoint, `items` below `params/params`. Leaves that
-  are nnx RNG state (see `is_rng_state`) are left out.
-
-  Args:
-    ckpt: the checkpoint.
+  The weights are the model item (Tunix's `model_params`, or a canonical
+  conversion) or, in a MaxText checkpoint, `items` below `params/params`.
 
   Returns:
     (leaf, path within the weight tree) pairs, sorted by path.
@@ -306,25 +205,37 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
     UnsupportedLayoutError: neither place holds anything.
   """
   found: list[tuple[LeafInfo, Path]] = []
-  if rules.MODEL_ITEM in ckpt.items:
-    found = [(leaf, leaf.path) for leaf in ckpt.items[rules.MODEL_ITEM]]
-  elif MAXTEXT_ITEM in ckpt.items:
-    n = len(MAXTEXT_PARAMS)
+  model = _model_item(ckpt)
+  if model is not None:
+    found = [(leaf, leaf.path) for leaf in ckpt.items[model]]
+  elif conventions.MAXTEXT_ITEM in ckpt.items:
+    n = len(conventions.MAXTEXT_PARAMS)
     found = [
         (leaf, leaf.path[n:])
-        for leaf in ckpt.items[MAXTEXT_ITEM]
-        if leaf.path[:n] == MAXTEXT_PARAMS
+        for leaf in ckpt.items[conventions.MAXTEXT_ITEM]
+        if leaf.path[:n] == conventions.MAXTEXT_PARAMS
     ]
-  found = [(leaf, path) for leaf, path in found if not is_rng_state(path)]
+  found = [(leaf, path) for leaf, path in found if not conventions.is_rng_state(path)]
   if not found:
     raise errors.UnsupportedLayoutError(
         f'{ckpt.step_dir}: expected model weights in item'
-        f' {rules.MODEL_ITEM!r} (Tunix or canonical) or in'
-        f' {MAXTEXT_ITEM}/{fmt(MAXTEXT_PARAMS)} (MaxText), found items'
-        f' {sorted(ckpt.items) or "none"} without them. Pass the step (or'
-        ' root) of a model checkpoint, not an optimizer item.'
+        f' {conventions.MODEL_ITEM!r} (Tunix or canonical) or in'
+        f' {conventions.MAXTEXT_ITEM}/{fmt(conventions.MAXTEXT_PARAMS)} (MaxText),'
+        f' found items {sorted(ckpt.items) or "none"} without them. Pass the step'
+        ' (or root) of a model checkpoint, not an optimizer item.'
     )
   return sorted(found, key=lambda pair: pair[1])
+
+
+def _model_item(ckpt: CanonicalCheckpoint) -> str | None:
+  if conventions.MODEL_ITEM in ckpt.items:
+    return conventions.MODEL_ITEM
+  if ckpt.detection.source.single_item:
+    (name,) = ckpt.items
+    keys = {leaf.path[0] for leaf in ckpt.items[name] if leaf.path}
+    if conventions.role(name, keys) == conventions.MODEL_ITEM and name != conventions.MAXTEXT_ITEM:
+      return name
+  return None
 
 
 def json_scalar(value: Any) -> Any:
@@ -337,18 +248,11 @@ def json_scalar(value: Any) -> Any:
   return str(value)
 
 
-def custom_metadata(step_dir: epath.Path) -> dict[str, Any]:
-  """The user's custom metadata recorded in a step's `_CHECKPOINT_METADATA`."""
-  meta = read_json(step_dir / CHECKPOINT_METADATA)
-  found = meta.get('custom_metadata') if isinstance(meta, dict) else None
-  return dict(found) if isinstance(found, dict) else {}
-
-
 # --- reading ----------------------------------------------------------------
 
 
 class Progress(Protocol):
-  """Where the streaming tools report bytes done; the CLI draws it."""
+  """Where the streaming tools report bytes done (the command line draws it)."""
 
   def start(self, total_bytes: int, description: str) -> None:
     """Called once, before the first batch."""
@@ -377,6 +281,7 @@ class NullProgress:
 # pools and caches, allocator slack), measured with
 # benchmarks/convert_memory.py; the rest of a budget goes to batches.
 FIXED_OVERHEAD = 64 << 20
+DEFAULT_MEMORY_BUDGET = 1 << 30
 
 
 def batch_bytes(memory_budget: int, copies: int) -> int:
@@ -393,26 +298,28 @@ def batch_bytes(memory_budget: int, copies: int) -> int:
   return max(memory_budget // (4 * copies), (memory_budget - FIXED_OVERHEAD) // copies, 1)
 
 
-def batches(leaves: Sequence[LeafInfo], budget: int) -> Iterator[list[LeafInfo]]:
-  """Groups leaves, in order, into batches of at most `budget` bytes.
+def batches(leaves: Sequence[Any], budget: int, size: Any = None) -> Iterator[list[Any]]:
+  """Groups items, in order, into batches of at most `budget` bytes.
 
-  A leaf larger than the budget forms a batch of its own: it cannot be split.
+  An item larger than the budget forms a batch of its own: it cannot be split.
 
   Args:
-    leaves: the leaves, in the order they are to be read.
-    budget: bytes of array data per batch (at least 1).
+    leaves: the items, in the order they are to be read.
+    budget: bytes per batch (at least 1).
+    size: an item's bytes (default: its `nbytes`).
 
   Yields:
-    Lists of consecutive leaves.
+    Lists of consecutive items.
   """
-  batch: list[LeafInfo] = []
-  size = 0
+  size = size or (lambda leaf: leaf.nbytes)
+  batch: list[Any] = []
+  total = 0
   for leaf in leaves:
-    if batch and size + leaf.nbytes > budget:
+    if batch and total + size(leaf) > budget:
       yield batch
-      batch, size = [], 0
+      batch, total = [], 0
     batch.append(leaf)
-    size += leaf.nbytes
+    total += size(leaf)
   if batch:
     yield batch
 
@@ -428,7 +335,7 @@ def cast_dtype(leaf: LeafInfo, dtype: np.dtype | None) -> np.dtype | None:
   return np.dtype(dtype)
 
 
-def _restore_arg(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple[Any, Any]:
+def _request(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple[Any, Any]:
   """(target leaf, RestoreArgs) for one leaf; numpy when `sharding` is None."""
   if leaf.kind == STRING:
     return '', ocp.RestoreArgs(restore_type=str)
@@ -441,21 +348,21 @@ def _restore_arg(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple
 
 
 def read(
-    step_dir: epath.Path,
+    ckpt: CanonicalCheckpoint,
     item: str,
     leaves: Sequence[LeafInfo],
     *,
     as_numpy: bool = True,
     dtype: np.dtype | None = None,
-    handler: ocp.PyTreeCheckpointHandler | None = None,
+    handler: TunixPyTreeHandler | None = None,
 ) -> list[Any]:
-  """Reads some leaves of one item with one Orbax partial restore.
+  """Reads some leaves of one item with one Orbax restore.
 
-  Only the named arrays are opened. The paths were planned from metadata
-  once (`open_checkpoint`), so nothing is re-planned per batch.
+  Only the named arrays are opened; the item's metadata was read once, when
+  the checkpoint was opened.
 
   Args:
-    step_dir: the step directory.
+    ckpt: the opened checkpoint.
     item: the item the leaves belong to.
     leaves: the leaves to read (all of `item`).
     as_numpy: read arrays as `np.ndarray`; else as `jax.Array`s on one CPU
@@ -469,15 +376,16 @@ def read(
   if not leaves:
     return []
   sharding = None if as_numpy else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-  pairs = [_restore_arg(leaf, cast_dtype(leaf, dtype), sharding) for leaf in leaves]
-  handler = handler or ocp.PyTreeCheckpointHandler()
-  restored = handler.restore(
-      step_dir / item,
-      args=ocp.args.PyTreeRestore(
-          item=nest((leaf.disk_path, t) for leaf, (t, _) in zip(leaves, pairs, strict=True)),
-          restore_args=nest((leaf.disk_path, a) for leaf, (_, a) in zip(leaves, pairs, strict=True)),
-          partial_restore=True,
-      ),
+  handler = handler or TunixPyTreeHandler()
+  values = handler.read(
+      ckpt.detection.item_meta(item),
+      ckpt.detection.maps[item],
+      {leaf.path: _request(leaf, cast_dtype(leaf, dtype), sharding) for leaf in leaves},
   )
-  by_path = flat_dict(restored)
-  return [by_path[leaf.disk_path] for leaf in leaves]
+  return [values[leaf.path] for leaf in leaves]
+
+
+def read_json_item(ckpt: CanonicalCheckpoint, item: str) -> Any:
+  """The value of a JSON item, as Orbax's JSON handler reads it."""
+  directory = ckpt.detection.source.item_dir(item)
+  return ocp.JsonCheckpointHandler().restore(directory, args=ocp.args.JsonRestore())

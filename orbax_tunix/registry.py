@@ -15,13 +15,10 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix.detect import plan_item
-from orbax_tunix.pytree_handler import (
-    V1_PYTREE_TYPESTR,
-    TunixPyTreeHandler,
-    TunixPyTreeRestore,
-    V1ItemRestore,
-)
+from orbax_tunix import storage
+from orbax_tunix._orbax import V1_PYTREE_TYPESTR
+from orbax_tunix.detection import plan_item
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, V1ItemRestore
 
 # Item handler typestrs whose items hold a PyTree that the v1 loader reads:
 # the v0 PyTree and Standard handlers (both module spellings) and v1's.
@@ -85,12 +82,13 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
     return False
 
   async def load(self, directory: epath.Path, abstract_checkpointable: Any = None):
-    layout = await asyncio.to_thread(plan_item, directory)
-    if layout is None or not layout.rewrites:
+    planned = await asyncio.to_thread(plan_item, directory)
+    if planned is None or not planned[1].rewrites:
       return await super().load(directory, abstract_checkpointable)
     args = TunixPyTreeRestore(item=abstract_checkpointable)
-    # The v0 handler does the planning and the read; v1 awaits the result.
-    restored = await asyncio.to_thread(TunixPyTreeHandler().restore, directory, args=args)
+    # The v0 handler reads (with the plan made here); v1 awaits the result.
+    reader = TunixPyTreeHandler(plans={storage.as_path(directory): planned})
+    restored = await asyncio.to_thread(reader.restore, directory, args=args)
 
     async def _done():
       return restored
@@ -98,8 +96,8 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
     return _done()
 
   async def metadata(self, directory: epath.Path) -> Any:
-    layout = await asyncio.to_thread(plan_item, directory)
-    if layout is None or not layout.rewrites:
+    planned = await asyncio.to_thread(plan_item, directory)
+    if planned is None or not planned[1].rewrites:
       return await super().metadata(directory)
     meta = await asyncio.to_thread(TunixPyTreeHandler().metadata, directory)
     return meta.tree

@@ -14,12 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
-from orbax_tunix.tree_paths import Path
-
-# The two items every Tunix trainer writes (tunix/sft/checkpoint_manager.py).
-MODEL_ITEM = 'model_params'
-OPTIMIZER_ITEM = 'optimizer_state'
-TUNIX_ITEMS = (MODEL_ITEM, OPTIMIZER_ITEM)
+from orbax_tunix.conventions import ADAPTER_KEY, MODEL_ITEM, NNX_VALUE
+from orbax_tunix.keypaths import Path
 
 Anchors = frozenset[Path]
 # The paths of every item of one step, as seen by the rule being planned.
@@ -44,6 +40,9 @@ class Rule:
       leaves the canonical view (e.g. the inject shell's hyperparameters).
     to_disk: `(path, anchors) -> path`, the inverse of `to_canonical` on every
       path it does not send to None.
+    identifies: finding this wrapper alone says the item was written by Tunix
+      (an item where no identifying rule applies is read as it is, whatever
+      the other rules find: a plain optax state is not rewritten).
   """
 
   name: str
@@ -51,6 +50,7 @@ class Rule:
   find: Callable[[str, StepPaths], Anchors]
   to_canonical: Callable[[Path, Anchors], Path | None]
   to_disk: Callable[[Path, Anchors], Path]
+  identifies: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,17 +81,18 @@ def children(paths: Iterable[Path]) -> dict[Path, set[str]]:
 
 def _find_value(item: str, step: StepPaths) -> Anchors:
   paths = step[item]
-  if paths and all(len(p) >= 2 and p[-1] == 'value' for p in paths):
+  if paths and all(len(p) >= 2 and p[-1] == NNX_VALUE for p in paths):
     return frozenset({()})
   return frozenset()
 
 
-NNX_VALUE = Rule(
+NNX_VALUE_LEVEL = Rule(
     name='nnx_value',
     description="every leaf is an nnx Variable saved under its 'value' attribute",
     find=_find_value,
     to_canonical=lambda path, _: path[:-1],
-    to_disk=lambda path, _: path + ('value',),
+    to_disk=lambda path, _: path + (NNX_VALUE,),
+    identifies=True,
 )
 
 
@@ -157,7 +158,7 @@ INJECT_SHELL = Rule(
 
 
 def _has_adapter(model_paths: frozenset[Path]) -> bool:
-  return bool(model_paths) and all(p[0] == 'base' and len(p) > 1 for p in model_paths)
+  return bool(model_paths) and all(p[0] == ADAPTER_KEY and len(p) > 1 for p in model_paths)
 
 
 def _find_adapter(item: str, step: StepPaths) -> Anchors:
@@ -176,16 +177,16 @@ def _find_adapter(item: str, step: StepPaths) -> Anchors:
   model = step.get(MODEL_ITEM)
   if model is not None and not _has_adapter(model):
     return frozenset()
-  if not any('base' in p for p in paths):
+  if not any(ADAPTER_KEY in p for p in paths):
     return frozenset()
   weights = None if model is None else frozenset(p[1:] for p in model)
   kids = children(paths)
   anchors = set()
   for node, keys in kids.items():
-    if not node or keys != {'base'}:
+    if not node or keys != {ADAPTER_KEY}:
       continue
     depth = len(node) + 1
-    below = [p[depth:] for p in paths if p[: depth] == node + ('base',)]
+    below = [p[depth:] for p in paths if p[: depth] == node + (ADAPTER_KEY,)]
     if weights is None or all(p in weights for p in below):
       anchors.add(node)
   return frozenset(anchors)
@@ -195,9 +196,9 @@ ADAPTER_BASE = Rule(
     name='adapter_base',
     description="adapter level 'base' over the whole weight tree (and in mu/nu)",
     find=_find_adapter,
-    to_canonical=_drop_level('base', keep_siblings=True),
-    to_disk=_insert_level('base'),
+    to_canonical=_drop_level(ADAPTER_KEY, keep_siblings=True),
+    to_disk=_insert_level(ADAPTER_KEY),
 )
 
 # Order matters: each rule is planned on the paths the previous ones produced.
-RULES: tuple[Rule, ...] = (NNX_VALUE, INJECT_SHELL, ADAPTER_BASE)
+RULES: tuple[Rule, ...] = (NNX_VALUE_LEVEL, INJECT_SHELL, ADAPTER_BASE)

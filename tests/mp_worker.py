@@ -64,7 +64,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_tunix  # noqa: E402
-from orbax_tunix.tree_paths import flatten, fmt  # noqa: E402
+from orbax_tunix.keypaths import flatten, fmt  # noqa: E402
 
 ITEMS = ('model_params', 'optimizer_state')
 # shape -> the sharding of a target leaf of that shape.

@@ -19,8 +19,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_tunix
-from orbax_tunix import cli, convert, inspection, reader
-from orbax_tunix.tree_paths import flat_dict, fmt
+from orbax_tunix import cli, convert, inspection, reader, storage
+from orbax_tunix.cli import commands, display, progress
+from orbax_tunix.keypaths import flat_dict, fmt
 
 FIXTURES = (
     'sft_full',
@@ -173,7 +174,7 @@ def test_collapse_groups_identical_layers_only():
 
   leaves = [leaf(f'layers/{i}/w', (4, 4)) for i in (0, 1, 2, 3, 5)]
   leaves += [leaf('layers/4/w', (8, 4)), leaf('opt/0/count', ())]
-  rows = {r.path: (r.count, r.nbytes) for r in inspection.collapse(leaves)}
+  rows = {r.path: (r.count, r.nbytes) for r in display.collapse_rows(leaves)}
   assert rows == {
       'layers/[0-3,5]/w': (5, 5 * 64),
       'layers/4/w': (1, 128),
@@ -235,7 +236,7 @@ def test_convert_then_plain_orbax_then_diff(capsys, tunix_data, tmp_path, name):
   status, out, err = run(capsys, 'convert', tunix_data / name, dst, '--memory-budget', '2K')
   assert status == 0, err
   assert out.startswith('converted ') and out.count('\n') == 1
-  source = canonical_source(reader.resolve(tunix_data / name).step_dir)
+  source = canonical_source(orbax_tunix.detect(tunix_data / name).step_dir)
   restored = plain_orbax_restore(dst)
   assert restored.keys() == source.keys()
   for item in source:
@@ -297,7 +298,7 @@ def test_convert_maxtext_params_as_maxtext_reads_them(capsys, tunix_data, tmp_pa
   assert sorted(p.name for p in dst.iterdir() if p.is_dir()) == ['items']
   weights = {
       path: value
-      for path, value in canonical_source(reader.resolve(tunix_data / name).step_dir)['model_params'].items()
+      for path, value in canonical_source(orbax_tunix.detect(tunix_data / name).step_dir)['model_params'].items()
       if 'rngs' not in path.split('/')
   }
   # MaxText's load_parameters_path read (checkpointing.load_params_from_path).
@@ -470,7 +471,7 @@ def test_convert_killed_midway_leaves_no_destination(big_checkpoint, tmp_path):
   # What a kill leaves is a temporary directory Orbax and this tool call unfinished.
   leftovers = list(dst.parent.iterdir())
   assert [p.name.startswith('1.orbax-checkpoint-tmp-') for p in leftovers] == [True]
-  assert reader.find_steps(dst.parent)[0].committed is False
+  assert storage.list_steps(dst.parent)[0].committed is False
 
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
@@ -572,43 +573,41 @@ def test_debug_shows_the_traceback(capsys, tmp_path):
 
 
 def test_usage_errors_exit_2(capsys):
-  with pytest.raises(SystemExit) as e:
-    cli.main(['convert', 'a', 'b', '--memory-budget', 'lots'])
-  assert e.value.code == 2
+  assert cli.main(['convert', 'a', 'b', '--memory-budget', 'lots']) == 2
   assert 'is not a size' in capsys.readouterr().err
 
 
 def test_parse_size():
-  assert cli.parse_size('1000') == 1000
-  assert cli.parse_size('2K') == 2048
-  assert cli.parse_size('512M') == 512 * 2**20
-  assert cli.parse_size('1.5GiB') == 3 * 2**29
-  assert cli.parse_size('1gb') == 2**30
+  assert commands.parse_size('1000') == 1000
+  assert commands.parse_size('2K') == 2048
+  assert commands.parse_size('512M') == 512 * 2**20
+  assert commands.parse_size('1.5GiB') == 3 * 2**29
+  assert commands.parse_size('1gb') == 2**30
 
 
 def test_rich_tables_and_plain_fallback(monkeypatch, tunix_data):
   report = inspection.inspect_checkpoint(tunix_data / 'lora_qwix')
   stream = io.StringIO()
-  cli.show_inspect(cli.Output(stream, fancy=True), report, collapse=True)
+  display.show_inspect(display.Output(stream, fancy=True), report, collapse=True)
   drawn = stream.getvalue()
   # Brackets in folded paths are text, not rich markup.
   assert 'layers/[0-1]/attn/q_proj/w_lora_a' in drawn
-  monkeypatch.setattr(cli, 'rich', None)  # As if rich were not installed.
+  monkeypatch.setattr(display, 'rich', None)  # As if rich were not installed.
   stream = io.StringIO()
-  output = cli.Output(stream, fancy=True)
+  output = display.Output(stream, fancy=True)
   assert not output.fancy
-  cli.show_inspect(output, report, collapse=True)
+  display.show_inspect(output, report, collapse=True)
   assert 'layers/[0-1]/attn/q_proj/w_lora_a' in stream.getvalue()
 
 
 def test_progress_lines(monkeypatch):
-  monkeypatch.setattr(cli, 'LOG_INTERVAL', 0.0)
+  monkeypatch.setattr(progress, 'LOG_INTERVAL', 0.0)
   stream = io.StringIO()
-  progress = cli.make_progress(stream, fancy=True)  # Not a terminal: log lines.
-  progress.start(2 * 2**20, 'converting')
-  progress.advance(2**20)
-  progress.advance(2**20)
-  progress.finish()
+  line = progress.make_progress(stream, fancy=True)  # Not a terminal: log lines.
+  line.start(2 * 2**20, 'converting')
+  line.advance(2**20)
+  line.advance(2**20)
+  line.finish()
   assert stream.getvalue().splitlines()[-1].startswith('converting: 2.0 MiB / 2.0 MiB (100%)')
 
 

@@ -46,7 +46,8 @@ def test_step_and_item_directories(tunix_data):
   assert step.step == 1 and step.step_dir.name == '1'
   item = ot.detect(tunix_data / 'sft_full' / '1' / 'optimizer_state')
   assert item.step_dir == step.step_dir and item.item == 'optimizer_state'
-  assert item.rewrites == step.rewrites
+  # An item directory is that item alone (planned with its step's weights).
+  assert item.rewrites == {'optimizer_state': step.rewrites['optimizer_state']}
 
 
 def test_rl_root_uses_actor(tunix_data):
@@ -79,7 +80,7 @@ def test_plain_orbax_and_maxtext_are_not_tunix(tmp_path):
   mt = {'params': {'params': {'w': np.ones((2,), np.float32)}}, 'step': np.int32(3)}
   ckptr.save(tmp_path / 'mt' / '7', args=ocp.args.Composite(items=ocp.args.PyTreeSave(mt)))
   p = ot.detect(tmp_path / 'plain')
-  assert p.kind == 'orbax' and not p.is_tunix and p.layouts == {}
+  assert p.kind == 'orbax' and not p.is_tunix and p.rewrites == {}
   m = ot.detect(tmp_path / 'mt')
   assert m.kind == 'maxtext' and not m.is_tunix and m.step == 7
 
@@ -122,7 +123,7 @@ def test_manifest_round_trip(tunix_data):
   for name, fixture in manifest['fixtures'].items():
     d = ot.detect(tunix_data / name)
     for item, leaves in fixture['step_items'][str(d.step)]['items'].items():
-      layout = d.layouts[item]
+      layout = d.maps[item]
       disk = {tuple(leaf['path'].split('/')) for leaf in leaves}
       assert set(layout.disk_to_canonical) == disk, (name, item)
       for path in disk:
@@ -141,9 +142,9 @@ def test_old_aggregate_only_checkpoint(tmp_path):
   item.mkdir(parents=True)
   tree = {'w1': {'kernel': {'value': 'PLACEHOLDER://w1.kernel.value'}}, 'w2': {'bias': {'value': 1.0}}}
   (item / 'checkpoint').write_bytes(msgpack.packb(tree))
-  from orbax_tunix.detect import tree_paths
+  from orbax_tunix import storage
 
-  assert tree_paths(item) == {('w1', 'kernel', 'value'), ('w2', 'bias', 'value')}
+  assert storage.open_item(item).paths == {('w1', 'kernel', 'value'), ('w2', 'bias', 'value')}
   (item / 'checkpoint').write_bytes(b'\xc1\xc1garbage')
   with pytest.raises(ot.CorruptMetadataError, match='checkpoint'):
-    tree_paths(item)
+    storage.open_item(item)

@@ -40,7 +40,7 @@ from etils import epath
 from flax import nnx
 
 import orbax_tunix
-from orbax_tunix.tree_paths import flatten, fmt
+from orbax_tunix.keypaths import flatten, fmt
 from tests import builders, mp_worker
 
 WORKER = pathlib.Path(__file__).with_name('mp_worker.py')

@@ -15,10 +15,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from orbax_tunix.detection import Detection
+from orbax_tunix.keypaths import Path, flatten, fmt, key_str
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
 from orbax_tunix.maxtext.view import Shape
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore
-from orbax_tunix.tree_paths import Path, flat_dict, flatten, fmt, key_str, nest
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
 
 PyTree = Any
 
@@ -158,24 +159,22 @@ def execute_plan(
   for target, source in sorted(plan.reads.items()):
     primary.setdefault(source, target)
   values: dict[Source, jax.Array] = {}
+  handler = TunixPyTreeHandler()
   for item, paths in plan.sources().items():
-    abstract, args = [], []
+    requests = {}
     for path in paths:
       source = Source(item, path)
       if source in primary:
-        sds, arg = _read_form(*resolved[primary[source]])
+        requests[path] = _read_form(*resolved[primary[source]])
       else:  # Only a fill needs it (the step): a scalar on one device.
         sharding = _default_sharding(None)
-        sds = jax.ShapeDtypeStruct((), np.uint32, sharding=sharding)
-        arg = ocp.ArrayRestoreArgs(sharding=sharding)
-      abstract.append((path, sds))
-      args.append((path, arg))
-    restored = TunixPyTreeHandler().restore(
-        plan.step_dir / item,
-        args=TunixPyTreeRestore(item=nest(abstract), restore_args=nest(args)),
-    )
-    by_path = flat_dict(restored)
-    values.update((Source(item, p), by_path[p]) for p in paths)
+        requests[path] = (
+            jax.ShapeDtypeStruct((), np.uint32, sharding=sharding),
+            ocp.ArrayRestoreArgs(sharding=sharding),
+        )
+    # The plan checked every path and shape; the item's metadata is not read again.
+    read = handler.read(plan.detection.item_meta(item), plan.detection.maps[item], requests)
+    values.update((Source(item, p), value) for p, value in read.items())
   leaves = []
   for path, leaf in pairs:
     if path in plan.reads:
@@ -199,7 +198,7 @@ def execute_plan(
 
 
 def restore_train_state(
-    path: epath.PathLike,
+    path: epath.PathLike | Detection,
     abstract_state: PyTree,
     *,
     params_only: bool = False,
@@ -213,7 +212,8 @@ def restore_train_state(
     state = orbax_tunix.maxtext.restore_train_state(tunix_root, abstract)
 
   Args:
-    path: a Tunix root (the latest committed step), step or RL root.
+    path: a Tunix root (the latest committed step), step or RL root, or its
+      `detect()` result.
     abstract_state: a pytree with MaxText's key paths (a flax `TrainState`
       from `jax.eval_shape`, or a dict): `params/params/<weights>`,
       `opt_state` (optax states in chain order, empty ones `None` or

@@ -12,8 +12,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors
-from orbax_tunix.detect import as_path, detect
+from orbax_tunix import errors, storage
+from orbax_tunix.detection import detect
 from orbax_tunix.maxtext.execute import restore_train_state
 
 PyTree = Any
@@ -66,8 +66,9 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
       args = ocp.args.PyTreeRestore(
           item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
       )
-    directory = as_path(directory)
-    if not detect(directory).is_tunix:
+    directory = storage.as_path(directory)
+    found = detect(directory)
+    if not found.is_tunix:
       return super().restore(directory, args=args)
     # MaxText passes `transforms={}` to mean "partial restore"; it requests
     # nothing, so it is no transform.
@@ -83,7 +84,7 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
           ' state, and none was given. Pass the abstract state as `item`.'
       )
     return restore_train_state(
-        directory,
+        found,
         args.item,
         params_only=getattr(args, 'params_only', False),
         restore_args=getattr(args, 'restore_args', None),

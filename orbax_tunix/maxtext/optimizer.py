@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 
+from orbax_tunix.keypaths import Path, fmt, natural_order
 from orbax_tunix.maxtext.train_state import OPT_STATE
-from orbax_tunix.tree_paths import Path, fmt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +32,8 @@ class OptState:
     return f'{fmt((OPT_STATE,) + self.node)} {{{names}}}'
 
 
-def chain_order(path: Path) -> tuple[tuple[int, int, str], ...]:
-  """Sort key putting chain positions in numeric order ('2' before '10')."""
-  return tuple((0, int(k), '') if k.isdigit() else (1, 0, k) for k in path)
+# Sort key putting chain positions in numeric order ('2' before '10').
+chain_order = natural_order
 
 
 def split_opt_path(

@@ -13,35 +13,32 @@ from typing import Any
 
 from etils import epath
 
-from orbax_tunix import errors, rules
-from orbax_tunix.detect import detect
+from orbax_tunix import conventions, errors
+from orbax_tunix.detection import Detection, detect
+from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.maxtext.optimizer import (
-    OptState,
-    align_states,
-    chain_order,
-    opt_states,
-    split_opt_path,
+  OptState,
+  align_states,
+  chain_order,
+  opt_states,
+  split_opt_path,
 )
 from orbax_tunix.maxtext.train_state import (
-    COLLECTION,
-    NNX_AUX,
-    NNX_AUX_MODEL,
-    OPT_STATE,
-    PARAMS,
-    STEP,
-    TOP_KEYS,
+  COLLECTION,
+  NNX_AUX,
+  NNX_AUX_MODEL,
+  OPT_STATE,
+  PARAMS,
+  STEP,
+  TOP_KEYS,
 )
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
 from orbax_tunix.pytree_handler import stored_shape
-from orbax_tunix.tree_paths import Path, flatten, fmt
 
 PyTree = Any
 
-# The optimizer's step counter in Tunix's optimizer item (canonical path).
-_TUNIX_STEP: Path = ('step',)
-# nnx.Rngs streams and the RNGs of Dropout & co. sit under a key 'rngs'.
-_RNG_KEY = 'rngs'
+_TUNIX_STEP = conventions.OPTIMIZER_STEP
 # A state Tunix may not have written but whose value is known: a schedule's
 # `count` (ScaleByScheduleState) is the number of steps taken.
 _STEP_COUNTER_FIELDS = (('count', False),)
@@ -86,6 +83,8 @@ class RestorePlan:
 
   Attributes:
     step_dir: the Tunix step directory.
+    detection: the step as detected (its items read once; execution reads
+      through them without planning again).
     reads: target leaf path -> the Tunix leaf it is read from.
     fills: target leaf path -> how it is filled (leaves Tunix never wrote).
     kept: target leaves returned as given (outside `params` when params_only).
@@ -94,6 +93,7 @@ class RestorePlan:
   """
 
   step_dir: epath.Path
+  detection: Detection
   reads: Mapping[Path, Source]
   fills: Mapping[Path, Fill]
   kept: frozenset[Path]
@@ -139,7 +139,7 @@ class _Draft:
   shapes: list[str] = dataclasses.field(default_factory=list)
 
   def read(self, target: Path, item: str, path: Path) -> None:
-    disk = self.view.model if item == rules.MODEL_ITEM else self.view.optimizer
+    disk = self.view.model if item == conventions.MODEL_ITEM else self.view.optimizer
     have, want = disk[path], self.target[target]
     if have is not None and want is not None and have != want:
       self.shapes.append(f'{fmt(target)}: target {want}, checkpoint {have} ({item}:{fmt(path)})')
@@ -148,7 +148,7 @@ class _Draft:
   @property
   def step_source(self) -> Source | None:
     if self.view.optimizer is not None and _TUNIX_STEP in self.view.optimizer:
-      return Source(rules.OPTIMIZER_ITEM, _TUNIX_STEP)
+      return Source(conventions.OPTIMIZER_ITEM, _TUNIX_STEP)
     return None
 
 
@@ -158,7 +158,7 @@ def _plan_weights(draft: _Draft, aux: frozenset[Path]) -> dict[Path, Path]:
   draft.problems += check_weights(draft.view, weights, draft.target, aux)
   for w, target in weights.items():
     if w in draft.view.model:
-      draft.read(target, rules.MODEL_ITEM, w)
+      draft.read(target, conventions.MODEL_ITEM, w)
   return weights
 
 
@@ -171,17 +171,17 @@ def _plan_aux(draft: _Draft, aux: frozenset[Path]) -> None:
   if missing:
     draft.problems.append(
         f'{len(missing)} {NNX_AUX} leaves are not in the checkpoint'
-        f"'s {rules.MODEL_ITEM}:\n{errors.list_paths([fmt(p) for p in missing])}"
+        f"'s {conventions.MODEL_ITEM}:\n{errors.list_paths([fmt(p) for p in missing])}"
     )
   for p in targets:
     if p[depth:] in draft.view.model:
-      draft.read(p, rules.MODEL_ITEM, p[depth:])
-  taken = {s.path for s in draft.reads.values() if s.item == rules.MODEL_ITEM}
+      draft.read(p, conventions.MODEL_ITEM, p[depth:])
+  taken = {s.path for s in draft.reads.values() if s.item == conventions.MODEL_ITEM}
   unused = sorted(w for w in aux if w not in taken)
   if unused:
     why = 'not in the target' if targets else 'the target has no nnx_aux'
     draft.left_out.append(
-        f'{len(unused)} RNG/non-weight variables of {rules.MODEL_ITEM} ({why}),'
+        f'{len(unused)} RNG/non-weight variables of {conventions.MODEL_ITEM} ({why}),'
         f' e.g. {fmt(unused[0])}'
     )
 
@@ -191,14 +191,14 @@ def _plan_step(draft: _Draft) -> None:
   if (STEP,) not in draft.target:
     return
   if draft.step_source is not None:
-    draft.read((STEP,), rules.OPTIMIZER_ITEM, _TUNIX_STEP)
+    draft.read((STEP,), conventions.OPTIMIZER_ITEM, _TUNIX_STEP)
   elif draft.view.step is not None:
     draft.fills[(STEP,)] = Fill(
-        None, draft.view.step, f'no {rules.OPTIMIZER_ITEM} item: the step directory number'
+        None, draft.view.step, f'no {conventions.OPTIMIZER_ITEM} item: the step directory number'
     )
   else:
     draft.problems.append(
-        f'the target has {STEP}, but the checkpoint has no {rules.OPTIMIZER_ITEM}'
+        f'the target has {STEP}, but the checkpoint has no {conventions.OPTIMIZER_ITEM}'
         ' item and its directory name carries no step number.'
     )
 
@@ -223,7 +223,7 @@ def _plan_optimizer(
   if view.optimizer is None:
     draft.problems.append(
         f'the target has {len(targets)} {OPT_STATE} leaves, but the checkpoint'
-        f' has no {rules.OPTIMIZER_ITEM} item (Tunix wrote only the weights). Use'
+        f' has no {conventions.OPTIMIZER_ITEM} item (Tunix wrote only the weights). Use'
         ' params_only=True, or a target without opt_state.'
     )
     return
@@ -242,7 +242,7 @@ def _plan_optimizer(
     if i in matched:
       source = (OPT_STATE,) + source_states[matched[i]].node + (field,) + (weight or ())
       if source in view.optimizer:
-        draft.read(p, rules.OPTIMIZER_ITEM, source)
+        draft.read(p, conventions.OPTIMIZER_ITEM, source)
       else:
         missing.append(f'{fmt(p)} (checkpoint path {fmt(source)})')
     elif target_states[i].fields == _STEP_COUNTER_FIELDS and fillable:
@@ -331,14 +331,16 @@ def make_plan(
       p: split_opt_path(p, view.model) for p in (view.optimizer or {}) if p[0] == OPT_STATE
   }
   mirrored = {w for _, _, w in source_splits.values() if w is not None}
-  aux = frozenset(w for w in view.model if _RNG_KEY in w or (mirrored and w not in mirrored))
+  aux = frozenset(
+      w for w in view.model if conventions.is_rng_state(w) or (mirrored and w not in mirrored)
+  )
 
   weights = _plan_weights(draft, aux)
   _plan_aux(draft, aux)
   _plan_step(draft)
   _plan_optimizer(draft, weights, source_splits)
   if params_only and view.optimizer is not None:
-    draft.left_out.append(f'{rules.OPTIMIZER_ITEM} (params_only=True)')
+    draft.left_out.append(f'{conventions.OPTIMIZER_ITEM} (params_only=True)')
   if draft.shapes:
     draft.problems.append(
         f'{len(draft.shapes)} leaves differ in shape:\n' + errors.list_paths(draft.shapes)
@@ -349,6 +351,7 @@ def make_plan(
     raise errors.TargetMismatchError('\n'.join([where, *draft.problems]))
   return RestorePlan(
       step_dir=view.step_dir,
+      detection=view.detection,
       reads=draft.reads,
       fills=draft.fills,
       kept=frozenset(p for p in target_shapes if p not in wanted),
@@ -370,7 +373,7 @@ def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None
 
 
 def plan_restore(
-    path: epath.PathLike, abstract_state: PyTree, *, params_only: bool = False
+    path: epath.PathLike | Detection, abstract_state: PyTree, *, params_only: bool = False
 ) -> RestorePlan:
   """Plans restoring a Tunix checkpoint into a MaxText-shaped abstract state.
 
@@ -378,7 +381,8 @@ def plan_restore(
   the target needs (only the weights' when `params_only`).
 
   Args:
-    path: a Tunix root (latest committed step), step or RL root.
+    path: a Tunix root (latest committed step), step or RL root, or its
+      `detect()` result.
     abstract_state: MaxText's train state, abstract (see `restore_train_state`).
     params_only: plan the `params` subtree only.
 
@@ -390,9 +394,7 @@ def plan_restore(
     TargetMismatchError (and subclasses): see `make_plan`.
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  path = epath.Path(path)
-  # Orbax reads only absolute paths; a relative one is the user's working dir.
-  detection = detect(path if path.is_absolute() else path.resolve())
+  detection = path if isinstance(path, Detection) else detect(path)
   if not detection.is_tunix:
     raise errors.UnsupportedLayoutError(
         f'{detection.step_dir}: expected a Tunix checkpoint, found a'
@@ -401,8 +403,8 @@ def plan_restore(
     )
   pairs, _ = flatten(abstract_state)
   shapes = _target_shapes(pairs)
-  needed = {rules.MODEL_ITEM}
+  needed = {conventions.MODEL_ITEM}
   if not params_only and any(p[0] in (OPT_STATE, STEP) for p in shapes):
-    needed.add(rules.OPTIMIZER_ITEM)
+    needed.add(conventions.OPTIMIZER_ITEM)
   view = read_view(detection, shapes_of=needed)
   return make_plan(view, shapes, params_only=params_only, notes=detection.notes)

@@ -11,10 +11,9 @@ from collections.abc import Collection, Mapping
 
 from etils import epath
 
-from orbax_tunix import errors, rules
-from orbax_tunix.detect import Detection
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
-from orbax_tunix.tree_paths import Path
+from orbax_tunix import conventions, errors
+from orbax_tunix.detection import Detection
+from orbax_tunix.keypaths import Path
 
 Shape = tuple[int, ...]
 
@@ -24,6 +23,7 @@ class CheckpointView:
   """The canonical leaves of one Tunix step, from metadata only.
 
   Attributes:
+    detection: the step as detected (its items, read once, and their maps).
     step_dir: the step directory.
     step: the number in the step directory's name, if any.
     model: canonical weight path -> global shape (None when not looked up).
@@ -33,6 +33,7 @@ class CheckpointView:
       inject_hyperparams shell).
   """
 
+  detection: Detection
   step_dir: epath.Path
   step: int | None
   model: Mapping[Path, Shape | None]
@@ -54,29 +55,28 @@ def read_view(detection: Detection, *, shapes_of: Collection[str]) -> Checkpoint
   Raises:
     UnsupportedLayoutError: the step has no `model_params` item.
   """
-  layouts = detection.layouts
-  if rules.MODEL_ITEM not in layouts:
+  maps = detection.maps
+  if conventions.MODEL_ITEM not in maps:
     raise errors.UnsupportedLayoutError(
-        f'{detection.step_dir}: expected a Tunix {rules.MODEL_ITEM!r} item, found'
+        f'{detection.step_dir}: expected a Tunix {conventions.MODEL_ITEM!r} item, found'
         f' items {list(detection.items)}. Only steps holding the weights can be'
         ' restored as a MaxText train state.'
     )
 
-  handler = TunixPyTreeHandler()
-
   def canonical(item: str) -> dict[Path, Shape | None]:
-    to_disk = layouts[item].canonical_to_disk
+    to_disk = maps[item].canonical_to_disk
     if item not in shapes_of:
       return {p: None for p in to_disk}
-    # The plan from `detect` is reused; only the arrays' small headers are read.
-    shapes = handler.disk_shapes(detection.step_dir / item, frozenset(to_disk.values()))
+    # Only the arrays' small headers (or one listing of the store) are read.
+    shapes = detection.item_meta(item).shapes(to_disk.values())
     return {p: shapes.get(d) for p, d in to_disk.items()}
 
-  has_optimizer = rules.OPTIMIZER_ITEM in layouts
+  has_optimizer = conventions.OPTIMIZER_ITEM in maps
   return CheckpointView(
+      detection=detection,
       step_dir=detection.step_dir,
       step=detection.step,
-      model=canonical(rules.MODEL_ITEM),
-      optimizer=canonical(rules.OPTIMIZER_ITEM) if has_optimizer else None,
-      side_paths=layouts[rules.OPTIMIZER_ITEM].side_paths if has_optimizer else (),
+      model=canonical(conventions.MODEL_ITEM),
+      optimizer=canonical(conventions.OPTIMIZER_ITEM) if has_optimizer else None,
+      side_paths=maps[conventions.OPTIMIZER_ITEM].side_paths if has_optimizer else (),
   )

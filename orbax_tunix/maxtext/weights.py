@@ -14,9 +14,9 @@ from collections.abc import Collection, Mapping, Sequence
 from etils import epath
 
 from orbax_tunix import errors, lora
+from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.maxtext.errors import LayerScanMismatchError, LoraOnlyCheckpointError
 from orbax_tunix.maxtext.view import CheckpointView, Shape
-from orbax_tunix.tree_paths import Path, fmt
 
 # A layer index as a key of its own ('layers/0/...', nnx.List) or a name
 # suffix ('layers_0/...', Linen's unscanned layers).
@@ -155,7 +155,7 @@ def check_weights(
     sections.append(
         'Build the abstract state from the model the checkpoint was trained'
         ' with (same parameter names; target params/params/<w> is the'
-        " checkpoint's <w>); `orbax_tunix.detect(path).layouts` lists the"
+        " checkpoint's <w>); `orbax_tunix.detect(path).maps` lists the"
         " checkpoint's canonical paths."
     )
   return sections

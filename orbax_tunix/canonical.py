@@ -1,8 +1,8 @@
-"""Plans: the rules applied to one step's metadata, computed once.
+"""The canonical view: the rules applied to one step's leaf paths, once.
 
-An `ItemLayout` maps every on-disk leaf path of one item to its canonical path
-(or marks it as a side leaf outside the canonical view) and back. Restoring is
-executing a layout: the caller's canonical target is rewritten path by path
+A `CanonicalMap` maps every on-disk leaf path of one item to its canonical
+path (or marks it as a side leaf outside the canonical view) and back.
+Restoring executes it: the caller's canonical target is rewritten path by path
 into the on-disk target, and the result back, with no array touched.
 """
 
@@ -15,11 +15,11 @@ from typing import Any
 
 from orbax_tunix import errors
 from orbax_tunix import rules as rules_lib
-from orbax_tunix.tree_paths import Path, flatten, fmt, nest
+from orbax_tunix.keypaths import Path, flatten, fmt, nest
 
 
 @dataclasses.dataclass(frozen=True)
-class ItemLayout:
+class CanonicalMap:
   """How one item's on-disk tree maps to its canonical tree.
 
   Attributes:
@@ -73,7 +73,7 @@ class ItemLayout:
 def plan_step(
     item_paths: Mapping[str, frozenset[Path]],
     rules: Sequence[rules_lib.Rule] = rules_lib.RULES,
-) -> dict[str, ItemLayout]:
+) -> dict[str, CanonicalMap]:
   """Plans every rule on every item of one step.
 
   Args:
@@ -81,7 +81,8 @@ def plan_step(
     rules: the rules to plan, in order.
 
   Returns:
-    item name -> its `ItemLayout`.
+    item name -> its `CanonicalMap`. An item where no identifying rule (see
+    `rules.Rule.identifies`) applies keeps its paths as they are.
 
   Raises:
     UnsupportedLayoutError: two on-disk leaves would share a canonical path.
@@ -103,11 +104,19 @@ def plan_step(
           d: None if c is None else rewrite.to_canonical(c)
           for d, c in mapping.items()
       }
-  layouts = {}
+  maps = {}
   for item, mapping in current.items():
+    if not any(r.rule.identifies for r in planned[item]):
+      maps[item] = identity(item, item_paths[item])
+      continue
     _check_bijective(item, mapping)
-    layouts[item] = ItemLayout(item, tuple(planned[item]), mapping)
-  return layouts
+    maps[item] = CanonicalMap(item, tuple(planned[item]), mapping)
+  return maps
+
+
+def identity(item: str, paths: frozenset[Path]) -> CanonicalMap:
+  """The map of an item read as it is (not Tunix's)."""
+  return CanonicalMap(item, (), {p: p for p in paths})
 
 
 def _check_bijective(item: str, mapping: Mapping[Path, Path | None]) -> None:
@@ -122,15 +131,15 @@ def _check_bijective(item: str, mapping: Mapping[Path, Path | None]) -> None:
   if clashes:
     raise errors.UnsupportedLayoutError(
         f'Item {item!r}: the rewrite rules map several on-disk leaves to one'
-        f' canonical path:\n{errors.list_paths(clashes)}\nThis layout is not'
-        ' supported; restore it with plain Orbax (no orbax_tunix handler).'
+        f' canonical path:\n{errors.list_paths(clashes)}\nThis checkpoint cannot be'
+        ' read canonically; restore it with plain Orbax (no orbax_tunix handler).'
     )
 
 
-def to_canonical_tree(tree: Any, layout: ItemLayout) -> dict[str, Any]:
+def to_canonical_tree(tree: Any, layout: CanonicalMap) -> dict[str, Any]:
   """Rewrites an on-disk tree (nested dicts, as Orbax restores it) to canonical.
 
-  Side leaves (see `ItemLayout.side_paths`) are left out. Leaves are moved,
+  Side leaves (see `CanonicalMap.side_paths`) are left out. Leaves are moved,
   never copied.
   """
   pairs, _ = flatten(tree)
@@ -142,7 +151,7 @@ def to_canonical_tree(tree: Any, layout: ItemLayout) -> dict[str, Any]:
   return nest(out)
 
 
-def to_disk_tree(tree: Any, layout: ItemLayout) -> dict[str, Any]:
+def to_disk_tree(tree: Any, layout: CanonicalMap) -> dict[str, Any]:
   """Rewrites a canonical tree to the on-disk structure: the exact inverse."""
   pairs, _ = flatten(tree)
   return nest((layout.to_disk_path(path), leaf) for path, leaf in pairs)

@@ -9,7 +9,7 @@ them without touching the leaves.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -39,8 +39,15 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   return [(tuple(key_str(k) for k in kp), leaf) for kp, leaf in pairs], treedef
 
 
-def nest(items: Iterable[tuple[Path, Any]]) -> dict[str, Any]:
+def nest(
+    items: Iterable[tuple[Path, Any]], sequences: Collection[Path] = ()
+) -> dict[str, Any]:
   """Builds nested dicts from (path, value) pairs.
+
+  Args:
+    items: (path, value) pairs.
+    sequences: nodes to build as lists instead (their keys are '0', '1', ...,
+      every position present), as Orbax records sequence keys.
 
   Raises:
     ValueError: when one path is a prefix of another (a leaf and a subtree
@@ -57,13 +64,34 @@ def nest(items: Iterable[tuple[Path, Any]]) -> dict[str, Any]:
     if path[-1] in node and isinstance(node[path[-1]], dict):
       raise ValueError(f'{fmt(path)}: a subtree already sits at this path.')
     node[path[-1]] = value
+  if sequences:
+    return _as_lists(root, (), frozenset(sequences))
   return root
+
+
+def _as_lists(node: Any, path: Path, sequences: frozenset[Path]) -> Any:
+  if not isinstance(node, dict):
+    return node
+  children = {k: _as_lists(v, path + (k,), sequences) for k, v in node.items()}
+  if path in sequences:
+    return [children[k] for k in sorted(children, key=int)]
+  return children
 
 
 def flat_dict(tree: Mapping[str, Any] | Any) -> dict[Path, Any]:
   """The leaves of a tree of nested dicts/lists as {path: leaf}."""
   pairs, _ = flatten(tree)
   return dict(pairs)
+
+
+def natural_key(key: str) -> tuple[int, int, str]:
+  """Sorts '2' before '10', and numbers (chain positions, layers) before names."""
+  return (0, int(key), '') if key.isdigit() else (1, 0, key)
+
+
+def natural_order(path: Path) -> tuple[tuple[int, int, str], ...]:
+  """A sort key for paths, each key in `natural_key` order."""
+  return tuple(natural_key(k) for k in path)
 
 
 def _fmt_key(key: str) -> str:

@@ -1,0 +1,529 @@
+"""Drawing results for people: tables on a terminal, aligned text in a log, JSON.
+
+`Output` writes to a stream: with `rich` on a terminal (`pip install
+'orbax-tunix[cli]'`), plain aligned text otherwise. The `show_*` functions draw
+the library's results (`inspection.Report`, `diff.DiffResult`, ...); the
+`*_json` functions give the same as one JSON document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from orbax_tunix import checksums, inspection, reader
+from orbax_tunix import diff as diff_lib
+from orbax_tunix.keypaths import Path, fmt, natural_key, nest
+
+try:  # rich is optional: without it the output is plain text.
+  import rich.box
+  import rich.console
+  import rich.padding
+  import rich.table
+  import rich.text
+except ImportError:  # pragma: no cover - exercised by hiding rich in a test.
+  rich = None
+
+# Rows shown per section of a diff on a terminal; --json lists them all.
+DIFF_ROWS = 50
+
+
+def is_tty(stream: TextIO) -> bool:
+  try:
+    return stream.isatty()
+  except (AttributeError, ValueError):
+    return False
+
+
+def format_duration(seconds: float) -> str:
+  """'1h02m', '3m05s', '4.2s'."""
+  if seconds < 60:
+    return f'{seconds:.1f}s'
+  minutes, secs = divmod(int(seconds), 60)
+  if minutes < 60:
+    return f'{minutes}m{secs:02d}s'
+  hours, minutes = divmod(minutes, 60)
+  return f'{hours}h{minutes:02d}m'
+
+
+def _is_tty(stream: TextIO) -> bool:
+  try:
+    return stream.isatty()
+  except (AttributeError, ValueError):
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One display row: a leaf, or identical leaves of numbered layers folded.
+
+  Attributes:
+    path: e.g. 'layers/[0-27]/attn/q_proj/w'.
+    count: how many leaves it stands for.
+    shape: each leaf's shape.
+    dtype: each leaf's dtype.
+    nbytes: bytes of all `count` leaves.
+  """
+
+  path: str
+  count: int
+  shape: tuple[int, ...] | None
+  dtype: np.dtype | None
+  nbytes: int
+
+
+def _range_label(keys: Sequence[str]) -> str:
+  """'[0-3,7]' for ['0', '1', '2', '3', '7']."""
+  numbers = sorted(int(k) for k in keys)
+  spans = [[numbers[0], numbers[0]]]
+  for n in numbers[1:]:
+    if n == spans[-1][1] + 1:
+      spans[-1][1] = n
+    else:
+      spans.append([n, n])
+  return '[' + ','.join(f'{a}' if a == b else f'{a}-{b}' for a, b in spans) + ']'
+
+
+def _signature(node: Any) -> Any:
+  if isinstance(node, reader.LeafInfo):
+    return (node.shape, str(node.dtype), node.kind)
+  return tuple(sorted((k, _signature(v)) for k, v in node.items()))
+
+
+def _collapse(node: Any) -> list[tuple[Path, int, reader.LeafInfo]]:
+  if isinstance(node, reader.LeafInfo):
+    return [((), 1, node)]
+  groups: dict[Any, list[str]] = {}
+  for key in node:
+    if key.isdigit():
+      groups.setdefault(_signature(node[key]), []).append(key)
+  out, done = [], set()
+  for key in sorted(node, key=natural_key):
+    if key in done:
+      continue
+    members = groups.get(_signature(node[key])) if key.isdigit() else None
+    if members and len(members) > 1:
+      done.update(members)
+      label, factor = _range_label(members), len(members)
+    else:
+      label, factor = key, 1
+    out += [((label,) + p, n * factor, leaf) for p, n, leaf in _collapse(node[key])]
+  return out
+
+
+def collapse_rows(leaves: Sequence[reader.LeafInfo]) -> list[Row]:
+  """Folds numbered siblings with identical subtrees (layers) into one row each.
+
+  `layers/0/...` to `layers/27/...` become `layers/[0-27]/...` when every
+  layer holds the same leaves with the same shapes and dtypes; layers that
+  differ are grouped by kind (`layers/[0,2-5]`, `layers/[1]`). Optimizer
+  chain positions (a lone `0`) stay as they are.
+
+  Args:
+    leaves: canonical leaves of one item.
+
+  Returns:
+    Display rows, in natural order.
+  """
+  if not leaves:
+    return []
+  tree = nest((leaf.path, leaf) for leaf in leaves)
+  return [
+      Row(fmt(path), count, leaf.shape, leaf.dtype, leaf.nbytes * count)
+      for path, count, leaf in _collapse(tree)
+  ]
+
+
+def format_bytes(n: int) -> str:
+  """'1.5 MiB': sizes for people (binary units)."""
+  value = float(n)
+  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+    if value < 1024 or unit == 'TiB':
+      return f'{int(value)} {unit}' if unit == 'B' else f'{value:.1f} {unit}'
+    value /= 1024
+  return f'{n} B'
+
+
+def _leaf_json(leaf: reader.LeafInfo) -> dict[str, Any]:
+  return {
+      'shape': None if leaf.shape is None else list(leaf.shape),
+      'dtype': None if leaf.dtype is None else str(leaf.dtype),
+      'bytes': leaf.nbytes,
+  }
+
+
+def outline_text(row: inspection.OutlineRow, num_weights: int) -> str:
+  """What an optimizer outline row says, for people."""
+  if row.leaf is not None:
+    return f'{row.leaf.shape} {row.leaf.dtype}'
+  if row.mirrored is not None:
+    n, nbytes = row.mirrored
+    return f'mirrors the weights ({n} of {num_weights} leaves, {format_bytes(nbytes)})'
+  notes = []
+  if row.shell:
+    notes.append('inject_hyperparams shell (its hyperparameters are listed below)')
+  if row.chain:
+    notes.append('optax chain: one entry per transform with state')
+  elif row.states:
+    same = f'; {len(row.states) - 1} other optax states have these fields' if len(row.states) > 1 else ''
+    notes.append(f'optax {row.states[0]} fields{same}')
+  return '; '.join(notes)
+
+
+def inspect_json(report: inspection.Report) -> dict[str, Any]:
+  """The report as one JSON document.
+
+  A nested document: `items` maps each item to its handler, rewrites,
+  counts and `leaves`, a map of canonical path (keys joined by '/', a key
+  holding '/' written as a JSON string, see `keypaths.fmt`) to
+  {shape, dtype, bytes}; then `lora`, `optimizer` and `hyperparameters`.
+  """
+  d = report.detection
+  weights = report.num_weights
+  return {
+      'path': str(d.path),
+      'step_dir': str(d.step_dir),
+      'step': d.step,
+      'state_step': report.state_step,
+      'kind': d.kind,
+      'writer': d.writer,
+      'steps': [
+          {'step': s.step, 'committed': s.committed, 'path': str(s.path)} for s in report.steps
+      ],
+      'items': {
+          item.name: {
+              'handler': item.handler,
+              'rewrites': [{'rule': n, 'description': t} for n, t in item.rewrites],
+              'num_leaves': len(item.leaves),
+              'bytes': item.nbytes,
+              'side_leaves': [fmt(p) for p in item.side_leaves],
+              'leaves': {fmt(leaf.path): _leaf_json(leaf) for leaf in item.leaves},
+          }
+          for item in report.items
+      },
+      'json_items': list(report.json_items),
+      'num_leaves': report.num_leaves,
+      'bytes': report.nbytes,
+      'lora': None if report.lora is None else dataclasses.asdict(report.lora),
+      'optimizer': {
+          'item': report.optimizer_item,
+          'outline': [
+              {
+                  'path': fmt(r.path),
+                  'depth': r.depth,
+                  'leaf': r.leaf is not None,
+                  'optax_states': list(r.states),
+                  'description': outline_text(r, weights),
+              }
+              for r in report.optimizer
+          ],
+      },
+      'hyperparameters': {
+          shell: {k: reader.json_scalar(v) for k, v in values.items()}
+          for shell, values in report.hyperparameters.items()
+      },
+      'notes': list(report.notes),
+  }
+
+
+# --- output ---------------------------------------------------------------
+
+
+class Output:
+  """Where results go: rich tables on a terminal, aligned plain text otherwise.
+
+  Args:
+    stream: the stream written to (stdout).
+    fancy: draw with rich (only when it is installed).
+  """
+
+  def __init__(self, stream: TextIO, fancy: bool):
+    self.stream = stream
+    self.fancy = fancy and rich is not None
+    self._console = rich.console.Console(file=stream, highlight=False) if self.fancy else None
+
+  def text(self, line: str = '') -> None:
+    if self._console is not None:
+      self._console.print(rich.text.Text(line), soft_wrap=True)
+    else:
+      print(line, file=self.stream)
+
+  def title(self, line: str) -> None:
+    if self._console is not None:
+      self._console.print()
+      self._console.print(rich.text.Text(line, style='bold'))
+    else:
+      print(f'\n{line}', file=self.stream)
+
+  def fields(self, pairs: Sequence[tuple[str, str]]) -> None:
+    """'Key  value' lines, keys aligned."""
+    width = max((len(k) for k, _ in pairs), default=0)
+    for key, value in pairs:
+      if self._console is not None:
+        self._console.print(rich.text.Text.assemble((f'{key:<{width}}  ', 'cyan'), value))
+      else:
+        print(f'{key:<{width}}  {value}', file=self.stream)
+
+  def table(
+      self,
+      columns: Sequence[str],
+      rows: Sequence[Sequence[str]],
+      right: Sequence[int] = (),
+      indent: int = 2,
+  ) -> None:
+    """A table; `right` lists the columns aligned right (numbers)."""
+    if self._console is not None:
+      table = rich.table.Table(box=rich.box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+      for i, column in enumerate(columns):
+        table.add_column(column, justify='right' if i in right else 'left', overflow='fold')
+      for row in rows:
+        table.add_row(*(rich.text.Text(str(cell)) for cell in row))
+      self._console.print(rich.padding.Padding(table, (0, 0, 0, indent), expand=False))
+      return
+    cells = [list(columns)] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for row in cells:
+      parts = [
+          cell.rjust(w) if i in right else cell.ljust(w)
+          for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+      ]
+      print(' ' * indent + '  '.join(parts).rstrip(), file=self.stream)
+
+
+# --- inspect --------------------------------------------------------------
+
+
+def _shape(shape: Any) -> str:
+  return '-' if shape is None else str(tuple(shape))
+
+
+def _steps_text(report: inspection.Report) -> str:
+  if not report.steps:
+    return '-'
+  committed = [str(s.step) for s in report.steps if s.committed]
+  unfinished = [str(s.step) for s in report.steps if not s.committed]
+  text = ', '.join(committed) or 'none committed'
+  if unfinished:
+    text += f'  (unfinished: {", ".join(unfinished)})'
+  return text
+
+
+def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None:
+  """Draws an inspect report."""
+  d = report.detection
+  kind = {'tunix': 'Tunix', 'maxtext': 'MaxText', 'orbax': 'plain Orbax'}.get(d.kind, d.kind)
+  out.fields(
+      [
+          ('checkpoint', str(d.path)),
+          ('kind', f'{kind} (written with the Orbax {d.writer} API)'),
+          ('step', f'{d.step if d.step is not None else "-"}  ({d.step_dir})'),
+          ('steps', _steps_text(report)),
+          ('size', f'{format_bytes(report.nbytes)} in {report.num_leaves} leaves'),
+      ]
+      + ([('state step', f'{report.state_step} (the optimizer\'s own counter)')]
+         if report.state_step is not None and report.state_step != d.step else [])
+      + [('json items', ', '.join(report.json_items))] * bool(report.json_items)
+      + [('note', note) for note in report.notes]
+  )
+  out.title('Layout')
+  rows = []
+  for item in report.items:
+    rewrites = item.rewrites or (('(none)', 'read as it is'),)
+    for i, (name, description) in enumerate(rewrites):
+      rows.append([item.name if i == 0 else '', name, description])
+  out.table(['item', 'rewrite', 'what it undoes'], rows)
+  for item in report.items:
+    side = f', {len(item.side_leaves)} side leaves left out' if item.side_leaves else ''
+    out.title(f'{item.name}: {len(item.leaves)} leaves, {format_bytes(item.nbytes)}{side}')
+    if collapse:
+      rows = [
+          [r.path, f'x{r.count}' if r.count > 1 else '', _shape(r.shape), str(r.dtype), format_bytes(r.nbytes)]
+          for r in collapse_rows(item.leaves)
+      ]
+      out.table(['path', 'layers', 'shape', 'dtype', 'bytes'], rows, right=(1, 4))
+    else:
+      rows = [
+          [fmt(leaf.path), _shape(leaf.shape), str(leaf.dtype), str(leaf.nbytes)]
+          for leaf in item.leaves
+      ]
+      out.table(['path', 'shape', 'dtype', 'bytes'], rows, right=(3,))
+  out.title('Totals')
+  rows = [
+      [item.name, str(len(item.leaves)), format_bytes(item.nbytes), str(len(item.side_leaves))]
+      for item in report.items
+  ]
+  rows.append(['all', str(report.num_leaves), format_bytes(report.nbytes), ''])
+  out.table(['item', 'leaves', 'bytes', 'side leaves'], rows, right=(1, 2, 3))
+  if any(item.side_leaves for item in report.items):
+    out.text(
+        '  side leaves: on-disk leaves outside the canonical view (an inject_hyperparams'
+        ' shell\'s count and hyperparameters, shown below); convert keeps their values in'
+        ' the custom metadata.'
+    )
+  if report.lora is not None:
+    lora = report.lora
+    out.title('LoRA')
+    out.fields(
+        [
+            ('style', lora.style),
+            ('rank', ', '.join(str(r) for r in lora.ranks) or '-'),
+            ('adapted', f'{len(lora.targets)} weights ({lora.num_leaves} leaves, {format_bytes(lora.nbytes)})'),
+            ('base weights', 'saved too' if lora.base_weights else 'not saved (adapters only)'),
+        ]
+    )
+    for target in _fold_targets(lora.targets, collapse):
+      out.text(f'  {target}')
+  if report.optimizer:
+    out.title(f'Optimizer state ({report.optimizer_item})')
+    for row in report.optimizer:
+      label = '  ' * row.depth + row.path[-1] + ('' if row.leaf is not None else '/')
+      out.text(f'  {label:<32} {outline_text(row, report.num_weights)}'.rstrip())
+  if report.hyperparameters:
+    out.title('Hyperparameters (inject_hyperparams)')
+    rows = [
+        [shell, name, _scalar_text(value)]
+        for shell, values in report.hyperparameters.items()
+        for name, value in sorted(values.items())
+    ]
+    out.table(['shell', 'name', 'value'], rows)
+
+
+def _scalar_text(value: Any) -> str:
+  """A hyperparameter as people write it: 0.001, not 0.0009999999 (float32)."""
+  value = np.asarray(value)[()]
+  if isinstance(value, np.floating):
+    return f'{float(value):.6g}'
+  return str(value)
+
+
+def _fold_targets(targets: Sequence[str], collapse: bool) -> list[str]:
+  """LoRA targets, numbered layers folded on a terminal."""
+  if not collapse:
+    return list(targets)
+  folded: dict[str, list[str]] = {}
+  for target in targets:
+    parts = target.split('/')
+    key = '/'.join('*' if p.isdigit() else p for p in parts)
+    folded.setdefault(key, []).append(target)
+  return [
+      key if len(members) == 1 else f'{key}  (x{len(members)})' for key, members in folded.items()
+  ]
+
+
+def show_verification(out: Output, verification: checksums.Verification) -> None:
+  """Draws what `inspect --verify` found."""
+  out.title('Verify (checksums recorded by orbax-tunix convert)')
+  for title, paths in (
+      ('damaged: data does not match its checksum', verification.damaged),
+      ('recorded but missing from the step', verification.missing),
+      ('no checksum recorded (not checked)', verification.unrecorded),
+  ):
+    if paths:
+      out.text(f'  {title}: {len(paths)}')
+      for path in paths[:DIFF_ROWS]:
+        out.text(f'    {path}')
+  verdict = 'ok' if verification.ok else 'FAILED'
+  out.text(f'  {verdict}: {verification.checked} arrays checked')
+
+
+# --- diff -----------------------------------------------------------------
+
+
+def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
+  return {
+      'a': str(result.a),
+      'b': str(result.b),
+      'match': result.match,
+      'damaged_a': list(result.damaged_a),
+      'damaged_b': list(result.damaged_b),
+      'only_a': list(result.only_a),
+      'only_b': list(result.only_b),
+      'shape': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.shape],
+      'dtype': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.dtype],
+      'values': [
+          {'path': v.path, 'max_abs_diff': v.max_abs_diff, 'differing': v.differing, 'size': v.size}
+          for v in result.values
+      ],
+      'compared': result.compared,
+      'bytes_compared': result.bytes_compared,
+      'atol': result.atol,
+      'max_abs_diff': result.max_abs_diff,
+      'ignore_dtype': result.ignore_dtype,
+  }
+
+
+def _limited(rows: list[list[str]], limit: int | None) -> tuple[list[list[str]], int]:
+  if limit is None or len(rows) <= limit:
+    return rows, 0
+  return rows[:limit], len(rows) - limit
+
+
+def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint: str | None) -> None:
+  """Draws a diff result, then its one-line verdict."""
+  sections = [
+      (
+          f'Damaged in A ({result.a}): data does not match its recorded checksum',
+          ['path'], [[p] for p in result.damaged_a], (),
+      ),
+      (
+          f'Damaged in B ({result.b}): data does not match its recorded checksum',
+          ['path'], [[p] for p in result.damaged_b], (),
+      ),
+      (f'Only in A ({result.a})', ['path'], [[p] for p in result.only_a], ()),
+      (f'Only in B ({result.b})', ['path'], [[p] for p in result.only_b], ()),
+      ('Shapes differ', ['path', 'A', 'B'], [[m.path, m.a, m.b] for m in result.shape], ()),
+      (
+          'Dtypes differ' + (' (ignored)' if result.ignore_dtype else ''),
+          ['path', 'A', 'B'],
+          [[m.path, m.a, m.b] for m in result.dtype],
+          (),
+      ),
+      (
+          f'Values differ (atol {result.atol:g})',
+          ['path', 'max abs diff', 'elements differing'],
+          [[v.path, f'{v.max_abs_diff:.6g}', f'{v.differing} / {v.size}'] for v in result.values],
+          (1, 2),
+      ),
+  ]
+  for title, columns, rows, right in sections:
+    if not rows:
+      continue
+    shown, more = _limited(rows, limit)
+    out.title(f'{title}: {len(rows)}')
+    out.table(columns, shown, right=right)
+    if more:
+      out.text(f'  ... and {more} more (--json lists them all)')
+  if hint:
+    out.text()
+    out.text(f'hint: {hint}')
+  out.text()
+  if result.match:
+    out.text(
+        f'match: {result.compared} leaves ({format_bytes(result.bytes_compared)}) compared,'
+        f' max abs diff {result.max_abs_diff:g} (atol {result.atol:g})'
+    )
+  else:
+    out.text(
+        f'differ: {len(result.damaged_a) + len(result.damaged_b)} damaged,'
+        f' {len(result.only_a)} only in A, {len(result.only_b)} only in B,'
+        f' {len(result.shape)} shapes, {len(result.dtype)} dtypes,'
+        f' {len(result.values)} values (max abs diff {result.max_abs_diff:g}, atol'
+        f' {result.atol:g}); {result.compared} leaves compared'
+    )
+
+
+def diff_hint(result: diff_lib.DiffResult, params_only: bool) -> str | None:
+  if params_only or not (result.only_a and result.only_b):
+    return None
+  items_a = {p.split('/')[0] for p in result.only_a}
+  items_b = {p.split('/')[0] for p in result.only_b}
+  if items_a.isdisjoint(items_b):
+    return (
+        f'the two sides hold different items ({", ".join(sorted(items_a))} vs'
+        f' {", ".join(sorted(items_b))}); to compare the model weights alone (e.g.'
+        ' against a --layout maxtext conversion), add --params-only.'
+    )
+  return None

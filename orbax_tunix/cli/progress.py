@@ -1,0 +1,160 @@
+"""Progress on the terminal, and stopping a long command cleanly.
+
+The library's streaming tools report bytes done to a `reader.Progress`; here
+it is drawn: a rich bar on a terminal (when rich is installed), one rewritten
+line otherwise, and a line every `LOG_INTERVAL` seconds into a log. SIGINT,
+SIGTERM and SIGHUP stop a conversion at the next batch, so that it removes
+what it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from orbax_tunix import reader
+from orbax_tunix.cli.display import format_bytes, format_duration, is_tty
+
+try:  # rich is optional.
+  import rich.console
+  import rich.progress
+except ImportError:  # pragma: no cover - exercised by hiding rich in a test.
+  rich = None
+
+# Seconds between progress lines when stderr is not a terminal.
+LOG_INTERVAL = 10.0
+
+
+class RichProgress:
+  """A progress bar with bytes done, throughput and time left (rich)."""
+
+  def __init__(self, stream: TextIO):
+    self._progress = rich.progress.Progress(
+        rich.progress.TextColumn('{task.description}'),
+        rich.progress.BarColumn(),
+        rich.progress.DownloadColumn(binary_units=True),
+        rich.progress.TransferSpeedColumn(),
+        rich.progress.TimeRemainingColumn(),
+        console=rich.console.Console(file=stream),
+        transient=True,
+    )
+    self._task = None
+
+  def start(self, total_bytes: int, description: str) -> None:
+    self._progress.start()
+    self._task = self._progress.add_task(description, total=max(total_bytes, 1))
+
+  def advance(self, nbytes: int) -> None:
+    self._progress.advance(self._task, nbytes)
+
+  def finish(self) -> None:
+    self._progress.stop()
+
+
+class LineProgress:
+  """Progress as text: one rewritten line on a terminal, else a line every LOG_INTERVAL s."""
+
+  def __init__(self, stream: TextIO, rewrite: bool):
+    self._stream = stream
+    self._rewrite = rewrite
+    self._total = 1
+    self._done = 0
+    self._start = 0.0
+    self._last = 0.0
+    self._description = ''
+
+  def start(self, total_bytes: int, description: str) -> None:
+    self._total, self._done = max(total_bytes, 1), 0
+    self._start = self._last = time.monotonic()
+    self._description = description
+
+  def line(self) -> str:
+    elapsed = max(time.monotonic() - self._start, 1e-9)
+    rate = self._done / elapsed
+    left = (self._total - self._done) / rate if rate > 0 else 0.0
+    return (
+        f'{self._description}: {format_bytes(self._done)} / {format_bytes(self._total)}'
+        f' ({100 * self._done / self._total:.0f}%), {format_bytes(int(rate))}/s,'
+        f' {format_duration(left)} left'
+    )
+
+  def advance(self, nbytes: int) -> None:
+    self._done += nbytes
+    now = time.monotonic()
+    if self._rewrite:
+      if now - self._last < 0.1 and self._done < self._total:
+        return
+    elif now - self._last < LOG_INTERVAL:
+      return  # In a log, a quick run shows only its summary.
+    self._last = now
+    if self._rewrite:
+      self._stream.write('\r\x1b[2K' + self.line())
+    else:
+      self._stream.write(self.line() + '\n')
+    self._stream.flush()
+
+  def finish(self) -> None:
+    if self._rewrite:
+      self._stream.write('\r\x1b[2K')
+      self._stream.flush()
+
+
+def make_progress(stream: TextIO, fancy: bool) -> Any:
+  """The progress display suited to `stream` (stderr)."""
+  if is_tty(stream):
+    if fancy and rich is not None:
+      return RichProgress(stream)
+    return LineProgress(stream, rewrite=True)
+  return LineProgress(stream, rewrite=False)
+
+
+class Interruptible:
+  """A `Progress` that stops the conversion at the next batch once signalled.
+
+  A KeyboardInterrupt raised by a signal handler can land in a callback whose
+  exceptions Python ignores (e.g. XLA's garbage-collection hook) and be lost;
+  the flag makes the stop certain, at the latest after the current batch.
+  """
+
+  def __init__(self, inner: reader.Progress):
+    self._inner = inner
+    self.stop = threading.Event()
+
+  def start(self, total_bytes: int, description: str) -> None:
+    self._inner.start(total_bytes, description)
+
+  def advance(self, nbytes: int) -> None:
+    self._inner.advance(nbytes)
+    if self.stop.is_set():
+      raise KeyboardInterrupt
+
+  def finish(self) -> None:
+    self._inner.finish()
+
+
+@contextlib.contextmanager
+def signals_stop(progress: Interruptible) -> Iterator[None]:
+  """SIGINT, SIGTERM and SIGHUP stop the conversion, so its temporary files are removed."""
+
+  def handler(signum: int, frame: Any) -> None:
+    del signum, frame
+    progress.stop.set()
+    raise KeyboardInterrupt
+
+  try:
+    previous = {
+        sig: signal.signal(sig, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+  except ValueError:  # Not the main thread: leave signals alone.
+    yield
+    return
+  try:
+    yield
+  finally:
+    for sig, old in previous.items():
+      signal.signal(sig, old)

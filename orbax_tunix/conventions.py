@@ -1,0 +1,60 @@
+"""The names other libraries give things, in one place.
+
+Tunix's items and nnx's levels, MaxText's item and collection, and how each
+tells model weights from other state. The rules, the handlers, the MaxText
+view and the tools all take these names from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from orbax_tunix.keypaths import Path
+
+# The two items every Tunix trainer writes (tunix/sft/checkpoint_manager.py).
+MODEL_ITEM = 'model_params'
+OPTIMIZER_ITEM = 'optimizer_state'
+TUNIX_ITEMS = (MODEL_ITEM, OPTIMIZER_ITEM)
+# The top-level keys of `nnx.state(optimizer, nnx.optimizer.OptState)`.
+OPTIMIZER_KEYS = frozenset({'opt_state', 'step'})
+# The optimizer's own step counter in Tunix's optimizer item (canonical path).
+OPTIMIZER_STEP: Path = ('step',)
+
+# nnx saves each Variable under its `value` attribute.
+NNX_VALUE = 'value'
+# nnx keeps RNG state (`rngs/<stream>/{count,key}`, `dropout/rngs/...`) among
+# the weights; any path with this key is RNG state, not a weight.
+RNG_KEY = 'rngs'
+# MaxText's adapter (TunixMaxTextAdapter) puts the whole model under `base`.
+ADAPTER_KEY = 'base'
+
+# MaxText keeps one item, a Linen TrainState, its weights under the Linen
+# `params` collection.
+MAXTEXT_ITEM = 'items'
+MAXTEXT_PARAMS: Path = ('params', 'params')
+
+# RL trainers nest each model's steps one level deeper: <root>/actor/<step>.
+RL_ROLES = ('actor', 'critic')
+
+
+def is_rng_state(path: Path) -> bool:
+  """True for nnx RNG state (a path with an `rngs` key), which is no weight."""
+  return RNG_KEY in path
+
+
+def role(item: str, top_keys: Collection[str]) -> str | None:
+  """Which Tunix item an item plays: by its name, else by its top-level keys.
+
+  An item saved on its own (under any name) is the optimizer state when its
+  keys are the optimizer's (`opt_state`, `step`), else the model.
+
+  Returns:
+    MODEL_ITEM, OPTIMIZER_ITEM, or None for an item that is neither (a step's
+    third item, e.g. JSON metadata).
+  """
+  if item in TUNIX_ITEMS:
+    return item
+  keys = frozenset(top_keys)
+  if keys and keys <= OPTIMIZER_KEYS and 'opt_state' in keys:
+    return OPTIMIZER_ITEM
+  return MODEL_ITEM

@@ -1,0 +1,222 @@
+"""Detection: what a checkpoint path holds and which rewrites apply.
+
+`detect()` resolves a path to a step (`storage`), checks that every item the
+step records is there and readable as what it claims to be, classifies the
+checkpoint (Tunix, MaxText or plain Orbax) and plans the rewrites of each
+PyTree item (`canonical.plan_step`). Only metadata is read, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+from etils import epath
+
+from orbax_tunix import _orbax, canonical, conventions, errors, storage
+
+
+@dataclasses.dataclass(frozen=True)
+class Detection:
+  """What `detect()` found.
+
+  Attributes:
+    location: where the path led (the step, the item if the path was one,
+      the root and its steps, notes).
+    kind: 'tunix', 'maxtext' or 'orbax' (any other Orbax checkpoint).
+    writer: 'v0' or 'v1', the Orbax API the step was written with.
+    maps: PyTree item name -> its `CanonicalMap` (identity for items that
+      are not Tunix's).
+    others: items that are not PyTrees -> the handler they were saved with.
+    notes: things a person should know.
+  """
+
+  location: storage.Location
+  kind: str
+  writer: str
+  maps: Mapping[str, canonical.CanonicalMap]
+  others: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+  notes: tuple[str, ...] = ()
+
+  @property
+  def path(self) -> epath.Path:
+    return self.location.path
+
+  @property
+  def source(self) -> storage.Step:
+    return self.location.step
+
+  @property
+  def step_dir(self) -> epath.Path:
+    return self.location.step.directory
+
+  @property
+  def step(self) -> int | None:
+    return self.location.step.number
+
+  @property
+  def item(self) -> str | None:
+    return self.location.item
+
+  @property
+  def steps(self) -> tuple[storage.StepEntry, ...]:
+    return self.location.steps
+
+  @property
+  def is_tunix(self) -> bool:
+    return self.kind == 'tunix'
+
+  @property
+  def items(self) -> tuple[str, ...]:
+    return tuple(sorted({*self.maps, *self.others}))
+
+  @property
+  def item_handlers(self) -> dict[str, str | None]:
+    """Item name -> handler typestr recorded at save time (None if none was)."""
+    return {name: self.source.handler(name) for name in self.items}
+
+  @property
+  def rewrites(self) -> dict[str, tuple[str, ...]]:
+    """Tunix item name -> names of the rules that apply to it, in order."""
+    return {name: m.rule_names for name, m in self.maps.items() if m.rewrites}
+
+  def item_meta(self, name: str) -> storage.Item:
+    """An item's leaves as read for this detection."""
+    return self.source.item(name)
+
+
+def _writer(step: storage.Step) -> str:
+  recorded = step.recorded or {}
+  return 'v1' if any(t and '.v1.' in t for t in recorded.values()) else 'v0'
+
+
+def _classify(maps: Mapping[str, canonical.CanonicalMap]) -> str:
+  if any(m.rewrites for m in maps.values()):
+    return 'tunix'
+  items = maps.get(conventions.MAXTEXT_ITEM)
+  n = len(conventions.MAXTEXT_PARAMS)
+  if items is not None and any(p[:n] == conventions.MAXTEXT_PARAMS for p in items.disk_to_canonical):
+    return 'maxtext'
+  return 'orbax'
+
+
+def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str | None], list[str]]:
+  """(non-PyTree items -> handler, notes); raises for items that are not what they claim."""
+  others: dict[str, str | None] = {}
+  notes = []
+  for name in names:
+    item_dir = step.item_dir(name)
+    typestr = step.handler(name)
+    if not item_dir.is_dir():
+      found = 'a file' if item_dir.exists() else 'nothing (or a broken link)'
+      raise errors.CorruptMetadataError(
+          f'{step.directory}: the step records the item {name!r}, found {found} at'
+          f' {item_dir}. The step is damaged or incomplete: restore another step,'
+          ' or ask for the other items only.'
+      )
+    is_pytree = _orbax.is_pytree_handler(typestr)
+    if is_pytree is False:
+      if step.is_pytree(name):
+        raise errors.CorruptMetadataError(
+            f'{step.directory}: {storage.CHECKPOINT_METADATA} says item {name!r} was'
+            f' saved by {typestr}, but it holds a PyTree ({storage.PYTREE_METADATA}).'
+            ' The step metadata is damaged; restore the item with explicit'
+            ' PyTreeRestore args, or restore another step.'
+        )
+      others[name] = typestr
+    elif is_pytree is None and typestr is not None:
+      notes.append(f'item {name!r} records a handler unknown here ({typestr}); read as'
+                   ' the PyTree its files hold')
+  return others, notes
+
+
+def detect(
+    path: epath.PathLike, *, step: int | None = None, items: Iterable[str] | None = None
+) -> Detection:
+  """Says what a checkpoint path holds and which rewrites apply.
+
+  Reads metadata only (`_CHECKPOINT_METADATA`, each item's `_METADATA`).
+
+  Args:
+    path: a checkpoint root (its latest committed step is used; an RL root
+      with `actor/` too), a step directory, an item directory, or one item
+      saved on its own.
+    step: the step wanted under a root (None: the latest committed one).
+    items: the items to look at (default: every item the step records; an
+      item directory: that item). Damage to the others is not reported.
+
+  Returns:
+    A `Detection`; `is_tunix` is False for plain Orbax and MaxText checkpoints.
+
+  Raises:
+    NotACheckpointError, UncommittedStepError, CorruptMetadataError,
+    UnsupportedLayoutError: see their docstrings; each message names the path.
+  """
+  location = storage.resolve(path, step)
+  found = location.step
+  if items is not None:
+    names = list(items)
+    unknown = sorted(set(names) - set(found.items) - set(found.present))
+    if unknown:
+      raise errors.MissingItemError(
+          f'{found.directory}: expected the items asked for, {unknown} not found (the'
+          f' step has {list(found.items)}). Ask only for items the step has.'
+      )
+  elif location.item is not None:
+    names = [location.item]
+  else:
+    names = list(found.items)
+  others, notes = _sort_items(found, names)
+  pytrees = [n for n in names if n not in others]
+  metas = {n: found.item(n) for n in pytrees}
+  if conventions.OPTIMIZER_ITEM in metas and conventions.MODEL_ITEM not in metas:
+    # The adapter level in mu/nu is recognised by comparison with the weights.
+    if found.is_pytree(conventions.MODEL_ITEM) and conventions.MODEL_ITEM in found.present:
+      metas[conventions.MODEL_ITEM] = found.item(conventions.MODEL_ITEM)
+  maps = plan(found, metas)
+  maps = {n: maps[n] for n in pytrees}
+  return Detection(
+      location=location,
+      kind=_classify(maps),
+      writer=_writer(found),
+      maps=maps,
+      others=others,
+      notes=location.notes + tuple(notes),
+  )
+
+
+def plan(step: storage.Step, metas: Mapping[str, storage.Item]) -> dict[str, canonical.CanonicalMap]:
+  """Plans the rewrites of some PyTree items of one step.
+
+  An item saved on its own is planned as the Tunix item its contents are (see
+  `conventions.role`).
+  """
+  if step.single_item:
+    (name, meta), = metas.items()
+    role = conventions.role(name, {p[0] for p in meta.paths if p})
+    planned = canonical.plan_step({role: meta.paths})[role]
+    return {name: dataclasses.replace(planned, item=name)}
+  return canonical.plan_step({name: meta.paths for name, meta in metas.items()})
+
+
+def plan_item(item_dir: epath.PathLike) -> tuple[storage.Item, canonical.CanonicalMap] | None:
+  """Reads and plans one item directory, or None when it holds no PyTree.
+
+  The optimizer item is planned with its step's model item, whose weights
+  identify the adapter level in mu/nu; a model item is planned alone.
+
+  Raises:
+    CorruptMetadataError, UnsupportedLayoutError.
+  """
+  item_dir = storage.as_path(item_dir)
+  if not storage.has_tree(item_dir):
+    return None
+  parent = item_dir.parent
+  single = (item_dir / storage.CHECKPOINT_METADATA).exists()
+  step = storage.open_step(item_dir if single else parent)
+  name = step.item_name if step.single_item else item_dir.name
+  metas = {name: step.item(name)}
+  model = conventions.MODEL_ITEM
+  if name == conventions.OPTIMIZER_ITEM and not step.single_item and storage.has_tree(parent / model):
+    metas[model] = step.item(model)
+  return metas[name], plan(step, metas)[name]

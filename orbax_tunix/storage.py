@@ -1,0 +1,700 @@
+"""How a checkpoint sits on disk: roots of steps, steps of items, items of leaves.
+
+Everything here is read from Orbax's own small files, once: a step's
+`_CHECKPOINT_METADATA` (items and their handlers), each item's `_METADATA`
+(its leaves), and, when shapes or dtypes are asked for, the item's key-value
+store listing and the arrays' zarr headers. A `Step` and its `Item`s keep what
+they read, so detection, the handlers, the MaxText view and the tools share
+one reading. No array data is read here.
+
+Every file is read with a cap on its size, and every failure names the file,
+what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix import _orbax, errors
+from orbax_tunix.keypaths import Path, fmt
+
+CHECKPOINT_METADATA = '_CHECKPOINT_METADATA'
+PYTREE_METADATA = '_METADATA'
+AGGREGATE_FILE = 'checkpoint'  # msgpack tree of Orbax releases before _METADATA
+ARRAY_METADATAS = 'array_metadatas'
+TMP_MARKER = '.orbax-checkpoint-tmp'
+# RL trainers nest each model's steps one level deeper.
+RL_ROLES = ('actor', 'critic')
+# No metadata file of a real checkpoint comes near this (a 1M-leaf _METADATA
+# is ~250 MB); a larger one is damaged, or not a metadata file.
+MAX_METADATA_BYTES = 1 << 30
+
+# `key_type` in `_METADATA`: a sequence index or a dict key.
+SEQUENCE_KEY = 1
+# Below this many leaves, shapes come from each array's zarr header; above it,
+# from one listing of the item's key-value store (see `Item.shapes`).
+_HEADER_READS_UP_TO = 256
+
+
+# --- reading files ----------------------------------------------------------
+
+
+def as_path(path: epath.PathLike) -> epath.Path:
+  """An `epath.Path`, made absolute when local (TensorStore's OCDBT needs it)."""
+  path = epath.Path(path)
+  return path if '://' in os.fspath(path) or path.is_absolute() else path.resolve()
+
+
+def _is_local(path: epath.Path) -> bool:
+  return '://' not in os.fspath(path)
+
+
+def read_bytes(path: epath.Path, what: str) -> bytes:
+  """A metadata file's bytes, at most `MAX_METADATA_BYTES` of them.
+
+  Args:
+    path: the file.
+    what: what it should be, for messages (e.g. "Orbax's PyTree metadata").
+
+  Raises:
+    CorruptMetadataError: missing, not a regular file, larger than the cap,
+      or unreadable.
+  """
+  if _is_local(path):
+    try:
+      info = os.stat(path)
+    except FileNotFoundError as e:
+      raise errors.CorruptMetadataError(
+          f'{path}: expected {what}, found nothing. The checkpoint is incomplete;'
+          ' restore another step or re-save it.'
+      ) from e
+    except OSError as e:
+      raise errors.CorruptMetadataError(f'{path}: cannot read {what} ({e}).') from e
+    if not stat.S_ISREG(info.st_mode):
+      raise errors.CorruptMetadataError(
+          f'{path}: expected {what} in a regular file, found a'
+          f' {"directory" if stat.S_ISDIR(info.st_mode) else "device or pipe"}.'
+          ' The checkpoint is damaged; restore another step.'
+      )
+    if info.st_size > MAX_METADATA_BYTES:
+      raise _too_large(path, what, info.st_size)
+  try:
+    with path.open('rb') as f:
+      data = f.read(MAX_METADATA_BYTES + 1)
+  except FileNotFoundError as e:
+    raise errors.CorruptMetadataError(
+        f'{path}: expected {what}, found nothing. The checkpoint is incomplete;'
+        ' restore another step or re-save it.'
+    ) from e
+  except OSError as e:
+    raise errors.CorruptMetadataError(
+        f'{path}: cannot read {what} ({e}). Check the path and its permissions.'
+    ) from e
+  if len(data) > MAX_METADATA_BYTES:
+    raise _too_large(path, what, None)
+  return data
+
+
+def _too_large(path: epath.Path, what: str, size: int | None) -> errors.CorruptMetadataError:
+  found = f'{size} bytes' if size is not None else 'more than that'
+  return errors.CorruptMetadataError(
+      f'{path}: expected {what}, found a file larger than the {MAX_METADATA_BYTES}'
+      f' bytes a metadata file may hold ({found}). It is damaged or not Orbax'
+      ' metadata; restore another step.'
+  )
+
+
+def read_json(path: epath.Path, what: str = 'an Orbax metadata file') -> Any:
+  """A JSON metadata file, parsed, within the size cap.
+
+  Raises:
+    CorruptMetadataError: see `read_bytes`; or not JSON, or nested deeper
+      than Python's parser allows.
+  """
+  data = read_bytes(path, what)
+  try:
+    return json.loads(data)
+  except RecursionError as e:
+    raise errors.CorruptMetadataError(
+        f'{path}: expected {what}, found JSON nested deeper than the parser allows'
+        ' (Orbax metadata is a few levels deep). The file is damaged; restore'
+        ' another step.'
+    ) from e
+  except ValueError as e:
+    raise errors.CorruptMetadataError(
+        f'{path}: expected {what} as JSON, found {len(data)} bytes that do not'
+        f' parse ({e}). The file is truncated or damaged; restore another step.'
+    ) from e
+
+
+# --- steps under a root -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEntry:
+  """One step directory under a root.
+
+  Attributes:
+    step: its number.
+    path: the directory.
+    committed: whether Orbax counts it as finished (on a local disk: its name
+      carries no tmp marker; on a bucket: it holds `commit_success.txt`).
+  """
+
+  step: int
+  path: epath.Path
+  committed: bool
+
+
+def step_number(name: str) -> int | None:
+  """The step a directory name stands for, as Orbax reads it ('7', 'ckpt_7', tmp)."""
+  try:
+    return ocp.path.step.step_from_checkpoint_name(name)
+  except ValueError:
+    return None
+
+
+def list_steps(root: epath.Path) -> list[StepEntry]:
+  """Step directories directly under `root`, committed or not, by step number.
+
+  "Committed" is Orbax's own decision for the kind of path
+  (`ocp.path.step.is_path_finalized`).
+  """
+  steps = []
+  for child in root.iterdir():
+    number = step_number(child.name)
+    if number is None or not child.is_dir():
+      continue
+    committed = TMP_MARKER not in child.name and ocp.path.step.is_path_finalized(child)
+    steps.append(StepEntry(number, child, committed))
+  return sorted(steps, key=lambda s: (s.step, s.committed))
+
+
+def describe_steps(steps: Sequence[StepEntry]) -> str:
+  """'1, 2, 3 (unfinished)': the steps of a root, for messages."""
+  if not steps:
+    return 'none'
+  return ', '.join(f'{s.step}' + ('' if s.committed else ' (unfinished)') for s in steps)
+
+
+# --- an item's leaves ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One leaf of an item, as `_METADATA` records it.
+
+  Attributes:
+    path: its key path on disk.
+    key_types: per key, `SEQUENCE_KEY` for a sequence index, else a dict key.
+    value_type: Orbax's type name ('jax.Array', 'np.ndarray', 'scalar',
+      'string', 'None' for an empty node, ...).
+  """
+
+  path: Path
+  key_types: tuple[int, ...]
+  value_type: str
+
+  @property
+  def is_array(self) -> bool:
+    return self.value_type in ('jax.Array', 'np.ndarray')
+
+  @property
+  def has_zarr(self) -> bool:
+    """Stored as a zarr array (arrays and scalars), with a header of its own."""
+    return self.is_array or self.value_type == 'scalar'
+
+  @property
+  def is_empty(self) -> bool:
+    """An empty node (None, an empty state): structure, not data."""
+    return self.value_type == 'None'
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+  """An array's global shape and dtype, from its zarr header."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One item directory of a step, read once from its metadata.
+
+  Attributes:
+    name: the item's name (its directory name).
+    directory: the item directory.
+    leaves: every leaf, in `_METADATA`'s order.
+    use_ocdbt: the arrays sit in one OCDBT key-value store.
+    use_zarr3: the arrays are zarr v3 (else v2).
+    stores_fill_chunks: every chunk was written, also those equal to the fill
+      value (Orbax's `store_array_data_equal_to_fill_value`).
+    legacy: the item predates `_METADATA` (only the msgpack tree exists).
+  """
+
+  name: str
+  directory: epath.Path
+  leaves: tuple[Leaf, ...]
+  use_ocdbt: bool = True
+  use_zarr3: bool = False
+  stores_fill_chunks: bool = False
+  legacy: bool = False
+
+  @functools.cached_property
+  def by_path(self) -> dict[Path, Leaf]:
+    return {leaf.path: leaf for leaf in self.leaves}
+
+  @functools.cached_property
+  def paths(self) -> frozenset[Path]:
+    return frozenset(self.by_path)
+
+  @functools.cached_property
+  def _store(self) -> Any:
+    return _orbax.open_kvstore(self.directory, use_ocdbt=self.use_ocdbt)
+
+  @functools.cached_property
+  def _listing(self) -> frozenset[str]:
+    """Every key of the item's store (one listing; chunk keys included)."""
+    try:
+      return frozenset(k.decode() for k in self._store.list().result())
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._storage_error(e) from e
+
+  def _storage_error(self, e: BaseException) -> errors.CorruptMetadataError:
+    return errors.CorruptMetadataError(
+        f'{self.directory}: the array store cannot be read: stored data is missing'
+        f' or damaged ({_orbax.failure_text(_orbax.storage_failure(e) or e)}).'
+        ' Restore another step.'
+    )
+
+  def check_arrays_exist(self, paths: Iterable[Path] | None = None) -> None:
+    """Checks that every array leaf (or those in `paths`) has data in the store.
+
+    One listing of the store, whatever the number of leaves.
+
+    Raises:
+      CorruptMetadataError: naming the leaves `_METADATA` lists that have no
+        array data.
+    """
+    wanted = self.leaves if paths is None else [self.by_path[p] for p in paths]
+    keys = self._listing
+    header = 'zarr.json' if self.use_zarr3 else '.zarray'
+    absent = [
+        fmt(leaf.path) for leaf in wanted
+        if leaf.has_zarr and f'{_orbax.array_name(leaf.path)}/{header}' not in keys
+    ]
+    if absent:
+      raise errors.CorruptMetadataError(
+          f'{self.directory}: {PYTREE_METADATA} lists {len(absent)} leaves that have no'
+          f' array data in the store:\n{errors.list_paths(absent)}\nThe item is damaged'
+          ' or incomplete (or its metadata was edited); restore another step.'
+      )
+
+  def arrays(self, paths: Iterable[Path] | None = None) -> dict[Path, ArrayInfo]:
+    """Global shape and dtype of zarr leaves (arrays, scalars; all or those in `paths`).
+
+    Reads each array's small zarr header, all at once; no array data.
+
+    Raises:
+      CorruptMetadataError: a header is missing or unreadable.
+    """
+    wanted = [
+        leaf.path for leaf in (self.leaves if paths is None else (self.by_path[p] for p in paths))
+        if leaf.has_zarr
+    ]
+    missing = [p for p in wanted if p not in self._headers]
+    if missing:
+      self._headers.update(self._read_headers(missing))
+    return {p: self._headers[p] for p in wanted}
+
+  @functools.cached_property
+  def _headers(self) -> dict[Path, ArrayInfo]:
+    return {}
+
+  def _read_headers(self, paths: Sequence[Path]) -> dict[Path, ArrayInfo]:
+    name = 'zarr.json' if self.use_zarr3 else '.zarray'
+    try:
+      reads = [(p, self._store.read(f'{_orbax.array_name(p)}/{name}')) for p in paths]
+      found = {p: r.result().value for p, r in reads}
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._storage_error(e) from e
+    absent = [fmt(p) for p, value in found.items() if not value]
+    if absent:
+      self.check_arrays_exist(paths)  # Names every leaf without data.
+      raise errors.CorruptMetadataError(
+          f'{self.directory}: the zarr headers of {len(absent)} arrays are empty:\n'
+          f'{errors.list_paths(absent)}\nThe item is damaged; restore another step.'
+      )
+    return {p: _orbax.parse_zarr_header(value, self.use_zarr3) for p, value in found.items()}
+
+  def shapes(self, paths: Iterable[Path]) -> dict[Path, tuple[int, ...]]:
+    """Global shapes of the array leaves in `paths`, without reading array data.
+
+    A few leaves: from their zarr headers. Many: from one listing of the
+    store, as the chunk grid times the chunk shape Orbax records in
+    `array_metadatas/` (exact when every chunk was stored); leaves that route
+    cannot settle fall back to their headers.
+
+    Raises:
+      CorruptMetadataError: an array has no data, or its header is damaged.
+    """
+    wanted = [p for p in paths if self.by_path[p].has_zarr]
+    if len(wanted) <= _HEADER_READS_UP_TO or not self.stores_fill_chunks:
+      return {p: info.shape for p, info in self.arrays(wanted).items()}
+    self.check_arrays_exist(wanted)
+    grid = _orbax.chunk_grids(self._listing, wanted, self.use_zarr3)
+    chunks = self._chunk_shapes
+    shapes, rest = {}, []
+    for p in wanted:
+      chunk = chunks.get(_orbax.array_name(p))
+      counts = grid.get(p)
+      if chunk == ():
+        shapes[p] = ()  # A 0-d array: one chunk, whatever its key.
+      elif chunk is None or counts is None or len(chunk) != len(counts):
+        rest.append(p)
+      else:
+        shapes[p] = tuple(c * n for c, n in zip(chunk, counts, strict=True))
+    shapes.update((p, info.shape) for p, info in self.arrays(rest).items())
+    return shapes
+
+  @functools.cached_property
+  def _chunk_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Array name -> chunk shape, from `array_metadatas/process_*` ({} if absent)."""
+    folder = self.directory / ARRAY_METADATAS
+    out: dict[str, tuple[int, ...]] = {}
+    if not folder.is_dir():
+      return out
+    for path in folder.iterdir():
+      try:
+        entries = read_json(path, "Orbax's array metadata")['array_metadatas']
+        for entry in entries:
+          meta = entry['array_metadata']
+          out[meta['param_name']] = tuple(meta['chunk_shape'])
+      except (errors.CorruptMetadataError, KeyError, TypeError):
+        return {}  # Shapes then come from the headers.
+    return out
+
+
+def _tree_from_aggregate(path: epath.Path) -> tuple[Leaf, ...]:
+  """Leaves of an old checkpoint's msgpack `checkpoint` file (no _METADATA)."""
+  try:
+    tree = msgpack.unpackb(read_bytes(path, "Orbax's msgpack tree"), raw=False,
+                           strict_map_key=False)
+  except (ValueError, msgpack.UnpackException) as e:
+    raise errors.CorruptMetadataError(
+        f'{path}: expected Orbax\'s msgpack tree file, found bytes that do not'
+        f' decode ({e}). The file is damaged; restore another step.'
+    ) from e
+  leaves: list[Leaf] = []
+
+  def walk(node: Any, prefix: Path) -> None:
+    if isinstance(node, dict) and node:
+      for key, child in node.items():
+        walk(child, prefix + (str(key),))
+    else:
+      leaves.append(Leaf(prefix, (2,) * len(prefix), 'unknown'))
+
+  walk(tree, ())
+  return tuple(leaves)
+
+
+def has_tree(directory: epath.Path) -> bool:
+  """Whether a directory holds PyTree metadata (`_METADATA` or the older msgpack)."""
+  return (directory / PYTREE_METADATA).exists() or (directory / AGGREGATE_FILE).exists()
+
+
+def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
+  """Reads one item's `_METADATA` (or, for old checkpoints, its msgpack tree).
+
+  Args:
+    directory: the item directory.
+    name: its name in the step (the directory's name by default).
+
+  Raises:
+    CorruptMetadataError: the metadata is missing, damaged or not a PyTree's.
+  """
+  directory = as_path(directory)
+  name = directory.name if name is None else name
+  meta_file = directory / PYTREE_METADATA
+  if not meta_file.exists() and (directory / AGGREGATE_FILE).exists():
+    return Item(name, directory, _tree_from_aggregate(directory / AGGREGATE_FILE), legacy=True)
+  if not directory.is_dir():
+    found = 'a file' if directory.exists() else 'nothing (or a broken link)'
+    raise errors.CorruptMetadataError(
+        f'{directory}: expected an item directory holding {PYTREE_METADATA}, found'
+        f' {found}. The step is damaged or incomplete; restore another step.'
+    )
+  meta = read_json(meta_file, "Orbax's PyTree metadata")
+  try:
+    entries = meta['tree_metadata']
+    leaves = tuple(
+        Leaf(
+            tuple(str(k['key']) for k in entry['key_metadata']),
+            tuple(int(k.get('key_type', 2)) for k in entry['key_metadata']),
+            str((entry.get('value_metadata') or {}).get('value_type', 'unknown')),
+        )
+        for entry in entries.values()
+    )
+  except (KeyError, TypeError, AttributeError, ValueError) as e:
+    raise errors.CorruptMetadataError(
+        f"{meta_file}: expected Orbax PyTree metadata ('tree_metadata' with"
+        f" 'key_metadata' per leaf), found something else ({type(e).__name__}: {e})."
+        ' The file is damaged or was not written by a PyTree handler; restore'
+        ' another step.'
+    ) from e
+  return Item(
+      name=name,
+      directory=directory,
+      leaves=leaves,
+      use_ocdbt=bool(meta.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory),
+      use_zarr3=bool(meta.get('use_zarr3', False)),
+      stores_fill_chunks=bool(meta.get('store_array_data_equal_to_fill_value', False)),
+  )
+
+
+# --- a step's items -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One step directory, read once from its `_CHECKPOINT_METADATA`.
+
+  Attributes:
+    directory: the step directory.
+    number: its step number, when its name carries one.
+    recorded: item name -> the handler typestr recorded at save time (None
+      when none was); None when the step records no items.
+    custom_metadata: the user's custom metadata recorded with the step.
+    single_item: the directory is one item saved on its own (by a
+      `Checkpointer` over a PyTree handler): `_METADATA` and
+      `_CHECKPOINT_METADATA` side by side. Its one item is named `item_name`.
+  """
+
+  directory: epath.Path
+  number: int | None
+  recorded: Mapping[str, str | None] | None
+  custom_metadata: Mapping[str, Any]
+  single_item: bool = False
+
+  @functools.cached_property
+  def present(self) -> tuple[str, ...]:
+    """Items on disk: subdirectories that are not Orbax's own files."""
+    if self.single_item:
+      return (self.item_name,)
+    try:
+      children = list(self.directory.iterdir())
+    except OSError as e:
+      raise errors.CorruptMetadataError(f'{self.directory}: cannot list it ({e}).') from e
+    return tuple(sorted(
+        c.name for c in children if c.is_dir() and not c.name.startswith(('.', '_'))
+    ))
+
+  @property
+  def item_name(self) -> str:
+    return self.directory.name
+
+  @property
+  def items(self) -> tuple[str, ...]:
+    """The items the step holds: those it records, else those on disk."""
+    if self.recorded is not None and not self.single_item:
+      return tuple(sorted(self.recorded))
+    return self.present
+
+  def item_dir(self, name: str) -> epath.Path:
+    return self.directory if self.single_item else self.directory / name
+
+  def handler(self, name: str) -> str | None:
+    return None if self.recorded is None else self.recorded.get(name)
+
+  def item(self, name: str) -> Item:
+    """The item `name`, read once.
+
+    Raises:
+      CorruptMetadataError: it is recorded but absent, or its metadata is
+        damaged (the message names the step).
+    """
+    if name not in self._items:
+      self._items[name] = open_item(self.item_dir(name), name)
+    return self._items[name]
+
+  @functools.cached_property
+  def _items(self) -> dict[str, Item]:
+    return {}
+
+  def is_pytree(self, name: str) -> bool:
+    """Whether the item holds a PyTree (its files, not only its recorded handler)."""
+    return has_tree(self.item_dir(name))
+
+
+def open_step(directory: epath.PathLike) -> Step:
+  """Reads a step directory's `_CHECKPOINT_METADATA`.
+
+  Raises:
+    CorruptMetadataError: the file is damaged or not a JSON object.
+  """
+  directory = as_path(directory)
+  meta_file = directory / CHECKPOINT_METADATA
+  meta = read_json(meta_file, "Orbax's step metadata") if meta_file.exists() else {}
+  if not isinstance(meta, dict):
+    raise errors.CorruptMetadataError(
+        f'{meta_file}: expected a JSON object with "item_handlers", found'
+        f' {type(meta).__name__}. The file is damaged; restore another step.'
+    )
+  handlers = meta.get('item_handlers')
+  # A Checkpointer over a PyTree handler writes both files into one directory.
+  single = has_tree(directory)
+  if isinstance(handlers, dict) and not single:
+    recorded: dict[str, str | None] | None = {
+        str(k): v if isinstance(v, str) else None for k, v in handlers.items()
+    }
+  elif single:
+    recorded = {directory.name: handlers if isinstance(handlers, str) else None}
+  else:
+    recorded = None
+  custom = meta.get('custom_metadata')
+  return Step(
+      directory=directory,
+      number=step_number(directory.name),
+      recorded=recorded,
+      custom_metadata=dict(custom) if isinstance(custom, dict) else {},
+      single_item=single,
+  )
+
+
+# --- what a path stands for -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+  """What a path given by a user stands for.
+
+  Attributes:
+    path: the path given (absolute).
+    step: the step it resolves to.
+    item: the item, when the path was an item directory.
+    root: the directory holding the step's siblings, when there is one.
+    steps: the steps under that root, committed or not.
+    notes: things a person should know (e.g. unfinished steps skipped).
+  """
+
+  path: epath.Path
+  step: Step
+  item: str | None
+  root: epath.Path | None
+  steps: tuple[StepEntry, ...]
+  notes: tuple[str, ...] = ()
+
+
+def _roots(path: epath.Path) -> list[epath.Path]:
+  """The directories whose children may be steps: the path, then RL roles."""
+  return [path] + [path / role for role in RL_ROLES if (path / role).is_dir()]
+
+
+def _is_step(path: epath.Path) -> bool:
+  return (path / CHECKPOINT_METADATA).exists()
+
+
+def resolve(path: epath.PathLike, step: int | None = None) -> Location:
+  """Finds the step (and item) a path stands for.
+
+  Args:
+    path: a root (its latest committed step, or `step`), an RL root holding
+      `actor/`, a step directory, an item directory, or one item saved alone.
+    step: the step number wanted under a root; None for the latest.
+
+  Raises:
+    NotACheckpointError: nothing checkpoint-like is there, or no step `step`.
+    UncommittedStepError: the step is unfinished, or a root's steps all are.
+    CorruptMetadataError: `_CHECKPOINT_METADATA` is damaged.
+  """
+  path = as_path(path)
+  if not path.exists():
+    raise errors.NotACheckpointError(
+        f'{path}: no such file or directory. Expected an Orbax checkpoint'
+        ' root, step or item directory; check the path.'
+    )
+  if not path.is_dir():
+    raise errors.NotACheckpointError(
+        f'{path}: expected a checkpoint directory, found a file. Pass the'
+        ' directory that holds the steps, a step, or an item.'
+    )
+  if TMP_MARKER in path.name:
+    raise errors.UncommittedStepError(
+        f'{path}: this step is unfinished (its name contains {TMP_MARKER!r}):'
+        ' its writer is still running or died. Restore a committed step.'
+    )
+  item = None
+  if _is_step(path):
+    step_dir = path
+  elif has_tree(path) and _is_step(path.parent):
+    step_dir, item = path.parent, path.name
+  else:
+    return _resolve_root(path, step)
+  found = open_step(step_dir)
+  root = step_dir.parent if found.number is not None and not found.single_item else None
+  steps = tuple(list_steps(root)) if root is not None else ()
+  if step is not None and found.number != step:
+    raise errors.NotACheckpointError(
+        f'{path}: this is step {found.number}, but `step={step}` was asked for.'
+        ' Pass the root directory that holds the steps, or drop `step`.'
+    )
+  if not ocp.path.step.is_path_finalized(step_dir) and not found.single_item:
+    raise errors.UncommittedStepError(
+        f'{step_dir}: this step is unfinished (Orbax does not count it as'
+        ' committed: on a bucket, it has no commit_success.txt): its writer is'
+        ' still running or died. Restore a committed step.'
+    )
+  return Location(path, found, item, root, steps)
+
+
+def _resolve_root(path: epath.Path, step: int | None) -> Location:
+  for root in _roots(path):
+    steps = list_steps(root)
+    if not steps:
+      continue
+    notes = []
+    if root != path:
+      notes.append(f'RL root: using {root.name}/')
+    if step is None:
+      committed = [s for s in steps if s.committed]
+      notes += [f'skipped unfinished step {s.step} ({s.path.name})' for s in steps if not s.committed]
+      if not committed:
+        raise errors.UncommittedStepError(
+            f'{path}: expected a committed step, found only unfinished ones:'
+            f' {", ".join(s.path.name for s in steps)}. Wait for the writer to'
+            ' finish, or restore from an earlier checkpoint.'
+        )
+      chosen = committed[-1]
+    else:
+      matching = [s for s in steps if s.step == step]
+      done = [s for s in matching if s.committed]
+      if not done:
+        if matching:
+          raise errors.UncommittedStepError(
+              f'{matching[0].path}: step {step} is unfinished (its writer is still'
+              f' running or died). Pick a committed step: {describe_steps(steps)}.'
+          )
+        raise errors.NotACheckpointError(
+            f'{path}: expected a step {step}, found none. Steps present:'
+            f' {describe_steps(steps)}. Pass one of these as `step`.'
+        )
+      chosen = done[-1]
+    return Location(path, open_step(chosen.path), None, root, tuple(steps), tuple(notes))
+  raise errors.NotACheckpointError(
+      f'{path}: expected an Orbax checkpoint (a root of numbered steps, a step'
+      f' holding {CHECKPOINT_METADATA}, or an item holding {PYTREE_METADATA}),'
+      ' found none of these. Check the path.'
+  )
+
