@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -177,3 +177,39 @@ def is_pytree_handler(typestr: str | None) -> bool | None:
   if cls is None:
     return None
   return issubclass(cls, (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler))
+
+
+# --- writing one item in batches ----------------------------------------------
+
+
+def tree_metadata_entry_key(path: Path) -> str:
+  """How `_METADATA` keys a leaf: the text of its key tuple."""
+  return str(tuple(path))
+
+
+def merge_tree_metadata(
+    files: Sequence[dict[str, Any]],
+    key_types: Mapping[Path, Sequence[int]] | None = None,
+    empty_nodes: Sequence[tuple[Path, Sequence[int]]] = (),
+) -> dict[str, Any]:
+  """One item's `_METADATA` from those its batch saves wrote (each names its own leaves).
+
+  Each batch is saved as nested dicts; `key_types` gives leaves the key types
+  of the tree they came from (sequence positions), and `empty_nodes` puts back
+  its empty nodes (`None` in a list), so that Orbax restores the original
+  containers. This is the union Orbax's own partial-save finalization makes.
+  """
+  entries: dict[str, Any] = {}
+  for meta in files:
+    entries.update(meta['tree_metadata'])
+  if key_types:
+    for entry in entries.values():
+      path = tuple(k['key'] for k in entry['key_metadata'])
+      for key, kind in zip(entry['key_metadata'], key_types.get(path, ()), strict=False):
+        key['key_type'] = kind
+  for path, kinds in empty_nodes:
+    entries[tree_metadata_entry_key(path)] = {
+        'key_metadata': [{'key': k, 'key_type': t} for k, t in zip(path, kinds, strict=True)],
+        'value_metadata': {'value_type': 'None', 'skip_deserialize': True},
+    }
+  return {**files[0], 'tree_metadata': entries}

@@ -169,14 +169,18 @@ def _raise_if_not_a_step(directory: epath.Path, error: Exception) -> None:
   Only when the directory is recognisably one of those; otherwise Orbax's own
   error stands.
   """
+  if (directory / PYTREE_METADATA).exists():
+    if (directory / CHECKPOINT_METADATA).exists():
+      found = 'one item saved on its own (by a Checkpointer over a PyTree handler)'
+      fix = 'Restore it with ocp.Checkpointer(orbax_tunix.TunixPyTreeHandler()).'
+    else:
+      found = f'an item of the step {directory.parent}'
+      fix = 'Pass the step directory instead, or restore the item with TunixPyTreeHandler.'
+    raise errors.NotACheckpointError(
+        f'{directory}: expected a step directory of items, found {found}. {fix}'
+    ) from error
   if (directory / CHECKPOINT_METADATA).exists():
     return
-  if (directory / PYTREE_METADATA).exists():
-    raise errors.NotACheckpointError(
-        f'{directory}: expected a step directory (holding {CHECKPOINT_METADATA}),'
-        f' found an item of the step {directory.parent}. Pass the step'
-        f' directory instead, or restore the item with TunixPyTreeHandler.'
-    ) from error
   roots = [directory] + [directory / role for role in RL_ROLES]
   if not any(root.is_dir() and storage.list_steps(root) for root in roots):
     return

@@ -55,7 +55,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-from orbax_tunix import __version__, checksums, conventions, errors, lora, reader
+from orbax_tunix import __version__, _orbax, checksums, conventions, errors, lora, reader
 from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.hyperparams import read_hyperparameters
 from orbax_tunix.keypaths import Path, fmt, nest
@@ -399,8 +399,7 @@ def _write_item(
   writer = ocp.PyTreeCheckpointHandler()
   source_handler = reader.TunixPyTreeHandler()
   dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths, strict=True))
-  header: dict[str, Any] | None = None
-  entries: dict[str, Any] = {}
+  written: list[dict[str, Any]] = []
   sums: dict[str, str] = {}
   with concurrent.futures.ThreadPoolExecutor(1) as summer:
     for batch in reader.batches(item.leaves, plan.batch_bytes):
@@ -419,12 +418,19 @@ def _write_item(
       sums.update(zip((checksums.key(p) for p in paths), summing.result(), strict=True))
       del values, summing  # Free the batch before the next is read.
       # Each save writes `_METADATA` for its own leaves only: keep them all.
-      meta = read_json(item_dir / PYTREE_METADATA)
-      entries.update(meta['tree_metadata'])
-      header = header or meta
+      written.append(read_json(item_dir / PYTREE_METADATA))
       progress.advance(sum(leaf.nbytes for leaf in batch))
-  assert header is not None  # plan_convert writes no empty item.
-  (item_dir / PYTREE_METADATA).write_text(json.dumps({**header, 'tree_metadata': entries}))
+  # Written as it was read (no rewrite, no new prefix): keep the source's
+  # containers (lists, None) too.
+  source = plan.source.detection.item_meta(item.source_item)
+  same = all(p == leaf.disk_path for p, leaf in zip(item.paths, item.leaves, strict=True))
+  merged = _orbax.merge_tree_metadata(
+      written,
+      key_types={leaf.path: leaf.key_types for leaf in source.leaves} if same else None,
+      empty_nodes=[(leaf.path, leaf.key_types) for leaf in source.leaves if leaf.is_empty]
+      if same and not plan.params_only else (),
+  )
+  (item_dir / PYTREE_METADATA).write_text(json.dumps(merged))
   writer.finalize(item_dir)
   (item_dir / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {item_dir}')
   return sums

@@ -111,7 +111,7 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
       found = 'a file' if item_dir.exists() else 'nothing (or a broken link)'
       raise errors.CorruptMetadataError(
           f'{step.directory}: the step records the item {name!r}, found {found} at'
-          f' {item_dir}. The step is damaged or incomplete: restore another step,'
+          f' {item_dir}. The step is damaged or incomplete: use another step (`step`),'
           ' or ask for the other items only.'
       )
     is_pytree = _orbax.is_pytree_handler(typestr)
@@ -121,7 +121,7 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
             f'{step.directory}: {storage.CHECKPOINT_METADATA} says item {name!r} was'
             f' saved by {typestr}, but it holds a PyTree ({storage.PYTREE_METADATA}).'
             ' The step metadata is damaged; restore the item with explicit'
-            ' PyTreeRestore args, or restore another step.'
+            ' PyTreeRestore args, or use another step (`step`).'
         )
       others[name] = typestr
     elif is_pytree is None and typestr is not None:

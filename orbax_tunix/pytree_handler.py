@@ -355,7 +355,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       raise errors.CorruptMetadataError(
           f'{directory}: reading the arrays failed: stored data is missing or'
           f' damaged ({_orbax.failure_text(cause)}). Expected readable array data'
-          ' for every leaf asked for; restore another step, or re-save this one.'
+          ' for every leaf asked for; use another step (`step`), or re-save this one.'
       ) from e
 
   def metadata(self, directory: epath.Path) -> _orbax.TreeMetadata:
@@ -378,7 +378,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       raise errors.CorruptMetadataError(
           f'{directory}: reading the arrays\' metadata failed: stored data is'
           f' missing or damaged ({_orbax.failure_text(cause)}). Expected a readable'
-          ' store for every leaf in _METADATA; restore another step.'
+          ' store for every leaf in _METADATA; use another step (`step`).'
       ) from e
     return canonical_metadata(meta, planned[1])
 

@@ -45,6 +45,7 @@ class LeafInfo:
     shape: its global shape (() for scalars, None for strings).
     dtype: its dtype (None for strings).
     kind: ARRAY, SCALAR or STRING.
+    numpy: the array was saved as an `np.ndarray` (else a `jax.Array`).
   """
 
   item: str
@@ -53,6 +54,7 @@ class LeafInfo:
   shape: tuple[int, ...] | None
   dtype: np.dtype | None
   kind: str = ARRAY
+  numpy: bool = False
 
   @property
   def nbytes(self) -> int:
@@ -142,7 +144,8 @@ def _item_leaves(
       leaves.append(LeafInfo(name, canon, leaf.path, None, None, STRING))
     else:
       info = arrays[leaf.path]
-      leaves.append(LeafInfo(name, canon, leaf.path, info.shape, info.dtype, kind))
+      numpy = leaf.value_type == 'np.ndarray'
+      leaves.append(LeafInfo(name, canon, leaf.path, info.shape, info.dtype, kind, numpy))
   if odd:
     raise errors.UnsupportedLayoutError(
         f'{meta.directory}: holds leaves of types the tools do not read:\n'
@@ -365,8 +368,8 @@ def read(
     ckpt: the opened checkpoint.
     item: the item the leaves belong to.
     leaves: the leaves to read (all of `item`).
-    as_numpy: read arrays as `np.ndarray`; else as `jax.Array`s on one CPU
-      device (what an ordinary save records, and PRNG keys stay typed).
+    as_numpy: read arrays as `np.ndarray`; else as they were saved: numpy
+      arrays as such, `jax.Array`s on one CPU device (PRNG keys stay typed).
     dtype: cast floating leaves to this dtype while reading (see `cast_dtype`).
     handler: a handler to reuse across batches.
 
@@ -380,9 +383,19 @@ def read(
   values = handler.read(
       ckpt.detection.item_meta(item),
       ckpt.detection.maps[item],
-      {leaf.path: _request(leaf, cast_dtype(leaf, dtype), sharding) for leaf in leaves},
+      {
+          leaf.path: _request(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding)
+          for leaf in leaves
+      },
   )
-  return [values[leaf.path] for leaf in leaves]
+  return [_as_stored(values[leaf.path], leaf, cast_dtype(leaf, dtype)) for leaf in leaves]
+
+
+def _as_stored(value: Any, leaf: LeafInfo, dtype: np.dtype | None) -> Any:
+  """A scalar as the numpy scalar it was saved as (Orbax hands back a Python number)."""
+  if leaf.kind == SCALAR and dtype is not None:
+    return np.asarray(value, dtype=dtype)[()]
+  return value
 
 
 def read_json_item(ckpt: CanonicalCheckpoint, item: str) -> Any:

@@ -77,7 +77,7 @@ def read_bytes(path: epath.Path, what: str) -> bytes:
     except FileNotFoundError as e:
       raise errors.CorruptMetadataError(
           f'{path}: expected {what}, found nothing. The checkpoint is incomplete;'
-          ' restore another step or re-save it.'
+          ' use another step (`step`) or re-save it.'
       ) from e
     except OSError as e:
       raise errors.CorruptMetadataError(f'{path}: cannot read {what} ({e}).') from e
@@ -85,7 +85,7 @@ def read_bytes(path: epath.Path, what: str) -> bytes:
       raise errors.CorruptMetadataError(
           f'{path}: expected {what} in a regular file, found a'
           f' {"directory" if stat.S_ISDIR(info.st_mode) else "device or pipe"}.'
-          ' The checkpoint is damaged; restore another step.'
+          ' The checkpoint is damaged; use another step (`step`).'
       )
     if info.st_size > MAX_METADATA_BYTES:
       raise _too_large(path, what, info.st_size)
@@ -95,7 +95,7 @@ def read_bytes(path: epath.Path, what: str) -> bytes:
   except FileNotFoundError as e:
     raise errors.CorruptMetadataError(
         f'{path}: expected {what}, found nothing. The checkpoint is incomplete;'
-        ' restore another step or re-save it.'
+        ' use another step (`step`) or re-save it.'
     ) from e
   except OSError as e:
     raise errors.CorruptMetadataError(
@@ -111,7 +111,7 @@ def _too_large(path: epath.Path, what: str, size: int | None) -> errors.CorruptM
   return errors.CorruptMetadataError(
       f'{path}: expected {what}, found a file larger than the {MAX_METADATA_BYTES}'
       f' bytes a metadata file may hold ({found}). It is damaged or not Orbax'
-      ' metadata; restore another step.'
+      ' metadata; use another step (`step`).'
   )
 
 
@@ -128,13 +128,13 @@ def read_json(path: epath.Path, what: str = 'an Orbax metadata file') -> Any:
   except RecursionError as e:
     raise errors.CorruptMetadataError(
         f'{path}: expected {what}, found JSON nested deeper than the parser allows'
-        ' (Orbax metadata is a few levels deep). The file is damaged; restore'
-        ' another step.'
+        ' (Orbax metadata is a few levels deep). The file is damaged; use'
+        ' another step (`step`).'
     ) from e
   except ValueError as e:
     raise errors.CorruptMetadataError(
         f'{path}: expected {what} as JSON, found {len(data)} bytes that do not'
-        f' parse ({e}). The file is truncated or damaged; restore another step.'
+        f' parse ({e}). The file is truncated or damaged; use another step (`step`).'
     ) from e
 
 
@@ -276,7 +276,7 @@ class Item:
     return errors.CorruptMetadataError(
         f'{self.directory}: the array store cannot be read: stored data is missing'
         f' or damaged ({_orbax.failure_text(_orbax.storage_failure(e) or e)}).'
-        ' Restore another step.'
+        ' Use another step (`step`).'
     )
 
   def check_arrays_exist(self, paths: Iterable[Path] | None = None) -> None:
@@ -299,7 +299,7 @@ class Item:
       raise errors.CorruptMetadataError(
           f'{self.directory}: {PYTREE_METADATA} lists {len(absent)} leaves that have no'
           f' array data in the store:\n{errors.list_paths(absent)}\nThe item is damaged'
-          ' or incomplete (or its metadata was edited); restore another step.'
+          ' or incomplete (or its metadata was edited); use another step (`step`).'
       )
 
   def arrays(self, paths: Iterable[Path] | None = None) -> dict[Path, ArrayInfo]:
@@ -335,7 +335,7 @@ class Item:
       self.check_arrays_exist(paths)  # Names every leaf without data.
       raise errors.CorruptMetadataError(
           f'{self.directory}: the zarr headers of {len(absent)} arrays are empty:\n'
-          f'{errors.list_paths(absent)}\nThe item is damaged; restore another step.'
+          f'{errors.list_paths(absent)}\nThe item is damaged; use another step (`step`).'
       )
     return {p: _orbax.parse_zarr_header(value, self.use_zarr3) for p, value in found.items()}
 
@@ -395,7 +395,7 @@ def _tree_from_aggregate(path: epath.Path) -> tuple[Leaf, ...]:
   except (ValueError, msgpack.UnpackException) as e:
     raise errors.CorruptMetadataError(
         f'{path}: expected Orbax\'s msgpack tree file, found bytes that do not'
-        f' decode ({e}). The file is damaged; restore another step.'
+        f' decode ({e}). The file is damaged; use another step (`step`).'
     ) from e
   leaves: list[Leaf] = []
 
@@ -434,7 +434,7 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
     found = 'a file' if directory.exists() else 'nothing (or a broken link)'
     raise errors.CorruptMetadataError(
         f'{directory}: expected an item directory holding {PYTREE_METADATA}, found'
-        f' {found}. The step is damaged or incomplete; restore another step.'
+        f' {found}. The step is damaged or incomplete; use another step (`step`).'
     )
   meta = read_json(meta_file, "Orbax's PyTree metadata")
   try:
@@ -451,8 +451,8 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
     raise errors.CorruptMetadataError(
         f"{meta_file}: expected Orbax PyTree metadata ('tree_metadata' with"
         f" 'key_metadata' per leaf), found something else ({type(e).__name__}: {e})."
-        ' The file is damaged or was not written by a PyTree handler; restore'
-        ' another step.'
+        ' The file is damaged or was not written by a PyTree handler; use'
+        ' another step (`step`).'
     ) from e
   return Item(
       name=name,
@@ -550,7 +550,7 @@ def open_step(directory: epath.PathLike) -> Step:
   if not isinstance(meta, dict):
     raise errors.CorruptMetadataError(
         f'{meta_file}: expected a JSON object with "item_handlers", found'
-        f' {type(meta).__name__}. The file is damaged; restore another step.'
+        f' {type(meta).__name__}. The file is damaged; use another step (`step`).'
     )
   handlers = meta.get('item_handlers')
   # A Checkpointer over a PyTree handler writes both files into one directory.

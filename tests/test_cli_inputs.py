@@ -1,0 +1,180 @@
+"""Unusual but valid inputs through the real command line, in a subprocess.
+
+Each test writes its checkpoint with plain Orbax, flax nnx and optax (or takes
+a committed Tunix fixture), runs `python -m orbax_tunix.cli`, and checks the
+exit status, the message, and what was (and was not) written. Expected values
+come from plain Orbax reads, never from this package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+from flax import nnx
+
+from tests import builders
+from tests.test_faults import snapshot
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ENV = {**{k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}, 'JAX_PLATFORMS': 'cpu'}
+
+
+def cli(*argv: object) -> subprocess.CompletedProcess:
+  done = subprocess.run(
+      [sys.executable, '-m', 'orbax_tunix.cli', *map(str, argv)],
+      capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300,
+  )
+  assert 'Traceback' not in done.stderr, done.stderr
+  return done
+
+
+def save_step(step_dir: pathlib.Path, **items) -> pathlib.Path:
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(epath.Path(step_dir), args=ocp.args.Composite(
+        **{name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}))
+  return step_dir
+
+
+def plain_restore(step_dir: pathlib.Path) -> dict:
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    return ckptr.restore(epath.Path(step_dir))
+
+
+def test_keys_holding_a_slash_are_not_merged_with_nested_paths(tmp_path):
+  a = save_step(tmp_path / 'a' / '1', state={'a/b': np.ones(3), 'a': {'b': np.zeros(3)}})
+  b = save_step(tmp_path / 'b' / '1', state={'a/b': np.ones(3), 'a': {'b': np.full(3, 2.0)}})
+  done = cli('diff', a, b)
+  assert done.returncode == 1, done.stdout
+  assert '2 leaves compared' in done.stdout
+  differ = done.stdout.split('Values differ')[1]
+  assert 'state/a/b' in differ and '"a/b"' not in differ  # The nested leaf, not the key.
+  inspected = json.loads(cli('inspect', a, '--json').stdout)
+  assert inspected['num_leaves'] == 2
+  assert set(inspected['items']['state']['leaves']) == {'"a/b"', 'a/b'}
+
+
+def test_nan_against_a_number_differs_at_any_tolerance(tmp_path):
+  a = save_step(tmp_path / 'a' / '1', state={'x': np.array([np.nan, 1.0])})
+  b = save_step(tmp_path / 'b' / '1', state={'x': np.array([2.0, 1.0])})
+  c = save_step(tmp_path / 'c' / '1', state={'x': np.array([np.nan, 1.0])})
+  assert cli('diff', a, b, '--atol', 'inf').returncode == 1
+  assert cli('diff', a, c).returncode == 0  # NaN at the same place matches.
+
+
+def test_float64_and_int64_keep_their_width(tmp_path):
+  src = save_step(tmp_path / 'src' / '1', state={
+      'f': np.linspace(0, 1, 7, dtype=np.float64) + 1e-12, 'i': np.arange(5, dtype=np.int64) << 40})
+  dst = tmp_path / 'out' / '1'
+  done = cli('convert', src, dst, '--dtype', 'float64')
+  assert done.returncode == 0, done.stderr
+  restored = plain_restore(dst)['state']
+  assert restored['f'].dtype == np.float64 and restored['i'].dtype == np.int64
+  np.testing.assert_array_equal(restored['f'], np.linspace(0, 1, 7, dtype=np.float64) + 1e-12)
+  np.testing.assert_array_equal(restored['i'], np.arange(5, dtype=np.int64) << 40)
+  record = json.loads((dst / '_CHECKPOINT_METADATA').read_text())['custom_metadata']['orbax_tunix']
+  assert record['dtype'] == 'float64'
+  assert cli('diff', src, dst).returncode == 0
+
+
+def test_one_item_saved_on_its_own(tmp_path):
+  """`ocp.PyTreeCheckpointer().save(dir, tree)`: one directory, one item."""
+  tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4)
+  model, opt = builders.make(builders.Model(nnx.Rngs(0)), tx)
+  item = tmp_path / 'opt'
+  ocp.PyTreeCheckpointer().save(epath.Path(item), nnx.state(opt, nnx.optimizer.OptState))
+  raw = builders.raw_leaves(item)
+  inspected = json.loads(cli('inspect', item, '--json').stdout)
+  leaves = inspected['items']['opt']['leaves']
+  # Raw paths with the nnx level and the inject shell removed, by hand.
+  want = {k[:-len('/value')].replace('opt_state/inner_state/', 'opt_state/') for k in raw
+          if not k.startswith(('opt_state/hyperparams/', 'opt_state/count/'))}
+  assert set(leaves) == want
+  assert inspected['hyperparameters']['opt_state']['learning_rate'] == pytest.approx(3e-4)
+  assert 'skipped' not in json.dumps(inspected) and 'ocdbt' not in json.dumps(inspected['items'])
+  dst = tmp_path / 'out' / '1'
+  assert cli('convert', item, dst).returncode == 0
+  restored = plain_restore(dst)['opt']
+  np.testing.assert_array_equal(
+      restored['opt_state']['0']['mu']['head']['kernel'],
+      raw['opt_state/inner_state/0/mu/head/kernel/value'])
+  assert cli('diff', item, dst).returncode == 0
+
+
+def test_maxtext_items_converts_canonically(tmp_path):
+  """A plain MaxText `items` TrainState (lists and None in opt_state) converts as it is."""
+  state = {
+      'params': {'params': {'w': np.arange(6, dtype=np.float32).reshape(2, 3)}},
+      'opt_state': [{'count': np.int32(3), 'mu': {'params': {'w': np.ones((2, 3), np.float32)}}},
+                    None, {'count': np.int32(3)}],
+      'step': np.int32(3),
+  }
+  src = save_step(tmp_path / 'mt' / '3', items=state)
+  dst = tmp_path / 'out' / '3'
+  done = cli('convert', src, dst)
+  assert done.returncode == 0, done.stderr
+  restored = plain_restore(dst)['items']
+  original = plain_restore(src)['items']
+  np.testing.assert_array_equal(restored['params']['params']['w'], original['params']['params']['w'])
+  np.testing.assert_array_equal(restored['opt_state'][0]['mu']['params']['w'],
+                                original['opt_state'][0]['mu']['params']['w'])
+  assert cli('diff', src, dst).returncode == 0
+
+
+def test_checksums_catch_flipped_data_bytes(tmp_path):
+  rng = np.random.default_rng(0)
+  src = save_step(tmp_path / 'src' / '1', state={'w': rng.standard_normal((256, 256)).astype(np.float32)})
+  dst = tmp_path / 'out' / '1'
+  assert cli('convert', src, dst).returncode == 0
+  done = cli('inspect', dst, '--verify')
+  assert done.returncode == 0 and '1 arrays checked' in done.stdout, done.stdout
+  data = max((dst / 'state' / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x01  # Inside the array's compressed chunk.
+  data.write_bytes(bytes(raw))
+  done = cli('inspect', dst, '--verify')
+  assert done.returncode == 1 and 'state/w' in done.stdout and 'FAILED' in done.stdout
+  done = cli('diff', src, dst)
+  assert done.returncode == 1 and 'Damaged in B' in done.stdout
+  # A source this package did not write records no checksums: verify says so.
+  done = cli('inspect', src, '--verify')
+  assert done.returncode == 2 and 'records no checksums' in done.stderr
+
+
+def test_damaged_array_data_names_the_item_and_the_way_out(tunix_data, tmp_path):
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', root)
+  for data in (root / '2' / 'model_params').rglob('*'):
+    if data.is_file() and data.parent.name == 'd':
+      data.write_bytes(data.read_bytes()[:50])
+  before = snapshot(root)
+  done = cli('convert', root, tmp_path / 'out' / '2')
+  assert done.returncode == 2
+  first = done.stderr.splitlines()[0]
+  assert first.startswith(f'orbax-tunix: error: {root / "2" / "model_params"}: ')
+  assert '--step' in done.stderr and 'tensorstore_spec' not in done.stderr
+  assert len(done.stderr.splitlines()) <= 3
+  assert not (tmp_path / 'out').exists() and snapshot(root) == before
+  assert cli('convert', root, tmp_path / 'out' / '1', '--step', '1').returncode == 0
+
+
+def test_restore_train_state_names_the_missing_metadata(tunix_data, tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+
+  import orbax_tunix as ot  # pylint: disable=g-import-not-at-top
+  from orbax_tunix import maxtext  # pylint: disable=g-import-not-at-top
+
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', root)
+  (root / '2' / 'model_params' / '_METADATA').unlink()
+  with pytest.raises(ot.CorruptMetadataError, match=r'model_params/_METADATA'):
+    maxtext.restore_train_state(root, {'params': {'params': {'w': jax.ShapeDtypeStruct((1,), 'f4')}}})
