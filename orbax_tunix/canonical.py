@@ -87,28 +87,29 @@ def plan_step(
   Raises:
     UnsupportedLayoutError: two on-disk leaves would share a canonical path.
   """
-  current = {item: {p: p for p in paths} for item, paths in item_paths.items()}
+  disk = {item: list(paths) for item, paths in item_paths.items()}
+  # Each item's paths as the rules planned so far see them (None: left out).
+  current: dict[str, list[Path | None]] = {item: list(paths) for item, paths in disk.items()}
+  stage = {item: frozenset(paths) for item, paths in item_paths.items()}
   planned: dict[str, list[rules_lib.Rewrite]] = {item: [] for item in item_paths}
   for rule in rules:
-    stage = {
-        item: frozenset(c for c in mapping.values() if c is not None)
-        for item, mapping in current.items()
-    }
-    for item, mapping in current.items():
+    changed = []
+    for item in current:
       anchors = rule.find(item, stage)
       if not anchors:
         continue
       rewrite = rules_lib.Rewrite(rule, anchors)
       planned[item].append(rewrite)
-      current[item] = {
-          d: None if c is None else rewrite.to_canonical(c)
-          for d, c in mapping.items()
-      }
+      current[item] = [None if c is None else rewrite.to_canonical(c) for c in current[item]]
+      changed.append(item)
+    for item in changed:  # The next rule sees the rewritten paths.
+      stage[item] = frozenset(c for c in current[item] if c is not None)
   maps = {}
-  for item, mapping in current.items():
+  for item, paths in current.items():
     if not any(r.rule.identifies for r in planned[item]):
       maps[item] = identity(item, item_paths[item])
       continue
+    mapping = dict(zip(disk[item], paths, strict=True))
     _check_bijective(item, mapping)
     maps[item] = CanonicalMap(item, tuple(planned[item]), mapping)
   return maps
@@ -120,6 +121,9 @@ def identity(item: str, paths: frozenset[Path]) -> CanonicalMap:
 
 
 def _check_bijective(item: str, mapping: Mapping[Path, Path | None]) -> None:
+  canonical_paths = [c for c in mapping.values() if c is not None]
+  if len(set(canonical_paths)) == len(canonical_paths):
+    return  # The rules are one-to-one by construction; this guards their bugs.
   seen: dict[Path, Path] = {}
   clashes = []
   for disk, canon in mapping.items():

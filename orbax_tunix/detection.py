@@ -173,7 +173,8 @@ def detect(
     # The adapter level in mu/nu is recognised by comparison with the weights.
     if found.is_pytree(conventions.MODEL_ITEM) and conventions.MODEL_ITEM in found.present:
       metas[conventions.MODEL_ITEM] = found.item(conventions.MODEL_ITEM)
-  maps = plan(found, metas)
+  with storage.no_gc():
+    maps = plan(found, metas)
   maps = {n: maps[n] for n in pytrees}
   return Detection(
       location=location,
