@@ -416,27 +416,38 @@ def _quiet(debug: bool) -> Iterator[None]:
         lg.setLevel(level)
 
 
-def _is_closed_loop_noise(exc: BaseException | None) -> bool:
-  return isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed'
+# What Python reports, with a traceback, about Orbax's asyncio loop when a
+# command stops midway: callbacks still queued on a loop that closed, a loop
+# collected while running or half made, and (after Ctrl-C or a signal) the interrupt
+# landing in a callback whose exceptions Python ignores. The command itself
+# stops cleanly either way (see `progress.Interruptible`).
+_LOOP_NOISE = ('Event loop is closed', 'Cannot close a running event loop')
 
 
-def _silence_closed_loop_noise() -> None:
-  """Drops "Event loop is closed" reports of TensorStore's and Orbax's late callbacks.
+def _is_shutdown_noise(exc: BaseException | None) -> bool:
+  if isinstance(exc, KeyboardInterrupt):
+    return True
+  return isinstance(exc, RuntimeError) and str(exc) in _LOOP_NOISE
 
-  When a command stops (an error, Ctrl-C, the end), callbacks still queued on
-  Orbax's event loop may fire after it closed; Python then prints a traceback
-  that says nothing about the command. Every other report is kept.
+
+def _silence_shutdown_noise() -> None:
+  """Drops Python's reports of asyncio noise at a command's end (see `_LOOP_NOISE`).
+
+  Every other report is kept; --debug keeps them all.
   """
   if getattr(sys.unraisablehook, 'orbax_tunix', False):
     return  # Already installed (main may run many times in one process).
   unraisable, in_thread = sys.unraisablehook, threading.excepthook
+  warnings.filterwarnings('ignore', message='coroutine .* was never awaited', category=RuntimeWarning)
 
   def on_unraisable(report: Any) -> None:
-    if not _is_closed_loop_noise(report.exc_value):
+    # An interrupted loop's own finalizer may fail too (it was half made).
+    in_loop_finalizer = getattr(report.object, '__qualname__', '') == 'BaseEventLoop.__del__'
+    if not (_is_shutdown_noise(report.exc_value) or in_loop_finalizer):
       unraisable(report)
 
   def on_thread_error(report: Any) -> None:
-    if not _is_closed_loop_noise(report.exc_value):
+    if not _is_shutdown_noise(report.exc_value):
       in_thread(report)
 
   on_unraisable.orbax_tunix = True
@@ -495,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.collapse = out.fancy or is_tty(sys.stdout)
   _use_cpu()
   if not debug:
-    _silence_closed_loop_noise()
+    _silence_shutdown_noise()
   try:
     with _quiet(debug), _x64():
       return args.handler(args, out)
