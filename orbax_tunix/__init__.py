@@ -1,16 +1,20 @@
 """orbax_tunix: restore Tunix checkpoints with any Orbax restore.
 
-The whole public API::
+The whole public API (`__all__`, and the README's table)::
 
   detect(path) -> Detection              what a path holds, which rewrites apply
-  TunixPyTreeHandler                     item handler (PyTreeCheckpointHandler)
-  TunixAwareHandler                      composite handler, the drop-in for steps
+  TunixPyTreeHandler                     item handler (a PyTreeCheckpointHandler)
+  TunixAwareHandler                      step handler (a CompositeCheckpointHandler)
   handler_registry()                     for ocp.CheckpointManager
   register(), load_plugins()             Orbax v1 and entry-point plugins
   hyperparameters(path)                  the inject_hyperparams values
-  to_canonical_tree, to_disk_tree        the rewrite rules on whole trees
-  TunixCheckpointError and subclasses    every error raised
-  maxtext.restore_train_state            a Tunix step as MaxText's TrainState
+  to_canonical_tree, to_disk_tree        rewriting whole trees with a
+  CanonicalMap                           ... step's planned map
+  TunixCheckpointError                   the base of every error raised:
+    NotACheckpointError, UncommittedStepError, CorruptMetadataError,
+    TargetMismatchError, MissingItemError, LoraOnlyCheckpointError,
+    UnsupportedLayoutError
+  maxtext                                a Tunix step as MaxText's TrainState
 """
 
 from orbax_tunix import maxtext
@@ -32,9 +36,9 @@ from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.registry import handler_registry, load_plugins, register
 
 __all__ = [
+    'CanonicalMap',
     'CorruptMetadataError',
     'Detection',
-    'CanonicalMap',
     'LoraOnlyCheckpointError',
     'MissingItemError',
     'NotACheckpointError',
@@ -54,4 +58,4 @@ __all__ = [
     'to_disk_tree',
 ]
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'

@@ -113,6 +113,7 @@ def test_detect_reads_json_only(tunix_data, tmp_path):
   shutil.copytree(tunix_data / 'adapter_inject', root)
   for data in list(root.rglob('d')):
     shutil.rmtree(data)
+  assert not [p for p in root.rglob('*') if p.is_file() and p.parent.name == 'd']
   d = ot.detect(root)
   assert d.rewrites['optimizer_state'] == ('nnx_value', 'inject_hyperparams', 'adapter_base')
 

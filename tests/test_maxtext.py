@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import orbax_tunix as ot
 from orbax_tunix import maxtext
 from orbax_tunix.keypaths import flatten, fmt
+from orbax_tunix.maxtext import optimizer as maxtext_optimizer
+from orbax_tunix.maxtext import plan as maxtext_plan
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from tests import builders
 
@@ -385,9 +387,9 @@ def test_plan_reads_each_array_once(tunix_data, mesh):
   assert len(sources['optimizer_state']) == 1 + 1 + 2 * 14  # step, adam count, mu, nu
   assert list(plan.fills) == [('opt_state', '1', '2', 'count')]
   w = ('layers', '0', 'attn', 'q_proj', 'w')
-  assert plan.reads[('opt_state', '1', '0', 'mu', 'params') + w] == maxtext.Source(
+  assert plan.reads[('opt_state', '1', '0', 'mu', 'params') + w] == maxtext_plan.Source(
       'optimizer_state', ('opt_state', '1', '0', 'mu') + w)
-  assert plan.reads[('params', 'params') + w] == maxtext.Source('model_params', w)
+  assert plan.reads[('params', 'params') + w] == maxtext_plan.Source('model_params', w)
   assert 'fill opt_state/1/2/count' in plan.describe()
 
 
@@ -650,7 +652,7 @@ def test_example_runs(args):
 
 
 def _state(node, *fields):
-  return maxtext.OptState(tuple(node.split('/')), tuple(sorted(fields)))
+  return maxtext_optimizer.OptState(tuple(node.split('/')), tuple(sorted(fields)))
 
 
 ADAM = (('count', False), ('mu', True), ('nu', True))
@@ -660,20 +662,20 @@ COUNT = (('count', False),)
 def test_align_states_skips_empty_and_extra_states():
   target = [_state('1/0', *ADAM), _state('1/2', *COUNT)]  # chain(clip, adamw(schedule))
   source = [_state('inner_opt_state/0', *ADAM)]  # MultiSteps(inject(adamw)), shell removed
-  assert maxtext.align_states(target, source) == {0: 0}
+  assert maxtext_optimizer.align_states(target, source) == {0: 0}
 
 
 def test_align_states_prefers_data_over_a_counter():
   # The orders disagree: keeping adam's mu/nu matters more than a count, which is filled.
   target = [_state('0', *ADAM), _state('2', *COUNT)]
   source = [_state('0', *COUNT), _state('1', *ADAM)]
-  assert maxtext.align_states(target, source) == {0: 1}
+  assert maxtext_optimizer.align_states(target, source) == {0: 1}
 
 
 def test_split_opt_path_finds_the_mirrored_weights():
   weights = {('layers', '0', 'w')}
-  assert maxtext.split_opt_path(
+  assert maxtext_optimizer.split_opt_path(
       ('opt_state', '1', '0', 'mu', 'params', 'layers', '0', 'w'), weights, 'params'
   ) == (('1', '0'), 'mu', ('layers', '0', 'w'))
-  assert maxtext.split_opt_path(('opt_state', '0', 'count'), weights) == (
+  assert maxtext_optimizer.split_opt_path(('opt_state', '0', 'count'), weights) == (
       ('0',), 'count', None)

@@ -49,9 +49,17 @@ def test_checkpoint_manager_with_args(tunix_data, mesh):
   mngr.close()
 
 
+def _ours_in_v1_registry():
+  entries = ocp.v1.handlers.global_registry().get_all_entries()
+  return [e for e in entries if e[0] is ot.registry.TunixV1PyTreeHandler]
+
+
 def test_register_is_idempotent_and_v1_loads_canonical(tunix_data, mesh):
   ot.register()
+  once = _ours_in_v1_registry()
   ot.register()
+  ot.load_plugins()  # Runs register() again, through the entry point.
+  assert len(once) == 1 and _ours_in_v1_registry() == once
   for name in ('v1_writer', 'adapter_inject'):
     step_dir = ot.detect(tunix_data / name).step_dir
     state = ocp.v1.load_checkpointables(step_dir)
@@ -83,13 +91,41 @@ def test_entry_point_declared_and_loaded():
   assert 'tunix' in ot.load_plugins()
 
 
-@pytest.mark.parametrize('example', ['quickstart.py', 'checkpoint_manager.py', 'v1_load.py'])
-def test_examples_run(example, tmp_path):
+def _run_example(example, tmp_path):
   out = subprocess.run(
       [sys.executable, str(ROOT / 'examples' / example)],
       cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert 'model_params' in out.stdout
+  return out.stdout
+
+
+def test_quickstart_example(tunix_data, tmp_path):
+  out = _run_example('quickstart.py', tmp_path)
+  step = tunix_data / 'adapter_inject_clip' / '1'
+  model = builders.raw_leaves(step / 'model_params')
+  opt = builders.raw_leaves(step / 'optimizer_state')
+  # The canonical optimizer state: the raw leaves but the inject shell's own.
+  shell = [k for k in opt if k.startswith(('opt_state/1/hyperparams/', 'opt_state/1/count/'))]
+  assert 'adapter_inject_clip/1' in out and 'tunix checkpoint, step 1' in out
+  assert f'restored model_params: {len(model)} arrays, {sum(v.nbytes for v in model.values())} bytes' in out
+  assert f'restored optimizer_state: {len(opt) - len(shell)} arrays' in out
+  assert 'learning_rate=0.001' in out and 'b1=0.9' in out
+
+
+def test_checkpoint_manager_example(tmp_path):
+  out = _run_example('checkpoint_manager.py', tmp_path)
+  assert 'steps [1, 2], restoring 2' in out
+  lines = [line for line in out.splitlines() if line.startswith("  [")]
+  assert len(lines) == 5 and all("bfloat16" in line for line in lines)
+  assert "['model_params', 'optimizer_state']" in out
+
+
+def test_v1_example(tunix_data, tmp_path):
+  out = _run_example('v1_load.py', tmp_path)
+  assert "'tunix'" in out.splitlines()[0]
+  for item in ('model_params', 'optimizer_state'):
+    raw = builders.raw_leaves(tunix_data / 'v1_writer' / '2' / item)
+    assert f'{item}: {len(raw)} leaves' in out
 
 
 def test_saves_are_ordinary_checkpoints(tmp_path):
@@ -125,3 +161,24 @@ def test_v1_written_step_through_v0_apis(tunix_data):
   r = mngr.restore(1)
   assert 'layers' in r['model_params'] and 'opt_state' in r['optimizer_state']
   mngr.close()
+
+
+def test_public_api_is_one_list():
+  """__all__, the package docstring and the README's API table name the same things."""
+  import re
+
+  exported = set(ot.__all__)
+  assert exported == {n for n in dir(ot) if not n.startswith('_')} - {
+      'canonical', 'composite_handler', 'detection', 'errors', 'hyperparams', 'pytree_handler',
+      'registry', 'rules', 'keypaths', 'storage', 'conventions', 'lora', 'reader', '_orbax',
+      'checksums', 'convert', 'diff', 'inspection', 'cli',
+  }
+  doc = {m for m in re.findall(r'\b([A-Za-z_]+)\b', ot.__doc__.split('::')[1]) if m in dir(ot)}
+  assert doc | {'Detection'} == exported | {'detect'}  # Detection: what detect returns.
+  readme = (ROOT / 'README.md').read_text()
+  table = readme.split('## Public API')[1].split('\n## ')[0]
+  rows = [line.split('|')[1] for line in table.splitlines() if line.startswith('| `')]
+  named = set(re.findall(r'`([A-Za-z_]+)', ''.join(rows)))
+  assert named == exported, named ^ exported
+  maxtext_row = next(line for line in table.splitlines() if line.startswith('| `maxtext`'))
+  assert set(re.findall(r'`([A-Za-z_]+)`', maxtext_row.split('|')[2])) == set(ot.maxtext.__all__)

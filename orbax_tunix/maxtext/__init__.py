@@ -7,7 +7,7 @@ and, for NNX models, `nnx_aux` (RNGs and other non-weight variables). Tunix
 writes `model_params` and `optimizer_state` in nnx's layout instead.
 
 Nothing here knows an optimizer. A `RestorePlan` is worked out once from the
-checkpoint's metadata (canonical paths and shapes, see `layout.py`) and the
+checkpoint's metadata (canonical paths and shapes, see `canonical.py`) and the
 abstract state's key paths: optax states are matched by their fields (`count`,
 `mu` mirroring the weights, ...) in chain order, states Tunix never wrote are
 filled, and every mismatch is reported before any array is read. Executing the
@@ -15,8 +15,10 @@ plan reads each needed array once, through `TunixPyTreeHandler`, straight into
 the target's sharding and dtype.
 
   restore_train_state(path, abstract_state)    the function
-  ItemsHandler                                 the same as an Orbax handler
-  plan_restore(path, abstract_state)           the plan alone, to inspect
+  ItemsHandler, ItemsRestore                   the same as an Orbax handler
+  plan_restore(path, abstract_state)           the plan alone (RestorePlan), to inspect
+  execute_plan(plan, abstract_state)           ... and to run
+  LayerScanMismatchError, LoraOnlyCheckpointError
 
 The flow, a module each: train_state (MaxText's key paths) -> view (the
 checkpoint's canonical leaves) -> optimizer, weights (matching and checking
@@ -25,28 +27,16 @@ each side) -> plan -> execute -> handler; errors holds the two errors of its own
 
 from orbax_tunix.maxtext.errors import LayerScanMismatchError, LoraOnlyCheckpointError
 from orbax_tunix.maxtext.execute import execute_plan, restore_train_state
-from orbax_tunix.maxtext.handler import ItemsHandler, ItemsRestore, ItemsSave
-from orbax_tunix.maxtext.optimizer import OptState, align_states, opt_states, split_opt_path
-from orbax_tunix.maxtext.plan import Fill, RestorePlan, Source, make_plan, plan_restore
-from orbax_tunix.maxtext.view import CheckpointView, read_view
+from orbax_tunix.maxtext.handler import ItemsHandler, ItemsRestore
+from orbax_tunix.maxtext.plan import RestorePlan, plan_restore
 
 __all__ = [
-    'CheckpointView',
-    'Fill',
     'ItemsHandler',
     'ItemsRestore',
-    'ItemsSave',
     'LayerScanMismatchError',
     'LoraOnlyCheckpointError',
-    'OptState',
     'RestorePlan',
-    'Source',
-    'align_states',
     'execute_plan',
-    'make_plan',
-    'opt_states',
     'plan_restore',
-    'read_view',
     'restore_train_state',
-    'split_opt_path',
 ]
