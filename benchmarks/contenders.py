@@ -12,6 +12,8 @@ exists until every array is ready:
   d   naive: plain Orbax restores the raw Tunix tree, Python rewrites it to
       canonical, `jax.device_put` moves it into the target's shardings.
   e   `orbax-tunix convert` of the Tunix step to a canonical copy.
+  f   orbax_tunix: one named weight of the Tunix checkpoint.
+  g   plain Orbax: the same weight from the canonical copy (partial restore).
   plan      times the planning steps of b one by one (no array is read).
   verify    b, c and d against a, leaf by leaf (not timed).
 """
@@ -44,11 +46,10 @@ import synthetic  # noqa: E402  (sibling module; the script's directory is on sy
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base_lib  # noqa: E402
 
 import orbax_tunix  # noqa: E402
-from orbax_tunix import pytree_handler  # noqa: E402
-from orbax_tunix.detection import plan_item  # noqa: E402
+from orbax_tunix import canonical, pytree_handler, storage  # noqa: E402
 from orbax_tunix.keypaths import flatten, nest  # noqa: E402
 
-CONTENDERS = ('a', 'b', 'c', 'd', 'e')
+CONTENDERS = ('a', 'b', 'c', 'd', 'e', 'f', 'g')
 
 
 # --- process measurements --------------------------------------------------
@@ -156,9 +157,10 @@ if os.environ.get('BENCH_RESTORE_CONCURRENT_GB'):
   HANDLER_OPTIONS['restore_concurrent_gb'] = float(os.environ['BENCH_RESTORE_CONCURRENT_GB'])
 
 
-def tunix_handler() -> orbax_tunix.TunixAwareHandler:
+def tunix_handler(items=(synthetic.MODEL_ITEM, synthetic.OPT_ITEM)) -> orbax_tunix.TunixAwareHandler:
+  # The same item handlers, with the same options, as a's: ours reads through them.
   return orbax_tunix.TunixAwareHandler(
-      item_handler=orbax_tunix.TunixPyTreeHandler(**HANDLER_OPTIONS)
+      **{item: ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS) for item in items}
   )
 
 
@@ -224,7 +226,30 @@ def run_e(dirs, tgt):
   return None
 
 
-RUNNERS = {'a': run_a, 'b': run_b, 'c': run_c, 'd': run_d, 'e': run_e}
+def one_leaf(tgt):
+  """The first weight of the target alone (an embedding-sized array)."""
+  path, leaf = flatten(tgt[synthetic.MODEL_ITEM])[0][0]
+  return nest([(path, leaf)])
+
+
+def run_f(dirs, tgt):
+  item = ocp.args.PyTreeRestore(item=one_leaf(tgt))
+  with ocp.Checkpointer(tunix_handler((synthetic.MODEL_ITEM,))) as ckptr:
+    return dict(ckptr.restore(dirs['tunix'], args=ocp.args.Composite(model_params=item)).items())
+
+
+def run_g(dirs, tgt):
+  want = one_leaf(tgt)
+  item = ocp.args.PyTreeRestore(
+      item=want, restore_args=ocp.checkpoint_utils.construct_restore_args(want),
+      partial_restore=True)
+  handler = ocp.CompositeCheckpointHandler(
+      model_params=ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS))
+  with ocp.Checkpointer(handler) as ckptr:
+    return dict(ckptr.restore(dirs['canonical'], args=ocp.args.Composite(model_params=item)).items())
+
+
+RUNNERS = {'a': run_a, 'b': run_b, 'c': run_c, 'd': run_d, 'e': run_e, 'f': run_f, 'g': run_g}
 
 
 def target_bytes(tree: Any) -> tuple[int, int]:
@@ -243,7 +268,9 @@ def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) ->
   tgt = synthetic.target(shape, mesh)
   if name == 'c':
     tgt = {synthetic.MODEL_ITEM: tgt[synthetic.MODEL_ITEM]}
-  nbytes, held = target_bytes(tgt)
+  elif name in 'fg':
+    tgt = {synthetic.MODEL_ITEM: one_leaf(tgt)} | {'_full': tgt}
+  nbytes, held = target_bytes({k: v for k, v in tgt.items() if k != '_full'})
   timeline = Timeline().install()
   gc.collect()
   rss0 = proc_status_kb('VmRSS')
@@ -252,7 +279,7 @@ def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) ->
   io0 = proc_io()
   cpu0 = os.times()
   t0 = time.perf_counter()
-  out = RUNNERS[name](dirs, tgt)
+  out = RUNNERS[name](dirs, tgt.pop('_full', tgt))
   jax.block_until_ready(out)
   wall = time.perf_counter() - t0
   cpu1 = os.times()
@@ -276,65 +303,54 @@ def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) ->
   return result
 
 
-def orbax_shapes(item_dir: pathlib.Path, wanted: frozenset) -> dict:
-  """Shapes the way `disk_shapes` got them before `_header_shapes`: Orbax's metadata."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
+def _to_disk(cmap, pairs):
+  return [cmap.canonical_to_disk.get(c) for c, _ in pairs]
 
+
+def _requests(pairs):
+  return {c: (leaf, pytree_handler._default_restore_arg(leaf)) for c, leaf in pairs}  # pylint: disable=protected-access
+
+
+def _orbax_parse(directory):
+  """What Orbax's restore parses of `_METADATA` before it reads (its tree metadata)."""
   from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
 
   handler = ocp.PyTreeCheckpointHandler()
-  internal = asyncio_utils.run_sync(handler._handler_impl._read_metadata_file(item_dir))  # pylint: disable=protected-access
-  entries = [
-      e for e in internal.tree_metadata_entries
-      if tuple(k.nested_key_name for k in e.key_metadata.nested_key_metadata_entries) in wanted
-  ]
-  subset = dataclasses.replace(internal, tree_metadata_entries=entries, value_metadata_tree=None)
-  return subset.as_custom_metadata(item_dir, handler._type_handler_registry)  # pylint: disable=protected-access
+  internal = asyncio_utils.run_sync(handler._handler_impl._read_metadata_file(directory))  # pylint: disable=protected-access
+  return internal.as_nested_tree()
 
 
-def to_disk_paths(layout, canonical):
-  return [layout.to_disk_path(p) for p in canonical]
+def plan_steps(dirs: dict[str, pathlib.Path], shape: synthetic.Shape, with_orbax: bool = False) -> dict[str, Any]:
+  """Times b's planning steps separately, as TunixAwareHandler.restore runs them.
 
-
-def nest_both(disk, leaves, leaf_args):
-  """The on-disk target and its restore args, as `_restore_target` builds them."""
-  return nest(zip(disk, leaves, strict=True)), nest(zip(disk, leaf_args, strict=True))
-
-
-def plan_steps(
-    dirs: dict[str, pathlib.Path], shape: synthetic.Shape, with_orbax: bool = False
-) -> dict[str, Any]:
-  """Times b's planning steps separately, as `_restore_target` runs them.
-
-  With `with_orbax`, also times Orbax's own metadata for the same leaves (what
-  the shape check cost before `_header_shapes`), outside the total.
+  With `with_orbax`, also times Orbax's own parse of the same `_METADATA`
+  files (what its restore does again), outside the total.
   """
   tgt = synthetic.target(shape, synthetic.make_mesh())
-  handler = orbax_tunix.TunixPyTreeHandler()
   times: dict[str, float] = {}
 
-  def timed(key, fn, *args):
+  def timed(key, fn, *args, **kwargs):
     t = time.perf_counter()
-    out = fn(*args)
+    out = fn(*args, **kwargs)
     times[key] = times.get(key, 0.0) + time.perf_counter() - t
     return out
 
-  timed('detect', orbax_tunix.detect, dirs['tunix'])
+  step = timed('open_step', storage.open_step, dirs['tunix'])
+  metas = {item: timed('open_items', step.item, item) for item in tgt}
+  with storage.no_gc():
+    maps = timed('plan', canonical.plan_step, {k: m.paths for k, m in metas.items()})
   for item, tree in tgt.items():
-    item_dir = dirs['tunix'] / item
-    layout = timed('plan_item', plan_item, item_dir)
+    meta, cmap = metas[item], maps[item]
     pairs, _ = timed('flatten', flatten, tree)
-    canonical = [p for p, _ in pairs]
-    leaves = [leaf for _, leaf in pairs]
-    restore_args = timed('restore_args', ocp.checkpoint_utils.construct_restore_args, tree)
-    disk = timed('to_disk', to_disk_paths, layout, canonical)
-    shapes = timed('disk_shapes', handler.disk_shapes, item_dir, frozenset(disk))  # pylint: disable=protected-access
-    timed('validate', pytree_handler.validate_target, item_dir, canonical, disk, leaves, shapes)
-    leaf_args = jax.tree.leaves(restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs))
-    timed('nest', nest_both, disk, leaves, leaf_args)
+    disk = timed('to_disk', _to_disk, cmap, pairs)
+    timed('validate', pytree_handler.validate_target, meta, [c for c, _ in pairs],
+          disk, [leaf for _, leaf in pairs])
+    requests = timed('restore_args', _requests, pairs)
+    by_disk = {cmap.canonical_to_disk[c]: r for c, r in requests.items()}
+    timed('skeleton', pytree_handler._skeleton, meta, by_disk)  # pylint: disable=protected-access
     if with_orbax:
-      timed('orbax_metadata', orbax_shapes, item_dir, frozenset(disk))
-  times['total'] = sum(v for k, v in times.items() if k not in ('detect', 'orbax_metadata'))
+      timed('orbax_metadata', _orbax_parse, meta.directory)
+  times['total'] = sum(v for k, v in times.items() if k != 'orbax_metadata')
   return {'contender': 'plan', 'steps_s': times, 'leaves': shape.disk_leaves}
 
 

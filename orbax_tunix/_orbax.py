@@ -8,10 +8,8 @@ moves it fails there, loudly, and nowhere else.
 
 from __future__ import annotations
 
-import bisect
 import json
-import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -115,40 +113,14 @@ def parse_zarr_header(data: bytes, zarr3: bool) -> Any:
   return ArrayInfo(tuple(header['shape']), np.dtype(jnp.dtype(dtype)))
 
 
-_ZARR2_CHUNK = re.compile(r'\d+(?:\.\d+)*')
-_ZARR3_CHUNK = re.compile(r'c(?:/\d+)*')
+def chunk_key(index: Sequence[int], zarr3: bool) -> str:
+  """The store key of chunk `index` of an array, below the array's name.
 
-
-def chunk_grids(
-    keys: Collection[str], paths: Sequence[Path], zarr3: bool
-) -> dict[Path, tuple[int, ...]]:
-  """Chunks per dimension of each array, from a listing of the store's keys.
-
-  Zarr names chunk `(i, j)` of array `a` `a/i.j` (v2) or `a/c/i/j` (v3); the
-  grid's extent is the largest index plus one per dimension. Arrays with no
-  chunk key are left out.
+  Zarr names chunk (i, j) `i.j` (v2; `0` for a 0-d array) or `c/i/j` (v3).
   """
-  ordered = sorted(keys)
-  pattern = _ZARR3_CHUNK if zarr3 else _ZARR2_CHUNK
-  grids = {}
-  for path in paths:
-    prefix = array_name(path) + '/'
-    start = bisect.bisect_left(ordered, prefix)
-    end = bisect.bisect_left(ordered, prefix[:-1] + '0')  # '0' follows '/'.
-    extent: list[int] | None = None
-    for key in ordered[start:end]:
-      chunk = key[len(prefix):]
-      if not pattern.fullmatch(chunk):
-        continue
-      digits = chunk[2:] if zarr3 else chunk
-      index = [int(i) for i in re.split(r'[./]', digits) if i] if digits else []
-      if extent is None:
-        extent = [i + 1 for i in index]
-      elif len(extent) == len(index):
-        extent = [max(e, i + 1) for e, i in zip(extent, index, strict=True)]
-    if extent is not None:
-      grids[path] = tuple(extent)
-  return grids
+  if zarr3:
+    return '/'.join(['c', *map(str, index)])
+  return '.'.join(map(str, index)) or '0'
 
 
 # --- the handler an item records ----------------------------------------------

@@ -90,10 +90,6 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       )
     if args is None or not dict(args.items()):
       found = _tunix_detection(directory)
-      if found is not None:
-        self._plans.update(
-            (found.source.item_dir(n), (found.item_meta(n), m)) for n, m in found.maps.items()
-        )
     else:
       missing = sorted(name for name in args.keys() if not (directory / name).is_dir())
       if missing:
@@ -103,6 +99,12 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
             f' step has {present}). Ask only for items the step has, or pick'
             ' another step.'
         )
+      found = _planned_items(directory, [n for n, a in args.items() if isinstance(a, _PYTREE_RESTORE_ARGS)])
+    if found is not None:
+      # Planned once here: each item's reader uses it (no metadata read again).
+      self._plans.update(
+          (found.source.item_dir(n), (found.item_meta(n), m)) for n, m in found.maps.items()
+      )
     self._restoring = True
     try:
       return super().restore(directory, args=args)
@@ -161,6 +163,20 @@ def _tunix_detection(directory: epath.Path) -> Detection | None:
         raise
     return None
   return found if found.is_tunix else None
+
+
+def _planned_items(directory: epath.Path, names: list[str]) -> Detection | None:
+  """The items asked for, read and planned together (the optimizer's with the weights).
+
+  None when that is not possible here: each item's reader then plans, and
+  reports, on its own, as Orbax's handler would fail or succeed on its own.
+  """
+  if not names or not (directory / CHECKPOINT_METADATA).exists():
+    return None
+  try:
+    return detect(directory, items=names)
+  except errors.TunixCheckpointError:
+    return None
 
 
 def _raise_if_not_a_step(directory: epath.Path, error: Exception) -> None:

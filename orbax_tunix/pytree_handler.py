@@ -42,31 +42,35 @@ def stored_shape(leaf: Any) -> tuple[int, ...] | None:
 
 
 def validate_target(
-    directory: epath.Path,
+    meta: storage.Item,
     canonical_paths: Sequence[Path],
     disk: Sequence[Path | None],
     leaves: Sequence[Any],
-    disk_shapes: Mapping[Path, tuple[int, ...]],
 ) -> None:
   """Checks a canonical target against the checkpoint before anything is read.
 
   Args:
-    directory: the item directory (for messages).
+    meta: the item, as `storage` read it.
     canonical_paths: the target's leaf paths, canonical.
     disk: the on-disk path of each, in the same order (None: not on disk).
     leaves: the target's leaves, in the same order.
-    disk_shapes: on-disk array path -> global shape.
 
   Raises:
     TargetMismatchError: leaves absent on disk, or with another shape; the
       message lists them all (up to a screenful) with counts.
+    CorruptMetadataError: arrays the target names have no data in the store.
   """
+  directory = meta.directory
   missing = [fmt(c) for c, d in zip(canonical_paths, disk, strict=True) if d is None]
-  shapes = []
-  for c, d, leaf in zip(canonical_paths, disk, leaves, strict=True):
-    want, have = stored_shape(leaf), disk_shapes.get(d) if d is not None else None
-    if want is not None and have is not None and want != have:
-      shapes.append(f'{fmt(c)}: target {want}, on disk {have}')
+  expected = {
+      d: stored_shape(leaf) for d, leaf in zip(disk, leaves, strict=True)
+      if d is not None and stored_shape(leaf) is not None
+  }
+  have = meta.mismatched_shapes(expected)
+  shapes = [
+      f'{fmt(c)}: target {expected[d]}, on disk {have[d]}'
+      for c, d in zip(canonical_paths, disk, strict=True) if d in have
+  ]
   if missing or shapes:
     parts = [f'{directory}: the restore target does not match the checkpoint.']
     if missing:
@@ -114,9 +118,15 @@ def _default_restore_arg(leaf: Any) -> ocp.RestoreArgs:
   from it (Orbax's `construct_restore_args`); anything else (placeholders,
   values without a sharding) gets Orbax's default `RestoreArgs()`.
   """
-  if isinstance(getattr(leaf, 'sharding', None), jax.sharding.Sharding):
-    return ocp.checkpoint_utils.construct_restore_args(leaf)
-  return ocp.RestoreArgs()
+  sharding = getattr(leaf, 'sharding', None)
+  if not isinstance(sharding, jax.sharding.Sharding):
+    return ocp.RestoreArgs()
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    return ocp.checkpoint_utils.construct_restore_args(leaf)  # Its own key rules.
+  # What construct_restore_args makes, without its per-call tree walk.
+  return ocp.ArrayRestoreArgs(
+      restore_type=jax.Array, sharding=sharding, global_shape=tuple(leaf.shape), dtype=leaf.dtype
+  )
 
 
 def _args_by_path(restore_args: PyTree | None) -> dict[Path, ocp.RestoreArgs]:
@@ -295,10 +305,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     to_disk = cmap.canonical_to_disk
     wanted = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
     disk = [to_disk.get(c) for c, _ in wanted]
-    shapes = meta.shapes([d for d in disk if d is not None and d in meta.by_path])
-    validate_target(
-        meta.directory, [c for c, _ in wanted], disk, [leaf for _, leaf in wanted], shapes
-    )
+    validate_target(meta, [c for c, _ in wanted], disk, [leaf for _, leaf in wanted])
     requests = {c: (leaf, given.get(c) or _default_restore_arg(leaf)) for c, leaf in wanted}
     values = self.read(meta, cmap, requests)
     return jax.tree_util.tree_unflatten(treedef, [values.get(c, leaf) for c, leaf in pairs])
@@ -327,10 +334,19 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       return {}
     to_disk = cmap.canonical_to_disk if cmap is not None else {p: p for p in requests}
     by_disk = {to_disk[c]: request for c, request in requests.items()}
-    target, restore_args = _skeleton(meta, by_disk)
-    restored = flat_dict(
-        self._orbax_read(meta.directory, ocp.args.PyTreeRestore(target, restore_args))
-    )
+    if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
+      # Most of the tree, or lists in it: the whole tree, placeholders for the
+      # rest (Orbax's plain path; it cannot prune a list).
+      target, restore_args = _skeleton(meta, by_disk)
+      args = ocp.args.PyTreeRestore(target, restore_args)
+    else:
+      # A few leaves of a tree of dicts: Orbax trims its metadata to them.
+      args = ocp.args.PyTreeRestore(
+          nest((d, t) for d, (t, _) in by_disk.items()),
+          nest((d, a) for d, (_, a) in by_disk.items()),
+          partial_restore=True,
+      )
+    restored = flat_dict(self._orbax_read(meta.directory, args))
     return {c: restored[to_disk[c]] for c in requests}
 
   def _orbax_read(self, directory: epath.Path, args: ocp.args.PyTreeRestore) -> PyTree:

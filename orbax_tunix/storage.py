@@ -13,11 +13,13 @@ what was expected and what was found.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,8 +46,8 @@ MAX_METADATA_BYTES = 1 << 30
 
 # `key_type` in `_METADATA`: a sequence index or a dict key.
 SEQUENCE_KEY = 1
-# Below this many leaves, shapes come from each array's zarr header; above it,
-# from one listing of the item's key-value store (see `Item.shapes`).
+# Below this many leaves, shapes are checked against each array's zarr header;
+# above it, against one listing of the item's store (`Item.mismatched_shapes`).
 _HEADER_READS_UP_TO = 256
 
 
@@ -275,16 +277,25 @@ class Item:
     return frozenset(self.by_path)
 
   @functools.cached_property
+  def has_sequences(self) -> bool:
+    """Whether some node is a sequence (a list or tuple), not a dict."""
+    return any(SEQUENCE_KEY in leaf.key_types for leaf in self.leaves)
+
+  @functools.cached_property
   def _store(self) -> Any:
     return _orbax.open_kvstore(self.directory, use_ocdbt=self.use_ocdbt)
 
   @functools.cached_property
-  def _listing(self) -> frozenset[str]:
-    """Every key of the item's store (one listing; chunk keys included)."""
+  def _keys(self) -> list[str]:
+    """Every key of the item's store, sorted (one listing; chunk keys included)."""
     try:
-      return frozenset(k.decode() for k in self._store.list().result())
+      return sorted(k.decode() for k in self._store.list().result())
     except Exception as e:  # pylint: disable=broad-except
       raise self._storage_error(e) from e
+
+  @functools.cached_property
+  def _listing(self) -> frozenset[str]:
+    return frozenset(self._keys)
 
   def _storage_error(self, e: BaseException) -> errors.CorruptMetadataError:
     return errors.CorruptMetadataError(
@@ -354,34 +365,46 @@ class Item:
     return {p: _orbax.parse_zarr_header(value, self.use_zarr3) for p, value in found.items()}
 
   def shapes(self, paths: Iterable[Path]) -> dict[Path, tuple[int, ...]]:
-    """Global shapes of the array leaves in `paths`, without reading array data.
+    """Global shapes of the zarr leaves in `paths` (from their headers)."""
+    return {p: info.shape for p, info in self.arrays(paths).items()}
 
-    A few leaves: from their zarr headers. Many: from one listing of the
-    store, as the chunk grid times the chunk shape Orbax records in
-    `array_metadatas/` (exact when every chunk was stored); leaves that route
-    cannot settle fall back to their headers.
+  def mismatched_shapes(
+      self, expected: Mapping[Path, tuple[int, ...]]
+  ) -> dict[Path, tuple[int, ...]]:
+    """The leaves whose stored global shape is not the one expected, and theirs.
+
+    No array data is read. A few leaves are checked against their zarr
+    headers. Many are checked against one listing of the store: Orbax writes
+    every chunk of an array (`store_array_data_equal_to_fill_value`) on the
+    grid its chunk shape (`array_metadatas/`) lays over the global shape, so
+    an array has the expected shape exactly when it has as many chunks as that
+    shape's grid and the grid's last one. Leaves that check cannot settle, and
+    every mismatch (for its message), are read from their headers.
 
     Raises:
       CorruptMetadataError: an array has no data, or its header is damaged.
     """
-    wanted = [p for p in paths if self.by_path[p].has_zarr]
-    if len(wanted) <= _HEADER_READS_UP_TO or not self.stores_fill_chunks:
-      return {p: info.shape for p, info in self.arrays(wanted).items()}
-    self.check_arrays_exist(wanted)
-    grid = _orbax.chunk_grids(self._listing, wanted, self.use_zarr3)
-    chunks = self._chunk_shapes
-    shapes, rest = {}, []
-    for p in wanted:
-      chunk = chunks.get(_orbax.array_name(p))
-      counts = grid.get(p)
-      if chunk == ():
-        shapes[p] = ()  # A 0-d array: one chunk, whatever its key.
-      elif chunk is None or counts is None or len(chunk) != len(counts):
-        rest.append(p)
-      else:
-        shapes[p] = tuple(c * n for c, n in zip(chunk, counts, strict=True))
-    shapes.update((p, info.shape) for p, info in self.arrays(rest).items())
-    return shapes
+    wanted = {p: tuple(s) for p, s in expected.items() if self.by_path[p].has_zarr}
+    if len(wanted) > _HEADER_READS_UP_TO and self.stores_fill_chunks and self._chunk_shapes:
+      self.check_arrays_exist(wanted)
+      unsure = [p for p, shape in wanted.items() if not self._grid_has(p, shape)]
+    else:
+      unsure = list(wanted)
+    actual = self.shapes(unsure)
+    return {p: a for p, a in actual.items() if a != wanted[p]}
+
+  def _grid_has(self, path: Path, shape: tuple[int, ...]) -> bool:
+    """Whether the store holds exactly the chunk grid of `shape` for this array."""
+    name = _orbax.array_name(path)
+    chunk = self._chunk_shapes.get(name)
+    if chunk is None or len(chunk) != len(shape) or not all(chunk):
+      return False
+    grid = [-(-s // c) for s, c in zip(shape, chunk, strict=True)]
+    last = _orbax.chunk_key([g - 1 for g in grid], self.use_zarr3)
+    keys = self._keys
+    prefix = name + '/'
+    count = bisect.bisect_left(keys, name + '0') - bisect.bisect_left(keys, prefix)
+    return count - 1 == math.prod(grid) and f'{prefix}{last}' in self._listing  # 1: the header.
 
   @functools.cached_property
   def _chunk_shapes(self) -> dict[str, tuple[int, ...]]:

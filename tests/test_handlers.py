@@ -314,3 +314,42 @@ def test_relative_paths_and_typed_key_targets(tunix_data, mesh, monkeypatch):
   assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
   raw = builders.raw_leaves(tunix_data / item)
   np.testing.assert_array_equal(jax.random.key_data(key), raw['rngs/params/key/value'])
+
+
+@pytest.mark.parametrize('zarr3', [False, True])
+def test_shape_check_from_one_listing_at_scale(tmp_path, mesh, zarr3, monkeypatch):
+  """Past a few hundred leaves shapes are checked against the store's chunk grid."""
+  from orbax_tunix import storage
+
+  specs = [P('data', 'model'), P(), P('data'), P(None, 'model')]
+  tree = {'layers': {str(i): {'w': {'value': jax.device_put(
+      jnp.full((8, 4), i, jnp.float32), NamedSharding(mesh, specs[i % 4]))}} for i in range(300)}}
+  item_dir = tmp_path / '1' / 'model_params'
+  handler = ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(model_params=handler)) as ckptr:
+    ckptr.save(tmp_path / '1', args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(tree)))
+  assert len(storage.open_item(item_dir).leaves) > storage._HEADER_READS_UP_TO
+  rep = NamedSharding(mesh, P())
+  target = {'layers': {
+      str(i): {'w': jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=rep)} for i in range(300)}}
+  target['layers']['7']['w'] = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=rep)
+  target['layers']['9']['w'] = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=rep)
+  headers_read = []
+  read_headers = storage.Item._read_headers
+
+  def spy(self, paths):
+    headers_read.extend(paths)
+    return read_headers(self, paths)
+
+  monkeypatch.setattr(storage.Item, '_read_headers', spy)
+  with pytest.raises(ot.TargetMismatchError) as e:
+    ot.TunixPyTreeHandler().restore(item_dir, args=ocp.args.PyTreeRestore(item=target))
+  # Only the two that do not fit the chunk grid were looked up, for the message.
+  assert sorted(headers_read) == [('layers', '7', 'w', 'value'), ('layers', '9', 'w', 'value')]
+  assert '2 leaves differ in shape' in str(e.value)
+  assert 'layers/7/w: target (4, 8), on disk (8, 4)' in str(e.value)
+  assert 'layers/9/w: target (8, 8), on disk (8, 4)' in str(e.value)
+  for i in (7, 9):
+    target['layers'][str(i)]['w'] = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=rep)
+  r = ot.TunixPyTreeHandler().restore(item_dir, args=ocp.args.PyTreeRestore(item=target))
+  np.testing.assert_array_equal(r['layers']['299']['w'], np.full((8, 4), 299, np.float32))

@@ -139,11 +139,25 @@ class _Draft:
   shapes: list[str] = dataclasses.field(default_factory=list)
 
   def read(self, target: Path, item: str, path: Path) -> None:
-    disk = self.view.model if item == conventions.MODEL_ITEM else self.view.optimizer
-    have, want = disk[path], self.target[target]
-    if have is not None and want is not None and have != want:
-      self.shapes.append(f'{fmt(target)}: target {want}, checkpoint {have} ({item}:{fmt(path)})')
     self.reads[target] = Source(item, path)
+
+  def check_shapes(self) -> None:
+    """Every read against the checkpoint's shapes, an item at a time, before any read."""
+    for item in (conventions.MODEL_ITEM, conventions.OPTIMIZER_ITEM):
+      wanted: dict[Path, Shape] = {}
+      targets: dict[Path, list[Path]] = {}
+      for target, source in self.reads.items():
+        shape = self.target[target]
+        if source.item == item and shape is not None:
+          wanted[source.path] = shape
+          targets.setdefault(source.path, []).append(target)
+      if not wanted:
+        continue
+      for path, have in self.view.mismatched_shapes(item, wanted).items():
+        for target in targets[path]:
+          self.shapes.append(
+              f'{fmt(target)}: target {self.target[target]}, checkpoint {have} ({item}:{fmt(path)})'
+          )
 
   @property
   def step_source(self) -> Source | None:
@@ -341,6 +355,8 @@ def make_plan(
   _plan_optimizer(draft, weights, source_splits)
   if params_only and view.optimizer is not None:
     draft.left_out.append(f'{conventions.OPTIMIZER_ITEM} (params_only=True)')
+  if not draft.problems:
+    draft.check_shapes()
   if draft.shapes:
     draft.problems.append(
         f'{len(draft.shapes)} leaves differ in shape:\n' + errors.list_paths(draft.shapes)
@@ -377,8 +393,8 @@ def plan_restore(
 ) -> RestorePlan:
   """Plans restoring a Tunix checkpoint into a MaxText-shaped abstract state.
 
-  Reads metadata only: both items' JSON, and the array metadata of the items
-  the target needs (only the weights' when `params_only`).
+  Reads metadata only: both items' JSON, and what checks the shapes of the
+  arrays the target needs (only the weights' when `params_only`).
 
   Args:
     path: a Tunix root (latest committed step), step or RL root, or its
@@ -403,8 +419,5 @@ def plan_restore(
     )
   pairs, _ = flatten(abstract_state)
   shapes = _target_shapes(pairs)
-  needed = {conventions.MODEL_ITEM}
-  if not params_only and any(p[0] in (OPT_STATE, STEP) for p in shapes):
-    needed.add(conventions.OPTIMIZER_ITEM)
-  view = read_view(detection, shapes_of=needed)
+  view = read_view(detection)
   return make_plan(view, shapes, params_only=params_only, notes=detection.notes)

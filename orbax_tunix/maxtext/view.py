@@ -1,7 +1,8 @@
 """The checkpoint's side: the canonical leaves of one Tunix step, from metadata only.
 
 `read_view` turns what `detect()` found into a `CheckpointView` (canonical
-paths, and global shapes for the items asked for); no array is read.
+paths; shapes checked or looked up only where a plan needs them); no array
+is read.
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ Shape = tuple[int, ...]
 class CheckpointView:
   """The canonical leaves of one Tunix step, from metadata only.
 
+  Paths come from `_METADATA`; shapes are asked for only where they matter:
+  `mismatched_shapes` checks what a plan reads, `shapes` fills messages.
+
   Attributes:
     detection: the step as detected (its items, read once, and their maps).
     step_dir: the step directory.
     step: the number in the step directory's name, if any.
-    model: canonical weight path -> global shape (None when not looked up).
-    optimizer: canonical optimizer path -> global shape (None when not looked
-      up), or None when the step has no optimizer item.
+    model: the canonical weight paths (and RNG state).
+    optimizer: the canonical optimizer paths, or None when the step has no
+      optimizer item.
     side_paths: on-disk optimizer leaves outside the canonical view (the
       inject_hyperparams shell).
   """
@@ -36,21 +40,27 @@ class CheckpointView:
   detection: Detection
   step_dir: epath.Path
   step: int | None
-  model: Mapping[Path, Shape | None]
-  optimizer: Mapping[Path, Shape | None] | None
+  model: frozenset[Path]
+  optimizer: frozenset[Path] | None
   side_paths: tuple[Path, ...] = ()
 
+  def shapes(self, item: str, paths: Collection[Path]) -> dict[Path, Shape]:
+    """Global shapes of some canonical leaves of `item` (their zarr headers)."""
+    to_disk = self.detection.maps[item].canonical_to_disk
+    found = self.detection.item_meta(item).shapes([to_disk[p] for p in paths])
+    return {p: found[to_disk[p]] for p in paths if to_disk[p] in found}
 
-def read_view(detection: Detection, *, shapes_of: Collection[str]) -> CheckpointView:
-  """Collects the canonical leaves of a Tunix step.
+  def mismatched_shapes(self, item: str, expected: Mapping[Path, Shape]) -> dict[Path, Shape]:
+    """The canonical leaves of `item` whose stored shape is not the expected one."""
+    to_disk = self.detection.maps[item].canonical_to_disk
+    found = self.detection.item_meta(item).mismatched_shapes(
+        {to_disk[p]: shape for p, shape in expected.items()}
+    )
+    return {p: found[to_disk[p]] for p in expected if to_disk[p] in found}
 
-  Args:
-    detection: what `detect()` found (must be Tunix).
-    shapes_of: items whose shapes to look up (from each array's zarr
-      header); the others give paths only, from JSON.
 
-  Returns:
-    A `CheckpointView`.
+def read_view(detection: Detection) -> CheckpointView:
+  """Collects the canonical leaves of a Tunix step (paths only; nothing is read).
 
   Raises:
     UnsupportedLayoutError: the step has no `model_params` item.
@@ -62,21 +72,12 @@ def read_view(detection: Detection, *, shapes_of: Collection[str]) -> Checkpoint
         f' items {list(detection.items)}. Only steps holding the weights can be'
         ' restored as a MaxText train state.'
     )
-
-  def canonical(item: str) -> dict[Path, Shape | None]:
-    to_disk = maps[item].canonical_to_disk
-    if item not in shapes_of:
-      return {p: None for p in to_disk}
-    # Only the arrays' small headers (or one listing of the store) are read.
-    shapes = detection.item_meta(item).shapes(to_disk.values())
-    return {p: shapes.get(d) for p, d in to_disk.items()}
-
-  has_optimizer = conventions.OPTIMIZER_ITEM in maps
+  optimizer = maps.get(conventions.OPTIMIZER_ITEM)
   return CheckpointView(
       detection=detection,
       step_dir=detection.step_dir,
       step=detection.step,
-      model=canonical(conventions.MODEL_ITEM),
-      optimizer=canonical(conventions.OPTIMIZER_ITEM) if has_optimizer else None,
-      side_paths=maps[conventions.OPTIMIZER_ITEM].side_paths if has_optimizer else (),
+      model=frozenset(maps[conventions.MODEL_ITEM].canonical_to_disk),
+      optimizer=None if optimizer is None else frozenset(optimizer.canonical_to_disk),
+      side_paths=optimizer.side_paths if optimizer is not None else (),
   )

@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from etils import epath
 
-from orbax_tunix import errors, lora
+from orbax_tunix import conventions, errors, lora
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.maxtext.errors import LayerScanMismatchError, LoraOnlyCheckpointError
 from orbax_tunix.maxtext.view import CheckpointView, Shape
@@ -117,10 +117,10 @@ def check_weights(
       explain a whole set of missing leaves at once.
   """
   missing = [w for w in target if w not in view.model]
-  extra = [w for w in view.model if w not in target and w not in aux] if target else []
+  extra = sorted(w for w in view.model if w not in target and w not in aux) if target else []
   sections = []
   if missing or extra:
-    disk_weights = [w for w in view.model if w not in aux]
+    disk_weights = sorted(w for w in view.model if w not in aux)
     needed_full = [w for w in missing if not lora.is_adapter(w)]
     if disk_weights and all(lora.is_adapter(w) for w in disk_weights) and needed_full:
       raise LoraOnlyCheckpointError(
@@ -134,7 +134,8 @@ def check_weights(
           ' into them and save full weights, then restore that.'
       )
     # (name for messages, shape) of the leaves found on one side only.
-    disk_only = {w: (fmt(w), view.model[w]) for w in extra}
+    extra_shapes = view.shapes(conventions.MODEL_ITEM, extra)
+    disk_only = {w: (fmt(w), extra_shapes.get(w)) for w in extra}
     target_only = {w: (fmt(target[w]), target_shapes[target[w]]) for w in missing}
     scanned_target = _stackings(disk_only, target_only)
     scanned_disk = _stackings(target_only, disk_only)
