@@ -185,3 +185,13 @@ def merge_tree_metadata(
         'value_metadata': {'value_type': 'None', 'skip_deserialize': True},
     }
   return {**files[0], 'tree_metadata': entries}
+
+
+def commits_with_file(path: epath.Path) -> bool:
+  """Whether Orbax finalizes a step at `path` by a commit file in place (buckets).
+
+  Else by renaming a temporary sibling (local disks). Orbax's own choice for
+  the kind of path.
+  """
+  cls = ocp.path.atomicity_defaults.get_default_temporary_path_class(path)
+  return cls is ocp.path.atomicity.CommitFileTemporaryPath

@@ -40,11 +40,9 @@ object store has no directory rename.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -55,14 +53,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-from orbax_tunix import __version__, _orbax, checksums, conventions, errors, lora, reader
+from orbax_tunix import __version__, _orbax, checksums, commit, conventions, errors, lora, reader
+from orbax_tunix.commit import InvalidDestinationError
 from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.hyperparams import read_hyperparameters
 from orbax_tunix.keypaths import Path, fmt, nest
 from orbax_tunix.storage import (
   CHECKPOINT_METADATA,
   PYTREE_METADATA,
-  TMP_MARKER,
   as_path,
   read_json,
   step_number,
@@ -81,18 +79,9 @@ DEFAULT_MEMORY_BUDGET = reader.DEFAULT_MEMORY_BUDGET
 # to run). Sized for the worst case seen.
 COPIES_IN_FLIGHT = 5
 
-COMMIT_SUCCESS = 'commit_success.txt'
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
 JSON_TYPESTR = ocp.JsonCheckpointHandler.typestr()
 METADATA_KEY = checksums.RECORD_KEY
-
-
-class DestinationExistsError(errors.TunixCheckpointError):
-  """The destination exists and replacing it was not asked for."""
-
-
-class InvalidDestinationError(errors.TunixCheckpointError):
-  """The destination overlaps the source, or the options cannot be met."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,12 +218,6 @@ def _protected(step_dir: epath.Path) -> epath.Path:
 
 
 def _check_destination(src: reader.CanonicalCheckpoint, dst: epath.Path, force: bool) -> None:
-  if '://' in os.fspath(dst):
-    # Atomicity is a directory rename, which object stores do not have.
-    raise InvalidDestinationError(
-        f'{dst}: expected a local destination, found a bucket path. Convert to'
-        ' a local directory, then upload it (e.g. gcloud storage cp -r).'
-    )
   protected, step, target = (
       _absolute(_protected(src.step_dir)), _absolute(src.step_dir), _absolute(dst)
   )
@@ -244,22 +227,13 @@ def _check_destination(src: reader.CanonicalCheckpoint, dst: epath.Path, force: 
         ' holds it). The source run, every step and item in it, is never written'
         ' to: choose a dst outside it.'
     )
-  if not dst.exists():
-    return
-  if not force:
-    raise DestinationExistsError(
-        f'{dst}: already exists. Pass `force=True` to replace it (the old one is'
-        ' removed only once the new one is complete), or choose another dst.'
-    )
-  if not dst.is_dir() or not (dst / CHECKPOINT_METADATA).exists() or TMP_MARKER in dst.name:
-    found = 'a file' if not dst.is_dir() else (
-        'a directory holding ' + (', '.join(sorted(p.name for p in dst.iterdir())[:5]) or 'nothing')
-    )
+  try:
+    commit.check_replaceable(dst, force)
+  except OSError as e:
     raise InvalidDestinationError(
-        f'{dst}: `force=True` replaces only a checkpoint step (a directory holding'
-        f' {CHECKPOINT_METADATA}), found {found}. Remove it yourself if it may go,'
-        ' or choose another dst.'
-    )
+        f'{dst}: cannot reach the destination ({e}). Check the path, the network and'
+        ' the credentials (gs:// paths need gcsfs and Google credentials).'
+    ) from e
 
 
 def plan_convert(
@@ -395,7 +369,7 @@ def _write_item(
   Returns:
     The checksum of every leaf written, by formatted path (see `checksums`).
   """
-  item_dir.mkdir(parents=True)
+  item_dir.mkdir(parents=True, exist_ok=True)
   writer = ocp.PyTreeCheckpointHandler()
   source_handler = reader.TunixPyTreeHandler()
   dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths, strict=True))
@@ -432,7 +406,7 @@ def _write_item(
   )
   (item_dir / PYTREE_METADATA).write_text(json.dumps(merged))
   writer.finalize(item_dir)
-  (item_dir / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {item_dir}')
+  (item_dir / commit.COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {item_dir}')
   return sums
 
 
@@ -479,75 +453,8 @@ def _write_step_metadata(
   )
 
 
-def remove_tree(path: epath.Path) -> None:
-  """Removes a directory tree, tolerating writers still finishing in it."""
-  for _ in range(5):  # Retried: a background write may still add a file.
-    if not path.exists():
-      return
-    local = os.fspath(path)
-    try:
-      if os.path.isdir(local):
-        shutil.rmtree(local, ignore_errors=True)
-      else:
-        path.rmtree()
-    except OSError:
-      pass
-    time.sleep(0.05)
-
-
-def _commit(tmp: epath.Path, dst: epath.Path, force: bool) -> bool:
-  """Renames `tmp` to `dst`; an existing `dst` (with `force`) goes after."""
-  if not dst.exists():
-    tmp.rename(dst)
-    return False
-  if not force:
-    raise DestinationExistsError(
-        f'{dst}: appeared while converting. Nothing was replaced; pass `force=True`'
-        ' to replace it, or choose another DST.'
-    )
-  old = dst.parent / f'{dst.name}.orbax-tunix-old-{time.time_ns()}'
-  dst.rename(old)
-  try:
-    tmp.rename(dst)
-  except BaseException:
-    old.rename(dst)
-    raise
-  remove_tree(old)
-  return True
-
-
-def _missing_parents(dst: epath.Path) -> list[epath.Path]:
-  """DST's ancestors that do not exist yet, deepest first (a failure removes them)."""
-  missing = []
-  parent = dst.parent
-  while not parent.exists() and parent != parent.parent:
-    missing.append(parent)
-    parent = parent.parent
-  return missing
-
-
-def _remove_empty(directories: Sequence[epath.Path]) -> None:
-  """Removes the directories a failed conversion created, deepest first, if empty."""
-  for directory in directories:
-    with contextlib.suppress(OSError):
-      if directory.exists() and not any(directory.iterdir()):
-        directory.rmdir()
-
-
-def temporary_path(dst: epath.Path) -> epath.Path:
-  """Where DST is written before it is renamed: beside it, as Orbax names it."""
-  return dst.parent / f'{dst.name}{TMP_MARKER}-{time.time_ns()}'
-
-
-def leftover_temporaries(dst: epath.Path) -> list[epath.Path]:
-  """Temporary directories of earlier conversions to `dst` that were killed."""
-  if not dst.parent.exists():
-    return []
-  return sorted(dst.parent.glob(f'{dst.name}{TMP_MARKER}-*'))
-
-
 def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> ConvertResult:
-  """Executes a plan: streams every item into a temporary step, then renames it.
+  """Executes a plan: streams every item into a new step, then commits it as Orbax does.
 
   Args:
     plan: from `plan_convert`.
@@ -559,49 +466,44 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   Raises:
     DestinationExistsError: DST appeared meanwhile and not `force`.
     InvalidDestinationError: the destination cannot be written (permissions,
-      space). In every case (and on KeyboardInterrupt) the temporary
-      directory is removed and DST is untouched.
+      space). In every case (and on KeyboardInterrupt) what was written is
+      removed and an existing DST is untouched (see `commit.Staging`).
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
   init_ns = time.time_ns()
-  tmp = temporary_path(plan.dst)
-  created = _missing_parents(plan.dst)
+  staging = commit.Staging(plan.dst, plan.force)
   try:
-    plan.dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
+    work = staging.open()
   except OSError as e:
-    _remove_empty(created)
+    staging.abort()
     raise InvalidDestinationError(
-        f'{plan.dst}: cannot create the destination beside it ({e}). Expected a'
-        ' writable directory; choose another DST or fix its permissions.'
+        f'{plan.dst}: cannot create the destination ({e}). Expected a writable'
+        ' directory; choose another dst or fix its permissions.'
     ) from e
   progress.start(plan.total_bytes, f'converting to {plan.dst}')
   sums: dict[str, dict[str, str]] = {}
   try:
     for item in plan.items:
       if item.json:
-        (tmp / item.name).mkdir()
+        (work / item.name).mkdir(parents=True, exist_ok=True)
         ocp.JsonCheckpointHandler().save(
-            tmp / item.name,
+            work / item.name,
             args=ocp.args.JsonSave(reader.read_json_item(plan.source, item.source_item)),
         )
         continue
-      sums[item.name] = _write_item(plan, item, tmp / item.name, progress)
-    _write_step_metadata(tmp, plan, init_ns, sums)
-    (tmp / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {plan.dst}')
-    replaced = _commit(tmp, plan.dst, plan.force)
+      sums[item.name] = _write_item(plan, item, work / item.name, progress)
+    _write_step_metadata(work, plan, init_ns, sums)
+    replaced = staging.commit()
   except OSError as e:
-    remove_tree(tmp)
-    _remove_empty(created)
+    staging.abort()
     raise InvalidDestinationError(
         f'{plan.dst}: writing failed ({e}). Expected a writable destination with'
         f' room for about {plan.total_bytes} bytes; nothing was left behind.'
-        ' Free space or choose another DST.'
+        ' Free space or choose another dst.'
     ) from e
   except BaseException:
-    remove_tree(tmp)
-    _remove_empty(created)
+    staging.abort()
     raise
   finally:
     progress.finish()

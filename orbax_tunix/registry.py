@@ -47,7 +47,10 @@ def handler_registry(
   PyTree items restore through `TunixPyTreeHandler` (Tunix items in canonical
   form), with no arguments or with `PyTreeRestore`/`StandardRestore`, whether
   the step was written with Orbax's v0 or v1 API. Saves go to Orbax's own
-  handlers and write ordinary checkpoints.
+  handlers and write ordinary checkpoints. As in Orbax, a manager that saved
+  an item keeps the handler that saved it for a later restore of that item
+  without args (the tree as saved); pass args, or open a new manager, to get
+  the canonical tree.
 
   Args:
     item_handler: the handler for Tunix items (a new `TunixPyTreeHandler` by

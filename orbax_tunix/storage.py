@@ -665,7 +665,14 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
     CorruptMetadataError: `_CHECKPOINT_METADATA` is damaged.
   """
   path = as_path(path)
-  if not path.exists():
+  try:
+    exists = path.exists()
+  except OSError as e:  # A bucket that cannot be reached, say.
+    raise errors.NotACheckpointError(
+        f'{path}: cannot read it ({e}). Check the path, the network and the'
+        ' credentials (gs:// paths need gcsfs and Google credentials).'
+    ) from e
+  if not exists:
     raise errors.NotACheckpointError(
         f'{path}: no such file or directory. Expected an Orbax checkpoint'
         ' root, step or item directory; check the path.'

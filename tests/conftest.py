@@ -8,6 +8,13 @@ os.environ['XLA_FLAGS'] = (
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
+from tests import gcs as gcs_lib  # noqa: E402
+
+# Where the GCS emulator will listen: the clients take it from the
+# environment at import, so it is set before anything imports them.
+GCS_URL = f'http://127.0.0.1:{gcs_lib.free_port()}'
+os.environ.update(gcs_lib.environment(GCS_URL))
+
 import pathlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -26,3 +33,20 @@ def mesh():
 def tunix_data() -> pathlib.Path:
   """The committed checkpoints written by the real google-tunix package."""
   return DATA
+
+
+@pytest.fixture(scope='session')
+def gcs():
+  """A GCS emulator (fake-gcs-server, in memory), started on first use."""
+  emulator = gcs_lib.Emulator(GCS_URL)
+  emulator.start()
+  yield emulator
+  emulator.stop()
+
+
+@pytest.fixture
+def bucket(gcs):
+  """A fresh bucket, as an `epath.Path` ('gs://b-.../')."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+
+  return epath.Path(gcs.bucket())

@@ -411,11 +411,6 @@ def test_convert_refuses_destination_inside_source_run(capsys, tunix_data, tmp_p
   assert status == 2 and 'inside the source checkpoint' in err
 
 
-def test_convert_refuses_bucket_destination(capsys, tunix_data):
-  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', 'gs://some-bucket/out/1')
-  assert status == 2 and 'expected a local destination' in err
-
-
 def test_convert_failure_leaves_nothing(capsys, tunix_data, tmp_path, monkeypatch):
   real_save = ocp.PyTreeCheckpointHandler.save
   calls = []

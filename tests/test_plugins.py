@@ -1,6 +1,7 @@
 """Plugging in: CheckpointManager registry, Orbax v1, entry points, examples."""
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 
@@ -130,7 +131,6 @@ def test_v1_example(tunix_data, tmp_path):
 
 def test_saves_are_ordinary_checkpoints(tmp_path):
   """Saved through our registry or composite, a step restores without orbax_tunix."""
-  import json
 
   tree = {'w': np.arange(4, dtype=np.float32)}
   mngr = ocp.CheckpointManager(tmp_path / 'mngr', handler_registry=ot.handler_registry())
@@ -151,6 +151,40 @@ def test_saves_are_ordinary_checkpoints(tmp_path):
                          timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith('[0.0, 1.0, 2.0, 3.0]')
+
+
+def test_manager_that_saved_restores_as_saved_then_canonical_once_reopened(tmp_path, mesh):
+  """Orbax's composite serves an item with the handler that saved it for the
+  rest of the manager's life (the tree as saved); a manager opened on the
+  step restores it canonically, with args or without."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  model = builders.Model(nnx.Rngs(3))
+  canonical = {'/'.join(map(str, path)): np.asarray(variable[...])
+               for path, variable in nnx.to_flat_state(nnx.state(model))}
+  raw = {f'{path}/value': value for path, value in canonical.items()}  # nnx's value level
+  replicated = NamedSharding(mesh, P())
+  abstract = ot.keypaths.nest(
+      (tuple(path.split('/')), jax.ShapeDtypeStruct(v.shape, jnp.bfloat16, sharding=replicated))
+      for path, v in canonical.items())
+  with ocp.CheckpointManager(tmp_path, handler_registry=ot.handler_registry()) as mngr:
+    mngr.save(1, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(nnx.state(model))))
+    mngr.wait_until_finished()
+    as_saved = mngr.restore(1)['model_params']
+  with _manager(tmp_path) as mngr:
+    without_args = mngr.restore(1)['model_params']
+  with _manager(tmp_path) as mngr:
+    with_args = mngr.restore(1, args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeRestore(item=abstract)))['model_params']
+  for restored, expected, dtype in ((as_saved, raw, np.float32),
+                                    (without_args, canonical, np.float32),
+                                    (with_args, canonical, jnp.bfloat16)):
+    got = {ot.keypaths.fmt(p): v for p, v in ot.keypaths.flat_dict(restored).items()}
+    assert set(got) == set(expected)
+    for path, value in got.items():
+      assert value.dtype == dtype, path
+      np.testing.assert_array_equal(np.asarray(value), expected[path].astype(dtype))
+  assert with_args['head']['kernel'].sharding == replicated
 
 
 def test_v1_written_step_through_v0_apis(tunix_data):

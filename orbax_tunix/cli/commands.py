@@ -35,7 +35,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_tunix import checksums, errors, inspection
+from orbax_tunix import checksums, commit, errors, inspection
 from orbax_tunix import convert as convert_lib
 from orbax_tunix import diff as diff_lib
 from orbax_tunix.cli import display
@@ -145,7 +145,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   )
   for note in plan.notes:
     print(f'note: {as_flags(note)}', file=sys.stderr)
-  for leftover in convert_lib.leftover_temporaries(plan.dst):
+  for leftover in commit.leftovers(plan.dst):
     print(
         f'note: {leftover} is left from an interrupted conversion; remove it'
         ' when no conversion is running.',

@@ -1,0 +1,329 @@
+"""Every public entry point on gs://, against a real GCS emulator (fake-gcs-server).
+
+Checkpoints in the bucket are written there by Orbax (its CheckpointManager,
+straight to gs://) or are the committed google-tunix fixtures uploaded file by
+file. Expected values come from plain Orbax reads of the local fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+
+import orbax_tunix as ot
+from orbax_tunix import commit, maxtext
+from tests import builders
+from tests import gcs as gcs_lib
+from tests.test_cli import REPO, SUBPROCESS_ENV, run
+from tests.test_handlers import SPECS, _abstract, _assert_values, _expected, _leaves
+from tests.test_maxtext import TinyLM, abstract_state, adamw, assert_restored
+
+
+@pytest.fixture(scope='module')
+def uploaded(gcs, tunix_data):
+  """The committed fixtures, uploaded to one bucket: {name: gs:// root}."""
+  remote = epath.Path(gcs.bucket())
+  roots = {}
+  for name in ('sft_full', 'v1_writer', 'adapter_inject'):
+    gcs_lib.upload(tunix_data / name, remote / name)
+    roots[name] = remote / name
+  return roots
+
+
+def orbax_steps(root) -> list[int]:
+  """The steps Orbax itself takes as committed under `root`."""
+  with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True)) as m:
+    return list(m.all_steps())
+
+
+# --- detection: committed exactly as Orbax decides it on a bucket ----------------
+
+
+def test_detect_root_step_and_item(uploaded):
+  root = uploaded['sft_full']
+  found = ot.detect(root)
+  assert (found.step, found.step_dir) == (2, root / '2')
+  assert ot.detect(root / '1').step == 1
+  item = ot.detect(root / '2' / 'model_params')
+  assert item.kind == found.kind and item.rewrites == {'model_params': ('nnx_value',)}
+  assert [s.step for s in found.steps if s.committed] == orbax_steps(root) == [1, 2]
+
+
+def test_step_without_commit_file_is_unfinished(uploaded, bucket, capsys, tunix_data, tmp_path):
+  """Step 2 lacking its commit_success.txt files: Orbax's latest is 1, so is ours."""
+  root = bucket / 'run'
+  gcs_lib.upload(tunix_data / 'sft_full', root)
+  for marker in (tunix_data / 'sft_full' / '2').rglob(commit.COMMIT_SUCCESS):
+    (root / marker.relative_to(tunix_data / 'sft_full').as_posix()).unlink()
+  assert orbax_steps(root) == [1]
+  found = ot.detect(root)
+  assert found.step == 1
+  restored = ocp.Checkpointer(ot.TunixAwareHandler()).restore(found.step_dir)
+  _assert_values(restored['model_params'],
+                 _expected(tunix_data / 'sft_full' / '1', 'model_params', {}))
+  with pytest.raises(ot.UncommittedStepError, match='commit_success.txt'):
+    ot.detect(root / '2')
+  status, out, _ = run(capsys, 'inspect', root, '--json')
+  assert status == 0 and json.loads(out)['step'] == 1
+  status, _, _ = run(capsys, 'convert', root, tmp_path / 'out' / '1')
+  assert status == 0
+  record = ocp.metadata.metadata_store(enable_write=False).read(
+      tmp_path / 'out' / '1' / '_CHECKPOINT_METADATA')['custom_metadata']['orbax_tunix']
+  assert (record['source_step'], record['source']) == (1, os.fspath(root / '1'))
+
+
+def test_save_failed_before_commit_is_skipped(bucket, monkeypatch):
+  """An Orbax save to gs:// that fails before its commit file: no step, for both."""
+  root = bucket / 'run'
+  model, optimizer = builders.make(builders.Model(nnx_rngs()), builders.optax.adam(1e-3))
+  builders.save_tunix(root, 1, model, optimizer)
+
+  def fail(self, *args, **kwargs):
+    raise RuntimeError('simulated preemption before the commit')
+
+  monkeypatch.setattr(ocp.path.atomicity.CommitFileTemporaryPath, 'finalize', fail)
+  with pytest.raises(RuntimeError, match='simulated preemption'):
+    builders.save_tunix(root, 5, model, optimizer)
+  monkeypatch.undo()
+  assert (root / '5' / '_CHECKPOINT_METADATA').exists()  # Orbax wrote it first.
+  assert orbax_steps(root) == [1]
+  assert ot.detect(root).step == 1
+
+
+def nnx_rngs():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return nnx.Rngs(0)
+
+
+# --- restores ------------------------------------------------------------------
+
+
+def test_composite_restore_without_target(uploaded, tunix_data):
+  step_dir = ot.detect(uploaded['adapter_inject']).step_dir
+  restored = ocp.Checkpointer(ot.TunixAwareHandler()).restore(step_dir)
+  local = tunix_data / 'adapter_inject' / '1'
+  for item in ('model_params', 'optimizer_state'):
+    _assert_values(restored[item], _expected(local, item, SPECS['adapter_inject']))
+
+
+def test_composite_and_item_restores_into_sharded_target(uploaded, tunix_data, mesh):
+  step_dir = ot.detect(uploaded['adapter_inject']).step_dir
+  local = tunix_data / 'adapter_inject' / '1'
+  ckptr = ocp.Checkpointer(ot.TunixAwareHandler())
+  meta = ckptr.metadata(step_dir).item_metadata
+  target = _abstract(meta['model_params'].tree, mesh, jnp.bfloat16)
+  expected = _expected(local, 'model_params', SPECS['adapter_inject'])
+  composite = ckptr.restore(step_dir, args=ocp.args.Composite(
+      model_params=ocp.args.PyTreeRestore(item=target)))['model_params']
+  item = ocp.Checkpointer(ot.TunixPyTreeHandler()).restore(
+      step_dir / 'model_params', args=ocp.args.StandardRestore(target))
+  for restored in (composite, item):
+    got, want = _leaves(restored), _leaves(target)
+    assert set(got) == set(want) == set(expected)
+    for path, sds in want.items():
+      assert (got[path].sharding, got[path].dtype) == (sds.sharding, sds.dtype), path
+      np.testing.assert_array_equal(
+          np.asarray(got[path]), expected[path].astype(sds.dtype), err_msg=path)
+
+
+def test_checkpoint_manager_writes_and_restores_on_bucket(bucket, tmp_path):
+  """Orbax's CheckpointManager with our registry, writing Tunix steps to gs://."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  model, optimizer = builders.make(builders.Model(nnx.Rngs(1)), builders.optax.adam(1e-3))
+  root = bucket / 'managed'
+  options = ocp.CheckpointManagerOptions(max_to_keep=2)
+  with ocp.CheckpointManager(root, options=options, handler_registry=ot.handler_registry()) as m:
+    for step in (10, 20, 30):
+      m.save(step, args=ocp.args.Composite(
+          model_params=ocp.args.PyTreeSave(nnx.state(model)),
+          optimizer_state=ocp.args.PyTreeSave(nnx.state(optimizer, nnx.optimizer.OptState))))
+    m.wait_until_finished()
+    assert m.all_steps() == [20, 30]
+  with ocp.CheckpointManager(root, handler_registry=ot.handler_registry()) as m:
+    assert m.all_steps() == [20, 30]
+    restored = m.restore(m.latest_step())
+  assert ot.detect(root).step == 30
+  local = builders.save_tunix(tmp_path, 30, model, optimizer)  # same state, on disk
+  for item in ('model_params', 'optimizer_state'):
+    _assert_values(restored[item], _expected(local, item, {}))
+
+
+def test_v1_load_checkpointables(uploaded, tunix_data):
+  ot.register()
+  step_dir = ot.detect(uploaded['v1_writer']).step_dir
+  state = ocp.v1.load_checkpointables(step_dir)
+  _assert_values(state['model_params'],
+                 _expected(tunix_data / 'v1_writer' / '2', 'model_params', {}))
+
+
+@pytest.mark.parametrize('params_only', [False, True])
+def test_maxtext_restore_train_state(uploaded, tunix_data, mesh, params_only):
+  abstract = abstract_state(TinyLM(), adamw(), mesh)
+  restored = maxtext.restore_train_state(uploaded['sft_full'], abstract, params_only=params_only)
+  kept = ('opt_state', 'step') if params_only else ()
+  filled = () if params_only else ['opt_state/2/count']
+  assert_restored(restored, abstract, tunix_data / 'sft_full' / '2', {'0': 'opt_state/0'},
+                  filled=filled, kept=kept)
+
+
+def test_hyperparameters(uploaded, tunix_data):
+  raw = builders.raw_leaves(tunix_data / 'adapter_inject' / '1' / 'optimizer_state')
+  found = ot.hyperparameters(uploaded['adapter_inject'])
+  assert set(found) == {'opt_state'}
+  for name, value in found['opt_state'].items():
+    np.testing.assert_array_equal(value, raw[f'opt_state/hyperparams/{name}/value'], err_msg=name)
+
+
+# --- the command line ----------------------------------------------------------
+
+
+def test_inspect_and_json(uploaded, tunix_data, capsys):
+  status, out, _ = run(capsys, 'inspect', uploaded['sft_full'])
+  assert status == 0 and 'gs://' in out and 'layers' in out
+  status, out, _ = run(capsys, 'inspect', uploaded['sft_full'], '--json')
+  assert status == 0
+  doc = json.loads(out)
+  manifest = json.loads((tunix_data / 'MANIFEST.json').read_text())
+  on_disk = manifest['fixtures']['sft_full']['step_items']['2']['items']['model_params']
+  assert doc['step'] == 2
+  # The weights' shapes as google-tunix recorded them when it wrote the fixture.
+  want = {entry['path'][: -len('/value')]: entry['shape'] for entry in on_disk}
+  got = {path: leaf['shape'] for path, leaf in doc['items']['model_params']['leaves'].items()}
+  assert got == want
+
+
+def restore_plain(step_dir):
+  """A converted step read by plain Orbax, without this package."""
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    return ckptr.restore(step_dir)
+
+
+@pytest.mark.parametrize('src_on_bucket, dst_on_bucket', [(False, True), (True, False), (True, True)])
+def test_convert_both_layouts_and_diff(uploaded, tunix_data, bucket, tmp_path, capsys,
+                                       src_on_bucket, dst_on_bucket):
+  src = uploaded['sft_full'] if src_on_bucket else tunix_data / 'sft_full'
+  base = bucket if dst_on_bucket else tmp_path
+  local_step = tunix_data / 'sft_full' / '2'
+  canonical, maxtext_dst = base / 'canonical' / '2', base / 'maxtext' / '2'
+
+  assert run(capsys, 'convert', src, canonical)[0] == 0
+  assert run(capsys, 'convert', src, maxtext_dst, '--layout', 'maxtext', '--params-only')[0] == 0
+  assert orbax_steps(base / 'canonical') == [2]
+  restored = restore_plain(canonical)
+  for item in ('model_params', 'optimizer_state'):
+    _assert_values(restored[item], _expected(local_step, item, {}))
+  items = restore_plain(maxtext_dst)['items']
+  _assert_values(items['params']['params'], _expected(local_step, 'model_params', {}))
+  # A bucket against a disk, both ways round.
+  assert run(capsys, 'diff', canonical, tunix_data / 'sft_full')[0] == 0
+  assert run(capsys, 'diff', uploaded['sft_full'], tunix_data / 'sft_full' / '1')[0] == 1
+  status, out, _ = run(capsys, 'inspect', canonical, '--verify')
+  assert status == 0, out
+
+
+def test_force_replaces_a_bucket_step_once_complete(uploaded, bucket, capsys, tunix_data):
+  dst = bucket / 'out' / '7'
+  assert run(capsys, 'convert', uploaded['sft_full'], dst, '--step', '1')[0] == 0
+  status, _, err = run(capsys, 'convert', uploaded['sft_full'], dst)
+  assert status == 2 and 'force' in err
+  assert run(capsys, 'convert', uploaded['sft_full'], dst, '--force')[0] == 0
+  assert orbax_steps(bucket / 'out') == [7]
+  assert commit.leftovers(dst) == []
+  restored = restore_plain(dst)
+  _assert_values(restored['model_params'],
+                 _expected(tunix_data / 'sft_full' / '2', 'model_params', {}))
+
+
+def test_killed_convert_into_bucket_leaves_no_finished_step(bucket, tmp_path):
+  """SIGKILL mid-write: Orbax, detect and inspect see no step; a rerun succeeds."""
+  src = tmp_path / 'src'
+  big = {f'w{i}': np.full((256, 1024), i, np.float32) for i in range(24)}  # 24 MiB
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(src / '1', args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeSave({k: {'value': v} for k, v in big.items()})))
+  root = bucket / 'converted'
+  dst = root / '1'
+  command = [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(src), str(dst),
+             '--memory-budget', '1MiB']
+  process = subprocess.Popen(command, cwd=REPO, env=SUBPROCESS_ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + 120
+  while not (dst / 'model_params').exists():
+    assert process.poll() is None, process.stderr.read().decode()
+    assert time.monotonic() < deadline, 'convert never started writing'
+    time.sleep(0.05)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert (dst / commit.MARKER).exists() and not (dst / commit.COMMIT_SUCCESS).exists()
+  assert orbax_steps(root) == []
+  with pytest.raises(ot.UncommittedStepError, match='unfinished'):
+    ot.detect(root)
+  inspected = subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', 'inspect', str(root)],
+                             cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True)
+  assert inspected.returncode == 2, inspected.stdout
+  rerun = subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True)
+  assert rerun.returncode == 0, rerun.stderr
+  assert orbax_steps(root) == [1]
+  restored = restore_plain(dst)['model_params']
+  for name, value in big.items():
+    np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
+
+
+# --- storage requests ----------------------------------------------------------
+
+
+def _requests(gcs, call) -> int:
+  time.sleep(0.3)  # The emulator logs a request after its response: let it settle.
+  before = gcs.requests()
+  call()
+  time.sleep(0.3)
+  return gcs.requests() - before
+
+
+class _BeforeTheRead(Exception):
+  pass
+
+
+def test_planning_requests_do_not_grow_per_leaf(gcs, bucket, mesh, capsys, monkeypatch):
+  """detect, inspect and a full restore's planning (all of it before Orbax's
+  read of the arrays): requests per item, not per leaf."""
+
+  def stop(*args, **kwargs):
+    raise _BeforeTheRead
+
+  monkeypatch.setattr(ot.TunixPyTreeHandler, '_orbax_read', stop)
+  counts = {}
+  for leaves in (16, 1024):
+    state = {f'layer{i}': {'w': {'value': np.full((8,), i, np.float32)}} for i in range(leaves)}
+    root = bucket / f'run{leaves}'
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      ckptr.save(root / '1', args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(state)))
+    target = {f'layer{i}': {'w': jax.ShapeDtypeStruct((8,), jnp.float32)} for i in range(leaves)}
+
+    def plan(root=root, target=target):
+      with pytest.raises(_BeforeTheRead):
+        ocp.Checkpointer(ot.TunixAwareHandler()).restore(root / '1', args=ocp.args.Composite(
+            model_params=ocp.args.PyTreeRestore(item=target)))
+
+    counts[leaves] = {
+        'detect': _requests(gcs, lambda root=root: ot.detect(root)),
+        'inspect': _requests(gcs, lambda root=root: run(capsys, 'inspect', root)),
+        'plan': _requests(gcs, plan),
+    }
+  for what in ('detect', 'inspect', 'plan'):
+    # 64 times the leaves; a few more requests at most (tensorstore re-checks
+    # the OCDBT manifest a varying number of times), never one per leaf.
+    assert counts[1024][what] <= counts[16][what] + 10, (what, counts)
