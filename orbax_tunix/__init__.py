@@ -8,12 +8,13 @@ The whole public API (`__all__`, and the README's table)::
   handler_registry()                     for ocp.CheckpointManager
   register(), load_plugins()             Orbax v1 and entry-point plugins
   hyperparameters(path)                  the inject_hyperparams values
+  restore_merged_lora(path, target, ...) LoRA adapters merged into the weights
   to_canonical_tree, to_disk_tree        rewriting whole trees with a
   CanonicalMap                           ... step's planned map
   TunixCheckpointError                   the base of every error raised:
     NotACheckpointError, UncommittedStepError, CorruptMetadataError,
     TargetMismatchError, MissingItemError, LoraOnlyCheckpointError,
-    UnsupportedLayoutError
+    LoraError, UnsupportedLayoutError
   maxtext                                a Tunix step as MaxText's TrainState
 """
 
@@ -23,6 +24,7 @@ from orbax_tunix.composite_handler import TunixAwareHandler
 from orbax_tunix.detection import Detection, detect
 from orbax_tunix.errors import (
     CorruptMetadataError,
+    LoraError,
     LoraOnlyCheckpointError,
     MissingItemError,
     NotACheckpointError,
@@ -32,6 +34,7 @@ from orbax_tunix.errors import (
     UnsupportedLayoutError,
 )
 from orbax_tunix.hyperparams import hyperparameters
+from orbax_tunix.merge import restore_merged_lora
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.registry import handler_registry, load_plugins, register
 
@@ -39,6 +42,7 @@ __all__ = [
     'CanonicalMap',
     'CorruptMetadataError',
     'Detection',
+    'LoraError',
     'LoraOnlyCheckpointError',
     'MissingItemError',
     'NotACheckpointError',
@@ -54,6 +58,7 @@ __all__ = [
     'load_plugins',
     'maxtext',
     'register',
+    'restore_merged_lora',
     'to_canonical_tree',
     'to_disk_tree',
 ]

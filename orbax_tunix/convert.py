@@ -54,6 +54,7 @@ from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
 from orbax_tunix import __version__, _orbax, checksums, commit, conventions, errors, lora, reader
+from orbax_tunix import merge as merge_lib
 from orbax_tunix.commit import InvalidDestinationError
 from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.hyperparams import read_hyperparameters
@@ -121,6 +122,7 @@ class ConvertPlan:
     force: replace an existing DST.
     items: the items to write.
     notes: things a person should know (e.g. items skipped).
+    merge: the LoRA merge whose weights are written (None: leaves are copied).
   """
 
   source: reader.CanonicalCheckpoint
@@ -132,6 +134,7 @@ class ConvertPlan:
   force: bool
   items: tuple[ItemPlan, ...]
   notes: tuple[str, ...] = ()
+  merge: merge_lib.MergePlan | None = None
 
   @property
   def total_bytes(self) -> int:
@@ -247,6 +250,10 @@ def plan_convert(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
+    lora_scale: float | None = None,
+    base: epath.PathLike | None = None,
 ) -> ConvertPlan:
   """Plans a conversion from metadata only; nothing is written.
 
@@ -262,6 +269,9 @@ def plan_convert(
     force: replace an existing DST (only if it is a checkpoint step).
     items: the source items to convert (default: every item the step records;
       a step holding items that are neither PyTrees nor JSON needs them named).
+    merge_lora: write the weights with the LoRA adapters merged (weights
+      only, as `params_only`); see `orbax_tunix.restore_merged_lora`.
+    lora_alpha, lora_scale, base: the merge's `alpha`, `scale` and `base`.
 
   Returns:
     A `ConvertPlan`.
@@ -275,6 +285,7 @@ def plan_convert(
     raise InvalidDestinationError(
         f'`layout` {layout!r}: expected one of {", ".join(LAYOUTS)}.'
     )
+  params_only = params_only or merge_lora
   if layout == MAXTEXT and not params_only:
     raise InvalidDestinationError(
         '`layout` maxtext writes the parameter tree MaxText loads with'
@@ -286,12 +297,31 @@ def plan_convert(
     raise InvalidDestinationError(
         f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
     )
+  if base is not None and not merge_lora:
+    raise InvalidDestinationError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
   source = reader.open_checkpoint(src, step, items)
   dst = as_path(dst)
   _check_destination(source, dst, force)
   notes: list[str] = []
   plans: list[ItemPlan] = []
-  if params_only:
+  merged = None
+  if merge_lora:
+    merged = merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
+    if merged.base is not source:
+      _check_destination(merged.base, dst, force)
+    prefix = conventions.MAXTEXT_PARAMS if layout == MAXTEXT else ()
+    name = conventions.MAXTEXT_ITEM if layout == MAXTEXT else conventions.MODEL_ITEM
+    weights = sorted(merged.weights.items())
+    plans.append(ItemPlan(
+        name=name,
+        source_item=conventions.MODEL_ITEM,
+        # The merged weights, as the base stores them, under the plain model's paths.
+        leaves=tuple(dataclasses.replace(s.leaf, item=name, path=p, disk_path=p)
+                     for p, s in weights),
+        paths=tuple(prefix + p for p, _ in weights),
+    ))
+    notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(weights)} weights')
+  elif params_only:
     found = reader.weights(source)
     source_items = {leaf.item for leaf, _ in found}
     prefix = conventions.MAXTEXT_PARAMS if layout == MAXTEXT else ()
@@ -312,16 +342,6 @@ def plan_convert(
       notes.append(
           f'left out {len(dropped)} RNG state leaves (paths with {conventions.RNG_KEY!r})'
       )
-    if lora.adapters_only(path for _, path in found):
-      adapters = [fmt(path) for _, path in found]
-      raise errors.LoraOnlyCheckpointError(
-          f'{source.step_dir}: expected full model weights for `params_only=True`, found'
-          f' LoRA adapters only ({len(adapters)} leaves, e.g. {adapters[0]}): the run'
-          ' saved no base weights (Tunix\'s save_only_lora_params). Written alone,'
-          ' they are not parameters MaxText can load. Convert without `params_only=True`'
-          ' to keep the adapters as they are, or convert the full checkpoint the'
-          ' LoRA run started from.'
-      )
   else:
     for name in sorted(source.items):
       leaves = source.items[name]
@@ -330,6 +350,8 @@ def plan_convert(
         continue
       plans.append(ItemPlan(name, name, leaves, tuple(leaf.path for leaf in leaves)))
     plans += [ItemPlan(name, name, (), (), json=True) for name in source.json_items]
+  if merged is None:
+    _refuse_adapters_only(source)
   if not plans:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: expected at least one PyTree item to convert,'
@@ -355,7 +377,44 @@ def plan_convert(
       force=force,
       items=tuple(plans),
       notes=tuple(notes),
+      merge=merged,
   )
+
+
+def _refuse_adapters_only(source: reader.CanonicalCheckpoint) -> None:
+  """A LoRA run saved without its base weights cannot be converted as it is.
+
+  Raises:
+    LoraOnlyCheckpointError: saying how to merge instead.
+  """
+  try:
+    found = reader.weights(source)
+  except errors.UnsupportedLayoutError:
+    return  # No model weights (an optimizer item alone, say): nothing to refuse.
+  if lora.adapters_only(path for _, path in found):
+    adapters = [fmt(path) for _, path in found]
+    raise errors.LoraOnlyCheckpointError(
+        f'{source.step_dir}: expected model weights, found LoRA adapters only'
+        f' ({len(adapters)} leaves, e.g. {adapters[0]}): the run saved no base weights'
+        " (Tunix's save_only_lora_params). Converted alone they are not a model."
+        ' Merge them into the base weights the run started from: `merge_lora=True`,'
+        ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint).'
+    )
+
+
+def _read_batch(plan: ConvertPlan, item: ItemPlan, batch: Sequence[reader.LeafInfo],
+                handler: reader.TunixPyTreeHandler) -> list[Any]:
+  """One batch of an item's values: copied leaves, or merged weights (on one CPU device)."""
+  if plan.merge is None:
+    return reader.read(plan.source, item.source_item, batch, as_numpy=False, dtype=plan.dtype,
+                       handler=handler)
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+  targets = {
+      leaf.path: jax.ShapeDtypeStruct(leaf.shape, reader.cast_dtype(leaf, plan.dtype), sharding=cpu)
+      for leaf in batch
+  }
+  values = merge_lib.read_merged(plan.merge, targets)
+  return [values[leaf.path] for leaf in batch]
 
 
 def _write_item(
@@ -377,14 +436,7 @@ def _write_item(
   sums: dict[str, str] = {}
   with concurrent.futures.ThreadPoolExecutor(1) as summer:
     for batch in reader.batches(item.leaves, plan.batch_bytes):
-      values = reader.read(
-          plan.source,
-          item.source_item,
-          batch,
-          as_numpy=False,
-          dtype=plan.dtype,
-          handler=source_handler,
-      )
+      values = _read_batch(plan, item, batch, source_handler)
       paths = [dst_path[leaf.disk_path] for leaf in batch]
       # Checksums are taken beside the write (zlib releases the GIL).
       summing = summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
@@ -397,7 +449,9 @@ def _write_item(
   # Written as it was read (no rewrite, no new prefix): keep the source's
   # containers (lists, None) too.
   source = plan.source.detection.item_meta(item.source_item)
-  same = all(p == leaf.disk_path for p, leaf in zip(item.paths, item.leaves, strict=True))
+  same = plan.merge is None and all(
+      p == leaf.disk_path for p, leaf in zip(item.paths, item.leaves, strict=True)
+  )
   merged = _orbax.merge_tree_metadata(
       written,
       key_types={leaf.path: leaf.key_types for leaf in source.leaves} if same else None,
@@ -423,6 +477,12 @@ def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str,
       'version': __version__,
       checksums.KEY: sums,
   }
+  if plan.merge is not None:
+    record['lora_merge'] = {
+        'base': os.fspath(plan.merge.base.step_dir),
+        'adapted': {fmt(p): {'style': m.adapter.style, 'rank': m.adapter.rank, 'scale': m.scale}
+                    for p, m in sorted(plan.merge.merges.items())},
+    }
   if detection.is_tunix:
     found = read_hyperparameters(detection)
     if found:

@@ -50,6 +50,10 @@ class LoraOnlyCheckpointError(TargetMismatchError):
   """The checkpoint holds only LoRA adapters; full weights were asked for."""
 
 
+class LoraError(TunixCheckpointError):
+  """LoRA adapters cannot be merged as asked (raised before any array is read)."""
+
+
 class UnsupportedLayoutError(TunixCheckpointError):
   """The checkpoint's layout is one this version cannot map."""
 

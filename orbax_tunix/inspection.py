@@ -20,6 +20,7 @@ import optax
 from etils import epath
 
 from orbax_tunix import conventions, errors, reader, rules
+from orbax_tunix import lora as lora_lib
 from orbax_tunix.detection import Detection
 from orbax_tunix.hyperparams import read_hyperparameters
 from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
@@ -89,17 +90,19 @@ class LoraReport:
 
   Attributes:
     style: 'qwix' (`<weight>_lora_a/_b` siblings) or 'flax' (`lora_a`/`lora_b`
-      in an nnx LoRA module).
-    targets: the weights (qwix) or modules (flax) adapted, canonical.
+      in an nnx LoRA module); 'qwix+flax' if both.
+    targets: the adapted weights, canonical paths in the plain model.
+    target_ranks: the rank of each, in the same order.
     ranks: the distinct ranks.
     num_leaves: LoRA leaves.
     nbytes: their bytes.
-    base_weights: whether the adapted base weights are saved too (a qwix LoRA
-      run saves only the adapters).
+    base_weights: whether every adapted base weight is saved too (a qwix
+      LoRA run saves only the adapters).
   """
 
   style: str
   targets: tuple[str, ...]
+  target_ranks: tuple[int, ...]
   ranks: tuple[int, ...]
   num_leaves: int
   nbytes: int
@@ -177,56 +180,31 @@ class Report:
 
 
 def lora_report(leaves: Sequence[reader.LeafInfo]) -> LoraReport | None:
-  """Finds LoRA adapters among canonical weight leaves.
+  """Finds LoRA adapters among canonical weight leaves (see `lora.find_adapters`).
 
   Args:
     leaves: the model item's canonical leaves.
 
   Returns:
     A `LoraReport`, or None when there is no adapter.
+
+  Raises:
+    LoraError: adapters that cannot be paired.
   """
   by_path = {leaf.path: leaf for leaf in leaves}
-  targets, ranks, lora_leaves = [], set(), []
-  style = None
-  for path, leaf in by_path.items():
-    name = path[-1]
-    if name.endswith('_lora_a'):
-      target = path[:-1] + (name[: -len('_lora_a')],)
-      b = by_path.get(path[:-1] + (target[-1] + '_lora_b',))
-      style = style or 'qwix'
-    elif name == 'lora_a':
-      target = path[:-1]
-      b = by_path.get(path[:-1] + ('lora_b',))
-      style = style or 'flax'
-    else:
-      continue
-    lora_leaves += [leaf] + ([b] if b is not None else [])
-    targets.append(target)
-    if leaf.shape:
-      ranks.add(int(leaf.shape[-1]))
-  if not targets:
+  adapters = lora_lib.find_adapters({p: leaf.shape for p, leaf in by_path.items()})
+  if not adapters:
     return None
-  if style == 'qwix':
-    base = all(t in by_path for t in targets)
-  else:
-    # flax: the wrapped layer sits beside the adapter, as `base_module/...`
-    # under an nnx.LoRA, or as the parent's own kernel for an nnx.LoRALinear
-    # (whose adapter is its `lora` submodule).
-    def has_base(target: Path) -> bool:
-      prefix = target[:-1] if target[-1] == 'lora' else target
-      return any(
-          p[: len(prefix)] == prefix and not any('lora' in k for k in p[len(prefix) :])
-          for p in by_path
-      )
-
-    base = all(has_base(t) for t in targets)
+  ordered = sorted(adapters.values(), key=lambda a: natural_order(a.weight))
+  lora_leaves = [by_path[p] for a in ordered for p in (a.a, a.b)]
   return LoraReport(
-      style=style,
-      targets=tuple(fmt(t) for t in sorted(targets, key=natural_order)),
-      ranks=tuple(sorted(ranks)),
+      style='+'.join(sorted({a.style for a in ordered}, reverse=True)),
+      targets=tuple(fmt(a.weight) for a in ordered),
+      target_ranks=tuple(a.rank for a in ordered),
+      ranks=tuple(sorted({a.rank for a in ordered})),
       num_leaves=len(lora_leaves),
       nbytes=sum(leaf.nbytes for leaf in lora_leaves),
-      base_weights=base,
+      base_weights=all(a.saved_base in by_path for a in ordered),
   )
 
 

@@ -230,7 +230,8 @@ def test_inspect_reads_metadata_only(big_checkpoint, tunix_data):
 # --- convert ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize('name', FIXTURES)
+# An adapters-only save is not converted as it is (it is merged; test_lora_merge.py).
+@pytest.mark.parametrize('name', [n for n in FIXTURES if n != 'lora_qwix'])
 def test_convert_then_plain_orbax_then_diff(capsys, tunix_data, tmp_path, name):
   dst = tmp_path / 'out' / '7'
   # A tiny budget forces one batch per few leaves: the streaming path.

@@ -204,7 +204,7 @@ def test_public_api_is_one_list():
   exported = set(ot.__all__)
   assert exported == {n for n in dir(ot) if not n.startswith('_')} - {
       'canonical', 'composite_handler', 'detection', 'errors', 'hyperparams', 'pytree_handler',
-      'registry', 'rules', 'keypaths', 'storage', 'conventions', 'lora', 'reader', '_orbax',
+      'registry', 'rules', 'keypaths', 'storage', 'conventions', 'lora', 'merge', 'commit', 'reader', '_orbax',
       'checksums', 'convert', 'diff', 'inspection', 'cli',
   }
   doc = {m for m in re.findall(r'\b([A-Za-z_]+)\b', ot.__doc__.split('::')[1]) if m in dir(ot)}

@@ -142,6 +142,10 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       memory_budget=args.memory_budget,
       force=args.force,
       items=args.items,
+      merge_lora=args.merge_lora,
+      lora_alpha=args.lora_alpha,
+      lora_scale=args.lora_scale,
+      base=args.base,
   )
   for note in plan.notes:
     print(f'note: {as_flags(note)}', file=sys.stderr)
@@ -224,6 +228,12 @@ _FLAGS = {
     'dst': 'DST',
     'src': 'SRC',
     'items': '--item',
+    'merge_lora': '--merge-lora',
+    'lora_alpha': '--lora-alpha',
+    'alpha': '--lora-alpha',
+    'lora_scale': '--lora-scale',
+    'scale': '--lora-scale',
+    'base': '--base',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
@@ -364,6 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--json', action='store_true', help='print the summary as JSON')
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
                  help='convert only this source item (repeatable; default: every item)')
+  p.add_argument('--merge-lora', action='store_true',
+                 help='merge the LoRA adapters into the weights (writes weights only)')
+  alpha = p.add_mutually_exclusive_group()
+  alpha.add_argument('--lora-alpha', type=float, metavar='A',
+                     help="the run's qwix LoRA alpha (scale = alpha / rank); not stored in"
+                     ' checkpoints')
+  alpha.add_argument('--lora-scale', type=float, metavar='S', help='the scale itself')
+  p.add_argument('--base', metavar='BASE',
+                 help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
+                 ' checkpoint); default: SRC itself (a full save)')
   p.set_defaults(handler=cmd_convert)
 
   p = sub.add_parser(

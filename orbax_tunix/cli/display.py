@@ -374,8 +374,8 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
             ('base weights', 'saved too' if lora.base_weights else 'not saved (adapters only)'),
         ]
     )
-    for target in _fold_targets(lora.targets, collapse):
-      out.text(f'  {target}')
+    for target, rank in _fold_targets(lora.targets, lora.target_ranks, collapse):
+      out.text(f'  {target}  rank {rank}')
   if report.optimizer:
     out.title(f'Optimizer state ({report.optimizer_item})')
     for row in report.optimizer:
@@ -399,17 +399,19 @@ def _scalar_text(value: Any) -> str:
   return str(value)
 
 
-def _fold_targets(targets: Sequence[str], collapse: bool) -> list[str]:
-  """LoRA targets, numbered layers folded on a terminal."""
+def _fold_targets(targets: Sequence[str], ranks: Sequence[int], collapse: bool
+                  ) -> list[tuple[str, str]]:
+  """LoRA targets and their ranks, numbered layers folded on a terminal."""
   if not collapse:
-    return list(targets)
-  folded: dict[str, list[str]] = {}
-  for target in targets:
-    parts = target.split('/')
-    key = '/'.join('*' if p.isdigit() else p for p in parts)
-    folded.setdefault(key, []).append(target)
+    return [(t, str(r)) for t, r in zip(targets, ranks, strict=True)]
+  folded: dict[str, list[int]] = {}
+  for target, rank in zip(targets, ranks, strict=True):
+    key = '/'.join('*' if p.isdigit() else p for p in target.split('/'))
+    folded.setdefault(key, []).append(rank)
   return [
-      key if len(members) == 1 else f'{key}  (x{len(members)})' for key, members in folded.items()
+      (key if len(found) == 1 else f'{key}  (x{len(found)})',
+       ', '.join(str(r) for r in sorted(set(found))))
+      for key, found in folded.items()
   ]
 
 

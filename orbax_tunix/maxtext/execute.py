@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from orbax_tunix import conventions, errors, merge
 from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, flatten, fmt, key_str
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
@@ -203,6 +204,10 @@ def restore_train_state(
     *,
     params_only: bool = False,
     restore_args: PyTree | None = None,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
+    lora_scale: float | None = None,
+    lora_base: epath.PathLike | None = None,
 ) -> PyTree:
   """Restores a Tunix checkpoint as MaxText's train state.
 
@@ -226,6 +231,10 @@ def restore_train_state(
     restore_args: optional `ocp.ArrayRestoreArgs` in the target's structure
       (as MaxText passes them); unset dtypes and shardings come from the
       abstract leaves.
+    merge_lora: restore a LoRA run's weights with its adapters merged
+      (`orbax_tunix.restore_merged_lora`); needs `params_only=True`.
+    lora_alpha, lora_scale, lora_base: the merge's `alpha`, `scale` and
+      `base` (the base weights' checkpoint, for an adapters-only save).
 
   Returns:
     A tree of the same structure whose restored leaves are `jax.Array`s. Each
@@ -239,6 +248,34 @@ def restore_train_state(
     UnsupportedLayoutError: not a Tunix checkpoint.
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
+  if merge_lora or lora_base is not None:
+    return _restore_merged(path, abstract_state, params_only, restore_args,
+                           lora_alpha, lora_scale, lora_base)
   plan = plan_restore(path, abstract_state, params_only=params_only)
   logger.debug('%s', plan.describe())
   return execute_plan(plan, abstract_state, restore_args=restore_args)
+
+
+def _restore_merged(path, abstract_state, params_only, restore_args, alpha, scale, base):
+  """`params/params/<weights>` merged from a LoRA run; the rest as given."""
+  where = path.step_dir if isinstance(path, Detection) else path
+  if not params_only:
+    raise errors.LoraError(
+        f'{where}: `merge_lora=True` needs `params_only=True`. A LoRA run\'s optimizer'
+        ' state belongs to its adapters, which the merged model no longer has, so a'
+        ' full train state cannot be restored from it; restore the parameters and'
+        ' start the optimizer afresh.'
+    )
+  plan = merge.plan_merge(where, alpha=alpha, scale=scale, base=base)
+  logger.debug('%s', plan.describe())
+  pairs, treedef = flatten(abstract_state)
+  args = _restore_args_by_path(restore_args)
+  n = len(conventions.MAXTEXT_PARAMS)
+  targets = {
+      p[n:]: _resolve(leaf, args.get(p))[0]
+      for p, leaf in pairs
+      if p[:n] == conventions.MAXTEXT_PARAMS
+  }
+  values = merge.read_merged(plan, targets)
+  leaves = [values[p[n:]] if p[:n] == conventions.MAXTEXT_PARAMS else leaf for p, leaf in pairs]
+  return jax.tree_util.tree_unflatten(treedef, leaves)

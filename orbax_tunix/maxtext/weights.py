@@ -129,9 +129,9 @@ def check_weights(
           f' {len(needed_full)} target weights are not in it, e.g.\n'
           f'{errors.list_paths([fmt(target[w]) for w in needed_full])}\n'
           f'The checkpoint has:\n{errors.list_paths([fmt(w) for w in disk_weights])}\n'
-          'A Tunix LoRA run saves only the adapters. Restore the base weights'
-          ' from the checkpoint the run started from, or merge the adapters'
-          ' into them and save full weights, then restore that.'
+          'A Tunix LoRA run saves only the adapters. Merge them into the base'
+          ' weights the run started from: `restore_train_state(path, abstract,'
+          ' params_only=True, merge_lora=True, lora_alpha=ALPHA, lora_base=BASE)`.'
       )
     # (name for messages, shape) of the leaves found on one side only.
     extra_shapes = view.shapes(conventions.MODEL_ITEM, extra)
@@ -153,6 +153,11 @@ def check_weights(
           f'{len(extra)} weights in the checkpoint are not in the target:\n'
           + errors.list_paths([fmt(w) for w in extra])
       )
+      if all(lora.is_adapter(w) for w in extra):
+        sections.append(
+            'They are LoRA adapters: pass `params_only=True, merge_lora=True,'
+            ' lora_alpha=ALPHA` to restore the weights with the adapters merged.'
+        )
     sections.append(
         'Build the abstract state from the model the checkpoint was trained'
         ' with (same parameter names; target params/params/<w> is the'

@@ -1,0 +1,346 @@
+"""Restoring LoRA-merged weights, `W + scale * (a ⊗ b)`, straight into a target.
+
+Everything is decided from metadata first (`plan_merge`, then the target
+check in `read_merged`): which weights are adapted, where each base weight
+comes from (the LoRA save itself, or another checkpoint), how each product is
+arranged into its weight, the scale. Then each checkpoint is read once: the
+weights into the target's shardings and dtypes, the adapters replicated in
+float32; and each adapted weight is merged on its devices, in float32, in
+the target's sharding, one weight at a time, into the buffer it was read into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix import errors, lora, reader
+from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where one leaf is read from: a checkpoint, and its leaf there."""
+
+  ckpt: reader.CanonicalCheckpoint
+  leaf: reader.LeafInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Merge:
+  """One adapted weight: its base, its adapters, and how they combine."""
+
+  adapter: lora.Adapter
+  base: Source
+  a: reader.LeafInfo
+  b: reader.LeafInfo
+  scale: float
+  contraction: lora.Contraction
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+  """The plain model's weights, as a merge restores them.
+
+  Attributes:
+    lora: the checkpoint holding the adapters.
+    base: the checkpoint holding the base weights (`lora` for a full save).
+    weights: plain-model path -> where the weight is read (adapted ones:
+      their base).
+    merges: plain-model path -> its `Merge`, for the adapted weights.
+  """
+
+  lora: reader.CanonicalCheckpoint
+  base: reader.CanonicalCheckpoint
+  weights: Mapping[Path, Source]
+  merges: Mapping[Path, Merge]
+
+  def shapes(self) -> dict[Path, tuple[tuple[int, ...], np.dtype]]:
+    """The merged model's weights: path -> (shape, dtype), as stored in the base."""
+    return {p: (s.leaf.shape, s.leaf.dtype) for p, s in self.weights.items()}
+
+  def describe(self) -> str:
+    """The adapted weights, one per line (rank, scale, arrangement)."""
+    lines = [
+        f'{len(self.merges)} of {len(self.weights)} weights adapted; adapters from'
+        f' {self.lora.step_dir}, base weights from {self.base.step_dir}'
+    ]
+    for path, m in sorted(self.merges.items()):
+      how = 'reshape' if m.contraction.reshape else (
+          'transpose' if m.contraction.permutation != tuple(sorted(m.contraction.permutation))
+          else 'direct')
+      lines.append(f'  {fmt(path)}: {m.adapter.style}, rank {m.adapter.rank},'
+                   f' scale {m.scale:g}, {how}')
+    return '\n'.join(lines)
+
+
+def _plain(weights: Mapping[Path, reader.LeafInfo], adapters: Mapping[Path, lora.Adapter]
+           ) -> dict[Path, reader.LeafInfo]:
+  """A LoRA model's weights under the plain model's paths, adapters left out.
+
+  An `nnx.LoRA(base_module=...)` holds its layer one level down; the plain
+  model holds it in its place.
+  """
+  lifted = {
+      a.saved_base[:-1]: a.weight[:-1] for a in adapters.values() if a.saved_base != a.weight
+  }
+  out = {}
+  for path, leaf in weights.items():
+    if lora.is_adapter(path):
+      continue
+    for wrapped, module in lifted.items():
+      if path[: len(wrapped)] == wrapped:
+        path = module + path[len(wrapped):]
+        break
+    out[path] = leaf
+  return out
+
+
+def plan_merge(
+    path: epath.PathLike | reader.CanonicalCheckpoint,
+    *,
+    alpha: float | None = None,
+    scale: float | None = None,
+    base: epath.PathLike | None = None,
+    step: int | None = None,
+    base_step: int | None = None,
+) -> MergePlan:
+  """Plans a merge from metadata only; nothing is read.
+
+  Args:
+    path: the LoRA run's checkpoint (a root, step or model item, or the
+      checkpoint already opened): a full save (base weights beside the
+      adapters) or adapters only.
+    alpha: qwix's LoRA alpha of the run (the scale is alpha / rank); not
+      stored in checkpoints, so it must be given for qwix adapters.
+    scale: the scale itself, instead of `alpha`.
+    base: a checkpoint of the base weights (a Tunix save, a MaxText `items`
+      step, or any Orbax checkpoint of canonical weights); None: `path`'s own.
+    step: the step under `path` (None: the latest committed).
+    base_step: the step under `base`.
+
+  Returns:
+    A `MergePlan`.
+
+  Raises:
+    LoraError: no adapters; adapters without their pair or base weight;
+      ranks or shapes that the contraction cannot reproduce; no alpha.
+    TunixCheckpointError subclasses: a checkpoint is not readable.
+  """
+  if alpha is not None and scale is not None:
+    raise lora.LoraError('pass `alpha` or `scale`, not both (the scale is alpha / rank).')
+  lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
+               else reader.open_checkpoint(path, step))
+  lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
+  adapters = lora.find_adapters({p: leaf.shape for p, leaf in lora_weights.items()})
+  if not adapters:
+    raise lora.LoraError(
+        f'{lora_ckpt.step_dir}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix,'
+        ' or lora_a/lora_b from flax), found none among its weights. Restore it'
+        ' without merging.'
+    )
+  base_ckpt = lora_ckpt if base is None else reader.open_checkpoint(base, base_step)
+  base_weights = _plain(
+      lora_weights if base is None else {p: leaf for leaf, p in reader.weights(base_ckpt)},
+      adapters,
+  )
+  missing, bad, merges = [], [], {}
+  for weight, adapter in sorted(adapters.items()):
+    found = base_weights.get(weight)
+    if found is None:
+      missing.append(f'{fmt(weight)} (adapted by {fmt(adapter.a)})')
+      continue
+    a, b = lora_weights[adapter.a], lora_weights[adapter.b]
+    arranged = lora.contraction(found.shape, a.shape, b.shape)
+    if arranged is None:
+      bad.append(f'{fmt(weight)} {found.shape}: {fmt(adapter.a)} {a.shape} ⊗ {fmt(adapter.b)} {b.shape}')
+      continue
+    merges[weight] = Merge(adapter, Source(base_ckpt, found), a, b,
+                           lora.scale_of(adapter, alpha, scale), arranged)
+  where = base_ckpt.step_dir
+  if missing:
+    fix = ('Pass `base`: the checkpoint the LoRA run started from (a Tunix save, a MaxText'
+           ' items step, or canonical weights).') if base is None else (
+               'Pass the base checkpoint the LoRA run started from.')
+    raise lora.LoraError(
+        f'{where}: expected the base weight of every adapter, found {len(missing)}'
+        f' missing:\n{errors.list_paths(missing)}\n{fix}'
+    )
+  if bad:
+    raise lora.LoraError(
+        f'{where}: {len(bad)} adapters do not reproduce their weight\'s shape (a\'s'
+        f" last axis contracted with b's first):\n{errors.list_paths(bad)}\nThe base"
+        ' checkpoint is not the one these adapters were trained on, or the layer'
+        ' arranges its weight in a way the shapes alone do not determine.'
+    )
+  sources = {p: Source(base_ckpt, leaf) for p, leaf in base_weights.items()}
+  return MergePlan(lora_ckpt, base_ckpt, sources, merges)
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+  """The whole array on every device of `sharding` (for the small adapters)."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  devices = sorted(sharding.device_set, key=lambda d: d.id)
+  if len(devices) == 1:
+    return jax.sharding.SingleDeviceSharding(devices[0])
+  mesh = jax.sharding.Mesh(np.array(devices), ('devices',))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _sharding(leaf: Any) -> jax.sharding.Sharding:
+  sharding = getattr(leaf, 'sharding', None)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return sharding
+  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _request(shape, dtype, sharding) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestoreArgs]:
+  return (
+      jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+      ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(shape), dtype=dtype),
+  )
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.sharding.Sharding):
+  """One jitted merge per arrangement: float32 math, the weight's buffer reused."""
+
+  def merge(w, a, b):
+    delta = jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
+    if contraction.reshape:
+      delta = delta.reshape(contraction.weight)
+    elif contraction.permutation != tuple(range(delta.ndim)):
+      delta = delta.transpose(contraction.permutation)
+    return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+
+  return jax.jit(merge, donate_argnums=0, out_shardings=sharding)
+
+
+def check_target(plan: MergePlan, targets: Mapping[Path, Any]) -> None:
+  """Checks a plain-model target against the plan, before any read.
+
+  Raises:
+    TargetMismatchError: target leaves the merged model lacks (adapter leaves
+      among them), or with another shape.
+  """
+  problems = []
+  for path, leaf in targets.items():
+    source = plan.weights.get(path)
+    if source is None:
+      why = 'an adapter: the target is the plain model' if lora.is_adapter(path) else 'not in the model'
+      problems.append(f'{fmt(path)}: {why}')
+    elif tuple(leaf.shape) != tuple(source.leaf.shape):
+      problems.append(f'{fmt(path)}: target {tuple(leaf.shape)}, checkpoint {source.leaf.shape}')
+  if problems:
+    raise errors.TargetMismatchError(
+        f'{plan.base.step_dir}: the target does not match the merged weights:\n'
+        f'{errors.list_paths(problems)}\nPass the plain model\'s abstract weights (no'
+        ' LoRA leaves); `plan_merge(...).shapes()` lists what a merge restores.'
+    )
+
+
+def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.Array]:
+  """Reads the target's weights, merged, each into its target sharding and dtype.
+
+  Args:
+    plan: from `plan_merge`.
+    targets: plain-model path -> abstract leaf (`jax.ShapeDtypeStruct` or
+      array; its sharding and dtype are the result's).
+
+  Returns:
+    path -> `jax.Array`.
+
+  Raises:
+    TargetMismatchError: see `check_target` (before any read).
+    CorruptMetadataError: stored data is missing or damaged.
+  """
+  check_target(plan, targets)
+  # One read per checkpoint item: weights into their targets, adapters
+  # replicated on the devices of their weight, in float32.
+  reads: dict[tuple[int, str], tuple[reader.CanonicalCheckpoint, dict[Path, Any]]] = {}
+
+  def want(ckpt, leaf, request):
+    reads.setdefault((id(ckpt), leaf.item), (ckpt, {}))[1][leaf.path] = request
+
+  for path, leaf in targets.items():
+    source, sharding = plan.weights[path], _sharding(leaf)
+    want(source.ckpt, source.leaf, _request(leaf.shape, leaf.dtype, sharding))
+    merge = plan.merges.get(path)
+    if merge is not None:
+      for adapter in (merge.a, merge.b):
+        want(plan.lora, adapter, _request(adapter.shape, jnp.float32, _replicated(sharding)))
+  values: dict[tuple[int, str, Path], Any] = {}
+  handler = TunixPyTreeHandler()
+  for (key, item), (ckpt, requests) in reads.items():
+    got = handler.read(ckpt.detection.item_meta(item), ckpt.detection.maps[item], requests)
+    values.update(((key, item, p), v) for p, v in got.items())
+  out = {}
+  for path, leaf in targets.items():
+    source = plan.weights[path]
+    w = values.pop((id(source.ckpt), source.leaf.item, source.leaf.path))
+    merge = plan.merges.get(path)
+    if merge is not None:
+      a = values[(id(plan.lora), merge.a.item, merge.a.path)]
+      b = values[(id(plan.lora), merge.b.item, merge.b.path)]
+      w = _merge_fn(merge.contraction, merge.scale, _sharding(leaf))(w, a, b)
+      w.block_until_ready()  # One weight's temporaries at a time.
+    out[path] = w
+  values.clear()
+  return out
+
+
+def restore_merged_lora(
+    path: epath.PathLike,
+    target: PyTree,
+    *,
+    alpha: float | None = None,
+    scale: float | None = None,
+    base: epath.PathLike | None = None,
+    step: int | None = None,
+    base_step: int | None = None,
+) -> PyTree:
+  """Restores a LoRA run's weights merged into the base, into a plain-model target.
+
+  Example::
+
+    abstract = nnx.state(nnx.eval_shape(lambda: Model(rngs=nnx.Rngs(0))))  # no LoRA
+    params = orbax_tunix.restore_merged_lora(lora_run, abstract_params, alpha=16.0,
+                                             base='/ckpts/pretrained')
+
+  Each weight is `W + scale * (a ⊗ b)` where adapted (qwix: scale = alpha /
+  rank; flax `nnx.LoRA`: 1), else `W`, in the target's sharding and dtype.
+  The merge runs on the devices in float32; `W` is read in the target's dtype
+  (so a narrower target rounds `W` once before the merge adds the adapters).
+
+  Args:
+    path: the LoRA run's checkpoint (root, step or model item).
+    target: the plain model's canonical weight tree: `jax.ShapeDtypeStruct`s
+      or arrays with shardings (a single local device when they have none);
+      any subset of the weights (only that is read); `ocp.PLACEHOLDER` leaves
+      are returned as they are.
+    alpha, scale, base, step, base_step: see `plan_merge`.
+
+  Returns:
+    A tree of `target`'s structure holding `jax.Array`s.
+
+  Raises:
+    LoraError, TargetMismatchError: before any array is read (see
+      `plan_merge` and `check_target`).
+  """
+  plan = plan_merge(path, alpha=alpha, scale=scale, base=base, step=step, base_step=base_step)
+  pairs, treedef = flatten(target)
+  wanted = {p: leaf for p, leaf in pairs if leaf is not ocp.PLACEHOLDER}
+  values = read_merged(plan, wanted)
+  return jax.tree_util.tree_unflatten(treedef, [values.get(p, leaf) for p, leaf in pairs])

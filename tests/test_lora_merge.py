@@ -1,0 +1,272 @@
+"""LoRA merged into the weights during the restore: proven by forward passes.
+
+Models with adapters are built with the real qwix (as Tunix applies it) and
+flax's nnx.LoRA, trained a few steps, and saved as Tunix saves them (the full
+model, or the adapters only beside a base checkpoint). The expected values
+are the LoRA models' own outputs: the plain model (no LoRA code) with the
+merged weights must compute the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_tunix as ot
+from orbax_tunix import lora, maxtext, merge
+from orbax_tunix.keypaths import flatten, fmt, nest
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from tests import builders
+from tests import lora_models as lm
+from tests.test_cli import run
+
+# float32: the merged path computes x·(W + s·a·b) where the LoRA model
+# computes x·W + s·(x·a)·b, the same math in another order.
+F32_ATOL = 1e-5
+# bfloat16 weights (8 bits of mantissa) through the network: 0.004-0.011 seen.
+BF16_ATOL = 0.03
+
+
+def _save_model_params(step_dir: pathlib.Path, state) -> None:
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(step_dir, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(state)))
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Two LoRA runs, each saved in full and adapters-only, with their base."""
+  root = tmp_path_factory.mktemp('lora')
+  out = {}
+  for name, make_base, with_lora in (
+      ('qwix', lambda: lm.QwixLM(rngs=nnx.Rngs(0)), lm.with_qwix_lora),
+      ('flax', lambda: lm.FlaxLM(rngs=nnx.Rngs(0)), lambda m: m),
+  ):
+    base = make_base()
+    model = lm.train(with_lora(nnx.clone(base)))
+    builders.save_tunix(root / name / 'full', 1, model)
+    _save_model_params(root / name / 'only' / '1', nnx.state(model, nnx.LoRAParam))
+    if name == 'qwix':
+      builders.save_tunix(root / name / 'base', 1, base)  # a Tunix save of the base
+    else:  # a plain Orbax checkpoint of canonical weights
+      _save_model_params(root / name / 'base' / '1', lm.flax_plain_weights(base))
+    out[name] = {'model': model, 'root': root / name,
+                 'logits': np.asarray(model(jnp.asarray(lm.TOKENS)))}
+  return out
+
+
+def plain_model(name: str) -> nnx.Module:
+  return lm.QwixLM(rngs=nnx.Rngs(9)) if name == 'qwix' else lm.FlaxPlainLM(rngs=nnx.Rngs(9))
+
+
+def abstract_weights(name: str, mesh, dtype=jnp.float32):
+  """The plain model's weights as a sharded target (split where the mesh divides)."""
+  state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: plain_model(name))))
+
+  def sds(x):
+    spec = [None] * len(x.shape)
+    if x.shape and x.shape[0] % 4 == 0:
+      spec[0] = 'data'
+    if len(x.shape) > 1 and x.shape[-1] % 2 == 0:
+      spec[-1] = 'model'
+    return jax.ShapeDtypeStruct(x.shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+  return jax.tree.map(sds, state)
+
+
+def forward(name: str, weights) -> np.ndarray:
+  """The plain model's logits with these weights (computed in float32)."""
+  model = plain_model(name)
+  state = nnx.state(model)
+  # Host copies: the forward pass runs unsharded, on one device.
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: np.asarray(w, np.float32), weights))
+  nnx.update(model, state)
+  return np.asarray(model(jnp.asarray(lm.TOKENS)))
+
+
+def assert_target_kept(result, target):
+  for (path, got), (_, want) in zip(flatten(result)[0], flatten(target)[0], strict=True):
+    assert got.shape == want.shape and got.dtype == want.dtype, fmt(path)
+    assert got.sharding == want.sharding, fmt(path)
+
+
+@pytest.mark.parametrize('name', ['qwix', 'flax'])
+@pytest.mark.parametrize('saved', ['full', 'only'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_merged_weights_compute_what_the_lora_model_computes(runs, mesh, name, saved, dtype):
+  run_ = runs[name]
+  target = abstract_weights(name, mesh, dtype)
+  base = None if saved == 'full' else run_['root'] / 'base'
+  merged = ot.restore_merged_lora(run_['root'] / saved, target, alpha=lm.ALPHA, base=base)
+  assert_target_kept(merged, target)
+  atol = F32_ATOL if dtype == jnp.float32 else BF16_ATOL
+  np.testing.assert_allclose(forward(name, merged), run_['logits'], atol=atol, rtol=0)
+  # Without the adapters (the base alone) the logits are measurably different.
+  unmerged = builders.raw_leaves(run_['root'] / 'base' / '1' / 'model_params')
+  base_weights = nest((tuple(p.removesuffix('/value').split('/')), v) for p, v in unmerged.items())
+  assert np.abs(forward(name, base_weights) - run_["logits"]).max() > 5 * atol
+
+
+def test_each_weight_is_the_formula(runs, mesh):
+  """W + alpha/rank * a·b per weight, in numpy, from plain Orbax reads."""
+  root = runs['qwix']['root']
+  raw = builders.raw_leaves(root / 'full' / '1' / 'model_params')
+  merged = dict(flatten(ot.restore_merged_lora(root / 'full', abstract_weights('qwix', mesh),
+                                               alpha=lm.ALPHA))[0])
+  scale = lm.ALPHA / lm.RANK
+  q = 'layers/1/q_proj/w'
+  want = raw[f'{q}/value'] + scale * np.tensordot(raw[f'{q}_lora_a/value'], raw[f'{q}_lora_b/value'], 1)
+  np.testing.assert_allclose(np.asarray(merged[('layers', '1', 'q_proj', 'w')]), want, atol=1e-6)
+  v = 'layers/0/v_proj/w'  # (N, D, H): a holds D, b holds (N, H).
+  delta = np.tensordot(raw[f'{v}_lora_a/value'], raw[f'{v}_lora_b/value'], 1).transpose(1, 0, 2)
+  np.testing.assert_allclose(np.asarray(merged[('layers', '0', 'v_proj', 'w')]),
+                             raw[f'{v}/value'] + scale * delta, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(merged[('layers', '0', 'up', 'bias')]),
+                                raw['layers/0/up/bias/value'])
+
+
+def test_scale_instead_of_alpha_and_partial_target(runs, mesh, monkeypatch):
+  root = runs['qwix']['root']
+  full = abstract_weights('qwix', mesh)
+  target = {'layers': {'0': {'q_proj': {'w': full['layers'][0]['q_proj']['w']}}}}
+  read = []
+  original = TunixPyTreeHandler.read
+
+  def spy(self, meta, cmap, requests):
+    read.extend(fmt(p) for p in requests)
+    return original(self, meta, cmap, requests)
+
+  monkeypatch.setattr(TunixPyTreeHandler, 'read', spy)
+  by_scale = ot.restore_merged_lora(root / 'full', target, scale=lm.ALPHA / lm.RANK)
+  assert sorted(read) == ['layers/0/q_proj/w', 'layers/0/q_proj/w_lora_a', 'layers/0/q_proj/w_lora_b']
+  by_alpha = ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA)
+  np.testing.assert_array_equal(np.asarray(by_scale['layers']['0']['q_proj']['w']),
+                                np.asarray(by_alpha['layers']['0']['q_proj']['w']))
+
+
+def test_flax_wrapped_layer_is_lifted_to_the_plain_models_place(runs):
+  plan = merge.plan_merge(runs['flax']['root'] / 'full')
+  assert {fmt(p): m.adapter.saved_base for p, m in plan.merges.items()} == {
+      'fc1/kernel': ('fc1', 'kernel'),  # nnx.LoRALinear: its own kernel
+      'fc2/kernel': ('fc2', 'base_module', 'kernel'),  # nnx.LoRA(base_module=...)
+  }
+  assert ('fc2', 'bias') in plan.weights and all(m.scale == 1.0 for m in plan.merges.values())
+
+
+def test_maxtext_params_only_with_lora(runs, mesh):
+  root = runs['qwix']['root']
+  weights = abstract_weights('qwix', mesh, jnp.bfloat16)
+  abstract = {'params': {'params': weights}, 'step': jax.ShapeDtypeStruct((), jnp.int32)}
+  restored = maxtext.restore_train_state(root / 'only', abstract, params_only=True,
+                                         merge_lora=True, lora_alpha=lm.ALPHA,
+                                         lora_base=root / 'base')
+  assert restored['step'] is abstract['step']
+  assert_target_kept(restored['params']['params'], weights)
+  np.testing.assert_allclose(forward('qwix', restored['params']['params']),
+                             runs['qwix']['logits'], atol=BF16_ATOL, rtol=0)
+  with pytest.raises(ot.LoraError, match='params_only=True'):
+    maxtext.restore_train_state(root / 'full', abstract, merge_lora=True, lora_alpha=lm.ALPHA)
+  with pytest.raises(ot.LoraOnlyCheckpointError, match='merge_lora=True'):
+    maxtext.restore_train_state(root / 'only', abstract, params_only=True)
+
+
+# --- errors, all before any array is read --------------------------------------------
+
+
+def forbid_reads(monkeypatch):
+  """From here on, reading any array fails the test (errors must come first)."""
+
+  def fail(*args, **kwargs):
+    raise AssertionError('an array was read before the error')
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', fail)
+
+
+def test_errors_before_any_read(runs, mesh, tmp_path, monkeypatch):
+  root = runs['qwix']['root']
+  target = abstract_weights('qwix', mesh)
+  raw = builders.raw_leaves(root / 'base' / '1' / 'model_params')
+  # A base without some of the weights the adapters need; one of other shapes
+  # (not the model these adapters were trained on); adapters whose ranks disagree.
+  partial = nest((tuple(p.split('/')), v) for p, v in raw.items() if 'layers/1/' not in p)
+  _save_model_params(tmp_path / 'partial' / '1', partial)
+  other = nest((tuple(p.split('/')), np.zeros((2 * v.shape[0], *v.shape[1:]), v.dtype))
+               for p, v in raw.items())
+  _save_model_params(tmp_path / 'other' / '1', other)
+  bad = {'fc': {'kernel': {'value': np.zeros((4, 6), np.float32)},
+                'kernel_lora_a': {'value': np.zeros((4, 2), np.float32)},
+                'kernel_lora_b': {'value': np.zeros((3, 6), np.float32)}}}
+  _save_model_params(tmp_path / 'ranks' / '1', bad)
+  forbid_reads(monkeypatch)
+
+  with pytest.raises(ot.LoraError, match='alpha'):
+    ot.restore_merged_lora(root / 'full', target)
+  with pytest.raises(ot.LoraError, match='base weight of every adapter') as e:
+    ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA)
+  assert 'layers/1/v_proj/w (adapted by layers/1/v_proj/w_lora_a)' in str(e.value)
+  with pytest.raises(ot.LoraError, match='5 missing') as e:
+    ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA, base=tmp_path / 'partial')
+  assert 'layers/1/up/kernel' in str(e.value) and 'layers/0/' not in str(e.value)
+  with pytest.raises(ot.LoraError, match='do not reproduce') as e:
+    ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA, base=tmp_path / 'other')
+  assert 'layers/0/up/kernel (16, 16)' in str(e.value)
+  with pytest.raises(ot.LoraError, match='ranks disagree'):
+    merge.plan_merge(tmp_path / 'ranks', alpha=1.0)
+  # A target that is not the plain model: an adapter leaf in it.
+  with pytest.raises(ot.TargetMismatchError, match='an adapter'):
+    ot.restore_merged_lora(root / 'full', {'layers': {'0': {'up': {'kernel_lora_a': target[
+        'layers'][0]['up']['kernel']}}}}, alpha=lm.ALPHA)
+  with pytest.raises(ot.LoraError, match='expected LoRA adapters'):
+    ot.restore_merged_lora(root / 'base', target, alpha=lm.ALPHA)
+
+
+@pytest.mark.parametrize('weight, a, b, expected', [
+    ((8, 2, 4), (8, 2), (2, 2, 4), (False, (0, 1, 2))),  # q_proj: a first
+    ((2, 4, 8), (2, 4, 2), (2, 8), (False, (0, 1, 2))),  # o_proj
+    ((2, 8, 4), (8, 2), (2, 2, 4), (False, (1, 0, 2))),  # interleaved
+    ((3, 4, 5, 2), (12, 2), (2, 10), (True, (0, 1))),  # flattened dot_general
+    ((8, 8), (4, 2), (2, 8), None),  # does not reproduce
+    ((8, 8), (8, 2), (3, 8), None),  # ranks disagree
+])
+def test_contraction_from_shapes(weight, a, b, expected):
+  got = lora.contraction(weight, a, b)
+  assert (None if got is None else (got.reshape, got.permutation)) == expected
+
+
+# --- the command line ---------------------------------------------------------------
+
+
+def test_cli_convert_merge_lora_writes_a_plain_checkpoint(runs, tmp_path, capsys):
+  root = runs['qwix']['root']
+  status, _, err = run(capsys, 'convert', root / 'only', tmp_path / 'x' / '1')
+  assert status == 2 and '--merge-lora' in err and '--base' in err
+  status, _, err = run(capsys, 'convert', root / 'full', tmp_path / 'y' / '1', '--merge-lora')
+  assert status == 2 and '--lora-alpha' in err
+  dst = tmp_path / 'merged' / '1'
+  status, _, err = run(capsys, 'convert', root / 'only', dst, '--merge-lora', '--lora-alpha',
+                       str(lm.ALPHA), '--base', root / 'base', '--layout', 'maxtext')
+  assert status == 0, err
+  # Plain Orbax, no LoRA code and no orbax_tunix: MaxText's load_parameters_path.
+  params = ocp.PyTreeCheckpointHandler().restore(dst / 'items')['params']['params']
+  np.testing.assert_allclose(forward('qwix', params), runs['qwix']['logits'], atol=F32_ATOL, rtol=0)
+  record = json.loads((dst / '_CHECKPOINT_METADATA').read_text())['custom_metadata']['orbax_tunix']
+  assert record['lora_merge']['adapted']['layers/0/q_proj/w'] == {
+      'style': 'qwix', 'rank': lm.RANK, 'scale': lm.ALPHA / lm.RANK}
+
+
+def test_cli_inspect_shows_adapters_per_weight(runs, capsys):
+  status, out, _ = run(capsys, 'inspect', runs['flax']['root'] / 'full', '--json')
+  report = json.loads(out)['lora']
+  assert dict(zip(report['targets'], report['target_ranks'])) == {
+      'fc1/kernel': lm.RANK, 'fc2/kernel': lm.RANK}
+  assert report['style'] == 'flax' and report['base_weights'] is True
+  status, out, _ = run(capsys, 'inspect', runs['qwix']['root'] / 'only', '--full')
+  assert 'layers/1/v_proj/w  rank 2' in out and 'not saved (adapters only)' in out
