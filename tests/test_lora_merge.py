@@ -265,7 +265,7 @@ def test_cli_convert_merge_lora_writes_a_plain_checkpoint(runs, tmp_path, capsys
 def test_cli_inspect_shows_adapters_per_weight(runs, capsys):
   status, out, _ = run(capsys, 'inspect', runs['flax']['root'] / 'full', '--json')
   report = json.loads(out)['lora']
-  assert dict(zip(report['targets'], report['target_ranks'])) == {
+  assert dict(zip(report['targets'], report['target_ranks'], strict=True)) == {
       'fc1/kernel': lm.RANK, 'fc2/kernel': lm.RANK}
   assert report['style'] == 'flax' and report['base_weights'] is True
   status, out, _ = run(capsys, 'inspect', runs['qwix']['root'] / 'only', '--full')
