@@ -41,6 +41,18 @@ Fixtures:
                        with the RL custom metadata.
   rng_vars             a model holding ``nnx.Rngs`` (and a Dropout with its own
                        RNG stream), so RNG variables sit among the weights.
+  lora_base            the TinyLM lora_qwix starts from (same seed), saved in
+                       full before any LoRA: the base of an adapters-only merge.
+  lora_qwix_full       the same run as lora_qwix, saved in full
+                       (``save_only_lora_params=False``): base weights and
+                       adapters side by side.
+  lora_flax            a model with flax's ``nnx.LoRALinear`` and
+                       ``nnx.LoRA(base_module=nnx.Linear)``, adapters trained,
+                       saved in full.
+
+``--out/lora_reference.json`` holds, for each LoRA fixture, the tokens and the
+logits the LoRA model itself computes on them (qwix or flax in the loop): what
+a plain model with the merged weights must reproduce.
 """
 
 from __future__ import annotations
@@ -67,12 +79,16 @@ from orbax.checkpoint import v1 as ocp_v1  # noqa: E402
 from tunix.sft import checkpoint_manager as tunix_ckpt  # noqa: E402
 from tunix.sft import utils as tunix_sft_utils  # noqa: E402
 
-VOCAB = 16
-DIM = 8
-HIDDEN = 16
-NUM_LAYERS = 2
-SEQ = 4
-BATCH = 2
+# The models are the tests' own (one definition): the tests run them again.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.tunix_models import (  # noqa: E402
+  BATCH,
+  DIM,
+  SEQ,
+  VOCAB,
+  FlaxLoraLM,
+  TinyLM,
+)
 
 PACKAGES = ["google-tunix", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix"]
 
@@ -80,65 +96,6 @@ PACKAGES = ["google-tunix", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint"
 # --------------------------------------------------------------------------- #
 # Tiny models
 # --------------------------------------------------------------------------- #
-class Einsum(nnx.Module):
-  """Einsum layer with a weight named ``w`` (as in Tunix's Gemma models)."""
-
-  def __init__(self, eq: str, shape: tuple[int, ...], *, rngs: nnx.Rngs):
-    self.eq = eq
-    self.w = nnx.Param(nnx.initializers.normal(0.1)(rngs.params(), shape))
-
-  def __call__(self, x):
-    return jnp.einsum(self.eq, x, self.w[...])
-
-
-class Attention(nnx.Module):
-  """Stand-in attention: q_proj is an Einsum (``w``), k_proj an nnx.Linear (``kernel``)."""
-
-  def __init__(self, *, rngs: nnx.Rngs):
-    self.q_proj = Einsum("btd,dh->bth", (DIM, DIM), rngs=rngs)
-    self.k_proj = nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
-
-  def __call__(self, x):
-    q = self.q_proj(x)
-    k = self.k_proj(x)
-    scores = jnp.einsum("bqh,bkh->bqk", q, k) / np.sqrt(DIM)
-    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), x)
-
-
-class Mlp(nnx.Module):
-  def __init__(self, *, rngs: nnx.Rngs):
-    self.up_proj = nnx.Linear(DIM, HIDDEN, rngs=rngs)
-    self.down_proj = nnx.Linear(HIDDEN, DIM, rngs=rngs)
-
-  def __call__(self, x):
-    return self.down_proj(jax.nn.gelu(self.up_proj(x)))
-
-
-class Block(nnx.Module):
-  def __init__(self, *, rngs: nnx.Rngs):
-    self.attn = Attention(rngs=rngs)
-    self.mlp = Mlp(rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attn(x)
-    return x + self.mlp(x)
-
-
-class TinyLM(nnx.Module):
-  """Embedding, ``NUM_LAYERS`` blocks in an ``nnx.List``, tied output head."""
-
-  def __init__(self, *, rngs: nnx.Rngs):
-    self.embedder = nnx.Embed(VOCAB, DIM, rngs=rngs)
-    self.layers = nnx.List([Block(rngs=rngs) for _ in range(NUM_LAYERS)])
-    self.final_norm = nnx.RMSNorm(DIM, rngs=rngs)
-
-  def __call__(self, tokens):
-    x = self.embedder(tokens)
-    for layer in self.layers:
-      x = layer(x)
-    return self.embedder.attend(self.final_norm(x))
-
-
 class Adapter(nnx.Module):
   """MaxText's TunixMaxTextAdapter pattern: the whole model under ``base``."""
 
@@ -249,13 +206,21 @@ def build(kind: str, seed: int):
   if kind in ("sft_full", "v1_writer", "rl_actor"):
     model = TinyLM(rngs=rngs)
     tx, desc = optax.adamw(1e-3), "optax.adamw(1e-3)"
-  elif kind == "lora_qwix":
+  elif kind in ("lora_qwix", "lora_qwix_full"):
     base = TinyLM(rngs=rngs)
     provider = qwix.LoraProvider(module_path=".*q_proj|.*k_proj", rank=2, alpha=4.0)
     model = qwix.apply_lora_to_model(base, provider, jnp.zeros((BATCH, SEQ), jnp.int32),
                                      rngs=nnx.Rngs(seed + 2))
     lora = True
-    tx, desc = optax.adamw(1e-3), "optax.adamw(1e-3), wrt=nnx.LoRAParam"
+    # A large step, so the merged adapters change the logits measurably.
+    tx, desc = optax.adamw(3e-2), "optax.adamw(3e-2), wrt=nnx.LoRAParam"
+  elif kind == "lora_base":
+    model = TinyLM(rngs=rngs)
+    tx, desc = optax.adamw(1e-3), "optax.adamw(1e-3) (not trained, not saved)"
+  elif kind == "lora_flax":
+    model = FlaxLoraLM(rngs=rngs)
+    lora = True
+    tx, desc = optax.adamw(1e-2), "optax.adamw(1e-2), wrt=nnx.LoRAParam"
   elif kind == "adapter_inject":
     model = Adapter(TinyLM(rngs=rngs))
     tx = optax.inject_hyperparams(optax.adamw)(
@@ -306,10 +271,16 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "rl_actor": {"steps": [1], "subdir": "actor",
                  "custom_metadata": lambda step: {"global_step": step + 1, "role": "actor"}},
     "rng_vars": {"steps": [1]},
+    # The base of lora_qwix: saved untrained, model only.
+    "lora_base": {"steps": [1], "train": False, "optimizer": False},
+    "lora_qwix_full": {"steps": [1], "lora_only": False},
+    "lora_flax": {"steps": [1], "lora_only": False},
 }
+LORA_REFERENCE = "lora_reference.json"
 
 
-def make_fixture(name: str, root: Path, seed: int) -> dict[str, Any]:
+
+def make_fixture(name: str, root: Path, seed: int, reference: dict[str, Any]) -> dict[str, Any]:
   spec = FIXTURES[name]
   if root.exists():
     shutil.rmtree(root)
@@ -340,14 +311,16 @@ def make_fixture(name: str, root: Path, seed: int) -> dict[str, Any]:
     # One real update before each saved step, so mu/nu are non-zero.
     # MultiSteps(every_k=2) gets three micro-steps: the inner adamw updates once
     # (mu/nu non-zero) and acc_grads holds one pending, non-zero gradient.
-    # LoRA gets two updates: lora_b starts at zero, so lora_a's first gradient
+    # LoRA gets three updates: lora_b starts at zero, so lora_a's first gradient
     # (and its mu/nu) is zero.
-    micro = {"grad_accum": 3, "lora_qwix": 2}.get(name, 1)
-    for j in range(micro):
+    micro = {"grad_accum": 3, "lora_qwix": 3, "lora_qwix_full": 3, "lora_flax": 3}.get(name, 1)
+    for j in range(micro if spec.get("train", True) else 0):
       train_step(model, optimizer, seed=100 * i + j, lora=lora)
     custom_metadata = meta_fn(step)
+    only_lora = lora and spec.get("lora_only", True)
     if writer == "tunix_v0":
-      saved = manager.save(step, model, optimizer, save_only_lora_params=lora,
+      saved = manager.save(step, model, optimizer if spec.get("optimizer", True) else None,
+                           save_only_lora_params=only_lora,
                            force=True, custom_metadata=custom_metadata)
     else:
       params = nnx.state(model, nnx.LoRAParam) if lora else nnx.state(model)
@@ -357,8 +330,12 @@ def make_fixture(name: str, root: Path, seed: int) -> dict[str, Any]:
            "optimizer_state": nnx.state(optimizer, nnx.optimizer.OptState)},
           force=True, custom_metadata=custom_metadata)
     assert saved, f"{name}: step {step} not saved"
-    steps_info[str(step)] = {"items": items_for(model, optimizer, lora),
+    steps_info[str(step)] = {"items": items_for(model, optimizer, only_lora),
                              "custom_metadata": custom_metadata}
+    if lora:
+      tokens, _ = batch(seed=999)
+      reference[name] = {"tokens": np.asarray(tokens).tolist(),
+                         "logits": np.asarray(model(tokens)).tolist()}
   if writer == "tunix_v0":
     manager.close()
   else:
@@ -391,15 +368,20 @@ def main(argv=None) -> int:
   versions = {p: importlib.metadata.version(p) for p in PACKAGES}
   manifest_path = out / "MANIFEST.json"
   manifest = {"versions": versions, "fixtures": {}}
+  reference_path = out / LORA_REFERENCE
+  reference: dict[str, Any] = {}
   if args.only and manifest_path.exists():
     manifest["fixtures"] = json.loads(manifest_path.read_text())["fixtures"]
+    if reference_path.exists():
+      reference = json.loads(reference_path.read_text())
   for name in args.only or FIXTURES:
     print(f"writing {name}", file=sys.stderr)
-    entry = make_fixture(name, out / name, args.seed)
+    entry = make_fixture(name, out / name, args.seed, reference)
     entry["versions"] = versions
     manifest["fixtures"][name] = entry
   manifest["fixtures"] = dict(sorted(manifest["fixtures"].items()))
   manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+  reference_path.write_text(json.dumps(dict(sorted(reference.items()))) + "\n")
   return 0
 
 

@@ -27,6 +27,7 @@ from orbax_tunix.keypaths import flatten, fmt, nest
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from tests import builders
 from tests import lora_models as lm
+from tests import tunix_models as tm
 from tests.test_cli import run
 
 # float32: the merged path computes x·(W + s·a·b) where the LoRA model
@@ -270,3 +271,58 @@ def test_cli_inspect_shows_adapters_per_weight(runs, capsys):
   assert report['style'] == 'flax' and report['base_weights'] is True
   status, out, _ = run(capsys, 'inspect', runs['qwix']['root'] / 'only', '--full')
   assert 'layers/1/v_proj/w  rank 2' in out and 'not saved (adapters only)' in out
+
+
+# --- the committed checkpoints written by google-tunix ------------------------------
+
+# scripts/make_tunix_fixtures.py: qwix.LoraProvider(..., rank=2, alpha=4.0).
+FIXTURE_ALPHA = 4.0
+FIXTURE_CASES = {
+    # case: (LoRA checkpoint, base checkpoint, plain model, reference logits)
+    'qwix full save': ('lora_qwix_full', None, tm.TinyLM, 'lora_qwix_full'),
+    'qwix adapters only': ('lora_qwix', 'lora_base', tm.TinyLM, 'lora_qwix_full'),
+    'flax nnx.LoRA': ('lora_flax', None, tm.FlaxPlainLM, 'lora_flax'),
+}
+
+
+def test_fixture_runs_are_the_same_run(tunix_data):
+  """lora_qwix (adapters only) and lora_qwix_full are one run saved two ways,
+  started from lora_base: so one reference serves both."""
+  only = builders.raw_leaves(tunix_data / 'lora_qwix' / '1' / 'model_params')
+  full = builders.raw_leaves(tunix_data / 'lora_qwix_full' / '1' / 'model_params')
+  base = builders.raw_leaves(tunix_data / 'lora_base' / '1' / 'model_params')
+  assert set(only) | set(base) == set(full) and not set(only) & set(base)
+  for path, value in [*only.items(), *base.items()]:
+    np.testing.assert_array_equal(full[path], value, err_msg=path)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('case', sorted(FIXTURE_CASES))
+def test_fixture_merge_computes_the_lora_models_logits(tunix_data, mesh, case, dtype):
+  name, base, model_cls, reference = FIXTURE_CASES[case]
+  ref = json.loads((tunix_data / 'lora_reference.json').read_text())[reference]
+  state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: model_cls(rngs=nnx.Rngs(0)))))
+  replicated = NamedSharding(mesh, P())
+  split = NamedSharding(mesh, P(None, 'model'))
+  target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=split if x.ndim == 2 else replicated),
+      state)
+  merged = ot.restore_merged_lora(tunix_data / name, target, alpha=FIXTURE_ALPHA,
+                                  base=None if base is None else tunix_data / base)
+  assert_target_kept(merged, target)
+  model = model_cls(rngs=nnx.Rngs(1))
+  graph = nnx.state(model)
+  nnx.replace_by_pure_dict(graph, jax.tree.map(lambda w: np.asarray(w, np.float32), merged))
+  nnx.update(model, graph)
+  logits = np.asarray(model(jnp.asarray(ref['tokens'])))
+  # bfloat16: 0.008-0.012 seen; the adapters move these logits by 0.065-0.10.
+  atol = F32_ATOL if dtype == jnp.float32 else 0.02
+  np.testing.assert_allclose(logits, np.asarray(ref['logits'], np.float32), atol=atol, rtol=0)
+  # The base weights alone (read by plain Orbax) miss the reference by more.
+  raw = builders.raw_leaves(tunix_data / (base or name) / '1' / 'model_params')
+  unmerged = nest((tuple(p.removesuffix('/value').replace('base_module/', '').split('/')), v)
+                  for p, v in raw.items() if not lora.is_adapter(tuple(p.split('/'))))
+  nnx.replace_by_pure_dict(graph, unmerged)
+  nnx.update(model, graph)
+  miss = np.abs(np.asarray(model(jnp.asarray(ref['tokens']))) - np.asarray(ref['logits'])).max()
+  assert miss > 3 * atol, miss
