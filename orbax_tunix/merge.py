@@ -4,9 +4,10 @@ Everything is decided from metadata first (`plan_merge`, then the target
 check in `read_merged`): which weights are adapted, where each base weight
 comes from (the LoRA save itself, or another checkpoint), how each product is
 arranged into its weight, the scale. Then each checkpoint is read once: the
-weights into the target's shardings and dtypes, the adapters replicated in
-float32; and each adapted weight is merged on its devices, in float32, in
-the target's sharding, one weight at a time, into the buffer it was read into.
+weights into the target's shardings and dtypes, the (small) adapters to the
+host in float32; and each adapted weight is merged on its devices, in float32,
+in the target's sharding, one weight at a time, into the buffer it was read
+into.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def plan_merge(
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
-  """The whole array on every device of `sharding` (for the small adapters)."""
+  """The whole array on every device of `sharding`."""
   if isinstance(sharding, jax.sharding.NamedSharding):
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
   devices = sorted(sharding.device_set, key=lambda d: d.id)
@@ -206,7 +207,10 @@ def _sharding(leaf: Any) -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
-def _request(shape, dtype, sharding) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestoreArgs]:
+def _request(shape, dtype, sharding) -> tuple[Any, ocp.RestoreArgs]:
+  """(target leaf, restore args): into `sharding`, or to the host when it is None."""
+  if sharding is None:
+    return 0, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
   return (
       jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
       ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(shape), dtype=dtype),
@@ -225,7 +229,9 @@ def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.shardin
       delta = delta.transpose(contraction.permutation)
     return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
 
-  return jax.jit(merge, donate_argnums=0, out_shardings=sharding)
+  everywhere = _replicated(sharding)
+  return jax.jit(merge, donate_argnums=0, in_shardings=(sharding, everywhere, everywhere),
+                 out_shardings=sharding)
 
 
 def check_target(plan: MergePlan, targets: Mapping[Path, Any]) -> None:
@@ -267,8 +273,8 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     CorruptMetadataError: stored data is missing or damaged.
   """
   check_target(plan, targets)
-  # One read per checkpoint item: weights into their targets, adapters
-  # replicated on the devices of their weight, in float32.
+  # One read per checkpoint item: weights into their targets, the (small)
+  # adapters to the host once, in float32; the merge puts them on the devices.
   reads: dict[tuple[int, str], tuple[reader.CanonicalCheckpoint, dict[Path, Any]]] = {}
 
   def want(ckpt, leaf, request):
@@ -280,7 +286,7 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     merge = plan.merges.get(path)
     if merge is not None:
       for adapter in (merge.a, merge.b):
-        want(plan.lora, adapter, _request(adapter.shape, jnp.float32, _replicated(sharding)))
+        want(plan.lora, adapter, _request(adapter.shape, np.float32, None))
   values: dict[tuple[int, str, Path], Any] = {}
   handler = TunixPyTreeHandler()
   for (key, item), (ckpt, requests) in reads.items():

@@ -327,3 +327,20 @@ def test_planning_requests_do_not_grow_per_leaf(gcs, bucket, mesh, capsys, monke
     # 64 times the leaves; a few more requests at most (tensorstore re-checks
     # the OCDBT manifest a varying number of times), never one per leaf.
     assert counts[1024][what] <= counts[16][what] + 10, (what, counts)
+
+
+def test_lora_merge_with_adapters_and_base_in_a_bucket(bucket, tunix_data, mesh):
+  """The merge reads both checkpoints from gs:// as it does from disk (proven
+  against the LoRA model's logits in test_lora_merge.py)."""
+  for name in ('lora_qwix', 'lora_base'):
+    gcs_lib.upload(tunix_data / name, bucket / name)
+  meta = ot.TunixPyTreeHandler().metadata(tunix_data / 'lora_base' / '1' / 'model_params')
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  target = jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(m.shape, jnp.bfloat16, sharding=replicated), meta.tree)
+  local = ot.restore_merged_lora(tunix_data / 'lora_qwix', target, alpha=4.0,
+                                 base=tunix_data / 'lora_base')
+  remote = ot.restore_merged_lora(bucket / 'lora_qwix', target, alpha=4.0, base=bucket / 'lora_base')
+  for (path, a), (_, b) in zip(_leaves(local).items(), _leaves(remote).items(), strict=True):
+    assert a.sharding == b.sharding and a.dtype == b.dtype == jnp.bfloat16, path
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path)

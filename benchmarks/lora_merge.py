@@ -1,0 +1,160 @@
+"""A LoRA merge during the restore against the plain restore of the same base.
+
+Writes a Tunix-layout full save of a qwix-style LoRA model (incompressible
+float32 weights under nnx's `value` level, `<w>_lora_a`/`<w>_lora_b` beside
+each adapted one) and a canonical copy of its base weights; then, each in a
+fresh process on 8 simulated CPU devices, restores the same sharded target:
+
+  plain   plain Orbax `PyTreeCheckpointHandler` restore of the canonical base
+  merge   `orbax_tunix.restore_merged_lora` from the LoRA save
+
+Repetitions alternate the order; the page cache is left warm (both read the
+same bytes of weights; the merge also reads the adapters). Reported: wall
+time (median), and peak RSS above the process's RSS just before the call
+(/proc's VmHWM after resetting it), against the bound the merge must keep:
+what the plain restore of the merged target peaks at (the target and Orbax's
+in-flight reads), plus the largest single weight and its adapters in float32.
+
+  python benchmarks/lora_merge.py [--layers 12 --dim 1024 --rank 16 --reps 5 --dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MIB = 2**20
+ADAPTED = ('q', 'k', 'v', 'o')  # adapted per layer; 'up' and 'down' are not
+PROJECTIONS = ADAPTED + ('up', 'down')
+
+
+def write(root: pathlib.Path, layers: int, dim: int, rank: int) -> None:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+
+  def noise(*shape):
+    return rng.standard_normal(shape, dtype=np.float32)
+
+  lora, base = {}, {}
+  for i in range(layers):
+    for p in PROJECTIONS:
+      w = noise(dim, dim)
+      base.setdefault(str(i), {})[p] = {'kernel': w}
+      entry = {'kernel': {'value': w}}
+      if p in ADAPTED:
+        entry['kernel_lora_a'] = {'value': noise(dim, rank) * 0.01}
+        entry['kernel_lora_b'] = {'value': noise(rank, dim) * 0.01}
+      lora.setdefault(str(i), {})[p] = entry
+  for name, tree in (('lora', {'layers': lora}), ('base', {'layers': base})):
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      ckptr.save(root / name / '1', args=ocp.args.Composite(
+          model_params=ocp.args.PyTreeSave(tree)))
+
+
+def child(args) -> None:
+  """One measured restore, in this fresh process; prints a JSON line."""
+  os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  import gc  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  import orbax_tunix  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((4, 2), ('data', 'model'))
+  dtype = jnp.dtype(args.dtype)
+  sharding = NamedSharding(mesh, P('data', 'model'))
+  leaf = jax.ShapeDtypeStruct((args.dim, args.dim), dtype, sharding=sharding)
+  target = {'layers': {str(i): {p: {'kernel': leaf} for p in PROJECTIONS}
+                       for i in range(args.layers)}}
+  root = pathlib.Path(args.workdir)
+
+  def status_kb(field):
+    for line in pathlib.Path('/proc/self/status').read_text().splitlines():
+      if line.startswith(field + ':'):
+        return int(line.split()[1])
+    raise KeyError(field)
+
+  if args.child == 'plain':
+    handler = ocp.PyTreeCheckpointHandler()
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype),
+        target)
+
+    def call():
+      return handler.restore(root / 'base' / '1' / 'model_params',
+                             args=ocp.args.PyTreeRestore(target, restore_args))
+  else:
+    def call():
+      return orbax_tunix.restore_merged_lora(root / 'lora', target, scale=0.5)
+
+  gc.collect()
+  rss0 = status_kb('VmRSS')
+  pathlib.Path('/proc/self/clear_refs').write_text('5')  # resets VmHWM
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(call())
+  wall = time.perf_counter() - t0
+  peak = status_kb('VmHWM')
+  n = len(jax.tree.leaves(out))
+  print(json.dumps({'contender': args.child, 'wall_s': wall, 'peak_above_kb': peak - rss0,
+                    'leaves': n}), flush=True)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--layers', type=int, default=12)
+  parser.add_argument('--dim', type=int, default=1024)
+  parser.add_argument('--rank', type=int, default=16)
+  parser.add_argument('--reps', type=int, default=5)
+  parser.add_argument('--dtype', default='float32')
+  parser.add_argument('--workdir')
+  parser.add_argument('--child', choices=('plain', 'merge'), help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    return child(args)
+  workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='lora-bench-'))
+  if not (workdir / 'lora').exists():
+    write(workdir, args.layers, args.dim, args.rank)
+  results = {'plain': [], 'merge': []}
+  for rep in range(args.reps):
+    for name in (('plain', 'merge') if rep % 2 == 0 else ('merge', 'plain')):
+      command = [sys.executable, __file__, '--child', name, '--workdir', str(workdir),
+                 '--layers', str(args.layers), '--dim', str(args.dim), '--dtype', args.dtype]
+      done = subprocess.run(command, capture_output=True, text=True, check=True)
+      line = [x for x in done.stdout.splitlines() if x.startswith('{')][-1]
+      results[name].append(json.loads(line))
+      print(name, results[name][-1], flush=True)
+  itemsize = {'float32': 4, 'bfloat16': 2}[args.dtype]
+  weight = args.dim * args.dim
+  target_mib = args.layers * len(PROJECTIONS) * weight * itemsize / MIB
+  extra_mib = (weight * 4 + 2 * args.dim * args.rank * 4) / MIB
+  wall = {k: statistics.median(r['wall_s'] for r in v) for k, v in results.items()}
+  peak = {k: max(r['peak_above_kb'] for r in v) / 1024 for k, v in results.items()}
+  print(f'\nCommand: `python benchmarks/lora_merge.py --layers {args.layers} --dim {args.dim}'
+        f' --rank {args.rank} --reps {args.reps} --dtype {args.dtype}`')
+  print(f'{args.layers * len(PROJECTIONS)} weights of {args.dim}x{args.dim},'
+        f' {args.layers * len(ADAPTED)} adapted (rank {args.rank}); target {args.dtype},'
+        f' {target_mib:.0f} MiB over 8 devices\n')
+  print('| | plain restore of the base | restore with the merge | ratio | target |')
+  print('|---|---|---|---|---|')
+  print(f'| wall, median of {args.reps} | {wall["plain"]:.2f} s | {wall["merge"]:.2f} s |'
+        f' {wall["merge"] / wall["plain"]:.2f} | <= 1.2 |')
+  print(f'| peak RSS above start, max | {peak["plain"]:.0f} MiB | {peak["merge"]:.0f} MiB |'
+        f' {peak["merge"] / peak["plain"]:.2f} | merge <= plain + {extra_mib:.0f} MiB (the'
+        f' largest weight and its adapters in float32) = {peak["plain"] + extra_mib:.0f} MiB |')
+
+
+if __name__ == '__main__':
+  main()
