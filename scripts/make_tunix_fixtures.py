@@ -330,8 +330,10 @@ def make_fixture(name: str, root: Path, seed: int, reference: dict[str, Any]) ->
            "optimizer_state": nnx.state(optimizer, nnx.optimizer.OptState)},
           force=True, custom_metadata=custom_metadata)
     assert saved, f"{name}: step {step} not saved"
-    steps_info[str(step)] = {"items": items_for(model, optimizer, only_lora),
-                             "custom_metadata": custom_metadata}
+    items = items_for(model, optimizer, only_lora)
+    if not spec.get("optimizer", True):
+      items.pop("optimizer_state")  # not saved
+    steps_info[str(step)] = {"items": items, "custom_metadata": custom_metadata}
     if lora:
       tokens, _ = batch(seed=999)
       reference[name] = {"tokens": np.asarray(tokens).tolist(),
