@@ -129,6 +129,14 @@ def test_v1_example(tunix_data, tmp_path):
     assert f'{item}: {len(raw)} leaves' in out
 
 
+def test_lora_merge_example(tunix_data, tmp_path):
+  out = _run_example('lora_merge.py', tmp_path)
+  base = builders.raw_leaves(tunix_data / 'lora_base' / '1' / 'model_params')
+  assert f': {len(base)} weights' in out.splitlines()[0]
+  q = next(line for line in out.splitlines() if 'layers/1/attn/q_proj/w ' in line)
+  assert "bfloat16 (8, 8) P(None, 'model')" in q
+
+
 def test_saves_are_ordinary_checkpoints(tmp_path):
   """Saved through our registry or composite, a step restores without orbax_tunix."""
 
