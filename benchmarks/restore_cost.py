@@ -15,6 +15,7 @@ order rotating every round:
   e  `orbax-tunix convert` of the Tunix step (when the CLI is installed)
   f  orbax_tunix, one named weight (in the scan, against g)
   g  plain Orbax, the same weight from the canonical copy (partial restore)
+  h  plain Orbax, the same weight from the Tunix step by its on-disk path
 
 and reports medians and spread, the time ratios b/a, c/a, d/b, e/a, f/g, the bytes
 each read (/proc/self/io), peak resident memory against the target's bytes,
@@ -444,7 +445,7 @@ def scan(args, policy: CachePolicy) -> dict[str, Any]:
       plans.append(run_child('plan', workdir, args.timeout, extra))
     point['plan'] = plans
     for c in args.scan_contenders:
-      if restore or c in 'fg':
+      if restore or c in 'fgh':
         point['runs'][c] = []
     if point['runs']:
       for _ in range(args.scan_reps):
@@ -472,7 +473,9 @@ def report_scan(points) -> str:
     a = _ok(p['runs'].get('a', []))
     f = _ok(p['runs'].get('f', []))
     g = _ok(p['runs'].get('g', []))
+    h = _ok(p['runs'].get('h', []))
     fg = med([r['wall_s'] for r in f]) / med([r['wall_s'] for r in g]) if f and g else None
+    fh = med([r['wall_s'] for r in f]) / med([r['wall_s'] for r in h]) if f and h else None
     plan_b = med([r['plan_s'] for r in b]) if b else float('nan')
     wall_b = med([r['wall_s'] for r in b]) if b else float('nan')
     share = plan_b / wall_b if b else float('nan')
@@ -492,6 +495,8 @@ def report_scan(points) -> str:
         f'{med([r["wall_s"] for r in f]):.3f}' if f else '-',
         f'{med([r["wall_s"] for r in g]):.3f}' if g else '-',
         f'{fg:.2f} {verdict(fg <= TARGET_F_OVER_G)} (<= {TARGET_F_OVER_G})' if fg else '-',
+        f'{med([r["wall_s"] for r in h]):.3f}' if h else '-',
+        f'{fh:.2f}' if fh else '-',
     ])
     orbax = [x['steps_s']['orbax_metadata'] for x in plans if 'orbax_metadata' in x['steps_s']]
     if plans:
@@ -502,7 +507,8 @@ def report_scan(points) -> str:
       ['leaves on disk', 'planning s (steps timed directly)', 'us / leaf',
        'planning s (in b)', 'b: before 1st read s', 'a: before 1st read s',
        'b restore s', 'a restore s', 'planning / b restore', 'target',
-       'f: one weight, ours s', 'g: one weight, plain Orbax s', 'f/g'],
+       'f: one weight, ours s', 'g: one weight, plain Orbax s', 'f/g',
+       'h: one weight, plain Orbax from the Tunix step s', 'f/h'],
       rows,
   ), '', table(['leaves', "Orbax's own parse of the same _METADATA s"]
                + [f'{s} s' for s in steps], srows)]
@@ -554,7 +560,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--scan-reps', type=int, default=2)
   p.add_argument('--scan-restore-max', type=int,
                  help='restore (not only plan) up to this many leaves (10000; quick 3000)')
-  p.add_argument('--scan-contenders', default='abfg',
+  p.add_argument('--scan-contenders', default='abfgh',
                  help='restored in the scan: a, b up to --scan-restore-max; f, g at every point')
   p.add_argument('--orbax-metadata-max', type=int, default=50000,
                  help="scan: also time Orbax's own parse of _METADATA up to this many leaves")
@@ -573,7 +579,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       setattr(args, key, value)
   args.scan_leaves = [int(x) for x in args.scan_leaves.split(',') if x.strip()]
   args.contenders = [c for c in 'abcde' if c in args.contenders]
-  args.scan_contenders = [c for c in 'abfg' if c in args.scan_contenders]
+  args.scan_contenders = [c for c in 'abfgh' if c in args.scan_contenders]
   return args
 
 

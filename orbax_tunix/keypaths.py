@@ -19,6 +19,11 @@ Path = tuple[str, ...]
 
 def key_str(key: Any) -> str:
   """The string Orbax writes for one jax key-path entry."""
+  kind = type(key)  # Exact types first: this runs for every key of every leaf.
+  if kind is jax.tree_util.DictKey:
+    return str(key.key)
+  if kind is jax.tree_util.SequenceKey:
+    return str(key.idx)
   if isinstance(key, jax.tree_util.DictKey):
     return str(key.key)
   if isinstance(key, jax.tree_util.SequenceKey):
@@ -36,7 +41,7 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   `None` leaves are structure, as in jax: they are not returned.
   """
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return [(tuple(key_str(k) for k in kp), leaf) for kp, leaf in pairs], treedef
+  return [(tuple([key_str(k) for k in kp]), leaf) for kp, leaf in pairs], treedef
 
 
 def nest(
@@ -64,9 +69,12 @@ def nest(
     if path[-1] in node and isinstance(node[path[-1]], dict):
       raise ValueError(f'{fmt(path)}: a subtree already sits at this path.')
     node[path[-1]] = value
-  if sequences:
-    return _as_lists(root, (), frozenset(sequences))
-  return root
+  return as_lists(root, sequences) if sequences else root
+
+
+def as_lists(tree: dict[str, Any], sequences: Collection[Path]) -> Any:
+  """Nested dicts with the nodes at `sequences` turned into lists (keys '0', '1', ...)."""
+  return _as_lists(tree, (), frozenset(sequences))
 
 
 def _as_lists(node: Any, path: Path, sequences: frozenset[Path]) -> Any:

@@ -16,12 +16,13 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import _orbax, canonical, errors, storage
 from orbax_tunix.detection import plan_item
-from orbax_tunix.keypaths import Path, flat_dict, flatten, fmt, key_str, nest
+from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, key_str, nest
 
 PyTree = Any
 # (target leaf, restore args) for one leaf to read.
@@ -30,13 +31,20 @@ Request = tuple[Any, ocp.RestoreArgs]
 Planned = tuple[storage.Item, canonical.CanonicalMap]
 
 
+def _is_key(dtype: Any) -> bool:
+  """A typed PRNG key dtype (numpy dtypes never are: the cheap test first)."""
+  return (
+      dtype is not None and not isinstance(dtype, np.dtype)
+      and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  )
+
+
 def stored_shape(leaf: Any) -> tuple[int, ...] | None:
   """The shape a leaf has on disk; typed PRNG keys are stored as their key data."""
   shape = getattr(leaf, 'shape', None)
   if shape is None:
     return None
-  dtype = getattr(leaf, 'dtype', None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  if _is_key(getattr(leaf, 'dtype', None)):
     return tuple(shape) + tuple(jax.eval_shape(jax.random.key_data, leaf).shape[len(shape):])
   return tuple(shape)
 
@@ -62,10 +70,10 @@ def validate_target(
   """
   directory = meta.directory
   missing = [fmt(c) for c, d in zip(canonical_paths, disk, strict=True) if d is None]
-  expected = {
-      d: stored_shape(leaf) for d, leaf in zip(disk, leaves, strict=True)
-      if d is not None and stored_shape(leaf) is not None
-  }
+  shapes_of = (
+      (d, stored_shape(leaf)) for d, leaf in zip(disk, leaves, strict=True) if d is not None
+  )
+  expected = {d: shape for d, shape in shapes_of if shape is not None}
   have = meta.mismatched_shapes(expected)
   shapes = [
       f'{fmt(c)}: target {expected[d]}, on disk {have[d]}'
@@ -121,7 +129,7 @@ def _default_restore_arg(leaf: Any) -> ocp.RestoreArgs:
   sharding = getattr(leaf, 'sharding', None)
   if not isinstance(sharding, jax.sharding.Sharding):
     return ocp.RestoreArgs()
-  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+  if _is_key(leaf.dtype):
     return ocp.checkpoint_utils.construct_restore_args(leaf)  # Its own key rules.
   # What construct_restore_args makes, without its per-call tree walk.
   return ocp.ArrayRestoreArgs(
@@ -148,18 +156,32 @@ def _skeleton(
   tree's containers (lists where `_METADATA` records sequence keys, `None`
   where it records an empty node).
   """
-  targets, args, sequences = [], [], set()
+  target: dict[str, Any] = {}
+  args: dict[str, Any] = {}
   for leaf in item.leaves:
     if leaf.path in requests:
-      target, arg = requests[leaf.path]
+      value, arg = requests[leaf.path]
     elif leaf.is_empty:
-      target, arg = None, ocp.RestoreArgs()
+      value, arg = None, ocp.RestoreArgs()
     else:
-      target, arg = ocp.PLACEHOLDER, ocp.RestoreArgs()
-    targets.append((leaf.path, target))
-    args.append((leaf.path, arg))
-    sequences.update(leaf.path[:i] for i, t in enumerate(leaf.key_types) if t == storage.SEQUENCE_KEY)
-  return nest(targets, sequences), nest(args, sequences)
+      value, arg = ocp.PLACEHOLDER, ocp.RestoreArgs()
+    # Both trees in one walk (a hot loop: every leaf of the item).
+    t, a = target, args
+    for key in leaf.path[:-1]:
+      t, a = t.setdefault(key, {}), a.setdefault(key, {})
+      if not isinstance(t, dict):
+        raise ValueError(f'{fmt(leaf.path)}: a leaf already sits at a prefix of it.')
+    if isinstance(t.get(leaf.path[-1]), dict):
+      raise ValueError(f'{fmt(leaf.path)}: a subtree already sits at this path.')
+    t[leaf.path[-1]] = value
+    a[leaf.path[-1]] = arg
+  if not item.has_sequences:
+    return target, args
+  sequences = {
+      leaf.path[:i] for leaf in item.leaves for i, kind in enumerate(leaf.key_types)
+      if kind == storage.SEQUENCE_KEY
+  }
+  return as_lists(target, sequences), as_lists(args, sequences)
 
 
 class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
@@ -301,12 +323,13 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       # Every canonical leaf, restored as saved (as Orbax does without a target).
       requests = {c: (0, given.get(c, ocp.RestoreArgs())) for c in sorted(cmap.canonical_to_disk)}
       return nest(self.read(meta, cmap, requests).items())
-    pairs, treedef = flatten(args.item)
-    to_disk = cmap.canonical_to_disk
-    wanted = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
-    disk = [to_disk.get(c) for c, _ in wanted]
-    validate_target(meta, [c for c, _ in wanted], disk, [leaf for _, leaf in wanted])
-    requests = {c: (leaf, given.get(c) or _default_restore_arg(leaf)) for c, leaf in wanted}
+    with storage.no_gc():  # Planning builds an object or two per leaf.
+      pairs, treedef = flatten(args.item)
+      to_disk = cmap.canonical_to_disk
+      wanted = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
+      disk = [to_disk.get(c) for c, _ in wanted]
+      validate_target(meta, [c for c, _ in wanted], disk, [leaf for _, leaf in wanted])
+      requests = {c: (leaf, given.get(c) or _default_restore_arg(leaf)) for c, leaf in wanted}
     values = self.read(meta, cmap, requests)
     return jax.tree_util.tree_unflatten(treedef, [values.get(c, leaf) for c, leaf in pairs])
 
@@ -333,19 +356,20 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     if not requests:
       return {}
     to_disk = cmap.canonical_to_disk if cmap is not None else {p: p for p in requests}
-    by_disk = {to_disk[c]: request for c, request in requests.items()}
-    if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
-      # Most of the tree, or lists in it: the whole tree, placeholders for the
-      # rest (Orbax's plain path; it cannot prune a list).
-      target, restore_args = _skeleton(meta, by_disk)
-      args = ocp.args.PyTreeRestore(target, restore_args)
-    else:
-      # A few leaves of a tree of dicts: Orbax trims its metadata to them.
-      args = ocp.args.PyTreeRestore(
-          nest((d, t) for d, (t, _) in by_disk.items()),
-          nest((d, a) for d, (_, a) in by_disk.items()),
-          partial_restore=True,
-      )
+    with storage.no_gc():
+      by_disk = {to_disk[c]: request for c, request in requests.items()}
+      if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
+        # Most of the tree, or lists in it: the whole tree, placeholders for the
+        # rest (Orbax's plain path; it cannot prune a list).
+        target, restore_args = _skeleton(meta, by_disk)
+        args = ocp.args.PyTreeRestore(target, restore_args)
+      else:
+        # A few leaves of a tree of dicts: Orbax trims its metadata to them.
+        args = ocp.args.PyTreeRestore(
+            nest((d, t) for d, (t, _) in by_disk.items()),
+            nest((d, a) for d, (_, a) in by_disk.items()),
+            partial_restore=True,
+        )
     restored = flat_dict(self._orbax_read(meta.directory, args))
     return {c: restored[to_disk[c]] for c in requests}
 

@@ -12,12 +12,27 @@ rewriting a restore target costs nothing on the array path.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from orbax_tunix.conventions import ADAPTER_KEY, MODEL_ITEM, NNX_VALUE
 from orbax_tunix.keypaths import Path
 
-Anchors = frozenset[Path]
+
+class Anchors(frozenset):
+  """The nodes (paths) where a wrapper sits, with their depths precomputed.
+
+  The path functions check a path's prefixes only at these depths: a rule
+  runs on every leaf of a 50k-leaf item, so a check at every depth would
+  dominate planning.
+  """
+
+  depths: tuple[int, ...]
+
+  def __new__(cls, nodes: Iterable[Path] = ()) -> Anchors:
+    self = super().__new__(cls, nodes)
+    self.depths = tuple(sorted({len(n) for n in self}))
+    return self
+
 # The paths of every item of one step, as seen by the rule being planned.
 StepPaths = Mapping[str, frozenset[Path]]
 
@@ -60,20 +75,15 @@ class Rewrite:
   rule: Rule
   anchors: Anchors
 
+  def __post_init__(self):
+    if not isinstance(self.anchors, Anchors):
+      object.__setattr__(self, 'anchors', Anchors(self.anchors))
+
   def to_canonical(self, path: Path) -> Path | None:
     return self.rule.to_canonical(path, self.anchors)
 
   def to_disk(self, path: Path) -> Path:
     return self.rule.to_disk(path, self.anchors)
-
-
-def children(paths: Iterable[Path]) -> dict[Path, set[str]]:
-  """Maps every inner node (a proper prefix of some path) to its child keys."""
-  kids: dict[Path, set[str]] = {}
-  for path in paths:
-    for i in range(len(path)):
-      kids.setdefault(path[:i], set()).add(path[i])
-  return kids
 
 
 # --- the nnx `value` level -------------------------------------------------
@@ -107,15 +117,20 @@ def _drop_level(key: str, keep_siblings: bool) -> Callable[[Path, Anchors], Path
   """
 
   def to_canonical(path: Path, anchors: Anchors) -> Path | None:
-    out = []
-    for i, k in enumerate(path):
-      if path[:i] in anchors:
-        if k == key:
-          continue
-        if not keep_siblings:
+    dropped = []
+    for depth in anchors.depths:
+      if depth >= len(path):
+        break
+      if path[:depth] in anchors:
+        if path[depth] == key:
+          dropped.append(depth)
+        elif not keep_siblings:
           return None
-      out.append(k)
-    return tuple(out)
+    if not dropped:
+      return path
+    for depth in reversed(dropped):
+      path = path[:depth] + path[depth + 1:]
+    return path
 
   return to_canonical
 
@@ -124,9 +139,11 @@ def _insert_level(key: str) -> Callable[[Path, Anchors], Path]:
   """Path function that puts `key` back right below each anchor."""
 
   def to_disk(path: Path, anchors: Anchors) -> Path:
+    depths = anchors.depths
     out: list[str] = []
     for k in path:
-      while tuple(out) in anchors:  # `while`: wrappers may nest.
+      # `while`: wrappers may nest.
+      while len(out) in depths and tuple(out) in anchors:
         out.append(key)
       out.append(k)
     return tuple(out)
@@ -134,15 +151,39 @@ def _insert_level(key: str) -> Callable[[Path, Anchors], Path]:
   return to_disk
 
 
+def _children_of(paths: Iterable[Path], nodes: Collection[Path]) -> dict[Path, set[str]]:
+  """Maps each of `nodes` (inner nodes of `paths`) to its child keys."""
+  kids: dict[Path, set[str]] = {node: set() for node in nodes}
+  if not kids:
+    return kids
+  depths = sorted({len(n) for n in nodes})
+  for path in paths:
+    for depth in depths:
+      if depth >= len(path):
+        break
+      found = kids.get(path[:depth])
+      if found is not None:
+        found.add(path[depth])
+  return kids
+
+
+def _parents_of(paths: Iterable[Path], key: str) -> set[Path]:
+  """Every node that has `key` as a child key."""
+  nodes = set()
+  for path in paths:
+    if key in path:
+      at = path.index(key)
+      while at >= 0:
+        nodes.add(path[:at])
+        at = path.index(key, at + 1) if key in path[at + 1:] else -1
+  return nodes
+
+
 def _find_shells(item: str, step: StepPaths) -> Anchors:
   """Nodes holding an `inject_hyperparams` state, at any depth."""
-  if not any('inner_state' in p for p in step[item]):
-    return frozenset()  # The common case, decided without building every prefix.
-  return frozenset(
-      node
-      for node, keys in children(step[item]).items()
-      if _SHELL_REQUIRED <= keys <= _SHELL_FIELDS
-  )
+  paths = step[item]
+  kids = _children_of(paths, _parents_of(paths, 'inner_state'))
+  return Anchors(node for node, keys in kids.items() if _SHELL_REQUIRED <= keys <= _SHELL_FIELDS)
 
 
 INJECT_SHELL = Rule(
@@ -180,16 +221,16 @@ def _find_adapter(item: str, step: StepPaths) -> Anchors:
   if not any(ADAPTER_KEY in p for p in paths):
     return frozenset()
   weights = None if model is None else frozenset(p[1:] for p in model)
-  kids = children(paths)
+  kids = _children_of(paths, {n for n in _parents_of(paths, ADAPTER_KEY) if n})
   anchors = set()
   for node, keys in kids.items():
-    if not node or keys != {ADAPTER_KEY}:
+    if keys != {ADAPTER_KEY}:
       continue
     depth = len(node) + 1
     below = [p[depth:] for p in paths if p[: depth] == node + (ADAPTER_KEY,)]
     if weights is None or all(p in weights for p in below):
       anchors.add(node)
-  return frozenset(anchors)
+  return Anchors(anchors)
 
 
 ADAPTER_BASE = Rule(

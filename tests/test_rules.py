@@ -103,3 +103,24 @@ def test_all_rules_combined_round_trip():
         assert lay.to_disk_path(canon) == disk
         assert not {'value', 'base', 'inner_state'} & set(canon)
   assert len(lays['optimizer_state'].side_paths) == 2
+
+
+def test_wrappers_at_several_depths_and_keys_repeated_below_them():
+  # Adapter levels at two depths in one item (mu at 3, nu at 4 keys deep),
+  # and a model module itself called `base` below the adapter level: only
+  # the key right below an anchor is a wrapper.
+  model = ['base/enc/base/w/value', 'base/head/value']
+  opt = [
+      'count/value', 'hyperparams/lr/value',  # A shell at the root.
+      'inner_state/0/mu/base/enc/base/w/value', 'inner_state/0/mu/base/head/value',
+      'inner_state/0/x/nu/base/enc/base/w/value', 'inner_state/0/x/nu/base/head/value',
+  ]
+  lays = _plan(model, opt)
+  assert lays['model_params'].to_canonical_path(_p('base/enc/base/w/value')) == _p('enc/base/w')
+  o = lays['optimizer_state']
+  assert o.rule_names == ('nnx_value', 'inject_hyperparams', 'adapter_base')
+  assert o.to_canonical_path(_p('inner_state/0/mu/base/enc/base/w/value')) == _p('0/mu/enc/base/w')
+  assert o.to_canonical_path(_p('inner_state/0/x/nu/base/head/value')) == _p('0/x/nu/head')
+  assert o.to_canonical_path(_p('hyperparams/lr/value')) is None
+  assert o.to_disk_path(_p('0/x/nu/enc/base/w')) == _p('inner_state/0/x/nu/base/enc/base/w/value')
+  assert o.to_disk_path(_p('0/mu/head')) == _p('inner_state/0/mu/base/head/value')
