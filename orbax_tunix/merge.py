@@ -7,12 +7,11 @@ arranged into its weight, the scale. Then each checkpoint is read once: the
 weights into the target's shardings and dtypes, the (small) adapters to the
 host in float32; and each adapted weight is merged on its devices, in float32,
 in the target's sharding, one weight at a time, into the buffer it was read
-into (each kind of merge compiled on a thread while the arrays are read).
+into.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -235,17 +234,6 @@ def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.shardin
                  out_shardings=sharding)
 
 
-def _compile(contraction, scale, sharding, dtype, a_shape, b_shape) -> None:
-  """Compiles one kind of merge into jit's cache, by running it on zeros.
-
-  (An ahead-of-time `lower().compile()` would not fill jit's cache, and its
-  executable dispatches host inputs 2x slower.) The zeros are one weight's.
-  """
-  w = jax.device_put(np.zeros(contraction.weight, dtype), sharding)
-  a, b = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
-  _merge_fn(contraction, scale, sharding)(w, a, b).block_until_ready()
-
-
 def check_target(plan: MergePlan, targets: Mapping[Path, Any]) -> None:
   """Checks a plain-model target against the plan, before any read.
 
@@ -299,41 +287,24 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     if merge is not None:
       for adapter in (merge.a, merge.b):
         want(plan.lora, adapter, _request(adapter.shape, np.float32, None))
-  # Compile each kind of merge on a thread while the arrays are read (XLA
-  # releases the GIL); the merges then wait only for their inputs.
-  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='lora-compile') as pool:
-    compiled = {}
-    for path, leaf in targets.items():
-      merge = plan.merges.get(path)
-      if merge is not None:
-        key = _merge_key(merge, leaf)
-        if key not in compiled:
-          compiled[key] = pool.submit(_compile, *key)
-    values: dict[tuple[int, str, Path], Any] = {}
-    handler = TunixPyTreeHandler()
-    for (key, item), (ckpt, requests) in reads.items():
-      got = handler.read(ckpt.detection.item_meta(item), ckpt.detection.maps[item], requests)
-      values.update(((key, item, p), v) for p, v in got.items())
-    out = {}
-    for path, leaf in targets.items():
-      source = plan.weights[path]
-      w = values.pop((id(source.ckpt), source.leaf.item, source.leaf.path))
-      merge = plan.merges.get(path)
-      if merge is not None:
-        a = values[(id(plan.lora), merge.a.item, merge.a.path)]
-        b = values[(id(plan.lora), merge.b.item, merge.b.path)]
-        compiled[_merge_key(merge, leaf)].result()
-        w = _merge_fn(merge.contraction, merge.scale, _sharding(leaf))(w, a, b)
-        w.block_until_ready()  # One weight's temporaries at a time.
-      out[path] = w
+  values: dict[tuple[int, str, Path], Any] = {}
+  handler = TunixPyTreeHandler()
+  for (key, item), (ckpt, requests) in reads.items():
+    got = handler.read(ckpt.detection.item_meta(item), ckpt.detection.maps[item], requests)
+    values.update(((key, item, p), v) for p, v in got.items())
+  out = {}
+  for path, leaf in targets.items():
+    source = plan.weights[path]
+    w = values.pop((id(source.ckpt), source.leaf.item, source.leaf.path))
+    merge = plan.merges.get(path)
+    if merge is not None:
+      a = values[(id(plan.lora), merge.a.item, merge.a.path)]
+      b = values[(id(plan.lora), merge.b.item, merge.b.path)]
+      w = _merge_fn(merge.contraction, merge.scale, _sharding(leaf))(w, a, b)
+      w.block_until_ready()  # One weight's temporaries at a time.
+    out[path] = w
   values.clear()
   return out
-
-
-def _merge_key(merge: Merge, leaf: Any) -> tuple[Any, ...]:
-  """The arguments of `_compile` for one weight's merge."""
-  return (merge.contraction, merge.scale, _sharding(leaf), np.dtype(leaf.dtype),
-          tuple(merge.a.shape), tuple(merge.b.shape))
 
 
 def restore_merged_lora(
