@@ -240,29 +240,26 @@ def run_f(dirs, tgt):
     return dict(ckptr.restore(dirs['tunix'], args=ocp.args.Composite(model_params=item)).items())
 
 
-def run_g(dirs, tgt):
-  want = one_leaf(tgt)
+def _plain_partial(step_dir, want):
+  """Plain Orbax's partial restore of `want` (an on-disk tree) from a step's model item."""
   item = ocp.args.PyTreeRestore(
       item=want, restore_args=ocp.checkpoint_utils.construct_restore_args(want),
       partial_restore=True)
   handler = ocp.CompositeCheckpointHandler(
       model_params=ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS))
   with ocp.Checkpointer(handler) as ckptr:
-    return dict(ckptr.restore(dirs['canonical'], args=ocp.args.Composite(model_params=item)).items())
+    return dict(ckptr.restore(step_dir, args=ocp.args.Composite(model_params=item)).items())
+
+
+def run_g(dirs, tgt):
+  return _plain_partial(dirs['canonical'], one_leaf(tgt))
 
 
 def run_h(dirs, tgt):
   # The on-disk path written out by hand from synthetic.tunix_layout: the
   # model item's `base` level above, nnx's `value` below.
   path, leaf = flatten(tgt[synthetic.MODEL_ITEM])[0][0]
-  want = nest([(('base',) + path + ('value',), leaf)])
-  item = ocp.args.PyTreeRestore(
-      item=want, restore_args=ocp.checkpoint_utils.construct_restore_args(want),
-      partial_restore=True)
-  handler = ocp.CompositeCheckpointHandler(
-      model_params=ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS))
-  with ocp.Checkpointer(handler) as ckptr:
-    return dict(ckptr.restore(dirs['tunix'], args=ocp.args.Composite(model_params=item)).items())
+  return _plain_partial(dirs['tunix'], nest([(('base',) + path + ('value',), leaf)]))
 
 
 RUNNERS = {'a': run_a, 'b': run_b, 'c': run_c, 'd': run_d, 'e': run_e, 'f': run_f, 'g': run_g,

@@ -108,9 +108,9 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
     item_dir = step.item_dir(name)
     typestr = step.handler(name)
     if not item_dir.is_dir():
-      found = 'a file' if item_dir.exists() else 'nothing (or a broken link)'
       raise errors.CorruptMetadataError(
-          f'{step.directory}: the step records the item {name!r}, found {found} at'
+          f'{step.directory}: the step records the item {name!r}, found'
+          f' {storage.found_at(item_dir)} at'
           f' {item_dir}. The step is damaged or incomplete: use another step (`step`),'
           ' or ask for the other items only.'
       )

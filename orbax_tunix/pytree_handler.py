@@ -104,10 +104,9 @@ def _existing(directory: epath.PathLike) -> epath.Path:
   """
   directory = storage.as_path(directory)
   if not directory.is_dir():
-    found = 'a file' if directory.exists() else 'nothing'
     raise errors.NotACheckpointError(
         f'{directory}: expected an item directory of an Orbax checkpoint, found'
-        f' {found}. Pass an item, e.g. <step>/model_params.'
+        f' {storage.found_at(directory)}. Pass an item, e.g. <step>/model_params.'
     )
   return directory
 

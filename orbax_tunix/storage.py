@@ -78,13 +78,8 @@ def read_bytes(path: epath.Path, what: str) -> bytes:
   if _is_local(path):
     try:
       info = os.stat(path)
-    except FileNotFoundError as e:
-      raise errors.CorruptMetadataError(
-          f'{path}: expected {what}, found nothing. The checkpoint is incomplete;'
-          ' use another step (`step`) or re-save it.'
-      ) from e
     except OSError as e:
-      raise errors.CorruptMetadataError(f'{path}: cannot read {what} ({e}).') from e
+      raise _unreadable(path, what, e) from e
     if not stat.S_ISREG(info.st_mode):
       raise errors.CorruptMetadataError(
           f'{path}: expected {what} in a regular file, found a'
@@ -96,18 +91,27 @@ def read_bytes(path: epath.Path, what: str) -> bytes:
   try:
     with path.open('rb') as f:
       data = f.read(MAX_METADATA_BYTES + 1)
-  except FileNotFoundError as e:
-    raise errors.CorruptMetadataError(
-        f'{path}: expected {what}, found nothing. The checkpoint is incomplete;'
-        ' use another step (`step`) or re-save it.'
-    ) from e
   except OSError as e:
-    raise errors.CorruptMetadataError(
-        f'{path}: cannot read {what} ({e}). Check the path and its permissions.'
-    ) from e
+    raise _unreadable(path, what, e) from e
   if len(data) > MAX_METADATA_BYTES:
     raise _too_large(path, what, None)
   return data
+
+
+def _unreadable(path: epath.Path, what: str, e: OSError) -> errors.CorruptMetadataError:
+  if isinstance(e, FileNotFoundError):
+    return errors.CorruptMetadataError(
+        f'{path}: expected {what}, found nothing. The checkpoint is incomplete;'
+        ' use another step (`step`) or re-save it.'
+    )
+  return errors.CorruptMetadataError(
+      f'{path}: cannot read {what} ({e}). Check the path and its permissions.'
+  )
+
+
+def found_at(path: epath.Path) -> str:
+  """What is at a path that should be a directory, for messages."""
+  return 'a file' if path.exists() else 'nothing (or a broken link)'
 
 
 def _too_large(path: epath.Path, what: str, size: int | None) -> errors.CorruptMetadataError:
@@ -481,10 +485,9 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
   if not meta_file.exists() and (directory / AGGREGATE_FILE).exists():
     return Item(name, directory, _tree_from_aggregate(directory / AGGREGATE_FILE), legacy=True)
   if not directory.is_dir():
-    found = 'a file' if directory.exists() else 'nothing (or a broken link)'
     raise errors.CorruptMetadataError(
         f'{directory}: expected an item directory holding {PYTREE_METADATA}, found'
-        f' {found}. The step is damaged or incomplete; use another step (`step`).'
+        f' {found_at(directory)}. The step is damaged or incomplete; use another step (`step`).'
     )
   with no_gc():  # The parsed JSON is freed before collection resumes.
     meta = read_json(meta_file, "Orbax's PyTree metadata")
