@@ -147,9 +147,10 @@ def to_canonical_tree(tree: Any, layout: CanonicalMap) -> dict[str, Any]:
   never copied.
   """
   pairs, _ = flatten(tree)
+  known = layout.disk_to_canonical
   out = []
   for path, leaf in pairs:
-    canon = layout.to_canonical_path(path)
+    canon = known[path] if path in known else layout.to_canonical_path(path)
     if canon is not None:
       out.append((canon, leaf))
   return nest(out)

@@ -21,7 +21,7 @@ import fsspec
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, errors
+from orbax_tunix import _orbax, errors, storage
 from orbax_tunix.storage import CHECKPOINT_METADATA, TMP_MARKER
 
 COMMIT_SUCCESS = 'commit_success.txt'
@@ -75,17 +75,13 @@ def remove_tree(path: epath.Path) -> None:
     if not path.exists():
       return
     try:
-      if _is_local(path):
+      if storage.is_local(path):
         shutil.rmtree(os.fspath(path), ignore_errors=True)
       else:
         path.rmtree()
     except OSError:
       pass
     time.sleep(0.05)
-
-
-def _is_local(path: epath.Path) -> bool:
-  return '://' not in os.fspath(path)
 
 
 class Staging:

@@ -17,7 +17,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import _orbax, errors, storage
-from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.detection import Detection, detect, plan_item
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, canonical_metadata
 from orbax_tunix.storage import CHECKPOINT_METADATA, PYTREE_METADATA
@@ -197,8 +196,7 @@ def _raise_if_not_a_step(directory: epath.Path, error: Exception) -> None:
     ) from error
   if (directory / CHECKPOINT_METADATA).exists():
     return
-  roots = [directory] + [directory / role for role in RL_ROLES]
-  if not any(root.is_dir() and storage.list_steps(root) for root in roots):
+  if not any(storage.list_steps(root) for root in storage.step_roots(directory)):
     return
   step_dir = storage.resolve(directory).step.directory  # Raises if none is committed.
   raise errors.NotACheckpointError(

@@ -53,7 +53,17 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-from orbax_tunix import __version__, _orbax, checksums, commit, conventions, errors, lora, reader
+from orbax_tunix import (
+  __version__,
+  _orbax,
+  checksums,
+  commit,
+  conventions,
+  errors,
+  lora,
+  reader,
+  storage,
+)
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.commit import InvalidDestinationError
 from orbax_tunix.conventions import RL_ROLES
@@ -81,7 +91,6 @@ DEFAULT_MEMORY_BUDGET = reader.DEFAULT_MEMORY_BUDGET
 COPIES_IN_FLIGHT = 5
 
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
-JSON_TYPESTR = ocp.JsonCheckpointHandler.typestr()
 METADATA_KEY = checksums.RECORD_KEY
 
 
@@ -204,7 +213,7 @@ def _check_representable(items: Sequence[ItemPlan], dtype: np.dtype | None) -> N
 
 def _absolute(path: epath.Path) -> str:
   text = os.fspath(path)
-  return text.rstrip('/') if '://' in text else os.path.abspath(text)
+  return os.path.abspath(text) if storage.is_local(path) else text.rstrip('/')
 
 
 
@@ -500,7 +509,7 @@ def _write_step_metadata(
   custom[METADATA_KEY] = _provenance(plan, sums)
   meta = ocp.metadata.StepMetadata(
       item_handlers={
-          item.name: JSON_TYPESTR if item.json else PYTREE_TYPESTR for item in plan.items
+          item.name: reader.JSON_TYPESTR if item.json else PYTREE_TYPESTR for item in plan.items
       },
       init_timestamp_nsecs=init_ns,
       commit_timestamp_nsecs=time.time_ns(),

@@ -171,25 +171,6 @@ def _views(
   return {leaf.name: leaf for leaf in ckpt.leaves}
 
 
-def _pair_batches(
-    pairs: Sequence[tuple[str, reader.LeafInfo, reader.LeafInfo]], budget: int
-) -> list[list[tuple[str, reader.LeafInfo, reader.LeafInfo]]]:
-  """Groups pairs, in order, so that A's and B's bytes together fit `budget`."""
-  out: list[list[tuple[str, reader.LeafInfo, reader.LeafInfo]]] = []
-  batch: list[tuple[str, reader.LeafInfo, reader.LeafInfo]] = []
-  size = 0
-  for pair in pairs:
-    nbytes = pair[1].nbytes + pair[2].nbytes
-    if batch and size + nbytes > budget:
-      out.append(batch)
-      batch, size = [], 0
-    batch.append(pair)
-    size += nbytes
-  if batch:
-    out.append(batch)
-  return out
-
-
 def _read_side(
     ckpt: reader.CanonicalCheckpoint, leaves: Sequence[reader.LeafInfo]
 ) -> list[object]:
@@ -260,7 +241,7 @@ def diff_checkpoints(
   budget = reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)
   progress.start(sum(la.nbytes for _, la, _ in pairs), 'comparing')
   try:
-    for batch in _pair_batches(pairs, budget):
+    for batch in reader.batches(pairs, budget, size=lambda p: p[1].nbytes + p[2].nbytes):
       got_a = _read_side(ckpt_a, [la for _, la, _ in batch])
       got_b = _read_side(ckpt_b, [lb for _, _, lb in batch])
       for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):

@@ -68,13 +68,6 @@ def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
     )
     out: dict[str, dict[str, Any]] = {}
     for disk, (shell, key) in wanted.items():
-      out.setdefault(fmt(_canonical_shell(shell, shells)), {})[key] = np.asarray(values[disk])[()]
+      out.setdefault(fmt(rules.INJECT_SHELL.to_canonical(shell, shells)), {})[key] = np.asarray(values[disk])[()]
     return out
   return {}
-
-
-def _canonical_shell(shell: Path, shells: frozenset[Path]) -> Path:
-  """A shell's location with the inner_state levels of enclosing shells removed."""
-  return tuple(
-      k for i, k in enumerate(shell) if not (k == 'inner_state' and shell[:i] in shells)
-  )

@@ -31,7 +31,7 @@ Request = tuple[Any, ocp.RestoreArgs]
 Planned = tuple[storage.Item, canonical.CanonicalMap]
 
 
-def _is_key(dtype: Any) -> bool:
+def is_key(dtype: Any) -> bool:
   """A typed PRNG key dtype (numpy dtypes never are: the cheap test first)."""
   return (
       dtype is not None and not isinstance(dtype, np.dtype)
@@ -44,7 +44,7 @@ def stored_shape(leaf: Any) -> tuple[int, ...] | None:
   shape = getattr(leaf, 'shape', None)
   if shape is None:
     return None
-  if _is_key(getattr(leaf, 'dtype', None)):
+  if is_key(getattr(leaf, 'dtype', None)):
     return tuple(shape) + tuple(jax.eval_shape(jax.random.key_data, leaf).shape[len(shape):])
   return tuple(shape)
 
@@ -128,7 +128,7 @@ def _default_restore_arg(leaf: Any) -> ocp.RestoreArgs:
   sharding = getattr(leaf, 'sharding', None)
   if not isinstance(sharding, jax.sharding.Sharding):
     return ocp.RestoreArgs()
-  if _is_key(leaf.dtype):
+  if is_key(leaf.dtype):
     return ocp.checkpoint_utils.construct_restore_args(leaf)  # Its own key rules.
   # What construct_restore_args makes, without its per-call tree walk.
   return ocp.ArrayRestoreArgs(
@@ -136,7 +136,7 @@ def _default_restore_arg(leaf: Any) -> ocp.RestoreArgs:
   )
 
 
-def _args_by_path(restore_args: PyTree | None) -> dict[Path, ocp.RestoreArgs]:
+def args_by_path(restore_args: PyTree | None) -> dict[Path, ocp.RestoreArgs]:
   """A restore-args tree as {path: RestoreArgs}."""
   if restore_args is None:
     return {}
@@ -176,11 +176,7 @@ def _skeleton(
     a[leaf.path[-1]] = arg
   if not item.has_sequences:
     return target, args
-  sequences = {
-      leaf.path[:i] for leaf in item.leaves for i, kind in enumerate(leaf.key_types)
-      if kind == storage.SEQUENCE_KEY
-  }
-  return as_lists(target, sequences), as_lists(args, sequences)
+  return as_lists(target, item.sequence_nodes), as_lists(args, item.sequence_nodes)
 
 
 class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
@@ -317,7 +313,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       self, meta: storage.Item, cmap: canonical.CanonicalMap, args: ocp.args.PyTreeRestore
   ) -> PyTree:
     """Checks the canonical target against the checkpoint, then reads only it."""
-    given = _args_by_path(args.restore_args)
+    given = args_by_path(args.restore_args)
     if args.item is None:
       # Every canonical leaf, restored as saved (as Orbax does without a target).
       requests = {c: (0, given.get(c, ocp.RestoreArgs())) for c in sorted(cmap.canonical_to_disk)}

@@ -31,7 +31,7 @@ ARRAY = 'array'
 SCALAR = 'scalar'
 STRING = 'string'
 # What JsonCheckpointHandler items record; their values are read whole.
-_JSON_HANDLER = ocp.JsonCheckpointHandler.typestr()
+JSON_TYPESTR = ocp.JsonCheckpointHandler.typestr()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,6 @@ def _item_leaves(
         ' Orbax, or leave the item out (`items`).'
     )
   cmap = detection.maps[name]
-  meta.check_arrays_exist()
   arrays = meta.arrays([leaf.path for leaf in meta.leaves if _kind(leaf) != STRING])
   leaves, side, odd = [], [], []
   for leaf in meta.leaves:
@@ -183,7 +182,7 @@ def open_checkpoint(
   leaves, side = {}, {}
   for name in detection.maps:
     leaves[name], side[name] = _item_leaves(detection, name)
-  unreadable = {n: t for n, t in detection.others.items() if t != _JSON_HANDLER}
+  unreadable = {n: t for n, t in detection.others.items() if t != JSON_TYPESTR}
   if unreadable:
     listed = ', '.join(f'{n!r} ({t})' for n, t in sorted(unreadable.items()))
     raise errors.UnsupportedLayoutError(

@@ -75,10 +75,6 @@ class Rewrite:
   rule: Rule
   anchors: Anchors
 
-  def __post_init__(self):
-    if not isinstance(self.anchors, Anchors):
-      object.__setattr__(self, 'anchors', Anchors(self.anchors))
-
   def to_canonical(self, path: Path) -> Path | None:
     return self.rule.to_canonical(path, self.anchors)
 
@@ -92,8 +88,8 @@ class Rewrite:
 def _find_value(item: str, step: StepPaths) -> Anchors:
   paths = step[item]
   if paths and all(len(p) >= 2 and p[-1] == NNX_VALUE for p in paths):
-    return frozenset({()})
-  return frozenset()
+    return Anchors({()})
+  return Anchors()
 
 
 NNX_VALUE_LEVEL = Rule(
@@ -211,12 +207,12 @@ def _find_adapter(item: str, step: StepPaths) -> Anchors:
   """
   paths = step[item]
   if item == MODEL_ITEM:
-    return frozenset({()}) if _has_adapter(paths) else frozenset()
+    return Anchors({()}) if _has_adapter(paths) else Anchors()
   model = step.get(MODEL_ITEM)
   if model is not None and not _has_adapter(model):
-    return frozenset()
+    return Anchors()
   if not any(ADAPTER_KEY in p for p in paths):
-    return frozenset()
+    return Anchors()
   weights = None if model is None else frozenset(p[1:] for p in model)
   kids = _children_of(paths, {n for n in _parents_of(paths, ADAPTER_KEY) if n})
   anchors = set()

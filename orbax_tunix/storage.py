@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import _orbax, errors
+from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.keypaths import Path, fmt
 
 CHECKPOINT_METADATA = '_CHECKPOINT_METADATA'
@@ -38,8 +39,6 @@ PYTREE_METADATA = '_METADATA'
 AGGREGATE_FILE = 'checkpoint'  # msgpack tree of Orbax releases before _METADATA
 ARRAY_METADATAS = 'array_metadatas'
 TMP_MARKER = '.orbax-checkpoint-tmp'
-# RL trainers nest each model's steps one level deeper.
-RL_ROLES = ('actor', 'critic')
 # No metadata file of a real checkpoint comes near this (a 1M-leaf _METADATA
 # is ~250 MB); a larger one is damaged, or not a metadata file.
 MAX_METADATA_BYTES = 1 << 30
@@ -60,7 +59,8 @@ def as_path(path: epath.PathLike) -> epath.Path:
   return path if '://' in os.fspath(path) or path.is_absolute() else path.resolve()
 
 
-def _is_local(path: epath.Path) -> bool:
+def is_local(path: epath.Path) -> bool:
+  """Whether a path is on a local disk (not a bucket)."""
   return '://' not in os.fspath(path)
 
 
@@ -75,7 +75,7 @@ def read_bytes(path: epath.Path, what: str) -> bytes:
     CorruptMetadataError: missing, not a regular file, larger than the cap,
       or unreadable.
   """
-  if _is_local(path):
+  if is_local(path):
     try:
       info = os.stat(path)
     except OSError as e:
@@ -281,9 +281,16 @@ class Item:
     return frozenset(self.by_path)
 
   @functools.cached_property
+  def sequence_nodes(self) -> frozenset[Path]:
+    """The nodes that are sequences (lists or tuples), not dicts."""
+    return frozenset(
+        leaf.path[:i] for leaf in self.leaves if SEQUENCE_KEY in leaf.key_types
+        for i, kind in enumerate(leaf.key_types) if kind == SEQUENCE_KEY
+    )
+
+  @property
   def has_sequences(self) -> bool:
-    """Whether some node is a sequence (a list or tuple), not a dict."""
-    return any(SEQUENCE_KEY in leaf.key_types for leaf in self.leaves)
+    return bool(self.sequence_nodes)
 
   @functools.cached_property
   def _store(self) -> Any:
@@ -645,7 +652,7 @@ class Location:
   notes: tuple[str, ...] = ()
 
 
-def _roots(path: epath.Path) -> list[epath.Path]:
+def step_roots(path: epath.Path) -> list[epath.Path]:
   """The directories whose children may be steps: the path, then RL roles."""
   return [path] + [path / role for role in RL_ROLES if (path / role).is_dir()]
 
@@ -715,7 +722,7 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
 
 
 def _resolve_root(path: epath.Path, step: int | None) -> Location:
-  for root in _roots(path):
+  for root in step_roots(path):
     steps = list_steps(root)
     if not steps:
       continue

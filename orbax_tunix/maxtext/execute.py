@@ -17,23 +17,19 @@ from etils import epath
 
 from orbax_tunix import conventions, errors, merge
 from orbax_tunix.detection import Detection
-from orbax_tunix.keypaths import Path, flatten, fmt, key_str
+from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
 from orbax_tunix.maxtext.view import Shape
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.pytree_handler import TunixPyTreeHandler, args_by_path, is_key
 
 PyTree = Any
 
 logger = logging.getLogger('orbax_tunix')
 
 
-def _is_key(dtype: Any) -> bool:
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _stored_form(shape: Shape, dtype: Any) -> jax.ShapeDtypeStruct:
   """The shape and dtype a leaf has on disk: PRNG keys are stored as their key data."""
-  if not _is_key(dtype):
+  if not is_key(dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
   return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
 
@@ -74,15 +70,6 @@ def _resolve(leaf: Any, arg: Any) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestor
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), args
 
 
-def _restore_args_by_path(restore_args: PyTree | None) -> dict[Path, Any]:
-  if restore_args is None:
-    return {}
-  pairs, _ = jax.tree_util.tree_flatten_with_path(
-      restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs)
-  )
-  return {tuple(key_str(k) for k in keys): arg for keys, arg in pairs}
-
-
 def _constant(value: int, target: jax.ShapeDtypeStruct) -> jax.Array:
   host = np.full(target.shape, value, dtype=target.dtype)
   return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: host[idx])
@@ -96,7 +83,7 @@ def _read_form(
   The checkpoint records key data (e.g. uint32 (2,) for a threefry key of
   shape ()); Orbax wraps it back into a key after reading, see `_as_target`.
   """
-  if not _is_key(target.dtype):
+  if not is_key(target.dtype):
     return target, arg
   data = _stored_form(target.shape, target.dtype)
   sharding = target.sharding
@@ -114,8 +101,8 @@ def _read_form(
 
 def _as_target(value: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
   """Puts PRNG keys in the target's form (typed key or key data), as read otherwise."""
-  want_key, is_key = _is_key(target.dtype), _is_key(value.dtype)
-  if want_key == is_key:
+  want_key, have_key = is_key(target.dtype), is_key(value.dtype)
+  if want_key == have_key:
     return value
   value = jax.random.wrap_key_data(value) if want_key else jax.random.key_data(value)
   return jax.device_put(value, target.sharding)
@@ -124,7 +111,7 @@ def _as_target(value: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
 def _convert(array: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
   """A second target leaf from the same source: cast and reshard on device."""
   array = _as_target(array, target)
-  if _is_key(target.dtype):
+  if is_key(target.dtype):
     return jax.device_put(array, target.sharding)
   return jax.jit(lambda x: x.astype(target.dtype), out_shardings=target.sharding)(array)
 
@@ -149,7 +136,7 @@ def execute_plan(
     leaves are returned as given.
   """
   pairs, treedef = flatten(abstract_state)
-  given = _restore_args_by_path(restore_args)
+  given = args_by_path(restore_args)
   resolved = {
       p: _resolve(leaf, given.get(p))
       for p, leaf in pairs
@@ -269,7 +256,7 @@ def _restore_merged(path, abstract_state, params_only, restore_args, alpha, scal
   plan = merge.plan_merge(where, alpha=alpha, scale=scale, base=base)
   logger.debug('%s', plan.describe())
   pairs, treedef = flatten(abstract_state)
-  args = _restore_args_by_path(restore_args)
+  args = args_by_path(restore_args)
   n = len(conventions.MAXTEXT_PARAMS)
   targets = {
       p[n:]: _resolve(leaf, args.get(p))[0]
