@@ -29,12 +29,14 @@ leaves only, so the entries of all saves are kept and written once at the end
 (the same union Orbax's own partial-save finalization does) before Orbax's
 `finalize` merges the OCDBT database into the item's root manifest.
 
-Atomic: everything is written to `<DST>.orbax-checkpoint-tmp-<ns>` beside DST
-(the name Orbax and this package treat as an unfinished step) and renamed to
-DST at the end; any failure or interrupt removes it (a killed process leaves
-only that temporary directory). An existing DST is refused unless `force`,
-and then replaced only once the new one is complete. DST must be local: an
-object store has no directory rename.
+Committed as Orbax commits (`commit.Staging`): on a local disk everything is
+written to `<DST>.orbax-checkpoint-tmp-<ns>` beside DST (the name Orbax and
+this package treat as an unfinished step) and renamed to DST at the end; on a
+bucket, which has no rename, DST is written in place and `commit_success.txt`
+comes last, so an interrupted convert is an unfinished step to Orbax and to
+this package. Any failure or interrupt removes what was written. An existing
+DST is refused unless `force`, and then replaced only once the new one is
+complete.
 """
 
 from __future__ import annotations

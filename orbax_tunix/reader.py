@@ -94,10 +94,6 @@ class CanonicalCheckpoint:
   def leaves(self) -> tuple[LeafInfo, ...]:
     return tuple(leaf for item in sorted(self.items) for leaf in self.items[item])
 
-  def total_bytes(self, item: str | None = None) -> int:
-    leaves = self.leaves if item is None else self.items[item]
-    return sum(leaf.nbytes for leaf in leaves)
-
 
 def _kind(leaf: storage.Leaf) -> str | None:
   if leaf.value_type == 'string':

@@ -160,6 +160,10 @@ def test_flax_wrapped_layer_is_lifted_to_the_plain_models_place(runs):
       'fc2/kernel': ('fc2', 'base_module', 'kernel'),  # nnx.LoRA(base_module=...)
   }
   assert ('fc2', 'bias') in plan.weights and all(m.scale == 1.0 for m in plan.merges.values())
+  # What the error messages point users at: the plain model's weights, from nnx itself.
+  plain = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: plain_model('flax'))))
+  assert {p: s for p, (s, _) in plan.shapes().items()} == {
+      p: tuple(x.shape) for p, x in flatten(plain)[0]}
 
 
 def test_maxtext_params_only_with_lora(runs, mesh):

@@ -47,10 +47,6 @@ EXIT_DIFFER = 1
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
-# Rows shown per section of a diff on a terminal; --json lists them all.
-display.DIFF_ROWS = 50
-# Seconds between progress lines when stderr is not a terminal.
-LOG_INTERVAL = 10.0
 
 _SIZE = re.compile(r'^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$', re.IGNORECASE)
 
@@ -305,8 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
       description=(
           'Inspect, convert and diff Tunix checkpoints (and any Orbax PyTree checkpoint)\n'
           'without writing Python. A path may be a root (the latest committed step is\n'
-          'used), a step directory or an item directory, on a local disk or in a bucket\n'
-          '(convert writes to a local disk).'
+          'used), a step directory or an item directory, on a local disk or in a bucket.'
       ),
       parents=[common],
   )

@@ -49,12 +49,6 @@ def format_duration(seconds: float) -> str:
   return f'{hours}h{minutes:02d}m'
 
 
-def _is_tty(stream: TextIO) -> bool:
-  try:
-    return stream.isatty()
-  except (AttributeError, ValueError):
-    return False
-
 
 @dataclasses.dataclass(frozen=True)
 class Row:
