@@ -22,19 +22,9 @@ import orbax_tunix
 from orbax_tunix import cli, convert, inspection, reader, storage
 from orbax_tunix.cli import commands, display, progress
 from orbax_tunix.keypaths import flat_dict, fmt
+from tests import test_handlers
 
-FIXTURES = (
-    'sft_full',
-    'lora_qwix',
-    'adapter_inject',
-    'chain_clip',
-    'grad_accum',
-    'adapter_inject_clip',
-    'own_base_module',
-    'v1_writer',
-    'rl_actor',
-    'rng_vars',
-)
+FIXTURES = tuple(test_handlers.FIXTURES)
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # The subprocesses run on one CPU device, away from the test's 8 fake ones.
 SUBPROCESS_ENV = {
@@ -57,11 +47,14 @@ def plain(value):
   return np.asarray(value)
 
 
-def canonical_source(step_dir: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
-  """Every item of a step in canonical form, read by the package's handler."""
-  with ocp.Checkpointer(orbax_tunix.TunixAwareHandler()) as ckptr:
-    restored = ckptr.restore(step_dir)
-  return {item: {fmt(p): plain(v) for p, v in flat_dict(tree).items()} for item, tree in restored.items()}
+def canonical_source(step_dir: pathlib.Path, name: str) -> dict[str, dict[str, np.ndarray]]:
+  """Every item of fixture `name`'s step in canonical form, independently of the package:
+  raw leaves read by plain Orbax, under paths derived by hand (`test_handlers`)."""
+  spec = test_handlers.SPECS.get(name, {})
+  return {
+      item: test_handlers.expected_leaves(step_dir, item, spec)
+      for item in ('model_params', 'optimizer_state')
+  }
 
 
 def plain_orbax_restore(step_dir: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
@@ -238,7 +231,7 @@ def test_convert_then_plain_orbax_then_diff(capsys, tunix_data, tmp_path, name):
   status, out, err = run(capsys, 'convert', tunix_data / name, dst, '--memory-budget', '2K')
   assert status == 0, err
   assert out.startswith('converted ') and out.count('\n') == 1
-  source = canonical_source(orbax_tunix.detect(tunix_data / name).step_dir)
+  source = canonical_source(orbax_tunix.detect(tunix_data / name).step_dir, name)
   restored = plain_orbax_restore(dst)
   assert restored.keys() == source.keys()
   for item in source:
@@ -300,7 +293,8 @@ def test_convert_maxtext_params_as_maxtext_reads_them(capsys, tunix_data, tmp_pa
   assert sorted(p.name for p in dst.iterdir() if p.is_dir()) == ['items']
   weights = {
       path: value
-      for path, value in canonical_source(orbax_tunix.detect(tunix_data / name).step_dir)['model_params'].items()
+      for path, value in canonical_source(
+          orbax_tunix.detect(tunix_data / name).step_dir, name)['model_params'].items()
       if 'rngs' not in path.split('/')
   }
   # MaxText's load_parameters_path read (checkpointing.load_params_from_path).
@@ -500,8 +494,8 @@ def test_diff_reports_value_differences(capsys, tunix_data):
   assert status == 1 and doc['match'] is False
   by_path = {v['path']: v for v in doc['values']}
   expected = np.abs(
-      canonical_source(a)['model_params']['embedder/embedding']
-      - canonical_source(b)['model_params']['embedder/embedding']
+      canonical_source(a, 'sft_full')['model_params']['embedder/embedding']
+      - canonical_source(b, 'sft_full')['model_params']['embedder/embedding']
   ).max()
   assert by_path['model_params/embedder/embedding']['max_abs_diff'] == pytest.approx(float(expected))
   assert run(capsys, 'diff', a, b, '--atol', '1')[0] == 0
@@ -619,10 +613,15 @@ def test_batches_fit_the_budget():
   assert sizes == [[3, 3], [3], [10], [1]]
 
 
-def test_plan_is_metadata_only(tunix_data, tmp_path):
+def test_plan_is_metadata_only(tunix_data, tmp_path, monkeypatch):
+  def no_reads(*args, **kwargs):
+    raise AssertionError('planning read an array')
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', no_reads)
   plan = convert.plan_convert(tunix_data / 'adapter_inject', tmp_path / '1', memory_budget=2**30)
   assert [item.name for item in plan.items] == ['model_params', 'optimizer_state']
-  assert plan.batch_bytes == (2**30 - reader.FIXED_OVERHEAD) // convert.COPIES_IN_FLIGHT
+  # 1 GiB less 64 MiB of fixed overhead, over 5 copies in flight.
+  assert plan.batch_bytes == 201326592
   assert not (tmp_path / '1').exists()
 
 

@@ -23,10 +23,10 @@ from etils import epath
 
 import orbax_tunix as ot
 from orbax_tunix import commit, maxtext
-from tests import builders
+from tests import builders, test_lora_merge, tunix_models
 from tests import gcs as gcs_lib
 from tests.test_cli import REPO, SUBPROCESS_ENV, run
-from tests.test_handlers import SPECS, _abstract, _assert_values, _expected, _leaves
+from tests.test_handlers import SPECS, _abstract, _assert_values, _leaves, expected_leaves
 from tests.test_maxtext import TinyLM, abstract_state, adamw, assert_restored
 
 
@@ -71,7 +71,7 @@ def test_step_without_commit_file_is_unfinished(uploaded, bucket, capsys, tunix_
   assert found.step == 1
   restored = ocp.Checkpointer(ot.TunixAwareHandler()).restore(found.step_dir)
   _assert_values(restored['model_params'],
-                 _expected(tunix_data / 'sft_full' / '1', 'model_params', {}))
+                 expected_leaves(tunix_data / 'sft_full' / '1', 'model_params', {}))
   with pytest.raises(ot.UncommittedStepError, match='commit_success.txt'):
     ot.detect(root / '2')
   status, out, _ = run(capsys, 'inspect', root, '--json')
@@ -115,7 +115,7 @@ def test_composite_restore_without_target(uploaded, tunix_data):
   restored = ocp.Checkpointer(ot.TunixAwareHandler()).restore(step_dir)
   local = tunix_data / 'adapter_inject' / '1'
   for item in ('model_params', 'optimizer_state'):
-    _assert_values(restored[item], _expected(local, item, SPECS['adapter_inject']))
+    _assert_values(restored[item], expected_leaves(local, item, SPECS['adapter_inject']))
 
 
 def test_composite_and_item_restores_into_sharded_target(uploaded, tunix_data, mesh):
@@ -124,7 +124,7 @@ def test_composite_and_item_restores_into_sharded_target(uploaded, tunix_data, m
   ckptr = ocp.Checkpointer(ot.TunixAwareHandler())
   meta = ckptr.metadata(step_dir).item_metadata
   target = _abstract(meta['model_params'].tree, mesh, jnp.bfloat16)
-  expected = _expected(local, 'model_params', SPECS['adapter_inject'])
+  expected = expected_leaves(local, 'model_params', SPECS['adapter_inject'])
   composite = ckptr.restore(step_dir, args=ocp.args.Composite(
       model_params=ocp.args.PyTreeRestore(item=target)))['model_params']
   item = ocp.Checkpointer(ot.TunixPyTreeHandler()).restore(
@@ -158,7 +158,7 @@ def test_checkpoint_manager_writes_and_restores_on_bucket(bucket, tmp_path):
   assert ot.detect(root).step == 30
   local = builders.save_tunix(tmp_path, 30, model, optimizer)  # same state, on disk
   for item in ('model_params', 'optimizer_state'):
-    _assert_values(restored[item], _expected(local, item, {}))
+    _assert_values(restored[item], expected_leaves(local, item, {}))
 
 
 def test_v1_load_checkpointables(uploaded, tunix_data):
@@ -166,7 +166,7 @@ def test_v1_load_checkpointables(uploaded, tunix_data):
   step_dir = ot.detect(uploaded['v1_writer']).step_dir
   state = ocp.v1.load_checkpointables(step_dir)
   _assert_values(state['model_params'],
-                 _expected(tunix_data / 'v1_writer' / '2', 'model_params', {}))
+                 expected_leaves(tunix_data / 'v1_writer' / '2', 'model_params', {}))
 
 
 @pytest.mark.parametrize('params_only', [False, True])
@@ -224,9 +224,9 @@ def test_convert_both_layouts_and_diff(uploaded, tunix_data, bucket, tmp_path, c
   assert orbax_steps(base / 'canonical') == [2]
   restored = restore_plain(canonical)
   for item in ('model_params', 'optimizer_state'):
-    _assert_values(restored[item], _expected(local_step, item, {}))
+    _assert_values(restored[item], expected_leaves(local_step, item, {}))
   items = restore_plain(maxtext_dst)['items']
-  _assert_values(items['params']['params'], _expected(local_step, 'model_params', {}))
+  _assert_values(items['params']['params'], expected_leaves(local_step, 'model_params', {}))
   # A bucket against a disk, both ways round.
   assert run(capsys, 'diff', canonical, tunix_data / 'sft_full')[0] == 0
   assert run(capsys, 'diff', uploaded['sft_full'], tunix_data / 'sft_full' / '1')[0] == 1
@@ -244,7 +244,7 @@ def test_force_replaces_a_bucket_step_once_complete(uploaded, bucket, capsys, tu
   assert commit.leftovers(dst) == []
   restored = restore_plain(dst)
   _assert_values(restored['model_params'],
-                 _expected(tunix_data / 'sft_full' / '2', 'model_params', {}))
+                 expected_leaves(tunix_data / 'sft_full' / '2', 'model_params', {}))
 
 
 def test_killed_convert_into_bucket_leaves_no_finished_step(bucket, tmp_path):
@@ -330,8 +330,8 @@ def test_planning_requests_do_not_grow_per_leaf(gcs, bucket, mesh, capsys, monke
 
 
 def test_lora_merge_with_adapters_and_base_in_a_bucket(bucket, tunix_data, mesh):
-  """The merge reads both checkpoints from gs:// as it does from disk (proven
-  against the LoRA model's logits in test_lora_merge.py)."""
+  """The merge from gs:// computes the LoRA model's logits (recorded by the
+  fixture script), and is the merge from disk, bit for bit."""
   for name in ('lora_qwix', 'lora_base'):
     gcs_lib.upload(tunix_data / name, bucket / name)
   meta = ot.TunixPyTreeHandler().metadata(tunix_data / 'lora_base' / '1' / 'model_params')
@@ -344,3 +344,7 @@ def test_lora_merge_with_adapters_and_base_in_a_bucket(bucket, tunix_data, mesh)
   for (path, a), (_, b) in zip(_leaves(local).items(), _leaves(remote).items(), strict=True):
     assert a.sharding == b.sharding and a.dtype == b.dtype == jnp.bfloat16, path
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path)
+  ref = json.loads((tunix_data / 'lora_reference.json').read_text())['lora_qwix_full']
+  np.testing.assert_allclose(
+      test_lora_merge.plain_logits(tunix_models.TinyLM, remote, ref['tokens']),
+      np.asarray(ref['logits'], np.float32), atol=test_lora_merge.FIXTURE_BF16_ATOL, rtol=0)

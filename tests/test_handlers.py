@@ -50,7 +50,7 @@ def canonical_by_hand(path, item, adapter=False, shell=None):
   return path
 
 
-def _expected(step_dir, item, spec):
+def expected_leaves(step_dir, item, spec):
   """The raw leaves read by plain Orbax, under their hand-derived canonical paths."""
   out = {}
   for path, value in builders.raw_leaves(step_dir / item).items():
@@ -82,7 +82,7 @@ def test_no_arg_restore_is_canonical(tunix_data, name):
   for item in ('model_params', 'optimizer_state'):
     paths = set(_leaves(restored[item]))
     assert not any(p.endswith('/value') for p in paths)
-    _assert_values(restored[item], _expected(step_dir, item, SPECS.get(name, {})))
+    _assert_values(restored[item], expected_leaves(step_dir, item, SPECS.get(name, {})))
   assert set(restored['optimizer_state']) == {'opt_state', 'step'}
 
 
@@ -140,7 +140,7 @@ def test_sharded_restore_into_target(tunix_data, mesh, name):
       assert isinstance(got[path], jax.Array), path
       assert got[path].sharding == sds.sharding, path
       assert got[path].dtype == sds.dtype, path
-    expected = _expected(step_dir, item, SPECS.get(name, {}))
+    expected = expected_leaves(step_dir, item, SPECS.get(name, {}))
     for path, value in expected.items():
       np.testing.assert_array_equal(
           np.asarray(got[path]), np.asarray(value).astype(got[path].dtype), err_msg=path)
@@ -260,8 +260,8 @@ def test_synthetic_optimizer_states(tmp_path, wrap):
   model, opt = builders.make(builders.Model(nnx.Rngs(1)), tx)
   step_dir = builders.save_tunix(tmp_path, 3, model, opt)
   r = ocp.Checkpointer(ot.TunixAwareHandler()).restore(step_dir)
-  _assert_values(r['optimizer_state'], _expected(step_dir, 'optimizer_state', spec))
-  _assert_values(r['model_params'], _expected(step_dir, 'model_params', spec))
+  _assert_values(r['optimizer_state'], expected_leaves(step_dir, 'optimizer_state', spec))
+  _assert_values(r['model_params'], expected_leaves(step_dir, 'model_params', spec))
 
 
 def test_non_tunix_checkpoint_is_untouched(tmp_path):

@@ -281,6 +281,7 @@ def test_cli_inspect_shows_adapters_per_weight(runs, capsys):
 
 # scripts/make_tunix_fixtures.py: qwix.LoraProvider(..., rank=2, alpha=4.0).
 FIXTURE_ALPHA = 4.0
+FIXTURE_BF16_ATOL = 0.02
 FIXTURE_CASES = {
     # case: (LoRA checkpoint, base checkpoint, plain model, reference logits)
     'qwix full save': ('lora_qwix_full', None, tm.TinyLM, 'lora_qwix_full'),
@@ -314,19 +315,22 @@ def test_fixture_merge_computes_the_lora_models_logits(tunix_data, mesh, case, d
   merged = ot.restore_merged_lora(tunix_data / name, target, alpha=FIXTURE_ALPHA,
                                   base=None if base is None else tunix_data / base)
   assert_target_kept(merged, target)
-  model = model_cls(rngs=nnx.Rngs(1))
-  graph = nnx.state(model)
-  nnx.replace_by_pure_dict(graph, jax.tree.map(lambda w: np.asarray(w, np.float32), merged))
-  nnx.update(model, graph)
-  logits = np.asarray(model(jnp.asarray(ref['tokens'])))
   # bfloat16: 0.008-0.012 seen; the adapters move these logits by 0.065-0.10.
-  atol = F32_ATOL if dtype == jnp.float32 else 0.02
-  np.testing.assert_allclose(logits, np.asarray(ref['logits'], np.float32), atol=atol, rtol=0)
+  atol = F32_ATOL if dtype == jnp.float32 else FIXTURE_BF16_ATOL
+  np.testing.assert_allclose(plain_logits(model_cls, merged, ref['tokens']),
+                             np.asarray(ref['logits'], np.float32), atol=atol, rtol=0)
   # The base weights alone (read by plain Orbax) miss the reference by more.
   raw = builders.raw_leaves(tunix_data / (base or name) / '1' / 'model_params')
   unmerged = nest((tuple(p.removesuffix('/value').replace('base_module/', '').split('/')), v)
                   for p, v in raw.items() if not lora.is_adapter(tuple(p.split('/'))))
-  nnx.replace_by_pure_dict(graph, unmerged)
-  nnx.update(model, graph)
-  miss = np.abs(np.asarray(model(jnp.asarray(ref['tokens']))) - np.asarray(ref['logits'])).max()
+  miss = np.abs(plain_logits(model_cls, unmerged, ref['tokens']) - np.asarray(ref['logits'])).max()
   assert miss > 3 * atol, miss
+
+
+def plain_logits(model_cls, weights, tokens) -> np.ndarray:
+  """The plain (no LoRA) model's logits with `weights` (a pure dict) on `tokens`."""
+  model = model_cls(rngs=nnx.Rngs(1))
+  graph = nnx.state(model)
+  nnx.replace_by_pure_dict(graph, jax.tree.map(lambda w: np.asarray(w, np.float32), weights))
+  nnx.update(model, graph)
+  return np.asarray(model(jnp.asarray(tokens)))
