@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import _orbax, errors, storage
-from orbax_tunix.detection import Detection, detect, plan_item
+from orbax_tunix.detection import Detection, detect, plan_item, plan_items
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, canonical_metadata
 from orbax_tunix.storage import CHECKPOINT_METADATA, PYTREE_METADATA
 
@@ -85,7 +85,7 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     if not directory.is_dir():
       raise errors.NotACheckpointError(
           f'{directory}: expected a step directory, found'
-          f' {"a file" if directory.exists() else "nothing"}. Check the path.'
+          f' {storage.found_at(directory)}. Check the path.'
       )
     if args is None or not dict(args.items()):
       found = _tunix_detection(directory)
@@ -120,19 +120,23 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     if self._restoring:
       return meta
     found = dict(meta.item_metadata.items()) if meta.item_metadata is not None else {}
+    step = storage.open_step(directory)
+    # Other kinds of items (JSON, ...) stay as Orbax described them.
+    names = [
+        n for n, m in found.items()
+        if (m is None or isinstance(m, _orbax.TreeMetadata))
+        and not step.single_item and step.is_pytree(n)
+    ]
     changed = False
-    for name, item_meta in found.items():
-      item_dir = epath.Path(directory) / name
-      if item_meta is not None and not isinstance(item_meta, _orbax.TreeMetadata):
-        continue  # Another kind of item (JSON, ...): as Orbax described it.
-      planned = plan_item(item_dir)
-      if planned is None or not planned[1].rewrites:
+    for name, (item, cmap) in plan_items(step, names).items():
+      if not cmap.rewrites:
         continue
-      found[name] = (
-          TunixPyTreeHandler().metadata(item_dir)
-          if item_meta is None
-          else canonical_metadata(item_meta, planned[1])
-      )
+      if found[name] is None:
+        # The arrays' metadata, read once with the plan just made.
+        reader = TunixPyTreeHandler(plans={item.directory: (item, cmap)})
+        found[name] = reader.metadata(item.directory)
+      else:
+        found[name] = canonical_metadata(found[name], cmap)
       changed = True
     if not changed:
       return meta

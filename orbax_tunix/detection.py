@@ -168,14 +168,7 @@ def detect(
     names = list(found.items)
   others, notes = _sort_items(found, names)
   pytrees = [n for n in names if n not in others]
-  metas = {n: found.item(n) for n in pytrees}
-  if conventions.OPTIMIZER_ITEM in metas and conventions.MODEL_ITEM not in metas:
-    # The adapter level in mu/nu is recognised by comparison with the weights.
-    if found.is_pytree(conventions.MODEL_ITEM) and conventions.MODEL_ITEM in found.present:
-      metas[conventions.MODEL_ITEM] = found.item(conventions.MODEL_ITEM)
-  with storage.no_gc():
-    maps = plan(found, metas)
-  maps = {n: maps[n] for n in pytrees}
+  maps = {n: cmap for n, (_, cmap) in plan_items(found, pytrees).items()}
   return Detection(
       location=location,
       kind=_classify(maps),
@@ -200,11 +193,31 @@ def plan(step: storage.Step, metas: Mapping[str, storage.Item]) -> dict[str, can
   return canonical.plan_step({name: meta.paths for name, meta in metas.items()})
 
 
-def plan_item(item_dir: epath.PathLike) -> tuple[storage.Item, canonical.CanonicalMap] | None:
-  """Reads and plans one item directory, or None when it holds no PyTree.
+Planned = tuple[storage.Item, canonical.CanonicalMap]
 
-  The optimizer item is planned with its step's model item, whose weights
-  identify the adapter level in mu/nu; a model item is planned alone.
+
+def plan_items(step: storage.Step, names: Iterable[str]) -> dict[str, Planned]:
+  """Reads and plans some PyTree items of one step, each read once.
+
+  The optimizer item is planned with the step's model item, whose weights
+  identify the adapter level in mu/nu (read for that when not asked for).
+
+  Raises:
+    CorruptMetadataError, UnsupportedLayoutError.
+  """
+  names = list(names)
+  metas = {n: step.item(n) for n in names}
+  model = conventions.MODEL_ITEM
+  if (conventions.OPTIMIZER_ITEM in metas and model not in metas and not step.single_item
+      and step.is_pytree(model)):
+    metas[model] = step.item(model)
+  with storage.no_gc():
+    maps = plan(step, metas)
+  return {n: (metas[n], maps[n]) for n in names}
+
+
+def plan_item(item_dir: epath.PathLike) -> Planned | None:
+  """Reads and plans one item directory, or None when it holds no PyTree.
 
   Raises:
     CorruptMetadataError, UnsupportedLayoutError.
@@ -212,12 +225,7 @@ def plan_item(item_dir: epath.PathLike) -> tuple[storage.Item, canonical.Canonic
   item_dir = storage.as_path(item_dir)
   if not storage.has_tree(item_dir):
     return None
-  parent = item_dir.parent
   single = (item_dir / storage.CHECKPOINT_METADATA).exists()
-  step = storage.open_step(item_dir if single else parent)
+  step = storage.open_step(item_dir if single else item_dir.parent)
   name = step.item_name if step.single_item else item_dir.name
-  metas = {name: step.item(name)}
-  model = conventions.MODEL_ITEM
-  if name == conventions.OPTIMIZER_ITEM and not step.single_item and storage.has_tree(parent / model):
-    metas[model] = step.item(model)
-  return metas[name], plan(step, metas)[name]
+  return plan_items(step, [name])[name]

@@ -6,6 +6,7 @@ those scalars are read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,9 @@ from orbax_tunix import rules
 from orbax_tunix.detection import Detection, detect
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
+
+# How a scalar is read: to the host, as saved.
+AS_NUMPY = ocp.RestoreArgs(restore_type=np.ndarray)
 
 
 def _hyperparam_name(path: Path, shells: frozenset[Path]) -> tuple[Path, str] | None:
@@ -46,8 +50,13 @@ def hyperparameters(path: epath.PathLike, *, step: int | None = None) -> dict[st
   return read_hyperparameters(detect(path, step=step))
 
 
-def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
-  """`hyperparameters` of an already detected step (its metadata is not read again)."""
+def hyperparameter_leaves(detection: Detection) -> tuple[str, dict[Path, tuple[str, str]]] | None:
+  """Where the hyperparameters of a detected step sit; nothing is read.
+
+  Returns:
+    (item, {on-disk path: (canonical shell location, name)}) for the item
+    holding inject_hyperparams shells, or None when none holds any.
+  """
   for name, cmap in detection.maps.items():
     shells = next((r.anchors for r in cmap.rewrites if r.rule is rules.INJECT_SHELL), None)
     if shells is None:
@@ -58,16 +67,28 @@ def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
       # the nnx value level); match each leaf in those.
       found = _hyperparam_name(cmap.path_before(rules.INJECT_SHELL, disk), shells)
       if found is not None:
-        wanted[disk] = found
-    if not wanted:
-      continue
-    values = TunixPyTreeHandler().read(
-        detection.item_meta(name),
-        None,
-        {d: (0, ocp.RestoreArgs(restore_type=np.ndarray)) for d in wanted},
-    )
-    out: dict[str, dict[str, Any]] = {}
-    for disk, (shell, key) in wanted.items():
-      out.setdefault(fmt(rules.INJECT_SHELL.to_canonical(shell, shells)), {})[key] = np.asarray(values[disk])[()]
-    return out
-  return {}
+        shell, key = found
+        wanted[disk] = (fmt(rules.INJECT_SHELL.to_canonical(shell, shells)), key)
+    if wanted:
+      return name, wanted
+  return None
+
+
+def by_shell(wanted: Mapping[Path, tuple[str, str]], values: Mapping[Path, Any]) -> dict[str, dict[str, Any]]:
+  """The values read for `hyperparameter_leaves`, as `hyperparameters` returns them."""
+  out: dict[str, dict[str, Any]] = {}
+  for disk, (shell, key) in wanted.items():
+    out.setdefault(shell, {})[key] = np.asarray(values[disk])[()]
+  return out
+
+
+def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
+  """`hyperparameters` of an already detected step (its metadata is not read again)."""
+  found = hyperparameter_leaves(detection)
+  if found is None:
+    return {}
+  item, wanted = found
+  values = TunixPyTreeHandler().read(
+      detection.item_meta(item), None, {d: (0, AS_NUMPY) for d in wanted}
+  )
+  return by_shell(wanted, values)

@@ -22,8 +22,9 @@ from etils import epath
 from orbax_tunix import conventions, errors, reader, rules
 from orbax_tunix import lora as lora_lib
 from orbax_tunix.detection import Detection
-from orbax_tunix.hyperparams import read_hyperparameters
+from orbax_tunix.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
 from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.storage import StepEntry
 
 _RULE_DESCRIPTIONS = {rule.name: rule.description for rule in rules.RULES}
@@ -285,15 +286,36 @@ def _optimizer_leaves(ckpt: reader.CanonicalCheckpoint) -> tuple[str | None, lis
   return None, []
 
 
-def _state_step(ckpt: reader.CanonicalCheckpoint, opt_item: str | None) -> int | None:
-  """The optimizer's own step counter (one scalar read), if the state has one."""
+def _step_counter(ckpt: reader.CanonicalCheckpoint, opt_item: str | None) -> Path | None:
+  """The on-disk path of the optimizer's own step counter, if the state has one."""
   if opt_item is None:
     return None
   leaf = next((x for x in ckpt.items[opt_item] if x.path == conventions.OPTIMIZER_STEP), None)
   if leaf is None or leaf.shape != () or leaf.dtype is None or leaf.dtype.kind not in 'iu':
     return None
-  (value,) = reader.read(ckpt, opt_item, [leaf])
-  return int(np.asarray(value))
+  return ckpt.detection.maps[opt_item].canonical_to_disk[leaf.path]
+
+
+def _read_scalars(
+    ckpt: reader.CanonicalCheckpoint, opt_item: str | None
+) -> tuple[dict[str, dict[str, Any]], int | None]:
+  """(hyperparameters, the optimizer's step counter): one read per item holding them."""
+  detection = ckpt.detection
+  found = hyperparameter_leaves(detection) if detection.is_tunix else None
+  counter = _step_counter(ckpt, opt_item)
+  wanted: dict[str, set[Path]] = {}
+  if found is not None:
+    wanted.setdefault(found[0], set()).update(found[1])
+  if counter is not None:
+    wanted.setdefault(opt_item, set()).add(counter)
+  handler = TunixPyTreeHandler()
+  values = {
+      item: handler.read(detection.item_meta(item), None, {p: (0, AS_NUMPY) for p in paths})
+      for item, paths in wanted.items()
+  }
+  hparams = by_shell(found[1], values[found[0]]) if found is not None else {}
+  step = None if counter is None else int(np.asarray(values[opt_item][counter]))
+  return hparams, step
 
 
 def inspect_checkpoint(
@@ -332,10 +354,8 @@ def inspect_checkpoint(
   except errors.UnsupportedLayoutError:
     weight_pairs = []
   lora = lora_report([leaf for leaf, _ in weight_pairs]) if weight_pairs else None
-  hparams: dict[str, dict[str, Any]] = {}
-  if detection.is_tunix:
-    hparams = {k: dict(v) for k, v in read_hyperparameters(detection).items()}
   opt_item, opt_leaves = _optimizer_leaves(ckpt)
+  hparams, state_step = _read_scalars(ckpt, opt_item)
   outline = optimizer_outline(
       opt_leaves, {path: leaf.shape for leaf, path in weight_pairs}, tuple(hparams)
   )
@@ -344,7 +364,7 @@ def inspect_checkpoint(
       steps=detection.steps,
       items=tuple(reports),
       json_items=ckpt.json_items,
-      state_step=_state_step(ckpt, opt_item),
+      state_step=state_step,
       lora=lora,
       optimizer_item=opt_item,
       optimizer=outline,

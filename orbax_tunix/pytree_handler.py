@@ -21,14 +21,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import _orbax, canonical, errors, storage
-from orbax_tunix.detection import plan_item
+from orbax_tunix.detection import Planned, plan_item
 from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, key_str, nest
 
 PyTree = Any
 # (target leaf, restore args) for one leaf to read.
 Request = tuple[Any, ocp.RestoreArgs]
-# An item as read from disk, and its canonical map.
-Planned = tuple[storage.Item, canonical.CanonicalMap]
 
 
 def is_key(dtype: Any) -> bool:

@@ -151,7 +151,7 @@ def _item_leaves(
 
 
 def open_checkpoint(
-    path: epath.PathLike,
+    path: epath.PathLike | Detection,
     step: int | None = None,
     items: Iterable[str] | None = None,
 ) -> CanonicalCheckpoint:
@@ -163,7 +163,7 @@ def open_checkpoint(
 
   Args:
     path: a root, a step or an item directory (an item directory limits the
-      view to that item).
+      view to that item), or a step already detected (not read again).
     step: the step wanted under a root (None: the latest committed one).
     items: the items to open (default: every item the step records).
 
@@ -174,7 +174,7 @@ def open_checkpoint(
     TunixCheckpointError subclasses: a recorded item is missing, damaged, or
       of a kind the tools cannot read; the message says which.
   """
-  detection = detect(path, step=step, items=items)
+  detection = path if isinstance(path, Detection) else detect(path, step=step, items=items)
   leaves, side = {}, {}
   for name in detection.maps:
     leaves[name], side[name] = _item_leaves(detection, name)

@@ -102,7 +102,8 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
     planned = await asyncio.to_thread(plan_item, directory)
     if planned is None or not planned[1].rewrites:
       return await super().metadata(directory)
-    meta = await asyncio.to_thread(TunixPyTreeHandler().metadata, directory)
+    reader = TunixPyTreeHandler(plans={storage.as_path(directory): planned})
+    meta = await asyncio.to_thread(reader.metadata, directory)
     return meta.tree
 
 

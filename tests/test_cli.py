@@ -633,3 +633,18 @@ def test_optax_state_names_come_from_optax():
   assert optax_state_names(
       frozenset({'mini_step', 'gradient_step', 'inner_opt_state', 'acc_grads'})) == ('MultiStepsState',)
   assert optax_state_names(frozenset({'not_an_optax_field'})) == ()
+
+
+def test_inspect_reads_the_optimizers_scalars_in_one_restore(tunix_data, monkeypatch):
+  """Hyperparameters and the state's step counter share one Orbax restore."""
+  calls = []
+  restore = ocp.PyTreeCheckpointHandler.restore
+
+  def spy(self, directory, *args, **kwargs):
+    calls.append(pathlib.Path(directory).name)
+    return restore(self, directory, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', spy)
+  report = inspection.inspect_checkpoint(tunix_data / 'adapter_inject')
+  assert calls == ['optimizer_state']
+  assert report.state_step is not None and 'learning_rate' in report.hyperparameters['opt_state']

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import conventions, errors, merge
+from orbax_tunix import conventions, errors, merge, reader
 from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
@@ -253,7 +253,8 @@ def _restore_merged(path, abstract_state, params_only, restore_args, alpha, scal
         ' full train state cannot be restored from it; restore the parameters and'
         ' start the optimizer afresh.'
     )
-  plan = merge.plan_merge(where, alpha=alpha, scale=scale, base=base)
+  source = reader.open_checkpoint(path) if isinstance(path, Detection) else path
+  plan = merge.plan_merge(source, alpha=alpha, scale=scale, base=base)
   logger.debug('%s', plan.describe())
   pairs, treedef = flatten(abstract_state)
   args = args_by_path(restore_args)
