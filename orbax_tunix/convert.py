@@ -231,16 +231,19 @@ def _protected(step_dir: epath.Path) -> epath.Path:
   return root.parent if root.name in RL_ROLES else root
 
 
-def _check_destination(src: reader.CanonicalCheckpoint, dst: epath.Path, force: bool) -> None:
-  protected, step, target = (
-      _absolute(_protected(src.step_dir)), _absolute(src.step_dir), _absolute(dst)
-  )
-  if target == protected or target.startswith(protected + '/') or step.startswith(target + '/'):
-    raise InvalidDestinationError(
-        f'{dst}: the destination is inside the source checkpoint {protected} (or'
-        ' holds it). The source run, every step and item in it, is never written'
-        ' to: choose a dst outside it.'
-    )
+def _check_destination(
+    sources: Sequence[reader.CanonicalCheckpoint], dst: epath.Path, force: bool
+) -> None:
+  """Refuses a DST inside (or holding) any source run, or one that may not be replaced."""
+  target = _absolute(dst)
+  for src in sources:
+    protected, step = _absolute(_protected(src.step_dir)), _absolute(src.step_dir)
+    if target == protected or target.startswith(protected + '/') or step.startswith(target + '/'):
+      raise InvalidDestinationError(
+          f'{dst}: the destination is inside the source checkpoint {protected} (or'
+          ' holds it). The source run, every step and item in it, is never written'
+          ' to: choose a dst outside it.'
+      )
   try:
     commit.check_replaceable(dst, force)
   except OSError as e:
@@ -312,16 +315,15 @@ def plan_convert(
     raise InvalidDestinationError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
   source = reader.open_checkpoint(src, step, items)
   dst = as_path(dst)
-  _check_destination(source, dst, force)
   notes: list[str] = []
   plans: list[ItemPlan] = []
-  merged = None
-  if merge_lora:
-    merged = merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
-    if merged.base is not source:
-      _check_destination(merged.base, dst, force)
-    prefix = conventions.MAXTEXT_PARAMS if layout == MAXTEXT else ()
-    name = conventions.MAXTEXT_ITEM if layout == MAXTEXT else conventions.MODEL_ITEM
+  found = None
+  merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
+            if merge_lora else None)
+  _check_destination([source] if merged is None else [source, merged.base], dst, force)
+  prefix = conventions.MAXTEXT_PARAMS if layout == MAXTEXT else ()
+  name = conventions.MAXTEXT_ITEM if layout == MAXTEXT else conventions.MODEL_ITEM
+  if merged is not None:
     weights = sorted(merged.weights.items())
     plans.append(ItemPlan(
         name=name,
@@ -335,8 +337,6 @@ def plan_convert(
   elif params_only:
     found = reader.weights(source)
     source_items = {leaf.item for leaf, _ in found}
-    prefix = conventions.MAXTEXT_PARAMS if layout == MAXTEXT else ()
-    name = conventions.MAXTEXT_ITEM if layout == MAXTEXT else conventions.MODEL_ITEM
     plans.append(
         ItemPlan(
             name=name,
@@ -362,7 +362,7 @@ def plan_convert(
       plans.append(ItemPlan(name, name, leaves, tuple(leaf.path for leaf in leaves)))
     plans += [ItemPlan(name, name, (), (), json=True) for name in source.json_items]
   if merged is None:
-    _refuse_adapters_only(source)
+    _refuse_adapters_only(source, found)
   if not plans:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: expected at least one PyTree item to convert,'
@@ -392,16 +392,19 @@ def plan_convert(
   )
 
 
-def _refuse_adapters_only(source: reader.CanonicalCheckpoint) -> None:
+def _refuse_adapters_only(
+    source: reader.CanonicalCheckpoint, found: list[tuple[reader.LeafInfo, Path]] | None
+) -> None:
   """A LoRA run saved without its base weights cannot be converted as it is.
 
   Raises:
     LoraOnlyCheckpointError: saying how to merge instead.
   """
-  try:
-    found = reader.weights(source)
-  except errors.UnsupportedLayoutError:
-    return  # No model weights (an optimizer item alone, say): nothing to refuse.
+  if found is None:  # Not yet listed by the caller.
+    try:
+      found = reader.weights(source)
+    except errors.UnsupportedLayoutError:
+      return  # No model weights (an optimizer item alone, say): nothing to refuse.
   if lora.adapters_only(path for _, path in found):
     adapters = [fmt(path) for _, path in found]
     raise errors.LoraOnlyCheckpointError(
