@@ -640,7 +640,7 @@ class Location:
     step: the step it resolves to.
     item: the item, when the path was an item directory.
     root: the directory holding the step's siblings, when there is one.
-    steps: the steps under that root, committed or not.
+    listed: the steps under that root, when resolving had to list them.
     notes: things a person should know (e.g. unfinished steps skipped).
   """
 
@@ -648,8 +648,16 @@ class Location:
   step: Step
   item: str | None
   root: epath.Path | None
-  steps: tuple[StepEntry, ...]
+  listed: tuple[StepEntry, ...] | None = None
   notes: tuple[str, ...] = ()
+
+  @functools.cached_property
+  def steps(self) -> tuple[StepEntry, ...]:
+    """The steps under the root, committed or not (listed when first asked:
+    a restore of a step does not need its siblings, one request each on a bucket)."""
+    if self.listed is not None:
+      return self.listed
+    return tuple(list_steps(self.root)) if self.root is not None else ()
 
 
 def step_roots(path: epath.Path) -> list[epath.Path]:
@@ -706,7 +714,6 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
     return _resolve_root(path, step)
   found = open_step(step_dir)
   root = step_dir.parent if found.number is not None and not found.single_item else None
-  steps = tuple(list_steps(root)) if root is not None else ()
   if step is not None and found.number != step:
     raise errors.NotACheckpointError(
         f'{path}: this is step {found.number}, but `step={step}` was asked for.'
@@ -718,7 +725,7 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
         ' committed: on a bucket, it has no commit_success.txt): its writer is'
         ' still running or died. Restore a committed step.'
     )
-  return Location(path, found, item, root, steps)
+  return Location(path, found, item, root)
 
 
 def _resolve_root(path: epath.Path, step: int | None) -> Location:
