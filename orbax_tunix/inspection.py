@@ -348,7 +348,6 @@ def inspect_checkpoint(
             side_leaves=ckpt.side_leaves.get(name, ()),
         )
     )
-  notes = list(detection.notes)
   try:
     weight_pairs = reader.weights(ckpt)
   except errors.UnsupportedLayoutError:
@@ -370,6 +369,6 @@ def inspect_checkpoint(
       optimizer=outline,
       num_weights=len(weight_pairs),
       hyperparameters=hparams,
-      notes=tuple(notes),
+      notes=tuple(detection.notes),
       checkpoint=ckpt,
   )

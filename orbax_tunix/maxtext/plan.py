@@ -378,14 +378,15 @@ def make_plan(
 
 def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None]:
   """Target leaf path -> the shape it has on disk (key data for typed PRNG keys)."""
-  bad = [fmt(p) for p, leaf in pairs if not hasattr(leaf, 'dtype') or stored_shape(leaf) is None]
+  shapes = {p: stored_shape(leaf) if hasattr(leaf, 'dtype') else None for p, leaf in pairs}
+  bad = [fmt(p) for p, shape in shapes.items() if shape is None]
   if bad:
     raise errors.TargetMismatchError(
         f'The abstract state has {len(bad)} leaves that are not arrays (expected'
         ' jax.ShapeDtypeStruct or jax.Array):\n'
         f'{errors.list_paths(bad)}\nBuild it with jax.eval_shape.'
     )
-  return {p: stored_shape(leaf) for p, leaf in pairs}
+  return shapes
 
 
 def plan_restore(
