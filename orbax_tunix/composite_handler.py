@@ -11,6 +11,7 @@ behave as with Orbax's own class.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -20,6 +21,8 @@ from orbax_tunix import _orbax, errors, storage
 from orbax_tunix.detection import Detection, detect, plan_item, plan_items
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, canonical_metadata
 from orbax_tunix.storage import CHECKPOINT_METADATA, PYTREE_METADATA
+
+logger = logging.getLogger('orbax_tunix')
 
 _PYTREE_HANDLERS = (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler)
 _PYTREE_RESTORE_ARGS = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
@@ -78,8 +81,10 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       UncommittedStepError: it is a root whose steps are all unfinished.
       MissingItemError: an item named in `args` is not in the step (also the
         `KeyError` Orbax raises).
-      CorruptMetadataError: a whole Tunix step is asked for and some of its
-        recorded items are not on disk (a partial step would pass for whole).
+      CorruptMetadataError: an item to restore is damaged.
+
+    With no args, the items on disk are restored, as Orbax's composite does;
+    items the step records but lacks are left out (and logged).
     """
     directory = storage.as_path(directory)
     if not directory.is_dir():
@@ -100,6 +105,9 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
         )
       found = _planned_items(directory, [n for n, a in args.items() if isinstance(a, _PYTREE_RESTORE_ARGS)])
     if found is not None:
+      for name in found.absent:
+        logger.warning('%s: item %r is recorded but not on disk; restoring the others.',
+                       directory, name)
       # Planned once here: each item's reader uses it (no metadata read again).
       self._plans.update(
           (found.source.item_dir(n), (found.item_meta(n), m)) for n, m in found.maps.items()
@@ -146,10 +154,9 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
 def _tunix_detection(directory: epath.Path) -> Detection | None:
   """The detection of a whole Tunix step, or None for any other step.
 
-  For a Tunix step, damage is raised here (a recorded item missing, or
-  holding other than its recorded handler says): restoring the rest would
-  hand back a partial step as if it were whole. Other steps restore, or fail,
-  exactly as with Orbax's own handler.
+  For a Tunix step, damage is raised here (an item holding other than its
+  recorded handler says, or unreadable metadata). Other steps restore, or
+  fail, exactly as with Orbax's own handler.
   """
   if not (directory / CHECKPOINT_METADATA).exists() or storage.has_tree(directory):
     return None

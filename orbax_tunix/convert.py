@@ -313,7 +313,7 @@ def plan_convert(
     )
   if base is not None and not merge_lora:
     raise InvalidDestinationError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
-  source = reader.open_checkpoint(src, step, items)
+  source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
   notes: list[str] = []
   plans: list[ItemPlan] = []
@@ -390,6 +390,22 @@ def plan_convert(
       notes=tuple(notes),
       merge=merged,
   )
+
+
+def _open_source(
+    src: epath.PathLike, step: int | None, items: Iterable[str] | None, params_only: bool
+) -> reader.CanonicalCheckpoint:
+  """The source, opened as far as the conversion needs it.
+
+  Weights only: just the weights' item (the others are not read, and may be
+  absent). A whole step (no `items`): every item it records must be there.
+  """
+  if params_only and items is None:
+    return reader.open_weights(src, step)
+  source = reader.open_checkpoint(src, step, items)
+  if items is None:
+    source.detection.require()
+  return source
 
 
 def _refuse_adapters_only(

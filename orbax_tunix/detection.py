@@ -9,6 +9,7 @@ PyTree item (`canonical.plan_step`). Only metadata is read, once.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Mapping
 
 from etils import epath
@@ -28,6 +29,8 @@ class Detection:
     maps: PyTree item name -> its `CanonicalMap` (identity for items that
       are not Tunix's).
     others: items that are not PyTrees -> the handler they were saved with.
+    absent: items the step records that are not on disk (a step copied or
+      pruned without them); left out, and named when asked for (`require`).
     notes: things a person should know.
   """
 
@@ -36,6 +39,7 @@ class Detection:
   writer: str
   maps: Mapping[str, canonical.CanonicalMap]
   others: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+  absent: tuple[str, ...] = ()
   notes: tuple[str, ...] = ()
 
   @property
@@ -84,6 +88,19 @@ class Detection:
     """An item's leaves as read for this detection."""
     return self.source.item(name)
 
+  def require(self, names: Iterable[str] | None = None) -> None:
+    """Checks that items a caller needs are on disk.
+
+    Args:
+      names: the items needed; None for the whole step (every item it records).
+
+    Raises:
+      MissingItemError: naming each needed item the step records but lacks.
+    """
+    needed = self.absent if names is None else [n for n in names if n in self.absent]
+    if needed:
+      raise absent_error(self.source, needed)
+
 
 def _writer(step: storage.Step) -> str:
   recorded = step.recorded or {}
@@ -100,6 +117,26 @@ def _classify(maps: Mapping[str, canonical.CanonicalMap]) -> str:
   return 'orbax'
 
 
+def is_absent(step: storage.Step, name: str) -> bool:
+  """An item the step records with nothing at its path (not even a broken link)."""
+  item_dir = step.item_dir(name)
+  if storage.is_local(item_dir):
+    return not os.path.lexists(item_dir)
+  return not item_dir.exists()
+
+
+def absent_error(step: storage.Step, names: Iterable[str]) -> errors.MissingItemError:
+  """The error for needed items that the step records but does not hold."""
+  names = sorted(names)
+  present = [n for n in step.present if n not in names]
+  return errors.MissingItemError(
+      f'{step.directory}: expected the item(s) {names} that its'
+      f' {storage.CHECKPOINT_METADATA} records, found no directory for them (the step was'
+      f' copied or pruned without them). The step holds {present or "no items"}: ask for'
+      ' those only (`items`), or restore from a complete copy of the step.'
+  )
+
+
 def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str | None], list[str]]:
   """(non-PyTree items -> handler, notes); raises for items that are not what they claim."""
   others: dict[str, str | None] = {}
@@ -110,9 +147,9 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
     if not item_dir.is_dir():
       raise errors.CorruptMetadataError(
           f'{step.directory}: the step records the item {name!r}, found'
-          f' {storage.found_at(item_dir)} at'
-          f' {item_dir}. The step is damaged or incomplete: use another step (`step`),'
-          ' or ask for the other items only.'
+          f' {storage.found_at(item_dir)} at {item_dir} instead of its directory. The'
+          ' step is damaged: use another step (`step`), or ask for the other items'
+          ' only (`items`).'
       )
     is_pytree = _orbax.is_pytree_handler(typestr)
     if is_pytree is False:
@@ -131,19 +168,25 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
 
 
 def detect(
-    path: epath.PathLike, *, step: int | None = None, items: Iterable[str] | None = None
+    path: epath.PathLike | storage.Location,
+    *,
+    step: int | None = None,
+    items: Iterable[str] | None = None,
 ) -> Detection:
   """Says what a checkpoint path holds and which rewrites apply.
 
-  Reads metadata only (`_CHECKPOINT_METADATA`, each item's `_METADATA`).
+  Reads metadata only (`_CHECKPOINT_METADATA`, the `_METADATA` of the items
+  looked at), each file once.
 
   Args:
     path: a checkpoint root (its latest committed step is used; an RL root
       with `actor/` too), a step directory, an item directory, or one item
-      saved on its own.
+      saved on its own; or where `storage.resolve` found one.
     step: the step wanted under a root (None: the latest committed one).
-    items: the items to look at (default: every item the step records; an
-      item directory: that item). Damage to the others is not reported.
+    items: the items to look at; each must be on disk. Default: every item
+      the step records (an item directory: that item); those it records but
+      lacks are left out and named in `absent` and `notes`. Items not looked
+      at are not read, and damage to them is not reported.
 
   Returns:
     A `Detection`; `is_tunix` is False for plain Orbax and MaxText checkpoints.
@@ -151,22 +194,33 @@ def detect(
   Raises:
     NotACheckpointError, UncommittedStepError, CorruptMetadataError,
     UnsupportedLayoutError: see their docstrings; each message names the path.
+    MissingItemError: an item in `items` is not in the step.
   """
-  location = storage.resolve(path, step)
+  location = path if isinstance(path, storage.Location) else storage.resolve(path, step)
   found = location.step
+  absent: list[str] = []
   if items is not None:
-    names = list(items)
+    names = list(dict.fromkeys(items))
     unknown = sorted(set(names) - set(found.items) - set(found.present))
     if unknown:
       raise errors.MissingItemError(
           f'{found.directory}: expected the items asked for, {unknown} not found (the'
           f' step has {list(found.items)}). Ask only for items the step has.'
       )
+    missing = [n for n in names if is_absent(found, n)]
+    if missing:
+      raise absent_error(found, missing)
   elif location.item is not None:
     names = [location.item]
   else:
     names = list(found.items)
+    absent = [n for n in names if is_absent(found, n)]
+    names = [n for n in names if n not in absent]
   others, notes = _sort_items(found, names)
+  notes = [
+      f'item {n!r} is recorded in {storage.CHECKPOINT_METADATA} but not on disk (the step'
+      ' was copied or pruned without it); left out' for n in absent
+  ] + notes
   pytrees = [n for n in names if n not in others]
   maps = {n: cmap for n, (_, cmap) in plan_items(found, pytrees).items()}
   return Detection(
@@ -175,8 +229,29 @@ def detect(
       writer=_writer(found),
       maps=maps,
       others=others,
+      absent=tuple(absent),
       notes=location.notes + tuple(notes),
   )
+
+
+def wanted_items(location: storage.Location, roles: Iterable[str]) -> list[str] | None:
+  """The items a caller that needs some Tunix items (by role) should look at.
+
+  Args:
+    location: where the path led.
+    roles: the Tunix items needed (`conventions.MODEL_ITEM`, `OPTIMIZER_ITEM`).
+
+  Returns:
+    Those of them that the step records or holds, for `detect(items=...)`;
+    None (every item) for an item directory or an item saved on its own, or
+    a step that holds none of them (not Tunix's: its own items decide).
+  """
+  step = location.step
+  if location.item is not None or step.single_item:
+    return None
+  known = set(step.items) | set(step.present)
+  found = [r for r in roles if r in known]
+  return found or None
 
 
 def plan(step: storage.Step, metas: Mapping[str, storage.Item]) -> dict[str, canonical.CanonicalMap]:

@@ -186,6 +186,21 @@ def _read_side(
   return values
 
 
+def _open(
+    side: epath.PathLike | reader.CanonicalCheckpoint, items: Iterable[str] | None,
+    params_only: bool,
+) -> reader.CanonicalCheckpoint:
+  """One side, opened as far as the comparison needs (a whole step must be whole)."""
+  if isinstance(side, reader.CanonicalCheckpoint):
+    return side
+  if params_only and items is None:
+    return reader.open_weights(side)
+  ckpt = reader.open_checkpoint(side, items=items)
+  if items is None:
+    ckpt.detection.require()
+  return ckpt
+
+
 def diff_checkpoints(
     a: epath.PathLike | reader.CanonicalCheckpoint,
     b: epath.PathLike | reader.CanonicalCheckpoint,
@@ -219,8 +234,7 @@ def diff_checkpoints(
   """
   start = time.monotonic()
   progress = progress or reader.NullProgress()
-  ckpt_a = a if isinstance(a, reader.CanonicalCheckpoint) else reader.open_checkpoint(a, items=items)
-  ckpt_b = b if isinstance(b, reader.CanonicalCheckpoint) else reader.open_checkpoint(b, items=items)
+  ckpt_a, ckpt_b = (_open(side, items, params_only) for side in (a, b))
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
   only_a = tuple(sorted(set(view_a) - set(view_b)))
   only_b = tuple(sorted(set(view_b) - set(view_a)))

@@ -13,8 +13,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import rules
-from orbax_tunix.detection import Detection, detect
+from orbax_tunix import conventions, rules, storage
+from orbax_tunix.detection import Detection, detect, wanted_items
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 
@@ -45,9 +45,12 @@ def hyperparameters(path: epath.PathLike, *, step: int | None = None) -> dict[st
     Empty when the optimizer has no shell.
 
   Raises:
+    MissingItemError: the step records an optimizer item that is not on disk.
     TunixCheckpointError subclasses, as `detect()`.
   """
-  return read_hyperparameters(detect(path, step=step))
+  location = storage.resolve(path, step)
+  wanted = wanted_items(location, (conventions.OPTIMIZER_ITEM,))
+  return read_hyperparameters(detect(location, items=wanted))
 
 
 def hyperparameter_leaves(detection: Detection) -> tuple[str, dict[Path, tuple[str, str]]] | None:

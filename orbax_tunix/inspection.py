@@ -350,8 +350,8 @@ def inspect_checkpoint(
     )
   try:
     weight_pairs = reader.weights(ckpt)
-  except errors.UnsupportedLayoutError:
-    weight_pairs = []
+  except (errors.UnsupportedLayoutError, errors.MissingItemError):
+    weight_pairs = []  # No weights here (the notes say when they are absent).
   lora = lora_report([leaf for leaf, _ in weight_pairs]) if weight_pairs else None
   opt_item, opt_leaves = _optimizer_leaves(ckpt)
   hparams, state_step = _read_scalars(ckpt, opt_item)

@@ -142,7 +142,7 @@ def plan_merge(
   if alpha is not None and scale is not None:
     raise lora.LoraError('pass `alpha` or `scale`, not both (the scale is alpha / rank).')
   lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
-               else reader.open_checkpoint(path, step))
+               else reader.open_weights(path, step))
   lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in lora_weights.items()})
   if not adapters:
@@ -151,7 +151,7 @@ def plan_merge(
         ' or lora_a/lora_b from flax), found none among its weights. Restore it'
         ' without merging.'
     )
-  base_ckpt = lora_ckpt if base is None else reader.open_checkpoint(base, base_step)
+  base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
   base_weights = _plain(
       lora_weights if base is None else {p: leaf for leaf, p in reader.weights(base_ckpt)},
       adapters,

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import conventions, errors, storage
-from orbax_tunix.detection import Detection, detect
+from orbax_tunix.detection import Detection, detect, wanted_items
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 
@@ -157,9 +157,11 @@ def open_checkpoint(
 ) -> CanonicalCheckpoint:
   """Opens a checkpoint's step in canonical form, from metadata only.
 
-  Every item the step records is covered: a PyTree item is listed leaf by
-  leaf, a JSON item by name; anything else is an error, unless `items` leaves
-  it out.
+  Every item looked at is covered (see `detect`): a PyTree item is listed
+  leaf by leaf, a JSON item by name; anything else is an error, unless
+  `items` leaves it out. Items the step records but lacks are left out
+  (`detection.absent`); callers that need the whole step check
+  `detection.require()`.
 
   Args:
     path: a root, a step or an item directory (an item directory limits the
@@ -190,6 +192,20 @@ def open_checkpoint(
   return CanonicalCheckpoint(detection, leaves, side, json_items)
 
 
+def open_weights(path: epath.PathLike, step: int | None = None) -> CanonicalCheckpoint:
+  """Opens only the item of a step that holds the model weights (see `weights`).
+
+  The other items (the optimizer state) are not read, and may be absent.
+
+  Raises:
+    MissingItemError: the weights' item is recorded but not on disk.
+    TunixCheckpointError subclasses: as `open_checkpoint`.
+  """
+  location = storage.resolve(path, step)
+  wanted = wanted_items(location, (conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM))
+  return open_checkpoint(detect(location, items=wanted))
+
+
 def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
   """The model weights of a checkpoint, without RNG state.
 
@@ -202,6 +218,7 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
   Raises:
     UnsupportedLayoutError: neither place holds anything.
   """
+  ckpt.detection.require([conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM])
   found: list[tuple[LeafInfo, Path]] = []
   model = _model_item(ckpt)
   if model is not None:

@@ -120,14 +120,17 @@ class Fault:
 
 
 FAULTS = [
-    Fault('model_params missing', lambda s: shutil.rmtree(s / 'model_params'), r'model_params'),
+    # An absent item: inspect shows the rest (with a note); the whole-step
+    # tools name it (tests/test_partial_steps.py covers asking for less).
+    Fault('model_params missing', lambda s: shutil.rmtree(s / 'model_params'), r'model_params',
+          (0, 2, 2)),
     Fault('model_params without _METADATA', lambda s: (s / 'model_params' / '_METADATA').unlink(),
           r'model_params'),
     Fault('model_params a dangling symlink', lambda s: _replace_with_dangling_link(s / 'model_params'),
           r'model_params'),
     Fault('model_params a file', lambda s: _replace_with_file(s / 'model_params'), r'model_params'),
     Fault('optimizer_state missing', lambda s: shutil.rmtree(s / 'optimizer_state'),
-          r'optimizer_state'),
+          r'optimizer_state', (0, 2, 2)),
     Fault('truncated _METADATA', lambda s: _truncate(s / 'model_params' / '_METADATA'), r'_METADATA'),
     Fault('non-tree _METADATA', lambda s: (s / 'optimizer_state' / '_METADATA').write_text('[1, 2]'),
           r'_METADATA'),

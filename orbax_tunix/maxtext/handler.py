@@ -13,8 +13,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors, storage
-from orbax_tunix.detection import detect
 from orbax_tunix.maxtext.execute import restore_train_state
+from orbax_tunix.maxtext.plan import detect_for
 
 PyTree = Any
 
@@ -67,7 +67,8 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
           item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
       )
     directory = storage.as_path(directory)
-    found = detect(directory)
+    params_only = getattr(args, 'params_only', False)
+    found = detect_for(directory, params_only)
     if not found.is_tunix:
       return super().restore(directory, args=args)
     # MaxText passes `transforms={}` to mean "partial restore"; it requests
@@ -86,7 +87,7 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
     return restore_train_state(
         found,
         args.item,
-        params_only=getattr(args, 'params_only', False),
+        params_only=params_only,
         restore_args=getattr(args, 'restore_args', None),
     )
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from etils import epath
 
-from orbax_tunix import conventions, errors
-from orbax_tunix.detection import Detection, detect
+from orbax_tunix import conventions, errors, storage
+from orbax_tunix.detection import Detection, detect, wanted_items
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.maxtext.optimizer import (
   OptState,
@@ -389,13 +389,26 @@ def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None
   return shapes
 
 
+def needed_items(params_only: bool) -> tuple[str, ...]:
+  """The Tunix items a MaxText restore reads: the weights, and the optimizer unless params-only."""
+  if params_only:
+    return (conventions.MODEL_ITEM,)
+  return (conventions.MODEL_ITEM, conventions.OPTIMIZER_ITEM)
+
+
+def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
+  """Detects only the items a MaxText restore needs (a params-only one opens no optimizer)."""
+  location = storage.resolve(path)
+  return detect(location, items=wanted_items(location, needed_items(params_only)))
+
+
 def plan_restore(
     path: epath.PathLike | Detection, abstract_state: PyTree, *, params_only: bool = False
 ) -> RestorePlan:
   """Plans restoring a Tunix checkpoint into a MaxText-shaped abstract state.
 
-  Reads metadata only: both items' JSON, and what checks the shapes of the
-  arrays the target needs (only the weights' when `params_only`).
+  Reads metadata only: the items' JSON (only the weights' when
+  `params_only`), and what checks the shapes of the arrays the target needs.
 
   Args:
     path: a Tunix root (latest committed step), step or RL root, or its
@@ -409,9 +422,11 @@ def plan_restore(
   Raises:
     UnsupportedLayoutError: not a Tunix checkpoint.
     TargetMismatchError (and subclasses): see `make_plan`.
+    MissingItemError: an item the restore needs is recorded but not on disk.
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  detection = path if isinstance(path, Detection) else detect(path)
+  detection = path if isinstance(path, Detection) else detect_for(path, params_only)
+  detection.require(needed_items(params_only))
   if not detection.is_tunix:
     raise errors.UnsupportedLayoutError(
         f'{detection.step_dir}: expected a Tunix checkpoint, found a'
