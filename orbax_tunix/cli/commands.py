@@ -153,7 +153,12 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
     )
   progress = progress_lib.Interruptible(progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress))
   with progress_lib.signals_stop(progress):
-    result = convert_lib.run_convert(plan, progress)
+    try:
+      result = convert_lib.run_convert(plan, progress)
+    except Exception:
+      if progress.stop.is_set():  # A signal landed inside a read, which Orbax wrapped.
+        raise KeyboardInterrupt from None
+      raise
   source = plan.source.detection
   rate = result.bytes_read / max(result.seconds, 1e-9)
   if args.json:
