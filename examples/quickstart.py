@@ -23,8 +23,18 @@ def main(path: pathlib.Path) -> None:
   for item, rules in found.rewrites.items():
     print(f'  {item}: rewrites {", ".join(rules) or "none"}')
 
-  # The drop-in: one Orbax Checkpointer, no arguments, canonical trees back.
-  state = ocp.Checkpointer(orbax_tunix.TunixAwareHandler()).restore(found.step_dir)
+  # The drop-in: one Orbax Checkpointer. Its metadata is the canonical trees;
+  # the restore target says where each array goes (here: this machine's first
+  # device), so the restore does not depend on the topology it was saved on.
+  ckptr = ocp.Checkpointer(orbax_tunix.TunixAwareHandler())
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  trees = ckptr.metadata(found.step_dir).item_metadata
+  args = {
+      item: ocp.args.PyTreeRestore(item=jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree))
+      for item, tree in trees.items()
+  }
+  state = ckptr.restore(found.step_dir, args=ocp.args.Composite(**args))
   for item, tree in state.items():
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     nbytes = sum(leaf.nbytes for _, leaf in leaves)
