@@ -48,7 +48,7 @@ import synthetic  # noqa: E402  (sibling module; the script's directory is on sy
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base_lib  # noqa: E402
 
 import orbax_tunix  # noqa: E402
-from orbax_tunix import canonical, pytree_handler, storage  # noqa: E402
+from orbax_tunix import canonical, planned_item, pytree_handler, requests, storage  # noqa: E402
 from orbax_tunix.keypaths import flatten, nest  # noqa: E402
 
 CONTENDERS = ('a', 'b', 'c', 'd', 'e', 'f', 'g', 'h')
@@ -322,7 +322,7 @@ def _to_disk(cmap, pairs):
 
 
 def _requests(pairs):
-  return {c: (leaf, pytree_handler._default_restore_arg(leaf)) for c, leaf in pairs}  # pylint: disable=protected-access
+  return {c: (leaf, requests.restore_arg_for(leaf)) for c, leaf in pairs}
 
 
 def _orbax_parse(directory):
@@ -357,11 +357,11 @@ def plan_steps(dirs: dict[str, pathlib.Path], shape: synthetic.Shape, with_orbax
     meta, cmap = metas[item], maps[item]
     pairs, _ = timed('flatten', flatten, tree)
     disk = timed('to_disk', _to_disk, cmap, pairs)
-    timed('validate', pytree_handler.validate_target, meta, [c for c, _ in pairs],
+    timed('validate', planned_item.validate_target, meta, [c for c, _ in pairs],
           disk, [leaf for _, leaf in pairs])
-    requests = timed('restore_args', _requests, pairs)
-    by_disk = {cmap.canonical_to_disk[c]: r for c, r in requests.items()}
-    timed('skeleton', pytree_handler._skeleton, meta, by_disk)  # pylint: disable=protected-access
+    wanted = timed('restore_args', _requests, pairs)
+    by_disk = {cmap.canonical_to_disk[c]: r for c, r in wanted.items()}
+    timed('skeleton', planned_item._skeleton, meta, by_disk)  # pylint: disable=protected-access
     if with_orbax:
       timed('orbax_metadata', _orbax_parse, meta.directory)
   times['total'] = sum(v for k, v in times.items() if k != 'orbax_metadata')

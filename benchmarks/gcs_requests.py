@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from etils import epath  # noqa: E402
 
 import orbax_tunix as ot  # noqa: E402
-from orbax_tunix import cli  # noqa: E402
+from orbax_tunix import cli, planned_item  # noqa: E402
 
 
 class _BeforeTheRead(Exception):
@@ -78,18 +78,18 @@ def measure(emulator: gcs_lib.Emulator, bucket: epath.Path, leaves: int) -> dict
     ocp.Checkpointer(ot.TunixAwareHandler()).restore(step_dir, args=args)
 
   def plan():
-    original = ot.TunixPyTreeHandler._orbax_read  # pylint: disable=protected-access
+    original = planned_item.PlannedItem._orbax_read  # pylint: disable=protected-access
 
     def stop(*a, **k):
       raise _BeforeTheRead
 
-    ot.TunixPyTreeHandler._orbax_read = stop  # pylint: disable=protected-access
+    planned_item.PlannedItem._orbax_read = stop  # pylint: disable=protected-access
     try:
       restore()
     except _BeforeTheRead:
       pass
     finally:
-      ot.TunixPyTreeHandler._orbax_read = original  # pylint: disable=protected-access
+      planned_item.PlannedItem._orbax_read = original  # pylint: disable=protected-access
 
   def plain():
     ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(step_dir, args=ocp.args.Composite(

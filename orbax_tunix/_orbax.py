@@ -8,8 +8,14 @@ moves it fails there, loudly, and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import os
+import threading
+import types
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -18,6 +24,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 from orbax.checkpoint._src.metadata import tree as _tree_metadata
+from orbax.checkpoint._src.metadata.tree import InternalTreeMetadata
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from orbax_tunix.keypaths import Path
@@ -81,6 +88,91 @@ def failure_text(exc: BaseException) -> str:
   """A storage failure's first line, without the TensorStore spec Orbax appends."""
   text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
   return text.split(' [tensorstore_spec=')[0]
+
+
+# --- handing Orbax the metadata this package parsed ------------------------------
+
+# Metadata file path -> its JSON as this package parsed it, for the restores
+# under way in this context (see `serving`).
+_SERVED: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    'orbax_tunix_served_metadata', default=types.MappingProxyType({})
+)
+PYTREE_METADATA_FILE = '_METADATA'
+
+
+def _served(path: epath.PathLike) -> Any:
+  return _SERVED.get().get(os.fspath(path))
+
+
+async def _ready(value: Any) -> Any:
+  return value
+
+
+def serve_tree_reads(handler: ocp.PyTreeCheckpointHandler) -> None:
+  """Makes `handler`'s reads of `_METADATA` answer from `serving` first. Idempotent.
+
+  Orbax's PyTree handlers read `_METADATA` only through
+  `BasePyTreeCheckpointHandler._read_metadata_file(directory)` (restore and
+  metadata alike), a coroutine made where it is called: the lookup runs in
+  the caller's context.
+  """
+  impl = handler._handler_impl  # pylint: disable=protected-access
+  if getattr(impl, '_orbax_tunix_serves', False):
+    return
+  original = impl._read_metadata_file  # pylint: disable=protected-access
+
+  def read_metadata_file(directory: epath.Path) -> Any:
+    found = _served(epath.Path(directory) / PYTREE_METADATA_FILE)
+    if found is None:
+      return original(directory)
+    options = impl._pytree_metadata_options  # pylint: disable=protected-access
+    return _ready(InternalTreeMetadata.from_json(found, pytree_metadata_options=options))
+
+  impl._read_metadata_file = read_metadata_file  # pylint: disable=protected-access
+  impl._orbax_tunix_serves = True  # pylint: disable=protected-access
+
+
+class _ServedStore:
+  """A composite's metadata store that answers `serving`'s files first."""
+
+  def __init__(self, store: Any):
+    self._store = store
+
+  def read(self, file_path: epath.PathLike) -> Any:
+    found = _served(file_path)
+    return self._store.read(file_path) if found is None else found
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._store, name)
+
+
+def serve_step_reads(composite: ocp.CompositeCheckpointHandler) -> None:
+  """Makes `composite`'s reads of `_CHECKPOINT_METADATA` answer from `serving` first.
+
+  Orbax's composite reads a step's metadata only through its
+  `_metadata_store.read(file_path)`. Idempotent.
+  """
+  store = composite._metadata_store  # pylint: disable=protected-access
+  if not isinstance(store, _ServedStore):
+    composite._metadata_store = _ServedStore(store)  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def serving(files: Mapping[epath.PathLike, Mapping[str, Any] | None]) -> Iterator[None]:
+  """Orbax's reads of these metadata files (by handlers set up with
+  `serve_tree_reads` / `serve_step_reads`) answered from their parsed JSON.
+
+  So that a restore opens and parses each metadata file once: this package's
+  parse serves Orbax's. A `_METADATA` may be served with only some of its
+  entries (a partial restore of those leaves needs no others). Files mapped
+  to None are read as usual.
+  """
+  found = {os.fspath(p): j for p, j in files.items() if j is not None}
+  token = _SERVED.set({**_SERVED.get(), **found})
+  try:
+    yield
+  finally:
+    _SERVED.reset(token)
 
 
 # --- where Orbax keeps an item's arrays ------------------------------------------
@@ -149,6 +241,35 @@ def is_pytree_handler(typestr: str | None) -> bool | None:
   if cls is None:
     return None
   return issubclass(cls, (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler))
+
+
+# What Orbax's composite logs, from `metadata()`, for each item with no handler
+# bound in its registry, even one whose recorded handler it then restores with.
+UNRESTORABLE_WARNING = 'Item "%s" was found in the checkpoint, but could not'
+
+
+@contextlib.contextmanager
+def silence_unrestorable_warnings(items: Collection[str]) -> Iterator[None]:
+  """Drops Orbax's "could not be restored" warning for `items` (restorable ones).
+
+  Only records logged by this thread are dropped; the warning for any other
+  item, and every other record, passes.
+  """
+  thread, names = threading.get_ident(), frozenset(items)
+
+  def keep(record: logging.LogRecord) -> bool:
+    return not (
+        record.thread == thread and isinstance(record.msg, str)
+        and record.msg.startswith(UNRESTORABLE_WARNING)
+        and bool(record.args) and record.args[0] in names
+    )
+
+  absl = logging.getLogger('absl')  # Orbax logs through absl.logging.
+  absl.addFilter(keep)
+  try:
+    yield
+  finally:
+    absl.removeFilter(keep)
 
 
 # --- writing one item in batches ----------------------------------------------

@@ -10,6 +10,7 @@ behave as with Orbax's own class.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 from typing import Any
@@ -17,15 +18,22 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, errors, storage
-from orbax_tunix.detection import Detection, detect, plan_item, plan_items
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, canonical_metadata
+from orbax_tunix import _orbax, conventions, errors, planned_item, storage
+from orbax_tunix.detection import Detection, detect, plan_items
+from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.storage import CHECKPOINT_METADATA, PYTREE_METADATA
 
 logger = logging.getLogger('orbax_tunix')
 
 _PYTREE_HANDLERS = (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler)
 _PYTREE_RESTORE_ARGS = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
+
+# The step a restore of this context is restoring (Orbax's no-arg restore
+# calls `metadata()` for the recorded handlers only: the canonical item trees,
+# which open every array, are not needed then).
+_RESTORING: contextvars.ContextVar[tuple[epath.Path, storage.Step | None] | None] = (
+    contextvars.ContextVar('orbax_tunix_restoring_step', default=None)
+)
 
 
 class TunixAwareHandler(ocp.CompositeCheckpointHandler):
@@ -46,12 +54,7 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     super().__init__(*item_names, **kwargs)
     # Orbax's handler for an item -> the Tunix reader over it (one each).
     self._tunix_readers: dict[int, tuple[Any, TunixPyTreeHandler]] = {}
-    # The items of the step being restored, planned once and handed to every
-    # reader ({item directory: (item, canonical map)}).
-    self._plans: dict[epath.Path, Any] = {}
-    # Orbax's no-arg restore calls metadata() for the recorded handlers only:
-    # the canonical item trees (which open every array) are not needed then.
-    self._restoring = False
+    _orbax.serve_step_reads(self)
 
   def _tunix_reader(self, handler: Any) -> Any:
     """The handler an item restore goes to: Tunix-aware over a PyTree handler."""
@@ -59,7 +62,7 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       return handler
     key = id(handler)
     if key not in self._tunix_readers:
-      self._tunix_readers[key] = (handler, TunixPyTreeHandler(reader=handler, plans=self._plans))
+      self._tunix_readers[key] = (handler, TunixPyTreeHandler(reader=handler))
     return self._tunix_readers[key][1]
 
   # The one Orbax hook used: the composite asks this method for each item's
@@ -74,6 +77,9 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
   def restore(self, directory: epath.Path, args: ocp.args.Composite | None = None) -> Any:
     """Restores the items named in `args`, or every item when there are none.
 
+    With no args, the items on disk are restored, as Orbax's composite does;
+    items the step records but lacks are left out (and logged).
+
     Raises:
       NotACheckpointError: `directory` is missing or a file (also a
         `FileNotFoundError`), or Orbax found nothing to restore because it is
@@ -82,9 +88,6 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       MissingItemError: an item named in `args` is not in the step (also the
         `KeyError` Orbax raises).
       CorruptMetadataError: an item to restore is damaged.
-
-    With no args, the items on disk are restored, as Orbax's composite does;
-    items the step records but lacks are left out (and logged).
     """
     directory = storage.as_path(directory)
     if not directory.is_dir():
@@ -92,8 +95,9 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
           f'{directory}: expected a step directory, found'
           f' {storage.found_at(directory)}. Check the path.'
       )
+    step = None
     if args is None or not dict(args.items()):
-      found = _tunix_detection(directory)
+      step, found = _whole_step(directory)
     else:
       missing = sorted(name for name in args.keys() if not (directory / name).is_dir())
       if missing:
@@ -104,31 +108,46 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
             ' another step.'
         )
       found = _planned_items(directory, [n for n, a in args.items() if isinstance(a, _PYTREE_RESTORE_ARGS)])
+    plans = []
     if found is not None:
       for name in found.absent:
         logger.warning('%s: item %r is recorded but not on disk; restoring the others.',
                        directory, name)
-      # Planned once here: each item's reader uses it (no metadata read again).
-      self._plans.update(
-          (found.source.item_dir(n), (found.item_meta(n), m)) for n, m in found.maps.items()
-      )
-    self._restoring = True
+      step = found.source
+      # Planned once here: each item's reader uses it.
+      if found.is_tunix:
+        plans = [planned_item.PlannedItem(found.item_meta(n), m) for n, m in found.maps.items()]
+    # Orbax is handed the step's metadata as parsed here (no file is read twice).
+    served = {} if step is None else {step.directory / CHECKPOINT_METADATA: step.metadata_json}
+    token = _RESTORING.set((directory, step))
     try:
-      return super().restore(directory, args=args)
+      with planned_item.using(plans), _orbax.serving(served):
+        return super().restore(directory, args=args)
     except (ValueError, KeyError) as e:
       _raise_if_not_a_step(directory, e)
       raise
     finally:
-      self._restoring = False
-      self._plans.clear()
+      _RESTORING.reset(token)
 
   def metadata(self, directory: epath.Path) -> ocp.metadata.StepMetadata:
-    """Step metadata as Orbax gives it; Tunix items' trees are canonical."""
-    meta = super().metadata(directory)
-    if self._restoring:
-      return meta
-    found = dict(meta.item_metadata.items()) if meta.item_metadata is not None else {}
+    """Step metadata as Orbax gives it; Tunix items' trees are canonical.
+
+    Orbax's warning that an item "could not be restored" is kept only for
+    items no handler can restore (it is logged for any item without a
+    handler bound, also those whose recorded handler restores them).
+    """
+    restoring = _RESTORING.get()
+    if restoring is not None and restoring[0] == storage.as_path(directory):
+      step = restoring[1]
+      with _orbax.silence_unrestorable_warnings(_restorable(step) if step else ()):
+        return super().metadata(directory)
     step = storage.open_step(directory)
+    with (
+        _orbax.serving({step.directory / CHECKPOINT_METADATA: step.metadata_json}),
+        _orbax.silence_unrestorable_warnings(_restorable(step)),
+    ):
+      meta = super().metadata(directory)
+    found = dict(meta.item_metadata.items()) if meta.item_metadata is not None else {}
     # Other kinds of items (JSON, ...) stay as Orbax described them.
     names = [
         n for n, m in found.items()
@@ -139,40 +158,41 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     for name, (item, cmap) in plan_items(step, names).items():
       if not cmap.rewrites:
         continue
+      planned = planned_item.PlannedItem(item, cmap)
       if found[name] is None:
-        # The arrays' metadata, read once with the plan just made.
-        reader = TunixPyTreeHandler(plans={item.directory: (item, cmap)})
-        found[name] = reader.metadata(item.directory)
+        found[name] = planned.metadata()  # The arrays' metadata, with the plan just made.
       else:
-        found[name] = canonical_metadata(found[name], cmap)
+        found[name] = planned_item.canonical_metadata(found[name], cmap)
       changed = True
     if not changed:
       return meta
     return dataclasses.replace(meta, item_metadata=type(meta.item_metadata)(**found))
 
 
-def _tunix_detection(directory: epath.Path) -> Detection | None:
-  """The detection of a whole Tunix step, or None for any other step.
+def _restorable(step: storage.Step) -> list[str]:
+  """Items on disk whose recorded handler Orbax can restore them with."""
+  return [n for n in step.present if _orbax.handler_class(step.handler(n) or '') is not None]
 
-  For a Tunix step, damage is raised here (an item holding other than its
-  recorded handler says, or unreadable metadata). Other steps restore, or
-  fail, exactly as with Orbax's own handler.
+
+def _whole_step(directory: epath.Path) -> tuple[storage.Step | None, Detection | None]:
+  """A step restored whole: its metadata, and its detection (None where Orbax decides).
+
+  A Tunix step (one holding an item Tunix names) that is damaged raises here
+  (an item holding other than its recorded handler says, unreadable
+  metadata). Other steps restore, or fail, exactly as with Orbax's own handler.
   """
   if not (directory / CHECKPOINT_METADATA).exists() or storage.has_tree(directory):
-    return None
+    return None, None
   try:
     found = detect(directory)
   except errors.TunixCheckpointError:
-    step = storage.open_step(directory)
-    for name in step.present:
-      try:
-        planned = plan_item(step.item_dir(name))
-      except errors.TunixCheckpointError:
-        continue
-      if planned is not None and planned[1].rewrites:
-        raise
-    return None
-  return found if found.is_tunix else None
+    if any((directory / n).is_dir() for n in conventions.TUNIX_ITEMS):
+      raise
+    try:
+      return storage.open_step(directory), None
+    except errors.TunixCheckpointError:
+      return None, None
+  return found.source, found
 
 
 def _planned_items(directory: epath.Path, names: list[str]) -> Detection | None:

@@ -432,12 +432,10 @@ def _refuse_adapters_only(
     )
 
 
-def _read_batch(plan: ConvertPlan, item: ItemPlan, batch: Sequence[reader.LeafInfo],
-                handler: reader.TunixPyTreeHandler) -> list[Any]:
+def _read_batch(plan: ConvertPlan, item: ItemPlan, batch: Sequence[reader.LeafInfo]) -> list[Any]:
   """One batch of an item's values: copied leaves, or merged weights (on one CPU device)."""
   if plan.merge is None:
-    return reader.read(plan.source, item.source_item, batch, as_numpy=False, dtype=plan.dtype,
-                       handler=handler)
+    return reader.read(plan.source, item.source_item, batch, as_numpy=False, dtype=plan.dtype)
   cpu = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
   targets = {
       leaf.path: jax.ShapeDtypeStruct(leaf.shape, reader.cast_dtype(leaf, plan.dtype), sharding=cpu)
@@ -460,13 +458,12 @@ def _write_item(
   """
   item_dir.mkdir(parents=True, exist_ok=True)
   writer = ocp.PyTreeCheckpointHandler()
-  source_handler = reader.TunixPyTreeHandler()
   dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths, strict=True))
   written: list[dict[str, Any]] = []
   sums: dict[str, str] = {}
   with concurrent.futures.ThreadPoolExecutor(1) as summer:
     for batch in reader.batches(item.leaves, plan.batch_bytes):
-      values = _read_batch(plan, item, batch, source_handler)
+      values = _read_batch(plan, item, batch)
       paths = [dst_path[leaf.disk_path] for leaf in batch]
       # Checksums are taken beside the write (zlib releases the GIL).
       summing = summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)

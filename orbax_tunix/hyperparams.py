@@ -16,7 +16,7 @@ from etils import epath
 from orbax_tunix import conventions, rules, storage
 from orbax_tunix.detection import Detection, detect, wanted_items
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.planned_item import PlannedItem
 
 # How a scalar is read: to the host, as saved.
 AS_NUMPY = ocp.RestoreArgs(restore_type=np.ndarray)
@@ -91,7 +91,6 @@ def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
   if found is None:
     return {}
   item, wanted = found
-  values = TunixPyTreeHandler().read(
-      detection.item_meta(item), None, {d: (0, AS_NUMPY) for d in wanted}
-  )
+  planned = PlannedItem(detection.item_meta(item), detection.maps[item])
+  values = planned.read({d: (0, AS_NUMPY) for d in wanted}, on_disk=True)
   return by_shell(wanted, values)

@@ -24,7 +24,7 @@ from orbax_tunix import lora as lora_lib
 from orbax_tunix.detection import Detection
 from orbax_tunix.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
 from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.planned_item import PlannedItem
 from orbax_tunix.storage import StepEntry
 
 _RULE_DESCRIPTIONS = {rule.name: rule.description for rule in rules.RULES}
@@ -308,9 +308,9 @@ def _read_scalars(
     wanted.setdefault(found[0], set()).update(found[1])
   if counter is not None:
     wanted.setdefault(opt_item, set()).add(counter)
-  handler = TunixPyTreeHandler()
   values = {
-      item: handler.read(detection.item_meta(item), None, {p: (0, AS_NUMPY) for p in paths})
+      item: PlannedItem(detection.item_meta(item), detection.maps[item]).read(
+          {p: (0, AS_NUMPY) for p in paths}, on_disk=True)
       for item, paths in wanted.items()
   }
   hparams = by_shell(found[1], values[found[0]]) if found is not None else {}

@@ -25,7 +25,8 @@ from etils import epath
 
 from orbax_tunix import errors, lora, reader
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.planned_item import PlannedItem
+from orbax_tunix.requests import into, sharding_of
 
 PyTree = Any
 
@@ -200,23 +201,6 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def _sharding(leaf: Any) -> jax.sharding.Sharding:
-  sharding = getattr(leaf, 'sharding', None)
-  if isinstance(sharding, jax.sharding.Sharding):
-    return sharding
-  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-
-def _request(shape, dtype, sharding) -> tuple[Any, ocp.RestoreArgs]:
-  """(target leaf, restore args): into `sharding`, or to the host when it is None."""
-  if sharding is None:
-    return 0, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-  return (
-      jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-      ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(shape), dtype=dtype),
-  )
-
-
 @functools.lru_cache(maxsize=256)
 def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.sharding.Sharding):
   """One jitted merge per arrangement: float32 math, the weight's buffer reused."""
@@ -281,16 +265,16 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     reads.setdefault((id(ckpt), leaf.item), (ckpt, {}))[1][leaf.path] = request
 
   for path, leaf in targets.items():
-    source, sharding = plan.weights[path], _sharding(leaf)
-    want(source.ckpt, source.leaf, _request(leaf.shape, leaf.dtype, sharding))
+    source, sharding = plan.weights[path], sharding_of(leaf)
+    want(source.ckpt, source.leaf, into(leaf.shape, leaf.dtype, sharding))
     merge = plan.merges.get(path)
     if merge is not None:
       for adapter in (merge.a, merge.b):
-        want(plan.lora, adapter, _request(adapter.shape, np.float32, None))
+        want(plan.lora, adapter, into(adapter.shape, np.float32, None))
   values: dict[tuple[int, str, Path], Any] = {}
-  handler = TunixPyTreeHandler()
-  for (key, item), (ckpt, requests) in reads.items():
-    got = handler.read(ckpt.detection.item_meta(item), ckpt.detection.maps[item], requests)
+  for (key, item), (ckpt, wanted) in reads.items():
+    planned = PlannedItem(ckpt.detection.item_meta(item), ckpt.detection.maps[item])
+    got = planned.read(wanted)
     values.update(((key, item, p), v) for p, v in got.items())
   out = {}
   for path, leaf in targets.items():
@@ -300,7 +284,7 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     if merge is not None:
       a = values[(id(plan.lora), merge.a.item, merge.a.path)]
       b = values[(id(plan.lora), merge.b.item, merge.b.path)]
-      w = _merge_fn(merge.contraction, merge.scale, _sharding(leaf))(w, a, b)
+      w = _merge_fn(merge.contraction, merge.scale, sharding_of(leaf))(w, a, b)
       w.block_until_ready()  # One weight's temporaries at a time.
     out[path] = w
   values.clear()

@@ -4,7 +4,7 @@ The tools (inspect, convert, diff) share one view of a step: every PyTree item,
 each leaf under its canonical path (the Tunix rewrites applied; other
 checkpoints as they are) with its shape, dtype and size, known from metadata
 alone. Reading is executing that listing in batches whose bytes fit a budget,
-each batch one read through `TunixPyTreeHandler.read`, so no tool ever holds
+each batch one read through `planned_item.PlannedItem.read`, so no tool ever holds
 the whole checkpoint.
 """
 
@@ -21,10 +21,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import conventions, errors, storage
+from orbax_tunix import conventions, errors, requests, storage
 from orbax_tunix.detection import Detection, detect, wanted_items
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.planned_item import PlannedItem
 
 # Leaf kinds, from the Orbax value type of each leaf.
 ARRAY = 'array'
@@ -356,10 +356,7 @@ def _request(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple[Any
     return '', ocp.RestoreArgs(restore_type=str)
   if leaf.kind == SCALAR:
     return 0, ocp.RestoreArgs(dtype=dtype)
-  if sharding is None:
-    return 0, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-  target = jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
-  return target, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.shape, dtype=dtype)
+  return requests.into(leaf.shape, dtype, sharding)
 
 
 def read(
@@ -369,7 +366,6 @@ def read(
     *,
     as_numpy: bool = True,
     dtype: np.dtype | None = None,
-    handler: TunixPyTreeHandler | None = None,
 ) -> list[Any]:
   """Reads some leaves of one item with one Orbax restore.
 
@@ -383,7 +379,6 @@ def read(
     as_numpy: read arrays as `np.ndarray`; else as they were saved: numpy
       arrays as such, `jax.Array`s on one CPU device (PRNG keys stay typed).
     dtype: cast floating leaves to this dtype while reading (see `cast_dtype`).
-    handler: a handler to reuse across batches.
 
   Returns:
     The values, in the order of `leaves`.
@@ -391,15 +386,11 @@ def read(
   if not leaves:
     return []
   sharding = None if as_numpy else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-  handler = handler or TunixPyTreeHandler()
-  values = handler.read(
-      ckpt.detection.item_meta(item),
-      ckpt.detection.maps[item],
-      {
-          leaf.path: _request(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding)
-          for leaf in leaves
-      },
-  )
+  planned = PlannedItem(ckpt.detection.item_meta(item), ckpt.detection.maps[item])
+  values = planned.read({
+      leaf.path: _request(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding)
+      for leaf in leaves
+  })
   return [_as_stored(values[leaf.path], leaf, cast_dtype(leaf, dtype)) for leaf in leaves]
 
 

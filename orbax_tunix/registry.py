@@ -15,9 +15,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import storage
+from orbax_tunix import planned_item
 from orbax_tunix._orbax import V1_PYTREE_TYPESTR
-from orbax_tunix.detection import plan_item
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, V1ItemRestore
 
 # Item handler typestrs whose items hold a PyTree that the v1 loader reads:
@@ -85,13 +84,12 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
     return False
 
   async def load(self, directory: epath.Path, abstract_checkpointable: Any = None):
-    planned = await asyncio.to_thread(plan_item, directory)
-    if planned is None or not planned[1].rewrites:
+    planned = await asyncio.to_thread(planned_item.find, directory)
+    if planned is None or not planned.is_tunix:
       return await super().load(directory, abstract_checkpointable)
     args = TunixPyTreeRestore(item=abstract_checkpointable)
-    # The v0 handler reads (with the plan made here); v1 awaits the result.
-    reader = TunixPyTreeHandler(plans={storage.as_path(directory): planned})
-    restored = await asyncio.to_thread(reader.restore, directory, args=args)
+    # Read through the v0 machinery (with the plan made here); v1 awaits the result.
+    restored = await asyncio.to_thread(planned.restore, args)
 
     async def _done():
       return restored
@@ -99,11 +97,10 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
     return _done()
 
   async def metadata(self, directory: epath.Path) -> Any:
-    planned = await asyncio.to_thread(plan_item, directory)
-    if planned is None or not planned[1].rewrites:
+    planned = await asyncio.to_thread(planned_item.find, directory)
+    if planned is None or not planned.is_tunix:
       return await super().metadata(directory)
-    reader = TunixPyTreeHandler(plans={storage.as_path(directory): planned})
-    meta = await asyncio.to_thread(reader.metadata, directory)
+    meta = await asyncio.to_thread(planned.metadata)
     return meta.tree
 
 

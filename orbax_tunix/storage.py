@@ -220,11 +220,13 @@ class Leaf(NamedTuple):
     key_types: per key, `SEQUENCE_KEY` for a sequence index, else a dict key.
     value_type: Orbax's type name ('jax.Array', 'np.ndarray', 'scalar',
       'string', 'None' for an empty node, ...).
+    key: its entry's key in `_METADATA` (the text of its key tuple).
   """
 
   path: Path
   key_types: tuple[int, ...]
   value_type: str
+  key: str = ''
 
   @property
   def is_array(self) -> bool:
@@ -262,6 +264,8 @@ class Item:
     stores_fill_chunks: every chunk was written, also those equal to the fill
       value (Orbax's `store_array_data_equal_to_fill_value`).
     legacy: the item predates `_METADATA` (only the msgpack tree exists).
+    tree_json: `_METADATA` as parsed (handed to Orbax's restore, so that the
+      file is parsed once; see `tree_json_of`).
   """
 
   name: str
@@ -271,6 +275,20 @@ class Item:
   use_zarr3: bool = False
   stores_fill_chunks: bool = False
   legacy: bool = False
+  tree_json: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
+
+  def tree_json_of(self, paths: Iterable[Path] | None = None) -> Mapping[str, Any] | None:
+    """`_METADATA` as parsed, with every entry or only those of `paths`.
+
+    None for an item without `_METADATA`. A tree of rich types (its own
+    structure record) is always whole: it cannot be cut to some leaves.
+    """
+    if self.tree_json is None or paths is None or 'value_metadata_tree' in self.tree_json:
+      return self.tree_json
+    entries = self.tree_json['tree_metadata']
+    by_path = self.by_path
+    return {**self.tree_json, 'tree_metadata': {
+        by_path[p].key: entries[by_path[p].key] for p in paths}}
 
   @functools.cached_property
   def by_path(self) -> dict[Path, Leaf]:
@@ -462,12 +480,14 @@ def _leaves_of(entries: Mapping[str, Any]) -> tuple[Leaf, ...]:
   """The leaves of `_METADATA`'s `tree_metadata` (a hot loop: 50k-1M entries)."""
   shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # One tuple per kind of path.
   leaves = []
-  for entry in entries.values():
+  for key, entry in entries.items():
     keys = entry['key_metadata']
     path = tuple([str(k['key']) for k in keys])
     kinds = tuple([k.get('key_type', 2) for k in keys])
     value = entry.get('value_metadata') or {}
-    leaves.append(Leaf(path, shared.setdefault(kinds, kinds), str(value.get('value_type', 'unknown'))))
+    leaves.append(
+        Leaf(path, shared.setdefault(kinds, kinds), str(value.get('value_type', 'unknown')), key)
+    )
   return tuple(leaves)
 
 
@@ -496,7 +516,7 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
         f'{directory}: expected an item directory holding {PYTREE_METADATA}, found'
         f' {found_at(directory)}. The step is damaged or incomplete; use another step (`step`).'
     )
-  with no_gc():  # The parsed JSON is freed before collection resumes.
+  with no_gc():  # Parsing builds a million small objects for a large item.
     meta = read_json(meta_file, "Orbax's PyTree metadata")
     try:
       leaves = _leaves_of(meta['tree_metadata'])
@@ -508,7 +528,6 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
           ' another step (`step`).'
       ) from e
     options = {k: v for k, v in meta.items() if k != 'tree_metadata'}
-    del meta
   return Item(
       name=name,
       directory=directory,
@@ -516,6 +535,7 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
       use_ocdbt=bool(options.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory),
       use_zarr3=bool(options.get('use_zarr3', False)),
       stores_fill_chunks=bool(options.get('store_array_data_equal_to_fill_value', False)),
+      tree_json=meta,
   )
 
 
@@ -535,6 +555,8 @@ class Step:
     single_item: the directory is one item saved on its own (by a
       `Checkpointer` over a PyTree handler): `_METADATA` and
       `_CHECKPOINT_METADATA` side by side. Its one item is named `item_name`.
+    metadata_json: `_CHECKPOINT_METADATA` as parsed (None when there is none),
+      handed to Orbax's composite so that the file is parsed once.
   """
 
   directory: epath.Path
@@ -542,6 +564,7 @@ class Step:
   recorded: Mapping[str, str | None] | None
   custom_metadata: Mapping[str, Any]
   single_item: bool = False
+  metadata_json: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
 
   @functools.cached_property
   def present(self) -> tuple[str, ...]:
@@ -601,7 +624,8 @@ def open_step(directory: epath.PathLike) -> Step:
   """
   directory = as_path(directory)
   meta_file = directory / CHECKPOINT_METADATA
-  meta = read_json(meta_file, "Orbax's step metadata") if meta_file.exists() else {}
+  exists = meta_file.exists()
+  meta = read_json(meta_file, "Orbax's step metadata") if exists else {}
   if not isinstance(meta, dict):
     raise errors.CorruptMetadataError(
         f'{meta_file}: expected a JSON object with "item_handlers", found'
@@ -625,6 +649,7 @@ def open_step(directory: epath.PathLike) -> Step:
       recorded=recorded,
       custom_metadata=dict(custom) if isinstance(custom, dict) else {},
       single_item=single,
+      metadata_json=meta if exists else None,
   )
 
 

@@ -22,7 +22,7 @@ import pytest
 from etils import epath
 
 import orbax_tunix as ot
-from orbax_tunix import commit, maxtext
+from orbax_tunix import commit, maxtext, planned_item
 from tests import builders, test_lora_merge, tunix_models
 from tests import gcs as gcs_lib
 from tests.test_cli import REPO, SUBPROCESS_ENV, run
@@ -304,7 +304,7 @@ def test_planning_requests_do_not_grow_per_leaf(gcs, bucket, mesh, capsys, monke
   def stop(*args, **kwargs):
     raise _BeforeTheRead
 
-  monkeypatch.setattr(ot.TunixPyTreeHandler, '_orbax_read', stop)
+  monkeypatch.setattr(planned_item.PlannedItem, '_orbax_read', stop)
   counts = {}
   for leaves in (16, 1024):
     state = {f'layer{i}': {'w': {'value': np.full((8,), i, np.float32)}} for i in range(leaves)}

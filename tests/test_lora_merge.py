@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import orbax_tunix as ot
 from orbax_tunix import lora, maxtext, merge
 from orbax_tunix.keypaths import flatten, fmt, nest
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.planned_item import PlannedItem
 from tests import builders
 from tests import lora_models as lm
 from tests import tunix_models as tm
@@ -139,13 +139,13 @@ def test_scale_instead_of_alpha_and_partial_target(runs, mesh, monkeypatch):
   full = abstract_weights('qwix', mesh)
   target = {'layers': {'0': {'q_proj': {'w': full['layers'][0]['q_proj']['w']}}}}
   read = []
-  original = TunixPyTreeHandler.read
+  original = PlannedItem.read
 
-  def spy(self, meta, cmap, requests):
-    read.extend(fmt(p) for p in requests)
-    return original(self, meta, cmap, requests)
+  def spy(self, wanted, *args, **kwargs):
+    read.extend(fmt(p) for p in wanted)
+    return original(self, wanted, *args, **kwargs)
 
-  monkeypatch.setattr(TunixPyTreeHandler, 'read', spy)
+  monkeypatch.setattr(PlannedItem, 'read', spy)
   by_scale = ot.restore_merged_lora(root / 'full', target, scale=lm.ALPHA / lm.RANK)
   assert sorted(read) == ['layers/0/q_proj/w', 'layers/0/q_proj/w_lora_a', 'layers/0/q_proj/w_lora_b']
   by_alpha = ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA)

@@ -4,6 +4,7 @@ When an Orbax upgrade moves one of them, the test naming it fails here.
 """
 
 import inspect
+import json
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from orbax_tunix import _orbax
 from orbax_tunix.composite_handler import TunixAwareHandler
+from tests import opens
 
 
 def test_standard_handler_reads_through_its_impl(tmp_path):
@@ -66,3 +68,94 @@ def test_storage_failures_are_told_from_request_errors(text, storage):
   wrapped.__cause__ = ValueError(text)
   assert (_orbax.storage_failure(wrapped) is not None) == storage
   assert _orbax.storage_failure(FileNotFoundError('x')) is not None
+
+
+def _saved(tmp_path):
+  tree = {'a': np.arange(4, dtype=np.float32), 'b': {'c': np.ones(3, np.int32)}}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / '1', args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)))
+  return tmp_path / '1', tree
+
+
+def test_pytree_handlers_read_metadata_through_read_metadata_file(tmp_path):
+  """Restore and metadata read `_METADATA` only via `_read_metadata_file`, which is
+  served: no open of the file, and the served (cut down) tree is what is used."""
+  step, tree = _saved(tmp_path)
+  item = step / 'state'
+  parsed = json.loads((item / '_METADATA').read_text())
+  key = next(k for k in parsed['tree_metadata'] if "'a'" in k)
+  only_a = {**parsed, 'tree_metadata': {key: parsed['tree_metadata'][key]}}
+  handler = ocp.PyTreeCheckpointHandler()
+  _orbax.serve_tree_reads(handler)
+  _orbax.serve_tree_reads(handler)  # Idempotent.
+  target = {'a': np.zeros(4, np.float32)}
+  with opens.counting() as counts, _orbax.serving({item / '_METADATA': only_a}):
+    restored = handler.restore(item, args=ocp.args.PyTreeRestore(
+        target, {'a': ocp.RestoreArgs(restore_type=np.ndarray)}, partial_restore=True))
+    meta = handler.metadata(item)
+  np.testing.assert_array_equal(restored['a'], tree['a'])
+  assert set(meta.tree) == {'a'}  # The served entries, not the file's.
+  assert not counts
+  with opens.counting() as counts:  # Outside `serving`: the file, as usual.
+    assert set(handler.metadata(item).tree) == {'a', 'b'}
+  assert sum(counts.values()) == 1
+
+
+def test_composite_reads_step_metadata_through_its_store(tmp_path):
+  step, _ = _saved(tmp_path)
+  parsed = json.loads((step / '_CHECKPOINT_METADATA').read_text())
+  composite = ocp.CompositeCheckpointHandler()
+  _orbax.serve_step_reads(composite)
+  _orbax.serve_step_reads(composite)
+  served = {**parsed, 'custom_metadata': {'served': True}}
+  with opens.counting() as counts, _orbax.serving({step / '_CHECKPOINT_METADATA': served}):
+    meta = composite.metadata(step)
+  assert meta.custom_metadata == {'served': True}
+  assert not [p for p in counts if p.endswith('_CHECKPOINT_METADATA')]
+
+
+def test_composite_warns_that_unbound_items_cannot_be_restored(tmp_path, caplog):
+  """The text `silence_unrestorable_warnings` drops, for the items it names only."""
+  step, _ = _saved(tmp_path)
+  caplog.set_level('WARNING')
+  ocp.CompositeCheckpointHandler().metadata(step)
+  found = [r for r in caplog.records if r.msg.startswith(_orbax.UNRESTORABLE_WARNING)]
+  assert found and found[0].args[0] == 'state'
+  caplog.clear()
+  with _orbax.silence_unrestorable_warnings(['state']):
+    ocp.CompositeCheckpointHandler().metadata(step)
+  assert not [r for r in caplog.records if 'could not be restored' in r.getMessage()]
+  with _orbax.silence_unrestorable_warnings(['other']):
+    ocp.CompositeCheckpointHandler().metadata(step)
+  assert [r for r in caplog.records if 'could not be restored' in r.getMessage()]
+
+
+def test_handler_type_registry_finds_recorded_handlers():
+  assert _orbax.handler_class(ocp.PyTreeCheckpointHandler.typestr()) is ocp.PyTreeCheckpointHandler
+  assert _orbax.handler_class('no.such.Handler') is None
+  assert _orbax.is_pytree_handler(ocp.StandardCheckpointHandler.typestr()) is True
+  assert _orbax.is_pytree_handler(ocp.JsonCheckpointHandler.typestr()) is False
+
+
+def test_open_kvstore_lists_the_arrays_orbax_wrote(tmp_path):
+  step, _ = _saved(tmp_path)
+  store = _orbax.open_kvstore(step / 'state', use_ocdbt=True)
+  keys = {k.decode() for k in store.list().result()}
+  assert {'a/.zarray', 'b.c/.zarray'} <= keys or {'a/zarr.json', 'b.c/zarr.json'} <= keys
+
+
+def test_merge_tree_metadata_is_the_union_orbax_restores(tmp_path):
+  """Two batch saves into one item, their `_METADATA` merged: Orbax restores both."""
+  item = tmp_path / 'item'
+  handler = ocp.PyTreeCheckpointHandler()
+  files = []
+  for batch in ({'a': np.arange(3)}, {'b': np.ones(2, np.float32)}):
+    handler.save(item, args=ocp.args.PyTreeSave(batch))
+    files.append(json.loads((item / '_METADATA').read_text()))
+  merged = _orbax.merge_tree_metadata(files, empty_nodes=[(('e',), (2,))])
+  (item / '_METADATA').write_text(json.dumps(merged))
+  handler.finalize(item)
+  restored = ocp.PyTreeCheckpointHandler().restore(item)
+  np.testing.assert_array_equal(restored['a'], np.arange(3))
+  np.testing.assert_array_equal(restored['b'], np.ones(2, np.float32))
+  assert restored['e'] is None

@@ -1,6 +1,6 @@
 """Executing a plan: each needed array read once, into the target's shardings and dtypes.
 
-`execute_plan` reads through `TunixPyTreeHandler`, an item at a time, and fills
+`execute_plan` reads through `planned_item.PlannedItem`, an item at a time, and fills
 what Tunix never wrote; `restore_train_state` is planning and executing in one.
 """
 
@@ -20,7 +20,8 @@ from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
 from orbax_tunix.maxtext.view import Shape
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, args_by_path, is_key
+from orbax_tunix.planned_item import PlannedItem
+from orbax_tunix.requests import args_by_path, is_key, sharding_of
 
 PyTree = Any
 
@@ -32,13 +33,6 @@ def _stored_form(shape: Shape, dtype: Any) -> jax.ShapeDtypeStruct:
   if not is_key(dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
   return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-
-
-def _default_sharding(leaf: Any) -> jax.sharding.Sharding:
-  sharding = getattr(leaf, 'sharding', None)
-  if isinstance(sharding, jax.sharding.Sharding):
-    return sharding
-  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _resolve(leaf: Any, arg: Any) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestoreArgs]:
@@ -59,13 +53,13 @@ def _resolve(leaf: Any, arg: Any) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestor
     if arg.dtype is None:
       changes['dtype'] = leaf.dtype
     if sharding is None:
-      sharding = _default_sharding(leaf)
+      sharding = sharding_of(leaf)
       if arg.sharding is None and arg.mesh is None:
         changes['sharding'] = sharding
     arg = dataclasses.replace(arg, **changes) if changes else arg
     return jax.ShapeDtypeStruct(shape, arg.dtype, sharding=sharding), arg
   dtype = getattr(arg, 'dtype', None) or leaf.dtype
-  sharding = _default_sharding(leaf)
+  sharding = sharding_of(leaf)
   args = ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype, global_shape=shape)
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), args
 
@@ -147,7 +141,6 @@ def execute_plan(
   for target, source in sorted(plan.reads.items()):
     primary.setdefault(source, target)
   values: dict[Source, jax.Array] = {}
-  handler = TunixPyTreeHandler()
   for item, paths in plan.sources().items():
     requests = {}
     for path in paths:
@@ -155,13 +148,14 @@ def execute_plan(
       if source in primary:
         requests[path] = _read_form(*resolved[primary[source]])
       else:  # Only a fill needs it (the step): a scalar on one device.
-        sharding = _default_sharding(None)
+        sharding = sharding_of(None)
         requests[path] = (
             jax.ShapeDtypeStruct((), np.uint32, sharding=sharding),
             ocp.ArrayRestoreArgs(sharding=sharding),
         )
     # The plan checked every path and shape; the item's metadata is not read again.
-    read = handler.read(plan.detection.item_meta(item), plan.detection.maps[item], requests)
+    planned = PlannedItem(plan.detection.item_meta(item), plan.detection.maps[item])
+    read = planned.read(requests)
     values.update((Source(item, p), value) for p, value in read.items())
   leaves = []
   for path, leaf in pairs:

@@ -34,7 +34,7 @@ from orbax_tunix.maxtext.train_state import (
 )
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
-from orbax_tunix.pytree_handler import stored_shape
+from orbax_tunix.requests import stored_shape
 
 PyTree = Any
 

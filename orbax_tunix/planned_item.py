@@ -1,0 +1,341 @@
+"""One item of a step, planned: the canonical read every entry point goes through.
+
+A `PlannedItem` is an item as `storage` read it (its leaves, its `_METADATA`
+as parsed) and its `CanonicalMap`. Reading is rewriting a request, path by
+path, into the on-disk structure and executing it with Orbax's own restore
+(every leaf the request leaves out named as `ocp.PLACEHOLDER`, or a partial
+restore of a few), handing Orbax the metadata already parsed: every array is
+read once, straight into its target's sharding and dtype, and arrays nobody
+asked for are never opened. The handlers (`pytree_handler`,
+`composite_handler`, the v1 handler in `registry`) are thin adapters over it;
+the tools read through it too.
+
+Plans a caller already made (a composite for the items of the step it
+restores) are put in effect for its context with `using`, where `find`
+finds them; nothing is shared between threads or calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix import _orbax, canonical, errors, requests, storage
+from orbax_tunix.detection import plan_item
+from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, nest
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxReads:
+  """How Orbax reads an item: one PyTree handler's restore and metadata, with its options.
+
+  Attributes:
+    handler: the `ocp.PyTreeCheckpointHandler` whose reads of `_METADATA`
+      are served from the parse already made.
+    restore: `(directory, PyTreeRestore args) -> tree`, Orbax's restore.
+    metadata: `directory -> TreeMetadata`, Orbax's metadata.
+  """
+
+  handler: ocp.PyTreeCheckpointHandler
+  restore: Callable[[epath.Path, ocp.args.PyTreeRestore], PyTree]
+  metadata: Callable[[epath.Path], Any]
+
+
+def through(handler: ocp.PyTreeCheckpointHandler | None = None) -> OrbaxReads:
+  """Orbax's reads by `handler`'s own public methods (a new plain handler by default)."""
+  handler = ocp.PyTreeCheckpointHandler() if handler is None else handler
+  return OrbaxReads(
+      handler, lambda d, args: handler.restore(d, args=args), handler.metadata
+  )
+
+
+def validate_target(
+    meta: storage.Item,
+    canonical_paths: Sequence[Path],
+    disk: Sequence[Path | None],
+    leaves: Sequence[Any],
+) -> None:
+  """Checks a canonical target against the checkpoint before anything is read.
+
+  Args:
+    meta: the item, as `storage` read it.
+    canonical_paths: the target's leaf paths, canonical.
+    disk: the on-disk path of each, in the same order (None: not on disk).
+    leaves: the target's leaves, in the same order.
+
+  Raises:
+    TargetMismatchError: leaves absent on disk, or with another shape; the
+      message lists them all (up to a screenful) with counts, each under its
+      canonical path and, where it differs, its path on disk.
+    CorruptMetadataError: arrays the target names have no data in the store.
+  """
+  missing = [fmt(c) for c, d in zip(canonical_paths, disk, strict=True) if d is None]
+  shapes_of = (
+      (d, requests.stored_shape(leaf))
+      for d, leaf in zip(disk, leaves, strict=True) if d is not None
+  )
+  expected = {d: shape for d, shape in shapes_of if shape is not None}
+  have = meta.mismatched_shapes(expected)
+  shapes = [
+      f'{fmt(c)}: target {expected[d]}, on disk {have[d]}{"" if c == d else f" (at {fmt(d)})"}'
+      for c, d in zip(canonical_paths, disk, strict=True) if d in have
+  ]
+  if missing or shapes:
+    parts = [f'{meta.directory}: the restore target does not match the checkpoint.']
+    if missing:
+      parts.append(
+          f'{len(missing)} target leaves are not in the checkpoint (canonical'
+          f' paths):\n{errors.list_paths(missing)}'
+      )
+    if shapes:
+      parts.append(f'{len(shapes)} leaves differ in shape:\n{errors.list_paths(shapes)}')
+    parts.append(
+        'Remove these leaves from the target, or fix their shapes; '
+        '`TunixPyTreeHandler().metadata(path)` shows the canonical tree.'
+    )
+    raise errors.TargetMismatchError('\n'.join(parts))
+
+
+def _skeleton(
+    item: storage.Item, wanted: Mapping[Path, requests.Request]
+) -> tuple[PyTree, PyTree]:
+  """The item's whole on-disk tree as a target: requested leaves, the rest placeholders.
+
+  Orbax's own restore then reads exactly the requested leaves, whatever the
+  tree's containers (lists where `_METADATA` records sequence keys, `None`
+  where it records an empty node).
+  """
+  target: dict[str, Any] = {}
+  args: dict[str, Any] = {}
+  for leaf in item.leaves:
+    if leaf.path in wanted:
+      value, arg = wanted[leaf.path]
+    elif leaf.is_empty:
+      value, arg = None, ocp.RestoreArgs()
+    else:
+      value, arg = ocp.PLACEHOLDER, ocp.RestoreArgs()
+    # Both trees in one walk (a hot loop: every leaf of the item).
+    t, a = target, args
+    for key in leaf.path[:-1]:
+      t, a = t.setdefault(key, {}), a.setdefault(key, {})
+      if not isinstance(t, dict):
+        raise ValueError(f'{fmt(leaf.path)}: a leaf already sits at a prefix of it.')
+    if isinstance(t.get(leaf.path[-1]), dict):
+      raise ValueError(f'{fmt(leaf.path)}: a subtree already sits at this path.')
+    t[leaf.path[-1]] = value
+    a[leaf.path[-1]] = arg
+  if not item.has_sequences:
+    return target, args
+  return as_lists(target, item.sequence_nodes), as_lists(args, item.sequence_nodes)
+
+
+def canonical_metadata(meta: Any, cmap: canonical.CanonicalMap) -> Any:
+  """An on-disk item's metadata tree in canonical form (no store is read)."""
+  return _orbax.tree_metadata_like(meta, canonical.to_canonical_tree(meta.tree, cmap))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedItem:
+  """One item read from metadata once, and its canonical map.
+
+  Attributes:
+    meta: the item, as `storage` read it.
+    cmap: its `CanonicalMap` (the identity for an item that is not Tunix's).
+  """
+
+  meta: storage.Item
+  cmap: canonical.CanonicalMap
+
+  @property
+  def directory(self) -> epath.Path:
+    return self.meta.directory
+
+  @property
+  def is_tunix(self) -> bool:
+    """Whether rewrites apply (else the item is read as it is)."""
+    return bool(self.cmap.rewrites)
+
+  def read(
+      self,
+      wanted: Mapping[Path, requests.Request],
+      via: OrbaxReads | None = None,
+      *,
+      on_disk: bool = False,
+  ) -> dict[Path, Any]:
+    """Reads some leaves with one Orbax restore: the one read path.
+
+    Args:
+      wanted: canonical path -> (target leaf, restore args) for each leaf to
+        read; the paths must be in the checkpoint (checked by the caller).
+      via: how Orbax reads (a plain `PyTreeCheckpointHandler` by default).
+      on_disk: the paths of `wanted` are on-disk paths (side leaves, e.g.
+        the inject_hyperparams scalars), not canonical ones.
+
+    Returns:
+      path -> value read, keyed as `wanted`.
+
+    Raises:
+      CorruptMetadataError: stored data is missing or damaged.
+    """
+    if not wanted:
+      return {}
+    meta = self.meta
+    to_disk = {p: p for p in wanted} if on_disk else self.cmap.canonical_to_disk
+    with storage.no_gc():
+      by_disk = {to_disk[c]: request for c, request in wanted.items()}
+      if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
+        # Most of the tree, or lists in it: the whole tree, placeholders for the
+        # rest (Orbax's plain path; it cannot prune a list).
+        target, restore_args = _skeleton(meta, by_disk)
+        args = ocp.args.PyTreeRestore(target, restore_args)
+        served = meta.tree_json_of()
+      else:
+        # A few leaves of a tree of dicts: Orbax is handed their metadata alone.
+        args = ocp.args.PyTreeRestore(
+            nest((d, t) for d, (t, _) in by_disk.items()),
+            nest((d, a) for d, (_, a) in by_disk.items()),
+            partial_restore=True,
+        )
+        served = meta.tree_json_of(by_disk)
+    restored = flat_dict(self._orbax_read(via or through(), args, served))
+    return {c: restored[to_disk[c]] for c in wanted}
+
+  def restore(self, args: ocp.args.PyTreeRestore, via: OrbaxReads | None = None) -> PyTree:
+    """A canonical `PyTreeRestore`: a canonical target (any subset), or none (every leaf).
+
+    Target leaves without `restore_args` are read into their own sharding and
+    dtype; `ocp.PLACEHOLDER` leaves are returned unread.
+
+    Raises:
+      TargetMismatchError: the target names leaves absent on disk or with
+        another shape (before any array is read).
+      UnsupportedLayoutError: legacy `transforms`; or a target on an item
+        older than `_METADATA`.
+      CorruptMetadataError: stored data the target needs is missing or damaged.
+    """
+    via = via or through()
+    if args.transforms or args.legacy_transform_fn is not None:
+      raise errors.UnsupportedLayoutError(
+          f'{self.directory}: legacy `transforms` are not supported on a Tunix item;'
+          ' pass the canonical target as `item` instead (the rewrites apply'
+          ' to it).'
+      )
+    if self.meta.legacy:
+      return self._restore_legacy(args, via)
+    given = requests.args_by_path(args.restore_args)
+    if args.item is None:
+      # Every canonical leaf, restored as saved (as Orbax does without a target).
+      wanted = {c: (0, given.get(c, ocp.RestoreArgs())) for c in sorted(self.cmap.canonical_to_disk)}
+      return nest(self.read(wanted, via).items())
+    with storage.no_gc():  # Planning builds an object or two per leaf.
+      pairs, treedef = flatten(args.item)
+      to_disk = self.cmap.canonical_to_disk
+      chosen = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
+      disk = [to_disk.get(c) for c, _ in chosen]
+      validate_target(self.meta, [c for c, _ in chosen], disk, [leaf for _, leaf in chosen])
+      wanted = {c: (leaf, given.get(c) or requests.restore_arg_for(leaf)) for c, leaf in chosen}
+    values = self.read(wanted, via)
+    return jax.tree_util.tree_unflatten(treedef, [values.get(c, leaf) for c, leaf in pairs])
+
+  def _restore_legacy(self, args: ocp.args.PyTreeRestore, via: OrbaxReads) -> PyTree:
+    """An item older than `_METADATA`: read whole, as Orbax does, then rewritten."""
+    if args.item is not None:
+      raise errors.UnsupportedLayoutError(
+          f'{self.directory}: this item predates Orbax\'s _METADATA file, so a'
+          ' partial restore into a target is not possible. Restore it without'
+          ' a target (every array, canonical), or re-save it with a current'
+          ' Orbax.'
+      )
+    whole = self._orbax_read(via, ocp.args.PyTreeRestore(), None)
+    return canonical.to_canonical_tree(whole, self.cmap)
+
+  def metadata(self, via: OrbaxReads | None = None) -> Any:
+    """The item's metadata tree as Orbax gives it, in canonical form.
+
+    Raises:
+      CorruptMetadataError: the array stores are unreadable.
+    """
+    via = via or through()
+    try:
+      with self._serving(via, self.meta.tree_json_of()):
+        meta = via.metadata(self.directory)
+    except Exception as e:  # pylint: disable=broad-except
+      cause = _orbax.storage_failure(e)
+      if cause is None:
+        raise
+      raise errors.CorruptMetadataError(
+          f'{self.directory}: reading the arrays\' metadata failed: stored data is'
+          f' missing or damaged ({_orbax.failure_text(cause)}). Expected a readable'
+          ' store for every leaf in _METADATA; use another step (`step`).'
+      ) from e
+    return canonical_metadata(meta, self.cmap) if self.is_tunix else meta
+
+  def _serving(self, via: OrbaxReads, served: Mapping[str, Any] | None) -> Any:
+    """Orbax's read of this item's `_METADATA` answered from `served` (parsed once)."""
+    _orbax.serve_tree_reads(via.handler)
+    return _orbax.serving({self.directory / storage.PYTREE_METADATA: served})
+
+  def _orbax_read(
+      self, via: OrbaxReads, args: ocp.args.PyTreeRestore, served: Mapping[str, Any] | None
+  ) -> PyTree:
+    """Orbax's read of an on-disk target; damaged data is put in our terms.
+
+    Failures that are about the request (e.g. a sharding that does not divide
+    an array) reach the caller as Orbax raised them.
+    """
+    try:
+      with self._serving(via, served):
+        return via.restore(self.directory, args)
+    except Exception as e:  # pylint: disable=broad-except
+      cause = _orbax.storage_failure(e)
+      if cause is None:
+        raise
+      raise errors.CorruptMetadataError(
+          f'{self.directory}: reading the arrays failed: stored data is missing or'
+          f' damaged ({_orbax.failure_text(cause)}). Expected readable array data'
+          ' for every leaf asked for; use another step (`step`), or re-save this one.'
+      ) from e
+
+
+# --- plans in effect for a restore --------------------------------------------------
+
+_IN_EFFECT: contextvars.ContextVar[Mapping[str, PlannedItem]] = contextvars.ContextVar(
+    'orbax_tunix_plans_in_effect', default=types.MappingProxyType({})
+)
+
+
+@contextlib.contextmanager
+def using(plans: Iterable[PlannedItem]) -> Iterator[None]:
+  """Puts plans already made in effect for this context (`find` returns them)."""
+  token = _IN_EFFECT.set({**_IN_EFFECT.get(), **{str(p.directory): p for p in plans}})
+  try:
+    yield
+  finally:
+    _IN_EFFECT.reset(token)
+
+
+def find(directory: epath.PathLike) -> PlannedItem | None:
+  """The plan of an item directory: the one in effect, else made now from its metadata.
+
+  Returns:
+    None when the directory holds no PyTree.
+
+  Raises:
+    CorruptMetadataError, UnsupportedLayoutError.
+  """
+  directory = storage.as_path(directory)
+  found = _IN_EFFECT.get().get(str(directory))
+  if found is not None:
+    return found
+  planned = plan_item(directory)
+  return None if planned is None else PlannedItem(*planned)
