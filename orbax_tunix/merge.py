@@ -160,13 +160,17 @@ def plan_merge(
   missing, bad, merges = [], [], {}
   for weight, adapter in sorted(adapters.items()):
     found = base_weights.get(weight)
-    if found is None:
-      missing.append(f'{fmt(weight)} (adapted by {fmt(adapter.a)})')
-      continue
     a, b = lora_weights[adapter.a], lora_weights[adapter.b]
+    if found is None:
+      looked = fmt(weight) if adapter.saved_base == weight else (
+          f'{fmt(weight)} or {fmt(adapter.saved_base)}')
+      missing.append(f'{fmt(weight)} (adapted by {fmt(adapter.a)}): no {looked} in the base;'
+                     f' the adapter is {a.stored}')
+      continue
     arranged = lora.contraction(found.shape, a.shape, b.shape)
     if arranged is None:
-      bad.append(f'{fmt(weight)} {found.shape}: {fmt(adapter.a)} {a.shape} ⊗ {fmt(adapter.b)} {b.shape}')
+      bad.append(f'{fmt(weight)} {found.shape}: the base holds {found.stored} {found.shape};'
+                 f' {a.stored} {a.shape} ⊗ {b.stored} {b.shape}')
       continue
     merges[weight] = Merge(adapter, Source(base_ckpt, found), a, b,
                            lora.scale_of(adapter, alpha, scale), arranged)
@@ -232,7 +236,8 @@ def check_target(plan: MergePlan, targets: Mapping[Path, Any]) -> None:
       why = 'an adapter: the target is the plain model' if lora.is_adapter(path) else 'not in the model'
       problems.append(f'{fmt(path)}: {why}')
     elif tuple(leaf.shape) != tuple(source.leaf.shape):
-      problems.append(f'{fmt(path)}: target {tuple(leaf.shape)}, checkpoint {source.leaf.shape}')
+      problems.append(f'{fmt(path)}: target {tuple(leaf.shape)}, checkpoint {source.leaf.shape}'
+                      f' ({source.leaf.stored})')
   if problems:
     raise errors.TargetMismatchError(
         f'{plan.base.step_dir}: the target does not match the merged weights:\n'

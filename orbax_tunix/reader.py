@@ -68,6 +68,13 @@ class LeafInfo:
     """'item/canonical/path', as the tools print it (one text per leaf)."""
     return fmt((self.item, *self.path))
 
+  @property
+  def stored(self) -> str:
+    """'item/path/on/disk', for messages: the leaf as its checkpoint holds it,
+    and its canonical path beside it where that differs."""
+    disk = fmt((self.item, *self.disk_path))
+    return disk if self.disk_path == self.path else f'{disk} (canonical {fmt(self.path)})'
+
 
 @dataclasses.dataclass(frozen=True)
 class CanonicalCheckpoint:

@@ -334,3 +334,19 @@ def plain_logits(model_cls, weights, tokens) -> np.ndarray:
   nnx.replace_by_pure_dict(graph, jax.tree.map(lambda w: np.asarray(w, np.float32), weights))
   nnx.update(model, graph)
   return np.asarray(model(jnp.asarray(tokens)))
+
+
+def test_errors_name_paths_as_each_checkpoint_holds_them(runs, tmp_path, monkeypatch):
+  """A merge of nnx.LoRA(base_module=...) adapters onto a base of other shapes that
+  holds the layer as `base_module/kernel`: the message names that path (as the base
+  stores it), not the lifted plain-model path alone."""
+  raw = builders.raw_leaves(runs['flax']['root'] / 'full' / '1' / 'model_params')
+  wider = nest((tuple(p.split('/')), np.zeros((2 * v.shape[0], *v.shape[1:]), v.dtype))
+               for p, v in raw.items())
+  _save_model_params(tmp_path / 'wider' / '1', wider)
+  forbid_reads(monkeypatch)
+  with pytest.raises(ot.LoraError, match='do not reproduce') as e:
+    merge.plan_merge(runs['flax']['root'] / 'only', base=tmp_path / 'wider')
+  msg = str(e.value)
+  assert 'fc2/kernel (32, 8): the base holds model_params/fc2/base_module/kernel/value' in msg, msg
+  assert 'model_params/fc2/lora_a/value' in msg

@@ -156,7 +156,8 @@ class _Draft:
       for path, have in self.view.mismatched_shapes(item, wanted).items():
         for target in targets[path]:
           self.shapes.append(
-              f'{fmt(target)}: target {self.target[target]}, checkpoint {have} ({item}:{fmt(path)})'
+              f'{fmt(target)}: target {self.target[target]}, checkpoint {have}'
+              f' ({item}:{fmt(path)}, stored as {self.view.stored(item, path)})'
           )
 
   @property

@@ -14,7 +14,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.detection import Detection
-from orbax_tunix.keypaths import Path
+from orbax_tunix.keypaths import Path, fmt
 
 Shape = tuple[int, ...]
 
@@ -43,6 +43,10 @@ class CheckpointView:
   model: frozenset[Path]
   optimizer: frozenset[Path] | None
   side_paths: tuple[Path, ...] = ()
+
+  def stored(self, item: str, path: Path) -> str:
+    """A canonical leaf as the checkpoint holds it: 'item/path/on/disk'."""
+    return fmt((item, *self.detection.maps[item].canonical_to_disk[path]))
 
   def shapes(self, item: str, paths: Collection[Path]) -> dict[Path, Shape]:
     """Global shapes of some canonical leaves of `item` (their zarr headers)."""

@@ -151,7 +151,8 @@ def check_weights(
     if extra:
       sections.append(
           f'{len(extra)} weights in the checkpoint are not in the target:\n'
-          + errors.list_paths([fmt(w) for w in extra])
+          + errors.list_paths(
+              [f'{fmt(w)} (stored as {view.stored(conventions.MODEL_ITEM, w)})' for w in extra])
       )
       if all(lora.is_adapter(w) for w in extra):
         sections.append(
