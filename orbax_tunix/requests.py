@@ -52,11 +52,12 @@ def into(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding | N
   if sharding is None:
     return 0, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
   shape = tuple(shape)
-  return (
-      jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-      ocp.ArrayRestoreArgs(
-          restore_type=jax.Array, sharding=sharding, global_shape=shape, dtype=dtype
-      ),
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), _array_args(shape, dtype, sharding)
+
+
+def _array_args(shape: tuple[int, ...], dtype: Any, sharding: Any) -> ocp.ArrayRestoreArgs:
+  return ocp.ArrayRestoreArgs(
+      restore_type=jax.Array, sharding=sharding, global_shape=shape, dtype=dtype
   )
 
 
@@ -73,7 +74,7 @@ def restore_arg_for(leaf: Any) -> ocp.RestoreArgs:
   if is_key(leaf.dtype):
     return ocp.checkpoint_utils.construct_restore_args(leaf)  # Its own key rules.
   # What construct_restore_args makes, without its per-call tree walk.
-  return into(leaf.shape, leaf.dtype, sharding)[1]
+  return _array_args(tuple(leaf.shape), leaf.dtype, sharding)
 
 
 def args_by_path(restore_args: PyTree | None) -> dict[Path, ocp.RestoreArgs]:

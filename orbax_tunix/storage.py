@@ -322,15 +322,47 @@ class Item:
     except Exception as e:  # pylint: disable=broad-except
       raise self._storage_error(e) from e
 
-  @functools.cached_property
-  def _listing(self) -> frozenset[str]:
-    return frozenset(self._keys)
-
   def _storage_error(self, e: BaseException) -> errors.CorruptMetadataError:
     return errors.CorruptMetadataError(
         f'{self.directory}: the array store cannot be read: stored data is missing'
         f' or damaged ({_orbax.failure_text(_orbax.storage_failure(e) or e)}).'
         ' Use another step (`step`).'
+    )
+
+  def _span(self, name: str) -> tuple[int, int]:
+    """Where the keys of array `name` sit in the sorted listing: [lo, hi).
+
+    Its keys are `name/...`; '/' sorts just before '0', and other arrays'
+    names (`name.x`) sort before `name/`.
+    """
+    keys = self._keys
+    lo = bisect.bisect_left(keys, name + '/')
+    return lo, bisect.bisect_left(keys, name + '0', lo)
+
+  def _holds(self, key: str, span: tuple[int, int]) -> bool:
+    keys = self._keys
+    at = bisect.bisect_left(keys, key, *span)
+    return at < span[1] and keys[at] == key
+
+  @property
+  def _header_name(self) -> str:
+    return 'zarr.json' if self.use_zarr3 else '.zarray'
+
+  def _without_data(self, paths: Iterable[Path]) -> list[Path]:
+    """The zarr leaves among `paths` whose header is not in the store's listing."""
+    header = self._header_name
+    out = []
+    for path in paths:
+      name = _orbax.array_name(path)
+      if self.by_path[path].has_zarr and not self._holds(f'{name}/{header}', self._span(name)):
+        out.append(path)
+    return out
+
+  def _no_data_error(self, absent: Sequence[Path]) -> errors.CorruptMetadataError:
+    return errors.CorruptMetadataError(
+        f'{self.directory}: {PYTREE_METADATA} lists {len(absent)} leaves that have no'
+        f' array data in the store:\n{errors.list_paths([fmt(p) for p in absent])}\nThe item'
+        ' is damaged or incomplete (or its metadata was edited); use another step (`step`).'
     )
 
   def check_arrays_exist(self, paths: Iterable[Path] | None = None) -> None:
@@ -342,19 +374,9 @@ class Item:
       CorruptMetadataError: naming the leaves `_METADATA` lists that have no
         array data.
     """
-    wanted = self.leaves if paths is None else [self.by_path[p] for p in paths]
-    keys = self._listing
-    header = 'zarr.json' if self.use_zarr3 else '.zarray'
-    absent = [
-        fmt(leaf.path) for leaf in wanted
-        if leaf.has_zarr and f'{_orbax.array_name(leaf.path)}/{header}' not in keys
-    ]
+    absent = self._without_data(self.paths if paths is None else paths)
     if absent:
-      raise errors.CorruptMetadataError(
-          f'{self.directory}: {PYTREE_METADATA} lists {len(absent)} leaves that have no'
-          f' array data in the store:\n{errors.list_paths(absent)}\nThe item is damaged'
-          ' or incomplete (or its metadata was edited); use another step (`step`).'
-      )
+      raise self._no_data_error(sorted(absent))
 
   def arrays(self, paths: Iterable[Path] | None = None) -> dict[Path, ArrayInfo]:
     """Global shape and dtype of zarr leaves (arrays, scalars; all or those in `paths`).
@@ -415,25 +437,40 @@ class Item:
     """
     wanted = {p: tuple(s) for p, s in expected.items() if self.by_path[p].has_zarr}
     if len(wanted) > _HEADER_READS_UP_TO and self.stores_fill_chunks and self._chunk_shapes:
-      self.check_arrays_exist(wanted)
-      unsure = [p for p, shape in wanted.items() if not self._grid_has(p, shape)]
+      unsure = self._off_grid(wanted)
     else:
       unsure = list(wanted)
     actual = self.shapes(unsure)
     return {p: a for p, a in actual.items() if a != wanted[p]}
 
-  def _grid_has(self, path: Path, shape: tuple[int, ...]) -> bool:
-    """Whether the store holds exactly the chunk grid of `shape` for this array."""
-    name = _orbax.array_name(path)
-    chunk = self._chunk_shapes.get(name)
-    if chunk is None or len(chunk) != len(shape) or not all(chunk):
-      return False
-    grid = [-(-s // c) for s, c in zip(shape, chunk, strict=True)]
-    last = _orbax.chunk_key([g - 1 for g in grid], self.use_zarr3)
-    keys = self._keys
-    prefix = name + '/'
-    count = bisect.bisect_left(keys, name + '0') - bisect.bisect_left(keys, prefix)
-    return count - 1 == math.prod(grid) and f'{prefix}{last}' in self._listing  # 1: the header.
+  def _off_grid(self, wanted: Mapping[Path, tuple[int, ...]]) -> list[Path]:
+    """The arrays of `wanted` the listing does not show with exactly their shape's chunk grid.
+
+    One pass over the sorted listing per array (a few bisections).
+
+    Raises:
+      CorruptMetadataError: arrays without a header in the store.
+    """
+    header, chunks, zarr3 = self._header_name, self._chunk_shapes, self.use_zarr3
+    absent, unsure = [], []
+    for path, shape in wanted.items():
+      name = _orbax.array_name(path)
+      span = self._span(name)
+      if not self._holds(f'{name}/{header}', span):
+        absent.append(path)
+        continue
+      chunk = chunks.get(name)
+      if chunk is None or len(chunk) != len(shape) or not all(chunk):
+        unsure.append(path)
+        continue
+      grid = [-(-s // c) for s, c in zip(shape, chunk, strict=True)]
+      last = f'{name}/{_orbax.chunk_key([g - 1 for g in grid], zarr3)}'
+      # Exactly the grid's chunks, and the header: the shape is the expected one.
+      if span[1] - span[0] - 1 != math.prod(grid) or not self._holds(last, span):
+        unsure.append(path)
+    if absent:
+      raise self._no_data_error(sorted(absent))
+    return unsure
 
   @functools.cached_property
   def _chunk_shapes(self) -> dict[str, tuple[int, ...]]:
