@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -15,13 +16,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import conventions, errors, merge, reader
+from orbax_tunix import conventions, errors, merge, reader, transforms
 from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.maxtext import layers
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
 from orbax_tunix.maxtext.view import Shape
 from orbax_tunix.planned_item import PlannedItem
-from orbax_tunix.requests import args_by_path, is_key, sharding_of
+from orbax_tunix.requests import args_by_path, into, is_key, sharding_of
 
 PyTree = Any
 
@@ -115,6 +117,38 @@ def _host_int(array: jax.Array) -> int:
   return int(np.asarray(array.addressable_data(0)).item())
 
 
+def _make_derived(
+    plan: RestorePlan, resolved: Mapping[Path, tuple[jax.ShapeDtypeStruct, Any]]
+) -> dict[Path, jax.Array]:
+  """The derived target leaves, a group of leaves sharing their sources at a time.
+
+  Each group's sources are read (one restore) in the partition that lines up
+  with the target's, transformed on the devices into the target's sharding
+  and dtype, and released before the next group: at most the target plus one
+  group's sources are held (e.g. one stacked weight and its layers).
+  """
+  groups: dict[tuple[Source, ...], list[Path]] = {}
+  for target in sorted(plan.derived):
+    groups.setdefault(plan.derived[target].sources, []).append(target)
+  out: dict[Path, jax.Array] = {}
+  for sources, targets in groups.items():
+    derived = plan.derived[targets[0]]
+    first = resolved[targets[0]][0]
+    sharding = transforms.source_sharding(derived.transform, first.sharding, len(first.shape))
+    item = sources[0].item
+    requests = {s.path: into(shape, first.dtype, sharding)
+                for s, shape in zip(sources, derived.shapes, strict=True)}
+    planned = PlannedItem(plan.detection.item_meta(item), plan.detection.maps[item])
+    read = planned.read(requests)
+    inputs = [read[s.path] for s in sources]
+    for target in targets:
+      leaf = resolved[target][0]
+      make = transforms.on_devices(plan.derived[target].transform, leaf.sharding, leaf.dtype)
+      out[target] = make(*inputs)
+    del inputs, read
+  return out
+
+
 def execute_plan(
     plan: RestorePlan, abstract_state: PyTree, *, restore_args: PyTree | None = None
 ) -> PyTree:
@@ -134,14 +168,18 @@ def execute_plan(
   resolved = {
       p: _resolve(leaf, given.get(p))
       for p, leaf in pairs
-      if p in plan.reads or p in plan.fills
+      if p in plan.reads or p in plan.fills or p in plan.derived
   }
   # Each source is read once, with the args of the first target leaf it fills.
   primary: dict[Source, Path] = {}
   for target, source in sorted(plan.reads.items()):
     primary.setdefault(source, target)
   values: dict[Source, jax.Array] = {}
-  for item, paths in plan.sources().items():
+  direct = sorted({*plan.reads.values(), *(f.source for f in plan.fills.values() if f.source)})
+  by_item: dict[str, list[Path]] = {}
+  for source in direct:
+    by_item.setdefault(source.item, []).append(source.path)
+  for item, paths in by_item.items():
     requests = {}
     for path in paths:
       source = Source(item, path)
@@ -157,9 +195,12 @@ def execute_plan(
     planned = PlannedItem(plan.detection.item_meta(item), plan.detection.maps[item])
     read = planned.read(requests)
     values.update((Source(item, p), value) for p, value in read.items())
+  made = _make_derived(plan, resolved)
   leaves = []
   for path, leaf in pairs:
-    if path in plan.reads:
+    if path in made:
+      leaves.append(made.pop(path))
+    elif path in plan.reads:
       source = plan.reads[path]
       value = values[source]
       target = resolved[path][0]
@@ -189,6 +230,7 @@ def restore_train_state(
     lora_alpha: float | None = None,
     lora_scale: float | None = None,
     lora_base: epath.PathLike | None = None,
+    param_scan_axis: int = layers.DEFAULT_AXIS,
 ) -> PyTree:
   """Restores a Tunix checkpoint as MaxText's train state.
 
@@ -216,6 +258,11 @@ def restore_train_state(
       (`orbax_tunix.restore_merged_lora`); needs `params_only=True`.
     lora_alpha, lora_scale, lora_base: the merge's `alpha`, `scale` and
       `base` (the base weights' checkpoint, for an adapters-only save).
+    param_scan_axis: MaxText's layer axis of scanned weights. A checkpoint
+      holding the decoder's layers in the other form than the target
+      (`decoder/layers/<w>` stacked vs `decoder/layers_<i>/<w>`) is re-laid
+      to the target's: each layer a slice along this axis, or the layers
+      stacked along it (`mu`/`nu` alike).
 
   Returns:
     A tree of the same structure whose restored leaves are `jax.Array`s. Each
@@ -224,15 +271,16 @@ def restore_train_state(
   Raises:
     TargetMismatchError: the target does not fit the checkpoint (weights on
       one side only, shapes, optimizer states); raised before any array is
-      read. `LayerScanMismatchError` and `LoraOnlyCheckpointError` are the
-      scanned/unscanned and LoRA-only cases.
+      read. `LayerScanMismatchError` (scanned vs unscanned with layer counts
+      or an axis that do not fit) and `LoraOnlyCheckpointError` are two cases.
     UnsupportedLayoutError: not a Tunix checkpoint.
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
   if merge_lora or lora_base is not None:
     return _restore_merged(path, abstract_state, params_only, restore_args,
                            lora_alpha, lora_scale, lora_base)
-  plan = plan_restore(path, abstract_state, params_only=params_only)
+  plan = plan_restore(path, abstract_state, params_only=params_only,
+                      param_scan_axis=param_scan_axis)
   logger.debug('%s', plan.describe())
   return execute_plan(plan, abstract_state, restore_args=restore_args)
 

@@ -16,6 +16,7 @@ from etils import epath
 from orbax_tunix import conventions, errors, storage
 from orbax_tunix.detection import Detection, detect, wanted_items
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.maxtext import layers
 from orbax_tunix.maxtext.optimizer import (
   OptState,
   align_states,
@@ -34,7 +35,9 @@ from orbax_tunix.maxtext.train_state import (
 )
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
+from orbax_tunix.patterns import Mapped
 from orbax_tunix.requests import stored_shape
+from orbax_tunix.transforms import Transform
 
 PyTree = Any
 
@@ -78,6 +81,25 @@ class Fill:
 
 
 @dataclasses.dataclass(frozen=True)
+class Derived:
+  """A target leaf made from several Tunix leaves, or from one by a transform.
+
+  Attributes:
+    sources: the leaves it is made from, in order (e.g. the layers to stack).
+    transform: how (see `transforms.py`); the result is cast to the target's dtype.
+  """
+
+  sources: tuple[Source, ...]
+  transform: Transform
+  shapes: tuple[Shape, ...] = ()
+
+  def __str__(self) -> str:
+    first = ', '.join(str(s) for s in self.sources[:2])
+    more = f', ... ({len(self.sources)} in all)' if len(self.sources) > 2 else ''
+    return f'{self.transform} of {first}{more}'
+
+
+@dataclasses.dataclass(frozen=True)
 class RestorePlan:
   """Where every leaf of a MaxText target comes from; computed once, before any read.
 
@@ -86,8 +108,11 @@ class RestorePlan:
     detection: the step as detected (its items read once; execution reads
       through them without planning again).
     reads: target leaf path -> the Tunix leaf it is read from.
+    derived: target leaf path -> the Tunix leaves it is made from and how
+      (a layer of a stacked weight, the layers stacked).
     fills: target leaf path -> how it is filled (leaves Tunix never wrote).
-    kept: target leaves returned as given (outside `params` when params_only).
+    kept: target leaves returned as given (outside `params` when params_only;
+      RNG variables the checkpoint does not hold in the target's form).
     left_out: what the checkpoint holds that the target does not take.
     notes: what `detect()` noticed (e.g. unfinished steps skipped).
   """
@@ -99,11 +124,13 @@ class RestorePlan:
   kept: frozenset[Path]
   left_out: tuple[str, ...] = ()
   notes: tuple[str, ...] = ()
+  derived: Mapping[Path, Derived] = dataclasses.field(default_factory=dict)
 
   def sources(self) -> dict[str, list[Path]]:
     """Tunix item -> the canonical paths read from it, each once, sorted."""
     needed = set(self.reads.values())
     needed.update(f.source for f in self.fills.values() if f.source is not None)
+    needed.update(s for d in self.derived.values() for s in d.sources)
     out: dict[str, list[Path]] = {}
     for source in sorted(needed):
       out.setdefault(source.item, []).append(source.path)
@@ -115,6 +142,9 @@ class RestorePlan:
     lines += [f'  note: {n}' for n in self.notes]
     for item, paths in self.sources().items():
       lines.append(f'  read {len(paths)} arrays from {item}')
+    if self.derived:
+      lines.append(f'  make {len(self.derived)} target leaves from others, e.g.'
+                   f' {fmt(min(self.derived))} = {self.derived[min(self.derived)]}')
     for target, fill in sorted(self.fills.items()):
       lines.append(f'  fill {fmt(target)} from {fill.describe()}')
     if self.kept:
@@ -132,14 +162,28 @@ class _Draft:
 
   view: CheckpointView
   target: Mapping[Path, Shape | None]
+  axis: int = layers.DEFAULT_AXIS
   reads: dict[Path, Source] = dataclasses.field(default_factory=dict)
+  derived: dict[Path, Derived] = dataclasses.field(default_factory=dict)
   fills: dict[Path, Fill] = dataclasses.field(default_factory=dict)
+  kept: set[Path] = dataclasses.field(default_factory=set)
   left_out: list[str] = dataclasses.field(default_factory=list)
   problems: list[str] = dataclasses.field(default_factory=list)
   shapes: list[str] = dataclasses.field(default_factory=list)
+  # Canonical weight -> how it is made from the checkpoint's (the other layer form).
+  relaid: dict[Path, Mapped] = dataclasses.field(default_factory=dict)
+  # Stored shapes of the weights `relaid` reads, for the mirrored optimizer leaves.
+  relaid_shapes: dict[Path, Shape] = dataclasses.field(default_factory=dict)
+  # Optimizer leaves read for derived ones -> the shape of the weight they mirror.
+  mirrored_shapes: dict[Path, Shape] = dataclasses.field(default_factory=dict)
 
   def read(self, target: Path, item: str, path: Path) -> None:
     self.reads[target] = Source(item, path)
+
+  def derive(self, target: Path, item: str, paths: Sequence[Path], mapped: Mapped) -> None:
+    """`target` <- `mapped`'s transform of `paths` (the sources of `mapped`, or mirrors of them)."""
+    shapes = tuple(self.relaid_shapes[w] for w in mapped.sources)
+    self.derived[target] = Derived(tuple(Source(item, p) for p in paths), mapped.transform, shapes)
 
   def check_shapes(self) -> None:
     """Every read against the checkpoint's shapes, an item at a time, before any read."""
@@ -159,6 +203,11 @@ class _Draft:
               f'{fmt(target)}: target {self.target[target]}, checkpoint {have}'
               f' ({item}:{fmt(path)}, stored as {self.view.stored(item, path)})'
           )
+    # Leaves made from optimizer leaves that mirror relaid weights: their weights' shapes.
+    wanted = self.mirrored_shapes
+    for path, have in self.view.mismatched_shapes(conventions.OPTIMIZER_ITEM, wanted).items():
+      self.shapes.append(f'{conventions.OPTIMIZER_ITEM}:{fmt(path)}: expected {wanted[path]}'
+                         f' (its weight\'s shape), checkpoint {have}')
 
   @property
   def step_source(self) -> Source | None:
@@ -168,11 +217,31 @@ class _Draft:
 
 
 def _plan_weights(draft: _Draft, aux: frozenset[Path]) -> dict[Path, Path]:
-  """params/params/<w> <- model_params:<w>; returns canonical weight -> target path."""
+  """params/params/<w> <- model_params:<w>, or made from the other layer form of it.
+
+  Returns:
+    canonical weight -> target path.
+  """
+  view = draft.view
   weights = {p[2:]: p for p in draft.target if p[0] == PARAMS}
-  draft.problems += check_weights(draft.view, weights, draft.target, aux)
+  missing = [w for w in weights if w not in view.model]
+  others = [w for w in view.model if w not in weights and w not in aux]
+  if missing and layers.form_of(missing) and layers.form_of(others):
+    # The target asks for the other form of the layers (scanned vs unscanned).
+    shapes = view.shapes(conventions.MODEL_ITEM, others)
+    draft.relaid = layers.relayout(
+        shapes, {w: draft.target[t] for w, t in weights.items()}, draft.axis,
+        where=str(view.step_dir))
+    used = {s for m in draft.relaid.values() for s in m.sources}
+    draft.relaid_shapes = {s: shapes[s] for s in used}
+    aux = aux | used
+  plain = {w: t for w, t in weights.items() if w not in draft.relaid}
+  draft.problems += check_weights(view, plain, draft.target, aux)
   for w, target in weights.items():
-    if w in draft.view.model:
+    if w in draft.relaid:
+      mapped = draft.relaid[w]
+      draft.derive(target, conventions.MODEL_ITEM, mapped.sources, mapped)
+    elif w in view.model:
       draft.read(target, conventions.MODEL_ITEM, w)
   return weights
 
@@ -182,14 +251,21 @@ def _plan_aux(draft: _Draft, aux: frozenset[Path]) -> None:
   targets = [p for p in draft.target if p[0] == NNX_AUX]
   nested = targets and all(len(p) > 2 and p[1] == NNX_AUX_MODEL for p in targets)
   depth = 2 if nested else 1
-  missing = [p for p in targets if p[depth:] not in draft.view.model]
-  if missing:
-    draft.problems.append(
-        f'{len(missing)} {NNX_AUX} leaves are not in the checkpoint'
-        f"'s {conventions.MODEL_ITEM}:\n{errors.list_paths([fmt(p) for p in missing])}"
+  present = {p: draft.target[p] for p in targets if p[depth:] in draft.view.model}
+  # Kept as given, as MaxText keeps its own values for what a checkpoint lacks:
+  # leaves the checkpoint does not hold, or holds in another form (e.g. other
+  # RNG key data).
+  other = draft.view.mismatched_shapes(
+      conventions.MODEL_ITEM, {p[depth:]: s for p, s in present.items() if s is not None})
+  kept = [p for p in targets if p not in present or p[depth:] in other]
+  if kept:
+    draft.kept.update(kept)
+    draft.left_out.append(
+        f'{len(kept)} {NNX_AUX} leaves of the target kept as given (the checkpoint does not'
+        f' hold them, or holds them in another form), e.g. {fmt(kept[0])}'
     )
   for p in targets:
-    if p[depth:] in draft.view.model:
+    if p not in draft.kept:
       draft.read(p, conventions.MODEL_ITEM, p[depth:])
   taken = {s.path for s in draft.reads.values() if s.item == conventions.MODEL_ITEM}
   unused = sorted(w for w in aux if w not in taken)
@@ -255,7 +331,19 @@ def _plan_optimizer(
     node, field, weight = splits[p]
     i = index[node]
     if i in matched:
-      source = (OPT_STATE,) + source_states[matched[i]].node + (field,) + (weight or ())
+      node = (OPT_STATE,) + source_states[matched[i]].node + (field,)
+      if weight in draft.relaid:  # Mirrors a weight made from the other layer form.
+        mapped = draft.relaid[weight]
+        sources = [node + w for w in mapped.sources]
+        absent = [s for s in sources if s not in view.optimizer]
+        if absent:
+          missing.append(f'{fmt(p)} (checkpoint path {fmt(absent[0])})')
+        else:
+          draft.derive(p, conventions.OPTIMIZER_ITEM, sources, mapped)
+          draft.mirrored_shapes.update(
+              (s, draft.relaid_shapes[w]) for s, w in zip(sources, mapped.sources, strict=True))
+        continue
+      source = node + (weight or ())
       if source in view.optimizer:
         draft.read(p, conventions.OPTIMIZER_ITEM, source)
       else:
@@ -303,6 +391,7 @@ def make_plan(
     *,
     params_only: bool = False,
     notes: Sequence[str] = (),
+    param_scan_axis: int = layers.DEFAULT_AXIS,
 ) -> RestorePlan:
   """Works out where every target leaf comes from; a pure function of metadata.
 
@@ -312,6 +401,8 @@ def make_plan(
       stored (key data for PRNG keys).
     params_only: plan the `params` subtree only; other leaves are kept.
     notes: carried into the plan.
+    param_scan_axis: the layer axis of scanned weights (MaxText's; used when
+      the target and the checkpoint hold the layers in different forms).
 
   Returns:
     A `RestorePlan`.
@@ -339,7 +430,7 @@ def make_plan(
         f'{where}\nparams_only=True, but the target has no'
         f' {PARAMS}/{COLLECTION}/... leaves. Pass the abstract state with its params.'
     )
-  draft = _Draft(view, wanted)
+  draft = _Draft(view, wanted, param_scan_axis)
   # Which model leaves are weights: those the optimizer mirrors (its `wrt`),
   # never RNG state; with no optimizer item, everything but RNG state.
   source_splits = {
@@ -371,9 +462,10 @@ def make_plan(
       detection=view.detection,
       reads=draft.reads,
       fills=draft.fills,
-      kept=frozenset(p for p in target_shapes if p not in wanted),
+      kept=frozenset(p for p in target_shapes if p not in wanted) | frozenset(draft.kept),
       left_out=tuple(draft.left_out),
       notes=tuple(notes),
+      derived=draft.derived,
   )
 
 
@@ -404,7 +496,11 @@ def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
 
 
 def plan_restore(
-    path: epath.PathLike | Detection, abstract_state: PyTree, *, params_only: bool = False
+    path: epath.PathLike | Detection,
+    abstract_state: PyTree,
+    *,
+    params_only: bool = False,
+    param_scan_axis: int = layers.DEFAULT_AXIS,
 ) -> RestorePlan:
   """Plans restoring a Tunix checkpoint into a MaxText-shaped abstract state.
 
@@ -416,6 +512,7 @@ def plan_restore(
       `detect()` result.
     abstract_state: MaxText's train state, abstract (see `restore_train_state`).
     params_only: plan the `params` subtree only.
+    param_scan_axis: the layer axis of scanned weights (see `make_plan`).
 
   Returns:
     A `RestorePlan`; `describe()` says what it will do.
@@ -437,4 +534,5 @@ def plan_restore(
   pairs, _ = flatten(abstract_state)
   shapes = _target_shapes(pairs)
   view = read_view(detection)
-  return make_plan(view, shapes, params_only=params_only, notes=detection.notes)
+  return make_plan(view, shapes, params_only=params_only, notes=detection.notes,
+                   param_scan_axis=param_scan_axis)

@@ -56,6 +56,8 @@ class CheckpointView:
 
   def mismatched_shapes(self, item: str, expected: Mapping[Path, Shape]) -> dict[Path, Shape]:
     """The canonical leaves of `item` whose stored shape is not the expected one."""
+    if not expected:
+      return {}
     to_disk = self.detection.maps[item].canonical_to_disk
     found = self.detection.item_meta(item).mismatched_shapes(
         {to_disk[p]: shape for p, shape in expected.items()}

@@ -1,0 +1,208 @@
+"""Transforms: how source arrays become one destination array, as small values.
+
+A `Transform` is an optax-style pair of pure functions: `shape` works on shapes
+only (planning: it says what the destination's shape is, or why the sources
+do not fit) and `apply` on arrays (executing: `jax.numpy` operations, run on
+the devices, in the destination's sharding). Transforms compose with
+`chain`. Layouts (`layouts/`) are rules from canonical paths to destinations,
+each with a transform; nothing else here knows a layout.
+
+  IDENTITY                      one source, unchanged
+  transpose(perm)               axes permuted (reversed by default)
+  merge_axes(start, stop)       axes start..stop-1 flattened into one
+  take(axis, index)             one slice along an axis, the axis dropped
+  stack(axis)                   several sources stacked along a new axis
+  chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+class TransformError(ValueError):
+  """The sources' shapes do not fit a transform (raised while planning)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+  """Source arrays onto one destination array.
+
+  Attributes:
+    name: how `describe()` and messages show it (e.g. 'take(axis=1, index=3)').
+    shape: `(source shapes) -> destination shape`; raises `TransformError`
+      when the sources cannot be transformed so.
+    apply: `(source arrays) -> destination array`, with `jax.numpy`.
+    arity: how many sources it takes (None: one or more).
+  """
+
+  name: str
+  shape: Callable[[Sequence[Shape]], Shape] = dataclasses.field(repr=False)
+  apply: Callable[[Sequence[Any]], Any] = dataclasses.field(repr=False)
+  arity: int | None = 1
+  # The partition of each source (a `PartitionSpec` as a tuple, one entry per
+  # axis) that lines up with a partition of the destination: reading the
+  # sources so, the transform moves no data between devices.
+  source_spec: Callable[[tuple], tuple] = dataclasses.field(repr=False, default=lambda spec: spec)
+
+  def __str__(self) -> str:
+    return self.name
+
+  @property
+  def is_identity(self) -> bool:
+    return self is IDENTITY
+
+  def check(self, shapes: Sequence[Shape]) -> Shape:
+    """The destination shape for these sources (also checks their number)."""
+    shapes = [tuple(s) for s in shapes]
+    if self.arity is not None and len(shapes) != self.arity:
+      raise TransformError(f'{self.name} takes {self.arity} source(s), given {len(shapes)}')
+    if not shapes and self.arity != 0:
+      raise TransformError(f'{self.name} takes one or more sources, given none')
+    return tuple(self.shape(shapes))
+
+
+def _one(fn: Callable[[Shape], Shape]) -> Callable[[Sequence[Shape]], Shape]:
+  return lambda shapes: fn(shapes[0])
+
+
+IDENTITY = Transform('identity', _one(lambda s: s), lambda xs: xs[0])
+
+
+def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
+  return tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
+
+
+def transpose(perm: Sequence[int] | None = None) -> Transform:
+  """Axes permuted as `jnp.transpose(x, perm)` (None: reversed, as `.T`)."""
+  perm = None if perm is None else tuple(perm)
+
+  def shape(s: Shape) -> Shape:
+    order = tuple(reversed(range(len(s)))) if perm is None else perm
+    if sorted(order) != list(range(len(s))):
+      raise TransformError(f'transpose{perm}: does not fit a {len(s)}-d array {s}')
+    return tuple(s[i] for i in order)
+
+  def source_spec(spec: tuple) -> tuple:
+    order = tuple(reversed(range(len(spec)))) if perm is None else perm
+    return tuple(spec[i] for i in _inverse(order))
+
+  name = 'transpose' if perm is None else f'transpose{perm}'
+  return Transform(name, _one(shape), lambda xs: jnp.transpose(xs[0], perm),
+                   source_spec=source_spec)
+
+
+def merge_axes(start: int, stop: int) -> Transform:
+  """Axes `start` .. `stop - 1` flattened into one (a reshape, C order)."""
+
+  def shape(s: Shape) -> Shape:
+    if not 0 <= start < stop <= len(s):
+      raise TransformError(f'merge_axes({start}, {stop}): does not fit a {len(s)}-d array {s}')
+    return (*s[:start], math.prod(s[start:stop]), *s[stop:])
+
+  return Transform(
+      f'merge_axes({start}, {stop})', _one(shape),
+      lambda xs: jnp.reshape(xs[0], shape(xs[0].shape)),
+      # The merged axes unpartitioned: a partition of their product does not
+      # split into partitions of each.
+      source_spec=lambda spec: (*spec[:start], *(None,) * (stop - start), *spec[start + 1:]),
+  )
+
+
+def take(axis: int, index: int) -> Transform:
+  """Slice `index` along `axis`, the axis dropped (`jnp.take`, as MaxText unrolls layers)."""
+
+  def shape(s: Shape) -> Shape:
+    if not -len(s) <= axis < len(s):
+      raise TransformError(f'take(axis={axis}): a {len(s)}-d array {s} has no such axis')
+    if not 0 <= index < s[axis]:
+      raise TransformError(f'take(axis={axis}, index={index}): axis {axis} of {s} has {s[axis]}')
+    return s[:axis] + s[axis + 1:] if axis != -1 else s[:-1]
+
+  def source_spec(spec: tuple) -> tuple:
+    at = axis if axis >= 0 else len(spec) + 1 + axis
+    return (*spec[:at], None, *spec[at:])  # The taken axis whole on each device.
+
+  return Transform(f'take(axis={axis}, index={index})', _one(shape),
+                   lambda xs: jnp.take(xs[0], index, axis=axis), source_spec=source_spec)
+
+
+def stack(axis: int) -> Transform:
+  """The sources, all of one shape, stacked along a new axis `axis` (in their order)."""
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    first = shapes[0]
+    if any(s != first for s in shapes):
+      raise TransformError(f'stack(axis={axis}): sources of different shapes {sorted(set(shapes))}')
+    if not 0 <= axis <= len(first):
+      raise TransformError(f'stack(axis={axis}): does not fit {len(first)}-d sources {first}')
+    return (*first[:axis], len(shapes), *first[axis:])
+
+  return Transform(f'stack(axis={axis})', shape, lambda xs: jnp.stack(list(xs), axis=axis),
+                   arity=None, source_spec=lambda spec: (*spec[:axis], *spec[axis + 1:]))
+
+
+def chain(*transforms: Transform) -> Transform:
+  """The transforms one after the other; only the first may take several sources."""
+  transforms = tuple(t for t in transforms if not t.is_identity)
+  if not transforms:
+    return IDENTITY
+  if len(transforms) == 1:
+    return transforms[0]
+  if any(t.arity != 1 for t in transforms[1:]):
+    raise ValueError('chain: only the first transform may take several sources')
+  first, rest = transforms[0], transforms[1:]
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    out = first.check(shapes)
+    for t in rest:
+      out = t.check([out])
+    return out
+
+  def apply(xs: Sequence[Any]) -> Any:
+    out = first.apply(xs)
+    for t in rest:
+      out = t.apply([out])
+    return out
+
+  def source_spec(spec: tuple) -> tuple:
+    for t in reversed(transforms):
+      spec = t.source_spec(spec)
+    return spec
+
+  return Transform(' -> '.join(t.name for t in transforms), shape, apply, first.arity,
+                   source_spec)
+
+
+def source_sharding(
+    transform: Transform, dest: jax.sharding.Sharding, dest_ndim: int
+) -> jax.sharding.Sharding:
+  """The sharding to read a transform's sources in, for a destination in `dest`.
+
+  On a mesh, the partition that lines up with the destination's (the
+  transform then moves no data between devices); any other sharding is used
+  as it is when its devices hold whole arrays, else replicated over them.
+  """
+  if isinstance(dest, jax.sharding.NamedSharding):
+    spec = tuple(dest.spec) + (None,) * (dest_ndim - len(dest.spec))
+    return jax.sharding.NamedSharding(dest.mesh, jax.sharding.PartitionSpec(
+        *transform.source_spec(spec)))
+  if dest.is_fully_replicated:
+    return dest
+  devices = sorted(dest.device_set, key=lambda d: d.id)
+  mesh = jax.sharding.Mesh(np.array(devices), ('devices',))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def on_devices(transform: Transform, sharding: jax.sharding.Sharding, dtype: Any) -> Callable:
+  """`transform.apply` compiled for `sharding` and `dtype`, on the devices."""
+  return jax.jit(lambda *xs: transform.apply(xs).astype(dtype), out_shardings=sharding)
