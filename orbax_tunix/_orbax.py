@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
+from orbax.checkpoint._src.metadata import step_metadata_serialization as _step_serialization
 from orbax.checkpoint._src.metadata import tree as _tree_metadata
 from orbax.checkpoint._src.metadata.tree import InternalTreeMetadata
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
@@ -306,6 +307,11 @@ def merge_tree_metadata(
         'value_metadata': {'value_type': 'None', 'skip_deserialize': True},
     }
   return {**files[0], 'tree_metadata': entries}
+
+
+def serialize_step_metadata(meta: ocp.metadata.StepMetadata) -> dict[str, Any]:
+  """A step's metadata as Orbax writes it in `_CHECKPOINT_METADATA`."""
+  return _step_serialization.serialize(meta)
 
 
 def commits_with_file(path: epath.Path) -> bool:

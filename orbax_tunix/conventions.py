@@ -28,10 +28,18 @@ RNG_KEY = 'rngs'
 # MaxText's adapter (TunixMaxTextAdapter) puts the whole model under `base`.
 ADAPTER_KEY = 'base'
 
-# MaxText keeps one item, a Linen TrainState, its weights under the Linen
-# `params` collection.
+# MaxText keeps one item, a Linen TrainState (MaxText 0.2.5 writes its NNX state
+# in that layout): `params/params/<weights>` (the Linen `params` collection),
+# `opt_state` (the optax chain's states as a list, `None` where one is empty),
+# `step`, and `nnx_aux` for RNG and other non-weight variables (under nnx's
+# `model` level in MaxText's `to_checkpoint_dict`).
 MAXTEXT_ITEM = 'items'
 MAXTEXT_PARAMS: Path = ('params', 'params')
+MAXTEXT_OPT_STATE = 'opt_state'
+MAXTEXT_STEP = 'step'
+MAXTEXT_NNX_AUX = 'nnx_aux'
+MAXTEXT_NNX_AUX_MODEL = 'model'
+MAXTEXT_KEYS = (MAXTEXT_PARAMS[0], MAXTEXT_OPT_STATE, MAXTEXT_STEP, MAXTEXT_NNX_AUX)
 
 # RL trainers nest each model's steps one level deeper: <root>/actor/<step>.
 RL_ROLES = ('actor', 'critic')

@@ -1,49 +1,34 @@
-"""Convert: a checkpoint rewritten as an ordinary Orbax checkpoint, streamed and atomic.
+"""Convert: a checkpoint rewritten as an ordinary Orbax step, streamed and atomic.
 
-What is written (DST is a step directory):
+What is written (DST is a step directory) is a layout's (`layouts/`):
 
-* `--layout canonical`: one item per source PyTree item, each holding the
-  item's canonical tree (for Tunix: `model_params` without the nnx `value`
-  level and adapter `base` level, `optimizer_state` without the
-  inject_hyperparams shell). With `params_only`, only `model_params` holding
-  the weights (no RNG state).
-* `--layout maxtext` (with `params_only`): one item `items` holding
-  `{'params': {'params': <weights>}}`, no RNG state: MaxText's
-  `load_parameters_path` is then `DST/items`.
+* `canonical`: one item per source PyTree item, in the canonical view (for
+  Tunix: `model_params` without the nnx `value` and adapter `base` levels,
+  `optimizer_state` without the inject_hyperparams shell). With
+  `params_only`, only `model_params` holding the weights (no RNG state).
+* `maxtext`: the step MaxText 0.2.5 itself writes: one item `items` with
+  `params/params/<weights>`, and unless `params_only` the optimizer laid out
+  as MaxText's adamw chain and `step`; `scan_layers` writes the decoder's
+  layers in the other form.
 
 Every item is a plain `PyTreeCheckpointHandler` item and `_CHECKPOINT_METADATA`
-names that handler, so plain Orbax (`ocp.Checkpointer(
-ocp.CompositeCheckpointHandler()).restore(DST)`, or `ocp.CheckpointManager` on
-the parent when DST is named by its step number) restores it without this
-package. The step's custom metadata keeps the source's and adds
-`orbax_tunix`: where it came from, and the inject_hyperparams values the
-canonical view leaves out.
+names that handler, so plain Orbax (v0 and v1) restores it without this
+package. The step's custom metadata keeps the source's and adds `orbax_tunix`:
+where it came from, the inject_hyperparams values the canonical view leaves
+out, and a CRC-32 of every array.
 
-Streaming: leaves are read in batches whose bytes fit the memory budget (one
-Orbax partial restore each) and each batch is saved with Orbax's own
-`PyTreeCheckpointHandler` into the same item directory. With OCDBT (Orbax's
-default) every save adds its arrays to the item's per-process database, and
-Orbax appends to `_sharding` and `array_metadatas/` itself; but each save
-rewrites the tree metadata (`_METADATA`, one entry per leaf) with its own
-leaves only, so the entries of all saves are kept and written once at the end
-(the same union Orbax's own partial-save finalization does) before Orbax's
-`finalize` merges the OCDBT database into the item's root manifest.
-
-Committed as Orbax commits (`commit.Staging`): on a local disk everything is
-written to `<DST>.orbax-checkpoint-tmp-<ns>` beside DST (the name Orbax and
-this package treat as an unfinished step) and renamed to DST at the end; on a
-bucket, which has no rename, DST is written in place and `commit_success.txt`
-comes last, so an interrupted convert is an unfinished step to Orbax and to
-this package. Any failure or interrupt removes what was written. An existing
-DST is refused unless `force`, and then replaced only once the new one is
-complete.
+The layout's outputs are written by the one streaming writer (`writer.py`),
+in batches within the memory budget. Committed as Orbax commits
+(`commit.Staging`): on a local disk everything is written to
+`<DST>.orbax-checkpoint-tmp-<ns>` beside DST and renamed at the end; on a
+bucket DST is written in place and `commit_success.txt` comes last. Any
+failure or interrupt removes what was written. An existing DST is refused
+unless `force`, and then replaced only once the new one is complete.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -53,35 +38,30 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint._src.metadata import step_metadata_serialization
 
 from orbax_tunix import (
   __version__,
   _orbax,
   checksums,
   commit,
-  conventions,
   errors,
+  layouts,
   lora,
   reader,
   storage,
+  writer,
 )
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.commit import InvalidDestinationError
 from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.hyperparams import read_hyperparameters
-from orbax_tunix.keypaths import Path, fmt, nest
-from orbax_tunix.storage import (
-  CHECKPOINT_METADATA,
-  PYTREE_METADATA,
-  as_path,
-  read_json,
-  step_number,
-)
+from orbax_tunix.keypaths import fmt
+from orbax_tunix.outputs import ItemOutput
+from orbax_tunix.storage import CHECKPOINT_METADATA, as_path, step_number
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
-LAYOUTS = (CANONICAL, MAXTEXT)
+LAYOUTS = layouts.names()
 
 DEFAULT_MEMORY_BUDGET = reader.DEFAULT_MEMORY_BUDGET
 # Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
@@ -97,36 +77,13 @@ METADATA_KEY = checksums.RECORD_KEY
 
 
 @dataclasses.dataclass(frozen=True)
-class ItemPlan:
-  """One item to write.
-
-  Attributes:
-    name: the item written (e.g. 'model_params', or 'items' for MaxText).
-    source_item: the source item its leaves are read from.
-    leaves: the source leaves, in write order.
-    paths: the path each leaf is written under, in the same order.
-    json: a JSON item, copied whole (no leaves).
-  """
-
-  name: str
-  source_item: str
-  leaves: tuple[reader.LeafInfo, ...]
-  paths: tuple[Path, ...]
-  json: bool = False
-
-  @property
-  def nbytes(self) -> int:
-    return sum(leaf.nbytes for leaf in self.leaves)
-
-
-@dataclasses.dataclass(frozen=True)
 class ConvertPlan:
   """Everything a conversion does, decided from metadata before any write.
 
   Attributes:
     source: the source step, canonical.
     dst: the step directory to create.
-    layout: CANONICAL or MAXTEXT.
+    layout: the layout's name (see `layouts`).
     params_only: weights only (no optimizer state, no RNG state).
     dtype: floating leaves are cast to this dtype (None: kept).
     memory_budget: bytes of memory the streaming may use.
@@ -134,6 +91,7 @@ class ConvertPlan:
     items: the items to write.
     notes: things a person should know (e.g. items skipped).
     merge: the LoRA merge whose weights are written (None: leaves are copied).
+    custom_metadata: what the layout adds to the new step's custom metadata.
   """
 
   source: reader.CanonicalCheckpoint
@@ -143,17 +101,20 @@ class ConvertPlan:
   dtype: np.dtype | None
   memory_budget: int
   force: bool
-  items: tuple[ItemPlan, ...]
+  items: tuple[ItemOutput, ...]
   notes: tuple[str, ...] = ()
   merge: merge_lib.MergePlan | None = None
+  custom_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def total_bytes(self) -> int:
-    return sum(item.nbytes for item in self.items)
+    """Bytes of the source leaves read."""
+    read = {i.key: i.leaf.nbytes for item in self.items for o in item.outputs for i in o.inputs}
+    return sum(read.values())
 
   @property
   def num_leaves(self) -> int:
-    return sum(len(item.leaves) for item in self.items)
+    return sum(len(item.outputs) for item in self.items)
 
   @property
   def batch_bytes(self) -> int:
@@ -190,8 +151,8 @@ def _needs_x64(dtype: np.dtype | None) -> bool:
   return (dtype.kind in 'fiu' and dtype.itemsize == 8) or (dtype.kind == 'c' and dtype.itemsize == 16)
 
 
-def _check_representable(items: Sequence[ItemPlan], dtype: np.dtype | None) -> None:
-  """Refuses leaves JAX would silently narrow (float64 to float32, ...) with x64 off.
+def _check_representable(items: Sequence[ItemOutput]) -> None:
+  """Refuses outputs JAX would silently narrow (float64 to float32, ...) with x64 off.
 
   Raises:
     InvalidDestinationError: naming the leaves and the fix.
@@ -199,10 +160,8 @@ def _check_representable(items: Sequence[ItemPlan], dtype: np.dtype | None) -> N
   if jax.config.jax_enable_x64:
     return
   wide = [
-      f'{leaf.name} ({reader.cast_dtype(leaf, dtype)})'
-      for item in items
-      for leaf in item.leaves
-      if _needs_x64(reader.cast_dtype(leaf, dtype))
+      f'{item.name}/{fmt(o.path)} ({o.dtype})'
+      for item in items for o in item.outputs if _needs_x64(o.dtype)
   ]
   if wide:
     raise InvalidDestinationError(
@@ -268,6 +227,8 @@ def plan_convert(
     lora_alpha: float | None = None,
     lora_scale: float | None = None,
     base: epath.PathLike | None = None,
+    scan_layers: bool | None = None,
+    param_scan_axis: int = 1,
 ) -> ConvertPlan:
   """Plans a conversion from metadata only; nothing is written.
 
@@ -276,7 +237,7 @@ def plan_convert(
       item directory.
     dst: the step directory to create.
     step: the source step (see `reader.resolve`).
-    layout: CANONICAL or MAXTEXT (MAXTEXT needs `params_only`).
+    layout: a registered layout's name (`layouts.names()`: canonical, maxtext).
     params_only: write the weights only.
     dtype: cast floating leaves to this dtype.
     memory_budget: bytes the streaming may hold at once.
@@ -286,6 +247,10 @@ def plan_convert(
     merge_lora: write the weights with the LoRA adapters merged (weights
       only, as `params_only`); see `orbax_tunix.restore_merged_lora`.
     lora_alpha, lora_scale, base: the merge's `alpha`, `scale` and `base`.
+    scan_layers: the `maxtext` layout's form of the decoder's layers
+      (True: scanned, stacked along `param_scan_axis`; False: one array per
+      layer; None: as stored).
+    param_scan_axis: MaxText's layer axis of scanned weights.
 
   Returns:
     A `ConvertPlan`.
@@ -293,20 +258,11 @@ def plan_convert(
   Raises:
     InvalidDestinationError: bad options, or DST overlaps the source.
     DestinationExistsError: DST exists and not `force`.
-    TunixCheckpointError subclasses: the source is not readable.
+    TunixCheckpointError subclasses: the source is not readable, or cannot be
+      laid out as asked.
   """
-  if layout not in LAYOUTS:
-    raise InvalidDestinationError(
-        f'`layout` {layout!r}: expected one of {", ".join(LAYOUTS)}.'
-    )
+  chosen = layouts.get(layout)
   params_only = params_only or merge_lora
-  if layout == MAXTEXT and not params_only:
-    raise InvalidDestinationError(
-        '`layout` maxtext writes the parameter tree MaxText loads with'
-        ' load_parameters_path, and nothing else: add `params_only=True`. (A full'
-        ' MaxText TrainState with its optimizer state is not written by this'
-        ' command.)'
-    )
   if memory_budget < 1:
     raise InvalidDestinationError(
         f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
@@ -315,61 +271,31 @@ def plan_convert(
     raise InvalidDestinationError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
-  notes: list[str] = []
-  plans: list[ItemPlan] = []
-  found = None
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
             if merge_lora else None)
   _check_destination([source] if merged is None else [source, merged.base], dst, force)
-  prefix = conventions.MAXTEXT_PARAMS if layout == MAXTEXT else ()
-  name = conventions.MAXTEXT_ITEM if layout == MAXTEXT else conventions.MODEL_ITEM
-  if merged is not None:
-    weights = sorted(merged.weights.items())
-    plans.append(ItemPlan(
-        name=name,
-        source_item=conventions.MODEL_ITEM,
-        # The merged weights, as the base stores them, under the plain model's paths.
-        leaves=tuple(dataclasses.replace(s.leaf, item=name, path=p, disk_path=p)
-                     for p, s in weights),
-        paths=tuple(prefix + p for p, _ in weights),
-    ))
-    notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(weights)} weights')
-  elif params_only:
-    found = reader.weights(source)
-    source_items = {leaf.item for leaf, _ in found}
-    plans.append(
-        ItemPlan(
-            name=name,
-            source_item=source_items.pop(),  # weights() reads one item.
-            leaves=tuple(leaf for leaf, _ in found),
-            paths=tuple(prefix + path for _, path in found),
-        )
-    )
-    dropped = [
-        leaf for leaf in source.items.get(conventions.MODEL_ITEM, ())
-        if conventions.is_rng_state(leaf.path)
-    ]
-    if dropped:
-      notes.append(
-          f'left out {len(dropped)} RNG state leaves (paths with {conventions.RNG_KEY!r})'
-      )
-  else:
-    for name in sorted(source.items):
-      leaves = source.items[name]
-      if not leaves:
-        notes.append(f'skipped item {name!r}: it has no leaves')
-        continue
-      plans.append(ItemPlan(name, name, leaves, tuple(leaf.path for leaf in leaves)))
-    plans += [ItemPlan(name, name, (), (), json=True) for name in source.json_items]
   if merged is None:
-    _refuse_adapters_only(source, found)
+    _refuse_adapters_only(source)
+  laid = chosen.lay_out(layouts.Request(
+      source=source, params_only=params_only, dtype=dtype, merge=merged,
+      scan_layers=scan_layers, param_scan_axis=param_scan_axis,
+  ))
+  plans = [item for item in laid.items if item.outputs or item.json]
+  notes = list(source.detection.notes) + list(laid.notes)
+  notes += [f'skipped item {item.name!r}: nothing to write' for item in laid.items
+            if item not in plans]
+  if merged is not None:
+    notes.append(f'merging LoRA adapters into {len(merged.merges)} of'
+                 f' {len(merged.weights)} weights')
   if not plans:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: expected at least one PyTree item to convert,'
         f' found none ({"; ".join(notes) or "the step has no items"}).'
     )
-  _check_representable(plans, dtype)
-  largest = max((leaf.nbytes for item in plans for leaf in item.leaves), default=0)
+  for item in plans:
+    item.check()
+  _check_representable(plans)
+  largest = max((o.nbytes for item in plans for o in item.outputs), default=0)
   needed = reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest
   if memory_budget < needed:
     notes.append(
@@ -381,7 +307,7 @@ def plan_convert(
   return ConvertPlan(
       source=source,
       dst=dst,
-      layout=layout,
+      layout=chosen.name,
       params_only=params_only,
       dtype=dtype,
       memory_budget=memory_budget,
@@ -389,6 +315,7 @@ def plan_convert(
       items=tuple(plans),
       notes=tuple(notes),
       merge=merged,
+      custom_metadata=dict(laid.custom_metadata),
   )
 
 
@@ -408,19 +335,16 @@ def _open_source(
   return source
 
 
-def _refuse_adapters_only(
-    source: reader.CanonicalCheckpoint, found: list[tuple[reader.LeafInfo, Path]] | None
-) -> None:
+def _refuse_adapters_only(source: reader.CanonicalCheckpoint) -> None:
   """A LoRA run saved without its base weights cannot be converted as it is.
 
   Raises:
     LoraOnlyCheckpointError: saying how to merge instead.
   """
-  if found is None:  # Not yet listed by the caller.
-    try:
-      found = reader.weights(source)
-    except errors.UnsupportedLayoutError:
-      return  # No model weights (an optimizer item alone, say): nothing to refuse.
+  try:
+    found = reader.weights(source)
+  except (errors.UnsupportedLayoutError, errors.MissingItemError):
+    return  # No model weights (an optimizer item alone, say): nothing to refuse.
   if lora.adapters_only(path for _, path in found):
     adapters = [fmt(path) for _, path in found]
     raise errors.LoraOnlyCheckpointError(
@@ -430,65 +354,6 @@ def _refuse_adapters_only(
         ' Merge them into the base weights the run started from: `merge_lora=True`,'
         ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint).'
     )
-
-
-def _read_batch(plan: ConvertPlan, item: ItemPlan, batch: Sequence[reader.LeafInfo]) -> list[Any]:
-  """One batch of an item's values: copied leaves, or merged weights (on one CPU device)."""
-  if plan.merge is None:
-    return reader.read(plan.source, item.source_item, batch, as_numpy=False, dtype=plan.dtype)
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-  targets = {
-      leaf.path: jax.ShapeDtypeStruct(leaf.shape, reader.cast_dtype(leaf, plan.dtype), sharding=cpu)
-      for leaf in batch
-  }
-  values = merge_lib.read_merged(plan.merge, targets)
-  return [values[leaf.path] for leaf in batch]
-
-
-def _write_item(
-    plan: ConvertPlan,
-    item: ItemPlan,
-    item_dir: epath.Path,
-    progress: reader.Progress,
-) -> dict[str, str]:
-  """Streams one item into `item_dir`, batch by batch, with Orbax's handler.
-
-  Returns:
-    The checksum of every leaf written, by formatted path (see `checksums`).
-  """
-  item_dir.mkdir(parents=True, exist_ok=True)
-  writer = ocp.PyTreeCheckpointHandler()
-  dst_path = dict(zip((leaf.disk_path for leaf in item.leaves), item.paths, strict=True))
-  written: list[dict[str, Any]] = []
-  sums: dict[str, str] = {}
-  with concurrent.futures.ThreadPoolExecutor(1) as summer:
-    for batch in reader.batches(item.leaves, plan.batch_bytes):
-      values = _read_batch(plan, item, batch)
-      paths = [dst_path[leaf.disk_path] for leaf in batch]
-      # Checksums are taken beside the write (zlib releases the GIL).
-      summing = summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
-      writer.save(item_dir, args=ocp.args.PyTreeSave(nest(zip(paths, values, strict=True))))
-      sums.update(zip((checksums.key(p) for p in paths), summing.result(), strict=True))
-      del values, summing  # Free the batch before the next is read.
-      # Each save writes `_METADATA` for its own leaves only: keep them all.
-      written.append(read_json(item_dir / PYTREE_METADATA))
-      progress.advance(sum(leaf.nbytes for leaf in batch))
-  # Written as it was read (no rewrite, no new prefix): keep the source's
-  # containers (lists, None) too.
-  source = plan.source.detection.item_meta(item.source_item)
-  same = plan.merge is None and all(
-      p == leaf.disk_path for p, leaf in zip(item.paths, item.leaves, strict=True)
-  )
-  merged = _orbax.merge_tree_metadata(
-      written,
-      key_types={leaf.path: leaf.key_types for leaf in source.leaves} if same else None,
-      empty_nodes=[(leaf.path, leaf.key_types) for leaf in source.leaves if leaf.is_empty]
-      if same and not plan.params_only else (),
-  )
-  (item_dir / PYTREE_METADATA).write_text(json.dumps(merged))
-  writer.finalize(item_dir)
-  (item_dir / commit.COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {item_dir}')
-  return sums
 
 
 def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str, Any]:
@@ -524,6 +389,7 @@ def _write_step_metadata(
     tmp: epath.Path, plan: ConvertPlan, init_ns: int, sums: dict[str, dict[str, str]]
 ) -> None:
   custom = dict(plan.source.detection.source.custom_metadata)
+  custom.update(plan.custom_metadata)
   custom[METADATA_KEY] = _provenance(plan, sums)
   meta = ocp.metadata.StepMetadata(
       item_handlers={
@@ -534,10 +400,7 @@ def _write_step_metadata(
       custom_metadata=custom,
   )
   store = ocp.metadata.metadata_store(enable_write=True, blocking_write=True)
-  store.write(
-      file_path=tmp / CHECKPOINT_METADATA,
-      metadata=step_metadata_serialization.serialize(meta),
-  )
+  store.write(file_path=tmp / CHECKPOINT_METADATA, metadata=_orbax.serialize_step_metadata(meta))
 
 
 def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> ConvertResult:
@@ -573,13 +436,14 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   try:
     for item in plan.items:
       if item.json:
+        ckpt, name = item.json
         (work / item.name).mkdir(parents=True, exist_ok=True)
         ocp.JsonCheckpointHandler().save(
-            work / item.name,
-            args=ocp.args.JsonSave(reader.read_json_item(plan.source, item.source_item)),
-        )
+            work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
         continue
-      sums[item.name] = _write_item(plan, item, work / item.name, progress)
+      sink = writer.OrbaxItemSink(item, work / item.name)
+      record = writer.write(item.outputs, sink, plan.batch_bytes, progress)
+      sums[item.name] = record['checksums']
     _write_step_metadata(work, plan, init_ns, sums)
     replaced = staging.commit()
   except OSError as e:
@@ -596,7 +460,7 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
     progress.finish()
   return ConvertResult(
       dst=plan.dst,
-      items={item.name: len(item.leaves) for item in plan.items},
+      items={item.name: len(item.outputs) for item in plan.items},
       bytes_read=plan.total_bytes,
       seconds=time.monotonic() - start,
       replaced=replaced,

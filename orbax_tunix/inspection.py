@@ -219,7 +219,7 @@ def _mirrors(
   if not weights or not sub:
     return False
   for rel, leaf in sub:
-    if rel[:1] == ('params',) and rel not in weights:
+    if rel[:1] == conventions.MAXTEXT_PARAMS[1:] and rel not in weights:
       rel = rel[1:]  # MaxText keeps the `params` collection level in mu/nu.
     if rel not in weights or weights[rel] != leaf.shape:
       return False
@@ -279,7 +279,7 @@ def _optimizer_leaves(ckpt: reader.CanonicalCheckpoint) -> tuple[str | None, lis
   if conventions.MAXTEXT_ITEM in ckpt.items:
     found = [
         (leaf.path, leaf) for leaf in ckpt.items[conventions.MAXTEXT_ITEM]
-        if leaf.path[:1] == ('opt_state',)
+        if leaf.path[:1] == (conventions.MAXTEXT_OPT_STATE,)
     ]
     if found:
       return conventions.MAXTEXT_ITEM, found

@@ -25,18 +25,12 @@ from etils import epath
 
 from orbax_tunix import errors, lora, reader
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.outputs import Input, Output, copied
 from orbax_tunix.planned_item import PlannedItem
 from orbax_tunix.requests import into, sharding_of
+from orbax_tunix.transforms import Transform
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """Where one leaf is read from: a checkpoint, and its leaf there."""
-
-  ckpt: reader.CanonicalCheckpoint
-  leaf: reader.LeafInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +38,7 @@ class Merge:
   """One adapted weight: its base, its adapters, and how they combine."""
 
   adapter: lora.Adapter
-  base: Source
+  base: Input
   a: reader.LeafInfo
   b: reader.LeafInfo
   scale: float
@@ -65,7 +59,7 @@ class MergePlan:
 
   lora: reader.CanonicalCheckpoint
   base: reader.CanonicalCheckpoint
-  weights: Mapping[Path, Source]
+  weights: Mapping[Path, Input]
   merges: Mapping[Path, Merge]
 
   def shapes(self) -> dict[Path, tuple[tuple[int, ...], np.dtype]]:
@@ -172,7 +166,7 @@ def plan_merge(
       bad.append(f'{fmt(weight)} {found.shape}: the base holds {found.stored} {found.shape};'
                  f' {a.stored} {a.shape} ⊗ {b.stored} {b.shape}')
       continue
-    merges[weight] = Merge(adapter, Source(base_ckpt, found), a, b,
+    merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b,
                            lora.scale_of(adapter, alpha, scale), arranged)
   where = base_ckpt.step_dir
   if missing:
@@ -190,7 +184,7 @@ def plan_merge(
         ' checkpoint is not the one these adapters were trained on, or the layer'
         ' arranges its weight in a way the shapes alone do not determine.'
     )
-  sources = {p: Source(base_ckpt, leaf) for p, leaf in base_weights.items()}
+  sources = {p: Input(base_ckpt, leaf) for p, leaf in base_weights.items()}
   return MergePlan(lora_ckpt, base_ckpt, sources, merges)
 
 
@@ -205,9 +199,8 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-@functools.lru_cache(maxsize=256)
-def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.sharding.Sharding):
-  """One jitted merge per arrangement: float32 math, the weight's buffer reused."""
+def combine(contraction: lora.Contraction, scale: float):
+  """`(w, a, b) -> w + scale * (a ⊗ b)` arranged into `w`: float32 math, `w`'s dtype."""
 
   def merge(w, a, b):
     delta = jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
@@ -217,9 +210,46 @@ def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.shardin
       delta = delta.transpose(contraction.permutation)
     return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
 
+  return merge
+
+
+def as_transform(merge: Merge) -> Transform:
+  """One adapted weight's merge as a `Transform` of (W, a, b), for the writer."""
+  fn = combine(merge.contraction, merge.scale)
+  return Transform(
+      f'lora_merge(rank={merge.adapter.rank}, scale={merge.scale:g})',
+      shape=lambda shapes: tuple(shapes[0]), apply=lambda xs: fn(*xs), arity=3,
+  )
+
+
+def outputs(plan: MergePlan, prefix: Path, dtype: np.dtype | None) -> list[Output]:
+  """The merged model's weights as writer outputs, under `prefix`.
+
+  An adapted weight is read in its output dtype, its adapters in float32.
+  """
+  out = []
+  for path, source in sorted(plan.weights.items()):
+    merge = plan.merges.get(path)
+    if merge is None:
+      out.append(copied(Input(source.ckpt, source.leaf), prefix + path, dtype))
+      continue
+    written = reader.cast_dtype(source.leaf, dtype)
+    out.append(Output(
+        path=prefix + path,
+        inputs=(Input(source.ckpt, source.leaf), Input(plan.lora, merge.a),
+                Input(plan.lora, merge.b)),
+        transform=as_transform(merge), shape=source.leaf.shape, dtype=written,
+        read_dtypes=(written, np.dtype(np.float32), np.dtype(np.float32)),
+    ))
+  return out
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.sharding.Sharding):
+  """One jitted merge per arrangement, on the devices: the weight's buffer reused."""
   everywhere = _replicated(sharding)
-  return jax.jit(merge, donate_argnums=0, in_shardings=(sharding, everywhere, everywhere),
-                 out_shardings=sharding)
+  return jax.jit(combine(contraction, scale), donate_argnums=0,
+                 in_shardings=(sharding, everywhere, everywhere), out_shardings=sharding)
 
 
 def check_target(plan: MergePlan, targets: Mapping[Path, Any]) -> None:

@@ -357,7 +357,7 @@ def cast_dtype(leaf: LeafInfo, dtype: np.dtype | None) -> np.dtype | None:
   return np.dtype(dtype)
 
 
-def _request(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple[Any, Any]:
+def request_for(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple[Any, Any]:
   """(target leaf, RestoreArgs) for one leaf; numpy when `sharding` is None."""
   if leaf.kind == STRING:
     return '', ocp.RestoreArgs(restore_type=str)
@@ -395,7 +395,7 @@ def read(
   sharding = None if as_numpy else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
   planned = PlannedItem(ckpt.detection.item_meta(item), ckpt.detection.maps[item])
   values = planned.read({
-      leaf.path: _request(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding)
+      leaf.path: request_for(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding)
       for leaf in leaves
   })
   return [_as_stored(values[leaf.path], leaf, cast_dtype(leaf, dtype)) for leaf in leaves]

@@ -12,6 +12,7 @@ each with a transform; nothing else here knows a layout.
   merge_axes(start, stop)       axes start..stop-1 flattened into one
   take(axis, index)             one slice along an axis, the axis dropped
   stack(axis)                   several sources stacked along a new axis
+  constant(value)               no source: a known value
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
 """
 
@@ -66,7 +67,7 @@ class Transform:
     shapes = [tuple(s) for s in shapes]
     if self.arity is not None and len(shapes) != self.arity:
       raise TransformError(f'{self.name} takes {self.arity} source(s), given {len(shapes)}')
-    if not shapes and self.arity != 0:
+    if not shapes and self.arity is None:
       raise TransformError(f'{self.name} takes one or more sources, given none')
     return tuple(self.shape(shapes))
 
@@ -149,6 +150,12 @@ def stack(axis: int) -> Transform:
 
   return Transform(f'stack(axis={axis})', shape, lambda xs: jnp.stack(list(xs), axis=axis),
                    arity=None, source_spec=lambda spec: (*spec[:axis], *spec[axis + 1:]))
+
+
+def constant(value: Any) -> Transform:
+  """No source: the value itself (a count Tunix never wrote, filled from a known number)."""
+  return Transform(f'constant({value})', lambda shapes: (), lambda xs: jnp.asarray(value),
+                   arity=0)
 
 
 def chain(*transforms: Transform) -> Transform:

@@ -22,7 +22,7 @@ import orbax_tunix
 from orbax_tunix import cli, convert, inspection, reader, storage
 from orbax_tunix.cli import commands, display, progress
 from orbax_tunix.keypaths import flat_dict, fmt
-from tests import test_handlers
+from tests import builders, test_handlers
 
 FIXTURES = tuple(test_handlers.FIXTURES)
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -327,10 +327,39 @@ def test_convert_maxtext_params_as_maxtext_reads_them(capsys, tunix_data, tmp_pa
   assert status == 1 and 'add --params-only' in out
 
 
-def test_convert_maxtext_needs_params_only(capsys, tunix_data, tmp_path):
-  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', tmp_path / '1', '--layout', 'maxtext')
-  assert status == 2 and '--params-only' in err
+def test_convert_maxtext_full_state_needs_the_optimizer(capsys, tunix_data, tmp_path):
+  """A weights-only save has no optimizer state for MaxText to continue: --params-only."""
+  status, _, err = run(capsys, 'convert', tunix_data / 'lora_base', tmp_path / '1', '--layout', 'maxtext')
+  assert status == 2 and '--params-only' in err and 'optimizer_state' in err
   assert not (tmp_path / '1').exists()
+
+
+def test_convert_maxtext_full_state(capsys, tunix_data, tmp_path):
+  """MaxText's own train state: params/params, opt_state as adamw's list, step int32."""
+  dst = tmp_path / '2'
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', dst, '--layout', 'maxtext')
+  assert status == 0, err
+  restored = ocp.PyTreeCheckpointHandler().restore(dst / 'items')
+  raw = {item: builders.raw_leaves(tunix_data / 'sft_full' / '2' / item)
+         for item in ('model_params', 'optimizer_state')}
+  opt = restored['opt_state']
+  assert isinstance(opt, list) and len(opt) == 3 and opt[1] is None
+  assert set(opt[0]) == {'count', 'mu', 'nu'} and set(opt[2]) == {'count'}
+  assert np.asarray(restored['step']).dtype == np.int32
+  assert int(restored['step']) == int(raw['optimizer_state']['step/value'])
+  # Tunix's adamw(1e-3) has no schedule state: MaxText's schedule count is the step.
+  assert int(opt[2]['count']) == int(raw['optimizer_state']['step/value'])
+  assert int(opt[0]['count']) == int(raw['optimizer_state']['opt_state/0/count/value'])
+  for path, value in raw['model_params'].items():
+    w = tuple(path.split('/')[:-1])
+    for tree, prefix in ((restored['params']['params'], 'model_params'),
+                         (opt[0]['mu']['params'], 'opt_state/0/mu'),
+                         (opt[0]['nu']['params'], 'opt_state/0/nu')):
+      got = tree
+      for k in w:
+        got = got[k]
+      want = value if prefix == 'model_params' else raw['optimizer_state'][f'{prefix}/{path}']
+      np.testing.assert_array_equal(np.asarray(got), want, err_msg=f'{prefix}/{path}')
 
 
 def test_convert_params_only_of_a_lora_only_save_fails_as_the_api_does(tunix_data, tmp_path):

@@ -142,6 +142,8 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       lora_alpha=args.lora_alpha,
       lora_scale=args.lora_scale,
       base=args.base,
+      scan_layers=args.scan_layers,
+      param_scan_axis=args.param_scan_axis,
   )
   for note in plan.notes:
     print(f'note: {as_flags(note)}', file=sys.stderr)
@@ -235,6 +237,8 @@ _FLAGS = {
     'lora_scale': '--lora-scale',
     'scale': '--lora-scale',
     'base': '--base',
+    'scan_layers': '--scan-layers',
+    'param_scan_axis': '--param-scan-axis',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
@@ -266,6 +270,13 @@ def _step(text: str) -> int:
   if value < 0:
     raise argparse.ArgumentTypeError(f'{text!r}: step numbers are not negative.')
   return value
+
+
+def _bool(text: str) -> bool:
+  value = text.strip().lower()
+  if value not in ('true', 'false'):
+    raise argparse.ArgumentTypeError(f'{text!r}: expected true or false.')
+  return value == 'true'
 
 
 def _atol(text: str) -> float:
@@ -341,17 +352,19 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser(
       'convert', parents=[common],
-      help='write an ordinary Orbax checkpoint (canonical, or MaxText parameters)',
+      help='write an ordinary Orbax checkpoint (canonical, or MaxText\'s own step)',
       description=(
           'Write SRC as an ordinary Orbax checkpoint that plain Orbax restores'
           ' without this package. DST is the step directory to create; name it by'
           ' its step number (out/1000) to make its parent a root that'
           ' ocp.CheckpointManager reads. canonical: one item per source item,'
-          ' canonical (model_params, optimizer_state). maxtext --params-only: item'
-          ' "items" holding {"params": {"params": <weights>}} without RNG state;'
-          ' point MaxText\'s load_parameters_path at DST/items. Streams in batches'
-          ' within --memory-budget; written beside DST and renamed at the end, so'
-          ' a failure leaves no DST. Check the result with: orbax-tunix diff SRC DST.'
+          ' canonical (model_params, optimizer_state). maxtext: the step MaxText'
+          ' itself writes, item "items": params/params/<weights>, opt_state as'
+          ' MaxText\'s adamw chain and step (MaxText resumes from it as step N of'
+          ' its run); with --params-only the weights alone (MaxText\'s'
+          ' load_parameters_path). Streams in batches within --memory-budget;'
+          ' written beside DST and renamed at the end, so a failure leaves no DST.'
+          ' Check the result with: orbax-tunix diff SRC DST.'
       ),
   )
   p.add_argument('src', metavar='SRC')
@@ -360,7 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
   p.add_argument('--layout', choices=convert_lib.LAYOUTS, default=convert_lib.CANONICAL,
-                 help='canonical (default) or maxtext (needs --params-only)')
+                 help="canonical (default), or maxtext: MaxText's own step (its full train"
+                 ' state; with --params-only its weights)')
+  p.add_argument('--scan-layers', type=_bool, metavar='{true,false}',
+                 help="maxtext: write the decoder's layers scanned (true: stacked along"
+                 ' --param-scan-axis) or unscanned (false: one array per layer); default: as'
+                 ' stored')
+  p.add_argument('--param-scan-axis', type=int, default=1, metavar='AXIS',
+                 help="MaxText's param_scan_axis, the layer axis of scanned weights (default 1)")
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 
+from orbax_tunix.conventions import MAXTEXT_OPT_STATE as OPT_STATE
 from orbax_tunix.keypaths import Path, fmt, natural_order
-from orbax_tunix.maxtext.train_state import OPT_STATE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,15 +24,7 @@ from orbax_tunix.maxtext.optimizer import (
   opt_states,
   split_opt_path,
 )
-from orbax_tunix.maxtext.train_state import (
-  COLLECTION,
-  NNX_AUX,
-  NNX_AUX_MODEL,
-  OPT_STATE,
-  PARAMS,
-  STEP,
-  TOP_KEYS,
-)
+from orbax_tunix.maxtext.train_state import COLLECTION, OPT_STATE, PARAMS, STEP
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
 from orbax_tunix.patterns import Mapped
@@ -248,8 +240,8 @@ def _plan_weights(draft: _Draft, aux: frozenset[Path]) -> dict[Path, Path]:
 
 def _plan_aux(draft: _Draft, aux: frozenset[Path]) -> None:
   """nnx_aux[/model]/<path> <- model_params:<path>; other RNG state is left out."""
-  targets = [p for p in draft.target if p[0] == NNX_AUX]
-  nested = targets and all(len(p) > 2 and p[1] == NNX_AUX_MODEL for p in targets)
+  targets = [p for p in draft.target if p[0] == conventions.MAXTEXT_NNX_AUX]
+  nested = targets and all(len(p) > 2 and p[1] == conventions.MAXTEXT_NNX_AUX_MODEL for p in targets)
   depth = 2 if nested else 1
   present = {p: draft.target[p] for p in targets if p[depth:] in draft.view.model}
   # Kept as given, as MaxText keeps its own values for what a checkpoint lacks:
@@ -261,8 +253,8 @@ def _plan_aux(draft: _Draft, aux: frozenset[Path]) -> None:
   if kept:
     draft.kept.update(kept)
     draft.left_out.append(
-        f'{len(kept)} {NNX_AUX} leaves of the target kept as given (the checkpoint does not'
-        f' hold them, or holds them in another form), e.g. {fmt(kept[0])}'
+        f'{len(kept)} {conventions.MAXTEXT_NNX_AUX} leaves of the target kept as given (the'
+        f' checkpoint does not hold them, or holds them in another form), e.g. {fmt(kept[0])}'
     )
   for p in targets:
     if p not in draft.kept:
@@ -416,13 +408,14 @@ def make_plan(
   where = f'{view.step_dir}: the MaxText target does not match the Tunix checkpoint.'
   unknown = [
       p for p in wanted
-      if p[0] not in TOP_KEYS or (p[0] == PARAMS and (len(p) < 3 or p[1] != COLLECTION))
+      if p[0] not in conventions.MAXTEXT_KEYS or (p[0] == PARAMS and (len(p) < 3 or p[1] != COLLECTION))
   ]
   if unknown:
     raise errors.TargetMismatchError(
         f'{where}\n{len(unknown)} target leaves are not where a MaxText train'
         f' state has them (params/{COLLECTION}/<weights>, {OPT_STATE}/...,'
-        f' {STEP}, {NNX_AUX}/...):\n{errors.list_paths([fmt(p) for p in unknown])}\n'
+        f' {STEP}, {conventions.MAXTEXT_NNX_AUX}/...):\n'
+        f'{errors.list_paths([fmt(p) for p in unknown])}\n'
         'Pass the train state MaxText builds (or a dict with the same key paths).'
     )
   if params_only and not wanted:

@@ -1,15 +1,76 @@
-"""MaxText's train state: the key paths a restore target has.
+"""MaxText's train state as it saves it, as data: what a converted step must hold.
 
-MaxText keeps one item, `items`, holding a Linen `TrainState`; these are its
-top-level keys and the Linen collection its weights sit in.
+MaxText 0.2.5 (`opt_type=adamw`, its default) trains with
+`optax.adamw(schedule)`: `chain(scale_by_adam, add_decayed_weights,
+scale_by_learning_rate)`, saved as the list
+`[{count, mu: {params: <weights>}, nu: {params: <weights>}}, None, {count}]`;
+`step` is int32. `template` builds that train state's leaves for a given set
+of weights; the MaxText view (`plan.make_plan`) maps a Tunix step onto it, as
+it maps one onto an abstract state a caller gives.
 """
 
-# MaxText's TrainState keys, and the Linen collection its weights sit in.
-PARAMS = 'params'
-COLLECTION = 'params'
-OPT_STATE = 'opt_state'
-STEP = 'step'
-NNX_AUX = 'nnx_aux'
-# MaxText's `to_checkpoint_dict` keeps nnx's `model` level inside `nnx_aux`.
-NNX_AUX_MODEL = 'model'
-TOP_KEYS = (PARAMS, OPT_STATE, STEP, NNX_AUX)
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from orbax_tunix.conventions import MAXTEXT_OPT_STATE, MAXTEXT_PARAMS, MAXTEXT_STEP
+from orbax_tunix.keypaths import Path
+
+# The names the MaxText view uses (defined once, in `conventions`).
+PARAMS, COLLECTION = MAXTEXT_PARAMS
+OPT_STATE = MAXTEXT_OPT_STATE
+STEP = MAXTEXT_STEP
+
+# MaxText's adamw chain as saved: per position, its fields (those mirroring the
+# weights marked), or None for an empty state.
+ADAMW: tuple[tuple[tuple[str, bool], ...] | None, ...] = (
+    (('count', False), ('mu', True), ('nu', True)),
+    None,
+    (('count', False),),
+)
+COUNT_DTYPE = np.dtype(np.int32)
+STEP_DTYPE = np.dtype(np.int32)
+
+
+def template(
+    weights: Mapping[Path, jax.ShapeDtypeStruct],
+    *,
+    params_only: bool = False,
+    chain: tuple = ADAMW,
+) -> dict[Path, jax.ShapeDtypeStruct]:
+  """MaxText's train state for these weights, leaf by leaf (no `nnx_aux`).
+
+  Args:
+    weights: weight path (no `params` level) -> its shape and dtype.
+    params_only: the weights alone (`params/params/<weights>`).
+    chain: the optimizer's states as MaxText saves them (see `ADAMW`);
+      mirroring fields take each weight's shape and dtype.
+
+  Returns:
+    leaf path -> `jax.ShapeDtypeStruct`.
+  """
+  out = {MAXTEXT_PARAMS + w: leaf for w, leaf in weights.items()}
+  if params_only:
+    return out
+  for position, fields in enumerate(chain):
+    for field, mirrored in fields or ():
+      node = (OPT_STATE, str(position), field)
+      if mirrored:
+        out.update(((*node, COLLECTION) + w, leaf) for w, leaf in weights.items())
+      else:
+        out[node] = jax.ShapeDtypeStruct((), COUNT_DTYPE)
+  out[(STEP,)] = jax.ShapeDtypeStruct((), STEP_DTYPE)
+  return out
+
+
+def containers(chain: tuple = ADAMW) -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...]], ...]]:
+  """(sequence nodes, empty nodes with their key types) of the saved train state.
+
+  MaxText's `opt_state` is a list (its positions are sequence keys) with
+  `None` where a state is empty.
+  """
+  empty = tuple(((OPT_STATE, str(i)), (2, 1)) for i, fields in enumerate(chain) if fields is None)
+  return frozenset({(OPT_STATE,)}), empty

@@ -1,0 +1,108 @@
+"""Output layouts, found by name: what a converted step (or an export) holds.
+
+A `Layout` is a value: its name, a line for people, and `lay_out(request)`,
+a pure function of the source checkpoint's metadata that says every
+destination item and leaf (`outputs.ItemOutput`), and how each is made from
+source leaves. `convert` and `export` look layouts up here and hand the
+result to the one writer (`writer.py`); a new output format is one more
+registered layout.
+
+  canonical   an ordinary Orbax step in the canonical view (`layouts/canonical.py`)
+  maxtext     MaxText's own step: weights, or the full train state (`layouts/maxtext.py`)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from orbax_tunix import errors, reader
+from orbax_tunix import merge as merge_lib
+from orbax_tunix.outputs import ItemOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What a conversion asks of a layout.
+
+  Attributes:
+    source: the source step, opened (canonical leaves from metadata).
+    params_only: the model weights only.
+    dtype: floating leaves cast to this dtype (None: kept).
+    merge: a LoRA merge whose merged weights are written (implies params_only).
+    scan_layers: MaxText's layer form to write (None: as stored).
+    param_scan_axis: MaxText's layer axis of scanned weights.
+  """
+
+  source: reader.CanonicalCheckpoint
+  params_only: bool = False
+  dtype: np.dtype | None = None
+  merge: merge_lib.MergePlan | None = None
+  scan_layers: bool | None = None
+  param_scan_axis: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LaidOut:
+  """A layout applied to one source step.
+
+  Attributes:
+    items: the destination items, in write order.
+    notes: things a person should know (what was left out, filled, ...).
+    custom_metadata: entries the new step's custom metadata needs for its
+      readers (e.g. MaxText's `scan_layers`).
+  """
+
+  items: tuple[ItemOutput, ...]
+  notes: tuple[str, ...] = ()
+  custom_metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One output layout.
+
+  Attributes:
+    name: what `--layout` calls it.
+    description: one line for people.
+    lay_out: `Request -> LaidOut`, from metadata only.
+  """
+
+  name: str
+  description: str
+  lay_out: Callable[[Request], LaidOut]
+
+
+_LAYOUTS: dict[str, Layout] = {}
+
+
+def register(layout: Layout) -> Layout:
+  """Adds a layout under its name (once)."""
+  if layout.name in _LAYOUTS and _LAYOUTS[layout.name] is not layout:
+    raise ValueError(f'a layout named {layout.name!r} is registered already')
+  _LAYOUTS[layout.name] = layout
+  return layout
+
+
+def names() -> tuple[str, ...]:
+  return tuple(_LAYOUTS)
+
+
+def get(name: str) -> Layout:
+  """The layout registered as `name`.
+
+  Raises:
+    UnsupportedLayoutError: no such layout (the message lists them).
+  """
+  try:
+    return _LAYOUTS[name]
+  except KeyError:
+    raise errors.UnsupportedLayoutError(
+        f'`layout` {name!r}: expected one of {", ".join(_LAYOUTS)}.'
+    ) from None
+
+
+from orbax_tunix.layouts import canonical, maxtext  # noqa: E402,F401  (they register)

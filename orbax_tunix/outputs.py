@@ -1,0 +1,134 @@
+"""What a conversion writes, as values: each destination leaf and what makes it.
+
+The currency between the layouts (which decide what goes where) and the
+writer (which reads, transforms and writes in batches). An `Output` is one
+destination leaf: the source leaves it is made from (`Input`s: a checkpoint
+and a leaf of it), the `Transform` that makes it, its shape and dtype. An
+`ItemOutput` is one destination item: its outputs in write order and the
+containers its tree needs (lists, empty nodes). Nothing here reads anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from orbax_tunix import reader
+from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.transforms import IDENTITY, Shape, Transform
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+  """One source leaf: the checkpoint it is in, and the leaf."""
+
+  ckpt: reader.CanonicalCheckpoint
+  leaf: reader.LeafInfo
+
+  @property
+  def key(self) -> tuple[int, str, Path]:
+    """Identifies the leaf across outputs (the same leaf is read once per batch)."""
+    return id(self.ckpt), self.leaf.item, self.leaf.path
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """One destination leaf.
+
+  Attributes:
+    path: where it is written in its item (for a safetensors file: (name,)).
+    inputs: the source leaves, in the transform's order.
+    transform: how they make it.
+    shape: its shape (None for strings).
+    dtype: its dtype (None for strings).
+    kind: `reader.ARRAY`, `SCALAR` or `STRING` (strings and scalars are copied).
+    numpy: written as an `np.ndarray` (as its source was saved), else a jax.Array.
+    read_dtypes: the dtype each input is read in (None: its own); by
+      default the output's dtype, so a cast happens in the read.
+  """
+
+  path: Path
+  inputs: tuple[Input, ...]
+  transform: Transform = IDENTITY
+  shape: Shape | None = None
+  dtype: np.dtype | None = None
+  kind: str = reader.ARRAY
+  numpy: bool = False
+  read_dtypes: tuple[np.dtype | None, ...] | None = None
+
+  @property
+  def nbytes(self) -> int:
+    if self.shape is None or self.dtype is None:
+      return 0
+    return math.prod(self.shape) * self.dtype.itemsize
+
+  def input_dtypes(self) -> tuple[np.dtype | None, ...]:
+    if self.read_dtypes is not None:
+      return self.read_dtypes
+    return tuple(reader.cast_dtype(i.leaf, self.dtype) for i in self.inputs)
+
+
+def copied(leaf_input: Input, path: Path, dtype: np.dtype | None = None) -> Output:
+  """An output that is its source leaf as it is (cast to `dtype` if floating)."""
+  leaf = leaf_input.leaf
+  return Output(
+      path=path, inputs=(leaf_input,), shape=leaf.shape,
+      dtype=reader.cast_dtype(leaf, dtype), kind=leaf.kind, numpy=leaf.numpy,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemOutput:
+  """One destination item.
+
+  Attributes:
+    name: the item's name in the new step (e.g. 'model_params', 'items').
+    outputs: its leaves, in write order.
+    sequences: nodes written as lists (their keys '0', '1', ...).
+    empty: (path, key types) of empty nodes (`None` in a list, an empty state).
+    key_types: per leaf path, the key types of the tree it came from (when
+      an item is written as it was read, its containers are kept as they were).
+    json: the item is a JSON item copied whole from this (checkpoint, item name).
+    zarr3: arrays are written as zarr v3 (as MaxText writes its steps).
+  """
+
+  name: str
+  outputs: tuple[Output, ...] = ()
+  sequences: frozenset[Path] = frozenset()
+  empty: tuple[tuple[Path, tuple[int, ...]], ...] = ()
+  key_types: Mapping[Path, tuple[int, ...]] | None = None
+  json: tuple[reader.CanonicalCheckpoint, str] | None = None
+  zarr3: bool = False
+
+  @property
+  def nbytes(self) -> int:
+    return sum(o.nbytes for o in self.outputs)
+
+  def check(self) -> None:
+    """Each destination once (a bug in a layout otherwise)."""
+    seen: set[Path] = set()
+    twice = [fmt(o.path) for o in self.outputs if o.path in seen or seen.add(o.path)]
+    if twice:
+      raise ValueError(f'item {self.name!r}: outputs written twice: {twice[:5]}')
+
+
+def sources_of(items: Iterable[ItemOutput]) -> set[tuple[int, str, Path]]:
+  """Every source leaf the items read."""
+  return {i.key for item in items for o in item.outputs for i in o.inputs}
+
+
+def describe(items: Iterable[ItemOutput]) -> list[str]:
+  """One line per item: outputs, bytes, and how many are transformed."""
+  lines = []
+  for item in items:
+    if item.json is not None:
+      lines.append(f'{item.name}: JSON, copied')
+      continue
+    made = sum(not o.transform.is_identity for o in item.outputs)
+    lines.append(f'{item.name}: {len(item.outputs)} leaves, {item.nbytes} bytes'
+                 + (f', {made} made by a transform' if made else ''))
+  return lines
+

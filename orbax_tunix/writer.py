@@ -1,0 +1,191 @@
+"""The one streaming writer: outputs read, transformed and written in bounded batches.
+
+`write` executes the outputs of a layout (see `outputs.py`) a batch at a time:
+each batch's source leaves are read with one restore per source item (cast
+in the read where the output's dtype says so), transformed on the host's
+device, and handed to a sink, then released before the next batch is read.
+Outputs that share sources (a stacked weight's layers, a fused weight's
+parts) stay in one batch, so every source is read once. Sinks:
+`OrbaxItemSink` (an Orbax PyTree item, written batch by batch with Orbax's
+own handler) and `SafetensorsSink` (Hugging Face shards and their index).
+Staging and commit are `commit.py`'s.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix import _orbax, checksums, commit, reader, storage
+from orbax_tunix.keypaths import nest
+from orbax_tunix.outputs import Input, ItemOutput, Output
+from orbax_tunix.planned_item import PlannedItem
+from orbax_tunix.requests import is_key
+
+Written = tuple[Output, Any]
+
+
+class Sink(Protocol):
+  """Where a batch of output values goes."""
+
+  def write(self, batch: Sequence[Written]) -> None:
+    """Writes one batch (its values may be released once this returns)."""
+
+  def close(self) -> dict[str, Any]:
+    """Finishes the destination; returns what to record of it (e.g. checksums)."""
+
+
+def units(outputs: Sequence[Output]) -> list[list[Output]]:
+  """Outputs grouped so that those sharing a source are written in one batch.
+
+  Consecutive outputs with the same sources form one unit (a layout lists a
+  source's parts together); an output that shares a source with a unit
+  further back joins it.
+  """
+  groups: list[list[Output]] = []
+  where: dict[tuple, int] = {}
+  for output in outputs:
+    keys = [i.key for i in output.inputs]
+    found = next((where[k] for k in keys if k in where), None)
+    if found is None:
+      found = len(groups)
+      groups.append([])
+    groups[found].append(output)
+    for k in keys:
+      where.setdefault(k, found)
+  return groups
+
+
+def _unit_bytes(unit: Sequence[Output]) -> int:
+  """The bytes a unit holds while written: its sources, and what transforms make anew."""
+  inputs = {i.key: i.leaf.nbytes for o in unit for i in o.inputs}
+  return sum(inputs.values()) + sum(o.nbytes for o in unit if not o.transform.is_identity)
+
+
+def batches(outputs: Sequence[Output], budget: int) -> Iterator[list[Output]]:
+  """Outputs in batches whose source and output bytes fit `budget` (units kept whole)."""
+  for batch in reader.batches(units(outputs), budget, size=_unit_bytes):
+    yield [o for unit in batch for o in unit]
+
+
+def read_inputs(batch: Sequence[Output]) -> dict[tuple, Any]:
+  """Every source of a batch, once: one restore per source item, onto one CPU device."""
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+  wanted: dict[tuple[int, str], tuple[Input, dict]] = {}
+  for output in batch:
+    for source, dtype in zip(output.inputs, output.input_dtypes(), strict=True):
+      leaf = source.leaf
+      requests = wanted.setdefault((id(source.ckpt), leaf.item), (source, {}))[1]
+      if leaf.path not in requests:
+        requests[leaf.path] = (leaf, dtype)
+  values: dict[tuple, Any] = {}
+  for (key, item), (source, requests) in wanted.items():
+    detection = source.ckpt.detection
+    planned = PlannedItem(detection.item_meta(item), detection.maps[item])
+    got = planned.read({
+        path: reader.request_for(leaf, dtype, None if leaf.numpy else cpu)
+        for path, (leaf, dtype) in requests.items()
+    })
+    for path, (leaf, dtype) in requests.items():
+      values[(key, item, path)] = _as_stored(got[path], leaf, dtype)
+  return values
+
+
+def _as_stored(value: Any, leaf: reader.LeafInfo, dtype: np.dtype | None) -> Any:
+  """A scalar as the numpy scalar it was saved as (Orbax hands back a Python number)."""
+  if leaf.kind == reader.SCALAR and dtype is not None:
+    return np.asarray(value, dtype=dtype)[()]
+  return value
+
+
+def make(output: Output, values: dict[tuple, Any]) -> Any:
+  """An output's value from its sources' values (as read)."""
+  inputs = [values[i.key] for i in output.inputs]
+  if output.transform.is_identity:
+    value = inputs[0]
+  else:
+    value = output.transform.apply(inputs)
+  have = getattr(value, 'dtype', None)
+  if output.dtype is None or have is None or have == output.dtype or is_key(have):
+    return value  # PRNG keys are written as read (their key data is the stored form).
+  if output.numpy or isinstance(value, np.ndarray | np.generic):
+    return np.asarray(value).astype(output.dtype)
+  return jnp.asarray(value).astype(output.dtype)
+
+
+def write(
+    outputs: Sequence[Output], sink: Sink, budget: int, progress: reader.Progress
+) -> dict[str, Any]:
+  """Streams outputs into a sink, a batch of at most `budget` bytes at a time.
+
+  Returns:
+    What the sink records (see `Sink.close`).
+  """
+  for batch in batches(outputs, budget):
+    values = read_inputs(batch)
+    sink.write([(o, make(o, values)) for o in batch])
+    read = {i.key: i.leaf.nbytes for o in batch for i in o.inputs}
+    del values  # Free the batch before the next is read.
+    progress.advance(sum(read.values()))
+  return sink.close()
+
+
+class OrbaxItemSink:
+  """An Orbax PyTree item, written batch by batch with Orbax's own handler.
+
+  With OCDBT (Orbax's default) every save adds its arrays to the item's
+  per-process database, and Orbax appends to `_sharding` and
+  `array_metadatas/` itself; each save writes `_METADATA` with its own
+  leaves only, so every save's entries are kept and written once at the end
+  (the union Orbax's own partial-save finalization makes), with the
+  containers the item records, before Orbax's `finalize`. A CRC-32 of every
+  value is taken beside the write (see `checksums`).
+  """
+
+  def __init__(self, item: ItemOutput, item_dir: epath.Path):
+    self._item = item
+    self._dir = item_dir
+    self._writer = ocp.PyTreeCheckpointHandler(use_zarr3=item.zarr3)
+    self._written: list[dict[str, Any]] = []
+    self._sums: dict[str, str] = {}
+    self._summer = concurrent.futures.ThreadPoolExecutor(1)
+    item_dir.mkdir(parents=True, exist_ok=True)
+
+  def write(self, batch: Sequence[Written]) -> None:
+    values = [v for _, v in batch]
+    # Checksums beside the write (zlib releases the GIL).
+    summing = self._summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
+    self._writer.save(self._dir, args=ocp.args.PyTreeSave(
+        nest((o.path, v) for o, v in batch)))
+    self._sums.update(zip((checksums.key(o.path) for o, _ in batch), summing.result(),
+                          strict=True))
+    self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
+
+  def close(self) -> dict[str, Any]:
+    self._summer.shutdown()
+    item = self._item
+    key_types = dict(item.key_types or {})
+    for output in item.outputs:  # Lists: their positions are sequence keys.
+      if output.path not in key_types and item.sequences:
+        key_types[output.path] = _key_types(output.path, item.sequences)
+    merged = _orbax.merge_tree_metadata(self._written, key_types=key_types or None,
+                                        empty_nodes=item.empty)
+    (self._dir / storage.PYTREE_METADATA).write_text(json.dumps(merged))
+    self._writer.finalize(self._dir)
+    (self._dir / commit.COMMIT_SUCCESS).write_text(
+        f'Checkpoint commit was successful to {self._dir}')
+    return {'checksums': self._sums}
+
+
+def _key_types(path: tuple[str, ...], sequences: frozenset) -> tuple[int, ...]:
+  return tuple(
+      storage.SEQUENCE_KEY if path[:i] in sequences else 2 for i in range(len(path))
+  )
