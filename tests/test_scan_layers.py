@@ -67,9 +67,11 @@ class Model(nnx.Module):
 
 def _train(model):
   """Two real adamw updates (MaxText's chain: adam, decayed weights, schedule)."""
+  def loss(m):
+    return sum(jnp.sum(jnp.sin(p[...])) for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
+
   optimizer = nnx.Optimizer(model, optax.adamw(SCHEDULE), wrt=nnx.Param)
   for _ in range(2):
-    loss = lambda m: sum(jnp.sum(jnp.sin(p[...])) for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
     optimizer.update(model, nnx.grad(loss)(model))
   return optimizer
 
@@ -86,7 +88,9 @@ def saved(tmp_path_factory):
 
 
 def _weights(scanned: bool, axis: int = 1) -> dict:
-  sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  def sds(*s):
+    return jax.ShapeDtypeStruct(s, jnp.float32)
+
   if scanned:
     kernel = np.moveaxis(np.zeros((L, D, F)), 0, axis).shape
     scale = np.moveaxis(np.zeros((L, D)), 0, axis).shape
