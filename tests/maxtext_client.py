@@ -1,0 +1,492 @@
+"""MaxText 0.2.5 as a client of our checkpoints: a worker run INSIDE the MaxText venv.
+
+Not a test module and not imported by the main suite (which runs another
+Python and jax): `tests/test_maxtext_client.py` starts it with the venv's
+python from `scripts/maxtext_venv.sh`. It imports MaxText once (~12 s) and
+then runs named jobs, each with MaxText's own code (trainer, checkpoint
+loaders, model builders, abstract train state) on the tiny llama2 config.
+
+  python tests/maxtext_client.py REQUEST.json|- [RESULTS.json]
+      REQUEST = {"out_dir": DIR, "jobs": [JOB, ...]} (a file, or stdin for '-'); writes the list
+      of results to RESULTS.json, or prints it after a line '=== maxtext_client results ==='.
+  python tests/maxtext_client.py --serve --reply-fd N
+      one JOB per line on stdin (`out_dir` in each), one result per line on fd N; EOF ends.
+
+A JOB is {"id": unique name, "job": one of JOBS, ...arguments}. A result is
+{"id", "job", "ok", "seconds", ...}; a job that raises gives ok=false with
+`error` (type: first line), `error_chain` (every message of the cause chain)
+and `traceback`, and the worker goes on with the next job. Arrays go to
+`<out_dir>/<id>.npz`, keyed by '/'-joined key paths (`npz` in the result);
+`leaves` maps each path to its shape, dtype and kind ('array', 'prng_key' for
+a typed key saved as its key data, 'as_given' for a leaf returned as the
+abstract leaf it was given).
+
+Jobs and their arguments (scan: scan_layers, a bool; overrides: extra
+pyconfig `k=v` strings):
+  train           out, run, steps, scan[, overrides]: train.main in-process with the tiny
+                  config (checkpoint_period=1, synchronous saves). Returns the log lines
+                  about restoring and completed steps, `restored_dir` (N of "restoring from
+                  this run's directory step N"), `fresh`, `completed_steps`, `saved_dirs`,
+                  and `last` = {dir, step, adam_count, schedule_count} of the last saved
+                  step; its `items` leaves go to the npz.
+  resume          the same as train (a name for the intent).
+  load_params     path, scan: checkpointing.load_params_from_path(path, <abstract weights>).
+  load_full       path, scan: checkpointing.load_state_if_possible(..., load_full_state_from_path=path).
+  from_pretrained load_parameters_path, scan (or null: left unset, so MaxText may adopt the
+                  checkpoint's): model_creation_utils.from_pretrained; its nnx.Param leaves;
+                  `scan_layers` of the model's config.
+  metadata        path (a step, or an item dir)[, item='items']: every `_METADATA` entry
+                  (key path, key types, value type) with shape and dtype from the array's
+                  zarr.json (or .zarray) read through tensorstore; the step's
+                  _CHECKPOINT_METADATA.
+  logits          path, scan[, loader=params|full|pretrained]: a forward pass (dtype=float32)
+                  on fixed tokens with weights from that loader; npz key 'logits'.
+  restore_train_state  path, scan[, params_only]: orbax_tunix.maxtext.restore_train_state(path,
+                  train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...);
+                  `notes` = the orbax_tunix log messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+_T0 = time.time()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+# train.py's initialize() does this first; the abstract state's RNG keys must match what
+# train.main writes (unsafe_rbg, uint32[..., 4]).
+jax.config.update('jax_default_prng_impl', 'unsafe_rbg')
+
+import tensorstore as ts  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from flax import nnx  # noqa: E402
+from flax.linen import partitioning as nn_partitioning  # noqa: E402
+from maxtext.common import checkpointing, train_state_nnx  # noqa: E402
+from maxtext.common.common_types import MODEL_MODE_TRAIN  # noqa: E402
+from maxtext.configs import pyconfig  # noqa: E402
+from maxtext.trainers.pre_train import train as mt_train  # noqa: E402
+from maxtext.utils import maxtext_utils, model_creation_utils, train_utils  # noqa: E402
+from orbax.checkpoint import v1 as ocp_v1  # noqa: E402
+
+# orbax_tunix (installed editable in this venv) is imported by the one job that calls it, so a
+# broken library fails that job, not the worker.
+
+IMPORT_SECONDS = time.time() - _T0
+
+# MaxText's tiny llama2 (scripts/make_maxtext_fixtures.py's TINY_MODEL): every dim distinct.
+TINY_MODEL = [
+    'hardware=cpu',
+    'skip_jax_distributed_system=True',
+    'dataset_type=synthetic',
+    'per_device_batch_size=1',
+    'max_target_length=16',
+    'base_emb_dim=16',
+    'base_num_query_heads=4',
+    'base_num_kv_heads=2',
+    'head_dim=8',
+    'base_mlp_dim=48',
+    'base_num_decoder_layers=3',
+    'vocab_size=64',
+    'attention=dot_product',
+]
+TRAIN_KEYS = ['enable_checkpointing=True', 'async_checkpointing=False', 'checkpoint_period=1']
+BASE_YML = str(Path(pyconfig.__file__).resolve().parent / 'base.yml')
+
+# MaxText's INFO lines ("restoring from ...", "completed step: N") need absl at INFO: app.run is
+# not called here.
+absl_logging.use_absl_handler()
+absl_logging.set_verbosity(absl_logging.INFO)
+
+
+class Capture(logging.Handler):
+  """Collects the messages of the loggers it is attached to."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.records: list[logging.LogRecord] = []
+
+  def emit(self, record):
+    self.records.append(record)
+
+  def messages(self, name_prefix: str = '') -> list[str]:
+    out = []
+    for r in self.records:
+      if r.name.startswith(name_prefix):
+        try:
+          out.append(r.getMessage())
+        except Exception:  # noqa: BLE001 - a bad format string is still a record
+          out.append(str(r.msg))
+    return out
+
+
+def config(scan: bool | None, *overrides: str):
+  argv = ['maxtext_client', BASE_YML, *TINY_MODEL,
+          'enable_checkpointing=False', 'run_name=maxtext_client',
+          'base_output_directory=/tmp/maxtext_client_unused']
+  if scan is not None:
+    argv.append(f'scan_layers={bool(scan)}')
+  return pyconfig.initialize([*argv, *overrides])
+
+
+def train_argv(out: str, run: str, steps: int, scan: bool, overrides=()) -> list[str]:
+  # argv[0] is train.py's own path: pyconfig then takes configs/base.yml.
+  return [mt_train.__file__, *TINY_MODEL, *TRAIN_KEYS, f'base_output_directory={out}',
+          f'run_name={run}', f'steps={steps}', f'scan_layers={bool(scan)}', *overrides]
+
+
+# --------------------------------------------------------------------------- #
+# Trees
+# --------------------------------------------------------------------------- #
+def _key(k) -> str:
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def flat(tree) -> dict[str, Any]:
+  """{'a/b/c': leaf} of nested dicts/lists/NamedTuples/nnx.State (None leaves dropped)."""
+  if hasattr(tree, 'to_pure_dict'):
+    tree = tree.to_pure_dict()
+  leaves = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
+  return {'/'.join(_key(k) for k in path): leaf for path, leaf in leaves}
+
+
+def is_key(leaf) -> bool:
+  return jax.dtypes.issubdtype(getattr(leaf, 'dtype', np.float32), jax.dtypes.prng_key)
+
+
+def save_leaves(out_dir: str, job_id: str, tree, given=None) -> dict[str, Any]:
+  """Saves the array leaves of `tree` to <out_dir>/<id>.npz; describes every leaf."""
+  given_flat = flat(given) if given is not None else {}
+  arrays, leaves = {}, {}
+  for path, leaf in flat(tree).items():
+    if path in given_flat and leaf is given_flat[path]:
+      leaves[path] = {'kind': 'as_given', 'shape': list(getattr(leaf, 'shape', ())),
+                      'dtype': str(getattr(leaf, 'dtype', None))}
+      continue
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      leaves[path] = {'kind': 'abstract', 'shape': list(leaf.shape), 'dtype': str(leaf.dtype)}
+      continue
+    kind = 'array'
+    if is_key(leaf):
+      kind = f'prng_key:{jax.random.key_impl(leaf)}'
+      leaf = jax.random.key_data(leaf)
+    value = np.asarray(jax.device_get(leaf))
+    arrays[path] = value
+    leaves[path] = {'kind': kind, 'shape': list(value.shape), 'dtype': str(value.dtype)}
+  npz = os.path.join(out_dir, f'{job_id}.npz')
+  np.savez(npz, **arrays)
+  return {'npz': npz, 'leaves': leaves}
+
+
+# --------------------------------------------------------------------------- #
+# MaxText's own state and loaders
+# --------------------------------------------------------------------------- #
+def abstract_train_state(cfg):
+  """The abstract TrainStateNNX exactly as train_utils.setup_train_loop builds it."""
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
+  _, tx = train_utils.create_training_optimizer(cfg, abstract_model, mesh=mesh)
+
+  def init_state_fn():
+    model = create_model()
+    return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+  abstract, _, _ = maxtext_utils.get_abstract_state(cfg, mesh, init_state_fn, True)
+  return abstract
+
+
+def load_params(cfg, path: str):
+  abstract = abstract_train_state(cfg)
+  with nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    return checkpointing.load_params_from_path(
+        path, checkpointing._abstract_params(abstract),  # what load_state_if_possible passes
+        cfg.checkpoint_storage_concurrent_gb,
+        use_ocdbt=cfg.checkpoint_storage_use_ocdbt, use_zarr3=cfg.checkpoint_storage_use_zarr3)
+
+
+def load_full(cfg, path: str):
+  abstract = abstract_train_state(cfg)
+  with nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    restored, params = checkpointing.load_state_if_possible(
+        None, None, '', path, cfg.checkpoint_storage_concurrent_gb, abstract,
+        use_ocdbt=cfg.checkpoint_storage_use_ocdbt, use_zarr3=cfg.checkpoint_storage_use_zarr3,
+        maxtext_config=cfg)
+  assert params is None, 'a full-state load returned params alone'
+  assert restored is not None, f'load_state_if_possible restored nothing from {path}'
+  return restored['items']
+
+
+def model_with(cfg, weights):
+  """A fresh Transformer whose nnx.Param leaves are `weights` (an nnx.State or pure dict)."""
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  create_model, _ = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
+  with nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    model = create_model()
+  pure = weights.to_pure_dict() if hasattr(weights, 'to_pure_dict') else weights
+  pure = pure.get('model', pure)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def only(src, like):  # drops the RNG entries a full state carries
+    if isinstance(like, dict):
+      return {k: only(src[k], v) for k, v in like.items()}
+    return src
+
+  nnx.replace_by_pure_dict(params, only(pure, params.to_pure_dict()))
+  return nnx.merge(graphdef, params, rest)
+
+
+def fixed_tokens(cfg) -> np.ndarray:
+  rng = np.random.default_rng(0)
+  return rng.integers(0, cfg.vocab_size, size=(1, cfg.max_target_length), dtype=np.int32)
+
+
+def forward_logits(model, tokens) -> np.ndarray:
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  cfg = model.config
+  with jax.set_mesh(model.mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    logits = model(tokens, positions, decoder_segment_ids=jnp.ones_like(tokens),
+                   enable_dropout=False, model_mode=MODEL_MODE_TRAIN)
+  return np.asarray(jax.device_get(logits), np.float32)
+
+
+# --------------------------------------------------------------------------- #
+# Jobs
+# --------------------------------------------------------------------------- #
+# The log lines that tell what a run restored and trained.
+INTERESTING = ("restoring from this run's directory", 'trying to load', 'No existing checkpoints',
+               'completed step', 'Loading full state', 'restoring params', 'already exists',
+               'Requested training up to step')
+
+
+def job_train(job, out_dir):
+  out = os.path.abspath(job['out'])
+  capture = Capture()
+  root = logging.getLogger()
+  root.addHandler(capture)
+  try:
+    mt_train.main(train_argv(out, job['run'], int(job['steps']), job['scan'],
+                             job.get('overrides', ())))
+  finally:
+    root.removeHandler(capture)
+  messages = capture.messages()
+  log = [m for m in messages if any(s in m for s in INTERESTING)]
+  restored = [int(m.rsplit(' ', 1)[1]) for m in messages
+              if m.startswith("restoring from this run's directory step ")]
+  completed = []
+  for m in messages:
+    if 'completed step: ' in m:
+      completed.append(int(m.split('completed step: ', 1)[1].split(',')[0].split()[0]))
+  ckpt_dir = Path(out) / job['run'] / 'checkpoints'
+  dirs = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+  result = {'log': log, 'restored_dir': restored[0] if restored else None,
+            'fresh': any('No existing checkpoints found' in m for m in messages),
+            'completed_steps': completed, 'saved_dirs': dirs}
+  if dirs:
+    last = ckpt_dir / str(dirs[-1])
+    items = ocp_v1.load(str(last), checkpointable_name='items')
+    opt = items['opt_state']
+    result['last'] = {'dir': dirs[-1], 'step': int(items['step']),
+                      'adam_count': int(opt[0]['count']), 'schedule_count': int(opt[2]['count'])}
+    result.update(save_leaves(out_dir, job['id'], items))
+  return result
+
+
+def job_load_params(job, out_dir):
+  params = load_params(config(job['scan'], *job.get('overrides', ())), job['path'])
+  return save_leaves(out_dir, job['id'], params)
+
+
+def job_load_full(job, out_dir):
+  state = load_full(config(job['scan'], *job.get('overrides', ())), job['path'])
+  return save_leaves(out_dir, job['id'], state)
+
+
+def job_from_pretrained(job, out_dir):
+  cfg = config(job.get('scan'), f"load_parameters_path={job['load_parameters_path']}",
+               *job.get('overrides', ()))
+  model, _mesh = model_creation_utils.from_pretrained(cfg)
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  return {'scan_layers': bool(model.config.scan_layers), **save_leaves(out_dir, job['id'], params)}
+
+
+def _stored_arrays(item_dir: Path, use_ocdbt: bool) -> dict[str, dict[str, Any]]:
+  """{param name: {'shape', 'dtype', 'zarr'}} from each array's zarr.json / .zarray."""
+  found = {}
+
+  def take(name: str, raw: bytes, fmt: str):
+    spec = json.loads(raw)
+    if fmt == 'zarr3':
+      dtype = np.dtype(spec['data_type']).name if spec['data_type'] != 'bfloat16' else 'bfloat16'
+    else:
+      dtype = spec['dtype'] if spec['dtype'] == 'bfloat16' else np.dtype(spec['dtype']).name
+    found[name] = {'shape': list(spec['shape']), 'dtype': dtype, 'zarr': fmt}
+
+  if use_ocdbt:
+    kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{item_dir}/'}).result()
+    for key in kv.list().result():
+      key = key.decode()
+      for suffix, fmt in (('/zarr.json', 'zarr3'), ('/.zarray', 'zarr2')):
+        if key.endswith(suffix):
+          take(key[:-len(suffix)], kv.read(key).result().value, fmt)
+  else:
+    for p in item_dir.rglob('*'):
+      for suffix, fmt in (('zarr.json', 'zarr3'), ('.zarray', 'zarr2')):
+        if p.name == suffix:
+          take(str(p.parent.relative_to(item_dir)), p.read_bytes(), fmt)
+  return found
+
+
+def job_metadata(job, out_dir):
+  path = Path(job['path'])
+  item = job.get('item', 'items')
+  item_dir = path if (path / '_METADATA').exists() else path / item
+  step_dir = item_dir.parent
+  meta = json.loads((item_dir / '_METADATA').read_text())
+  stored = _stored_arrays(item_dir, meta.get('use_ocdbt', True))
+  entries = []
+  for entry in meta['tree_metadata'].values():
+    keys = [k['key'] for k in entry['key_metadata']]
+    vm = entry['value_metadata']
+    row = {'path': keys, 'key_types': [k['key_type'] for k in entry['key_metadata']],
+           'value_type': vm.get('value_type')}
+    if vm.get('value_type') != 'None':
+      arr = stored.get('.'.join(keys))
+      row.update(shape=arr and arr['shape'], dtype=arr and arr['dtype'], zarr=arr and arr['zarr'])
+    entries.append(row)
+  ckpt_meta = step_dir / '_CHECKPOINT_METADATA'
+  return {
+      'entries': entries,
+      'top': {k: v for k, v in meta.items() if k != 'tree_metadata'},
+      'checkpoint_metadata': json.loads(ckpt_meta.read_text()) if ckpt_meta.exists() else None,
+      'files': sorted(str(p.relative_to(step_dir)) for p in step_dir.iterdir()),
+  }
+
+
+def job_logits(job, out_dir):
+  loader = job.get('loader', 'params')
+  overrides = ('dtype=float32', *job.get('overrides', ()))
+  cfg = config(job['scan'], *overrides)
+  if loader == 'pretrained':
+    model, _ = model_creation_utils.from_pretrained(
+        config(job['scan'], *overrides, f"load_parameters_path={job['path']}"))
+  elif loader == 'full':
+    model = model_with(cfg, load_full(cfg, job['path']))
+  else:
+    model = model_with(cfg, load_params(cfg, job['path']))
+  logits = forward_logits(model, fixed_tokens(cfg))
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, logits=logits)
+  return {'npz': npz, 'shape': list(logits.shape), 'dtype': str(logits.dtype)}
+
+
+def job_restore_train_state(job, out_dir):
+  import orbax_tunix.maxtext  # here, not at the top: see the imports above
+
+  cfg = config(job['scan'], *job.get('overrides', ()))
+  target = train_state_nnx.to_checkpoint_dict(abstract_train_state(cfg))
+  capture = Capture()
+  lib_logger = logging.getLogger('orbax_tunix')
+  old_level = lib_logger.level
+  lib_logger.addHandler(capture)
+  lib_logger.setLevel(logging.DEBUG)
+  try:
+    restored = orbax_tunix.maxtext.restore_train_state(
+        job['path'], target, params_only=bool(job.get('params_only', False)))
+  finally:
+    lib_logger.removeHandler(capture)
+    lib_logger.setLevel(old_level)
+  notes = [f'{r.levelname}: {r.getMessage()}' for r in capture.records
+           if r.levelno >= logging.INFO]
+  target_leaves = {p: {'shape': list(v.shape), 'dtype': str(v.dtype)} for p, v in flat(target).items()}
+  return {'notes': notes, 'target': target_leaves,
+          'structure_equal': str(jax.tree.structure(restored)) == str(jax.tree.structure(target)),
+          **save_leaves(out_dir, job['id'], restored, given=target)}
+
+
+JOBS = {
+    'train': job_train,
+    'resume': job_train,
+    'load_params': job_load_params,
+    'load_full': job_load_full,
+    'from_pretrained': job_from_pretrained,
+    'metadata': job_metadata,
+    'logits': job_logits,
+    'restore_train_state': job_restore_train_state,
+}
+
+
+def _chain(e: BaseException) -> list[str]:
+  out, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    out.append(f'{type(e).__name__}: {e}')
+    e = e.__cause__ or e.__context__
+  return out
+
+
+def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
+  t = time.time()
+  result = {'id': job['id'], 'job': job['job']}
+  try:
+    result.update(JOBS[job['job']](job, out_dir))
+    result['ok'] = True
+  except Exception as e:  # noqa: BLE001 - reported to the test, the next job still runs
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    result.update(ok=False, error=f'{type(e).__name__}: {first}', error_chain=_chain(e),
+                  traceback=traceback.format_exc())
+  result['seconds'] = round(time.time() - t, 3)
+  print(f"[maxtext_client] {job['id']} ({job['job']}): "
+        f"{'ok' if result['ok'] else result['error']} in {result['seconds']} s",
+        file=sys.stderr, flush=True)
+  return result
+
+
+RESULTS_MARKER = '=== maxtext_client results ==='
+
+
+def main(argv: list[str]) -> int:
+  print(f'[maxtext_client] imports took {IMPORT_SECONDS:.1f} s', file=sys.stderr, flush=True)
+  if argv and argv[0] == '--serve':
+    fd = int(argv[argv.index('--reply-fd') + 1])
+    with os.fdopen(fd, 'w') as reply:
+      reply.write(json.dumps({'id': '__ready__', 'ok': True,
+                              'import_seconds': IMPORT_SECONDS}) + '\n')
+      reply.flush()
+      for line in sys.stdin:
+        if not line.strip():
+          continue
+        job = json.loads(line)
+        os.makedirs(job['out_dir'], exist_ok=True)
+        reply.write(json.dumps(run_job(job, job['out_dir'])) + '\n')
+        reply.flush()
+    return 0
+  request = json.loads(Path(argv[0]).read_text() if argv and argv[0] != '-' else sys.stdin.read())
+  os.makedirs(request['out_dir'], exist_ok=True)
+  results = [run_job(job, request['out_dir']) for job in request['jobs']]
+  text = json.dumps(results, indent=1)
+  if len(argv) > 1:
+    Path(argv[1]).write_text(text)
+  else:  # MaxText prints to stdout too: the results follow a marker line
+    print(f'{RESULTS_MARKER}\n{text}', flush=True)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
