@@ -85,6 +85,22 @@ def storage_failure(exc: BaseException) -> BaseException | None:
   return None
 
 
+# What Orbax's PyTree handlers raise when an array restored without a target has
+# no usable sharding: its saved one names devices this process does not have.
+_NO_SHARDING = 'sharding passed to deserialization should be specified'
+# What Orbax's StandardCheckpointHandler says in that case (its wording kept).
+TOPOLOGY_MISMATCH = (
+    'Topology mismatch detected. The checkpoint was saved with a different topology'
+    ' than the current one. Please provide a target tree with the desired topology to'
+    ' restore.'
+)
+
+
+def is_topology_mismatch(exc: BaseException) -> bool:
+  """Whether a restore without a target failed for want of the saved devices."""
+  return isinstance(exc, ValueError) and _NO_SHARDING in str(exc)
+
+
 def failure_text(exc: BaseException) -> str:
   """A storage failure's first line, without the TensorStore spec Orbax appends."""
   text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

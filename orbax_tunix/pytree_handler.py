@@ -114,12 +114,19 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       UnsupportedLayoutError: legacy `transforms` on a Tunix item.
       CorruptMetadataError: stored data the target needs is missing or damaged.
     """
-    if args is None:
-      args = ocp.args.PyTreeRestore(
-          item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
-      )
     directory = _existing(directory)
     planned = planned_item.find(directory)
+    if args is None:
+      nothing = item is None and restore_args is None and transforms is None
+      if nothing and legacy_transform_fn is None and planned is not None and (
+          planned.meta.saved_by == ocp.StandardCheckpointHandler.typestr()):
+        # Asked for nothing: restored as the handler that saved it restores
+        # (shardings from its metadata, Orbax's topology check).
+        args = ocp.args.StandardRestore()
+      else:
+        args = ocp.args.PyTreeRestore(
+            item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
+        )
     if planned is None and getattr(args, 'item', None) is None:
       # Orbax raises FileNotFoundError here too; ours is one, and says more.
       raise errors.NotACheckpointError(
@@ -127,14 +134,22 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           f' (holding {storage.PYTREE_METADATA}), found a directory without it.'
           ' Pass an item, e.g. <step>/model_params or <step>/optimizer_state.'
       )
-    if planned is None or not planned.is_tunix:
-      return self._orbax_restore(directory, args)
-    with planned_item.using([planned]):
-      if isinstance(args, ocp.args.StandardRestore):
-        # Orbax's own StandardRestore logic, which calls back `metadata` and
-        # `restore` (with PyTreeRestore) on this handler: planned once for both.
-        return self._standard.restore(directory, args=args)
-      return planned.restore(args, self._reads)
+    untargeted = getattr(args, 'item', None) is None and getattr(args, 'restore_args', None) is None
+    try:
+      if planned is None or not planned.is_tunix:
+        return self._orbax_restore(directory, args)
+      with planned_item.using([planned]):
+        if isinstance(args, ocp.args.StandardRestore):
+          # Orbax's own StandardRestore logic, which calls back `metadata` and
+          # `restore` (with PyTreeRestore) on this handler: planned once for both.
+          return self._standard.restore(directory, args=args)
+        return planned.restore(args, self._reads)
+    except ValueError as e:
+      if untargeted and _orbax.is_topology_mismatch(e):
+        # Orbax's PyTree path says only that a sharding is missing; its
+        # StandardCheckpointHandler says why, and what to do.
+        raise ValueError(f'{_orbax.TOPOLOGY_MISMATCH} ({directory})') from e
+      raise
 
   def metadata(self, directory: epath.Path) -> _orbax.TreeMetadata:
     """Returns the item's metadata tree, canonical for a Tunix item.

@@ -266,6 +266,7 @@ class Item:
     legacy: the item predates `_METADATA` (only the msgpack tree exists).
     tree_json: `_METADATA` as parsed (handed to Orbax's restore, so that the
       file is parsed once; see `tree_json_of`).
+    saved_by: the handler typestr its step records for it (None if none).
   """
 
   name: str
@@ -276,6 +277,7 @@ class Item:
   stores_fill_chunks: bool = False
   legacy: bool = False
   tree_json: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
+  saved_by: str | None = None
 
   def tree_json_of(self, paths: Iterable[Path] | None = None) -> Mapping[str, Any] | None:
     """`_METADATA` as parsed, with every entry or only those of `paths`.
@@ -641,7 +643,8 @@ class Step:
         damaged (the message names the step).
     """
     if name not in self._items:
-      self._items[name] = open_item(self.item_dir(name), name)
+      item = open_item(self.item_dir(name), name)
+      self._items[name] = dataclasses.replace(item, saved_by=self.handler(name))
     return self._items[name]
 
   @functools.cached_property

@@ -159,3 +159,19 @@ def test_merge_tree_metadata_is_the_union_orbax_restores(tmp_path):
   np.testing.assert_array_equal(restored['a'], np.arange(3))
   np.testing.assert_array_equal(restored['b'], np.ones(2, np.float32))
   assert restored['e'] is None
+
+
+def test_untargeted_restore_on_other_devices_fails_for_want_of_a_sharding(tmp_path, mesh, monkeypatch):
+  """What `_orbax.is_topology_mismatch` recognises: Orbax's PyTree restore without a
+  target where the saved devices are gone."""
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+  tree = {'a': jax.device_put(np.zeros(8, np.float32), sharding)}
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'x', args=ocp.args.PyTreeSave(tree))
+  one_device = jax.devices()[:1]
+  monkeypatch.setattr(jax, 'devices', lambda *a: one_device)
+  with pytest.raises(ValueError) as e:
+    ocp.PyTreeCheckpointHandler().restore(tmp_path / 'x')
+  assert _orbax.is_topology_mismatch(e.value)
+  with pytest.raises(ValueError, match=_orbax.TOPOLOGY_MISMATCH[:30]):
+    ocp.StandardCheckpointHandler().restore(tmp_path / 'x')

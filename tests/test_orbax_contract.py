@@ -324,3 +324,53 @@ def test_no_warning_that_restorable_items_cannot_be_restored(tunix_data, plain, 
   ot.TunixAwareHandler().metadata(step)
   found = _unrestorable_warnings(caplog)
   assert found and all('"meta"' in m for m in found), found
+
+
+def test_tunix_standard_restore_on_another_topology_is_orbaxs_error(tmp_path, mesh, monkeypatch):
+  """A Tunix item saved sharded over 8 devices, restored without a target where
+  fewer devices exist: Orbax's 'Topology mismatch' (pass a target with
+  shardings), for the canonical tree as for a plain one; with a fallback
+  sharding it restores."""
+  sharding = NamedSharding(mesh, P('data', 'model'))
+  state = {'layers': {'0': {'w': {'value': jax.device_put(jnp.arange(64.0).reshape(8, 8), sharding)}}}}
+  step = tmp_path / '1'
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(step, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(state)))
+  one_device = jax.devices()[:1]
+  monkeypatch.setattr(jax, 'devices', lambda *a: one_device)
+  item = step / 'model_params'
+  with pytest.raises(ValueError, match='Topology mismatch detected'):
+    ocp.StandardCheckpointHandler().restore(item, args=ocp.args.StandardRestore())
+  for restore in (
+      lambda **kw: ot.TunixPyTreeHandler().restore(item, args=ocp.args.StandardRestore(**kw)),
+      lambda **kw: ocp.Checkpointer(ot.TunixAwareHandler()).restore(step, args=ocp.args.Composite(
+          model_params=ocp.args.StandardRestore(**kw)))['model_params'],
+  ):
+    with pytest.raises(ValueError, match='Topology mismatch detected'):
+      restore()
+    fallback = jax.sharding.SingleDeviceSharding(one_device[0])
+    got = restore(fallback_sharding=fallback)
+    assert got['layers']['0']['w'].sharding == fallback  # canonical: no `value` level
+    np.testing.assert_array_equal(got['layers']['0']['w'], np.arange(64.0).reshape(8, 8))
+
+
+def test_no_args_restores_as_the_saving_handler_does(plain, mesh, monkeypatch):
+  """Nothing asked for: an item saved by StandardCheckpointHandler restores as that
+  handler restores it (Orbax's topology check on another topology, not a sharding
+  error from the PyTree path)."""
+  step, tree = plain
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+    ckptr.save(step.parent / 'alone', args=ocp.args.StandardSave(tree))
+  for directory in (step / 'state', step.parent / 'alone'):
+    _same(ot.TunixPyTreeHandler().restore(directory),
+          ocp.StandardCheckpointHandler().restore(directory))
+  one_device = jax.devices()[:1]
+  monkeypatch.setattr(jax, 'devices', lambda *a: one_device)
+  for directory in (step / 'state', step.parent / 'alone'):
+    for handler in (ocp.StandardCheckpointHandler(), ot.TunixPyTreeHandler()):
+      with pytest.raises(ValueError, match='Topology mismatch detected'):
+        handler.restore(directory)
+  # No step metadata says which handler saved it: the same message.
+  (step.parent / 'alone' / '_CHECKPOINT_METADATA').unlink()
+  with pytest.raises(ValueError, match='Topology mismatch detected'):
+    ot.TunixPyTreeHandler().restore(step.parent / 'alone')
