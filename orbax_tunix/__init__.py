@@ -9,21 +9,29 @@ The whole public API (`__all__`, and the README's table)::
   register(), load_plugins()             Orbax v1 and entry-point plugins
   hyperparameters(path)                  the inject_hyperparams values
   restore_merged_lora(path, target, ...) LoRA adapters merged into the weights
+  export_to_hf(path, out_dir, model=...)  a Hugging Face safetensors folder
   to_canonical_tree, to_disk_tree        rewriting whole trees with a
   CanonicalMap                           ... step's planned map
   TunixCheckpointError                   the base of every error raised:
     NotACheckpointError, UncommittedStepError, CorruptMetadataError,
     TargetMismatchError, MissingItemError, LoraOnlyCheckpointError,
-    LoraError, UnsupportedLayoutError
+    LoraError, UnsupportedLayoutError, InvalidOptionError,
+    DestinationExistsError, InvalidDestinationError
   maxtext                                a Tunix step as MaxText's TrainState
 """
 
-from orbax_tunix import maxtext
+# First: modules imported below read it.
+__version__ = '0.2.0'
+
+from orbax_tunix import maxtext  # noqa: E402
 from orbax_tunix.canonical import CanonicalMap, to_canonical_tree, to_disk_tree
 from orbax_tunix.composite_handler import TunixAwareHandler
 from orbax_tunix.detection import Detection, detect
 from orbax_tunix.errors import (
     CorruptMetadataError,
+    DestinationExistsError,
+    InvalidDestinationError,
+    InvalidOptionError,
     LoraError,
     LoraOnlyCheckpointError,
     MissingItemError,
@@ -33,6 +41,7 @@ from orbax_tunix.errors import (
     UncommittedStepError,
     UnsupportedLayoutError,
 )
+from orbax_tunix.export import export_to_hf
 from orbax_tunix.hyperparams import hyperparameters
 from orbax_tunix.merge import restore_merged_lora
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
@@ -41,7 +50,10 @@ from orbax_tunix.registry import handler_registry, load_plugins, register
 __all__ = [
     'CanonicalMap',
     'CorruptMetadataError',
+    'DestinationExistsError',
     'Detection',
+    'InvalidDestinationError',
+    'InvalidOptionError',
     'LoraError',
     'LoraOnlyCheckpointError',
     'MissingItemError',
@@ -53,6 +65,7 @@ __all__ = [
     'UncommittedStepError',
     'UnsupportedLayoutError',
     'detect',
+    'export_to_hf',
     'handler_registry',
     'hyperparameters',
     'load_plugins',
@@ -63,4 +76,3 @@ __all__ = [
     'to_disk_tree',
 ]
 
-__version__ = '0.2.0'

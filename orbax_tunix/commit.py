@@ -12,6 +12,7 @@ committed, so that a rerun after an interruption may replace what it left.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import time
@@ -31,12 +32,8 @@ MARKER = '.orbax-tunix-writing'
 NEW_MARKER = '.orbax-tunix-new-'
 
 
-class DestinationExistsError(errors.TunixCheckpointError):
-  """The destination exists and replacing it was not asked for."""
-
-
-class InvalidDestinationError(errors.TunixCheckpointError):
-  """The destination overlaps the source, or cannot be written or replaced."""
+DestinationExistsError = errors.DestinationExistsError
+InvalidDestinationError = errors.InvalidDestinationError
 
 
 def is_ours_unfinished(path: epath.Path) -> bool:
@@ -44,12 +41,37 @@ def is_ours_unfinished(path: epath.Path) -> bool:
   return (path / MARKER).exists() and not ocp.path.step.is_path_finalized(path)
 
 
-def check_replaceable(dst: epath.Path, force: bool) -> None:
-  """Says whether `dst` may be written: absent, our own leftover, or (force) a step.
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """What is written: how to tell one at a path (to replace it), and how it is committed.
+
+  Attributes:
+    what: for messages ('a checkpoint step').
+    holds: the entries one of these holds, any of which tells it (for `force`).
+    commit_file: written last to make it final (None: the rename alone).
+    in_place: on a bucket, written in place (Orbax's way for steps); else
+      written beside and copied over once complete.
+  """
+
+  what: str
+  holds: tuple[str, ...]
+  commit_file: str | None = COMMIT_SUCCESS
+  in_place: bool = True
+
+  def is_one(self, path: epath.Path) -> bool:
+    return path.is_dir() and TMP_MARKER not in path.name and any(
+        (path / name).exists() for name in self.holds)
+
+
+STEP = Kind('a checkpoint step', (CHECKPOINT_METADATA,))
+
+
+def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
+  """Says whether `dst` may be written: absent, our own leftover, or (force) one of `kind`.
 
   Raises:
     DestinationExistsError: it exists and `force` was not given.
-    InvalidDestinationError: `force`, but it is not a checkpoint step.
+    InvalidDestinationError: `force`, but it is not one of `kind`.
   """
   if not dst.exists() or is_ours_unfinished(dst):
     return
@@ -58,13 +80,13 @@ def check_replaceable(dst: epath.Path, force: bool) -> None:
         f'{dst}: already exists. Pass `force=True` to replace it (the old one is'
         ' removed only once the new one is complete), or choose another dst.'
     )
-  if not dst.is_dir() or not (dst / CHECKPOINT_METADATA).exists() or TMP_MARKER in dst.name:
+  if not kind.is_one(dst):
     found = 'a file' if not dst.is_dir() else (
         'a directory holding ' + (', '.join(sorted(p.name for p in dst.iterdir())[:5]) or 'nothing')
     )
     raise InvalidDestinationError(
-        f'{dst}: `force=True` replaces only a checkpoint step (a directory holding'
-        f' {CHECKPOINT_METADATA}), found {found}. Remove it yourself if it may go,'
+        f'{dst}: `force=True` replaces only {kind.what} (a directory holding'
+        f' {" or ".join(kind.holds)}), found {found}. Remove it yourself if it may go,'
         ' or choose another dst.'
     )
 
@@ -91,9 +113,10 @@ class Staging:
   `work`, then `staging.commit()`; on any failure `staging.abort()`.
   """
 
-  def __init__(self, dst: epath.Path, force: bool):
+  def __init__(self, dst: epath.Path, force: bool, kind: Kind = STEP):
     self.dst = dst
     self.force = force
+    self.kind = kind
     self.in_place = _orbax.commits_with_file(dst)
     self.work = dst
     self._created: list[epath.Path] = []
@@ -104,10 +127,11 @@ class Staging:
     if self.in_place:
       if is_ours_unfinished(dst):
         remove_tree(dst)  # What an interrupted run of ours left: nobody's step.
-      if dst.exists():
-        check_replaceable(dst, self.force)
+      if dst.exists() or not self.kind.in_place:
+        if dst.exists():
+          check_replaceable(dst, self.force, self.kind)
         self.work = dst.parent / f'{dst.name}{NEW_MARKER}{time.time_ns()}'
-      (self.work / MARKER).write_text('written by orbax-tunix convert; not committed yet')
+      (self.work / MARKER).write_text('written by orbax-tunix; not committed yet')
       return self.work
     parent = dst.parent
     while not parent.exists() and parent != parent.parent:
@@ -126,11 +150,13 @@ class Staging:
     """
     if self.in_place:
       return self._commit_in_place()
-    (self.work / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {self.dst}')
+    if self.kind.commit_file:
+      (self.work / self.kind.commit_file).write_text(
+          f'Checkpoint commit was successful to {self.dst}')
     if not self.dst.exists():
       self.work.rename(self.dst)
       return False
-    check_replaceable(self.dst, self.force)
+    check_replaceable(self.dst, self.force, self.kind)
     old = self.dst.parent / f'{self.dst.name}.orbax-tunix-old-{time.time_ns()}'
     self.dst.rename(old)
     try:
@@ -142,8 +168,9 @@ class Staging:
     return True
 
   def _commit_in_place(self) -> bool:
-    dst, replaced = self.dst, self.work != self.dst
-    if replaced:
+    dst, copied = self.dst, self.work != self.dst
+    replaced = copied and dst.exists()
+    if copied:
       # The new step is complete beside the old one: from here the old one is
       # unfinished (ours to replace on a rerun), then emptied and refilled.
       (dst / MARKER).write_text('written by orbax-tunix convert; not committed yet')
@@ -157,7 +184,8 @@ class Staging:
           fs.copy(os.fspath(entry), os.fspath(dst / entry.name), recursive=True)
       remove_tree(self.work)
     (dst / MARKER).unlink()
-    (dst / COMMIT_SUCCESS).write_text(f'Checkpoint commit was successful to {dst}')
+    if self.kind.commit_file:
+      (dst / self.kind.commit_file).write_text(f'Checkpoint commit was successful to {dst}')
     return replaced
 
   def abort(self) -> None:

@@ -164,7 +164,7 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
       for item in items for o in item.outputs if _needs_x64(o.dtype)
   ]
   if wide:
-    raise InvalidDestinationError(
+    raise errors.InvalidOptionError(
         f'{len(wide)} leaves would be written as 64-bit arrays, which JAX narrows'
         f' to 32 bits unless its 64-bit mode is on:\n{errors.list_paths(wide)}\n'
         "Call jax.config.update('jax_enable_x64', True) before converting (the"
@@ -190,10 +190,16 @@ def _protected(step_dir: epath.Path) -> epath.Path:
   return root.parent if root.name in RL_ROLES else root
 
 
-def _check_destination(
-    sources: Sequence[reader.CanonicalCheckpoint], dst: epath.Path, force: bool
+def check_destination(
+    sources: Sequence[reader.CanonicalCheckpoint], dst: epath.Path, force: bool,
+    kind: commit.Kind = commit.STEP,
 ) -> None:
-  """Refuses a DST inside (or holding) any source run, or one that may not be replaced."""
+  """Refuses a DST inside (or holding) any source run, or one that may not be replaced.
+
+  Raises:
+    InvalidDestinationError: DST overlaps a source, or cannot be reached.
+    DestinationExistsError: DST exists and not `force` (or is not one of `kind`).
+  """
   target = _absolute(dst)
   for src in sources:
     protected, step = _absolute(_protected(src.step_dir)), _absolute(src.step_dir)
@@ -204,7 +210,7 @@ def _check_destination(
           ' to: choose a dst outside it.'
       )
   try:
-    commit.check_replaceable(dst, force)
+    commit.check_replaceable(dst, force, kind)
   except OSError as e:
     raise InvalidDestinationError(
         f'{dst}: cannot reach the destination ({e}). Check the path, the network and'
@@ -264,16 +270,16 @@ def plan_convert(
   chosen = layouts.get(layout)
   params_only = params_only or merge_lora
   if memory_budget < 1:
-    raise InvalidDestinationError(
+    raise errors.InvalidOptionError(
         f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
     )
   if base is not None and not merge_lora:
-    raise InvalidDestinationError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
+    raise errors.InvalidOptionError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
             if merge_lora else None)
-  _check_destination([source] if merged is None else [source, merged.base], dst, force)
+  check_destination([source] if merged is None else [source, merged.base], dst, force)
   if merged is None:
     _refuse_adapters_only(source)
   laid = chosen.lay_out(layouts.Request(

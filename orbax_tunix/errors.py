@@ -58,6 +58,18 @@ class UnsupportedLayoutError(TunixCheckpointError):
   """The checkpoint's layout is one this version cannot map."""
 
 
+class InvalidOptionError(TunixCheckpointError):
+  """An argument out of range, or arguments that do not go together (nothing was read)."""
+
+
+class DestinationExistsError(TunixCheckpointError):
+  """The destination exists and replacing it was not asked for."""
+
+
+class InvalidDestinationError(TunixCheckpointError):
+  """The destination overlaps the source, or cannot be written or replaced."""
+
+
 def list_paths(paths: Sequence[str], limit: int = MAX_LISTED) -> str:
   """Formats paths one per line, at most `limit` of them, then a count.
 

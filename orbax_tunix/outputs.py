@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from orbax_tunix import reader
+from orbax_tunix import errors, reader
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.transforms import IDENTITY, Shape, Transform
+from orbax_tunix.transforms import IDENTITY, Shape, Transform, chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,44 @@ def copied(leaf_input: Input, path: Path, dtype: np.dtype | None = None) -> Outp
       path=path, inputs=(leaf_input,), shape=leaf.shape,
       dtype=reader.cast_dtype(leaf, dtype), kind=leaf.kind, numpy=leaf.numpy,
   )
+
+
+def relay(
+    sources: Mapping[Path, Output], mapped: Mapping[Path, Any], prefix: Path = ()
+) -> list[Output]:
+  """Outputs of layout rules (`patterns.map_paths`) over outputs already planned.
+
+  Each destination takes its sources' inputs and applies, after theirs, the
+  rule's transform (e.g. a LoRA merge, then a family's transpose). A gather
+  (several sources) takes only copied sources.
+
+  Args:
+    sources: source path -> the output that makes it (copied or merged leaf).
+    mapped: destination path -> `patterns.Mapped` over those source paths.
+    prefix: put before each destination path.
+
+  Raises:
+    UnsupportedLayoutError: a gather over sources that are themselves made.
+  """
+  out = []
+  for dest, m in sorted(mapped.items()):
+    parts = [sources[p] for p in m.sources]
+    if len(parts) == 1:
+      (one,) = parts
+      out.append(dataclasses.replace(
+          one, path=prefix + dest, transform=chain(one.transform, m.transform), shape=m.shape))
+      continue
+    made = [fmt(p) for p, o in zip(m.sources, parts, strict=True) if not o.transform.is_identity]
+    if made:
+      raise errors.UnsupportedLayoutError(
+          f'{fmt(dest)}: made from {len(parts)} leaves that are themselves made'
+          f' ({made[0]}, ...); write them as stored first, then re-lay them.'
+      )
+    out.append(Output(
+        prefix + dest, tuple(i for o in parts for i in o.inputs), m.transform, m.shape,
+        parts[0].dtype, parts[0].kind, parts[0].numpy,
+    ))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 A `LayoutRule` is data: a source pattern, a destination pattern and a
 `Transform` (see `transforms.py`). A pattern is a tuple of keys; a key may
-hold placeholders (`'layers_{i}'`, `'model.layers.{i}.mlp.up_proj.weight'`)
-and a key `'...'` stands for any number of keys (the same ones on both sides).
+hold placeholders (`'layers_{i}'`, `'model.layers.{i}.mlp.up_proj.weight'`):
+`{i}` stands for a number, `{p:q|k|v}` for one of the words given (the
+destination names it `{p}`); a key `'...'` stands for any number of keys (the
+same ones on both sides).
 `map_paths` applies a layout's rules to a set of leaves (paths and shapes) and
 says, for every destination, which sources make it and how, and which sources
 no rule takes. Nothing here reads a checkpoint.
@@ -21,6 +23,7 @@ Three kinds of rule, told apart by their placeholders:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,7 +32,8 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.transforms import IDENTITY, Shape, Transform, TransformError
 
 REST = '...'
-_PLACEHOLDER = re.compile(r'\{(\w+)\}')
+# `{i}`: a number (layers, experts); `{name:a|b|c}`: one of the words given.
+_PLACEHOLDER = re.compile(r'\{(\w+)(?::([\w|]+))?\}')
 Bindings = dict[str, str]
 
 
@@ -40,16 +44,23 @@ class Key:
   text: str
   names: tuple[str, ...]
   regex: re.Pattern[str] | None
+  # Placeholder -> the words it may stand for (`{p:q|k|v}`); numbers are not listed.
+  words: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def parse(cls, text: str) -> Key:
-    names = tuple(_PLACEHOLDER.findall(text))
-    if not names:
+    found = _PLACEHOLDER.findall(text)
+    if not found:
       return cls(text, (), None)
-    parts = _PLACEHOLDER.split(text)
-    # Placeholders match digits only: layer numbers, expert numbers.
-    regex = ''.join(re.escape(p) if i % 2 == 0 else f'(?P<{p}>\\d+)' for i, p in enumerate(parts))
-    return cls(text, names, re.compile(regex))
+    regex, at = [], 0
+    for m in _PLACEHOLDER.finditer(text):
+      regex.append(re.escape(text[at:m.start()]))
+      name, words = m.group(1), m.group(2)
+      regex.append(f'(?P<{name}>\\d+)' if words is None else f'(?P<{name}>{words})')
+      at = m.end()
+    regex.append(re.escape(text[at:]))
+    return cls(_PLACEHOLDER.sub(r'{\1}', text), tuple(n for n, _ in found),
+               re.compile(''.join(regex)), {n: tuple(w.split('|')) for n, w in found if w})
 
   def match(self, key: str, bound: Bindings) -> Bindings | None:
     if self.regex is None:
@@ -111,6 +122,16 @@ class Pattern:
       if bound is None:
         return None
     return bound
+
+  def expand(self, numbers: Mapping[str, Sequence[str]]) -> list[Path]:
+    """Every path the pattern names, its numbers taking the values given (no `...`)."""
+    choices = {**{n: tuple(v) for n, v in numbers.items()},
+               **{n: w for k in self.keys for n, w in k.words.items()}}
+    names = sorted(self.names)
+    paths = []
+    for values in itertools.product(*(choices[n] for n in names)):
+      paths.append(self.fill(dict(zip(names, values, strict=True))))
+    return paths
 
   def fill(self, bound: Mapping[str, str], rest: Path = ()) -> Path:
     out: list[str] = []

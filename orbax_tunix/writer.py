@@ -14,7 +14,10 @@ Staging and commit are `commit.py`'s.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
+import math
+import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -189,3 +192,132 @@ def _key_types(path: tuple[str, ...], sequences: frozenset) -> tuple[int, ...]:
   return tuple(
       storage.SEQUENCE_KEY if path[:i] in sequences else 2 for i in range(len(path))
   )
+
+
+# --- safetensors --------------------------------------------------------------
+
+# safetensors' dtype names (its format's `dtype` field).
+SAFETENSORS_DTYPES = {
+    'float64': 'F64', 'float32': 'F32', 'float16': 'F16', 'bfloat16': 'BF16',
+    'int64': 'I64', 'int32': 'I32', 'int16': 'I16', 'int8': 'I8', 'uint8': 'U8',
+    'uint16': 'U16', 'uint32': 'U32', 'uint64': 'U64', 'bool': 'BOOL',
+    'float8_e4m3fn': 'F8_E4M3', 'float8_e5m2': 'F8_E5M2',
+}
+SINGLE_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """One safetensors file: its name and its tensors (name, dtype, shape), in write order."""
+
+  name: str
+  tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(math.prod(s) * np.dtype(_numpy_dtype(d)).itemsize for _, d, s in self.tensors)
+
+  def header(self) -> bytes:
+    """The file's JSON header, padded with spaces to 8 bytes (as safetensors writes it)."""
+    entries: dict[str, Any] = {'__metadata__': {'format': 'pt'}}
+    at = 0
+    for name, dtype, shape in self.tensors:
+      size = math.prod(shape) * np.dtype(_numpy_dtype(dtype)).itemsize
+      entries[name] = {'dtype': SAFETENSORS_DTYPES[dtype], 'shape': list(shape),
+                       'data_offsets': [at, at + size]}
+      at += size
+    data = json.dumps(entries, separators=(',', ':')).encode()
+    return data + b' ' * (-len(data) % 8)
+
+
+def _numpy_dtype(name: str) -> Any:
+  return jnp.dtype(name)
+
+
+def in_write_order(outputs: Sequence[Output]) -> list[Output]:
+  """The outputs in the order `write` writes them (those sharing sources together)."""
+  return [o for unit in units(outputs) for o in unit]
+
+
+def shards(outputs: Sequence[Output], max_shard_size: int) -> list[Shard]:
+  """Outputs (in write order) split into safetensors files as `transformers` splits them.
+
+  A file holds tensors until the next would take it over
+  `max_shard_size` bytes (a larger tensor gets a file of its own), and each
+  file holds one dtype (Tunix's loader reads a file as its first tensor's
+  dtype). One file is `model.safetensors`; several are
+  `model-00001-of-0000N.safetensors`.
+  """
+  groups: list[list[Output]] = []
+  size = 0
+  for output in outputs:
+    fits = groups and groups[-1][0].dtype == output.dtype and size + output.nbytes <= max_shard_size
+    if not fits:
+      groups.append([])
+      size = 0
+    groups[-1].append(output)
+    size += output.nbytes
+  n = len(groups)
+  return [
+      Shard(SINGLE_FILE if n == 1 else f'model-{i + 1:05d}-of-{n:05d}.safetensors',
+            tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in group))
+      for i, group in enumerate(groups)
+  ]
+
+
+def index(files: Sequence[Shard]) -> dict[str, Any]:
+  """`model.safetensors.index.json` for several files, as `transformers` writes it."""
+  return {
+      'metadata': {'total_size': sum(f.nbytes for f in files)},
+      'weight_map': {name: f.name for f in files for name, _, _ in f.tensors},
+  }
+
+
+class SafetensorsSink:
+  """Hugging Face safetensors files, written tensor by tensor as batches arrive.
+
+  Each file's header is known from the plan (`shards`), so a file is opened,
+  given its header and then its tensors' bytes in order: no file, and no
+  batch beyond the writer's budget, is held whole.
+  """
+
+  def __init__(self, directory: epath.Path, files: Sequence[Shard]):
+    self._dir = directory
+    self._files = list(files)
+    self._of = {name: f for f in self._files for name, _, _ in f.tensors}
+    self._open: dict[str, tuple[Any, int]] = {}  # file -> (handle, tensors written)
+    directory.mkdir(parents=True, exist_ok=True)
+
+  def write(self, batch: Sequence[Written]) -> None:
+    for output, value in batch:
+      shard = self._of[output.path[0]]
+      handle, done = self._open.get(shard.name) or (self._start(shard), 0)
+      name, dtype, shape = shard.tensors[done]
+      if name != output.path[0]:
+        raise AssertionError(f'{shard.name}: expected {name} next, got {output.path[0]}')
+      array = np.ascontiguousarray(np.asarray(value))
+      if array.dtype != jnp.dtype(dtype) or array.shape != shape:
+        raise AssertionError(f'{name}: planned {dtype}{list(shape)}, made {array.dtype}'
+                             f'{list(array.shape)}')
+      handle.write(memoryview(array.reshape(-1).view(np.uint8)))
+      done += 1
+      if done == len(shard.tensors):
+        handle.close()
+        self._open.pop(shard.name, None)
+      else:
+        self._open[shard.name] = (handle, done)
+
+  def _start(self, shard: Shard) -> Any:
+    handle = (self._dir / shard.name).open('wb')
+    header = shard.header()
+    handle.write(struct.pack('<Q', len(header)) + header)
+    return handle
+
+  def close(self) -> dict[str, Any]:
+    if self._open:
+      raise AssertionError(f'files not completed: {sorted(self._open)}')
+    if len(self._files) > 1:
+      (self._dir / INDEX_FILE).write_text(json.dumps(index(self._files), indent=2))
+    return {'files': [f.name for f in self._files],
+            'total_size': sum(f.nbytes for f in self._files)}

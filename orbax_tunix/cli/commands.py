@@ -35,9 +35,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_tunix import checksums, commit, errors, inspection
+from orbax_tunix import checksums, commit, errors, huggingface, inspection
 from orbax_tunix import convert as convert_lib
 from orbax_tunix import diff as diff_lib
+from orbax_tunix import export as export_lib
 from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
@@ -194,6 +195,47 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace, out: Output) -> int:
+  """`orbax-tunix export`: plans, streams with progress, prints the summary; returns 0."""
+  plan = export_lib.plan_export(
+      args.src,
+      args.out_dir,
+      model=args.model,
+      step=args.step,
+      dtype=args.dtype,
+      merge_lora=args.merge_lora,
+      lora_alpha=args.lora_alpha,
+      lora_scale=args.lora_scale,
+      base=args.base,
+      max_shard_size=args.max_shard_size,
+      hf_config=args.hf_config,
+      memory_budget=args.memory_budget,
+      force=args.force,
+  )
+  for note in plan.notes:
+    print(f'note: {as_flags(note)}', file=sys.stderr)
+  progress = progress_lib.Interruptible(
+      progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress))
+  with progress_lib.signals_stop(progress):
+    try:
+      result = export_lib.run_export(plan, progress)
+    except Exception:
+      if progress.stop.is_set():  # A signal landed inside a read, which Orbax wrapped.
+        raise KeyboardInterrupt from None
+      raise
+  if args.json:
+    print(json.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
+                      'replaced': result.replaced}), file=out.stream)
+    return EXIT_OK
+  replaced = ' (replaced the old one)' if result.replaced else ''
+  out.text(
+      f'exported {plan.source.step_dir} -> {result.out_dir}{replaced}: {plan.family.name},'
+      f' {result.tensors} tensors in {len(result.files)} file(s),'
+      f' {format_bytes(result.total_size)} in {format_duration(result.seconds)}'
+  )
+  return EXIT_OK
+
+
 def cmd_diff(args: argparse.Namespace, out: Output) -> int:
   """`orbax-tunix diff`: compares with progress; returns 0 on a match, else 1."""
   progress = progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress)
@@ -239,6 +281,10 @@ _FLAGS = {
     'base': '--base',
     'scan_layers': '--scan-layers',
     'param_scan_axis': '--param-scan-axis',
+    'model': '--model',
+    'max_shard_size': '--max-shard-size',
+    'hf_config': '--hf-config',
+    'out_dir': 'OUT_DIR',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
@@ -430,6 +476,47 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
                  help='compare only this item (repeatable; default: every item)')
   p.set_defaults(handler=cmd_diff)
+
+  p = sub.add_parser(
+      'export', parents=[common],
+      help='write a Hugging Face safetensors folder (qwen3, llama3, gemma3)',
+      description=(
+          'Write the weights of SRC (a Tunix run of a tunix.models family) as a'
+          ' Hugging Face folder that transformers, vLLM and Tunix\'s own loaders read:'
+          ' model.safetensors, or model-0000i-of-0000n.safetensors shards with'
+          ' model.safetensors.index.json, tensor names and layouts as Hugging Face has'
+          ' them for the family. Streams in batches within --memory-budget; written'
+          ' beside OUT_DIR and moved at the end, so a failure leaves nothing.'
+      ),
+  )
+  p.add_argument('src', metavar='SRC')
+  p.add_argument('out_dir', metavar='OUT_DIR')
+  p.add_argument('--model', required=True, choices=huggingface.names(),
+                 help='the model family')
+  p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
+  p.add_argument('--dtype', type=parse_dtype,
+                 help='cast the weights to this dtype (bfloat16, float16, float32); default: as'
+                 ' stored')
+  p.add_argument('--merge-lora', action='store_true',
+                 help='export the LoRA adapters merged into the weights (no adapter tensors)')
+  alpha = p.add_mutually_exclusive_group()
+  alpha.add_argument('--lora-alpha', type=float, metavar='A',
+                     help="the run's qwix LoRA alpha (scale = alpha / rank)")
+  alpha.add_argument('--lora-scale', type=float, metavar='S', help='the scale itself')
+  p.add_argument('--base', metavar='BASE',
+                 help='the base weights for --merge-lora of an adapters-only save')
+  p.add_argument('--max-shard-size', default=str(export_lib.DEFAULT_MAX_SHARD_SIZE),
+                 metavar='SIZE', help='bytes per file, or 10KB, 500MB, 5GB (GiB etc. for powers'
+                 ' of 1024), as transformers\' max_shard_size (default 5GB)')
+  p.add_argument('--hf-config', metavar='DIR',
+                 help="the base model's Hugging Face folder: its config.json (checked against"
+                 ' the weights), generation_config.json and tokenizer files are copied')
+  p.add_argument('--memory-budget', type=parse_size, default=convert_lib.DEFAULT_MEMORY_BUDGET,
+                 metavar='SIZE', help='memory the streaming may use above start-up (default 1G)')
+  p.add_argument('--force', action='store_true',
+                 help='replace an existing export folder (only once the new one is complete)')
+  p.add_argument('--json', action='store_true', help='print the summary as JSON')
+  p.set_defaults(handler=cmd_export)
   return parser
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from orbax_tunix import errors, reader
 from orbax_tunix import merge as merge_lib
-from orbax_tunix.outputs import ItemOutput
+from orbax_tunix.outputs import Input, ItemOutput, Output, copied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,19 @@ class Request:
   merge: merge_lib.MergePlan | None = None
   scan_layers: bool | None = None
   param_scan_axis: int = 1
+
+
+def weights(request: Request) -> dict[tuple[str, ...], Output]:
+  """The model's weights as outputs under their canonical weight paths, no RNG state.
+
+  Copied from the source (cast to `request.dtype`), or merged for a LoRA
+  merge (the plain model's paths).
+  """
+  if request.merge is not None:
+    return {o.path: o for o in merge_lib.outputs(request.merge, (), request.dtype)}
+  source = request.source
+  return {path: copied(Input(source, leaf), path, request.dtype)
+          for leaf, path in reader.weights(source)}
 
 
 @dataclasses.dataclass(frozen=True)

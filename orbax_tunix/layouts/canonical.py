@@ -10,20 +10,13 @@ LoRA merge).
 from __future__ import annotations
 
 from orbax_tunix import conventions, errors, reader
-from orbax_tunix import merge as merge_lib
-from orbax_tunix.layouts import LaidOut, Layout, Request, register
+from orbax_tunix.layouts import LaidOut, Layout, Request, register, weights
 from orbax_tunix.outputs import Input, ItemOutput, copied
 
 
-def weights_item(request: Request, name: str, prefix: tuple[str, ...] = ()) -> ItemOutput:
-  """The weights (merged for a LoRA merge), under `prefix`, as item `name`; no RNG state."""
-  if request.merge is not None:
-    return ItemOutput(name, tuple(merge_lib.outputs(request.merge, prefix, request.dtype)))
-  source = request.source
-  return ItemOutput(name, tuple(
-      copied(Input(source, leaf), prefix + path, request.dtype)
-      for leaf, path in reader.weights(source)
-  ))
+def weights_item(request: Request, name: str) -> ItemOutput:
+  """The weights (merged for a LoRA merge) as item `name`; no RNG state."""
+  return ItemOutput(name, tuple(o for _, o in sorted(weights(request).items())))
 
 
 def rng_note(source: reader.CanonicalCheckpoint) -> list[str]:

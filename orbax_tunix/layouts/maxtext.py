@@ -16,15 +16,15 @@ optionally with the decoder's layers in the other form (`maxtext.layers`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
 from orbax_tunix import conventions, errors, lora, patterns, reader
+from orbax_tunix import outputs as outputs_lib
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts import LaidOut, Layout, Request, register
-from orbax_tunix.layouts.canonical import rng_note, weights_item
+from orbax_tunix.layouts import weights as layout_weights
+from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.maxtext import layers, train_state
 from orbax_tunix.maxtext.plan import RestorePlan, make_plan
 from orbax_tunix.maxtext.view import read_view
@@ -61,14 +61,10 @@ def _relaid(request: Request, weights, form) -> dict[Path, patterns.Mapped]:
 
 
 def _weights_item(request: Request, weights, form) -> ItemOutput:
-  """params/params/<weights>, in the layer form asked for."""
-  source = request.source
-  return ItemOutput(ITEM, tuple(
-      Output(conventions.MAXTEXT_PARAMS + w,
-             tuple(Input(source, weights[s]) for s in m.sources), m.transform, m.shape,
-             reader.cast_dtype(weights[m.sources[0]], request.dtype))
-      for w, m in sorted(_relaid(request, weights, form).items())
-  ), zarr3=True)
+  """params/params/<weights> (merged for a LoRA merge), in the layer form asked for."""
+  mapped = _relaid(request, weights, form)
+  return ItemOutput(ITEM, tuple(outputs_lib.relay(
+      layout_weights(request), mapped, conventions.MAXTEXT_PARAMS)), zarr3=True)
 
 
 def _outputs(request: Request, plan: RestorePlan, target: dict) -> tuple[Output, ...]:
@@ -105,14 +101,8 @@ def lay_out(request: Request) -> LaidOut:
   source = request.source
   weights = {path: leaf for leaf, path in reader.weights(source)}
   if request.merge is not None:
-    if request.scan_layers is not None:
-      raise errors.UnsupportedLayoutError(
-          f'{source.step_dir}: a LoRA merge is written with its layers as stored; leave'
-          ' `scan_layers` out, or convert the merged step again with it.'
-      )
-    item = weights_item(request, ITEM, conventions.MAXTEXT_PARAMS)
-    return LaidOut((dataclasses.replace(item, zarr3=True),),
-                   custom_metadata=_scan_record(weights))
+    # The merged model's weights (the plain model's paths), the layers as stored.
+    weights = {p: s.leaf for p, s in request.merge.weights.items()}
   form = _form(request, weights)
   if request.params_only:
     item = _weights_item(request, weights, form)

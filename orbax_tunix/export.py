@@ -1,0 +1,354 @@
+"""Export: a Tunix run's weights as a Hugging Face safetensors folder, streamed and atomic.
+
+`plan_export` decides everything from metadata before any array is read: the
+weights (merged for a LoRA run), the family's tensor names and layouts
+(`huggingface.py`, each family a value), the files they go to (as
+`transformers` shards them), and the config checks. `run_export` streams them
+through the one writer (`writer.py`) into `SafetensorsSink`, a batch within the
+memory budget at a time, and commits the folder as `convert` commits a step
+(`commit.Staging`): written beside OUT_DIR and renamed (on a bucket: copied
+over) once complete, so a failure leaves nothing half-written. `--hf-config`
+copies the base model's config and tokenizer files after checking the config
+against the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from orbax_tunix import (
+  commit,
+  errors,
+  huggingface,
+  layouts,
+  lora,
+  patterns,
+  reader,
+  storage,
+  writer,
+)
+from orbax_tunix import merge as merge_lib
+from orbax_tunix.commit import InvalidDestinationError
+from orbax_tunix.convert import check_destination
+from orbax_tunix.keypaths import fmt
+from orbax_tunix.outputs import Output, relay
+
+# transformers' default `max_shard_size`.
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+# What `--hf-config` copies from the base model's folder (never its weights).
+CONFIG_FILES = ('config.json', 'generation_config.json')
+TOKENIZER_FILES = (
+    'tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'special_tokens_map.json',
+    'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json',
+)
+# An exported folder (what `force` may replace).
+EXPORT = commit.Kind(
+    'a Hugging Face export', (writer.SINGLE_FILE, writer.INDEX_FILE, 'config.json'),
+    commit_file=None, in_place=False,
+)
+# Bytes held per byte of a batch (read, transformed, written), as convert's.
+COPIES_IN_FLIGHT = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+  """Everything an export does, decided from metadata before any read.
+
+  Attributes:
+    source: the step whose weights are exported.
+    out_dir: the folder to create.
+    family: the Hugging Face family.
+    outputs: the tensors, in write order (`path` is the tensor's name).
+    files: the safetensors files and what each holds.
+    config: the config.json to copy (checked), or None.
+    copied: the other files to copy from `hf_config` (tokenizer, generation).
+    memory_budget: bytes the streaming may hold.
+    force: replace an existing export folder.
+    notes: what a person should know.
+    merge: the LoRA merge, if any.
+  """
+
+  source: reader.CanonicalCheckpoint
+  out_dir: epath.Path
+  family: huggingface.Family
+  outputs: tuple[Output, ...]
+  files: tuple[writer.Shard, ...]
+  config: epath.Path | None
+  copied: tuple[epath.Path, ...]
+  memory_budget: int
+  force: bool
+  notes: tuple[str, ...] = ()
+  merge: merge_lib.MergePlan | None = None
+
+  @property
+  def total_bytes(self) -> int:
+    """Bytes of the tensors written."""
+    return sum(o.nbytes for o in self.outputs)
+
+  @property
+  def batch_bytes(self) -> int:
+    return reader.batch_bytes(self.memory_budget, COPIES_IN_FLIGHT)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+  """What an export wrote."""
+
+  out_dir: epath.Path
+  files: tuple[str, ...]
+  tensors: int
+  total_size: int
+  seconds: float
+  replaced: bool
+
+
+def parse_size(text: str | int) -> int:
+  """Bytes from a size as `transformers`' `max_shard_size` takes it.
+
+  '500MB', '5GB', '10KB' are decimal (10**3 per step), '2GiB', '512MiB'
+  binary (2**10); a bare number is bytes.
+
+  Raises:
+    InvalidDestinationError: not a size.
+  """
+  if isinstance(text, int):
+    value = text
+  else:
+    value = _size(text.strip())
+  if value < 1:
+    raise errors.InvalidOptionError(f'`max_shard_size` {text!r}: expected a positive size.')
+  return value
+
+
+_UNITS = {'': 1, 'B': 1, 'KB': 10**3, 'MB': 10**6, 'GB': 10**9, 'TB': 10**12,
+          'KIB': 2**10, 'MIB': 2**20, 'GIB': 2**30, 'TIB': 2**40}
+
+
+def _size(text: str) -> int:
+  number = text.rstrip('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ')
+  unit = text[len(number):].strip().upper()
+  try:
+    return int(float(number) * _UNITS[unit])
+  except (KeyError, ValueError):
+    raise errors.InvalidOptionError(
+        f'`max_shard_size` {text!r}: expected bytes or a size with a unit (10KB, 500MB,'
+        ' 5GB; KiB, MiB, GiB for powers of 1024).'
+    ) from None
+
+
+def _dtype(dtype: Any) -> np.dtype | None:
+  if dtype is None:
+    return None
+  dtype = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
+  if dtype.name not in ('bfloat16', 'float32', 'float16'):
+    raise errors.InvalidOptionError(
+        f'`dtype` {dtype.name}: expected bfloat16, float16 or float32 (the floating'
+        ' dtypes Hugging Face loaders take).'
+    )
+  return dtype
+
+
+def plan_export(
+    src: epath.PathLike,
+    out_dir: epath.PathLike,
+    *,
+    model: str,
+    step: int | None = None,
+    dtype: Any = None,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
+    lora_scale: float | None = None,
+    base: epath.PathLike | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    hf_config: epath.PathLike | None = None,
+    memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
+    force: bool = False,
+) -> ExportPlan:
+  """Plans an export from metadata only; nothing is read or written.
+
+  Args:
+    src: the Tunix run (a root: its latest committed step, or `step`; a step;
+      a model item).
+    out_dir: the folder to create.
+    model: the Hugging Face family (`huggingface.names()`: qwen3, llama3, gemma3).
+    step: the step under a root.
+    dtype: cast floating weights to this dtype (bfloat16, float16, float32);
+      None: as stored.
+    merge_lora: export the LoRA adapters merged into the weights (no adapter
+      tensors); an adapters-only save also needs `base`.
+    lora_alpha, lora_scale, base: the merge's (see `restore_merged_lora`).
+    max_shard_size: bytes per file, or a size as `transformers` writes it.
+    hf_config: the base model's Hugging Face folder: its config.json (checked
+      against the weights), generation_config.json and tokenizer files are
+      copied; its weights never.
+    memory_budget: bytes the streaming may hold at once.
+    force: replace an existing export folder at `out_dir`.
+
+  Returns:
+    An `ExportPlan`.
+
+  Raises:
+    UnsupportedLayoutError: an unknown family; weights that do not fit it; a
+      config.json that disagrees with them.
+    LoraOnlyCheckpointError: an adapters-only save without `merge_lora`.
+    LoraError, InvalidDestinationError, DestinationExistsError,
+    TunixCheckpointError subclasses: see their docstrings.
+  """
+  family = huggingface.get(model)
+  dtype = _dtype(dtype)
+  max_shard_size = parse_size(max_shard_size)
+  if memory_budget < 1:
+    raise errors.InvalidOptionError(
+        f'`memory_budget` {memory_budget}: expected a positive number of bytes.')
+  if not merge_lora and (base is not None or lora_alpha is not None or lora_scale is not None):
+    raise errors.InvalidOptionError(
+        '`base`, `lora_alpha` and `lora_scale` are a LoRA merge\'s: add `merge_lora=True`.')
+  source = reader.open_weights(src, step)
+  merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
+            if merge_lora else None)
+  out_dir = storage.as_path(out_dir)
+  check_destination([source] if merged is None else [source, merged.base], out_dir, force, EXPORT)
+  if merged is None:
+    _refuse_adapters(source)
+  weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))
+  shapes = {p: o.shape for p, o in weights.items()}
+  where = str(source.step_dir)
+  mapped = patterns.map_paths(shapes, family.rules, where=where)
+  huggingface.fits(family, shapes, mapped.unmatched, where)
+  outputs = tuple(writer.in_write_order(relay(weights, mapped.outputs)))
+  config, copied, notes = _config_files(family, hf_config, shapes)
+  notes = list(source.detection.notes) + notes
+  if merged is not None:
+    notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(merged.weights)}'
+                 ' weights')
+  largest = max(o.nbytes for o in outputs)
+  if memory_budget < reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest:
+    notes.append(f'`memory_budget` {memory_budget} bytes cannot be met: the largest tensor'
+                 f' ({largest} bytes) is written alone, and the peak will be about'
+                 f' {COPIES_IN_FLIGHT}x it')
+  return ExportPlan(
+      source=source, out_dir=out_dir, family=family, outputs=outputs,
+      files=tuple(writer.shards(outputs, max_shard_size)), config=config, copied=copied,
+      memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged,
+  )
+
+
+def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
+  found = [path for _, path in reader.weights(source)]
+  adapters = [fmt(p) for p in found if lora.is_adapter(p)]
+  if not adapters:
+    return
+  what = 'only LoRA adapters' if len(adapters) == len(found) else 'LoRA adapters'
+  base = ' and `base` (the checkpoint the run started from)' if len(adapters) == len(found) else ''
+  error = errors.LoraOnlyCheckpointError if len(adapters) == len(found) else errors.LoraError
+  raise error(
+      f'{source.step_dir}: expected a model\'s weights, found {what} ({len(adapters)} leaves,'
+      f' e.g. {adapters[0]}): a Hugging Face model has no adapter tensors. Export the'
+      f' weights with the adapters merged: `merge_lora=True`, `lora_alpha`{base}.'
+  )
+
+
+def _config_files(
+    family: huggingface.Family, hf_config: epath.PathLike | None, shapes
+) -> tuple[epath.Path | None, tuple[epath.Path, ...], list[str]]:
+  """The base model's files to copy, its config.json checked against the weights."""
+  if hf_config is None:
+    return None, (), [
+        'no config.json written: add the base model\'s (--hf-config DIR copies it and its'
+        ' tokenizer) before loading the folder with transformers or vLLM'
+    ]
+  folder = storage.as_path(hf_config)
+  config = folder / 'config.json'
+  if not config.is_file():
+    raise errors.InvalidOptionError(
+        f'{folder}: `hf_config` must be a Hugging Face model folder holding config.json,'
+        f' found {storage.found_at(config) if folder.is_dir() else storage.found_at(folder)}.'
+    )
+  huggingface.check_config(family, storage.read_json(config, 'a Hugging Face config.json'),
+                           shapes, str(config))
+  copied = tuple(folder / n for n in (*CONFIG_FILES[1:], *TOKENIZER_FILES) if (folder / n).is_file())
+  return config, copied, []
+
+
+def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> ExportResult:
+  """Executes a plan: streams every tensor into its file, then commits the folder.
+
+  Raises:
+    DestinationExistsError: OUT_DIR appeared meanwhile and not `force`.
+    InvalidDestinationError: it cannot be written. In every case (and on
+      KeyboardInterrupt) what was written is removed and an existing folder
+      is untouched.
+  """
+  progress = progress or reader.NullProgress()
+  start = time.monotonic()
+  staging = commit.Staging(plan.out_dir, plan.force, EXPORT)
+  try:
+    work = staging.open()
+  except OSError as e:
+    staging.abort()
+    raise InvalidDestinationError(
+        f'{plan.out_dir}: cannot create the folder ({e}). Expected a writable place;'
+        ' choose another out_dir or fix its permissions.'
+    ) from e
+  progress.start(plan.total_bytes, f'exporting to {plan.out_dir}')
+  try:
+    sink = writer.SafetensorsSink(work, plan.files)
+    record = writer.write(plan.outputs, sink, plan.batch_bytes, progress)
+    for path in (plan.config, *plan.copied):
+      if path is not None:
+        (work / path.name).write_bytes(path.read_bytes())
+    replaced = staging.commit()
+  except OSError as e:
+    staging.abort()
+    raise InvalidDestinationError(
+        f'{plan.out_dir}: writing failed ({e}); nothing was left behind. Expected a'
+        f' writable place with room for {plan.total_bytes} bytes.'
+    ) from e
+  except BaseException:
+    staging.abort()
+    raise
+  finally:
+    progress.finish()
+  return ExportResult(plan.out_dir, tuple(record['files']), len(plan.outputs),
+                      record['total_size'], time.monotonic() - start, replaced)
+
+
+def export_to_hf(src: epath.PathLike, out_dir: epath.PathLike, **kwargs: Any) -> ExportResult:
+  """Exports a Tunix run's weights as a Hugging Face safetensors folder.
+
+  Example::
+
+    orbax_tunix.export_to_hf('/ckpts/run', '/models/qwen3-sft', model='qwen3',
+                             dtype='bfloat16', hf_config='/models/Qwen3-0.6B')
+
+  Args:
+    src, out_dir: as `plan_export`.
+    **kwargs: `plan_export`'s keyword arguments (`model` is required).
+
+  Returns:
+    An `ExportResult` (the files written, their bytes).
+
+  Raises:
+    As `plan_export` and `run_export`; every check is made before any read.
+  """
+  return run_export(plan_export(src, out_dir, **kwargs))
+
+
+def describe(plan: ExportPlan) -> dict[str, Any]:
+  """The plan for people and `--json`: files, tensors per file, bytes."""
+  return {
+      'source': os.fspath(plan.source.step_dir),
+      'out_dir': os.fspath(plan.out_dir),
+      'model': plan.family.name,
+      'files': {f.name: len(f.tensors) for f in plan.files},
+      'total_size': sum(f.nbytes for f in plan.files),
+      'config': None if plan.config is None else os.fspath(plan.config),
+      'notes': list(plan.notes),
+  }
+
