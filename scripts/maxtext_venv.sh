@@ -41,29 +41,8 @@ STAMP="$VENV/.orbax_tunix_stamp"
 
 log() { echo "[maxtext_venv] $*" >&2; }
 
-is_py312() { [ -n "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
-
-find_python312() {
-  local cand
-  # A pyenv shim named python3.12 exists even when 3.12 is not the selected version (and then
-  # fails), so every candidate is run, not just looked up.
-  if cand="$(command -v python3.12 2>/dev/null)" && is_py312 "$cand"; then
-    echo "$cand"; return 0
-  fi
-  # pyenv's versions, also when pyenv itself is not on PATH (a non-login shell, CI).
-  local root v
-  if command -v pyenv >/dev/null 2>&1; then root="$(pyenv root)"; else root="${PYENV_ROOT:-$HOME/.pyenv}"; fi
-  if [ -d "$root/versions" ]; then
-    for v in $(ls -1 "$root/versions" 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -t. -k3,3nr); do
-      cand="$root/versions/$v/bin/python3.12"
-      if is_py312 "$cand"; then echo "$cand"; return 0; fi
-    done
-  fi
-  for cand in /usr/bin/python3.12 /usr/local/bin/python3.12 /opt/python3.12/bin/python3.12; do
-    if is_py312 "$cand"; then echo "$cand"; return 0; fi
-  done
-  return 1
-}
+# shellcheck source=python312.sh
+source "$REPO/scripts/python312.sh"
 
 want_stamp="$( { echo "recipe=$RECIPE_VERSION"; echo "$MAXTEXT_PIN"; cat "$REQS"; } | sha256sum | cut -d' ' -f1)"
 
