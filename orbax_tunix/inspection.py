@@ -24,6 +24,7 @@ from orbax_tunix import lora as lora_lib
 from orbax_tunix.detection import Detection
 from orbax_tunix.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
 from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
+from orbax_tunix.maxtext import layers as maxtext_layers
 from orbax_tunix.planned_item import PlannedItem
 from orbax_tunix.storage import StepEntry
 
@@ -151,6 +152,8 @@ class Report:
     optimizer: the optimizer outline.
     num_weights: the model's weight leaves (what `mirrored` rows count against).
     hyperparameters: inject_hyperparams shell -> {name: value}.
+    layers: MaxText's form of the decoder's layers (`maxtext.layers.SCANNED`
+      or `UNSCANNED`) and their count, when the weights are a MaxText model's.
     notes: things a person should know.
     checkpoint: the step as opened (to read it further, e.g. to verify).
   """
@@ -167,6 +170,7 @@ class Report:
   hyperparameters: Mapping[str, Mapping[str, Any]]
   notes: tuple[str, ...]
   checkpoint: reader.CanonicalCheckpoint | None = None
+  layers: tuple[str, int | None] | None = None
 
   @property
   def nbytes(self) -> int:
@@ -371,4 +375,13 @@ def inspect_checkpoint(
       hyperparameters=hparams,
       notes=tuple(detection.notes),
       checkpoint=ckpt,
+      layers=_layer_form({path: leaf.shape for leaf, path in weight_pairs}),
   )
+
+
+def _layer_form(shapes: Mapping[Path, tuple[int, ...] | None]) -> tuple[str, int | None] | None:
+  """MaxText's form of the decoder's layers and their count (the scan axis MaxText's default)."""
+  form = maxtext_layers.form_of(shapes)
+  if form is None:
+    return None
+  return form, maxtext_layers.layer_count({p: s for p, s in shapes.items() if s is not None})

@@ -677,3 +677,15 @@ def test_inspect_reads_the_optimizers_scalars_in_one_restore(tunix_data, monkeyp
   report = inspection.inspect_checkpoint(tunix_data / 'adapter_inject')
   assert calls == ['optimizer_state']
   assert report.state_step is not None and 'learning_rate' in report.hyperparameters['opt_state']
+
+
+@pytest.mark.parametrize('name', ['tunix_llama2_scan', 'tunix_llama2_unscan'])
+def test_inspect_says_which_maxtext_layer_form_and_how_many(capsys, name):
+  """The form and count MaxText's config had when the fixture was made (its manifest)."""
+  manifest = json.loads((REPO / 'tests/data/maxtext/MANIFEST.json').read_text())['fixtures'][name]
+  argv = dict(a.split('=', 1) for a in manifest['config_argv'] if '=' in a)
+  status, out, _ = run(capsys, 'inspect', REPO / 'tests/data/maxtext' / name, '--json')
+  assert status == 0
+  layers = json.loads(out)['layers']
+  assert layers == {'form': 'scanned' if manifest['scan_layers'] else 'unscanned',
+                    'count': int(argv['base_num_decoder_layers'])}

@@ -202,6 +202,8 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'num_leaves': report.num_leaves,
       'bytes': report.nbytes,
       'lora': None if report.lora is None else dataclasses.asdict(report.lora),
+      'layers': None if report.layers is None else {
+          'form': report.layers[0], 'count': report.layers[1]},
       'optimizer': {
           'item': report.optimizer_item,
           'outline': [
@@ -357,6 +359,12 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
         ' shell\'s count and hyperparameters, shown below); convert keeps their values in'
         ' the custom metadata.'
     )
+  if report.layers is not None:
+    form, count = report.layers
+    how = ('decoder/layers/<w>, stacked on axis 1 (scan_layers=True)' if form == 'scanned'
+           else 'decoder/layers_<i>/<w> (scan_layers=False)')
+    out.title('MaxText layers')
+    out.fields([('form', f'{form}: {how}'), ('layers', str(count) if count else '?')])
   if report.lora is not None:
     lora = report.lora
     out.title('LoRA')
