@@ -210,6 +210,26 @@ def source_sharding(
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def on_devices(transform: Transform, sharding: jax.sharding.Sharding, dtype: Any) -> Callable:
-  """`transform.apply` compiled for `sharding` and `dtype`, on the devices."""
-  return jax.jit(lambda *xs: transform.apply(xs).astype(dtype), out_shardings=sharding)
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def on_devices(
+    transforms: Sequence[Transform], shardings: Sequence[jax.sharding.Sharding],
+    dtypes: Sequence[Any],
+) -> Callable:
+  """Several transforms of the same sources, compiled as one function on the devices.
+
+  `(sources...) -> (destination in sharding i and dtype i, ...)`. Compiled once
+  per set of transforms (by name: a name says all a transform does), shardings
+  and dtypes, and per source shapes (jit's own cache): the layers of one
+  stacked weight are one compilation, and its `mu` and `nu` reuse it.
+  """
+  key = (tuple(t.name for t in transforms), tuple(shardings), tuple(np.dtype(d) for d in dtypes))
+  if key not in _COMPILED:
+    if len(_COMPILED) > 256:
+      _COMPILED.clear()
+    ts, ds = list(transforms), list(dtypes)
+    _COMPILED[key] = jax.jit(
+        lambda *xs: tuple(t.apply(xs).astype(d) for t, d in zip(ts, ds, strict=True)),
+        out_shardings=tuple(shardings))
+  return _COMPILED[key]

@@ -141,11 +141,11 @@ def _make_derived(
     planned = PlannedItem(plan.detection.item_meta(item), plan.detection.maps[item])
     read = planned.read(requests)
     inputs = [read[s.path] for s in sources]
-    for target in targets:
-      leaf = resolved[target][0]
-      make = transforms.on_devices(plan.derived[target].transform, leaf.sharding, leaf.dtype)
-      out[target] = make(*inputs)
-    del inputs, read
+    leaves = [resolved[t][0] for t in targets]
+    make = transforms.on_devices([plan.derived[t].transform for t in targets],
+                                 [leaf.sharding for leaf in leaves], [leaf.dtype for leaf in leaves])
+    out.update(zip(targets, jax.block_until_ready(make(*inputs)), strict=True))
+    del inputs, read  # Released before the next group is read.
   return out
 
 
