@@ -211,9 +211,9 @@ def table(family: Family) -> list[tuple[str, str, str]]:
   """(Tunix path, Hugging Face name, transform) per rule, as the README shows them."""
   rows = []
   for rule in family.rules:
-    source = '/'.join(k.text for k in rule.source.keys)
+    source = '/'.join(k.spec for k in rule.source.keys)
     for dest, transform in rule.dests:
-      rows.append((source, '/'.join(k.text for k in dest.keys), transform.name))
+      rows.append((source, '/'.join(k.spec for k in dest.keys), transform.name))
   return rows
 
 

@@ -46,12 +46,13 @@ class Key:
   regex: re.Pattern[str] | None
   # Placeholder -> the words it may stand for (`{p:q|k|v}`); numbers are not listed.
   words: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  spec: str = ''  # As written (with the words), for documentation.
 
   @classmethod
   def parse(cls, text: str) -> Key:
     found = _PLACEHOLDER.findall(text)
     if not found:
-      return cls(text, (), None)
+      return cls(text, (), None, spec=text)
     regex, at = [], 0
     for m in _PLACEHOLDER.finditer(text):
       regex.append(re.escape(text[at:m.start()]))
@@ -60,7 +61,8 @@ class Key:
       at = m.end()
     regex.append(re.escape(text[at:]))
     return cls(_PLACEHOLDER.sub(r'{\1}', text), tuple(n for n, _ in found),
-               re.compile(''.join(regex)), {n: tuple(w.split('|')) for n, w in found if w})
+               re.compile(''.join(regex)), {n: tuple(w.split('|')) for n, w in found if w},
+               spec=text)
 
   def match(self, key: str, bound: Bindings) -> Bindings | None:
     if self.regex is None:
