@@ -238,6 +238,17 @@ def chunk_key(index: Sequence[int], zarr3: bool) -> str:
 V1_PYTREE_TYPESTR = 'orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler'
 
 
+# The typestrs PyTree items are recorded with: the v0 PyTree and Standard
+# handlers' (as this Orbax writes them, and as Orbax releases that moved them
+# under `orbax.checkpoint.v0` write them), and v1's.
+PYTREE_TYPESTRS = frozenset(
+    {ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr(),
+     V1_PYTREE_TYPESTR}
+    | {t.replace('orbax.checkpoint._src.', 'orbax.checkpoint.v0._src.')
+       for t in (ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr())}
+)
+
+
 def handler_class(typestr: str) -> type | None:
   """The handler class Orbax registered under a typestr, or None if unknown here."""
   from orbax.checkpoint._src.handlers import handler_type_registry  # pylint: disable=g-import-not-at-top

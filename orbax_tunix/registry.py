@@ -15,20 +15,11 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import planned_item
-from orbax_tunix._orbax import V1_PYTREE_TYPESTR
+from orbax_tunix import _orbax, planned_item
 from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, V1ItemRestore
 
-# Item handler typestrs whose items hold a PyTree that the v1 loader reads:
-# the v0 PyTree and Standard handlers (both module spellings) and v1's.
-PYTREE_TYPESTRS = frozenset(
-    f'orbax.checkpoint.{space}_src.handlers.{module}'
-    for space in ('', 'v0.')
-    for module in (
-        'pytree_checkpoint_handler.PyTreeCheckpointHandler',
-        'standard_checkpoint_handler.StandardCheckpointHandler',
-    )
-) | {V1_PYTREE_TYPESTR, TunixPyTreeHandler.typestr()}
+# Item handler typestrs whose items hold a PyTree that the v1 loader reads.
+PYTREE_TYPESTRS = _orbax.PYTREE_TYPESTRS | {TunixPyTreeHandler.typestr()}
 
 ENTRY_POINT_GROUP = 'orbax.checkpoint.handlers'
 

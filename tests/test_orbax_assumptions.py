@@ -175,3 +175,15 @@ def test_untargeted_restore_on_other_devices_fails_for_want_of_a_sharding(tmp_pa
   assert _orbax.is_topology_mismatch(e.value)
   with pytest.raises(ValueError, match=_orbax.TOPOLOGY_MISMATCH[:30]):
     ocp.StandardCheckpointHandler().restore(tmp_path / 'x')
+
+
+def test_pytree_typestrs_are_what_orbax_records(tmp_path):
+  """The PyTree typestrs the v1 registration claims include what a save records."""
+  for handler, save in ((ocp.PyTreeCheckpointHandler(), ocp.args.PyTreeSave),
+                        (ocp.StandardCheckpointHandler(), ocp.args.StandardSave)):
+    step = tmp_path / type(handler).__name__
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      ckptr.save(step, args=ocp.args.Composite(x=save({'a': np.arange(2)})))
+    recorded = json.loads((step / '_CHECKPOINT_METADATA').read_text())['item_handlers']['x']
+    assert recorded in _orbax.PYTREE_TYPESTRS
+  assert _orbax.V1_PYTREE_TYPESTR in _orbax.PYTREE_TYPESTRS
