@@ -87,7 +87,7 @@ def peak_rss(argv: list[str], interval: float = 0.003) -> tuple[int, float, int]
 
 
 def parse_budget(text: str) -> int:
-  from orbax_tunix.cli import parse_size  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
 
   return parse_size(text)
 
