@@ -299,7 +299,7 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
   progress.start(plan.total_bytes, f'exporting to {plan.out_dir}')
   try:
     sink = writer.SafetensorsSink(work, plan.files)
-    record = writer.write(plan.outputs, sink, plan.batch_bytes, progress)
+    record = writer.write(plan.outputs, sink, plan.batch_bytes, progress, on_host=True)
     for path in (plan.config, *plan.copied):
       if path is not None:
         (work / path.name).write_bytes(path.read_bytes())

@@ -18,12 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors, lora, reader
+from orbax_tunix import errors, lora, reader, transforms
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.outputs import Input, Output, copied
 from orbax_tunix.planned_item import PlannedItem
@@ -203,12 +202,13 @@ def combine(contraction: lora.Contraction, scale: float):
   """`(w, a, b) -> w + scale * (a ⊗ b)` arranged into `w`: float32 math, `w`'s dtype."""
 
   def merge(w, a, b):
-    delta = jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
+    ops = transforms.xp(w, a, b)  # jax.numpy on the devices, numpy on the host.
+    delta = ops.tensordot(a.astype(np.float32), b.astype(np.float32), axes=1)
     if contraction.reshape:
       delta = delta.reshape(contraction.weight)
     elif contraction.permutation != tuple(range(delta.ndim)):
       delta = delta.transpose(contraction.permutation)
-    return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+    return (w.astype(np.float32) + np.float32(scale) * delta).astype(w.dtype)
 
   return merge
 

@@ -2,8 +2,9 @@
 
 A `Transform` is an optax-style pair of pure functions: `shape` works on shapes
 only (planning: it says what the destination's shape is, or why the sources
-do not fit) and `apply` on arrays (executing: `jax.numpy` operations, run on
-the devices, in the destination's sharding). Transforms compose with
+do not fit) and `apply` on arrays: with `jax.numpy` on jax arrays (on the
+devices, in the destination's sharding), with numpy on host arrays (where a
+transpose is a view, copied only when written). Transforms compose with
 `chain`. Layouts (`layouts/`) are rules from canonical paths to destinations,
 each with a transform; nothing else here knows a layout.
 
@@ -76,6 +77,11 @@ def _one(fn: Callable[[Shape], Shape]) -> Callable[[Sequence[Shape]], Shape]:
   return lambda shapes: fn(shapes[0])
 
 
+def xp(*arrays: Any) -> Any:
+  """The array namespace for these arrays: numpy for host arrays, else jax.numpy."""
+  return np if all(isinstance(a, np.ndarray | np.generic) for a in arrays) else jnp
+
+
 IDENTITY = Transform('identity', _one(lambda s: s), lambda xs: xs[0])
 
 
@@ -98,7 +104,7 @@ def transpose(perm: Sequence[int] | None = None) -> Transform:
     return tuple(spec[i] for i in _inverse(order))
 
   name = 'transpose' if perm is None else f'transpose{perm}'
-  return Transform(name, _one(shape), lambda xs: jnp.transpose(xs[0], perm),
+  return Transform(name, _one(shape), lambda xs: xp(*xs).transpose(xs[0], perm),
                    source_spec=source_spec)
 
 
@@ -112,7 +118,7 @@ def merge_axes(start: int, stop: int) -> Transform:
 
   return Transform(
       f'merge_axes({start}, {stop})', _one(shape),
-      lambda xs: jnp.reshape(xs[0], shape(xs[0].shape)),
+      lambda xs: xp(*xs).reshape(xs[0], shape(xs[0].shape)),
       # The merged axes unpartitioned: a partition of their product does not
       # split into partitions of each.
       source_spec=lambda spec: (*spec[:start], *(None,) * (stop - start), *spec[start + 1:]),
@@ -134,7 +140,7 @@ def take(axis: int, index: int) -> Transform:
     return (*spec[:at], None, *spec[at:])  # The taken axis whole on each device.
 
   return Transform(f'take(axis={axis}, index={index})', _one(shape),
-                   lambda xs: jnp.take(xs[0], index, axis=axis), source_spec=source_spec)
+                   lambda xs: xp(*xs).take(xs[0], index, axis=axis), source_spec=source_spec)
 
 
 def stack(axis: int) -> Transform:
@@ -148,13 +154,13 @@ def stack(axis: int) -> Transform:
       raise TransformError(f'stack(axis={axis}): does not fit {len(first)}-d sources {first}')
     return (*first[:axis], len(shapes), *first[axis:])
 
-  return Transform(f'stack(axis={axis})', shape, lambda xs: jnp.stack(list(xs), axis=axis),
+  return Transform(f'stack(axis={axis})', shape, lambda xs: xp(*xs).stack(list(xs), axis=axis),
                    arity=None, source_spec=lambda spec: (*spec[:axis], *spec[axis + 1:]))
 
 
 def constant(value: Any) -> Transform:
   """No source: the value itself (a count Tunix never wrote, filled from a known number)."""
-  return Transform(f'constant({value})', lambda shapes: (), lambda xs: jnp.asarray(value),
+  return Transform(f'constant({value})', lambda shapes: (), lambda xs: np.asarray(value),
                    arity=0)
 
 

@@ -79,9 +79,13 @@ def batches(outputs: Sequence[Output], budget: int) -> Iterator[list[Output]]:
     yield [o for unit in batch for o in unit]
 
 
-def read_inputs(batch: Sequence[Output]) -> dict[tuple, Any]:
-  """Every source of a batch, once: one restore per source item, onto one CPU device."""
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, Any]:
+  """Every source of a batch, once: one restore per source item.
+
+  Onto one CPU device (leaves saved as jax arrays stay jax arrays), or to the
+  host as numpy when `on_host`.
+  """
+  cpu = None if on_host else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
   wanted: dict[tuple[int, str], tuple[Input, dict]] = {}
   for output in batch:
     for source, dtype in zip(output.inputs, output.input_dtypes(), strict=True):
@@ -94,7 +98,7 @@ def read_inputs(batch: Sequence[Output]) -> dict[tuple, Any]:
     detection = source.ckpt.detection
     planned = PlannedItem(detection.item_meta(item), detection.maps[item])
     got = planned.read({
-        path: reader.request_for(leaf, dtype, None if leaf.numpy else cpu)
+        path: reader.request_for(leaf, dtype, None if leaf.numpy or cpu is None else cpu)
         for path, (leaf, dtype) in requests.items()
     })
     for path, (leaf, dtype) in requests.items():
@@ -125,15 +129,24 @@ def make(output: Output, values: dict[tuple, Any]) -> Any:
 
 
 def write(
-    outputs: Sequence[Output], sink: Sink, budget: int, progress: reader.Progress
+    outputs: Sequence[Output], sink: Sink, budget: int, progress: reader.Progress,
+    *, on_host: bool = False,
 ) -> dict[str, Any]:
   """Streams outputs into a sink, a batch of at most `budget` bytes at a time.
+
+  Args:
+    outputs: what to write, in order.
+    sink: where.
+    budget: bytes of sources (and of what transforms make) per batch.
+    progress: told the bytes read after each batch.
+    on_host: read and transform as numpy on the host (transposes stay views
+      until the sink copies each tensor out), else on one CPU device.
 
   Returns:
     What the sink records (see `Sink.close`).
   """
   for batch in batches(outputs, budget):
-    values = read_inputs(batch)
+    values = read_inputs(batch, on_host)
     sink.write([(o, make(o, values)) for o in batch])
     read = {i.key: i.leaf.nbytes for o in batch for i in o.inputs}
     del values  # Free the batch before the next is read.
