@@ -53,6 +53,45 @@ Fixtures:
 ``--out/lora_reference.json`` holds, for each LoRA fixture, the tokens and the
 logits the LoRA model itself computes on them (qwix or flax in the loop): what
 a plain model with the merged weights must reproduce.
+
+Hugging Face export fixtures (``hf_*``): Tunix's own model classes
+(``tunix.models.{qwen3,llama3,gemma3}.model``), tiny, every dim distinct
+(vocab 96, embed 40, mlp 56, heads 4, kv heads 2, head dim 12; embed != heads
+and != kv heads, which gemma3's safetensors loader needs to tell its layouts
+apart), float32. Every Param is replaced by seeded normals (Tunix initialises
+MLP kernels to zeros and norms to constants), then trained by real
+``optax.adamw`` steps; saved by the same CheckpointManager. Their manifest
+entries add ``family``, ``model_config`` (the ModelConfig keyword arguments;
+``*dtype`` values are dtype names), ``tokens`` (fixed (2, 7) tokens the tests
+compute logits on) and, for LoRA, ``lora`` (rank, alpha, qwix module_path,
+the adapted weights, the base fixture and step, and two figures measured when
+the fixture was made: how far the adapters move the logits and how far a
+float32 merge of them lands from the LoRA model's own logits).
+  hf_qwen3             Qwen3, untied lm_head, q/k norms; adamw, step 1, with
+                       the optimizer state.
+  hf_llama3            Llama3, tied embeddings; steps 1 and 2 (one update
+                       each), model only.
+  hf_gemma3            Gemma3, 6 layers (5 sliding-window, 1 global: the
+                       fixed Tunix pattern), GQA 4:2 (q_einsum + kv_einsum);
+                       model only.
+  hf_gemma3_fused      Gemma3, heads == kv heads (qkv_einsum), 2 layers;
+                       model only.
+  hf_qwen3_lora        hf_qwen3's step 1 (read back from disk) + qwix LoRA
+                       (Tunix's usual targets: q/k/v/o_proj and
+                       gate/up/down_proj; rank 2, alpha 3), adapters trained
+                       three adamw steps, saved in full at step 3.
+  hf_qwen3_lora_only   the same run, adapters only (as PeftTrainer saves);
+                       its base is hf_qwen3 step 1.
+The hf_* fixtures import Tunix's model modules, which set flax's
+``flax_always_shard_variable`` to False process-wide: they are written after
+the others (and the lora ones after hf_qwen3, whose files they read). The
+committed ones were written in /work/tunix-venv (the full install above); the
+test venv with scripts/tunix_pkgs.sh's directory on PYTHONPATH writes the same
+arrays and manifest entries (checked), without the full install::
+
+    JAX_PLATFORMS=cpu PYTHONPATH="$(PYTHON=.venv/bin/python scripts/tunix_pkgs.sh | tail -1)" \
+        .venv/bin/python scripts/make_tunix_fixtures.py --only hf_qwen3 hf_llama3 \
+        hf_gemma3 hf_gemma3_fused hf_qwen3_lora hf_qwen3_lora_only
 """
 
 from __future__ import annotations
@@ -358,10 +397,228 @@ def make_fixture(name: str, root: Path, seed: int, reference: dict[str, Any]) ->
   }
 
 
+# --------------------------------------------------------------------------- #
+# Hugging Face export fixtures: Tunix's own Qwen3 / Llama3 / Gemma3 classes
+# --------------------------------------------------------------------------- #
+HF_TOKENS = np.random.default_rng(123).integers(0, 96, size=(2, 7)).astype(np.int32)
+HF_TRAIN_TOKENS = np.random.default_rng(7).integers(0, 96, size=(2, 8)).astype(np.int32)
+_HF_DIMS = {"embed_dim": 40, "hidden_dim": 56, "num_heads": 4, "head_dim": 12, "num_kv_heads": 2}
+HF_LORA_MODULE_PATH = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+HF_LORA_RANK, HF_LORA_ALPHA = 2, 3.0  # scale alpha / rank = 1.5, distinct from both
+
+HF_FIXTURES: dict[str, dict[str, Any]] = {
+    "hf_qwen3": {
+        "family": "qwen3", "steps": [1], "optimizer": True,
+        "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "rope_theta": 1_000_000,
+                   "norm_eps": 1e-6, "use_tied_embedding": False},
+    },
+    "hf_llama3": {
+        "family": "llama3", "steps": [1, 2], "optimizer": False,
+        "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "rope_theta": 500_000,
+                   "norm_eps": 1e-5, "weight_tying": True},
+    },
+    "hf_gemma3": {
+        "family": "gemma3", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 6, "num_embed": 96, **_HF_DIMS, "sliding_window_size": 4,
+                   "local_base_frequency": 10_000, "global_base_frequency": 1_000_000,
+                   "param_dtype": "float32"},
+    },
+    "hf_gemma3_fused": {
+        "family": "gemma3", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "num_kv_heads": 4,
+                   "sliding_window_size": 4, "local_base_frequency": 10_000,
+                   "global_base_frequency": 1_000_000, "param_dtype": "float32"},
+    },
+    "hf_qwen3_lora": {"family": "qwen3", "lora_of": "hf_qwen3", "lora_only": False, "steps": [3]},
+    "hf_qwen3_lora_only": {"family": "qwen3", "lora_of": "hf_qwen3", "lora_only": True,
+                           "steps": [3]},
+}
+
+
+def _tunix_model_module(family: str):
+  # Imported here, not at the top: importing a Tunix model module flips
+  # flax_always_shard_variable process-wide, and the other fixtures are made without that.
+  if family == "qwen3":
+    from tunix.models.qwen3 import model as m
+    return m, m.Qwen3
+  if family == "llama3":
+    from tunix.models.llama3 import model as m
+    return m, m.Llama3
+  if family == "gemma3":
+    from tunix.models.gemma3 import model as m
+    return m, m.Gemma3
+  raise ValueError(family)
+
+
+def hf_model_config(family: str, kwargs: dict[str, Any]):
+  m, _ = _tunix_model_module(family)
+  kw = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in kwargs.items()}
+  return m.ModelConfig(**kw)
+
+
+def hf_forward(model, tokens):
+  """Logits of a Tunix Qwen3/Llama3/Gemma3 on tokens (B, T): positions 0.., causal mask."""
+  tokens = jnp.asarray(tokens, jnp.int32)
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), dtype=jnp.bool_)), (b, t, t))
+  logits, _ = model(tokens, positions, None, mask)
+  return logits
+
+
+def _perturb(model, seed: int) -> None:
+  """Every Param replaced by seeded normals: vectors 1 + 0.1 n, matrices 0.3 n."""
+  state = nnx.state(model, nnx.Param)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  new = []
+  for k, x in zip(keys, leaves, strict=True):
+    r = jax.random.normal(k, x.shape, jnp.float32)
+    new.append(((1.0 + 0.1 * r) if x.ndim == 1 else 0.3 * r).astype(x.dtype))
+  nnx.update(model, jax.tree_util.tree_unflatten(treedef, new))
+
+
+def _hf_train_step(model, optimizer, lora: bool) -> None:
+  inputs, targets = HF_TRAIN_TOKENS[:, :-1], HF_TRAIN_TOKENS[:, 1:]
+
+  def loss_fn(m):
+    logits = hf_forward(m, inputs).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  wrt = nnx.DiffState(0, nnx.LoRAParam) if lora else nnx.DiffState(0, nnx.Param)
+  optimizer.update(model, nnx.grad(loss_fn, argnums=wrt)(model))
+
+
+def _lora_targets(model) -> list[str]:
+  """'/'-joined paths of the weights qwix gave adapters ('layers/0/attn/q_proj/w')."""
+  out = set()
+  for path, _ in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.LoRAParam))[0]:
+    keys = [key_str(k) for k in path]
+    assert keys[-1] == "value" and keys[-2].endswith(("_lora_a", "_lora_b")), keys
+    out.add("/".join(keys[:-2] + [keys[-2].rsplit("_lora_", 1)[0]]))
+  return sorted(out)
+
+
+def _hand_merged_state(model, scale: float):
+  """The plain model's Params with every adapter merged in float32 (numpy): W + s * a.b."""
+  # nnx.LoRAParam is a subclass of nnx.Param: the plain weights are Params that are not LoRA.
+  pure = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).to_pure_dict()
+  lora = nnx.state(model, nnx.LoRAParam).to_pure_dict()
+
+  def walk(p, lo):
+    for k, v in lo.items():
+      if isinstance(v, dict) and not any(str(x).endswith(("_lora_a", "_lora_b")) for x in v):
+        walk(p[k], v)
+      else:
+        for w in {str(x).rsplit("_lora_", 1)[0] for x in v}:
+          a, b = np.asarray(v[f"{w}_lora_a"]), np.asarray(v[f"{w}_lora_b"])
+          p[k][w] = np.asarray(p[k][w]) + scale * np.tensordot(a, b, axes=([-1], [0]))
+  walk(pure, lora)
+  return pure
+
+
+def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, Any]:
+  spec = HF_FIXTURES[name]
+  family = spec["family"]
+  cfg_kwargs = spec.get("config") or HF_FIXTURES[spec["lora_of"]]["config"]
+  cfg = hf_model_config(family, cfg_kwargs)
+  _, model_cls = _tunix_model_module(family)
+  if root.exists():
+    shutil.rmtree(root)
+  root.mkdir(parents=True)
+  entry: dict[str, Any] = {"family": family, "model_config": cfg_kwargs,
+                           "tokens": HF_TOKENS.tolist()}
+  lora = "lora_of" in spec
+  if not lora:
+    model = model_cls(cfg, rngs=nnx.Rngs(params=seed))
+    _perturb(model, seed=42 + seed)
+    tx, desc = optax.adamw(1e-2), "optax.adamw(1e-2), params perturbed first"
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    saved_optimizer = spec["optimizer"]
+    only_lora = False
+  else:
+    base_name = spec["lora_of"]
+    base_root = out / base_name
+    base_step = HF_FIXTURES[base_name]["steps"][-1]
+    if not (base_root / str(base_step) / "commit_success.txt").exists():
+      raise SystemExit(f"{name} starts from {base_name} step {base_step}: write it first"
+                       f" (--only {base_name} {name})")
+    base = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(params=seed)))
+    restored_step, _ = tunix_ckpt.CheckpointManager(str(base_root)).maybe_restore(
+        base, step=base_step)
+    assert restored_step == base_step
+    base_logits = np.asarray(hf_forward(base, HF_TOKENS))
+    provider = qwix.LoraProvider(module_path=HF_LORA_MODULE_PATH, rank=HF_LORA_RANK,
+                                 alpha=HF_LORA_ALPHA)
+    model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
+                                     rngs=nnx.Rngs(seed + 2))
+    tx, desc = optax.adamw(3e-2), "optax.adamw(3e-2), wrt=nnx.LoRAParam"
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    saved_optimizer = True
+    only_lora = spec["lora_only"]
+  assert tunix_sft_utils.is_lora_enabled(model) == lora
+
+  manager = tunix_ckpt.CheckpointManager(str(root))
+  steps_info = {}
+  done = 0
+  for step in spec["steps"]:
+    updates = step - done if lora else 1  # LoRA: 3 updates (lora_b starts at zero)
+    for _ in range(updates):
+      _hf_train_step(model, optimizer, lora)
+    done = step
+    saved = manager.save(step, model, optimizer if saved_optimizer else None,
+                         save_only_lora_params=only_lora, force=True)
+    assert saved, f"{name}: step {step} not saved"
+    items = items_for(model, optimizer, only_lora)
+    if not saved_optimizer:
+      items.pop("optimizer_state")
+    steps_info[str(step)] = {"items": items, "custom_metadata": {}}
+  manager.close()
+
+  # The checkpoint gives back the model: restored onto an abstract model, same logits.
+  logits = np.asarray(hf_forward(model, HF_TOKENS))
+  if not lora:
+    again = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(params=seed + 1)))
+    tunix_ckpt.CheckpointManager(str(root)).maybe_restore(again)
+    assert np.array_equal(np.asarray(hf_forward(again, HF_TOKENS)), logits), name
+  else:
+    scale = HF_LORA_ALPHA / HF_LORA_RANK
+    plain = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(params=seed)))
+    state = nnx.state(plain, nnx.Param)
+    nnx.replace_by_pure_dict(state, _hand_merged_state(model, scale))
+    nnx.update(plain, state)
+    merged_logits = np.asarray(hf_forward(plain, HF_TOKENS))
+    effect = float(np.abs(logits - base_logits).max())
+    merge_err = float(np.abs(merged_logits - logits).max())
+    assert effect > 100 * max(merge_err, 1e-7), (effect, merge_err)
+    entry["lora"] = {
+        "rank": HF_LORA_RANK, "alpha": HF_LORA_ALPHA, "scale": scale,
+        "module_path": HF_LORA_MODULE_PATH, "targets": _lora_targets(model),
+        "base": spec["lora_of"], "base_step": base_step,
+        "saved": "adapters only (save_only_lora_params=True)" if only_lora else
+                 "base and adapters (save_only_lora_params=False)",
+        "logits_max_abs_change_by_adapters": effect,
+        "logits_max_abs_diff_float32_hand_merge": merge_err,
+        "logits_max_abs": float(np.abs(logits).max()),
+    }
+  entry.update({
+      "writer": "tunix.sft.checkpoint_manager.CheckpointManager (Orbax v0 API)",
+      "step_dir": "<step>",
+      "steps": spec["steps"],
+      "model": model_cls.__name__ if not lora else f"qwix LoRA on {model_cls.__name__}",
+      "lora": entry.get("lora", False),
+      "optimizer": desc + ("" if saved_optimizer else " (not saved)"),
+      "optimizer_wrt": "nnx.LoRAParam" if lora else "nnx.Param",
+      "step_items": steps_info,
+  })
+  return entry
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="tests/data/tunix", help="output directory")
-  parser.add_argument("--only", nargs="*", choices=sorted(FIXTURES), help="subset to write")
+  parser.add_argument("--only", nargs="*", choices=sorted([*FIXTURES, *HF_FIXTURES]),
+                      help="subset to write")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
 
@@ -376,9 +633,14 @@ def main(argv=None) -> int:
     manifest["fixtures"] = json.loads(manifest_path.read_text())["fixtures"]
     if reference_path.exists():
       reference = json.loads(reference_path.read_text())
-  for name in args.only or FIXTURES:
+  # The hf_* fixtures last (their imports change a flax flag), in HF_FIXTURES' order.
+  order = [*FIXTURES, *HF_FIXTURES]
+  for name in sorted(args.only or order, key=order.index):
     print(f"writing {name}", file=sys.stderr)
-    entry = make_fixture(name, out / name, args.seed, reference)
+    if name in HF_FIXTURES:
+      entry = make_hf_fixture(name, out / name, out, args.seed)
+    else:
+      entry = make_fixture(name, out / name, args.seed, reference)
     entry["versions"] = versions
     manifest["fixtures"][name] = entry
   manifest["fixtures"] = dict(sorted(manifest["fixtures"].items()))

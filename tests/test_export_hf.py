@@ -1,0 +1,904 @@
+"""google-tunix 0.1.7's own loaders accept what `orbax-tunix export` writes from real Tunix runs.
+
+The sources are `tests/data/tunix/hf_*`: Tunix's own Qwen3 / Llama3 / Gemma3 classes, tiny,
+every dim distinct, trained by optax and saved by Tunix's CheckpointManager
+(scripts/make_tunix_fixtures.py; MANIFEST.json holds each one's ModelConfig arguments and the
+fixed tokens). The exports run here with the CLI (`python -m orbax_tunix.cli export`), in
+parallel, while one worker process (tests/tunix_client.py, google-tunix from
+scripts/tunix_pkgs.sh on this venv's own jax stack) imports Tunix; then the worker runs every
+Tunix job of the module in one batch: Tunix's `create_model_from_safe_tensors` on each
+export, and the model Tunix restores from each checkpoint (with qwix LoRA in the loop for the
+LoRA runs). Tunix is never imported in the pytest process (its model modules flip flax's
+`flax_always_shard_variable` process-wide).
+
+Expected values come from the fixtures read with plain Orbax (tests/builders.raw_leaves, the
+`/value` suffix stripped here) and, for the files themselves, from this module's own table of
+Hugging Face names and layouts (numpy reshapes/transposes by hand; the safetensors headers are
+parsed here, 8-byte length + JSON). Nothing expected comes from orbax_tunix.
+
+What the tests hold the exporter to:
+  * `export SRC OUT --model F` writes OUT/model.safetensors when one file holds every tensor,
+    else model-0000i-of-0000N.safetensors + model.safetensors.index.json =
+    {"metadata": {"total_size": sum of tensor bytes}, "weight_map": {name: file}}; every file
+    one dtype, `__metadata__` {"format": "pt"}; exactly the family's HF tensor names (no
+    lm_head.weight when tied or for Gemma3, no adapter tensors); no config.json unless
+    --hf-config (then a note saying one must be added mentions config.json).
+  * Tunix's loader then gives back the checkpoint's weights bit for bit (dtype too) and the
+    same logits as the model Tunix restores from the checkpoint (bit-exact); `--dtype
+    bfloat16`: the raw weights cast to bfloat16.
+  * `--merge-lora --lora-alpha A`: W + (A / rank) * a.b in every adapted weight; the plain
+    model's logits match the LoRA model's own within MERGE_ATOL.
+  * Refusals exit 2 with a message naming the problem (not the generic "run again with
+    --debug" crash message), create nothing, and leave the source untouched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests import builders
+from tests.test_faults import snapshot
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DATA = ROOT / 'tests' / 'data' / 'tunix'
+CLIENT = ROOT / 'tests' / 'tunix_client.py'
+MANIFEST = json.loads((DATA / 'MANIFEST.json').read_text())['fixtures']
+FAMILY_FIXTURES = {'hf_qwen3': 'qwen3', 'hf_llama3': 'llama3', 'hf_gemma3': 'gemma3',
+                   'hf_gemma3_fused': 'gemma3'}
+LORA_FIXTURES = ('hf_qwen3_lora', 'hf_qwen3_lora_only')
+WORKER_TIMEOUT = 600
+CLI_TIMEOUT = 300
+# The LoRA model computes x.W + s (x.a).b, the merged one x.(W + s a.b): the same sums in
+# another order, in float32. Measured when the fixture was made (MANIFEST
+# lora.logits_max_abs_diff_float32_hand_merge): 6.7e-6 on logits up to 6.3 in size, i.e.
+# ~1e-6 relative. 1e-4 leaves a 15x margin over that, while the adapters move the logits
+# by 4.4 (lora.logits_max_abs_change_by_adapters): a merge with a wrong scale (alpha instead
+# of alpha / rank, or none), a transposed delta or a missed weight is off by far more.
+MERGE_ATOL = 1e-4
+# Merged weights vs a float32 hand merge (or Tunix's own merged saver): one rounding of
+# W + s a.b, |W| < ~1.5 here.
+WEIGHT_ATOL = 2e-6
+
+
+def manifest(name: str) -> dict:
+  return MANIFEST[name]
+
+
+def latest_step(name: str) -> int:
+  return manifest(name)['steps'][-1]
+
+
+def raw(name: str, step: int | None = None) -> dict[str, np.ndarray]:
+  """The fixture's model_params read with plain Orbax, by Tunix path ('layers/0/attn/q_proj/w')."""
+  step = step or latest_step(name)
+  out = {}
+  for path, value in builders.raw_leaves(DATA / name / str(step) / 'model_params').items():
+    assert path.endswith('/value'), path  # nnx's Variable level
+    out[path[:-len('/value')]] = value
+  return out
+
+
+# --------------------------------------------------------------------------- #
+# The Hugging Face names and layouts, by hand (one table per family)
+# --------------------------------------------------------------------------- #
+def _same(w):
+  return w
+
+
+def _t(w):
+  return w.T
+
+
+def _proj_in(w):  # Tunix (D, X, H) -> HF (X*H, D)
+  d, x, h = w.shape
+  return w.reshape(d, x * h).T
+
+
+def _proj_out(w):  # Tunix (N, H, D) -> HF (D, N*H)
+  n, h, d = w.shape
+  return w.reshape(n * h, d).T
+
+
+def _heads_first(w):  # Gemma3 (X, D, H) -> HF (X*H, D)
+  return _proj_in(np.transpose(w, (1, 0, 2)))
+
+
+L = r'layers/(?P<i>\d+)/'
+HF_L = 'model.layers.{i}.'
+# (Tunix path regex, [(HF name template, numpy transform)]); one entry per Tunix weight.
+LLAMA3_MAP = [
+    (r'embedder/input_embedding', [('model.embed_tokens.weight', _same)]),
+    (r'final_norm/w', [('model.norm.weight', _same)]),
+    (r'lm_head/w', [('lm_head.weight', _t)]),
+    (L + r'attn/(?P<p>[qkv])_proj/w', [(HF_L + 'self_attn.{p}_proj.weight', _proj_in)]),
+    (L + r'attn/o_proj/w', [(HF_L + 'self_attn.o_proj.weight', _proj_out)]),
+    (L + r'mlp/(?P<p>gate|up|down)_proj/kernel', [(HF_L + 'mlp.{p}_proj.weight', _t)]),
+    (L + r'(?P<p>input_layernorm|post_attention_layernorm)/w', [(HF_L + '{p}.weight', _same)]),
+]
+QWEN3_MAP = LLAMA3_MAP + [
+    (L + r'attn/(?P<p>[qk])_norm/w', [(HF_L + 'self_attn.{p}_norm.weight', _same)]),
+]
+GEMMA3_MAP = [
+    (r'embedder/input_embedding', [('model.embed_tokens.weight', _same)]),
+    (r'final_norm/scale', [('model.norm.weight', _same)]),
+    (L + r'attn/q_einsum/w', [(HF_L + 'self_attn.q_proj.weight', _heads_first)]),
+    (L + r'attn/kv_einsum/w', [(HF_L + 'self_attn.k_proj.weight', lambda w: _heads_first(w[0])),
+                              (HF_L + 'self_attn.v_proj.weight', lambda w: _heads_first(w[1]))]),
+    (L + r'attn/qkv_einsum/w', [(HF_L + f'self_attn.{p}_proj.weight',
+                                 lambda w, j=j: _heads_first(w[j])) for j, p in enumerate('qkv')]),
+    (L + r'attn/attn_vec_einsum/w', [(HF_L + 'self_attn.o_proj.weight', _proj_out)]),
+    (L + r'attn/_query_norm/scale', [(HF_L + 'self_attn.q_norm.weight', _same)]),
+    (L + r'attn/_key_norm/scale', [(HF_L + 'self_attn.k_norm.weight', _same)]),
+    (L + r'mlp/(?P<p>gate|up|down)_proj/kernel', [(HF_L + 'mlp.{p}_proj.weight', _t)]),
+    (L + r'pre_attention_norm/scale', [(HF_L + 'input_layernorm.weight', _same)]),
+    (L + r'post_attention_norm/scale', [(HF_L + 'post_attention_layernorm.weight', _same)]),
+    (L + r'pre_ffw_norm/scale', [(HF_L + 'pre_feedforward_layernorm.weight', _same)]),
+    (L + r'post_ffw_norm/scale', [(HF_L + 'post_feedforward_layernorm.weight', _same)]),
+]
+HF_MAPS = {'qwen3': QWEN3_MAP, 'llama3': LLAMA3_MAP, 'gemma3': GEMMA3_MAP}
+
+
+def hf_expected(family: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """{HF name: array} from Tunix weights, by the table above (every weight must map once)."""
+  out = {}
+  for path, w in weights.items():
+    hits = [(m, targets) for pat, targets in HF_MAPS[family]
+            if (m := re.fullmatch(pat, path))]
+    assert len(hits) == 1, f'{family}: {path} matches {len(hits)} rows of the test table'
+    m, targets = hits[0]
+    for template, fn in targets:
+      name = template.format(**m.groupdict())
+      assert name not in out, name
+      out[name] = np.ascontiguousarray(fn(w))
+  return out
+
+
+# --------------------------------------------------------------------------- #
+# safetensors files, read here (no safetensors package in this venv)
+# --------------------------------------------------------------------------- #
+ST_DTYPES = {'F64': np.dtype(np.float64), 'F32': np.dtype(np.float32),
+             'F16': np.dtype(np.float16), 'BF16': np.dtype(ml_dtypes.bfloat16),
+             'I64': np.dtype(np.int64), 'I32': np.dtype(np.int32), 'I16': np.dtype(np.int16),
+             'I8': np.dtype(np.int8), 'U8': np.dtype(np.uint8), 'BOOL': np.dtype(np.bool_)}
+
+
+def read_safetensors(path: pathlib.Path) -> tuple[dict, dict[str, dict], dict[str, np.ndarray]]:
+  """(__metadata__, {name: header entry}, {name: array}); checks the byte layout."""
+  data = path.read_bytes()
+  n = int.from_bytes(data[:8], 'little')
+  header = json.loads(data[8:8 + n])
+  meta = header.pop('__metadata__', None)
+  body = data[8 + n:]
+  arrays, spans = {}, []
+  for name, e in header.items():
+    dtype = ST_DTYPES[e['dtype']]
+    start, end = e['data_offsets']
+    assert end - start == math.prod(e['shape']) * dtype.itemsize, (path.name, name, e)
+    spans.append((start, end))
+    arrays[name] = np.frombuffer(body[start:end], dtype).reshape(e['shape'])
+  spans.sort()
+  assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), f'{path.name}: overlapping tensors'
+  assert not spans or spans[-1][1] <= len(body), f'{path.name}: data past the end'
+  return meta, header, arrays
+
+
+class Export:
+  """One exported folder, read back: files, per-file headers, tensors, index."""
+
+  SHARD = re.compile(r'model-(\d{5})-of-(\d{5})\.safetensors')
+
+  def __init__(self, out: pathlib.Path):
+    self.out = out
+    self.files = sorted(p.name for p in out.iterdir())
+    self.weight_files = sorted(f for f in self.files if f.endswith('.safetensors'))
+    self.meta, self.headers, self.tensors, self.where = {}, {}, {}, {}
+    for f in self.weight_files:
+      meta, header, arrays = read_safetensors(out / f)
+      self.meta[f], self.headers[f] = meta, header
+      for name, a in arrays.items():
+        assert name not in self.tensors, f'{name} in {self.where[name]} and {f}'
+        self.tensors[name], self.where[name] = a, f
+    index = out / 'model.safetensors.index.json'
+    self.index = json.loads(index.read_text()) if index.exists() else None
+
+  def nbytes(self, f: str) -> int:
+    return sum(e['data_offsets'][1] - e['data_offsets'][0] for e in self.headers[f].values())
+
+  def check_files(self):
+    """The layout transformers writes: one file, or numbered shards + index."""
+    assert self.weight_files, f'no *.safetensors in {self.out}: {self.files}'
+    for f in self.weight_files:
+      assert self.meta[f] == {'format': 'pt'}, f'{f}: __metadata__ {self.meta[f]}'
+      dtypes = {e['dtype'] for e in self.headers[f].values()}
+      assert len(dtypes) == 1, f'{f} mixes dtypes {dtypes} (Tunix reads a file with one dtype)'
+    if self.weight_files == ['model.safetensors']:
+      assert self.index is None, 'one file and an index'
+      return
+    assert 'model.safetensors' not in self.weight_files, self.weight_files
+    n = len(self.weight_files)
+    assert n > 1, self.weight_files
+    assert self.weight_files == [f'model-{i:05d}-of-{n:05d}.safetensors'
+                                 for i in range(1, n + 1)], self.weight_files
+    assert self.index is not None, 'shards without model.safetensors.index.json'
+    assert set(self.index) == {'metadata', 'weight_map'}, sorted(self.index)
+    assert self.index['weight_map'] == self.where, 'weight_map is not where the tensors are'
+    total = sum(self.nbytes(f) for f in self.weight_files)
+    assert self.index['metadata']['total_size'] == total, (self.index['metadata'], total)
+    if 'total_parameters' in self.index['metadata']:  # newer transformers write it too
+      assert self.index['metadata']['total_parameters'] == sum(
+          a.size for a in self.tensors.values())
+
+
+# --------------------------------------------------------------------------- #
+# tunix-pkgs and the worker
+# --------------------------------------------------------------------------- #
+def subprocess_env(**extra: str) -> dict[str, str]:
+  """This environment without conftest's 8 simulated devices (the tiny models need one)."""
+  env = dict(os.environ)
+  flags = [f for f in env.get('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  if flags:
+    env['XLA_FLAGS'] = ' '.join(flags)
+  else:
+    env.pop('XLA_FLAGS', None)
+  env['JAX_PLATFORMS'] = 'cpu'
+  env.update(extra)
+  return env
+
+
+@pytest.fixture(scope='module')
+def tunix_pkgs() -> str:
+  """scripts/tunix_pkgs.sh's directory (built on first use, ~15 s; then reused)."""
+  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'tunix_pkgs.sh')], capture_output=True,
+                       text=True, timeout=1800, check=False,
+                       env={**os.environ, 'PYTHON': sys.executable})
+  assert out.returncode == 0, f'scripts/tunix_pkgs.sh failed:\n{out.stderr[-5000:]}'
+  return out.stdout.strip().splitlines()[-1]
+
+
+class Worker:
+  """tests/tunix_client.py --serve: jobs on stdin, one JSON result per line on a pipe."""
+
+  def __init__(self, pkgs: str, out_dir: pathlib.Path, log_path: pathlib.Path):
+    self.out_dir, self.log_path = out_dir, log_path
+    read_fd, write_fd = os.pipe()
+    self._log = open(log_path, 'w')  # noqa: SIM115 - closed in finish()
+    self.proc = subprocess.Popen(
+        [sys.executable, str(CLIENT), '--serve', '--reply-fd', str(write_fd)],
+        stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
+        cwd=ROOT, env=subprocess_env(PYTHONPATH=pkgs), text=True)
+    os.close(write_fd)
+    self.results: dict[str, dict] = {}
+    self._replies = os.fdopen(read_fd)
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self._replies:
+      result = json.loads(line)
+      self.results[result['id']] = result
+
+  def send(self, *jobs: dict):
+    try:
+      for job in jobs:
+        self.proc.stdin.write(json.dumps({'out_dir': str(self.out_dir), **job}) + '\n')
+      self.proc.stdin.flush()
+    except BrokenPipeError:  # the worker died: its log says why
+      pass
+
+  def finish(self, timeout: float):
+    try:
+      self.proc.stdin.close()
+    except BrokenPipeError:
+      pass
+    self._reader.join(timeout)
+    if self._reader.is_alive():
+      self.proc.kill()
+      raise AssertionError(f'the Tunix worker did not finish in {timeout} s; log:\n{self.log()}')
+    self.proc.wait(60)
+    self._log.close()
+
+  def log(self) -> str:
+    return self.log_path.read_text()[-6000:]
+
+
+def export_argv(src: pathlib.Path | str, out: pathlib.Path, *flags: str) -> list[str]:
+  return [sys.executable, '-m', 'orbax_tunix.cli', 'export', str(src), str(out), *flags]
+
+
+def run_cli(argv: list[str]) -> dict:
+  t = time.time()
+  p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
+                     timeout=CLI_TIMEOUT, check=False)
+  return {'argv': argv[3:], 'rc': p.returncode, 'stdout': p.stdout, 'stderr': p.stderr,
+          'seconds': time.time() - t}
+
+
+# --------------------------------------------------------------------------- #
+# What the module exports (name -> (source, flags)), and what it refuses
+# --------------------------------------------------------------------------- #
+LORA_ALPHA = str(manifest('hf_qwen3_lora')['lora']['alpha'])
+SHARDED = {  # name -> (fixture, --max-shard-size, limit in bytes)
+    'shard_qwen3_10KB': ('hf_qwen3', '10KB', 10_000),
+    'shard_llama3_12KiB': ('hf_llama3', '12KiB', 12 * 1024),
+    'shard_gemma3_bytes': ('hf_gemma3', '100000', 100_000),
+    'shard_gemma3_fused_1MB': ('hf_gemma3_fused', '1MB', 1_000_000),  # holds all: one file
+}
+HF_CONFIG_DIMS = {  # the exported shapes, as config.json names them
+    name: {'vocab_size': 96, 'hidden_size': 40, 'intermediate_size': 56,
+           'num_hidden_layers': manifest(name)['model_config']['num_layers'],
+           'num_attention_heads': 4,
+           'num_key_value_heads': manifest(name)['model_config']['num_kv_heads'],
+           'head_dim': 12}
+    for name in FAMILY_FIXTURES
+}
+HF_CONFIG_DIMS['hf_qwen3']['tie_word_embeddings'] = False
+HF_CONFIG_DIMS['hf_llama3']['tie_word_embeddings'] = True
+HF_CONFIG_EXTRA = {
+    'hf_qwen3': {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3',
+                 'hidden_act': 'silu', 'rope_theta': 1000000, 'rms_norm_eps': 1e-06,
+                 'torch_dtype': 'float32'},
+    'hf_gemma3_fused': {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
+                        'hidden_activation': 'gelu_pytorch_tanh', 'sliding_window': 4,
+                        'rope_theta': 1000000, 'rope_local_base_freq': 10000,
+                        'query_pre_attn_scalar': 12, 'torch_dtype': 'float32'},
+}
+HF_SIDE_FILES = {  # copied byte for byte
+    'generation_config.json': '{"bos_token_id": 1, "eos_token_id": 2, "do_sample": false}\n',
+    'tokenizer.json': '{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}}}\n',
+    'tokenizer_config.json': '{"model_max_length": 4096, "eos_token": "</s>"}\n',
+    'special_tokens_map.json': '{"eos_token": "</s>"}\n',
+    'vocab.json': '{"a": 0}\n',
+    'merges.txt': '#version: 0.2\na b\n',
+}
+HF_DECOYS = {  # never copied: the base model's own weights
+    'model.safetensors': b'not the export',
+    'model-00001-of-00002.safetensors': b'stale shard',
+    'model.safetensors.index.json': b'{"metadata": {}, "weight_map": {"x": "y"}}',
+    'pytorch_model.bin': b'torch weights',
+}
+HF_CONFIG_MISMATCH = {  # name -> (fixture, field, wrong value)
+    'vocab_size': ('hf_qwen3', 'vocab_size', 97),
+    'num_hidden_layers': ('hf_qwen3', 'num_hidden_layers', 3),
+    'num_key_value_heads': ('hf_qwen3', 'num_key_value_heads', 4),
+    'tie_word_embeddings': ('hf_qwen3', 'tie_word_embeddings', True),
+    'intermediate_size': ('hf_llama3', 'intermediate_size', 64),
+    'head_dim': ('hf_gemma3', 'head_dim', 16),
+}
+# Names of weights (Tunix or HF spelling): a refusal must name at least one.
+QWEN3_WEIGHT_WORDS = ('q_norm', 'k_norm', 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'lm_head',
+                      'final_norm', 'input_layernorm', 'post_attention_layernorm', 'gate_proj',
+                      'up_proj', 'down_proj', 'embedder', 'embed_tokens')
+GEMMA3_WEIGHT_WORDS = ('q_einsum', 'kv_einsum', 'attn_vec_einsum', '_query_norm', '_key_norm',
+                       'pre_attention_norm', 'post_attention_norm', 'pre_ffw_norm',
+                       'post_ffw_norm', 'final_norm', 'scale')
+REFUSALS = {  # name -> (fixture, flags, words the message must hold (one of each tuple))
+    'unknown_family': ('hf_qwen3', ['--model', 'mistral'], [('invalid choice',), ('mistral',)]),
+    'llama3_on_qwen3': ('hf_qwen3', ['--model', 'llama3'], [('q_norm', 'k_norm')]),
+    'qwen3_on_llama3': ('hf_llama3', ['--model', 'qwen3'], [('q_norm', 'k_norm')]),
+    # The first unmapped (source) or missing (family) weight: either family's names.
+    'gemma3_on_qwen3': ('hf_qwen3', ['--model', 'gemma3'],
+                        [QWEN3_WEIGHT_WORDS + GEMMA3_WEIGHT_WORDS]),
+    'qwen3_on_gemma3': ('hf_gemma3', ['--model', 'qwen3'],
+                        [QWEN3_WEIGHT_WORDS + GEMMA3_WEIGHT_WORDS]),
+    'adapters_only_without_merge': ('hf_qwen3_lora_only', ['--model', 'qwen3'],
+                                    [('--merge-lora',), ('--base',)]),
+    'adapters_only_without_base': ('hf_qwen3_lora_only',
+                                   ['--model', 'qwen3', '--merge-lora', '--lora-alpha', LORA_ALPHA],
+                                   [('--base',)]),
+    # A full LoRA save exported as is would silently drop the adapters (the base's weights).
+    'lora_full_without_merge': ('hf_qwen3_lora', ['--model', 'qwen3'], [('--merge-lora',)]),
+    'merge_without_alpha': ('hf_qwen3_lora', ['--model', 'qwen3', '--merge-lora'],
+                            [('alpha',)]),
+    'missing_step': ('hf_qwen3', ['--model', 'qwen3', '--step', '7'], [('7',)]),
+}
+
+
+class Client:
+  """What the module's tests assert on: the exports, the CLI runs and the worker's results."""
+
+  def __init__(self, runs: dict[str, dict], worker: Worker, work: pathlib.Path,
+               before: dict, after: dict):
+    self.runs, self.worker, self.work = runs, worker, work
+    self.sources_before, self.sources_after = before, after
+
+  def exported(self, name: str) -> pathlib.Path:
+    r = self.runs[name]
+    assert r['rc'] == 0, (f"`orbax-tunix {' '.join(r['argv'])}` failed (exit {r['rc']}):\n"
+                          f"{r['stderr'][-3000:]}")
+    return r['out']
+
+  def result(self, job_id: str, *needs: str) -> dict:
+    for name in needs:
+      self.exported(name)
+    r = self.worker.results.get(job_id)
+    assert r is not None, f'the worker gave no result for {job_id}; its log:\n{self.worker.log()}'
+    assert r['ok'], (f"Tunix job {job_id} ({r['job']}) failed: {r['error']}\n"
+                     + '\n  caused by: '.join(r['error_chain']) + f"\n{r['traceback'][-4000:]}")
+    return r
+
+  def arrays(self, job_id: str, *needs: str, prefix: str = 'param/') -> dict[str, np.ndarray]:
+    """The job's arrays under `prefix` (prefix removed), bfloat16 ones restored."""
+    r = self.result(job_id, *needs)
+    out = {}
+    with np.load(r['npz']) as z:
+      for k in z.files:
+        if k.startswith(prefix):
+          path = k[len(prefix):]
+          a = z[k]
+          if r['leaves'].get(path, {}).get('dtype') == 'bfloat16':
+            a = a.view(ml_dtypes.bfloat16)
+          out[path] = a
+    return out
+
+  def logits(self, job_id: str, *needs: str) -> np.ndarray:
+    with np.load(self.result(job_id, *needs)['npz']) as z:
+      return z['logits']
+
+
+def _job(name: str, **kw) -> dict:
+  e = manifest(name)
+  return {'family': e['family'], 'config': e['model_config'], 'tokens': e['tokens'], **kw}
+
+
+def _lora_spec(name: str) -> dict:
+  lora = manifest(name)['lora']
+  spec = {k: lora[k] for k in ('rank', 'alpha', 'module_path')}
+  if name.endswith('_only'):
+    spec.update(base_root=str(DATA / lora['base']), base_step=lora['base_step'])
+  return spec
+
+
+def _write_hf_dir(d: pathlib.Path, config: dict) -> pathlib.Path:
+  d.mkdir(parents=True)
+  (d / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
+  for f, text in HF_SIDE_FILES.items():
+    (d / f).write_text(text)
+  for f, data in HF_DECOYS.items():
+    (d / f).write_bytes(data)
+  return d
+
+
+@pytest.fixture(scope='module')
+def client(tunix_pkgs, tmp_path_factory):
+  t0 = time.time()
+  work = tmp_path_factory.mktemp('export_hf')
+  worker = Worker(tunix_pkgs, work / 'worker_out', work / 'worker.log')  # imports meanwhile
+  sources = {name: snapshot(DATA / name) for name in (*FAMILY_FIXTURES, *LORA_FIXTURES)}
+  out = work / 'out'
+  planned: dict[str, tuple[pathlib.Path, list[str]]] = {}
+
+  def plan(name, src, *flags, out_dir=None):
+    planned[name] = (out_dir or out / name, export_argv(DATA / src, out_dir or out / name, *flags))
+
+  for name, family in FAMILY_FIXTURES.items():
+    plan(f'f32_{name}', name, '--model', family, *(['--json'] if name == 'hf_qwen3' else []))
+    plan(f'bf16_{name}', name, '--model', family, '--dtype', 'bfloat16')
+  plan('f32_hf_gemma3_budget', 'hf_gemma3', '--model', 'gemma3', '--dtype', 'float32',
+       '--memory-budget', '256M')
+  plan('step1_hf_llama3', 'hf_llama3', '--model', 'llama3', '--step', '1')
+  for name, (src, size, _) in SHARDED.items():
+    plan(name, src, '--model', FAMILY_FIXTURES[src], '--max-shard-size', size)
+  for name in LORA_FIXTURES:
+    extra = ['--base', str(DATA / 'hf_qwen3')] if name.endswith('_only') else []
+    plan(f'merged_{name}', name, '--model', 'qwen3', '--merge-lora', '--lora-alpha', LORA_ALPHA,
+         *extra)
+  hf_dirs = work / 'hf_dirs'
+  for name in HF_CONFIG_EXTRA:
+    d = _write_hf_dir(hf_dirs / name, {**HF_CONFIG_DIMS[name], **HF_CONFIG_EXTRA[name]})
+    plan(f'hf_config_{name}', name, '--model', FAMILY_FIXTURES[name], '--hf-config', str(d))
+  for case, (src, field, value) in HF_CONFIG_MISMATCH.items():
+    config = {**HF_CONFIG_DIMS[src], **HF_CONFIG_EXTRA.get(src, {}), field: value}
+    d = _write_hf_dir(hf_dirs / f'mismatch_{case}', config)
+    plan(f'mismatch_{case}', src, '--model', FAMILY_FIXTURES[src], '--hf-config', str(d),
+         out_dir=work / 'refused' / f'mismatch_{case}' / 'out')
+  for case, (src, flags, _) in REFUSALS.items():
+    plan(f'refuse_{case}', src, *flags, out_dir=work / 'refused' / case / 'out')
+  # An existing OUT_DIR (with a stale shard Tunix's glob would pick up): refused, then --force.
+  # (The 'force' one is an older sharded export: its shards must not survive.)
+  for case in ('exists', 'force'):
+    d = work / 'existing' / case
+    d.mkdir(parents=True)
+    for f in ('model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'):
+      (d / f).write_bytes(b'stale')
+    (d / 'model.safetensors.index.json').write_text('{"metadata": {}, "weight_map": {}}')
+    plan(f'{case}_hf_qwen3', 'hf_qwen3', '--model', 'qwen3',
+         *(['--force'] if case == 'force' else []), out_dir=d)
+  existing_before = snapshot(work / 'existing' / 'exists')
+  for case in (*HF_CONFIG_MISMATCH, *REFUSALS):
+    (work / 'refused' / (f'mismatch_{case}' if case in HF_CONFIG_MISMATCH else case)).mkdir(
+        parents=True, exist_ok=True)
+
+  # The worker's jobs: the references at once, each export's loads as soon as it is written.
+  after: dict[str | None, list[dict]] = {}
+
+  def job(needs: str | None, **kw):
+    after.setdefault(needs, []).append(kw)
+
+  def out_of(name: str) -> str:
+    return str(planned[name][0])
+
+  for name in FAMILY_FIXTURES:
+    job(None, id=f'ref_{name}', job='reference', **_job(name, root=str(DATA / name)))
+    for kind in ('f32', 'bf16'):
+      job(f'{kind}_{name}', id=f'load_{kind}_{name}', job='load',
+          **_job(name, dir=out_of(f'{kind}_{name}'), logits=kind == 'f32'))
+  job(None, id='ref_step1_hf_llama3', job='reference',
+      **_job('hf_llama3', root=str(DATA / 'hf_llama3'), step=1))
+  job('step1_hf_llama3', id='load_step1_hf_llama3', job='load',
+      **_job('hf_llama3', dir=out_of('step1_hf_llama3')))
+  for name, (src, _, _) in SHARDED.items():
+    job(name, id=f'load_{name}', job='load', **_job(src, dir=out_of(name), logits=False))
+  for name in LORA_FIXTURES:
+    spec = _lora_spec(name)
+    job(None, id=f'ref_{name}', job='reference', **_job(name, root=str(DATA / name), lora=spec))
+    job(f'merged_{name}', id=f'load_merged_{name}', job='load',
+        **_job(name, dir=out_of(f'merged_{name}')))
+    # Tunix's own merged saver, on our export of the base.
+    job('f32_hf_qwen3', id=f'tunix_merge_{name}', job='tunix_merge',
+        **_job(name, root=str(DATA / name), lora=spec, base_dir=out_of('f32_hf_qwen3'),
+               out=str(work / 'tunix_merged' / name)))
+  for name in HF_CONFIG_EXTRA:
+    job(f'hf_config_{name}', id=f'load_hf_config_{name}', job='load',
+        **_job(name, dir=out_of(f'hf_config_{name}'), logits=False))
+  n_jobs = sum(len(js) for js in after.values())
+  worker.send(*after.pop(None))
+
+  runs = {}
+  with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+    futures = {pool.submit(run_cli, argv): name for name, (_, argv) in planned.items()}
+    for f in concurrent.futures.as_completed(futures):
+      name = futures[f]
+      runs[name] = {**f.result(), 'out': planned[name][0]}
+      if runs[name]['rc'] == 0:
+        worker.send(*after.get(name, []))
+  export_seconds = time.time() - t0
+  runs['exists_hf_qwen3']['snapshot_before'] = existing_before
+  sources_after = {name: snapshot(DATA / name) for name in sources}
+  worker.finish(WORKER_TIMEOUT)
+  ready = worker.results.get('__ready__', {})
+  slowest = max(runs.values(), key=lambda r: r['seconds'])
+  print(f"\n[export_hf] {len(runs)} CLI runs in {export_seconds:.1f} s (slowest"
+        f" {slowest['seconds']:.1f} s; parallel with the worker's imports,"
+        f" {ready.get('import_seconds', float('nan')):.1f} s); {len(worker.results) - 1} Tunix"
+        f' jobs (of {n_jobs} planned); all done'
+        f' in {time.time() - t0:.1f} s', file=sys.stderr)
+  return Client(runs, worker, work, sources, sources_after)
+
+
+def assert_equal_arrays(got: dict, want: dict, what: str):
+  """Same names, and each array bit-exact with the same dtype."""
+  assert sorted(got) == sorted(want), (
+      f'{what}: names differ: only got {sorted(set(got) - set(want))}, '
+      f'only expected {sorted(set(want) - set(got))}')
+  for name, value in want.items():
+    assert got[name].dtype == value.dtype, f'{what} {name}: {got[name].dtype} != {value.dtype}'
+    assert got[name].shape == value.shape, f'{what} {name}: {got[name].shape} != {value.shape}'
+    np.testing.assert_array_equal(got[name], value, err_msg=f'{what} {name}')
+
+
+def assert_loaded_cleanly(r: dict):
+  """Every leaf of the loaded model is a real array, and the loader skipped no tensor."""
+  abstract = sorted(p for p, leaf in r['leaves'].items() if leaf['type'] != 'array')
+  assert not abstract, f'the loader left these abstract: {abstract}'
+  skipped = [m for m in r['log'] if 'skip' in m.lower()]
+  assert not skipped, f"Tunix's loader skipped tensors: {skipped}"
+
+
+def bf16(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {k: v.astype(ml_dtypes.bfloat16) for k, v in weights.items()}
+
+
+# --------------------------------------------------------------------------- #
+# a. float32 as stored: files, names, layouts; Tunix's loader; logits
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize('name', FAMILY_FIXTURES)
+def test_a_export_writes_the_hf_names_and_layouts(client, name):
+  e = Export(client.exported(f'f32_{name}'))
+  e.check_files()
+  assert e.files == ['model.safetensors'], e.files  # no config.json without --hf-config
+  assert_equal_arrays(e.tensors, hf_expected(FAMILY_FIXTURES[name], raw(name)),
+                      'exported tensors vs the HF table applied to the raw weights')
+  if manifest(name)['family'] == 'gemma3' or manifest(name)['model_config'].get(
+      'weight_tying') or manifest(name)['model_config'].get('use_tied_embedding'):
+    assert 'lm_head.weight' not in e.tensors
+  r = client.runs[f'f32_{name}']
+  assert 'config.json' in r['stdout'] + r['stderr'], (
+      'no note that a config.json must be added before loading:\n' + r['stdout'] + r['stderr'])
+
+
+def test_a_json_output_is_one_document(client):
+  r = client.runs['f32_hf_qwen3']
+  client.exported('f32_hf_qwen3')
+  json.loads(r['stdout'])
+
+
+@pytest.mark.parametrize('name', FAMILY_FIXTURES)
+def test_a_tunix_loader_gives_back_the_raw_weights(client, name):
+  r = client.result(f'load_f32_{name}', f'f32_{name}')
+  assert_loaded_cleanly(r)
+  assert_equal_arrays(client.arrays(f'load_f32_{name}'), raw(name),
+                      "Tunix's create_model_from_safe_tensors vs the raw checkpoint")
+
+
+@pytest.mark.parametrize('name', FAMILY_FIXTURES)
+def test_a_logits_equal_the_model_tunix_restores(client, name):
+  got = client.logits(f'load_f32_{name}', f'f32_{name}')
+  want = client.logits(f'ref_{name}')
+  assert got.dtype == want.dtype == np.float32
+  assert np.abs(want).max() > 1, 'degenerate reference logits'
+  diff = float(np.abs(got.astype(np.float64) - want).max())
+  assert np.array_equal(got, want), f'logits differ from the restored model by up to {diff}'
+
+
+def test_a_gemma3_fixture_has_local_and_global_layers():
+  # Tunix's Gemma3 makes every 6th layer global and the others sliding-window (window 4 < 7
+  # tokens): 6 layers exercise both, with the two RoPE bases.
+  cfg = manifest('hf_gemma3')['model_config']
+  assert cfg['num_layers'] == 6 and cfg['sliding_window_size'] < len(
+      manifest('hf_gemma3')['tokens'][0])
+  assert 'layers/5/attn/kv_einsum/w' in raw('hf_gemma3')
+  assert 'layers/0/attn/qkv_einsum/w' in raw('hf_gemma3_fused')
+
+
+# --------------------------------------------------------------------------- #
+# b. --dtype bfloat16, --step
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize('name', FAMILY_FIXTURES)
+def test_b_bfloat16_export_is_the_raw_weights_cast(client, name):
+  e = Export(client.exported(f'bf16_{name}'))
+  e.check_files()
+  assert {h['dtype'] for f in e.weight_files for h in e.headers[f].values()} == {'BF16'}
+  assert_equal_arrays(e.tensors, bf16(hf_expected(FAMILY_FIXTURES[name], raw(name))),
+                      'bf16 export vs the HF table on the raw weights cast to bfloat16')
+  r = client.result(f'load_bf16_{name}', f'bf16_{name}')
+  assert_loaded_cleanly(r)
+  assert_equal_arrays(client.arrays(f'load_bf16_{name}'), bf16(raw(name)),
+                      "Tunix's loader on the bf16 export vs raw cast to bfloat16")
+
+
+def test_b_explicit_float32_and_memory_budget(client):
+  e = Export(client.exported('f32_hf_gemma3_budget'))
+  e.check_files()
+  assert_equal_arrays(e.tensors, hf_expected('gemma3', raw('hf_gemma3')), '--dtype float32')
+
+
+def test_b_step_option_picks_the_step(client):
+  assert manifest('hf_llama3')['steps'] == [1, 2]
+  step1, step2 = raw('hf_llama3', 1), raw('hf_llama3', 2)
+  assert any(not np.array_equal(step1[k], step2[k]) for k in step1)
+  # The default is the latest step.
+  assert_equal_arrays(client.arrays('load_f32_hf_llama3', 'f32_hf_llama3'), step2, 'default step')
+  r = client.result('load_step1_hf_llama3', 'step1_hf_llama3')
+  assert_loaded_cleanly(r)
+  assert_equal_arrays(client.arrays('load_step1_hf_llama3'), step1, '--step 1')
+  assert client.result('ref_step1_hf_llama3')['step'] == 1
+  assert np.array_equal(client.logits('load_step1_hf_llama3'), client.logits('ref_step1_hf_llama3'))
+
+
+# --------------------------------------------------------------------------- #
+# c. --max-shard-size: transformers' file layout, and Tunix loads the shards
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize('name', SHARDED)
+def test_c_sharded_export_layout_and_load(client, name):
+  src, _, limit = SHARDED[name]
+  e = Export(client.exported(name))
+  e.check_files()
+  expected = hf_expected(FAMILY_FIXTURES[src], raw(src))
+  assert_equal_arrays(e.tensors, expected, f'{name} tensors')
+  total = sum(a.nbytes for a in expected.values())
+  if total <= limit:
+    assert e.weight_files == ['model.safetensors'], (total, limit, e.weight_files)
+  else:
+    assert len(e.weight_files) > 1, e.weight_files
+    assert sorted(e.files) == sorted([*e.weight_files, 'model.safetensors.index.json'])
+    for f in e.weight_files:
+      sizes = {n: h['data_offsets'][1] - h['data_offsets'][0] for n, h in e.headers[f].items()}
+      if len(sizes) > 1:
+        assert sum(sizes.values()) <= limit, f'{f} holds {sum(sizes.values())} > {limit} bytes'
+    for n, a in expected.items():  # a tensor larger than the limit: a shard of its own
+      if a.nbytes > limit:
+        assert len(e.headers[e.where[n]]) == 1, f'{n} ({a.nbytes} > {limit}) shares its shard'
+    assert any(len(h) > 1 for h in e.headers.values()), 'one tensor per shard: not packed'
+  r = client.result(f'load_{name}', name)
+  assert_loaded_cleanly(r)
+  assert_equal_arrays(client.arrays(f'load_{name}'), raw(src), f'Tunix loader on {name}')
+
+
+def test_c_sharded_cases_cover_oversized_tensors_and_one_file():
+  # Some limits lie below the embedding (96 x 40 x 4 = 15360 bytes: a shard of its own), one
+  # lies above the whole model (one file, no index), one packs several shards of many tensors.
+  cases = {}
+  for name, (src, _, limit) in SHARDED.items():
+    weights = raw(src)
+    total = sum(a.nbytes for a in weights.values())
+    emb = weights['embedder/input_embedding'].nbytes
+    cases[name] = ('one file' if limit >= total else
+                   'oversized' if emb > limit else 'packed')
+  assert set(cases.values()) == {'one file', 'oversized', 'packed'}, cases
+
+
+# --------------------------------------------------------------------------- #
+# d. --merge-lora: qwix adapters merged; Tunix's plain Qwen3 computes the LoRA model's logits
+# --------------------------------------------------------------------------- #
+def test_d_lora_fixtures_are_one_run_on_hf_qwen3():
+  full, only, base = raw('hf_qwen3_lora'), raw('hf_qwen3_lora_only'), raw('hf_qwen3')
+  lora = manifest('hf_qwen3_lora')['lora']
+  adapters = {k: v for k, v in full.items() if re.search(r'_lora_[ab]$', k)}
+  assert_equal_arrays(only, adapters, 'adapters-only save vs the full save\'s adapters')
+  assert_equal_arrays({k: v for k, v in full.items() if k not in adapters}, base,
+                      'the full LoRA save\'s base weights vs hf_qwen3')
+  targets = sorted({re.sub(r'_lora_[ab]$', '', k) for k in adapters})
+  assert targets == lora['targets'] and len(targets) == 7 * 2
+  assert all(adapters[f'{t}_lora_a'].shape[-1] == lora['rank'] for t in targets)
+  assert lora['logits_max_abs_change_by_adapters'] > 1e3 * MERGE_ATOL
+
+
+def hand_merged(name: str) -> dict[str, np.ndarray]:
+  """hf_qwen3's weights with each adapter merged in float64: W + (alpha / rank) a.b."""
+  lora = manifest(name)['lora']
+  adapters = raw(name) if name.endswith('_only') else {
+      k: v for k, v in raw(name).items() if re.search(r'_lora_[ab]$', k)}
+  out = dict(raw(lora['base'], lora['base_step']))
+  for t in lora['targets']:
+    a = adapters[f'{t}_lora_a'].astype(np.float64)
+    b = adapters[f'{t}_lora_b'].astype(np.float64)
+    delta = np.tensordot(a, b, axes=([-1], [0]))  # qwix: a (..in, r), b (r, out..)
+    assert delta.shape == out[t].shape, (t, delta.shape, out[t].shape)
+    out[t] = out[t].astype(np.float64) + lora['alpha'] / lora['rank'] * delta
+  return out
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_d_merged_export_weights(client, name):
+  e = Export(client.exported(f'merged_{name}'))
+  e.check_files()
+  lora = manifest(name)['lora']
+  merged = hand_merged(name)
+  want = hf_expected('qwen3', merged)
+  assert sorted(e.tensors) == sorted(want), 'merged export names differ from plain Qwen3\'s'
+  targets = set(hf_expected('qwen3', {t: merged[t] for t in lora['targets']}))
+  for n, w in want.items():
+    got = e.tensors[n]
+    assert got.dtype == np.float32, (n, got.dtype)
+    if n in targets:
+      np.testing.assert_allclose(got, w, rtol=0, atol=WEIGHT_ATOL, err_msg=n)
+      assert not np.allclose(got, hf_expected('qwen3', raw('hf_qwen3'))[n], atol=1e-3), (
+          f'{n}: the adapter was not merged')
+    else:
+      np.testing.assert_array_equal(got, w.astype(np.float32), err_msg=n)
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_d_merged_export_equals_tunix_own_merged_saver(client, name):
+  """Tunix's save_lora_merged_model_as_safetensors (on our export of the base) agrees."""
+  r = client.result(f'tunix_merge_{name}', 'f32_hf_qwen3')
+  assert r['files'] == ['model.safetensors'], r['files']
+  _, _, theirs = read_safetensors(pathlib.Path(r['out']) / 'model.safetensors')
+  ours = Export(client.exported(f'merged_{name}')).tensors
+  assert sorted(ours) == sorted(theirs)
+  for n in theirs:
+    np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=WEIGHT_ATOL, err_msg=n)
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_d_merged_logits_equal_the_lora_models_own(client, name):
+  r = client.result(f'load_merged_{name}', f'merged_{name}')
+  assert_loaded_cleanly(r)
+  assert r['model_class'] == 'Qwen3'
+  assert not [p for p in r['leaves'] if 'lora' in p], 'adapter tensors in the plain model'
+  got = client.logits(f'load_merged_{name}')
+  lora_logits = client.logits(f'ref_{name}')  # qwix in the loop
+  base_logits = client.logits('ref_hf_qwen3')
+  assert got.dtype == lora_logits.dtype == np.float32
+  effect = float(np.abs(lora_logits - base_logits).max())
+  diff = float(np.abs(got.astype(np.float64) - lora_logits).max())
+  assert effect > 1e3 * MERGE_ATOL, f'the adapters barely move the logits ({effect})'
+  assert diff <= MERGE_ATOL, (f'merged logits differ from the LoRA model\'s by {diff}'
+                              f' (the adapters move them by {effect})')
+
+
+def test_d_adapters_only_merge_equals_the_full_merge(client):
+  full = Export(client.exported('merged_hf_qwen3_lora')).tensors
+  only = Export(client.exported('merged_hf_qwen3_lora_only')).tensors
+  assert_equal_arrays(only, full, '--base hf_qwen3 + adapters vs the full save')
+  np.testing.assert_array_equal(client.logits('ref_hf_qwen3_lora'),
+                                client.logits('ref_hf_qwen3_lora_only'))
+
+
+# --------------------------------------------------------------------------- #
+# e. --hf-config: copied after the check; a mismatch is refused, naming the field
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize('name', HF_CONFIG_EXTRA)
+def test_e_hf_config_files_are_copied(client, name):
+  out = client.exported(f'hf_config_{name}')
+  hf_dir = client.work / 'hf_dirs' / name
+  e = Export(out)
+  e.check_files()
+  assert sorted(e.files) == sorted(['model.safetensors', 'config.json', *HF_SIDE_FILES]), e.files
+  for f in ['config.json', *HF_SIDE_FILES]:
+    assert (out / f).read_bytes() == (hf_dir / f).read_bytes(), f'{f} not copied as is'
+  assert_equal_arrays(e.tensors, hf_expected(FAMILY_FIXTURES[name], raw(name)),
+                      'the weights are the export, not the --hf-config folder\'s')
+  r = client.result(f'load_hf_config_{name}', f'hf_config_{name}')
+  assert_loaded_cleanly(r)
+  assert_equal_arrays(client.arrays(f'load_hf_config_{name}'), raw(name), 'Tunix loader')
+
+
+def assert_refused(client, run_name: str, words: list[tuple[str, ...]]):
+  r = client.runs[run_name]
+  msg = r['stderr'] + r['stdout']
+  assert r['rc'] == 2, f"`orbax-tunix {' '.join(r['argv'])}` exited {r['rc']}, not 2:\n{msg}"
+  assert 'run again with --debug' not in msg, f'an unexpected error, not a refusal:\n{msg}'
+  for alternatives in words:
+    assert any(w in msg for w in alternatives), f'the message names none of {alternatives}:\n{msg}'
+  parent = r['out'].parent
+  assert sorted(os.listdir(parent)) == [], f'the refusal wrote {sorted(os.listdir(parent))}'
+
+
+@pytest.mark.parametrize('case', HF_CONFIG_MISMATCH)
+def test_e_hf_config_mismatch_is_refused(client, case):
+  _, field, _ = HF_CONFIG_MISMATCH[case]
+  assert_refused(client, f'mismatch_{case}', [(field,)])
+
+
+# --------------------------------------------------------------------------- #
+# f. refusals, OUT_DIR rules, sources untouched
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize('case', REFUSALS)
+def test_f_refusals(client, case):
+  assert_refused(client, f'refuse_{case}', REFUSALS[case][2])
+
+
+def test_f_existing_out_dir_is_refused_without_force(client):
+  r = client.runs['exists_hf_qwen3']
+  msg = r['stderr'] + r['stdout']
+  assert r['rc'] == 2, f'exit {r["rc"]}:\n{msg}'
+  assert '--force' in msg, msg
+  assert 'run again with --debug' not in msg, msg
+  assert snapshot(r['out']) == r['snapshot_before'], 'the existing OUT_DIR was changed'
+  assert sorted(os.listdir(r['out'].parent)) == ['exists', 'force']
+
+
+def test_f_force_replaces_the_out_dir(client):
+  out = client.exported('force_hf_qwen3')
+  e = Export(out)
+  e.check_files()
+  # Nothing of the old folder is left: a stale shard would be loaded by Tunix's glob.
+  assert e.files == ['model.safetensors'], e.files
+  assert_equal_arrays(e.tensors, hf_expected('qwen3', raw('hf_qwen3')), '--force export')
+
+
+def test_f_nothing_left_beside_the_exports(client):
+  """Exports are written beside OUT_DIR and moved: no temporary entry may remain."""
+  exported = {r['out'] for r in client.runs.values() if r['rc'] == 0}
+  for parent in (client.work / 'out', client.work / 'existing'):
+    left = sorted(p.name for p in parent.iterdir() if p not in exported)
+    assert left in ([], ['exists']), f'entries left in {parent}: {left}'
+
+
+def test_f_sources_untouched(client):
+  for name, before in client.sources_before.items():
+    assert client.sources_after[name] == before, f'exporting changed tests/data/tunix/{name}'
+
+
+def test_tunix_is_not_imported_in_the_test_process(client, tunix_pkgs):
+  # Its model modules set flax_always_shard_variable=False process-wide: only the worker may.
+  assert not [m for m in sys.modules if m == 'tunix' or m.startswith('tunix.')]
+  ready = client.worker.results['__ready__']
+  assert ready['tunix_file'].startswith(tunix_pkgs), ready  # Tunix from tunix-pkgs
+  assert ready['qwix_file'].startswith(sys.prefix), ready  # the pinned stack: this venv's
+  assert ready['flax_always_shard_variable'] is False, ready  # what Tunix's import does
