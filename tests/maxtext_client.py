@@ -53,9 +53,10 @@ import logging
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+import serve_jobs  # tests/serve_jobs.py: this file's own folder is on sys.path
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
@@ -432,60 +433,9 @@ JOBS = {
 }
 
 
-def _chain(e: BaseException) -> list[str]:
-  out, seen = [], set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    out.append(f'{type(e).__name__}: {e}')
-    e = e.__cause__ or e.__context__
-  return out
-
-
-def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
-  t = time.time()
-  result = {'id': job['id'], 'job': job['job']}
-  try:
-    result.update(JOBS[job['job']](job, out_dir))
-    result['ok'] = True
-  except Exception as e:  # noqa: BLE001 - reported to the test, the next job still runs
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ''
-    result.update(ok=False, error=f'{type(e).__name__}: {first}', error_chain=_chain(e),
-                  traceback=traceback.format_exc())
-  result['seconds'] = round(time.time() - t, 3)
-  print(f"[maxtext_client] {job['id']} ({job['job']}): "
-        f"{'ok' if result['ok'] else result['error']} in {result['seconds']} s",
-        file=sys.stderr, flush=True)
-  return result
-
-
-RESULTS_MARKER = '=== maxtext_client results ==='
-
-
 def main(argv: list[str]) -> int:
   print(f'[maxtext_client] imports took {IMPORT_SECONDS:.1f} s', file=sys.stderr, flush=True)
-  if argv and argv[0] == '--serve':
-    fd = int(argv[argv.index('--reply-fd') + 1])
-    with os.fdopen(fd, 'w') as reply:
-      reply.write(json.dumps({'id': '__ready__', 'ok': True,
-                              'import_seconds': IMPORT_SECONDS}) + '\n')
-      reply.flush()
-      for line in sys.stdin:
-        if not line.strip():
-          continue
-        job = json.loads(line)
-        os.makedirs(job['out_dir'], exist_ok=True)
-        reply.write(json.dumps(run_job(job, job['out_dir'])) + '\n')
-        reply.flush()
-    return 0
-  request = json.loads(Path(argv[0]).read_text() if argv and argv[0] != '-' else sys.stdin.read())
-  os.makedirs(request['out_dir'], exist_ok=True)
-  results = [run_job(job, request['out_dir']) for job in request['jobs']]
-  text = json.dumps(results, indent=1)
-  if len(argv) > 1:
-    Path(argv[1]).write_text(text)
-  else:  # MaxText prints to stdout too: the results follow a marker line
-    print(f'{RESULTS_MARKER}\n{text}', flush=True)
-  return 0
+  return serve_jobs.main(argv, JOBS, 'maxtext_client', {'import_seconds': IMPORT_SECONDS})
 
 
 if __name__ == '__main__':

@@ -42,14 +42,14 @@ import pathlib
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tests import builders
+from tests import builders, clients
+from tests.clients import subprocess_env
 from tests.test_faults import snapshot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -245,20 +245,6 @@ class Export:
 # --------------------------------------------------------------------------- #
 # tunix-pkgs and the worker
 # --------------------------------------------------------------------------- #
-def subprocess_env(**extra: str) -> dict[str, str]:
-  """This environment without conftest's 8 simulated devices (the tiny models need one)."""
-  env = dict(os.environ)
-  flags = [f for f in env.get('XLA_FLAGS', '').split()
-           if not f.startswith('--xla_force_host_platform_device_count')]
-  if flags:
-    env['XLA_FLAGS'] = ' '.join(flags)
-  else:
-    env.pop('XLA_FLAGS', None)
-  env['JAX_PLATFORMS'] = 'cpu'
-  env.update(extra)
-  return env
-
-
 @pytest.fixture(scope='module')
 def tunix_pkgs() -> str:
   """scripts/tunix_pkgs.sh's directory (built on first use, ~15 s; then reused)."""
@@ -267,52 +253,6 @@ def tunix_pkgs() -> str:
                        env={**os.environ, 'PYTHON': sys.executable})
   assert out.returncode == 0, f'scripts/tunix_pkgs.sh failed:\n{out.stderr[-5000:]}'
   return out.stdout.strip().splitlines()[-1]
-
-
-class Worker:
-  """tests/tunix_client.py --serve: jobs on stdin, one JSON result per line on a pipe."""
-
-  def __init__(self, pkgs: str, out_dir: pathlib.Path, log_path: pathlib.Path):
-    self.out_dir, self.log_path = out_dir, log_path
-    read_fd, write_fd = os.pipe()
-    self._log = open(log_path, 'w')  # noqa: SIM115 - closed in finish()
-    self.proc = subprocess.Popen(
-        [sys.executable, str(CLIENT), '--serve', '--reply-fd', str(write_fd)],
-        stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-        cwd=ROOT, env=subprocess_env(PYTHONPATH=pkgs), text=True)
-    os.close(write_fd)
-    self.results: dict[str, dict] = {}
-    self._replies = os.fdopen(read_fd)
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-
-  def _read(self):
-    for line in self._replies:
-      result = json.loads(line)
-      self.results[result['id']] = result
-
-  def send(self, *jobs: dict):
-    try:
-      for job in jobs:
-        self.proc.stdin.write(json.dumps({'out_dir': str(self.out_dir), **job}) + '\n')
-      self.proc.stdin.flush()
-    except BrokenPipeError:  # the worker died: its log says why
-      pass
-
-  def finish(self, timeout: float):
-    try:
-      self.proc.stdin.close()
-    except BrokenPipeError:
-      pass
-    self._reader.join(timeout)
-    if self._reader.is_alive():
-      self.proc.kill()
-      raise AssertionError(f'the Tunix worker did not finish in {timeout} s; log:\n{self.log()}')
-    self.proc.wait(60)
-    self._log.close()
-
-  def log(self) -> str:
-    return self.log_path.read_text()[-6000:]
 
 
 def export_argv(src: pathlib.Path | str, out: pathlib.Path, *flags: str) -> list[str]:
@@ -410,7 +350,7 @@ REFUSALS = {  # name -> (fixture, flags, words the message must hold (one of eac
 class Client:
   """What the module's tests assert on: the exports, the CLI runs and the worker's results."""
 
-  def __init__(self, runs: dict[str, dict], worker: Worker, work: pathlib.Path,
+  def __init__(self, runs: dict[str, dict], worker: clients.Worker, work: pathlib.Path,
                before: dict, after: dict):
     self.runs, self.worker, self.work = runs, worker, work
     self.sources_before, self.sources_after = before, after
@@ -476,7 +416,8 @@ def _write_hf_dir(d: pathlib.Path, config: dict) -> pathlib.Path:
 def client(tunix_pkgs, tmp_path_factory):
   t0 = time.time()
   work = tmp_path_factory.mktemp('export_hf')
-  worker = Worker(tunix_pkgs, work / 'worker_out', work / 'worker.log')  # imports meanwhile
+  worker = clients.Worker('Tunix', sys.executable, CLIENT, work / 'worker_out', work / 'worker.log',
+                          env=subprocess_env(PYTHONPATH=tunix_pkgs))  # imports meanwhile
   sources = {name: snapshot(DATA / name) for name in (*FAMILY_FIXTURES, *LORA_FIXTURES)}
   out = work / 'out'
   planned: dict[str, tuple[pathlib.Path, list[str]]] = {}

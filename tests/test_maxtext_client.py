@@ -30,20 +30,18 @@ Conventions the tests encode:
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from tests import builders
+from tests import builders, clients
+from tests.clients import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data' / 'maxtext'
@@ -134,19 +132,6 @@ def assert_equal_arrays(got: dict, want: dict, what: str):
 # --------------------------------------------------------------------------- #
 # The MaxText venv and the worker
 # --------------------------------------------------------------------------- #
-def subprocess_env() -> dict[str, str]:
-  """This environment without conftest's 8 simulated devices: the tiny config is sized for one."""
-  env = dict(os.environ)
-  flags = [f for f in env.get('XLA_FLAGS', '').split()
-           if not f.startswith('--xla_force_host_platform_device_count')]
-  if flags:
-    env['XLA_FLAGS'] = ' '.join(flags)
-  else:
-    env.pop('XLA_FLAGS', None)
-  env['JAX_PLATFORMS'] = 'cpu'
-  return env
-
-
 @pytest.fixture(scope='session')
 def maxtext_python() -> str:
   """The MaxText venv's python, built by scripts/maxtext_venv.sh on first use (~40 s)."""
@@ -154,52 +139,6 @@ def maxtext_python() -> str:
                        text=True, timeout=1800, check=False)
   assert out.returncode == 0, f'scripts/maxtext_venv.sh failed:\n{out.stderr[-5000:]}'
   return out.stdout.strip().splitlines()[-1]
-
-
-class Worker:
-  """tests/maxtext_client.py --serve: jobs on stdin, one JSON result per line on a pipe."""
-
-  def __init__(self, python: str, out_dir: pathlib.Path, log_path: pathlib.Path):
-    self.out_dir, self.log_path = out_dir, log_path
-    read_fd, write_fd = os.pipe()
-    self._log = open(log_path, 'w')  # noqa: SIM115 - closed in close()
-    self.proc = subprocess.Popen(
-        [python, str(CLIENT), '--serve', '--reply-fd', str(write_fd)],
-        stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-        cwd=ROOT, env=subprocess_env(), text=True)
-    os.close(write_fd)
-    self.results: dict[str, dict] = {}
-    self._replies = os.fdopen(read_fd)
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-
-  def _read(self):
-    for line in self._replies:
-      result = json.loads(line)
-      self.results[result['id']] = result
-
-  def send(self, *jobs: dict):
-    try:
-      for job in jobs:
-        self.proc.stdin.write(json.dumps({'out_dir': str(self.out_dir), **job}) + '\n')
-      self.proc.stdin.flush()
-    except BrokenPipeError:  # the worker died: its log says why (finish, then each test)
-      pass
-
-  def finish(self, timeout: float):
-    try:
-      self.proc.stdin.close()
-    except BrokenPipeError:
-      pass
-    self._reader.join(timeout)
-    if self._reader.is_alive():
-      self.proc.kill()
-      raise AssertionError(f'the MaxText worker did not finish in {timeout} s; log:\n{self.log()}')
-    self.proc.wait(60)
-    self._log.close()
-
-  def log(self) -> str:
-    return self.log_path.read_text()[-6000:]
 
 
 def convert(src: pathlib.Path, dst: pathlib.Path, *flags: str) -> dict:
@@ -252,7 +191,7 @@ def client(maxtext_python, tmp_path_factory):
   t0 = time.time()
   work = tmp_path_factory.mktemp('maxtext_client')
   runs = work / 'runs'
-  worker = Worker(maxtext_python, work / 'out', work / 'worker.log')
+  worker = clients.Worker('MaxText', maxtext_python, CLIENT, work / 'out', work / 'worker.log')
   # MaxText's own steps for the same config (test b), while the conversions run here.
   for form, scan in FORMS.items():
     worker.send({'id': f'ref_{form}', 'job': 'train', 'out': str(runs), 'run': f'ref_{form}',
