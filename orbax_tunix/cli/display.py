@@ -185,7 +185,8 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'kind': d.kind,
       'writer': d.writer,
       'steps': [
-          {'step': s.step, 'committed': s.committed, 'path': str(s.path)} for s in report.steps
+          {'step': s.step, 'committed': s.committed, 'empty': s.empty, 'path': str(s.path)}
+          for s in report.steps
       ],
       'items': {
           item.name: {
@@ -297,11 +298,13 @@ def _shape(shape: Any) -> str:
 def _steps_text(report: inspection.Report) -> str:
   if not report.steps:
     return '-'
-  committed = [str(s.step) for s in report.steps if s.committed]
-  unfinished = [str(s.step) for s in report.steps if not s.committed]
+  committed = [str(s.step) for s in report.steps if s.usable]
   text = ', '.join(committed) or 'none committed'
-  if unfinished:
-    text += f'  (unfinished: {", ".join(unfinished)})'
+  for state in ('unfinished', 'empty'):
+    skipped = [s.path.name if state == 'empty' else str(s.step)
+               for s in report.steps if s.state == state]
+    if skipped:
+      text += f'  ({state}: {", ".join(skipped)})'
   return text
 
 
