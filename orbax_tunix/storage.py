@@ -22,7 +22,9 @@ import json
 import math
 import operator
 import os
+import socket
 import stat
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -822,6 +824,59 @@ def _is_step(path: epath.Path) -> bool:
   return (path / CHECKPOINT_METADATA).exists()
 
 
+# How long `unreachable` waits for a bucket's storage service to answer a
+# connection: the clients' own retries take ~50 s to give up.
+PROBE_TIMEOUT = 5.0
+
+
+def _storage_endpoint(path: epath.Path) -> tuple[str, int] | None:
+  """(host, port) of the service gcsfs talks to for a gs:// path; None for others.
+
+  As gcsfs chooses it: `STORAGE_EMULATOR_HOST` when set (an emulator), else
+  Google's endpoint in the configured universe.
+  """
+  if os.fspath(path).split('://', 1)[0].lower() != 'gs':
+    return None
+  url = os.environ.get('STORAGE_EMULATOR_HOST', '')
+  if url in ('', 'default'):
+    url = 'https://storage.' + os.environ.get('GOOGLE_CLOUD_UNIVERSE_DOMAIN', 'googleapis.com')
+  elif '://' not in url:
+    url = 'http://' + url
+  parts = urllib.parse.urlsplit(url)
+  if not parts.hostname:
+    return None
+  return parts.hostname, parts.port or (443 if parts.scheme == 'https' else 80)
+
+
+@functools.lru_cache(maxsize=8)
+def _connects(host: str, port: int) -> None:
+  """Opens (and closes) one connection; raises OSError if none can be made.
+
+  Cached: a service reached once in this process is not probed again.
+  """
+  socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+
+
+def unreachable(path: epath.Path) -> str | None:
+  """Why a bucket path's storage service cannot be reached, or None.
+
+  One connection attempt (at most `PROBE_TIMEOUT` seconds), before any
+  client call: without a network the clients retry for about a minute
+  before failing. Local paths, and services reached before, cost nothing.
+  """
+  if is_local(path):
+    return None
+  endpoint = _storage_endpoint(path)
+  if endpoint is None:
+    return None
+  try:
+    _connects(*endpoint)
+  except OSError as e:
+    reason = 'no answer' if isinstance(e, TimeoutError) else (e.strerror or str(e))
+    return f'{endpoint[0]}:{endpoint[1]}: {reason}'
+  return None
+
+
 def resolve(path: epath.PathLike, step: int | None = None) -> Location:
   """Finds the step (and item) a path stands for.
 
@@ -831,7 +886,8 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
     step: the step number wanted under a root; None for the latest.
 
   Raises:
-    NotACheckpointError: nothing checkpoint-like is there, or no step `step`.
+    NotACheckpointError: nothing checkpoint-like is there, or no step `step`;
+      or a bucket that cannot be reached.
     UncommittedStepError: the step is unfinished, or a root's steps all are.
     CorruptMetadataError: `_CHECKPOINT_METADATA` is damaged.
     UnsupportedLayoutError: the step asked for (or the latest) is held by
@@ -840,12 +896,22 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
   """
   step = step_argument(step)
   path = as_path(path)
+  problem = unreachable(path)
+  if problem is not None:
+    raise errors.NotACheckpointError(
+        f'{path}: cannot reach the storage service ({problem}). Check the network'
+        ' (and STORAGE_EMULATOR_HOST, if set); gs:// paths need gcsfs and Google'
+        ' credentials.'
+    )
+  # A bucket's client raises errors of its own (gcsfs: HttpError, ...).
+  failures = OSError if is_local(path) else Exception
   try:
     exists = path.exists()
-  except OSError as e:  # A bucket that cannot be reached, say.
+  except failures as e:  # pylint: disable=broad-except
     raise errors.NotACheckpointError(
-        f'{path}: cannot read it ({e}). Check the path, the network and the'
-        ' credentials (gs:// paths need gcsfs and Google credentials).'
+        f'{path}: cannot read it ({str(e).splitlines()[0] if str(e) else type(e).__name__}).'
+        ' Check the path, the network and the credentials (gs:// paths need gcsfs'
+        ' and Google credentials).'
     ) from e
   if not exists:
     raise errors.NotACheckpointError(

@@ -433,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+# Libraries that log (tracebacks included) about failures this command reports
+# itself: Orbax, JAX, asyncio, and the bucket clients (gcsfs logs each retry).
+_NOISY_LOGGERS = ('absl', 'jax', 'orbax', 'asyncio', 'gcsfs', 'fsspec', 'google', 'aiohttp',
+                  'urllib3')
+
+
 @contextlib.contextmanager
 def _quiet(debug: bool) -> Iterator[None]:
   """Silences Orbax's and JAX's warnings and logs, unless debugging.
@@ -443,7 +449,7 @@ def _quiet(debug: bool) -> Iterator[None]:
   if debug:
     yield
     return
-  loggers = [logging.getLogger(name) for name in ('absl', 'jax', 'orbax', 'asyncio')]
+  loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
   levels = [lg.level for lg in loggers]
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
