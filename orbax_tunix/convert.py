@@ -267,8 +267,7 @@ def plan_convert(
     raise InvalidDestinationError(
         f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
     )
-  if base is not None and not merge_lora:
-    raise InvalidDestinationError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
+  _check_merge_options(merge_lora, lora_alpha, lora_scale, base)
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
@@ -282,6 +281,8 @@ def plan_convert(
   ))
   plans = [item for item in laid.items if item.outputs or item.json]
   notes = list(source.detection.notes) + list(laid.notes)
+  if merged is not None and merged.base is not source:
+    notes += [f'base: {note}' for note in merged.base.detection.notes]
   notes += [f'skipped item {item.name!r}: nothing to write' for item in laid.items
             if item not in plans]
   if merged is not None:
@@ -317,6 +318,35 @@ def plan_convert(
       merge=merged,
       custom_metadata=dict(laid.custom_metadata),
   )
+
+
+def _check_merge_options(
+    merge_lora: bool, lora_alpha: float | None, lora_scale: float | None, base: object
+) -> None:
+  """Refuses merge options without a merge, and a scaling that is not finite.
+
+  Raises:
+    InvalidDestinationError: `base`, `lora_alpha` or `lora_scale` without
+      `merge_lora`.
+    LoraError: see `lora.check_scaling`.
+  """
+  given = [name for name, value in (('base', base), ('lora_alpha', lora_alpha),
+                                    ('lora_scale', lora_scale)) if value is not None]
+  if given and not merge_lora:
+    one = len(given) == 1
+    raise InvalidDestinationError(
+        f'{" and ".join(f"`{n}`" for n in given)} {"is an option" if one else "are options"}'
+        ' of a LoRA merge (without one the adapters would be copied unmerged): add'
+        f' `merge_lora=True`, or drop {"it" if one else "them"}.'
+    )
+  lora.check_scaling(lora_alpha, lora_scale, ('lora_alpha', 'lora_scale'))
+
+
+def _sources(
+    source: reader.CanonicalCheckpoint, merged: merge_lib.MergePlan | None
+) -> list[reader.CanonicalCheckpoint]:
+  """Every checkpoint a conversion reads (the source, and a merge's base)."""
+  return [source] if merged is None else [source, merged.base]
 
 
 def _open_source(

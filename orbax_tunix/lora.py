@@ -196,6 +196,40 @@ def contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
   return None
 
 
+def check_scaling(
+    alpha: float | None, scale: float | None, names: tuple[str, str] = ('alpha', 'scale')
+) -> None:
+  """Refuses a LoRA scaling that is not one finite number; reads nothing.
+
+  Args:
+    alpha, scale: as given (None: not given).
+    names: the caller's names for them, for the message.
+
+  Raises:
+    LoraError: both given, or one that is not a finite number (a NaN or
+      infinite scale would write NaN or infinite weights).
+  """
+  if alpha is not None and scale is not None:
+    raise LoraError(
+        f'pass `{names[0]}` or `{names[1]}`, not both (the scale is alpha / rank).'
+    )
+  for name, value in zip(names, (alpha, scale), strict=True):
+    if value is None:
+      continue
+    number = None
+    if not isinstance(value, bool | str):
+      try:
+        number = float(value)
+      except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number):
+      raise LoraError(
+          f'`{name}={value!r}`: expected a finite number (the run\'s LoRA alpha, or the'
+          ' scale alpha / rank itself); a NaN or infinite scale would make every'
+          ' merged weight NaN or infinite. Pass the value the run was trained with.'
+      )
+
+
 def scale_of(adapter: Adapter, alpha: float | None, scale: float | None) -> float:
   """The factor of `a ⊗ b`: qwix's `alpha / rank` (or `scale`), flax's 1.
 

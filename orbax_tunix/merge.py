@@ -131,11 +131,11 @@ def plan_merge(
 
   Raises:
     LoraError: no adapters; adapters without their pair or base weight;
-      ranks or shapes that the contraction cannot reproduce; no alpha.
+      ranks or shapes that the contraction cannot reproduce; no alpha; an
+      alpha or scale that is not a finite number (before anything is read).
     TunixCheckpointError subclasses: a checkpoint is not readable.
   """
-  if alpha is not None and scale is not None:
-    raise lora.LoraError('pass `alpha` or `scale`, not both (the scale is alpha / rank).')
+  lora.check_scaling(alpha, scale)
   lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
                else reader.open_weights(path, step))
   lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -279,6 +280,20 @@ def _bool(text: str) -> bool:
   return value == 'true'
 
 
+def _finite(text: str) -> float:
+  """A finite number (`--lora-alpha`, `--lora-scale`): nan and inf are refused."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a number.') from None
+  if not math.isfinite(value):
+    raise argparse.ArgumentTypeError(
+        f'{text!r}: expected a finite number (a NaN or infinite scale makes every'
+        ' merged weight NaN or infinite).'
+    )
+  return value
+
+
 def _atol(text: str) -> float:
   try:
     value = float(text)
@@ -397,10 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--merge-lora', action='store_true',
                  help='merge the LoRA adapters into the weights (writes weights only)')
   alpha = p.add_mutually_exclusive_group()
-  alpha.add_argument('--lora-alpha', type=float, metavar='A',
+  alpha.add_argument('--lora-alpha', type=_finite, metavar='A',
                      help="the run's qwix LoRA alpha (scale = alpha / rank); not stored in"
                      ' checkpoints')
-  alpha.add_argument('--lora-scale', type=float, metavar='S', help='the scale itself')
+  alpha.add_argument('--lora-scale', type=_finite, metavar='S', help='the scale itself')
   p.add_argument('--base', metavar='BASE',
                  help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
                  ' checkpoint); default: SRC itself (a full save)')
