@@ -53,11 +53,10 @@ from orbax_tunix import (
 )
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.commit import InvalidDestinationError
-from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.hyperparams import read_hyperparameters
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.outputs import ItemOutput
-from orbax_tunix.storage import CHECKPOINT_METADATA, as_path, step_number
+from orbax_tunix.storage import CHECKPOINT_METADATA, as_path
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
@@ -172,44 +171,32 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
     )
 
 
-def _absolute(path: epath.Path) -> str:
-  text = os.fspath(path)
-  return os.path.abspath(text) if storage.is_local(path) else text.rstrip('/')
-
-
-
-def _protected(step_dir: epath.Path) -> epath.Path:
-  """What a conversion must not write into: the source's whole run.
-
-  That is the root holding the step when the step is named as Orbax names
-  steps (an RL root above its `actor/` or `critic/`), else the step itself.
-  """
-  if step_number(step_dir.name) is None:
-    return step_dir
-  root = step_dir.parent
-  return root.parent if root.name in RL_ROLES else root
-
-
 def _check_destination(
     sources: Sequence[reader.CanonicalCheckpoint], dst: epath.Path, force: bool
 ) -> None:
-  """Refuses a DST inside (or holding) any source run, or one that may not be replaced."""
-  target = _absolute(dst)
+  """Refuses a DST that overlaps any source run, is named like unfinished
+  work, or may not be replaced (`commit`'s rules); nothing is written.
+
+  Raises:
+    InvalidDestinationError, DestinationExistsError.
+  """
+  commit.check_step_name(dst)
   for src in sources:
-    protected, step = _absolute(_protected(src.step_dir)), _absolute(src.step_dir)
-    if target == protected or target.startswith(protected + '/') or step.startswith(target + '/'):
-      raise InvalidDestinationError(
-          f'{dst}: the destination is inside the source checkpoint {protected} (or'
-          ' holds it). The source run, every step and item in it, is never written'
-          ' to: choose a dst outside it.'
-      )
+    commit.check_outside_source(src.step_dir, dst)
+  problem = storage.unreachable(dst)  # Before any client call (their retries take ~50 s).
+  if problem is not None:
+    raise _unreachable(dst, problem)
   try:
     commit.check_replaceable(dst, force)
   except OSError as e:
-    raise InvalidDestinationError(
-        f'{dst}: cannot reach the destination ({e}). Check the path, the network and'
-        ' the credentials (gs:// paths need gcsfs and Google credentials).'
-    ) from e
+    raise _unreachable(dst, str(e)) from e
+
+
+def _unreachable(dst: epath.Path, why: str) -> InvalidDestinationError:
+  return InvalidDestinationError(
+      f'{dst}: cannot reach the destination ({why}). Check the path, the network and'
+      ' the credentials (gs:// paths need gcsfs and Google credentials).'
+  )
 
 
 def plan_convert(
@@ -256,7 +243,11 @@ def plan_convert(
     A `ConvertPlan`.
 
   Raises:
-    InvalidDestinationError: bad options, or DST overlaps the source.
+    InvalidDestinationError: bad options (`lora_alpha`, `lora_scale` or
+      `base` without `merge_lora`), or DST overlaps the source's run (symlinks
+      resolved; see `commit.overlap`) or is named like an unfinished step.
+    LoraError: `lora_alpha` or `lora_scale` not a finite number (before
+      anything is read).
     DestinationExistsError: DST exists and not `force`.
     TunixCheckpointError subclasses: the source is not readable, or cannot be
       laid out as asked.
@@ -272,7 +263,7 @@ def plan_convert(
   dst = as_path(dst)
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
             if merge_lora else None)
-  _check_destination([source] if merged is None else [source, merged.base], dst, force)
+  _check_destination(_sources(source, merged), dst, force)
   if merged is None:
     _refuse_adapters_only(source)
   laid = chosen.lay_out(layouts.Request(
@@ -452,6 +443,9 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   progress = progress or reader.NullProgress()
   start = time.monotonic()
   init_ns = time.time_ns()
+  # Again, just before the first write: links may have changed since planning.
+  for src in _sources(plan.source, plan.merge):
+    commit.check_outside_source(src.step_dir, plan.dst)
   staging = commit.Staging(plan.dst, plan.force)
   try:
     work = staging.open()
