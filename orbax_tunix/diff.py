@@ -12,6 +12,7 @@ parameter conversion.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterable, Sequence
 
@@ -110,50 +111,101 @@ def _describe(leaf: reader.LeafInfo) -> str:
 
 
 def _as_comparable(x: np.ndarray) -> np.ndarray:
-  """A view of `x` that subtracts meaningfully (floats, or int64 for integers)."""
-  if x.dtype == np.bool_:
-    return x.astype(np.int8)
+  """A copy of `x` that subtracts meaningfully with a float: float64 (complex128)."""
   if np.issubdtype(x.dtype, np.complexfloating):
     return x.astype(np.complex128)
-  if np.issubdtype(x.dtype, np.integer):
-    return x.astype(np.int64) if x.dtype != np.uint64 else x.astype(np.float64)
   return x.astype(np.float64)
+
+
+def _is_integral(x: np.ndarray) -> bool:
+  return x.dtype.kind in 'biu'
+
+
+def _integer_deltas(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """|x - y| of two integer (or bool) arrays, exactly, as uint64.
+
+  No int64 overflow and no float rounding: each side is widened to int64 or
+  uint64 and the difference of the larger and the smaller is taken in
+  uint64 arithmetic, which is exact while it is below 2**64 (always, when
+  both are signed or both unsigned).
+
+  Returns:
+    (deltas, wrapped): where `wrapped` (a signed side negative against an
+    unsigned one) the true difference is the delta plus 2**64.
+  """
+  x = x.astype(np.int64 if x.dtype.kind == 'i' else np.uint64)
+  y = y.astype(np.int64 if y.dtype.kind == 'i' else np.uint64)
+  if x.dtype == y.dtype:
+    hi, lo = np.maximum(x, y), np.minimum(x, y)
+    return hi.view(np.uint64) - lo.view(np.uint64), np.zeros(x.shape, bool)
+  signed, unsigned = (x, y) if x.dtype.kind == 'i' else (y, x)
+  negative = signed < 0
+  as_unsigned = signed.view(np.uint64)
+  apart = np.maximum(unsigned, as_unsigned) - np.minimum(unsigned, as_unsigned)
+  beyond = unsigned + (np.uint64(0) - as_unsigned)  # u + |s| for s < 0 (mod 2**64).
+  deltas = np.where(negative, beyond, apart)
+  return deltas, negative & (beyond < unsigned)
+
+
+def _compare_integers(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
+  """(max |x - y|, how many differ by more than `atol`) of integer arrays, exactly."""
+  deltas, wrapped = _integer_deltas(x, y)
+  if not deltas.size:
+    return 0.0, 0
+  exact = [int(d) + 2**64 for d in deltas[wrapped]]  # Rare: Python ints, exact.
+  plain = deltas[~wrapped]
+  worst = max(([int(plain.max())] if plain.size else []) + exact)
+  limit = math.floor(atol) if math.isfinite(atol) else None  # d > atol <=> d > floor(atol)
+  if limit is None or limit >= 2**64:
+    beyond = 0
+  else:
+    beyond = int(np.count_nonzero(plain > np.uint64(limit)))
+  beyond += sum(d > atol for d in exact)
+  return float(worst), beyond
+
+
+def _compare_floats(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
+  """(max |x - y|, how many differ by more than `atol`), in float64 (complex128)."""
+  x, y = _as_comparable(x), _as_comparable(y)
+  with np.errstate(invalid='ignore', over='ignore'):
+    delta = np.abs(x - y)
+  beyond = delta > atol
+  x_nan, y_nan = np.isnan(x), np.isnan(y)
+  delta = np.where(x_nan & y_nan, 0.0, np.where(x_nan ^ y_nan, np.inf, delta))
+  beyond = (beyond & ~(x_nan | y_nan)) | (x_nan ^ y_nan)
+  if not delta.size:
+    return 0.0, 0
+  return float(np.max(delta)), int(np.count_nonzero(beyond))
 
 
 def compare_values(a: object, b: object, atol: float = 0.0) -> tuple[float, int]:
   """Largest absolute difference between two same-shaped values, and how many differ.
 
-  NaNs at the same place count as equal; a NaN against a number differs
-  whatever the tolerance (its difference counts as infinite). Worked through
-  in chunks, so the float64 copies stay at `_CHUNK` elements whatever the
-  size of the arrays.
+  Integers (and booleans) against integers are compared exactly, whatever
+  their width and sign (`2**62` against `-2**62`, `2**63 + 1` against
+  `2**63 + 3`). Anything against a float is compared in float64: NaNs at the
+  same place count as equal; a NaN against a number differs whatever the
+  tolerance (its difference counts as infinite). Worked through in chunks,
+  so the working copies stay at `_CHUNK` elements whatever the size of the
+  arrays.
 
   Args:
     a, b: arrays (or scalars, or strings) of one shape.
     atol: elements differ when |a - b| > atol.
 
   Returns:
-    (max |a - b| over all elements, number of elements that differ).
+    (max |a - b| over all elements, as a float; number of elements that differ).
   """
   if isinstance(a, str) or isinstance(b, str):
     return (0.0, 0) if a == b else (float('inf'), 1)
   a = np.asarray(a).reshape(-1)
   b = np.asarray(b).reshape(-1)
+  exact = _is_integral(a) and _is_integral(b)
   worst, differing = 0.0, 0
   for start in range(0, a.size, _CHUNK):
-    x = _as_comparable(a[start : start + _CHUNK])
-    y = _as_comparable(b[start : start + _CHUNK])
-    with np.errstate(invalid='ignore', over='ignore'):
-      delta = np.abs(x - y)
-    beyond = delta > atol
-    if np.issubdtype(delta.dtype, np.inexact):
-      x_nan = np.isnan(x) if np.issubdtype(x.dtype, np.inexact) else False
-      y_nan = np.isnan(y) if np.issubdtype(y.dtype, np.inexact) else False
-      delta = np.where(x_nan & y_nan, 0.0, np.where(x_nan ^ y_nan, np.inf, delta))
-      beyond = (beyond & ~(x_nan | y_nan)) | (x_nan ^ y_nan)
-    if delta.size:
-      worst = max(worst, float(np.max(delta)))
-      differing += int(np.count_nonzero(beyond))
+    x, y = a[start : start + _CHUNK], b[start : start + _CHUNK]
+    most, beyond = (_compare_integers if exact else _compare_floats)(x, y, atol)
+    worst, differing = max(worst, most), differing + beyond
   return worst, differing
 
 

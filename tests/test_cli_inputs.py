@@ -178,3 +178,40 @@ def test_restore_train_state_names_the_missing_metadata(tunix_data, tmp_path):
   (root / '2' / 'model_params' / '_METADATA').unlink()
   with pytest.raises(ot.CorruptMetadataError, match=r'model_params/_METADATA'):
     maxtext.restore_train_state(root, {'params': {'params': {'w': jax.ShapeDtypeStruct((1,), 'f4')}}})
+
+
+# --- diff: what it compares ---------------------------------------------------------
+
+
+def save_items(step_dir: pathlib.Path, **items) -> pathlib.Path:
+  """A step of PyTree items and JSON items (names starting with 'json')."""
+  args = {name: ocp.args.JsonSave(v) if name.startswith('json') else ocp.args.PyTreeSave(v)
+          for name, v in items.items()}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(epath.Path(step_dir), args=ocp.args.Composite(**args))
+  return step_dir
+
+
+INT64_MIN = np.iinfo(np.int64).min
+
+
+@pytest.mark.parametrize('a, b', [
+    (np.array([2**62], np.int64), np.array([-2**62], np.int64)),  # int64 overflow
+    (np.array([INT64_MIN], np.int64), np.array([0], np.int64)),  # |INT64_MIN| overflows too
+    (np.array([2**63 + 1], np.uint64), np.array([2**63 + 3], np.uint64)),  # float64 rounds these
+    (np.array([2**64 - 1], np.uint64), np.array([INT64_MIN], np.int64)),  # 2**64 + 2**63 - 1 apart
+])
+def test_diff_compares_integers_exactly(tmp_path, a, b):
+  from orbax_tunix import diff  # pylint: disable=g-import-not-at-top
+
+  want = abs(int(a[0]) - int(b[0]))  # Python ints: exact.
+  assert diff.compare_values(a, b, atol=1) == (float(want), 1)
+  assert diff.compare_values(a, b, atol=float(want)) == (float(want), 0)
+  assert diff.compare_values(a, a.copy(), atol=0) == (0.0, 0)
+  x = save_step(tmp_path / 'a' / '1', state={'x': a})
+  y = save_step(tmp_path / 'b' / '1', state={'x': b})
+  done = cli('diff', x, y, '--atol', '1', '--ignore-dtype', '--json')
+  assert done.returncode == 1, done.stdout
+  assert json.loads(done.stdout)['values'][0]['path'] == 'state/x'
+
+
