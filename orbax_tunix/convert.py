@@ -15,7 +15,8 @@ Every item is a plain `PyTreeCheckpointHandler` item and `_CHECKPOINT_METADATA`
 names that handler, so plain Orbax (v0 and v1) restores it without this
 package. The step's custom metadata keeps the source's and adds `orbax_tunix`:
 where it came from, the inject_hyperparams values the canonical view leaves
-out, and a CRC-32 of every array.
+out (by name, and every such leaf, counts too, as `diff` compares them), and
+a CRC-32 of every array.
 
 The layout's outputs are written by the one streaming writer (`writer.py`),
 in batches within the memory budget. Committed as Orbax commits
@@ -45,6 +46,7 @@ from orbax_tunix import (
   checksums,
   commit,
   errors,
+  hyperparams,
   layouts,
   lora,
   reader,
@@ -53,7 +55,6 @@ from orbax_tunix import (
 )
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.commit import InvalidDestinationError
-from orbax_tunix.hyperparams import read_hyperparameters
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.outputs import ItemOutput
 from orbax_tunix.storage import CHECKPOINT_METADATA, as_path
@@ -397,12 +398,17 @@ def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str,
                     for p, m in sorted(plan.merge.merges.items())},
     }
   if detection.is_tunix:
-    found = read_hyperparameters(detection)
+    leaves = hyperparams.side_leaves(detection)
+    side = hyperparams.read_side_leaves(detection, leaves)
+    found = hyperparams.hyperparameters_of(detection, side, leaves)
     if found:
       record['hyperparameters'] = {
           shell: {name: reader.json_scalar(v) for name, v in values.items()}
           for shell, values in found.items()
       }
+    if side and not plan.params_only:
+      # Every leaf the canonical view leaves out (counts too), as `diff` compares them.
+      record[hyperparams.RECORD_KEY] = {label: hyperparams.as_record(v) for label, v in side.items()}
   return record
 
 

@@ -215,3 +215,59 @@ def test_diff_compares_integers_exactly(tmp_path, a, b):
   assert json.loads(done.stdout)['values'][0]['path'] == 'state/x'
 
 
+def test_diff_compares_json_items(tmp_path):
+  a = save_items(tmp_path / 'a' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
+  same = save_items(tmp_path / 's' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
+  other = save_items(tmp_path / 'o' / '1', state={'w': np.ones(2)},
+                     json_cfg={'lr': 1e-1, 'steps': [1, 2, 3], 'flag': True})
+  without = save_items(tmp_path / 'n' / '1', state={'w': np.ones(2)})
+  assert cli('diff', a, same).returncode == 0
+  doc = json.loads(cli('diff', a, other, '--json').stdout)
+  assert doc['match'] is False
+  assert doc['json'] == [{'path': 'json_cfg/lr', 'a': '0.001', 'b': '0.1'}]
+  assert doc['only_b'] == ['json_cfg/flag', 'json_cfg/steps/2']
+  done = cli('diff', a, without)
+  assert done.returncode == 1 and 'Only in A' in done.stdout and 'json_cfg' in done.stdout
+  done = cli('diff', a, other, '--item', 'json_cfg')
+  assert done.returncode == 1 and 'JSON values differ: 1' in done.stdout
+  done = cli('diff', a, without, '--item', 'json_cfg')  # Asked for, absent from B: an error.
+  assert done.returncode == 2 and 'json_cfg' in done.stderr
+
+
+def _scaled_learning_rate(src_step: pathlib.Path, dst_step: pathlib.Path, factor: float) -> None:
+  """A copy of a Tunix step whose inject_hyperparams learning rate is scaled,
+  rewritten with plain Orbax (the model item is copied as it is)."""
+  shutil.copytree(src_step, dst_step)
+  tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(src_step / 'optimizer_state'))
+  hp = tree['opt_state']['hyperparams']['learning_rate']
+  hp['value'] = np.asarray(hp['value']) * np.float32(factor)
+  shutil.rmtree(dst_step / 'optimizer_state')
+  handler = ocp.PyTreeCheckpointHandler()
+  handler.save(epath.Path(dst_step / 'optimizer_state'), args=ocp.args.PyTreeSave(tree))
+  handler.finalize(epath.Path(dst_step / 'optimizer_state'))
+
+
+def test_diff_compares_the_inject_hyperparams(tunix_data, tmp_path):
+  src = tunix_data / 'adapter_inject' / '1'
+  scaled = tmp_path / 'scaled' / '1'
+  _scaled_learning_rate(src, scaled, 100)
+  done = cli('diff', src, scaled)
+  assert done.returncode == 1, done.stdout
+  assert 'Hyperparameters differ' in done.stdout
+  assert 'optimizer_state/opt_state/hyperparams/learning_rate' in done.stdout
+  # Its conversion records them (counts too): it matches its source, not the other.
+  converted = tmp_path / 'converted' / '1'
+  assert cli('convert', src, converted).returncode == 0
+  record = json.loads((converted / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
+  side = record['orbax_tunix']['inject_hyperparams']
+  assert side['optimizer_state/opt_state/count'] == 1
+  assert side['optimizer_state/opt_state/hyperparams/learning_rate'] == pytest.approx(1e-3)
+  assert cli('diff', src, converted).returncode == 0
+  doc = json.loads(cli('diff', scaled, converted, '--json').stdout)
+  assert [m['path'] for m in doc['hyperparameters']] == [
+      'optimizer_state/opt_state/hyperparams/learning_rate']
+  # Weights only, or the model item alone: the optimizer's shell is not compared.
+  assert cli('diff', src, scaled, '--params-only').returncode == 0
+  assert cli('diff', src, scaled, '--item', 'model_params').returncode == 0
+
+

@@ -446,11 +446,14 @@ def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
           {'path': v.path, 'max_abs_diff': v.max_abs_diff, 'differing': v.differing, 'size': v.size}
           for v in result.values
       ],
+      'json': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.json],
+      'hyperparameters': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.hyperparameters],
       'compared': result.compared,
       'bytes_compared': result.bytes_compared,
       'atol': result.atol,
       'max_abs_diff': result.max_abs_diff,
       'ignore_dtype': result.ignore_dtype,
+      'notes': list(result.notes),
   }
 
 
@@ -486,6 +489,14 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
           [[v.path, f'{v.max_abs_diff:.6g}', f'{v.differing} / {v.size}'] for v in result.values],
           (1, 2),
       ),
+      ('JSON values differ', ['path', 'A', 'B'], [[m.path, m.a, m.b] for m in result.json], ()),
+      (
+          'Hyperparameters differ (inject_hyperparams values and counts, outside the'
+          ' canonical view)',
+          ['path', 'A', 'B'],
+          [[m.path, m.a, m.b] for m in result.hyperparameters],
+          (),
+      ),
   ]
   for title, columns, rows, right in sections:
     if not rows:
@@ -498,6 +509,9 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
   if hint:
     out.text()
     out.text(f'hint: {hint}')
+  for note in result.notes:
+    out.text()
+    out.text(f'note: {note}')
   out.text()
   if result.match:
     out.text(
@@ -510,7 +524,8 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
         f' {len(result.only_a)} only in A, {len(result.only_b)} only in B,'
         f' {len(result.shape)} shapes, {len(result.dtype)} dtypes,'
         f' {len(result.values)} values (max abs diff {result.max_abs_diff:g}, atol'
-        f' {result.atol:g}); {result.compared} leaves compared'
+        f' {result.atol:g}), {len(result.json)} JSON values,'
+        f' {len(result.hyperparameters)} hyperparameters; {result.compared} leaves compared'
     )
 
 
