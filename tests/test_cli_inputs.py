@@ -271,3 +271,72 @@ def test_diff_compares_the_inject_hyperparams(tunix_data, tmp_path):
   assert cli('diff', src, scaled, '--item', 'model_params').returncode == 0
 
 
+def test_diff_json_is_strict(tmp_path):
+  a = save_step(tmp_path / 'a' / '1', state={'x': np.array([np.nan, 1.0]), 's': 'one'})
+  b = save_step(tmp_path / 'b' / '1', state={'x': np.array([2.0, 1.0]), 's': 'two'})
+
+  def refuse(constant):
+    raise ValueError(f'not strict JSON: {constant}')
+
+  done = cli('diff', a, b, '--json', '--atol', 'inf')
+  assert done.returncode == 1
+  doc = json.loads(done.stdout, parse_constant=refuse)
+  assert doc['max_abs_diff'] == 'inf' and doc['atol'] == 'inf'
+  assert {v['path']: v['max_abs_diff'] for v in doc['values']} == {'state/s': 'inf', 'state/x': 'inf'}
+
+
+# --- a closed output never turns a result into another ------------------------------
+
+
+def _differing_pair(tmp_path: pathlib.Path, n: int = 3000) -> tuple[pathlib.Path, pathlib.Path]:
+  """Two steps whose every leaf differs: the diff prints well over a pipe's 64 KiB."""
+  names = {f'leaf_with_a_long_name_to_fill_the_pipe_{i:05d}': i for i in range(n)}
+  a = save_step(tmp_path / 'a' / '1', state={k: np.float32(v) for k, v in names.items()})
+  b = save_step(tmp_path / 'b' / '1', state={k: np.float32(v + 1) for k, v in names.items()})
+  return a, b
+
+
+def _with_closed_stdout(*argv: object, read: int = 0) -> subprocess.Popen:
+  """Runs the CLI with stdout a pipe whose reader reads `read` lines, then closes it."""
+  process = subprocess.Popen(
+      [sys.executable, '-m', 'orbax_tunix.cli', *map(str, argv)], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, env=ENV, cwd=REPO)
+  for _ in range(read):
+    process.stdout.readline()
+  process.stdout.close()  # The reader goes away (`| head -1`).
+  process.wait(timeout=300)
+  return process
+
+
+def test_closed_stdout_keeps_the_exit_status(tmp_path):
+  a, b = _differing_pair(tmp_path)
+  # Closed before the first write, after the first line, and through a shell's `| head -1`.
+  assert _with_closed_stdout('diff', a, b).returncode == 1
+  assert _with_closed_stdout('diff', a, b, read=1).returncode == 1
+  assert _with_closed_stdout('diff', a, b, '--json').returncode == 1
+  assert _with_closed_stdout('diff', a, a).returncode == 0
+  missing = _with_closed_stdout('diff', a, tmp_path / 'nothing')
+  assert missing.returncode == 2 and b'no such file' in missing.stderr.read()
+  shell = subprocess.run(
+      ['bash', '-c', f'"{sys.executable}" -m orbax_tunix.cli diff "{a}" "{b}" | head -1;'
+       ' echo "status=${PIPESTATUS[0]}"'], capture_output=True, text=True, env=ENV, cwd=REPO,
+      timeout=300)
+  assert shell.stdout.strip().endswith('status=1'), shell.stdout + shell.stderr
+  assert 'Traceback' not in shell.stderr and 'Broken pipe' not in shell.stderr, shell.stderr
+  # inspect --verify: damaged arrays stay 1, a sound step 0.
+  rng = np.random.default_rng(0)
+  src = save_step(tmp_path / 'src' / '1', state={'w': rng.standard_normal((256, 256)).astype(np.float32)})
+  dst = tmp_path / 'converted' / '1'
+  assert cli('convert', src, dst).returncode == 0
+  assert _with_closed_stdout('inspect', dst, '--verify').returncode == 0
+  data = max((dst / 'state' / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x01  # Inside the array's compressed chunk: its checksum fails.
+  data.write_bytes(bytes(raw))
+  assert cli('inspect', dst, '--verify').returncode == 1
+  for read in (0, 1):
+    done = _with_closed_stdout('inspect', dst, '--verify', read=read)
+    assert done.returncode == 1
+    assert b'Traceback' not in done.stderr.read()
+
+

@@ -12,8 +12,10 @@ show a progress bar; piped, output is plain aligned text (or one JSON
 document with `--json`) and progress is a line every few seconds on stderr.
 
 Exit status: 0 success (diff: the checkpoints match), 1 diff found
-differences, 2 error (the message says what is wrong and what to do; no
-traceback unless `--debug`), 130 interrupted.
+differences (inspect --verify: damaged arrays), 2 error (the message says
+what is wrong and what to do; no traceback unless `--debug`), 130
+interrupted. The status is the result's even when the output's reader goes
+away (`| head -1`): the rest of the output is dropped, never the result.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -119,7 +120,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
     if verification is not None:
       document['verify'] = dataclasses.asdict(verification) | {
           'step_dir': str(verification.step_dir), 'ok': verification.ok}
-    print(json.dumps(document, indent=1), file=out.stream)
+    print(display.dumps(document, indent=1), file=out.stream)
   else:
     display.show_inspect(out, report, collapse=args.collapse)
     if verification is not None:
@@ -166,7 +167,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   rate = result.bytes_read / max(result.seconds, 1e-9)
   if args.json:
     print(
-        json.dumps(
+        display.dumps(
             {
                 'source': str(source.step_dir),
                 'source_step': source.step,
@@ -209,7 +210,7 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
       items=args.items,
   )
   if args.json:
-    print(json.dumps(display.diff_json(result)), file=out.stream)
+    print(display.dumps(display.diff_json(result)), file=out.stream)
   else:
     limit = display.DIFF_ROWS if out.fancy else None
     display.show_diff(out, result, limit, display.diff_hint(result, args.params_only))
@@ -326,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
           '  orbax-tunix convert run/checkpoints mt/1000 --layout maxtext --params-only\n'
           '  orbax-tunix diff run/checkpoints mt/1000 --params-only\n'
           '\n'
-          'exit status: 0 success (diff: match), 1 diff found differences, 2 error,'
-          ' 130 interrupted'
+          'exit status: 0 success (diff: match), 1 diff found differences (inspect\n'
+          '--verify: damaged arrays), 2 error, 130 interrupted; a closed output pipe\n'
+          '(| head -1) drops the rest of the output, never changes the status'
       ),
       description=(
           'Inspect, convert and diff Tunix checkpoints (and any Orbax PyTree checkpoint)\n'
@@ -515,6 +517,62 @@ def _silence_shutdown_noise() -> None:
   sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_error
 
 
+class ClosedPipeGuard:
+  """A text stream whose reader may go away (`orbax-tunix diff A B | head -1`).
+
+  A write or flush that finds the pipe closed points the stream's file
+  descriptor at /dev/null (so that Python's own flush at exit succeeds too)
+  and drops that output and all that follows; the command itself goes on,
+  and its exit status is its result's (see `main`). Everything else is the
+  wrapped stream's.
+  """
+
+  def __init__(self, stream: Any):
+    self._stream = stream
+    self.closed_pipe = False
+
+  def write(self, text: str) -> int:
+    if not self.closed_pipe:
+      try:
+        return self._stream.write(text)
+      except BrokenPipeError:
+        self._drop()
+    return len(text)
+
+  def flush(self) -> None:
+    if not self.closed_pipe:
+      try:
+        self._stream.flush()
+      except BrokenPipeError:
+        self._drop()
+
+  def _drop(self) -> None:
+    self.closed_pipe = True
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      try:
+        os.dup2(devnull, self._stream.fileno())
+      finally:
+        os.close(devnull)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _guarded_output() -> Iterator[None]:
+  """stdout and stderr wrapped in `ClosedPipeGuard`s for the command, then flushed
+  (a closed pipe found then is dropped too) and put back."""
+  saved = sys.stdout, sys.stderr
+  sys.stdout, sys.stderr = ClosedPipeGuard(sys.stdout), ClosedPipeGuard(sys.stderr)
+  try:
+    yield
+  finally:
+    for guard in (sys.stdout, sys.stderr):
+      guard.flush()
+    sys.stdout, sys.stderr = saved
+
+
 def _use_cpu() -> None:
   """Keeps JAX off accelerators: the tools only move bytes through the host.
 
@@ -552,8 +610,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments (default: `sys.argv[1:]`).
 
   Returns:
-    0 success or match, 1 differences found, 2 error, 130 interrupted.
+    0 success or match, 1 differences found, 2 error, 130 interrupted. The
+    status is the result's whatever happens to the output: when the reader
+    of stdout (or stderr) goes away (`| head -1`), the rest of the output is
+    dropped and the command still finishes, so `diff` still exits 1 when the
+    checkpoints differ and `inspect --verify` 1 when an array is damaged.
   """
+  with _guarded_output():
+    return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
   parser = build_parser()
   try:
     args = parser.parse_args(argv)
@@ -574,11 +641,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:
     print('orbax-tunix: interrupted; nothing was written at the destination.', file=sys.stderr)
     return EXIT_INTERRUPTED
-  except BrokenPipeError:
-    # The reader went away (`| head`): stop quietly, as other tools do.
-    with contextlib.suppress(OSError):
-      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return EXIT_OK
   except errors.TunixCheckpointError as e:
     if debug:
       traceback.print_exc()

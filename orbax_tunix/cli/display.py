@@ -9,6 +9,8 @@ the library's results (`inspection.Report`, `diff.DiffResult`, ...); the
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -431,7 +433,26 @@ def show_verification(out: Output, verification: checksums.Verification) -> None
 # --- diff -----------------------------------------------------------------
 
 
+def strict_json(value: Any) -> Any:
+  """A document with every non-finite float written as a string ('inf', '-inf',
+  'nan'), so that strict JSON parsers read it (`json.dumps(..., allow_nan=False)`)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return 'nan' if math.isnan(value) else ('inf' if value > 0 else '-inf')
+  if isinstance(value, dict):
+    return {k: strict_json(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [strict_json(v) for v in value]
+  return value
+
+
+def dumps(document: Any, **kwargs: Any) -> str:
+  """One strict JSON document (see `strict_json`)."""
+  return json.dumps(strict_json(document), allow_nan=False, **kwargs)
+
+
 def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
+  """The diff as one JSON document; an infinite difference (a NaN against a
+  number, strings that differ) is written as "inf" (see `strict_json`)."""
   return {
       'a': str(result.a),
       'b': str(result.b),
