@@ -340,3 +340,17 @@ def test_closed_stdout_keeps_the_exit_status(tmp_path):
     assert b'Traceback' not in done.stderr.read()
 
 
+def test_verify_checks_the_items_asked_for(tunix_data, tmp_path):
+  dst = tmp_path / 'converted' / '1'
+  assert cli('convert', tunix_data / 'adapter_inject', dst).returncode == 0
+  for argv in (('inspect', dst, '--verify', '--item', 'model_params'),
+               ('inspect', dst / 'model_params', '--verify')):
+    done = cli(*argv)
+    assert done.returncode == 0, done.stdout
+    assert 'missing' not in done.stdout and 'ok: 14 arrays checked' in done.stdout
+  shutil.rmtree(dst / 'optimizer_state')  # Recorded, gone: missing when the step is checked.
+  assert cli('inspect', dst, '--verify', '--item', 'model_params').returncode == 0
+  done = cli('inspect', dst, '--verify')
+  assert done.returncode == 1 and 'recorded but missing from the step: 30' in done.stdout
+
+
