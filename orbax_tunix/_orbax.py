@@ -300,14 +300,15 @@ def tree_metadata_entry_key(path: Path) -> str:
 def merge_tree_metadata(
     files: Sequence[dict[str, Any]],
     key_types: Mapping[Path, Sequence[int]] | None = None,
-    empty_nodes: Sequence[tuple[Path, Sequence[int]]] = (),
+    empty_nodes: Sequence[tuple[Path, Sequence[int], str]] = (),
 ) -> dict[str, Any]:
   """One item's `_METADATA` from those its batch saves wrote (each names its own leaves).
 
   Each batch is saved as nested dicts; `key_types` gives leaves the key types
   of the tree they came from (sequence positions), and `empty_nodes` puts back
-  its empty nodes (`None` in a list), so that Orbax restores the original
-  containers. This is the union Orbax's own partial-save finalization makes.
+  its empty nodes with their value types (`None` in a list, an empty dict:
+  'None', 'Dict', ...), so that Orbax restores the original containers. This
+  is the union Orbax's own partial-save finalization makes.
   """
   entries: dict[str, Any] = {}
   for meta in files:
@@ -317,10 +318,10 @@ def merge_tree_metadata(
       path = tuple(k['key'] for k in entry['key_metadata'])
       for key, kind in zip(entry['key_metadata'], key_types.get(path, ()), strict=False):
         key['key_type'] = kind
-  for path, kinds in empty_nodes:
+  for path, kinds, value_type in empty_nodes:
     entries[tree_metadata_entry_key(path)] = {
         'key_metadata': [{'key': k, 'key_type': t} for k, t in zip(path, kinds, strict=True)],
-        'value_metadata': {'value_type': 'None', 'skip_deserialize': True},
+        'value_metadata': {'value_type': value_type, 'skip_deserialize': True},
     }
   return {**files[0], 'tree_metadata': entries}
 

@@ -46,6 +46,9 @@ TMP_MARKER = '.orbax-checkpoint-tmp'
 # is ~250 MB); a larger one is damaged, or not a metadata file.
 MAX_METADATA_BYTES = 1 << 30
 
+# `value_type` in `_METADATA` of an empty node: None, and the empty containers
+# Orbax records as such (an optax state's `hyperparams_states: {}`, say).
+EMPTY_VALUE_TYPES = frozenset({'None', 'Dict', 'List', 'Tuple', 'NamedTuple'})
 # `key_type` in `_METADATA`: a sequence index or a dict key.
 SEQUENCE_KEY = 1
 # Below this many leaves, shapes are checked against each array's zarr header;
@@ -331,8 +334,8 @@ class Leaf(NamedTuple):
 
   @property
   def is_empty(self) -> bool:
-    """An empty node (None, an empty state): structure, not data."""
-    return self.value_type == 'None'
+    """An empty node (None, an empty dict, list, tuple or state): structure, not data."""
+    return self.value_type in EMPTY_VALUE_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1034,4 +1037,3 @@ def _resolve_root(path: epath.Path, step: int | None) -> Location:
       f' holding {CHECKPOINT_METADATA}, or an item holding {PYTREE_METADATA}),'
       f' found {"an empty directory" if empty else "none of these"}. Check the path.'
   )
-

@@ -285,6 +285,27 @@ def test_diff_json_is_strict(tmp_path):
   assert {v['path']: v['max_abs_diff'] for v in doc['values']} == {'state/s': 'inf', 'state/x': 'inf'}
 
 
+def test_items_holding_empty_containers_are_structure(tmp_path):
+  """A plain optax inject_hyperparams state holds `hyperparams_states: {}`."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  state = tx.init({'w': jnp.ones(3)})
+  src = save_step(tmp_path / 'src' / '1', opt=state, other={'a': {}, 'b': [], 'c': np.ones(2)})
+  before = snapshot(tmp_path / 'src')
+  done = cli('inspect', src, '--json')
+  assert done.returncode == 0, done.stderr
+  assert set(json.loads(done.stdout)['items']['other']['leaves']) == {'c'}
+  dst = tmp_path / 'out' / '1'
+  done = cli('convert', src, dst)
+  assert done.returncode == 0, done.stderr
+  assert cli('diff', src, dst).returncode == 0
+  restored = plain_restore(dst)
+  assert restored['other']['a'] == {} and restored['other']['b'] == []
+  assert restored['opt']['hyperparams_states'] == {}
+  assert snapshot(tmp_path / 'src') == before
+
+
 # --- a closed output never turns a result into another ------------------------------
 
 

@@ -152,13 +152,14 @@ def test_merge_tree_metadata_is_the_union_orbax_restores(tmp_path):
   for batch in ({'a': np.arange(3)}, {'b': np.ones(2, np.float32)}):
     handler.save(item, args=ocp.args.PyTreeSave(batch))
     files.append(json.loads((item / '_METADATA').read_text()))
-  merged = _orbax.merge_tree_metadata(files, empty_nodes=[(('e',), (2,))])
+  empty = [(('e',), (2,), 'None'), (('d',), (2,), 'Dict'), (('l',), (2,), 'List')]
+  merged = _orbax.merge_tree_metadata(files, empty_nodes=empty)
   (item / '_METADATA').write_text(json.dumps(merged))
   handler.finalize(item)
   restored = ocp.PyTreeCheckpointHandler().restore(item)
   np.testing.assert_array_equal(restored['a'], np.arange(3))
   np.testing.assert_array_equal(restored['b'], np.ones(2, np.float32))
-  assert restored['e'] is None
+  assert restored['e'] is None and restored['d'] == {} and restored['l'] == []
 
 
 def test_untargeted_restore_on_other_devices_fails_for_want_of_a_sharding(tmp_path, mesh, monkeypatch):
