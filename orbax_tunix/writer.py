@@ -163,8 +163,9 @@ class OrbaxItemSink:
     values = [v for _, v in batch]
     # Checksums beside the write (zlib releases the GIL).
     summing = self._summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
-    self._writer.save(self._dir, args=ocp.args.PyTreeSave(
-        nest((o.path, v) for o, v in batch)))
+    with _orbax.tidy_failures():
+      self._writer.save(self._dir, args=ocp.args.PyTreeSave(
+          nest((o.path, v) for o, v in batch)))
     self._sums.update(zip((checksums.key(o.path) for o, _ in batch), summing.result(),
                           strict=True))
     self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
@@ -179,7 +180,8 @@ class OrbaxItemSink:
     merged = _orbax.merge_tree_metadata(self._written, key_types=key_types or None,
                                         empty_nodes=item.empty)
     (self._dir / storage.PYTREE_METADATA).write_text(json.dumps(merged))
-    self._writer.finalize(self._dir)
+    with _orbax.tidy_failures():
+      self._writer.finalize(self._dir)
     (self._dir / commit.COMMIT_SUCCESS).write_text(
         f'Checkpoint commit was successful to {self._dir}')
     return {'checksums': self._sums}
