@@ -443,8 +443,10 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   Raises:
     DestinationExistsError: DST appeared meanwhile and not `force`.
     InvalidDestinationError: the destination cannot be written (permissions,
-      space). In every case (and on KeyboardInterrupt) what was written is
-      removed and an existing DST is untouched (see `commit.Staging`).
+      space), overlaps a source's run (checked again before the first
+      write), or a value leaves the range of `dtype` (`writer.check_range`).
+      In every case (and on KeyboardInterrupt) what was written is removed
+      and an existing DST is untouched (see `commit.Staging`).
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
