@@ -8,6 +8,7 @@ moves it fails there, loudly, and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import json
@@ -23,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
+from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 from orbax.checkpoint._src.metadata import step_metadata_serialization as _step_serialization
 from orbax.checkpoint._src.metadata import tree as _tree_metadata
 from orbax.checkpoint._src.metadata.tree import InternalTreeMetadata
@@ -311,14 +313,15 @@ def tree_metadata_entry_key(path: Path) -> str:
 def merge_tree_metadata(
     files: Sequence[dict[str, Any]],
     key_types: Mapping[Path, Sequence[int]] | None = None,
-    empty_nodes: Sequence[tuple[Path, Sequence[int]]] = (),
+    empty_nodes: Sequence[tuple[Path, Sequence[int], str]] = (),
 ) -> dict[str, Any]:
   """One item's `_METADATA` from those its batch saves wrote (each names its own leaves).
 
   Each batch is saved as nested dicts; `key_types` gives leaves the key types
   of the tree they came from (sequence positions), and `empty_nodes` puts back
-  its empty nodes (`None` in a list), so that Orbax restores the original
-  containers. This is the union Orbax's own partial-save finalization makes.
+  its empty nodes with their value types (`None` in a list, an empty dict:
+  'None', 'Dict', ...), so that Orbax restores the original containers. This
+  is the union Orbax's own partial-save finalization makes.
   """
   entries: dict[str, Any] = {}
   for meta in files:
@@ -328,10 +331,10 @@ def merge_tree_metadata(
       path = tuple(k['key'] for k in entry['key_metadata'])
       for key, kind in zip(entry['key_metadata'], key_types.get(path, ()), strict=False):
         key['key_type'] = kind
-  for path, kinds in empty_nodes:
+  for path, kinds, value_type in empty_nodes:
     entries[tree_metadata_entry_key(path)] = {
         'key_metadata': [{'key': k, 'key_type': t} for k, t in zip(path, kinds, strict=True)],
-        'value_metadata': {'value_type': 'None', 'skip_deserialize': True},
+        'value_metadata': {'value_type': value_type, 'skip_deserialize': True},
     }
   return {**files[0], 'tree_metadata': entries}
 
@@ -349,3 +352,64 @@ def commits_with_file(path: epath.Path) -> bool:
   """
   cls = ocp.path.atomicity_defaults.get_default_temporary_path_class(path)
   return cls is ocp.path.atomicity.CommitFileTemporaryPath
+
+
+# --- what a failed Orbax call leaves running ---------------------------------------
+
+# Orbax runs each restore or save on a fresh event loop
+# (`asyncio_utils._run_sync_via_new_loop`: `run_until_complete`, then `close`,
+# without cancelling what is left). When one array read fails, its
+# `asyncio.gather` fails and the reads of the other arrays are abandoned on the
+# closed loop, still pending, or finished with their exception unretrieved.
+# Python reports each when it collects it, long after the failure ("Task
+# exception was never retrieved", "Exception ignored in: <coroutine object
+# _read_array_index_and_device_put>", with tracebacks), at a time that depends
+# on the garbage collector. Within `tidy_failures`, the loop of a call that
+# fails is drained first: what is left is cancelled and awaited, and every
+# exception retrieved, before the loop closes.
+_TIDY: contextvars.ContextVar[bool] = contextvars.ContextVar('orbax_tunix_tidy', default=False)
+_ORBAX_RUN_ON_NEW_LOOP = getattr(_asyncio_utils, '_run_sync_via_new_loop', None)
+
+
+def _drain(loop: asyncio.AbstractEventLoop) -> None:
+  """Cancels and awaits every task left on `loop`, and runs the callbacks due
+  (which retrieve the exceptions of tasks that finished meanwhile)."""
+  pending = asyncio.all_tasks(loop)
+  for task in pending:
+    task.cancel()
+  loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
+def _run_on_new_loop(coro: Any) -> Any:
+  """Orbax's `_run_sync_via_new_loop`, draining the loop when the call fails
+  inside `tidy_failures` (exactly Orbax's own function outside it)."""
+  if not _TIDY.get():
+    return _ORBAX_RUN_ON_NEW_LOOP(coro)
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    try:
+      return loop.run_until_complete(coro)
+    except Exception:
+      with contextlib.suppress(Exception):  # Best effort: the failure itself is raised.
+        _drain(loop)
+      raise
+  finally:
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+@contextlib.contextmanager
+def tidy_failures() -> Iterator[None]:
+  """Orbax calls made in this context leave nothing running when they fail.
+
+  See `_TIDY`. Installs the drain on first use (where Orbax has the function
+  it wraps); Orbax calls outside the context are untouched.
+  """
+  if _ORBAX_RUN_ON_NEW_LOOP is not None and _asyncio_utils._run_sync_via_new_loop is not _run_on_new_loop:  # pylint: disable=protected-access
+    _asyncio_utils._run_sync_via_new_loop = _run_on_new_loop  # pylint: disable=protected-access
+  token = _TIDY.set(True)
+  try:
+    yield
+  finally:
+    _TIDY.reset(token)

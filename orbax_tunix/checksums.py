@@ -91,7 +91,8 @@ def verify(
   """Reads every array of a step and compares it with its recorded checksum.
 
   Args:
-    ckpt: the step, opened.
+    ckpt: the step, opened (only its items are checked: a step opened with
+      some `items`, or through an item directory, is checked for those).
     memory_budget: bytes the streaming may hold at once.
     progress: told the bytes checked after each batch.
 
@@ -105,8 +106,12 @@ def verify(
   progress = progress or reader.NullProgress()
   damaged, unrecorded, checked = [], [], 0
   listed = {(item, key(leaf.path)) for item, leaves in ckpt.items.items() for leaf in leaves}
+  # Only the items opened are checked (`items`, an item directory), and those
+  # the step records but lacks: another item's checksums say nothing of these.
+  looked_at = set(ckpt.items) | set(ckpt.detection.absent)
   missing = sorted(
-      f'{item}/{path}' for item, paths in sums.items() for path in paths if (item, path) not in listed
+      f'{item}/{path}' for item, paths in sums.items() if item in looked_at
+      for path in paths if (item, path) not in listed
   )
   todo = [
       leaf for item in sorted(ckpt.items) for leaf in ckpt.items[item]

@@ -14,15 +14,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import posixpath
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import fsspec
 import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import _orbax, errors, storage
+from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.storage import CHECKPOINT_METADATA, TMP_MARKER
 
 COMMIT_SUCCESS = 'commit_success.txt'
@@ -30,10 +32,153 @@ COMMIT_SUCCESS = 'commit_success.txt'
 MARKER = '.orbax-tunix-writing'
 # A replacement written beside an existing bucket step (never a step name).
 NEW_MARKER = '.orbax-tunix-new-'
+# An old step moved aside while a local replacement is renamed into place.
+OLD_MARKER = '.orbax-tunix-old-'
 
 
-DestinationExistsError = errors.DestinationExistsError
-InvalidDestinationError = errors.InvalidDestinationError
+# --- where a new step may go ------------------------------------------------
+
+
+def what_it_is(path: epath.Path) -> str:
+  """What a path is, for comparing locations: local paths with every symlink
+  resolved, bucket URLs normalized.
+
+  Local: `os.path.realpath`, which resolves each existing component in turn
+  (the deepest existing ancestor's real path) and normalizes the rest, which
+  a write would create as plain directories. Buckets: scheme and bucket in
+  lower case, repeated slashes, `.` and `..` folded, no trailing slash.
+  """
+  text = os.fspath(path)
+  if storage.is_local(path):
+    return os.path.realpath(text)
+  scheme, _, rest = text.partition('://')
+  bucket, _, key = rest.partition('/')
+  key = posixpath.normpath('/' + key).rstrip('/')
+  return f'{scheme.lower()}://{bucket.lower()}{key}'
+
+
+def source_run(step_dir: epath.Path) -> epath.Path:
+  """What a new step must stay out of: the source step's whole run.
+
+  That is the root holding the step when the step is named as Orbax names
+  steps (an RL root above its `actor/` or `critic/`), else the step itself.
+  """
+  if storage.step_number(step_dir.name) is None:
+    return step_dir
+  root = step_dir.parent
+  return root.parent if root.name in RL_ROLES else root
+
+
+def _within(path: str, area: str) -> bool:
+  return path == area or path.startswith(area.rstrip('/') + '/')
+
+
+def _ancestors(path: str) -> Iterator[str]:
+  """`path` and every directory above it (local paths)."""
+  while True:
+    yield path
+    parent = os.path.dirname(path)
+    if parent == path:
+      return
+    path = parent
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+  try:
+    info = os.stat(path)
+  except OSError:
+    return None
+  return info.st_dev, info.st_ino
+
+
+def _same_directory_within(path: str, areas: Sequence[str]) -> str | None:
+  """The area one of `path`'s existing ancestors is (by device and inode), or None.
+
+  Catches what the path text does not show: a bind mount of the area.
+  """
+  ids = {_identity(area): area for area in areas}
+  ids.pop(None, None)
+  for ancestor in _ancestors(path):
+    found = ids.get(_identity(ancestor)) if os.path.lexists(ancestor) else None
+    if found is not None:
+      return found
+  return None
+
+
+def overlap(step_dir: epath.Path, dst: epath.Path) -> str | None:
+  """How a destination overlaps a source step's run, or None when it does not.
+
+  The one decision of every command that writes a new step from an existing
+  one: the destination may be neither inside the source's run (see
+  `source_run`; writing there adds or replaces a step the source's trainer
+  resumes from), nor the run itself, nor a directory holding the source step.
+  Paths are compared as what they are (`what_it_is`: every symlink
+  resolved), and local directories also by identity (a bind mount), before
+  anything is written. Nothing is written here.
+
+  Args:
+    step_dir: the source step directory (as given, links and all).
+    dst: the destination path.
+
+  Returns:
+    A phrase saying how they overlap, or None.
+  """
+  if storage.is_local(step_dir) != storage.is_local(dst):
+    return None
+  local = storage.is_local(dst)
+  real_step = what_it_is(step_dir)
+  runs = sorted({what_it_is(source_run(step_dir)), what_it_is(source_run(epath.Path(real_step)))})
+  targets = [what_it_is(dst)]
+  if local:
+    targets.append(os.path.abspath(os.fspath(dst)))  # A rename replaces a link itself.
+  for target in targets:
+    for run in runs:
+      if _within(target, run):
+        return f'inside the source run {run}' if target != run else f'the source run {run}'
+    if _within(real_step, target):
+      return 'a directory holding the source step'
+  if not local:
+    return None
+  run = _same_directory_within(targets[0], runs)
+  if run is not None:
+    return f'inside the source run {run} (the same directory under another name)'
+  if os.path.isdir(targets[0]) and _same_directory_within(real_step, [targets[0]]):
+    return 'a directory holding the source step (under another name)'
+  return None
+
+
+def check_outside_source(step_dir: epath.Path, dst: epath.Path) -> None:
+  """Refuses a destination that overlaps a source step's run (see `overlap`).
+
+  Raises:
+    InvalidDestinationError: naming both and how they overlap.
+  """
+  how = overlap(step_dir, dst)
+  if how is not None:
+    raise errors.InvalidDestinationError(
+        f'{dst}: the destination overlaps the source checkpoint: it is {how} (source'
+        f' step {step_dir}). The source run,'
+        ' every step and item in it, is never written to, and a step added there'
+        ' would be taken as the run\'s latest: choose a dst outside it.'
+    )
+
+
+def check_step_name(dst: epath.Path) -> None:
+  """Refuses a destination named as Orbax or this package names unfinished work.
+
+  Such a directory (`5.orbax-checkpoint-tmp-1`) is skipped by every reader,
+  so the step written there would never be read.
+
+  Raises:
+    InvalidDestinationError: naming the marker and what to do.
+  """
+  marker = next((m for m in (TMP_MARKER, NEW_MARKER, OLD_MARKER) if m in dst.name), None)
+  if marker is not None:
+    raise errors.InvalidDestinationError(
+        f'{dst}: the destination is named like an unfinished step ({marker!r} in its'
+        ' name), which Orbax and the tools skip: the step written there would never'
+        ' be read. Choose a dst without it, named by its step number (e.g. out/1000).'
+    )
 
 
 def is_ours_unfinished(path: epath.Path) -> bool:
@@ -76,7 +221,7 @@ def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
   if not dst.exists() or is_ours_unfinished(dst):
     return
   if not force:
-    raise DestinationExistsError(
+    raise errors.DestinationExistsError(
         f'{dst}: already exists. Pass `force=True` to replace it (the old one is'
         ' removed only once the new one is complete), or choose another dst.'
     )
@@ -84,7 +229,7 @@ def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
     found = 'a file' if not dst.is_dir() else (
         'a directory holding ' + (', '.join(sorted(p.name for p in dst.iterdir())[:5]) or 'nothing')
     )
-    raise InvalidDestinationError(
+    raise errors.InvalidDestinationError(
         f'{dst}: `force=True` replaces only {kind.what} (a directory holding'
         f' {" or ".join(kind.holds)}), found {found}. Remove it yourself if it may go,'
         ' or choose another dst.'
@@ -119,6 +264,7 @@ class Staging:
     self.kind = kind
     self.in_place = _orbax.commits_with_file(dst)
     self.work = dst
+    self.replaced = False  # Set by `staged` once committed.
     self._created: list[epath.Path] = []
 
   def open(self) -> epath.Path:
@@ -157,7 +303,7 @@ class Staging:
       self.work.rename(self.dst)
       return False
     check_replaceable(self.dst, self.force, self.kind)
-    old = self.dst.parent / f'{self.dst.name}.orbax-tunix-old-{time.time_ns()}'
+    old = self.dst.parent / f'{self.dst.name}{OLD_MARKER}{time.time_ns()}'
     self.dst.rename(old)
     try:
       self.work.rename(self.dst)
@@ -193,6 +339,57 @@ class Staging:
     remove_tree(self.work)
     _remove_empty(self._created)
 
+
+
+@contextlib.contextmanager
+def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
+           sources: Sequence[epath.Path] = ()) -> Iterator[Staging]:
+  """A new `kind` at `dst`: its work directory for the block, committed when
+  the block ends, removed when it fails.
+
+  Use: `with staged(dst, force, kind) as s: <write into s.work>`; then
+  `s.replaced` says whether an old one was replaced.
+
+  Args:
+    dst: where the new one goes.
+    force: replace one of `kind` already there.
+    kind: what is written.
+    nbytes: about what will be written (for the message when space runs out).
+    sources: step directories that must stay untouched, checked again just
+      before the first write (links may have changed since planning; see
+      `check_outside_source`).
+
+  Raises:
+    InvalidDestinationError: `dst` overlaps a source, or cannot be created or
+      written (permissions, space); what was written is removed.
+    DestinationExistsError: `dst` appeared meanwhile and not `force`.
+    Whatever the block raises (KeyboardInterrupt too), after the same
+    clean-up; an existing `dst` is untouched in every case.
+  """
+  for source in sources:
+    check_outside_source(source, dst)
+  staging = Staging(dst, force, kind)
+  try:
+    staging.open()
+  except OSError as e:
+    staging.abort()
+    raise errors.InvalidDestinationError(
+        f'{dst}: cannot create {kind.what} there ({e}). Expected a writable'
+        ' directory; choose another destination or fix its permissions.'
+    ) from e
+  try:
+    yield staging
+    staging.replaced = staging.commit()
+  except OSError as e:
+    staging.abort()
+    raise errors.InvalidDestinationError(
+        f'{dst}: writing failed ({e}); nothing was left behind. Expected a writable'
+        f' destination with room for about {nbytes} bytes. Free space or choose'
+        ' another destination.'
+    ) from e
+  except BaseException:
+    staging.abort()
+    raise
 
 def _remove_empty(directories: Sequence[epath.Path]) -> None:
   """Removes directories, deepest first, if they are empty."""

@@ -15,7 +15,8 @@ Every item is a plain `PyTreeCheckpointHandler` item and `_CHECKPOINT_METADATA`
 names that handler, so plain Orbax (v0 and v1) restores it without this
 package. The step's custom metadata keeps the source's and adds `orbax_tunix`:
 where it came from, the inject_hyperparams values the canonical view leaves
-out, and a CRC-32 of every array.
+out (by name, and every such leaf, counts too, as `diff` compares them), and
+a CRC-32 of every array.
 
 The layout's outputs are written by the one streaming writer (`writer.py`),
 in batches within the memory budget. Committed as Orbax commits
@@ -45,6 +46,7 @@ from orbax_tunix import (
   checksums,
   commit,
   errors,
+  hyperparams,
   layouts,
   lora,
   reader,
@@ -52,18 +54,14 @@ from orbax_tunix import (
   writer,
 )
 from orbax_tunix import merge as merge_lib
-from orbax_tunix.commit import InvalidDestinationError
-from orbax_tunix.conventions import RL_ROLES
-from orbax_tunix.hyperparams import read_hyperparameters
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.outputs import ItemOutput
-from orbax_tunix.storage import CHECKPOINT_METADATA, as_path, step_number
+from orbax_tunix.storage import CHECKPOINT_METADATA, as_path
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
 LAYOUTS = layouts.names()
 
-DEFAULT_MEMORY_BUDGET = reader.DEFAULT_MEMORY_BUDGET
 # Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
 # TensorStore holds the compressed bytes and the decoded array while reading,
 # the host copy and the compressed bytes while writing, and freed buffers are
@@ -155,7 +153,7 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
   """Refuses outputs JAX would silently narrow (float64 to float32, ...) with x64 off.
 
   Raises:
-    InvalidDestinationError: naming the leaves and the fix.
+    InvalidOptionError: naming the leaves and the fix.
   """
   if jax.config.jax_enable_x64:
     return
@@ -172,50 +170,35 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
     )
 
 
-def _absolute(path: epath.Path) -> str:
-  text = os.fspath(path)
-  return os.path.abspath(text) if storage.is_local(path) else text.rstrip('/')
-
-
-
-def _protected(step_dir: epath.Path) -> epath.Path:
-  """What a conversion must not write into: the source's whole run.
-
-  That is the root holding the step when the step is named as Orbax names
-  steps (an RL root above its `actor/` or `critic/`), else the step itself.
-  """
-  if step_number(step_dir.name) is None:
-    return step_dir
-  root = step_dir.parent
-  return root.parent if root.name in RL_ROLES else root
-
-
 def check_destination(
     sources: Sequence[reader.CanonicalCheckpoint], dst: epath.Path, force: bool,
     kind: commit.Kind = commit.STEP,
 ) -> None:
-  """Refuses a DST inside (or holding) any source run, or one that may not be replaced.
+  """Refuses a DST that overlaps any source run, is named like unfinished
+  work, or may not be replaced (`commit`'s rules); nothing is written.
 
   Raises:
-    InvalidDestinationError: DST overlaps a source, or cannot be reached.
+    InvalidDestinationError: DST overlaps a source (symlinks resolved; see
+      `commit.overlap`), is named like an unfinished step, or cannot be reached.
     DestinationExistsError: DST exists and not `force` (or is not one of `kind`).
   """
-  target = _absolute(dst)
+  commit.check_step_name(dst)
   for src in sources:
-    protected, step = _absolute(_protected(src.step_dir)), _absolute(src.step_dir)
-    if target == protected or target.startswith(protected + '/') or step.startswith(target + '/'):
-      raise InvalidDestinationError(
-          f'{dst}: the destination is inside the source checkpoint {protected} (or'
-          ' holds it). The source run, every step and item in it, is never written'
-          ' to: choose a dst outside it.'
-      )
+    commit.check_outside_source(src.step_dir, dst)
+  problem = storage.unreachable(dst)  # Before any client call (their retries take ~50 s).
+  if problem is not None:
+    raise _unreachable(dst, problem)
   try:
     commit.check_replaceable(dst, force, kind)
   except OSError as e:
-    raise InvalidDestinationError(
-        f'{dst}: cannot reach the destination ({e}). Check the path, the network and'
-        ' the credentials (gs:// paths need gcsfs and Google credentials).'
-    ) from e
+    raise _unreachable(dst, str(e)) from e
+
+
+def _unreachable(dst: epath.Path, why: str) -> errors.InvalidDestinationError:
+  return errors.InvalidDestinationError(
+      f'{dst}: cannot reach the destination ({why}). Check the path, the network and'
+      ' the credentials (gs:// paths need gcsfs and Google credentials).'
+  )
 
 
 def plan_convert(
@@ -226,7 +209,7 @@ def plan_convert(
     layout: str = CANONICAL,
     params_only: bool = False,
     dtype: np.dtype | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
     merge_lora: bool = False,
@@ -262,7 +245,11 @@ def plan_convert(
     A `ConvertPlan`.
 
   Raises:
-    InvalidDestinationError: bad options, or DST overlaps the source.
+    InvalidOptionError: a `memory_budget` below 1.
+    InvalidDestinationError: DST overlaps the source's run (symlinks
+      resolved; see `commit.overlap`) or is named like an unfinished step.
+    LoraError: `lora_alpha`, `lora_scale` or `base` without `merge_lora`,
+      or a scaling that is not a finite number (before anything is read).
     DestinationExistsError: DST exists and not `force`.
     TunixCheckpointError subclasses: the source is not readable, or cannot be
       laid out as asked.
@@ -273,13 +260,12 @@ def plan_convert(
     raise errors.InvalidOptionError(
         f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
     )
-  if base is not None and not merge_lora:
-    raise errors.InvalidOptionError('`base` is the base of a LoRA merge: add `merge_lora=True`.')
+  lora.check_merge_options(merge_lora, lora_alpha, lora_scale, base)
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
             if merge_lora else None)
-  check_destination([source] if merged is None else [source, merged.base], dst, force)
+  check_destination(merge_lib.checkpoints_read(source, merged), dst, force)
   if merged is None:
     _refuse_adapters_only(source)
   laid = chosen.lay_out(layouts.Request(
@@ -288,6 +274,8 @@ def plan_convert(
   ))
   plans = [item for item in laid.items if item.outputs or item.json]
   notes = list(source.detection.notes) + list(laid.notes)
+  if merged is not None and merged.base is not source:
+    notes += [f'base: {note}' for note in merged.base.detection.notes]
   notes += [f'skipped item {item.name!r}: nothing to write' for item in laid.items
             if item not in plans]
   if merged is not None:
@@ -382,12 +370,17 @@ def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str,
                     for p, m in sorted(plan.merge.merges.items())},
     }
   if detection.is_tunix:
-    found = read_hyperparameters(detection)
+    leaves = hyperparams.side_leaves(detection)
+    side = hyperparams.read_side_leaves(detection, leaves)
+    found = hyperparams.hyperparameters_of(detection, side, leaves)
     if found:
       record['hyperparameters'] = {
           shell: {name: reader.json_scalar(v) for name, v in values.items()}
           for shell, values in found.items()
       }
+    if side and not plan.params_only:
+      # Every leaf the canonical view leaves out (counts too), as `diff` compares them.
+      record[hyperparams.RECORD_KEY] = {label: hyperparams.as_record(v) for label, v in side.items()}
   return record
 
 
@@ -422,48 +415,36 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   Raises:
     DestinationExistsError: DST appeared meanwhile and not `force`.
     InvalidDestinationError: the destination cannot be written (permissions,
-      space). In every case (and on KeyboardInterrupt) what was written is
-      removed and an existing DST is untouched (see `commit.Staging`).
+      space), or overlaps a source's run (checked again before the first
+      write).
+    InvalidOptionError: a value leaves the range of `dtype`
+      (`writer.check_range`). In every case (and on KeyboardInterrupt) what
+      was written is removed and an existing DST is untouched (see
+      `commit.staged`).
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
   init_ns = time.time_ns()
-  staging = commit.Staging(plan.dst, plan.force)
-  try:
-    work = staging.open()
-  except OSError as e:
-    staging.abort()
-    raise InvalidDestinationError(
-        f'{plan.dst}: cannot create the destination ({e}). Expected a writable'
-        ' directory; choose another dst or fix its permissions.'
-    ) from e
   progress.start(plan.total_bytes, f'converting to {plan.dst}')
-  sums: dict[str, dict[str, str]] = {}
+  sources = [c.step_dir for c in merge_lib.checkpoints_read(plan.source, plan.merge)]
   try:
-    for item in plan.items:
-      if item.json:
-        ckpt, name = item.json
-        (work / item.name).mkdir(parents=True, exist_ok=True)
-        ocp.JsonCheckpointHandler().save(
-            work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
-        continue
-      sink = writer.OrbaxItemSink(item, work / item.name)
-      record = writer.write(item.outputs, sink, plan.batch_bytes, progress)
-      sums[item.name] = record['checksums']
-    _write_step_metadata(work, plan, init_ns, sums)
-    replaced = staging.commit()
-  except OSError as e:
-    staging.abort()
-    raise InvalidDestinationError(
-        f'{plan.dst}: writing failed ({e}). Expected a writable destination with'
-        f' room for about {plan.total_bytes} bytes; nothing was left behind.'
-        ' Free space or choose another dst.'
-    ) from e
-  except BaseException:
-    staging.abort()
-    raise
+    with commit.staged(plan.dst, plan.force, nbytes=plan.total_bytes,
+                       sources=sources) as staging:
+      sums: dict[str, dict[str, str]] = {}
+      for item in plan.items:
+        if item.json:
+          ckpt, name = item.json
+          (staging.work / item.name).mkdir(parents=True, exist_ok=True)
+          ocp.JsonCheckpointHandler().save(
+              staging.work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
+          continue
+        sink = writer.OrbaxItemSink(item, staging.work / item.name)
+        record = writer.write(item.outputs, sink, plan.batch_bytes, progress)
+        sums[item.name] = record['checksums']
+      _write_step_metadata(staging.work, plan, init_ns, sums)
   finally:
     progress.finish()
+  replaced = staging.replaced
   return ConvertResult(
       dst=plan.dst,
       items={item.name: len(item.outputs) for item in plan.items},

@@ -152,6 +152,11 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
           ' only (`items`).'
       )
     is_pytree = _orbax.is_pytree_handler(typestr)
+    if is_pytree is None and typestr is not None and not step.is_pytree(name):
+      # A handler unknown here that wrote no PyTree (a data iterator's state,
+      # as grain and MaxText save it): an item of its own kind, not a damaged one.
+      others[name] = typestr
+      continue
     if is_pytree is False:
       if step.is_pytree(name):
         raise errors.CorruptMetadataError(
@@ -165,6 +170,22 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
       notes.append(f'item {name!r} records a handler unknown here ({typestr}); read as'
                    ' the PyTree its files hold')
   return others, notes
+
+
+def _unrecorded_note(step: storage.Step) -> list[str]:
+  """A note naming directories of a step that its `_CHECKPOINT_METADATA` does not record.
+
+  Orbax restores only recorded items, and so do the tools: such entries (a
+  `custom/` folder, a data iterator saved beside the step) are left out.
+  """
+  if step.recorded is None or step.single_item:
+    return []
+  extra = [name for name in step.present if name not in step.recorded]
+  if not extra:
+    return []
+  return [f'left out {", ".join(f"{n}/" for n in extra)}: in the step directory but not an'
+          f' item its {storage.CHECKPOINT_METADATA} records (Orbax does not restore such'
+          ' entries either; copy them yourself if they matter)']
 
 
 def detect(
@@ -220,7 +241,7 @@ def detect(
   notes = [
       f'item {n!r} is recorded in {storage.CHECKPOINT_METADATA} but not on disk (the step'
       ' was copied or pruned without it); left out' for n in absent
-  ] + notes
+  ] + notes + (_unrecorded_note(found) if items is None and location.item is None else [])
   pytrees = [n for n in names if n not in others]
   maps = {n: cmap for n, (_, cmap) in plan_items(found, pytrees).items()}
   return Detection(

@@ -4,24 +4,29 @@ Both sides are opened with `reader.open_checkpoint` (Tunix checkpoints in
 their canonical form, any other Orbax checkpoint as it is), their leaves are
 matched by `item/path`, and the leaves both sides hold with one shape are read
 in batches that fit the memory budget and compared value by value (the largest
-absolute difference per leaf). `params_only` compares the weights alone (see
-`reader.weights`), which matches a Tunix step against its MaxText
+absolute difference per leaf; integers exactly, floats in float64). Beside
+the arrays: JSON items, value by value, and the leaves the canonical view
+leaves out (the inject_hyperparams values and counts, `hyperparams.side_leaves`,
+or the record `convert` keeps of them). `params_only` compares the weights
+alone (see `reader.weights`), which matches a Tunix step against its MaxText
 parameter conversion.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from etils import epath
 
-from orbax_tunix import checksums, reader
-from orbax_tunix.keypaths import fmt
+from orbax_tunix import checksums, hyperparams, reader
+from orbax_tunix.keypaths import fmt, natural_key
 
-DEFAULT_MEMORY_BUDGET = reader.DEFAULT_MEMORY_BUDGET
 # Bytes held per byte read from either side: the compressed bytes and the
 # decoded array. A batch (A's and B's leaves together) is sized budget / this.
 COPIES_IN_FLIGHT = 2
@@ -72,6 +77,13 @@ class DiffResult:
     atol: the tolerance.
     max_abs_diff: the largest difference over every compared leaf.
     seconds: wall time.
+    json: values of JSON items that differ ('item/key/...'; a and b as JSON
+      text). Keys on one side only are in `only_a` / `only_b`, as is a JSON
+      item one side lacks (its name).
+    hyperparameters: leaves outside the canonical view that differ (the
+      inject_hyperparams values and counts, labelled as
+      `hyperparams.side_leaves` does), a or b ABSENT where one side lacks it.
+    notes: what was not compared, and why.
   """
 
   a: epath.Path
@@ -89,6 +101,9 @@ class DiffResult:
   ignore_dtype: bool = False
   damaged_a: tuple[str, ...] = ()
   damaged_b: tuple[str, ...] = ()
+  json: tuple[Mismatch, ...] = ()
+  hyperparameters: tuple[Mismatch, ...] = ()
+  notes: tuple[str, ...] = ()
 
   @property
   def match(self) -> bool:
@@ -99,8 +114,14 @@ class DiffResult:
         or self.values
         or self.damaged_a
         or self.damaged_b
+        or self.json
+        or self.hyperparameters
         or (self.dtype and not self.ignore_dtype)
     )
+
+
+# What a side holds where the other has a value (hyperparameters).
+ABSENT = '(absent)'
 
 
 def _describe(leaf: reader.LeafInfo) -> str:
@@ -110,50 +131,101 @@ def _describe(leaf: reader.LeafInfo) -> str:
 
 
 def _as_comparable(x: np.ndarray) -> np.ndarray:
-  """A view of `x` that subtracts meaningfully (floats, or int64 for integers)."""
-  if x.dtype == np.bool_:
-    return x.astype(np.int8)
+  """A copy of `x` that subtracts meaningfully with a float: float64 (complex128)."""
   if np.issubdtype(x.dtype, np.complexfloating):
     return x.astype(np.complex128)
-  if np.issubdtype(x.dtype, np.integer):
-    return x.astype(np.int64) if x.dtype != np.uint64 else x.astype(np.float64)
   return x.astype(np.float64)
+
+
+def _is_integral(x: np.ndarray) -> bool:
+  return x.dtype.kind in 'biu'
+
+
+def _integer_deltas(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """|x - y| of two integer (or bool) arrays, exactly, as uint64.
+
+  No int64 overflow and no float rounding: each side is widened to int64 or
+  uint64 and the difference of the larger and the smaller is taken in
+  uint64 arithmetic, which is exact while it is below 2**64 (always, when
+  both are signed or both unsigned).
+
+  Returns:
+    (deltas, wrapped): where `wrapped` (a signed side negative against an
+    unsigned one) the true difference is the delta plus 2**64.
+  """
+  x = x.astype(np.int64 if x.dtype.kind == 'i' else np.uint64)
+  y = y.astype(np.int64 if y.dtype.kind == 'i' else np.uint64)
+  if x.dtype == y.dtype:
+    hi, lo = np.maximum(x, y), np.minimum(x, y)
+    return hi.view(np.uint64) - lo.view(np.uint64), np.zeros(x.shape, bool)
+  signed, unsigned = (x, y) if x.dtype.kind == 'i' else (y, x)
+  negative = signed < 0
+  as_unsigned = signed.view(np.uint64)
+  apart = np.maximum(unsigned, as_unsigned) - np.minimum(unsigned, as_unsigned)
+  beyond = unsigned + (np.uint64(0) - as_unsigned)  # u + |s| for s < 0 (mod 2**64).
+  deltas = np.where(negative, beyond, apart)
+  return deltas, negative & (beyond < unsigned)
+
+
+def _compare_integers(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
+  """(max |x - y|, how many differ by more than `atol`) of integer arrays, exactly."""
+  deltas, wrapped = _integer_deltas(x, y)
+  if not deltas.size:
+    return 0.0, 0
+  exact = [int(d) + 2**64 for d in deltas[wrapped]]  # Rare: Python ints, exact.
+  plain = deltas[~wrapped]
+  worst = max(([int(plain.max())] if plain.size else []) + exact)
+  limit = math.floor(atol) if math.isfinite(atol) else None  # d > atol <=> d > floor(atol)
+  if limit is None or limit >= 2**64:
+    beyond = 0
+  else:
+    beyond = int(np.count_nonzero(plain > np.uint64(limit)))
+  beyond += sum(d > atol for d in exact)
+  return float(worst), beyond
+
+
+def _compare_floats(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
+  """(max |x - y|, how many differ by more than `atol`), in float64 (complex128)."""
+  x, y = _as_comparable(x), _as_comparable(y)
+  with np.errstate(invalid='ignore', over='ignore'):
+    delta = np.abs(x - y)
+  beyond = delta > atol
+  x_nan, y_nan = np.isnan(x), np.isnan(y)
+  delta = np.where(x_nan & y_nan, 0.0, np.where(x_nan ^ y_nan, np.inf, delta))
+  beyond = (beyond & ~(x_nan | y_nan)) | (x_nan ^ y_nan)
+  if not delta.size:
+    return 0.0, 0
+  return float(np.max(delta)), int(np.count_nonzero(beyond))
 
 
 def compare_values(a: object, b: object, atol: float = 0.0) -> tuple[float, int]:
   """Largest absolute difference between two same-shaped values, and how many differ.
 
-  NaNs at the same place count as equal; a NaN against a number differs
-  whatever the tolerance (its difference counts as infinite). Worked through
-  in chunks, so the float64 copies stay at `_CHUNK` elements whatever the
-  size of the arrays.
+  Integers (and booleans) against integers are compared exactly, whatever
+  their width and sign (`2**62` against `-2**62`, `2**63 + 1` against
+  `2**63 + 3`). Anything against a float is compared in float64: NaNs at the
+  same place count as equal; a NaN against a number differs whatever the
+  tolerance (its difference counts as infinite). Worked through in chunks,
+  so the working copies stay at `_CHUNK` elements whatever the size of the
+  arrays.
 
   Args:
     a, b: arrays (or scalars, or strings) of one shape.
     atol: elements differ when |a - b| > atol.
 
   Returns:
-    (max |a - b| over all elements, number of elements that differ).
+    (max |a - b| over all elements, as a float; number of elements that differ).
   """
   if isinstance(a, str) or isinstance(b, str):
     return (0.0, 0) if a == b else (float('inf'), 1)
   a = np.asarray(a).reshape(-1)
   b = np.asarray(b).reshape(-1)
+  exact = _is_integral(a) and _is_integral(b)
   worst, differing = 0.0, 0
   for start in range(0, a.size, _CHUNK):
-    x = _as_comparable(a[start : start + _CHUNK])
-    y = _as_comparable(b[start : start + _CHUNK])
-    with np.errstate(invalid='ignore', over='ignore'):
-      delta = np.abs(x - y)
-    beyond = delta > atol
-    if np.issubdtype(delta.dtype, np.inexact):
-      x_nan = np.isnan(x) if np.issubdtype(x.dtype, np.inexact) else False
-      y_nan = np.isnan(y) if np.issubdtype(y.dtype, np.inexact) else False
-      delta = np.where(x_nan & y_nan, 0.0, np.where(x_nan ^ y_nan, np.inf, delta))
-      beyond = (beyond & ~(x_nan | y_nan)) | (x_nan ^ y_nan)
-    if delta.size:
-      worst = max(worst, float(np.max(delta)))
-      differing += int(np.count_nonzero(beyond))
+    x, y = a[start : start + _CHUNK], b[start : start + _CHUNK]
+    most, beyond = (_compare_integers if exact else _compare_floats)(x, y, atol)
+    worst, differing = max(worst, most), differing + beyond
   return worst, differing
 
 
@@ -201,6 +273,150 @@ def _open(
   return ckpt
 
 
+# --- JSON items ---------------------------------------------------------------
+
+
+def _same_json(x: Any, y: Any) -> bool:
+  """Two JSON scalars are the same value (numbers by value, NaN as NaN; a bool is no number)."""
+  if isinstance(x, bool) or isinstance(y, bool):
+    return type(x) is type(y) and x == y
+  if isinstance(x, int | float) and isinstance(y, int | float):
+    return x == y or (x != x and y != y)  # pylint: disable=comparison-with-itself
+  return type(x) is type(y) and x == y
+
+
+def _json_text(value: Any, limit: int = 120) -> str:
+  text = json.dumps(value, sort_keys=True)
+  return text if len(text) <= limit else text[: limit - 3] + '...'
+
+
+@dataclasses.dataclass
+class _Found:
+  """What a comparison collects: paths on one side only, and values that differ."""
+
+  only_a: list[str] = dataclasses.field(default_factory=list)
+  only_b: list[str] = dataclasses.field(default_factory=list)
+  differ: list[Mismatch] = dataclasses.field(default_factory=list)
+
+
+def _children(value: Any) -> dict[str, Any] | None:
+  """A JSON container's children by key (a list's positions as '0', '1', ...); None for a scalar."""
+  if isinstance(value, dict):
+    return {str(k): v for k, v in value.items()}
+  if isinstance(value, list):
+    return {str(i): v for i, v in enumerate(value)}
+  return None
+
+
+def _compare_json(a: Any, b: Any, path: tuple[str, ...], found: _Found) -> None:
+  """Compares two JSON values key by key, into `found`."""
+  kids_a, kids_b = _children(a), _children(b)
+  if kids_a is None or kids_b is None or isinstance(a, list) != isinstance(b, list):
+    if kids_a is not None or kids_b is not None or not _same_json(a, b):
+      found.differ.append(Mismatch(fmt(path), _json_text(a), _json_text(b)))
+    return
+  for key in sorted(kids_a.keys() | kids_b.keys(), key=natural_key):
+    if key not in kids_b:
+      found.only_a.append(fmt(path + (key,)))
+    elif key not in kids_a:
+      found.only_b.append(fmt(path + (key,)))
+    else:
+      _compare_json(kids_a[key], kids_b[key], path + (key,), found)
+
+
+def _compare_json_items(
+    ckpt_a: reader.CanonicalCheckpoint, ckpt_b: reader.CanonicalCheckpoint, found: _Found
+) -> int:
+  """Compares the JSON items of both sides (`convert` copies them); returns how many."""
+  names_a, names_b = set(ckpt_a.json_items), set(ckpt_b.json_items)
+  found.only_a += sorted(names_a - names_b)
+  found.only_b += sorted(names_b - names_a)
+  for name in sorted(names_a & names_b):
+    _compare_json(reader.read_json_item(ckpt_a, name), reader.read_json_item(ckpt_b, name),
+                  (name,), found)
+  return len(names_a & names_b)
+
+
+# --- the leaves outside the canonical view -----------------------------------------
+
+
+def _recorded_side(ckpt: reader.CanonicalCheckpoint) -> dict[str, Any] | None:
+  """The side leaves a step `convert` wrote records of its source, or None."""
+  record = ckpt.detection.source.custom_metadata.get(checksums.RECORD_KEY)
+  found = record.get(hyperparams.RECORD_KEY) if isinstance(record, dict) else None
+  return dict(found) if isinstance(found, dict) else None
+
+
+def _side_of(
+    ckpt: reader.CanonicalCheckpoint, items: Iterable[str] | None
+) -> dict[str, Any] | None:
+  """The leaves outside a side's canonical view, by label (`hyperparams.side_leaves`).
+
+  Read from the step when it holds them (Tunix); else as a conversion's
+  record keeps them. None when the side holds no such information.
+  """
+  detection = ckpt.detection
+  leaves = hyperparams.side_leaves(detection)
+  if leaves:
+    return hyperparams.read_side_leaves(detection, leaves)
+  if detection.is_tunix:
+    return {}  # Its optimizer (if any) has no inject_hyperparams shell.
+  recorded = _recorded_side(ckpt)
+  if recorded is None:
+    return None
+  if items is not None:
+    wanted = set(items)
+    recorded = {k: v for k, v in recorded.items() if k.split('/', 1)[0] in wanted}
+  return recorded
+
+
+def _side_value(value: Any) -> Any:
+  """A side leaf's value in one form for both sources (`hyperparams.as_record`)."""
+  return value if isinstance(value, dict) else hyperparams.as_record(value)
+
+
+def _compare_side(
+    a: dict[str, Any], b: dict[str, Any], atol: float
+) -> list[Mismatch]:
+  """The side leaves that differ (by more than `atol`), or that one side lacks."""
+  out = []
+  for label in sorted(set(a) | set(b)):
+    x = _side_value(a[label]) if label in a else ABSENT
+    y = _side_value(b[label]) if label in b else ABSENT
+    if isinstance(x, dict | str) or isinstance(y, dict | str):
+      same = x == y
+    else:
+      same = compare_values(x, y, atol)[1] == 0
+    if not same:
+      out.append(Mismatch(label, _side_text(x), _side_text(y)))
+  return out
+
+
+def _side_text(value: Any) -> str:
+  if isinstance(value, dict):
+    return f'{tuple(value.get("shape", ()))} {value.get("dtype")} ({value.get("checksum")})'
+  return value if isinstance(value, str) else repr(value)
+
+
+def _compare_sides(
+    ckpt_a: reader.CanonicalCheckpoint, ckpt_b: reader.CanonicalCheckpoint, atol: float,
+    items: Iterable[str] | None,
+) -> tuple[list[Mismatch], list[str]]:
+  """(side leaves that differ, notes): compared when both sides hold them."""
+  side_a, side_b = _side_of(ckpt_a, items), _side_of(ckpt_b, items)
+  if side_a is None and side_b is None:
+    return [], []
+  if side_a is None or side_b is None:
+    lacking, holding = ('A', 'B') if side_a is None else ('B', 'A')
+    count = len(side_b if side_a is None else side_a)
+    return [], [
+        f'{count} leaves outside the canonical view (inject_hyperparams values and counts)'
+        f' in {holding} not compared: {lacking} holds none (it is neither a Tunix step nor'
+        ' a step orbax-tunix convert wrote from one)'
+    ] if count else []
+  return _compare_side(side_a, side_b, atol), []
+
+
 def diff_checkpoints(
     a: epath.PathLike | reader.CanonicalCheckpoint,
     b: epath.PathLike | reader.CanonicalCheckpoint,
@@ -208,7 +424,7 @@ def diff_checkpoints(
     atol: float = 0.0,
     params_only: bool = False,
     ignore_dtype: bool = False,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
     progress: reader.Progress | None = None,
     items: Iterable[str] | None = None,
 ) -> DiffResult:
@@ -247,6 +463,10 @@ def diff_checkpoints(
     if la.dtype != lb.dtype:
       dtype.append(Mismatch(path, _describe(la), _describe(lb)))
     pairs.append((path, la, lb))
+  found = _Found(list(only_a), list(only_b))
+  json_compared = 0 if params_only else _compare_json_items(ckpt_a, ckpt_b, found)
+  side, notes = ([], []) if params_only else _compare_sides(
+      ckpt_a, ckpt_b, atol, None if items is None else list(items))
   values, worst, compared_bytes = [], 0.0, 0
   sums_a = checksums.recorded(ckpt_a.detection.source.custom_metadata)
   sums_b = checksums.recorded(ckpt_b.detection.source.custom_metadata)
@@ -272,11 +492,13 @@ def diff_checkpoints(
       progress.advance(sum(la.nbytes for _, la, _ in batch))
   finally:
     progress.finish()
+  if not pairs and not json_compared and not (found.only_a or found.only_b or shape):
+    notes.append('nothing was compared: neither side holds a leaf or JSON item')
   return DiffResult(
       a=ckpt_a.step_dir,
       b=ckpt_b.step_dir,
-      only_a=only_a,
-      only_b=only_b,
+      only_a=tuple(sorted(found.only_a)),
+      only_b=tuple(sorted(found.only_b)),
       shape=tuple(shape),
       dtype=tuple(dtype),
       values=tuple(values),
@@ -288,4 +510,7 @@ def diff_checkpoints(
       ignore_dtype=ignore_dtype,
       damaged_a=tuple(damaged_a),
       damaged_b=tuple(damaged_b),
+      json=tuple(found.differ),
+      hyperparameters=tuple(side),
+      notes=tuple(notes),
   )

@@ -34,7 +34,6 @@ from orbax_tunix import (
   writer,
 )
 from orbax_tunix import merge as merge_lib
-from orbax_tunix.commit import InvalidDestinationError
 from orbax_tunix.convert import check_destination
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.outputs import Output, relay
@@ -206,14 +205,12 @@ def plan_export(
   if memory_budget < 1:
     raise errors.InvalidOptionError(
         f'`memory_budget` {memory_budget}: expected a positive number of bytes.')
-  if not merge_lora and (base is not None or lora_alpha is not None or lora_scale is not None):
-    raise errors.InvalidOptionError(
-        '`base`, `lora_alpha` and `lora_scale` are a LoRA merge\'s: add `merge_lora=True`.')
+  lora.check_merge_options(merge_lora, lora_alpha, lora_scale, base)
   source = reader.open_weights(src, step)
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
             if merge_lora else None)
   out_dir = storage.as_path(out_dir)
-  check_destination([source] if merged is None else [source, merged.base], out_dir, force, EXPORT)
+  check_destination(merge_lib.checkpoints_read(source, merged), out_dir, force, EXPORT)
   if merged is None:
     _refuse_adapters(source)
   weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))
@@ -281,40 +278,27 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
 
   Raises:
     DestinationExistsError: OUT_DIR appeared meanwhile and not `force`.
-    InvalidDestinationError: it cannot be written. In every case (and on
-      KeyboardInterrupt) what was written is removed and an existing folder
-      is untouched.
+    InvalidDestinationError: it cannot be written, or overlaps a source's
+      run (checked again before the first write).
+    InvalidOptionError: a value leaves the range of `dtype`
+      (`writer.check_range`). In every case (and on KeyboardInterrupt) what
+      was written is removed and an existing folder is untouched (see
+      `commit.staged`).
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
-  staging = commit.Staging(plan.out_dir, plan.force, EXPORT)
-  try:
-    work = staging.open()
-  except OSError as e:
-    staging.abort()
-    raise InvalidDestinationError(
-        f'{plan.out_dir}: cannot create the folder ({e}). Expected a writable place;'
-        ' choose another out_dir or fix its permissions.'
-    ) from e
   progress.start(plan.total_bytes, f'exporting to {plan.out_dir}')
+  sources = [c.step_dir for c in merge_lib.checkpoints_read(plan.source, plan.merge)]
   try:
-    sink = writer.SafetensorsSink(work, plan.files)
-    record = writer.write(plan.outputs, sink, plan.batch_bytes, progress, on_host=True)
-    for path in (plan.config, *plan.copied):
-      if path is not None:
-        (work / path.name).write_bytes(path.read_bytes())
-    replaced = staging.commit()
-  except OSError as e:
-    staging.abort()
-    raise InvalidDestinationError(
-        f'{plan.out_dir}: writing failed ({e}); nothing was left behind. Expected a'
-        f' writable place with room for {plan.total_bytes} bytes.'
-    ) from e
-  except BaseException:
-    staging.abort()
-    raise
+    with commit.staged(plan.out_dir, plan.force, EXPORT, plan.total_bytes, sources) as staging:
+      sink = writer.SafetensorsSink(staging.work, plan.files)
+      record = writer.write(plan.outputs, sink, plan.batch_bytes, progress, on_host=True)
+      for path in (plan.config, *plan.copied):
+        if path is not None:
+          (staging.work / path.name).write_bytes(path.read_bytes())
   finally:
     progress.finish()
+  replaced = staging.replaced
   return ExportResult(plan.out_dir, tuple(record['files']), len(plan.outputs),
                       record['total_size'], time.monotonic() - start, replaced)
 

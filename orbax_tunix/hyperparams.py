@@ -1,7 +1,9 @@
 """The hyperparameters held by an `optax.inject_hyperparams` shell.
 
-The canonical view leaves the shell out; its scalars stay readable here. Only
-those scalars are read.
+The canonical view leaves the shell out; its scalars stay readable here: the
+hyperparameters by name (`hyperparameters`), and every leaf the view leaves
+out, the shell's `count` and hyperparameter states too (`side_leaves`, which
+`diff` compares). Only those scalars are read.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import conventions, rules, storage
+from orbax_tunix import checksums, conventions, rules, storage
 from orbax_tunix.detection import Detection, detect, wanted_items
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.planned_item import PlannedItem
 
 # How a scalar is read: to the host, as saved.
 AS_NUMPY = ocp.RestoreArgs(restore_type=np.ndarray)
+# Where a step `convert` wrote records its source's side leaves (under
+# `checksums.RECORD_KEY` of its custom metadata): {label: `as_record` value}.
+RECORD_KEY = 'inject_hyperparams'
 
 
 def _hyperparam_name(path: Path, shells: frozenset[Path]) -> tuple[Path, str] | None:
@@ -94,3 +99,73 @@ def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
   planned = PlannedItem(detection.item_meta(item), detection.maps[item])
   values = planned.read({d: (0, AS_NUMPY) for d in wanted}, on_disk=True)
   return by_shell(wanted, values)
+
+
+def side_leaves(detection: Detection) -> dict[str, tuple[str, Path]]:
+  """Every leaf the canonical view leaves out, under a label; nothing is read.
+
+  The label is `<item>/<shell>/<field>/...`, the shell at its canonical
+  location and the field as the shell holds it, e.g.
+  `optimizer_state/opt_state/hyperparams/learning_rate` and
+  `optimizer_state/opt_state/count`; empty nodes (`hyperparams_states: {}`)
+  are structure and left out.
+
+  Returns:
+    label -> (item, on-disk path).
+  """
+  out = {}
+  for name, cmap in detection.maps.items():
+    meta = detection.item_meta(name)
+    shells = next((r.anchors for r in cmap.rewrites if r.rule is rules.INJECT_SHELL), None)
+    for disk in sorted(cmap.side_paths):
+      if meta.by_path[disk].is_empty:
+        continue
+      where = disk
+      before = cmap.path_before(rules.INJECT_SHELL, disk) if shells else None
+      shell = next((s for s in shells if before[:len(s)] == s), None) if before else None
+      if shell is not None:
+        where = rules.INJECT_SHELL.to_canonical(shell, shells) + before[len(shell):]
+      out[fmt((name, *where))] = (name, disk)
+  return out
+
+
+def read_side_leaves(
+    detection: Detection, leaves: Mapping[str, tuple[str, Path]]
+) -> dict[str, Any]:
+  """The values of `side_leaves` (or some of them): one read per item holding them."""
+  by_item: dict[str, list[Path]] = {}
+  for item, disk in leaves.values():
+    by_item.setdefault(item, []).append(disk)
+  values = {
+      item: PlannedItem(detection.item_meta(item), detection.maps[item]).read(
+          {d: (0, AS_NUMPY) for d in paths}, on_disk=True)
+      for item, paths in by_item.items()
+  }
+  return {label: values[item][disk] for label, (item, disk) in leaves.items()}
+
+
+def hyperparameters_of(
+    detection: Detection, side: Mapping[str, Any], leaves: Mapping[str, tuple[str, Path]]
+) -> dict[str, dict[str, Any]]:
+  """`hyperparameters`, from side leaves already read (`read_side_leaves`)."""
+  found = hyperparameter_leaves(detection)
+  if found is None:
+    return {}
+  item, wanted = found
+  by_disk = {where: side[label] for label, where in leaves.items()}
+  return by_shell(wanted, {d: by_disk[(item, d)] for d in wanted})
+
+
+def as_record(value: Any) -> Any:
+  """A side leaf's value as JSON keeps it: a number (or its text), or, for an
+  array, its shape, dtype and checksum (`checksums.checksum`)."""
+  array = np.asarray(value)
+  if array.ndim == 0:
+    item = array[()]
+    if isinstance(item, np.floating):
+      return float(item)
+    if isinstance(item, np.integer | np.bool_):
+      return item.item()
+    return str(item)
+  return {'shape': list(array.shape), 'dtype': str(array.dtype),
+          'checksum': checksums.checksum(array)}

@@ -42,7 +42,6 @@ FLAX_KERNEL = 'kernel'
 Shape = tuple[int, ...]
 
 
-LoraError = errors.LoraError
 
 
 def is_adapter(path: Path) -> bool:
@@ -132,7 +131,7 @@ def find_adapters(shapes: Mapping[Path, Shape]) -> dict[Path, Adapter]:
       if path[-1].endswith('lora_b') and path not in reported
   ]
   if problems:
-    raise LoraError(
+    raise errors.LoraError(
         f'{len(problems)} LoRA adapters cannot be paired:\n{errors.list_paths(problems)}\n'
         'Expected <w>_lora_a with <w>_lora_b (qwix) or lora_a with lora_b (flax),'
         ' with a rank shared by both. Use the checkpoint the LoRA run wrote, unedited.'
@@ -196,6 +195,70 @@ def contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
   return None
 
 
+def check_scaling(
+    alpha: float | None, scale: float | None, names: tuple[str, str] = ('alpha', 'scale')
+) -> None:
+  """Refuses a LoRA scaling that is not one finite number; reads nothing.
+
+  Args:
+    alpha, scale: as given (None: not given).
+    names: the caller's names for them, for the message.
+
+  Raises:
+    LoraError: both given, or one that is not a finite number (a NaN or
+      infinite scale would write NaN or infinite weights).
+  """
+  if alpha is not None and scale is not None:
+    raise errors.LoraError(
+        f'pass `{names[0]}` or `{names[1]}`, not both (the scale is alpha / rank).'
+    )
+  for name, value in zip(names, (alpha, scale), strict=True):
+    if value is None:
+      continue
+    number = None
+    if not isinstance(value, bool | str):
+      try:
+        number = float(value)
+      except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number):
+      raise errors.LoraError(
+          f'`{name}={value!r}`: expected a finite number (the run\'s LoRA alpha, or the'
+          ' scale alpha / rank itself); a NaN or infinite scale would make every'
+          ' merged weight NaN or infinite. Pass the value the run was trained with.'
+      )
+
+
+
+MERGE_OPTION_NAMES = ('lora_alpha', 'lora_scale', 'base')
+
+
+def check_merge_options(
+    merging: bool, alpha: float | None, scale: float | None, base: object = None,
+    names: tuple[str, str, str] = MERGE_OPTION_NAMES,
+) -> None:
+  """Refuses a merge's options without a merge, and a scaling that is not
+  finite (see `check_scaling`); reads nothing.
+
+  Args:
+    merging: whether the caller merges.
+    alpha, scale, base: as given (None: not given).
+    names: the caller's names for them, for the message.
+
+  Raises:
+    LoraError: options without a merge (the adapters would be copied
+      unmerged), or see `check_scaling`.
+  """
+  given = [n for n, v in zip(names, (alpha, scale, base), strict=True) if v is not None]
+  if given and not merging:
+    one = len(given) == 1
+    raise errors.LoraError(
+        f'{" and ".join(f"`{n}`" for n in given)} {"is an option" if one else "are options"}'
+        ' of a LoRA merge (without one the adapters would be copied unmerged): add'
+        f' `merge_lora=True`, or drop {"it" if one else "them"}.'
+    )
+  check_scaling(alpha, scale, names[:2])
+
 def scale_of(adapter: Adapter, alpha: float | None, scale: float | None) -> float:
   """The factor of `a ⊗ b`: qwix's `alpha / rank` (or `scale`), flax's 1.
 
@@ -207,7 +270,7 @@ def scale_of(adapter: Adapter, alpha: float | None, scale: float | None) -> floa
   if scale is not None:
     return float(scale)
   if alpha is None:
-    raise LoraError(
+    raise errors.LoraError(
         f'{fmt(adapter.a)}: qwix LoRA scales the adapters by alpha / rank, and alpha'
         ' is not stored in the checkpoint. Pass `alpha` (the LoraProvider\'s alpha'
         ' of the run), or `scale` (alpha / rank) directly.'

@@ -102,6 +102,13 @@ def _plain(weights: Mapping[Path, reader.LeafInfo], adapters: Mapping[Path, lora
   return out
 
 
+
+def checkpoints_read(
+    source: reader.CanonicalCheckpoint, merged: MergePlan | None
+) -> list[reader.CanonicalCheckpoint]:
+  """Every checkpoint a plan reads: the source, and a merge's base."""
+  return [source] if merged is None else [source, merged.base]
+
 def plan_merge(
     path: epath.PathLike | reader.CanonicalCheckpoint,
     *,
@@ -130,17 +137,17 @@ def plan_merge(
 
   Raises:
     LoraError: no adapters; adapters without their pair or base weight;
-      ranks or shapes that the contraction cannot reproduce; no alpha.
+      ranks or shapes that the contraction cannot reproduce; no alpha; an
+      alpha or scale that is not a finite number (before anything is read).
     TunixCheckpointError subclasses: a checkpoint is not readable.
   """
-  if alpha is not None and scale is not None:
-    raise lora.LoraError('pass `alpha` or `scale`, not both (the scale is alpha / rank).')
+  lora.check_scaling(alpha, scale)
   lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
                else reader.open_weights(path, step))
   lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in lora_weights.items()})
   if not adapters:
-    raise lora.LoraError(
+    raise errors.LoraError(
         f'{lora_ckpt.step_dir}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix,'
         ' or lora_a/lora_b from flax), found none among its weights. Restore it'
         ' without merging.'
@@ -172,12 +179,12 @@ def plan_merge(
     fix = ('Pass `base`: the checkpoint the LoRA run started from (a Tunix save, a MaxText'
            ' items step, or canonical weights).') if base is None else (
                'Pass the base checkpoint the LoRA run started from.')
-    raise lora.LoraError(
+    raise errors.LoraError(
         f'{where}: expected the base weight of every adapter, found {len(missing)}'
         f' missing:\n{errors.list_paths(missing)}\n{fix}'
     )
   if bad:
-    raise lora.LoraError(
+    raise errors.LoraError(
         f'{where}: {len(bad)} adapters do not reproduce their weight\'s shape (a\'s'
         f" last axis contracted with b's first):\n{errors.list_paths(bad)}\nThe base"
         ' checkpoint is not the one these adapters were trained on, or the layer'

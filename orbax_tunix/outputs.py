@@ -127,7 +127,9 @@ class ItemOutput:
     name: the item's name in the new step (e.g. 'model_params', 'items').
     outputs: its leaves, in write order.
     sequences: nodes written as lists (their keys '0', '1', ...).
-    empty: (path, key types) of empty nodes (`None` in a list, an empty state).
+    empty: (path, key types, Orbax's value type) of empty nodes: `None` in a
+      list, an empty state, an empty dict or list (value types 'None',
+      'Dict', 'List', ...; see `storage.EMPTY_VALUE_TYPES`).
     key_types: per leaf path, the key types of the tree it came from (when
       an item is written as it was read, its containers are kept as they were).
     json: the item is a JSON item copied whole from this (checkpoint, item name).
@@ -137,7 +139,7 @@ class ItemOutput:
   name: str
   outputs: tuple[Output, ...] = ()
   sequences: frozenset[Path] = frozenset()
-  empty: tuple[tuple[Path, tuple[int, ...]], ...] = ()
+  empty: tuple[tuple[Path, tuple[int, ...], str], ...] = ()
   key_types: Mapping[Path, tuple[int, ...]] | None = None
   json: tuple[reader.CanonicalCheckpoint, str] | None = None
   zarr3: bool = False

@@ -267,7 +267,7 @@ class PlannedItem:
     """
     via = via or through()
     try:
-      with self._serving(via, self.meta.tree_json_of()):
+      with self._serving(via, self.meta.tree_json_of()), _orbax.tidy_failures():
         meta = via.metadata(self.directory)
     except Exception as e:  # pylint: disable=broad-except
       cause = _orbax.storage_failure(e)
@@ -294,7 +294,7 @@ class PlannedItem:
     an array) reach the caller as Orbax raised them.
     """
     try:
-      with self._serving(via, served):
+      with self._serving(via, served), _orbax.tidy_failures():
         return via.restore(self.directory, args)
     except Exception as e:  # pylint: disable=broad-except
       cause = _orbax.storage_failure(e)

@@ -192,8 +192,8 @@ def open_checkpoint(
     listed = ', '.join(f'{n!r} ({t})' for n, t in sorted(unreadable.items()))
     raise errors.UnsupportedLayoutError(
         f'{detection.step_dir}: the step holds items the tools cannot read: {listed}.'
-        ' Only PyTree and JSON items can be inspected, converted or compared. Leave'
-        ' them out (`items`) to work on the others.'
+        ' Only PyTree and JSON items can be inspected, converted or compared: name'
+        ' the items to work on with `items` (that leaves these out).'
     )
   json_items = tuple(sorted(n for n in detection.others if n not in unreadable))
   return CanonicalCheckpoint(detection, leaves, side, json_items)
@@ -409,6 +409,18 @@ def _as_stored(value: Any, leaf: LeafInfo, dtype: np.dtype | None) -> Any:
 
 
 def read_json_item(ckpt: CanonicalCheckpoint, item: str) -> Any:
-  """The value of a JSON item, as Orbax's JSON handler reads it."""
+  """The value of a JSON item, as Orbax's JSON handler reads it.
+
+  Raises:
+    CorruptMetadataError: its file is missing or is not JSON.
+  """
   directory = ckpt.detection.source.item_dir(item)
-  return ocp.JsonCheckpointHandler().restore(directory, args=ocp.args.JsonRestore())
+  try:
+    return ocp.JsonCheckpointHandler().restore(directory, args=ocp.args.JsonRestore())
+  except (OSError, ValueError, RecursionError) as e:
+    raise errors.CorruptMetadataError(
+        f'{directory}: expected the JSON item {item!r} as Orbax\'s JSON handler saves it,'
+        f' found {"no file" if isinstance(e, FileNotFoundError) else "a file that does not parse"}'
+        f' ({e}). The item is damaged; use another step (`step`), or leave the item'
+        ' out (`items`).'
+    ) from e

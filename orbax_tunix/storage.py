@@ -20,8 +20,11 @@ import functools
 import gc
 import json
 import math
+import operator
 import os
+import socket
 import stat
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -43,6 +46,9 @@ TMP_MARKER = '.orbax-checkpoint-tmp'
 # is ~250 MB); a larger one is damaged, or not a metadata file.
 MAX_METADATA_BYTES = 1 << 30
 
+# `value_type` in `_METADATA` of an empty node: None, and the empty containers
+# Orbax records as such (an optax state's `hyperparams_states: {}`, say).
+EMPTY_VALUE_TYPES = frozenset({'None', 'Dict', 'List', 'Tuple', 'NamedTuple'})
 # `key_type` in `_METADATA`: a sequence index or a dict key.
 SEQUENCE_KEY = 1
 # Below this many leaves, shapes are checked against each array's zarr header;
@@ -171,11 +177,25 @@ class StepEntry:
     path: the directory.
     committed: whether Orbax counts it as finished (on a local disk: its name
       carries no tmp marker; on a bucket: it holds `commit_success.txt`).
+    empty: committed by name, but holding no step: neither
+      `_CHECKPOINT_METADATA` nor an item (see `holds_step`). Skipped, as an
+      unfinished step is.
   """
 
   step: int
   path: epath.Path
   committed: bool
+  empty: bool = False
+
+  @property
+  def usable(self) -> bool:
+    """A step the tools may read: committed and not empty."""
+    return self.committed and not self.empty
+
+  @property
+  def state(self) -> str:
+    """'' for a usable step, else why it is skipped ('unfinished', 'empty')."""
+    return 'unfinished' if not self.committed else 'empty' if self.empty else ''
 
 
 def step_number(name: str) -> int | None:
@@ -186,11 +206,59 @@ def step_number(name: str) -> int | None:
     return None
 
 
+def step_argument(step: Any, name: str = 'step') -> int | None:
+  """A step number passed by a caller, as an int (None stays None).
+
+  Accepts ints (numpy's too) and their decimal text ('7').
+
+  Raises:
+    TunixCheckpointError: anything else (a bool, a float, a negative number),
+      naming the parameter.
+  """
+  if step is None:
+    return None
+  value = None
+  if isinstance(step, str) and step.strip().isdigit():
+    value = int(step)
+  elif not isinstance(step, bool | float | np.bool_):
+    with contextlib.suppress(TypeError):
+      value = operator.index(step)
+  if value is None or value < 0:
+    raise errors.TunixCheckpointError(
+        f'`{name}={step!r}`: expected a step number (an int >= 0, as in a step'
+        f' directory\'s name) or None for the latest committed step.'
+    )
+  return value
+
+
+def _is_item_dir(child: epath.Path) -> bool:
+  """An entry of a step that is an item: a directory not named as Orbax's own files."""
+  return not child.name.startswith(('.', '_')) and child.is_dir()
+
+
+def holds_step(directory: epath.Path) -> bool:
+  """Whether a directory named as a step holds one (the rule for every tool).
+
+  A step holds `_CHECKPOINT_METADATA` (every Orbax release that writes it),
+  or is one item saved alone (`_METADATA`), or holds at least one item
+  directory (older releases). An empty numbered directory, or one holding
+  stray files only, is not a step: Orbax's `CheckpointManager` would count
+  it, and fail to restore it.
+  """
+  if (directory / CHECKPOINT_METADATA).exists() or has_tree(directory):
+    return True
+  try:
+    return any(_is_item_dir(child) for child in directory.iterdir())
+  except OSError:
+    return False
+
+
 def list_steps(root: epath.Path) -> list[StepEntry]:
   """Step directories directly under `root`, committed or not, by step number.
 
   "Committed" is Orbax's own decision for the kind of path
-  (`ocp.path.step.is_path_finalized`).
+  (`ocp.path.step.is_path_finalized`); a committed one that holds no step
+  (`holds_step`) is marked `empty`.
   """
   steps = []
   for child in root.iterdir():
@@ -198,15 +266,42 @@ def list_steps(root: epath.Path) -> list[StepEntry]:
     if number is None or not child.is_dir():
       continue
     committed = TMP_MARKER not in child.name and ocp.path.step.is_path_finalized(child)
-    steps.append(StepEntry(number, child, committed))
-  return sorted(steps, key=lambda s: (s.step, s.committed))
+    steps.append(StepEntry(number, child, committed, committed and not holds_step(child)))
+  return sorted(steps, key=lambda s: (s.step, s.usable, s.path.name))
 
 
 def describe_steps(steps: Sequence[StepEntry]) -> str:
-  """'1, 2, 3 (unfinished)': the steps of a root, for messages."""
+  """'1, 2, 3 (unfinished), 4 (empty)': the steps of a root, for messages."""
   if not steps:
     return 'none'
-  return ', '.join(f'{s.step}' + ('' if s.committed else ' (unfinished)') for s in steps)
+  return ', '.join(f'{s.step}' + (f' ({s.state})' if s.state else '') for s in steps)
+
+
+def _reading_options(entry: StepEntry) -> str:
+  """The `CheckpointManager` options under which Orbax reads this step's directory."""
+  name = entry.path.name
+  prefix, _, digits = name.rpartition('_')
+  options = [f'step_prefix={prefix!r}'] if prefix else []
+  if digits != str(entry.step):
+    options.append(f'step_format_fixed_length={len(digits)}')
+  return ', '.join(options) or 'its default options'
+
+
+def _only_one(root: epath.Path, found: Sequence[StepEntry]) -> StepEntry:
+  """The one directory of a step; several (`5` and `0005`) are refused.
+
+  Raises:
+    UnsupportedLayoutError: naming each directory and which Orbax reads.
+  """
+  if len(found) == 1:
+    return found[0]
+  which = '; '.join(f'{s.path.name} with {_reading_options(s)}' for s in found)
+  raise errors.UnsupportedLayoutError(
+      f'{root}: step {found[0].step} is held by {len(found)} directories,'
+      f' {", ".join(s.path.name for s in found)}, so which one is meant is not'
+      f" clear. Orbax's CheckpointManager reads {which}. Pass the step directory"
+      ' itself (not the root), or remove or rename the other one.'
+  )
 
 
 # --- an item's leaves ---------------------------------------------------------
@@ -239,8 +334,8 @@ class Leaf(NamedTuple):
 
   @property
   def is_empty(self) -> bool:
-    """An empty node (None, an empty state): structure, not data."""
-    return self.value_type == 'None'
+    """An empty node (None, an empty dict, list, tuple or state): structure, not data."""
+    return self.value_type in EMPTY_VALUE_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -614,9 +709,7 @@ class Step:
       children = list(self.directory.iterdir())
     except OSError as e:
       raise errors.CorruptMetadataError(f'{self.directory}: cannot list it ({e}).') from e
-    return tuple(sorted(
-        c.name for c in children if c.is_dir() and not c.name.startswith(('.', '_'))
-    ))
+    return tuple(sorted(c.name for c in children if _is_item_dir(c)))
 
   @property
   def item_name(self) -> str:
@@ -734,6 +827,59 @@ def _is_step(path: epath.Path) -> bool:
   return (path / CHECKPOINT_METADATA).exists()
 
 
+# How long `unreachable` waits for a bucket's storage service to answer a
+# connection: the clients' own retries take ~50 s to give up.
+PROBE_TIMEOUT = 5.0
+
+
+def _storage_endpoint(path: epath.Path) -> tuple[str, int] | None:
+  """(host, port) of the service gcsfs talks to for a gs:// path; None for others.
+
+  As gcsfs chooses it: `STORAGE_EMULATOR_HOST` when set (an emulator), else
+  Google's endpoint in the configured universe.
+  """
+  if os.fspath(path).split('://', 1)[0].lower() != 'gs':
+    return None
+  url = os.environ.get('STORAGE_EMULATOR_HOST', '')
+  if url in ('', 'default'):
+    url = 'https://storage.' + os.environ.get('GOOGLE_CLOUD_UNIVERSE_DOMAIN', 'googleapis.com')
+  elif '://' not in url:
+    url = 'http://' + url
+  parts = urllib.parse.urlsplit(url)
+  if not parts.hostname:
+    return None
+  return parts.hostname, parts.port or (443 if parts.scheme == 'https' else 80)
+
+
+@functools.lru_cache(maxsize=8)
+def _connects(host: str, port: int) -> None:
+  """Opens (and closes) one connection; raises OSError if none can be made.
+
+  Cached: a service reached once in this process is not probed again.
+  """
+  socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+
+
+def unreachable(path: epath.Path) -> str | None:
+  """Why a bucket path's storage service cannot be reached, or None.
+
+  One connection attempt (at most `PROBE_TIMEOUT` seconds), before any
+  client call: without a network the clients retry for about a minute
+  before failing. Local paths, and services reached before, cost nothing.
+  """
+  if is_local(path):
+    return None
+  endpoint = _storage_endpoint(path)
+  if endpoint is None:
+    return None
+  try:
+    _connects(*endpoint)
+  except OSError as e:
+    reason = 'no answer' if isinstance(e, TimeoutError) else (e.strerror or str(e))
+    return f'{endpoint[0]}:{endpoint[1]}: {reason}'
+  return None
+
+
 def resolve(path: epath.PathLike, step: int | None = None) -> Location:
   """Finds the step (and item) a path stands for.
 
@@ -743,17 +889,32 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
     step: the step number wanted under a root; None for the latest.
 
   Raises:
-    NotACheckpointError: nothing checkpoint-like is there, or no step `step`.
+    NotACheckpointError: nothing checkpoint-like is there, or no step `step`;
+      or a bucket that cannot be reached.
     UncommittedStepError: the step is unfinished, or a root's steps all are.
     CorruptMetadataError: `_CHECKPOINT_METADATA` is damaged.
+    UnsupportedLayoutError: the step asked for (or the latest) is held by
+      two directories (`5` and `0005`).
+    TunixCheckpointError: `step` is not a step number.
   """
+  step = step_argument(step)
   path = as_path(path)
+  problem = unreachable(path)
+  if problem is not None:
+    raise errors.NotACheckpointError(
+        f'{path}: cannot reach the storage service ({problem}). Check the network'
+        ' (and STORAGE_EMULATOR_HOST, if set); gs:// paths need gcsfs and Google'
+        ' credentials.'
+    )
+  # A bucket's client raises errors of its own (gcsfs: HttpError, ...).
+  failures = OSError if is_local(path) else Exception
   try:
     exists = path.exists()
-  except OSError as e:  # A bucket that cannot be reached, say.
+  except failures as e:  # pylint: disable=broad-except
     raise errors.NotACheckpointError(
-        f'{path}: cannot read it ({e}). Check the path, the network and the'
-        ' credentials (gs:// paths need gcsfs and Google credentials).'
+        f'{path}: cannot read it ({str(e).splitlines()[0] if str(e) else type(e).__name__}).'
+        ' Check the path, the network and the credentials (gs:// paths need gcsfs'
+        ' and Google credentials).'
     ) from e
   if not exists:
     raise errors.NotACheckpointError(
@@ -793,42 +954,86 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
   return Location(path, found, item, root)
 
 
+def _skip_notes(steps: Sequence[StepEntry]) -> list[str]:
+  """What choosing the latest step skipped: unfinished and empty step directories."""
+  notes = [f'skipped unfinished step {s.step} ({s.path.name})' for s in steps if not s.committed]
+  return notes + [
+      f'skipped step directory {s.path.name}: it is empty (no {CHECKPOINT_METADATA} and'
+      ' no item), not a step' for s in steps if s.empty
+  ]
+
+
+def _latest(path: epath.Path, root: epath.Path, steps: Sequence[StepEntry]) -> StepEntry:
+  """The latest usable step of a root (see `StepEntry.usable`).
+
+  Raises:
+    UncommittedStepError: the root's steps are all unfinished (or empty).
+    NotACheckpointError: they are all empty directories.
+    UnsupportedLayoutError: the latest is held by two directories.
+  """
+  usable = [s for s in steps if s.usable]
+  if usable:
+    return _only_one(root, [s for s in usable if s.step == usable[-1].step])
+  empty = ', '.join(s.path.name for s in steps if s.empty)
+  if all(s.empty for s in steps):
+    raise errors.NotACheckpointError(
+        f'{path}: expected a committed step, found only empty step directories'
+        f' ({empty}): they hold no {CHECKPOINT_METADATA} and no item, so they are'
+        ' not checkpoints. Check the path; a save that wrote nothing leaves these.'
+    )
+  raise errors.UncommittedStepError(
+      f'{path}: expected a committed step, found only unfinished ones:'
+      f' {", ".join(s.path.name for s in steps if not s.committed)}'
+      + (f' (and empty directories {empty})' if empty else '')
+      + '. Wait for the writer to finish, or restore from an earlier checkpoint.'
+  )
+
+
+def _numbered(path: epath.Path, root: epath.Path, steps: Sequence[StepEntry], step: int
+              ) -> StepEntry:
+  """Step `step` of a root.
+
+  Raises:
+    NotACheckpointError: there is none, or only an empty directory.
+    UncommittedStepError: it is unfinished.
+    UnsupportedLayoutError: it is held by two directories.
+  """
+  matching = [s for s in steps if s.step == step]
+  done = [s for s in matching if s.usable]
+  if done:
+    return _only_one(root, done)
+  if any(s.empty for s in matching):
+    raise errors.NotACheckpointError(
+        f'{next(s.path for s in matching if s.empty)}: step {step} is an empty'
+        f' directory (no {CHECKPOINT_METADATA} and no item), not a step. Pick'
+        f' another: {describe_steps(steps)}.'
+    )
+  if matching:
+    raise errors.UncommittedStepError(
+        f'{matching[0].path}: step {step} is unfinished (its writer is still'
+        f' running or died). Pick a committed step: {describe_steps(steps)}.'
+    )
+  raise errors.NotACheckpointError(
+      f'{path}: expected a step {step}, found none. Steps present:'
+      f' {describe_steps(steps)}. Pass one of these as `step`.'
+  )
+
+
 def _resolve_root(path: epath.Path, step: int | None) -> Location:
   for root in step_roots(path):
     steps = list_steps(root)
     if not steps:
       continue
-    notes = []
-    if root != path:
-      notes.append(f'RL root: using {root.name}/')
+    notes = [f'RL root: using {root.name}/'] if root != path else []
     if step is None:
-      committed = [s for s in steps if s.committed]
-      notes += [f'skipped unfinished step {s.step} ({s.path.name})' for s in steps if not s.committed]
-      if not committed:
-        raise errors.UncommittedStepError(
-            f'{path}: expected a committed step, found only unfinished ones:'
-            f' {", ".join(s.path.name for s in steps)}. Wait for the writer to'
-            ' finish, or restore from an earlier checkpoint.'
-        )
-      chosen = committed[-1]
+      chosen = _latest(path, root, steps)
+      notes += _skip_notes(steps)
     else:
-      matching = [s for s in steps if s.step == step]
-      done = [s for s in matching if s.committed]
-      if not done:
-        if matching:
-          raise errors.UncommittedStepError(
-              f'{matching[0].path}: step {step} is unfinished (its writer is still'
-              f' running or died). Pick a committed step: {describe_steps(steps)}.'
-          )
-        raise errors.NotACheckpointError(
-            f'{path}: expected a step {step}, found none. Steps present:'
-            f' {describe_steps(steps)}. Pass one of these as `step`.'
-        )
-      chosen = done[-1]
+      chosen = _numbered(path, root, steps, step)
     return Location(path, open_step(chosen.path), None, root, tuple(steps), tuple(notes))
+  empty = not any(path.iterdir())
   raise errors.NotACheckpointError(
       f'{path}: expected an Orbax checkpoint (a root of numbered steps, a step'
       f' holding {CHECKPOINT_METADATA}, or an item holding {PYTREE_METADATA}),'
-      ' found none of these. Check the path.'
+      f' found {"an empty directory" if empty else "none of these"}. Check the path.'
   )
-

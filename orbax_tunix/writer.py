@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, checksums, commit, reader, storage
+from orbax_tunix import _orbax, checksums, commit, errors, reader, storage
 from orbax_tunix.keypaths import nest
 from orbax_tunix.outputs import Input, ItemOutput, Output
 from orbax_tunix.planned_item import PlannedItem
@@ -128,6 +128,52 @@ def make(output: Output, values: dict[tuple, Any]) -> Any:
   return jnp.asarray(value).astype(output.dtype)
 
 
+def _may_overflow(output: Output) -> bool:
+  """Whether an output's floating values pass through a cast or arithmetic
+  (a `dtype` conversion, a LoRA merge), where they may leave the dtype's range."""
+  dtype = output.dtype
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    return False
+  return not output.transform.is_identity or any(
+      i.leaf.dtype is not None and np.dtype(i.leaf.dtype) != np.dtype(dtype) for i in output.inputs)
+
+
+def check_range(output: Output, value: Any) -> None:
+  """Refuses an output whose values left its dtype's range (became inf).
+
+  Only where values pass through a cast or a transform, and only when the
+  written value holds non-finite elements (one pass over it): then the
+  sources are read again in their own dtypes and compared, so that infs and
+  NaNs the source holds itself are kept.
+
+  Raises:
+    InvalidOptionError: the output dtype cannot hold them (naming the source
+      leaf, how many values, the largest and the dtype's limit).
+  """
+  if not _may_overflow(output):
+    return
+  written = np.asarray(value)
+  finite = np.isfinite(written)
+  if finite.all():
+    return
+  own = dataclasses.replace(output, dtype=None,
+                            read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
+  exact = np.asarray(make(own, read_inputs([own])), dtype=np.float64)
+  lost = np.isfinite(exact) & ~finite
+  if not lost.any():
+    return
+  source = output.inputs[0]
+  dtype = np.dtype(output.dtype)
+  raise errors.InvalidOptionError(
+      f'{source.ckpt.step_dir}: {source.leaf.stored}: {int(lost.sum())} of {written.size}'
+      f' values are outside the range of {dtype.name} (largest magnitude'
+      f' {float(np.max(np.abs(exact[lost]))):g}; {dtype.name} holds at most'
+      f' {float(jnp.finfo(dtype).max):g}) and would be written as inf. Nothing was'
+      ' committed. Convert without `dtype`, or with one whose range holds these values'
+      ' (bfloat16 has about float32\'s range).'
+  )
+
+
 def write(
     outputs: Sequence[Output], sink: Sink, budget: int, progress: reader.Progress,
     *, on_host: bool = False,
@@ -144,12 +190,19 @@ def write(
 
   Returns:
     What the sink records (see `Sink.close`).
+
+  Raises:
+    InvalidOptionError: a value left its output dtype's range (see
+      `check_range`); nothing of the batch is written.
   """
   for batch in batches(outputs, budget):
     values = read_inputs(batch, on_host)
-    sink.write([(o, make(o, values)) for o in batch])
+    made = [(o, make(o, values)) for o in batch]
+    for output, value in made:
+      check_range(output, value)
+    sink.write(made)
     read = {i.key: i.leaf.nbytes for o in batch for i in o.inputs}
-    del values  # Free the batch before the next is read.
+    del values, made  # Free the batch before the next is read.
     progress.advance(sum(read.values()))
   return sink.close()
 
@@ -179,8 +232,9 @@ class OrbaxItemSink:
     values = [v for _, v in batch]
     # Checksums beside the write (zlib releases the GIL).
     summing = self._summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
-    self._writer.save(self._dir, args=ocp.args.PyTreeSave(
-        nest((o.path, v) for o, v in batch)))
+    with _orbax.tidy_failures():
+      self._writer.save(self._dir, args=ocp.args.PyTreeSave(
+          nest((o.path, v) for o, v in batch)))
     self._sums.update(zip((checksums.key(o.path) for o, _ in batch), summing.result(),
                           strict=True))
     self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
@@ -195,7 +249,8 @@ class OrbaxItemSink:
     merged = _orbax.merge_tree_metadata(self._written, key_types=key_types or None,
                                         empty_nodes=item.empty)
     (self._dir / storage.PYTREE_METADATA).write_text(json.dumps(merged))
-    self._writer.finalize(self._dir)
+    with _orbax.tidy_failures():
+      self._writer.finalize(self._dir)
     (self._dir / commit.COMMIT_SUCCESS).write_text(
         f'Checkpoint commit was successful to {self._dir}')
     return {'checksums': self._sums}

@@ -429,10 +429,10 @@ def test_convert_refuses_destination_inside_source_run(capsys, tunix_data, tmp_p
   shutil.copytree(tunix_data / 'sft_full', root)
   before = sorted(str(p) for p in root.rglob('*'))
   status, _, err = run(capsys, 'convert', root / '1', root / dst, '--force')
-  assert status == 2 and 'inside the source checkpoint' in err, err
+  assert status == 2 and 'overlaps the source checkpoint' in err, err
   assert sorted(str(p) for p in root.rglob('*')) == before
   status, _, err = run(capsys, 'convert', root / '2', tmp_path, '--force')
-  assert status == 2 and 'inside the source checkpoint' in err
+  assert status == 2 and 'holding the source step' in err
 
 
 def test_convert_failure_leaves_nothing(capsys, tunix_data, tmp_path, monkeypatch):

@@ -178,3 +178,258 @@ def test_restore_train_state_names_the_missing_metadata(tunix_data, tmp_path):
   (root / '2' / 'model_params' / '_METADATA').unlink()
   with pytest.raises(ot.CorruptMetadataError, match=r'model_params/_METADATA'):
     maxtext.restore_train_state(root, {'params': {'params': {'w': jax.ShapeDtypeStruct((1,), 'f4')}}})
+
+
+# --- diff: what it compares ---------------------------------------------------------
+
+
+def save_items(step_dir: pathlib.Path, **items) -> pathlib.Path:
+  """A step of PyTree items and JSON items (names starting with 'json')."""
+  args = {name: ocp.args.JsonSave(v) if name.startswith('json') else ocp.args.PyTreeSave(v)
+          for name, v in items.items()}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(epath.Path(step_dir), args=ocp.args.Composite(**args))
+  return step_dir
+
+
+INT64_MIN = np.iinfo(np.int64).min
+
+
+@pytest.mark.parametrize('a, b', [
+    (np.array([2**62], np.int64), np.array([-2**62], np.int64)),  # int64 overflow
+    (np.array([INT64_MIN], np.int64), np.array([0], np.int64)),  # |INT64_MIN| overflows too
+    (np.array([2**63 + 1], np.uint64), np.array([2**63 + 3], np.uint64)),  # float64 rounds these
+    (np.array([2**64 - 1], np.uint64), np.array([INT64_MIN], np.int64)),  # 2**64 + 2**63 - 1 apart
+])
+def test_diff_compares_integers_exactly(tmp_path, a, b):
+  from orbax_tunix import diff  # pylint: disable=g-import-not-at-top
+
+  want = abs(int(a[0]) - int(b[0]))  # Python ints: exact.
+  assert diff.compare_values(a, b, atol=1) == (float(want), 1)
+  assert diff.compare_values(a, b, atol=float(want)) == (float(want), 0)
+  assert diff.compare_values(a, a.copy(), atol=0) == (0.0, 0)
+  x = save_step(tmp_path / 'a' / '1', state={'x': a})
+  y = save_step(tmp_path / 'b' / '1', state={'x': b})
+  done = cli('diff', x, y, '--atol', '1', '--ignore-dtype', '--json')
+  assert done.returncode == 1, done.stdout
+  assert json.loads(done.stdout)['values'][0]['path'] == 'state/x'
+
+
+def test_diff_compares_json_items(tmp_path):
+  a = save_items(tmp_path / 'a' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
+  same = save_items(tmp_path / 's' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
+  other = save_items(tmp_path / 'o' / '1', state={'w': np.ones(2)},
+                     json_cfg={'lr': 1e-1, 'steps': [1, 2, 3], 'flag': True})
+  without = save_items(tmp_path / 'n' / '1', state={'w': np.ones(2)})
+  assert cli('diff', a, same).returncode == 0
+  doc = json.loads(cli('diff', a, other, '--json').stdout)
+  assert doc['match'] is False
+  assert doc['json'] == [{'path': 'json_cfg/lr', 'a': '0.001', 'b': '0.1'}]
+  assert doc['only_b'] == ['json_cfg/flag', 'json_cfg/steps/2']
+  done = cli('diff', a, without)
+  assert done.returncode == 1 and 'Only in A' in done.stdout and 'json_cfg' in done.stdout
+  done = cli('diff', a, other, '--item', 'json_cfg')
+  assert done.returncode == 1 and 'JSON values differ: 1' in done.stdout
+  done = cli('diff', a, without, '--item', 'json_cfg')  # Asked for, absent from B: an error.
+  assert done.returncode == 2 and 'json_cfg' in done.stderr
+
+
+def _scaled_learning_rate(src_step: pathlib.Path, dst_step: pathlib.Path, factor: float) -> None:
+  """A copy of a Tunix step whose inject_hyperparams learning rate is scaled,
+  rewritten with plain Orbax (the model item is copied as it is)."""
+  shutil.copytree(src_step, dst_step)
+  tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(src_step / 'optimizer_state'))
+  hp = tree['opt_state']['hyperparams']['learning_rate']
+  hp['value'] = np.asarray(hp['value']) * np.float32(factor)
+  shutil.rmtree(dst_step / 'optimizer_state')
+  handler = ocp.PyTreeCheckpointHandler()
+  handler.save(epath.Path(dst_step / 'optimizer_state'), args=ocp.args.PyTreeSave(tree))
+  handler.finalize(epath.Path(dst_step / 'optimizer_state'))
+
+
+def test_diff_compares_the_inject_hyperparams(tunix_data, tmp_path):
+  src = tunix_data / 'adapter_inject' / '1'
+  scaled = tmp_path / 'scaled' / '1'
+  _scaled_learning_rate(src, scaled, 100)
+  done = cli('diff', src, scaled)
+  assert done.returncode == 1, done.stdout
+  assert 'Hyperparameters differ' in done.stdout
+  assert 'optimizer_state/opt_state/hyperparams/learning_rate' in done.stdout
+  # Its conversion records them (counts too): it matches its source, not the other.
+  converted = tmp_path / 'converted' / '1'
+  assert cli('convert', src, converted).returncode == 0
+  record = json.loads((converted / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
+  side = record['orbax_tunix']['inject_hyperparams']
+  assert side['optimizer_state/opt_state/count'] == 1
+  assert side['optimizer_state/opt_state/hyperparams/learning_rate'] == pytest.approx(1e-3)
+  assert cli('diff', src, converted).returncode == 0
+  doc = json.loads(cli('diff', scaled, converted, '--json').stdout)
+  assert [m['path'] for m in doc['hyperparameters']] == [
+      'optimizer_state/opt_state/hyperparams/learning_rate']
+  # Weights only, or the model item alone: the optimizer's shell is not compared.
+  assert cli('diff', src, scaled, '--params-only').returncode == 0
+  assert cli('diff', src, scaled, '--item', 'model_params').returncode == 0
+
+
+def test_diff_json_is_strict(tmp_path):
+  a = save_step(tmp_path / 'a' / '1', state={'x': np.array([np.nan, 1.0]), 's': 'one'})
+  b = save_step(tmp_path / 'b' / '1', state={'x': np.array([2.0, 1.0]), 's': 'two'})
+
+  def refuse(constant):
+    raise ValueError(f'not strict JSON: {constant}')
+
+  done = cli('diff', a, b, '--json', '--atol', 'inf')
+  assert done.returncode == 1
+  doc = json.loads(done.stdout, parse_constant=refuse)
+  assert doc['max_abs_diff'] == 'inf' and doc['atol'] == 'inf'
+  assert {v['path']: v['max_abs_diff'] for v in doc['values']} == {'state/s': 'inf', 'state/x': 'inf'}
+
+
+def test_items_holding_empty_containers_are_structure(tmp_path):
+  """A plain optax inject_hyperparams state holds `hyperparams_states: {}`."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  state = tx.init({'w': jnp.ones(3)})
+  src = save_step(tmp_path / 'src' / '1', opt=state, other={'a': {}, 'b': [], 'c': np.ones(2)})
+  before = snapshot(tmp_path / 'src')
+  done = cli('inspect', src, '--json')
+  assert done.returncode == 0, done.stderr
+  assert set(json.loads(done.stdout)['items']['other']['leaves']) == {'c'}
+  dst = tmp_path / 'out' / '1'
+  done = cli('convert', src, dst)
+  assert done.returncode == 0, done.stderr
+  assert cli('diff', src, dst).returncode == 0
+  restored = plain_restore(dst)
+  assert restored['other']['a'] == {} and restored['other']['b'] == []
+  assert restored['opt']['hyperparams_states'] == {}
+  assert snapshot(tmp_path / 'src') == before
+
+
+# --- a closed output never turns a result into another ------------------------------
+
+
+def _differing_pair(tmp_path: pathlib.Path, n: int = 3000) -> tuple[pathlib.Path, pathlib.Path]:
+  """Two steps whose every leaf differs: the diff prints well over a pipe's 64 KiB."""
+  names = {f'leaf_with_a_long_name_to_fill_the_pipe_{i:05d}': i for i in range(n)}
+  a = save_step(tmp_path / 'a' / '1', state={k: np.float32(v) for k, v in names.items()})
+  b = save_step(tmp_path / 'b' / '1', state={k: np.float32(v + 1) for k, v in names.items()})
+  return a, b
+
+
+def _with_closed_stdout(*argv: object, read: int = 0) -> subprocess.Popen:
+  """Runs the CLI with stdout a pipe whose reader reads `read` lines, then closes it."""
+  process = subprocess.Popen(
+      [sys.executable, '-m', 'orbax_tunix.cli', *map(str, argv)], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, env=ENV, cwd=REPO)
+  for _ in range(read):
+    process.stdout.readline()
+  process.stdout.close()  # The reader goes away (`| head -1`).
+  process.wait(timeout=300)
+  return process
+
+
+def test_closed_stdout_keeps_the_exit_status(tmp_path):
+  a, b = _differing_pair(tmp_path)
+  # Closed before the first write, after the first line, and through a shell's `| head -1`.
+  assert _with_closed_stdout('diff', a, b).returncode == 1
+  assert _with_closed_stdout('diff', a, b, read=1).returncode == 1
+  assert _with_closed_stdout('diff', a, b, '--json').returncode == 1
+  assert _with_closed_stdout('diff', a, a).returncode == 0
+  missing = _with_closed_stdout('diff', a, tmp_path / 'nothing')
+  assert missing.returncode == 2 and b'no such file' in missing.stderr.read()
+  shell = subprocess.run(
+      ['bash', '-c', f'"{sys.executable}" -m orbax_tunix.cli diff "{a}" "{b}" | head -1;'
+       ' echo "status=${PIPESTATUS[0]}"'], capture_output=True, text=True, env=ENV, cwd=REPO,
+      timeout=300)
+  assert shell.stdout.strip().endswith('status=1'), shell.stdout + shell.stderr
+  assert 'Traceback' not in shell.stderr and 'Broken pipe' not in shell.stderr, shell.stderr
+  # inspect --verify: damaged arrays stay 1, a sound step 0.
+  rng = np.random.default_rng(0)
+  src = save_step(tmp_path / 'src' / '1', state={'w': rng.standard_normal((256, 256)).astype(np.float32)})
+  dst = tmp_path / 'converted' / '1'
+  assert cli('convert', src, dst).returncode == 0
+  assert _with_closed_stdout('inspect', dst, '--verify').returncode == 0
+  data = max((dst / 'state' / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x01  # Inside the array's compressed chunk: its checksum fails.
+  data.write_bytes(bytes(raw))
+  assert cli('inspect', dst, '--verify').returncode == 1
+  for read in (0, 1):
+    done = _with_closed_stdout('inspect', dst, '--verify', read=read)
+    assert done.returncode == 1
+    assert b'Traceback' not in done.stderr.read()
+
+
+def test_verify_checks_the_items_asked_for(tunix_data, tmp_path):
+  dst = tmp_path / 'converted' / '1'
+  assert cli('convert', tunix_data / 'adapter_inject', dst).returncode == 0
+  for argv in (('inspect', dst, '--verify', '--item', 'model_params'),
+               ('inspect', dst / 'model_params', '--verify')):
+    done = cli(*argv)
+    assert done.returncode == 0, done.stdout
+    assert 'missing' not in done.stdout and 'ok: 14 arrays checked' in done.stdout
+  shutil.rmtree(dst / 'optimizer_state')  # Recorded, gone: missing when the step is checked.
+  assert cli('inspect', dst, '--verify', '--item', 'model_params').returncode == 0
+  done = cli('inspect', dst, '--verify')
+  assert done.returncode == 1 and 'recorded but missing from the step: 30' in done.stdout
+
+
+# --- a failed read leaves nothing behind ------------------------------------------------
+
+
+def _truncated_at_read_time(root: pathlib.Path) -> pathlib.Path:
+  """A step whose OCDBT index is sound and whose largest data file is cut in half:
+  the listing and the headers read, the array reads fail (some, while others run)."""
+  rng = np.random.default_rng(0)
+  tree = {'layers': {str(i): {'w': {'value': rng.standard_normal((256, 256)).astype(np.float32)}}
+                     for i in range(20)}}
+  step = save_step(root / '1', model_params=tree)
+  data = max((step / 'model_params').rglob('d/*'), key=lambda p: p.stat().st_size)
+  data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+  return step
+
+
+def test_failed_reads_leave_no_task_or_coroutine_behind(tmp_path):
+  """Orbax abandons its other reads when one fails; they are drained, not collected later."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+
+  import orbax_tunix as ot  # pylint: disable=g-import-not-at-top
+  from orbax_tunix import reader  # pylint: disable=g-import-not-at-top
+
+  step = _truncated_at_read_time(tmp_path / 'run')
+  reports = []
+
+  class Collect(logging.Handler):
+    def emit(self, record):
+      reports.append(record.getMessage())
+
+  handler, hook = Collect(), sys.unraisablehook
+  logging.getLogger('asyncio').addHandler(handler)
+  # TensorStore's own callbacks into a closed loop ('Event loop is closed') are
+  # not ours to drain; the CLI drops those (commands._LOOP_NOISE).
+  sys.unraisablehook = lambda r: reports.append(r) if 'Event loop is closed' not in str(
+      r.exc_value) else None
+  try:
+    for _ in range(5):
+      ckpt = reader.open_checkpoint(step)
+      with pytest.raises(ot.CorruptMetadataError, match='reading the arrays failed'):
+        reader.read(ckpt, 'model_params', ckpt.items['model_params'])
+      del ckpt
+      gc.collect()
+  finally:
+    sys.unraisablehook = hook
+    logging.getLogger('asyncio').removeHandler(handler)
+  assert reports == []
+
+
+def test_convert_of_truncated_data_prints_one_message(tmp_path):
+  step = _truncated_at_read_time(tmp_path / 'run')
+  before = snapshot(tmp_path / 'run')
+  for attempt in range(6):  # It was one run in two (or three) before.
+    done = cli('convert', step, tmp_path / 'out' / '1')
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1, (attempt, done.stderr)
+    assert done.stderr.startswith(f'orbax-tunix: error: {step / "model_params"}: ')
+  assert not (tmp_path / 'out').exists() and snapshot(tmp_path / 'run') == before

@@ -96,6 +96,36 @@ def test_unfinished_steps_are_skipped(tunix_data, tmp_path):
     ot.detect(root / '3.orbax-checkpoint-tmp-1234')
 
 
+def test_step_argument(tunix_data):
+  root = tunix_data / 'sft_full'
+  assert ot.detect(root, step='1').step == ot.detect(root, step=np.int64(1)).step == 1
+  for bad in (1.5, True, -1, 'one', [1]):
+    with pytest.raises(ot.TunixCheckpointError, match=r'`step=.*`: expected a step number'):
+      ot.detect(root, step=bad)
+
+
+def test_empty_and_duplicate_step_directories(tunix_data, tmp_path):
+  """The rule of storage.holds_step: a step holds _CHECKPOINT_METADATA or an item."""
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', root)
+  (root / '9').mkdir()  # Empty, newer: skipped with a note, as an unfinished step is.
+  d = ot.detect(root)
+  assert d.step == 2 and any('skipped step directory 9: it is empty' in n for n in d.notes)
+  assert [(s.step, s.usable) for s in d.steps] == [(1, True), (2, True), (9, False)]
+  with pytest.raises(ot.NotACheckpointError, match='step 9 is an empty directory'):
+    ot.detect(root, step=9)
+  shutil.copytree(root / '1', root / 'ckpt_1')
+  assert ot.detect(root).step == 2  # Another step's twin: not the one chosen.
+  with pytest.raises(ot.UnsupportedLayoutError, match="ckpt_1 with step_prefix='ckpt'"):
+    ot.detect(root, step=1)
+  assert ot.detect(root / 'ckpt_1').step == 1  # Named directly: no doubt.
+  only_empty = tmp_path / 'empty_steps'
+  for step in ('1', '5'):
+    (only_empty / step).mkdir(parents=True)
+  with pytest.raises(ot.NotACheckpointError, match=r'only empty step directories \(1, 5\)'):
+    ot.detect(only_empty)
+
+
 def test_missing_and_empty_paths_raise(tmp_path):
   with pytest.raises(ot.NotACheckpointError, match=str(tmp_path / 'nope')):
     ot.detect(tmp_path / 'nope')

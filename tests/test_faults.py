@@ -100,6 +100,24 @@ def _link_to_dev_zero(path: pathlib.Path) -> None:
   path.symlink_to('/dev/zero')
 
 
+def _data_iterator(step):
+  """An item `iter` saved by a handler this package does not know, with no _METADATA
+  (grain's iterator state, as MaxText saves it beside `items`)."""
+  (step / 'iter').mkdir()
+  (step / 'iter' / 'process_0-of-1.json').write_text('{"next_index": 3}')
+  _record_handler_of('iter', 'grain._src.python.checkpoint_handlers.CheckpointHandler')(step)
+
+
+def _record_handler_of(item, typestr):
+  def make(step):
+    meta_file = step / '_CHECKPOINT_METADATA'
+    meta = json.loads(meta_file.read_text())
+    meta['item_handlers'][item] = typestr
+    meta_file.write_text(json.dumps(meta))
+
+  return make
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
   """One damaged checkpoint and what each tool must do with it.
@@ -155,6 +173,10 @@ FAULTS = [
     Fault('zero-byte array data',
           lambda s: [p.write_bytes(b'') for p in _data_files(s / 'model_params')],
           r'model_params', (None, 2, 2)),
+    # Not damage: an item of a handler unknown here with no _METADATA (a data
+    # iterator's state) cannot be read, and --item leaves it out.
+    Fault('data iterator item of an unknown handler', _data_iterator,
+          r"cannot read: 'iter' \(grain.*--item"),
     Fault('truncated array data',
           lambda s: [_truncate(p) for p in _data_files(s / 'model_params')],
           r'model_params.*(missing or damaged|another step)', (None, 2, 2)),
@@ -203,3 +225,202 @@ def test_damaged_step(fault, tunix_data, tmp_path, pristine):
   assert snapshot(root) == before, 'the source was written to'
   assert not out.exists(), 'convert wrote something'
 
+
+
+# --- hostile inputs beside damaged steps ------------------------------------------
+#
+# Each row builds its inputs from real Tunix runs under `src/` (snapshotted:
+# bytes, times, listings and links must be unchanged after every command) and
+# says, per command run on them, the exit status and what its output must
+# say. A command that fails prints one message and nothing else.
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One command line: `{name}` in an argument is a path the row built (`out` too)."""
+
+  argv: tuple[str, ...]
+  exit: int
+  says: str = ''
+  never_says: str = ''
+
+
+@dataclasses.dataclass(frozen=True)
+class Hostile:
+  """An unusual or hostile input and what each command must do with it.
+
+  Attributes:
+    name: the case.
+    build: `(src, data) -> paths`: makes the inputs under `src` from the
+      committed fixtures in `data`; returns the named paths the runs use.
+    runs: the commands and their outcomes.
+  """
+
+  name: str
+  build: Callable[[pathlib.Path, pathlib.Path], dict[str, pathlib.Path]]
+  runs: tuple[Run, ...]
+
+
+def _linked_run(src, data):
+  run = src / 'run'
+  shutil.copytree(data / 'sft_full', run)
+  (src / 'link').symlink_to(run)  # link -> run
+  (src / 'other').mkdir()
+  (src / 'other' / '2').symlink_to(run / '2')  # A step of the run under another name.
+  return {'run': run, 'link': src / 'link', 'step_link': src / 'other' / '2',
+          'via': src / 'other' / '..' / 'link'}
+
+
+def _linked_rl_run(src, data):
+  run = src / 'rl'
+  shutil.copytree(data / 'rl_actor', run)
+  (src / 'link').symlink_to(run / 'actor')
+  return {'rl': run, 'link': src / 'link'}
+
+
+def _copy(name, step_dirs=()):
+  def build(src, data):
+    run = src / 'run'
+    shutil.copytree(data / name, run)
+    for made in step_dirs:
+      made(run)
+    return {'run': run}
+
+  return build
+
+
+def _empty_roots(src, data):
+  del data
+  for root in ('e1', 'e2'):
+    for step in ('1', '5'):
+      (src / root / step).mkdir(parents=True)
+  (src / 'e3' / '4').mkdir(parents=True)
+  (src / 'e3' / '4' / 'notes.txt').write_text('not a step')
+  return {'e1': src / 'e1', 'e2': src / 'e2', 'e3': src / 'e3'}
+
+
+def _extra_entries(run):
+  (run / '1' / 'custom').mkdir()
+  (run / '1' / 'iter').mkdir()
+  (run / '1' / 'iter' / 'process_0-of-1.json').write_text('{"next_index": 3}')
+
+
+def _out_of_float16(src, data):
+  del data
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  tree = {'ok': np.ones(4, np.float32), 'w': np.array([1e5, 1.0, np.inf, np.nan], np.float32)}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(src / 'run' / '1', args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)))
+  return {'run': src / 'run'}
+
+
+OVERLAP = 'overlaps the source checkpoint'
+
+HOSTILE = [
+    Hostile('a symlink to the run as DST or SRC', _linked_run, (
+        Run(('convert', '{run}', '{link}/2', '--force'), 2, OVERLAP),
+        Run(('convert', '{link}', '{run}/2', '--force'), 2, OVERLAP),
+        Run(('convert', '{run}/2', '{link}/3'), 2, OVERLAP),
+        Run(('convert', '{run}', '{step_link}', '--force'), 2, OVERLAP),
+        Run(('convert', '{run}/2', '{via}/7'), 2, OVERLAP),
+        Run(('convert', '{link}/1', '{src}', '--force'), 2, 'holding the source step'),
+        Run(('convert', '{link}/1', '{out}/1'), 0),
+    )),
+    Hostile('a symlink into an RL run', _linked_rl_run, (
+        Run(('convert', '{link}/1', '{rl}/critic/1'), 2, OVERLAP),
+        Run(('convert', '{rl}', '{link}/2'), 2, OVERLAP),
+    )),
+    Hostile('DST named like an unfinished step', _copy('sft_full'), (
+        Run(('convert', '{run}', '{out}/5.orbax-checkpoint-tmp-1'), 2, 'named like an unfinished'),
+        Run(('convert', '{run}', '{out}/5.orbax-tunix-new-1'), 2, 'named like an unfinished'),
+    )),
+    Hostile('roots of empty numbered directories', _empty_roots, (
+        Run(('diff', '{e1}', '{e2}'), 2, r'only empty step directories \(1, 5\)'),
+        Run(('inspect', '{e1}'), 2, 'only empty step directories'),
+        Run(('inspect', '{e3}', '--json'), 2, 'only empty step directories'),
+        Run(('convert', '{e1}', '{out}/1'), 2, 'only empty step directories'),
+        Run(('diff', '{e1}/5', '{e2}/5'), 2, 'found an empty directory'),
+    )),
+    Hostile('a stray empty newer step', _copy('sft_full', [lambda r: (r / '9').mkdir()]), (
+        Run(('inspect', '{run}'), 0, r'step +2 .*skipped step directory 9: it is empty'),
+        Run(('convert', '{run}', '{out}/2'), 0, 'note: skipped step directory 9'),
+        Run(('diff', '{run}', '{run}/2'), 0, 'match'),
+        Run(('inspect', '{run}', '--step', '9'), 2, 'step 9 is an empty directory'),
+    )),
+    Hostile('two directories for one step', _copy(
+        'sft_full', [lambda r: shutil.copytree(r / '2', r / '0002')]), (
+        Run(('inspect', '{run}'), 2,
+            r'step 2 is held by 2 directories.*reads 0002 with step_format_fixed_length=4;'
+            r' 2 with its default options'),
+        Run(('diff', '{run}', '{run}/2'), 2, 'held by 2 directories'),
+        Run(('inspect', '{run}/0002'), 0, 'step +2'),
+        Run(('inspect', '{run}', '--step', '1'), 0, 'step +1'),
+    )),
+    Hostile('an unfinished newer step', _copy(
+        'sft_full', [lambda r: shutil.copytree(r / '2', r / '3.orbax-checkpoint-tmp-5')]), (
+        Run(('convert', '{run}', '{out}/2'), 0,
+            r'note: skipped unfinished step 3 \(3.orbax-checkpoint-tmp-5\)'),
+        Run(('convert', '{run}', '{out}/3', '--params-only', '--layout', 'maxtext'), 0,
+            'note: skipped unfinished step 3'),
+    )),
+    Hostile('entries the step does not record', _copy('adapter_inject', [_extra_entries]), (
+        Run(('convert', '{run}', '{out}/1'), 0, r'note: left out custom/, iter/: in the step'),
+        Run(('inspect', '{run}'), 0, 'left out custom/, iter/'),
+    )),
+    Hostile('a data iterator item of a handler unknown here', _copy(
+        'adapter_inject', [lambda r: _data_iterator(r / '1')]), (
+        Run(('inspect', '{run}'), 2, r"cannot read: 'iter' \(grain.*--item", 'incomplete'),
+        Run(('convert', '{run}', '{out}/1'), 2, r"cannot read: 'iter'.*--item", 'incomplete'),
+        Run(('inspect', '{run}', '--item', 'model_params', '--item', 'optimizer_state'), 0),
+    )),
+    Hostile('LoRA scaling that is not a finite number', _copy('lora_qwix'), (
+        Run(('convert', '{run}', '{out}/1', '--merge-lora', '--lora-alpha', 'nan'), 2,
+            'expected a finite number'),
+        Run(('convert', '{run}', '{out}/1', '--merge-lora', '--lora-alpha', 'inf'), 2,
+            'expected a finite number'),
+        Run(('convert', '{run}', '{out}/1', '--merge-lora', '--lora-scale=-inf'), 2,
+            'expected a finite number'),
+    )),
+    Hostile('LoRA options without --merge-lora', _copy('lora_qwix_full'), (
+        Run(('convert', '{run}', '{out}/1', '--lora-alpha', '4'), 2,
+            '--lora-alpha is an option of a LoRA merge'),
+        Run(('convert', '{run}', '{out}/1', '--lora-scale', '2'), 2, '--lora-scale is an option'),
+        Run(('convert', '{run}', '{out}/1', '--base', '{run}'), 2, '--base is an option'),
+    )),
+    Hostile('values out of --dtype float16', _out_of_float16, (
+        Run(('convert', '{run}', '{out}/1', '--dtype', 'float16'), 2,
+            r'state/w: 1 of 4 values are outside the range of float16 \(largest magnitude'
+            r' 100000; float16 holds at most 65504\)'),
+        Run(('convert', '{run}', '{out}/2', '--dtype', 'bfloat16'), 0),
+    )),
+]
+
+
+def _argv(run: Run, paths: dict[str, pathlib.Path]) -> list[str]:
+  return [arg.format(**{k: str(v) for k, v in paths.items()}) for arg in run.argv]
+
+
+@pytest.mark.parametrize('case', HOSTILE, ids=[c.name for c in HOSTILE])
+def test_hostile_input(case, tunix_data, tmp_path):
+  src, out = tmp_path / 'src', tmp_path / 'out'
+  src.mkdir()
+  paths = {**case.build(src, tunix_data), 'src': src, 'out': out}
+  before = snapshot(src)
+  argvs = [_argv(run, paths) for run in case.runs]
+  existed = {argv[2]: os.path.lexists(argv[2]) for argv in argvs if argv[0] == 'convert'}
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    done = list(pool.map(lambda argv: run_cli(*argv), argvs))
+  for run, argv, result in zip(case.runs, argvs, done, strict=True):
+    where = f'{" ".join(argv)}: exit {result.returncode}\n{result.stdout}\n{result.stderr}'
+    assert result.returncode == run.exit, where
+    assert re.search(run.says, result.stdout + result.stderr, re.S), where
+    assert not run.never_says or run.never_says not in result.stderr, where
+    assert 'Traceback' not in result.stderr and 'Exception ignored' not in result.stderr, where
+    if run.exit == 2:
+      assert result.stderr.startswith('orbax-tunix: error: ') or 'usage:' in result.stderr, where
+      assert all(not line.startswith(('WARNING', 'ERROR')) for line in result.stderr.splitlines())
+      if argv[0] == 'convert':
+        assert existed[argv[2]] or not os.path.lexists(argv[2]), where
+  assert snapshot(src) == before, 'the source was written to'

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -348,3 +349,26 @@ def test_lora_merge_with_adapters_and_base_in_a_bucket(bucket, tunix_data, mesh)
   np.testing.assert_allclose(
       test_lora_merge.plain_logits(tunix_models.TinyLM, remote, ref['tokens']),
       np.asarray(ref['logits'], np.float32), atol=test_lora_merge.FIXTURE_BF16_ATOL, rtol=0)
+
+
+def test_unreachable_bucket_fails_fast_with_one_line(tunix_data, tmp_path):
+  """No network (an endpoint nobody listens on) and no credentials: each command
+  fails in seconds with one line, before any client's retries (~50 s) begin."""
+  closed = f'http://127.0.0.1:{gcs_lib.free_port()}'
+  env = {k: v for k, v in SUBPROCESS_ENV.items()
+         if k not in ('FSSPEC_GCS_TOKEN', 'GOOGLE_AUTH_TOKEN_FOR_TESTING')}
+  env.update(STORAGE_EMULATOR_HOST=closed, TENSORSTORE_GCS_HTTP_URL=closed)
+  local = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', local)
+  for argv in (('inspect', 'gs://nowhere/run'), ('diff', 'gs://nowhere/run', local),
+               ('convert', local, 'gs://nowhere/out/2'),
+               ('convert', 'gs://nowhere/run', tmp_path / 'out' / '2')):
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', *map(str, argv)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    took = time.monotonic() - start
+    where = f'{argv}: {took:.1f} s, exit {done.returncode}\n{done.stderr}'
+    assert done.returncode == 2 and took < 20, where
+    assert done.stderr.count('\n') == 1 and 'gs://nowhere/' in done.stderr, where
+    assert 'cannot reach' in done.stderr and '127.0.0.1' in done.stderr, where
+  assert not (tmp_path / 'out').exists()

@@ -214,6 +214,18 @@ def test_errors_before_any_read(runs, mesh, tmp_path, monkeypatch):
 
   with pytest.raises(ot.LoraError, match='alpha'):
     ot.restore_merged_lora(root / 'full', target)
+  # A scale that is not a finite number: refused before anything is opened (no path needed).
+  for given in ({'alpha': float('nan')}, {'alpha': float('inf')}, {'scale': -float('inf')},
+                {'alpha': 'four'}, {'alpha': 4.0, 'scale': 2.0}):
+    with pytest.raises(ot.LoraError, match='finite number|not both'):
+      ot.restore_merged_lora(tmp_path / 'nothing here', target, **given)
+    with pytest.raises(ot.LoraError, match='finite number|not both'):
+      merge.plan_merge(tmp_path / 'nothing here', **given)
+  with pytest.raises(ot.LoraError, match='finite number'):
+    maxtext.restore_train_state(tmp_path / 'nothing here', {}, params_only=True, merge_lora=True,
+                                lora_alpha=float('nan'))
+  with pytest.raises(ot.LoraError, match='add `merge_lora=True`'):
+    maxtext.restore_train_state(tmp_path / 'nothing here', {}, lora_alpha=4.0)
   with pytest.raises(ot.LoraError, match='base weight of every adapter') as e:
     ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA)
   assert 'layers/1/v_proj/w (adapted by layers/1/v_proj/w_lora_a)' in str(e.value)

@@ -3,6 +3,7 @@
 When an Orbax upgrade moves one of them, the test naming it fails here.
 """
 
+import asyncio
 import inspect
 import json
 
@@ -152,13 +153,14 @@ def test_merge_tree_metadata_is_the_union_orbax_restores(tmp_path):
   for batch in ({'a': np.arange(3)}, {'b': np.ones(2, np.float32)}):
     handler.save(item, args=ocp.args.PyTreeSave(batch))
     files.append(json.loads((item / '_METADATA').read_text()))
-  merged = _orbax.merge_tree_metadata(files, empty_nodes=[(('e',), (2,))])
+  empty = [(('e',), (2,), 'None'), (('d',), (2,), 'Dict'), (('l',), (2,), 'List')]
+  merged = _orbax.merge_tree_metadata(files, empty_nodes=empty)
   (item / '_METADATA').write_text(json.dumps(merged))
   handler.finalize(item)
   restored = ocp.PyTreeCheckpointHandler().restore(item)
   np.testing.assert_array_equal(restored['a'], np.arange(3))
   np.testing.assert_array_equal(restored['b'], np.ones(2, np.float32))
-  assert restored['e'] is None
+  assert restored['e'] is None and restored['d'] == {} and restored['l'] == []
 
 
 def test_untargeted_restore_on_other_devices_fails_for_want_of_a_sharding(tmp_path, mesh, monkeypatch):
@@ -187,3 +189,47 @@ def test_pytree_typestrs_are_what_orbax_records(tmp_path):
     recorded = json.loads((step / '_CHECKPOINT_METADATA').read_text())['item_handlers']['x']
     assert recorded in _orbax.PYTREE_TYPESTRS
   assert _orbax.V1_PYTREE_TYPESTR in _orbax.PYTREE_TYPESTRS
+
+
+def test_run_sync_without_a_loop_goes_through_one_function(monkeypatch):
+  """What `_orbax.tidy_failures` wraps: with no loop running, Orbax's run_sync
+  calls `asyncio_utils._run_sync_via_new_loop`, looked up at each call."""
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+
+  assert _orbax._ORBAX_RUN_ON_NEW_LOOP is not None  # pylint: disable=protected-access
+  calls = []
+  through = asyncio_utils._run_sync_via_new_loop  # pylint: disable=protected-access
+  monkeypatch.setattr(asyncio_utils, '_run_sync_via_new_loop',
+                      lambda coro: calls.append(coro) or through(coro))
+
+  async def answer():
+    return 42
+
+  assert asyncio_utils.run_sync(answer()) == 42 and len(calls) == 1
+
+
+def test_tidy_failures_drains_what_a_failed_call_left():
+  """A call that fails leaves a sibling task pending (as Orbax's gather of array
+  reads does): within `tidy_failures` it is cancelled and awaited before the loop
+  closes; outside, it is left pending, as Orbax leaves it."""
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+
+  def failing_call(started):
+    async def sibling():
+      await asyncio.sleep(60)
+
+    async def call():
+      started.append(asyncio.ensure_future(sibling()))
+      await asyncio.sleep(0)
+      raise RuntimeError('one read failed')
+
+    return call()
+
+  tidy, untidy = [], []
+  with _orbax.tidy_failures(), pytest.raises(RuntimeError, match='one read failed'):
+    asyncio_utils.run_sync(failing_call(tidy))
+  assert tidy[0].cancelled()
+  with pytest.raises(RuntimeError, match='one read failed'):
+    asyncio_utils.run_sync(failing_call(untidy))
+  assert not untidy[0].done()
+  untidy[0]._log_destroy_pending = False  # pylint: disable=protected-access

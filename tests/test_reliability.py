@@ -228,7 +228,7 @@ def test_convert_to_read_only_destination(run, tmp_path):
   try:
     from orbax_tunix import convert
 
-    with pytest.raises(convert.InvalidDestinationError) as e:
+    with pytest.raises(ot.InvalidDestinationError) as e:
       convert.run_convert(convert.plan_convert(run, parent / 'out'))
     assert str(parent / 'out') in str(e.value) and 'writable' in str(e.value)
     assert isinstance(e.value, ot.TunixCheckpointError)
@@ -237,3 +237,41 @@ def test_convert_to_read_only_destination(run, tmp_path):
   finally:
     os.system(f'umount {parent}')
   assert snapshot(run) == before
+
+
+def test_overlap_compares_what_paths_are(tunix_data, tmp_path):
+  """commit.overlap: the one decision of whether a new step may go at a path."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+
+  from orbax_tunix import commit  # pylint: disable=g-import-not-at-top
+
+  run = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', run)
+  (tmp_path / 'link').symlink_to(run)
+  (tmp_path / 'out').mkdir()
+  (tmp_path / 'dangling').symlink_to(run / '7')
+  step = epath.Path(run / '2')
+  cases = {
+      run / '3': 'inside', tmp_path / 'link' / '3': 'inside', tmp_path / 'link': 'the source run',
+      tmp_path / 'out' / '..' / 'link' / '2' / 'model_params': 'inside',
+      tmp_path / 'dangling': 'inside', tmp_path / 'missing' / '..' / 'run' / '9': 'inside',
+      tmp_path: 'holding', tmp_path / 'out' / '2': None, tmp_path / 'runs' / '2': None,
+  }
+  for dst, want in cases.items():
+    how = commit.overlap(step, epath.Path(dst))
+    assert (how is None) if want is None else (want in how), (dst, how)
+    how = commit.overlap(epath.Path(tmp_path / 'link' / '2'), epath.Path(dst))
+    assert (how is None) if want is None else (want in how), ('via link', dst, how)
+  buckets = {'gs://b/run/3': 'inside', 'gs://B//run/./x/../3/': 'inside', 'gs://b/run/': 'the',
+             'gs://b/': 'holding', 'gs://b/runs/3': None, 'gs://c/run/3': None}
+  for dst, want in buckets.items():
+    how = commit.overlap(epath.Path('gs://b/run/2'), epath.Path(dst))
+    assert (how is None) if want is None else (want in how), (dst, how)
+  assert commit.overlap(step, epath.Path('gs://b/run/3')) is None  # Another kind of path.
+  bind = tmp_path / 'bind'
+  bind.mkdir()
+  if os.system(f'mount --bind {run} {bind} 2>/dev/null') == 0:
+    try:  # The same directory under another name, which no path text shows.
+      assert 'another name' in commit.overlap(step, epath.Path(bind / '5'))
+    finally:
+      os.system(f'umount {bind}')

@@ -12,8 +12,10 @@ show a progress bar; piped, output is plain aligned text (or one JSON
 document with `--json`) and progress is a line every few seconds on stderr.
 
 Exit status: 0 success (diff: the checkpoints match), 1 diff found
-differences, 2 error (the message says what is wrong and what to do; no
-traceback unless `--debug`), 130 interrupted.
+differences (inspect --verify: damaged arrays), 2 error (the message says
+what is wrong and what to do; no traceback unless `--debug`), 130
+interrupted. The status is the result's even when the output's reader goes
+away (`| head -1`): the rest of the output is dropped, never the result.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
+import math
 import os
 import re
 import sys
@@ -35,7 +37,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_tunix import checksums, commit, errors, huggingface, inspection
+from orbax_tunix import checksums, commit, errors, huggingface, inspection, reader
 from orbax_tunix import convert as convert_lib
 from orbax_tunix import diff as diff_lib
 from orbax_tunix import export as export_lib
@@ -119,7 +121,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
     if verification is not None:
       document['verify'] = dataclasses.asdict(verification) | {
           'step_dir': str(verification.step_dir), 'ok': verification.ok}
-    print(json.dumps(document, indent=1), file=out.stream)
+    print(display.dumps(document, indent=1), file=out.stream)
   else:
     display.show_inspect(out, report, collapse=args.collapse)
     if verification is not None:
@@ -166,7 +168,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   rate = result.bytes_read / max(result.seconds, 1e-9)
   if args.json:
     print(
-        json.dumps(
+        display.dumps(
             {
                 'source': str(source.step_dir),
                 'source_step': source.step,
@@ -224,7 +226,7 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
         raise KeyboardInterrupt from None
       raise
   if args.json:
-    print(json.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
+    print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
                       'replaced': result.replaced}), file=out.stream)
     return EXIT_OK
   replaced = ' (replaced the old one)' if result.replaced else ''
@@ -250,7 +252,7 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
       items=args.items,
   )
   if args.json:
-    print(json.dumps(display.diff_json(result)), file=out.stream)
+    print(display.dumps(display.diff_json(result)), file=out.stream)
   else:
     limit = display.DIFF_ROWS if out.fancy else None
     display.show_diff(out, result, limit, display.diff_hint(result, args.params_only))
@@ -325,6 +327,20 @@ def _bool(text: str) -> bool:
   return value == 'true'
 
 
+def _finite(text: str) -> float:
+  """A finite number (`--lora-alpha`, `--lora-scale`): nan and inf are refused."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a number.') from None
+  if not math.isfinite(value):
+    raise argparse.ArgumentTypeError(
+        f'{text!r}: expected a finite number (a NaN or infinite scale makes every'
+        ' merged weight NaN or infinite).'
+    )
+  return value
+
+
 def _atol(text: str) -> float:
   try:
     value = float(text)
@@ -357,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
           '  orbax-tunix convert run/checkpoints mt/1000 --layout maxtext --params-only\n'
           '  orbax-tunix diff run/checkpoints mt/1000 --params-only\n'
           '\n'
-          'exit status: 0 success (diff: match), 1 diff found differences, 2 error,'
-          ' 130 interrupted'
+          'exit status: 0 success (diff: match), 1 diff found differences (inspect\n'
+          '--verify: damaged arrays), 2 error, 130 interrupted; a closed output pipe\n'
+          '(| head -1) drops the rest of the output, never changes the status'
       ),
       description=(
           'Inspect, convert and diff Tunix checkpoints (and any Orbax PyTree checkpoint)\n'
@@ -387,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--verify', action='store_true',
                  help='read every array and check it against the checksums orbax-tunix'
                  ' convert recorded (exit 1 if one differs)')
-  p.add_argument('--memory-budget', type=parse_size, default=convert_lib.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory --verify may use (default 1G)')
   group = p.add_mutually_exclusive_group()
   group.add_argument('--full', dest='collapse', action='store_false', default=None,
@@ -430,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')
-  p.add_argument('--memory-budget', type=parse_size, default=convert_lib.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE',
                  help='memory the streaming may use above start-up, e.g. 512M or 4G (default'
                  ' 1G; budgets under ~128M cannot be met); an array too large for one batch'
@@ -443,10 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--merge-lora', action='store_true',
                  help='merge the LoRA adapters into the weights (writes weights only)')
   alpha = p.add_mutually_exclusive_group()
-  alpha.add_argument('--lora-alpha', type=float, metavar='A',
+  alpha.add_argument('--lora-alpha', type=_finite, metavar='A',
                      help="the run's qwix LoRA alpha (scale = alpha / rank); not stored in"
                      ' checkpoints')
-  alpha.add_argument('--lora-scale', type=float, metavar='S', help='the scale itself')
+  alpha.add_argument('--lora-scale', type=_finite, metavar='S', help='the scale itself')
   p.add_argument('--base', metavar='BASE',
                  help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
                  ' checkpoint); default: SRC itself (a full save)')
@@ -470,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='compare the model weights only (matches a --layout maxtext conversion)')
   p.add_argument('--ignore-dtype', action='store_true',
                  help='do not count dtype differences (check a --dtype conversion with --atol)')
-  p.add_argument('--memory-budget', type=parse_size, default=diff_lib.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use (default 1G)')
   p.add_argument('--json', action='store_true', help='print one JSON document')
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
@@ -511,13 +528,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--hf-config', metavar='DIR',
                  help="the base model's Hugging Face folder: its config.json (checked against"
                  ' the weights), generation_config.json and tokenizer files are copied')
-  p.add_argument('--memory-budget', type=parse_size, default=convert_lib.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use above start-up (default 1G)')
   p.add_argument('--force', action='store_true',
                  help='replace an existing export folder (only once the new one is complete)')
   p.add_argument('--json', action='store_true', help='print the summary as JSON')
   p.set_defaults(handler=cmd_export)
   return parser
+
+
+# Libraries that log (tracebacks included) about failures this command reports
+# itself: Orbax, JAX, asyncio, and the bucket clients (gcsfs logs each retry).
+_NOISY_LOGGERS = ('absl', 'jax', 'orbax', 'asyncio', 'gcsfs', 'fsspec', 'google', 'aiohttp',
+                  'urllib3')
 
 
 @contextlib.contextmanager
@@ -530,7 +553,7 @@ def _quiet(debug: bool) -> Iterator[None]:
   if debug:
     yield
     return
-  loggers = [logging.getLogger(name) for name in ('absl', 'jax', 'orbax', 'asyncio')]
+  loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
   levels = [lg.level for lg in loggers]
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
@@ -581,6 +604,62 @@ def _silence_shutdown_noise() -> None:
   sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_error
 
 
+class ClosedPipeGuard:
+  """A text stream whose reader may go away (`orbax-tunix diff A B | head -1`).
+
+  A write or flush that finds the pipe closed points the stream's file
+  descriptor at /dev/null (so that Python's own flush at exit succeeds too)
+  and drops that output and all that follows; the command itself goes on,
+  and its exit status is its result's (see `main`). Everything else is the
+  wrapped stream's.
+  """
+
+  def __init__(self, stream: Any):
+    self._stream = stream
+    self.closed_pipe = False
+
+  def write(self, text: str) -> int:
+    if not self.closed_pipe:
+      try:
+        return self._stream.write(text)
+      except BrokenPipeError:
+        self._drop()
+    return len(text)
+
+  def flush(self) -> None:
+    if not self.closed_pipe:
+      try:
+        self._stream.flush()
+      except BrokenPipeError:
+        self._drop()
+
+  def _drop(self) -> None:
+    self.closed_pipe = True
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      try:
+        os.dup2(devnull, self._stream.fileno())
+      finally:
+        os.close(devnull)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _guarded_output() -> Iterator[None]:
+  """stdout and stderr wrapped in `ClosedPipeGuard`s for the command, then flushed
+  (a closed pipe found then is dropped too) and put back."""
+  saved = sys.stdout, sys.stderr
+  sys.stdout, sys.stderr = ClosedPipeGuard(sys.stdout), ClosedPipeGuard(sys.stderr)
+  try:
+    yield
+  finally:
+    for guard in (sys.stdout, sys.stderr):
+      guard.flush()
+    sys.stdout, sys.stderr = saved
+
+
 def _use_cpu() -> None:
   """Keeps JAX off accelerators: the tools only move bytes through the host.
 
@@ -618,8 +697,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments (default: `sys.argv[1:]`).
 
   Returns:
-    0 success or match, 1 differences found, 2 error, 130 interrupted.
+    0 success or match, 1 differences found, 2 error, 130 interrupted. The
+    status is the result's whatever happens to the output: when the reader
+    of stdout (or stderr) goes away (`| head -1`), the rest of the output is
+    dropped and the command still finishes, so `diff` still exits 1 when the
+    checkpoints differ and `inspect --verify` 1 when an array is damaged.
   """
+  with _guarded_output():
+    return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
   parser = build_parser()
   try:
     args = parser.parse_args(argv)
@@ -640,11 +728,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:
     print('orbax-tunix: interrupted; nothing was written at the destination.', file=sys.stderr)
     return EXIT_INTERRUPTED
-  except BrokenPipeError:
-    # The reader went away (`| head`): stop quietly, as other tools do.
-    with contextlib.suppress(OSError):
-      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return EXIT_OK
   except errors.TunixCheckpointError as e:
     if debug:
       traceback.print_exc()

@@ -9,6 +9,8 @@ the library's results (`inspection.Report`, `diff.DiffResult`, ...); the
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -185,7 +187,8 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'kind': d.kind,
       'writer': d.writer,
       'steps': [
-          {'step': s.step, 'committed': s.committed, 'path': str(s.path)} for s in report.steps
+          {'step': s.step, 'committed': s.committed, 'empty': s.empty, 'path': str(s.path)}
+          for s in report.steps
       ],
       'items': {
           item.name: {
@@ -299,11 +302,13 @@ def _shape(shape: Any) -> str:
 def _steps_text(report: inspection.Report) -> str:
   if not report.steps:
     return '-'
-  committed = [str(s.step) for s in report.steps if s.committed]
-  unfinished = [str(s.step) for s in report.steps if not s.committed]
+  committed = [str(s.step) for s in report.steps if s.usable]
   text = ', '.join(committed) or 'none committed'
-  if unfinished:
-    text += f'  (unfinished: {", ".join(unfinished)})'
+  for state in ('unfinished', 'empty'):
+    skipped = [s.path.name if state == 'empty' else str(s.step)
+               for s in report.steps if s.state == state]
+    if skipped:
+      text += f'  ({state}: {", ".join(skipped)})'
   return text
 
 
@@ -436,7 +441,26 @@ def show_verification(out: Output, verification: checksums.Verification) -> None
 # --- diff -----------------------------------------------------------------
 
 
+def strict_json(value: Any) -> Any:
+  """A document with every non-finite float written as a string ('inf', '-inf',
+  'nan'), so that strict JSON parsers read it (`json.dumps(..., allow_nan=False)`)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return 'nan' if math.isnan(value) else ('inf' if value > 0 else '-inf')
+  if isinstance(value, dict):
+    return {k: strict_json(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [strict_json(v) for v in value]
+  return value
+
+
+def dumps(document: Any, **kwargs: Any) -> str:
+  """One strict JSON document (see `strict_json`)."""
+  return json.dumps(strict_json(document), allow_nan=False, **kwargs)
+
+
 def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
+  """The diff as one JSON document; an infinite difference (a NaN against a
+  number, strings that differ) is written as "inf" (see `strict_json`)."""
   return {
       'a': str(result.a),
       'b': str(result.b),
@@ -451,11 +475,14 @@ def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
           {'path': v.path, 'max_abs_diff': v.max_abs_diff, 'differing': v.differing, 'size': v.size}
           for v in result.values
       ],
+      'json': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.json],
+      'hyperparameters': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.hyperparameters],
       'compared': result.compared,
       'bytes_compared': result.bytes_compared,
       'atol': result.atol,
       'max_abs_diff': result.max_abs_diff,
       'ignore_dtype': result.ignore_dtype,
+      'notes': list(result.notes),
   }
 
 
@@ -491,6 +518,14 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
           [[v.path, f'{v.max_abs_diff:.6g}', f'{v.differing} / {v.size}'] for v in result.values],
           (1, 2),
       ),
+      ('JSON values differ', ['path', 'A', 'B'], [[m.path, m.a, m.b] for m in result.json], ()),
+      (
+          'Hyperparameters differ (inject_hyperparams values and counts, outside the'
+          ' canonical view)',
+          ['path', 'A', 'B'],
+          [[m.path, m.a, m.b] for m in result.hyperparameters],
+          (),
+      ),
   ]
   for title, columns, rows, right in sections:
     if not rows:
@@ -503,6 +538,9 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
   if hint:
     out.text()
     out.text(f'hint: {hint}')
+  for note in result.notes:
+    out.text()
+    out.text(f'note: {note}')
   out.text()
   if result.match:
     out.text(
@@ -515,7 +553,8 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
         f' {len(result.only_a)} only in A, {len(result.only_b)} only in B,'
         f' {len(result.shape)} shapes, {len(result.dtype)} dtypes,'
         f' {len(result.values)} values (max abs diff {result.max_abs_diff:g}, atol'
-        f' {result.atol:g}); {result.compared} leaves compared'
+        f' {result.atol:g}), {len(result.json)} JSON values,'
+        f' {len(result.hyperparameters)} hyperparameters; {result.compared} leaves compared'
     )
 
 

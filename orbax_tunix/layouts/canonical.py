@@ -45,7 +45,8 @@ def lay_out(request: Request) -> LaidOut:
         name,
         tuple(copied(Input(source, leaf), leaf.path, request.dtype) for leaf in leaves),
         key_types={leaf.path: leaf.key_types for leaf in meta.leaves} if same else None,
-        empty=tuple((leaf.path, leaf.key_types) for leaf in meta.leaves if leaf.is_empty)
+        empty=tuple((leaf.path, leaf.key_types, leaf.value_type)
+                    for leaf in meta.leaves if leaf.is_empty)
         if same else (),
     ))
   items += [ItemOutput(name, json=(source, name)) for name in source.json_items]

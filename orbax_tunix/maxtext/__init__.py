@@ -25,7 +25,8 @@ checkpoint's canonical leaves) -> optimizer, weights (matching and checking
 each side) -> plan -> execute -> handler; errors holds the two errors of its own.
 """
 
-from orbax_tunix.maxtext.errors import LayerScanMismatchError, LoraOnlyCheckpointError
+from orbax_tunix.errors import LoraOnlyCheckpointError
+from orbax_tunix.maxtext.errors import LayerScanMismatchError
 from orbax_tunix.maxtext.execute import execute_plan, restore_train_state
 from orbax_tunix.maxtext.handler import ItemsHandler, ItemsRestore
 from orbax_tunix.maxtext.plan import RestorePlan, plan_restore

@@ -10,6 +10,3 @@ from orbax_tunix import errors
 class LayerScanMismatchError(errors.TargetMismatchError):
   """One side stacks the layers into one array per weight (scanned), the other not."""
 
-
-# Raised by the MaxText view and by convert alike; defined with the others.
-LoraOnlyCheckpointError = errors.LoraOnlyCheckpointError

@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import conventions, errors, merge, reader, transforms
+from orbax_tunix import conventions, errors, lora, merge, reader, transforms
 from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.maxtext import layers
@@ -274,9 +274,13 @@ def restore_train_state(
       read. `LayerScanMismatchError` (scanned vs unscanned with layer counts
       or an axis that do not fit) and `LoraOnlyCheckpointError` are two cases.
     UnsupportedLayoutError: not a Tunix checkpoint.
+    LoraError: a merge without `params_only`, `lora_alpha` or `lora_scale`
+      without a merge, or one that is not a finite number (before any read).
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  if merge_lora or lora_base is not None:
+  merging = merge_lora or lora_base is not None
+  lora.check_merge_options(merging, lora_alpha, lora_scale)
+  if merging:
     return _restore_merged(path, abstract_state, params_only, restore_args,
                            lora_alpha, lora_scale, lora_base)
   plan = plan_restore(path, abstract_state, params_only=params_only,

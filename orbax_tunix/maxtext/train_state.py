@@ -66,11 +66,14 @@ def template(
   return out
 
 
-def containers(chain: tuple = ADAMW) -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...]], ...]]:
-  """(sequence nodes, empty nodes with their key types) of the saved train state.
+def containers(
+    chain: tuple = ADAMW,
+) -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], str], ...]]:
+  """(sequence nodes, empty nodes with their key types and value type) of the saved train state.
 
   MaxText's `opt_state` is a list (its positions are sequence keys) with
   `None` where a state is empty.
   """
-  empty = tuple(((OPT_STATE, str(i)), (2, 1)) for i, fields in enumerate(chain) if fields is None)
+  empty = tuple(((OPT_STATE, str(i)), (2, 1), 'None')
+                for i, fields in enumerate(chain) if fields is None)
   return frozenset({(OPT_STATE,)}), empty

@@ -14,8 +14,9 @@ from collections.abc import Collection, Mapping, Sequence
 from etils import epath
 
 from orbax_tunix import conventions, errors, lora
+from orbax_tunix.errors import LoraOnlyCheckpointError
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.maxtext.errors import LayerScanMismatchError, LoraOnlyCheckpointError
+from orbax_tunix.maxtext.errors import LayerScanMismatchError
 from orbax_tunix.maxtext.view import CheckpointView, Shape
 
 # A layer index as a key of its own ('layers/0/...', nnx.List) or a name
