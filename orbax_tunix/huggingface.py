@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from orbax_tunix import errors
+from orbax_tunix import catalog, errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.patterns import LayoutRule, Pattern
 from orbax_tunix.transforms import Shape, chain, merge_axes, take, transpose
@@ -178,33 +178,10 @@ GEMMA3 = Family(
     },
 )
 
-_FAMILIES = {f.name: f for f in (QWEN3, LLAMA3, GEMMA3)}
-
-
-def names() -> tuple[str, ...]:
-  return tuple(_FAMILIES)
-
-
-def register(family: Family) -> Family:
-  """Adds a family under its name (once)."""
-  if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
-    raise ValueError(f'a family named {family.name!r} is registered already')
-  _FAMILIES[family.name] = family
-  return family
-
-
-def get(name: str) -> Family:
-  """The family registered as `name`.
-
-  Raises:
-    UnsupportedLayoutError: no such family (the message lists them).
-  """
-  try:
-    return _FAMILIES[name]
-  except KeyError:
-    raise errors.UnsupportedLayoutError(
-        f'`model` {name!r}: expected one of {", ".join(_FAMILIES)}.'
-    ) from None
+FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
+for _family in (QWEN3, LLAMA3, GEMMA3):
+  FAMILIES.register(_family)
+register, get, names = FAMILIES.register, FAMILIES.get, FAMILIES.names
 
 
 def table(family: Family) -> list[tuple[str, str, str]]:
@@ -257,5 +234,5 @@ def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path]
     if missing:
       parts.append(f'{len(missing)} {family.name} weights are missing:\n'
                    + errors.list_paths(missing))
-    parts.append(f'Pick the family the model is (`model`: {", ".join(_FAMILIES)}).')
+    parts.append(f'Pick the family the model is (`model`: {", ".join(names())}).')
     raise errors.UnsupportedLayoutError('\n'.join(parts))

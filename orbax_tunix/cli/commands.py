@@ -31,7 +31,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -129,6 +129,27 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
   return EXIT_OK if verification is None or verification.ok else EXIT_DIFFER
 
 
+def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
+            args: argparse.Namespace, out: Output) -> Any:
+  """Prints a plan's notes, then `run(plan, progress)` with progress on stderr.
+
+  SIGINT and SIGTERM stop it between batches (what was written is removed);
+  one landing inside a read, which Orbax re-raises as its own error, is still
+  an interruption.
+  """
+  for note in notes:
+    print(f'note: {as_flags(note)}', file=sys.stderr)
+  progress = progress_lib.Interruptible(
+      progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress))
+  with progress_lib.signals_stop(progress):
+    try:
+      return run(plan, progress)
+    except Exception:
+      if progress.stop.is_set():
+        raise KeyboardInterrupt from None
+      raise
+
+
 def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   """`orbax-tunix convert`: plans, streams with progress, prints the summary; returns 0."""
   plan = convert_lib.plan_convert(
@@ -148,22 +169,11 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       scan_layers=args.scan_layers,
       param_scan_axis=args.param_scan_axis,
   )
-  for note in plan.notes:
-    print(f'note: {as_flags(note)}', file=sys.stderr)
-  for leftover in commit.leftovers(plan.dst):
-    print(
-        f'note: {leftover} is left from an interrupted conversion; remove it'
-        ' when no conversion is running.',
-        file=sys.stderr,
-    )
-  progress = progress_lib.Interruptible(progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress))
-  with progress_lib.signals_stop(progress):
-    try:
-      result = convert_lib.run_convert(plan, progress)
-    except Exception:
-      if progress.stop.is_set():  # A signal landed inside a read, which Orbax wrapped.
-        raise KeyboardInterrupt from None
-      raise
+  leftovers = [
+      f'{leftover} is left from an interrupted conversion; remove it when no conversion'
+      ' is running.' for leftover in commit.leftovers(plan.dst)
+  ]
+  result = _stream(convert_lib.run_convert, plan, [*plan.notes, *leftovers], args, out)
   source = plan.source.detection
   rate = result.bytes_read / max(result.seconds, 1e-9)
   if args.json:
@@ -214,17 +224,7 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
       memory_budget=args.memory_budget,
       force=args.force,
   )
-  for note in plan.notes:
-    print(f'note: {as_flags(note)}', file=sys.stderr)
-  progress = progress_lib.Interruptible(
-      progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress))
-  with progress_lib.signals_stop(progress):
-    try:
-      result = export_lib.run_export(plan, progress)
-    except Exception:
-      if progress.stop.is_set():  # A signal landed inside a read, which Orbax wrapped.
-        raise KeyboardInterrupt from None
-      raise
+  result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
     print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
                       'replaced': result.replaced}), file=out.stream)

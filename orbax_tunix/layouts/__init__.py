@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from orbax_tunix import errors, reader
+from orbax_tunix import catalog, reader
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.outputs import Input, ItemOutput, Output, copied
 
@@ -89,33 +89,8 @@ class Layout:
   lay_out: Callable[[Request], LaidOut]
 
 
-_LAYOUTS: dict[str, Layout] = {}
-
-
-def register(layout: Layout) -> Layout:
-  """Adds a layout under its name (once)."""
-  if layout.name in _LAYOUTS and _LAYOUTS[layout.name] is not layout:
-    raise ValueError(f'a layout named {layout.name!r} is registered already')
-  _LAYOUTS[layout.name] = layout
-  return layout
-
-
-def names() -> tuple[str, ...]:
-  return tuple(_LAYOUTS)
-
-
-def get(name: str) -> Layout:
-  """The layout registered as `name`.
-
-  Raises:
-    UnsupportedLayoutError: no such layout (the message lists them).
-  """
-  try:
-    return _LAYOUTS[name]
-  except KeyError:
-    raise errors.UnsupportedLayoutError(
-        f'`layout` {name!r}: expected one of {", ".join(_LAYOUTS)}.'
-    ) from None
+LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
+register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
 
 
 from orbax_tunix.layouts import canonical, maxtext  # noqa: E402,F401  (they register)
