@@ -49,6 +49,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+from fixture_trees import describe_tree, flat  # noqa: E402  (beside this script)
 from flax import nnx  # noqa: E402
 from flax.linen import partitioning as nn_partitioning  # noqa: E402
 from maxtext.configs import pyconfig  # noqa: E402
@@ -112,43 +113,10 @@ def make_config(scan: bool):
 # --------------------------------------------------------------------------- #
 # Trees
 # --------------------------------------------------------------------------- #
-def key_str(k: Any) -> str:
-  if isinstance(k, jax.tree_util.DictKey):
-    return str(k.key)
-  if isinstance(k, jax.tree_util.GetAttrKey):
-    return k.name
-  if isinstance(k, jax.tree_util.SequenceKey):
-    return str(k.idx)
-  if isinstance(k, jax.tree_util.FlattenedIndexKey):
-    return str(k.key)
-  raise TypeError(f"unexpected key {k!r}")
-
-
-def flat(tree: Any) -> dict[str, Any]:
-  return {"/".join(key_str(k) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def as_numpy(leaf: Any) -> np.ndarray:
   if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     leaf = jax.random.key_data(leaf)  # Orbax stores a typed key as its uint32 data
   return np.asarray(leaf)
-
-
-def describe_tree(tree: Any) -> list[dict[str, Any]]:
-  """On-disk key paths ("a/b/c"), shapes and dtypes of a tree handed to Orbax."""
-  out = []
-  for path, leaf in sorted(flat(tree).items()):
-    entry: dict[str, Any] = {"path": path}
-    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      data = jax.random.key_data(leaf)
-      entry.update(shape=list(data.shape), dtype=str(data.dtype),
-                   prng_impl=str(jax.random.key_impl(leaf)))
-    else:
-      a = np.asarray(leaf)
-      entry.update(shape=list(a.shape), dtype=str(a.dtype))
-    out.append(entry)
-  return out
 
 
 # --------------------------------------------------------------------------- #

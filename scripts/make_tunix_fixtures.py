@@ -113,6 +113,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import qwix  # noqa: E402
+from fixture_trees import describe_tree, key_str  # noqa: E402  (beside this script)
 from flax import nnx  # noqa: E402
 from orbax.checkpoint import v1 as ocp_v1  # noqa: E402
 from tunix.sft import checkpoint_manager as tunix_ckpt  # noqa: E402
@@ -191,39 +192,6 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, seed: int, lora: boo
   wrt = nnx.DiffState(0, nnx.LoRAParam) if lora else nnx.DiffState(0, nnx.Param)
   grads = nnx.grad(loss_fn, argnums=wrt)(model)
   optimizer.update(model, grads)
-
-
-def key_str(k: Any) -> str:
-  if isinstance(k, jax.tree_util.DictKey):
-    return str(k.key)
-  if isinstance(k, jax.tree_util.GetAttrKey):
-    return k.name
-  if isinstance(k, jax.tree_util.SequenceKey):
-    return str(k.idx)
-  if isinstance(k, jax.tree_util.FlattenedIndexKey):
-    return str(k.key)
-  raise TypeError(f"unexpected key {k!r}")
-
-
-def describe_tree(tree: Any) -> list[dict[str, Any]]:
-  """On-disk key paths, shapes and dtypes of a tree handed to Orbax.
-
-  Orbax writes typed PRNG keys as their raw key data (uint32, with a trailing
-  dimension of 2 for threefry); ``prng_impl`` records the impl for those.
-  """
-  out = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    arr = leaf
-    entry: dict[str, Any] = {"path": "/".join(key_str(k) for k in path)}
-    if isinstance(arr, jax.Array) and jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
-      data = jax.random.key_data(arr)
-      entry.update(shape=list(data.shape), dtype=str(data.dtype),
-                   prng_impl=str(jax.random.key_impl(arr)))
-    else:
-      a = np.asarray(arr) if not hasattr(arr, "dtype") else arr
-      entry.update(shape=list(a.shape), dtype=str(a.dtype))
-    out.append(entry)
-  return sorted(out, key=lambda e: e["path"])
 
 
 def items_for(model, optimizer, lora: bool) -> dict[str, Any]:
