@@ -372,3 +372,60 @@ def test_unreachable_bucket_fails_fast_with_one_line(tunix_data, tmp_path):
     assert done.stderr.count('\n') == 1 and 'gs://nowhere/' in done.stderr, where
     assert 'cannot reach' in done.stderr and '127.0.0.1' in done.stderr, where
   assert not (tmp_path / 'out').exists()
+
+
+# --- export: Hugging Face safetensors to and from a bucket ----------------------
+
+
+def _files(folder) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in epath.Path(folder).iterdir()}
+
+
+def _tensor(files: dict[str, bytes], name: str) -> np.ndarray:
+  """One tensor of an export, found through its index and parsed by hand
+  (safetensors: an 8-byte little-endian header length, a JSON header, the bytes)."""
+  index = json.loads(files['model.safetensors.index.json'])
+  data = files[index['weight_map'][name]]
+  size = int.from_bytes(data[:8], 'little')
+  entry = json.loads(data[8:8 + size])[name]
+  start, end = entry['data_offsets']
+  assert entry['dtype'] == 'F32', entry
+  return np.frombuffer(data[8 + size + start:8 + size + end], np.float32).reshape(entry['shape'])
+
+
+def test_export_to_and_from_a_bucket(gcs, bucket, tunix_data, tmp_path, capsys):
+  """A bucket as OUT_DIR and as SRC: the same files as a local export (which
+  google-tunix's loader is proven to load in test_export_hf), nothing beside."""
+  local_src = tunix_data / 'hf_qwen3'
+  remote_src = bucket / 'runs' / 'hf_qwen3'
+  gcs_lib.upload(local_src, remote_src)
+  shard = ('--max-shard-size', '64KB')  # Several files and an index.
+  local_out, remote_out, round_trip = tmp_path / 'hf', bucket / 'hf' / 'qwen3', tmp_path / 'rt'
+  for src, out in ((local_src, local_out), (local_src, remote_out), (remote_src, round_trip)):
+    status, _, err = run(capsys, 'export', src, out, '--model', 'qwen3', *shard)
+    assert status == 0, err
+  want = _files(local_out)
+  assert len(want) > 2 and 'model.safetensors.index.json' in want
+  assert _files(remote_out) == want
+  assert _files(round_trip) == want
+  assert sorted(p.name for p in remote_out.parent.iterdir()) == ['qwen3']  # Nothing beside.
+  # One tensor against plain Orbax's read of the source (the embedding is copied as it is).
+  raw = builders.raw_leaves(local_src / '1' / 'model_params')
+  np.testing.assert_array_equal(_tensor(want, 'model.embed_tokens.weight'),
+                                raw['embedder/input_embedding/value'])
+
+
+def test_failed_export_into_a_bucket_leaves_nothing(gcs, bucket, tunix_data, tmp_path, capsys):
+  """A read that fails midway (truncated array data): exit 2, one message, and
+  neither the folder nor its staging copy in the bucket."""
+  src = tmp_path / 'src'
+  shutil.copytree(tunix_data / 'hf_qwen3', src)
+  for data in (src / '1' / 'model_params').rglob('*'):
+    if data.is_file() and data.parent.name == 'd':
+      data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+  out = bucket / 'hf' / 'qwen3'
+  status, _, err = run(capsys, 'export', src, out, '--model', 'qwen3')
+  assert status == 2, err
+  assert 'Traceback' not in err and str(src / '1' / 'model_params') in err
+  assert not out.exists()
+  assert not (bucket / 'hf').exists() or list((bucket / 'hf').iterdir()) == []
