@@ -226,6 +226,7 @@ def as_transform(merge: Merge) -> Transform:
   return Transform(
       f'lora_merge(rank={merge.adapter.rank}, scale={merge.scale:g})',
       shape=lambda shapes: tuple(shapes[0]), apply=lambda xs: fn(*xs), arity=3,
+      moves_only=False,
   )
 
 

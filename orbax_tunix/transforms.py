@@ -45,6 +45,8 @@ class Transform:
       when the sources cannot be transformed so.
     apply: `(source arrays) -> destination array`, with `jax.numpy`.
     arity: how many sources it takes (None: one or more).
+    source_spec: see below.
+    moves_only: the values are only re-laid, never computed.
   """
 
   name: str
@@ -55,6 +57,9 @@ class Transform:
   # axis) that lines up with a partition of the destination: reading the
   # sources so, the transform moves no data between devices.
   source_spec: Callable[[tuple], tuple] = dataclasses.field(repr=False, default=lambda spec: spec)
+  # Values are only moved (re-laid), never computed: they stay within their
+  # dtype's range. Every transform here; a LoRA merge computes.
+  moves_only: bool = True
 
   def __str__(self) -> str:
     return self.name
@@ -193,7 +198,7 @@ def chain(*transforms: Transform) -> Transform:
     return spec
 
   return Transform(' -> '.join(t.name for t in transforms), shape, apply, first.arity,
-                   source_spec)
+                   source_spec, all(t.moves_only for t in transforms))
 
 
 def source_sharding(

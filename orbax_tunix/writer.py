@@ -128,21 +128,34 @@ def make(output: Output, values: dict[tuple, Any]) -> Any:
   return jnp.asarray(value).astype(output.dtype)
 
 
+def _largest(dtype: Any) -> float:
+  """The largest magnitude a numeric dtype holds (0 for others)."""
+  if jnp.issubdtype(dtype, jnp.floating):
+    return float(jnp.finfo(dtype).max)
+  if jnp.issubdtype(dtype, jnp.integer):
+    return float(jnp.iinfo(dtype).max)
+  return 0.0
+
+
 def _may_overflow(output: Output) -> bool:
-  """Whether an output's floating values pass through a cast or arithmetic
-  (a `dtype` conversion, a LoRA merge), where they may leave the dtype's range."""
+  """Whether an output's floating values may leave its dtype's range: they
+  are computed (a LoRA merge), or cast from a dtype holding larger values
+  (float32 to float16 or bfloat16, int32 to float16). Re-laid values cast to
+  a dtype as wide cannot, and are not checked."""
   dtype = output.dtype
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return False
-  return not output.transform.is_identity or any(
-      i.leaf.dtype is not None and np.dtype(i.leaf.dtype) != np.dtype(dtype) for i in output.inputs)
+  if not output.transform.moves_only:
+    return True
+  limit = _largest(dtype)
+  return any(i.leaf.dtype is not None and _largest(i.leaf.dtype) > limit for i in output.inputs)
 
 
 def check_range(output: Output, value: Any) -> None:
   """Refuses an output whose values left its dtype's range (became inf).
 
-  Only where values pass through a cast or a transform, and only when the
-  written value holds non-finite elements (one pass over it): then the
+  Only where values may leave the range (see `_may_overflow`), and only when
+  the written value holds non-finite elements (its min and max): then the
   sources are read again in their own dtypes and compared, so that infs and
   NaNs the source holds itself are kept.
 
@@ -153,9 +166,11 @@ def check_range(output: Output, value: Any) -> None:
   if not _may_overflow(output):
     return
   written = np.asarray(value)
-  finite = np.isfinite(written)
-  if finite.all():
+  # Two reductions (no temporary the size of the tensor): NaN propagates, so
+  # finite extremes mean finite values.
+  if written.size == 0 or (np.isfinite(written.min()) and np.isfinite(written.max())):
     return
+  finite = np.isfinite(written)
   own = dataclasses.replace(output, dtype=None,
                             read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
   exact = np.asarray(make(own, read_inputs([own])), dtype=np.float64)
