@@ -266,18 +266,11 @@ class PlannedItem:
       CorruptMetadataError: the array stores are unreadable.
     """
     via = via or through()
-    try:
-      with self._serving(via, self.meta.tree_json_of()), _orbax.tidy_failures():
-        meta = via.metadata(self.directory)
-    except Exception as e:  # pylint: disable=broad-except
-      cause = _orbax.storage_failure(e)
-      if cause is None:
-        raise
-      raise errors.CorruptMetadataError(
-          f'{self.directory}: reading the arrays\' metadata failed: stored data is'
-          f' missing or damaged ({_orbax.failure_text(cause)}). Expected a readable'
-          ' store for every leaf in _METADATA; use another step (`step`).'
-      ) from e
+    with self._damaged(
+        "the arrays' metadata", 'a readable store for every leaf in _METADATA; use another'
+        ' step (`step`)'
+    ), self._serving(via, self.meta.tree_json_of()), _orbax.tidy_failures():
+      meta = via.metadata(self.directory)
     return canonical_metadata(meta, self.cmap) if self.is_tunix else meta
 
   def _serving(self, via: OrbaxReads, served: Mapping[str, Any] | None) -> Any:
@@ -293,22 +286,35 @@ class PlannedItem:
     Failures that are about the request (e.g. a sharding that does not divide
     an array) reach the caller as Orbax raised them.
     """
+    # The cyclic GC paused too: Orbax's read allocates a few objects per array
+    # and chunk, and each collection then walks every object alive (the
+    # restored arrays, the parsed metadata): 18 % of a 1k-leaf restore's
+    # time, 28 % at 10k leaves (benchmarks/restore_cost.py).
+    # Reference counting still frees what the read drops.
+    with self._damaged(
+        'the arrays', 'readable array data for every leaf asked for; use another step'
+        ' (`step`), or re-save this one'
+    ), self._serving(via, served), _orbax.tidy_failures(), storage.no_gc():
+      return via.restore(self.directory, args)
+
+  @contextlib.contextmanager
+  def _damaged(self, what: str, expected: str) -> Iterator[None]:
+    """Storage failures inside (missing or damaged data) raised in our terms.
+
+    Raises:
+      CorruptMetadataError: naming this item's directory, `what` was being
+        read and `expected`; other failures (e.g. a sharding that does not
+        divide an array) propagate as Orbax raised them.
+    """
     try:
-      # The cyclic GC paused too: Orbax's read allocates a few objects per array
-      # and chunk, and each collection then walks every object alive (the
-      # restored arrays, the parsed metadata): 18 % of a 1k-leaf restore's
-      # time, 28 % at 10k leaves (benchmarks/restore_cost.py).
-      # Reference counting still frees what the read drops.
-      with self._serving(via, served), _orbax.tidy_failures(), storage.no_gc():
-        return via.restore(self.directory, args)
+      yield
     except Exception as e:  # pylint: disable=broad-except
       cause = _orbax.storage_failure(e)
       if cause is None:
         raise
       raise errors.CorruptMetadataError(
-          f'{self.directory}: reading the arrays failed: stored data is missing or'
-          f' damaged ({_orbax.failure_text(cause)}). Expected readable array data'
-          ' for every leaf asked for; use another step (`step`), or re-save this one.'
+          f'{self.directory}: reading {what} failed: stored data is missing or damaged'
+          f' ({_orbax.failure_text(cause)}). Expected {expected}.'
       ) from e
 
 
