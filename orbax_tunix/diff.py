@@ -4,10 +4,11 @@ Both sides are opened with `reader.open_checkpoint` (Tunix checkpoints in
 their canonical form, any other Orbax checkpoint as it is), their leaves are
 matched by `item/path`, and the leaves both sides hold with one shape are read
 in batches that fit the memory budget and compared value by value (the largest
-absolute difference per leaf; integers exactly, floats in float64). Beside
-the arrays: JSON items, value by value, and the leaves the canonical view
-leaves out (the inject_hyperparams values and counts, `hyperparams.side_leaves`,
-or the record `convert` keeps of them). `params_only` compares the weights
+absolute difference per leaf; integers exactly, against integers and
+floats; floats against floats in float64). Beside the arrays: JSON items,
+value by value, and the leaves the canonical view leaves out (the
+inject_hyperparams values and counts, `hyperparams.side_leaves`, or the
+record `convert` keeps of them). `params_only` compares the weights
 alone (see `reader.weights`), which matches a Tunix step against its MaxText
 parameter conversion.
 """
@@ -141,6 +142,11 @@ def _is_integral(x: np.ndarray) -> bool:
   return x.dtype.kind in 'biu'
 
 
+def _widen(x: np.ndarray) -> np.ndarray:
+  """An integer (or bool) array as int64 or uint64 (exact)."""
+  return x.astype(np.int64 if x.dtype.kind in 'bi' else np.uint64)
+
+
 def _integer_deltas(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """|x - y| of two integer (or bool) arrays, exactly, as uint64.
 
@@ -153,8 +159,7 @@ def _integer_deltas(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarra
     (deltas, wrapped): where `wrapped` (a signed side negative against an
     unsigned one) the true difference is the delta plus 2**64.
   """
-  x = x.astype(np.int64 if x.dtype.kind == 'i' else np.uint64)
-  y = y.astype(np.int64 if y.dtype.kind == 'i' else np.uint64)
+  x, y = _widen(x), _widen(y)
   if x.dtype == y.dtype:
     hi, lo = np.maximum(x, y), np.minimum(x, y)
     return hi.view(np.uint64) - lo.view(np.uint64), np.zeros(x.shape, bool)
@@ -167,9 +172,20 @@ def _integer_deltas(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarra
   return deltas, negative & (beyond < unsigned)
 
 
-def _compare_integers(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
-  """(max |x - y|, how many differ by more than `atol`) of integer arrays, exactly."""
-  deltas, wrapped = _integer_deltas(x, y)
+def _greater(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """x > y of two integer arrays, exactly (numpy compares int64 with uint64 in float64)."""
+  x, y = _widen(x), _widen(y)
+  if x.dtype == y.dtype:
+    return x > y
+  if x.dtype.kind == 'i':
+    return (x >= 0) & (x.view(np.uint64) > y)
+  return (y < 0) | (x > y.view(np.uint64))
+
+
+def _exact_summary(
+    deltas: np.ndarray, wrapped: np.ndarray, atol: float
+) -> tuple[float, int]:
+  """(max, how many exceed `atol`) of exact differences (`_integer_deltas`' form)."""
   if not deltas.size:
     return 0.0, 0
   exact = [int(d) + 2**64 for d in deltas[wrapped]]  # Rare: Python ints, exact.
@@ -182,6 +198,54 @@ def _compare_integers(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float,
     beyond = int(np.count_nonzero(plain > np.uint64(limit)))
   beyond += sum(d > atol for d in exact)
   return float(worst), beyond
+
+
+def _compare_integers(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
+  """(max |x - y|, how many differ by more than `atol`) of integer arrays, exactly."""
+  return _exact_summary(*_integer_deltas(x, y), atol)
+
+
+# float64 values that anchor a float to an integer both sides hold exactly:
+# the lowest int64, and the largest float64 below 2**64 (a uint64).
+_LOWEST, _HIGHEST = -(2.0**63), 2.0**64 - 2048
+
+
+def _compare_integer_float(
+    ints: np.ndarray, floats: np.ndarray, atol: float
+) -> tuple[float, int]:
+  """(max |i - f|, how many differ by more than `atol`) of integers against real floats.
+
+  Each float is split as f = c + r, c its integer part held to the
+  integers' range (a value float64, int64 or uint64 hold exactly) and r the
+  rest (exact in float64: a fraction, or beyond that range the distance to
+  its edge). i - c is taken exactly (`_integer_deltas`), so a float
+  equals an integer only when it is that integer, at any magnitude
+  (`float(2**62)` against `2**62 + 1` differs). Where r is 0 (every float of
+  magnitude 2**52 and more) the whole comparison is exact; elsewhere only
+  the final |i - c - r| is rounded to float64. NaNs and infinities are
+  compared as floats are.
+  """
+  f = floats.astype(np.float64)
+  finite = np.isfinite(f)
+  worst, beyond = _compare_floats(ints[~finite], f[~finite], atol) if not finite.all() else (0.0, 0)
+  ints, f = ints[finite], f[finite]
+  c = np.clip(np.trunc(f), _LOWEST, _HIGHEST)
+  r = f - c  # In (-1, 1) in range; >= 2048 above it; <= -2048 below it.
+  for part, kind in ((c < 2.0**63, np.int64), (c >= 2.0**63, np.uint64)):
+    if not part.any():
+      continue
+    i, whole, rest = ints[part], c[part].astype(kind), r[part]
+    deltas, wrapped = _integer_deltas(i, whole)
+    on_whole = rest == 0
+    most, over = _exact_summary(deltas[on_whole], wrapped[on_whole], atol)
+    apart = deltas[~on_whole].astype(np.float64) + np.where(wrapped[~on_whole], 2.0**64, 0.0)
+    signed = np.where(_greater(i[~on_whole], whole[~on_whole]), apart, -apart)  # i - c
+    away = np.abs(signed - rest[~on_whole])
+    if away.size:
+      most = max(most, float(away.max()))
+      over += int(np.count_nonzero(away > atol))
+    worst, beyond = max(worst, most), beyond + over
+  return worst, beyond
 
 
 def _compare_floats(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
@@ -203,9 +267,11 @@ def compare_values(a: object, b: object, atol: float = 0.0) -> tuple[float, int]
 
   Integers (and booleans) against integers are compared exactly, whatever
   their width and sign (`2**62` against `-2**62`, `2**63 + 1` against
-  `2**63 + 3`). Anything against a float is compared in float64: NaNs at the
-  same place count as equal; a NaN against a number differs whatever the
-  tolerance (its difference counts as infinite). Worked through in chunks,
+  `2**63 + 3`); integers against floats too, up to the rounding of a
+  non-integral difference (`_compare_integer_float`). Floats against floats
+  are compared in float64 (complex128): NaNs at the same place count as
+  equal; a NaN against a number differs whatever the tolerance (its
+  difference counts as infinite). Worked through in chunks,
   so the working copies stay at `_CHUNK` elements whatever the size of the
   arrays.
 
@@ -220,11 +286,17 @@ def compare_values(a: object, b: object, atol: float = 0.0) -> tuple[float, int]
     return (0.0, 0) if a == b else (float('inf'), 1)
   a = np.asarray(a).reshape(-1)
   b = np.asarray(b).reshape(-1)
-  exact = _is_integral(a) and _is_integral(b)
+  if _is_integral(a) and _is_integral(b):
+    compare = _compare_integers
+  elif _is_integral(a) != _is_integral(b) and not np.iscomplexobj(a) and not np.iscomplexobj(b):
+    compare = _compare_integer_float
+    a, b = (a, b) if _is_integral(a) else (b, a)  # |a - b| is symmetric.
+  else:
+    compare = _compare_floats
   worst, differing = 0.0, 0
   for start in range(0, a.size, _CHUNK):
     x, y = a[start : start + _CHUNK], b[start : start + _CHUNK]
-    most, beyond = (_compare_integers if exact else _compare_floats)(x, y, atol)
+    most, beyond = compare(x, y, atol)
     worst, differing = max(worst, most), differing + beyond
   return worst, differing
 
@@ -436,8 +508,9 @@ def diff_checkpoints(
       (0: exact equality).
     params_only: compare the weights only (no optimizer state, no RNG state);
       a Tunix step then matches its MaxText parameter conversion.
-    ignore_dtype: do not count dtype differences (values are still compared,
-      upcast to float64, against `atol`): for checking a `--dtype` conversion.
+    ignore_dtype: do not count dtype differences (values are still compared
+      against `atol`, as `compare_values` does): for checking a `--dtype`
+      conversion.
     memory_budget: bytes the streaming may hold at once.
     progress: told the bytes of A compared after each batch.
     items: compare only these items (default: every item of each side).

@@ -215,6 +215,32 @@ def test_diff_compares_integers_exactly(tmp_path, a, b):
   assert json.loads(done.stdout)['values'][0]['path'] == 'state/x'
 
 
+@pytest.mark.parametrize('ints, floats', [
+    (np.array([2**62 + 1], np.int64), np.array([2.0**62])),  # float64(2**62 + 1) == 2**62
+    (np.array([2**64 - 1], np.uint64), np.array([2.0**64])),  # float64(2**64 - 1) == 2**64
+    (np.array([INT64_MIN + 1], np.int64), np.array([-(2.0**63) - 2048])),  # below int64
+    (np.array([0], np.int64), np.array([-1e-300])),  # a fraction below zero
+    (np.array([2**53 + 1, 7, -3], np.int64), np.array([2.0**53, 7.5, -3.0], np.float32)),
+    (np.array([True, False]), np.array([1.0, 0.5], np.float16)),
+    (np.array([-5], np.int64), np.array([1e300])),  # far outside the integers
+])
+def test_diff_compares_integers_against_floats_exactly(tmp_path, ints, floats):
+  from fractions import Fraction  # pylint: disable=g-import-not-at-top
+
+  from orbax_tunix import diff  # pylint: disable=g-import-not-at-top
+
+  apart = [abs(Fraction(int(i)) - Fraction(float(f))) for i, f in zip(ints, floats, strict=True)]
+  for atol in (0.0, 0.5, 1.0, 4096.0):
+    want = (float(max(apart)), sum(d > Fraction(atol) for d in apart))
+    assert diff.compare_values(ints, floats, atol=atol) == want, atol
+    assert diff.compare_values(floats, ints, atol=atol) == want, atol
+  x = save_step(tmp_path / 'a' / '1', state={'x': ints})
+  y = save_step(tmp_path / 'b' / '1', state={'x': floats})
+  done = cli('diff', x, y, '--ignore-dtype', '--json')
+  assert done.returncode == 1, done.stdout
+  assert json.loads(done.stdout)['values'][0]['path'] == 'state/x'
+
+
 def test_diff_compares_json_items(tmp_path):
   a = save_items(tmp_path / 'a' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
   same = save_items(tmp_path / 's' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
