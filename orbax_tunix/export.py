@@ -114,7 +114,7 @@ def parse_size(text: str | int) -> int:
   binary (2**10); a bare number is bytes.
 
   Raises:
-    InvalidDestinationError: not a size.
+    InvalidOptionError: not a size, or not positive.
   """
   if isinstance(text, int):
     value = text
@@ -216,7 +216,13 @@ def plan_export(
   weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))
   shapes = {p: o.shape for p, o in weights.items()}
   where = str(source.step_dir)
-  mapped = patterns.map_paths(shapes, family.rules, where=where)
+  try:
+    mapped = patterns.map_paths(shapes, family.rules, where=where)
+  except errors.UnsupportedLayoutError as e:
+    raise errors.UnsupportedLayoutError(
+        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the family"
+        f' the model is (`model`: {", ".join(huggingface.names())}).'
+    ) from e
   huggingface.fits(family, shapes, mapped.unmatched, where)
   outputs = tuple(writer.in_write_order(relay(weights, mapped.outputs)))
   config, copied, notes = _config_files(family, hf_config, shapes)

@@ -344,6 +344,8 @@ REFUSALS = {  # name -> (fixture, flags, words the message must hold (one of eac
     'merge_without_alpha': ('hf_qwen3_lora', ['--model', 'qwen3', '--merge-lora'],
                             [('alpha',)]),
     'missing_step': ('hf_qwen3', ['--model', 'qwen3', '--step', '7'], [('7',)]),
+    # Qwen3's names (as Tunix's toy models use them) but not its shapes: say which family to pick.
+    'shapes_not_the_family': ('sft_full', ['--model', 'qwen3'], [('q_proj',), ('--model',)]),
 }
 
 
