@@ -245,7 +245,9 @@ def plan_convert(
     A `ConvertPlan`.
 
   Raises:
-    InvalidOptionError: a `memory_budget` below 1.
+    InvalidOptionError: a `memory_budget` below 1; `scan_layers` or
+      `param_scan_axis` for a layout that does not take them, or
+      `param_scan_axis` without `scan_layers`.
     InvalidDestinationError: DST overlaps the source's run (symlinks
       resolved; see `commit.overlap`) or is named like an unfinished step.
     LoraError: `lora_alpha`, `lora_scale` or `base` without `merge_lora`,
@@ -255,6 +257,7 @@ def plan_convert(
       laid out as asked.
   """
   chosen = layouts.get(layout)
+  layouts.check_options(chosen, {'scan_layers': scan_layers, 'param_scan_axis': param_scan_axis})
   params_only = params_only or merge_lora
   if memory_budget < 1:
     raise errors.InvalidOptionError(

@@ -389,6 +389,16 @@ HOSTILE = [
         Run(('convert', '{run}', '{out}/1', '--lora-scale', '2'), 2, '--lora-scale is an option'),
         Run(('convert', '{run}', '{out}/1', '--base', '{run}'), 2, '--base is an option'),
     )),
+    Hostile('layer options a layout would ignore', _copy('sft_full'), (
+        Run(('convert', '{run}', '{out}/1', '--scan-layers', 'true'), 2,
+            r'--scan-layers True: the canonical layout does not take it \(only maxtext'),
+        Run(('convert', '{run}', '{out}/2', '--param-scan-axis', '2'), 2,
+            '--param-scan-axis 2: the canonical layout does not take it'),
+        Run(('convert', '{run}', '{out}/3', '--layout', 'maxtext', '--params-only',
+             '--param-scan-axis', '2'), 2, r'no layer axis is used\. Pass --scan-layers too'),
+        Run(('convert', '{run}', '{out}/4', '--layout', 'maxtext', '--params-only',
+             '--param-scan-axis', '1'), 0),
+    )),
     Hostile('values out of --dtype float16', _out_of_float16, (
         Run(('convert', '{run}', '{out}/1', '--dtype', 'float16'), 2,
             r'state/w: 1 of 4 values are outside the range of float16 \(largest magnitude'

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from orbax_tunix import catalog, reader
+from orbax_tunix import catalog, errors, reader
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.outputs import Input, ItemOutput, Output, copied
 
@@ -82,15 +82,43 @@ class Layout:
     name: what `--layout` calls it.
     description: one line for people.
     lay_out: `Request -> LaidOut`, from metadata only.
+    options: the `Request` fields of `OPTIONS` that it reads; the others
+      must keep their unset value (`check_options`).
   """
 
   name: str
   description: str
   lay_out: Callable[[Request], LaidOut]
+  options: frozenset[str] = frozenset()
 
+
+# Request fields only some layouts read, and each one's value when not asked for.
+OPTIONS: Mapping[str, Any] = {'scan_layers': None, 'param_scan_axis': 1}
 
 LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
 register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
+
+
+def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
+  """Refuses an option `layout` would ignore; checked before the source is opened.
+
+  Args:
+    layout: the layout asked for.
+    given: `OPTIONS` fields as the caller passed them.
+
+  Raises:
+    InvalidOptionError: one set (not its unset value) that `layout` does not
+      read; the message names the layouts that do.
+  """
+  for option, unset in OPTIONS.items():
+    value = given.get(option, unset)
+    if option not in layout.options and value != unset:
+      takers = [n for n in names() if option in get(n).options]
+      raise errors.InvalidOptionError(
+          f'`{option}` {value!r}: the {layout.name} layout does not take it (only'
+          f' {", ".join(takers)} does). Leave `{option}` out, or pass `layout`'
+          f' {" or ".join(takers)}.'
+      )
 
 
 from orbax_tunix.layouts import canonical, maxtext  # noqa: E402,F401  (they register)

@@ -37,6 +37,12 @@ ITEM = conventions.MAXTEXT_ITEM
 def _form(request: Request, weights: dict[Path, reader.LeafInfo]) -> str | None:
   """The layer form to write (None: as stored, or no MaxText decoder layers)."""
   stored = layers.form_of(weights)
+  if request.scan_layers is None and request.param_scan_axis != 1:
+    raise errors.InvalidOptionError(
+        f'`param_scan_axis` {request.param_scan_axis}: the layers are written as stored'
+        ' (no `scan_layers`), so no layer axis is used. Pass `scan_layers` too, or leave'
+        ' `param_scan_axis` out.'
+    )
   if request.scan_layers is None or stored is None:
     if request.scan_layers is not None:
       raise errors.UnsupportedLayoutError(
@@ -171,4 +177,5 @@ LAYOUT = register(Layout(
     description="MaxText's own step: item 'items', params/params/<weights> and, unless"
                 ' weights only, opt_state as its adamw chain and step',
     lay_out=lay_out,
+    options=frozenset({'scan_layers', 'param_scan_axis'}),
 ))
