@@ -93,7 +93,10 @@ class Layout:
 
 
 # Request fields only some layouts read, and each one's value when not asked for.
-OPTIONS: Mapping[str, Any] = {'scan_layers': None, 'param_scan_axis': 1}
+OPTIONS: Mapping[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(Request)
+    if f.name in ('scan_layers', 'param_scan_axis')
+}
 
 LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
 register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names

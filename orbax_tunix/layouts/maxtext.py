@@ -22,7 +22,7 @@ import numpy as np
 from orbax_tunix import conventions, errors, lora, patterns, reader
 from orbax_tunix import outputs as outputs_lib
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.layouts import LaidOut, Layout, Request, register
+from orbax_tunix.layouts import OPTIONS, LaidOut, Layout, Request, register
 from orbax_tunix.layouts import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.maxtext import layers, train_state
@@ -37,7 +37,7 @@ ITEM = conventions.MAXTEXT_ITEM
 def _form(request: Request, weights: dict[Path, reader.LeafInfo]) -> str | None:
   """The layer form to write (None: as stored, or no MaxText decoder layers)."""
   stored = layers.form_of(weights)
-  if request.scan_layers is None and request.param_scan_axis != 1:
+  if request.scan_layers is None and request.param_scan_axis != OPTIONS['param_scan_axis']:
     raise errors.InvalidOptionError(
         f'`param_scan_axis` {request.param_scan_axis}: the layers are written as stored'
         ' (no `scan_layers`), so no layer axis is used. Pass `scan_layers` too, or leave'
