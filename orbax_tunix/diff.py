@@ -220,9 +220,9 @@ def _compare_integer_float(
   rest (exact in float64: a fraction, or beyond that range the distance to
   its edge). i - c is taken exactly (`_integer_deltas`), so a float
   equals an integer only when it is that integer, at any magnitude
-  (`float(2**62)` against `2**62 + 1` differs). Where r is 0 (every float of
-  magnitude 2**52 and more) the whole comparison is exact; elsewhere only
-  the final |i - c - r| is rounded to float64. NaNs and infinities are
+  (`float(2**62)` against `2**62 + 1` differs). Where r is 0 (every
+  integral float in the integers' range) the whole comparison is exact;
+  elsewhere only the final |i - c - r| is rounded to float64. NaNs and infinities are
   compared as floats are.
   """
   f = floats.astype(np.float64)
