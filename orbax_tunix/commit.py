@@ -135,16 +135,44 @@ def overlap(step_dir: epath.Path, dst: epath.Path) -> str | None:
     for run in runs:
       if _within(target, run):
         return f'inside the source run {run}' if target != run else f'the source run {run}'
-    if _within(real_step, target):
-      return 'a directory holding the source step'
-  if not local:
-    return None
-  run = _same_directory_within(targets[0], runs)
-  if run is not None:
-    return f'inside the source run {run} (the same directory under another name)'
-  if os.path.isdir(targets[0]) and _same_directory_within(real_step, [targets[0]]):
-    return 'a directory holding the source step (under another name)'
+  if local:
+    run = _same_directory_within(targets[0], runs)
+    if run is not None:
+      return f'inside the source run {run} (the same directory under another name)'
+  return _holding(dst, real_step, 'the source step')
+
+
+def _holding(dst: epath.Path, real: str, what: str) -> str | None:
+  """How `dst` is or holds the location `real` (`what_it_is`), or None."""
+  local = storage.is_local(dst)
+  targets = [what_it_is(dst)] + ([os.path.abspath(os.fspath(dst))] if local else [])
+  if any(_within(real, target) for target in targets):
+    return f'a directory holding {what}' if real != targets[0] else what
+  if local and os.path.isdir(targets[0]) and _same_directory_within(real, [targets[0]]):
+    return f'a directory holding {what} (under another name)'
   return None
+
+
+def check_not_over(dst: epath.Path, folder: epath.Path, what: str) -> None:
+  """Refuses a destination that is, or holds, an input folder (writing would replace it).
+
+  Args:
+    dst: the destination path.
+    folder: a folder the command reads (e.g. the Hugging Face folder whose
+      config an export copies).
+    what: what `folder` is, for the message.
+
+  Raises:
+    InvalidDestinationError: naming both.
+  """
+  if storage.is_local(folder) != storage.is_local(dst):
+    return
+  how = _holding(dst, what_it_is(folder), what)
+  if how is not None:
+    raise errors.InvalidDestinationError(
+        f'{dst}: the destination is {how} ({folder}), which this command reads and never'
+        ' writes to: choose a destination outside it.'
+    )
 
 
 def check_outside_source(step_dir: epath.Path, dst: epath.Path) -> None:

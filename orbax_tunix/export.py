@@ -196,8 +196,10 @@ def plan_export(
     UnsupportedLayoutError: an unknown family; weights that do not fit it; a
       config.json that disagrees with them.
     LoraOnlyCheckpointError: an adapters-only save without `merge_lora`.
-    LoraError, InvalidDestinationError, DestinationExistsError,
-    TunixCheckpointError subclasses: see their docstrings.
+    InvalidDestinationError: `out_dir` overlaps a source's run, or is (or
+      holds) the `hf_config` folder; or cannot be reached.
+    LoraError, DestinationExistsError, TunixCheckpointError subclasses: see
+      their docstrings.
   """
   family = huggingface.get(model)
   dtype = _dtype(dtype)
@@ -211,6 +213,8 @@ def plan_export(
             if merge_lora else None)
   out_dir = storage.as_path(out_dir)
   check_destination(merge_lib.checkpoints_read(source, merged), out_dir, force, EXPORT)
+  if hf_config is not None:
+    commit.check_not_over(out_dir, storage.as_path(hf_config), 'the `hf_config` folder')
   if merged is None:
     _refuse_adapters(source)
   weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))

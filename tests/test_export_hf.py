@@ -845,3 +845,20 @@ def test_tunix_is_not_imported_in_the_test_process(client, tunix_pkgs):
   assert ready['tunix_file'].startswith(tunix_pkgs), ready  # Tunix from tunix-pkgs
   assert ready['qwix_file'].startswith(sys.prefix), ready  # the pinned stack: this venv's
   assert ready['flax_always_shard_variable'] is False, ready  # what Tunix's import does
+
+
+@pytest.mark.parametrize('where', ['the folder', 'a link to it', 'a folder holding it'])
+def test_f_out_dir_over_the_hf_config_folder_is_refused(tmp_path, where):
+  """The base model's folder (its weights too) is read, never replaced, even with --force."""
+  hf = _write_hf_dir(tmp_path / 'parent' / 'base', HF_CONFIG_DIMS['hf_qwen3'])
+  (hf / 'model.safetensors').write_bytes(b'the base model weights')
+  out = {'the folder': hf, 'a link to it': tmp_path / 'link', 'a folder holding it': hf.parent}
+  (tmp_path / 'link').symlink_to(hf)
+  (hf.parent / 'config.json').write_text('{}')  # An export folder, as far as --force can tell.
+  before = snapshot(tmp_path)
+  r = run_cli(export_argv(DATA / 'hf_qwen3', out[where], '--model', 'qwen3', '--hf-config',
+                          str(hf), '--force'))
+  assert r['rc'] == 2, r
+  assert re.search(r'the destination is (a directory holding )?the --hf-config folder',
+                   r['stderr']), r['stderr']
+  assert snapshot(tmp_path) == before
