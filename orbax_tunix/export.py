@@ -46,9 +46,10 @@ TOKENIZER_FILES = (
     'tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'special_tokens_map.json',
     'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json',
 )
-# An exported folder (what `force` may replace).
+# An exported folder (what `force` may replace): it holds a model's weights, as
+# every export does; a config.json alone is no sign (many projects have one).
 EXPORT = commit.Kind(
-    'a Hugging Face export', (writer.SINGLE_FILE, writer.INDEX_FILE, 'config.json'),
+    'a Hugging Face export', (writer.SINGLE_FILE, writer.INDEX_FILE),
     commit_file=None, in_place=False,
 )
 # Bytes held per byte of a batch (read, transformed, written), as convert's.

@@ -854,11 +854,24 @@ def test_f_out_dir_over_the_hf_config_folder_is_refused(tmp_path, where):
   (hf / 'model.safetensors').write_bytes(b'the base model weights')
   out = {'the folder': hf, 'a link to it': tmp_path / 'link', 'a folder holding it': hf.parent}
   (tmp_path / 'link').symlink_to(hf)
-  (hf.parent / 'config.json').write_text('{}')  # An export folder, as far as --force can tell.
+  (hf.parent / 'model.safetensors').write_bytes(b'an old export')  # What --force may replace.
   before = snapshot(tmp_path)
   r = run_cli(export_argv(DATA / 'hf_qwen3', out[where], '--model', 'qwen3', '--hf-config',
                           str(hf), '--force'))
   assert r['rc'] == 2, r
   assert re.search(r'the destination is (a directory holding )?the --hf-config folder',
                    r['stderr']), r['stderr']
+  assert snapshot(tmp_path) == before
+
+
+def test_f_force_does_not_replace_a_folder_with_only_a_config(tmp_path):
+  """A config.json is no sign of an export (many projects hold one): --force refuses it."""
+  project = tmp_path / 'project'
+  (project / 'src').mkdir(parents=True)
+  (project / 'config.json').write_text('{}')
+  (project / 'src' / 'main.py').write_text('print(1)\n')
+  before = snapshot(tmp_path)
+  r = run_cli(export_argv(DATA / 'hf_qwen3', project, '--model', 'qwen3', '--force'))
+  assert r['rc'] == 2, r
+  assert '--force replaces only a Hugging Face export' in r['stderr'], r['stderr']
   assert snapshot(tmp_path) == before
