@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_tunix import checksums, hyperparams, reader
+from orbax_tunix import checksums, errors, hyperparams, reader
 from orbax_tunix.keypaths import fmt, natural_key
 
 # Bytes held per byte read from either side: the compressed bytes and the
@@ -519,8 +519,15 @@ def diff_checkpoints(
     A `DiffResult`; `.match` says whether they match.
 
   Raises:
+    InvalidOptionError: `atol` is not a number >= 0 (a NaN would make every
+      value match), or `memory_budget` is below 1; before anything is read.
     TunixCheckpointError subclasses: a side cannot be read.
   """
+  if not atol >= 0:
+    raise errors.InvalidOptionError(f'`atol` {atol!r}: expected a number >= 0 (0: exact).')
+  if memory_budget < 1:
+    raise errors.InvalidOptionError(
+        f'`memory_budget` {memory_budget}: expected a positive number of bytes.')
   start = time.monotonic()
   progress = progress or reader.NullProgress()
   ckpt_a, ckpt_b = (_open(side, items, params_only) for side in (a, b))

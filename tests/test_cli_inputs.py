@@ -241,6 +241,17 @@ def test_diff_compares_integers_against_floats_exactly(tmp_path, ints, floats):
   assert json.loads(done.stdout)['values'][0]['path'] == 'state/x'
 
 
+@pytest.mark.parametrize('options', [{'atol': float('nan')}, {'atol': -1.0}, {'memory_budget': 0}])
+def test_library_diff_refuses_options_that_would_make_everything_match(tmp_path, options):
+  from orbax_tunix import diff, errors  # pylint: disable=g-import-not-at-top
+
+  x = save_step(tmp_path / 'a' / '1', state={'x': np.zeros(2)})
+  y = save_step(tmp_path / 'b' / '1', state={'x': np.ones(2)})
+  with pytest.raises(errors.InvalidOptionError, match=next(iter(options))):
+    diff.diff_checkpoints(x, y, **options)
+  assert not diff.diff_checkpoints(x, y).match  # Without them, they differ.
+
+
 def test_diff_compares_json_items(tmp_path):
   a = save_items(tmp_path / 'a' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
   same = save_items(tmp_path / 's' / '1', state={'w': np.ones(2)}, json_cfg={'lr': 1e-3, 'steps': [1, 2]})
