@@ -44,7 +44,8 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-import synthetic  # noqa: E402  (sibling module; the script's directory is on sys.path)
+import peak  # noqa: E402  (sibling modules; the script's directory is on sys.path)
+import synthetic  # noqa: E402
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base_lib  # noqa: E402
 
 import orbax_tunix  # noqa: E402
@@ -61,24 +62,6 @@ def proc_io() -> dict[str, int]:
   """This process's I/O counters (all threads, dead ones included)."""
   with open('/proc/self/io') as f:
     return {k: int(v) for k, v in (line.split(':') for line in f)}
-
-
-def proc_status_kb(field: str) -> int:
-  with open('/proc/self/status') as f:
-    for line in f:
-      if line.startswith(field + ':'):
-        return int(line.split()[1])
-  raise KeyError(field)
-
-
-def reset_peak_rss() -> bool:
-  """Resets VmHWM to the current RSS (Linux >= 4.0); False when not allowed."""
-  try:
-    with open('/proc/self/clear_refs', 'w') as f:
-      f.write('5')
-    return True
-  except OSError:
-    return False
 
 
 class Timeline:
@@ -287,8 +270,8 @@ def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) ->
   nbytes, held = target_bytes({k: v for k, v in tgt.items() if k != '_full'})
   timeline = Timeline().install()
   gc.collect()
-  rss0 = proc_status_kb('VmRSS')
-  hwm_reset = reset_peak_rss()
+  rss0 = peak.status_kb('VmRSS')
+  hwm_reset = peak.reset_peak()
   maxrss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   io0 = proc_io()
   cpu0 = os.times()
@@ -298,7 +281,7 @@ def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) ->
   wall = time.perf_counter() - t0
   cpu1 = os.times()
   io1 = proc_io()
-  peak_kb = proc_status_kb('VmHWM') if hwm_reset else resource.getrusage(
+  peak_kb = peak.status_kb('VmHWM') if hwm_reset else resource.getrusage(
       resource.RUSAGE_SELF).ru_maxrss
   result = {
       'contender': name,

@@ -27,10 +27,9 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
+
+import peak  # sibling module; the script's directory is on sys.path
 
 MIB = 2**20
 ADAPTED = ('q', 'k', 'v', 'o')  # adapted per layer; 'up' and 'down' are not
@@ -66,8 +65,6 @@ def write(root: pathlib.Path, layers: int, dim: int, rank: int) -> None:
 def child(args) -> None:
   """One measured restore, in this fresh process; prints a JSON line."""
   os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
-  import gc  # pylint: disable=g-import-not-at-top
-
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -83,12 +80,6 @@ def child(args) -> None:
   target = {'layers': {str(i): {p: {'kernel': leaf} for p in PROJECTIONS}
                        for i in range(args.layers)}}
   root = pathlib.Path(args.workdir)
-
-  def status_kb(field):
-    for line in pathlib.Path('/proc/self/status').read_text().splitlines():
-      if line.startswith(field + ':'):
-        return int(line.split()[1])
-    raise KeyError(field)
 
   if args.child == 'plain':
     handler = ocp.PyTreeCheckpointHandler()
@@ -125,16 +116,9 @@ def child(args) -> None:
     def call():
       return orbax_tunix.restore_merged_lora(root / 'lora', target, scale=0.5)
 
-  gc.collect()
-  rss0 = status_kb('VmRSS')
-  pathlib.Path('/proc/self/clear_refs').write_text('5')  # resets VmHWM
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(call())
-  wall = time.perf_counter() - t0
-  peak = status_kb('VmHWM')
-  n = len(jax.tree.leaves(out))
-  print(json.dumps({'contender': args.child, 'wall_s': wall, 'peak_above_kb': peak - rss0,
-                    'leaves': n}), flush=True)
+  out, result = peak.measure(lambda: jax.block_until_ready(call()))
+  print(json.dumps({'contender': args.child, **result, 'leaves': len(jax.tree.leaves(out))}),
+        flush=True)
 
 
 def main(argv=None) -> None:
@@ -152,21 +136,15 @@ def main(argv=None) -> None:
   workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='lora-bench-'))
   if not (workdir / 'lora').exists():
     write(workdir, args.layers, args.dim, args.rank)
-  results = {name: [] for name in CONTENDERS}
-  for rep in range(args.reps):
-    for name in CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]:  # The order rotates.
-      command = [sys.executable, __file__, '--child', name, '--workdir', str(workdir),
-                 '--layers', str(args.layers), '--dim', str(args.dim), '--dtype', args.dtype]
-      done = subprocess.run(command, capture_output=True, text=True, check=True)
-      line = [x for x in done.stdout.splitlines() if x.startswith('{')][-1]
-      results[name].append(json.loads(line))
-      print(name, results[name][-1], flush=True)
+  results = peak.rounds(__file__, CONTENDERS, args.reps, [
+      '--workdir', str(workdir), '--layers', str(args.layers), '--dim', str(args.dim),
+      '--dtype', args.dtype])
   itemsize = {'float32': 4, 'bfloat16': 2}[args.dtype]
   weight = args.dim * args.dim
   target_mib = args.layers * len(PROJECTIONS) * weight * itemsize / MIB
   extra_mib = (weight * 4 + 2 * args.dim * args.rank * 4) / MIB
   wall = {k: statistics.median(r['wall_s'] for r in v) for k, v in results.items()}
-  peak = {k: max(r['peak_above_kb'] for r in v) / 1024 for k, v in results.items()}
+  most = {k: max(r['peak_above_kb'] for r in v) / 1024 for k, v in results.items()}
   # Orbax's in-flight reads move the peak by up to ~100 MiB from run to run:
   # the medians are the comparison, the maxima are shown beside them.
   mid = {k: statistics.median(r['peak_above_kb'] for r in v) / 1024 for k, v in results.items()}
@@ -185,9 +163,9 @@ def main(argv=None) -> None:
         f' {mid["unmerged"]:.0f} MiB | {mid["merge"]:.0f} MiB | {mid["merge"] / mid["plain"]:.2f} |'
         f' {mid["merge"] / mid["unmerged"]:.2f} | merge <= plain + {extra_mib:.0f} MiB (the largest'
         f' weight and its adapters in float32) = {mid["plain"] + extra_mib:.0f} MiB |')
-  print(f'| peak RSS above start, max | {peak["plain"]:.0f} MiB | {peak["unmerged"]:.0f} MiB |'
-        f' {peak["merge"]:.0f} MiB | {peak["merge"] / peak["plain"]:.2f} |'
-        f' {peak["merge"] / peak["unmerged"]:.2f} | |')
+  print(f'| peak RSS above start, max | {most["plain"]:.0f} MiB | {most["unmerged"]:.0f} MiB |'
+        f' {most["merge"]:.0f} MiB | {most["merge"] / most["plain"]:.2f} |'
+        f' {most["merge"] / most["unmerged"]:.2f} | |')
 
 
 if __name__ == '__main__':

@@ -26,10 +26,9 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
+
+import peak  # sibling module; the script's directory is on sys.path
 
 MIB = 2**20
 CONTENDERS = ('plain', 'unscan', 'stack')
@@ -54,8 +53,6 @@ def write(root: pathlib.Path, layers: int, dim: int, ffn: int, weights: int) -> 
 def child(args) -> None:
   """One measured restore, in this fresh process; prints a JSON line."""
   os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
-  import gc  # pylint: disable=g-import-not-at-top
-
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
@@ -76,21 +73,10 @@ def child(args) -> None:
   target = {'params': {'params': {'decoder': decoder}}}
   source = pathlib.Path(args.workdir) / ('unscanned' if args.child == 'stack' else 'scanned')
 
-  def status_kb(field):
-    for line in pathlib.Path('/proc/self/status').read_text().splitlines():
-      if line.startswith(field + ':'):
-        return int(line.split()[1])
-    raise KeyError(field)
-
-  gc.collect()
-  rss0 = status_kb('VmRSS')
-  pathlib.Path('/proc/self/clear_refs').write_text('5')  # resets VmHWM
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(maxtext.restore_train_state(source, target, params_only=True))
-  wall = time.perf_counter() - t0
-  peak = status_kb('VmHWM')
-  print(json.dumps({'contender': args.child, 'wall_s': wall, 'peak_above_kb': peak - rss0,
-                    'leaves': len(jax.tree.leaves(out))}), flush=True)
+  out, result = peak.measure(
+      lambda: jax.block_until_ready(maxtext.restore_train_state(source, target, params_only=True)))
+  print(json.dumps({'contender': args.child, **result, 'leaves': len(jax.tree.leaves(out))}),
+        flush=True)
 
 
 def main(argv=None) -> None:
@@ -108,16 +94,9 @@ def main(argv=None) -> None:
   workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='scan-bench-'))
   if not (workdir / 'scanned').exists():
     write(workdir, args.layers, args.dim, args.ffn, args.weights)
-  results = {name: [] for name in CONTENDERS}
-  for rep in range(args.reps):
-    for name in CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]:  # The order rotates.
-      command = [sys.executable, __file__, '--child', name, '--workdir', str(workdir),
-                 '--layers', str(args.layers), '--dim', str(args.dim), '--ffn', str(args.ffn),
-                 '--weights', str(args.weights)]
-      done = subprocess.run(command, capture_output=True, text=True, check=True)
-      line = [x for x in done.stdout.splitlines() if x.startswith('{')][-1]
-      results[name].append(json.loads(line))
-      print(name, results[name][-1], flush=True)
+  results = peak.rounds(__file__, CONTENDERS, args.reps, [
+      '--workdir', str(workdir), '--layers', str(args.layers), '--dim', str(args.dim),
+      '--ffn', str(args.ffn), '--weights', str(args.weights)])
   stacked_mib = args.dim * args.layers * args.ffn * 4 / MIB
   wall = {k: statistics.median(r['wall_s'] for r in v) for k, v in results.items()}
   mid = {k: statistics.median(r['peak_above_kb'] for r in v) / 1024 for k, v in results.items()}
