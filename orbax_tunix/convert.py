@@ -217,7 +217,7 @@ def plan_convert(
     lora_scale: float | None = None,
     base: epath.PathLike | None = None,
     scan_layers: bool | None = None,
-    param_scan_axis: int = 1,
+    param_scan_axis: int | None = None,
 ) -> ConvertPlan:
   """Plans a conversion from metadata only; nothing is written.
 
@@ -239,7 +239,10 @@ def plan_convert(
     scan_layers: the `maxtext` layout's form of the decoder's layers
       (True: scanned, stacked along `param_scan_axis`; False: one array per
       layer; None: as stored).
-    param_scan_axis: MaxText's layer axis of scanned weights.
+    param_scan_axis: MaxText's layer axis of scanned weights, of the side
+      that is scanned: the written layers' when `scan_layers=True`, else the
+      stored ones' (None: the stored step's own, recorded or told by its
+      shapes; 1, MaxText's default, for layers stacked anew).
 
   Returns:
     A `ConvertPlan`.

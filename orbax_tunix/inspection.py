@@ -137,6 +137,22 @@ class OutlineRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerReport:
+  """MaxText's decoder layers in a step.
+
+  Attributes:
+    form: `maxtext.layers.SCANNED` or `UNSCANNED`.
+    count: how many layers (None: the weights do not agree on one).
+    axis: the layer axis of scanned weights (None: unscanned, or not told by
+      the shapes nor recorded).
+  """
+
+  form: str
+  count: int | None
+  axis: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Report:
   """Everything `inspect` shows.
 
@@ -152,8 +168,7 @@ class Report:
     optimizer: the optimizer outline.
     num_weights: the model's weight leaves (what `mirrored` rows count against).
     hyperparameters: inject_hyperparams shell -> {name: value}.
-    layers: MaxText's form of the decoder's layers (`maxtext.layers.SCANNED`
-      or `UNSCANNED`) and their count, when the weights are a MaxText model's.
+    layers: MaxText's decoder layers, when the weights are a MaxText model's.
     notes: things a person should know.
     checkpoint: the step as opened (to read it further, e.g. to verify).
   """
@@ -170,7 +185,7 @@ class Report:
   hyperparameters: Mapping[str, Mapping[str, Any]]
   notes: tuple[str, ...]
   checkpoint: reader.CanonicalCheckpoint | None = None
-  layers: tuple[str, int | None] | None = None
+  layers: LayerReport | None = None
 
   @property
   def nbytes(self) -> int:
@@ -375,13 +390,24 @@ def inspect_checkpoint(
       hyperparameters=hparams,
       notes=tuple(detection.notes),
       checkpoint=ckpt,
-      layers=_layer_form({path: leaf.shape for leaf, path in weight_pairs}),
+      layers=_layer_form({path: leaf.shape for leaf, path in weight_pairs},
+                         detection.source.custom_metadata),
   )
 
 
-def _layer_form(shapes: Mapping[Path, tuple[int, ...] | None]) -> tuple[str, int | None] | None:
-  """MaxText's form of the decoder's layers and their count (the scan axis MaxText's default)."""
+def _layer_form(
+    shapes: Mapping[Path, tuple[int, ...] | None], custom: Mapping[str, Any]
+) -> LayerReport | None:
+  """MaxText's form of the decoder's layers, their count and (scanned) their axis: the
+  axis the step records (a converted step), else the one the shapes tell."""
   form = maxtext_layers.form_of(shapes)
   if form is None:
     return None
-  return form, maxtext_layers.layer_count({p: s for p, s in shapes.items() if s is not None})
+  known = {p: s for p, s in shapes.items() if s is not None}
+  axis = None
+  if form == maxtext_layers.SCANNED:
+    recorded = custom.get(maxtext_layers.SCAN_AXIS_KEY)
+    axis = maxtext_layers.scan_axis(known, recorded if isinstance(recorded, int) else None)
+  count = maxtext_layers.layer_count(known, axis) if form == maxtext_layers.UNSCANNED or (
+      axis is not None) else None
+  return LayerReport(form, count, axis)

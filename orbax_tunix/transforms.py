@@ -12,6 +12,7 @@ each with a transform; nothing else here knows a layout.
   transpose(perm)               axes permuted (reversed by default)
   merge_axes(start, stop)       axes start..stop-1 flattened into one
   take(axis, index)             one slice along an axis, the axis dropped
+  move_axis(source, dest)       one axis moved to another position (`jnp.moveaxis`)
   stack(axis)                   several sources stacked along a new axis
   constant(value)               no source: a known value
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
@@ -146,6 +147,25 @@ def take(axis: int, index: int) -> Transform:
 
   return Transform(f'take(axis={axis}, index={index})', _one(shape),
                    lambda xs: xp(*xs).take(xs[0], index, axis=axis), source_spec=source_spec)
+
+
+def move_axis(source: int, dest: int) -> Transform:
+  """Axis `source` moved to position `dest`, the others in their order (`jnp.moveaxis`)."""
+
+  def order(ndim: int) -> list[int]:
+    rest = [a for a in range(ndim) if a != source]
+    return rest[:dest] + [source] + rest[dest:]
+
+  def shape(s: Shape) -> Shape:
+    if not (0 <= source < len(s) and 0 <= dest < len(s)):
+      raise TransformError(f'move_axis({source}, {dest}): does not fit a {len(s)}-d array {s}')
+    return tuple(s[a] for a in order(len(s)))
+
+  def source_spec(spec: tuple) -> tuple:
+    return tuple(spec[i] for i in _inverse(order(len(spec))))
+
+  return Transform(f'move_axis({source}, {dest})', _one(shape),
+                   lambda xs: xp(*xs).moveaxis(xs[0], source, dest), source_spec=source_spec)
 
 
 def stack(axis: int) -> Transform:

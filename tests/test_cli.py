@@ -688,4 +688,6 @@ def test_inspect_says_which_maxtext_layer_form_and_how_many(capsys, name):
   assert status == 0
   layers = json.loads(out)['layers']
   assert layers == {'form': 'scanned' if manifest['scan_layers'] else 'unscanned',
-                    'count': int(argv['base_num_decoder_layers'])}
+                    'count': int(argv['base_num_decoder_layers']),
+                    # MaxText's base.yml default, unless the config set it.
+                    'axis': int(argv.get('param_scan_axis', 1)) if manifest['scan_layers'] else None}

@@ -395,9 +395,10 @@ HOSTILE = [
         Run(('convert', '{run}', '{out}/2', '--param-scan-axis', '2'), 2,
             '--param-scan-axis 2: the canonical layout does not take it'),
         Run(('convert', '{run}', '{out}/3', '--layout', 'maxtext', '--params-only',
-             '--param-scan-axis', '2'), 2, r'no layer axis is used\. Pass --scan-layers too'),
+             '--param-scan-axis', '2'), 2,
+            r'no layer axis is used\. Leave --param-scan-axis out, or pass --scan-layers too'),
         Run(('convert', '{run}', '{out}/4', '--layout', 'maxtext', '--params-only',
-             '--param-scan-axis', '1'), 0),
+             '--param-scan-axis', '1'), 2, r'no scanned layers, so no layer axis is used'),
     )),
     Hostile('values out of --dtype float16', _out_of_float16, (
         Run(('convert', '{run}', '{out}/1', '--dtype', 'float16'), 2,

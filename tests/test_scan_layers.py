@@ -9,6 +9,9 @@ sliced with numpy in the test.
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from orbax_tunix import maxtext
 from orbax_tunix.keypaths import flatten, fmt
 from tests import builders
+from tests.test_cli import run
 from tests.test_maxtext import sharded
 
 D, F, L = 8, 12, 3  # No two alike: each axis is told by its size.
@@ -202,3 +206,141 @@ def test_layer_counts_or_axes_that_do_not_fit_are_refused_before_any_read(saved,
   with pytest.raises(maxtext.LayerScanMismatchError, match='param_scan_axis=5'):
     maxtext.restore_train_state(saved['scanned'], _abstract(mesh, scanned=False),
                                 params_only=True, param_scan_axis=5)
+
+
+# --- layers that are not one decoder, and which side the axis names -----------------------
+
+
+class _OddStacked(nnx.Module):
+  """Scanned on axis 1 as MaxText stacks (wi (emb, L, mlp), wo (mlp, L, emb)), but the
+  norm holds one layer fewer than the kernels."""
+
+  def __init__(self, rngs):
+    self.mlp = nnx.Dict(wi=nnx.Dict(kernel=_param(rngs, D, L, F)),
+                        wo=nnx.Dict(kernel=_param(rngs, F, L, D)))
+    self.norm = nnx.Dict(scale=_param(rngs, D, L - 1))
+
+
+class _Ragged(Decoder):
+  """Unscanned, but `how` spoils the last layer: 'lacks' a weight, or 'odd' shape."""
+
+  def __init__(self, rngs, how):
+    super().__init__(rngs, False, 1)
+    last = getattr(self, f'layers_{L - 1}')
+    if how == 'lacks':
+      del last.norm
+    else:
+      last.norm = nnx.Dict(scale=_param(rngs, D + 1))
+
+
+def _with_decoder(decoder):
+  model = Model(nnx.Rngs(0), False)
+  model.decoder = decoder
+  return builders.Adapter(model)
+
+
+@pytest.fixture(scope='module')
+def spoiled(tmp_path_factory):
+  """Tunix saves (real nnx, weights only) of decoders whose layers do not agree."""
+  root = tmp_path_factory.mktemp('spoiled')
+  scanned = Model(nnx.Rngs(0), True)
+  scanned.decoder.layers = _OddStacked(nnx.Rngs(1))
+  models = {'odd_count': builders.Adapter(scanned),
+            'lacks': _with_decoder(_Ragged(nnx.Rngs(0), 'lacks')),
+            'odd_shape': _with_decoder(_Ragged(nnx.Rngs(0), 'odd'))}
+  return {name: builders.save_tunix(root / name, 1, m) for name, m in models.items()}
+
+
+def test_a_weight_with_another_layer_count_is_refused_naming_it(spoiled, mesh, tmp_path, capsys):
+  """One stacked weight holds 2 layers, the rest 3: no unscanned form has them all."""
+  msg = 'decoder/layers/norm/scale (8, 2): 2 along it'
+  with pytest.raises(maxtext.LayerScanMismatchError) as e:
+    maxtext.restore_train_state(spoiled['odd_count'], _abstract(mesh, scanned=False),
+                                params_only=True)
+  assert msg in str(e.value) and 'param_scan_axis=1' in str(e.value)
+  assert 'Pass `param_scan_axis' not in str(e.value)  # The axis is fine: no advice about it.
+  status, _, err = run(capsys, 'convert', spoiled['odd_count'], tmp_path / 'o' / '0',
+                        '--layout', 'maxtext', '--params-only', '--scan-layers', 'false')
+  assert status == 2 and msg in err and 'Pass --param-scan-axis' not in err, err
+  assert not (tmp_path / 'o').exists()
+  status, out, _ = run(capsys, 'inspect', spoiled['odd_count'])
+  assert status == 0 and 'stacked on axis ?' in out and 'layers  ?' in out
+
+
+@pytest.mark.parametrize('how, named', [
+    ('lacks', 'layers_2: lacks norm/scale'),
+    ('odd_shape', 'layers_2/norm/scale: (9,), the other layers (8,)'),
+])
+def test_unscanned_layers_that_differ_are_refused_naming_the_layer(
+    spoiled, mesh, tmp_path, capsys, how, named):
+  with pytest.raises(maxtext.LayerScanMismatchError) as e:
+    maxtext.restore_train_state(spoiled[how], _abstract(mesh, scanned=True), params_only=True)
+  assert named in str(e.value) and 'param_scan_axis' not in str(e.value)
+  status, _, err = run(capsys, 'convert', spoiled[how], tmp_path / 'o' / '0',
+                        '--layout', 'maxtext', '--params-only', '--scan-layers', 'true')
+  assert status == 2 and named in err and 'scan-axis' not in err, err
+  assert not (tmp_path / 'o').exists()
+
+
+# MaxText's own tiny llama2, scanned (layers on axis 1: query/kernel (16, 3, 4, 8)), trained by
+# Tunix (tests/data/maxtext/README.md).
+LLAMA = pathlib.Path(__file__).parent / 'data/maxtext/tunix_llama2_scan'
+
+
+def _stored(step_dir):
+  """The converted weights read by plain Orbax: {'a/b': array} under params/params."""
+  raw = builders.raw_leaves(step_dir / 'items')
+  return {k[len('params/params/'):]: v for k, v in raw.items() if k.startswith('params/params/')}
+
+
+def test_param_scan_axis_names_the_scanned_side_and_must_fit_it(tmp_path, capsys):
+  """Unscanning: the stored layers' axis (1 here), checked; scanning: the written one."""
+  src = builders.raw_leaves(LLAMA / '2' / 'model_params')
+  weights = {k[len('base/'):-len('/value')]: v for k, v in src.items() if 'rngs' not in k}
+  stacked = {k: v for k, v in weights.items() if k.startswith('decoder/layers/')}
+  out = tmp_path / 'out'
+  # The run is stacked on axis 1: axis 0 (or -1) names nothing that holds the layers.
+  status, _, err = run(capsys, 'convert', LLAMA, out / 'a' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false', '--param-scan-axis', '0')
+  assert status == 2 and 'stacked along axis 1' in err and 'not along param_scan_axis=0' in err
+  assert 'decoder/layers/mlp/wo/kernel (48, 3, 16)' in err and '--param-scan-axis 1' in err
+  status, _, err = run(capsys, 'convert', LLAMA, out / 'b' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false', '--param-scan-axis', '-1')
+  assert status == 2 and '--param-scan-axis -1: expected a non-negative axis' in err
+  assert not out.exists()
+  # Scanning onto axis 0: every stacked weight's layer axis moved to the front.
+  status, _, err = run(capsys, 'convert', LLAMA, out / 'c' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'true', '--param-scan-axis', '0')
+  assert status == 0, err
+  got = _stored(out / 'c' / '0')
+  assert got.keys() == weights.keys()
+  for k, v in weights.items():
+    want = np.moveaxis(v, 1, 0) if k in stacked else v
+    np.testing.assert_array_equal(got[k], want, err_msg=k)
+  meta = json.loads((out / 'c' / '0' / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
+  assert meta['scan_layers'] is True and meta['param_scan_axis'] == 0
+  status, report, _ = run(capsys, 'inspect', out / 'c' / '0', '--json')
+  assert status == 0 and json.loads(report)['layers'] == {'form': 'scanned', 'count': 3, 'axis': 0}
+  # Back to unscanned: the step's recorded axis is used; another one is refused.
+  status, _, err = run(capsys, 'convert', out / 'c' / '0', out / 'd' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false', '--param-scan-axis', '1')
+  assert status == 2 and 'records its layers stacked along axis 0' in err
+  status, _, err = run(capsys, 'convert', out / 'c' / '0', out / 'd' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false')
+  assert status == 0, err
+  got = _stored(out / 'd' / '0')
+  for k, v in stacked.items():
+    rest = k[len('decoder/layers/'):]
+    for i in range(3):
+      np.testing.assert_array_equal(got[f'decoder/layers_{i}/{rest}'], v[:, i], err_msg=k)
+  # The optimizer state is not re-laid onto another axis: refused, nothing written.
+  status, _, err = run(capsys, 'convert', LLAMA, out / 'e' / '0', '--layout', 'maxtext',
+                       '--scan-layers', 'true', '--param-scan-axis', '0')
+  assert status == 2 and '--params-only' in err and not (out / 'e').exists()
+  # An axis with nothing scanned on either side.
+  status, _, err = run(capsys, 'convert', LLAMA, out / 'f' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false', '--param-scan-axis', '1')
+  assert status == 0, err  # The stored layers are scanned on 1: it names them, and fits.
+  status, _, err = run(capsys, 'convert', out / 'f' / '0', out / 'g' / '0', '--layout', 'maxtext',
+                       '--params-only', '--param-scan-axis', '1')
+  assert status == 2 and 'no layer axis is used' in err

@@ -442,8 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="maxtext: write the decoder's layers scanned (true: stacked along"
                  ' --param-scan-axis) or unscanned (false: one array per layer); default: as'
                  ' stored')
-  p.add_argument('--param-scan-axis', type=int, default=1, metavar='AXIS',
-                 help="MaxText's param_scan_axis, the layer axis of scanned weights (default 1)")
+  p.add_argument('--param-scan-axis', type=int, metavar='AXIS',
+                 help="maxtext: MaxText's param_scan_axis, the layer axis of the scanned side:"
+                 ' of the layers written with --scan-layers true (default 1, or the stored'
+                 " step's axis when it is scanned too), else of the stored scanned layers"
+                 ' (default: read from the step; an axis that does not fit is refused)')
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')

@@ -205,8 +205,7 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'num_leaves': report.num_leaves,
       'bytes': report.nbytes,
       'lora': None if report.lora is None else dataclasses.asdict(report.lora),
-      'layers': None if report.layers is None else {
-          'form': report.layers[0], 'count': report.layers[1]},
+      'layers': None if report.layers is None else dataclasses.asdict(report.layers),
       'optimizer': {
           'item': report.optimizer_item,
           'outline': [
@@ -365,11 +364,14 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
         ' the custom metadata.'
     )
   if report.layers is not None:
-    form, count = report.layers
-    how = ('decoder/layers/<w>, stacked on axis 1 (scan_layers=True)' if form == 'scanned'
+    form, count, axis = report.layers.form, report.layers.count, report.layers.axis
+    how = (f'decoder/layers/<w>, stacked on axis {"?" if axis is None else axis}'
+           ' (scan_layers=True)' if form == 'scanned'
            else 'decoder/layers_<i>/<w> (scan_layers=False)')
     out.title('MaxText layers')
-    out.fields([('form', f'{form}: {how}'), ('layers', str(count) if count else '?')])
+    out.fields([('form', f'{form}: {how}'),
+                ('layers', '? (the stacked weights do not agree on an axis and count)'
+                 if count is None else str(count))])
   if report.lora is not None:
     lora = report.lora
     out.title('LoRA')

@@ -34,7 +34,7 @@ class Request:
     dtype: floating leaves cast to this dtype (None: kept).
     merge: a LoRA merge whose merged weights are written (implies params_only).
     scan_layers: MaxText's layer form to write (None: as stored).
-    param_scan_axis: MaxText's layer axis of scanned weights.
+    param_scan_axis: MaxText's layer axis of the scanned side (None: found; see `convert`).
   """
 
   source: reader.CanonicalCheckpoint
@@ -42,7 +42,7 @@ class Request:
   dtype: np.dtype | None = None
   merge: merge_lib.MergePlan | None = None
   scan_layers: bool | None = None
-  param_scan_axis: int = 1
+  param_scan_axis: int | None = None
 
 
 def weights(request: Request) -> dict[tuple[str, ...], Output]:

@@ -16,13 +16,15 @@ optionally with the decoder's layers in the other form (`maxtext.layers`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from orbax_tunix import conventions, errors, lora, patterns, reader
 from orbax_tunix import outputs as outputs_lib
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.layouts import OPTIONS, LaidOut, Layout, Request, register
+from orbax_tunix.layouts import LaidOut, Layout, Request, register
 from orbax_tunix.layouts import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.maxtext import layers, train_state
@@ -34,41 +36,117 @@ from orbax_tunix.transforms import IDENTITY, constant
 ITEM = conventions.MAXTEXT_ITEM
 
 
-def _form(request: Request, weights: dict[Path, reader.LeafInfo]) -> str | None:
-  """The layer form to write (None: as stored, or no MaxText decoder layers)."""
-  stored = layers.form_of(weights)
-  if request.scan_layers is None and request.param_scan_axis != OPTIONS['param_scan_axis']:
-    raise errors.InvalidOptionError(
-        f'`param_scan_axis` {request.param_scan_axis}: the layers are written as stored'
-        ' (no `scan_layers`), so no layer axis is used. Pass `scan_layers` too, or leave'
-        ' `param_scan_axis` out.'
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+  """How the decoder's layers are written.
+
+  Attributes:
+    rules: the layout rules from the stored weights to the written ones.
+    form: the form written (None: no MaxText decoder layers).
+    axis: the layer axis written when scanned (else None).
+    relaid: the layers are written in another form or axis than stored.
+    scan_axis: the layer axis of the scanned side, stored or written (None:
+      neither is scanned).
+  """
+
+  rules: tuple[patterns.LayoutRule, ...]
+  form: str | None
+  axis: int | None
+  relaid: bool
+  scan_axis: int | None = None
+
+
+def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
+  """The layers' form and axis to write, from the request and the stored shapes.
+
+  `param_scan_axis` names the layer axis of the scanned side: the written one
+  when writing scanned, else the stored one. A stored scanned step's own axis
+  is the one its custom metadata records (a converted step), else the one its
+  shapes allow (`layers.check_stacked`); a given axis that does not fit it is
+  refused, naming the weights.
+
+  Raises:
+    InvalidOptionError: a negative `param_scan_axis`, or one no side of the
+      conversion is scanned on.
+    UnsupportedLayoutError: `scan_layers` for weights without MaxText layers.
+    LayerScanMismatchError: the stored layers are not one decoder (a weight
+      with another layer count or shape), or the axis does not fit them.
+  """
+  given = request.param_scan_axis
+  layers.check_axis(given)
+  where = str(request.source.step_dir)
+  stored = layers.form_of(shapes)
+  want = None if request.scan_layers is None else (
+      layers.SCANNED if request.scan_layers else layers.UNSCANNED)
+  if stored is None and want is not None:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: `scan_layers` asks for MaxText\'s {want} layers, but the weights hold'
+        ' no MaxText decoder layers (decoder/layers/... or decoder/layers_<i>/...).'
+        ' Leave `scan_layers` out.'
     )
-  if request.scan_layers is None or stored is None:
-    if request.scan_layers is not None:
-      raise errors.UnsupportedLayoutError(
-          f'{request.source.step_dir}: `scan_layers` asks for MaxText\'s'
-          f' {"scanned" if request.scan_layers else "unscanned"} layers, but the weights hold'
-          ' no MaxText decoder layers (decoder/layers/... or decoder/layers_<i>/...).'
-          ' Leave `scan_layers` out.'
-      )
-    return stored
-  return layers.SCANNED if request.scan_layers else layers.UNSCANNED
+  if given is not None and layers.SCANNED not in (stored, want):
+    raise errors.InvalidOptionError(
+        f'`param_scan_axis` {given}: '
+        + ('the layers are written as stored (no `scan_layers`), and the weights hold no'
+           ' scanned layers' if want is None else 'neither the stored nor the written layers'
+           ' are scanned')
+        + ', so no layer axis is used. Leave `param_scan_axis` out'
+        + (', or pass `scan_layers` too.' if want is None else '.')
+    )
+  if stored is None:
+    return _Layers((layers.AS_STORED,), None, None, False)
+  if stored == layers.UNSCANNED:
+    if want != layers.SCANNED:
+      return _Layers((layers.AS_STORED,), stored, None, False)
+    layers.check_unscanned(shapes, where)
+    axis = layers.DEFAULT_AXIS if given is None else given
+    return _Layers(layers.rules(layers.SCANNED, axis), want, axis, True, axis)
+  recorded = request.source.detection.source.custom_metadata.get(layers.SCAN_AXIS_KEY)
+  recorded = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
+  names_stored = want != layers.SCANNED  # The axis given names the stored layers.
+  if names_stored and given is not None and recorded is not None and given != recorded:
+    raise layers.LayerScanMismatchError(
+        f'{where}: `param_scan_axis` {given}, but the step records its layers stacked along'
+        f' axis {recorded} (custom metadata {layers.SCAN_AXIS_KEY!r}). Pass'
+        f' `param_scan_axis={recorded}`, or'
+        ' leave it out.'
+    )
+  named = given if names_stored and given is not None else recorded
+  if want is None and named is None:
+    try:  # As stored: the axis is only recorded, when the shapes tell it.
+      axis = layers.check_stacked(shapes, None, where)
+    except layers.LayerScanMismatchError:
+      axis = None
+    return _Layers((layers.AS_STORED,), stored, axis, False, axis)
+  source_axis = layers.check_stacked(shapes, named, where)
+  if want == layers.UNSCANNED:
+    return _Layers(layers.rules(layers.UNSCANNED, source_axis), want, None, True, source_axis)
+  axis = source_axis if want is None or given is None else given
+  if axis != source_axis and not request.params_only:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: the layers are stacked along axis {source_axis}; moving them to'
+        f' param_scan_axis={axis} is done for the weights only (the optimizer state is not'
+        ' re-laid so). Add `params_only` (MaxText then starts its optimizer afresh), or'
+        f' pass `param_scan_axis={source_axis}`.'
+    )
+  return _Layers(layers.rules(layers.SCANNED, axis, source_axis), layers.SCANNED, axis,
+                 axis != source_axis, axis)
 
 
-def _relaid(request: Request, weights, form) -> dict[Path, patterns.Mapped]:
-  """The weights as MaxText holds them in `form` (as stored when None)."""
+def _relaid(request: Request, weights, laid: _Layers) -> dict[Path, patterns.Mapped]:
+  """The weights as MaxText holds them in the form `laid` says."""
   shapes = {w: leaf.shape for w, leaf in weights.items()}
-  rules = (layers.AS_STORED,) if form is None else layers.rules(form, request.param_scan_axis)
   try:
-    return patterns.map_paths(shapes, rules, where=str(request.source.step_dir)).outputs
+    return patterns.map_paths(shapes, laid.rules, where=str(request.source.step_dir)).outputs
   except errors.UnsupportedLayoutError as e:
     raise layers.LayerScanMismatchError(
-        f'{e}\nPass the param_scan_axis the model was built with.') from e
+        f'{e}\nThe decoder\'s layers cannot be re-laid so: check how the step was written.'
+    ) from e
 
 
-def _weights_item(request: Request, weights, form) -> ItemOutput:
+def _weights_item(request: Request, weights, laid: _Layers) -> ItemOutput:
   """params/params/<weights> (merged for a LoRA merge), in the layer form asked for."""
-  mapped = _relaid(request, weights, form)
+  mapped = _relaid(request, weights, laid)
   return ItemOutput(ITEM, tuple(outputs_lib.relay(
       layout_weights(request), mapped, conventions.MAXTEXT_PARAMS)), zarr3=True)
 
@@ -109,19 +187,22 @@ def lay_out(request: Request) -> LaidOut:
   if request.merge is not None:
     # The merged model's weights (the plain model's paths), the layers as stored.
     weights = {p: s.leaf for p, s in request.merge.weights.items()}
-  form = _form(request, weights)
+  laid = _layers(request, {w: tuple(leaf.shape) for w, leaf in weights.items()})
+  first = tuple(rng_note(source)) + tuple(_not_maxtext_note(weights))
+  if laid.relaid:
+    first += (f'decoder layers written {laid.form}'
+              + (f' (param_scan_axis={laid.axis})' if laid.axis is not None else ''),)
   if request.params_only:
-    item = _weights_item(request, weights, form)
-    return LaidOut((item,), tuple(rng_note(source)),
-                   _scan_record({o.path[2:]: o.shape for o in item.outputs}))
+    item = _weights_item(request, weights, laid)
+    return LaidOut((item,), first, _scan_record(laid))
   _refuse_what_maxtext_cannot_continue(source, weights)
   shapes = {w: jax.ShapeDtypeStruct(m.shape, reader.cast_dtype(weights[m.sources[0]], request.dtype))
-            for w, m in _relaid(request, weights, form).items()}
+            for w, m in _relaid(request, weights, laid).items()}
   target = train_state.template(shapes)
   view = read_view(source.detection)
   try:
     plan = make_plan(view, {p: tuple(s.shape) for p, s in target.items()},
-                     param_scan_axis=request.param_scan_axis)
+                     param_scan_axis=laid.scan_axis)
   except errors.TargetMismatchError as e:
     if isinstance(e, layers.LayerScanMismatchError):
       raise
@@ -133,18 +214,40 @@ def lay_out(request: Request) -> LaidOut:
   sequences, empty = train_state.containers()
   item = ItemOutput(ITEM, _outputs(request, plan, target), sequences=sequences, empty=empty,
                     zarr3=True)
-  notes = list(rng_note(source)) + [f'{fmt(p)}: filled from {f.describe()}'
-                                    for p, f in sorted(plan.fills.items())]
+  notes = list(first) + [f'{fmt(p)}: filled from {f.describe()}'
+                         for p, f in sorted(plan.fills.items())]
   notes += [n for n in plan.left_out if 'RNG' not in n]
-  if plan.derived:
-    notes.append(f'decoder layers written {form} (param_scan_axis={request.param_scan_axis})')
-  return LaidOut((item,), tuple(notes), _scan_record(shapes))
+  return LaidOut((item,), tuple(notes), _scan_record(laid))
 
 
-def _scan_record(weights) -> dict[str, bool]:
-  """MaxText's own step metadata: whether its decoder layers are scanned."""
-  form = layers.form_of(weights)
-  return {} if form is None else {'scan_layers': form == layers.SCANNED}
+def _scan_record(laid: _Layers) -> dict[str, bool | int]:
+  """The step's custom metadata: whether its decoder layers are scanned (MaxText's own
+  key, which its `from_pretrained` checks) and, when they are, along which axis."""
+  if laid.form is None:
+    return {}
+  record: dict[str, bool | int] = {layers.SCAN_LAYERS_KEY: laid.form == layers.SCANNED}
+  if laid.axis is not None:
+    record[layers.SCAN_AXIS_KEY] = laid.axis
+  return record
+
+
+# The top-level modules of every MaxText decoder model (`models.Transformer`).
+MAXTEXT_MODULES = ('decoder', 'token_embedder')
+
+
+def _not_maxtext_note(weights) -> list[str]:
+  """A note when the weights are not a MaxText model's: MaxText's loaders read the
+  step, but no MaxText model finds its weights under these names."""
+  tops = sorted({w[0] for w in weights if w})
+  if not weights or all(m in tops for m in MAXTEXT_MODULES):
+    return []
+  return [
+      f'the weights are not a MaxText model\'s (expected top-level {" and ".join(MAXTEXT_MODULES)},'
+      f' found {", ".join(tops[:6])}{", ..." if len(tops) > 6 else ""}): MaxText\'s loaders read'
+      ' this step, but a MaxText model will not find its weights in it. For a MaxText model of'
+      ' this architecture, export to Hugging Face (orbax-tunix export) and convert that with'
+      ' MaxText\'s own checkpoint conversion'
+  ]
 
 
 def _refuse_what_maxtext_cannot_continue(

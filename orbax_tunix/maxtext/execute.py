@@ -19,7 +19,6 @@ from etils import epath
 from orbax_tunix import conventions, errors, lora, merge, reader, transforms
 from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.maxtext import layers
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
 from orbax_tunix.maxtext.view import Shape
 from orbax_tunix.planned_item import PlannedItem
@@ -230,7 +229,7 @@ def restore_train_state(
     lora_alpha: float | None = None,
     lora_scale: float | None = None,
     lora_base: epath.PathLike | None = None,
-    param_scan_axis: int = layers.DEFAULT_AXIS,
+    param_scan_axis: int | None = None,
 ) -> PyTree:
   """Restores a Tunix checkpoint as MaxText's train state.
 
@@ -258,11 +257,14 @@ def restore_train_state(
       (`orbax_tunix.restore_merged_lora`); needs `params_only=True`.
     lora_alpha, lora_scale, lora_base: the merge's `alpha`, `scale` and
       `base` (the base weights' checkpoint, for an adapters-only save).
-    param_scan_axis: MaxText's layer axis of scanned weights. A checkpoint
-      holding the decoder's layers in the other form than the target
-      (`decoder/layers/<w>` stacked vs `decoder/layers_<i>/<w>`) is re-laid
-      to the target's: each layer a slice along this axis, or the layers
-      stacked along it (`mu`/`nu` alike).
+    param_scan_axis: MaxText's layer axis of scanned weights, of the side
+      that is scanned. A checkpoint holding the decoder's layers in the other
+      form than the target (`decoder/layers/<w>` stacked vs
+      `decoder/layers_<i>/<w>`) is re-laid to the target's: each layer a
+      slice along this axis, or the layers stacked along it (`mu`/`nu`
+      alike). None: the checkpoint's own axis (the one along which every
+      stacked weight holds the layer count), or for a scanned target the
+      one its shapes give (1, MaxText's default, when several do).
 
   Returns:
     A tree of the same structure whose restored leaves are `jax.Array`s. Each

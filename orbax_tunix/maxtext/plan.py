@@ -154,7 +154,7 @@ class _Draft:
 
   view: CheckpointView
   target: Mapping[Path, Shape | None]
-  axis: int = layers.DEFAULT_AXIS
+  axis: int | None = None
   reads: dict[Path, Source] = dataclasses.field(default_factory=dict)
   derived: dict[Path, Derived] = dataclasses.field(default_factory=dict)
   fills: dict[Path, Fill] = dataclasses.field(default_factory=dict)
@@ -383,7 +383,7 @@ def make_plan(
     *,
     params_only: bool = False,
     notes: Sequence[str] = (),
-    param_scan_axis: int = layers.DEFAULT_AXIS,
+    param_scan_axis: int | None = None,
 ) -> RestorePlan:
   """Works out where every target leaf comes from; a pure function of metadata.
 
@@ -493,7 +493,7 @@ def plan_restore(
     abstract_state: PyTree,
     *,
     params_only: bool = False,
-    param_scan_axis: int = layers.DEFAULT_AXIS,
+    param_scan_axis: int | None = None,
 ) -> RestorePlan:
   """Plans restoring a Tunix checkpoint into a MaxText-shaped abstract state.
 
