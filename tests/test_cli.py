@@ -691,3 +691,15 @@ def test_inspect_says_which_maxtext_layer_form_and_how_many(capsys, name):
                     'count': int(argv['base_num_decoder_layers']),
                     # MaxText's base.yml default, unless the config set it.
                     'axis': int(argv.get('param_scan_axis', 1)) if manifest['scan_layers'] else None}
+
+
+def test_convert_maxtext_says_when_the_weights_are_not_a_maxtext_model(capsys, tunix_data, tmp_path):
+  """A Tunix qwen3 (its own names) laid out for MaxText: its loaders read it, a model does not."""
+  status, _, err = run(capsys, 'convert', tunix_data / 'hf_qwen3', tmp_path / '1', '--layout',
+                       'maxtext', '--params-only')
+  assert status == 0
+  assert "note: the weights are not a MaxText model's (expected top-level decoder and" in err
+  assert 'found embedder, final_norm, layers, lm_head' in err
+  status, _, err = run(capsys, 'convert', REPO / 'tests/data/maxtext/tunix_llama2_scan',
+                       tmp_path / '2', '--layout', 'maxtext', '--params-only')
+  assert status == 0 and "not a MaxText model's" not in err

@@ -679,3 +679,19 @@ def test_split_opt_path_finds_the_mirrored_weights():
   ) == (('1', '0'), 'mu', ('layers', '0', 'w'))
   assert maxtext_optimizer.split_opt_path(('opt_state', '0', 'count'), weights) == (
       ('0',), 'count', None)
+
+
+@pytest.mark.parametrize('target', [None, {}, {'params': {'params': {}}}], ids=['none', 'empty', 'hollow'])
+@pytest.mark.parametrize('params_only', [False, True], ids=['full', 'params'])
+def test_error_no_abstract_state(tunix_data, no_reads, target, params_only):
+  """Nothing says what to restore: refused (it returned the target itself), not a no-op."""
+  for call in (lambda: maxtext.restore_train_state(tunix_data / 'sft_full', target,
+                                                   params_only=params_only),
+               lambda: maxtext.plan_restore(tunix_data / 'sft_full', target),
+               lambda: ocp.Checkpointer(maxtext.ItemsHandler()).restore(
+                   tunix_data / 'sft_full' / '2', args=ocp.args.PyTreeRestore(item=target))):
+    with pytest.raises(ot.TargetMismatchError) as e:
+      call()
+    msg = str(e.value)
+    assert f'`abstract_state` {target!r}: expected MaxText\'s abstract train state' in msg
+    assert 'train_state_nnx.to_checkpoint_dict' in msg and 'sft_full' in msg

@@ -19,7 +19,7 @@ from etils import epath
 from orbax_tunix import conventions, errors, lora, merge, reader, transforms
 from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore
+from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore, require_target
 from orbax_tunix.maxtext.view import Shape
 from orbax_tunix.planned_item import PlannedItem
 from orbax_tunix.requests import args_by_path, into, is_key, sharding_of
@@ -272,8 +272,8 @@ def restore_train_state(
 
   Raises:
     TargetMismatchError: the target does not fit the checkpoint (weights on
-      one side only, shapes, optimizer states); raised before any array is
-      read. `LayerScanMismatchError` (scanned vs unscanned with layer counts
+      one side only, shapes, optimizer states), or has no leaves (None, {});
+      raised before any array is read. `LayerScanMismatchError` (scanned vs unscanned with layer counts
       or an axis that do not fit) and `LoraOnlyCheckpointError` are two cases.
     UnsupportedLayoutError: not a Tunix checkpoint.
     LoraError: a merge without `params_only`, `lora_alpha` or `lora_scale`
@@ -282,6 +282,7 @@ def restore_train_state(
   """
   merging = merge_lora or lora_base is not None
   lora.check_merge_options(merging, lora_alpha, lora_scale)
+  require_target(abstract_state, path.step_dir if isinstance(path, Detection) else path)
   if merging:
     return _restore_merged(path, abstract_state, params_only, restore_args,
                            lora_alpha, lora_scale, lora_base)

@@ -14,7 +14,7 @@ from etils import epath
 
 from orbax_tunix import errors, storage
 from orbax_tunix.maxtext.execute import restore_train_state
-from orbax_tunix.maxtext.plan import detect_for
+from orbax_tunix.maxtext.plan import detect_for, require_target
 
 PyTree = Any
 
@@ -79,11 +79,7 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
           ' checkpoint; pass the MaxText abstract state as `item` (the mapping'
           ' is worked out from it).'
       )
-    if args.item is None:
-      raise errors.TargetMismatchError(
-          f'{directory}: a Tunix checkpoint is restored into a MaxText train'
-          ' state, and none was given. Pass the abstract state as `item`.'
-      )
+    require_target(args.item, directory)
     return restore_train_state(
         found,
         args.item,

@@ -488,6 +488,22 @@ def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
   return detect(location, items=wanted_items(location, needed_items(params_only)))
 
 
+def require_target(abstract_state: PyTree, where: object) -> None:
+  """Refuses a target with no leaves (None, {}): nothing would say what to restore.
+
+  Raises:
+    TargetMismatchError: saying how to build MaxText's abstract state.
+  """
+  if not flatten(abstract_state)[0]:
+    raise errors.TargetMismatchError(
+        f'{where}: `abstract_state` {abstract_state!r}: expected MaxText\'s abstract train'
+        ' state (its leaves say what is restored, in which shape, dtype and sharding),'
+        ' found no leaves. Build it as MaxText does: `train_state_nnx.to_checkpoint_dict`'
+        ' of its abstract NNX state, or `jax.eval_shape` of a Linen TrainState\'s'
+        ' init, shardings attached (README: "In your own code").'
+    )
+
+
 def plan_restore(
     path: epath.PathLike | Detection,
     abstract_state: PyTree,
@@ -512,10 +528,12 @@ def plan_restore(
 
   Raises:
     UnsupportedLayoutError: not a Tunix checkpoint.
-    TargetMismatchError (and subclasses): see `make_plan`.
+    TargetMismatchError (and subclasses): an `abstract_state` with no leaves
+      (None, {}); see `make_plan`.
     MissingItemError: an item the restore needs is recorded but not on disk.
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
+  require_target(abstract_state, path.step_dir if isinstance(path, Detection) else path)
   detection = path if isinstance(path, Detection) else detect_for(path, params_only)
   detection.require(needed_items(params_only))
   if not detection.is_tunix:
