@@ -165,6 +165,23 @@ class PlannedItem:
     """Whether rewrites apply (else the item is read as it is)."""
     return bool(self.cmap.rewrites)
 
+  def as_stored(self, target: PyTree) -> bool:
+    """Whether a restore target already has the on-disk shape: then it is Orbax's.
+
+    A target whose every leaf (but `ocp.PLACEHOLDER`s) is at an on-disk path,
+    some not canonical (e.g. flax's `nnx.state` of an abstract model, with its
+    `value` levels, as flax's checkpointing guide restores): rewriting it
+    would break what plain Orbax restores. Such a target, and every reader of
+    it, is handed to Orbax unchanged.
+    """
+    if target is None or not self.is_tunix:
+      return False
+    paths = [p for p, leaf in flatten(target)[0] if leaf is not ocp.PLACEHOLDER]
+    stored = self.meta.paths
+    canonical = self.cmap.canonical_to_disk
+    return (bool(paths) and all(p in stored for p in paths)
+            and any(p not in canonical for p in paths))
+
   def read(
       self,
       wanted: Mapping[Path, requests.Request],

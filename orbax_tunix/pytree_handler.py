@@ -4,11 +4,14 @@ A thin adapter: a Tunix item is restored by its `planned_item.PlannedItem`
 (the target rewritten into the on-disk structure, only the arrays it names
 read, each straight into its sharding and dtype), through Orbax's reads by
 this handler (or the `reader` it was given), with their options. Any other
-item goes to Orbax's `PyTreeCheckpointHandler` exactly as asked.
+item, and a Tunix item restored into a target that already has its on-disk
+shape (`PlannedItem.as_stored`), goes to Orbax exactly as asked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -19,6 +22,21 @@ from etils import epath
 from orbax_tunix import _orbax, errors, planned_item, storage
 
 PyTree = Any
+
+# Item directories being restored as stored (their target has the on-disk shape):
+# Orbax's StandardCheckpointHandler calls back `metadata` and `restore`, which
+# then answer as Orbax's own.
+_AS_STORED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    'orbax_tunix_as_stored', default=frozenset())
+
+
+@contextlib.contextmanager
+def _as_stored(directory: epath.Path):
+  token = _AS_STORED.set(_AS_STORED.get() | {str(directory)})
+  try:
+    yield
+  finally:
+    _AS_STORED.reset(token)
 
 
 def _existing(directory: epath.PathLike) -> epath.Path:
@@ -115,6 +133,9 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       CorruptMetadataError: stored data the target needs is missing or damaged.
     """
     directory = _existing(directory)
+    if str(directory) in _AS_STORED.get():
+      return self._orbax_restore(directory, args or ocp.args.PyTreeRestore(
+          item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn))
     planned = planned_item.find(directory)
     if args is None:
       nothing = item is None and restore_args is None and transforms is None
@@ -138,6 +159,9 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     try:
       if planned is None or not planned.is_tunix:
         return self._orbax_restore(directory, args)
+      if planned.as_stored(getattr(args, 'item', None)):
+        with _as_stored(directory):
+          return self._orbax_restore(directory, args)
       with planned_item.using([planned]):
         if isinstance(args, ocp.args.StandardRestore):
           # Orbax's own StandardRestore logic, which calls back `metadata` and
@@ -159,7 +183,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       CorruptMetadataError: a Tunix item's array stores are unreadable.
     """
     directory = _existing(directory)
-    planned = planned_item.find(directory)
+    planned = None if str(directory) in _AS_STORED.get() else planned_item.find(directory)
     if planned is None or not planned.is_tunix:
       if self._reader is not None:
         return self._reader.metadata(directory)

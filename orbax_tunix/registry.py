@@ -76,7 +76,8 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
 
   async def load(self, directory: epath.Path, abstract_checkpointable: Any = None):
     planned = await asyncio.to_thread(planned_item.find, directory)
-    if planned is None or not planned.is_tunix:
+    if (planned is None or not planned.is_tunix
+        or planned.as_stored(abstract_checkpointable)):  # Orbax's, unchanged.
       return await super().load(directory, abstract_checkpointable)
     args = TunixPyTreeRestore(item=abstract_checkpointable)
     # Read through the v0 machinery (with the plan made here); v1 awaits the result.

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -228,3 +229,117 @@ def test_public_api_is_one_list():
   assert named == exported, named ^ exported
   maxtext_row = next(line for line in table.splitlines() if line.startswith('| `maxtext`'))
   assert set(re.findall(r'`([A-Za-z_]+)`', maxtext_row.split('|')[2])) == set(ot.maxtext.__all__)
+
+
+
+# --- targets that already have the on-disk shape: Orbax's, unchanged ------------------------
+
+
+class _MLP(nnx.Module):
+  """A model as flax's checkpointing guide saves one: Linear layers and a BatchNorm."""
+
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(4, 16, rngs=rngs)
+    self.l2 = nnx.Linear(16, 8, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+
+
+def _flax_target(mesh):
+  """flax's documented restore target: `nnx.split` of `nnx.eval_shape`, shardings attached."""
+  _, abstract = nnx.split(nnx.eval_shape(lambda: _MLP(nnx.Rngs(0))))
+  def sharded(x):
+    spec = P('data', 'model') if len(x.shape) == 2 else P('model')
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(sharded, abstract)
+
+
+def _assert_same(got, want, what):
+  """Tree structure, values, dtypes and shardings as plain Orbax restored them."""
+  assert jax.tree.structure(got) == jax.tree.structure(want), what
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
+                          strict=True):
+    where = f'{what}: {jax.tree_util.keystr(path)}'
+    assert isinstance(a, jax.Array) and a.dtype == b.dtype, where
+    assert a.sharding == b.sharding, where
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=where)
+
+
+@pytest.fixture(scope='module')
+def flax_state(tmp_path_factory):
+  """A plain flax nnx checkpoint (not Tunix's): the guide's StandardCheckpointer save, and
+  a CheckpointManager step of the same state."""
+  root = tmp_path_factory.mktemp('flax')
+  _, state = nnx.split(_MLP(nnx.Rngs(0)))
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(root / 'state', state)
+  with ocp.CheckpointManager(root / 'run') as mngr:
+    mngr.save(1, args=ocp.args.StandardSave(state))
+  return root
+
+
+def test_a_flax_nnx_checkpoint_restores_as_with_plain_orbax(flax_state, mesh):
+  target = _flax_target(mesh)
+  plain = ocp.StandardCheckpointer().restore(flax_state / 'state', target)
+  assert isinstance(plain, nnx.State)
+  item = flax_state / 'run' / '1' / 'default'
+
+  def single(handler, path, args):
+    return ocp.Checkpointer(handler).restore(path, args=args)
+
+  def composite(handler, args):
+    return ocp.Checkpointer(handler).restore(item.parent, args=ocp.args.Composite(
+        default=args))['default']
+
+  def manager(**kwargs):
+    return ocp.CheckpointManager(flax_state / 'run', **kwargs).restore(
+        1, args=ocp.args.StandardRestore(target))
+
+  standard, pytree = ocp.args.StandardRestore(target), ocp.args.PyTreeRestore(target)
+  # (ours, plain Orbax's same call)
+  cases = {
+      'TunixPyTreeHandler StandardRestore': (
+          lambda: single(ot.TunixPyTreeHandler(), flax_state / 'state', standard),
+          lambda: single(ocp.StandardCheckpointHandler(), flax_state / 'state', standard)),
+      'TunixPyTreeHandler PyTreeRestore': (
+          lambda: single(ot.TunixPyTreeHandler(), item, pytree),
+          lambda: single(ocp.PyTreeCheckpointHandler(), item, pytree)),
+      'TunixAwareHandler StandardRestore': (
+          lambda: composite(ot.TunixAwareHandler(), standard),
+          lambda: composite(ocp.CompositeCheckpointHandler(), standard)),
+      'TunixAwareHandler PyTreeRestore': (
+          lambda: composite(ot.TunixAwareHandler(), pytree),
+          lambda: composite(ocp.CompositeCheckpointHandler(), pytree)),
+      'CheckpointManager(handler_registry)': (
+          lambda: manager(handler_registry=ot.handler_registry()), manager),
+  }
+  for what, (ours, orbax) in cases.items():
+    _assert_same(ours(), orbax(), what)
+  ot.register()  # As load_plugins() does for any trainer.
+  _assert_same(ocp.v1.load_pytree(flax_state / 'state', target), plain, 'v1 load_pytree')
+  _assert_same(ocp.v1.load_checkpointables(item.parent, {'default': target})['default'], plain,
+               'v1 load_checkpointables')
+
+
+def test_a_tunix_item_with_an_on_disk_target_restores_as_with_plain_orbax(tunix_data, mesh):
+  """The on-disk tree (with its nnx `value` levels) as the target: no rewrite."""
+  step = tunix_data / 'sft_full' / '2'
+  stored = ocp.PyTreeCheckpointHandler().metadata(step / 'model_params').tree
+  cpu = NamedSharding(mesh, P())
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), stored)
+  assert 'value' in jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(target)[0][0][0])
+  plain = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+      step / 'model_params', args=ocp.args.PyTreeRestore(target))
+  _assert_same(ocp.Checkpointer(ot.TunixPyTreeHandler()).restore(
+      step / 'model_params', args=ocp.args.PyTreeRestore(target)), plain, 'TunixPyTreeHandler')
+  _assert_same(ocp.Checkpointer(ot.TunixAwareHandler()).restore(step, args=ocp.args.Composite(
+      model_params=ocp.args.PyTreeRestore(target)))['model_params'], plain, 'TunixAwareHandler')
+  ot.register()  # v1 reads into the target's shardings, as StandardRestore does.
+  _assert_same(ocp.v1.load_checkpointables(step, {'model_params': target})['model_params'],
+               ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+                   step / 'model_params', args=ocp.args.StandardRestore(target)), 'v1')
+  # The canonical target (no `value` level) still reads the same arrays.
+  canonical = ocp.Checkpointer(ot.TunixPyTreeHandler()).restore(step / 'model_params')
+  flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(plain)[0]}
+  for p, v in jax.tree_util.tree_flatten_with_path(canonical)[0]:
+    name = jax.tree_util.keystr(p)
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(flat[name + "['value']"]))
