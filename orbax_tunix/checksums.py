@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_tunix import reader
+from orbax_tunix import errors, reader
 from orbax_tunix.keypaths import Path, fmt
 
 # Where in `_CHECKPOINT_METADATA`'s custom metadata the checksums sit: under
@@ -69,6 +69,8 @@ class Verification:
     damaged: leaves whose data does not match the checksum recorded.
     unrecorded: leaves the record has no checksum for (not checked).
     missing: leaves the record names that the step does not hold.
+    unreadable: leaves whose stored data could not be read (a truncated or
+      missing data file): damaged too.
   """
 
   step_dir: epath.Path
@@ -76,10 +78,11 @@ class Verification:
   damaged: tuple[str, ...]
   unrecorded: tuple[str, ...]
   missing: tuple[str, ...]
+  unreadable: tuple[str, ...] = ()
 
   @property
   def ok(self) -> bool:
-    return not (self.damaged or self.missing)
+    return not (self.damaged or self.missing or self.unreadable)
 
 
 def verify(
@@ -121,17 +124,34 @@ def verify(
       leaf.name for item in sorted(ckpt.items) for leaf in ckpt.items[item]
       if key(leaf.path) not in sums.get(item, {})
   ]
+  unreadable: list[str] = []
   progress.start(sum(leaf.nbytes for leaf in todo), 'verifying')
   try:
     for item in sorted(ckpt.items):
       leaves = [leaf for leaf in todo if leaf.item == item]
       for batch in reader.batches(leaves, reader.batch_bytes(memory_budget, 2)):
-        values = reader.read(ckpt, item, batch, as_numpy=True)
-        for leaf, value in zip(batch, values, strict=True):
+        for leaf, value in _read_each(ckpt, item, batch, unreadable):
           checked += 1
           if checksum(value) != sums[item][key(leaf.path)]:
             damaged.append(leaf.name)
         progress.advance(sum(leaf.nbytes for leaf in batch))
   finally:
     progress.finish()
-  return Verification(ckpt.step_dir, checked, tuple(damaged), tuple(unrecorded), tuple(missing))
+  return Verification(ckpt.step_dir, checked, tuple(damaged), tuple(unrecorded), tuple(missing),
+                      tuple(unreadable))
+
+
+def _read_each(ckpt: reader.CanonicalCheckpoint, item: str, batch: list, unreadable: list[str],
+               ) -> list[tuple[Any, Any]]:
+  """(leaf, value) for each leaf of a batch that reads; the others' names go to `unreadable`.
+
+  One read for the batch; when stored data is damaged, each leaf is read on its
+  own, so that every damaged array is named (not the first one only).
+  """
+  try:
+    return list(zip(batch, reader.read(ckpt, item, batch, as_numpy=True), strict=True))
+  except errors.CorruptMetadataError:
+    if len(batch) == 1:
+      unreadable.append(batch[0].name)
+      return []
+  return [pair for leaf in batch for pair in _read_each(ckpt, item, [leaf], unreadable)]

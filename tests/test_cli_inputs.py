@@ -398,6 +398,37 @@ def test_closed_stdout_keeps_the_exit_status(tmp_path):
     assert b'Traceback' not in done.stderr.read()
 
 
+def test_verify_names_every_unreadable_array_and_exits_1(tmp_path):
+  """Truncated data files: every array they held is reported damaged (exit 1), the others
+  checked. Which arrays are unreadable is asked of plain Orbax, one array at a time."""
+  rng = np.random.default_rng(0)
+  state = {f'w{i}': rng.standard_normal((128, 128)).astype(np.float32) for i in range(6)}
+  src = save_step(tmp_path / 'src' / '1', state=state)
+  dst = tmp_path / 'out' / '1'
+  assert cli('convert', src, dst, '--memory-budget', '2G').returncode == 0
+  files = sorted((dst / 'state' / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size)
+  for data in files[-2:]:
+    data.write_bytes(data.read_bytes()[:data.stat().st_size // 3])
+  item = dst / 'state'
+  meta = ocp.PyTreeCheckpointHandler().metadata(item).tree
+  unreadable = []
+  for name in state:
+    try:
+      ocp.PyTreeCheckpointHandler().restore(item, args=ocp.args.PyTreeRestore(
+          {name: meta[name]}, partial_restore=True))
+    except Exception:  # noqa: BLE001  (any failure: plain Orbax cannot read it)
+      unreadable.append(f'state/{name}')
+  assert 0 < len(unreadable) < len(state)
+  done = cli('inspect', dst, '--verify', '--json')
+  assert done.returncode == 1, done.stderr
+  found = json.loads(done.stdout)['verify']
+  assert sorted(found['unreadable']) == unreadable and not found['ok']
+  assert found['checked'] == len(state) - len(unreadable) and not found['damaged']
+  done = cli('inspect', dst, '--verify')
+  assert done.returncode == 1 and 'FAILED' in done.stdout
+  assert f'damaged: stored data missing or unreadable: {len(unreadable)}' in done.stdout
+
+
 def test_verify_checks_the_items_asked_for(tunix_data, tmp_path):
   dst = tmp_path / 'converted' / '1'
   assert cli('convert', tunix_data / 'adapter_inject', dst).returncode == 0

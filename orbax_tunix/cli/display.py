@@ -429,6 +429,7 @@ def show_verification(out: Output, verification: checksums.Verification) -> None
   out.title('Verify (checksums recorded by orbax-tunix convert)')
   for title, paths in (
       ('damaged: data does not match its checksum', verification.damaged),
+      ('damaged: stored data missing or unreadable', verification.unreadable),
       ('recorded but missing from the step', verification.missing),
       ('no checksum recorded (not checked)', verification.unrecorded),
   ):
