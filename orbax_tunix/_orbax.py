@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import json
 import logging
 import os
@@ -82,6 +83,30 @@ def storage_failure(exc: BaseException) -> BaseException | None:
     seen.add(id(exc))
     text = str(exc)
     if isinstance(exc, OSError) or text.startswith(_STORAGE_CODES):
+      return exc
+    exc = exc.__cause__ or exc.__context__
+  return None
+
+
+# Errors a full disk (or quota) gives: errno, and the words TensorStore's
+# RESOURCE_EXHAUSTED write failures carry (it reports `os_error_code='28'`).
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_NO_SPACE_TEXT = ('No space left on device', 'Disk quota exceeded')
+
+
+def out_of_space(exc: BaseException) -> BaseException | None:
+  """The exception in `exc`'s chain that says the destination is full, or None.
+
+  Python's file writes raise `OSError(ENOSPC)`; TensorStore's (an Orbax save)
+  a `ValueError('RESOURCE_EXHAUSTED: ... No space left on device ...')`, which
+  Orbax may wrap.
+  """
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, OSError) and exc.errno in _NO_SPACE_ERRNOS:
+      return exc
+    if any(text in str(exc) for text in _NO_SPACE_TEXT):
       return exc
     exc = exc.__cause__ or exc.__context__
   return None

@@ -408,16 +408,37 @@ def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
   try:
     yield staging
     staging.replaced = staging.commit()
-  except OSError as e:
+  except BaseException as e:
     staging.abort()
-    raise errors.InvalidDestinationError(
-        f'{dst}: writing failed ({e}); nothing was left behind. Expected a writable'
+    failure = write_failure(dst, e, nbytes)
+    if failure is None:
+      raise
+    raise failure from e
+
+
+def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
+                  ) -> errors.InvalidDestinationError | None:
+  """What a failed write to `dst` says, when it is the destination's (its disk full,
+  its permissions), whichever writer failed: Python's file writes or TensorStore's.
+
+  Returns:
+    The error to raise (its clean-up done: nothing is left behind), or None
+    when the failure is not the destination's.
+  """
+  full = _orbax.out_of_space(exc)
+  if full is not None:
+    return errors.InvalidDestinationError(
+        f'{dst}: writing failed: no space left on the device'
+        f' ({_orbax.failure_text(full)}); nothing was left behind. Expected room for'
+        f' about {nbytes} bytes. Free space or choose another destination.'
+    )
+  if isinstance(exc, OSError):
+    return errors.InvalidDestinationError(
+        f'{dst}: writing failed ({exc}); nothing was left behind. Expected a writable'
         f' destination with room for about {nbytes} bytes. Free space or choose'
         ' another destination.'
-    ) from e
-  except BaseException:
-    staging.abort()
-    raise
+    )
+  return None
 
 def _remove_empty(directories: Sequence[epath.Path]) -> None:
   """Removes directories, deepest first, if they are empty."""

@@ -275,3 +275,33 @@ def test_overlap_compares_what_paths_are(tunix_data, tmp_path):
       assert 'another name' in commit.overlap(step, epath.Path(bind / '5'))
     finally:
       os.system(f'umount {bind}')
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+  """A 2 MiB tmpfs (the suite runs as root); skipped where nothing can be mounted."""
+  disk = tmp_path / 'disk'
+  disk.mkdir()
+  if os.system(f'mount -t tmpfs -o size=2m tmpfs {disk} 2>/dev/null') != 0:
+    pytest.skip('no tmpfs mounts here')
+  try:
+    yield disk
+  finally:
+    os.system(f'umount {disk}')
+
+
+def test_convert_onto_a_full_disk_says_so_and_leaves_nothing(tmp_path, full_disk):
+  """TensorStore's RESOURCE_EXHAUSTED on a full disk is the destination's fault, not a bug:
+  the same message as any write that runs out of space, and nothing left on the disk."""
+  from tests.test_cli_inputs import cli, save_step  # noqa: PLC0415  (the real CLI, a subprocess)
+  rng = np.random.default_rng(0)
+  src = save_step(tmp_path / 'src' / '1', state={
+      f'w{i}': rng.standard_normal((256, 256)).astype(np.float32) for i in range(12)})  # 3 MiB
+  done = cli('convert', src, full_disk / 'out' / '1')
+  assert done.returncode == 2, done.stderr
+  err = done.stderr
+  assert err.startswith(f'orbax-tunix: error: {full_disk}/out/1: writing failed: no space left on'
+                        ' the device') and 'Traceback' not in err, err
+  assert 'nothing was left behind' in err and 'Free space or choose another destination' in err
+  assert 'report it' not in err
+  assert list(full_disk.iterdir()) == []
