@@ -365,9 +365,14 @@ class SafetensorsSink:
   batch beyond the writer's budget, is held whole.
   """
 
-  def __init__(self, directory: epath.Path, files: Sequence[Shard]):
+  def __init__(self, directory: epath.Path, files: Sequence[Shard],
+               listed: Sequence[Shard] | None = None, write_index: bool = True):
+    """Args: the folder; the files to write; the whole export's files (default
+    `files`; several processes each write some); whether to write their index."""
     self._dir = directory
     self._files = list(files)
+    self._listed = list(files if listed is None else listed)
+    self._write_index = write_index
     self._of = {name: f for f in self._files for name, _, _ in f.tensors}
     self._open: dict[str, tuple[Any, int]] = {}  # file -> (handle, tensors written)
     directory.mkdir(parents=True, exist_ok=True)
@@ -400,7 +405,7 @@ class SafetensorsSink:
   def close(self) -> dict[str, Any]:
     if self._open:
       raise AssertionError(f'files not completed: {sorted(self._open)}')
-    if len(self._files) > 1:
-      (self._dir / INDEX_FILE).write_text(json.dumps(index(self._files), indent=2))
-    return {'files': [f.name for f in self._files],
-            'total_size': sum(f.nbytes for f in self._files)}
+    if len(self._listed) > 1 and self._write_index:
+      (self._dir / INDEX_FILE).write_text(json.dumps(index(self._listed), indent=2))
+    return {'files': [f.name for f in self._listed],
+            'total_size': sum(f.nbytes for f in self._listed)}

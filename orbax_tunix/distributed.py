@@ -1,0 +1,541 @@
+"""Convert and export across hosts: one process per host under JAX's own runtime.
+
+The same command runs once per host. The processes find each other as JAX's
+multi-controller runtime does (`jax.distributed.initialize`, from explicit
+flags or its own cluster auto-detection), and coordinate only through that
+runtime's key-value store and barriers (Orbax's multi-host save does the
+same). What is shared out:
+
+- `convert`: every array is placed on the global mesh of all processes'
+  devices (`placement`), so each process reads and writes only its own
+  shards; Orbax's multi-host save writes them, and the primary process merges
+  and commits the step once (`commit_step`).
+- `export`: the safetensors files are dealt out to the processes by bytes
+  (`my_files`); each reads whole tensors for its own files only.
+
+Every multi-process run goes through `staged`: process 0 opens the staging
+directory, every process checks it can see it, every process reports its
+outcome, and process 0 commits only when every process succeeded; otherwise
+every process raises `DistributedError` naming the process that failed and
+why, and the staging is removed. A process that dies is found by JAX's own
+heartbeat, which ends every other process (non-zero exit); what is left is
+a staging directory, which readers skip, never a finished-looking output.
+
+On one process (no `jax.distributed`), nothing here changes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix import checksums, commit, errors
+
+# How long a process waits for the others to report an outcome (ms). Long:
+# processes with more to do finish later; a process that dies is found sooner
+# by JAX's heartbeat, which ends every process.
+WAIT_MS = 24 * 3600 * 1000
+# The prefix of every key this module puts in JAX's key-value store.
+KEY_PREFIX = 'orbax_tunix'
+
+_rounds = itertools.count()
+# How often a waiting process looks for the others' reports (s).
+POLL_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How to join a multi-process job (JAX's `jax.distributed.initialize` names).
+
+  Attributes:
+    coordinator_address: HOST:PORT of process 0's coordinator (None: auto-detect).
+    num_processes: the number of processes (None: auto-detect).
+    process_id: this process's index (None: auto-detect).
+    initialization_timeout: seconds to wait for every process to join; also
+      how long a silent process is taken for alive (JAX's heartbeat timeout).
+  """
+
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  initialization_timeout: int = 300
+
+  @property
+  def explicit(self) -> bool:
+    return any(v is not None for v in (self.coordinator_address, self.num_processes,
+                                       self.process_id))
+
+
+def is_initialized() -> bool:
+  """Whether this process already joined a `jax.distributed` job."""
+  return ocp.multihost.is_jax_distributed_client_initialized()
+
+
+def cluster_detected() -> str | None:
+  """The cluster JAX's auto-detection finds (TPU pod, Slurm, Open MPI, ...), or None.
+
+  Leans on JAX's private `ClusterEnv` registry, the list its own
+  `initialize()` walks; opt-in methods (mpi4py) are not probed.
+  """
+  from jax._src.clusters import ClusterEnv  # pylint: disable=g-import-not-at-top
+
+  for env in ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    with contextlib.suppress(Exception):
+      if not env.opt_in_only_method and env.is_env_present():
+        return env.__name__
+  return None
+
+
+def initialize(options: Options = Options()) -> bool:
+  """Joins the job the options (or the cluster's environment) describe.
+
+  Nothing happens when the process already joined one (an API caller did),
+  or when no flag is given and JAX detects no cluster: one process, as before.
+  On CPU the processes talk through JAX's gloo collectives.
+
+  Returns:
+    Whether this process is now part of a multi-process job.
+
+  Raises:
+    DistributedError: the job could not be formed (a coordinator that does
+      not answer, a process count that disagrees, a timeout), naming the
+      options and what to check.
+  """
+  if is_initialized():
+    return jax.process_count() > 1
+  detected = None if options.explicit else cluster_detected()
+  if not options.explicit and detected is None:
+    return False
+  if jax.config.jax_cpu_collectives_implementation in (None, 'none', ''):
+    # Cross-process CPU computations (resharding, barriers) need collectives.
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  timeout = options.initialization_timeout
+  try:
+    jax.distributed.initialize(
+        options.coordinator_address, options.num_processes, options.process_id,
+        initialization_timeout=timeout, heartbeat_timeout_seconds=timeout,
+        shutdown_timeout_seconds=timeout,
+    )
+    count = jax.process_count()
+  except Exception as e:  # noqa: BLE001 - JAX raises several kinds; all mean one thing.
+    given = (f'coordinator {options.coordinator_address}, {options.num_processes} processes,'
+             f' process id {options.process_id}' if options.explicit
+             else f'auto-detected cluster {detected}')
+    raise errors.DistributedError(
+        f'could not form the multi-process job ({given}) within {timeout} s: {_first_line(e)}.'
+        ' Expected every process started with the same --coordinator-address and'
+        ' --num-processes and its own --process-id (0 to N-1), the coordinator reachable'
+        ' from every host. Check that all processes are running and agree.'
+    ) from e
+  if options.num_processes is not None and count != options.num_processes:
+    raise errors.DistributedError(
+        f'--num-processes {options.num_processes}, but the job has {count} processes:'
+        ' start every process with the same --num-processes.')
+  return count > 1
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip() or type(e).__name__
+  return text.splitlines()[0][:300]
+
+
+def active() -> bool:
+  """Whether this process is one of several (work must be shared and agreed)."""
+  return is_initialized() and jax.process_count() > 1
+
+
+def process_index() -> int:
+  return jax.process_index() if is_initialized() else 0
+
+
+def process_count() -> int:
+  return jax.process_count() if is_initialized() else 1
+
+
+def is_primary() -> bool:
+  """The process that writes what is written once (metadata, index, config) and commits."""
+  return process_index() == 0
+
+
+# --- agreement through JAX's key-value store ----------------------------------------
+
+
+def _client() -> Any:
+  return ocp.multihost.get_jax_distributed_client()
+
+
+def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
+  """Every process's `text`, in process order (each process calls this in the same order).
+
+  A barrier: returns once every process reported. Keys are numbered by call,
+  so the same `name` may be used again. While waiting it watches for a
+  failure another process announced (`_announce`), so that a process that
+  failed mid-way does not leave the others waiting for it.
+
+  Raises:
+    DistributedError: another process announced a failure, or one did not
+      report within `timeout_ms`.
+  """
+  if not active():
+    return [text]
+  key = f'{KEY_PREFIX}/{next(_rounds)}/{name}'
+  client = _client()
+  client.key_value_set(f'{key}/{process_index()}', text)
+  got: dict[int, str] = {}
+  waited = 0
+  while len(got) < process_count():
+    for i in range(process_count()):
+      if i not in got:
+        found = _try_get(client, f'{key}/{i}')
+        if found is not None:
+          got[i] = found
+    if len(got) == process_count():
+      break
+    failed = _announced(client)
+    if failed and name not in ('write', 'commit'):
+      raise errors.DistributedError(
+          f'{failed} Stopped here ({name}); nothing was committed.')
+    if waited >= timeout_ms:
+      missing = sorted(set(range(process_count())) - set(got))
+      raise errors.DistributedError(
+          f'processes {missing} did not report {name!r} within {timeout_ms // 1000} s: they may'
+          ' have died or hung. Nothing was committed; check their logs.')
+    _sleep(POLL_S)
+    waited += int(POLL_S * 1000)
+  return [got[i] for i in range(process_count())]
+
+
+def _try_get(client: Any, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception:  # noqa: BLE001 - NOT_FOUND is raised, not returned.
+    return None
+
+
+def _announce(failure: str) -> None:
+  """Tells every process, wherever it waits, that this one failed."""
+  if active():
+    with contextlib.suppress(Exception):
+      _client().key_value_set(f'{KEY_PREFIX}/failed/{process_index()}', failure,
+                              allow_overwrite=True)
+
+
+def _announced(client: Any) -> str | None:
+  """A failure another process announced, as a sentence, or None."""
+  try:
+    found = client.key_value_dir_get(f'{KEY_PREFIX}/failed/')
+  except Exception:  # noqa: BLE001
+    return None
+  if not found:
+    return None
+  key, why = sorted(found)[0]
+  return f'process {key.rsplit("/", 1)[-1]} failed: {why}'
+
+
+def _sleep(seconds: float) -> None:
+  time.sleep(seconds)
+
+
+def broadcast(name: str, text: str | None) -> str:
+  """Process 0's `text` on every process (others pass None)."""
+  return exchange(name, text if is_primary() else '')[0]
+
+
+def agree(name: str, failure: str | None) -> None:
+  """Reports this process's outcome and raises on every process if any failed.
+
+  Raises:
+    DistributedError: naming each failed process and its message.
+  """
+  found = exchange(name, json.dumps(failure))
+  failed = [(i, json.loads(t)) for i, t in enumerate(found) if json.loads(t) is not None]
+  if failed:
+    lines = '\n'.join(f'  process {i}: {why}' for i, why in failed)
+    raise errors.DistributedError(
+        f'{len(failed)} of {len(found)} processes failed ({name}); nothing was committed:\n{lines}')
+
+
+def _failure(e: BaseException) -> str:
+  if isinstance(e, KeyboardInterrupt):
+    return 'interrupted'
+  return f'{type(e).__name__}: {e}' if not isinstance(e, errors.TunixCheckpointError) else str(e)
+
+
+# --- staging and commit, once for all processes ---------------------------------------
+
+
+@dataclasses.dataclass
+class SharedStaging:
+  """What `staged` yields on every process: the shared work directory.
+
+  Attributes:
+    work: where every process writes its part.
+    replaced: whether an old destination was replaced (set after commit).
+  """
+
+  work: epath.Path
+  replaced: bool = False
+
+
+@contextlib.contextmanager
+def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes: int = 0,
+           sources: Sequence[epath.Path] = ()) -> Iterator[Any]:
+  """`commit.staged` for one or several processes.
+
+  One process: exactly `commit.staged`. Several: process 0 opens the staging
+  directory and says where it is; every process checks that it sees it (a
+  destination some hosts cannot reach is refused on every process before any
+  array is written); the block runs on every process; process 0 commits only
+  when every process reports success, then every process learns the outcome.
+
+  Raises:
+    DistributedError: some process failed (its message included), or cannot
+      see the destination; the staging is removed and nothing is committed.
+      A process's own failure is raised there as itself.
+  """
+  if not active():
+    with commit.staged(dst, force, kind, nbytes, sources) as staging:
+      yield staging
+    return
+  stack = contextlib.ExitStack()
+  opened, own = None, None
+  if is_primary():
+    try:
+      opened = stack.enter_context(commit.staged(dst, force, kind, nbytes, sources))
+    except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
+      own = e
+  first = json.loads(broadcast('open', json.dumps(
+      [None if own is None else _failure(own), opened and os.fspath(opened.work)])))
+  if own is not None:
+    raise own
+  if first[0] is not None:
+    raise errors.DistributedError(f'process 0 could not start writing {dst}: {first[0]}')
+  shared = opened or SharedStaging(epath.Path(first[1]))
+
+  def abandon() -> None:
+    if opened is not None:
+      stack.pop_all()
+      opened.abort()
+
+  seen = None if shared.work.exists() else (
+      f'{shared.work}, the staging directory process 0 created for {dst}, is not visible'
+      ' from this process: every host must write to the same storage (a bucket, or a'
+      ' shared filesystem mounted at the same path on every host).')
+  try:
+    agree('visible', seen)
+  except errors.DistributedError:
+    abandon()
+    raise
+  try:
+    yield shared
+  except BaseException as e:  # noqa: BLE001 - reported, then raised on every process.
+    own = e
+    _announce(_failure(e))
+  try:
+    agree('write', None if own is None else _failure(own))
+  except errors.DistributedError:
+    abandon()
+    if own is not None:
+      raise own from None  # This process's own failure, as it would be alone.
+    raise
+  if opened is not None:
+    try:
+      stack.close()  # commit.staged commits.
+    except BaseException as e:  # noqa: BLE001 - told to every process.
+      own = e
+  try:
+    agree('commit', None if own is None else _failure(own))
+  except errors.DistributedError:
+    if own is not None:
+      raise own from None
+    raise
+  shared.replaced = broadcast('replaced', json.dumps(bool(getattr(opened, 'replaced', False)))) \
+      == 'true'
+
+
+# --- convert: arrays on the global mesh -------------------------------------------------
+
+
+def _devices() -> np.ndarray:
+  """Every process's devices, grouped by process (process 0's first)."""
+  return np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+
+
+def placement(shape: Sequence[int]) -> jax.sharding.Sharding:
+  """Where an array of `shape` lives while converted across processes.
+
+  Split along its first axis, over every device when that axis divides
+  evenly, else over the processes (each process's part on its first local
+  device); whole on every process when it does not divide by the process
+  count (scalars, odd sizes). Splitting the first axis keeps each process's
+  part one contiguous range of the array's C-order bytes, so per-process
+  checksums combine into the array's (`checksums_of`).
+  """
+  devices = _devices()
+  nproc, ndev = process_count(), devices.size
+  if shape and shape[0] % ndev == 0:
+    mesh = jax.sharding.Mesh(devices, ('all',))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('all'))
+  grid = devices.reshape(nproc, -1)
+  mesh = jax.sharding.Mesh(grid, ('processes', 'local'))
+  if shape and shape[0] % nproc == 0:
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('processes'))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def settle(value: Any) -> Any:
+  """A global array moved to its `placement` (what transforms made may lie anywhere)."""
+  if not isinstance(value, jax.Array) or value.is_fully_addressable:
+    return value
+  target = placement(value.shape)
+  if value.sharding.is_equivalent_to(target, value.ndim):
+    return value
+  return jax.device_put(value, target)
+
+
+def on_host(value: Any) -> np.ndarray:
+  """A value whole, on every process (collective for a global array: error paths only)."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+  return np.asarray(value)
+
+
+def _runs(shard_index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
+  """(first dim of the runs, elements per run, number of runs) of a block of an array.
+
+  A block's elements are contiguous in C order along its trailing dims that it
+  covers whole, and the one before them.
+  """
+  bounds = [s.indices(n)[:2] for s, n in zip(shard_index, shape, strict=True)]
+  k = len(shape)
+  while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
+    k -= 1
+  k = max(k - 1, 0)
+  per_run = math.prod(b - a for a, b in bounds[k:]) if shape else 1
+  return k, per_run, math.prod(b - a for a, b in bounds[:k])
+
+
+def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
+  """(byte offset, byte length, crc32) of each run of this process's primary shards."""
+  itemsize = np.dtype(value.dtype).itemsize
+  parts = []
+  for shard in value.addressable_shards:
+    if shard.replica_id != 0:
+      continue
+    k, per_run, _ = _runs(shard.index, value.shape)
+    data = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1, per_run or 1)
+    starts = [s.indices(n)[0] for s, n in zip(shard.index, value.shape, strict=True)]
+    outer = [range(a, b) for a, b in (s.indices(n)[:2] for s, n in
+                                      zip(shard.index[:k], value.shape[:k], strict=True))]
+    for row, lead in zip(data, itertools.product(*outer), strict=True):
+      offset = int(np.ravel_multi_index((*lead, *starts[k:]), value.shape)) if value.shape else 0
+      raw = row.view(np.uint8)
+      parts.append((offset * itemsize, raw.size, zlib.crc32(raw)))
+  return parts
+
+
+def checksums_of(values: Sequence[Any]) -> list[str]:
+  """`checksums.checksum` of each value; global arrays' from every process's parts.
+
+  Collective when some value is a global array: every process calls it with
+  the same values in the same order.
+  """
+  spread = [isinstance(v, jax.Array) and not v.is_fully_addressable for v in values]
+  if not any(spread):
+    return [checksums.checksum(v) for v in values]
+  local = [_local_parts(v) if s else [] for v, s in zip(values, spread, strict=True)]
+  everyone = [json.loads(t) for t in exchange('checksums', json.dumps(local))]
+  sums = []
+  for j, (value, s) in enumerate(zip(values, spread, strict=True)):
+    if not s:
+      sums.append(checksums.checksum(value))
+      continue
+    parts = sorted(tuple(p) for process in everyone for p in process[j])
+    crc, at = 0, 0
+    for offset, length, part in parts:
+      if offset != at:
+        raise AssertionError(f'checksum parts of a {value.shape} array leave a gap at {at}')
+      crc = crc32_combine(crc, part, length)
+      at += length
+    sums.append(f'{checksums.ALGORITHM}:{crc:08x}')
+  return sums
+
+
+def _gf2_times(matrix: Sequence[int], vector: int) -> int:
+  total, i = 0, 0
+  while vector:
+    if vector & 1:
+      total ^= matrix[i]
+    vector >>= 1
+    i += 1
+  return total
+
+
+def _gf2_square(matrix: Sequence[int]) -> list[int]:
+  return [_gf2_times(matrix, row) for row in matrix]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+  """The CRC-32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine)."""
+  if len2 <= 0:
+    return crc1
+  odd = [0xEDB88320] + [1 << n for n in range(31)]  # The operator for one zero bit.
+  even = _gf2_square(odd)  # Two zero bits.
+  odd = _gf2_square(even)  # Four.
+  while True:  # Apply len2 zero bytes to crc1, squaring the operator per bit of len2.
+    even = _gf2_square(odd)
+    if len2 & 1:
+      crc1 = _gf2_times(even, crc1)
+    len2 >>= 1
+    if not len2:
+      break
+    odd = _gf2_square(even)
+    if len2 & 1:
+      crc1 = _gf2_times(odd, crc1)
+    len2 >>= 1
+    if not len2:
+      break
+  return crc1 ^ crc2
+
+
+def barrier(name: str) -> None:
+  """Every process waits here for the others (no-op on one process)."""
+  exchange(name, '')
+
+
+# --- export: files dealt out ------------------------------------------------------------
+
+
+def deal(sizes: Sequence[int], count: int) -> list[int]:
+  """The process each item goes to: largest first, to the least loaded (ties: lowest index).
+
+  Deterministic, so every process computes the same deal.
+  """
+  load = [0] * count
+  owner = [0] * len(sizes)
+  for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    p = min(range(count), key=lambda p: (load[p], p))
+    owner[i] = p
+    load[p] += sizes[i]
+  return owner
+
+
+def mine(sizes: Sequence[int]) -> list[int]:
+  """The indices of the items (of these sizes) this process handles."""
+  me = process_index()
+  return [i for i, p in enumerate(deal(sizes, process_count())) if p == me]
