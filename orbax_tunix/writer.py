@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, checksums, commit, errors, reader, storage
+from orbax_tunix import _orbax, checksums, commit, distributed, errors, reader, storage
 from orbax_tunix.keypaths import nest
 from orbax_tunix.outputs import Input, ItemOutput, Output
 from orbax_tunix.planned_item import PlannedItem
@@ -83,9 +83,11 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
   """Every source of a batch, once: one restore per source item.
 
   Onto one CPU device (leaves saved as jax arrays stay jax arrays), or to the
-  host as numpy when `on_host`.
+  host as numpy when `on_host`. Across processes, onto the global mesh: each
+  process reads only its part (`distributed.placement`).
   """
-  cpu = None if on_host else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+  spread = distributed.active() and not on_host
+  cpu = None if on_host or spread else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
   wanted: dict[tuple[int, str], tuple[Input, dict]] = {}
   for output in batch:
     for source, dtype in zip(output.inputs, output.input_dtypes(), strict=True):
@@ -98,7 +100,8 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
     detection = source.ckpt.detection
     planned = PlannedItem(detection.item_meta(item), detection.maps[item])
     got = planned.read({
-        path: reader.request_for(leaf, dtype, None if leaf.numpy or cpu is None else cpu)
+        path: reader.request_for(leaf, dtype, None if leaf.numpy or not (cpu or spread)
+                                 else cpu or distributed.placement(leaf.shape))
         for path, (leaf, dtype) in requests.items()
     })
     for path, (leaf, dtype) in requests.items():
@@ -119,13 +122,13 @@ def make(output: Output, values: dict[tuple, Any]) -> Any:
   if output.transform.is_identity:
     value = inputs[0]
   else:
-    value = output.transform.apply(inputs)
+    value = distributed.settle(output.transform.apply(inputs))
   have = getattr(value, 'dtype', None)
   if output.dtype is None or have is None or have == output.dtype or is_key(have):
     return value  # PRNG keys are written as read (their key data is the stored form).
   if output.numpy or isinstance(value, np.ndarray | np.generic):
     return np.asarray(value).astype(output.dtype)
-  return jnp.asarray(value).astype(output.dtype)
+  return distributed.settle(jnp.asarray(value).astype(output.dtype))
 
 
 def _largest(dtype: Any) -> float:
@@ -165,7 +168,10 @@ def check_range(output: Output, value: Any) -> None:
   """
   if not _may_overflow(output):
     return
-  written = np.asarray(value)
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    if bool(jnp.isfinite(value).all()):  # Computed where the parts are; agreed by all.
+      return
+  written = distributed.on_host(value)
   # Two reductions (no temporary the size of the tensor): NaN propagates, so
   # finite extremes mean finite values.
   if written.size == 0 or (np.isfinite(written.min()) and np.isfinite(written.max())):
@@ -173,7 +179,7 @@ def check_range(output: Output, value: Any) -> None:
   finite = np.isfinite(written)
   own = dataclasses.replace(output, dtype=None,
                             read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
-  exact = np.asarray(make(own, read_inputs([own])), dtype=np.float64)
+  exact = np.asarray(distributed.on_host(make(own, read_inputs([own]))), dtype=np.float64)
   lost = np.isfinite(exact) & ~finite
   if not lost.any():
     return
@@ -245,17 +251,24 @@ class OrbaxItemSink:
 
   def write(self, batch: Sequence[Written]) -> None:
     values = [v for _, v in batch]
-    # Checksums beside the write (zlib releases the GIL).
-    summing = self._summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
+    # Checksums beside the write (zlib releases the GIL); across processes,
+    # each process's parts combined (`distributed.checksums_of`).
+    summing = self._summer.submit(distributed.checksums_of, values)
     with _orbax.tidy_failures():
       self._writer.save(self._dir, args=ocp.args.PyTreeSave(
           nest((o.path, v) for o, v in batch)))
     self._sums.update(zip((checksums.key(o.path) for o, _ in batch), summing.result(),
                           strict=True))
-    self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
+    if distributed.is_primary():  # Orbax writes `_METADATA` on the primary process only.
+      self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
 
   def close(self) -> dict[str, Any]:
     self._summer.shutdown()
+    # Across processes: every process's arrays are written before the
+    # primary merges the per-process databases (Orbax's own finalize order).
+    distributed.barrier(f'{self._dir.name} written')
+    if not distributed.is_primary():
+      return {'checksums': self._sums}
     item = self._item
     key_types = dict(item.key_types or {})
     for output in item.outputs:  # Lists: their positions are sequence keys.

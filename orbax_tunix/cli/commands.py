@@ -173,6 +173,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   leftovers = [
       f'{leftover} is left from an interrupted conversion; remove it when no conversion'
       ' is running.' for leftover in commit.leftovers(plan.dst)
+      if distributed.is_primary()  # Others would see process 0's own staging.
   ]
   result = _stream(convert_lib.run_convert, plan, [*plan.notes, *leftovers], args, out)
   source = plan.source.detection
