@@ -53,7 +53,12 @@ KEY_PREFIX = 'orbax_tunix'
 
 _rounds = itertools.count()
 # How often a waiting process looks for the others' reports (s).
-POLL_S = 0.05
+POLL_MS = 50
+# The rounds where every process reports its outcome, failed or not.
+OUTCOME_ROUNDS = ('write', 'commit')
+# How long a failed process waits for the others before it exits (ms).
+LEAVE_WAIT_MS = 10_000
+LEAVE_LAST_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +134,6 @@ def initialize(options: Options = Options()) -> bool:
         initialization_timeout=timeout, heartbeat_timeout_seconds=timeout,
         shutdown_timeout_seconds=timeout,
     )
-    count = jax.process_count()
   except Exception as e:  # noqa: BLE001 - JAX raises several kinds; all mean one thing.
     given = (f'coordinator {options.coordinator_address}, {options.num_processes} processes,'
              f' process id {options.process_id}' if options.explicit
@@ -140,11 +144,43 @@ def initialize(options: Options = Options()) -> bool:
         ' --num-processes and its own --process-id (0 to N-1), the coordinator reachable'
         ' from every host. Check that all processes are running and agree.'
     ) from e
-  if options.num_processes is not None and count != options.num_processes:
-    raise errors.DistributedError(
-        f'--num-processes {options.num_processes}, but the job has {count} processes:'
-        ' start every process with the same --num-processes.')
-  return count > 1
+  _check_agreement(timeout)
+  return jax.process_count() > 1
+
+
+def _check_agreement(timeout_s: int) -> None:
+  """Every process checks, before any work, that all were given the same process count.
+
+  JAX forms the job with the coordinator's count; a process given another
+  would otherwise fail alone, or wait, leaving the others waiting for it.
+  Read from JAX's own record of this process's arguments (private
+  `global_state`), through the key-value store, before the backends start.
+
+  Raises:
+    DistributedError: on every process, naming each process that disagrees;
+      or some process did not join within `timeout_s`.
+  """
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+
+  state = jax_distributed.global_state
+  me, claimed = state.process_id, state.num_processes
+  client = _client()
+  client.key_value_set(f'{KEY_PREFIX}/join/{me}', str(claimed))
+  for _ in range(max(1, timeout_s * 1000 // POLL_MS)):
+    told = {int(k.rsplit('/', 1)[-1]): int(v)
+            for k, v in client.key_value_dir_get(f'{KEY_PREFIX}/join/')}
+    wrong = sorted((i, n) for i, n in told.items() if n != told.get(0, claimed))
+    if wrong:
+      listed = ', '.join(f'process {i} was given --num-processes {n}' for i, n in wrong)
+      raise errors.DistributedError(
+          f'process 0 was given --num-processes {told.get(0, claimed)}, but {listed}: start'
+          ' every process with the same --num-processes; nothing was written.')
+    if len(told) >= claimed:
+      return
+    time.sleep(POLL_MS / 1000)
+  raise errors.DistributedError(
+      f'only processes {sorted(told)} of {claimed} joined within {timeout_s} s; nothing was'
+      ' written. Start every process, each with its own --process-id.')
 
 
 def _first_line(e: BaseException) -> str:
@@ -196,25 +232,28 @@ def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
   client.key_value_set(f'{key}/{process_index()}', text)
   got: dict[int, str] = {}
   waited = 0
-  while len(got) < process_count():
+  def collect() -> bool:
     for i in range(process_count()):
       if i not in got:
         found = _try_get(client, f'{key}/{i}')
         if found is not None:
           got[i] = found
-    if len(got) == process_count():
-      break
-    failed = _announced(client)
-    if failed and name not in ('write', 'commit'):
-      raise errors.DistributedError(
-          f'{failed} Stopped here ({name}); nothing was committed.')
+    return len(got) == process_count()
+
+  while not collect():
+    # A failure announced stops every wait but the outcome rounds themselves
+    # (every process reaches those). A process that dies is found by JAX's
+    # heartbeat, which ends every process of the job.
+    failed = None if name in OUTCOME_ROUNDS else _announced(client)
+    if failed:
+      raise errors.DistributedError(f'{failed} Stopped waiting ({name}); nothing was committed.')
     if waited >= timeout_ms:
       missing = sorted(set(range(process_count())) - set(got))
       raise errors.DistributedError(
           f'processes {missing} did not report {name!r} within {timeout_ms // 1000} s: they may'
           ' have died or hung. Nothing was committed; check their logs.')
-    _sleep(POLL_S)
-    waited += int(POLL_S * 1000)
+    time.sleep(POLL_MS / 1000)
+    waited += POLL_MS
   return [got[i] for i in range(process_count())]
 
 
@@ -243,10 +282,6 @@ def _announced(client: Any) -> str | None:
     return None
   key, why = sorted(found)[0]
   return f'process {key.rsplit("/", 1)[-1]} failed: {why}'
-
-
-def _sleep(seconds: float) -> None:
-  time.sleep(seconds)
 
 
 def broadcast(name: str, text: str | None) -> str:
@@ -539,3 +574,35 @@ def mine(sizes: Sequence[int]) -> list[int]:
   """The indices of the items (of these sizes) this process handles."""
   me = process_index()
   return [i for i, p in enumerate(deal(sizes, process_count())) if p == me]
+
+
+def leave(code: int) -> None:
+  """Ends this process now with `code`, once a multi-process run's outcome is known.
+
+  JAX's shutdown at exit is a barrier with every process, which the
+  processes of a failed job reach at different times or never (a dead
+  peer): it would hold this process for the shutdown timeout and then abort
+  it. The outcome is already agreed and reported, and the staging removed.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+
+  # Process 0 hosts the coordinator: leaving first would end the others
+  # before they print their message. Every process that gets here waits a
+  # little for the others to get here too.
+  with contextlib.suppress(Exception):
+    client = _client()
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+
+    state = jax_distributed.global_state  # Not the backends: they may never have started.
+    client.key_value_set(f'{KEY_PREFIX}/leaving/{state.process_id}', str(code),
+                         allow_overwrite=True)
+    for _ in range(LEAVE_WAIT_MS // POLL_MS):
+      if len(client.key_value_dir_get(f'{KEY_PREFIX}/leaving/')) >= state.num_processes:
+        break
+      time.sleep(POLL_MS / 1000)
+    if state.process_id == 0:
+      time.sleep(LEAVE_LAST_S)  # The coordinator goes last: its exit ends the others.
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(Exception):
+      stream.flush()
+  os._exit(code)

@@ -726,7 +726,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoints differ and `inspect --verify` 1 when an array is damaged.
   """
   with _guarded_output():
-    return _main(argv)
+    code = _main(argv)
+  if code == EXIT_ERROR and distributed.is_initialized():
+    distributed.leave(code)  # Not JAX's shutdown barrier: peers may be gone or late.
+  return code
 
 
 def _main(argv: Sequence[str] | None) -> int:
