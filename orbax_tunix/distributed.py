@@ -353,7 +353,8 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
     except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
       own = e
   first = json.loads(broadcast('open', json.dumps(
-      [None if own is None else _failure(own), opened and os.fspath(opened.work)])))
+      [None if own is None else _failure(own), opened and os.fspath(opened.work),
+       os.fspath(dst)])))
   if own is not None:
     raise own
   if first[0] is not None:
@@ -365,10 +366,14 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
       stack.pop_all()
       opened.abort()
 
-  seen = None if shared.work.exists() else (
-      f'{shared.work}, the staging directory process 0 created for {dst}, is not visible'
-      ' from this process: every host must write to the same storage (a bucket, or a'
-      ' shared filesystem mounted at the same path on every host).')
+  if first[2] != os.fspath(dst):
+    seen = (f'this process was given the destination {dst}, process 0 {first[2]}: give every'
+            ' process the same absolute path or bucket URL.')
+  else:
+    seen = None if shared.work.exists() else (
+        f'{shared.work}, the staging directory process 0 created for {dst}, is not visible'
+        ' from this process: every host must write to the same storage (a bucket, or a'
+        ' shared filesystem mounted at the same path on every host).')
   try:
     agree('visible', seen)
   except errors.DistributedError:

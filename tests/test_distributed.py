@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -72,7 +73,8 @@ def env() -> dict[str, str]:
 
 
 def start(argv: list[str], logs: pathlib.Path, *, num_processes: list[int] | None = None,
-          cwds: list[pathlib.Path] | None = None) -> list[tuple[subprocess.Popen, pathlib.Path]]:
+          cwds: list[pathlib.Path] | None = None, prefixes: list[list[str]] | None = None,
+          ) -> list[tuple[subprocess.Popen, pathlib.Path]]:
   """Starts the command as processes 0 and 1 of one job; returns (process, log) pairs."""
   port = free_port()
   started = []
@@ -81,7 +83,7 @@ def start(argv: list[str], logs: pathlib.Path, *, num_processes: list[int] | Non
     log = logs / f'process_{i}.log'
     with log.open('w') as f:
       started.append((subprocess.Popen(
-          [sys.executable, '-m', 'orbax_tunix.cli', *argv,
+          [*(prefixes or [[], []])[i], sys.executable, '-m', 'orbax_tunix.cli', *argv,
            '--coordinator-address', f'localhost:{port}', '--num-processes', str(n),
            '--process-id', str(i), '--initialization-timeout', str(JAX_TIMEOUT_S)],
           env=env(), cwd=(cwds or [logs, logs])[i], stdout=f, stderr=subprocess.STDOUT,
@@ -180,14 +182,14 @@ def safetensors_read(folder: pathlib.Path) -> dict[str, tuple[str, list[int], st
     pytest.skip(f'no {MAXTEXT_PYTHON} (the venv with the safetensors package)')
   script = (
       'import json, sys, zlib, pathlib\n'
+      'import numpy as np\n'
       'from safetensors import safe_open\n'
       'out = {}\n'
       'for f in sorted(pathlib.Path(sys.argv[1]).glob("*.safetensors")):\n'
-      '  with safe_open(str(f), "pt") as st:\n'
+      '  with safe_open(str(f), "np") as st:\n'
       '    for k in st.keys():\n'
-      '      t = st.get_tensor(k).contiguous()\n'
-      '      raw = t.view(-1).view(__import__("torch").uint8).numpy().tobytes()\n'
-      '      out[f.name + "/" + k] = [str(t.dtype), list(t.shape), zlib.crc32(raw)]\n'
+      '      t = np.ascontiguousarray(st.get_tensor(k))\n'
+      '      out[f.name + "/" + k] = [str(t.dtype), list(t.shape), zlib.crc32(t.tobytes())]\n'
       'print(json.dumps(out))\n'
   )
   done = subprocess.run([str(MAXTEXT_PYTHON), '-c', script, str(folder)], capture_output=True,
@@ -223,10 +225,8 @@ def test_process_count_mismatch_fails_every_process(tmp_path):
   assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
 
 
-def test_destination_some_process_cannot_see_fails_every_process(tmp_path):
-  # DST is relative and the two processes run in different directories: the
-  # staging process 0 makes is not where process 1 looks, as with a path
-  # local to each host.
+def test_destinations_that_differ_fail_every_process(tmp_path):
+  # A relative DST, the processes in different directories: two destinations.
   homes = [tmp_path / 'host0', tmp_path / 'host1']
   for home in homes:
     home.mkdir()
@@ -234,8 +234,29 @@ def test_destination_some_process_cannot_see_fails_every_process(tmp_path):
                  cwds=homes)
   assert all(c != 0 for c in done.codes), done.show()
   for output in done.outputs:
-    assert 'is not visible' in output and 'orbax-tunix: error:' in output, done.show()
+    assert 'the same absolute path' in output and 'orbax-tunix: error:' in output, done.show()
   assert [list(h.iterdir()) for h in homes] == [[], []], done.show()
+
+
+def test_destination_some_process_cannot_see_fails_every_process(tmp_path):
+  # Process 1 runs in its own mount namespace with an empty tmpfs over the
+  # destination's parent: the same path, another filesystem, as a disk local
+  # to each host.
+  if shutil.which('unshare') is None or subprocess.run(
+      ['unshare', '-m', 'true'], capture_output=True).returncode != 0:
+    pytest.skip('needs unshare -m (mount namespaces) to give one process another filesystem')
+  parent = tmp_path / 'shared'
+  parent.mkdir()
+  out = parent / 'out'
+  wrapper = tmp_path / 'own_mount.sh'
+  wrapper.write_text(f'#!/bin/sh\nmount -t tmpfs none {parent} && exec "$@"\n')
+  wrapper.chmod(0o755)
+  done = run_two(['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3'], tmp_path,
+                 prefixes=[[], ['unshare', '-m', str(wrapper)]])
+  assert all(c != 0 for c in done.codes), done.show()
+  for output in done.outputs:
+    assert 'is not visible' in output and 'orbax-tunix: error:' in output, done.show()
+  assert list(parent.iterdir()) == [], done.show()
 
 
 def write_large(root: pathlib.Path, arrays: int, rows: int) -> pathlib.Path:
