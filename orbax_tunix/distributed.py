@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -414,26 +415,35 @@ def _devices() -> np.ndarray:
   return np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
 
 
-def placement(shape: Sequence[int]) -> jax.sharding.Sharding:
+def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.sharding.Sharding:
   """Where an array of `shape` lives while converted across processes.
 
-  Split along its first axis, over every device when that axis divides
-  evenly, else over the processes (each process's part on its first local
-  device); whole on every process when it does not divide by the process
-  count (scalars, odd sizes). Splitting the first axis keeps each process's
-  part one contiguous range of the array's C-order bytes, so per-process
-  checksums combine into the array's (`checksums_of`).
+  Split along one axis over the processes (and over every device when that
+  divides too): the first axis whose per-process part is a whole number of
+  the source's chunks (`chunks`, the stored chunk shape), so that no chunk
+  is read by two processes; without chunks, the first axis that divides
+  evenly. Whole on every process when none does (scalars, odd sizes).
   """
   devices = _devices()
   nproc, ndev = process_count(), devices.size
-  if shape and shape[0] % ndev == 0:
-    mesh = jax.sharding.Mesh(devices, ('all',))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('all'))
+  chunks = tuple(chunks) if chunks is not None and len(chunks) == len(shape) else None
+
+  def aligned(axis: int, parts: int) -> bool:
+    if shape[axis] % parts:
+      return False
+    return chunks is None or (shape[axis] // parts) % max(chunks[axis], 1) == 0
+
+  axis = next((a for a in range(len(shape)) if aligned(a, nproc)), None)
   grid = devices.reshape(nproc, -1)
+  if axis is None:
+    mesh = jax.sharding.Mesh(grid, ('processes', 'local'))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  lead = (None,) * axis
+  if aligned(axis, ndev):
+    mesh = jax.sharding.Mesh(devices, ('all',))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, 'all'))
   mesh = jax.sharding.Mesh(grid, ('processes', 'local'))
-  if shape and shape[0] % nproc == 0:
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('processes'))
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, 'processes'))
 
 
 def settle(value: Any) -> Any:
@@ -470,27 +480,52 @@ def _runs(shard_index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, 
   return k, per_run, math.prod(b - a for a, b in bounds[:k])
 
 
-def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
-  """(byte offset, byte length, crc32) of each run of this process's primary shards."""
+def _local_runs(value: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
+  """(byte offset, bytes) of each contiguous run of this process's primary shards."""
   itemsize = np.dtype(value.dtype).itemsize
-  parts = []
   for shard in value.addressable_shards:
     if shard.replica_id != 0:
       continue
     k, per_run, _ = _runs(shard.index, value.shape)
     data = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1, per_run or 1)
     starts = [s.indices(n)[0] for s, n in zip(shard.index, value.shape, strict=True)]
-    outer = [range(a, b) for a, b in (s.indices(n)[:2] for s, n in
-                                      zip(shard.index[:k], value.shape[:k], strict=True))]
+    outer = [range(*s.indices(n)[:2]) for s, n in zip(shard.index[:k], value.shape[:k],
+                                                      strict=True)]
     for row, lead in zip(data, itertools.product(*outer), strict=True):
       offset = int(np.ravel_multi_index((*lead, *starts[k:]), value.shape)) if value.shape else 0
-      raw = row.view(np.uint8)
-      parts.append((offset * itemsize, raw.size, zlib.crc32(raw)))
-  return parts
+      yield offset * itemsize, row.view(np.uint8)
+
+
+def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
+  """(byte offset, byte length, crc32) of each run of this process's primary shards."""
+  return [(offset, raw.size, zlib.crc32(raw)) for offset, raw in _local_runs(value)]
+
+
+def _share_crc(value: jax.Array) -> int:
+  """The CRC-32 of the array's bytes with this process's parts in place and zeros elsewhere.
+
+  CRC-32 is affine over GF(2) for a fixed length, so the array's CRC is the
+  XOR of every process's share (`combine_shares`): one number per process,
+  however the array is split.
+  """
+  crc, at = 0, 0
+  for offset, raw in sorted(_local_runs(value), key=lambda r: r[0]):
+    crc = zlib.crc32(raw, extend_zeros(crc, offset - at))
+    at = offset + raw.size
+  return extend_zeros(crc, value.nbytes - at)
+
+
+def combine_shares(shares: Sequence[int], nbytes: int) -> int:
+  """The whole array's CRC-32 from every process's share (see `_share_crc`)."""
+  crc = 0
+  for share in shares:
+    crc ^= share
+  # f(a ^ b) = f(a) ^ f(b) ^ f(0): an even number of shares leaves one f(0) out.
+  return crc ^ extend_zeros(0, nbytes) if len(shares) % 2 == 0 else crc
 
 
 def checksums_of(values: Sequence[Any]) -> list[str]:
-  """`checksums.checksum` of each value; global arrays' from every process's parts.
+  """`checksums.checksum` of each value; global arrays' from every process's share.
 
   Collective when some value is a global array: every process calls it with
   the same values in the same order.
@@ -498,22 +533,13 @@ def checksums_of(values: Sequence[Any]) -> list[str]:
   spread = [isinstance(v, jax.Array) and not v.is_fully_addressable for v in values]
   if not any(spread):
     return [checksums.checksum(v) for v in values]
-  local = [_local_parts(v) if s else [] for v, s in zip(values, spread, strict=True)]
+  local = [_share_crc(v) if s else 0 for v, s in zip(values, spread, strict=True)]
   everyone = [json.loads(t) for t in exchange('checksums', json.dumps(local))]
-  sums = []
-  for j, (value, s) in enumerate(zip(values, spread, strict=True)):
-    if not s:
-      sums.append(checksums.checksum(value))
-      continue
-    parts = sorted(tuple(p) for process in everyone for p in process[j])
-    crc, at = 0, 0
-    for offset, length, part in parts:
-      if offset != at:
-        raise AssertionError(f'checksum parts of a {value.shape} array leave a gap at {at}')
-      crc = crc32_combine(crc, part, length)
-      at += length
-    sums.append(f'{checksums.ALGORITHM}:{crc:08x}')
-  return sums
+  return [
+      f'{checksums.ALGORITHM}:{combine_shares([p[j] for p in everyone], v.nbytes):08x}' if s
+      else checksums.checksum(v)
+      for j, (v, s) in enumerate(zip(values, spread, strict=True))
+  ]
 
 
 def _gf2_times(matrix: Sequence[int], vector: int) -> int:
@@ -530,27 +556,35 @@ def _gf2_square(matrix: Sequence[int]) -> list[int]:
   return [_gf2_times(matrix, row) for row in matrix]
 
 
+@functools.lru_cache(maxsize=256)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+  """The GF(2) matrix that advances a CRC-32 register over `nbytes` zero bytes."""
+  result = [1 << i for i in range(32)]  # Identity.
+  power = [0xEDB88320] + [1 << n for n in range(31)]  # One zero bit.
+  for _ in range(3):
+    power = _gf2_square(power)  # One zero byte.
+  n = nbytes
+  while n:
+    if n & 1:
+      result = [_gf2_times(power, col) for col in result]
+    n >>= 1
+    if n:
+      power = _gf2_square(power)
+  return tuple(result)
+
+
+def extend_zeros(crc: int, nbytes: int) -> int:
+  """crc32(A + bytes(nbytes)) from crc32(A), without the zeros."""
+  if nbytes <= 0:
+    return crc
+  return _gf2_times(_zeros_operator(nbytes), crc ^ 0xFFFFFFFF) ^ 0xFFFFFFFF
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
   """The CRC-32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine)."""
   if len2 <= 0:
     return crc1
-  odd = [0xEDB88320] + [1 << n for n in range(31)]  # The operator for one zero bit.
-  even = _gf2_square(odd)  # Two zero bits.
-  odd = _gf2_square(even)  # Four.
-  while True:  # Apply len2 zero bytes to crc1, squaring the operator per bit of len2.
-    even = _gf2_square(odd)
-    if len2 & 1:
-      crc1 = _gf2_times(even, crc1)
-    len2 >>= 1
-    if not len2:
-      break
-    odd = _gf2_square(even)
-    if len2 & 1:
-      crc1 = _gf2_times(odd, crc1)
-    len2 >>= 1
-    if not len2:
-      break
-  return crc1 ^ crc2
+  return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
 
 
 def barrier(name: str) -> None:

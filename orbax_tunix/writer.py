@@ -98,15 +98,24 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
   values: dict[tuple, Any] = {}
   for (key, item), (source, requests) in wanted.items():
     detection = source.ckpt.detection
-    planned = PlannedItem(detection.item_meta(item), detection.maps[item])
+    meta = detection.item_meta(item)
+    planned = PlannedItem(meta, detection.maps[item])
+
     got = planned.read({
-        path: reader.request_for(leaf, dtype, None if leaf.numpy or not (cpu or spread)
-                                 else cpu or distributed.placement(leaf.shape))
+        path: reader.request_for(leaf, dtype, _into(leaf, meta, cpu, spread))
         for path, (leaf, dtype) in requests.items()
     })
     for path, (leaf, dtype) in requests.items():
       values[(key, item, path)] = _as_stored(got[path], leaf, dtype)
   return values
+
+
+def _into(leaf: reader.LeafInfo, meta: Any, cpu: Any, spread: bool) -> Any:
+  """Where a leaf is read to: None (numpy), one CPU device, or across processes split
+  where its stored chunks split (`distributed.placement`), so no chunk is read twice."""
+  if leaf.numpy or not (cpu or spread):
+    return None
+  return cpu or distributed.placement(leaf.shape, meta.chunk_shape(leaf.disk_path))
 
 
 def _as_stored(value: Any, leaf: reader.LeafInfo, dtype: np.dtype | None) -> Any:

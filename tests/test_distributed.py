@@ -290,11 +290,22 @@ def test_a_process_killed_mid_way_fails_the_other_and_commits_nothing(tmp_path):
 # --- the pieces, in this process --------------------------------------------------------
 
 
-def test_crc32_combine_matches_zlib_over_the_whole():
+def test_crc32_combine_and_zero_extension_match_zlib_over_the_whole():
   rng = np.random.default_rng(1)
   for a_len, b_len in ((0, 5), (5, 0), (1, 1), (1000, 3333), (4096, 65537)):
     a, b = rng.bytes(a_len), rng.bytes(b_len)
     assert distributed.crc32_combine(zlib.crc32(a), zlib.crc32(b), b_len) == zlib.crc32(a + b)
+    assert distributed.extend_zeros(zlib.crc32(a), b_len) == zlib.crc32(a + bytes(b_len))
+
+
+def test_shares_of_any_split_combine_into_the_crc32():
+  # Each process's share: its bytes in place, zeros elsewhere (odd and even counts).
+  rng = np.random.default_rng(2)
+  data = rng.bytes(5000)
+  for cuts in ([0, 5000], [0, 1, 5000], [0, 100, 2000, 5000], [0, 7, 8, 4096, 5000]):
+    shares = [zlib.crc32(bytes(a) + data[a:b] + bytes(len(data) - b))
+              for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert distributed.combine_shares(shares, len(data)) == zlib.crc32(data), cuts
 
 
 def test_parts_of_a_sharded_array_combine_into_its_checksum(mesh):
@@ -314,6 +325,19 @@ def test_parts_of_a_sharded_array_combine_into_its_checksum(mesh):
       crc, at = distributed.crc32_combine(crc, part, length), at + length
     assert at == value.nbytes
     assert f'crc32:{crc:08x}' == checksums.checksum(value), spec
+    # One process holding every shard: its share is the whole CRC.
+    assert distributed.combine_shares([distributed._share_crc(arr)], value.nbytes) == crc
+
+
+def test_placement_splits_where_the_stored_chunks_split(monkeypatch):
+  # Eight devices as two processes of four (this process holds them all).
+  monkeypatch.setattr(distributed, 'process_count', lambda: 2)
+  P = jax.sharding.PartitionSpec
+  spec = lambda *a: distributed.placement(*a).spec  # noqa: E731
+  assert spec((64, 32)) == P('all')
+  assert spec((64, 32), (64, 4)) == P(None, 'all')  # Rows unsplit on disk: split columns.
+  assert spec((64, 32), (32, 32)) == P('processes')  # Two chunks: one per process.
+  assert spec((6, 3)) == P('processes') and spec((3, 5)) == P() and spec(()) == P()
 
 
 def test_deal_balances_bytes_and_is_deterministic():
