@@ -9,9 +9,10 @@ same). What is shared out:
 - `convert`: every array is placed on the global mesh of all processes'
   devices (`placement`), so each process reads and writes only its own
   shards; Orbax's multi-host save writes them, and the primary process merges
-  and commits the step once (`commit_step`).
+  and commits the step once (`staged`). Checksums are combined from one
+  CRC-32 share per process (`checksums_of`).
 - `export`: the safetensors files are dealt out to the processes by bytes
-  (`my_files`); each reads whole tensors for its own files only.
+  (`mine`); each reads whole tensors for its own files only.
 
 Every multi-process run goes through `staged`: process 0 opens the staging
 directory, every process checks it can see it, every process reports its
@@ -53,6 +54,9 @@ WAIT_MS = 24 * 3600 * 1000
 KEY_PREFIX = 'orbax_tunix'
 
 _rounds = itertools.count()
+# Which `staged` run failures are announced for (every process counts alike).
+_runs_started = itertools.count()
+_run = -1
 # How often a waiting process looks for the others' reports (s).
 POLL_MS = 50
 # The rounds where every process reports its outcome, failed or not.
@@ -269,14 +273,14 @@ def _announce(failure: str) -> None:
   """Tells every process, wherever it waits, that this one failed."""
   if active():
     with contextlib.suppress(Exception):
-      _client().key_value_set(f'{KEY_PREFIX}/failed/{process_index()}', failure,
+      _client().key_value_set(f'{KEY_PREFIX}/failed/{_run}/{process_index()}', failure,
                               allow_overwrite=True)
 
 
 def _announced(client: Any) -> str | None:
   """A failure another process announced, as a sentence, or None."""
   try:
-    found = client.key_value_dir_get(f'{KEY_PREFIX}/failed/')
+    found = client.key_value_dir_get(f'{KEY_PREFIX}/failed/{_run}/')
   except Exception:  # noqa: BLE001
     return None
   if not found:
@@ -346,6 +350,8 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
     with commit.staged(dst, force, kind, nbytes, sources) as staging:
       yield staging
     return
+  global _run
+  _run = next(_runs_started)  # A failure announced in an earlier run stops nothing here.
   stack = contextlib.ExitStack()
   opened, own = None, None
   if is_primary():

@@ -214,6 +214,40 @@ def test_export_several_shards_two_processes_write_what_one_writes(tmp_path):
   assert not [p for p in tmp_path.iterdir() if 'tmp' in p.name or 'orbax-tunix' in p.name]
 
 
+API_SCRIPT = """
+import sys
+import jax
+jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+port, pid, src, out = sys.argv[1:]
+jax.distributed.initialize(f'localhost:{port}', 2, int(pid), initialization_timeout=30)
+import orbax_tunix
+orbax_tunix.export_to_hf(src, out, model='qwen3', max_shard_size='20KB')
+print('exported', jax.process_index(), jax.process_count())
+"""
+
+
+def test_export_api_in_a_job_the_caller_started(tmp_path):
+  # The caller's own jax.distributed.initialize(); export_to_hf shares the work.
+  run_one(['export', str(TUNIX / 'hf_qwen3'), str(tmp_path / 'one'), '--model', 'qwen3',
+           '--max-shard-size', '20KB'])
+  port, t0 = free_port(), time.monotonic()
+  started = []
+  for i in range(2):
+    log = tmp_path / f'api_{i}.log'
+    with log.open('w') as f:
+      started.append((subprocess.Popen(
+          [sys.executable, '-c', API_SCRIPT, str(port), str(i), str(TUNIX / 'hf_qwen3'),
+           str(tmp_path / 'two')], env=env(), cwd=tmp_path, stdout=f,
+          stderr=subprocess.STDOUT, start_new_session=True), log))
+  done = finish(started, t0)
+  assert done.codes == [0, 0], done.show()
+  assert [f'exported {i} 2' in o for i, o in enumerate(done.outputs)] == [True, True]
+  names = sorted(p.name for p in (tmp_path / 'one').iterdir())
+  assert sorted(p.name for p in (tmp_path / 'two').iterdir()) == names
+  for name in names:
+    assert (tmp_path / 'two' / name).read_bytes() == (tmp_path / 'one' / name).read_bytes()
+
+
 def test_process_count_mismatch_fails_every_process(tmp_path):
   out = tmp_path / 'out'
   done = run_two(['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3'], tmp_path,
