@@ -6,8 +6,9 @@ synthetic Tunix full state, sharded on disk as a pod writes it) and
 shards) as that many processes of one `jax.distributed` job over localhost,
 4 simulated CPU devices each, and reports per process the bytes it passed
 through read()/write() (`/proc/self/io` rchar and wchar, page cache
-included) and from/to storage (read_bytes, write_bytes), measured from just
-before the command starts (after imports) to its end, and the job's wall time:
+included) and from/to storage (read_bytes, write_bytes), and the command's
+time (joining the job included), all measured from just before the command
+starts (after imports) to its end, and the job's wall time (start-up too):
 
   python benchmarks/multihost.py                      # 256 MiB state, 1 and 2 processes
   python benchmarks/multihost.py --size-mb 1024 --processes 1 2 4
@@ -148,14 +149,14 @@ def fmt(n: float) -> str:
 
 def report(name: str, source_bytes: int, runs: list[dict[str, Any]]) -> list[str]:
   lines = [f'### {name} (source on disk: {fmt(source_bytes).strip()})', '',
-           '| processes | wall | process | rchar | wchar | read_bytes | write_bytes |',
-           '|---|---|---|---|---|---|---|']
+           '| processes | wall (job) | process | command | rchar | wchar | read_bytes | write_bytes |',
+           '|---|---|---|---|---|---|---|---|']
   for run in runs:
     for i, p in enumerate(run['per_process']):
       wall = f'{run["wall_s"]:.1f} s' if i == 0 else ''
       n = run['processes'] if i == 0 else ''
-      lines.append(f'| {n} | {wall} | {i} | ' + ' | '.join(fmt(p[k]).strip() for k in COUNTERS)
-                   + ' |')
+      lines.append(f'| {n} | {wall} | {i} | {p["seconds"]:.1f} s | '
+                   + ' | '.join(fmt(p[k]).strip() for k in COUNTERS) + ' |')
   return lines + ['']
 
 

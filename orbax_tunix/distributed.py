@@ -428,7 +428,9 @@ def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.
   divides too): the first axis whose per-process part is a whole number of
   the source's chunks (`chunks`, the stored chunk shape), so that no chunk
   is read by two processes; without chunks, the first axis that divides
-  evenly. Whole on every process when none does (scalars, odd sizes).
+  evenly. Whole on every process when none does (scalars, odd sizes). A part
+  that does not split over the local devices too sits on one device of each
+  process.
   """
   devices = _devices()
   nproc, ndev = process_count(), devices.size
@@ -440,16 +442,15 @@ def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.
     return chunks is None or (shape[axis] // parts) % max(chunks[axis], 1) == 0
 
   axis = next((a for a in range(len(shape)) if aligned(a, nproc)), None)
-  grid = devices.reshape(nproc, -1)
-  if axis is None:
-    mesh = jax.sharding.Mesh(grid, ('processes', 'local'))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  lead = (None,) * axis
-  if aligned(axis, ndev):
+  if axis is not None and aligned(axis, ndev):
     mesh = jax.sharding.Mesh(devices, ('all',))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, 'all'))
-  mesh = jax.sharding.Mesh(grid, ('processes', 'local'))
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, 'processes'))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * axis, 'all'))
+  # One device per process: a part copied to every local device would be a
+  # replica, which Orbax's save slices (one compiled slice per shape).
+  mesh = jax.sharding.Mesh(devices.reshape(nproc, -1)[:, 0], ('processes',))
+  if axis is None:
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * axis, 'processes'))
 
 
 def settle(value: Any) -> Any:
