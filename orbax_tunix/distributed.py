@@ -428,9 +428,7 @@ def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.
   divides too): the first axis whose per-process part is a whole number of
   the source's chunks (`chunks`, the stored chunk shape), so that no chunk
   is read by two processes; without chunks, the first axis that divides
-  evenly. Whole on every process when none does (scalars, odd sizes). A part
-  that does not split over the local devices too sits on one device of each
-  process.
+  evenly. Whole on every process when none does (scalars, odd sizes).
   """
   devices = _devices()
   nproc, ndev = process_count(), devices.size
@@ -441,16 +439,25 @@ def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.
       return False
     return chunks is None or (shape[axis] // parts) % max(chunks[axis], 1) == 0
 
+  P = jax.sharding.PartitionSpec
   axis = next((a for a in range(len(shape)) if aligned(a, nproc)), None)
   if axis is not None and aligned(axis, ndev):
-    mesh = jax.sharding.Mesh(devices, ('all',))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * axis, 'all'))
-  # One device per process: a part copied to every local device would be a
-  # replica, which Orbax's save slices (one compiled slice per shape).
-  mesh = jax.sharding.Mesh(devices.reshape(nproc, -1)[:, 0], ('processes',))
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ('all',)),
+                                      P(*(None,) * axis, 'all'))
+  mesh = jax.sharding.Mesh(devices.reshape(nproc, -1), ('processes', 'local'))
   if axis is None:
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * axis, 'processes'))
+    return jax.sharding.NamedSharding(mesh, P())
+  # Each process's part split over its devices along another axis where one
+  # divides: a part copied to every local device is a replica, which Orbax's
+  # save slices with one compiled slice per shape (slow). Every sharding
+  # spans all devices: JAX moves arrays between hosts only within one set.
+  spec = [None] * len(shape)
+  spec[axis] = 'processes'
+  local = ndev // nproc
+  other = next((b for b in range(len(shape)) if b != axis and shape[b] % local == 0), None)
+  if other is not None:
+    spec[other] = 'local'
+  return jax.sharding.NamedSharding(mesh, P(*spec))
 
 
 def settle(value: Any) -> Any:
@@ -489,18 +496,9 @@ def _runs(shard_index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, 
 
 def _local_runs(value: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
   """(byte offset, bytes) of each contiguous run of this process's primary shards."""
-  itemsize = np.dtype(value.dtype).itemsize
   for shard in value.addressable_shards:
-    if shard.replica_id != 0:
-      continue
-    k, per_run, _ = _runs(shard.index, value.shape)
-    data = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1, per_run or 1)
-    starts = [s.indices(n)[0] for s, n in zip(shard.index, value.shape, strict=True)]
-    outer = [range(*s.indices(n)[:2]) for s, n in zip(shard.index[:k], value.shape[:k],
-                                                      strict=True)]
-    for row, lead in zip(data, itertools.product(*outer), strict=True):
-      offset = int(np.ravel_multi_index((*lead, *starts[k:]), value.shape)) if value.shape else 0
-      yield offset * itemsize, row.view(np.uint8)
+    if shard.replica_id == 0:
+      yield from _block_runs(shard.index, np.asarray(shard.data), value.shape)
 
 
 def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
@@ -508,15 +506,48 @@ def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
   return [(offset, raw.size, zlib.crc32(raw)) for offset, raw in _local_runs(value)]
 
 
+def _process_block(value: jax.Array) -> tuple[tuple[slice, ...], np.ndarray] | None:
+  """This process's primary shards as one block (index, data), when they tile a box."""
+  shards = [s for s in value.addressable_shards if s.replica_id == 0]
+  if not shards or not value.shape:
+    return None
+  bounds = [[s.indices(n)[:2] for s, n in zip(sh.index, value.shape, strict=True)]
+            for sh in shards]
+  box = [(min(b[d][0] for b in bounds), max(b[d][1] for b in bounds))
+         for d in range(value.ndim)]
+  size = math.prod(b - a for a, b in box)
+  if sum(math.prod(b - a for a, b in bd) for bd in bounds) != size:
+    return None
+  data = np.empty([b - a for a, b in box], dtype=value.dtype)
+  for shard, bd in zip(shards, bounds, strict=True):
+    data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(bd, box, strict=True))] = shard.data
+  return tuple(slice(a, b) for a, b in box), data
+
+
+def _block_runs(index: tuple[slice, ...], data: np.ndarray, shape: tuple[int, ...],
+                ) -> Iterator[tuple[int, np.ndarray]]:
+  """(byte offset, bytes) of each contiguous run of a block of an array."""
+  k, per_run, _ = _runs(index, shape)
+  rows = np.ascontiguousarray(data).reshape(-1, per_run or 1)
+  starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
+  outer = [range(*s.indices(n)[:2]) for s, n in zip(index[:k], shape[:k], strict=True)]
+  for row, lead in zip(rows, itertools.product(*outer), strict=True):
+    offset = int(np.ravel_multi_index((*lead, *starts[k:]), shape)) if shape else 0
+    yield offset * data.dtype.itemsize, row.view(np.uint8)
+
+
 def _share_crc(value: jax.Array) -> int:
   """The CRC-32 of the array's bytes with this process's parts in place and zeros elsewhere.
 
   CRC-32 is affine over GF(2) for a fixed length, so the array's CRC is the
   XOR of every process's share (`combine_shares`): one number per process,
-  however the array is split.
+  however the array is split. The process's shards are joined into one block
+  first where they tile one (one run when it spans whole rows).
   """
+  block = _process_block(value)
+  runs = _local_runs(value) if block is None else _block_runs(*block, value.shape)
   crc, at = 0, 0
-  for offset, raw in sorted(_local_runs(value), key=lambda r: r[0]):
+  for offset, raw in sorted(runs, key=lambda r: r[0]):
     crc = zlib.crc32(raw, extend_zeros(crc, offset - at))
     at = offset + raw.size
   return extend_zeros(crc, value.nbytes - at)

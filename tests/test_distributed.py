@@ -361,6 +361,9 @@ def test_parts_of_a_sharded_array_combine_into_its_checksum(mesh):
     assert f'crc32:{crc:08x}' == checksums.checksum(value), spec
     # One process holding every shard: its share is the whole CRC.
     assert distributed.combine_shares([distributed._share_crc(arr)], value.nbytes) == crc
+    # Its shards joined into one block (the whole array here).
+    index, block = distributed._process_block(arr)
+    np.testing.assert_array_equal(block, value)
 
 
 def test_placement_splits_where_the_stored_chunks_split(monkeypatch):
@@ -370,8 +373,9 @@ def test_placement_splits_where_the_stored_chunks_split(monkeypatch):
   spec = lambda *a: distributed.placement(*a).spec  # noqa: E731
   assert spec((64, 32)) == P('all')
   assert spec((64, 32), (64, 4)) == P(None, 'all')  # Rows unsplit on disk: split columns.
-  assert spec((64, 32), (32, 32)) == P('processes')  # Two chunks: one per process.
-  assert spec((6, 3)) == P('processes') and spec((3, 5)) == P() and spec(()) == P()
+  # Two chunks of rows: one per process, each process's rows over its devices by column.
+  assert spec((64, 32), (32, 32)) == P('processes', 'local')
+  assert spec((6, 3)) == P('processes', None) and spec((3, 5)) == P() and spec(()) == P()
 
 
 def test_deal_balances_bytes_and_is_deterministic():
