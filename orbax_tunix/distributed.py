@@ -447,27 +447,45 @@ def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.
   mesh = jax.sharding.Mesh(devices.reshape(nproc, -1), ('processes', 'local'))
   if axis is None:
     return jax.sharding.NamedSharding(mesh, P())
-  # Each process's part split over its devices along another axis where one
-  # divides: a part copied to every local device is a replica, which Orbax's
-  # save slices with one compiled slice per shape (slow). Every sharding
-  # spans all devices: JAX moves arrays between hosts only within one set.
-  spec = [None] * len(shape)
-  spec[axis] = 'processes'
-  local = ndev // nproc
-  other = next((b for b in range(len(shape)) if b != axis and shape[b] % local == 0), None)
-  if other is not None:
-    spec[other] = 'local'
-  return jax.sharding.NamedSharding(mesh, P(*spec))
+  # Whole on each of the process's devices: read once per process (split
+  # over its devices by another axis, every device would read whole chunks).
+  # Every sharding spans all devices: JAX moves arrays between hosts only
+  # within one device set.
+  return jax.sharding.NamedSharding(mesh, P(*(None,) * axis, 'processes'))
+
+
+def for_saving(value: Any) -> Any:
+  """A global array whose process parts are whole on every local device, split over them.
+
+  A part copied to every local device is a replica, which Orbax's save
+  slices with one compiled slice per shape (slow); split along another axis
+  that divides, a move within each process. Anything else as it is.
+  """
+  if not isinstance(value, jax.Array) or value.is_fully_addressable:
+    return value
+  sharding = value.sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding) or 'local' not in sharding.mesh.axis_names:
+    return value
+  spec = list(sharding.spec) + [None] * (value.ndim - len(sharding.spec))
+  if 'processes' not in spec or 'local' in spec:
+    return value
+  local = sharding.mesh.shape['local']
+  other = next((b for b, n in enumerate(value.shape) if spec[b] is None and n % local == 0), None)
+  if other is None:
+    return value
+  spec[other] = 'local'
+  return jax.device_put(value, jax.sharding.NamedSharding(sharding.mesh,
+                                                          jax.sharding.PartitionSpec(*spec)))
 
 
 def settle(value: Any) -> Any:
-  """A global array moved to its `placement` (what transforms made may lie anywhere)."""
+  """A global array a transform made (it may lie anywhere) at its `placement`, for saving."""
   if not isinstance(value, jax.Array) or value.is_fully_addressable:
     return value
   target = placement(value.shape)
-  if value.sharding.is_equivalent_to(target, value.ndim):
-    return value
-  return jax.device_put(value, target)
+  if not value.sharding.is_equivalent_to(target, value.ndim):
+    value = jax.device_put(value, target)
+  return for_saving(value)
 
 
 def on_host(value: Any) -> np.ndarray:

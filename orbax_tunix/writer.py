@@ -129,7 +129,7 @@ def make(output: Output, values: dict[tuple, Any]) -> Any:
   """An output's value from its sources' values (as read)."""
   inputs = [values[i.key] for i in output.inputs]
   if output.transform.is_identity:
-    value = inputs[0]
+    value = distributed.for_saving(inputs[0])
   else:
     value = distributed.settle(output.transform.apply(inputs))
   have = getattr(value, 'dtype', None)
@@ -137,7 +137,7 @@ def make(output: Output, values: dict[tuple, Any]) -> Any:
     return value  # PRNG keys are written as read (their key data is the stored form).
   if output.numpy or isinstance(value, np.ndarray | np.generic):
     return np.asarray(value).astype(output.dtype)
-  return distributed.settle(jnp.asarray(value).astype(output.dtype))
+  return distributed.for_saving(jnp.asarray(value).astype(output.dtype))
 
 
 def _largest(dtype: Any) -> float:

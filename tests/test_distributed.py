@@ -373,9 +373,8 @@ def test_placement_splits_where_the_stored_chunks_split(monkeypatch):
   spec = lambda *a: distributed.placement(*a).spec  # noqa: E731
   assert spec((64, 32)) == P('all')
   assert spec((64, 32), (64, 4)) == P(None, 'all')  # Rows unsplit on disk: split columns.
-  # Two chunks of rows: one per process, each process's rows over its devices by column.
-  assert spec((64, 32), (32, 32)) == P('processes', 'local')
-  assert spec((6, 3)) == P('processes', None) and spec((3, 5)) == P() and spec(()) == P()
+  assert spec((64, 32), (32, 32)) == P('processes')  # Two chunks of rows: one per process.
+  assert spec((6, 3)) == P('processes') and spec((3, 5)) == P() and spec(()) == P()
 
 
 def test_deal_balances_bytes_and_is_deterministic():
