@@ -16,7 +16,7 @@ The whole public API (`__all__`, and the README's table)::
     NotACheckpointError, UncommittedStepError, CorruptMetadataError,
     TargetMismatchError, MissingItemError, LoraOnlyCheckpointError,
     LoraError, UnsupportedLayoutError, InvalidOptionError,
-    DestinationExistsError, InvalidDestinationError
+    DestinationExistsError, InvalidDestinationError, DistributedError
   maxtext                                a Tunix step as MaxText's TrainState
 """
 
@@ -30,6 +30,7 @@ from orbax_tunix.detection import Detection, detect
 from orbax_tunix.errors import (
     CorruptMetadataError,
     DestinationExistsError,
+    DistributedError,
     InvalidDestinationError,
     InvalidOptionError,
     LoraError,
@@ -52,6 +53,7 @@ __all__ = [
     'CorruptMetadataError',
     'DestinationExistsError',
     'Detection',
+    'DistributedError',
     'InvalidDestinationError',
     'InvalidOptionError',
     'LoraError',

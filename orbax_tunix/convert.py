@@ -45,6 +45,7 @@ from orbax_tunix import (
   _orbax,
   checksums,
   commit,
+  distributed,
   errors,
   hyperparams,
   layouts,
@@ -434,10 +435,15 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   progress.start(plan.total_bytes, f'converting to {plan.dst}')
   sources = [c.step_dir for c in merge_lib.checkpoints_read(plan.source, plan.merge)]
   try:
-    with commit.staged(plan.dst, plan.force, nbytes=plan.total_bytes,
-                       sources=sources) as staging:
+    # Across hosts (see `distributed`): every process writes its shards of
+    # every item, process 0 the JSON items and the step's metadata, and the
+    # step is committed once.
+    with distributed.staged(plan.dst, plan.force, nbytes=plan.total_bytes,
+                            sources=sources) as staging:
       sums: dict[str, dict[str, str]] = {}
       for item in plan.items:
+        if item.json and not distributed.is_primary():
+          continue
         if item.json:
           ckpt, name = item.json
           (staging.work / item.name).mkdir(parents=True, exist_ok=True)
@@ -447,7 +453,8 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
         sink = writer.OrbaxItemSink(item, staging.work / item.name)
         record = writer.write(item.outputs, sink, plan.batch_bytes, progress)
         sums[item.name] = record['checksums']
-      _write_step_metadata(staging.work, plan, init_ns, sums)
+      if distributed.is_primary():
+        _write_step_metadata(staging.work, plan, init_ns, sums)
   finally:
     progress.finish()
   replaced = staging.replaced

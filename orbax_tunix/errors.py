@@ -70,6 +70,13 @@ class InvalidDestinationError(TunixCheckpointError):
   """The destination overlaps the source, or cannot be written or replaced."""
 
 
+class DistributedError(TunixCheckpointError):
+  """A multi-process convert or export could not form its job, or a process failed.
+
+  Raised on every process; nothing was committed.
+  """
+
+
 def list_paths(paths: Sequence[str], limit: int = MAX_LISTED) -> str:
   """Formats paths one per line, at most `limit` of them, then a count.
 

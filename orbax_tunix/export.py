@@ -24,6 +24,7 @@ from etils import epath
 
 from orbax_tunix import (
   commit,
+  distributed,
   errors,
   huggingface,
   layouts,
@@ -298,13 +299,18 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
-  progress.start(plan.total_bytes, f'exporting to {plan.out_dir}')
+  files, outputs = _share(plan)
+  progress.start(sum(o.nbytes for o in outputs), f'exporting to {plan.out_dir}')
   sources = [c.step_dir for c in merge_lib.checkpoints_read(plan.source, plan.merge)]
   try:
-    with commit.staged(plan.out_dir, plan.force, EXPORT, plan.total_bytes, sources) as staging:
-      sink = writer.SafetensorsSink(staging.work, plan.files)
-      record = writer.write(plan.outputs, sink, plan.batch_bytes, progress, on_host=True)
-      for path in (plan.config, *plan.copied):
+    # Across hosts (see `distributed`): each process writes its share of the
+    # files, process 0 the index and config, and the folder is committed once.
+    with distributed.staged(plan.out_dir, plan.force, EXPORT, plan.total_bytes,
+                            sources) as staging:
+      sink = writer.SafetensorsSink(staging.work, files, plan.files,
+                                    write_index=distributed.is_primary())
+      record = writer.write(outputs, sink, plan.batch_bytes, progress, on_host=True)
+      for path in (plan.config, *plan.copied) if distributed.is_primary() else ():
         if path is not None:
           (staging.work / path.name).write_bytes(path.read_bytes())
   finally:
@@ -312,6 +318,13 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
   replaced = staging.replaced
   return ExportResult(plan.out_dir, tuple(record['files']), len(plan.outputs),
                       record['total_size'], time.monotonic() - start, replaced)
+
+
+def _share(plan: ExportPlan) -> tuple[list[writer.Shard], list[Output]]:
+  """The files this process writes (all of them on one process), and their tensors."""
+  files = [plan.files[i] for i in distributed.mine([f.nbytes for f in plan.files])]
+  names = {name for f in files for name, _, _ in f.tensors}
+  return files, [o for o in plan.outputs if o.path[0] in names]
 
 
 def export_to_hf(src: epath.PathLike, out_dir: epath.PathLike, **kwargs: Any) -> ExportResult:

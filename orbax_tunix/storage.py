@@ -569,6 +569,10 @@ class Item:
       raise self._no_data_error(sorted(absent))
     return unsure
 
+  def chunk_shape(self, path: Path) -> tuple[int, ...] | None:
+    """The chunk shape an array (by its path on disk) is stored in, or None when not recorded."""
+    return self._chunk_shapes.get(_orbax.array_name(path))
+
   @functools.cached_property
   def _chunk_shapes(self) -> dict[str, tuple[int, ...]]:
     """Array name -> chunk shape, from `array_metadatas/process_*` ({} if absent)."""

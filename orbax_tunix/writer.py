@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, checksums, commit, errors, reader, storage
+from orbax_tunix import _orbax, checksums, commit, distributed, errors, reader, storage
 from orbax_tunix.keypaths import nest
 from orbax_tunix.outputs import Input, ItemOutput, Output
 from orbax_tunix.planned_item import PlannedItem
@@ -83,9 +83,11 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
   """Every source of a batch, once: one restore per source item.
 
   Onto one CPU device (leaves saved as jax arrays stay jax arrays), or to the
-  host as numpy when `on_host`.
+  host as numpy when `on_host`. Across processes, onto the global mesh: each
+  process reads only its part (`distributed.placement`).
   """
-  cpu = None if on_host else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+  spread = distributed.active() and not on_host
+  cpu = None if on_host or spread else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
   wanted: dict[tuple[int, str], tuple[Input, dict]] = {}
   for output in batch:
     for source, dtype in zip(output.inputs, output.input_dtypes(), strict=True):
@@ -96,14 +98,24 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
   values: dict[tuple, Any] = {}
   for (key, item), (source, requests) in wanted.items():
     detection = source.ckpt.detection
-    planned = PlannedItem(detection.item_meta(item), detection.maps[item])
+    meta = detection.item_meta(item)
+    planned = PlannedItem(meta, detection.maps[item])
+
     got = planned.read({
-        path: reader.request_for(leaf, dtype, None if leaf.numpy or cpu is None else cpu)
+        path: reader.request_for(leaf, dtype, _into(leaf, meta, cpu, spread))
         for path, (leaf, dtype) in requests.items()
     })
     for path, (leaf, dtype) in requests.items():
       values[(key, item, path)] = _as_stored(got[path], leaf, dtype)
   return values
+
+
+def _into(leaf: reader.LeafInfo, meta: Any, cpu: Any, spread: bool) -> Any:
+  """Where a leaf is read to: None (numpy), one CPU device, or across processes split
+  where its stored chunks split (`distributed.placement`), so no chunk is read twice."""
+  if leaf.numpy or not (cpu or spread):
+    return None
+  return cpu or distributed.placement(leaf.shape, meta.chunk_shape(leaf.disk_path))
 
 
 def _as_stored(value: Any, leaf: reader.LeafInfo, dtype: np.dtype | None) -> Any:
@@ -117,15 +129,15 @@ def make(output: Output, values: dict[tuple, Any]) -> Any:
   """An output's value from its sources' values (as read)."""
   inputs = [values[i.key] for i in output.inputs]
   if output.transform.is_identity:
-    value = inputs[0]
+    value = distributed.for_saving(inputs[0])
   else:
-    value = output.transform.apply(inputs)
+    value = distributed.settle(output.transform.apply(inputs))
   have = getattr(value, 'dtype', None)
   if output.dtype is None or have is None or have == output.dtype or is_key(have):
     return value  # PRNG keys are written as read (their key data is the stored form).
   if output.numpy or isinstance(value, np.ndarray | np.generic):
     return np.asarray(value).astype(output.dtype)
-  return jnp.asarray(value).astype(output.dtype)
+  return distributed.for_saving(jnp.asarray(value).astype(output.dtype))
 
 
 def _largest(dtype: Any) -> float:
@@ -165,7 +177,10 @@ def check_range(output: Output, value: Any) -> None:
   """
   if not _may_overflow(output):
     return
-  written = np.asarray(value)
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    if bool(jnp.isfinite(value).all()):  # Computed where the parts are; agreed by all.
+      return
+  written = distributed.on_host(value)
   # Two reductions (no temporary the size of the tensor): NaN propagates, so
   # finite extremes mean finite values.
   if written.size == 0 or (np.isfinite(written.min()) and np.isfinite(written.max())):
@@ -173,7 +188,7 @@ def check_range(output: Output, value: Any) -> None:
   finite = np.isfinite(written)
   own = dataclasses.replace(output, dtype=None,
                             read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
-  exact = np.asarray(make(own, read_inputs([own])), dtype=np.float64)
+  exact = np.asarray(distributed.on_host(make(own, read_inputs([own]))), dtype=np.float64)
   lost = np.isfinite(exact) & ~finite
   if not lost.any():
     return
@@ -245,17 +260,24 @@ class OrbaxItemSink:
 
   def write(self, batch: Sequence[Written]) -> None:
     values = [v for _, v in batch]
-    # Checksums beside the write (zlib releases the GIL).
-    summing = self._summer.submit(lambda vs: [checksums.checksum(v) for v in vs], values)
+    # Checksums beside the write (zlib releases the GIL); across processes,
+    # each process's parts combined (`distributed.checksums_of`).
+    summing = self._summer.submit(distributed.checksums_of, values)
     with _orbax.tidy_failures():
       self._writer.save(self._dir, args=ocp.args.PyTreeSave(
           nest((o.path, v) for o, v in batch)))
     self._sums.update(zip((checksums.key(o.path) for o, _ in batch), summing.result(),
                           strict=True))
-    self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
+    if distributed.is_primary():  # Orbax writes `_METADATA` on the primary process only.
+      self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
 
   def close(self) -> dict[str, Any]:
     self._summer.shutdown()
+    # Across processes: every process's arrays are written before the
+    # primary merges the per-process databases (Orbax's own finalize order).
+    distributed.barrier(f'{self._dir.name} written')
+    if not distributed.is_primary():
+      return {'checksums': self._sums}
     item = self._item
     key_types = dict(item.key_types or {})
     for output in item.outputs:  # Lists: their positions are sequence keys.
@@ -365,9 +387,14 @@ class SafetensorsSink:
   batch beyond the writer's budget, is held whole.
   """
 
-  def __init__(self, directory: epath.Path, files: Sequence[Shard]):
+  def __init__(self, directory: epath.Path, files: Sequence[Shard],
+               listed: Sequence[Shard] | None = None, write_index: bool = True):
+    """Args: the folder; the files to write; the whole export's files (default
+    `files`; several processes each write some); whether to write their index."""
     self._dir = directory
     self._files = list(files)
+    self._listed = list(files if listed is None else listed)
+    self._write_index = write_index
     self._of = {name: f for f in self._files for name, _, _ in f.tensors}
     self._open: dict[str, tuple[Any, int]] = {}  # file -> (handle, tensors written)
     directory.mkdir(parents=True, exist_ok=True)
@@ -400,7 +427,7 @@ class SafetensorsSink:
   def close(self) -> dict[str, Any]:
     if self._open:
       raise AssertionError(f'files not completed: {sorted(self._open)}')
-    if len(self._files) > 1:
-      (self._dir / INDEX_FILE).write_text(json.dumps(index(self._files), indent=2))
-    return {'files': [f.name for f in self._files],
-            'total_size': sum(f.nbytes for f in self._files)}
+    if len(self._listed) > 1 and self._write_index:
+      (self._dir / INDEX_FILE).write_text(json.dumps(index(self._listed), indent=2))
+    return {'files': [f.name for f in self._listed],
+            'total_size': sum(f.nbytes for f in self._listed)}

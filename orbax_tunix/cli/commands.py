@@ -37,7 +37,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_tunix import checksums, commit, errors, huggingface, inspection, reader
+from orbax_tunix import checksums, commit, distributed, errors, huggingface, inspection, reader
 from orbax_tunix import convert as convert_lib
 from orbax_tunix import diff as diff_lib
 from orbax_tunix import export as export_lib
@@ -152,6 +152,7 @@ def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
 
 def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   """`orbax-tunix convert`: plans, streams with progress, prints the summary; returns 0."""
+  _join(args)
   plan = convert_lib.plan_convert(
       args.src,
       args.dst,
@@ -172,6 +173,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   leftovers = [
       f'{leftover} is left from an interrupted conversion; remove it when no conversion'
       ' is running.' for leftover in commit.leftovers(plan.dst)
+      if distributed.is_primary()  # Others would see process 0's own staging.
   ]
   result = _stream(convert_lib.run_convert, plan, [*plan.notes, *leftovers], args, out)
   source = plan.source.detection
@@ -209,6 +211,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_export(args: argparse.Namespace, out: Output) -> int:
   """`orbax-tunix export`: plans, streams with progress, prints the summary; returns 0."""
+  _join(args)
   plan = export_lib.plan_export(
       args.src,
       args.out_dir,
@@ -236,6 +239,13 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
       f' {format_bytes(result.total_size)} in {format_duration(result.seconds)}'
   )
   return EXIT_OK
+
+
+def _join(args: argparse.Namespace) -> None:
+  """Joins the multi-process job the flags (or JAX's cluster detection) describe, if any."""
+  distributed.initialize(distributed.Options(
+      coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+      process_id=args.process_id, initialization_timeout=args.initialization_timeout))
 
 
 def cmd_diff(args: argparse.Namespace, out: Output) -> int:
@@ -384,6 +394,18 @@ def build_parser() -> argparse.ArgumentParser:
       ),
       parents=[common],
   )
+  hosts = argparse.ArgumentParser(add_help=False)
+  group = hosts.add_argument_group(
+      'across hosts', 'run the same command once per host (JAX\'s multi-controller runtime);'
+      ' without these, JAX\'s own cluster detection (TPU pods, Slurm, Open MPI) is used when'
+      ' it finds one, else one process does everything')
+  group.add_argument('--coordinator-address', metavar='HOST:PORT',
+                     help="process 0's address and a free port, the same on every process")
+  group.add_argument('--num-processes', type=int, metavar='N', help='how many processes')
+  group.add_argument('--process-id', type=int, metavar='I', help="this process's index, 0 to N-1")
+  group.add_argument('--initialization-timeout', type=int, default=300, metavar='SECONDS',
+                     help='how long to wait for every process to join, and for a silent'
+                     ' process before it is taken for dead (default 300)')
   sub = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
 
   p = sub.add_parser(
@@ -414,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(handler=cmd_inspect)
 
   p = sub.add_parser(
-      'convert', parents=[common],
+      'convert', parents=[common, hosts],
       help='write an ordinary Orbax checkpoint (canonical, or MaxText\'s own step)',
       description=(
           'Write SRC as an ordinary Orbax checkpoint that plain Orbax restores'
@@ -498,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(handler=cmd_diff)
 
   p = sub.add_parser(
-      'export', parents=[common],
+      'export', parents=[common, hosts],
       help='write a Hugging Face safetensors folder (qwen3, llama3, gemma3)',
       description=(
           'Write the weights of SRC (a Tunix run of a tunix.models family) as a'
@@ -707,7 +729,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoints differ and `inspect --verify` 1 when an array is damaged.
   """
   with _guarded_output():
-    return _main(argv)
+    code = _main(argv)
+  if code == EXIT_ERROR and distributed.is_initialized():
+    distributed.leave(code)  # Not JAX's shutdown barrier: peers may be gone or late.
+  return code
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -1,0 +1,703 @@
+"""Convert and export across hosts: one process per host under JAX's own runtime.
+
+The same command runs once per host. The processes find each other as JAX's
+multi-controller runtime does (`jax.distributed.initialize`, from explicit
+flags or its own cluster auto-detection), and coordinate only through that
+runtime's key-value store and barriers (Orbax's multi-host save does the
+same). What is shared out:
+
+- `convert`: every array is placed on the global mesh of all processes'
+  devices (`placement`), so each process reads and writes only its own
+  shards; Orbax's multi-host save writes them, and the primary process merges
+  and commits the step once (`staged`). Checksums are combined from one
+  CRC-32 share per process (`checksums_of`).
+- `export`: the safetensors files are dealt out to the processes by bytes
+  (`mine`); each reads whole tensors for its own files only.
+
+Every multi-process run goes through `staged`: process 0 opens the staging
+directory, every process checks it can see it, every process reports its
+outcome, and process 0 commits only when every process succeeded; otherwise
+every process raises `DistributedError` naming the process that failed and
+why, and the staging is removed. A process that dies is found by JAX's own
+heartbeat, which ends every other process (non-zero exit); what is left is
+a staging directory, which readers skip, never a finished-looking output.
+
+On one process (no `jax.distributed`), nothing here changes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_tunix import checksums, commit, errors
+
+# How long a process waits for the others to report an outcome (ms). Long:
+# processes with more to do finish later; a process that dies is found sooner
+# by JAX's heartbeat, which ends every process.
+WAIT_MS = 24 * 3600 * 1000
+# The prefix of every key this module puts in JAX's key-value store.
+KEY_PREFIX = 'orbax_tunix'
+
+_rounds = itertools.count()
+# Which `staged` run failures are announced for (every process counts alike).
+_runs_started = itertools.count()
+_run = -1
+# How often a waiting process looks for the others' reports (s).
+POLL_MS = 50
+# The rounds where every process reports its outcome, failed or not.
+OUTCOME_ROUNDS = ('write', 'commit')
+# How long a failed process waits for the others before it exits (ms).
+LEAVE_WAIT_MS = 10_000
+LEAVE_LAST_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How to join a multi-process job (JAX's `jax.distributed.initialize` names).
+
+  Attributes:
+    coordinator_address: HOST:PORT of process 0's coordinator (None: auto-detect).
+    num_processes: the number of processes (None: auto-detect).
+    process_id: this process's index (None: auto-detect).
+    initialization_timeout: seconds to wait for every process to join; also
+      how long a silent process is taken for alive (JAX's heartbeat timeout).
+  """
+
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  initialization_timeout: int = 300
+
+  @property
+  def explicit(self) -> bool:
+    return any(v is not None for v in (self.coordinator_address, self.num_processes,
+                                       self.process_id))
+
+
+def is_initialized() -> bool:
+  """Whether this process already joined a `jax.distributed` job."""
+  return ocp.multihost.is_jax_distributed_client_initialized()
+
+
+def cluster_detected() -> str | None:
+  """The cluster JAX's auto-detection finds (TPU pod, Slurm, Open MPI, ...), or None.
+
+  Leans on JAX's private `ClusterEnv` registry, the list its own
+  `initialize()` walks; opt-in methods (mpi4py) are not probed.
+  """
+  from jax._src.clusters import ClusterEnv  # pylint: disable=g-import-not-at-top
+
+  for env in ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    with contextlib.suppress(Exception):
+      if not env.opt_in_only_method and env.is_env_present():
+        return env.__name__
+  return None
+
+
+def initialize(options: Options = Options()) -> bool:
+  """Joins the job the options (or the cluster's environment) describe.
+
+  Nothing happens when the process already joined one (an API caller did),
+  or when no flag is given and JAX detects no cluster: one process, as before.
+  On CPU the processes talk through JAX's gloo collectives.
+
+  Returns:
+    Whether this process is now part of a multi-process job.
+
+  Raises:
+    DistributedError: the job could not be formed (a coordinator that does
+      not answer, a process count that disagrees, a timeout), naming the
+      options and what to check.
+  """
+  if is_initialized():
+    return jax.process_count() > 1
+  detected = None if options.explicit else cluster_detected()
+  if not options.explicit and detected is None:
+    return False
+  if jax.config.jax_cpu_collectives_implementation in (None, 'none', ''):
+    # Cross-process CPU computations (resharding, barriers) need collectives.
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  timeout = options.initialization_timeout
+  try:
+    jax.distributed.initialize(
+        options.coordinator_address, options.num_processes, options.process_id,
+        initialization_timeout=timeout, heartbeat_timeout_seconds=timeout,
+        shutdown_timeout_seconds=timeout,
+    )
+  except Exception as e:  # noqa: BLE001 - JAX raises several kinds; all mean one thing.
+    given = (f'coordinator {options.coordinator_address}, {options.num_processes} processes,'
+             f' process id {options.process_id}' if options.explicit
+             else f'auto-detected cluster {detected}')
+    raise errors.DistributedError(
+        f'could not form the multi-process job ({given}) within {timeout} s: {_first_line(e)}.'
+        ' Expected every process started with the same --coordinator-address and'
+        ' --num-processes and its own --process-id (0 to N-1), the coordinator reachable'
+        ' from every host. Check that all processes are running and agree.'
+    ) from e
+  _check_agreement(timeout)
+  return jax.process_count() > 1
+
+
+def _check_agreement(timeout_s: int) -> None:
+  """Every process checks, before any work, that all were given the same process count.
+
+  JAX forms the job with the coordinator's count; a process given another
+  would otherwise fail alone, or wait, leaving the others waiting for it.
+  Read from JAX's own record of this process's arguments (private
+  `global_state`), through the key-value store, before the backends start.
+
+  Raises:
+    DistributedError: on every process, naming each process that disagrees;
+      or some process did not join within `timeout_s`.
+  """
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+
+  state = jax_distributed.global_state
+  me, claimed = state.process_id, state.num_processes
+  client = _client()
+  client.key_value_set(f'{KEY_PREFIX}/join/{me}', str(claimed))
+  for _ in range(max(1, timeout_s * 1000 // POLL_MS)):
+    told = {int(k.rsplit('/', 1)[-1]): int(v)
+            for k, v in client.key_value_dir_get(f'{KEY_PREFIX}/join/')}
+    wrong = sorted((i, n) for i, n in told.items() if n != told.get(0, claimed))
+    if wrong:
+      listed = ', '.join(f'process {i} was given --num-processes {n}' for i, n in wrong)
+      raise errors.DistributedError(
+          f'process 0 was given --num-processes {told.get(0, claimed)}, but {listed}: start'
+          ' every process with the same --num-processes; nothing was written.')
+    if len(told) >= claimed:
+      return
+    time.sleep(POLL_MS / 1000)
+  raise errors.DistributedError(
+      f'only processes {sorted(told)} of {claimed} joined within {timeout_s} s; nothing was'
+      ' written. Start every process, each with its own --process-id.')
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip() or type(e).__name__
+  return text.splitlines()[0][:300]
+
+
+def active() -> bool:
+  """Whether this process is one of several (work must be shared and agreed)."""
+  return is_initialized() and jax.process_count() > 1
+
+
+def process_index() -> int:
+  return jax.process_index() if is_initialized() else 0
+
+
+def process_count() -> int:
+  return jax.process_count() if is_initialized() else 1
+
+
+def is_primary() -> bool:
+  """The process that writes what is written once (metadata, index, config) and commits."""
+  return process_index() == 0
+
+
+# --- agreement through JAX's key-value store ----------------------------------------
+
+
+def _client() -> Any:
+  return ocp.multihost.get_jax_distributed_client()
+
+
+def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
+  """Every process's `text`, in process order (each process calls this in the same order).
+
+  A barrier: returns once every process reported. Keys are numbered by call,
+  so the same `name` may be used again. While waiting it watches for a
+  failure another process announced (`_announce`), so that a process that
+  failed mid-way does not leave the others waiting for it.
+
+  Raises:
+    DistributedError: another process announced a failure, or one did not
+      report within `timeout_ms`.
+  """
+  if not active():
+    return [text]
+  key = f'{KEY_PREFIX}/{next(_rounds)}/{name}'
+  client = _client()
+  client.key_value_set(f'{key}/{process_index()}', text)
+  got: dict[int, str] = {}
+  waited = 0
+  def collect() -> bool:
+    for i in range(process_count()):
+      if i not in got:
+        found = _try_get(client, f'{key}/{i}')
+        if found is not None:
+          got[i] = found
+    return len(got) == process_count()
+
+  while not collect():
+    # A failure announced stops every wait but the outcome rounds themselves
+    # (every process reaches those). A process that dies is found by JAX's
+    # heartbeat, which ends every process of the job.
+    failed = None if name in OUTCOME_ROUNDS else _announced(client)
+    if failed:
+      raise errors.DistributedError(f'{failed} Stopped waiting ({name}); nothing was committed.')
+    if waited >= timeout_ms:
+      missing = sorted(set(range(process_count())) - set(got))
+      raise errors.DistributedError(
+          f'processes {missing} did not report {name!r} within {timeout_ms // 1000} s: they may'
+          ' have died or hung. Nothing was committed; check their logs.')
+    time.sleep(POLL_MS / 1000)
+    waited += POLL_MS
+  return [got[i] for i in range(process_count())]
+
+
+def _try_get(client: Any, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception:  # noqa: BLE001 - NOT_FOUND is raised, not returned.
+    return None
+
+
+def _announce(failure: str) -> None:
+  """Tells every process, wherever it waits, that this one failed."""
+  if active():
+    with contextlib.suppress(Exception):
+      _client().key_value_set(f'{KEY_PREFIX}/failed/{_run}/{process_index()}', failure,
+                              allow_overwrite=True)
+
+
+def _announced(client: Any) -> str | None:
+  """A failure another process announced, as a sentence, or None."""
+  try:
+    found = client.key_value_dir_get(f'{KEY_PREFIX}/failed/{_run}/')
+  except Exception:  # noqa: BLE001
+    return None
+  if not found:
+    return None
+  key, why = sorted(found)[0]
+  return f'process {key.rsplit("/", 1)[-1]} failed: {why}'
+
+
+def broadcast(name: str, text: str | None) -> str:
+  """Process 0's `text` on every process (others pass None)."""
+  return exchange(name, text if is_primary() else '')[0]
+
+
+def agree(name: str, failure: str | None) -> None:
+  """Reports this process's outcome and raises on every process if any failed.
+
+  Raises:
+    DistributedError: naming each failed process and its message.
+  """
+  found = exchange(name, json.dumps(failure))
+  failed = [(i, json.loads(t)) for i, t in enumerate(found) if json.loads(t) is not None]
+  if failed:
+    lines = '\n'.join(f'  process {i}: {why}' for i, why in failed)
+    raise errors.DistributedError(
+        f'{len(failed)} of {len(found)} processes failed ({name}); nothing was committed:\n{lines}')
+
+
+def _failure(e: BaseException) -> str:
+  if isinstance(e, KeyboardInterrupt):
+    return 'interrupted'
+  return f'{type(e).__name__}: {e}' if not isinstance(e, errors.TunixCheckpointError) else str(e)
+
+
+# --- staging and commit, once for all processes ---------------------------------------
+
+
+@dataclasses.dataclass
+class SharedStaging:
+  """What `staged` yields on every process: the shared work directory.
+
+  Attributes:
+    work: where every process writes its part.
+    replaced: whether an old destination was replaced (set after commit).
+  """
+
+  work: epath.Path
+  replaced: bool = False
+
+
+@contextlib.contextmanager
+def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes: int = 0,
+           sources: Sequence[epath.Path] = ()) -> Iterator[Any]:
+  """`commit.staged` for one or several processes.
+
+  One process: exactly `commit.staged`. Several: process 0 opens the staging
+  directory and says where it is; every process checks that it sees it (a
+  destination some hosts cannot reach is refused on every process before any
+  array is written); the block runs on every process; process 0 commits only
+  when every process reports success, then every process learns the outcome.
+
+  Raises:
+    DistributedError: some process failed (its message included), or cannot
+      see the destination; the staging is removed and nothing is committed.
+      A process's own failure is raised there as itself.
+  """
+  if not active():
+    with commit.staged(dst, force, kind, nbytes, sources) as staging:
+      yield staging
+    return
+  global _run
+  _run = next(_runs_started)  # A failure announced in an earlier run stops nothing here.
+  stack = contextlib.ExitStack()
+  opened, own = None, None
+  if is_primary():
+    try:
+      opened = stack.enter_context(commit.staged(dst, force, kind, nbytes, sources))
+    except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
+      own = e
+  first = json.loads(broadcast('open', json.dumps(
+      [None if own is None else _failure(own), opened and os.fspath(opened.work),
+       os.fspath(dst)])))
+  if own is not None:
+    raise own
+  if first[0] is not None:
+    raise errors.DistributedError(f'process 0 could not start writing {dst}: {first[0]}')
+  shared = opened or SharedStaging(epath.Path(first[1]))
+
+  def abandon() -> None:
+    if opened is not None:
+      stack.pop_all()
+      opened.abort()
+
+  if first[2] != os.fspath(dst):
+    seen = (f'this process was given the destination {dst}, process 0 {first[2]}: give every'
+            ' process the same absolute path or bucket URL.')
+  else:
+    seen = None if shared.work.exists() else (
+        f'{shared.work}, the staging directory process 0 created for {dst}, is not visible'
+        ' from this process: every host must write to the same storage (a bucket, or a'
+        ' shared filesystem mounted at the same path on every host).')
+  try:
+    agree('visible', seen)
+  except errors.DistributedError:
+    abandon()
+    raise
+  try:
+    yield shared
+  except BaseException as e:  # noqa: BLE001 - reported, then raised on every process.
+    own = e
+    _announce(_failure(e))
+  try:
+    agree('write', None if own is None else _failure(own))
+  except errors.DistributedError:
+    abandon()
+    if own is not None:
+      raise own from None  # This process's own failure, as it would be alone.
+    raise
+  if opened is not None:
+    try:
+      stack.close()  # commit.staged commits.
+    except BaseException as e:  # noqa: BLE001 - told to every process.
+      own = e
+  try:
+    agree('commit', None if own is None else _failure(own))
+  except errors.DistributedError:
+    if own is not None:
+      raise own from None
+    raise
+  shared.replaced = broadcast('replaced', json.dumps(bool(getattr(opened, 'replaced', False)))) \
+      == 'true'
+
+
+# --- convert: arrays on the global mesh -------------------------------------------------
+
+
+def _devices() -> np.ndarray:
+  """Every process's devices, grouped by process (process 0's first)."""
+  return np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+
+
+def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.sharding.Sharding:
+  """Where an array of `shape` lives while converted across processes.
+
+  Split along one axis over the processes (and over every device when that
+  divides too): the first axis whose per-process part is a whole number of
+  the source's chunks (`chunks`, the stored chunk shape), so that no chunk
+  is read by two processes; without chunks, the first axis that divides
+  evenly. Whole on every process when none does (scalars, odd sizes).
+  """
+  devices = _devices()
+  nproc, ndev = process_count(), devices.size
+  chunks = tuple(chunks) if chunks is not None and len(chunks) == len(shape) else None
+
+  def aligned(axis: int, parts: int) -> bool:
+    if shape[axis] % parts:
+      return False
+    return chunks is None or (shape[axis] // parts) % max(chunks[axis], 1) == 0
+
+  P = jax.sharding.PartitionSpec
+  axis = next((a for a in range(len(shape)) if aligned(a, nproc)), None)
+  if axis is not None and aligned(axis, ndev):
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ('all',)),
+                                      P(*(None,) * axis, 'all'))
+  mesh = jax.sharding.Mesh(devices.reshape(nproc, -1), ('processes', 'local'))
+  if axis is None:
+    return jax.sharding.NamedSharding(mesh, P())
+  # Whole on each of the process's devices: read once per process (split
+  # over its devices by another axis, every device would read whole chunks).
+  # Every sharding spans all devices: JAX moves arrays between hosts only
+  # within one device set.
+  return jax.sharding.NamedSharding(mesh, P(*(None,) * axis, 'processes'))
+
+
+def for_saving(value: Any) -> Any:
+  """A global array whose process parts are whole on every local device, split over them.
+
+  A part copied to every local device is a replica, which Orbax's save
+  slices with one compiled slice per shape (slow); split along another axis
+  that divides, a move within each process. Anything else as it is.
+  """
+  if not isinstance(value, jax.Array) or value.is_fully_addressable:
+    return value
+  sharding = value.sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding) or 'local' not in sharding.mesh.axis_names:
+    return value
+  spec = list(sharding.spec) + [None] * (value.ndim - len(sharding.spec))
+  if 'processes' not in spec or 'local' in spec:
+    return value
+  local = sharding.mesh.shape['local']
+  other = next((b for b, n in enumerate(value.shape) if spec[b] is None and n % local == 0), None)
+  if other is None:
+    return value
+  spec[other] = 'local'
+  return jax.device_put(value, jax.sharding.NamedSharding(sharding.mesh,
+                                                          jax.sharding.PartitionSpec(*spec)))
+
+
+def settle(value: Any) -> Any:
+  """A global array a transform made (it may lie anywhere) at its `placement`, for saving."""
+  if not isinstance(value, jax.Array) or value.is_fully_addressable:
+    return value
+  target = placement(value.shape)
+  if not value.sharding.is_equivalent_to(target, value.ndim):
+    value = jax.device_put(value, target)
+  return for_saving(value)
+
+
+def on_host(value: Any) -> np.ndarray:
+  """A value whole, on every process (collective for a global array: error paths only)."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+  return np.asarray(value)
+
+
+def _runs(shard_index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
+  """(first dim of the runs, elements per run, number of runs) of a block of an array.
+
+  A block's elements are contiguous in C order along its trailing dims that it
+  covers whole, and the one before them.
+  """
+  bounds = [s.indices(n)[:2] for s, n in zip(shard_index, shape, strict=True)]
+  k = len(shape)
+  while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
+    k -= 1
+  k = max(k - 1, 0)
+  per_run = math.prod(b - a for a, b in bounds[k:]) if shape else 1
+  return k, per_run, math.prod(b - a for a, b in bounds[:k])
+
+
+def _local_runs(value: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
+  """(byte offset, bytes) of each contiguous run of this process's primary shards."""
+  for shard in value.addressable_shards:
+    if shard.replica_id == 0:
+      yield from _block_runs(shard.index, np.asarray(shard.data), value.shape)
+
+
+def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
+  """(byte offset, byte length, crc32) of each run of this process's primary shards."""
+  return [(offset, raw.size, zlib.crc32(raw)) for offset, raw in _local_runs(value)]
+
+
+def _process_block(value: jax.Array) -> tuple[tuple[slice, ...], np.ndarray] | None:
+  """This process's primary shards as one block (index, data), when they tile a box."""
+  shards = [s for s in value.addressable_shards if s.replica_id == 0]
+  if not shards or not value.shape:
+    return None
+  bounds = [[s.indices(n)[:2] for s, n in zip(sh.index, value.shape, strict=True)]
+            for sh in shards]
+  box = [(min(b[d][0] for b in bounds), max(b[d][1] for b in bounds))
+         for d in range(value.ndim)]
+  size = math.prod(b - a for a, b in box)
+  if sum(math.prod(b - a for a, b in bd) for bd in bounds) != size:
+    return None
+  data = np.empty([b - a for a, b in box], dtype=value.dtype)
+  for shard, bd in zip(shards, bounds, strict=True):
+    data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(bd, box, strict=True))] = shard.data
+  return tuple(slice(a, b) for a, b in box), data
+
+
+def _block_runs(index: tuple[slice, ...], data: np.ndarray, shape: tuple[int, ...],
+                ) -> Iterator[tuple[int, np.ndarray]]:
+  """(byte offset, bytes) of each contiguous run of a block of an array."""
+  k, per_run, _ = _runs(index, shape)
+  rows = np.ascontiguousarray(data).reshape(-1, per_run or 1)
+  starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
+  outer = [range(*s.indices(n)[:2]) for s, n in zip(index[:k], shape[:k], strict=True)]
+  for row, lead in zip(rows, itertools.product(*outer), strict=True):
+    offset = int(np.ravel_multi_index((*lead, *starts[k:]), shape)) if shape else 0
+    yield offset * data.dtype.itemsize, row.view(np.uint8)
+
+
+def _share_crc(value: jax.Array) -> int:
+  """The CRC-32 of the array's bytes with this process's parts in place and zeros elsewhere.
+
+  CRC-32 is affine over GF(2) for a fixed length, so the array's CRC is the
+  XOR of every process's share (`combine_shares`): one number per process,
+  however the array is split. The process's shards are joined into one block
+  first where they tile one (one run when it spans whole rows).
+  """
+  block = _process_block(value)
+  runs = _local_runs(value) if block is None else _block_runs(*block, value.shape)
+  crc, at = 0, 0
+  for offset, raw in sorted(runs, key=lambda r: r[0]):
+    crc = zlib.crc32(raw, extend_zeros(crc, offset - at))
+    at = offset + raw.size
+  return extend_zeros(crc, value.nbytes - at)
+
+
+def combine_shares(shares: Sequence[int], nbytes: int) -> int:
+  """The whole array's CRC-32 from every process's share (see `_share_crc`)."""
+  crc = 0
+  for share in shares:
+    crc ^= share
+  # f(a ^ b) = f(a) ^ f(b) ^ f(0): an even number of shares leaves one f(0) out.
+  return crc ^ extend_zeros(0, nbytes) if len(shares) % 2 == 0 else crc
+
+
+def checksums_of(values: Sequence[Any]) -> list[str]:
+  """`checksums.checksum` of each value; global arrays' from every process's share.
+
+  Collective when some value is a global array: every process calls it with
+  the same values in the same order.
+  """
+  spread = [isinstance(v, jax.Array) and not v.is_fully_addressable for v in values]
+  if not any(spread):
+    return [checksums.checksum(v) for v in values]
+  local = [_share_crc(v) if s else 0 for v, s in zip(values, spread, strict=True)]
+  everyone = [json.loads(t) for t in exchange('checksums', json.dumps(local))]
+  return [
+      f'{checksums.ALGORITHM}:{combine_shares([p[j] for p in everyone], v.nbytes):08x}' if s
+      else checksums.checksum(v)
+      for j, (v, s) in enumerate(zip(values, spread, strict=True))
+  ]
+
+
+def _gf2_times(matrix: Sequence[int], vector: int) -> int:
+  total, i = 0, 0
+  while vector:
+    if vector & 1:
+      total ^= matrix[i]
+    vector >>= 1
+    i += 1
+  return total
+
+
+def _gf2_square(matrix: Sequence[int]) -> list[int]:
+  return [_gf2_times(matrix, row) for row in matrix]
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+  """The GF(2) matrix that advances a CRC-32 register over `nbytes` zero bytes."""
+  result = [1 << i for i in range(32)]  # Identity.
+  power = [0xEDB88320] + [1 << n for n in range(31)]  # One zero bit.
+  for _ in range(3):
+    power = _gf2_square(power)  # One zero byte.
+  n = nbytes
+  while n:
+    if n & 1:
+      result = [_gf2_times(power, col) for col in result]
+    n >>= 1
+    if n:
+      power = _gf2_square(power)
+  return tuple(result)
+
+
+def extend_zeros(crc: int, nbytes: int) -> int:
+  """crc32(A + bytes(nbytes)) from crc32(A), without the zeros."""
+  if nbytes <= 0:
+    return crc
+  return _gf2_times(_zeros_operator(nbytes), crc ^ 0xFFFFFFFF) ^ 0xFFFFFFFF
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+  """The CRC-32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine)."""
+  if len2 <= 0:
+    return crc1
+  return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+
+
+def barrier(name: str) -> None:
+  """Every process waits here for the others (no-op on one process)."""
+  exchange(name, '')
+
+
+# --- export: files dealt out ------------------------------------------------------------
+
+
+def deal(sizes: Sequence[int], count: int) -> list[int]:
+  """The process each item goes to: largest first, to the least loaded (ties: lowest index).
+
+  Deterministic, so every process computes the same deal.
+  """
+  load = [0] * count
+  owner = [0] * len(sizes)
+  for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    p = min(range(count), key=lambda p: (load[p], p))
+    owner[i] = p
+    load[p] += sizes[i]
+  return owner
+
+
+def mine(sizes: Sequence[int]) -> list[int]:
+  """The indices of the items (of these sizes) this process handles."""
+  me = process_index()
+  return [i for i, p in enumerate(deal(sizes, process_count())) if p == me]
+
+
+def leave(code: int) -> None:
+  """Ends this process now with `code`, once a multi-process run's outcome is known.
+
+  JAX's shutdown at exit is a barrier with every process, which the
+  processes of a failed job reach at different times or never (a dead
+  peer): it would hold this process for the shutdown timeout and then abort
+  it. The outcome is already agreed and reported, and the staging removed.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+
+  # Process 0 hosts the coordinator: leaving first would end the others
+  # before they print their message. Every process that gets here waits a
+  # little for the others to get here too.
+  with contextlib.suppress(Exception):
+    client = _client()
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+
+    state = jax_distributed.global_state  # Not the backends: they may never have started.
+    client.key_value_set(f'{KEY_PREFIX}/leaving/{state.process_id}', str(code),
+                         allow_overwrite=True)
+    for _ in range(LEAVE_WAIT_MS // POLL_MS):
+      if len(client.key_value_dir_get(f'{KEY_PREFIX}/leaving/')) >= state.num_processes:
+        break
+      time.sleep(POLL_MS / 1000)
+    if state.process_id == 0:
+      time.sleep(LEAVE_LAST_S)  # The coordinator goes last: its exit ends the others.
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(Exception):
+      stream.flush()
+  os._exit(code)
