@@ -340,7 +340,7 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
       record = writer.write(plan.outputs, sink, plan.batch_bytes, progress, on_host=True)
       for path in (plan.config, *plan.copied):
         if path is not None:
-          (staging.work / path.name).write_bytes(path.read_bytes())
+          (staging.work / path.name).write_bytes(_read_copied(path))
       if plan.config_values is not None:
         (staging.work / 'config.json').write_text(
             json.dumps(plan.config_values, indent=2, sort_keys=False) + '\n')
@@ -349,6 +349,17 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
   replaced = staging.replaced
   return ExportResult(plan.out_dir, tuple(record['files']), len(plan.outputs),
                       record['total_size'], time.monotonic() - start, replaced)
+
+
+def _read_copied(path: epath.Path) -> bytes:
+  """A base model's file, read to be copied; a failure names it (not the destination)."""
+  try:
+    return path.read_bytes()
+  except OSError as e:
+    raise errors.InvalidOptionError(
+        f'{path}: cannot read this `hf_config` file ({e}); it was readable when the export'
+        ' was planned. Fix it and run again.'
+    ) from e
 
 
 def export_to_hf(src: epath.PathLike, out_dir: epath.PathLike, **kwargs: Any) -> ExportResult:

@@ -1,12 +1,14 @@
-"""`orbax-tunix`: inspect, convert and diff Tunix checkpoints from the command line.
+"""`orbax-tunix`: inspect, convert, diff and export Tunix checkpoints from the command line.
 
   orbax-tunix inspect PATH [--step N] [--json] [--full]
   orbax-tunix convert SRC DST [--step N] [--params-only] [--layout canonical|maxtext]
                       [--dtype bfloat16] [--memory-budget 1G] [--force] [--json]
   orbax-tunix diff A B [--atol X] [--params-only] [--ignore-dtype] [--json]
+  orbax-tunix export SRC OUT_DIR --model qwen3|llama3|gemma3 [--hf-config DIR]
+                     [--max-shard-size 5GB] [--dtype bfloat16] [--force] [--json]
 
 This module only parses arguments and draws results; the work is done by
-`inspection`, `convert` and `diff`. On a terminal, results are tables (with
+`inspection`, `convert`, `diff` and `export`. On a terminal, results are tables (with
 `rich` when it is installed: `pip install orbax-tunix[cli]`) and long runs
 show a progress bar; piped, output is plain aligned text (or one JSON
 document with `--json`) and progress is a line every few seconds on stderr.
