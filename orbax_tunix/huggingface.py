@@ -237,23 +237,28 @@ def _bad_config(where: str, found: str) -> errors.InvalidOptionError:
   )
 
 
-def _as_text_model(family: Family, config: Mapping[str, object], where: str
-                   ) -> tuple[dict[str, object], list[str]]:
-  """The text model's config: a multimodal one's `text_config` with its top-level fields
-  (`CARRIED_TO_TEXT`) where it lacks them; else the config itself."""
+def _split(family: Family, config: Mapping[str, object], where: str
+           ) -> tuple[dict[str, object], dict[str, object] | None, list[str]]:
+  """(the config's top level, the text model's fields when they stay in its `text_config`,
+  notes). A config with a `text_config` and of another architecture than the family's (a
+  multimodal model whose text model the export holds) becomes its text model's: the
+  `text_config` at the top with the outer fields it lacks (`CARRIED_TO_TEXT`). A config of the
+  family's own architecture keeps its `text_config` (the family names the multimodal model)."""
   text = config.get('text_config')
   if text is None:
-    return dict(config), []
+    return dict(config), None, []
   if not isinstance(text, Mapping):
     raise _bad_config(where, f'"text_config": {json.dumps(text)[:60]} (expected an object: the'
                              ' text model\'s fields)')
-  outer = config.get('architectures')
-  out = {k: config[k] for k in CARRIED_TO_TEXT if k in config and config[k] is not None}
-  out.update(text)
-  return out, [
-      f'config.json is {outer or config.get("model_type")!r}, a multimodal model; the export'
-      f' holds its text model\'s weights only: wrote its text_config as a'
-      f' {family.architecture} config (model_type {family.model_type})'
+  if (config.get('architectures') == [family.architecture]
+      or config.get('model_type') == family.model_type):
+    return dict(config), dict(text), []
+  top = {k: config[k] for k in CARRIED_TO_TEXT if k in config and config[k] is not None}
+  top.update(text)
+  return top, None, [
+      f'config.json is {config.get("architectures") or config.get("model_type")!r}, a'
+      ' multimodal model; the export holds its text model\'s weights only: wrote its'
+      f' text_config as a {family.architecture} config (model_type {family.model_type})'
   ]
 
 
@@ -268,7 +273,8 @@ def check_config(
   """Checks a Hugging Face config.json against the weights; returns the one to write.
 
   The rules (the tensor names and `architectures` always agree):
-    * a multimodal config (a `text_config`) becomes its text model's config;
+    * a multimodal config of another architecture (a `text_config`) becomes
+      its text model's config (see `_split`);
     * `architectures` and `model_type` must be the family's (written when absent);
     * every dimension the weights imply must match, as an int, and
       `tie_word_embeddings` must say what the weights are (a tied model has
@@ -293,18 +299,19 @@ def check_config(
   if not isinstance(config, Mapping):
     raise _bad_config(where, f'a JSON {_JSON_TYPES.get(type(config), "value")}'
                              f' ({json.dumps(config)[:60]})')
-  values, notes = _as_text_model(family, config, where)
+  top, inner, notes = _split(family, config, where)
+  fields = top if inner is None else inner
   wrong = []
-  archs = values.get('architectures')
+  archs = top.get('architectures')
   if archs is not None and archs != [family.architecture]:
     wrong.append(f'architectures: config.json has {_shown(archs)}, the weights are'
                  f' [{family.architecture!r}]')
-  if values.get('model_type', family.model_type) != family.model_type:
-    wrong.append(f'model_type: config.json has {_shown(values["model_type"])}, the weights are'
+  if top.get('model_type', family.model_type) != family.model_type:
+    wrong.append(f'model_type: config.json has {_shown(top["model_type"])}, the weights are'
                  f' {family.model_type!r}')
   implied = family.config(shapes)
   for field, value in implied.items():
-    have = values.get(field)
+    have = fields.get(field)
     if have is None:
       continue
     if type(have) is not type(value):
@@ -320,21 +327,22 @@ def check_config(
         f'{errors.list_paths(wrong)}\nPass the --hf-config of the model this run was'
         ' trained from.'
     )
-  added = {'architectures': [family.architecture], 'model_type': family.model_type,
-           **{f: v for f, v in implied.items()}}
-  added = {f: v for f, v in added.items() if values.get(f) is None}
-  fixed = {f: v for f, v in family.fixed.items() if values.get(f) != v}
-  if added:
+  named = {f: v for f, v in (('architectures', [family.architecture]),
+                             ('model_type', family.model_type)) if top.get(f) is None}
+  added = {f: v for f, v in implied.items() if fields.get(f) is None}
+  fixed = {f: v for f, v in family.fixed.items() if fields.get(f) != v}
+  if named or added:
     notes.append('config.json: wrote what the base config left to its class\'s defaults: '
-                 + ', '.join(f'{f}={_shown(v)}' for f, v in added.items()))
+                 + ', '.join(f'{f}={_shown(v)}' for f, v in {**named, **added}.items()))
   if fixed:
     notes.append(f'config.json: {family.name} has '
-                 + ', '.join(f'{f}={v!r} (the base config has {_shown(values.get(f))})'
+                 + ', '.join(f'{f}={v!r} (the base config has {_shown(fields.get(f))})'
                              for f, v in fixed.items()))
-  if not (notes or added or fixed):
-    return Config(values)
-  return Config({'architectures': [family.architecture], 'model_type': family.model_type,
-                 **values, **added, **fixed}, tuple(notes))
+  if not notes:
+    return Config(top)
+  fields = {**fields, **added, **fixed}
+  top = {**named, **(top if inner is None else {**top, 'text_config': fields})}
+  return Config(top if inner is not None else {**top, **fields}, tuple(notes))
 
 
 def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path], where: str) -> None:

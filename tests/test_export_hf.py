@@ -1016,3 +1016,34 @@ def test_h_rerun_after_kill_names_the_partial_folder(tmp_path):
   assert r['rc'] == 0, r['stderr']
   assert re.search(rf'note: {re.escape(str(partial))} is left from an interrupted export',
                    r['stderr']), r['stderr']
+
+
+def test_g_check_config_keeps_a_text_config_of_the_familys_own_architecture():
+  """A family that names the multimodal model itself keeps the config's text_config: the
+  dims are checked and completed inside it (pure: shapes by hand, expected by hand)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from orbax_tunix import errors, huggingface  # pylint: disable=g-import-not-at-top
+
+  family = dataclasses.replace(huggingface.GEMMA3, architecture='Gemma3ForConditionalGeneration',
+                               model_type='gemma3')
+  shapes = {('embedder', 'input_embedding'): (96, 40), ('final_norm', 'scale'): (40,)}
+  for i in range(2):
+    shapes.update({('layers', str(i), 'attn', 'q_einsum', 'w'): (4, 40, 12),
+                   ('layers', str(i), 'attn', 'kv_einsum', 'w'): (2, 2, 40, 12),
+                   ('layers', str(i), 'mlp', 'gate_proj', 'kernel'): (40, 56)})
+  text = {'hidden_size': 40, 'intermediate_size': 56, 'model_type': 'gemma3_text',
+          'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 2,
+          'head_dim': 12, 'hidden_activation': 'gelu_pytorch_tanh'}
+  base = {'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
+          'text_config': text, 'vision_config': {'model_type': 'siglip_vision_model'}}
+  got = huggingface.check_config(family, base, shapes, 'config.json')
+  assert got.values == {**base, 'text_config': {**text, 'vocab_size': 96,
+                                                'tie_word_embeddings': True}}
+  with pytest.raises(errors.UnsupportedLayoutError, match=r'num_hidden_layers: config'):
+    huggingface.check_config(family, {**base, 'text_config': {**text, 'num_hidden_layers': 3}},
+                             shapes, 'config.json')
+  # The text family on the same config: unwrapped, the text model's.
+  got = huggingface.check_config(huggingface.GEMMA3, base, shapes, 'config.json')
+  assert got.values == {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
+                        **text, 'vocab_size': 96, 'tie_word_embeddings': True}
