@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_tunix import errors, reader
+from orbax_tunix import errors, reader, sizes
 from orbax_tunix.keypaths import Path, fmt
 
 # Where in `_CHECKPOINT_METADATA`'s custom metadata the checksums sit: under
@@ -88,7 +88,7 @@ class Verification:
 def verify(
     ckpt: reader.CanonicalCheckpoint,
     *,
-    memory_budget: int,
+    memory_budget: int | float | str,
     progress: reader.Progress | None = None,
 ) -> Verification | None:
   """Reads every array of a step and compares it with its recorded checksum.
@@ -96,13 +96,14 @@ def verify(
   Args:
     ckpt: the step, opened (only its items are checked: a step opened with
       some `items`, or through an item directory, is checked for those).
-    memory_budget: bytes the streaming may hold at once.
+    memory_budget: bytes the streaming may hold at once (`sizes.parse_size`).
     progress: told the bytes checked after each batch.
 
   Returns:
     A `Verification`, or None when the step records no checksums (it was not
     written by `convert`).
   """
+  memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   sums = recorded(ckpt.detection.source.custom_metadata)
   if not sums:
     return None

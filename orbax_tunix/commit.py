@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import posixpath
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import fsspec
 import orbax.checkpoint as ocp
@@ -214,6 +215,11 @@ def is_ours_unfinished(path: epath.Path) -> bool:
   return (path / MARKER).exists() and not ocp.path.step.is_path_finalized(path)
 
 
+def _everything(entry: epath.Path) -> bool:
+  del entry
+  return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """What is written: how to tell one at a path (to replace it), and how it is committed.
@@ -224,48 +230,99 @@ class Kind:
     commit_file: written last to make it final (None: the rename alone).
     in_place: on a bucket, written in place (Orbax's way for steps); else
       written beside and copied over once complete.
+    owns: whether an entry of one of these is what this package (or Orbax)
+      writes there. Replacing deletes every entry, so a directory holding
+      one it does not own (a `.git`, someone's notes) is never replaced.
   """
 
   what: str
   holds: tuple[str, ...]
   commit_file: str | None = COMMIT_SUCCESS
   in_place: bool = True
+  owns: Callable[[epath.Path], bool] = _everything
 
   def is_one(self, path: epath.Path) -> bool:
     return path.is_dir() and TMP_MARKER not in path.name and any(
         (path / name).exists() for name in self.holds)
 
+  def foreign(self, path: epath.Path) -> list[str]:
+    """The entries of `path` (one of these) that it does not own, sorted."""
+    return sorted(entry.name for entry in path.iterdir() if not self.owns(entry))
 
-STEP = Kind('a checkpoint step', (CHECKPOINT_METADATA,))
+
+# What Orbax writes at the top of a step besides its items (a step saved as one
+# item holds that item's store there).
+_ORBAX_STEP_ENTRIES = frozenset({
+    COMMIT_SUCCESS, MARKER, storage.AGGREGATE_FILE, storage.ARRAY_METADATAS, 'manifest.ocdbt',
+    'd', 'descriptor',
+})
+# Files that tell an item directory: a PyTree's, a JSON item's, an OCDBT store's.
+_ITEM_FILES = (storage.PYTREE_METADATA, storage.AGGREGATE_FILE, 'metadata', 'manifest.ocdbt')
+
+
+def _in_step(entry: epath.Path) -> bool:
+  """Whether an entry of a step directory is Orbax's: its own files, or an item."""
+  name = entry.name
+  if name.startswith('_') or name in _ORBAX_STEP_ENTRIES or name.startswith('ocdbt.process_'):
+    return True
+  if name.startswith('.') or not entry.is_dir():
+    return False
+  if any((entry / f).exists() for f in _ITEM_FILES):
+    return True
+  try:
+    return name in (storage.open_step(entry.parent).recorded or {})
+  except errors.TunixCheckpointError:
+    return False
+
+
+STEP = Kind('a checkpoint step', (CHECKPOINT_METADATA,), owns=_in_step)
+
+
+def _is_empty_dir(path: epath.Path) -> bool:
+  return path.is_dir() and next(iter(path.iterdir()), None) is None
 
 
 def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
-  """Says whether `dst` may be written: absent, our own leftover, or (force) one of `kind`.
+  """Says whether `dst` may be written: absent, an empty directory, our own
+  leftover, or (force) one of `kind` holding only what one of `kind` holds.
 
   Raises:
-    DestinationExistsError: it exists and `force` was not given.
-    InvalidDestinationError: `force`, but it is not one of `kind`.
+    DestinationExistsError: it is one of `kind` and `force` was not given.
+    InvalidDestinationError: it is something else (a file, another folder,
+      one of `kind` holding other entries too), with or without `force`:
+      replacing deletes every entry, so only its owner may remove them.
   """
-  if not dst.exists() or is_ours_unfinished(dst):
+  if not dst.exists() or is_ours_unfinished(dst) or _is_empty_dir(dst):
     return
-  if not force:
-    raise errors.DestinationExistsError(
-        f'{dst}: already exists. Pass `force=True` to replace it (the old one is'
-        ' removed only once the new one is complete), or choose another dst.'
-    )
   if not kind.is_one(dst):
     found = 'a file' if not dst.is_dir() else (
-        'a directory holding ' + (', '.join(sorted(p.name for p in dst.iterdir())[:5]) or 'nothing')
-    )
+        'a directory holding ' + ', '.join(sorted(p.name for p in dst.iterdir())[:5]))
     raise errors.InvalidDestinationError(
-        f'{dst}: `force=True` replaces only {kind.what} (a directory holding'
-        f' {" or ".join(kind.holds)}), found {found}. Remove it yourself if it may go,'
-        ' or choose another dst.'
+        f'{dst}: expected a new (or empty) directory, found {found}: not {kind.what}'
+        f' (a directory holding {" or ".join(kind.holds)}), so it is never written over.'
+        ' Choose another dst, or move it away yourself.'
+    )
+  foreign = kind.foreign(dst)
+  if foreign:
+    raise errors.InvalidDestinationError(
+        f'{dst}: holds {kind.what} and also {", ".join(foreign[:5])}'
+        f'{f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""}, which this'
+        ' package does not write; replacing the folder would delete them. Choose another'
+        ' dst, or move those entries away yourself.'
+    )
+  if not force:
+    raise errors.DestinationExistsError(
+        f'{dst}: already exists ({kind.what}). Pass `force=True` to replace it (the old one is'
+        ' removed only once the new one is complete), or choose another dst.'
     )
 
 
 def remove_tree(path: epath.Path) -> None:
-  """Removes a directory tree, tolerating writers still finishing in it."""
+  """Removes a directory tree (a link: the link alone), tolerating writers still
+  finishing in it."""
+  if storage.is_local(path) and os.path.islink(path):
+    os.unlink(path)  # A link moved aside: what it points to is not ours.
+    return
   for _ in range(5):  # Retried: a background write may still add a file.
     if not path.exists():
       return
@@ -304,7 +361,7 @@ class Staging:
       if dst.exists() or not self.kind.in_place:
         if dst.exists():
           check_replaceable(dst, self.force, self.kind)
-        self.work = dst.parent / f'{dst.name}{NEW_MARKER}{time.time_ns()}'
+        self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{time.time_ns()}'
       (self.work / MARKER).write_text('written by orbax-tunix; not committed yet')
       return self.work
     parent = dst.parent
@@ -312,7 +369,7 @@ class Staging:
       self._created.append(parent)
       parent = parent.parent
     dst.parent.mkdir(parents=True, exist_ok=True)
-    self.work = dst.parent / f'{dst.name}{TMP_MARKER}-{time.time_ns()}'
+    self.work = dst.parent / f'{_stem(dst)}{TMP_MARKER}-{time.time_ns()}'
     self.work.mkdir()
     return self.work
 
@@ -330,8 +387,11 @@ class Staging:
     if not self.dst.exists():
       self.work.rename(self.dst)
       return False
+    if storage.is_local(self.dst) and _is_empty_dir(self.dst) and not os.path.islink(self.dst):
+      os.replace(self.work, self.dst)  # rename(2) replaces an empty directory at once.
+      return False
     check_replaceable(self.dst, self.force, self.kind)
-    old = self.dst.parent / f'{self.dst.name}{OLD_MARKER}{time.time_ns()}'
+    old = self.dst.parent / f'{_stem(self.dst)}{OLD_MARKER}{time.time_ns()}'
     self.dst.rename(old)
     try:
       self.work.rename(self.dst)
@@ -449,9 +509,29 @@ def _remove_empty(directories: Sequence[epath.Path]) -> None:
 
 
 def leftovers(dst: epath.Path) -> list[epath.Path]:
-  """What interrupted conversions to `dst` left beside it (temporaries, replacements)."""
-  if not dst.parent.exists():
+  """What interrupted writes to `dst` left beside it (temporaries, replacements,
+  an old one moved aside), found by the names `Staging` gives them."""
+  prefixes = tuple(f'{_stem(dst)}{m}' for m in (f'{TMP_MARKER}-', NEW_MARKER, OLD_MARKER))
+  try:
+    return sorted(p for p in dst.parent.iterdir() if p.name.startswith(prefixes))
+  except OSError:
     return []
-  return sorted(
-      [*dst.parent.glob(f'{dst.name}{TMP_MARKER}-*'), *dst.parent.glob(f'{dst.name}{NEW_MARKER}*')]
-  )
+
+
+# The longest file name most file systems take (bytes).
+NAME_MAX = 255
+# Room kept for a marker and a time in nanoseconds (the longest is 41 bytes).
+_SUFFIX_ROOM = 64
+
+
+def _stem(dst: epath.Path) -> str:
+  """How the names of `dst`'s temporaries begin: its name, cut and tagged with
+  its hash when a marker and a time would not fit in `NAME_MAX` bytes."""
+  name = dst.name
+  encoded = name.encode()
+  if len(encoded) <= NAME_MAX - _SUFFIX_ROOM:
+    return name
+  digest = hashlib.sha256(encoded).hexdigest()[:12]
+  cut = encoded[:NAME_MAX - _SUFFIX_ROOM - len(digest) - 1].decode(errors='ignore')
+  return f'{cut}~{digest}'
+

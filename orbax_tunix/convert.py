@@ -51,6 +51,7 @@ from orbax_tunix import (
   layouts,
   lora,
   reader,
+  sizes,
   storage,
   writer,
 )
@@ -210,7 +211,7 @@ def plan_convert(
     layout: str = CANONICAL,
     params_only: bool = False,
     dtype: np.dtype | None = None,
-    memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
     merge_lora: bool = False,
@@ -230,7 +231,8 @@ def plan_convert(
     layout: a registered layout's name (`layouts.names()`: canonical, maxtext).
     params_only: write the weights only.
     dtype: cast floating leaves to this dtype.
-    memory_budget: bytes the streaming may hold at once.
+    memory_budget: bytes the streaming may hold at once (an int, or a size such as
+      '512M' or '4GB': `sizes.parse_size`).
     force: replace an existing DST (only if it is a checkpoint step).
     items: the source items to convert (default: every item the step records;
       a step holding items that are neither PyTrees nor JSON needs them named).
@@ -249,7 +251,7 @@ def plan_convert(
     A `ConvertPlan`.
 
   Raises:
-    InvalidOptionError: a `memory_budget` below 1; `scan_layers` or
+    InvalidOptionError: a `memory_budget` that is not a size >= 1; `scan_layers` or
       `param_scan_axis` for a layout that does not take them, or
       `param_scan_axis` without `scan_layers`.
     InvalidDestinationError: DST overlaps the source's run (symlinks
@@ -263,10 +265,7 @@ def plan_convert(
   chosen = layouts.get(layout)
   layouts.check_options(chosen, {'scan_layers': scan_layers, 'param_scan_axis': param_scan_axis})
   params_only = params_only or merge_lora
-  if memory_budget < 1:
-    raise errors.InvalidOptionError(
-        f'`memory_budget` {memory_budget}: expected a positive number of bytes.'
-    )
+  memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   lora.check_merge_options(merge_lora, lora_alpha, lora_scale, base)
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)

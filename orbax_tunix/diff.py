@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_tunix import checksums, errors, hyperparams, reader
+from orbax_tunix import checksums, errors, hyperparams, reader, sizes
 from orbax_tunix.keypaths import fmt, natural_key
 
 # Bytes held per byte read from either side: the compressed bytes and the
@@ -496,7 +496,7 @@ def diff_checkpoints(
     atol: float = 0.0,
     params_only: bool = False,
     ignore_dtype: bool = False,
-    memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
     progress: reader.Progress | None = None,
     items: Iterable[str] | None = None,
 ) -> DiffResult:
@@ -520,14 +520,12 @@ def diff_checkpoints(
 
   Raises:
     InvalidOptionError: `atol` is not a number >= 0 (a NaN would make every
-      value match), or `memory_budget` is below 1; before anything is read.
+      value match), or `memory_budget` is not a size >= 1; before anything is read.
     TunixCheckpointError subclasses: a side cannot be read.
   """
   if not atol >= 0:
     raise errors.InvalidOptionError(f'`atol` {atol!r}: expected a number >= 0 (0: exact).')
-  if memory_budget < 1:
-    raise errors.InvalidOptionError(
-        f'`memory_budget` {memory_budget}: expected a positive number of bytes.')
+  memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   start = time.monotonic()
   progress = progress or reader.NullProgress()
   ckpt_a, ckpt_b = (_open(side, items, params_only) for side in (a, b))

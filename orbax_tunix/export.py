@@ -15,8 +15,11 @@ against the weights.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,7 @@ from orbax_tunix import (
   lora,
   patterns,
   reader,
+  sizes,
   storage,
   writer,
 )
@@ -47,11 +51,22 @@ TOKENIZER_FILES = (
     'tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'special_tokens_map.json',
     'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json',
 )
+_SHARD = re.compile(r'^model(-\d+-of-\d+)?\.safetensors$')
+
+
+def _in_export(entry: epath.Path) -> bool:
+  """Whether an entry of an export folder is one an export writes."""
+  name = entry.name
+  return not entry.is_dir() and (
+      bool(_SHARD.match(name)) or name in (writer.INDEX_FILE, *CONFIG_FILES, *TOKENIZER_FILES))
+
+
 # An exported folder (what `force` may replace): it holds a model's weights, as
-# every export does; a config.json alone is no sign (many projects have one).
+# every export does (a config.json alone is no sign: many projects have one),
+# and nothing an export does not write (a `.git`, notes: never deleted).
 EXPORT = commit.Kind(
     'a Hugging Face export', (writer.SINGLE_FILE, writer.INDEX_FILE),
-    commit_file=None, in_place=False,
+    commit_file=None, in_place=False, owns=_in_export,
 )
 # Bytes held per byte of a batch (read, transformed, written), as convert's.
 COPIES_IN_FLIGHT = 5
@@ -67,7 +82,9 @@ class ExportPlan:
     family: the Hugging Face family.
     outputs: the tensors, in write order (`path` is the tensor's name).
     files: the safetensors files and what each holds.
-    config: the config.json to copy (checked), or None.
+    config: the base's config.json (checked), or None.
+    config_values: the config.json to write instead of copying `config`
+      (a multimodal config's text model, fields the weights imply), or None.
     copied: the other files to copy from `hf_config` (tokenizer, generation).
     memory_budget: bytes the streaming may hold.
     force: replace an existing export folder.
@@ -81,6 +98,7 @@ class ExportPlan:
   outputs: tuple[Output, ...]
   files: tuple[writer.Shard, ...]
   config: epath.Path | None
+  config_values: Mapping[str, Any] | None
   copied: tuple[epath.Path, ...]
   memory_budget: int
   force: bool
@@ -109,40 +127,6 @@ class ExportResult:
   replaced: bool
 
 
-def parse_size(text: str | int) -> int:
-  """Bytes from a size as `transformers`' `max_shard_size` takes it.
-
-  '500MB', '5GB', '10KB' are decimal (10**3 per step), '2GiB', '512MiB'
-  binary (2**10); a bare number is bytes.
-
-  Raises:
-    InvalidOptionError: not a size, or not positive.
-  """
-  if isinstance(text, int):
-    value = text
-  else:
-    value = _size(text.strip())
-  if value < 1:
-    raise errors.InvalidOptionError(f'`max_shard_size` {text!r}: expected a positive size.')
-  return value
-
-
-_UNITS = {'': 1, 'B': 1, 'KB': 10**3, 'MB': 10**6, 'GB': 10**9, 'TB': 10**12,
-          'KIB': 2**10, 'MIB': 2**20, 'GIB': 2**30, 'TIB': 2**40}
-
-
-def _size(text: str) -> int:
-  number = text.rstrip('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ')
-  unit = text[len(number):].strip().upper()
-  try:
-    return int(float(number) * _UNITS[unit])
-  except (KeyError, ValueError):
-    raise errors.InvalidOptionError(
-        f'`max_shard_size` {text!r}: expected bytes or a size with a unit (10KB, 500MB,'
-        ' 5GB; KiB, MiB, GiB for powers of 1024).'
-    ) from None
-
-
 def _dtype(dtype: Any) -> np.dtype | None:
   if dtype is None:
     return None
@@ -166,9 +150,9 @@ def plan_export(
     lora_alpha: float | None = None,
     lora_scale: float | None = None,
     base: epath.PathLike | None = None,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
     hf_config: epath.PathLike | None = None,
-    memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
@@ -184,11 +168,12 @@ def plan_export(
     merge_lora: export the LoRA adapters merged into the weights (no adapter
       tensors); an adapters-only save also needs `base`.
     lora_alpha, lora_scale, base: the merge's (see `restore_merged_lora`).
-    max_shard_size: bytes per file, or a size as `transformers` writes it.
+    max_shard_size: bytes per file: an int, or a size as `transformers` writes it
+      ('5GB' is 5*10**9 bytes, '2GiB' 2*2**30; `sizes.parse_size`).
     hf_config: the base model's Hugging Face folder: its config.json (checked
       against the weights), generation_config.json and tokenizer files are
       copied; its weights never.
-    memory_budget: bytes the streaming may hold at once.
+    memory_budget: bytes the streaming may hold at once (a size, as above).
     force: replace an existing export folder at `out_dir`.
 
   Returns:
@@ -205,18 +190,16 @@ def plan_export(
   """
   family = huggingface.get(model)
   dtype = _dtype(dtype)
-  max_shard_size = parse_size(max_shard_size)
-  if memory_budget < 1:
-    raise errors.InvalidOptionError(
-        f'`memory_budget` {memory_budget}: expected a positive number of bytes.')
+  max_shard_size = sizes.parse_size(max_shard_size, 'max_shard_size')
+  memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   lora.check_merge_options(merge_lora, lora_alpha, lora_scale, base)
   source = reader.open_weights(src, step)
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
             if merge_lora else None)
   out_dir = storage.as_path(out_dir)
-  check_destination(merge_lib.checkpoints_read(source, merged), out_dir, force, EXPORT)
-  if hf_config is not None:
+  if hf_config is not None:  # First: the more specific refusal.
     commit.check_not_over(out_dir, storage.as_path(hf_config), 'the `hf_config` folder')
+  check_destination(merge_lib.checkpoints_read(source, merged), out_dir, force, EXPORT)
   if merged is None:
     _refuse_adapters(source)
   weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))
@@ -231,8 +214,8 @@ def plan_export(
     ) from e
   huggingface.fits(family, shapes, mapped.unmatched, where)
   outputs = tuple(writer.in_write_order(relay(weights, mapped.outputs)))
-  config, copied, notes = _config_files(family, hf_config, shapes)
-  notes = list(source.detection.notes) + notes
+  config, checked, copied, notes = _config_files(family, hf_config, shapes)
+  notes = list(source.detection.notes) + notes + _leftover_notes(out_dir)
   if merged is not None:
     notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(merged.weights)}'
                  ' weights')
@@ -243,9 +226,16 @@ def plan_export(
                  f' {COPIES_IN_FLIGHT}x it')
   return ExportPlan(
       source=source, out_dir=out_dir, family=family, outputs=outputs,
-      files=tuple(writer.shards(outputs, max_shard_size)), config=config, copied=copied,
+      files=tuple(writer.shards(outputs, max_shard_size)), config=config,
+      config_values=None if checked is None or not checked.notes else checked.values,
+      copied=copied,
       memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged,
   )
+
+
+def _leftover_notes(out_dir: epath.Path) -> list[str]:
+  return [f'{p} is left from an interrupted export to {out_dir} (never a finished one);'
+          ' remove it when no export is running' for p in commit.leftovers(out_dir)]
 
 
 def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
@@ -263,26 +253,70 @@ def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
   )
 
 
+_CONFIG_REMEDY = ('Fix the file, or pass as `hf_config` the folder of the model this run was'
+                  ' trained from.')
+
+
 def _config_files(
     family: huggingface.Family, hf_config: epath.PathLike | None, shapes
-) -> tuple[epath.Path | None, tuple[epath.Path, ...], list[str]]:
-  """The base model's files to copy, its config.json checked against the weights."""
+) -> tuple[epath.Path | None, huggingface.Config | None, tuple[epath.Path, ...], list[str]]:
+  """The base model's config (checked against the weights, as it is to be written)
+  and the other files to copy, every one a regular file (decided before any read)."""
   if hf_config is None:
-    return None, (), [
+    return None, None, (), [
         'no config.json written: add the base model\'s (--hf-config DIR copies it and its'
         ' tokenizer) before loading the folder with transformers or vLLM'
     ]
   folder = storage.as_path(hf_config)
   config = folder / 'config.json'
-  if not config.is_file():
+  found = storage.what_is_at(config) if folder.is_dir() else storage.what_is_at(folder)
+  if found != 'a file':
     raise errors.InvalidOptionError(
-        f'{folder}: `hf_config` must be a Hugging Face model folder holding config.json,'
-        f' found {storage.found_at(config) if folder.is_dir() else storage.found_at(folder)}.'
+        f'{config if folder.is_dir() else folder}: `hf_config` must be a Hugging Face model'
+        f' folder holding config.json (a file), found {found}.'
     )
-  huggingface.check_config(family, storage.read_json(config, 'a Hugging Face config.json'),
-                           shapes, str(config))
-  copied = tuple(folder / n for n in (*CONFIG_FILES[1:], *TOKENIZER_FILES) if (folder / n).is_file())
-  return config, copied, []
+  values = storage.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
+  checked = huggingface.check_config(family, values, shapes, str(config))
+  copied, notes = [], list(checked.notes)
+  for name in (*CONFIG_FILES[1:], *TOKENIZER_FILES):
+    path = folder / name
+    usable, note = _copyable(path)
+    if usable:
+      copied.append(path)
+    elif note:
+      notes.append(note)
+  return config, checked, tuple(copied), notes
+
+
+def _copyable(path: epath.Path) -> tuple[bool, str | None]:
+  """Whether a base model's file is copied: a readable regular file (links to one
+  too), decided from `stat` alone (a device or a pipe is never read).
+
+  Returns:
+    (copied, a note when it is skipped for a reason a person should know).
+
+  Raises:
+    InvalidOptionError: it is not a regular file, or cannot be read.
+  """
+  if not storage.is_local(path):
+    return path.is_file(), None
+  found = storage.what_is_at(path)
+  if found == 'nothing':
+    return False, None
+  if found == 'a broken link':
+    return False, (f'{path} is a link to nothing ({os.readlink(path)}): not copied; the'
+                   ' export has no ' + path.name)
+  if found != 'a file':
+    raise errors.InvalidOptionError(
+        f'{path}: expected a regular file to copy from `hf_config`, found {found}. Replace'
+        ' it with the file (or remove it) and run again.'
+    )
+  if not os.access(path, os.R_OK):
+    raise errors.InvalidOptionError(
+        f'{path}: expected a readable file to copy from `hf_config`, found one this user'
+        ' cannot read. Fix its permissions (or remove it) and run again.'
+    )
+  return True, None
 
 
 def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> ExportResult:
@@ -312,7 +346,10 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
       record = writer.write(outputs, sink, plan.batch_bytes, progress, on_host=True)
       for path in (plan.config, *plan.copied) if distributed.is_primary() else ():
         if path is not None:
-          (staging.work / path.name).write_bytes(path.read_bytes())
+          (staging.work / path.name).write_bytes(_read_copied(path))
+      if plan.config_values is not None and distributed.is_primary():
+        (staging.work / 'config.json').write_text(
+            json.dumps(plan.config_values, indent=2, sort_keys=False) + '\n')
   finally:
     progress.finish()
   replaced = staging.replaced
@@ -325,6 +362,17 @@ def _share(plan: ExportPlan) -> tuple[list[writer.Shard], list[Output]]:
   files = [plan.files[i] for i in distributed.mine([f.nbytes for f in plan.files])]
   names = {name for f in files for name, _, _ in f.tensors}
   return files, [o for o in plan.outputs if o.path[0] in names]
+
+
+def _read_copied(path: epath.Path) -> bytes:
+  """A base model's file, read to be copied; a failure names it (not the destination)."""
+  try:
+    return path.read_bytes()
+  except OSError as e:
+    raise errors.InvalidOptionError(
+        f'{path}: cannot read this `hf_config` file ({e}); it was readable when the export'
+        ' was planned. Fix it and run again.'
+    ) from e
 
 
 def export_to_hf(src: epath.PathLike, out_dir: epath.PathLike, **kwargs: Any) -> ExportResult:

@@ -70,12 +70,17 @@ def is_local(path: epath.Path) -> bool:
   return '://' not in os.fspath(path)
 
 
-def read_bytes(path: epath.Path, what: str) -> bytes:
+# What to do about a damaged metadata file of a checkpoint (the default remedy).
+_USE_ANOTHER_STEP = 'The checkpoint is damaged; use another step (`step`).'
+
+
+def read_bytes(path: epath.Path, what: str, remedy: str = _USE_ANOTHER_STEP) -> bytes:
   """A metadata file's bytes, at most `MAX_METADATA_BYTES` of them.
 
   Args:
     path: the file.
     what: what it should be, for messages (e.g. "Orbax's PyTree metadata").
+    remedy: what to do when it is damaged, for messages.
 
   Raises:
     CorruptMetadataError: missing, not a regular file, larger than the cap,
@@ -88,20 +93,38 @@ def read_bytes(path: epath.Path, what: str) -> bytes:
       raise _unreadable(path, what, e) from e
     if not stat.S_ISREG(info.st_mode):
       raise errors.CorruptMetadataError(
-          f'{path}: expected {what} in a regular file, found a'
-          f' {"directory" if stat.S_ISDIR(info.st_mode) else "device or pipe"}.'
-          ' The checkpoint is damaged; use another step (`step`).'
+          f'{path}: expected {what} in a regular file, found {_kind(info.st_mode)}. {remedy}'
       )
     if info.st_size > MAX_METADATA_BYTES:
-      raise _too_large(path, what, info.st_size)
+      raise _too_large(path, what, info.st_size, remedy)
   try:
     with path.open('rb') as f:
       data = f.read(MAX_METADATA_BYTES + 1)
   except OSError as e:
     raise _unreadable(path, what, e) from e
   if len(data) > MAX_METADATA_BYTES:
-    raise _too_large(path, what, None)
+    raise _too_large(path, what, None, remedy)
   return data
+
+
+def _kind(mode: int) -> str:
+  if stat.S_ISDIR(mode):
+    return 'a directory'
+  if stat.S_ISREG(mode):
+    return 'a file'
+  return 'a device, pipe or socket'
+
+
+def what_is_at(path: epath.Path) -> str:
+  """What is at a path, for messages: 'a file', 'a directory', 'a device, pipe
+  or socket', 'a broken link' or 'nothing' (links followed)."""
+  if not is_local(path):
+    return 'a directory' if path.is_dir() else 'a file' if path.exists() else 'nothing'
+  try:
+    return _kind(os.stat(path).st_mode)
+  except OSError:
+    return 'a broken link' if os.path.islink(path) else 'nothing'
+
 
 
 def _unreadable(path: epath.Path, what: str, e: OSError) -> errors.CorruptMetadataError:
@@ -117,15 +140,16 @@ def _unreadable(path: epath.Path, what: str, e: OSError) -> errors.CorruptMetada
 
 def found_at(path: epath.Path) -> str:
   """What is at a path that should be a directory, for messages."""
-  return 'a file' if path.exists() else 'nothing (or a broken link)'
+  found = what_is_at(path)
+  return 'nothing (or a broken link)' if found == 'nothing' else found
 
 
-def _too_large(path: epath.Path, what: str, size: int | None) -> errors.CorruptMetadataError:
+def _too_large(path: epath.Path, what: str, size: int | None,
+               remedy: str = _USE_ANOTHER_STEP) -> errors.CorruptMetadataError:
   found = f'{size} bytes' if size is not None else 'more than that'
   return errors.CorruptMetadataError(
       f'{path}: expected {what}, found a file larger than the {MAX_METADATA_BYTES}'
-      f' bytes a metadata file may hold ({found}). It is damaged or not Orbax'
-      ' metadata; use another step (`step`).'
+      f' bytes a metadata file may hold ({found}). {remedy}'
   )
 
 
@@ -142,26 +166,29 @@ def no_gc() -> Iterator[None]:
       gc.enable()
 
 
-def read_json(path: epath.Path, what: str = 'an Orbax metadata file') -> Any:
+def read_json(path: epath.Path, what: str = 'an Orbax metadata file',
+              remedy: str = _USE_ANOTHER_STEP) -> Any:
   """A JSON metadata file, parsed, within the size cap.
+
+  Args:
+    path, what, remedy: as `read_bytes`.
 
   Raises:
     CorruptMetadataError: see `read_bytes`; or not JSON, or nested deeper
       than Python's parser allows.
   """
-  data = read_bytes(path, what)
+  data = read_bytes(path, what, remedy)
   try:
     return json.loads(data)
   except RecursionError as e:
     raise errors.CorruptMetadataError(
         f'{path}: expected {what}, found JSON nested deeper than the parser allows'
-        ' (Orbax metadata is a few levels deep). The file is damaged; use'
-        ' another step (`step`).'
+        f' (metadata is a few levels deep). {remedy}'
     ) from e
   except ValueError as e:
     raise errors.CorruptMetadataError(
         f'{path}: expected {what} as JSON, found {len(data)} bytes that do not'
-        f' parse ({e}). The file is truncated or damaged; use another step (`step`).'
+        f' parse ({e}). {remedy}'
     ) from e
 
 

@@ -408,15 +408,18 @@ def test_convert_refuses_existing_destination(capsys, tunix_data, tmp_path):
   dst = tmp_path / '1'
   dst.mkdir()
   (dst / 'keep.txt').write_text('mine')
-  status, out, err = run(capsys, 'convert', tunix_data / 'sft_full', dst)
-  assert status == 2 and out == ''
-  assert 'already exists. Pass --force' in err and 'Traceback' not in err
-  # --force replaces a checkpoint step only, never a folder of something else.
-  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', dst, '--force')
-  assert status == 2 and '--force replaces only a checkpoint step' in err and 'keep.txt' in err
-  assert sorted(p.name for p in dst.iterdir()) == ['keep.txt']
+  # A folder of something else is never written over, --force or not; the message
+  # names what it holds and does not suggest --force (which would refuse too).
+  for flags in ((), ('--force',)):
+    status, out, err = run(capsys, 'convert', tunix_data / 'sft_full', dst, *flags)
+    assert status == 2 and out == ''
+    assert 'never written over' in err and 'keep.txt' in err, err
+    assert '--force' not in err and 'Traceback' not in err, err
+    assert sorted(p.name for p in dst.iterdir()) == ['keep.txt']
   shutil.rmtree(dst)
   assert run(capsys, 'convert', tunix_data / 'chain_clip', dst)[0] == 0
+  status, _, err = run(capsys, 'convert', tunix_data / 'sft_full', dst)  # A step: --force.
+  assert status == 2 and 'already exists (a checkpoint step). Pass --force' in err, err
   assert run(capsys, 'convert', tunix_data / 'sft_full', dst, '--force')[0] == 0
   assert run(capsys, 'diff', tunix_data / 'sft_full', dst)[0] == 0
   assert sorted(p.name for p in tmp_path.iterdir()) == ['1']  # No temporaries left.
@@ -594,15 +597,19 @@ def test_debug_shows_the_traceback(capsys, tmp_path):
 
 def test_usage_errors_exit_2(capsys):
   assert cli.main(['convert', 'a', 'b', '--memory-budget', 'lots']) == 2
-  assert 'is not a size' in capsys.readouterr().err
+  assert 'expected a positive size' in capsys.readouterr().err
 
 
 def test_parse_size():
+  # One rule for every size option: XB decimal (as transformers' max_shard_size), XiB and a
+  # bare X binary (as `ls -h`), no unit bytes.
   assert commands.parse_size('1000') == 1000
   assert commands.parse_size('2K') == 2048
   assert commands.parse_size('512M') == 512 * 2**20
   assert commands.parse_size('1.5GiB') == 3 * 2**29
-  assert commands.parse_size('1gb') == 2**30
+  assert commands.parse_size('1gb') == 10**9
+  assert commands.parse_size('5GB') == 5 * 10**9
+  assert commands.parse_size('1e3KB') == 10**6
 
 
 def test_rich_tables_and_plain_fallback(monkeypatch, tunix_data):

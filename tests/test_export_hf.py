@@ -772,8 +772,16 @@ def test_e_hf_config_files_are_copied(client, name):
   e = Export(out)
   e.check_files()
   assert sorted(e.files) == sorted(['model.safetensors', 'config.json', *HF_SIDE_FILES]), e.files
-  for f in ['config.json', *HF_SIDE_FILES]:
+  for f in HF_SIDE_FILES:
     assert (out / f).read_bytes() == (hf_dir / f).read_bytes(), f'{f} not copied as is'
+  # config.json: as is, but with what the weights imply and the base config left to its
+  # class's defaults written (gemma3_fused's omits tie_word_embeddings; Gemma3 is tied).
+  added = {'tie_word_embeddings': True} if name == 'hf_gemma3_fused' else {}
+  if added:
+    assert json.loads((out / 'config.json').read_text()) == {
+        **json.loads((hf_dir / 'config.json').read_text()), **added}
+  else:
+    assert (out / 'config.json').read_bytes() == (hf_dir / 'config.json').read_bytes()
   assert_equal_arrays(e.tensors, hf_expected(FAMILY_FIXTURES[name], raw(name)),
                       'the weights are the export, not the --hf-config folder\'s')
   r = client.result(f'load_hf_config_{name}', f'hf_config_{name}')
@@ -873,5 +881,169 @@ def test_f_force_does_not_replace_a_folder_with_only_a_config(tmp_path):
   before = snapshot(tmp_path)
   r = run_cli(export_argv(DATA / 'hf_qwen3', project, '--model', 'qwen3', '--force'))
   assert r['rc'] == 2, r
-  assert '--force replaces only a Hugging Face export' in r['stderr'], r['stderr']
+  assert 'not a Hugging Face export' in r['stderr'] and 'never written over' in r['stderr'], r
   assert snapshot(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- #
+# g. the config written is one transformers reads as the model the tensors are
+# --------------------------------------------------------------------------- #
+def _maxtext_python() -> str:
+  """The MaxText venv's python (transformers 5), built by scripts/maxtext_venv.sh if needed."""
+  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'maxtext_venv.sh')], capture_output=True,
+                       text=True, timeout=1800, check=False)
+  assert out.returncode == 0, f'scripts/maxtext_venv.sh failed:\n{out.stderr[-5000:]}'
+  return out.stdout.strip().splitlines()[-1]
+
+
+_AUTOCONFIG = """
+import json, sys, transformers
+c = transformers.AutoConfig.from_pretrained(sys.argv[1])
+print(json.dumps({'class': type(c).__name__, 'architectures': c.architectures,
+                  'model_type': c.model_type, 'vocab_size': c.vocab_size,
+                  'hidden_size': c.hidden_size, 'num_hidden_layers': c.num_hidden_layers,
+                  'head_dim': c.head_dim, 'hidden_activation': c.hidden_activation,
+                  'tie_word_embeddings': c.tie_word_embeddings, 'sliding_window': c.sliding_window,
+                  'eos_token_id': c.eos_token_id, 'dtype': str(c.dtype)}))
+"""
+
+
+def test_g_gemma3_multimodal_config_becomes_the_text_models(tmp_path):
+  """gemma-3-4b-it's config.json (Gemma3ForConditionalGeneration, a text_config inside, written
+  here as the Hub's looks, with the fixture's dims and MaxText's "gelu") on an export of text
+  weights (model.layers...): written as Gemma3ForCausalLM's, read by transformers' AutoConfig."""
+  m = manifest('hf_gemma3')['model_config']
+  base = {
+      'architectures': ['Gemma3ForConditionalGeneration'], 'boi_token_index': 255999,
+      'eoi_token_index': 256000, 'eos_token_id': [1, 106], 'image_token_index': 262144,
+      'initializer_range': 0.02, 'mm_tokens_per_image': 256, 'model_type': 'gemma3',
+      'text_config': {
+          'hidden_size': 40, 'intermediate_size': 56, 'model_type': 'gemma3_text',
+          'num_hidden_layers': m['num_layers'], 'num_attention_heads': 4,
+          'num_key_value_heads': m['num_kv_heads'], 'head_dim': 12, 'hidden_activation': 'gelu',
+          'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'}, 'sliding_window': 1024},
+      'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
+      'vision_config': {'hidden_size': 1152, 'image_size': 896, 'intermediate_size': 4304,
+                        'model_type': 'siglip_vision_model', 'num_attention_heads': 16,
+                        'num_hidden_layers': 27, 'patch_size': 14, 'vision_use_head': False},
+  }
+  hf = tmp_path / 'gemma-3-4b-it'
+  hf.mkdir()
+  (hf / 'config.json').write_text(json.dumps(base, indent=2))
+  out = tmp_path / 'out'
+  r = run_cli(export_argv(DATA / 'hf_gemma3', out, '--model', 'gemma3', '--hf-config', str(hf)))
+  assert r['rc'] == 0, r['stderr']
+  assert 'multimodal' in r['stderr'] and 'hidden_activation' in r['stderr'], r['stderr']
+  got = subprocess.run([_maxtext_python(), '-c', _AUTOCONFIG, str(out)], capture_output=True,
+                       text=True, timeout=300, check=False, env=subprocess_env())
+  assert got.returncode == 0, got.stderr[-3000:]
+  assert json.loads(got.stdout.strip().splitlines()[-1]) == {
+      'class': 'Gemma3TextConfig', 'architectures': ['Gemma3ForCausalLM'],
+      'model_type': 'gemma3_text', 'vocab_size': 96, 'hidden_size': 40,
+      'num_hidden_layers': m['num_layers'], 'head_dim': 12,
+      'hidden_activation': 'gelu_pytorch_tanh', 'tie_word_embeddings': True,
+      'sliding_window': 1024, 'eos_token_id': [1, 106], 'dtype': 'bfloat16'}
+  names = Export(out).tensors
+  assert all(n.startswith('model.') for n in names), sorted(names)[:5]  # The text model's.
+
+
+# --------------------------------------------------------------------------- #
+# h. options as the library takes them, OUT_DIR states
+# --------------------------------------------------------------------------- #
+def test_h_library_sizes_as_meant(tmp_path):
+  """A float holding whole bytes and a size string are taken; a fraction of a byte is not."""
+  import orbax_tunix  # pylint: disable=g-import-not-at-top
+  from orbax_tunix import errors  # pylint: disable=g-import-not-at-top
+
+  r = orbax_tunix.export_to_hf(DATA / 'hf_qwen3', tmp_path / 'a', model='qwen3',
+                               max_shard_size=5e9, memory_budget='1G')
+  assert r.files == ('model.safetensors',)
+  r = orbax_tunix.export_to_hf(DATA / 'hf_qwen3', tmp_path / 'b', model='qwen3',
+                               max_shard_size='60KB', memory_budget=2.0**30)
+  n = len(r.files)  # 131552 bytes of tensors in files of at most 60 KB: 3 or more.
+  assert n >= 3 and r.files == tuple(f'model-{i:05d}-of-{n:05d}.safetensors'
+                                     for i in range(1, n + 1)), r.files
+  for bad in ({'max_shard_size': 1e400}, {'max_shard_size': 1.5}, {'memory_budget': 'lots'},
+              {'memory_budget': None}, {'memory_budget': float('nan')}):
+    with pytest.raises(errors.InvalidOptionError, match='expected a positive size'):
+      orbax_tunix.export_to_hf(DATA / 'hf_qwen3', tmp_path / 'c', model='qwen3', **bad)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['a', 'b']
+
+
+def test_h_empty_out_dir_is_used_without_force(tmp_path):
+  out = tmp_path / 'out'
+  out.mkdir()
+  r = run_cli(export_argv(DATA / 'hf_qwen3', out, '--model', 'qwen3'))
+  assert r['rc'] == 0, r['stderr']
+  assert 'replaced' not in r['stdout'], r['stdout']
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['out']
+  assert_equal_arrays(Export(out).tensors, hf_expected('qwen3', raw('hf_qwen3')), 'export')
+
+
+def test_h_force_onto_a_link_to_an_export_leaves_nothing_behind(tmp_path):
+  old, link = tmp_path / 'old', tmp_path / 'link'
+  assert run_cli(export_argv(DATA / 'hf_llama3', old, '--model', 'llama3'))['rc'] == 0
+  link.symlink_to(old)
+  before = snapshot(old)
+  r = run_cli(export_argv(DATA / 'hf_qwen3', link, '--model', 'qwen3', '--force'))
+  assert r['rc'] == 0, r['stderr']
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['link', 'old']
+  assert snapshot(old) == before  # What the link pointed to is not replaced.
+  assert_equal_arrays(Export(link).tensors, hf_expected('qwen3', raw('hf_qwen3')), 'export')
+
+
+_KILLED_MID_EXPORT = """
+import os, signal, sys
+from orbax_tunix import writer
+from orbax_tunix.cli import commands
+def die(*args, **kwargs):  # kill -9 once the weights start streaming into the folder.
+  os.kill(os.getpid(), signal.SIGKILL)
+writer.write = die
+sys.exit(commands.main(sys.argv[1:]))
+"""
+
+
+def test_h_rerun_after_kill_names_the_partial_folder(tmp_path):
+  out = tmp_path / 'out'
+  killed = subprocess.run(
+      [sys.executable, '-c', _KILLED_MID_EXPORT, 'export', str(DATA / 'hf_qwen3'), str(out),
+       '--model', 'qwen3'], capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
+      timeout=CLI_TIMEOUT, check=False)
+  assert killed.returncode == -9, killed.stderr
+  assert not out.exists()  # Never looks like a finished export.
+  (partial,) = list(tmp_path.iterdir())
+  r = run_cli(export_argv(DATA / 'hf_qwen3', out, '--model', 'qwen3'))
+  assert r['rc'] == 0, r['stderr']
+  assert re.search(rf'note: {re.escape(str(partial))} is left from an interrupted export',
+                   r['stderr']), r['stderr']
+
+
+def test_g_check_config_keeps_a_text_config_of_the_familys_own_architecture():
+  """A family that names the multimodal model itself keeps the config's text_config: the
+  dims are checked and completed inside it (pure: shapes by hand, expected by hand)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from orbax_tunix import errors, huggingface  # pylint: disable=g-import-not-at-top
+
+  family = dataclasses.replace(huggingface.GEMMA3, architecture='Gemma3ForConditionalGeneration',
+                               model_type='gemma3')
+  shapes = {('embedder', 'input_embedding'): (96, 40), ('final_norm', 'scale'): (40,)}
+  for i in range(2):
+    shapes.update({('layers', str(i), 'attn', 'q_einsum', 'w'): (4, 40, 12),
+                   ('layers', str(i), 'attn', 'kv_einsum', 'w'): (2, 2, 40, 12),
+                   ('layers', str(i), 'mlp', 'gate_proj', 'kernel'): (40, 56)})
+  text = {'hidden_size': 40, 'intermediate_size': 56, 'model_type': 'gemma3_text',
+          'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 2,
+          'head_dim': 12, 'hidden_activation': 'gelu_pytorch_tanh'}
+  base = {'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
+          'text_config': text, 'vision_config': {'model_type': 'siglip_vision_model'}}
+  got = huggingface.check_config(family, base, shapes, 'config.json')
+  assert got.values == {**base, 'text_config': {**text, 'vocab_size': 96,
+                                                'tie_word_embeddings': True}}
+  with pytest.raises(errors.UnsupportedLayoutError, match=r'num_hidden_layers: config'):
+    huggingface.check_config(family, {**base, 'text_config': {**text, 'num_hidden_layers': 3}},
+                             shapes, 'config.json')
+  # The text family on the same config: unwrapped, the text model's.
+  got = huggingface.check_config(huggingface.GEMMA3, base, shapes, 'config.json')
+  assert got.values == {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
+                        **text, 'vocab_size': 96, 'tie_word_embeddings': True}

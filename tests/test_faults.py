@@ -316,6 +316,66 @@ def _out_of_float16(src, data):
   return {'run': src / 'run'}
 
 
+def _hf_configs(src, data):
+  """Two runs (qwen3 with an lm_head, llama3 tied) and Hugging Face folders for --hf-config,
+  each hostile in one way; the folders are under `src`, so never written to."""
+  shutil.copytree(data / 'hf_qwen3', src / 'qwen3')
+  shutil.copytree(data / 'hf_llama3', src / 'llama3')
+  qwen3 = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3', 'vocab_size': 96,
+           'hidden_size': 40, 'intermediate_size': 56, 'num_hidden_layers': 2,
+           'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12,
+           'tie_word_embeddings': False}
+  configs = {
+      'array': '[]', 'null': 'null', 'text5': '{"text_config": 5}',
+      'llama': json.dumps({**qwen3, 'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}),
+      'strvocab': json.dumps({**qwen3, 'vocab_size': '96'}),
+      'floatvocab': json.dumps({**qwen3, 'vocab_size': 96.0}),
+      'broken': json.dumps(qwen3)[:40],
+      'untied': json.dumps({**qwen3, 'architectures': ['LlamaForCausalLM'],
+                            'model_type': 'llama'}),  # The llama3 fixture is tied.
+      'tie_absent': json.dumps({k: v for k, v in qwen3.items() if k != 'tie_word_embeddings'}
+                               | {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}),
+      **{name: json.dumps(qwen3) for name in ('zero', 'fifo', 'dangling', 'ok')},
+  }
+  paths = {}
+  for name, text in configs.items():
+    d = src / 'hf' / name
+    d.mkdir(parents=True)
+    (d / 'config.json').write_text(text)
+    (d / 'vocab.json').write_text('{"a": 0}')
+    paths[name] = d
+  (src / 'hf' / 'dir' / 'config.json').mkdir(parents=True)
+  paths['dir'] = src / 'hf' / 'dir'
+  (paths['zero'] / 'tokenizer.json').symlink_to('/dev/zero')  # Read: memory runs out.
+  os.mkfifo(paths['fifo'] / 'tokenizer.json')  # Read: waits forever.
+  (paths['dangling'] / 'tokenizer.json').symlink_to(paths['dangling'] / 'gone.json')
+  return {**{f'hf_{n}': p for n, p in paths.items()}, 'qwen3': src / 'qwen3',
+          'llama3': src / 'llama3'}
+
+
+def _out_dirs(src, data):
+  """A run, and folders an export or a convert --force must never replace (under `src`:
+  the snapshot proves them unchanged, byte for byte)."""
+  shutil.copytree(data / 'hf_qwen3', src / 'run')
+  mine = src / 'mine'  # An export someone keeps in git, with notes.
+  (mine / '.git').mkdir(parents=True)
+  (mine / '.git' / 'HEAD').write_text('ref: refs/heads/main\n')
+  (mine / 'notes').mkdir()
+  (mine / 'notes' / 'eval.md').write_text('accuracy 0.71\n')
+  (mine / 'model.safetensors').write_bytes(b'weights I keep')
+  (mine / 'config.json').write_text('{}')
+  project = src / 'project'
+  (project / 'src').mkdir(parents=True)
+  (project / 'config.json').write_text('{}')
+  step = src / 'steps' / '1'  # A step with a git repository and notes in it.
+  shutil.copytree(data / 'hf_qwen3' / '1', step)
+  (step / '.git').mkdir()
+  (step / '.git' / 'HEAD').write_text('ref: refs/heads/main\n')
+  (step / 'notes').mkdir()
+  (step / 'notes' / 'eval.md').write_text('loss 1.2\n')
+  return {'run': src / 'run', 'mine': mine, 'project': project, 'step': step}
+
+
 OVERLAP = 'overlaps the source checkpoint'
 
 HOSTILE = [
@@ -400,6 +460,60 @@ HOSTILE = [
         Run(('convert', '{run}', '{out}/4', '--layout', 'maxtext', '--params-only',
              '--param-scan-axis', '1'), 2, r'no scanned layers, so no layer axis is used'),
     )),
+    Hostile('export --hf-config folders that are not the model\'s config', _hf_configs, (
+        Run(('export', '{qwen3}', '{out}/1', '--model', 'qwen3', '--hf-config', '{hf_array}'), 2,
+            r'expected a Hugging Face config.json \(a JSON object.*found a JSON array \(\[\]\)'),
+        Run(('export', '{qwen3}', '{out}/2', '--model', 'qwen3', '--hf-config', '{hf_null}'), 2,
+            r'found a JSON null'),
+        Run(('export', '{qwen3}', '{out}/3', '--model', 'qwen3', '--hf-config', '{hf_text5}'), 2,
+            r'found "text_config": 5 \(expected an object'),
+        Run(('export', '{qwen3}', '{out}/4', '--model', 'qwen3', '--hf-config', '{hf_llama}'), 2,
+            r"architectures: config.json has \['LlamaForCausalLM'\], the weights are"
+            r" \['Qwen3ForCausalLM'\].*model_type: config.json has 'llama'"),
+        Run(('export', '{qwen3}', '{out}/5', '--model', 'qwen3', '--hf-config', '{hf_strvocab}'),
+            2, r"vocab_size: config.json has '96' \(str\), the weights have 96 \(int\)"),
+        Run(('export', '{qwen3}', '{out}/6', '--model', 'qwen3', '--hf-config',
+             '{hf_floatvocab}'), 2, r'vocab_size: config.json has 96.0 \(float\)'),
+        Run(('export', '{qwen3}', '{out}/7', '--model', 'qwen3', '--hf-config', '{hf_broken}'), 2,
+            r'config.json as JSON, found 40 bytes that do not parse.*Fix the file',
+            'another step'),
+        Run(('export', '{qwen3}', '{out}/8', '--model', 'qwen3', '--hf-config', '{hf_dir}'), 2,
+            r'holding config.json \(a file\), found a directory'),
+        Run(('export', '{llama3}', '{out}/9', '--model', 'llama3', '--hf-config', '{hf_untied}'),
+            2, r'tie_word_embeddings: config.json has False, the weights have True \(no lm_head'),
+        Run(('export', '{llama3}', '{out}/10', '--model', 'llama3', '--hf-config',
+             '{hf_tie_absent}'), 0, r'note: config.json: wrote .*tie_word_embeddings=True'),
+        Run(('export', '{qwen3}', '{out}/11', '--model', 'qwen3', '--hf-config', '{hf_zero}'), 2,
+            r'tokenizer.json: expected a regular file to copy from --hf-config, found a device'),
+        Run(('export', '{qwen3}', '{out}/12', '--model', 'qwen3', '--hf-config', '{hf_fifo}'), 2,
+            r'tokenizer.json: expected a regular file.*found a device, pipe or socket'),
+        Run(('export', '{qwen3}', '{out}/13', '--model', 'qwen3', '--hf-config',
+             '{hf_dangling}'), 0, r'note: .*tokenizer.json is a link to nothing'),
+        Run(('export', '{qwen3}', '{out}/14', '--model', 'qwen3', '--hf-config', '{hf_ok}'), 0),
+    )),
+    Hostile('export and convert --force over folders holding other things', _out_dirs, (
+        Run(('export', '{run}', '{mine}', '--model', 'qwen3', '--force'), 2,
+            r'holds a Hugging Face export and also \.git, notes.*would delete them'),
+        Run(('export', '{run}', '{mine}', '--model', 'qwen3'), 2, r'also \.git, notes',
+            '--force'),
+        Run(('export', '{run}', '{project}', '--model', 'qwen3'), 2,
+            r'found a directory holding config.json, src: not a Hugging Face export', '--force'),
+        Run(('export', '{run}', '{project}', '--model', 'qwen3', '--force'), 2,
+            'never written over'),
+        Run(('convert', '{run}', '{step}', '--force'), 2,
+            r'holds a checkpoint step and also \.git, notes'),
+    )),
+    Hostile('sizes out of range, and long destination names', _copy('hf_qwen3'), (
+        Run(('export', '{run}', '{out}/1', '--model', 'qwen3', '--max-shard-size', '1e400'), 2,
+            r'--max-shard-size: .1e400.: expected a positive size.*more than any disk'),
+        Run(('export', '{run}', '{out}/2', '--model', 'qwen3', '--memory-budget', '0.5'), 2,
+            'expected a positive size'),
+        Run(('convert', '{run}', '{out}/3', '--memory-budget', 'lots'), 2,
+            'expected a positive size'),
+        # A legal name (255 bytes) leaves no room for a temporary suffix: it is shortened.
+        Run(('export', '{run}', '{out}/' + 'e' * 255, '--model', 'qwen3'), 0, 'exported'),
+        Run(('convert', '{run}', '{out}/' + 'c' * 255), 0, 'converted'),
+    )),
     Hostile('values out of --dtype float16', _out_of_float16, (
         Run(('convert', '{run}', '{out}/1', '--dtype', 'float16'), 2,
             r'state/w: 1 of 4 values are outside the range of float16 \(largest magnitude'
@@ -420,7 +534,7 @@ def test_hostile_input(case, tunix_data, tmp_path):
   paths = {**case.build(src, tunix_data), 'src': src, 'out': out}
   before = snapshot(src)
   argvs = [_argv(run, paths) for run in case.runs]
-  existed = {argv[2]: os.path.lexists(argv[2]) for argv in argvs if argv[0] == 'convert'}
+  existed = {argv[2]: os.path.lexists(argv[2]) for argv in argvs if argv[0] in ('convert', 'export')}
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     done = list(pool.map(lambda argv: run_cli(*argv), argvs))
   for run, argv, result in zip(case.runs, argvs, done, strict=True):
@@ -432,6 +546,6 @@ def test_hostile_input(case, tunix_data, tmp_path):
     if run.exit == 2:
       assert result.stderr.startswith('orbax-tunix: error: ') or 'usage:' in result.stderr, where
       assert all(not line.startswith(('WARNING', 'ERROR')) for line in result.stderr.splitlines())
-      if argv[0] == 'convert':
+      if argv[0] in ('convert', 'export'):
         assert existed[argv[2]] or not os.path.lexists(argv[2]), where
   assert snapshot(src) == before, 'the source was written to'

@@ -1,12 +1,14 @@
-"""`orbax-tunix`: inspect, convert and diff Tunix checkpoints from the command line.
+"""`orbax-tunix`: inspect, convert, diff and export Tunix checkpoints from the command line.
 
   orbax-tunix inspect PATH [--step N] [--json] [--full]
   orbax-tunix convert SRC DST [--step N] [--params-only] [--layout canonical|maxtext]
                       [--dtype bfloat16] [--memory-budget 1G] [--force] [--json]
   orbax-tunix diff A B [--atol X] [--params-only] [--ignore-dtype] [--json]
+  orbax-tunix export SRC OUT_DIR --model qwen3|llama3|gemma3 [--hf-config DIR]
+                     [--max-shard-size 5GB] [--dtype bfloat16] [--force] [--json]
 
 This module only parses arguments and draws results; the work is done by
-`inspection`, `convert` and `diff`. On a terminal, results are tables (with
+`inspection`, `convert`, `diff` and `export`. On a terminal, results are tables (with
 `rich` when it is installed: `pip install orbax-tunix[cli]`) and long runs
 show a progress bar; piped, output is plain aligned text (or one JSON
 document with `--json`) and progress is a line every few seconds on stderr.
@@ -37,7 +39,16 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_tunix import checksums, commit, distributed, errors, huggingface, inspection, reader
+from orbax_tunix import (
+  checksums,
+  commit,
+  distributed,
+  errors,
+  huggingface,
+  inspection,
+  reader,
+  sizes,
+)
 from orbax_tunix import convert as convert_lib
 from orbax_tunix import diff as diff_lib
 from orbax_tunix import export as export_lib
@@ -51,25 +62,16 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-_SIZE = re.compile(r'^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$', re.IGNORECASE)
-
-
 def parse_size(text: str) -> int:
-  """Bytes from '512M', '1G', '1.5GiB' or '1000000' (binary units).
+  """Bytes from a size option (`sizes.parse_size`: '512M', '5GB', '1.5GiB', '1000000').
 
   Raises:
     argparse.ArgumentTypeError: the text is not a size.
   """
-  m = _SIZE.match(text)
-  if not m:
-    raise argparse.ArgumentTypeError(
-        f'{text!r} is not a size: use bytes or a number with K, M, G or T (e.g. 512M, 2G).'
-    )
-  factor = 1024 ** ' kmgt'.index((m.group(2) or ' ').lower())
-  value = int(float(m.group(1)) * factor)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f'{text!r}: the size must be positive.')
-  return value
+  try:
+    return sizes.parse_size(text, 'size')
+  except errors.InvalidOptionError as e:
+    raise argparse.ArgumentTypeError(str(e).replace('`size` ', '', 1)) from None
 
 
 def parse_dtype(name: str | None) -> np.dtype | None:
@@ -382,15 +384,21 @@ def build_parser() -> argparse.ArgumentParser:
           '  orbax-tunix diff run/checkpoints/1000 out/1000\n'
           '  orbax-tunix convert run/checkpoints mt/1000 --layout maxtext --params-only\n'
           '  orbax-tunix diff run/checkpoints mt/1000 --params-only\n'
+          '  orbax-tunix export run/checkpoints hf/ --model qwen3 --hf-config Qwen3-0.6B/\n'
+          '\n'
+          'sizes (--memory-budget, --max-shard-size): bytes, or KB, MB, GB (powers of\n'
+          '1000, as transformers), KiB, MiB, GiB or K, M, G (powers of 1024)\n'
           '\n'
           'exit status: 0 success (diff: match), 1 diff found differences (inspect\n'
           '--verify: damaged arrays), 2 error, 130 interrupted; a closed output pipe\n'
           '(| head -1) drops the rest of the output, never changes the status'
       ),
       description=(
-          'Inspect, convert and diff Tunix checkpoints (and any Orbax PyTree checkpoint)\n'
-          'without writing Python. A path may be a root (the latest committed step is\n'
-          'used), a step directory or an item directory, on a local disk or in a bucket.'
+          'Inspect, convert, diff and export Tunix checkpoints (and any Orbax PyTree\n'
+          'checkpoint) without writing Python: convert writes plain Orbax or MaxText steps,\n'
+          'export a Hugging Face safetensors folder. A path may be a root (the latest\n'
+          'committed step is used), a step directory or an item directory, on a local disk\n'
+          'or in a bucket.'
       ),
       parents=[common],
   )
@@ -427,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='read every array and check it against the checksums orbax-tunix'
                  ' convert recorded (exit 1 if one differs)')
   p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
-                 metavar='SIZE', help='memory --verify may use (default 1G)')
+                 metavar='SIZE', help='memory --verify may use (default 1G = 1GiB)')
   group = p.add_mutually_exclusive_group()
   group.add_argument('--full', dest='collapse', action='store_false', default=None,
                      help='list every leaf (the default when piped)')
@@ -475,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE',
                  help='memory the streaming may use above start-up, e.g. 512M or 4G (default'
-                 ' 1G; budgets under ~128M cannot be met); an array too large for one batch'
+                 ' 1G = 1GiB; budgets under ~128M cannot be met); an array too large for one batch'
                  ' is copied alone and needs about 3x its size')
   p.add_argument('--force', action='store_true',
                  help='replace an existing DST (only once the new one is complete)')
@@ -513,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--ignore-dtype', action='store_true',
                  help='do not count dtype differences (check a --dtype conversion with --atol)')
   p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
-                 metavar='SIZE', help='memory the streaming may use (default 1G)')
+                 metavar='SIZE', help='memory the streaming may use (default 1G = 1GiB)')
   p.add_argument('--json', action='store_true', help='print one JSON document')
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
                  help='compare only this item (repeatable; default: every item)')
@@ -528,7 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
           ' model.safetensors, or model-0000i-of-0000n.safetensors shards with'
           ' model.safetensors.index.json, tensor names and layouts as Hugging Face has'
           ' them for the family. Streams in batches within --memory-budget; written'
-          ' beside OUT_DIR and moved at the end, so a failure leaves nothing.'
+          ' beside OUT_DIR and moved at the end, so a failure leaves nothing. Without'
+          ' --hf-config no config.json (and no tokenizer) is written: transformers and vLLM'
+          ' need one, so pass the base model\'s folder or add them yourself.'
       ),
   )
   p.add_argument('src', metavar='SRC')
@@ -547,14 +557,17 @@ def build_parser() -> argparse.ArgumentParser:
   alpha.add_argument('--lora-scale', type=float, metavar='S', help='the scale itself')
   p.add_argument('--base', metavar='BASE',
                  help='the base weights for --merge-lora of an adapters-only save')
-  p.add_argument('--max-shard-size', default=str(export_lib.DEFAULT_MAX_SHARD_SIZE),
-                 metavar='SIZE', help='bytes per file, or 10KB, 500MB, 5GB (GiB etc. for powers'
-                 ' of 1024), as transformers\' max_shard_size (default 5GB)')
+  p.add_argument('--max-shard-size', type=parse_size, default=export_lib.DEFAULT_MAX_SHARD_SIZE,
+                 metavar='SIZE', help='bytes per file, e.g. 500MB or 5GB (powers of 1000, as'
+                 ' transformers\' max_shard_size; GiB, MiB or G, M for powers of 1024; default'
+                 ' 5GB)')
   p.add_argument('--hf-config', metavar='DIR',
                  help="the base model's Hugging Face folder: its config.json (checked against"
-                 ' the weights), generation_config.json and tokenizer files are copied')
+                 ' the weights), generation_config.json and tokenizer files are copied;'
+                 ' without it the export has no config.json')
   p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
-                 metavar='SIZE', help='memory the streaming may use above start-up (default 1G)')
+                 metavar='SIZE', help='memory the streaming may use above start-up (default 1G ='
+                 ' 1GiB)')
   p.add_argument('--force', action='store_true',
                  help='replace an existing export folder (only once the new one is complete)')
   p.add_argument('--json', action='store_true', help='print the summary as JSON')
