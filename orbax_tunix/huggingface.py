@@ -182,7 +182,8 @@ class Family:
 
   @property
   def namings(self) -> tuple[Naming, ...]:
-    return (self.tunix,) + ((self.maxtext,) if self.maxtext is not None else ())
+    """The kinds of source the family names (no Tunix naming when `rules` is empty)."""
+    return ((self.tunix,) if self.rules else ()) + ((self.maxtext,) if self.maxtext else ())
 
   def naming(self, paths: Collection[Path], where: str = '') -> Naming:
     """The naming of the kind of source these weights are (`source_kind`).
@@ -405,8 +406,91 @@ def _maxtext_gemma3() -> Naming:
 
 GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
 
+
+def _f32_sqrt(shape: Shape) -> float:
+  return float(np.float32(math.sqrt(shape[1])))
+
+
+def _maxtext_gemma4() -> Naming:
+  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are.
+
+  A global layer (every sixth) has its own head_dim and kv heads and no value
+  kernel (`share_kv_projections`: keys are values; Hugging Face's
+  `attention_k_eq_v` has no v_proj there either), so `value` is not required
+  of every layer; `layer_scalar` is Hugging Face's per-layer buffer.
+  """
+  rules = (
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
+            divide('sqrt(hidden) as float32', _f32_sqrt)),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      *_mt_attention(norm=IDENTITY),
+      *_mt_mlp(),
+      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight')
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+      _rule(f'{MT_LAYER}/layer_scalar', f'{LAYER}.layer_scalar'),
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
+      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
+  ),)
+  dims = {
+      **_mt_dims(),
+      # Layer 5 is the first global one (five local, one global).
+      'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
+      'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
+  }
+  return Naming(MAXTEXT, rules, tuple((r,) for r in required), dims,
+                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
+                stacks=stacks_lib.local_global(6))
+
+
+# Tunix's own gemma4 classes are named elsewhere (none here yet): MaxText's only.
+GEMMA4 = Family(name='gemma4', architecture='Gemma4ForCausalLM', rules=(), required=(), dims={},
+                maxtext=_maxtext_gemma4())
+
+
+def _maxtext_qwen3_moe() -> Naming:
+  """MaxText's qwen3 MoE decoder (qwen3-30b-a3b): the MLP is `moe_block`.
+
+  The router `gate/kernel` (D, E) is Hugging Face's `mlp.gate.weight` (E, D);
+  the experts `wi_0`, `wi_1` (E, D, F) and `wo` (E, F, D), one array each
+  for all experts, become one (out, in) tensor per expert.
+  """
+  dense = _maxtext_qwen3_style(norms=True)
+  experts = [
+      LayoutRule.of(tuple(f'{MT_LAYER}/moe_block/{mt}'.split('/')),
+                    (f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',), fan_out=('e', 0),
+                    transform_for=lambda e: chain(take(0, e), transpose()))
+      for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))
+  ]
+  rules = (
+      *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
+      _rule(f'{MT_LAYER}/moe_block/gate/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
+      *experts,
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/moe_block/{{p:wi_0|wi_1|wo}}', f'{MT_LAYER}/moe_block/gate/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
+  dims['moe_intermediate_size'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 2),)
+  dims['num_experts'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 0),)
+  return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
+                             dims=dims)
+
+
+# Tunix's own qwen3 MoE is named elsewhere (none here yet): MaxText's only.
+QWEN3_MOE = Family(name='qwen3_moe', architecture='Qwen3MoeForCausalLM', rules=(), required=(),
+                   dims={}, maxtext=_maxtext_qwen3_moe())
+
 FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
-for _family in (QWEN3, LLAMA3, GEMMA3):
+for _family in (QWEN3, LLAMA3, GEMMA3, GEMMA4, QWEN3_MOE):
   FAMILIES.register(_family)
 register, get, names = FAMILIES.register, FAMILIES.get, FAMILIES.names
 

@@ -50,11 +50,27 @@ GEMMA3_LAYER = {
     'pre_self_attention_norm/scale': (D,), 'post_self_attention_norm/scale': (D,),
     'pre_ffw_norm/scale': (D,), 'post_ffw_norm/scale': (D,),
 }
-MODELS = {  # family -> (per-layer weights, layers, untied lm_head)
-    'llama3': (LLAMA_LAYER, 3, True),
-    'qwen3': (QWEN3_LAYER, 3, True),
-    'qwen3_tied': (QWEN3_LAYER, 2, False),
-    'gemma3': (GEMMA3_LAYER, 8, False),  # one block of six, a remainder of two
+E, FE = 4, 24  # qwen3 MoE: experts, expert MLP width
+QWEN3_MOE_LAYER = {
+    **{k: v for k, v in QWEN3_LAYER.items() if not k.startswith('mlp/')},
+    'moe_block/gate/kernel': (D, E), 'moe_block/wi_0': (E, D, FE), 'moe_block/wi_1': (E, D, FE),
+    'moe_block/wo': (E, FE, D),
+}
+GEMMA4_LOCAL = {**GEMMA3_LAYER, 'layer_scalar': (1,)}
+NG, KG, HG = N, 3, 12  # gemma4's global layers: their own kv heads and head_dim, no value
+GEMMA4_GLOBAL = {
+    **{k: v for k, v in GEMMA4_LOCAL.items() if not k.startswith('self_attention/')},
+    'self_attention/query/kernel': (D, NG, HG), 'self_attention/key/kernel': (D, KG, HG),
+    'self_attention/out/kernel': (NG, HG, D), 'self_attention/query_norm/scale': (HG,),
+    'self_attention/key_norm/scale': (HG,),
+}
+MODELS = {  # model -> (layer number -> its weights, layers, untied lm_head)
+    'llama3': (lambda i: LLAMA_LAYER, 3, True),
+    'qwen3': (lambda i: QWEN3_LAYER, 3, True),
+    'qwen3_tied': (lambda i: QWEN3_LAYER, 2, False),
+    'gemma3': (lambda i: GEMMA3_LAYER, 8, False),  # one block of six, a remainder of two
+    'gemma4': (lambda i: GEMMA4_GLOBAL if i % 6 == 5 else GEMMA4_LOCAL, 8, False),
+    'qwen3_moe': (lambda i: QWEN3_MOE_LAYER, 2, True),
 }
 
 
@@ -70,7 +86,7 @@ def model_weights(model: str, seed: int = 0) -> tuple[dict, dict]:
   top = {'token_embedder/embedding': w('e', (V, D)), 'decoder/decoder_norm/scale': w('scale', (D,))}
   if untied:
     top['decoder/logits_dense/kernel'] = w('k', (D, V))
-  layers = [{k: w(k, s) for k, s in layer.items()} for _ in range(n)]
+  layers = [{k: w(k, s) for k, s in layer(i).items()} for i in range(n)]
   return top, layers
 
 
@@ -81,6 +97,18 @@ def maxtext_tree(model: str, form: str, seed: int = 0) -> dict[str, np.ndarray]:
   if form == 'unscanned':
     for i, weights in enumerate(layers):
       flat.update({f'decoder/layers_{i}/{k}': v for k, v in weights.items()})
+  elif model == 'gemma4':  # per block of six: five local (axis 2) and a global layer
+    blocks = len(layers) // 6
+    for k in layers[0]:
+      flat[f'decoder/scanned_blocks/local_layers/{k}'] = np.stack(
+          [np.stack([layers[6 * b + j][k] for j in range(5)], axis=1) for b in range(blocks)],
+          axis=1)
+    for k in layers[5]:
+      flat[f'decoder/scanned_blocks/global_layer/{k}'] = np.stack(
+          [layers[6 * b + 5][k] for b in range(blocks)], axis=1)
+    for k in layers[0]:
+      flat[f'decoder/layers_remainder/local_layers/{k}'] = np.stack(
+          [w[k] for w in layers[6 * blocks:]], axis=1)
   elif model == 'gemma3':  # blocks of six on axis 1, the rest unscanned
     blocks = len(layers) // 6
     for j in range(6):
@@ -144,11 +172,14 @@ def _out(w):  # (N, H, D) -> (D, N*H)
 
 def expected(model: str, vocab: int = V, seed: int = 0) -> dict[str, np.ndarray]:
   top, layers = model_weights(model, seed)
-  gemma = model == 'gemma3'
-  norm = (lambda x: x - np.float32(1)) if gemma else (lambda x: x)
+  gemma = model.startswith('gemma')
+  # MaxText's gemma3 norms are 1 + w (gemma4's as Hugging Face's).
+  norm = (lambda x: x - np.float32(1)) if model == 'gemma3' else (lambda x: x)
   embed = top['token_embedder/embedding'][:vocab]
-  if gemma:  # MaxText stores it times sqrt(hidden); its converter divides by that in bfloat16
+  if model == 'gemma3':  # stored times sqrt(hidden); MaxText's converter divides by it in bf16
     embed = embed / np.float32(ml_dtypes.bfloat16(math.sqrt(D)))
+  if model == 'gemma4':  # ... and gemma4's in float32
+    embed = embed / np.float32(math.sqrt(D))
   out = {'model.embed_tokens.weight': embed,
          'model.norm.weight': norm(top['decoder/decoder_norm/scale'])}
   if 'decoder/logits_dense/kernel' in top:
@@ -157,11 +188,21 @@ def expected(model: str, vocab: int = V, seed: int = 0) -> dict[str, np.ndarray]
     p = f'model.layers.{i}'
     out[f'{p}.self_attn.q_proj.weight'] = _in(w['self_attention/query/kernel'])
     out[f'{p}.self_attn.k_proj.weight'] = _in(w['self_attention/key/kernel'])
-    out[f'{p}.self_attn.v_proj.weight'] = _in(w['self_attention/value/kernel'])
+    if 'self_attention/value/kernel' in w:  # gemma4's global layers have none
+      out[f'{p}.self_attn.v_proj.weight'] = _in(w['self_attention/value/kernel'])
     out[f'{p}.self_attn.o_proj.weight'] = _out(w['self_attention/out/kernel'])
-    out[f'{p}.mlp.gate_proj.weight'] = w['mlp/wi_0/kernel'].T
-    out[f'{p}.mlp.up_proj.weight'] = w['mlp/wi_1/kernel'].T
-    out[f'{p}.mlp.down_proj.weight'] = w['mlp/wo/kernel'].T
+    if 'moe_block/wi_0' in w:
+      out[f'{p}.mlp.gate.weight'] = w['moe_block/gate/kernel'].T
+      for e in range(E):
+        out[f'{p}.mlp.experts.{e}.gate_proj.weight'] = w['moe_block/wi_0'][e].T
+        out[f'{p}.mlp.experts.{e}.up_proj.weight'] = w['moe_block/wi_1'][e].T
+        out[f'{p}.mlp.experts.{e}.down_proj.weight'] = w['moe_block/wo'][e].T
+    else:
+      out[f'{p}.mlp.gate_proj.weight'] = w['mlp/wi_0/kernel'].T
+      out[f'{p}.mlp.up_proj.weight'] = w['mlp/wi_1/kernel'].T
+      out[f'{p}.mlp.down_proj.weight'] = w['mlp/wo/kernel'].T
+    if 'layer_scalar' in w:
+      out[f'{p}.layer_scalar'] = w['layer_scalar']
     if 'self_attention/query_norm/scale' in w:
       out[f'{p}.self_attn.q_norm.weight'] = norm(w['self_attention/query_norm/scale'])
       out[f'{p}.self_attn.k_norm.weight'] = norm(w['self_attention/key_norm/scale'])
@@ -190,7 +231,7 @@ def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def family(model: str) -> str:
-  return model.split('_')[0]
+  return model.removesuffix('_tied')
 
 
 def hf_config(folder: pathlib.Path, model: str, **fields) -> pathlib.Path:
