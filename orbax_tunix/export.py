@@ -244,7 +244,7 @@ def plan_export(
       _read_as_stored(o) for o in relay(staged, mapped.outputs)))
   config, copied, notes = _config_files(family, hf_config, shapes)
   notes = [*source.detection.notes, *rng_note(source), *left_out, *vocab_notes, *notes,
-           f'weights: {describe_source({p: o.shape for p, o in weights.items()})}']
+           f'weights: {huggingface.describe_source({p: o.shape for p, o in weights.items()})}']
   if merged is not None:
     notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(merged.weights)}'
                  ' weights')
@@ -289,16 +289,6 @@ def _config_vocab(hf_config: epath.PathLike | None) -> int | None:
   config = config.get('text_config', config) if isinstance(config, dict) else {}
   vocab = config.get('vocab_size') if isinstance(config, dict) else None
   return vocab if isinstance(vocab, int) else None
-
-
-def describe_source(shapes) -> str:
-  """What kind of model the weights are, for notes and `inspect`: e.g.
-  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'."""
-  kind = huggingface.source_kind(shapes)
-  if kind != huggingface.MAXTEXT:
-    return huggingface.SOURCE_NAMES[kind]
-  form, layers = stacks.describe(shapes)
-  return f'{huggingface.SOURCE_NAMES[kind]} ({form}, {layers} layers)'
 
 
 def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:

@@ -90,6 +90,16 @@ def source_kind(paths: Collection[Path]) -> str:
   return MAXTEXT if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX
 
 
+def describe_source(shapes: Mapping[Path, Shape]) -> str:
+  """What kind of model the weights are, for notes and `inspect`: e.g.
+  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'."""
+  kind = source_kind(shapes)
+  if kind != MAXTEXT:
+    return SOURCE_NAMES[kind]
+  form, layers = stacks_lib.describe(shapes)
+  return f'{SOURCE_NAMES[kind]} ({form}, {layers} layers)'
+
+
 @dataclasses.dataclass(frozen=True)
 class Naming:
   """One kind of source's names for a family (see the module docstring).
