@@ -363,3 +363,39 @@ def test_unknown_extra_weights_are_refused(tmp_path):
   out = tmp_path / 'out'
   assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3'), out,
                  'decoder/layers_0/self_attention/extra/kernel', 'no llama3 tensor')
+
+
+FAMILY_CONFIG = {  # what each family's config.json adds, from the weights' shapes
+    'gemma4': {'global_head_dim': HG, 'num_global_key_value_heads': KG},
+    'qwen3_moe': {'moe_intermediate_size': FE, 'num_experts': E},
+}
+
+
+@pytest.mark.parametrize('model', sorted(MODELS))
+def test_a_config_that_fits_is_copied_and_one_that_does_not_is_refused(tmp_path, model):
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned'))
+  extra = FAMILY_CONFIG.get(family(model), {})
+  good = hf_config(tmp_path / 'hf', model, **extra)
+  orbax_tunix.export_to_hf(src, tmp_path / 'out', model=family(model), hf_config=good)
+  assert json.loads((tmp_path / 'out' / 'config.json').read_text()) == json.loads(
+      (good / 'config.json').read_text())
+  field, value = next(iter(extra.items())) if extra else ('num_hidden_layers', 99)
+  bad = hf_config(tmp_path / 'hf_bad', model, **{**extra, field: value + 1})
+  with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match=field):
+    orbax_tunix.export.plan_export(src, tmp_path / 'out2', model=family(model), hf_config=bad)
+
+
+@pytest.mark.parametrize('model,form', [('qwen3', 'scanned'), ('gemma3', 'scanned'),
+                                        ('gemma4', 'scanned'), ('llama3', 'unscanned')])
+def test_inspect_says_the_kind_of_model(tmp_path, model, form):
+  src = save_tunix_run(tmp_path / 'run', maxtext_tree(model, form))
+  p = run_cli('inspect', str(src), '--json')
+  assert p.returncode == 0, p.stderr
+  layers = MODELS[model][1]
+  assert json.loads(p.stdout)['weights'] == f'MaxText model ({form}, {layers} layers)'
+
+
+def test_inspect_says_a_tunix_model():
+  p = run_cli('inspect', str(ROOT / 'tests' / 'data' / 'tunix' / 'hf_qwen3'), '--json')
+  assert p.returncode == 0, p.stderr
+  assert json.loads(p.stdout)['weights'] == 'Tunix model (tunix.models)'
