@@ -505,14 +505,37 @@ for _family in (QWEN3, LLAMA3, GEMMA3, GEMMA4, QWEN3_MOE):
 register, get, names = FAMILIES.register, FAMILIES.get, FAMILIES.names
 
 
-def table(family: Family) -> list[tuple[str, str, str]]:
-  """(Tunix path, Hugging Face name, transform) per rule, as the README shows them."""
+def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:
+  """(source path, Hugging Face name, transform) per rule of one naming, as the README shows them."""
+  naming = next((n for n in family.namings if n.source == source), None)
   rows = []
-  for rule in family.rules:
+  for rule in naming.rules if naming is not None else ():
     source = '/'.join(k.spec for k in rule.source.keys)
     for dest, transform in rule.dests:
-      rows.append((source, '/'.join(k.spec for k in dest.keys), transform.name))
+      shown = transform.name
+      if rule.fan_out is not None:  # One transform per value of the placeholder.
+        name, _ = rule.fan_out
+        shown = rule.transform_for(0).name.replace('index=0', f'index={{{name}}}')
+      rows.append((source, '/'.join(k.spec for k in dest.keys), shown))
   return rows
+
+
+def maxtext_markdown() -> str:
+  """The README's table of MaxText's names onto Hugging Face's: one row per rule, the
+  families that have it (generated: `python scripts/hf_maps.py`)."""
+  rows: dict[tuple[str, str, str], list[str]] = {}
+  for name in names():
+    family = get(name)
+    for source, dest, transform in table(family, MAXTEXT):
+      rows.setdefault((source, dest, transform), []).append(name)
+  every = [n for n in names() if get(n).maxtext is not None]
+  lines = ['| MaxText (per layer) | Hugging Face | transform | families |', '|---|---|---|---|']
+  for (source, dest, transform), families in rows.items():
+    which = 'all' if families == every else ', '.join(families)
+    cells = [f'`{source}`', f'`{dest}`', transform, which]
+    lines.append('| ' + ' | '.join(c.replace('|', '\\|') for c in cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
 
 
 def check_config(

@@ -399,3 +399,7 @@ def test_inspect_says_a_tunix_model():
   p = run_cli('inspect', str(ROOT / 'tests' / 'data' / 'tunix' / 'hf_qwen3'), '--json')
   assert p.returncode == 0, p.stderr
   assert json.loads(p.stdout)['weights'] == 'Tunix model (tunix.models)'
+
+
+def test_readme_shows_the_generated_maxtext_map():
+  assert orbax_tunix.huggingface.maxtext_markdown() in (ROOT / 'README.md').read_text()
