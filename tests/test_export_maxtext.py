@@ -403,3 +403,50 @@ def test_inspect_says_a_tunix_model():
 
 def test_readme_shows_the_generated_maxtext_map():
   assert orbax_tunix.huggingface.maxtext_markdown() in (ROOT / 'README.md').read_text()
+
+
+RANK, ALPHA = 3, 6.0
+LORA_TARGETS = ('self_attention/query/kernel', 'self_attention/out/kernel', 'mlp/wo/kernel')
+
+
+def with_lora(flat: dict[str, np.ndarray], seed: int = 1) -> tuple[dict, dict]:
+  """qwix's adapters beside each target kernel, as qwix's LoRA on MaxText's layers writes them
+  (unscanned: `kernel_lora_a` (contracted dims flattened, rank), `kernel_lora_b` (rank, the
+  others flattened); printed from qwix.apply_lora_to_model on a tiny MaxText llama3.1), and
+  the merged per-layer kernels W + (alpha / rank) a.b by hand."""
+  rng = np.random.default_rng(seed)
+  out, merged = dict(flat), {}
+  for path, w in flat.items():
+    if not path.endswith(LORA_TARGETS):
+      continue
+    contracted = 2 if path.endswith('out/kernel') else 1  # out contracts (heads, head_dim)
+    rows, cols = math.prod(w.shape[:contracted]), math.prod(w.shape[contracted:])
+    a = rng.normal(size=(rows, RANK)).astype(np.float32)
+    b = rng.normal(size=(RANK, cols)).astype(np.float32)
+    out[f'{path}_lora_a'], out[f'{path}_lora_b'] = a, b
+    merged[path] = (w + np.float32(ALPHA / RANK) * (a @ b).reshape(w.shape)).astype(np.float32)
+  return out, merged
+
+
+def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path):
+  flat = maxtext_tree('qwen3', 'unscanned')
+  lora_flat, merged = with_lora(flat)
+  src = save_tunix_run(tmp_path / 'run', lora_flat)
+  out = tmp_path / 'out'
+  p = run_cli('export', str(src), str(out), '--model', 'qwen3')
+  assert_refused(p, out, '--merge-lora')
+  orbax_tunix.export_to_hf(src, out, model='qwen3', merge_lora=True, lora_alpha=ALPHA)
+  got = read_safetensors(out / 'model.safetensors')
+  # The expected export is the plain model's with the merged kernels.
+  top, layers = model_weights('qwen3')
+  want = expected('qwen3')
+  for i in range(len(layers)):
+    q = merged[f'decoder/layers_{i}/self_attention/query/kernel']
+    o = merged[f'decoder/layers_{i}/self_attention/out/kernel']
+    wo = merged[f'decoder/layers_{i}/mlp/wo/kernel']
+    want[f'model.layers.{i}.self_attn.q_proj.weight'] = _in(q)
+    want[f'model.layers.{i}.self_attn.o_proj.weight'] = _out(o)
+    want[f'model.layers.{i}.mlp.down_proj.weight'] = wo.T
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6, err_msg=name)
