@@ -502,7 +502,24 @@ QWEN3_MOE = Family(name='qwen3_moe', architecture='Qwen3MoeForCausalLM', rules=(
 FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
 for _family in (QWEN3, LLAMA3, GEMMA3, GEMMA4, QWEN3_MOE):
   FAMILIES.register(_family)
-register, get, names = FAMILIES.register, FAMILIES.get, FAMILIES.names
+register, names = FAMILIES.register, FAMILIES.names
+# Other names `model` takes for a family: MaxText's model names whose Hugging Face
+# names and layouts are another family's (LlamaForCausalLM for llama2 and llama3.1).
+ALIASES = {'llama3.1': 'llama3', 'llama2': 'llama3'}
+
+
+def get(name: str) -> Family:
+  """The family `name` (or an alias of it) names.
+
+  Raises:
+    UnsupportedLayoutError: no such family (the message lists them).
+  """
+  return FAMILIES.get(ALIASES.get(name, name))
+
+
+def choices() -> tuple[str, ...]:
+  """Every name `model` takes: the families', then the aliases."""
+  return (*names(), *ALIASES)
 
 
 def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:

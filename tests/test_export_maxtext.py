@@ -428,9 +428,30 @@ def with_lora(flat: dict[str, np.ndarray], seed: int = 1) -> tuple[dict, dict]:
   return out, merged
 
 
-def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path):
+def stacked_lora(flat_unscanned: dict, n: int) -> tuple[dict, dict]:
+  """The scanned model with qwix's adapters stacked on axis 1 as its kernels are (printed from
+  qwix on a scanned tiny MaxText llama3.1: `kernel_lora_a` (D, L, r), `kernel_lora_b`
+  (r, L, out)), and the merged per-layer kernels."""
+  lora_flat, merged = with_lora(flat_unscanned)
+  scanned = {}
+  for path in lora_flat:
+    if not path.startswith('decoder/layers_0/'):
+      if not path.startswith('decoder/layers_'):
+        scanned[path] = lora_flat[path]
+      continue
+    rest = path.removeprefix('decoder/layers_0/')
+    scanned[f'decoder/layers/{rest}'] = np.stack(
+        [lora_flat[f'decoder/layers_{i}/{rest}'] for i in range(n)], axis=1)
+  return scanned, merged
+
+
+@pytest.mark.parametrize('form', ['unscanned', 'scanned'])
+def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
   flat = maxtext_tree('qwen3', 'unscanned')
-  lora_flat, merged = with_lora(flat)
+  if form == 'scanned':
+    lora_flat, merged = stacked_lora(flat, MODELS['qwen3'][1])
+  else:
+    lora_flat, merged = with_lora(flat)
   src = save_tunix_run(tmp_path / 'run', lora_flat)
   out = tmp_path / 'out'
   p = run_cli('export', str(src), str(out), '--model', 'qwen3')

@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument('src', metavar='SRC')
   p.add_argument('out_dir', metavar='OUT_DIR')
-  p.add_argument('--model', required=True, choices=huggingface.names(),
+  p.add_argument('--model', required=True, choices=huggingface.choices(),
                  help='the model family')
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--dtype', type=parse_dtype,
