@@ -172,6 +172,7 @@ def plan_export(
     hf_config: epath.PathLike | None = None,
     memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
+    param_scan_axis: int = stacks.DEFAULT_AXIS,
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
 
@@ -179,7 +180,9 @@ def plan_export(
     src: the Tunix run (a root: its latest committed step, or `step`; a step;
       a model item).
     out_dir: the folder to create.
-    model: the Hugging Face family (`huggingface.names()`: qwen3, llama3, gemma3).
+    model: the Hugging Face family (`huggingface.choices()`: qwen3, llama3, gemma3,
+      gemma4, qwen3_moe, or an alias: llama3.1, llama2), for Tunix's own model classes
+      or MaxText's models (a Tunix run of one, or MaxText's own step).
     step: the step under a root.
     dtype: cast floating weights to this dtype (bfloat16, float16, float32);
       None: as stored.
@@ -192,6 +195,9 @@ def plan_export(
       copied; its weights never.
     memory_budget: bytes the streaming may hold at once.
     force: replace an existing export folder at `out_dir`.
+    param_scan_axis: a scanned MaxText model's layer axis (MaxText's
+      `param_scan_axis`); the source kind and layer form come from the
+      weights' names.
 
   Returns:
     An `ExportPlan`.
@@ -227,7 +233,7 @@ def plan_export(
   naming = family.naming(weights, where)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = stacks.unstack({p: o.shape for p, o in weights.items()}, naming.stacks,
-                             where=where)
+                             param_scan_axis, where=where)
   per_layer, vocab_notes = huggingface.cut_vocab(
       naming, per_layer, _config_vocab(hf_config), f'{hf_config}/config.json')
   shapes = {p: m.shape for p, m in per_layer.items()}

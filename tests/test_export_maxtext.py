@@ -471,3 +471,63 @@ def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
   assert sorted(got) == sorted(want)
   for name, value in want.items():
     np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6, err_msg=name)
+
+
+def test_another_param_scan_axis(tmp_path):
+  """A model scanned with param_scan_axis=0: `--param-scan-axis 0` takes its layers apart."""
+  top, layers = model_weights('llama3')
+  flat = dict(top)
+  for k in layers[0]:
+    flat[f'decoder/layers/{k}'] = np.stack([w[k] for w in layers], axis=0)
+  src = save_maxtext_step(tmp_path / 'run', flat)
+  out = tmp_path / 'out'
+  # With MaxText's default axis the stacked shapes do not fit llama3's.
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3'), out, 'llama3')
+  p = run_cli('export', str(src), str(out), '--model', 'llama3', '--param-scan-axis', '0')
+  assert p.returncode == 0, p.stderr
+  got = read_safetensors(out / 'model.safetensors')
+  want = expected('llama3')
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_llama_aliases_name_the_llama3_family(tmp_path):
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'scanned'))
+  for alias in ('llama3.1', 'llama2'):
+    plan = orbax_tunix.export.plan_export(src, tmp_path / alias, model=alias)
+    assert plan.family.name == 'llama3'
+
+
+def test_a_family_without_the_sources_naming_is_refused(tmp_path):
+  """Tunix's own qwen3 run as gemma4 (which names only MaxText's model here)."""
+  out = tmp_path / 'out'
+  p = run_cli('export', str(ROOT / 'tests' / 'data' / 'tunix' / 'hf_qwen3'), str(out),
+              '--model', 'gemma4')
+  assert_refused(p, out, 'Tunix model', 'gemma4', '--model')
+
+
+@pytest.mark.parametrize('weight,a,b,stacked', [
+    ((16, 3, 4, 8), (16, 3, 2), (2, 3, 32), (1,)),     # a scanned query kernel
+    ((4, 3, 8, 16), (32, 3, 2), (2, 3, 16), (1,)),     # a scanned out kernel
+    ((16, 1, 5, 48), (16, 1, 5, 2), (2, 1, 5, 48), (1, 2)),  # gemma4's local layers
+])
+def test_stacked_adapters_merge_per_layer(weight, a, b, stacked):
+  rng = np.random.default_rng(0)
+  w, la, lb = (rng.normal(size=s).astype(np.float32) for s in (weight, a, b))
+  arranged = orbax_tunix.lora.contraction(weight, a, b)
+  assert arranged is not None and arranged.stacked == stacked
+  got = orbax_tunix.merge.combine(arranged, 0.5)(w, la, lb)
+  # By hand: every stacked layer's own product, reshaped into its kernel.
+  want = w.copy()
+  layers = [weight[i] for i in stacked]
+  for index in np.ndindex(*layers):
+    at = [slice(None)] * len(weight)
+    at_a = [slice(None)] * len(a)
+    at_b = [slice(None)] * len(b)
+    for axis, i in zip(stacked, index, strict=True):
+      at[axis] = at_a[axis] = at_b[axis] = i
+    one = w[tuple(at)]
+    delta = la[tuple(at_a)].reshape(-1, a[-1]) @ lb[tuple(at_b)].reshape(b[0], -1)
+    want[tuple(at)] = one + np.float32(0.5) * delta.reshape(one.shape)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
