@@ -75,6 +75,8 @@ class ExportPlan:
     force: replace an existing export folder.
     notes: what a person should know.
     merge: the LoRA merge, if any.
+    naming: the family's naming of this kind of source (Tunix's model
+      classes, or MaxText's models).
   """
 
   source: reader.CanonicalCheckpoint
@@ -88,6 +90,13 @@ class ExportPlan:
   force: bool
   notes: tuple[str, ...] = ()
   merge: merge_lib.MergePlan | None = None
+  naming: huggingface.Naming | None = None
+
+  @property
+  def architecture(self) -> str:
+    """The `transformers` class the tensor names are (config.json's `architectures`)."""
+    found = self.naming.architecture if self.naming is not None else None
+    return found or self.family.architecture
 
   @property
   def total_bytes(self) -> int:
@@ -262,7 +271,7 @@ def plan_export(
   return ExportPlan(
       source=source, out_dir=out_dir, family=family, outputs=outputs,
       files=tuple(writer.shards(outputs, max_shard_size)), config=config, copied=copied,
-      memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged,
+      memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged, naming=naming,
   )
 
 
@@ -391,6 +400,7 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
       'source': os.fspath(plan.source.step_dir),
       'out_dir': os.fspath(plan.out_dir),
       'model': plan.family.name,
+      'architecture': plan.architecture,
       'files': {f.name: len(f.tensors) for f in plan.files},
       'total_size': sum(f.nbytes for f in plan.files),
       'config': None if plan.config is None else os.fspath(plan.config),

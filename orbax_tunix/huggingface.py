@@ -115,6 +115,10 @@ class Naming:
     vocab: weight pattern -> its vocabulary axis (cut to the config's
       `vocab_size` when the checkpoint's is padded).
     stacks: the stacked forms MaxText stores the family's layers in.
+    architecture: the `transformers` class the names are, when not the
+      family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
+      `model.*`, where the Hub's and Tunix's are Gemma4ForConditionalGeneration's
+      `model.language_model.*`).
   """
 
   source: str
@@ -125,6 +129,7 @@ class Naming:
   layer: tuple[str, ...] = ('layers', '{i}')
   vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
   stacks: tuple[stacks_lib.Stack, ...] = ()
+  architecture: str | None = None
 
   def layers(self, paths) -> list[str]:
     pattern = Pattern.parse((*self.layer, '...'))
@@ -132,16 +137,20 @@ class Naming:
 
   def missing(self, paths) -> list[str]:
     """The first alternative of each requirement the weights do not meet, as paths."""
-    have, numbers = set(paths), {'i': self.layers(paths)}
+    have, layers = set(paths), self.layers(paths)
     out = []
     for alternatives in self.required:
-      gaps = [
-          [fmt(p) for pattern in alt for p in Pattern.parse(pattern.split('/')).expand(numbers)
-           if p not in have]
-          for alt in alternatives
-      ]
-      if all(gaps):
-        out += gaps[0]
+      # Alternatives over layers are met layer by layer (a layer may hold one alternative,
+      # another layer another: gemma4's global and local layers).
+      per_layer = len(alternatives) > 1 and all('{i}' in p for alt in alternatives for p in alt)
+      for numbers in ([{'i': [n]} for n in layers] if per_layer else [{'i': layers}]):
+        gaps = [
+            [fmt(p) for pattern in alt for p in Pattern.parse(pattern.split('/')).expand(numbers)
+             if p not in have]
+            for alt in alternatives
+        ]
+        if all(gaps):
+          out += gaps[0]
     return out
 
   def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
@@ -439,27 +448,28 @@ def _maxtext_gemma4() -> Naming:
         for mt, hf in _MT_GEMMA_NORMS.items()),
       _rule(f'{MT_LAYER}/layer_scalar', f'{LAYER}.layer_scalar'),
   )
-  required = ((
-      'token_embedder/embedding', 'decoder/decoder_norm/scale',
-      f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
-      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
-      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
-      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
-  ),)
+  required = (
+      (('token_embedder/embedding', 'decoder/decoder_norm/scale',
+        f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
+        f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+        f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
+        *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS)),),
+  )
   dims = {
       **_mt_dims(),
       # Layer 5 is the first global one (five local, one global).
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return Naming(MAXTEXT, rules, tuple((r,) for r in required), dims,
-                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
-                stacks=stacks_lib.local_global(6))
+  return Naming(MAXTEXT, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
+                vocab=_MT_VOCAB, stacks=stacks_lib.local_global(6),
+                architecture='Gemma4ForCausalLM')
 
 
-# Tunix's own gemma4 classes are named elsewhere (none here yet): MaxText's only.
-GEMMA4 = Family(name='gemma4', architecture='Gemma4ForCausalLM', rules=(), required=(), dims={},
-                maxtext=_maxtext_gemma4())
+# Tunix's own gemma4 classes are named elsewhere (issue 29: the Hub's
+# Gemma4ForConditionalGeneration names): MaxText's only here.
+GEMMA4 = Family(name='gemma4', architecture='Gemma4ForConditionalGeneration', rules=(),
+                required=(), dims={}, maxtext=_maxtext_gemma4())
 
 
 def _maxtext_qwen3_moe() -> Naming:

@@ -249,6 +249,9 @@ def hf_config(folder: pathlib.Path, model: str, **fields) -> pathlib.Path:
 # --------------------------------------------------------------------------- #
 # Tests
 # --------------------------------------------------------------------------- #
+ARCHITECTURES = {'llama3': 'LlamaForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+                 'gemma3': 'Gemma3ForCausalLM', 'gemma4': 'Gemma4ForCausalLM',
+                 'qwen3_moe': 'Qwen3MoeForCausalLM'}
 CASES = [(m, form, kind) for m in MODELS for form in ('scanned', 'unscanned')
          for kind in ('tunix', 'maxtext')]
 
@@ -261,6 +264,8 @@ def test_export_matches_the_hf_layout(tmp_path, model, form, kind):
   notes = '\n'.join(plan.notes)
   layers = MODELS[model][1]
   assert f'weights: MaxText model ({form}, {layers} layers)' in notes
+  # The text model's class: MaxText's decoders have no vision tower.
+  assert plan.architecture == ARCHITECTURES[family(model)]
   if kind == 'tunix':
     assert 'left out 4 RNG state leaves' in notes
     assert 'left out 1 AQT quantization leaves' in notes
