@@ -214,9 +214,11 @@ class Family:
     found = next((n for n in self.namings if n.source == kind), None)
     if found is None:
       takers = [f.name for f in map(get, names()) if any(n.source == kind for n in f.namings)]
+      kinds = ' or a '.join(SOURCE_NAMES[n.source] for n in self.namings)
       raise errors.UnsupportedLayoutError(
-          f'{where}: these weights are a {SOURCE_NAMES[kind]}\'s, and the {self.name} family'
-          f' has no {kind} naming. Pick a family that has one (`model`: {", ".join(takers)}).'
+          f'{where}: these weights are a {SOURCE_NAMES[kind]}\'s; the {self.name} family'
+          f' ({self.architecture}) takes only a {kinds}\'s. Pick a family that takes this'
+          f' kind (`model`: {", ".join(takers)}).'
       )
     return found
 
@@ -533,7 +535,8 @@ def choices() -> tuple[str, ...]:
 
 
 def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:
-  """(source path, Hugging Face name, transform) per rule of one naming, as the README shows them."""
+  """(source path, Hugging Face name, transform) per rule of one naming, as the README
+  shows them."""
   naming = next((n for n in family.namings if n.source == source), None)
   rows = []
   for rule in naming.rules if naming is not None else ():

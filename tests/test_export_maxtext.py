@@ -148,7 +148,8 @@ def save_tunix_run(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 
   return root
 
 
-def save_maxtext_step(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 5) -> pathlib.Path:
+def save_maxtext_step(root: pathlib.Path, flat: dict[str, np.ndarray],
+                      step: int = 5) -> pathlib.Path:
   """MaxText's own step: `items/params/params/<path>`, with a step counter and an optimizer."""
   tree = {'params': {'params': nest(flat)}, 'step': np.int64(step),
           'opt_state': [{'count': np.int32(step),
