@@ -537,3 +537,18 @@ def test_stacked_adapters_merge_per_layer(weight, a, b, stacked):
     delta = la[tuple(at_a)].reshape(-1, a[-1]) @ lb[tuple(at_b)].reshape(b[0], -1)
     want[tuple(at)] = one + np.float32(0.5) * delta.reshape(one.shape)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_maxtext_step_in_a_bucket(gcs, bucket, tmp_path):
+  """MaxText's own step read from gs:// (uploaded file by file): the same tensors as locally."""
+  from tests import gcs as gcs_lib
+
+  local = save_maxtext_step(tmp_path / 'run', maxtext_tree('qwen3', 'scanned'))
+  remote = bucket / 'checkpoints'
+  gcs_lib.upload(local, remote)
+  orbax_tunix.export_to_hf(str(remote), tmp_path / 'out', model='qwen3')
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = expected('qwen3')
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
