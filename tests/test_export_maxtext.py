@@ -462,7 +462,12 @@ def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
   out = tmp_path / 'out'
   p = run_cli('export', str(src), str(out), '--model', 'qwen3')
   assert_refused(p, out, '--merge-lora')
-  orbax_tunix.export_to_hf(src, out, model='qwen3', merge_lora=True, lora_alpha=ALPHA)
+  plan = orbax_tunix.export.plan_export(src, out, model='qwen3', merge_lora=True,
+                                        lora_alpha=ALPHA)
+  if form == 'scanned':  # Each layer merged from its own slices, not the stack merged per layer.
+    q = next(o for o in plan.outputs if o.path == ('model.layers.1.self_attn.q_proj.weight',))
+    assert q.transform.name.startswith('per_input(take(axis=1, index=1), take(axis=1, index=1)')
+  orbax_tunix.export.run_export(plan)
   got = read_safetensors(out / 'model.safetensors')
   # The expected export is the plain model's with the merged kernels.
   top, layers = model_weights('qwen3')
