@@ -436,8 +436,9 @@ def with_lora(flat: dict[str, np.ndarray], seed: int = 1) -> tuple[dict, dict]:
 
 def stacked_lora(flat_unscanned: dict, n: int) -> tuple[dict, dict]:
   """The scanned model with qwix's adapters stacked on axis 1 as its kernels are (printed from
-  qwix on a scanned tiny MaxText llama3.1: `kernel_lora_a` (D, L, r), `kernel_lora_b`
-  (r, L, out)), and the merged per-layer kernels."""
+  qwix.apply_lora_to_model on a scanned tiny MaxText llama3.1, rank 2, 3 layers:
+  `query/kernel_lora_a` (16, 3, 2), `query/kernel_lora_b` (2, 3, 32)), and the merged
+  per-layer kernels."""
   lora_flat, merged = with_lora(flat_unscanned)
   scanned = {}
   for path in lora_flat:
