@@ -27,6 +27,7 @@ from etils import epath
 
 from orbax_tunix import (
   commit,
+  conventions,
   distributed,
   errors,
   huggingface,
@@ -41,7 +42,10 @@ from orbax_tunix import (
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.convert import check_destination
 from orbax_tunix.keypaths import fmt
+from orbax_tunix.layouts.canonical import rng_note
+from orbax_tunix.maxtext import stacks
 from orbax_tunix.outputs import Output, relay
+from orbax_tunix.transforms import per_input
 
 # transformers' default `max_shard_size`.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -90,6 +94,8 @@ class ExportPlan:
     force: replace an existing export folder.
     notes: what a person should know.
     merge: the LoRA merge, if any.
+    naming: the family's naming of this kind of source (Tunix's model
+      classes, or MaxText's models).
   """
 
   source: reader.CanonicalCheckpoint
@@ -104,6 +110,13 @@ class ExportPlan:
   force: bool
   notes: tuple[str, ...] = ()
   merge: merge_lib.MergePlan | None = None
+  naming: huggingface.Naming | None = None
+
+  @property
+  def architecture(self) -> str:
+    """The `transformers` class the tensor names are (config.json's `architectures`)."""
+    found = self.naming.architecture if self.naming is not None else None
+    return found or self.family.architecture
 
   @property
   def total_bytes(self) -> int:
@@ -154,6 +167,7 @@ def plan_export(
     hf_config: epath.PathLike | None = None,
     memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
+    param_scan_axis: int = stacks.DEFAULT_AXIS,
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
 
@@ -161,7 +175,9 @@ def plan_export(
     src: the Tunix run (a root: its latest committed step, or `step`; a step;
       a model item).
     out_dir: the folder to create.
-    model: the Hugging Face family (`huggingface.names()`: qwen3, llama3, gemma3).
+    model: the Hugging Face family (`huggingface.choices()`: qwen3, llama3, gemma3,
+      gemma4, qwen3_moe, or an alias: llama3.1, llama2), for Tunix's own model classes
+      or MaxText's models (a Tunix run of one, or MaxText's own step).
     step: the step under a root.
     dtype: cast floating weights to this dtype (bfloat16, float16, float32);
       None: as stored.
@@ -175,6 +191,9 @@ def plan_export(
       copied; its weights never.
     memory_budget: bytes the streaming may hold at once (a size, as above).
     force: replace an existing export folder at `out_dir`.
+    param_scan_axis: a scanned MaxText model's layer axis (MaxText's
+      `param_scan_axis`); the source kind and layer form come from the
+      weights' names.
 
   Returns:
     An `ExportPlan`.
@@ -203,19 +222,32 @@ def plan_export(
   if merged is None:
     _refuse_adapters(source)
   weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))
-  shapes = {p: o.shape for p, o in weights.items()}
   where = str(source.step_dir)
+  weights, left_out = _model_weights(weights)
+  naming = family.naming(weights, where)
+  # MaxText's stacked layers taken apart first, then the family's names.
+  per_layer = stacks.unstack({p: o.shape for p, o in weights.items()}, naming.stacks,
+                             param_scan_axis, where=where)
+  per_layer, vocab_notes = huggingface.cut_vocab(
+      naming, per_layer, _config_vocab(hf_config), f'{hf_config}/config.json')
+  shapes = {p: m.shape for p, m in per_layer.items()}
   try:
-    mapped = patterns.map_paths(shapes, family.rules, where=where)
+    mapped = patterns.map_paths(shapes, naming.rules, where=where)
   except errors.UnsupportedLayoutError as e:
     raise errors.UnsupportedLayoutError(
         f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the family"
         f' the model is (`model`: {", ".join(huggingface.names())}).'
     ) from e
   huggingface.fits(family, shapes, mapped.unmatched, where)
-  outputs = tuple(writer.in_write_order(relay(weights, mapped.outputs)))
+  staged = {o.path: o for o in relay(weights, per_layer)}
+  if merged is not None:
+    staged.update(_merged_per_layer(merged, weights, per_layer, naming, param_scan_axis))
+  outputs = tuple(writer.in_write_order(
+      _read_as_stored(o) for o in relay(staged, mapped.outputs)))
   config, checked, copied, notes = _config_files(family, hf_config, shapes)
-  notes = list(source.detection.notes) + notes + _leftover_notes(out_dir)
+  notes = [*source.detection.notes, *rng_note(source), *left_out, *vocab_notes, *notes,
+           f'weights: {huggingface.describe_source({p: o.shape for p, o in weights.items()})}',
+           *_leftover_notes(out_dir)]
   if merged is not None:
     notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(merged.weights)}'
                  ' weights')
@@ -228,14 +260,76 @@ def plan_export(
       source=source, out_dir=out_dir, family=family, outputs=outputs,
       files=tuple(writer.shards(outputs, max_shard_size)), config=config,
       config_values=None if checked is None or not checked.notes else checked.values,
-      copied=copied,
-      memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged,
+      copied=copied, memory_budget=memory_budget, force=force, notes=tuple(notes),
+      merge=merged, naming=naming,
   )
 
 
 def _leftover_notes(out_dir: epath.Path) -> list[str]:
   return [f'{p} is left from an interrupted export to {out_dir} (never a finished one);'
           ' remove it when no export is running' for p in commit.leftovers(out_dir)]
+
+
+def _model_weights(weights: dict) -> tuple[dict, list[str]]:
+  """The weights without AQT's quantization state (no tensor of the model), and a note."""
+  aqt = [p for p in weights if conventions.is_quantization_state(p)]
+  if not aqt:
+    return weights, []
+  kept = {p: o for p, o in weights.items() if p not in set(aqt)}
+  return kept, [f'left out {len(aqt)} AQT quantization leaves (e.g. {fmt(aqt[0])}): not'
+                ' weights of the model']
+
+
+def _merged_per_layer(merged, weights, per_layer, naming, axis: int) -> dict:
+  """A scanned layer's LoRA merge, one layer at a time.
+
+  Relaid as any weight, a merged stacked weight would be merged whole for
+  each of its layers; here each layer is taken from the weight and from its
+  adapters (stacked on the same axes: `lora.Contraction.stacked`), then
+  merged. Adapters named otherwise than qwix's `<w>_lora_a` keep the whole merge.
+  """
+  adapters = {}
+  for merge in merged.merges.values():
+    adapters[merge.adapter.a] = merge.a.shape
+    adapters[merge.adapter.b] = merge.b.shape
+  layers = stacks.unstack(adapters, naming.stacks, axis)
+  out = {}
+  for dest, m in per_layer.items():
+    (source,) = m.sources
+    merge = merged.merges.get(source)
+    if merge is None or not merge.contraction.stacked or m.transform.is_identity:
+      continue
+    a, b = (layers.get((*dest[:-1], p[-1])) for p in (merge.adapter.a, merge.adapter.b))
+    if a is None or b is None or a.sources != (merge.adapter.a,) or b.sources != (merge.adapter.b,):
+      continue
+    one = dataclasses.replace(merge, contraction=dataclasses.replace(
+        merge.contraction, weight=m.shape, stacked=()))
+    whole = weights[source]
+    out[dest] = dataclasses.replace(
+        whole, path=dest, shape=m.shape,
+        transform=per_input((m.transform, a.transform, b.transform), merge_lib.as_transform(one)))
+  return out
+
+
+def _read_as_stored(output: Output) -> Output:
+  """A computed output (a norm's shift, a division) reads its sources in their own dtype:
+  the arithmetic is in float32 and the cast to the written dtype comes once, after it."""
+  if output.transform.moves_only or output.read_dtypes is not None:
+    return output
+  return dataclasses.replace(output, read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
+
+
+def _config_vocab(hf_config: epath.PathLike | None) -> int | None:
+  """The `vocab_size` of the `hf_config` folder's config.json (its text model's), if any."""
+  if hf_config is None:
+    return None
+  path = storage.as_path(hf_config) / 'config.json'
+  if not path.is_file():
+    return None  # `_config_files` says what is wrong.
+  config = storage.read_json(path, 'a Hugging Face config.json')
+  config = config.get('text_config', config) if isinstance(config, dict) else {}
+  vocab = config.get('vocab_size') if isinstance(config, dict) else None
+  return vocab if isinstance(vocab, int) else None
 
 
 def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
@@ -402,6 +496,7 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
       'source': os.fspath(plan.source.step_dir),
       'out_dir': os.fspath(plan.out_dir),
       'model': plan.family.name,
+      'architecture': plan.architecture,
       'files': {f.name: len(f.tensors) for f in plan.files},
       'total_size': sum(f.nbytes for f in plan.files),
       'config': None if plan.config is None else os.fspath(plan.config),

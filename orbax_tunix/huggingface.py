@@ -12,18 +12,66 @@ Tunix lays attention weights out as einsums: q/k/v (D, heads, H), the output
 (heads, H, D); Hugging Face as linear layers (out, in): q/k/v (heads·H, D),
 o (D, heads·H), so the heads axes are merged and the result transposed; MLP
 kernels (in, out) are transposed; norms and embeddings are copied.
+
+A family names each kind of source it takes (`Naming`): Tunix's own model
+classes (`tunix.models`: `rules`, `required`, `dims`, `tied` on the family
+itself) and, where MaxText has the model, MaxText's (`maxtext`: a Tunix run
+of a MaxText model, or MaxText's own step). Which one applies comes from the
+weights' names (`source_kind`). MaxText's naming is on the per-layer form
+`decoder/layers_{i}/<w>`: its stacked forms are first taken apart by
+`maxtext.stacks.unstack` (the family's `stacks`); then the rules apply what
+MaxText's own converter applies (checkpoint_conversion/utils/param_mapping.py):
+kernels (in, heads, head_dim) merged and transposed to (out, in); gemma norms
+`w - 1` (MaxText stores `1 + w`); gemma3's embedding divided by sqrt(hidden)
+rounded to bfloat16 (gemma4: in float32), as MaxText stores it scaled.
+
+MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
+
+  llama3.1, qwen3   token_embedder/embedding (V, D); decoder/decoder_norm/scale (D,);
+                    decoder/logits_dense/kernel (D, V) (untied only: qwen3-0.6b has none);
+                    per layer: self_attention/{query,key,value}/kernel (D, N, H),
+                    self_attention/out/kernel (N, H, D), mlp/{wi_0,wi_1}/kernel (D, F),
+                    mlp/wo/kernel (F, D), {pre,post}_self_attention_layer_norm/scale (D,);
+                    qwen3 also self_attention/{query,key}_norm/scale (H,)
+  gemma3            as above without logits_dense, norms {pre,post}_self_attention_norm,
+                    {pre,post}_ffw_norm, query_norm, key_norm; scanned in blocks of six
+  gemma4            gemma3's names plus layer_scalar (1,); global layers (every sixth)
+                    have their own head_dim and no value kernel (k = v shared)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
 
 from orbax_tunix import catalog, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.patterns import LayoutRule, Pattern
-from orbax_tunix.transforms import Shape, chain, merge_axes, take, transpose
+from orbax_tunix.maxtext import stacks as stacks_lib
+from orbax_tunix.patterns import LayoutRule, Mapped, Pattern
+from orbax_tunix.transforms import (
+  IDENTITY,
+  Shape,
+  chain,
+  divide,
+  head,
+  merge_axes,
+  shift,
+  take,
+  transpose,
+)
+
+# The kinds of source a family may name (`Naming.source`).
+TUNIX = 'tunix'
+MAXTEXT = 'maxtext'
+# How a source kind is told from its weights: the top-level keys of MaxText's
+# decoder model (Tunix's model classes have `embedder`, `layers`, ...).
+_MAXTEXT_ROOTS = frozenset({'decoder', 'token_embedder'})
+SOURCE_NAMES = {TUNIX: 'Tunix model (tunix.models)', MAXTEXT: 'MaxText model'}
 
 LAYER = 'model.layers.{i}'
 # (D, X, H) -> (X·H, D): an input projection as Hugging Face's linear weight.
@@ -36,6 +84,89 @@ HEADS_FIRST = chain(transpose((1, 0, 2)), IN_PROJ)
 
 def _rule(source: str, dest: str, transform=None) -> LayoutRule:
   return LayoutRule.of(tuple(source.split('/')), (dest,), *(() if transform is None else (transform,)))
+
+
+def source_kind(paths: Collection[Path]) -> str:
+  """MAXTEXT for MaxText's model (a Tunix run of one, or MaxText's own step), else TUNIX."""
+  return MAXTEXT if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX
+
+
+def describe_source(shapes: Mapping[Path, Shape]) -> str:
+  """What kind of model the weights are, for notes and `inspect`: e.g.
+  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'."""
+  kind = source_kind(shapes)
+  if kind != MAXTEXT:
+    return SOURCE_NAMES[kind]
+  form, layers = stacks_lib.describe(shapes)
+  return f'{SOURCE_NAMES[kind]} ({form}, {layers} layers)'
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+  """One kind of source's names for a family (see the module docstring).
+
+  Attributes:
+    source: TUNIX or MAXTEXT.
+    rules: weight pattern -> tensor name and transform (MAXTEXT: on the
+      per-layer form).
+    required: as `Family.required`.
+    dims: as `Family.dims`.
+    tied: as `Family.tied`.
+    layer: the pattern of one layer's prefix (`{i}` its number).
+    vocab: weight pattern -> its vocabulary axis (cut to the config's
+      `vocab_size` when the checkpoint's is padded).
+    stacks: the stacked forms MaxText stores the family's layers in.
+    architecture: the `transformers` class the names are, when not the
+      family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
+      `model.*`, where the Hub's and Tunix's are Gemma4ForConditionalGeneration's
+      `model.language_model.*`).
+    model_type: that architecture's config `model_type`, with `architecture`.
+  """
+
+  source: str
+  rules: tuple[LayoutRule, ...]
+  required: tuple[tuple[tuple[str, ...], ...], ...]
+  dims: Mapping[str, tuple[tuple[str, int], ...]]
+  tied: Callable[[Collection[Path]], bool] | None = None
+  layer: tuple[str, ...] = ('layers', '{i}')
+  vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  stacks: tuple[stacks_lib.Stack, ...] = ()
+  architecture: str | None = None
+  model_type: str | None = None
+
+  def layers(self, paths) -> list[str]:
+    pattern = Pattern.parse((*self.layer, '...'))
+    return sorted({m[0]['i'] for p in paths if (m := pattern.match(p))}, key=int)
+
+  def missing(self, paths) -> list[str]:
+    """The first alternative of each requirement the weights do not meet, as paths."""
+    have, layers = set(paths), self.layers(paths)
+    out = []
+    for alternatives in self.required:
+      # Alternatives over layers are met layer by layer (a layer may hold one alternative,
+      # another layer another: gemma4's global and local layers).
+      per_layer = len(alternatives) > 1 and all('{i}' in p for alt in alternatives for p in alt)
+      for numbers in ([{'i': [n]} for n in layers] if per_layer else [{'i': layers}]):
+        gaps = [
+            [fmt(p) for pattern in alt for p in Pattern.parse(pattern.split('/')).expand(numbers)
+             if p not in have]
+            for alt in alternatives
+        ]
+        if all(gaps):
+          out += gaps[0]
+    return out
+
+  def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
+    """The config.json dimensions these weights imply."""
+    out: dict[str, object] = {'num_hidden_layers': len(self.layers(shapes))}
+    for field, alternatives in self.dims.items():
+      for pattern, axis in alternatives:
+        path = tuple(pattern.split('/'))
+        if path in shapes:
+          out[field] = shapes[path][axis]
+          break
+    out['tie_word_embeddings'] = True if self.tied is None else self.tied(shapes)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +187,8 @@ class Family:
       always tied).
     fixed: config.json fields every model of the family has, whatever the
       base config says (e.g. Gemma's tanh-approximated GELU).
+    vocab: the Tunix weights' vocabulary axes (see `Naming.vocab`).
+    maxtext: MaxText's naming of the family, if MaxText has the model.
   """
 
   name: str
@@ -66,36 +199,118 @@ class Family:
   dims: Mapping[str, tuple[tuple[str, int], ...]]
   tied: Callable[[Collection[Path]], bool] | None = None
   fixed: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  vocab: Mapping[str, int] = dataclasses.field(
+      default_factory=lambda: {'embedder/input_embedding': 0, 'lm_head/w': 1})
+  maxtext: Naming | None = None
+
+  @property
+  def tunix(self) -> Naming:
+    """The naming of Tunix's own model class (the family's own fields)."""
+    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab)
+
+  @property
+  def namings(self) -> tuple[Naming, ...]:
+    """The kinds of source the family names (no Tunix naming when `rules` is empty)."""
+    return ((self.tunix,) if self.rules else ()) + ((self.maxtext,) if self.maxtext else ())
+
+  def naming(self, paths: Collection[Path], where: str = '') -> Naming:
+    """The naming of the kind of source these weights are (`source_kind`).
+
+    Raises:
+      UnsupportedLayoutError: the family does not name that kind.
+    """
+    kind = source_kind(paths)
+    found = next((n for n in self.namings if n.source == kind), None)
+    if found is None:
+      takers = [f.name for f in map(get, names()) if any(n.source == kind for n in f.namings)]
+      kinds = ' or a '.join(SOURCE_NAMES[n.source] for n in self.namings)
+      raise errors.UnsupportedLayoutError(
+          f'{where}: these weights are a {SOURCE_NAMES[kind]}\'s; the {self.name} family'
+          f' ({self.architecture}) takes only a {kinds}\'s. Pick a family that takes this'
+          f' kind (`model`: {", ".join(takers)}).'
+      )
+    return found
+
+  def target(self, paths: Collection[Path]) -> tuple[str, str]:
+    """(architecture, model_type) of the model these weights' tensor names are: the
+    naming's own where it has one (see `Naming.architecture`), else the family's."""
+    naming = self.naming(paths)
+    return (naming.architecture or self.architecture, naming.model_type or self.model_type)
 
   def layers(self, paths) -> list[str]:
-    return sorted({p[1] for p in paths if len(p) > 2 and p[0] == 'layers' and p[1].isdigit()},
-                  key=int)
+    return self.naming(paths).layers(paths)
 
   def missing(self, paths) -> list[str]:
     """The first alternative of each requirement the weights do not meet, as paths."""
-    have, numbers = set(paths), {'i': self.layers(paths)}
-    out = []
-    for alternatives in self.required:
-      gaps = [
-          [fmt(p) for pattern in alt for p in Pattern.parse(pattern.split('/')).expand(numbers)
-           if p not in have]
-          for alt in alternatives
-      ]
-      if all(gaps):
-        out += gaps[0]
-    return out
+    return self.naming(paths).missing(paths)
 
   def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
     """The config.json dimensions these weights imply."""
-    out: dict[str, object] = {'num_hidden_layers': len(self.layers(shapes))}
-    for field, alternatives in self.dims.items():
-      for pattern, axis in alternatives:
-        path = tuple(pattern.split('/'))
-        if path in shapes:
-          out[field] = shapes[path][axis]
-          break
-    out['tie_word_embeddings'] = True if self.tied is None else self.tied(shapes)
-    return out
+    return self.naming(shapes).config(shapes)
+
+
+MT_LAYER = 'decoder/layers_{i}'
+_MT_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
+
+
+def _mt_attention(norm=None) -> list[LayoutRule]:
+  """MaxText's attention (D, N, H) / (N, H, D) kernels, and its q/k norms through `norm`."""
+  rules = [
+      _rule(f'{MT_LAYER}/self_attention/{mt}/kernel', f'{LAYER}.self_attn.{hf}_proj.weight',
+            IN_PROJ)
+      for mt, hf in (('query', 'q'), ('key', 'k'), ('value', 'v'))
+  ]
+  rules.append(_rule(f'{MT_LAYER}/self_attention/out/kernel', f'{LAYER}.self_attn.o_proj.weight',
+                     OUT_PROJ))
+  if norm is not None:
+    rules += [_rule(f'{MT_LAYER}/self_attention/{mt}_norm/scale',
+                    f'{LAYER}.self_attn.{hf}_norm.weight', norm)
+              for mt, hf in (('query', 'q'), ('key', 'k'))]
+  return rules
+
+
+def _mt_mlp() -> list[LayoutRule]:
+  return [_rule(f'{MT_LAYER}/mlp/{mt}/kernel', f'{LAYER}.mlp.{hf}_proj.weight', transpose())
+          for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))]
+
+
+def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[str, int], ...]]:
+  first = MT_LAYER.replace('{i}', '0')
+  return {
+      'vocab_size': (('token_embedder/embedding', 0),),
+      'hidden_size': (('token_embedder/embedding', 1),),
+      'num_attention_heads': ((f'{first}/self_attention/query/kernel', 1),),
+      'head_dim': ((f'{first}/self_attention/query/kernel', 2),),
+      'num_key_value_heads': ((f'{first}/self_attention/key/kernel', 1),),
+      'intermediate_size': ((mlp.replace('{i}', '0'), 1),),
+  }
+
+
+def _maxtext_qwen3_style(norms: bool) -> Naming:
+  """MaxText's llama3.1 and qwen3 (dense) decoders: qwen3 adds q/k norms."""
+  rules = [
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight'),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      _rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),  # Only when not tied.
+      *_mt_attention(norm=IDENTITY if norms else None),
+      *_mt_mlp(),
+      _rule(f'{MT_LAYER}/pre_self_attention_layer_norm/scale', f'{LAYER}.input_layernorm.weight'),
+      _rule(f'{MT_LAYER}/post_self_attention_layer_norm/scale',
+            f'{LAYER}.post_attention_layernorm.weight'),
+  ]
+  required = [(
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  )]
+  if norms:
+    required.append((f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',))
+  return Naming(
+      MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
+      tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
+      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, stacks=stacks_lib.SCANNED,
+  )
 
 
 def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool) -> Family:
@@ -133,6 +348,7 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool) -> 
           'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
       },
       tied=lambda paths: ('lm_head', 'w') not in paths,
+      maxtext=_maxtext_qwen3_style(norms),
   )
 
 
@@ -190,19 +406,168 @@ GEMMA3 = Family(
     fixed={'hidden_activation': 'gelu_pytorch_tanh'},
 )
 
+# MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
+# multiplied by sqrt(hidden): gemma3's converter divides by that number rounded
+# to bfloat16 (`np.dtype('bfloat16').type(hidden ** 0.5)`), gemma4's by it in float32.
+GEMMA_NORM = shift(-1)
+_MT_GEMMA_NORMS = {
+    'pre_self_attention_norm': 'input_layernorm',
+    'post_self_attention_norm': 'post_attention_layernorm',
+    'pre_ffw_norm': 'pre_feedforward_layernorm',
+    'post_ffw_norm': 'post_feedforward_layernorm',
+}
+
+
+def _bf16_sqrt(shape: Shape) -> float:
+  return float(np.asarray(math.sqrt(shape[1]), dtype=ml_dtypes.bfloat16))
+
+
+def _maxtext_gemma3() -> Naming:
+  """MaxText's gemma3 text decoder (tied embedding; scanned in blocks of six)."""
+  rules = (
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
+            divide('sqrt(hidden) as bfloat16', _bf16_sqrt)),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight', GEMMA_NORM),
+      *_mt_attention(norm=GEMMA_NORM),
+      *_mt_mlp(),
+      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', GEMMA_NORM)
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
+  ),)
+  return Naming(MAXTEXT, rules, tuple((r,) for r in required), _mt_dims(),
+                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
+                stacks=stacks_lib.blocks(6))
+
+
+GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
+
+
+def _f32_sqrt(shape: Shape) -> float:
+  return float(np.float32(math.sqrt(shape[1])))
+
+
+def _maxtext_gemma4() -> Naming:
+  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are.
+
+  A global layer (every sixth) has its own head_dim and kv heads and no value
+  kernel (`share_kv_projections`: keys are values; Hugging Face's
+  `attention_k_eq_v` has no v_proj there either), so `value` is not required
+  of every layer; `layer_scalar` is Hugging Face's per-layer buffer.
+  """
+  rules = (
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
+            divide('sqrt(hidden) as float32', _f32_sqrt)),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      *_mt_attention(norm=IDENTITY),
+      *_mt_mlp(),
+      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight')
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+      _rule(f'{MT_LAYER}/layer_scalar', f'{LAYER}.layer_scalar'),
+  )
+  required = (
+      (('token_embedder/embedding', 'decoder/decoder_norm/scale',
+        f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
+        f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+        f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
+        *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS)),),
+  )
+  dims = {
+      **_mt_dims(),
+      # Layer 5 is the first global one (five local, one global).
+      'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
+      'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
+  }
+  return Naming(MAXTEXT, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
+                vocab=_MT_VOCAB, stacks=stacks_lib.local_global(6),
+                architecture='Gemma4ForCausalLM', model_type='gemma4_text')
+
+
+# Tunix's own gemma4 classes are named elsewhere (issue 29: the Hub's
+# Gemma4ForConditionalGeneration names): MaxText's only here.
+GEMMA4 = Family(name='gemma4', architecture='Gemma4ForConditionalGeneration',
+                model_type='gemma4', rules=(),
+                required=(), dims={}, maxtext=_maxtext_gemma4())
+
+
+def _maxtext_qwen3_moe() -> Naming:
+  """MaxText's qwen3 MoE decoder (qwen3-30b-a3b): the MLP is `moe_block`.
+
+  The router `gate/kernel` (D, E) is Hugging Face's `mlp.gate.weight` (E, D);
+  the experts `wi_0`, `wi_1` (E, D, F) and `wo` (E, F, D), one array each
+  for all experts, become one (out, in) tensor per expert.
+  """
+  dense = _maxtext_qwen3_style(norms=True)
+  experts = [
+      LayoutRule.of(tuple(f'{MT_LAYER}/moe_block/{mt}'.split('/')),
+                    (f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',), fan_out=('e', 0),
+                    transform_for=lambda e: chain(take(0, e), transpose()))
+      for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))
+  ]
+  rules = (
+      *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
+      _rule(f'{MT_LAYER}/moe_block/gate/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
+      *experts,
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/moe_block/{{p:wi_0|wi_1|wo}}', f'{MT_LAYER}/moe_block/gate/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
+  dims['moe_intermediate_size'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 2),)
+  dims['num_experts'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 0),)
+  return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
+                             dims=dims)
+
+
+# Tunix's own qwen3 MoE is named elsewhere (none here yet): MaxText's only.
+QWEN3_MOE = Family(name='qwen3_moe', architecture='Qwen3MoeForCausalLM', model_type='qwen3_moe',
+                   rules=(), required=(), dims={}, maxtext=_maxtext_qwen3_moe())
+
 FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
-for _family in (QWEN3, LLAMA3, GEMMA3):
+for _family in (QWEN3, LLAMA3, GEMMA3, GEMMA4, QWEN3_MOE):
   FAMILIES.register(_family)
-register, get, names = FAMILIES.register, FAMILIES.get, FAMILIES.names
+register, names = FAMILIES.register, FAMILIES.names
+# Other names `model` takes for a family: MaxText's model names whose Hugging Face
+# names and layouts are another family's (LlamaForCausalLM for llama2 and llama3.1).
+ALIASES = {'llama3.1': 'llama3', 'llama2': 'llama3'}
 
 
-def table(family: Family) -> list[tuple[str, str, str]]:
-  """(Tunix path, Hugging Face name, transform) per rule, as the README shows them."""
+def get(name: str) -> Family:
+  """The family `name` (or an alias of it) names.
+
+  Raises:
+    UnsupportedLayoutError: no such family (the message lists them).
+  """
+  return FAMILIES.get(ALIASES.get(name, name))
+
+
+def choices() -> tuple[str, ...]:
+  """Every name `model` takes: the families', then the aliases."""
+  return (*names(), *ALIASES)
+
+
+def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:
+  """(source path, Hugging Face name, transform) per rule of one naming, as the README
+  shows them."""
+  naming = next((n for n in family.namings if n.source == source), None)
   rows = []
-  for rule in family.rules:
+  for rule in naming.rules if naming is not None else ():
     source = '/'.join(k.spec for k in rule.source.keys)
     for dest, transform in rule.dests:
-      rows.append((source, '/'.join(k.spec for k in dest.keys), transform.name))
+      shown = transform.name
+      if rule.fan_out is not None:  # One transform per value of the placeholder.
+        name, _ = rule.fan_out
+        shown = rule.transform_for(0).name.replace('index=0', f'index={{{name}}}')
+      rows.append((source, '/'.join(k.spec for k in dest.keys), shown))
   return rows
 
 
@@ -237,7 +602,7 @@ def _bad_config(where: str, found: str) -> errors.InvalidOptionError:
   )
 
 
-def _split(family: Family, config: Mapping[str, object], where: str
+def _split(target: tuple[str, str], config: Mapping[str, object], where: str
            ) -> tuple[dict[str, object], dict[str, object] | None, list[str]]:
   """(the config's top level, the text model's fields when they stay in its `text_config`,
   notes). A config with a `text_config` and of another architecture than the family's (a
@@ -250,21 +615,40 @@ def _split(family: Family, config: Mapping[str, object], where: str
   if not isinstance(text, Mapping):
     raise _bad_config(where, f'"text_config": {json.dumps(text)[:60]} (expected an object: the'
                              ' text model\'s fields)')
-  if (config.get('architectures') == [family.architecture]
-      or config.get('model_type') == family.model_type):
+  architecture, model_type = target
+  if config.get('architectures') == [architecture] or config.get('model_type') == model_type:
     return dict(config), dict(text), []
   top = {k: config[k] for k in CARRIED_TO_TEXT if k in config and config[k] is not None}
   top.update(text)
   return top, None, [
       f'config.json is {config.get("architectures") or config.get("model_type")!r}, a'
       ' multimodal model; the export holds its text model\'s weights only: wrote its'
-      f' text_config as a {family.architecture} config (model_type {family.model_type})'
+      f' text_config as a {architecture} config (model_type {model_type})'
   ]
 
 
 def _shown(value: object) -> str:
   return repr(value) if not isinstance(value, (int, float)) or isinstance(value, bool) else str(
       value)
+
+
+def maxtext_markdown() -> str:
+  """The README's table of MaxText's names onto Hugging Face's: one row per rule, the
+  families that have it (generated: `python scripts/hf_maps.py`)."""
+  rows: dict[tuple[str, str, str], list[str]] = {}
+  for name in names():
+    family = get(name)
+    for source, dest, transform in table(family, MAXTEXT):
+      rows.setdefault((source, dest, transform), []).append(name)
+  every = [n for n in names() if get(n).maxtext is not None]
+  lines = ['| MaxText (per layer) | Hugging Face | transform | families |', '|---|---|---|---|']
+  for (source, dest, transform), families in rows.items():
+    which = 'all' if families == every else ', '.join(families)
+    cells = [f'`{source}`', f'`{dest}`', transform, which]
+    lines.append('| ' + ' | '.join(c.replace('|', '\\|') for c in cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
 
 
 def check_config(
@@ -299,16 +683,17 @@ def check_config(
   if not isinstance(config, Mapping):
     raise _bad_config(where, f'a JSON {_JSON_TYPES.get(type(config), "value")}'
                              f' ({json.dumps(config)[:60]})')
-  top, inner, notes = _split(family, config, where)
+  architecture, model_type = family.target(shapes)
+  top, inner, notes = _split((architecture, model_type), config, where)
   fields = top if inner is None else inner
   wrong = []
   archs = top.get('architectures')
-  if archs is not None and archs != [family.architecture]:
+  if archs is not None and archs != [architecture]:
     wrong.append(f'architectures: config.json has {_shown(archs)}, the weights are'
-                 f' [{family.architecture!r}]')
-  if top.get('model_type', family.model_type) != family.model_type:
+                 f' [{architecture!r}]')
+  if top.get('model_type', model_type) != model_type:
     wrong.append(f'model_type: config.json has {_shown(top["model_type"])}, the weights are'
-                 f' {family.model_type!r}')
+                 f' {model_type!r}')
   implied = family.config(shapes)
   for field, value in implied.items():
     have = fields.get(field)
@@ -327,8 +712,8 @@ def check_config(
         f'{errors.list_paths(wrong)}\nPass the --hf-config of the model this run was'
         ' trained from.'
     )
-  named = {f: v for f, v in (('architectures', [family.architecture]),
-                             ('model_type', family.model_type)) if top.get(f) is None}
+  named = {f: v for f, v in (('architectures', [architecture]),
+                             ('model_type', model_type)) if top.get(f) is None}
   added = {f: v for f, v in implied.items() if fields.get(f) is None}
   fixed = {f: v for f, v in family.fixed.items() if fields.get(f) != v}
   if named or added:
@@ -363,3 +748,46 @@ def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path]
                    + errors.list_paths(missing))
     parts.append(f'Pick the family the model is (`model`: {", ".join(names())}).')
     raise errors.UnsupportedLayoutError('\n'.join(parts))
+
+
+def cut_vocab(
+    naming: Naming, mapped: Mapping[Path, Mapped], vocab_size: int | None, where: str
+) -> tuple[dict[Path, Mapped], list[str]]:
+  """The weights with a padded vocabulary cut to the config's `vocab_size`.
+
+  MaxText pads the vocabulary for sharding; the config's `vocab_size` is the
+  real one. Rows past it are dropped, as MaxText's converter does.
+
+  Args:
+    naming: the weights' naming (its `vocab` axes).
+    mapped: weight -> how it is made (`maxtext.stacks.unstack`).
+    vocab_size: the config's, or None (no config: nothing is cut).
+    where: the config.json, for messages.
+
+  Returns:
+    (the weights, notes).
+
+  Raises:
+    UnsupportedLayoutError: the config's vocabulary is larger than the weights'.
+  """
+  out, notes = dict(mapped), []
+  if vocab_size is None:
+    return out, notes
+  for pattern, axis in naming.vocab.items():
+    path = tuple(pattern.split('/'))
+    if path not in out:
+      continue
+    m = out[path]
+    rows = m.shape[axis]
+    if vocab_size > rows:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: vocab_size {vocab_size} is larger than the weights\' vocabulary'
+          f' ({fmt(path)} {m.shape} has {rows} along axis {axis}): the config is not this'
+          ' model\'s. Pass the --hf-config of the model this run was trained from.'
+      )
+    if vocab_size < rows:
+      cut = head(axis, vocab_size)
+      out[path] = Mapped(m.sources, chain(m.transform, cut), cut.check([m.shape]))
+      notes.append(f'{fmt(path)}: vocabulary padding cut, {rows} -> {vocab_size} (the'
+                   ' config\'s vocab_size)')
+  return out, notes

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from orbax_tunix import conventions, errors, reader, rules
+from orbax_tunix import conventions, errors, huggingface, reader, rules
 from orbax_tunix import lora as lora_lib
 from orbax_tunix.detection import Detection
 from orbax_tunix.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
@@ -171,6 +171,8 @@ class Report:
     layers: MaxText's decoder layers, when the weights are a MaxText model's.
     notes: things a person should know.
     checkpoint: the step as opened (to read it further, e.g. to verify).
+    source: what kind of model the weights are, as export takes them
+      (`huggingface.describe_source`), when there are weights.
   """
 
   detection: Detection
@@ -186,6 +188,7 @@ class Report:
   notes: tuple[str, ...]
   checkpoint: reader.CanonicalCheckpoint | None = None
   layers: LayerReport | None = None
+  source: str | None = None
 
   @property
   def nbytes(self) -> int:
@@ -392,7 +395,15 @@ def inspect_checkpoint(
       checkpoint=ckpt,
       layers=_layer_form({path: leaf.shape for leaf, path in weight_pairs},
                          detection.source.custom_metadata),
+      source=_source({path: leaf.shape for leaf, path in weight_pairs}),
   )
+
+
+def _source(shapes: Mapping[Path, tuple[int, ...] | None]) -> str | None:
+  """What kind of model the weights are (a MaxText or a Tunix model's), if any."""
+  if not shapes:
+    return None
+  return huggingface.describe_source({p: s for p, s in shapes.items() if s is not None})
 
 
 def _layer_form(
