@@ -417,8 +417,12 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
 
 
 def _devices() -> np.ndarray:
-  """Every process's devices, grouped by process (process 0's first)."""
-  return np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+  """Every process's CPU devices, grouped by process (process 0's first).
+
+  The host's memory, as one process converts on its CPU device: accelerators
+  stay free for whatever else the job runs.
+  """
+  return np.array(sorted(jax.devices('cpu'), key=lambda d: (d.process_index, d.id)))
 
 
 def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.sharding.Sharding:
