@@ -57,8 +57,9 @@ _rounds = itertools.count()
 # Which `staged` run failures are announced for (every process counts alike).
 _runs_started = itertools.count()
 _run = -1
-# How often a waiting process looks for the others' reports (s).
+# How often a waiting process looks for the others' reports (ms): first, and at most.
 POLL_MS = 50
+MAX_POLL_MS = 1000
 # The rounds where every process reports its outcome, failed or not.
 OUTCOME_ROUNDS = ('write', 'commit')
 # How long a failed process waits for the others before it exits (ms).
@@ -236,13 +237,12 @@ def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
   client = _client()
   client.key_value_set(f'{key}/{process_index()}', text)
   got: dict[int, str] = {}
-  waited = 0
+  waited, pause = 0, POLL_MS
+
   def collect() -> bool:
-    for i in range(process_count()):
-      if i not in got:
-        found = _try_get(client, f'{key}/{i}')
-        if found is not None:
-          got[i] = found
+    # One request for every report so far (not one per process: N hosts poll).
+    for k, v in client.key_value_dir_get(f'{key}/'):
+      got[int(k.rsplit('/', 1)[-1])] = v
     return len(got) == process_count()
 
   while not collect():
@@ -257,16 +257,10 @@ def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
       raise errors.DistributedError(
           f'processes {missing} did not report {name!r} within {timeout_ms // 1000} s: they may'
           ' have died or hung. Nothing was committed; check their logs.')
-    time.sleep(POLL_MS / 1000)
-    waited += POLL_MS
+    time.sleep(pause / 1000)
+    waited += pause
+    pause = min(2 * pause, MAX_POLL_MS)  # Long waits (a slower process) poll less.
   return [got[i] for i in range(process_count())]
-
-
-def _try_get(client: Any, key: str) -> str | None:
-  try:
-    return client.key_value_try_get(key)
-  except Exception:  # noqa: BLE001 - NOT_FOUND is raised, not returned.
-    return None
 
 
 def _announce(failure: str) -> None:
@@ -417,8 +411,12 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
 
 
 def _devices() -> np.ndarray:
-  """Every process's devices, grouped by process (process 0's first)."""
-  return np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+  """Every process's CPU devices, grouped by process (process 0's first).
+
+  The host's memory, as one process converts on its CPU device: accelerators
+  stay free for whatever else the job runs.
+  """
+  return np.array(sorted(jax.devices('cpu'), key=lambda d: (d.process_index, d.id)))
 
 
 def placement(shape: Sequence[int], chunks: Sequence[int] | None = None) -> jax.sharding.Sharding:
