@@ -400,7 +400,52 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
     "hf_qwen3_lora": {"family": "qwen3", "lora_of": "hf_qwen3", "lora_only": False, "steps": [3]},
     "hf_qwen3_lora_only": {"family": "qwen3", "lora_of": "hf_qwen3", "lora_only": True,
                            "steps": [3]},
+    # Issue 29: Tunix's other families. "family" is the tunix.models package.
+    "hf_qwen2": {
+        "family": "qwen2", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "rope_theta": 1_000_000,
+                   "norm_eps": 1e-6, "use_tied_embedding": True},
+    },
+    "hf_qwen2_lora": {"family": "qwen2", "lora_of": "hf_qwen2", "lora_only": False, "steps": [3]},
+    "hf_qwen3_moe": {  # 3 experts, 2 per token, expert width 20 (hidden_dim)
+        "family": "qwen3", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "hidden_dim": 20,
+                   "rope_theta": 1_000_000, "norm_eps": 1e-6, "use_tied_embedding": False,
+                   "num_experts": 3, "num_experts_per_tok": 2},
+    },
+    "hf_gemma2": {  # local then global, soft caps, the post norms
+        "family": "gemma", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "final_logit_softcap": 30.0,
+                   "use_post_attn_norm": True, "use_post_ffw_norm": True,
+                   "attention_types": ["LOCAL_SLIDING", "GLOBAL"], "attn_logits_soft_cap": 50.0,
+                   "sliding_window_size": 4},
+    },
+    "hf_gemma": {  # Gemma 1: no post norms, one kv head (as gemma-2b)
+        "family": "gemma", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "num_kv_heads": 1,
+                   "final_logit_softcap": None, "use_post_attn_norm": False,
+                   "use_post_ffw_norm": False, "attention_types": ["GLOBAL", "GLOBAL"]},
+    },
+    "hf_gemma4": {  # E2B-like: per-layer inputs (10), layers 3-5 reuse 1/2's kv (double MLP)
+        "family": "gemma4", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 6, "num_embed": 96, **_HF_DIMS, "sliding_window_size": 4,
+                   "per_layer_input_dim": 10, "global_key_size": 16, "frac_shared_layers": 0.5,
+                   "override_kv_shared_ffw_hidden": 112,
+                   "attention_pattern": ["LOCAL_SLIDING", "LOCAL_SLIDING", "GLOBAL"],
+                   "param_dtype": "float32", "dtype": "float32"},
+    },
+    "hf_gemma4_moe": {  # 26B-A4B-like: MoE (3 experts, 2 per token, width 20), k_eq_v global
+        "family": "gemma4", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "sliding_window_size": 4,
+                   "global_key_size": 16, "num_global_kv_heads": 1, "k_eq_v_global": True,
+                   "enable_moe": True, "num_experts": 3, "num_experts_per_tok": 2,
+                   "expert_dim": 20, "moe_dense_hidden_dim": 56,
+                   "attention_pattern": ["LOCAL_SLIDING", "GLOBAL"],
+                   "param_dtype": "float32", "dtype": "float32"},
+    },
 }
+# ModelConfig fields holding AttentionType values, recorded by name.
+HF_ENUM_FIELDS = ("attention_types", "attention_pattern")
 
 
 def _tunix_model_module(family: str):
@@ -415,12 +460,23 @@ def _tunix_model_module(family: str):
   if family == "gemma3":
     from tunix.models.gemma3 import model as m
     return m, m.Gemma3
+  if family == "qwen2":
+    from tunix.models.qwen2 import model as m
+    return m, m.Qwen2
+  if family == "gemma":
+    from tunix.models.gemma import model as m
+    return m, m.Gemma
+  if family == "gemma4":
+    from tunix.models.gemma4 import model as m
+    return m, m.Gemma4
   raise ValueError(family)
 
 
 def hf_model_config(family: str, kwargs: dict[str, Any]):
   m, _ = _tunix_model_module(family)
-  kw = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in kwargs.items()}
+  kw = {k: (jnp.dtype(v) if k.endswith("dtype") else
+            tuple(m.AttentionType[n] for n in v) if k in HF_ENUM_FIELDS else v)
+        for k, v in kwargs.items()}
   return m.ModelConfig(**kw)
 
 
