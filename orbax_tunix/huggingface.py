@@ -231,9 +231,9 @@ QWEN3_MOE = _extended(
 )
 
 
-def _gemma_attention(layer: str) -> tuple[LayoutRule, ...]:
+def _gemma_attention(layer: str, fused: bool = True) -> tuple[LayoutRule, ...]:
   """Tunix Gemma's attention einsums: q (N, D, H), kv (2, K, D, H) or fused qkv, out (N, H, D)."""
-  return (
+  rules = (
       _rule('layers/{i}/attn/q_einsum/w', f'{layer}.self_attn.q_proj.weight', HEADS_FIRST),
       LayoutRule.split(
           ('layers', '{i}', 'attn', 'kv_einsum', 'w'),
@@ -247,6 +247,7 @@ def _gemma_attention(layer: str) -> tuple[LayoutRule, ...]:
       _rule('layers/{i}/mlp/{p:gate|up|down}_proj/kernel', f'{layer}.mlp.{{p}}_proj.weight',
             transpose()),
   )
+  return tuple(r for r in rules if fused or r.source.keys[3].text != 'qkv_einsum')
 
 
 _GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
@@ -327,7 +328,7 @@ GEMMA4 = Family(
         _rule('embedder/per_layer_projection_norm/scale',
               f'{GEMMA4_PREFIX}.per_layer_projection_norm.weight'),
         _rule('final_norm/scale', f'{GEMMA4_PREFIX}.norm.weight'),
-        *_gemma_attention(_G4),
+        *_gemma_attention(_G4, fused=False),  # Gemma 4 has no fused qkv einsum.
         _rule('layers/{i}/attn/k_einsum/w', f'{_G4}.self_attn.k_proj.weight', HEADS_FIRST),
         _rule('layers/{i}/attn/_query_norm/scale', f'{_G4}.self_attn.q_norm.weight'),
         _rule('layers/{i}/attn/_key_norm/scale', f'{_G4}.self_attn.k_norm.weight'),
@@ -385,6 +386,22 @@ def table(family: Family) -> list[tuple[str, str, str]]:
     for dest, transform in rule.dests:
       rows.append((source, '/'.join(k.spec for k in dest.keys), transform.name))
   return rows
+
+
+def markdown(families: Sequence[Family] | None = None) -> str:
+  """The README's table of maps: each `table` row once, with the families that have it."""
+  families = [get(n) for n in names()] if families is None else list(families)
+  rows: dict[tuple[str, str, str], list[str]] = {}
+  for family in families:
+    for row in table(family):
+      rows.setdefault(row, []).append(family.name)
+
+  def cell(text: str) -> str:
+    return '`' + text.replace('|', '\\|') + '`'
+
+  lines = ['| Tunix (canonical) | Hugging Face | layout | families |', '|---|---|---|---|']
+  lines += [f'| {cell(s)} | {cell(d)} | {t} | {", ".join(f)} |' for (s, d, t), f in rows.items()]
+  return '\n'.join(lines) + '\n'
 
 
 def check_config(
