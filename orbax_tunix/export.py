@@ -176,7 +176,8 @@ def plan_export(
     src: the Tunix run (a root: its latest committed step, or `step`; a step;
       a model item).
     out_dir: the folder to create.
-    model: the Hugging Face family (`huggingface.names()`: qwen3, llama3, gemma3).
+    model: the Hugging Face family (`huggingface.names()`: qwen3, llama3, gemma3,
+      qwen2, qwen3_moe, gemma, gemma2, gemma4).
     step: the step under a root.
     dtype: cast floating weights to this dtype (bfloat16, float16, float32);
       None: as stored.

@@ -2,8 +2,10 @@
 
 A `Family` is a value: layout rules from Tunix's canonical weight paths to the
 tensor names and layouts Hugging Face uses (the exact inverse of the maps
-google-tunix's own loaders apply, `tunix/models/{qwen3,llama3}/params.py` and
-`tunix/models/gemma3/params_safetensors.py`), the weights every checkpoint of
+google-tunix's own loaders apply, `tunix/models/{qwen3,llama3,qwen2}/params.py` and
+`tunix/models/{gemma,gemma3,gemma4}/params_safetensors.py`; where Tunix's map
+disagrees with `transformers`, as for Gemma 1's norms, `transformers` decides),
+the weights every checkpoint of
 the family holds, and where each `config.json` dimension is read from the
 shapes. Families are found by name (`get`, `names`); a new family is one more
 registered value. Nothing here reads an array.

@@ -82,6 +82,10 @@ float32 merge of them lands from the LoRA model's own logits).
                        three adamw steps, saved in full at step 3.
   hf_qwen3_lora_only   the same run, adapters only (as PeftTrainer saves);
                        its base is hf_qwen3 step 1.
+  hf_qwen2, hf_qwen2_lora, hf_qwen3_moe, hf_qwen3_moe_lora, hf_gemma2,
+  hf_gemma2_lora, hf_gemma, hf_gemma4, hf_gemma4_moe
+                       issue 29's families (tests/data/tunix/README.md says
+                       what each holds); model only.
 The hf_* fixtures import Tunix's model modules, which set flax's
 ``flax_always_shard_variable`` to False process-wide: they are written after
 the others (and the lora ones after hf_qwen3, whose files they read). The
@@ -91,7 +95,8 @@ arrays and manifest entries (checked), without the full install::
 
     JAX_PLATFORMS=cpu PYTHONPATH="$(PYTHON=.venv/bin/python scripts/tunix_pkgs.sh | tail -1)" \
         .venv/bin/python scripts/make_tunix_fixtures.py --only hf_qwen3 hf_llama3 \
-        hf_gemma3 hf_gemma3_fused hf_qwen3_lora hf_qwen3_lora_only
+        hf_gemma3 hf_gemma3_fused hf_qwen3_lora hf_qwen3_lora_only hf_qwen2 hf_qwen2_lora \
+        hf_qwen3_moe hf_qwen3_moe_lora hf_gemma2 hf_gemma2_lora hf_gemma hf_gemma4 hf_gemma4_moe
 """
 
 from __future__ import annotations
@@ -372,6 +377,14 @@ HF_TOKENS = np.random.default_rng(123).integers(0, 96, size=(2, 7)).astype(np.in
 HF_TRAIN_TOKENS = np.random.default_rng(7).integers(0, 96, size=(2, 8)).astype(np.int32)
 _HF_DIMS = {"embed_dim": 40, "hidden_dim": 56, "num_heads": 4, "head_dim": 12, "num_kv_heads": 2}
 HF_LORA_MODULE_PATH = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+# Gemma's attention einsums and MLP, as Tunix's Gemma LoRA examples target them.
+HF_GEMMA_LORA_MODULE_PATH = (".*q_einsum|.*kv_einsum|.*k_einsum|.*attn_vec_einsum|.*gate_proj"
+                             "|.*up_proj|.*down_proj")
+# qwix's adapters of an einsum: a holds the weight's axes the input shares (in order) and the
+# rank, b the rank and the rest, so a.b has the weight's shape when the shared axes lead;
+# Gemma's q/kv/k einsums (N, D, H), (C, K, D, H), (K, D, H) have D inside (by module name).
+HF_LORA_EINSUMS = {"q_einsum": "dr,rnh->ndh", "kv_einsum": "dr,rckh->ckdh",
+                   "k_einsum": "dr,rkh->kdh"}
 HF_LORA_RANK, HF_LORA_ALPHA = 2, 3.0  # scale alpha / rank = 1.5, distinct from both
 
 HF_FIXTURES: dict[str, dict[str, Any]] = {
@@ -413,6 +426,9 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
                    "rope_theta": 1_000_000, "norm_eps": 1e-6, "use_tied_embedding": False,
                    "num_experts": 3, "num_experts_per_tok": 2},
     },
+    # qwix adapts the attention einsums; the experts are bare Params (no module to adapt).
+    "hf_qwen3_moe_lora": {"family": "qwen3", "lora_of": "hf_qwen3_moe", "lora_only": False,
+                          "steps": [3]},
     "hf_gemma2": {  # local then global, soft caps, the post norms
         "family": "gemma", "steps": [1], "optimizer": False,
         "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "final_logit_softcap": 30.0,
@@ -420,6 +436,8 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
                    "attention_types": ["LOCAL_SLIDING", "GLOBAL"], "attn_logits_soft_cap": 50.0,
                    "sliding_window_size": 4},
     },
+    "hf_gemma2_lora": {"family": "gemma", "lora_of": "hf_gemma2", "lora_only": False,
+                       "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
     "hf_gemma": {  # Gemma 1: no post norms, one kv head (as gemma-2b)
         "family": "gemma", "steps": [1], "optimizer": False,
         "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "num_kv_heads": 1,
@@ -536,7 +554,9 @@ def _hand_merged_state(model, scale: float):
       else:
         for w in {str(x).rsplit("_lora_", 1)[0] for x in v}:
           a, b = np.asarray(v[f"{w}_lora_a"]), np.asarray(v[f"{w}_lora_b"])
-          p[k][w] = np.asarray(p[k][w]) + scale * np.tensordot(a, b, axes=([-1], [0]))
+          delta = (np.einsum(HF_LORA_EINSUMS[k], a, b) if k in HF_LORA_EINSUMS else
+                   np.tensordot(a, b, axes=([-1], [0])))
+          p[k][w] = np.asarray(p[k][w]) + scale * delta
   walk(pure, lora)
   return pure
 
@@ -572,7 +592,8 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
         base, step=base_step)
     assert restored_step == base_step
     base_logits = np.asarray(hf_forward(base, HF_TOKENS))
-    provider = qwix.LoraProvider(module_path=HF_LORA_MODULE_PATH, rank=HF_LORA_RANK,
+    module_path = spec.get("module_path", HF_LORA_MODULE_PATH)
+    provider = qwix.LoraProvider(module_path=module_path, rank=HF_LORA_RANK,
                                  alpha=HF_LORA_ALPHA)
     model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
                                      rngs=nnx.Rngs(seed + 2))
@@ -617,7 +638,7 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
     assert effect > 100 * max(merge_err, 1e-7), (effect, merge_err)
     entry["lora"] = {
         "rank": HF_LORA_RANK, "alpha": HF_LORA_ALPHA, "scale": scale,
-        "module_path": HF_LORA_MODULE_PATH, "targets": _lora_targets(model),
+        "module_path": module_path, "targets": _lora_targets(model),
         "base": spec["lora_of"], "base_step": base_step,
         "saved": "adapters only (save_only_lora_params=True)" if only_lora else
                  "base and adapters (save_only_lora_params=False)",

@@ -61,7 +61,8 @@ FAMILY_FIXTURES = {'hf_qwen3': 'qwen3', 'hf_llama3': 'llama3', 'hf_gemma3': 'gem
                    # Issue 29: Tunix's other families.
                    'hf_qwen2': 'qwen2', 'hf_qwen3_moe': 'qwen3_moe', 'hf_gemma': 'gemma',
                    'hf_gemma2': 'gemma2', 'hf_gemma4': 'gemma4', 'hf_gemma4_moe': 'gemma4'}
-LORA_FIXTURES = ('hf_qwen3_lora', 'hf_qwen3_lora_only', 'hf_qwen2_lora')
+LORA_FIXTURES = ('hf_qwen3_lora', 'hf_qwen3_lora_only', 'hf_qwen2_lora', 'hf_qwen3_moe_lora',
+                 'hf_gemma2_lora')
 # Tunix 0.1.7 has its own merged saver for these families only.
 TUNIX_MERGE_FIXTURES = ('hf_qwen3_lora', 'hf_qwen3_lora_only')
 # Extra arguments of the worker's `load` jobs: Tunix's Gemma loader maps Hugging Face's
@@ -885,8 +886,11 @@ def test_d_lora_fixtures_are_one_run_on_hf_qwen3():
   assert lora['logits_max_abs_change_by_adapters'] > 1e3 * MERGE_ATOL
 
 
+LORA_EINSUMS = {'q_einsum': 'dr,rnh->ndh', 'kv_einsum': 'dr,rckh->ckdh', 'k_einsum': 'dr,rkh->kdh'}
+
+
 def hand_merged(name: str) -> dict[str, np.ndarray]:
-  """hf_qwen3's weights with each adapter merged in float64: W + (alpha / rank) a.b."""
+  """The base's weights with each adapter merged in float64: W + (alpha / rank) a.b."""
   lora = manifest(name)['lora']
   adapters = raw(name) if name.endswith('_only') else {
       k: v for k, v in raw(name).items() if re.search(r'_lora_[ab]$', k)}
@@ -894,7 +898,11 @@ def hand_merged(name: str) -> dict[str, np.ndarray]:
   for t in lora['targets']:
     a = adapters[f'{t}_lora_a'].astype(np.float64)
     b = adapters[f'{t}_lora_b'].astype(np.float64)
-    delta = np.tensordot(a, b, axes=([-1], [0]))  # qwix: a (..in, r), b (r, out..)
+    # qwix: a (the axes the einsum's input shares, r), b (r, the rest); Gemma's q/kv/k
+    # einsums ('BTD,NDH->BTNH', 'BSD,CKDH->CBSKH', 'BSD,KDH->BSKH') put D inside the weight.
+    module = t.split('/')[-2]
+    delta = (np.einsum(LORA_EINSUMS[module], a, b) if module in LORA_EINSUMS else
+             np.tensordot(a, b, axes=([-1], [0])))
     assert delta.shape == out[t].shape, (t, delta.shape, out[t].shape)
     out[t] = out[t].astype(np.float64) + lora['alpha'] / lora['rank'] * delta
   return out
@@ -987,12 +995,18 @@ out = {}
 for d in sys.argv[1:]:
   c = AutoConfig.from_pretrained(d)
   t = c.get_text_config()
+  # Gemma 4's head dim and kv heads are per layer (config.per_layer_config[i]); the others'
+  # head dim as their attention reads it (`getattr(config, 'head_dim', None) or D // heads`).
+  hetero = getattr(t, 'is_heterogeneous', False)
+  layers = [t.per_layer_config[i] if hetero else t for i in range(t.num_hidden_layers)]
   out[d] = {'class': type(c).__name__, 'text_class': type(t).__name__,
             'model_type': c.model_type, 'architectures': c.architectures,
+            'layers': [{'head_dim': getattr(lc, 'head_dim', None)
+                        or t.hidden_size // t.num_attention_heads,
+                        'num_key_value_heads': lc.num_key_value_heads} for lc in layers],
             'text': {k: getattr(t, k, None) for k in (
                 'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
-                'num_attention_heads', 'num_key_value_heads', 'head_dim', 'global_head_dim',
-                'num_global_key_value_heads', 'attention_k_eq_v', 'num_kv_shared_layers',
+                'num_attention_heads', 'attention_k_eq_v', 'num_kv_shared_layers',
                 'use_double_wide_mlp', 'hidden_size_per_layer_input', 'layer_types',
                 'moe_intermediate_size', 'num_experts', 'tie_word_embeddings')}}
 print(json.dumps(out))
@@ -1040,11 +1054,12 @@ def test_e_transformers_reads_the_config_of_the_exported_weights(client, autocon
   assert ('lm_head.weight' in x) == (not t['tie_word_embeddings'])
   full = [i for i in layers if t['layer_types'] and t['layer_types'][i] == 'full_attention']
   shared_from = t['num_hidden_layers'] - (t['num_kv_shared_layers'] or 0)
+  if FAMILY_FIXTURES[name] == 'gemma4':  # the fixtures' global layers differ from local ones
+    assert {got['layers'][i]['head_dim'] for i in full} == {16} != {
+        got['layers'][i]['head_dim'] for i in layers if i not in full}
   for i in layers:
     at = f'{pre}layers.{i}.'
-    head_dim = t['global_head_dim'] if i in full else t['head_dim']
-    kv_heads = (t['num_global_key_value_heads'] if i in full and t['attention_k_eq_v']
-                else t['num_key_value_heads'])
+    head_dim, kv_heads = got['layers'][i]['head_dim'], got['layers'][i]['num_key_value_heads']
     d = t['hidden_size']
     assert x[at + 'self_attn.q_proj.weight'].shape == (t['num_attention_heads'] * head_dim, d)
     assert x[at + 'self_attn.o_proj.weight'].shape == (d, t['num_attention_heads'] * head_dim)
