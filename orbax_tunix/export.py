@@ -175,9 +175,9 @@ def plan_export(
     src: the Tunix run (a root: its latest committed step, or `step`; a step;
       a model item).
     out_dir: the folder to create.
-    model: the Hugging Face family (`huggingface.choices()`: qwen3, llama3, gemma3,
-      gemma4, qwen3_moe, or an alias: llama3.1, llama2), for Tunix's own model classes
-      or MaxText's models (a Tunix run of one, or MaxText's own step).
+    model: the Hugging Face family (`huggingface.choices()`: qwen3, llama3, gemma3, qwen2,
+      qwen3_moe, gemma, gemma2, gemma4, or an alias: llama3.1, llama2), for Tunix's own
+      model classes or MaxText's models (a Tunix run of one, or MaxText's own step).
     step: the step under a root.
     dtype: cast floating weights to this dtype (bfloat16, float16, float32);
       None: as stored.

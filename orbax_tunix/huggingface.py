@@ -2,8 +2,10 @@
 
 A `Family` is a value: layout rules from Tunix's canonical weight paths to the
 tensor names and layouts Hugging Face uses (the exact inverse of the maps
-google-tunix's own loaders apply, `tunix/models/{qwen3,llama3}/params.py` and
-`tunix/models/gemma3/params_safetensors.py`), the weights every checkpoint of
+google-tunix's own loaders apply, `tunix/models/{qwen3,llama3,qwen2}/params.py` and
+`tunix/models/{gemma,gemma3,gemma4}/params_safetensors.py`; where Tunix's map
+disagrees with `transformers`, as for Gemma 1's norms, `transformers` decides),
+the weights every checkpoint of
 the family holds, and where each `config.json` dimension is read from the
 shapes. Families are found by name (`get`, `names`); a new family is one more
 registered value. Nothing here reads an array.
@@ -355,6 +357,9 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool) -> 
 QWEN3 = _qwen3_style('qwen3', 'Qwen3ForCausalLM', 'qwen3', norms=True)
 LLAMA3 = _qwen3_style('llama3', 'LlamaForCausalLM', 'llama', norms=False)
 
+# Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
+# which transformers takes as the exact GELU and vLLM refuses (maxtext#2867).
+GEMMA_GELU = {'hidden_activation': 'gelu_pytorch_tanh'}
 _GEMMA_NORMS = {
     'pre_attention_norm': 'input_layernorm',
     'post_attention_norm': 'post_attention_layernorm',
@@ -401,9 +406,7 @@ GEMMA3 = Family(
         'num_key_value_heads': (('layers/0/attn/kv_einsum/w', 1), ('layers/0/attn/qkv_einsum/w', 1)),
         'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
     },
-    # Gemma's MLP uses the tanh approximation; MaxText's converter writes "gelu",
-    # which transformers takes as the exact GELU and vLLM refuses.
-    fixed={'hidden_activation': 'gelu_pytorch_tanh'},
+    fixed=GEMMA_GELU,
 )
 
 # MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
@@ -488,13 +491,6 @@ def _maxtext_gemma4() -> Naming:
                 architecture='Gemma4ForCausalLM', model_type='gemma4_text')
 
 
-# Tunix's own gemma4 classes are named elsewhere (issue 29: the Hub's
-# Gemma4ForConditionalGeneration names): MaxText's only here.
-GEMMA4 = Family(name='gemma4', architecture='Gemma4ForConditionalGeneration',
-                model_type='gemma4', rules=(),
-                required=(), dims={}, maxtext=_maxtext_gemma4())
-
-
 def _maxtext_qwen3_moe() -> Naming:
   """MaxText's qwen3 MoE decoder (qwen3-30b-a3b): the MLP is `moe_block`.
 
@@ -528,12 +524,205 @@ def _maxtext_qwen3_moe() -> Naming:
                              dims=dims)
 
 
-# Tunix's own qwen3 MoE is named elsewhere (none here yet): MaxText's only.
-QWEN3_MOE = Family(name='qwen3_moe', architecture='Qwen3MoeForCausalLM', model_type='qwen3_moe',
-                   rules=(), required=(), dims={}, maxtext=_maxtext_qwen3_moe())
+
+def _per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
+  """One stacked expert weight (experts along `axis`) onto one tensor per expert `{e}`."""
+  shown = dataclasses.replace(chain(take(axis, 0), then),
+                              name=f'take(axis={axis}, index={{e}}) -> {then.name}')
+  return LayoutRule.of(tuple(source.split('/')), (dest,), shown, fan_out=('e', axis),
+                       transform_for=lambda e: chain(take(axis, e), then))
+
+
+def _extended(base: Family, name: str, architecture: str, model_type: str, rules=(), required=(),
+              dims=None, optional=(), maxtext: Naming | None = None) -> Family:
+  """`base` plus some weights, the patterns in `optional` no longer required."""
+  return dataclasses.replace(
+      base, name=name, architecture=architecture, model_type=model_type, maxtext=maxtext,
+      rules=base.rules + tuple(rules),
+      required=tuple(tuple(tuple(p for p in alt if p not in optional) for alt in alts)
+                     for alts in base.required) + tuple(required),
+      dims=base.dims if dims is None else dims)
+
+
+# Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills on it): Llama's layout plus q/k/v biases, which
+# Tunix keeps flat (heads·H,) as Hugging Face does (`tunix/models/qwen2/params.py`).
+QWEN2 = _extended(
+    LLAMA3, 'qwen2', 'Qwen2ForCausalLM', 'qwen2',
+    rules=(_rule('layers/{i}/attn/{p:q|k|v}_bias', f'{LAYER}.self_attn.{{p}}_proj.bias'),),
+    required=((('layers/{i}/attn/{p:q|k|v}_bias',),),),
+)
+
+# Qwen3's mixture of experts (Qwen3MoeForCausalLM): Tunix stacks the experts, (E, D, F) for
+# gate/up and (E, F, D) for down, and keeps the router as a linear (D, E); Hugging Face has one
+# (out, in) tensor per expert and the router as `mlp.gate` (`_stack_experts` in
+# `tunix/models/qwen3/params.py` is the inverse). Tunix makes every layer sparse; a dense
+# layer (Hugging Face's `mlp_only_layers`) keeps Qwen3's MLP names.
+_MOE_MLP = 'layers/{i}/mlp/{p:gate|up|down}_proj'
+QWEN3_MOE = _extended(
+    QWEN3, 'qwen3_moe', 'Qwen3MoeForCausalLM', 'qwen3_moe',
+    rules=(
+        _rule('layers/{i}/mlp/router/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
+        _per_expert(_MOE_MLP, f'{LAYER}.mlp.experts.{{e}}.{{p}}_proj.weight', 0, transpose()),
+    ),
+    required=((('layers/{i}/mlp/router/kernel', _MOE_MLP),),),
+    dims={
+        **{k: v for k, v in QWEN3.dims.items() if k != 'intermediate_size'},
+        'num_experts': (('layers/0/mlp/router/kernel', 1),),
+        'moe_intermediate_size': (('layers/0/mlp/gate_proj', 2),),
+    },
+    optional=('layers/{i}/mlp/{p:gate|up|down}_proj/kernel',),
+    maxtext=_maxtext_qwen3_moe(),
+)
+
+
+def _gemma_attention(layer: str, fused: bool = True) -> tuple[LayoutRule, ...]:
+  """Tunix Gemma's attention einsums: q (N, D, H), kv (2, K, D, H) or fused qkv, out (N, H, D)."""
+  rules = (
+      _rule('layers/{i}/attn/q_einsum/w', f'{layer}.self_attn.q_proj.weight', HEADS_FIRST),
+      LayoutRule.split(
+          ('layers', '{i}', 'attn', 'kv_einsum', 'w'),
+          *(((f'{layer}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
+            for n, p in enumerate('kv'))),
+      LayoutRule.split(  # Heads == kv heads: one fused einsum.
+          ('layers', '{i}', 'attn', 'qkv_einsum', 'w'),
+          *(((f'{layer}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
+            for n, p in enumerate('qkv'))),
+      _rule('layers/{i}/attn/attn_vec_einsum/w', f'{layer}.self_attn.o_proj.weight', OUT_PROJ),
+      _rule('layers/{i}/mlp/{p:gate|up|down}_proj/kernel', f'{layer}.mlp.{{p}}_proj.weight',
+            transpose()),
+  )
+  return tuple(r for r in rules if fused or r.source.keys[3].text != 'qkv_einsum')
+
+
+_GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
+              ('layers/{i}/attn/qkv_einsum/w',))
+
+
+def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, str],
+           fixed: Mapping[str, object]) -> Family:
+  """Gemma 1 and 2 (`tunix/models/gemma`): one model class, its norms set by the config.
+
+  Both scale embeddings by sqrt(D), tie them (no lm_head) and compute `1 + scale` in
+  every norm on both sides, so every value is copied as it is.
+  """
+  return Family(
+      name=name,
+      architecture=architecture,
+      model_type=model_type,
+      rules=(
+          _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
+          _rule('final_norm/scale', 'model.norm.weight'),
+          *_gemma_attention(LAYER),
+          *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
+            for tunix, hf in norms.items()),
+      ),
+      required=(
+          (('embedder/input_embedding', 'final_norm/scale'),),
+          _GEMMA_QKV,
+          (('layers/{i}/attn/attn_vec_einsum/w', 'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
+            *(f'layers/{{i}}/{t}/scale' for t in norms)),),
+      ),
+      dims=GEMMA3.dims,
+      tied=lambda paths: True,
+      fixed=fixed,
+  )
+
+
+# Gemma 2 (Gemma2ForCausalLM): norms around both blocks, as Tunix's safetensors loader maps
+# them (`tunix/models/gemma/params_safetensors.py`).
+GEMMA2 = _gemma('gemma2', 'Gemma2ForCausalLM', 'gemma2', fixed=GEMMA_GELU, norms={
+    'pre_attention_norm': 'input_layernorm',
+    'post_attn_norm': 'post_attention_layernorm',
+    'pre_ffw_norm': 'pre_feedforward_layernorm',
+    'post_ffw_norm': 'post_feedforward_layernorm',
+})
+# Gemma 1 (GemmaForCausalLM: `use_post_attn_norm`, `use_post_ffw_norm` off): Hugging Face's
+# `post_attention_layernorm` is the norm before the MLP (transformers' GemmaDecoderLayer), that
+# is Tunix's `pre_ffw_norm`. Tunix 0.1.7's loader maps that name to Gemma 2's `post_attn_norm`
+# for both versions, so it cannot load a Gemma 1 folder (the Hub's or this one).
+GEMMA = _gemma('gemma', 'GemmaForCausalLM', 'gemma', fixed={'hidden_act': 'gelu_pytorch_tanh'},
+               norms={
+    'pre_attention_norm': 'input_layernorm',
+    'pre_ffw_norm': 'post_attention_layernorm',
+})
+
+# Gemma 4 (`tunix/models/gemma4/params_safetensors.py`): the text model of
+# Gemma4ForConditionalGeneration, under `model.language_model.` (the only prefix Tunix's loader
+# reads besides none, and the names of every Gemma 4 on the Hub; the vision and audio towers are
+# not in a Tunix checkpoint). Local and global layers differ in shapes only (global head dim and
+# kv heads), and a global layer with `k_eq_v_global` has one key einsum that is also the value
+# (Hugging Face: `k_proj`, no `v_proj`). Layers that reuse another's kv cache keep their own
+# k/v weights in Tunix and in the Hub's files (transformers ignores them), so they are written.
+# Optional per model: per-layer inputs (PLE: E2B, E4B) and MoE blocks (26B-A4B).
+GEMMA4_PREFIX = 'model.language_model'
+_G4 = f'{GEMMA4_PREFIX}.layers.{{i}}'
+_GEMMA4_NORMS = {
+    **_GEMMA_NORMS,
+    'dense_post_ffw_norm': 'post_feedforward_layernorm_1',
+    'moe_pre_ffw_norm': 'pre_feedforward_layernorm_2',
+    'moe_post_ffw_norm': 'post_feedforward_layernorm_2',
+    'post_per_layer_input_norm': 'post_per_layer_input_norm',
+}
+GEMMA4 = Family(
+    name='gemma4',
+    architecture='Gemma4ForConditionalGeneration',
+    model_type='gemma4',
+    rules=(
+        _rule('embedder/input_embedding', f'{GEMMA4_PREFIX}.embed_tokens.weight'),
+        # (V, L, P) -> (V, L·P), and (D, L, P) -> (L·P, D): every layer's inputs packed.
+        _rule('embedder/per_layer_input_embedding', f'{GEMMA4_PREFIX}.embed_tokens_per_layer.weight',
+              merge_axes(1, 3)),
+        _rule('embedder/per_layer_model_projection/w',
+              f'{GEMMA4_PREFIX}.per_layer_model_projection.weight', IN_PROJ),
+        _rule('embedder/per_layer_projection_norm/scale',
+              f'{GEMMA4_PREFIX}.per_layer_projection_norm.weight'),
+        _rule('final_norm/scale', f'{GEMMA4_PREFIX}.norm.weight'),
+        *_gemma_attention(_G4, fused=False),  # Gemma 4 has no fused qkv einsum.
+        _rule('layers/{i}/attn/k_einsum/w', f'{_G4}.self_attn.k_proj.weight', HEADS_FIRST),
+        _rule('layers/{i}/attn/_query_norm/scale', f'{_G4}.self_attn.q_norm.weight'),
+        _rule('layers/{i}/attn/_key_norm/scale', f'{_G4}.self_attn.k_norm.weight'),
+        *(_rule(f'layers/{{i}}/{tunix}/scale', f'{_G4}.{hf}.weight')
+          for tunix, hf in _GEMMA4_NORMS.items()),
+        _rule('layers/{i}/skip_scale', f'{_G4}.layer_scalar'),
+        _rule('layers/{i}/per_layer_input_gate/w', f'{_G4}.per_layer_input_gate.weight',
+              transpose()),
+        _rule('layers/{i}/per_layer_projection/w', f'{_G4}.per_layer_projection.weight',
+              transpose()),
+        _rule('layers/{i}/moe/router_logits', f'{_G4}.router.proj.weight', transpose()),
+        _rule('layers/{i}/moe/router_scale', f'{_G4}.router.scale'),
+        _rule('layers/{i}/moe/per_expert_scale', f'{_G4}.router.per_expert_scale'),
+        # (E, 2, F, D) -> (E, 2·F, D); (E, F, D) -> (E, D, F).
+        _rule('layers/{i}/moe/gating_einsum', f'{_G4}.experts.gate_up_proj', merge_axes(1, 3)),
+        _rule('layers/{i}/moe/linear', f'{_G4}.experts.down_proj', transpose((0, 2, 1))),
+    ),
+    required=(
+        (('embedder/input_embedding', 'final_norm/scale'),),
+        # Per layer: a key and value einsum, or (global, k_eq_v) a key einsum alone.
+        (('layers/{i}/attn/kv_einsum/w',), ('layers/{i}/attn/k_einsum/w',)),
+        (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/attn_vec_einsum/w',
+          'layers/{i}/attn/{n:_query|_key}_norm/scale',
+          'layers/{i}/mlp/{p:gate|up|down}_proj/kernel', 'layers/{i}/skip_scale',
+          *(f'layers/{{i}}/{t}/scale' for t in _GEMMA_NORMS)),),
+    ),
+    dims={
+        'vocab_size': (('embedder/input_embedding', 0),),
+        'hidden_size': (('embedder/input_embedding', 1),),
+        'num_attention_heads': (('layers/0/attn/q_einsum/w', 0),),
+        'head_dim': (('layers/0/attn/q_einsum/w', 2),),  # Layer 0 is local in every Gemma 4.
+        'num_key_value_heads': (('layers/0/attn/kv_einsum/w', 1),),
+        'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
+        'vocab_size_per_layer_input': (('embedder/per_layer_input_embedding', 0),),
+        'hidden_size_per_layer_input': (('embedder/per_layer_input_embedding', 2),),
+        'num_experts': (('layers/0/moe/router_logits', 1),),
+        'moe_intermediate_size': (('layers/0/moe/gating_einsum', 2),),
+    },
+    tied=lambda paths: True,
+    fixed=GEMMA_GELU,
+    maxtext=_maxtext_gemma4(),
+)
 
 FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
-for _family in (QWEN3, LLAMA3, GEMMA3, GEMMA4, QWEN3_MOE):
+for _family in (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4):
   FAMILIES.register(_family)
 register, names = FAMILIES.register, FAMILIES.names
 # Other names `model` takes for a family: MaxText's model names whose Hugging Face
@@ -632,24 +821,24 @@ def _shown(value: object) -> str:
       value)
 
 
-def maxtext_markdown() -> str:
-  """The README's table of MaxText's names onto Hugging Face's: one row per rule, the
-  families that have it (generated: `python scripts/hf_maps.py`)."""
+# The first column of `markdown`'s table, per naming.
+_TABLE_SOURCES = {TUNIX: 'Tunix (canonical)', MAXTEXT: 'MaxText (per layer)'}
+
+
+def markdown(source: str = TUNIX) -> str:
+  """The README's table of one kind of source's maps: each `table` row once, with the
+  families that have it (`scripts/readme_hf_maps.py` writes it into README.md)."""
   rows: dict[tuple[str, str, str], list[str]] = {}
-  for name in names():
-    family = get(name)
-    for source, dest, transform in table(family, MAXTEXT):
-      rows.setdefault((source, dest, transform), []).append(name)
-  every = [n for n in names() if get(n).maxtext is not None]
-  lines = ['| MaxText (per layer) | Hugging Face | transform | families |', '|---|---|---|---|']
-  for (source, dest, transform), families in rows.items():
-    which = 'all' if families == every else ', '.join(families)
-    cells = [f'`{source}`', f'`{dest}`', transform, which]
-    lines.append('| ' + ' | '.join(c.replace('|', '\\|') for c in cells) + ' |')
+  for family in map(get, names()):
+    for row in table(family, source):
+      rows.setdefault(row, []).append(family.name)
+
+  def cell(text: str) -> str:
+    return '`' + text.replace('|', '\\|') + '`'
+
+  lines = [f'| {_TABLE_SOURCES[source]} | Hugging Face | layout | families |', '|---|---|---|---|']
+  lines += [f'| {cell(s)} | {cell(d)} | {t} | {", ".join(f)} |' for (s, d, t), f in rows.items()]
   return '\n'.join(lines) + '\n'
-
-
-
 
 def check_config(
     family: Family, config: object, shapes: Mapping[Path, Shape], where: str

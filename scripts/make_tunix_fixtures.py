@@ -82,6 +82,10 @@ float32 merge of them lands from the LoRA model's own logits).
                        three adamw steps, saved in full at step 3.
   hf_qwen3_lora_only   the same run, adapters only (as PeftTrainer saves);
                        its base is hf_qwen3 step 1.
+  hf_qwen2, hf_qwen2_lora, hf_qwen3_moe, hf_qwen3_moe_lora, hf_gemma2,
+  hf_gemma2_lora, hf_gemma, hf_gemma4, hf_gemma4_moe
+                       issue 29's families (tests/data/tunix/README.md says
+                       what each holds); model only.
 The hf_* fixtures import Tunix's model modules, which set flax's
 ``flax_always_shard_variable`` to False process-wide: they are written after
 the others (and the lora ones after hf_qwen3, whose files they read). The
@@ -91,7 +95,8 @@ arrays and manifest entries (checked), without the full install::
 
     JAX_PLATFORMS=cpu PYTHONPATH="$(PYTHON=.venv/bin/python scripts/tunix_pkgs.sh | tail -1)" \
         .venv/bin/python scripts/make_tunix_fixtures.py --only hf_qwen3 hf_llama3 \
-        hf_gemma3 hf_gemma3_fused hf_qwen3_lora hf_qwen3_lora_only
+        hf_gemma3 hf_gemma3_fused hf_qwen3_lora hf_qwen3_lora_only hf_qwen2 hf_qwen2_lora \
+        hf_qwen3_moe hf_qwen3_moe_lora hf_gemma2 hf_gemma2_lora hf_gemma hf_gemma4 hf_gemma4_moe
 """
 
 from __future__ import annotations
@@ -372,6 +377,14 @@ HF_TOKENS = np.random.default_rng(123).integers(0, 96, size=(2, 7)).astype(np.in
 HF_TRAIN_TOKENS = np.random.default_rng(7).integers(0, 96, size=(2, 8)).astype(np.int32)
 _HF_DIMS = {"embed_dim": 40, "hidden_dim": 56, "num_heads": 4, "head_dim": 12, "num_kv_heads": 2}
 HF_LORA_MODULE_PATH = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+# Gemma's attention einsums and MLP, as Tunix's Gemma LoRA examples target them.
+HF_GEMMA_LORA_MODULE_PATH = (".*q_einsum|.*kv_einsum|.*k_einsum|.*attn_vec_einsum|.*gate_proj"
+                             "|.*up_proj|.*down_proj")
+# qwix's adapters of an einsum: a holds the weight's axes the input shares (in order) and the
+# rank, b the rank and the rest, so a.b has the weight's shape when the shared axes lead;
+# Gemma's q/kv/k einsums (N, D, H), (C, K, D, H), (K, D, H) have D inside (by module name).
+HF_LORA_EINSUMS = {"q_einsum": "dr,rnh->ndh", "kv_einsum": "dr,rckh->ckdh",
+                   "k_einsum": "dr,rkh->kdh"}
 HF_LORA_RANK, HF_LORA_ALPHA = 2, 3.0  # scale alpha / rank = 1.5, distinct from both
 
 HF_FIXTURES: dict[str, dict[str, Any]] = {
@@ -400,7 +413,57 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
     "hf_qwen3_lora": {"family": "qwen3", "lora_of": "hf_qwen3", "lora_only": False, "steps": [3]},
     "hf_qwen3_lora_only": {"family": "qwen3", "lora_of": "hf_qwen3", "lora_only": True,
                            "steps": [3]},
+    # Issue 29: Tunix's other families. "family" is the tunix.models package.
+    "hf_qwen2": {
+        "family": "qwen2", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "rope_theta": 1_000_000,
+                   "norm_eps": 1e-6, "use_tied_embedding": True},
+    },
+    "hf_qwen2_lora": {"family": "qwen2", "lora_of": "hf_qwen2", "lora_only": False, "steps": [3]},
+    "hf_qwen3_moe": {  # 3 experts, 2 per token, expert width 20 (hidden_dim)
+        "family": "qwen3", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "hidden_dim": 20,
+                   "rope_theta": 1_000_000, "norm_eps": 1e-6, "use_tied_embedding": False,
+                   "num_experts": 3, "num_experts_per_tok": 2},
+    },
+    # qwix adapts the attention einsums; the experts are bare Params (no module to adapt).
+    "hf_qwen3_moe_lora": {"family": "qwen3", "lora_of": "hf_qwen3_moe", "lora_only": False,
+                          "steps": [3]},
+    "hf_gemma2": {  # local then global, soft caps, the post norms
+        "family": "gemma", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "final_logit_softcap": 30.0,
+                   "use_post_attn_norm": True, "use_post_ffw_norm": True,
+                   "attention_types": ["LOCAL_SLIDING", "GLOBAL"], "attn_logits_soft_cap": 50.0,
+                   "sliding_window_size": 4},
+    },
+    "hf_gemma2_lora": {"family": "gemma", "lora_of": "hf_gemma2", "lora_only": False,
+                       "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
+    "hf_gemma": {  # Gemma 1: no post norms, one kv head (as gemma-2b)
+        "family": "gemma", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "num_kv_heads": 1,
+                   "final_logit_softcap": None, "use_post_attn_norm": False,
+                   "use_post_ffw_norm": False, "attention_types": ["GLOBAL", "GLOBAL"]},
+    },
+    "hf_gemma4": {  # E2B-like: per-layer inputs (10), layers 3-5 reuse 1/2's kv (double MLP)
+        "family": "gemma4", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 6, "num_embed": 96, **_HF_DIMS, "sliding_window_size": 4,
+                   "per_layer_input_dim": 10, "global_key_size": 16, "frac_shared_layers": 0.5,
+                   "override_kv_shared_ffw_hidden": 112,
+                   "attention_pattern": ["LOCAL_SLIDING", "LOCAL_SLIDING", "GLOBAL"],
+                   "param_dtype": "float32", "dtype": "float32"},
+    },
+    "hf_gemma4_moe": {  # 26B-A4B-like: MoE (3 experts, 2 per token, width 20), k_eq_v global
+        "family": "gemma4", "steps": [1], "optimizer": False,
+        "config": {"num_layers": 2, "num_embed": 96, **_HF_DIMS, "sliding_window_size": 4,
+                   "global_key_size": 16, "num_global_kv_heads": 1, "k_eq_v_global": True,
+                   "enable_moe": True, "num_experts": 3, "num_experts_per_tok": 2,
+                   "expert_dim": 20, "moe_dense_hidden_dim": 56,
+                   "attention_pattern": ["LOCAL_SLIDING", "GLOBAL"],
+                   "param_dtype": "float32", "dtype": "float32"},
+    },
 }
+# ModelConfig fields holding AttentionType values, recorded by name.
+HF_ENUM_FIELDS = ("attention_types", "attention_pattern")
 
 
 def _tunix_model_module(family: str):
@@ -415,12 +478,23 @@ def _tunix_model_module(family: str):
   if family == "gemma3":
     from tunix.models.gemma3 import model as m
     return m, m.Gemma3
+  if family == "qwen2":
+    from tunix.models.qwen2 import model as m
+    return m, m.Qwen2
+  if family == "gemma":
+    from tunix.models.gemma import model as m
+    return m, m.Gemma
+  if family == "gemma4":
+    from tunix.models.gemma4 import model as m
+    return m, m.Gemma4
   raise ValueError(family)
 
 
 def hf_model_config(family: str, kwargs: dict[str, Any]):
   m, _ = _tunix_model_module(family)
-  kw = {k: (jnp.dtype(v) if k.endswith("dtype") else v) for k, v in kwargs.items()}
+  kw = {k: (jnp.dtype(v) if k.endswith("dtype") else
+            tuple(m.AttentionType[n] for n in v) if k in HF_ENUM_FIELDS else v)
+        for k, v in kwargs.items()}
   return m.ModelConfig(**kw)
 
 
@@ -480,7 +554,9 @@ def _hand_merged_state(model, scale: float):
       else:
         for w in {str(x).rsplit("_lora_", 1)[0] for x in v}:
           a, b = np.asarray(v[f"{w}_lora_a"]), np.asarray(v[f"{w}_lora_b"])
-          p[k][w] = np.asarray(p[k][w]) + scale * np.tensordot(a, b, axes=([-1], [0]))
+          delta = (np.einsum(HF_LORA_EINSUMS[k], a, b) if k in HF_LORA_EINSUMS else
+                   np.tensordot(a, b, axes=([-1], [0])))
+          p[k][w] = np.asarray(p[k][w]) + scale * delta
   walk(pure, lora)
   return pure
 
@@ -516,7 +592,8 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
         base, step=base_step)
     assert restored_step == base_step
     base_logits = np.asarray(hf_forward(base, HF_TOKENS))
-    provider = qwix.LoraProvider(module_path=HF_LORA_MODULE_PATH, rank=HF_LORA_RANK,
+    module_path = spec.get("module_path", HF_LORA_MODULE_PATH)
+    provider = qwix.LoraProvider(module_path=module_path, rank=HF_LORA_RANK,
                                  alpha=HF_LORA_ALPHA)
     model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
                                      rngs=nnx.Rngs(seed + 2))
@@ -561,7 +638,7 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
     assert effect > 100 * max(merge_err, 1e-7), (effect, merge_err)
     entry["lora"] = {
         "rank": HF_LORA_RANK, "alpha": HF_LORA_ALPHA, "scale": scale,
-        "module_path": HF_LORA_MODULE_PATH, "targets": _lora_targets(model),
+        "module_path": module_path, "targets": _lora_targets(model),
         "base": spec["lora_of"], "base_step": base_step,
         "saved": "adapters only (save_only_lora_params=True)" if only_lora else
                  "base and adapters (save_only_lora_params=False)",

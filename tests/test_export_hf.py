@@ -57,8 +57,19 @@ DATA = ROOT / 'tests' / 'data' / 'tunix'
 CLIENT = ROOT / 'tests' / 'tunix_client.py'
 MANIFEST = json.loads((DATA / 'MANIFEST.json').read_text())['fixtures']
 FAMILY_FIXTURES = {'hf_qwen3': 'qwen3', 'hf_llama3': 'llama3', 'hf_gemma3': 'gemma3',
-                   'hf_gemma3_fused': 'gemma3'}
-LORA_FIXTURES = ('hf_qwen3_lora', 'hf_qwen3_lora_only')
+                   'hf_gemma3_fused': 'gemma3',
+                   # Issue 29: Tunix's other families.
+                   'hf_qwen2': 'qwen2', 'hf_qwen3_moe': 'qwen3_moe', 'hf_gemma': 'gemma',
+                   'hf_gemma2': 'gemma2', 'hf_gemma4': 'gemma4', 'hf_gemma4_moe': 'gemma4'}
+LORA_FIXTURES = ('hf_qwen3_lora', 'hf_qwen3_lora_only', 'hf_qwen2_lora', 'hf_qwen3_moe_lora',
+                 'hf_gemma2_lora')
+# Tunix 0.1.7 has its own merged saver for these families only.
+TUNIX_MERGE_FIXTURES = ('hf_qwen3_lora', 'hf_qwen3_lora_only')
+# Extra arguments of the worker's `load` jobs: Tunix's Gemma loader maps Hugging Face's
+# `post_attention_layernorm` to Gemma 2's post-attention norm for every Gemma; Gemma 1's is the
+# norm before the MLP (transformers' GemmaDecoderLayer), so its folders load with that one
+# entry of Tunix's map put right (tests/tunix_client.py `load_gemma1`).
+LOAD_OPTIONS = {'hf_gemma': {'gemma1_norm_name': True}}
 WORKER_TIMEOUT = 600
 CLI_TIMEOUT = 300
 # The LoRA model computes x.W + s (x.a).b, the merged one x.(W + s a.b): the same sums in
@@ -148,7 +159,86 @@ GEMMA3_MAP = [
     (L + r'pre_ffw_norm/scale', [(HF_L + 'pre_feedforward_layernorm.weight', _same)]),
     (L + r'post_ffw_norm/scale', [(HF_L + 'post_feedforward_layernorm.weight', _same)]),
 ]
-HF_MAPS = {'qwen3': QWEN3_MAP, 'llama3': LLAMA3_MAP, 'gemma3': GEMMA3_MAP}
+
+
+def _experts(w):  # Tunix's stacked experts (E, in, out) -> one HF (out, in) per expert
+  return [e.T for e in w]
+
+
+QWEN2_MAP = LLAMA3_MAP + [
+    (L + r'attn/(?P<p>[qkv])_bias', [(HF_L + 'self_attn.{p}_proj.bias', _same)]),
+]
+QWEN3_MOE_MAP = [row for row in QWEN3_MAP if '/mlp/' not in row[0]] + [
+    (L + r'mlp/router/kernel', [(HF_L + 'mlp.gate.weight', _t)]),
+    (L + r'mlp/(?P<p>gate|up|down)_proj', [(HF_L + 'mlp.experts.{e}.{p}_proj.weight', _experts)]),
+]
+
+
+def _gemma_rows(hf_l: str) -> list:
+  """Tunix Gemma's attention einsums and MLP (gemma, gemma2, gemma3, gemma4 alike)."""
+  return [
+      (L + r'attn/q_einsum/w', [(hf_l + 'self_attn.q_proj.weight', _heads_first)]),
+      (L + r'attn/kv_einsum/w', [(hf_l + 'self_attn.k_proj.weight', lambda w: _heads_first(w[0])),
+                                (hf_l + 'self_attn.v_proj.weight', lambda w: _heads_first(w[1]))]),
+      (L + r'attn/qkv_einsum/w', [(hf_l + f'self_attn.{p}_proj.weight',
+                                   lambda w, j=j: _heads_first(w[j]))
+                                  for j, p in enumerate('qkv')]),
+      (L + r'attn/attn_vec_einsum/w', [(hf_l + 'self_attn.o_proj.weight', _proj_out)]),
+      (L + r'mlp/(?P<p>gate|up|down)_proj/kernel', [(hf_l + 'mlp.{p}_proj.weight', _t)]),
+  ]
+
+
+_GEMMA_TOP = [(r'embedder/input_embedding', [('model.embed_tokens.weight', _same)]),
+              (r'final_norm/scale', [('model.norm.weight', _same)])]
+GEMMA2_MAP = _GEMMA_TOP + _gemma_rows(HF_L) + [
+    (L + r'pre_attention_norm/scale', [(HF_L + 'input_layernorm.weight', _same)]),
+    (L + r'post_attn_norm/scale', [(HF_L + 'post_attention_layernorm.weight', _same)]),
+    (L + r'pre_ffw_norm/scale', [(HF_L + 'pre_feedforward_layernorm.weight', _same)]),
+    (L + r'post_ffw_norm/scale', [(HF_L + 'post_feedforward_layernorm.weight', _same)]),
+]
+GEMMA_MAP = _GEMMA_TOP + _gemma_rows(HF_L) + [  # Gemma 1: two norms a layer
+    (L + r'pre_attention_norm/scale', [(HF_L + 'input_layernorm.weight', _same)]),
+    # transformers' GemmaDecoderLayer: post_attention_layernorm normalises the MLP's input.
+    (L + r'pre_ffw_norm/scale', [(HF_L + 'post_attention_layernorm.weight', _same)]),
+]
+G4 = 'model.language_model.'  # Gemma4ForConditionalGeneration's text model
+G4_L = G4 + 'layers.{i}.'
+GEMMA4_MAP = [
+    (r'embedder/input_embedding', [(G4 + 'embed_tokens.weight', _same)]),
+    (r'embedder/per_layer_input_embedding',  # (V, L, P) -> (V, L*P)
+     [(G4 + 'embed_tokens_per_layer.weight', lambda w: w.reshape(w.shape[0], -1))]),
+    (r'embedder/per_layer_model_projection/w',  # (D, L, P) -> (L*P, D)
+     [(G4 + 'per_layer_model_projection.weight', _proj_in)]),
+    (r'embedder/per_layer_projection_norm/scale', [(G4 + 'per_layer_projection_norm.weight',
+                                                   _same)]),
+    (r'final_norm/scale', [(G4 + 'norm.weight', _same)]),
+    *_gemma_rows(G4_L),
+    (L + r'attn/k_einsum/w', [(G4_L + 'self_attn.k_proj.weight', _heads_first)]),  # k == v
+    (L + r'attn/_query_norm/scale', [(G4_L + 'self_attn.q_norm.weight', _same)]),
+    (L + r'attn/_key_norm/scale', [(G4_L + 'self_attn.k_norm.weight', _same)]),
+    (L + r'pre_attention_norm/scale', [(G4_L + 'input_layernorm.weight', _same)]),
+    (L + r'post_attention_norm/scale', [(G4_L + 'post_attention_layernorm.weight', _same)]),
+    (L + r'pre_ffw_norm/scale', [(G4_L + 'pre_feedforward_layernorm.weight', _same)]),
+    (L + r'post_ffw_norm/scale', [(G4_L + 'post_feedforward_layernorm.weight', _same)]),
+    (L + r'dense_post_ffw_norm/scale', [(G4_L + 'post_feedforward_layernorm_1.weight', _same)]),
+    (L + r'moe_pre_ffw_norm/scale', [(G4_L + 'pre_feedforward_layernorm_2.weight', _same)]),
+    (L + r'moe_post_ffw_norm/scale', [(G4_L + 'post_feedforward_layernorm_2.weight', _same)]),
+    (L + r'post_per_layer_input_norm/scale', [(G4_L + 'post_per_layer_input_norm.weight',
+                                              _same)]),
+    (L + r'skip_scale', [(G4_L + 'layer_scalar', _same)]),
+    (L + r'per_layer_input_gate/w', [(G4_L + 'per_layer_input_gate.weight', _t)]),
+    (L + r'per_layer_projection/w', [(G4_L + 'per_layer_projection.weight', _t)]),
+    (L + r'moe/router_logits', [(G4_L + 'router.proj.weight', _t)]),
+    (L + r'moe/router_scale', [(G4_L + 'router.scale', _same)]),
+    (L + r'moe/per_expert_scale', [(G4_L + 'router.per_expert_scale', _same)]),
+    (L + r'moe/gating_einsum',  # (E, 2, F, D) -> (E, 2F, D)
+     [(G4_L + 'experts.gate_up_proj', lambda w: w.reshape(w.shape[0], -1, w.shape[-1]))]),
+    (L + r'moe/linear',  # (E, F, D) -> (E, D, F)
+     [(G4_L + 'experts.down_proj', lambda w: np.transpose(w, (0, 2, 1)))]),
+]
+HF_MAPS = {'qwen3': QWEN3_MAP, 'llama3': LLAMA3_MAP, 'gemma3': GEMMA3_MAP, 'qwen2': QWEN2_MAP,
+           'qwen3_moe': QWEN3_MOE_MAP, 'gemma': GEMMA_MAP, 'gemma2': GEMMA2_MAP,
+           'gemma4': GEMMA4_MAP}
 
 
 def hf_expected(family: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -160,9 +250,12 @@ def hf_expected(family: str, weights: dict[str, np.ndarray]) -> dict[str, np.nda
     assert len(hits) == 1, f'{family}: {path} matches {len(hits)} rows of the test table'
     m, targets = hits[0]
     for template, fn in targets:
-      name = template.format(**m.groupdict())
-      assert name not in out, name
-      out[name] = np.ascontiguousarray(fn(w))
+      # '{e}': one tensor per expert, fn giving them in order.
+      made = (enumerate(fn(w)) if '{e}' in template else [(None, fn(w))])
+      for e, a in made:
+        name = template.format(e=e, **m.groupdict())
+        assert name not in out, name
+        out[name] = np.ascontiguousarray(a)
   return out
 
 
@@ -272,6 +365,8 @@ def run_cli(argv: list[str]) -> dict:
 # --------------------------------------------------------------------------- #
 LORA_ALPHA = str(manifest('hf_qwen3_lora')['lora']['alpha'])
 SHARDED = {  # name -> (fixture, --max-shard-size, limit in bytes)
+    'shard_gemma4_10KB': ('hf_gemma4', '10KB', 10_000),
+    'shard_qwen3_moe_5KB': ('hf_qwen3_moe', '5KB', 5_000),
     'shard_qwen3_10KB': ('hf_qwen3', '10KB', 10_000),
     'shard_llama3_12KiB': ('hf_llama3', '12KiB', 12 * 1024),
     'shard_gemma3_bytes': ('hf_gemma3', '100000', 100_000),
@@ -295,6 +390,89 @@ HF_CONFIG_EXTRA = {
                         'hidden_activation': 'gelu_pytorch_tanh', 'sliding_window': 4,
                         'rope_theta': 1000000, 'rope_local_base_freq': 10000,
                         'query_pre_attn_scalar': 12, 'torch_dtype': 'float32'},
+}
+# config.json as the families' Hub repos write them, at the fixtures' dims (issue 29).
+_GEMMA4_ROPE = {'sliding_attention': {'rope_type': 'default', 'rope_theta': 10000.0},
+                'full_attention': {'rope_type': 'proportional', 'partial_rotary_factor': 0.25,
+                                   'rope_theta': 1000000.0}}
+HF_CONFIG_FULL = {
+    'hf_qwen2': {  # as Qwen2.5-0.5B / DeepSeek-R1-Distill-Qwen-1.5B
+        'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2', 'attention_dropout': 0.0,
+        'bos_token_id': 151643, 'eos_token_id': 151643, 'hidden_act': 'silu',
+        'hidden_size': 40, 'head_dim': 12, 'initializer_range': 0.02, 'intermediate_size': 56,
+        'max_position_embeddings': 32768, 'max_window_layers': 2, 'num_attention_heads': 4,
+        'num_hidden_layers': 2, 'num_key_value_heads': 2, 'rms_norm_eps': 1e-06,
+        'rope_theta': 1000000.0, 'sliding_window': 32768, 'tie_word_embeddings': True,
+        'torch_dtype': 'bfloat16', 'transformers_version': '4.43.1', 'use_cache': True,
+        'use_sliding_window': False, 'vocab_size': 96},
+    'hf_qwen3_moe': {  # as Qwen3-30B-A3B
+        'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe',
+        'attention_bias': False, 'attention_dropout': 0.0, 'bos_token_id': 151643,
+        'decoder_sparse_step': 1, 'eos_token_id': 151645, 'head_dim': 12, 'hidden_act': 'silu',
+        'hidden_size': 40, 'initializer_range': 0.02, 'intermediate_size': 64,
+        'max_position_embeddings': 40960, 'max_window_layers': 2, 'mlp_only_layers': [],
+        'moe_intermediate_size': 20, 'norm_topk_prob': True, 'num_attention_heads': 4,
+        'num_experts': 3, 'num_experts_per_tok': 2, 'num_hidden_layers': 2,
+        'num_key_value_heads': 2, 'output_router_logits': False, 'rms_norm_eps': 1e-06,
+        'rope_scaling': None, 'rope_theta': 1000000.0, 'router_aux_loss_coef': 0.001,
+        'sliding_window': None, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16',
+        'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False,
+        'vocab_size': 96},
+    'hf_gemma': {  # as gemma-2b (one kv head)
+        'architectures': ['GemmaForCausalLM'], 'model_type': 'gemma', 'attention_bias': False,
+        'attention_dropout': 0.0, 'bos_token_id': 2, 'eos_token_id': 1, 'head_dim': 12,
+        'hidden_act': 'gelu', 'hidden_size': 40, 'initializer_range': 0.02,
+        'intermediate_size': 56, 'max_position_embeddings': 8192, 'num_attention_heads': 4,
+        'num_hidden_layers': 2, 'num_key_value_heads': 1, 'pad_token_id': 0,
+        'rms_norm_eps': 1e-06, 'rope_scaling': None, 'rope_theta': 10000.0,
+        'torch_dtype': 'bfloat16', 'transformers_version': '4.38.0.dev0', 'use_cache': True,
+        'vocab_size': 96},
+    'hf_gemma2': {  # as gemma-2-2b
+        'architectures': ['Gemma2ForCausalLM'], 'model_type': 'gemma2', 'attention_bias': False,
+        'attention_dropout': 0.0, 'attn_logit_softcapping': 50.0, 'bos_token_id': 2,
+        'cache_implementation': 'hybrid', 'eos_token_id': 1, 'final_logit_softcapping': 30.0,
+        'head_dim': 12, 'hidden_act': 'gelu_pytorch_tanh',
+        'hidden_activation': 'gelu_pytorch_tanh', 'hidden_size': 40, 'initializer_range': 0.02,
+        'intermediate_size': 56, 'max_position_embeddings': 8192, 'num_attention_heads': 4,
+        'num_hidden_layers': 2, 'num_key_value_heads': 2, 'pad_token_id': 0,
+        'query_pre_attn_scalar': 12, 'rms_norm_eps': 1e-06, 'rope_theta': 10000.0,
+        'sliding_window': 4, 'torch_dtype': 'float32', 'transformers_version': '4.42.4',
+        'use_cache': True, 'vocab_size': 96},
+    'hf_gemma4': {  # as gemma-4-E2B: per-layer inputs, the last 3 layers reuse kv, double MLP
+        'architectures': ['Gemma4ForConditionalGeneration'], 'model_type': 'gemma4',
+        'tie_word_embeddings': True, 'dtype': 'bfloat16', 'transformers_version': '5.5.0',
+        'text_config': {
+            'model_type': 'gemma4_text', 'attention_bias': False, 'attention_dropout': 0.0,
+            'attention_k_eq_v': False, 'bos_token_id': 2, 'enable_moe_block': False,
+            'eos_token_id': 1, 'final_logit_softcapping': 30.0, 'global_head_dim': 16,
+            'head_dim': 12, 'hidden_activation': 'gelu_pytorch_tanh', 'hidden_size': 40,
+            'hidden_size_per_layer_input': 10, 'initializer_range': 0.02,
+            'intermediate_size': 56, 'layer_types': ['sliding_attention', 'sliding_attention',
+                                                     'full_attention'] * 2,
+            'max_position_embeddings': 131072, 'num_attention_heads': 4,
+            'num_hidden_layers': 6, 'num_key_value_heads': 2, 'num_kv_shared_layers': 3,
+            'pad_token_id': 0, 'rms_norm_eps': 1e-06, 'rope_parameters': _GEMMA4_ROPE,
+            'sliding_window': 4, 'tie_word_embeddings': True, 'use_cache': True,
+            'use_double_wide_mlp': True, 'vocab_size': 96, 'vocab_size_per_layer_input': 96},
+    },
+    'hf_gemma4_moe': {  # as gemma-4-26B-A4B: MoE blocks, global layers' k == v
+        'architectures': ['Gemma4ForConditionalGeneration'], 'model_type': 'gemma4',
+        'tie_word_embeddings': True, 'dtype': 'bfloat16', 'transformers_version': '5.5.0',
+        'text_config': {
+            'model_type': 'gemma4_text', 'attention_bias': False, 'attention_dropout': 0.0,
+            'attention_k_eq_v': True, 'bos_token_id': 2, 'enable_moe_block': True,
+            'eos_token_id': 1, 'final_logit_softcapping': 30.0, 'global_head_dim': 16,
+            'head_dim': 12, 'hidden_activation': 'gelu_pytorch_tanh', 'hidden_size': 40,
+            'hidden_size_per_layer_input': 0, 'initializer_range': 0.02,
+            'intermediate_size': 56, 'layer_types': ['sliding_attention', 'full_attention'],
+            'max_position_embeddings': 262144, 'moe_intermediate_size': 20,
+            'num_attention_heads': 4, 'num_experts': 3, 'num_global_key_value_heads': 1,
+            'num_hidden_layers': 2, 'num_key_value_heads': 2, 'num_kv_shared_layers': 0,
+            'pad_token_id': 0, 'rms_norm_eps': 1e-06, 'rope_parameters': _GEMMA4_ROPE,
+            'sliding_window': 4, 'tie_word_embeddings': True, 'top_k_experts': 2,
+            'use_cache': True, 'use_double_wide_mlp': False, 'vocab_size': 96,
+            'vocab_size_per_layer_input': 96},
+    },
 }
 HF_SIDE_FILES = {  # copied byte for byte
     'generation_config.json': '{"bos_token_id": 1, "eos_token_id": 2, "do_sample": false}\n',
@@ -344,6 +522,17 @@ REFUSALS = {  # name -> (fixture, flags, words the message must hold (one of eac
     'merge_without_alpha': ('hf_qwen3_lora', ['--model', 'qwen3', '--merge-lora'],
                             [('alpha',)]),
     'missing_step': ('hf_qwen3', ['--model', 'qwen3', '--step', '7'], [('7',)]),
+    # Issue 29's families: each refused as its neighbour, naming the weights that differ.
+    'llama3_on_qwen2': ('hf_qwen2', ['--model', 'llama3'], [('q_bias', 'k_bias', 'v_bias')]),
+    'qwen2_on_llama3': ('hf_llama3', ['--model', 'qwen2'], [('q_bias', 'k_bias', 'v_bias')]),
+    'qwen3_on_qwen3_moe': ('hf_qwen3_moe', ['--model', 'qwen3'], [('router', 'gate_proj')]),
+    'qwen3_moe_on_qwen3': ('hf_qwen3', ['--model', 'qwen3_moe'], [('router', 'gate_proj')]),
+    'gemma_on_gemma2': ('hf_gemma2', ['--model', 'gemma'], [('post_attn_norm',)]),
+    'gemma2_on_gemma': ('hf_gemma', ['--model', 'gemma2'], [('post_attn_norm', 'post_ffw_norm')]),
+    'gemma3_on_gemma2': ('hf_gemma2', ['--model', 'gemma3'],
+                         [('post_attn_norm', '_query_norm', '_key_norm')]),
+    'gemma3_on_gemma4': ('hf_gemma4', ['--model', 'gemma3'], [('per_layer', 'skip_scale')]),
+    'gemma4_on_gemma3': ('hf_gemma3', ['--model', 'gemma4'], [('skip_scale',)]),
     # Qwen3's names (as Tunix's toy models use them) but not its shapes: say which family to pick.
     'shapes_not_the_family': ('sft_full', ['--model', 'qwen3'], [('q_proj',), ('--model',)]),
 }
@@ -393,7 +582,8 @@ class Client:
 
 def _job(name: str, **kw) -> dict:
   e = manifest(name)
-  return {'family': e['family'], 'config': e['model_config'], 'tokens': e['tokens'], **kw}
+  return {'family': e['family'], 'config': e['model_config'], 'tokens': e['tokens'],
+          **LOAD_OPTIONS.get(name, {}), **kw}
 
 
 def _lora_spec(name: str) -> dict:
@@ -436,12 +626,14 @@ def client(tunix_pkgs, tmp_path_factory):
   for name, (src, size, _) in SHARDED.items():
     plan(name, src, '--model', FAMILY_FIXTURES[src], '--max-shard-size', size)
   for name in LORA_FIXTURES:
-    extra = ['--base', str(DATA / 'hf_qwen3')] if name.endswith('_only') else []
-    plan(f'merged_{name}', name, '--model', 'qwen3', '--merge-lora', '--lora-alpha', LORA_ALPHA,
-         *extra)
+    base = manifest(name)['lora']['base']
+    extra = ['--base', str(DATA / base)] if name.endswith('_only') else []
+    plan(f'merged_{name}', name, '--model', FAMILY_FIXTURES[base], '--merge-lora',
+         '--lora-alpha', str(manifest(name)['lora']['alpha']), *extra)
   hf_dirs = work / 'hf_dirs'
-  for name in HF_CONFIG_EXTRA:
-    d = _write_hf_dir(hf_dirs / name, {**HF_CONFIG_DIMS[name], **HF_CONFIG_EXTRA[name]})
+  for name in (*HF_CONFIG_EXTRA, *HF_CONFIG_FULL):
+    d = _write_hf_dir(hf_dirs / name, HF_CONFIG_FULL.get(name) or {**HF_CONFIG_DIMS[name],
+                                                                   **HF_CONFIG_EXTRA[name]})
     plan(f'hf_config_{name}', name, '--model', FAMILY_FIXTURES[name], '--hf-config', str(d))
   for case, (src, field, value) in HF_CONFIG_MISMATCH.items():
     config = {**HF_CONFIG_DIMS[src], **HF_CONFIG_EXTRA.get(src, {}), field: value}
@@ -490,11 +682,15 @@ def client(tunix_pkgs, tmp_path_factory):
     job(None, id=f'ref_{name}', job='reference', **_job(name, root=str(DATA / name), lora=spec))
     job(f'merged_{name}', id=f'load_merged_{name}', job='load',
         **_job(name, dir=out_of(f'merged_{name}')))
-    # Tunix's own merged saver, on our export of the base.
-    job('f32_hf_qwen3', id=f'tunix_merge_{name}', job='tunix_merge',
-        **_job(name, root=str(DATA / name), lora=spec, base_dir=out_of('f32_hf_qwen3'),
-               out=str(work / 'tunix_merged' / name)))
-  for name in HF_CONFIG_EXTRA:
+    if name in TUNIX_MERGE_FIXTURES:  # Tunix's own merged saver, on our export of the base.
+      base = manifest(name)['lora']['base']
+      job(f'f32_{base}', id=f'tunix_merge_{name}', job='tunix_merge',
+          **_job(name, root=str(DATA / name), lora=spec, base_dir=out_of(f'f32_{base}'),
+                 out=str(work / 'tunix_merged' / name)))
+  # Tunix's Gemma loader as it is, on a Gemma 1 export (see LOAD_OPTIONS).
+  job('f32_hf_gemma', id='load_stock_f32_hf_gemma', job='load',
+      **_job('hf_gemma', dir=out_of('f32_hf_gemma'), gemma1_norm_name=False, logits=False))
+  for name in (*HF_CONFIG_EXTRA, *HF_CONFIG_FULL):
     job(f'hf_config_{name}', id=f'load_hf_config_{name}', job='load',
         **_job(name, dir=out_of(f'hf_config_{name}'), logits=False))
   n_jobs = sum(len(js) for js in after.values())
@@ -555,7 +751,7 @@ def test_a_export_writes_the_hf_names_and_layouts(client, name):
   assert e.files == ['model.safetensors'], e.files  # no config.json without --hf-config
   assert_equal_arrays(e.tensors, hf_expected(FAMILY_FIXTURES[name], raw(name)),
                       'exported tensors vs the HF table applied to the raw weights')
-  if manifest(name)['family'] == 'gemma3' or manifest(name)['model_config'].get(
+  if manifest(name)['family'].startswith('gemma') or manifest(name)['model_config'].get(
       'weight_tying') or manifest(name)['model_config'].get('use_tied_embedding'):
     assert 'lm_head.weight' not in e.tensors
   r = client.runs[f'f32_{name}']
@@ -690,8 +886,11 @@ def test_d_lora_fixtures_are_one_run_on_hf_qwen3():
   assert lora['logits_max_abs_change_by_adapters'] > 1e3 * MERGE_ATOL
 
 
+LORA_EINSUMS = {'q_einsum': 'dr,rnh->ndh', 'kv_einsum': 'dr,rckh->ckdh', 'k_einsum': 'dr,rkh->kdh'}
+
+
 def hand_merged(name: str) -> dict[str, np.ndarray]:
-  """hf_qwen3's weights with each adapter merged in float64: W + (alpha / rank) a.b."""
+  """The base's weights with each adapter merged in float64: W + (alpha / rank) a.b."""
   lora = manifest(name)['lora']
   adapters = raw(name) if name.endswith('_only') else {
       k: v for k, v in raw(name).items() if re.search(r'_lora_[ab]$', k)}
@@ -699,7 +898,11 @@ def hand_merged(name: str) -> dict[str, np.ndarray]:
   for t in lora['targets']:
     a = adapters[f'{t}_lora_a'].astype(np.float64)
     b = adapters[f'{t}_lora_b'].astype(np.float64)
-    delta = np.tensordot(a, b, axes=([-1], [0]))  # qwix: a (..in, r), b (r, out..)
+    # qwix: a (the axes the einsum's input shares, r), b (r, the rest); Gemma's q/kv/k
+    # einsums ('BTD,NDH->BTNH', 'BSD,CKDH->CBSKH', 'BSD,KDH->BSKH') put D inside the weight.
+    module = t.split('/')[-2]
+    delta = (np.einsum(LORA_EINSUMS[module], a, b) if module in LORA_EINSUMS else
+             np.tensordot(a, b, axes=([-1], [0])))
     assert delta.shape == out[t].shape, (t, delta.shape, out[t].shape)
     out[t] = out[t].astype(np.float64) + lora['alpha'] / lora['rank'] * delta
   return out
@@ -710,25 +913,26 @@ def test_d_merged_export_weights(client, name):
   e = Export(client.exported(f'merged_{name}'))
   e.check_files()
   lora = manifest(name)['lora']
+  family = FAMILY_FIXTURES[lora['base']]
   merged = hand_merged(name)
-  want = hf_expected('qwen3', merged)
-  assert sorted(e.tensors) == sorted(want), 'merged export names differ from plain Qwen3\'s'
-  targets = set(hf_expected('qwen3', {t: merged[t] for t in lora['targets']}))
+  want = hf_expected(family, merged)
+  assert sorted(e.tensors) == sorted(want), f'merged export names differ from plain {family}\'s'
+  targets = set(hf_expected(family, {t: merged[t] for t in lora['targets']}))
   for n, w in want.items():
     got = e.tensors[n]
     assert got.dtype == np.float32, (n, got.dtype)
     if n in targets:
       np.testing.assert_allclose(got, w, rtol=0, atol=WEIGHT_ATOL, err_msg=n)
-      assert not np.allclose(got, hf_expected('qwen3', raw('hf_qwen3'))[n], atol=1e-3), (
+      assert not np.allclose(got, hf_expected(family, raw(lora['base']))[n], atol=1e-3), (
           f'{n}: the adapter was not merged')
     else:
       np.testing.assert_array_equal(got, w.astype(np.float32), err_msg=n)
 
 
-@pytest.mark.parametrize('name', LORA_FIXTURES)
+@pytest.mark.parametrize('name', TUNIX_MERGE_FIXTURES)
 def test_d_merged_export_equals_tunix_own_merged_saver(client, name):
   """Tunix's save_lora_merged_model_as_safetensors (on our export of the base) agrees."""
-  r = client.result(f'tunix_merge_{name}', 'f32_hf_qwen3')
+  r = client.result(f'tunix_merge_{name}', f"f32_{manifest(name)['lora']['base']}")
   assert r['files'] == ['model.safetensors'], r['files']
   _, _, theirs = read_safetensors(pathlib.Path(r['out']) / 'model.safetensors')
   ours = Export(client.exported(f'merged_{name}')).tensors
@@ -741,11 +945,12 @@ def test_d_merged_export_equals_tunix_own_merged_saver(client, name):
 def test_d_merged_logits_equal_the_lora_models_own(client, name):
   r = client.result(f'load_merged_{name}', f'merged_{name}')
   assert_loaded_cleanly(r)
-  assert r['model_class'] == 'Qwen3'
+  base = manifest(name)['lora']['base']
+  assert r['model_class'] == manifest(base)['model']  # Tunix's plain class (Qwen3, Qwen2)
   assert not [p for p in r['leaves'] if 'lora' in p], 'adapter tensors in the plain model'
   got = client.logits(f'load_merged_{name}')
   lora_logits = client.logits(f'ref_{name}')  # qwix in the loop
-  base_logits = client.logits('ref_hf_qwen3')
+  base_logits = client.logits(f'ref_{base}')
   assert got.dtype == lora_logits.dtype == np.float32
   effect = float(np.abs(lora_logits - base_logits).max())
   diff = float(np.abs(got.astype(np.float64) - lora_logits).max())
@@ -765,7 +970,7 @@ def test_d_adapters_only_merge_equals_the_full_merge(client):
 # --------------------------------------------------------------------------- #
 # e. --hf-config: copied after the check; a mismatch is refused, naming the field
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize('name', HF_CONFIG_EXTRA)
+@pytest.mark.parametrize('name', [*HF_CONFIG_EXTRA, *HF_CONFIG_FULL])
 def test_e_hf_config_files_are_copied(client, name):
   out = client.exported(f'hf_config_{name}')
   hf_dir = client.work / 'hf_dirs' / name
@@ -787,6 +992,135 @@ def test_e_hf_config_files_are_copied(client, name):
   r = client.result(f'load_hf_config_{name}', f'hf_config_{name}')
   assert_loaded_cleanly(r)
   assert_equal_arrays(client.arrays(f'load_hf_config_{name}'), raw(name), 'Tunix loader')
+
+
+# transformers (the MaxText venv's, 5.24) reads each exported config.json; what its config
+# objects say, printed as JSON. Nothing of orbax_tunix is imported there.
+AUTOCONFIG = """
+import json, sys
+from transformers import AutoConfig
+out = {}
+for d in sys.argv[1:]:
+  c = AutoConfig.from_pretrained(d)
+  t = c.get_text_config()
+  # Gemma 4's head dim and kv heads are per layer (config.per_layer_config[i]); the others'
+  # head dim as their attention reads it (`getattr(config, 'head_dim', None) or D // heads`).
+  hetero = getattr(t, 'is_heterogeneous', False)
+  layers = [t.per_layer_config[i] if hetero else t for i in range(t.num_hidden_layers)]
+  out[d] = {'class': type(c).__name__, 'text_class': type(t).__name__,
+            'model_type': c.model_type, 'architectures': c.architectures,
+            'layers': [{'head_dim': getattr(lc, 'head_dim', None)
+                        or t.hidden_size // t.num_attention_heads,
+                        'num_key_value_heads': lc.num_key_value_heads} for lc in layers],
+            'text': {k: getattr(t, k, None) for k in (
+                'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+                'num_attention_heads', 'attention_k_eq_v', 'num_kv_shared_layers',
+                'use_double_wide_mlp', 'hidden_size_per_layer_input', 'layer_types',
+                'moe_intermediate_size', 'num_experts', 'tie_word_embeddings')}}
+print(json.dumps(out))
+"""
+# The transformers classes each family's config.json must give (by hand, from transformers).
+AUTOCONFIG_CLASSES = {'hf_qwen2': 'Qwen2Config', 'hf_qwen3_moe': 'Qwen3MoeConfig',
+                      'hf_gemma': 'GemmaConfig', 'hf_gemma2': 'Gemma2Config',
+                      'hf_gemma4': 'Gemma4Config', 'hf_gemma4_moe': 'Gemma4Config'}
+
+
+@pytest.fixture(scope='module')
+def autoconfigs(client) -> dict:
+  """transformers' AutoConfig on every --hf-config export of HF_CONFIG_FULL, in one subprocess."""
+  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'maxtext_venv.sh')], capture_output=True,
+                       text=True, timeout=1800, check=False)
+  assert out.returncode == 0, f'scripts/maxtext_venv.sh failed:\n{out.stderr[-5000:]}'
+  python = out.stdout.strip().splitlines()[-1]
+  dirs = {name: str(client.exported(f'hf_config_{name}')) for name in HF_CONFIG_FULL}
+  p = subprocess.run([python, '-c', AUTOCONFIG, *dirs.values()], capture_output=True, text=True,
+                     timeout=CLI_TIMEOUT, check=False, env={**os.environ, 'PYTHONPATH': ''})
+  assert p.returncode == 0, p.stderr[-4000:]
+  found = json.loads(p.stdout.strip().splitlines()[-1])
+  return {name: found[d] for name, d in dirs.items()}
+
+
+def _layers(tensors: dict) -> list[int]:
+  return sorted({int(m.group(1)) for n in tensors if (m := re.search(r'layers\.(\d+)\.', n))})
+
+
+@pytest.mark.parametrize('name', HF_CONFIG_FULL)
+def test_e_transformers_reads_the_config_of_the_exported_weights(client, autoconfigs, name):
+  """AutoConfig loads the copied config.json, and it describes the exported tensors' shapes."""
+  got = autoconfigs[name]
+  want_config = HF_CONFIG_FULL[name]
+  assert got['class'] == AUTOCONFIG_CLASSES[name], got
+  assert got['architectures'] == want_config['architectures'], got
+  t = got['text']
+  e = Export(client.exported(f'hf_config_{name}'))
+  x = e.tensors
+  pre = G4 if FAMILY_FIXTURES[name] == 'gemma4' else 'model.'
+  emb = x[pre + 'embed_tokens.weight']
+  assert emb.shape == (t['vocab_size'], t['hidden_size'])
+  layers = _layers(x)
+  assert layers == list(range(t['num_hidden_layers']))
+  assert ('lm_head.weight' in x) == (not t['tie_word_embeddings'])
+  full = [i for i in layers if t['layer_types'] and t['layer_types'][i] == 'full_attention']
+  shared_from = t['num_hidden_layers'] - (t['num_kv_shared_layers'] or 0)
+  if FAMILY_FIXTURES[name] == 'gemma4':  # the fixtures' global layers differ from local ones
+    assert {got['layers'][i]['head_dim'] for i in full} == {16} != {
+        got['layers'][i]['head_dim'] for i in layers if i not in full}
+  for i in layers:
+    at = f'{pre}layers.{i}.'
+    head_dim, kv_heads = got['layers'][i]['head_dim'], got['layers'][i]['num_key_value_heads']
+    d = t['hidden_size']
+    assert x[at + 'self_attn.q_proj.weight'].shape == (t['num_attention_heads'] * head_dim, d)
+    assert x[at + 'self_attn.o_proj.weight'].shape == (d, t['num_attention_heads'] * head_dim)
+    assert x[at + 'self_attn.k_proj.weight'].shape == (kv_heads * head_dim, d)
+    # k == v (Gemma 4's global layers with attention_k_eq_v): no v_proj at all.
+    assert (at + 'self_attn.v_proj.weight' in x) == (not (i in full and t['attention_k_eq_v']))
+    if t['num_experts'] and FAMILY_FIXTURES[name] == 'qwen3_moe':
+      for e_ in range(t['num_experts']):
+        assert x[at + f'mlp.experts.{e_}.gate_proj.weight'].shape == (t['moe_intermediate_size'], d)
+        assert x[at + f'mlp.experts.{e_}.down_proj.weight'].shape == (d, t['moe_intermediate_size'])
+      assert x[at + 'mlp.gate.weight'].shape == (t['num_experts'], d)
+      assert f'{at}mlp.experts.{t["num_experts"]}.gate_proj.weight' not in x
+      continue
+    wide = 2 if t['use_double_wide_mlp'] and i >= shared_from else 1
+    assert x[at + 'mlp.gate_proj.weight'].shape == (wide * t['intermediate_size'], d)
+    if t['num_experts']:  # Gemma 4's MoE block beside its dense MLP
+      assert x[at + 'experts.gate_up_proj'].shape == (
+          t['num_experts'], 2 * t['moe_intermediate_size'], d)
+      assert x[at + 'router.proj.weight'].shape == (t['num_experts'], d)
+  if t['hidden_size_per_layer_input']:
+    assert x[G4 + 'embed_tokens_per_layer.weight'].shape == (
+        t['vocab_size'], t['num_hidden_layers'] * t['hidden_size_per_layer_input'])
+
+
+def test_a_new_fixtures_hold_what_their_families_vary():
+  """The issue-29 fixtures exercise what differs within each family."""
+  g4 = raw('hf_gemma4')
+  cfg = manifest('hf_gemma4')['model_config']
+  assert g4['layers/2/attn/q_einsum/w'].shape[-1] == cfg['global_key_size'] != cfg['head_dim']
+  assert g4['layers/0/attn/q_einsum/w'].shape[-1] == cfg['head_dim']
+  assert 'embedder/per_layer_input_embedding' in g4  # per-layer inputs (E2B, E4B)
+  # Layers 3..5 reuse 1's and 2's kv (frac_shared_layers 0.5) with a double-wide MLP.
+  assert g4['layers/3/mlp/gate_proj/kernel'].shape[1] == 2 * g4[
+      'layers/0/mlp/gate_proj/kernel'].shape[1]
+  moe = raw('hf_gemma4_moe')
+  assert 'layers/1/attn/k_einsum/w' in moe and 'layers/1/attn/kv_einsum/w' not in moe
+  assert 'layers/0/attn/kv_einsum/w' in moe and 'layers/0/moe/gating_einsum' in moe
+  assert raw('hf_qwen3_moe')['layers/0/mlp/gate_proj'].shape == (3, 40, 20)
+  assert 'layers/0/attn/q_bias' in raw('hf_qwen2')
+  assert 'layers/0/post_attn_norm/scale' in raw('hf_gemma2')
+  assert not [p for p in raw('hf_gemma') if 'post_' in p]  # Gemma 1: no post norms
+  for name in ('hf_qwen2', 'hf_qwen3_moe', 'hf_gemma', 'hf_gemma2', 'hf_gemma4',
+               'hf_gemma4_moe'):
+    assert manifest(name)['versions']['google-tunix'] == '0.1.7'
+
+
+def test_a_tunix_gemma_loader_misreads_gemma1(client):
+  """Why hf_gemma loads with one entry of Tunix's map changed (LOAD_OPTIONS): as it is,
+  Tunix 0.1.7's Gemma loader does not load a Gemma 1 folder in transformers' names."""
+  client.exported('f32_hf_gemma')
+  r = client.worker.results.get('load_stock_f32_hf_gemma')
+  assert r is not None, client.worker.log()
+  assert not r['ok'], 'Tunix\'s stock Gemma loader now loads Gemma 1: drop LOAD_OPTIONS'
 
 
 def assert_refused(client, run_name: str, words: list[tuple[str, ...]]):
@@ -1047,3 +1381,17 @@ def test_g_check_config_keeps_a_text_config_of_the_familys_own_architecture():
   got = huggingface.check_config(huggingface.GEMMA3, base, shapes, 'config.json')
   assert got.values == {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
                         **text, 'vocab_size': 96, 'tie_word_embeddings': True}
+
+
+def test_readme_table_of_maps_is_the_families_values():
+  """README.md's table of maps is `huggingface.markdown()` (scripts/readme_hf_maps.py writes it)."""
+  from orbax_tunix import huggingface
+
+  readme = (ROOT / 'README.md').read_text()
+  begin = '<!-- huggingface maps: generated by scripts/readme_hf_maps.py -->\n'
+  end = '<!-- end of huggingface maps -->'
+  assert readme.count(begin) == 1 and readme.count(end) == 1
+  table = readme.split(begin)[1].split(end)[0]
+  assert table == huggingface.markdown(), 'run scripts/readme_hf_maps.py'
+  for name in huggingface.names():  # every family has rows
+    assert f' {name} |' in table or f' {name},' in table, name

@@ -24,15 +24,18 @@ saves it without the trailing 'value': 'layers/0/attn/q_proj/w'; qwix's nnx.LoRA
 'lora/<path>'), logits under 'logits'. bfloat16 arrays are stored as their uint16 bits (.npz
 has no bfloat16); the result's `leaves` gives every path's real dtype.
 
-Common arguments: family (qwen3|llama3|gemma3), config (the ModelConfig keyword arguments, as
-in tests/data/tunix/MANIFEST.json: values of keys ending in 'dtype' are dtype names), tokens
+Common arguments: family (a tunix.models package: qwen3|llama3|gemma3|qwen2|gemma|gemma4),
+config (the ModelConfig keyword arguments, as in tests/data/tunix/MANIFEST.json: values of keys
+ending in 'dtype' are dtype names, of attention_types/attention_pattern AttentionType names), tokens
 (a (B, T) list of ints; logits are computed with positions 0..T-1 and a causal mask, as
 scripts/make_tunix_fixtures.py does).
 
 Jobs:
-  load        dir[, dtype, mode, logits=true]: `<family>.params[_safetensors]
-              .create_model_from_safe_tensors(dir, ModelConfig(**config))` (default mode
-              unless `mode`; `dtype` a dtype name, default None = keep the files' dtype).
+  load        dir[, dtype, mode, logits=true, gemma1_norm_name]:
+              `<family>.params[_safetensors].create_model_from_safe_tensors(dir,
+              ModelConfig(**config))` (default mode unless `mode`; `dtype` a dtype name,
+              default None = keep the files' dtype). gemma1_norm_name: Tunix's Gemma loader
+              with its one Gemma-2-only entry put right for Gemma 1 (see `load_gemma1`).
               Saves every nnx.Param and the logits. `leaves` = {path: {shape, dtype, type}}
               over the whole nnx.state (a leaf the loader left abstract has type
               'ShapeDtypeStruct'); `log` = the loader's absl/python log messages at WARNING
@@ -73,11 +76,20 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import qwix  # noqa: E402
 from flax import nnx  # noqa: E402
-from tunix.models import safetensors_saver  # noqa: E402,F401 - fail now if it does not import
+from tunix.models import (  # noqa: E402
+  safetensors_loader,
+  safetensors_saver,  # noqa: F401 - fail now if it does not import
+)
+from tunix.models.gemma import model as gemma_model  # noqa: E402
+from tunix.models.gemma import params_safetensors as gemma_params  # noqa: E402
 from tunix.models.gemma3 import model as gemma3_model  # noqa: E402
 from tunix.models.gemma3 import params_safetensors as gemma3_params  # noqa: E402
+from tunix.models.gemma4 import model as gemma4_model  # noqa: E402
+from tunix.models.gemma4 import params_safetensors as gemma4_params  # noqa: E402
 from tunix.models.llama3 import model as llama3_model  # noqa: E402
 from tunix.models.llama3 import params as llama3_params  # noqa: E402
+from tunix.models.qwen2 import model as qwen2_model  # noqa: E402
+from tunix.models.qwen2 import params as qwen2_params  # noqa: E402
 from tunix.models.qwen3 import model as qwen3_model  # noqa: E402
 from tunix.models.qwen3 import params as qwen3_params  # noqa: E402
 from tunix.sft import checkpoint_manager as tunix_ckpt  # noqa: E402
@@ -88,7 +100,35 @@ FAMILIES = {
     'qwen3': (qwen3_model, qwen3_model.Qwen3, qwen3_params),
     'llama3': (llama3_model, llama3_model.Llama3, llama3_params),
     'gemma3': (gemma3_model, gemma3_model.Gemma3, gemma3_params),
+    'qwen2': (qwen2_model, qwen2_model.Qwen2, qwen2_params),
+    'gemma': (gemma_model, gemma_model.Gemma, gemma_params),
+    'gemma4': (gemma4_model, gemma4_model.Gemma4, gemma4_params),
 }
+# ModelConfig fields holding AttentionType values (MANIFEST.json records their names).
+ENUM_FIELDS = ('attention_types', 'attention_pattern')
+
+
+def _gemma1_key_mapping(cfg):
+  """Tunix 0.1.7's Gemma map with Gemma 1's norm as transformers names it.
+
+  Tunix maps `post_attention_layernorm` to Gemma 2's `post_attn_norm` for every Gemma; in
+  Gemma 1 (GemmaForCausalLM, transformers' GemmaDecoderLayer) that tensor is the norm before
+  the MLP, Tunix's `pre_ffw_norm`. Every other entry is Tunix's own.
+  """
+  mapping = dict(gemma_params._get_key_and_transform_mapping(cfg))  # noqa: SLF001
+  key = r'model\.layers\.([0-9]+)\.post_attention_layernorm\.weight'
+  assert key in mapping, sorted(mapping)
+  mapping[key] = (r'layers.\1.pre_ffw_norm.scale', None)
+  return mapping
+
+
+def load_gemma1(file_dir, config, dtype=None, mode='auto'):
+  """Tunix's Gemma loader (its reshapes, q/k/v stacking, loader) with Gemma 1's norm name."""
+  return safetensors_loader.load_and_create_model(
+      file_dir=file_dir, model_class=gemma_model.Gemma, config=config,
+      key_mapping=_gemma1_key_mapping,
+      preprocess_fn=gemma_params._make_preprocess_fn(config),  # noqa: SLF001
+      dtype=dtype, mode=mode)
 
 
 class Capture(logging.Handler):
@@ -108,7 +148,9 @@ class Capture(logging.Handler):
 def model_config(family: str, kwargs: dict[str, Any]):
   module = FAMILIES[family][0]
   return module.ModelConfig(
-      **{k: (jnp.dtype(v) if k.endswith('dtype') else v) for k, v in kwargs.items()})
+      **{k: (jnp.dtype(v) if k.endswith('dtype') else
+             tuple(module.AttentionType[n] for n in v) if k in ENUM_FIELDS else v)
+         for k, v in kwargs.items()})
 
 
 def abstract_model(family: str, cfg):
@@ -183,7 +225,9 @@ def job_load(job, out_dir):
   root = logging.getLogger()
   root.addHandler(capture)
   try:
-    model = FAMILIES[family][2].create_model_from_safe_tensors(job['dir'], cfg, **kwargs)
+    load = (load_gemma1 if job.get('gemma1_norm_name') else
+            FAMILIES[family][2].create_model_from_safe_tensors)
+    model = load(job['dir'], cfg, **kwargs)
   finally:
     root.removeHandler(capture)
   logits = forward(model, job['tokens']) if job.get('logits', True) else None
