@@ -245,6 +245,10 @@ def plan_export(
   outputs = tuple(writer.in_write_order(
       _read_as_stored(o) for o in relay(staged, mapped.outputs)))
   config, checked, copied, notes = _config_files(family, hf_config, shapes)
+  if checked is not None:
+    before = len(checked.notes)
+    checked = _with_dtype(checked, {o.dtype.name for o in outputs if o.dtype is not None})
+    notes += checked.notes[before:]
   notes = [*source.detection.notes, *rng_note(source), *left_out, *vocab_notes, *notes,
            f'weights: {huggingface.describe_source({p: o.shape for p, o in weights.items()})}',
            *_leftover_notes(out_dir)]
@@ -380,6 +384,32 @@ def _config_files(
     elif note:
       notes.append(note)
   return config, checked, tuple(copied), notes
+
+
+# config.json's names for the weights' dtype (`transformers` 4: torch_dtype; 5: dtype).
+_DTYPE_FIELDS = ('torch_dtype', 'dtype')
+
+
+def _with_dtype(checked: huggingface.Config, dtypes: set[str]) -> huggingface.Config:
+  """The config with the dtype it names set to the one the export writes, when they differ
+  (a loader's `dtype='auto'` takes the config's: float32 weights would be loaded as bfloat16)."""
+  if len(dtypes) != 1:
+    return checked
+  (written,) = dtypes
+  values = dict(checked.values)
+  texts = [values] + ([dict(values['text_config'])] if isinstance(
+      values.get('text_config'), Mapping) else [])
+  changed = [(d, f, d[f]) for d in texts for f in _DTYPE_FIELDS
+             if isinstance(d.get(f), str) and d[f] != written]
+  if not changed:
+    return checked
+  for d, f, _ in changed:
+    d[f] = written
+  if len(texts) > 1:
+    values['text_config'] = texts[1]
+  note = ('config.json: ' + ', '.join(f'{f}={written!r} (the base config has {old!r})'
+                                      for _, f, old in changed) + ': the dtype the weights are')
+  return huggingface.Config(values, (*checked.notes, note))
 
 
 def _copyable(path: epath.Path) -> tuple[bool, str | None]:

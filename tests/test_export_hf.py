@@ -1276,7 +1276,8 @@ def test_g_gemma3_multimodal_config_becomes_the_text_models(tmp_path):
       'model_type': 'gemma3_text', 'vocab_size': 96, 'hidden_size': 40,
       'num_hidden_layers': m['num_layers'], 'head_dim': 12,
       'hidden_activation': 'gelu_pytorch_tanh', 'tie_word_embeddings': True,
-      'sliding_window': 1024, 'eos_token_id': [1, 106], 'dtype': 'bfloat16'}
+      'sliding_window': 1024, 'eos_token_id': [1, 106],
+      'dtype': 'float32'}  # The weights' (the fixture's float32), not the base's bfloat16.
   names = Export(out).tensors
   assert all(n.startswith('model.') for n in names), sorted(names)[:5]  # The text model's.
 

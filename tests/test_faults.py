@@ -335,6 +335,7 @@ def _hf_configs(src, data):
                             'model_type': 'llama'}),  # The llama3 fixture is tied.
       'tie_absent': json.dumps({k: v for k, v in qwen3.items() if k != 'tie_word_embeddings'}
                                | {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}),
+      'bf16': json.dumps({**qwen3, 'torch_dtype': 'bfloat16'}),  # The fixture is float32.
       **{name: json.dumps(qwen3) for name in ('zero', 'fifo', 'dangling', 'ok')},
   }
   paths = {}
@@ -490,6 +491,10 @@ HOSTILE = [
         Run(('export', '{qwen3}', '{out}/13', '--model', 'qwen3', '--hf-config',
              '{hf_dangling}'), 0, r'note: .*tokenizer.json is a link to nothing'),
         Run(('export', '{qwen3}', '{out}/14', '--model', 'qwen3', '--hf-config', '{hf_ok}'), 0),
+        Run(('export', '{qwen3}', '{out}/15', '--model', 'qwen3', '--hf-config', '{hf_bf16}'), 0,
+            r"note: config.json: torch_dtype='float32' \(the base config has 'bfloat16'\)"),
+        Run(('export', '{qwen3}', '{out}/16', '--model', 'qwen3', '--hf-config', '{hf_bf16}',
+             '--dtype', 'bfloat16'), 0, 'exported', 'torch_dtype'),
     )),
     Hostile('export and convert --force over folders holding other things', _out_dirs, (
         Run(('export', '{run}', '{mine}', '--model', 'qwen3', '--force'), 2,
