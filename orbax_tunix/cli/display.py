@@ -187,7 +187,8 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'kind': d.kind,
       'writer': d.writer,
       'steps': [
-          {'step': s.step, 'committed': s.committed, 'empty': s.empty, 'path': str(s.path)}
+          {'step': s.step, 'committed': s.committed, 'empty': s.empty,
+           'unreadable': s.unreadable or None, 'path': str(s.path)}
           for s in report.steps
       ],
       'items': {
