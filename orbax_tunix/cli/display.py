@@ -500,11 +500,13 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
   """Draws a diff result, then its one-line verdict."""
   sections = [
       (
-          f'Damaged in A ({result.a}): data does not match its recorded checksum',
+          f'Damaged in A ({result.a}): data does not match its recorded checksum, or'
+          ' cannot be read',
           ['path'], [[p] for p in result.damaged_a], (),
       ),
       (
-          f'Damaged in B ({result.b}): data does not match its recorded checksum',
+          f'Damaged in B ({result.b}): data does not match its recorded checksum, or'
+          ' cannot be read',
           ['path'], [[p] for p in result.damaged_b], (),
       ),
       (f'Only in A ({result.a})', ['path'], [[p] for p in result.only_a], ()),
