@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import threading
+import time
 import types
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -405,9 +406,27 @@ def _drain(loop: asyncio.AbstractEventLoop) -> None:
   loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
 
+def _finish(loop: asyncio.AbstractEventLoop) -> None:
+  """Lets every task left on `loop` run to its end (an interrupted save's writes):
+  the caller removes what they write only once they are done. Interrupts that
+  arrive meanwhile are ignored; `PENDING_WRITES_TIMEOUT` bounds the wait."""
+  pending = asyncio.all_tasks(loop)
+  if not pending:
+    return
+  # One waiting task, resumed when an interrupt (or a task re-raising one) stops the loop.
+  waiting = loop.create_task(asyncio.wait(pending, timeout=PENDING_WRITES_TIMEOUT))
+  while not waiting.done():
+    with contextlib.suppress(KeyboardInterrupt):
+      loop.run_until_complete(waiting)
+  for task in pending:  # Retrieved: Python would report them when collected.
+    if task.done() and not task.cancelled():
+      task.exception()
+
+
 def _run_on_new_loop(coro: Any) -> Any:
   """Orbax's `_run_sync_via_new_loop`, draining the loop when the call fails
-  inside `tidy_failures` (exactly Orbax's own function outside it)."""
+  inside `tidy_failures` (exactly Orbax's own function outside it); when it is
+  interrupted (KeyboardInterrupt), its tasks are let finish instead."""
   if not _TIDY.get():
     return _ORBAX_RUN_ON_NEW_LOOP(coro)
   loop = asyncio.new_event_loop()
@@ -419,22 +438,58 @@ def _run_on_new_loop(coro: Any) -> Any:
       with contextlib.suppress(Exception):  # Best effort: the failure itself is raised.
         _drain(loop)
       raise
+    except BaseException:
+      with contextlib.suppress(Exception):
+        _finish(loop)
+      raise
   finally:
     asyncio.set_event_loop(None)
     loop.close()
+
+
+# An Orbax save writes in threads of its own (its commit futures, each awaiting
+# TensorStore's writes) while the caller waits on them. When the wait is
+# interrupted (Ctrl-C, a signal, a failure), they run on and keep writing into
+# the directory, also after the caller removed it: a temporary step reappears,
+# and at exit Python reports "cannot schedule new futures after shutdown".
+# Within `tidy_failures`, the threads a failed call started are waited for
+# (a batch's writes; up to this long) before the failure propagates.
+PENDING_WRITES_TIMEOUT = 300.0
+
+
+def _wait_for_threads(before: set[threading.Thread]) -> None:
+  """Waits for the threads started since `before` (interrupts meanwhile are ignored:
+  the clean-up that follows needs them done)."""
+  deadline = time.monotonic() + PENDING_WRITES_TIMEOUT
+  for thread in threading.enumerate():
+    if thread in before or thread is threading.current_thread():
+      continue
+    while thread.is_alive() and time.monotonic() < deadline:
+      try:
+        # The base class's join: Orbax's threads raise TimeoutError from theirs.
+        threading.Thread.join(thread, 0.05)
+      except KeyboardInterrupt:
+        continue
 
 
 @contextlib.contextmanager
 def tidy_failures() -> Iterator[None]:
   """Orbax calls made in this context leave nothing running when they fail.
 
-  See `_TIDY`. Installs the drain on first use (where Orbax has the function
-  it wraps); Orbax calls outside the context are untouched.
+  See `_TIDY` and `PENDING_WRITES_TIMEOUT`: a failed (or interrupted) call's
+  loop is drained and the threads it started are waited for, so what it wrote
+  is all there when the caller removes it. Installs the drain on first use
+  (where Orbax has the function it wraps); Orbax calls outside the context are
+  untouched.
   """
   if _ORBAX_RUN_ON_NEW_LOOP is not None and _asyncio_utils._run_sync_via_new_loop is not _run_on_new_loop:  # pylint: disable=protected-access
     _asyncio_utils._run_sync_via_new_loop = _run_on_new_loop  # pylint: disable=protected-access
+  before = set(threading.enumerate())
   token = _TIDY.set(True)
   try:
     yield
+  except BaseException:
+    _wait_for_threads(before)
+    raise
   finally:
     _TIDY.reset(token)

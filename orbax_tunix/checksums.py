@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_tunix import errors, reader, sizes
+from orbax_tunix import reader, sizes
 from orbax_tunix.keypaths import Path, fmt
 
 # Where in `_CHECKPOINT_METADATA`'s custom metadata the checksums sit: under
@@ -131,7 +131,10 @@ def verify(
     for item in sorted(ckpt.items):
       leaves = [leaf for leaf in todo if leaf.item == item]
       for batch in reader.batches(leaves, reader.batch_bytes(memory_budget, 2)):
-        for leaf, value in _read_each(ckpt, item, batch, unreadable):
+        for leaf, value in zip(batch, reader.read_each(ckpt, item, batch), strict=True):
+          if value is reader.UNREADABLE:
+            unreadable.append(leaf.name)
+            continue
           checked += 1
           if checksum(value) != sums[item][key(leaf.path)]:
             damaged.append(leaf.name)
@@ -141,18 +144,3 @@ def verify(
   return Verification(ckpt.step_dir, checked, tuple(damaged), tuple(unrecorded), tuple(missing),
                       tuple(unreadable))
 
-
-def _read_each(ckpt: reader.CanonicalCheckpoint, item: str, batch: list, unreadable: list[str],
-               ) -> list[tuple[Any, Any]]:
-  """(leaf, value) for each leaf of a batch that reads; the others' names go to `unreadable`.
-
-  One read for the batch; when stored data is damaged, each leaf is read on its
-  own, so that every damaged array is named (not the first one only).
-  """
-  try:
-    return list(zip(batch, reader.read(ckpt, item, batch, as_numpy=True), strict=True))
-  except errors.CorruptMetadataError:
-    if len(batch) == 1:
-      unreadable.append(batch[0].name)
-      return []
-  return [pair for leaf in batch for pair in _read_each(ckpt, item, [leaf], unreadable)]

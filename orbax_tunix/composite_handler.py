@@ -4,8 +4,9 @@ It is Orbax's `CompositeCheckpointHandler`, constructed, saving and choosing
 handlers exactly as Orbax's does, with one difference: an item restored by a
 PyTree handler (`PyTreeRestore`, `StandardRestore`, or no args for an item
 saved by one) reads a Tunix item in canonical form, through the handler Orbax
-chose, with its options. Items that are not Tunix's, and every other handler,
-behave as with Orbax's own class.
+chose, with its options. Items that are not Tunix's, targets that already
+have an item's on-disk shape (`PlannedItem.as_stored`), and every other
+handler behave as with Orbax's own class.
 """
 
 from __future__ import annotations

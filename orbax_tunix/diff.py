@@ -72,7 +72,7 @@ class DiffResult:
     values: leaves whose values differ by more than `atol`.
     damaged_a, damaged_b: leaves whose data does not match the checksum their
       checkpoint records (see `checksums`; only checkpoints `convert` wrote
-      record them).
+      record them), or whose stored data cannot be read (values not compared).
     compared: number of leaves whose values were compared.
     bytes_compared: array bytes read from A for them.
     atol: the tolerance.
@@ -324,7 +324,7 @@ def _read_side(
     by_item.setdefault(leaf.item, []).append(i)
   values: list[object] = [None] * len(leaves)
   for item, indices in by_item.items():
-    got = reader.read(ckpt, item, [leaves[i] for i in indices], as_numpy=True)
+    got = reader.read_each(ckpt, item, [leaves[i] for i in indices])
     for i, value in zip(indices, got, strict=True):
       values[i] = value
   return values
@@ -557,6 +557,13 @@ def diff_checkpoints(
       got_a = _read_side(ckpt_a, [la for _, la, _ in batch])
       got_b = _read_side(ckpt_b, [lb for _, _, lb in batch])
       for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):
+        bad_a, bad_b = x is reader.UNREADABLE, y is reader.UNREADABLE
+        if bad_a or bad_b:  # Stored data missing or damaged: nothing to compare.
+          if bad_a:
+            damaged_a.append(path)
+          if bad_b:
+            damaged_b.append(path)
+          continue
         if _damaged(sums_a, la, x):
           damaged_a.append(path)
         if _damaged(sums_b, lb, y):

@@ -207,22 +207,27 @@ class StepEntry:
     empty: committed by name, but holding no step: neither
       `_CHECKPOINT_METADATA` nor an item (see `holds_step`). Skipped, as an
       unfinished step is.
+    unreadable: why the directory cannot be read (the system's error, e.g.
+      'Permission denied'), '' when it can. Skipped too, and said so.
   """
 
   step: int
   path: epath.Path
   committed: bool
   empty: bool = False
+  unreadable: str = ''
 
   @property
   def usable(self) -> bool:
-    """A step the tools may read: committed and not empty."""
-    return self.committed and not self.empty
+    """A step the tools may read: committed, readable and not empty."""
+    return self.committed and not self.empty and not self.unreadable
 
   @property
   def state(self) -> str:
-    """'' for a usable step, else why it is skipped ('unfinished', 'empty')."""
-    return 'unfinished' if not self.committed else 'empty' if self.empty else ''
+    """'' for a usable step, else why it is skipped ('unfinished', 'unreadable', 'empty')."""
+    if not self.committed:
+      return 'unfinished'
+    return 'unreadable' if self.unreadable else 'empty' if self.empty else ''
 
 
 def step_number(name: str) -> int | None:
@@ -272,12 +277,22 @@ def holds_step(directory: epath.Path) -> bool:
   stray files only, is not a step: Orbax's `CheckpointManager` would count
   it, and fail to restore it.
   """
-  if (directory / CHECKPOINT_METADATA).exists() or has_tree(directory):
-    return True
   try:
-    return any(_is_item_dir(child) for child in directory.iterdir())
+    return _holds_step(directory)
   except OSError:
     return False
+
+
+def _holds_step(directory: epath.Path) -> bool:
+  """`holds_step`, raising the OSError that keeps the directory from being read."""
+  if (directory / CHECKPOINT_METADATA).exists() or has_tree(directory):
+    return True
+  return any(_is_item_dir(child) for child in directory.iterdir())
+
+
+def _unreadable(error: OSError) -> str:
+  """An OSError that kept a directory from being read, in a few words."""
+  return error.strerror or str(error) or type(error).__name__
 
 
 def list_steps(root: epath.Path) -> list[StepEntry]:
@@ -285,7 +300,7 @@ def list_steps(root: epath.Path) -> list[StepEntry]:
 
   "Committed" is Orbax's own decision for the kind of path
   (`ocp.path.step.is_path_finalized`); a committed one that holds no step
-  (`holds_step`) is marked `empty`.
+  (`holds_step`) is marked `empty`, one that cannot be read `unreadable`.
   """
   steps = []
   for child in root.iterdir():
@@ -293,7 +308,13 @@ def list_steps(root: epath.Path) -> list[StepEntry]:
     if number is None or not child.is_dir():
       continue
     committed = TMP_MARKER not in child.name and ocp.path.step.is_path_finalized(child)
-    steps.append(StepEntry(number, child, committed, committed and not holds_step(child)))
+    held, unreadable = True, ''
+    if committed:
+      try:
+        held = _holds_step(child)
+      except OSError as e:
+        unreadable = _unreadable(e)
+    steps.append(StepEntry(number, child, committed, not held, unreadable))
   return sorted(steps, key=lambda s: (s.step, s.usable, s.path.name))
 
 
@@ -988,6 +1009,8 @@ def resolve(path: epath.PathLike, step: int | None = None) -> Location:
 def _skip_notes(steps: Sequence[StepEntry]) -> list[str]:
   """What choosing the latest step skipped: unfinished and empty step directories."""
   notes = [f'skipped unfinished step {s.step} ({s.path.name})' for s in steps if not s.committed]
+  notes += [f'skipped step directory {s.path.name}: it cannot be read ({s.unreadable})'
+            for s in steps if s.unreadable]
   return notes + [
       f'skipped step directory {s.path.name}: it is empty (no {CHECKPOINT_METADATA} and'
       ' no item), not a step' for s in steps if s.empty
@@ -1005,6 +1028,9 @@ def _latest(path: epath.Path, root: epath.Path, steps: Sequence[StepEntry]) -> S
   usable = [s for s in steps if s.usable]
   if usable:
     return _only_one(root, [s for s in usable if s.step == usable[-1].step])
+  unreadable = [s for s in steps if s.unreadable]
+  if unreadable:
+    raise _cannot_read(path, unreadable, steps)
   empty = ', '.join(s.path.name for s in steps if s.empty)
   if all(s.empty for s in steps):
     raise errors.NotACheckpointError(
@@ -1017,6 +1043,17 @@ def _latest(path: epath.Path, root: epath.Path, steps: Sequence[StepEntry]) -> S
       f' {", ".join(s.path.name for s in steps if not s.committed)}'
       + (f' (and empty directories {empty})' if empty else '')
       + '. Wait for the writer to finish, or restore from an earlier checkpoint.'
+  )
+
+
+def _cannot_read(path: epath.Path, unreadable: Sequence[StepEntry], steps: Sequence[StepEntry],
+                 ) -> errors.NotACheckpointError:
+  """The error for step directories that cannot be read (and no usable step instead)."""
+  which = ', '.join(f'{s.path.name} ({s.unreadable})' for s in unreadable)
+  return errors.NotACheckpointError(
+      f'{path}: expected a readable committed step, found step directories that cannot be'
+      f' read: {which}. Steps present: {describe_steps(steps)}. Check their permissions'
+      ' (and mounts), or pass another step.'
   )
 
 
@@ -1033,6 +1070,8 @@ def _numbered(path: epath.Path, root: epath.Path, steps: Sequence[StepEntry], st
   done = [s for s in matching if s.usable]
   if done:
     return _only_one(root, done)
+  if any(s.unreadable for s in matching):
+    raise _cannot_read(path, [s for s in matching if s.unreadable], steps)
   if any(s.empty for s in matching):
     raise errors.NotACheckpointError(
         f'{next(s.path for s in matching if s.empty)}: step {step} is an empty'

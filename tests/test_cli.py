@@ -513,6 +513,54 @@ def test_convert_sigterm_removes_its_temporary(big_checkpoint, tmp_path, sig):
   assert list(tmp_path.iterdir()) == []
 
 
+def _no_temporary_left(proc: subprocess.Popen, dst: pathlib.Path, tmp_path: pathlib.Path) -> None:
+  """A conversion stopped by a signal: exit 130, its message, and nothing left (also a
+  moment later: no write of it lands after the clean-up); or it had finished: DST whole."""
+  _, err = proc.communicate(timeout=300)
+  time.sleep(0.5)
+  left = sorted(p.name for p in dst.parent.iterdir()) if dst.parent.exists() else []
+  assert 'Traceback' not in err and 'Error' not in err, err
+  if proc.returncode == 0:  # The signal came after the commit.
+    assert left == [dst.name] and (dst / '_CHECKPOINT_METADATA').exists()
+    return
+  assert proc.returncode == 130, err
+  assert err.strip().endswith('interrupted; nothing was written at the destination.'), err
+  assert list(tmp_path.iterdir()) == [], left
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize('save', [1, 2])
+def test_convert_signal_mid_write_leaves_no_temporary(big_checkpoint, tmp_path, sig, save):
+  """The signal lands while Orbax's threads write a batch (its save started, not waited
+  for): they are let finish before the temporary step is removed."""
+  dst = tmp_path / 'out' / '1'
+  proc = subprocess.Popen(
+      [sys.executable, str(REPO / 'tests' / 'signal_mid_write.py'), str(int(sig)), str(save),
+       'convert', str(big_checkpoint), str(dst), '--memory-budget', '300M'],
+      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  _no_temporary_left(proc, dst, tmp_path)
+  assert proc.returncode == 130
+
+
+@pytest.mark.parametrize('delay', [0.0, 0.7, 1.4, 2.1])
+def test_convert_signal_at_any_moment_leaves_no_temporary(big_checkpoint, tmp_path, delay):
+  """Signals at several moments after the temporary step appears (reads, writes, commit)."""
+  dst = tmp_path / 'out' / '1'
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
+       '--memory-budget', '300M'],
+      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  deadline = time.monotonic() + 120
+  while not list(dst.parent.glob('*.orbax-checkpoint-tmp-*')) and time.monotonic() < deadline:
+    assert proc.poll() is None, proc.communicate()
+    time.sleep(0.002)
+  time.sleep(delay)
+  proc.send_signal(signal.SIGTERM if delay * 10 % 2 else signal.SIGINT)
+  _no_temporary_left(proc, dst, tmp_path)
+
+
 # --- diff -------------------------------------------------------------------
 
 

@@ -427,6 +427,12 @@ def test_verify_names_every_unreadable_array_and_exits_1(tmp_path):
   done = cli('inspect', dst, '--verify')
   assert done.returncode == 1 and 'FAILED' in done.stdout
   assert f'damaged: stored data missing or unreadable: {len(unreadable)}' in done.stdout
+  # diff reads the same way: each unreadable array is damaged in B (exit 1), the rest compared.
+  done = cli('diff', src, dst, '--json')
+  assert done.returncode == 1, done.stderr
+  found = json.loads(done.stdout)
+  assert sorted(found['damaged_b']) == unreadable and not found['damaged_a']
+  assert not found['values'] and found['compared'] == len(state)
 
 
 def test_verify_checks_the_items_asked_for(tunix_data, tmp_path):

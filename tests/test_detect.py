@@ -179,3 +179,42 @@ def test_old_aggregate_only_checkpoint(tmp_path):
   (item / 'checkpoint').write_bytes(b'\xc1\xc1garbage')
   with pytest.raises(ot.CorruptMetadataError, match='checkpoint'):
     storage.open_item(item)
+
+
+def test_a_step_directory_that_cannot_be_read_is_said_so(tunix_data, tmp_path, monkeypatch, capsys):
+  """What a step directory without permissions gives a user (as root, the suite cannot
+  make one: the system's PermissionError is raised where it would come from)."""
+  root = tmp_path / 'run'
+  shutil.copytree(tunix_data / 'sft_full', root)
+  locked = root / '2'
+  path_type = type(ot.storage.as_path(locked))
+  real_exists, real_iterdir = path_type.exists, path_type.iterdir
+
+  def denied(path):
+    if str(path).startswith(f'{locked}/') or str(path) == str(locked):
+      raise PermissionError(13, 'Permission denied', str(path))
+
+  def exists(self):
+    if str(self).startswith(f'{locked}/'):
+      denied(self)
+    return real_exists(self)
+
+  def iterdir(self):
+    denied(self)
+    return real_iterdir(self)
+
+  monkeypatch.setattr(path_type, 'exists', exists)
+  monkeypatch.setattr(path_type, 'iterdir', iterdir)
+  d = ot.detect(root)  # Step 1 is readable: used, and the skip said.
+  assert d.step == 1
+  assert 'skipped step directory 2: it cannot be read (Permission denied)' in d.notes
+  with pytest.raises(ot.NotACheckpointError) as e:
+    ot.detect(root, step=2)
+  assert 'cannot be read: 2 (Permission denied)' in str(e.value)
+  assert 'Check their permissions' in str(e.value) and 'empty' not in str(e.value)
+  shutil.rmtree(root / '1')
+  from orbax_tunix import cli  # noqa: PLC0415
+  assert cli.main(['inspect', str(root)]) == 2
+  err = capsys.readouterr().err
+  assert 'found step directories that cannot be read: 2 (Permission denied)' in err
+  assert 'only empty step directories' not in err

@@ -187,7 +187,8 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'kind': d.kind,
       'writer': d.writer,
       'steps': [
-          {'step': s.step, 'committed': s.committed, 'empty': s.empty, 'path': str(s.path)}
+          {'step': s.step, 'committed': s.committed, 'empty': s.empty,
+           'unreadable': s.unreadable or None, 'path': str(s.path)}
           for s in report.steps
       ],
       'items': {
@@ -501,11 +502,13 @@ def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint:
   """Draws a diff result, then its one-line verdict."""
   sections = [
       (
-          f'Damaged in A ({result.a}): data does not match its recorded checksum',
+          f'Damaged in A ({result.a}): data does not match its recorded checksum, or'
+          ' cannot be read',
           ['path'], [[p] for p in result.damaged_a], (),
       ),
       (
-          f'Damaged in B ({result.b}): data does not match its recorded checksum',
+          f'Damaged in B ({result.b}): data does not match its recorded checksum, or'
+          ' cannot be read',
           ['path'], [[p] for p in result.damaged_b], (),
       ),
       (f'Only in A ({result.a})', ['path'], [[p] for p in result.only_a], ()),
