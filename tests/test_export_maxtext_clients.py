@@ -279,7 +279,7 @@ def test_b_export_equals_maxtexts_own_conversion(run, name):
   """Every tensor MaxText's converter writes, by name, shape, dtype and value; nothing else."""
   case, src = name.rsplit('_', 1)
   out = run.exported(name)
-  r = run.case(case)
+  run.case(case)
   want = {text_name(k[len('hf/'):]): v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
           if k.startswith('hf/')}
   got_meta = run.result(run.maxtext, f'read_{name}')['tensors']
