@@ -50,6 +50,17 @@ def is_rng_state(path: Path) -> bool:
   return RNG_KEY in path
 
 
+# MaxText's AQT quantization keeps its state among the weights (`aqt` variables,
+# `AqtEinsum_0`/`AqtDotGeneral_0` modules): no weight of the model either.
+AQT_KEY = 'aqt'
+AQT_MODULE_PREFIX = 'Aqt'
+
+
+def is_quantization_state(path: Path) -> bool:
+  """True for AQT's state in a MaxText model (an `aqt` key or an `Aqt...` module)."""
+  return any(k == AQT_KEY or k.startswith(AQT_MODULE_PREFIX) for k in path)
+
+
 def role(item: str, top_keys: Collection[str]) -> str | None:
   """Which Tunix item an item plays: by its name, else by its top-level keys.
 

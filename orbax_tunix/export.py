@@ -24,6 +24,7 @@ from etils import epath
 
 from orbax_tunix import (
   commit,
+  conventions,
   errors,
   huggingface,
   layouts,
@@ -36,6 +37,8 @@ from orbax_tunix import (
 from orbax_tunix import merge as merge_lib
 from orbax_tunix.convert import check_destination
 from orbax_tunix.keypaths import fmt
+from orbax_tunix.layouts.canonical import rng_note
+from orbax_tunix.maxtext import stacks
 from orbax_tunix.outputs import Output, relay
 
 # transformers' default `max_shard_size`.
@@ -219,19 +222,29 @@ def plan_export(
   if merged is None:
     _refuse_adapters(source)
   weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))
-  shapes = {p: o.shape for p, o in weights.items()}
   where = str(source.step_dir)
+  weights, left_out = _model_weights(weights)
+  naming = family.naming(weights, where)
+  # MaxText's stacked layers taken apart first, then the family's names.
+  per_layer = stacks.unstack({p: o.shape for p, o in weights.items()}, naming.stacks,
+                             where=where)
+  per_layer, vocab_notes = huggingface.cut_vocab(
+      naming, per_layer, _config_vocab(hf_config), f'{hf_config}/config.json')
+  shapes = {p: m.shape for p, m in per_layer.items()}
   try:
-    mapped = patterns.map_paths(shapes, family.rules, where=where)
+    mapped = patterns.map_paths(shapes, naming.rules, where=where)
   except errors.UnsupportedLayoutError as e:
     raise errors.UnsupportedLayoutError(
         f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the family"
         f' the model is (`model`: {", ".join(huggingface.names())}).'
     ) from e
   huggingface.fits(family, shapes, mapped.unmatched, where)
-  outputs = tuple(writer.in_write_order(relay(weights, mapped.outputs)))
+  staged = {o.path: o for o in relay(weights, per_layer)}
+  outputs = tuple(writer.in_write_order(
+      _read_as_stored(o) for o in relay(staged, mapped.outputs)))
   config, copied, notes = _config_files(family, hf_config, shapes)
-  notes = list(source.detection.notes) + notes
+  notes = [*source.detection.notes, *rng_note(source), *left_out, *vocab_notes, *notes,
+           f'weights: {describe_source({p: o.shape for p, o in weights.items()})}']
   if merged is not None:
     notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(merged.weights)}'
                  ' weights')
@@ -245,6 +258,47 @@ def plan_export(
       files=tuple(writer.shards(outputs, max_shard_size)), config=config, copied=copied,
       memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged,
   )
+
+
+def _model_weights(weights: dict) -> tuple[dict, list[str]]:
+  """The weights without AQT's quantization state (no tensor of the model), and a note."""
+  aqt = [p for p in weights if conventions.is_quantization_state(p)]
+  if not aqt:
+    return weights, []
+  kept = {p: o for p, o in weights.items() if p not in set(aqt)}
+  return kept, [f'left out {len(aqt)} AQT quantization leaves (e.g. {fmt(aqt[0])}): not'
+                ' weights of the model']
+
+
+def _read_as_stored(output: Output) -> Output:
+  """A computed output (a norm's shift, a division) reads its sources in their own dtype:
+  the arithmetic is in float32 and the cast to the written dtype comes once, after it."""
+  if output.transform.moves_only or output.read_dtypes is not None:
+    return output
+  return dataclasses.replace(output, read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
+
+
+def _config_vocab(hf_config: epath.PathLike | None) -> int | None:
+  """The `vocab_size` of the `hf_config` folder's config.json (its text model's), if any."""
+  if hf_config is None:
+    return None
+  path = storage.as_path(hf_config) / 'config.json'
+  if not path.is_file():
+    return None  # `_config_files` says what is wrong.
+  config = storage.read_json(path, 'a Hugging Face config.json')
+  config = config.get('text_config', config) if isinstance(config, dict) else {}
+  vocab = config.get('vocab_size') if isinstance(config, dict) else None
+  return vocab if isinstance(vocab, int) else None
+
+
+def describe_source(shapes) -> str:
+  """What kind of model the weights are, for notes and `inspect`: e.g.
+  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'."""
+  kind = huggingface.source_kind(shapes)
+  if kind != huggingface.MAXTEXT:
+    return huggingface.SOURCE_NAMES[kind]
+  form, layers = stacks.describe(shapes)
+  return f'{huggingface.SOURCE_NAMES[kind]} ({form}, {layers} layers)'
 
 
 def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:

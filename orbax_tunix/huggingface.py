@@ -12,17 +12,65 @@ Tunix lays attention weights out as einsums: q/k/v (D, heads, H), the output
 (heads, H, D); Hugging Face as linear layers (out, in): q/k/v (heads·H, D),
 o (D, heads·H), so the heads axes are merged and the result transposed; MLP
 kernels (in, out) are transposed; norms and embeddings are copied.
+
+A family names each kind of source it takes (`Naming`): Tunix's own model
+classes (`tunix.models`: `rules`, `required`, `dims`, `tied` on the family
+itself) and, where MaxText has the model, MaxText's (`maxtext`: a Tunix run
+of a MaxText model, or MaxText's own step). Which one applies comes from the
+weights' names (`source_kind`). MaxText's naming is on the per-layer form
+`decoder/layers_{i}/<w>`: its stacked forms are first taken apart by
+`maxtext.stacks.unstack` (the family's `stacks`); then the rules apply what
+MaxText's own converter applies (checkpoint_conversion/utils/param_mapping.py):
+kernels (in, heads, head_dim) merged and transposed to (out, in); gemma norms
+`w - 1` (MaxText stores `1 + w`); gemma3's embedding divided by sqrt(hidden)
+rounded to bfloat16 (gemma4: in float32), as MaxText stores it scaled.
+
+MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
+
+  llama3.1, qwen3   token_embedder/embedding (V, D); decoder/decoder_norm/scale (D,);
+                    decoder/logits_dense/kernel (D, V) (untied only: qwen3-0.6b has none);
+                    per layer: self_attention/{query,key,value}/kernel (D, N, H),
+                    self_attention/out/kernel (N, H, D), mlp/{wi_0,wi_1}/kernel (D, F),
+                    mlp/wo/kernel (F, D), {pre,post}_self_attention_layer_norm/scale (D,);
+                    qwen3 also self_attention/{query,key}_norm/scale (H,)
+  gemma3            as above without logits_dense, norms {pre,post}_self_attention_norm,
+                    {pre,post}_ffw_norm, query_norm, key_norm; scanned in blocks of six
+  gemma4            gemma3's names plus layer_scalar (1,); global layers (every sixth)
+                    have their own head_dim and no value kernel (k = v shared)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
 
 from orbax_tunix import catalog, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.patterns import LayoutRule, Pattern
-from orbax_tunix.transforms import Shape, chain, merge_axes, take, transpose
+from orbax_tunix.maxtext import stacks as stacks_lib
+from orbax_tunix.patterns import LayoutRule, Mapped, Pattern
+from orbax_tunix.transforms import (
+  IDENTITY,
+  Shape,
+  chain,
+  divide,
+  head,
+  merge_axes,
+  shift,
+  take,
+  transpose,
+)
+
+# The kinds of source a family may name (`Naming.source`).
+TUNIX = 'tunix'
+MAXTEXT = 'maxtext'
+# How a source kind is told from its weights: the top-level keys of MaxText's
+# decoder model (Tunix's model classes have `embedder`, `layers`, ...).
+_MAXTEXT_ROOTS = frozenset({'decoder', 'token_embedder'})
+SOURCE_NAMES = {TUNIX: 'Tunix model (tunix.models)', MAXTEXT: 'MaxText model'}
 
 LAYER = 'model.layers.{i}'
 # (D, X, H) -> (X·H, D): an input projection as Hugging Face's linear weight.
@@ -37,31 +85,40 @@ def _rule(source: str, dest: str, transform=None) -> LayoutRule:
   return LayoutRule.of(tuple(source.split('/')), (dest,), *(() if transform is None else (transform,)))
 
 
+def source_kind(paths: Collection[Path]) -> str:
+  """MAXTEXT for MaxText's model (a Tunix run of one, or MaxText's own step), else TUNIX."""
+  return MAXTEXT if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX
+
+
 @dataclasses.dataclass(frozen=True)
-class Family:
-  """One Hugging Face model family.
+class Naming:
+  """One kind of source's names for a family (see the module docstring).
 
   Attributes:
-    name: what `--model` calls it.
-    architecture: the `transformers` class (config.json's `architectures`).
-    rules: Tunix canonical weight pattern -> tensor name and transform.
-    required: what every checkpoint of the family holds: per requirement,
-      alternatives, each a set of weight patterns (`{i}` over every layer).
-    dims: config.json field -> (weight pattern, axis) alternatives its value
-      is read from (`num_hidden_layers` is the layer count).
-    tied: config.json's `tie_word_embeddings` from the weights' paths.
+    source: TUNIX or MAXTEXT.
+    rules: weight pattern -> tensor name and transform (MAXTEXT: on the
+      per-layer form).
+    required: as `Family.required`.
+    dims: as `Family.dims`.
+    tied: as `Family.tied`.
+    layer: the pattern of one layer's prefix (`{i}` its number).
+    vocab: weight pattern -> its vocabulary axis (cut to the config's
+      `vocab_size` when the checkpoint's is padded).
+    stacks: the stacked forms MaxText stores the family's layers in.
   """
 
-  name: str
-  architecture: str
+  source: str
   rules: tuple[LayoutRule, ...]
   required: tuple[tuple[tuple[str, ...], ...], ...]
   dims: Mapping[str, tuple[tuple[str, int], ...]]
   tied: Callable[[Collection[Path]], bool] | None = None
+  layer: tuple[str, ...] = ('layers', '{i}')
+  vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  stacks: tuple[stacks_lib.Stack, ...] = ()
 
   def layers(self, paths) -> list[str]:
-    return sorted({p[1] for p in paths if len(p) > 2 and p[0] == 'layers' and p[1].isdigit()},
-                  key=int)
+    pattern = Pattern.parse((*self.layer, '...'))
+    return sorted({m[0]['i'] for p in paths if (m := pattern.match(p))}, key=int)
 
   def missing(self, paths) -> list[str]:
     """The first alternative of each requirement the weights do not meet, as paths."""
@@ -89,6 +146,135 @@ class Family:
     if self.tied is not None:
       out['tie_word_embeddings'] = self.tied(shapes)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One Hugging Face model family.
+
+  Attributes:
+    name: what `--model` calls it.
+    architecture: the `transformers` class (config.json's `architectures`).
+    rules: Tunix canonical weight pattern -> tensor name and transform.
+    required: what every checkpoint of the family holds: per requirement,
+      alternatives, each a set of weight patterns (`{i}` over every layer).
+    dims: config.json field -> (weight pattern, axis) alternatives its value
+      is read from (`num_hidden_layers` is the layer count).
+    tied: config.json's `tie_word_embeddings` from the weights' paths.
+    vocab: the Tunix weights' vocabulary axes (see `Naming.vocab`).
+    maxtext: MaxText's naming of the family, if MaxText has the model.
+  """
+
+  name: str
+  architecture: str
+  rules: tuple[LayoutRule, ...]
+  required: tuple[tuple[tuple[str, ...], ...], ...]
+  dims: Mapping[str, tuple[tuple[str, int], ...]]
+  tied: Callable[[Collection[Path]], bool] | None = None
+  vocab: Mapping[str, int] = dataclasses.field(
+      default_factory=lambda: {'embedder/input_embedding': 0, 'lm_head/w': 1})
+  maxtext: Naming | None = None
+
+  @property
+  def tunix(self) -> Naming:
+    """The naming of Tunix's own model class (the family's own fields)."""
+    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab)
+
+  @property
+  def namings(self) -> tuple[Naming, ...]:
+    """The kinds of source the family names (no Tunix naming when `rules` is empty)."""
+    return ((self.tunix,) if self.rules else ()) + ((self.maxtext,) if self.maxtext else ())
+
+  def naming(self, paths: Collection[Path], where: str = '') -> Naming:
+    """The naming of the kind of source these weights are (`source_kind`).
+
+    Raises:
+      UnsupportedLayoutError: the family does not name that kind.
+    """
+    kind = source_kind(paths)
+    found = next((n for n in self.namings if n.source == kind), None)
+    if found is None:
+      takers = [f.name for f in map(get, names()) if any(n.source == kind for n in f.namings)]
+      raise errors.UnsupportedLayoutError(
+          f'{where}: these weights are a {SOURCE_NAMES[kind]}\'s, and the {self.name} family'
+          f' has no {kind} naming. Pick a family that has one (`model`: {", ".join(takers)}).'
+      )
+    return found
+
+  def layers(self, paths) -> list[str]:
+    return self.naming(paths).layers(paths)
+
+  def missing(self, paths) -> list[str]:
+    """The first alternative of each requirement the weights do not meet, as paths."""
+    return self.naming(paths).missing(paths)
+
+  def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
+    """The config.json dimensions these weights imply."""
+    return self.naming(shapes).config(shapes)
+
+
+MT_LAYER = 'decoder/layers_{i}'
+_MT_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
+
+
+def _mt_attention(norm=None) -> list[LayoutRule]:
+  """MaxText's attention (D, N, H) / (N, H, D) kernels, and its q/k norms through `norm`."""
+  rules = [
+      _rule(f'{MT_LAYER}/self_attention/{mt}/kernel', f'{LAYER}.self_attn.{hf}_proj.weight',
+            IN_PROJ)
+      for mt, hf in (('query', 'q'), ('key', 'k'), ('value', 'v'))
+  ]
+  rules.append(_rule(f'{MT_LAYER}/self_attention/out/kernel', f'{LAYER}.self_attn.o_proj.weight',
+                     OUT_PROJ))
+  if norm is not None:
+    rules += [_rule(f'{MT_LAYER}/self_attention/{mt}_norm/scale',
+                    f'{LAYER}.self_attn.{hf}_norm.weight', norm)
+              for mt, hf in (('query', 'q'), ('key', 'k'))]
+  return rules
+
+
+def _mt_mlp() -> list[LayoutRule]:
+  return [_rule(f'{MT_LAYER}/mlp/{mt}/kernel', f'{LAYER}.mlp.{hf}_proj.weight', transpose())
+          for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))]
+
+
+def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[str, int], ...]]:
+  first = MT_LAYER.replace('{i}', '0')
+  return {
+      'vocab_size': (('token_embedder/embedding', 0),),
+      'hidden_size': (('token_embedder/embedding', 1),),
+      'num_attention_heads': ((f'{first}/self_attention/query/kernel', 1),),
+      'head_dim': ((f'{first}/self_attention/query/kernel', 2),),
+      'num_key_value_heads': ((f'{first}/self_attention/key/kernel', 1),),
+      'intermediate_size': ((mlp.replace('{i}', '0'), 1),),
+  }
+
+
+def _maxtext_qwen3_style(norms: bool) -> Naming:
+  """MaxText's llama3.1 and qwen3 (dense) decoders: qwen3 adds q/k norms."""
+  rules = [
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight'),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      _rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),  # Only when not tied.
+      *_mt_attention(norm=IDENTITY if norms else None),
+      *_mt_mlp(),
+      _rule(f'{MT_LAYER}/pre_self_attention_layer_norm/scale', f'{LAYER}.input_layernorm.weight'),
+      _rule(f'{MT_LAYER}/post_self_attention_layer_norm/scale',
+            f'{LAYER}.post_attention_layernorm.weight'),
+  ]
+  required = [(
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  )]
+  if norms:
+    required.append((f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',))
+  return Naming(
+      MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
+      tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
+      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, stacks=stacks_lib.SCANNED,
+  )
 
 
 def _qwen3_style(name: str, architecture: str, norms: bool) -> Family:
@@ -125,6 +311,7 @@ def _qwen3_style(name: str, architecture: str, norms: bool) -> Family:
           'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
       },
       tied=lambda paths: ('lm_head', 'w') not in paths,
+      maxtext=_maxtext_qwen3_style(norms),
   )
 
 
@@ -178,8 +365,132 @@ GEMMA3 = Family(
     },
 )
 
+# MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
+# multiplied by sqrt(hidden): gemma3's converter divides by that number rounded
+# to bfloat16 (`np.dtype('bfloat16').type(hidden ** 0.5)`), gemma4's by it in float32.
+GEMMA_NORM = shift(-1)
+_MT_GEMMA_NORMS = {
+    'pre_self_attention_norm': 'input_layernorm',
+    'post_self_attention_norm': 'post_attention_layernorm',
+    'pre_ffw_norm': 'pre_feedforward_layernorm',
+    'post_ffw_norm': 'post_feedforward_layernorm',
+}
+
+
+def _bf16_sqrt(shape: Shape) -> float:
+  return float(np.asarray(math.sqrt(shape[1]), dtype=ml_dtypes.bfloat16))
+
+
+def _maxtext_gemma3() -> Naming:
+  """MaxText's gemma3 text decoder (tied embedding; scanned in blocks of six)."""
+  rules = (
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
+            divide('sqrt(hidden) as bfloat16', _bf16_sqrt)),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight', GEMMA_NORM),
+      *_mt_attention(norm=GEMMA_NORM),
+      *_mt_mlp(),
+      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', GEMMA_NORM)
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
+  ),)
+  return Naming(MAXTEXT, rules, tuple((r,) for r in required), _mt_dims(),
+                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
+                stacks=stacks_lib.blocks(6))
+
+
+GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
+
+
+def _f32_sqrt(shape: Shape) -> float:
+  return float(np.float32(math.sqrt(shape[1])))
+
+
+def _maxtext_gemma4() -> Naming:
+  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are.
+
+  A global layer (every sixth) has its own head_dim and kv heads and no value
+  kernel (`share_kv_projections`: keys are values; Hugging Face's
+  `attention_k_eq_v` has no v_proj there either), so `value` is not required
+  of every layer; `layer_scalar` is Hugging Face's per-layer buffer.
+  """
+  rules = (
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
+            divide('sqrt(hidden) as float32', _f32_sqrt)),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      *_mt_attention(norm=IDENTITY),
+      *_mt_mlp(),
+      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight')
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+      _rule(f'{MT_LAYER}/layer_scalar', f'{LAYER}.layer_scalar'),
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
+      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
+  ),)
+  dims = {
+      **_mt_dims(),
+      # Layer 5 is the first global one (five local, one global).
+      'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
+      'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
+  }
+  return Naming(MAXTEXT, rules, tuple((r,) for r in required), dims,
+                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
+                stacks=stacks_lib.local_global(6))
+
+
+# Tunix's own gemma4 classes are named elsewhere (none here yet): MaxText's only.
+GEMMA4 = Family(name='gemma4', architecture='Gemma4ForCausalLM', rules=(), required=(), dims={},
+                maxtext=_maxtext_gemma4())
+
+
+def _maxtext_qwen3_moe() -> Naming:
+  """MaxText's qwen3 MoE decoder (qwen3-30b-a3b): the MLP is `moe_block`.
+
+  The router `gate/kernel` (D, E) is Hugging Face's `mlp.gate.weight` (E, D);
+  the experts `wi_0`, `wi_1` (E, D, F) and `wo` (E, F, D), one array each
+  for all experts, become one (out, in) tensor per expert.
+  """
+  dense = _maxtext_qwen3_style(norms=True)
+  experts = [
+      LayoutRule.of(tuple(f'{MT_LAYER}/moe_block/{mt}'.split('/')),
+                    (f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',), fan_out=('e', 0),
+                    transform_for=lambda e: chain(take(0, e), transpose()))
+      for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))
+  ]
+  rules = (
+      *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
+      _rule(f'{MT_LAYER}/moe_block/gate/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
+      *experts,
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/moe_block/{{p:wi_0|wi_1|wo}}', f'{MT_LAYER}/moe_block/gate/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
+  dims['moe_intermediate_size'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 2),)
+  dims['num_experts'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 0),)
+  return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
+                             dims=dims)
+
+
+# Tunix's own qwen3 MoE is named elsewhere (none here yet): MaxText's only.
+QWEN3_MOE = Family(name='qwen3_moe', architecture='Qwen3MoeForCausalLM', rules=(), required=(),
+                   dims={}, maxtext=_maxtext_qwen3_moe())
+
 FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
-for _family in (QWEN3, LLAMA3, GEMMA3):
+for _family in (QWEN3, LLAMA3, GEMMA3, GEMMA4, QWEN3_MOE):
   FAMILIES.register(_family)
 register, get, names = FAMILIES.register, FAMILIES.get, FAMILIES.names
 
@@ -236,3 +547,46 @@ def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path]
                    + errors.list_paths(missing))
     parts.append(f'Pick the family the model is (`model`: {", ".join(names())}).')
     raise errors.UnsupportedLayoutError('\n'.join(parts))
+
+
+def cut_vocab(
+    naming: Naming, mapped: Mapping[Path, Mapped], vocab_size: int | None, where: str
+) -> tuple[dict[Path, Mapped], list[str]]:
+  """The weights with a padded vocabulary cut to the config's `vocab_size`.
+
+  MaxText pads the vocabulary for sharding; the config's `vocab_size` is the
+  real one. Rows past it are dropped, as MaxText's converter does.
+
+  Args:
+    naming: the weights' naming (its `vocab` axes).
+    mapped: weight -> how it is made (`maxtext.stacks.unstack`).
+    vocab_size: the config's, or None (no config: nothing is cut).
+    where: the config.json, for messages.
+
+  Returns:
+    (the weights, notes).
+
+  Raises:
+    UnsupportedLayoutError: the config's vocabulary is larger than the weights'.
+  """
+  out, notes = dict(mapped), []
+  if vocab_size is None:
+    return out, notes
+  for pattern, axis in naming.vocab.items():
+    path = tuple(pattern.split('/'))
+    if path not in out:
+      continue
+    m = out[path]
+    rows = m.shape[axis]
+    if vocab_size > rows:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: vocab_size {vocab_size} is larger than the weights\' vocabulary'
+          f' ({fmt(path)} {m.shape} has {rows} along axis {axis}): the config is not this'
+          ' model\'s. Pass the --hf-config of the model this run was trained from.'
+      )
+    if vocab_size < rows:
+      cut = head(axis, vocab_size)
+      out[path] = Mapped(m.sources, chain(m.transform, cut), cut.check([m.shape]))
+      notes.append(f'{fmt(path)}: vocabulary padding cut, {rows} -> {vocab_size} (the'
+                   ' config\'s vocab_size)')
+  return out, notes

@@ -14,7 +14,15 @@ each with a transform; nothing else here knows a layout.
   take(axis, index)             one slice along an axis, the axis dropped
   stack(axis)                   several sources stacked along a new axis
   constant(value)               no source: a known value
+  shift(delta)                  x + delta                (computed)
+  divide(name, divisor)         x / divisor(x's shape)   (computed)
+  head(axis, size)              the first `size` entries along an axis
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
+
+Rounding rule of the computed ones (`shift`, `divide`): the value is taken to
+float32, computed there, and cast back to the dtype it came in (one rounding
+from the float32 result); the writer reads such an output's sources in their
+stored dtype, so a cast to `dtype` happens once, after the arithmetic.
 """
 
 from __future__ import annotations
@@ -167,6 +175,55 @@ def constant(value: Any) -> Transform:
   """No source: the value itself (a count Tunix never wrote, filled from a known number)."""
   return Transform(f'constant({value})', lambda shapes: (), lambda xs: np.asarray(value),
                    arity=0)
+
+
+def _in_float32(name: str, fn: Callable[[Any, Shape], Any]) -> Transform:
+  """An elementwise computation in float32 (see the module's rounding rule)."""
+
+  def apply(xs: Sequence[Any]) -> Any:
+    x = xs[0]
+    return fn(x.astype(np.float32), tuple(x.shape)).astype(x.dtype)
+
+  return Transform(name, _one(lambda s: s), apply, moves_only=False)
+
+
+def shift(delta: float) -> Transform:
+  """`x + delta` (e.g. -1: a norm MaxText stores as `1 + w`, where the target stores `w`)."""
+  return _in_float32(f'shift({delta:g})', lambda x, _: x + np.float32(delta))
+
+
+def divide(name: str, divisor: Callable[[Shape], float]) -> Transform:
+  """`x / divisor(shape)`, the divisor taken to float32 (e.g. an embedding's sqrt(hidden)).
+
+  Args:
+    name: how the divisor is made, for `describe()` (and the compile cache:
+      one name, one function).
+    divisor: the source's shape -> the divisor.
+  """
+  return _in_float32(f'divide({name})', lambda x, shape: x / np.float32(divisor(shape)))
+
+
+def head(axis: int, size: int) -> Transform:
+  """The first `size` entries along `axis` (a padded vocabulary cut to the real one)."""
+
+  def shape(s: Shape) -> Shape:
+    if not -len(s) <= axis < len(s):
+      raise TransformError(f'head(axis={axis}): a {len(s)}-d array {s} has no such axis')
+    if not 0 < size <= s[axis]:
+      raise TransformError(f'head(axis={axis}, size={size}): axis {axis} of {s} has {s[axis]}')
+    return tuple(size if i == axis % len(s) else n for i, n in enumerate(s))
+
+  def apply(xs: Sequence[Any]) -> Any:
+    x = xs[0]
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(0, size)
+    return x[tuple(index)]
+
+  def source_spec(spec: tuple) -> tuple:
+    at = axis % len(spec) if spec else 0
+    return tuple(None if i == at else p for i, p in enumerate(spec))  # The cut axis whole.
+
+  return Transform(f'head(axis={axis}, size={size})', _one(shape), apply, source_spec=source_spec)
 
 
 def chain(*transforms: Transform) -> Transform:

@@ -1,0 +1,365 @@
+"""Exporting MaxText models (Tunix runs of one, MaxText's own steps) to Hugging Face safetensors.
+
+The checkpoints are written here with plain Orbax in MaxText 0.2.5's exact parameter trees
+(printed from `nnx.state` of tiny models MaxText builds: see `orbax_tunix/huggingface.py`'s
+docstring): as a Tunix run (`model_params/base/<path>/value`, with RNG leaves and an AQT leaf
+that are no weights) and as a MaxText step (`items/params/params/<path>`), scanned
+(`param_scan_axis` 1), unscanned, and gemma3's scanned blocks of six plus a remainder.
+
+Expected tensors come from this module's own numpy formulas per Hugging Face name (reshape,
+transpose, `- 1` for gemma norms, `/ bfloat16(sqrt(hidden))` for gemma3's embedding, a row
+slice for a padded vocabulary), applied to the per-layer arrays the checkpoints were built
+from; the safetensors files are parsed here (8-byte length, JSON header, raw bytes). The
+checks against MaxText's own conversion functions and Tunix's loaders are in the client tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_tunix
+from tests.clients import subprocess_env
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+D, N, K, H, F, V = 16, 4, 2, 8, 48, 64
+ST_DTYPES = {'F32': np.dtype(np.float32), 'BF16': np.dtype(ml_dtypes.bfloat16)}
+
+# --------------------------------------------------------------------------- #
+# MaxText 0.2.5's per-layer weights (names and shapes as nnx.state prints them)
+# --------------------------------------------------------------------------- #
+LLAMA_LAYER = {
+    'self_attention/query/kernel': (D, N, H), 'self_attention/key/kernel': (D, K, H),
+    'self_attention/value/kernel': (D, K, H), 'self_attention/out/kernel': (N, H, D),
+    'mlp/wi_0/kernel': (D, F), 'mlp/wi_1/kernel': (D, F), 'mlp/wo/kernel': (F, D),
+    'pre_self_attention_layer_norm/scale': (D,), 'post_self_attention_layer_norm/scale': (D,),
+}
+QWEN3_LAYER = {**LLAMA_LAYER, 'self_attention/query_norm/scale': (H,),
+               'self_attention/key_norm/scale': (H,)}
+GEMMA3_LAYER = {
+    **{k: v for k, v in LLAMA_LAYER.items() if 'layer_norm' not in k},
+    'self_attention/query_norm/scale': (H,), 'self_attention/key_norm/scale': (H,),
+    'pre_self_attention_norm/scale': (D,), 'post_self_attention_norm/scale': (D,),
+    'pre_ffw_norm/scale': (D,), 'post_ffw_norm/scale': (D,),
+}
+E, FE = 4, 24  # qwen3 MoE: experts, expert MLP width
+QWEN3_MOE_LAYER = {
+    **{k: v for k, v in QWEN3_LAYER.items() if not k.startswith('mlp/')},
+    'moe_block/gate/kernel': (D, E), 'moe_block/wi_0': (E, D, FE), 'moe_block/wi_1': (E, D, FE),
+    'moe_block/wo': (E, FE, D),
+}
+GEMMA4_LOCAL = {**GEMMA3_LAYER, 'layer_scalar': (1,)}
+NG, KG, HG = N, 3, 12  # gemma4's global layers: their own kv heads and head_dim, no value
+GEMMA4_GLOBAL = {
+    **{k: v for k, v in GEMMA4_LOCAL.items() if not k.startswith('self_attention/')},
+    'self_attention/query/kernel': (D, NG, HG), 'self_attention/key/kernel': (D, KG, HG),
+    'self_attention/out/kernel': (NG, HG, D), 'self_attention/query_norm/scale': (HG,),
+    'self_attention/key_norm/scale': (HG,),
+}
+MODELS = {  # model -> (layer number -> its weights, layers, untied lm_head)
+    'llama3': (lambda i: LLAMA_LAYER, 3, True),
+    'qwen3': (lambda i: QWEN3_LAYER, 3, True),
+    'qwen3_tied': (lambda i: QWEN3_LAYER, 2, False),
+    'gemma3': (lambda i: GEMMA3_LAYER, 8, False),  # one block of six, a remainder of two
+    'gemma4': (lambda i: GEMMA4_GLOBAL if i % 6 == 5 else GEMMA4_LOCAL, 8, False),
+    'qwen3_moe': (lambda i: QWEN3_MOE_LAYER, 2, True),
+}
+
+
+def model_weights(model: str, seed: int = 0) -> tuple[dict, dict]:
+  """(the model's weights outside the layers, [per-layer weights]), random, norms near 1."""
+  layer, n, untied = MODELS[model]
+  rng = np.random.default_rng(seed)
+
+  def w(name, shape):
+    x = rng.normal(size=shape).astype(np.float32)
+    return 1 + 0.1 * x if name.endswith('scale') else x
+
+  top = {'token_embedder/embedding': w('e', (V, D)), 'decoder/decoder_norm/scale': w('scale', (D,))}
+  if untied:
+    top['decoder/logits_dense/kernel'] = w('k', (D, V))
+  layers = [{k: w(k, s) for k, s in layer(i).items()} for i in range(n)]
+  return top, layers
+
+
+def maxtext_tree(model: str, form: str, seed: int = 0) -> dict[str, np.ndarray]:
+  """MaxText's flat weight paths in `form` ('unscanned', 'scanned': layers on axis 1)."""
+  top, layers = model_weights(model, seed)
+  flat = dict(top)
+  if form == 'unscanned':
+    for i, weights in enumerate(layers):
+      flat.update({f'decoder/layers_{i}/{k}': v for k, v in weights.items()})
+  elif model == 'gemma4':  # per block of six: five local (axis 2) and a global layer
+    blocks = len(layers) // 6
+    for k in layers[0]:
+      flat[f'decoder/scanned_blocks/local_layers/{k}'] = np.stack(
+          [np.stack([layers[6 * b + j][k] for j in range(5)], axis=1) for b in range(blocks)],
+          axis=1)
+    for k in layers[5]:
+      flat[f'decoder/scanned_blocks/global_layer/{k}'] = np.stack(
+          [layers[6 * b + 5][k] for b in range(blocks)], axis=1)
+    for k in layers[0]:
+      flat[f'decoder/layers_remainder/local_layers/{k}'] = np.stack(
+          [w[k] for w in layers[6 * blocks:]], axis=1)
+  elif model == 'gemma3':  # blocks of six on axis 1, the rest unscanned
+    blocks = len(layers) // 6
+    for j in range(6):
+      for k in layers[0]:
+        flat[f'decoder/layers/layers_{j}/{k}'] = np.stack(
+            [layers[6 * b + j][k] for b in range(blocks)], axis=1)
+    for r, weights in enumerate(layers[6 * blocks:]):
+      flat.update({f'decoder/layers_remainder/layers_{r}/{k}': v for k, v in weights.items()})
+  else:
+    for k in layers[0]:
+      flat[f'decoder/layers/{k}'] = np.stack([w[k] for w in layers], axis=1)
+  return flat
+
+
+def nest(flat: dict[str, object]) -> dict:
+  tree: dict = {}
+  for path, value in flat.items():
+    *parents, last = path.split('/')
+    node = tree
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[last] = value
+  return tree
+
+
+def save_tunix_run(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 2) -> pathlib.Path:
+  """A Tunix run of a MaxText model: `model_params/base/<path>/value`, RNG and AQT leaves too."""
+  leaves = {f'base/{p}/value': v for p, v in flat.items()}
+  leaves['base/decoder/rngs/params/count/value'] = np.uint32(3)
+  leaves['base/decoder/rngs/params/key/value'] = np.array([0, 7], np.uint32)
+  leaves['base/decoder/rngs/dropout/count/value'] = np.uint32(1)
+  leaves['base/decoder/rngs/dropout/key/value'] = np.array([1, 5], np.uint32)
+  leaves['base/decoder/logits_dense/aqt/frozen_scale/value'] = np.ones((1, V), np.float32)
+  step_dir = root / str(step)
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(step_dir, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(nest(leaves))))
+  return root
+
+
+def save_maxtext_step(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 5) -> pathlib.Path:
+  """MaxText's own step: `items/params/params/<path>`, with a step counter and an optimizer."""
+  tree = {'params': {'params': nest(flat)}, 'step': np.int64(step),
+          'opt_state': [{'count': np.int32(step),
+                         'mu': nest({p: np.zeros_like(v) for p, v in flat.items()})}]}
+  step_dir = root / str(step)
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(step_dir, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+  return root
+
+
+# --------------------------------------------------------------------------- #
+# The Hugging Face tensors, by hand
+# --------------------------------------------------------------------------- #
+def _in(w):  # (D, X, H) -> (X*H, D)
+  return w.reshape(w.shape[0], -1).T
+
+
+def _out(w):  # (N, H, D) -> (D, N*H)
+  return w.reshape(-1, w.shape[-1]).T
+
+
+def expected(model: str, vocab: int = V, seed: int = 0) -> dict[str, np.ndarray]:
+  top, layers = model_weights(model, seed)
+  gemma = model.startswith('gemma')
+  # MaxText's gemma3 norms are 1 + w (gemma4's as Hugging Face's).
+  norm = (lambda x: x - np.float32(1)) if model == 'gemma3' else (lambda x: x)
+  embed = top['token_embedder/embedding'][:vocab]
+  if model == 'gemma3':  # stored times sqrt(hidden); MaxText's converter divides by it in bf16
+    embed = embed / np.float32(ml_dtypes.bfloat16(math.sqrt(D)))
+  if model == 'gemma4':  # ... and gemma4's in float32
+    embed = embed / np.float32(math.sqrt(D))
+  out = {'model.embed_tokens.weight': embed,
+         'model.norm.weight': norm(top['decoder/decoder_norm/scale'])}
+  if 'decoder/logits_dense/kernel' in top:
+    out['lm_head.weight'] = top['decoder/logits_dense/kernel'].T[:vocab]
+  for i, w in enumerate(layers):
+    p = f'model.layers.{i}'
+    out[f'{p}.self_attn.q_proj.weight'] = _in(w['self_attention/query/kernel'])
+    out[f'{p}.self_attn.k_proj.weight'] = _in(w['self_attention/key/kernel'])
+    if 'self_attention/value/kernel' in w:  # gemma4's global layers have none
+      out[f'{p}.self_attn.v_proj.weight'] = _in(w['self_attention/value/kernel'])
+    out[f'{p}.self_attn.o_proj.weight'] = _out(w['self_attention/out/kernel'])
+    if 'moe_block/wi_0' in w:
+      out[f'{p}.mlp.gate.weight'] = w['moe_block/gate/kernel'].T
+      for e in range(E):
+        out[f'{p}.mlp.experts.{e}.gate_proj.weight'] = w['moe_block/wi_0'][e].T
+        out[f'{p}.mlp.experts.{e}.up_proj.weight'] = w['moe_block/wi_1'][e].T
+        out[f'{p}.mlp.experts.{e}.down_proj.weight'] = w['moe_block/wo'][e].T
+    else:
+      out[f'{p}.mlp.gate_proj.weight'] = w['mlp/wi_0/kernel'].T
+      out[f'{p}.mlp.up_proj.weight'] = w['mlp/wi_1/kernel'].T
+      out[f'{p}.mlp.down_proj.weight'] = w['mlp/wo/kernel'].T
+    if 'layer_scalar' in w:
+      out[f'{p}.layer_scalar'] = w['layer_scalar']
+    if 'self_attention/query_norm/scale' in w:
+      out[f'{p}.self_attn.q_norm.weight'] = norm(w['self_attention/query_norm/scale'])
+      out[f'{p}.self_attn.k_norm.weight'] = norm(w['self_attention/key_norm/scale'])
+    if gemma:
+      out[f'{p}.input_layernorm.weight'] = norm(w['pre_self_attention_norm/scale'])
+      out[f'{p}.post_attention_layernorm.weight'] = norm(w['post_self_attention_norm/scale'])
+      out[f'{p}.pre_feedforward_layernorm.weight'] = norm(w['pre_ffw_norm/scale'])
+      out[f'{p}.post_feedforward_layernorm.weight'] = norm(w['post_ffw_norm/scale'])
+    else:
+      out[f'{p}.input_layernorm.weight'] = w['pre_self_attention_layer_norm/scale']
+      out[f'{p}.post_attention_layernorm.weight'] = w['post_self_attention_layer_norm/scale']
+  return out
+
+
+def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  data = path.read_bytes()
+  n = int.from_bytes(data[:8], 'little')
+  header = json.loads(data[8:8 + n])
+  header.pop('__metadata__', None)
+  body = data[8 + n:]
+  out = {}
+  for name, e in header.items():
+    start, end = e['data_offsets']
+    out[name] = np.frombuffer(body[start:end], ST_DTYPES[e['dtype']]).reshape(e['shape'])
+  return out
+
+
+def family(model: str) -> str:
+  return model.removesuffix('_tied')
+
+
+def hf_config(folder: pathlib.Path, model: str, **fields) -> pathlib.Path:
+  layer, n, untied = MODELS[model]
+  config = {'vocab_size': V, 'hidden_size': D, 'num_hidden_layers': n,
+            'num_attention_heads': N, 'num_key_value_heads': K, 'head_dim': H,
+            'intermediate_size': F, **fields}
+  if family(model) != 'gemma3':
+    config['tie_word_embeddings'] = not untied
+  folder.mkdir(parents=True)
+  (folder / 'config.json').write_text(json.dumps(config))
+  return folder
+
+
+# --------------------------------------------------------------------------- #
+# Tests
+# --------------------------------------------------------------------------- #
+CASES = [(m, form, kind) for m in MODELS for form in ('scanned', 'unscanned')
+         for kind in ('tunix', 'maxtext')]
+
+
+@pytest.mark.parametrize('model,form,kind', CASES)
+def test_export_matches_the_hf_layout(tmp_path, model, form, kind):
+  save = save_tunix_run if kind == 'tunix' else save_maxtext_step
+  src = save(tmp_path / 'run', maxtext_tree(model, form))
+  plan = orbax_tunix.export.plan_export(src, tmp_path / 'out', model=family(model))
+  notes = '\n'.join(plan.notes)
+  layers = MODELS[model][1]
+  assert f'weights: MaxText model ({form}, {layers} layers)' in notes
+  if kind == 'tunix':
+    assert 'left out 4 RNG state leaves' in notes
+    assert 'left out 1 AQT quantization leaves' in notes
+  orbax_tunix.export.run_export(plan)
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = expected(model)
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    assert got[name].dtype == np.float32, name
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize('model', ['qwen3', 'gemma3'])
+def test_bfloat16_export_rounds_once_after_the_arithmetic(tmp_path, model):
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned'))
+  orbax_tunix.export_to_hf(src, tmp_path / 'out', model=family(model), dtype='bfloat16')
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  for name, value in expected(model).items():
+    assert got[name].dtype == ml_dtypes.bfloat16, name
+    # From the float32 result: a gemma norm near 1 keeps its small part (1 + w cast to
+    # bfloat16 first, then - 1, would lose it).
+    np.testing.assert_array_equal(got[name], value.astype(ml_dtypes.bfloat16), err_msg=name)
+
+
+@pytest.mark.parametrize('model', ['qwen3', 'gemma3'])
+def test_padded_vocabulary_is_cut_to_the_config(tmp_path, model):
+  src = save_tunix_run(tmp_path / 'run', maxtext_tree(model, 'unscanned'))
+  config = hf_config(tmp_path / 'hf', model, vocab_size=60)
+  plan = orbax_tunix.export.plan_export(src, tmp_path / 'out', model=family(model),
+                                        hf_config=config)
+  assert any('vocabulary padding cut, 64 -> 60' in n for n in plan.notes), plan.notes
+  orbax_tunix.export.run_export(plan)
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = expected(model, vocab=60)
+  assert got['model.embed_tokens.weight'].shape == (60, D)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_llama2_fixtures_export_as_llama3(tmp_path):
+  """The committed Tunix runs of MaxText's own llama2 (LlamaForCausalLM's names too)."""
+  data = ROOT / 'tests' / 'data' / 'maxtext'
+  outs = {}
+  for name in ('tunix_llama2_scan', 'tunix_llama2_unscan'):
+    orbax_tunix.export_to_hf(data / name, tmp_path / name, model='llama3')
+    outs[name] = read_safetensors(tmp_path / name / 'model.safetensors')
+  raw = ocp.PyTreeCheckpointHandler().restore(data / 'tunix_llama2_unscan' / '2' / 'model_params')
+  base = raw['base']
+  got = outs['tunix_llama2_unscan']
+  np.testing.assert_array_equal(got['model.embed_tokens.weight'],
+                                base['token_embedder']['embedding']['value'])
+  np.testing.assert_array_equal(got['lm_head.weight'],
+                                np.asarray(base['decoder']['logits_dense']['kernel']['value']).T)
+  attn = base['decoder']['layers_1']['self_attention']
+  np.testing.assert_array_equal(got['model.layers.1.self_attn.q_proj.weight'],
+                                _in(np.asarray(attn['query']['kernel']['value'])))
+  np.testing.assert_array_equal(got['model.layers.1.self_attn.o_proj.weight'],
+                                _out(np.asarray(attn['out']['kernel']['value'])))
+  assert sorted(outs['tunix_llama2_scan']) == sorted(got)
+  assert len(got) == 3 + 3 * 9
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', *argv], capture_output=True,
+                        text=True, cwd=ROOT, env=subprocess_env(), timeout=300, check=False)
+
+
+def assert_refused(p: subprocess.CompletedProcess, out: pathlib.Path, *words: str) -> None:
+  assert p.returncode == 2, (p.returncode, p.stderr)
+  assert 'Traceback' not in p.stderr and '--debug' not in p.stderr, p.stderr
+  for word in words:
+    assert word in p.stderr, (word, p.stderr)
+  assert not out.exists()
+
+
+def test_refusals(tmp_path):
+  src = save_tunix_run(tmp_path / 'run', maxtext_tree('qwen3', 'scanned'))
+  out = tmp_path / 'out'
+  # A family that does not fit: qwen3's weights as llama3 (q/k norms have no llama3 tensor).
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3'), out,
+                 'not a llama3 model', 'decoder/layers_0/self_attention/query_norm/scale',
+                 '--model')
+  # gemma3 wants gemma's norms: missing weights named.
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'gemma3'), out,
+                 'not a gemma3 model', 'no gemma3 tensor')
+  # A config that disagrees.
+  bad = hf_config(tmp_path / 'hf_heads', 'qwen3', num_attention_heads=8)
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'qwen3', '--hf-config',
+                         str(bad)), out, 'num_attention_heads', '8', '4')
+  # A config's vocabulary larger than the weights'.
+  big = hf_config(tmp_path / 'hf_vocab', 'qwen3', vocab_size=V + 8)
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'qwen3', '--hf-config',
+                         str(big)), out, f'vocab_size {V + 8}', 'token_embedder/embedding')
+
+
+def test_unknown_extra_weights_are_refused(tmp_path):
+  flat = maxtext_tree('llama3', 'unscanned')
+  flat['decoder/layers_0/self_attention/extra/kernel'] = np.zeros((D, 2), np.float32)
+  src = save_maxtext_step(tmp_path / 'run', flat)
+  out = tmp_path / 'out'
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3'), out,
+                 'decoder/layers_0/self_attention/extra/kernel', 'no llama3 tensor')
