@@ -44,6 +44,12 @@ pyconfig `k=v` strings):
   restore_train_state  path, scan[, params_only]: orbax_tunix.maxtext.restore_train_state(path,
                   train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...);
                   `notes` = the orbax_tunix log messages.
+  family_case     model_name, dims, scan[, seed, step=3], out: a tiny random MaxText model
+                  of one family saved as a Tunix run and a MaxText step under `out`, MaxText
+                  0.2.5's own HF conversion of it, the fitted HF config and its logits (see
+                  job_family_case).
+  read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
+  auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
 
 from __future__ import annotations
@@ -529,6 +535,15 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   # needs for transformers to load the config: the per-layer attention kinds (truncated to the
   # tiny model's layers: the pattern starts at layer 0) and the sliding window.
   text = getattr(hf_config, 'text_config', None) or hf_config
+  # gemma4's text config answers some of those attributes only per layer (its getattr raises,
+  # and _validate_or_update_architecture skips them): they are set here the same way.
+  for hf_attr, mt_attr in (('num_attention_heads', 'num_query_heads'),
+                           ('num_key_value_heads', 'num_kv_heads'), ('head_dim', 'head_dim'),
+                           ('global_head_dim', 'global_head_dim'),
+                           ('num_global_key_value_heads', 'global_num_kv_heads')):
+    value = getattr(cfg, mt_attr, None)
+    if value and value > 0 and hf_attr in text.to_dict():
+      setattr(text, hf_attr, value)
   if getattr(text, 'layer_types', None):
     text.layer_types = list(text.layer_types)[:cfg.num_decoder_layers]
   if getattr(text, 'sliding_window', None) and cfg.sliding_window_size:

@@ -72,14 +72,16 @@ FAMILIES = {
                 'rope_use_scale=False']),
     'qwen3_tied': ('qwen3-0.6b', 'qwen3', 'qwen3', ['base_num_decoder_layers=3']),
     'qwen3_untied': ('qwen3-8b', 'qwen3', 'qwen3', ['base_num_decoder_layers=3']),
-    'qwen3_moe': ('qwen3-30b-a3b', 'qwen3', 'qwen3',
+    'qwen3_moe': ('qwen3-30b-a3b', 'qwen3_moe', 'qwen3',
                   ['base_num_decoder_layers=3', 'base_moe_mlp_dim=20', 'num_experts=4',
                    'num_experts_per_tok=2', 'rope_max_timescale=1000000']),
     # 7 layers: one block of gemma3's 6-layer pattern (5 local, 1 global) plus one remainder.
     'gemma3': ('gemma3-4b', 'gemma3', 'gemma3',
                ['base_num_decoder_layers=7', 'sliding_window_size=6']),
+    # 12 layers: two blocks of the 6-layer pattern (MaxText 0.2.5's converter does not name
+    # the scanned remainder as its model writes it).
     'gemma4': ('gemma4-31b', 'gemma4', None,
-               ['base_num_decoder_layers=7', 'sliding_window_size=6', 'global_head_dim=16',
+               ['base_num_decoder_layers=12', 'sliding_window_size=6', 'global_head_dim=16',
                 'global_num_kv_heads=1']),
 }
 FORMS = {'scan': True, 'unscan': False}
@@ -90,7 +92,7 @@ EXPORTS = [f'{case}_{src}' for case in CASES for src in SOURCES]
 
 def tunix_config(case: str, cfg: dict) -> dict:
   """Tunix 0.1.7's ModelConfig arguments for the tiny MaxText model `cfg` (its config keys)."""
-  family = FAMILIES[case][2]
+  family = FAMILIES[case.rsplit('_', 1)[0]][2]
   common = {'num_layers': cfg['num_decoder_layers'], 'embed_dim': cfg['emb_dim'],
             'hidden_dim': cfg['mlp_dim'], 'num_heads': cfg['num_query_heads'],
             'head_dim': cfg['head_dim'], 'num_kv_heads': cfg['num_kv_heads']}
