@@ -188,7 +188,8 @@ def main(argv=None) -> None:
   items = step / 'items'
   sizes = {k: 4 * math.prod(v) for k, v in shapes(args.layers, args.dim).items()}
   model = sum(sizes.values())
-  largest = max(sizes.values())
+  largest_name = max(sizes, key=sizes.get)
+  largest = sizes[largest_name]
   d = dims(args.dim)
   D, f, v = args.dim, d['mlp'], d['vocab']
   largest_hf = 4 * max(v * D, D * f)  # the embedding or lm_head, or one layer's MLP kernel
@@ -240,7 +241,7 @@ def main(argv=None) -> None:
         f' --budgets {args.budgets} --reps {args.reps}`')
   print(f'MaxText step: {MODEL_NAME}-shaped, scanned, float32, {model / MIB:.0f} MiB'
         f' ({args.layers} layers, emb {D}, mlp {f}, vocab {v}); largest tensor'
-        f' {largest / MIB:.0f} MiB (stacked MLP kernel), largest HF tensor {largest_hf / MIB:.0f}'
+        f' {largest / MIB:.0f} MiB ({largest_name}), largest HF tensor {largest_hf / MIB:.0f}'
         f' MiB; baselines (no arrays): ours {base_ours / MIB:.0f} MiB, theirs'
         f' {base_theirs / MIB:.0f} MiB; outputs: {equality}\n')
   print('| contender | peak RSS (median) | above its baseline | bound (budget + largest) |'

@@ -62,27 +62,30 @@ EMBED_RTOL = 2.0 ** -9  # bfloat16's relative rounding of sqrt(hidden) in MaxTex
 LOGITS_TOL = 2e-4  # float32 logits of two implementations (|logits| ~ 1..30)
 
 # The tiny dims every family shares (all distinct: emb 24, q 4×8=32, kv 2×8=16, mlp 40,
-# vocab 72; seq 16).
-DIMS = ['base_emb_dim=24', 'base_num_query_heads=4', 'base_num_kv_heads=2', 'head_dim=8',
-        'base_mlp_dim=40', 'vocab_size=72']
+# vocab 72; seq 16); head_dim 8 except gemma4's.
+DIMS = ['base_emb_dim=24', 'base_num_query_heads=4', 'base_num_kv_heads=2', 'base_mlp_dim=40',
+        'vocab_size=72']
+HEAD_DIM = 'head_dim=8'
 # case -> (MaxText model_name, export --model, Tunix family or None, extra MaxText keys)
 FAMILIES = {
     'llama3': ('llama3.1-8b', 'llama3', 'llama3',
-               ['base_num_decoder_layers=3', 'rope_max_timescale=1000000',
+               [HEAD_DIM, 'base_num_decoder_layers=3', 'rope_max_timescale=1000000',
                 'rope_use_scale=False']),
-    'qwen3_tied': ('qwen3-0.6b', 'qwen3', 'qwen3', ['base_num_decoder_layers=3']),
-    'qwen3_untied': ('qwen3-8b', 'qwen3', 'qwen3', ['base_num_decoder_layers=3']),
+    'qwen3_tied': ('qwen3-0.6b', 'qwen3', 'qwen3', [HEAD_DIM, 'base_num_decoder_layers=3']),
+    'qwen3_untied': ('qwen3-8b', 'qwen3', 'qwen3', [HEAD_DIM, 'base_num_decoder_layers=3']),
     'qwen3_moe': ('qwen3-30b-a3b', 'qwen3_moe', 'qwen3',
-                  ['base_num_decoder_layers=3', 'base_moe_mlp_dim=20', 'num_experts=4',
+                  [HEAD_DIM, 'base_num_decoder_layers=3', 'base_moe_mlp_dim=20', 'num_experts=4',
                    'num_experts_per_tok=2', 'rope_max_timescale=1000000']),
     # 7 layers: one block of gemma3's 6-layer pattern (5 local, 1 global) plus one remainder.
     'gemma3': ('gemma3-4b', 'gemma3', 'gemma3',
-               ['base_num_decoder_layers=7', 'sliding_window_size=6']),
+               [HEAD_DIM, 'base_num_decoder_layers=7', 'sliding_window_size=6']),
     # 12 layers: two blocks of the 6-layer pattern (MaxText 0.2.5's converter does not name
-    # the scanned remainder as its model writes it).
+    # the scanned remainder as its model writes it). gemma4's head dims stay the HF config's
+    # (256 local, 512 global): transformers' Gemma4 text config answers them per layer, so
+    # MaxText's converter cannot fit them to a tiny model (its shapes keep 256/512).
     'gemma4': ('gemma4-31b', 'gemma4', None,
-               ['base_num_decoder_layers=12', 'sliding_window_size=6', 'global_head_dim=16',
-                'global_num_kv_heads=1']),
+               ['head_dim=256', 'global_head_dim=512', 'global_num_kv_heads=1',
+                'base_num_decoder_layers=12', 'sliding_window_size=6']),
 }
 FORMS = {'scan': True, 'unscan': False}
 SOURCES = ('tunix', 'maxtext')
