@@ -454,7 +454,8 @@ def family_config(model_name: str, scan: bool, dims, *extra: str):
 
 
 def random_model(cfg, seed: int):
-  """MaxText's own model for `cfg`, every nnx.Param leaf (norms too) drawn from N(0, 0.3²).
+  """MaxText's own model for `cfg`, every nnx.Param leaf (norms too) drawn from N(0, 0.3²),
+  rounded to values bfloat16 holds exactly.
 
   MaxText initialises norms to ones (or zeros) and some kernels alike: a fixture with such
   leaves cannot tell `scale - 1` from `scale`, or one layer from another.
@@ -467,7 +468,10 @@ def random_model(cfg, seed: int):
   pure = params.to_pure_dict()
   rng = np.random.default_rng(seed)
   leaves = flat(pure)
-  drawn = {path: rng.normal(0.0, 0.3, np.shape(leaf)).astype(np.float32)
+  # Values bfloat16 can hold exactly (stored as float32): MaxText 0.2.5 casts the embedding
+  # table to bfloat16 in its tied logits (layers/embeddings.py attend_on_embedding), which must
+  # not round them.
+  drawn = {path: rng.normal(0.0, 0.3, np.shape(leaf)).astype(jnp.bfloat16).astype(np.float32)
            for path, leaf in sorted(leaves.items())}
 
   def fill(tree, prefix=''):
@@ -518,7 +522,7 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   _validate_or_update_architecture(override=True), _get_model_mappings,
   detect_and_extract_checkpoint, validate_and_filter_param_map_keys, the vision filter,
   _transform_weights_to_full_model), without the Hub (no tokenizer) and without writing.
-  Returns the HF weights by name and the fitted HF config object.
+  Returns the HF weights by name and the fitted HF config (a dict, as config.json holds it).
   """
   import copy  # noqa: PLC0415
 
@@ -532,23 +536,24 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   hf_config = copy.deepcopy(HF_MODEL_CONFIGS[cfg.model_name])
   th._validate_or_update_architecture(hf_config, cfg, override=True)
   # What _validate_or_update_architecture leaves at the full model's values and a tiny model
-  # needs for transformers to load the config: the per-layer attention kinds (truncated to the
-  # tiny model's layers: the pattern starts at layer 0) and the sliding window.
-  text = getattr(hf_config, 'text_config', None) or hf_config
-  # gemma4's text config answers some of those attributes only per layer (its getattr raises,
-  # and _validate_or_update_architecture skips them): they are set here the same way.
+  # needs, fitted in the dict the mappings are built from and config.json is written from: the
+  # per-layer attention kinds (truncated to the tiny model's layers: the pattern starts at layer
+  # 0), the sliding window, and the head attributes gemma4's text config answers only per layer
+  # (its getattr raises, so _validate_or_update_architecture skips them).
+  hf_dict = hf_config.to_dict()
+  text = hf_dict.get('text_config') or hf_dict
   for hf_attr, mt_attr in (('num_attention_heads', 'num_query_heads'),
                            ('num_key_value_heads', 'num_kv_heads'), ('head_dim', 'head_dim'),
                            ('global_head_dim', 'global_head_dim'),
                            ('num_global_key_value_heads', 'global_num_kv_heads')):
     value = getattr(cfg, mt_attr, None)
-    if value and value > 0 and hf_attr in text.to_dict():
-      setattr(text, hf_attr, value)
-  if getattr(text, 'layer_types', None):
-    text.layer_types = list(text.layer_types)[:cfg.num_decoder_layers]
-  if getattr(text, 'sliding_window', None) and cfg.sliding_window_size:
-    text.sliding_window = cfg.sliding_window_size
-  maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_config.to_dict(), cfg)
+    if value and value > 0 and hf_attr in text:
+      text[hf_attr] = value
+  if text.get('layer_types'):
+    text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
+  if text.get('sliding_window') and cfg.sliding_window_size:
+    text['sliding_window'] = cfg.sliding_window_size
+  maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
   state = conv.detect_and_extract_checkpoint(checkpoint)
   keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
   keys = [k for k in keys if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
@@ -560,7 +565,7 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
                                               maps['hook_fn_mapping'], maps['shape_mapping'])
   finally:
     th.gc.collect = collect
-  return {k: np.asarray(v) for k, v in out.items()}, hf_config
+  return {k: np.asarray(v) for k, v in out.items()}, hf_dict
 
 
 def job_family_case(job, out_dir):
@@ -589,7 +594,7 @@ def job_family_case(job, out_dir):
   hf, hf_config = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
   times['convert'] = time.time() - t - sum(times.values())
   (out / 'hf_config').mkdir(parents=True, exist_ok=True)
-  hf_config.to_json_file(str(out / 'hf_config' / 'config.json'))
+  (out / 'hf_config' / 'config.json').write_text(json.dumps(hf_config, indent=2, default=str) + '\n')
   # MaxText's converted weights under the text model's names (gemma3's converter writes the
   # multimodal `model.language_model.*`), for Tunix's loaders: the reference chain's own check.
   from safetensors.numpy import save_file  # noqa: PLC0415
