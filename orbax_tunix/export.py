@@ -75,6 +75,8 @@ class ExportPlan:
     force: replace an existing export folder.
     notes: what a person should know.
     merge: the LoRA merge, if any.
+    naming: the family's naming of this kind of source (Tunix's model
+      classes, or MaxText's models).
   """
 
   source: reader.CanonicalCheckpoint
@@ -88,6 +90,13 @@ class ExportPlan:
   force: bool
   notes: tuple[str, ...] = ()
   merge: merge_lib.MergePlan | None = None
+  naming: huggingface.Naming | None = None
+
+  @property
+  def architecture(self) -> str:
+    """The `transformers` class the tensor names are (config.json's `architectures`)."""
+    found = self.naming.architecture if self.naming is not None else None
+    return found or self.family.architecture
 
   @property
   def total_bytes(self) -> int:
@@ -172,6 +181,7 @@ def plan_export(
     hf_config: epath.PathLike | None = None,
     memory_budget: int = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
+    param_scan_axis: int = stacks.DEFAULT_AXIS,
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
 
@@ -179,7 +189,9 @@ def plan_export(
     src: the Tunix run (a root: its latest committed step, or `step`; a step;
       a model item).
     out_dir: the folder to create.
-    model: the Hugging Face family (`huggingface.names()`: qwen3, llama3, gemma3).
+    model: the Hugging Face family (`huggingface.choices()`: qwen3, llama3, gemma3,
+      gemma4, qwen3_moe, or an alias: llama3.1, llama2), for Tunix's own model classes
+      or MaxText's models (a Tunix run of one, or MaxText's own step).
     step: the step under a root.
     dtype: cast floating weights to this dtype (bfloat16, float16, float32);
       None: as stored.
@@ -192,6 +204,9 @@ def plan_export(
       copied; its weights never.
     memory_budget: bytes the streaming may hold at once.
     force: replace an existing export folder at `out_dir`.
+    param_scan_axis: a scanned MaxText model's layer axis (MaxText's
+      `param_scan_axis`); the source kind and layer form come from the
+      weights' names.
 
   Returns:
     An `ExportPlan`.
@@ -227,7 +242,7 @@ def plan_export(
   naming = family.naming(weights, where)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = stacks.unstack({p: o.shape for p, o in weights.items()}, naming.stacks,
-                             where=where)
+                             param_scan_axis, where=where)
   per_layer, vocab_notes = huggingface.cut_vocab(
       naming, per_layer, _config_vocab(hf_config), f'{hf_config}/config.json')
   shapes = {p: m.shape for p, m in per_layer.items()}
@@ -244,7 +259,7 @@ def plan_export(
       _read_as_stored(o) for o in relay(staged, mapped.outputs)))
   config, copied, notes = _config_files(family, hf_config, shapes)
   notes = [*source.detection.notes, *rng_note(source), *left_out, *vocab_notes, *notes,
-           f'weights: {describe_source({p: o.shape for p, o in weights.items()})}']
+           f'weights: {huggingface.describe_source({p: o.shape for p, o in weights.items()})}']
   if merged is not None:
     notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(merged.weights)}'
                  ' weights')
@@ -256,7 +271,7 @@ def plan_export(
   return ExportPlan(
       source=source, out_dir=out_dir, family=family, outputs=outputs,
       files=tuple(writer.shards(outputs, max_shard_size)), config=config, copied=copied,
-      memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged,
+      memory_budget=memory_budget, force=force, notes=tuple(notes), merge=merged, naming=naming,
   )
 
 
@@ -289,16 +304,6 @@ def _config_vocab(hf_config: epath.PathLike | None) -> int | None:
   config = config.get('text_config', config) if isinstance(config, dict) else {}
   vocab = config.get('vocab_size') if isinstance(config, dict) else None
   return vocab if isinstance(vocab, int) else None
-
-
-def describe_source(shapes) -> str:
-  """What kind of model the weights are, for notes and `inspect`: e.g.
-  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'."""
-  kind = huggingface.source_kind(shapes)
-  if kind != huggingface.MAXTEXT:
-    return huggingface.SOURCE_NAMES[kind]
-  form, layers = stacks.describe(shapes)
-  return f'{huggingface.SOURCE_NAMES[kind]} ({form}, {layers} layers)'
 
 
 def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
@@ -395,6 +400,7 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
       'source': os.fspath(plan.source.step_dir),
       'out_dir': os.fspath(plan.out_dir),
       'model': plan.family.name,
+      'architecture': plan.architecture,
       'files': {f.name: len(f.tensors) for f in plan.files},
       'total_size': sum(f.nbytes for f in plan.files),
       'config': None if plan.config is None else os.fspath(plan.config),

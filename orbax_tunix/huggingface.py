@@ -90,6 +90,16 @@ def source_kind(paths: Collection[Path]) -> str:
   return MAXTEXT if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX
 
 
+def describe_source(shapes: Mapping[Path, Shape]) -> str:
+  """What kind of model the weights are, for notes and `inspect`: e.g.
+  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'."""
+  kind = source_kind(shapes)
+  if kind != MAXTEXT:
+    return SOURCE_NAMES[kind]
+  form, layers = stacks_lib.describe(shapes)
+  return f'{SOURCE_NAMES[kind]} ({form}, {layers} layers)'
+
+
 @dataclasses.dataclass(frozen=True)
 class Naming:
   """One kind of source's names for a family (see the module docstring).
@@ -105,6 +115,10 @@ class Naming:
     vocab: weight pattern -> its vocabulary axis (cut to the config's
       `vocab_size` when the checkpoint's is padded).
     stacks: the stacked forms MaxText stores the family's layers in.
+    architecture: the `transformers` class the names are, when not the
+      family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
+      `model.*`, where the Hub's and Tunix's are Gemma4ForConditionalGeneration's
+      `model.language_model.*`).
   """
 
   source: str
@@ -115,6 +129,7 @@ class Naming:
   layer: tuple[str, ...] = ('layers', '{i}')
   vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
   stacks: tuple[stacks_lib.Stack, ...] = ()
+  architecture: str | None = None
 
   def layers(self, paths) -> list[str]:
     pattern = Pattern.parse((*self.layer, '...'))
@@ -122,16 +137,20 @@ class Naming:
 
   def missing(self, paths) -> list[str]:
     """The first alternative of each requirement the weights do not meet, as paths."""
-    have, numbers = set(paths), {'i': self.layers(paths)}
+    have, layers = set(paths), self.layers(paths)
     out = []
     for alternatives in self.required:
-      gaps = [
-          [fmt(p) for pattern in alt for p in Pattern.parse(pattern.split('/')).expand(numbers)
-           if p not in have]
-          for alt in alternatives
-      ]
-      if all(gaps):
-        out += gaps[0]
+      # Alternatives over layers are met layer by layer (a layer may hold one alternative,
+      # another layer another: gemma4's global and local layers).
+      per_layer = len(alternatives) > 1 and all('{i}' in p for alt in alternatives for p in alt)
+      for numbers in ([{'i': [n]} for n in layers] if per_layer else [{'i': layers}]):
+        gaps = [
+            [fmt(p) for pattern in alt for p in Pattern.parse(pattern.split('/')).expand(numbers)
+             if p not in have]
+            for alt in alternatives
+        ]
+        if all(gaps):
+          out += gaps[0]
     return out
 
   def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
@@ -195,9 +214,11 @@ class Family:
     found = next((n for n in self.namings if n.source == kind), None)
     if found is None:
       takers = [f.name for f in map(get, names()) if any(n.source == kind for n in f.namings)]
+      kinds = ' or a '.join(SOURCE_NAMES[n.source] for n in self.namings)
       raise errors.UnsupportedLayoutError(
-          f'{where}: these weights are a {SOURCE_NAMES[kind]}\'s, and the {self.name} family'
-          f' has no {kind} naming. Pick a family that has one (`model`: {", ".join(takers)}).'
+          f'{where}: these weights are a {SOURCE_NAMES[kind]}\'s; the {self.name} family'
+          f' ({self.architecture}) takes only a {kinds}\'s. Pick a family that takes this'
+          f' kind (`model`: {", ".join(takers)}).'
       )
     return found
 
@@ -429,27 +450,28 @@ def _maxtext_gemma4() -> Naming:
         for mt, hf in _MT_GEMMA_NORMS.items()),
       _rule(f'{MT_LAYER}/layer_scalar', f'{LAYER}.layer_scalar'),
   )
-  required = ((
-      'token_embedder/embedding', 'decoder/decoder_norm/scale',
-      f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
-      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
-      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
-      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
-  ),)
+  required = (
+      (('token_embedder/embedding', 'decoder/decoder_norm/scale',
+        f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
+        f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+        f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
+        *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS)),),
+  )
   dims = {
       **_mt_dims(),
       # Layer 5 is the first global one (five local, one global).
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return Naming(MAXTEXT, rules, tuple((r,) for r in required), dims,
-                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
-                stacks=stacks_lib.local_global(6))
+  return Naming(MAXTEXT, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
+                vocab=_MT_VOCAB, stacks=stacks_lib.local_global(6),
+                architecture='Gemma4ForCausalLM')
 
 
-# Tunix's own gemma4 classes are named elsewhere (none here yet): MaxText's only.
-GEMMA4 = Family(name='gemma4', architecture='Gemma4ForCausalLM', rules=(), required=(), dims={},
-                maxtext=_maxtext_gemma4())
+# Tunix's own gemma4 classes are named elsewhere (issue 29: the Hub's
+# Gemma4ForConditionalGeneration names): MaxText's only here.
+GEMMA4 = Family(name='gemma4', architecture='Gemma4ForConditionalGeneration', rules=(),
+                required=(), dims={}, maxtext=_maxtext_gemma4())
 
 
 def _maxtext_qwen3_moe() -> Naming:
@@ -492,17 +514,58 @@ QWEN3_MOE = Family(name='qwen3_moe', architecture='Qwen3MoeForCausalLM', rules=(
 FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
 for _family in (QWEN3, LLAMA3, GEMMA3, GEMMA4, QWEN3_MOE):
   FAMILIES.register(_family)
-register, get, names = FAMILIES.register, FAMILIES.get, FAMILIES.names
+register, names = FAMILIES.register, FAMILIES.names
+# Other names `model` takes for a family: MaxText's model names whose Hugging Face
+# names and layouts are another family's (LlamaForCausalLM for llama2 and llama3.1).
+ALIASES = {'llama3.1': 'llama3', 'llama2': 'llama3'}
 
 
-def table(family: Family) -> list[tuple[str, str, str]]:
-  """(Tunix path, Hugging Face name, transform) per rule, as the README shows them."""
+def get(name: str) -> Family:
+  """The family `name` (or an alias of it) names.
+
+  Raises:
+    UnsupportedLayoutError: no such family (the message lists them).
+  """
+  return FAMILIES.get(ALIASES.get(name, name))
+
+
+def choices() -> tuple[str, ...]:
+  """Every name `model` takes: the families', then the aliases."""
+  return (*names(), *ALIASES)
+
+
+def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:
+  """(source path, Hugging Face name, transform) per rule of one naming, as the README
+  shows them."""
+  naming = next((n for n in family.namings if n.source == source), None)
   rows = []
-  for rule in family.rules:
+  for rule in naming.rules if naming is not None else ():
     source = '/'.join(k.spec for k in rule.source.keys)
     for dest, transform in rule.dests:
-      rows.append((source, '/'.join(k.spec for k in dest.keys), transform.name))
+      shown = transform.name
+      if rule.fan_out is not None:  # One transform per value of the placeholder.
+        name, _ = rule.fan_out
+        shown = rule.transform_for(0).name.replace('index=0', f'index={{{name}}}')
+      rows.append((source, '/'.join(k.spec for k in dest.keys), shown))
   return rows
+
+
+def maxtext_markdown() -> str:
+  """The README's table of MaxText's names onto Hugging Face's: one row per rule, the
+  families that have it (generated: `python scripts/hf_maps.py`)."""
+  rows: dict[tuple[str, str, str], list[str]] = {}
+  for name in names():
+    family = get(name)
+    for source, dest, transform in table(family, MAXTEXT):
+      rows.setdefault((source, dest, transform), []).append(name)
+  every = [n for n in names() if get(n).maxtext is not None]
+  lines = ['| MaxText (per layer) | Hugging Face | transform | families |', '|---|---|---|---|']
+  for (source, dest, transform), families in rows.items():
+    which = 'all' if families == every else ', '.join(families)
+    cells = [f'`{source}`', f'`{dest}`', transform, which]
+    lines.append('| ' + ' | '.join(c.replace('|', '\\|') for c in cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
 
 
 def check_config(

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from orbax_tunix import conventions, errors, reader, rules
+from orbax_tunix import conventions, errors, huggingface, reader, rules
 from orbax_tunix import lora as lora_lib
 from orbax_tunix.detection import Detection
 from orbax_tunix.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
@@ -156,6 +156,8 @@ class Report:
       or `UNSCANNED`) and their count, when the weights are a MaxText model's.
     notes: things a person should know.
     checkpoint: the step as opened (to read it further, e.g. to verify).
+    source: what kind of model the weights are, as export takes them
+      (`huggingface.describe_source`), when there are weights.
   """
 
   detection: Detection
@@ -171,6 +173,7 @@ class Report:
   notes: tuple[str, ...]
   checkpoint: reader.CanonicalCheckpoint | None = None
   layers: tuple[str, int | None] | None = None
+  source: str | None = None
 
   @property
   def nbytes(self) -> int:
@@ -376,7 +379,15 @@ def inspect_checkpoint(
       notes=tuple(detection.notes),
       checkpoint=ckpt,
       layers=_layer_form({path: leaf.shape for leaf, path in weight_pairs}),
+      source=_source({path: leaf.shape for leaf, path in weight_pairs}),
   )
+
+
+def _source(shapes: Mapping[Path, tuple[int, ...] | None]) -> str | None:
+  """What kind of model the weights are (a MaxText or a Tunix model's), if any."""
+  if not shapes:
+    return None
+  return huggingface.describe_source({p: s for p, s in shapes.items() if s is not None})
 
 
 def _layer_form(shapes: Mapping[Path, tuple[int, ...] | None]) -> tuple[str, int | None] | None:

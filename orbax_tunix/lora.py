@@ -154,9 +154,45 @@ class Contraction:
   weight: Shape
   reshape: bool
   permutation: tuple[int, ...]
+  # Axes the weight, `a` and `b` share (at the same positions): stacked layers
+  # (a scanned MaxText layer's adapters are stacked on `param_scan_axis` as its
+  # weight is), one product per layer; `reshape` and `permutation` are then a
+  # layer's (the weight without these axes).
+  stacked: tuple[int, ...] = ()
+
+
+# How many stacked axes a scanned layer's adapters may have (MaxText's gemma4
+# scans its local layers within its scanned blocks: two).
+MAX_STACKED = 2
 
 
 def contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
+  """`_contraction`, or else the one run of shared stacked axes that makes it fit.
+
+  Stacked axes: 1 to `MAX_STACKED` consecutive axes at the same position in
+  the weight, `a` and `b`, of the same sizes, never `a`'s last or `b`'s
+  first (the rank); the rest must contract as one layer's adapters.
+  """
+  direct = _contraction(weight, a, b)
+  if direct is not None or len(a) < 3 or len(b) < 3:
+    return direct
+  fits = []
+  for count in range(1, MAX_STACKED + 1):
+    for start in range(1, min(len(a) - 1, len(b), len(weight)) - count + 1):
+      axes = tuple(range(start, start + count))
+      if any(not (a[i] == b[i] == weight[i]) for i in axes) or start + count > len(a) - 1:
+        continue
+      inner = _contraction(_drop(weight, axes), _drop(a, axes), _drop(b, axes))
+      if inner is not None:
+        fits.append(dataclasses.replace(inner, weight=tuple(weight), stacked=axes))
+  return fits[0] if len(fits) == 1 else None
+
+
+def _drop(shape: Shape, axes: tuple[int, ...]) -> Shape:
+  return tuple(n for i, n in enumerate(shape) if i not in axes)
+
+
+def _contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
   """Works out how `a ⊗ b` reproduces a weight of shape `weight`.
 
   The weight's dimensions split into those of `a` (but the rank) and those

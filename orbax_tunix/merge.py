@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +76,8 @@ class MergePlan:
       how = 'reshape' if m.contraction.reshape else (
           'transpose' if m.contraction.permutation != tuple(sorted(m.contraction.permutation))
           else 'direct')
+      if m.contraction.stacked:
+        how += f' per layer (stacked on axes {m.contraction.stacked})'
       lines.append(f'  {fmt(path)}: {m.adapter.style}, rank {m.adapter.rank},'
                    f' scale {m.scale:g}, {how}')
     return '\n'.join(lines)
@@ -208,13 +211,32 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 def combine(contraction: lora.Contraction, scale: float):
   """`(w, a, b) -> w + scale * (a ⊗ b)` arranged into `w`: float32 math, `w`'s dtype."""
 
+  stacked = contraction.stacked
+  front = tuple(range(len(stacked)))
+
   def merge(w, a, b):
     ops = transforms.xp(w, a, b)  # jax.numpy on the devices, numpy on the host.
-    delta = ops.tensordot(a.astype(np.float32), b.astype(np.float32), axes=1)
-    if contraction.reshape:
-      delta = delta.reshape(contraction.weight)
-    elif contraction.permutation != tuple(range(delta.ndim)):
-      delta = delta.transpose(contraction.permutation)
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    if stacked:  # One product per stacked layer, the layers in front meanwhile.
+      a, b = ops.moveaxis(a, stacked, front), ops.moveaxis(b, stacked, front)
+      layers = a.shape[:len(stacked)]
+      left, right = a.shape[len(stacked):-1], b.shape[len(stacked) + 1:]
+      n = math.prod(layers)
+      delta = ops.matmul(a.reshape(n, math.prod(left), a.shape[-1]),
+                         b.reshape(n, b.shape[len(stacked)], math.prod(right)))
+      delta = delta.reshape(n, *left, *right)
+      one = tuple(d for i, d in enumerate(contraction.weight) if i not in stacked)
+      if contraction.reshape:
+        delta = delta.reshape(n, *one)
+      elif contraction.permutation != tuple(range(len(one))):
+        delta = delta.transpose(0, *(p + 1 for p in contraction.permutation))
+      delta = ops.moveaxis(delta.reshape(*layers, *one), front, stacked)
+    else:
+      delta = ops.tensordot(a, b, axes=1)
+      if contraction.reshape:
+        delta = delta.reshape(contraction.weight)
+      elif contraction.permutation != tuple(range(delta.ndim)):
+        delta = delta.transpose(contraction.permutation)
     return (w.astype(np.float32) + np.float32(scale) * delta).astype(w.dtype)
 
   return merge

@@ -148,7 +148,8 @@ def save_tunix_run(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 
   return root
 
 
-def save_maxtext_step(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 5) -> pathlib.Path:
+def save_maxtext_step(root: pathlib.Path, flat: dict[str, np.ndarray],
+                      step: int = 5) -> pathlib.Path:
   """MaxText's own step: `items/params/params/<path>`, with a step counter and an optimizer."""
   tree = {'params': {'params': nest(flat)}, 'step': np.int64(step),
           'opt_state': [{'count': np.int32(step),
@@ -249,6 +250,9 @@ def hf_config(folder: pathlib.Path, model: str, **fields) -> pathlib.Path:
 # --------------------------------------------------------------------------- #
 # Tests
 # --------------------------------------------------------------------------- #
+ARCHITECTURES = {'llama3': 'LlamaForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+                 'gemma3': 'Gemma3ForCausalLM', 'gemma4': 'Gemma4ForCausalLM',
+                 'qwen3_moe': 'Qwen3MoeForCausalLM'}
 CASES = [(m, form, kind) for m in MODELS for form in ('scanned', 'unscanned')
          for kind in ('tunix', 'maxtext')]
 
@@ -261,6 +265,8 @@ def test_export_matches_the_hf_layout(tmp_path, model, form, kind):
   notes = '\n'.join(plan.notes)
   layers = MODELS[model][1]
   assert f'weights: MaxText model ({form}, {layers} layers)' in notes
+  # The text model's class: MaxText's decoders have no vision tower.
+  assert plan.architecture == ARCHITECTURES[family(model)]
   if kind == 'tunix':
     assert 'left out 4 RNG state leaves' in notes
     assert 'left out 1 AQT quantization leaves' in notes
@@ -363,3 +369,186 @@ def test_unknown_extra_weights_are_refused(tmp_path):
   out = tmp_path / 'out'
   assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3'), out,
                  'decoder/layers_0/self_attention/extra/kernel', 'no llama3 tensor')
+
+
+FAMILY_CONFIG = {  # what each family's config.json adds, from the weights' shapes
+    'gemma4': {'global_head_dim': HG, 'num_global_key_value_heads': KG},
+    'qwen3_moe': {'moe_intermediate_size': FE, 'num_experts': E},
+}
+
+
+@pytest.mark.parametrize('model', sorted(MODELS))
+def test_a_config_that_fits_is_copied_and_one_that_does_not_is_refused(tmp_path, model):
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned'))
+  extra = FAMILY_CONFIG.get(family(model), {})
+  good = hf_config(tmp_path / 'hf', model, **extra)
+  orbax_tunix.export_to_hf(src, tmp_path / 'out', model=family(model), hf_config=good)
+  assert json.loads((tmp_path / 'out' / 'config.json').read_text()) == json.loads(
+      (good / 'config.json').read_text())
+  field, value = next(iter(extra.items())) if extra else ('num_hidden_layers', 99)
+  bad = hf_config(tmp_path / 'hf_bad', model, **{**extra, field: value + 1})
+  with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match=field):
+    orbax_tunix.export.plan_export(src, tmp_path / 'out2', model=family(model), hf_config=bad)
+
+
+@pytest.mark.parametrize('model,form', [('qwen3', 'scanned'), ('gemma3', 'scanned'),
+                                        ('gemma4', 'scanned'), ('llama3', 'unscanned')])
+def test_inspect_says_the_kind_of_model(tmp_path, model, form):
+  src = save_tunix_run(tmp_path / 'run', maxtext_tree(model, form))
+  p = run_cli('inspect', str(src), '--json')
+  assert p.returncode == 0, p.stderr
+  layers = MODELS[model][1]
+  assert json.loads(p.stdout)['weights'] == f'MaxText model ({form}, {layers} layers)'
+
+
+def test_inspect_says_a_tunix_model():
+  p = run_cli('inspect', str(ROOT / 'tests' / 'data' / 'tunix' / 'hf_qwen3'), '--json')
+  assert p.returncode == 0, p.stderr
+  assert json.loads(p.stdout)['weights'] == 'Tunix model (tunix.models)'
+
+
+def test_readme_shows_the_generated_maxtext_map():
+  assert orbax_tunix.huggingface.maxtext_markdown() in (ROOT / 'README.md').read_text()
+
+
+RANK, ALPHA = 3, 6.0
+LORA_TARGETS = ('self_attention/query/kernel', 'self_attention/out/kernel', 'mlp/wo/kernel')
+
+
+def with_lora(flat: dict[str, np.ndarray], seed: int = 1) -> tuple[dict, dict]:
+  """qwix's adapters beside each target kernel, as qwix's LoRA on MaxText's layers writes them
+  (unscanned: `kernel_lora_a` (contracted dims flattened, rank), `kernel_lora_b` (rank, the
+  others flattened); printed from qwix.apply_lora_to_model on a tiny MaxText llama3.1), and
+  the merged per-layer kernels W + (alpha / rank) a.b by hand."""
+  rng = np.random.default_rng(seed)
+  out, merged = dict(flat), {}
+  for path, w in flat.items():
+    if not path.endswith(LORA_TARGETS):
+      continue
+    contracted = 2 if path.endswith('out/kernel') else 1  # out contracts (heads, head_dim)
+    rows, cols = math.prod(w.shape[:contracted]), math.prod(w.shape[contracted:])
+    a = rng.normal(size=(rows, RANK)).astype(np.float32)
+    b = rng.normal(size=(RANK, cols)).astype(np.float32)
+    out[f'{path}_lora_a'], out[f'{path}_lora_b'] = a, b
+    merged[path] = (w + np.float32(ALPHA / RANK) * (a @ b).reshape(w.shape)).astype(np.float32)
+  return out, merged
+
+
+def stacked_lora(flat_unscanned: dict, n: int) -> tuple[dict, dict]:
+  """The scanned model with qwix's adapters stacked on axis 1 as its kernels are (printed from
+  qwix on a scanned tiny MaxText llama3.1: `kernel_lora_a` (D, L, r), `kernel_lora_b`
+  (r, L, out)), and the merged per-layer kernels."""
+  lora_flat, merged = with_lora(flat_unscanned)
+  scanned = {}
+  for path in lora_flat:
+    if not path.startswith('decoder/layers_0/'):
+      if not path.startswith('decoder/layers_'):
+        scanned[path] = lora_flat[path]
+      continue
+    rest = path.removeprefix('decoder/layers_0/')
+    scanned[f'decoder/layers/{rest}'] = np.stack(
+        [lora_flat[f'decoder/layers_{i}/{rest}'] for i in range(n)], axis=1)
+  return scanned, merged
+
+
+@pytest.mark.parametrize('form', ['unscanned', 'scanned'])
+def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
+  flat = maxtext_tree('qwen3', 'unscanned')
+  if form == 'scanned':
+    lora_flat, merged = stacked_lora(flat, MODELS['qwen3'][1])
+  else:
+    lora_flat, merged = with_lora(flat)
+  src = save_tunix_run(tmp_path / 'run', lora_flat)
+  out = tmp_path / 'out'
+  p = run_cli('export', str(src), str(out), '--model', 'qwen3')
+  assert_refused(p, out, '--merge-lora')
+  orbax_tunix.export_to_hf(src, out, model='qwen3', merge_lora=True, lora_alpha=ALPHA)
+  got = read_safetensors(out / 'model.safetensors')
+  # The expected export is the plain model's with the merged kernels.
+  top, layers = model_weights('qwen3')
+  want = expected('qwen3')
+  for i in range(len(layers)):
+    q = merged[f'decoder/layers_{i}/self_attention/query/kernel']
+    o = merged[f'decoder/layers_{i}/self_attention/out/kernel']
+    wo = merged[f'decoder/layers_{i}/mlp/wo/kernel']
+    want[f'model.layers.{i}.self_attn.q_proj.weight'] = _in(q)
+    want[f'model.layers.{i}.self_attn.o_proj.weight'] = _out(o)
+    want[f'model.layers.{i}.mlp.down_proj.weight'] = wo.T
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6, err_msg=name)
+
+
+def test_another_param_scan_axis(tmp_path):
+  """A model scanned with param_scan_axis=0: `--param-scan-axis 0` takes its layers apart."""
+  top, layers = model_weights('llama3')
+  flat = dict(top)
+  for k in layers[0]:
+    flat[f'decoder/layers/{k}'] = np.stack([w[k] for w in layers], axis=0)
+  src = save_maxtext_step(tmp_path / 'run', flat)
+  out = tmp_path / 'out'
+  # With MaxText's default axis the stacked shapes do not fit llama3's.
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3'), out, 'llama3')
+  p = run_cli('export', str(src), str(out), '--model', 'llama3', '--param-scan-axis', '0')
+  assert p.returncode == 0, p.stderr
+  got = read_safetensors(out / 'model.safetensors')
+  want = expected('llama3')
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_llama_aliases_name_the_llama3_family(tmp_path):
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'scanned'))
+  for alias in ('llama3.1', 'llama2'):
+    plan = orbax_tunix.export.plan_export(src, tmp_path / alias, model=alias)
+    assert plan.family.name == 'llama3'
+
+
+def test_a_family_without_the_sources_naming_is_refused(tmp_path):
+  """Tunix's own qwen3 run as gemma4 (which names only MaxText's model here)."""
+  out = tmp_path / 'out'
+  p = run_cli('export', str(ROOT / 'tests' / 'data' / 'tunix' / 'hf_qwen3'), str(out),
+              '--model', 'gemma4')
+  assert_refused(p, out, 'Tunix model', 'gemma4', '--model')
+
+
+@pytest.mark.parametrize('weight,a,b,stacked', [
+    ((16, 3, 4, 8), (16, 3, 2), (2, 3, 32), (1,)),     # a scanned query kernel
+    ((4, 3, 8, 16), (32, 3, 2), (2, 3, 16), (1,)),     # a scanned out kernel
+    ((16, 1, 5, 48), (16, 1, 5, 2), (2, 1, 5, 48), (1, 2)),  # gemma4's local layers
+])
+def test_stacked_adapters_merge_per_layer(weight, a, b, stacked):
+  rng = np.random.default_rng(0)
+  w, la, lb = (rng.normal(size=s).astype(np.float32) for s in (weight, a, b))
+  arranged = orbax_tunix.lora.contraction(weight, a, b)
+  assert arranged is not None and arranged.stacked == stacked
+  got = orbax_tunix.merge.combine(arranged, 0.5)(w, la, lb)
+  # By hand: every stacked layer's own product, reshaped into its kernel.
+  want = w.copy()
+  layers = [weight[i] for i in stacked]
+  for index in np.ndindex(*layers):
+    at = [slice(None)] * len(weight)
+    at_a = [slice(None)] * len(a)
+    at_b = [slice(None)] * len(b)
+    for axis, i in zip(stacked, index, strict=True):
+      at[axis] = at_a[axis] = at_b[axis] = i
+    one = w[tuple(at)]
+    delta = la[tuple(at_a)].reshape(-1, a[-1]) @ lb[tuple(at_b)].reshape(b[0], -1)
+    want[tuple(at)] = one + np.float32(0.5) * delta.reshape(one.shape)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_maxtext_step_in_a_bucket(gcs, bucket, tmp_path):
+  """MaxText's own step read from gs:// (uploaded file by file): the same tensors as locally."""
+  from tests import gcs as gcs_lib
+
+  local = save_maxtext_step(tmp_path / 'run', maxtext_tree('qwen3', 'scanned'))
+  remote = bucket / 'checkpoints'
+  gcs_lib.upload(local, remote)
+  orbax_tunix.export_to_hf(str(remote), tmp_path / 'out', model='qwen3')
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = expected('qwen3')
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)

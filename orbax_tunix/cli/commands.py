@@ -223,6 +223,7 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
       hf_config=args.hf_config,
       memory_budget=args.memory_budget,
       force=args.force,
+      param_scan_axis=args.param_scan_axis,
   )
   result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
@@ -508,8 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument('src', metavar='SRC')
   p.add_argument('out_dir', metavar='OUT_DIR')
-  p.add_argument('--model', required=True, choices=huggingface.names(),
+  p.add_argument('--model', required=True, choices=huggingface.choices(),
                  help='the model family')
+  p.add_argument('--param-scan-axis', type=int, default=1, metavar='AXIS',
+                 help="a scanned MaxText model's param_scan_axis, the layer axis of its stacked"
+                 ' weights (default 1, MaxText\'s)')
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast the weights to this dtype (bfloat16, float16, float32); default: as'

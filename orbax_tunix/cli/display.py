@@ -205,6 +205,7 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'num_leaves': report.num_leaves,
       'bytes': report.nbytes,
       'lora': None if report.lora is None else dataclasses.asdict(report.lora),
+      'weights': report.source,
       'layers': None if report.layers is None else {
           'form': report.layers[0], 'count': report.layers[1]},
       'optimizer': {
@@ -324,6 +325,7 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
           ('steps', _steps_text(report)),
           ('size', f'{format_bytes(report.nbytes)} in {report.num_leaves} leaves'),
       ]
+      + [('weights', report.source)] * bool(report.source)
       + ([('state step', f'{report.state_step} (the optimizer\'s own counter)')]
          if report.state_step is not None and report.state_step != d.step else [])
       + [('json items', ', '.join(report.json_items))] * bool(report.json_items)

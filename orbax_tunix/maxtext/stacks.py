@@ -74,7 +74,7 @@ def blocks(period: int) -> tuple[Stack, ...]:
 
 
 def local_global(period: int) -> tuple[Stack, ...]:
-  """Gemma4's scanned form: per block, `period - 1` local layers (an inner scan) and a global one."""
+  """Gemma4's scanned form: per block, `period - 1` local layers (an inner scan), a global one."""
   return (
       Stack(('decoder', 'scanned_blocks', 'local_layers'), (0, 1),
             lambda n: period * n['a0'] + n['a1']),
