@@ -549,6 +549,8 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
     value = getattr(cfg, mt_attr, None)
     if value and value > 0 and hf_attr in text:
       text[hf_attr] = value
+  if text.get('per_layer_config'):  # gemma4: the full model's heads per layer, derived again
+    text['per_layer_config'] = None  # from the fitted attributes above when None
   if text.get('layer_types'):
     text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
