@@ -40,6 +40,7 @@ from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.maxtext import stacks
 from orbax_tunix.outputs import Output, relay
+from orbax_tunix.transforms import per_input
 
 # transformers' default `max_shard_size`.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -255,6 +256,8 @@ def plan_export(
     ) from e
   huggingface.fits(family, shapes, mapped.unmatched, where)
   staged = {o.path: o for o in relay(weights, per_layer)}
+  if merged is not None:
+    staged.update(_merged_per_layer(merged, weights, per_layer, naming, param_scan_axis))
   outputs = tuple(writer.in_write_order(
       _read_as_stored(o) for o in relay(staged, mapped.outputs)))
   config, copied, notes = _config_files(family, hf_config, shapes)
@@ -283,6 +286,37 @@ def _model_weights(weights: dict) -> tuple[dict, list[str]]:
   kept = {p: o for p, o in weights.items() if p not in set(aqt)}
   return kept, [f'left out {len(aqt)} AQT quantization leaves (e.g. {fmt(aqt[0])}): not'
                 ' weights of the model']
+
+
+def _merged_per_layer(merged, weights, per_layer, naming, axis: int) -> dict:
+  """A scanned layer's LoRA merge, one layer at a time.
+
+  Relaid as any weight, a merged stacked weight would be merged whole for
+  each of its layers; here each layer is taken from the weight and from its
+  adapters (stacked on the same axes: `lora.Contraction.stacked`), then
+  merged. Adapters named otherwise than qwix's `<w>_lora_a` keep the whole merge.
+  """
+  adapters = {}
+  for merge in merged.merges.values():
+    adapters[merge.adapter.a] = merge.a.shape
+    adapters[merge.adapter.b] = merge.b.shape
+  layers = stacks.unstack(adapters, naming.stacks, axis)
+  out = {}
+  for dest, m in per_layer.items():
+    (source,) = m.sources
+    merge = merged.merges.get(source)
+    if merge is None or not merge.contraction.stacked or m.transform.is_identity:
+      continue
+    a, b = (layers.get((*dest[:-1], p[-1])) for p in (merge.adapter.a, merge.adapter.b))
+    if a is None or b is None or a.sources != (merge.adapter.a,) or b.sources != (merge.adapter.b,):
+      continue
+    one = dataclasses.replace(merge, contraction=dataclasses.replace(
+        merge.contraction, weight=m.shape, stacked=()))
+    whole = weights[source]
+    out[dest] = dataclasses.replace(
+        whole, path=dest, shape=m.shape,
+        transform=per_input((m.transform, a.transform, b.transform), merge_lib.as_transform(one)))
+  return out
 
 
 def _read_as_stored(output: Output) -> Output:

@@ -17,6 +17,7 @@ each with a transform; nothing else here knows a layout.
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
+  per_input((t1, t2, ...), t)   each source through its own transform, then t on them all
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
 
 Rounding rule of the computed ones (`shift`, `divide`): the value is taken to
@@ -224,6 +225,22 @@ def head(axis: int, size: int) -> Transform:
     return tuple(None if i == at else p for i, p in enumerate(spec))  # The cut axis whole.
 
   return Transform(f'head(axis={axis}, size={size})', _one(shape), apply, source_spec=source_spec)
+
+
+def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
+  """Each source through its own transform, then `then` on them all (e.g. one layer taken
+  from a stacked weight and from each of its adapters, then merged)."""
+  transforms = tuple(transforms)
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    return then.check([t.check([s]) for t, s in zip(transforms, shapes, strict=True)])
+
+  def apply(xs: Sequence[Any]) -> Any:
+    return then.apply([t.apply([x]) for t, x in zip(transforms, xs, strict=True)])
+
+  name = f'per_input({", ".join(t.name for t in transforms)}) -> {then.name}'
+  return Transform(name, shape, apply, arity=len(transforms),
+                   moves_only=then.moves_only and all(t.moves_only for t in transforms))
 
 
 def chain(*transforms: Transform) -> Transform:

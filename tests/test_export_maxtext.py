@@ -436,8 +436,9 @@ def with_lora(flat: dict[str, np.ndarray], seed: int = 1) -> tuple[dict, dict]:
 
 def stacked_lora(flat_unscanned: dict, n: int) -> tuple[dict, dict]:
   """The scanned model with qwix's adapters stacked on axis 1 as its kernels are (printed from
-  qwix on a scanned tiny MaxText llama3.1: `kernel_lora_a` (D, L, r), `kernel_lora_b`
-  (r, L, out)), and the merged per-layer kernels."""
+  qwix.apply_lora_to_model on a scanned tiny MaxText llama3.1, rank 2, 3 layers:
+  `query/kernel_lora_a` (16, 3, 2), `query/kernel_lora_b` (2, 3, 32)), and the merged
+  per-layer kernels."""
   lora_flat, merged = with_lora(flat_unscanned)
   scanned = {}
   for path in lora_flat:
@@ -462,7 +463,12 @@ def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
   out = tmp_path / 'out'
   p = run_cli('export', str(src), str(out), '--model', 'qwen3')
   assert_refused(p, out, '--merge-lora')
-  orbax_tunix.export_to_hf(src, out, model='qwen3', merge_lora=True, lora_alpha=ALPHA)
+  plan = orbax_tunix.export.plan_export(src, out, model='qwen3', merge_lora=True,
+                                        lora_alpha=ALPHA)
+  if form == 'scanned':  # Each layer merged from its own slices, not the stack merged per layer.
+    q = next(o for o in plan.outputs if o.path == ('model.layers.1.self_attn.q_proj.weight',))
+    assert q.transform.name.startswith('per_input(take(axis=1, index=1), take(axis=1, index=1)')
+  orbax_tunix.export.run_export(plan)
   got = read_safetensors(out / 'model.safetensors')
   # The expected export is the plain model's with the merged kernels.
   top, layers = model_weights('qwen3')
