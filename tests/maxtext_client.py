@@ -522,7 +522,8 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   _validate_or_update_architecture(override=True), _get_model_mappings,
   detect_and_extract_checkpoint, validate_and_filter_param_map_keys, the vision filter,
   _transform_weights_to_full_model), without the Hub (no tokenizer) and without writing.
-  Returns the HF weights by name and the fitted HF config (a dict, as config.json holds it).
+  Returns the HF weights by name (None when MaxText's converter fails on the model), the fitted
+  HF config (a dict, as config.json holds it), and the converter's error or None.
   """
   import copy  # noqa: PLC0415
 
@@ -555,19 +556,22 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
     text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
-  maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
-  state = conv.detect_and_extract_checkpoint(checkpoint)
-  keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
-  keys = [k for k in keys if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
-  # Its loop calls gc.collect() after every weight (~1 s each in a process holding MaxText):
-  # that frees memory and changes no value, so it is skipped here to keep the suite short.
-  collect, th.gc.collect = th.gc.collect, lambda *a: 0
   try:
-    out = th._transform_weights_to_full_model(cfg, keys, state, maps['param_mapping'],
-                                              maps['hook_fn_mapping'], maps['shape_mapping'])
-  finally:
-    th.gc.collect = collect
-  return {k: np.asarray(v) for k, v in out.items()}, hf_dict
+    maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
+    state = conv.detect_and_extract_checkpoint(checkpoint)
+    keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
+    keys = [k for k in keys if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
+    # Its loop calls gc.collect() after every weight (~1 s each in a process holding MaxText):
+    # that frees memory and changes no value, so it is skipped here to keep the suite short.
+    collect, th.gc.collect = th.gc.collect, lambda *a: 0
+    try:
+      out = th._transform_weights_to_full_model(cfg, keys, state, maps['param_mapping'],
+                                                maps['hook_fn_mapping'], maps['shape_mapping'])
+    finally:
+      th.gc.collect = collect
+  except Exception as e:  # noqa: BLE001 - MaxText's converter cannot take this model: said
+    return None, hf_dict, f'{type(e).__name__}: {e}'.splitlines()[0]
+  return {k: np.asarray(v) for k, v in out.items()}, hf_dict, None
 
 
 def job_family_case(job, out_dir):
@@ -593,7 +597,7 @@ def job_family_case(job, out_dir):
   tokens = fixed_tokens(cfg)
   logits = forward_logits(model, tokens)
   times['logits'] = time.time() - t - sum(times.values())
-  hf, hf_config = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
+  hf, hf_config, convert_error = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
   times['convert'] = time.time() - t - sum(times.values())
   (out / 'hf_config').mkdir(parents=True, exist_ok=True)
   (out / 'hf_config' / 'config.json').write_text(json.dumps(hf_config, indent=2, default=str) + '\n')
@@ -602,10 +606,10 @@ def job_family_case(job, out_dir):
   from safetensors.numpy import save_file  # noqa: PLC0415
 
   (out / 'reference_hf').mkdir(exist_ok=True)
-  save_file({text_name(k): np.ascontiguousarray(v) for k, v in hf.items()},
+  save_file({text_name(k): np.ascontiguousarray(v) for k, v in (hf or {}).items()},
             str(out / 'reference_hf' / 'model.safetensors'), metadata={'format': 'pt'})
   arrays = {'logits': logits, 'tokens': tokens,
-            **{f'hf/{k}': v for k, v in hf.items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
+            **{f'hf/{k}': v for k, v in (hf or {}).items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
   npz = os.path.join(out_dir, f"{job['id']}.npz")
   np.savez(npz, **arrays)
   keys = {k: getattr(cfg, k) for k in (
@@ -618,7 +622,8 @@ def job_family_case(job, out_dir):
       'global_num_kv_heads') if hasattr(cfg, k)}
   return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
-          'hf': {k: [list(v.shape), str(v.dtype)] for k, v in hf.items()},
+          'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
+          'convert_error': convert_error,
           'mt': {k: list(v.shape) for k, v in drawn.items()}}
 
 

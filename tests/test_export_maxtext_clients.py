@@ -288,7 +288,8 @@ def test_b_export_equals_maxtexts_own_conversion(run, name):
   """Every tensor MaxText's converter writes, by name, shape, dtype and value; nothing else."""
   case, src = name.rsplit('_', 1)
   out = run.exported(name)
-  run.case(case)
+  if err := run.case(case)['convert_error']:
+    pytest.xfail(f"MaxText 0.2.5's own converter fails on this tiny model, no expected values: {err}")
   want = {text_name(k[len('hf/'):]): v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
           if k.startswith('hf/')}
   got_meta = run.result(run.maxtext, f'read_{name}')['tensors']
