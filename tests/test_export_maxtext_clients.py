@@ -263,6 +263,8 @@ def test_a_sources_are_maxtexts_layouts(run, case):
   if fam == 'gemma3' and form == 'scan':
     assert any(n.startswith('decoder/layers/layers_5/') for n in names), names
     assert any(n.startswith('decoder/layers_remainder/layers_0/') for n in names), names
+  elif fam == 'gemma4' and form == 'scan':  # MaxText 0.2.5's scan within a scan
+    assert any(n.startswith('decoder/scanned_blocks/') for n in names), names
   elif form == 'scan':
     q = r['mt'].get('decoder/layers/self_attention/query/kernel')
     assert q and q[1] == r['config']['num_decoder_layers'], (q, sorted(names)[:20])
