@@ -281,7 +281,7 @@ def test_a_sources_are_maxtexts_layouts(run, case):
   assert all(k[:2] == ('params', 'params') for k in keys), keys[:5]
   with np.load(r['npz']) as z:
     for name in z.files:
-      if name.startswith('mt/'):
+      if name.startswith('mt/') and z[name].size > 1:  # gemma4's layer_scalar is one value
         assert np.std(z[name]) > 0.1, f'{name} is not random'
 
 
