@@ -44,6 +44,12 @@ pyconfig `k=v` strings):
   restore_train_state  path, scan[, params_only]: orbax_tunix.maxtext.restore_train_state(path,
                   train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...);
                   `notes` = the orbax_tunix log messages.
+  family_case     model_name, dims, scan[, seed, step=3], out: a tiny random MaxText model
+                  of one family saved as a Tunix run and a MaxText step under `out`, MaxText
+                  0.2.5's own HF conversion of it, the fitted HF config and its logits (see
+                  job_family_case).
+  read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
+  auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
 
 from __future__ import annotations
@@ -421,6 +427,243 @@ def job_restore_train_state(job, out_dir):
           **save_leaves(out_dir, job['id'], restored, given=target)}
 
 
+# --------------------------------------------------------------------------- #
+# Tiny models of each family, their checkpoints, and MaxText's own HF conversion
+# --------------------------------------------------------------------------- #
+# The keys every family's tiny model shares (tests/test_export_maxtext.py gives the dims).
+FAMILY_BASE = [
+    'hardware=cpu',
+    'skip_jax_distributed_system=True',
+    'dataset_type=synthetic',
+    'per_device_batch_size=1',
+    'max_target_length=16',
+    'attention=dot_product',
+    'override_model_config=True',
+    'dtype=float32',
+    'weight_dtype=float32',
+    'enable_dropout=False',
+    'enable_checkpointing=False',
+    'run_name=maxtext_client_family',
+    'base_output_directory=/tmp/maxtext_client_unused',
+]
+
+
+def family_config(model_name: str, scan: bool, dims, *extra: str):
+  return pyconfig.initialize(['maxtext_client', BASE_YML, f'model_name={model_name}',
+                              *FAMILY_BASE, *dims, f'scan_layers={bool(scan)}', *extra])
+
+
+def random_model(cfg, seed: int):
+  """MaxText's own model for `cfg`, every nnx.Param leaf (norms too) drawn from N(0, 0.3²),
+  rounded to values bfloat16 holds exactly.
+
+  MaxText initialises norms to ones (or zeros) and some kernels alike: a fixture with such
+  leaves cannot tell `scale - 1` from `scale`, or one layer from another.
+  """
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  create_model, _ = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
+  with nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    model = create_model()
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  pure = params.to_pure_dict()
+  rng = np.random.default_rng(seed)
+  leaves = flat(pure)
+  # Values bfloat16 can hold exactly (stored as float32): MaxText 0.2.5 casts the embedding
+  # table to bfloat16 in its tied logits (layers/embeddings.py attend_on_embedding), which must
+  # not round them.
+  drawn = {path: rng.normal(0.0, 0.3, np.shape(leaf)).astype(jnp.bfloat16).astype(np.float32)
+           for path, leaf in sorted(leaves.items())}
+
+  def fill(tree, prefix=''):
+    if isinstance(tree, dict):
+      return {k: fill(v, f'{prefix}{k}/') for k, v in tree.items()}
+    return jnp.asarray(drawn[prefix[:-1]], tree.dtype)
+
+  nnx.replace_by_pure_dict(params, fill(pure))
+  return nnx.merge(graphdef, params, rest), drawn
+
+
+def save_tunix_run(root: Path, step: int, model) -> None:
+  """A Tunix run: `nnx.state(TunixMaxTextAdapter(model))` saved exactly as google-tunix 0.1.7's
+  `tunix.sft.checkpoint_manager.CheckpointManager.save` saves it (Orbax v0 CheckpointManager,
+  item `model_params`, PyTreeSave of the whole nnx.State: `base/<path>/value`, RNG state too)."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415 - v0 API, as Tunix 0.1.7 uses it
+  from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter  # noqa: PLC0415
+
+  params = nnx.state(TunixMaxTextAdapter(base_model=model))
+  mngr = ocp.CheckpointManager(
+      str(root), item_handlers={'model_params': ocp.PyTreeCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+  mngr.save(step, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(
+      item=params, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), params))))
+  mngr.wait_until_finished()
+  mngr.close()
+
+
+def save_maxtext_step(root: Path, step: int, model) -> None:
+  """A MaxText params-only step: `<root>/<step>/items` = {'params': {'params': <weights>}}, the
+  layout MaxText's own checkpointing (and generate_param_only_checkpoint) writes."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  weights = nnx.state(model, nnx.Param).to_pure_dict()
+  item = {'params': {'params': weights}}
+  mngr = ocp.CheckpointManager(
+      str(root), item_handlers={'items': ocp.PyTreeCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+  mngr.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(item=item)))
+  mngr.wait_until_finished()
+  mngr.close()
+
+
+def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
+  """MaxText 0.2.5's own to_huggingface.main, up to the dict it hands save_model_files.
+
+  The same calls in the same order (load_orbax_checkpoint, HF_MODEL_CONFIGS fitted with
+  _validate_or_update_architecture(override=True), _get_model_mappings,
+  detect_and_extract_checkpoint, validate_and_filter_param_map_keys, the vision filter,
+  _transform_weights_to_full_model), without the Hub (no tokenizer) and without writing.
+  Returns the HF weights by name (None when MaxText's converter fails on the model), the fitted
+  HF config (a dict, as config.json holds it), and the converter's error or None.
+  """
+  import copy  # noqa: PLC0415
+
+  from maxtext.checkpoint_conversion import to_huggingface as th  # noqa: PLC0415
+  from maxtext.checkpoint_conversion.utils import utils as conv  # noqa: PLC0415
+  from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS  # noqa: PLC0415
+
+  cfg = family_config(job['model_name'], job['scan'], job['dims'],
+                      f'load_parameters_path={params_path}')
+  checkpoint = conv.load_orbax_checkpoint(cfg)
+  hf_config = copy.deepcopy(HF_MODEL_CONFIGS[cfg.model_name])
+  th._validate_or_update_architecture(hf_config, cfg, override=True)
+  # What _validate_or_update_architecture leaves at the full model's values and a tiny model
+  # needs, fitted in the dict the mappings are built from and config.json is written from: the
+  # per-layer attention kinds (truncated to the tiny model's layers: the pattern starts at layer
+  # 0), the sliding window, and the head attributes gemma4's text config answers only per layer
+  # (its getattr raises, so _validate_or_update_architecture skips them).
+  hf_dict = hf_config.to_dict()
+  text = hf_dict.get('text_config') or hf_dict
+  for hf_attr, mt_attr in (('num_attention_heads', 'num_query_heads'),
+                           ('num_key_value_heads', 'num_kv_heads'), ('head_dim', 'head_dim'),
+                           ('global_head_dim', 'global_head_dim'),
+                           ('num_global_key_value_heads', 'global_num_kv_heads')):
+    value = getattr(cfg, mt_attr, None)
+    if value and value > 0 and hf_attr in text:
+      text[hf_attr] = value
+  if text.get('per_layer_config'):  # gemma4: the full model's heads per layer, derived again
+    text['per_layer_config'] = None  # from the fitted attributes above when None
+  if text.get('layer_types'):
+    text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
+  if text.get('sliding_window') and cfg.sliding_window_size:
+    text['sliding_window'] = cfg.sliding_window_size
+  try:
+    maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
+    state = conv.detect_and_extract_checkpoint(checkpoint)
+    keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
+    keys = [k for k in keys if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
+    # Its loop calls gc.collect() after every weight (~1 s each in a process holding MaxText):
+    # that frees memory and changes no value, so it is skipped here to keep the suite short.
+    collect, th.gc.collect = th.gc.collect, lambda *a: 0
+    try:
+      out = th._transform_weights_to_full_model(cfg, keys, state, maps['param_mapping'],
+                                                maps['hook_fn_mapping'], maps['shape_mapping'])
+    finally:
+      th.gc.collect = collect
+  except Exception as e:  # noqa: BLE001 - MaxText's converter cannot take this model: said
+    return None, hf_dict, f'{type(e).__name__}: {e}'.splitlines()[0]
+  return {k: np.asarray(v) for k, v in out.items()}, hf_dict, None
+
+
+def job_family_case(job, out_dir):
+  """A tiny MaxText model of one family: checkpoints, MaxText's HF conversion, its logits.
+
+  Arguments: model_name (a MaxText model, e.g. gemma3-4b), dims (pyconfig overrides), scan,
+  seed, out (a folder). Writes `<out>/tunix/<step>/model_params` (a Tunix run),
+  `<out>/maxtext/<step>/items` (a MaxText params-only step), `<out>/hf_config/config.json`
+  (MaxText's HF_MODEL_CONFIGS entry fitted to the tiny model), and to `<id>.npz`: the HF
+  weights MaxText's converter makes from the MaxText step ('hf/<name>'), the model's logits
+  on fixed tokens ('logits'), the tokens ('tokens'), and the drawn weights ('mt/<path>').
+  """
+  out = Path(job['out']).resolve()
+  step = int(job.get('step', 3))
+  cfg = family_config(job['model_name'], job['scan'], job['dims'])
+  times = {}
+  t = time.time()
+  model, drawn = random_model(cfg, int(job.get('seed', 0)))
+  times['model'] = time.time() - t
+  save_tunix_run(out / 'tunix', step, model)
+  save_maxtext_step(out / 'maxtext', step, model)
+  times['save'] = time.time() - t - sum(times.values())
+  tokens = fixed_tokens(cfg)
+  logits = forward_logits(model, tokens)
+  times['logits'] = time.time() - t - sum(times.values())
+  hf, hf_config, convert_error = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
+  times['convert'] = time.time() - t - sum(times.values())
+  (out / 'hf_config').mkdir(parents=True, exist_ok=True)
+  (out / 'hf_config' / 'config.json').write_text(json.dumps(hf_config, indent=2, default=str) + '\n')
+  # MaxText's converted weights under the text model's names (gemma3's converter writes the
+  # multimodal `model.language_model.*`), for Tunix's loaders: the reference chain's own check.
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  (out / 'reference_hf').mkdir(exist_ok=True)
+  save_file({text_name(k): np.ascontiguousarray(v) for k, v in (hf or {}).items()},
+            str(out / 'reference_hf' / 'model.safetensors'), metadata={'format': 'pt'})
+  arrays = {'logits': logits, 'tokens': tokens,
+            **{f'hf/{k}': v for k, v in (hf or {}).items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, **arrays)
+  keys = {k: getattr(cfg, k) for k in (
+      'emb_dim', 'num_query_heads', 'num_kv_heads', 'head_dim', 'mlp_dim', 'num_decoder_layers',
+      'vocab_size', 'normalization_layer_epsilon', 'rope_max_timescale', 'scan_layers',
+      'param_scan_axis', 'logits_via_embedding', 'sliding_window_size',
+      'local_rope_max_timescale', 'rope_linear_scaling_factor', 'num_experts',
+      'num_experts_per_tok', 'moe_mlp_dim', 'norm_topk_prob', 'use_qk_norm',
+      'final_logits_soft_cap', 'query_pre_attn_scalar', 'global_head_dim',
+      'global_num_kv_heads') if hasattr(cfg, k)}
+  return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
+          'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
+          'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
+          'convert_error': convert_error,
+          'mt': {k: list(v.shape) for k, v in drawn.items()}}
+
+
+def text_name(name: str) -> str:
+  """A multimodal checkpoint's text-model name as the text model names it."""
+  return name.replace('model.language_model.', 'model.', 1)
+
+
+def job_read_hf(job, out_dir):
+  """Every tensor of a Hugging Face folder (path) read with the `safetensors` package.
+
+  npz: 'hf/<name>' as float32 (bfloat16 is widened exactly); result: {name: [shape, dtype,
+  file]} and the folder's files.
+  """
+  from safetensors import safe_open  # noqa: PLC0415
+
+  path = Path(job['path'])
+  arrays, tensors = {}, {}
+  for f in sorted(path.glob('*.safetensors')):
+    with safe_open(str(f), framework='flax') as st:
+      for name in st.keys():
+        value = st.get_tensor(name)
+        tensors[name] = [list(value.shape), str(value.dtype), f.name]
+        arrays[f'hf/{name}'] = np.asarray(value.astype(jnp.float32))
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, **arrays)
+  return {'npz': npz, 'tensors': tensors, 'files': sorted(p.name for p in path.iterdir())}
+
+
+def job_auto_config(job, out_dir):
+  """transformers.AutoConfig.from_pretrained(path): what it loads, or its error."""
+  import transformers  # noqa: PLC0415
+
+  cfg = transformers.AutoConfig.from_pretrained(job['path'])
+  return {'class': type(cfg).__name__, 'model_type': cfg.model_type,
+          'architectures': list(getattr(cfg, 'architectures', None) or []),
+          'transformers': transformers.__version__,
+          'config': json.loads(cfg.to_json_string())}
+
+
 JOBS = {
     'train': job_train,
     'resume': job_train,
@@ -430,6 +673,9 @@ JOBS = {
     'metadata': job_metadata,
     'logits': job_logits,
     'restore_train_state': job_restore_train_state,
+    'family_case': job_family_case,
+    'auto_config': job_auto_config,
+    'read_hf': job_read_hf,
 }
 
 
