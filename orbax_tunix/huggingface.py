@@ -59,9 +59,11 @@ from orbax_tunix.transforms import (
   IDENTITY,
   Shape,
   chain,
+  deinterleave,
   divide,
   head,
   merge_axes,
+  multiply,
   shift,
   take,
   transpose,
@@ -255,12 +257,11 @@ MT_LAYER = 'decoder/layers_{i}'
 _MT_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
 
 
-def _mt_attention(norm=None) -> list[LayoutRule]:
+def _mt_attention(norm=None, query=IN_PROJ, key=IN_PROJ) -> list[LayoutRule]:
   """MaxText's attention (D, N, H) / (N, H, D) kernels, and its q/k norms through `norm`."""
   rules = [
-      _rule(f'{MT_LAYER}/self_attention/{mt}/kernel', f'{LAYER}.self_attn.{hf}_proj.weight',
-            IN_PROJ)
-      for mt, hf in (('query', 'q'), ('key', 'k'), ('value', 'v'))
+      _rule(f'{MT_LAYER}/self_attention/{mt}/kernel', f'{LAYER}.self_attn.{hf}_proj.weight', t)
+      for mt, hf, t in (('query', 'q', query), ('key', 'k', key), ('value', 'v', IN_PROJ))
   ]
   rules.append(_rule(f'{MT_LAYER}/self_attention/out/kernel', f'{LAYER}.self_attn.o_proj.weight',
                      OUT_PROJ))
@@ -288,13 +289,23 @@ def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[
   }
 
 
-def _maxtext_qwen3_style(norms: bool) -> Naming:
-  """MaxText's llama3.1 and qwen3 (dense) decoders: qwen3 adds q/k norms."""
+# MaxText's llama (llama2, llama3.1) keeps the query kernel divided by sqrt(head_dim)
+# (no scaling in its attention) and q/k's rotary pairs interleaved; Hugging Face's Llama
+# scales in attention and rotates halves. As MaxText's converter (`scale_query_layer`,
+# `adjust_rope`): the product in float32, rounded once.
+_LLAMA_QUERY = chain(multiply('sqrt(head_dim)', lambda s: math.sqrt(s[2])), deinterleave(-1),
+                     IN_PROJ)
+_LLAMA_KEY = chain(deinterleave(-1), IN_PROJ)
+
+
+def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
+  """MaxText's llama3.1 and qwen3 (dense) decoders: qwen3 adds q/k norms, llama's q/k
+  are laid out as `_LLAMA_QUERY` / `_LLAMA_KEY` undo."""
   rules = [
       _rule('token_embedder/embedding', 'model.embed_tokens.weight'),
       _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
       _rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),  # Only when not tied.
-      *_mt_attention(norm=IDENTITY if norms else None),
+      *_mt_attention(norm=IDENTITY if norms else None, query=query, key=key),
       *_mt_mlp(),
       _rule(f'{MT_LAYER}/pre_self_attention_layer_norm/scale', f'{LAYER}.input_layernorm.weight'),
       _rule(f'{MT_LAYER}/post_self_attention_layer_norm/scale',
@@ -315,7 +326,8 @@ def _maxtext_qwen3_style(norms: bool) -> Naming:
   )
 
 
-def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool) -> Family:
+def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
+                 maxtext: Naming) -> Family:
   """Qwen3 and Llama3 share Tunix's layout; Qwen3 adds q/k norms."""
   rules = [
       _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
@@ -350,12 +362,14 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool) -> 
           'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
       },
       tied=lambda paths: ('lm_head', 'w') not in paths,
-      maxtext=_maxtext_qwen3_style(norms),
+      maxtext=maxtext,
   )
 
 
-QWEN3 = _qwen3_style('qwen3', 'Qwen3ForCausalLM', 'qwen3', norms=True)
-LLAMA3 = _qwen3_style('llama3', 'LlamaForCausalLM', 'llama', norms=False)
+QWEN3 = _qwen3_style('qwen3', 'Qwen3ForCausalLM', 'qwen3', norms=True,
+                     maxtext=_maxtext_qwen3_style(norms=True))
+LLAMA3 = _qwen3_style('llama3', 'LlamaForCausalLM', 'llama', norms=False,
+                      maxtext=_maxtext_qwen3_style(norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY))
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
 # which transformers takes as the exact GELU and vLLM refuses (maxtext#2867).

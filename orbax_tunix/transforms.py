@@ -224,6 +224,34 @@ def divide(name: str, divisor: Callable[[Shape], float]) -> Transform:
   return _in_float32(f'divide({name})', lambda x, shape: x / np.float32(divisor(shape)))
 
 
+def multiply(name: str, factor: Callable[[Shape], float]) -> Transform:
+  """`x * factor(shape)`, the factor taken to float32 (e.g. a query kernel MaxText stores
+  divided by sqrt(head_dim))."""
+  return _in_float32(f'multiply({name})', lambda x, shape: x * np.float32(factor(shape)))
+
+
+def deinterleave(axis: int = -1) -> Transform:
+  """Along `axis`, the even entries, then the odd ones: rotary pairs stored interleaved
+  (MaxText's llama: (x0, y0, x1, y1, ...)) put in halves (Hugging Face's rotate_half:
+  (x0, x1, ..., y0, y1, ...))."""
+
+  def shape(s: Shape) -> Shape:
+    if not -len(s) <= axis < len(s) or s[axis] % 2:
+      raise TransformError(f'deinterleave(axis={axis}): expected an even axis {axis}, found {s}')
+    return s
+
+  def apply(xs: Sequence[Any]) -> Any:
+    x = xs[0]
+    n = x.shape[axis]
+    return xp(x).take(x, np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)]), axis=axis)
+
+  def source_spec(spec: tuple) -> tuple:
+    at = axis % len(spec) if spec else 0
+    return tuple(None if i == at else p for i, p in enumerate(spec))  # The axis whole.
+
+  return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=source_spec)
+
+
 def head(axis: int, size: int) -> Transform:
   """The first `size` entries along `axis` (a padded vocabulary cut to the real one)."""
 

@@ -171,6 +171,14 @@ def _out(w):  # (N, H, D) -> (D, N*H)
   return w.reshape(-1, w.shape[-1]).T
 
 
+def _halves(w):  # interleaved rotary pairs on the last axis -> evens then odds
+  return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+
+
+def _llama_q(w):  # MaxText's llama stores q / sqrt(head_dim): times it in float32, rounded once
+  return _in(_halves((w.astype(np.float32) * np.float32(math.sqrt(w.shape[-1]))).astype(w.dtype)))
+
+
 def expected(model: str, vocab: int = V, seed: int = 0) -> dict[str, np.ndarray]:
   top, layers = model_weights(model, seed)
   gemma = model.startswith('gemma')
@@ -187,8 +195,12 @@ def expected(model: str, vocab: int = V, seed: int = 0) -> dict[str, np.ndarray]
     out['lm_head.weight'] = top['decoder/logits_dense/kernel'].T[:vocab]
   for i, w in enumerate(layers):
     p = f'model.layers.{i}'
-    out[f'{p}.self_attn.q_proj.weight'] = _in(w['self_attention/query/kernel'])
-    out[f'{p}.self_attn.k_proj.weight'] = _in(w['self_attention/key/kernel'])
+    if model == 'llama3':  # MaxText's llama: q pre-scaled, q/k rotary pairs interleaved
+      out[f'{p}.self_attn.q_proj.weight'] = _llama_q(w['self_attention/query/kernel'])
+      out[f'{p}.self_attn.k_proj.weight'] = _in(_halves(w['self_attention/key/kernel']))
+    else:
+      out[f'{p}.self_attn.q_proj.weight'] = _in(w['self_attention/query/kernel'])
+      out[f'{p}.self_attn.k_proj.weight'] = _in(w['self_attention/key/kernel'])
     if 'self_attention/value/kernel' in w:  # gemma4's global layers have none
       out[f'{p}.self_attn.v_proj.weight'] = _in(w['self_attention/value/kernel'])
     out[f'{p}.self_attn.o_proj.weight'] = _out(w['self_attention/out/kernel'])
@@ -322,7 +334,9 @@ def test_llama2_fixtures_export_as_llama3(tmp_path):
                                 np.asarray(base['decoder']['logits_dense']['kernel']['value']).T)
   attn = base['decoder']['layers_1']['self_attention']
   np.testing.assert_array_equal(got['model.layers.1.self_attn.q_proj.weight'],
-                                _in(np.asarray(attn['query']['kernel']['value'])))
+                                _llama_q(np.asarray(attn['query']['kernel']['value'])))
+  np.testing.assert_array_equal(got['model.layers.1.self_attn.k_proj.weight'],
+                                _in(_halves(np.asarray(attn['key']['kernel']['value']))))
   np.testing.assert_array_equal(got['model.layers.1.self_attn.o_proj.weight'],
                                 _out(np.asarray(attn['out']['kernel']['value'])))
   assert sorted(outs['tunix_llama2_scan']) == sorted(got)
