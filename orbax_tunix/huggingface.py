@@ -929,7 +929,9 @@ def check_config(
   if not notes:
     return Config(top)
   fields = {**fields, **added, **fixed}
-  top = {**named, **(top if inner is None else {**top, 'text_config': fields})}
+  top = top if inner is None else {**top, 'text_config': fields}
+  # `named` first, and over the base's nulls (a text_config's `architectures: null`).
+  top = {**named, **{k: v for k, v in top.items() if k not in named}}
   return Config(top if inner is not None else {**top, **fields}, tuple(notes))
 
 

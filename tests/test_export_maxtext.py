@@ -533,11 +533,11 @@ def test_llama_aliases_name_the_llama3_family(tmp_path):
 
 
 def test_a_family_without_the_sources_naming_is_refused(tmp_path):
-  """Tunix's own qwen3 run as gemma4 (which names only MaxText's model here)."""
+  """A MaxText model as gemma2 (which names only Tunix's own model class)."""
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'unscanned'))
   out = tmp_path / 'out'
-  p = run_cli('export', str(ROOT / 'tests' / 'data' / 'tunix' / 'hf_qwen3'), str(out),
-              '--model', 'gemma4')
-  assert_refused(p, out, 'Tunix model', 'gemma4', '--model')
+  p = run_cli('export', str(src), str(out), '--model', 'gemma2')
+  assert_refused(p, out, 'MaxText model', 'gemma2', '--model')
 
 
 @pytest.mark.parametrize('weight,a,b,stacked', [
