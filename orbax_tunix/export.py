@@ -330,10 +330,10 @@ def _config_vocab(hf_config: epath.PathLike | None) -> int | None:
   path = storage.as_path(hf_config) / 'config.json'
   if not path.is_file():
     return None  # `_config_files` says what is wrong.
-  config = storage.read_json(path, 'a Hugging Face config.json')
+  config = storage.read_json(path, 'a Hugging Face config.json', _CONFIG_REMEDY)
   config = config.get('text_config', config) if isinstance(config, dict) else {}
   vocab = config.get('vocab_size') if isinstance(config, dict) else None
-  return vocab if isinstance(vocab, int) else None
+  return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
 def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:

@@ -929,10 +929,9 @@ def check_config(
   if not notes:
     return Config(top)
   fields = {**fields, **added, **fixed}
-  top = top if inner is None else {**top, 'text_config': fields}
+  out = {**top, **fields} if inner is None else {**top, 'text_config': fields}
   # `named` first, and over the base's nulls (a text_config's `architectures: null`).
-  top = {**named, **{k: v for k, v in top.items() if k not in named}}
-  return Config(top if inner is not None else {**top, **fields}, tuple(notes))
+  return Config({**named, **{k: v for k, v in out.items() if k not in named}}, tuple(notes))
 
 
 def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path], where: str) -> None:
