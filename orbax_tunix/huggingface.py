@@ -380,6 +380,29 @@ _GEMMA_NORMS = {
     'pre_ffw_norm': 'pre_feedforward_layernorm',
     'post_ffw_norm': 'post_feedforward_layernorm',
 }
+def _gemma_attention(layer: str, fused: bool = True) -> tuple[LayoutRule, ...]:
+  """Tunix Gemma's attention einsums: q (N, D, H), kv (2, K, D, H) or fused qkv, out (N, H, D)."""
+  rules = (
+      _rule('layers/{i}/attn/q_einsum/w', f'{layer}.self_attn.q_proj.weight', HEADS_FIRST),
+      LayoutRule.split(
+          ('layers', '{i}', 'attn', 'kv_einsum', 'w'),
+          *(((f'{layer}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
+            for n, p in enumerate('kv'))),
+      LayoutRule.split(  # Heads == kv heads: one fused einsum.
+          ('layers', '{i}', 'attn', 'qkv_einsum', 'w'),
+          *(((f'{layer}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
+            for n, p in enumerate('qkv'))),
+      _rule('layers/{i}/attn/attn_vec_einsum/w', f'{layer}.self_attn.o_proj.weight', OUT_PROJ),
+      _rule('layers/{i}/mlp/{p:gate|up|down}_proj/kernel', f'{layer}.mlp.{{p}}_proj.weight',
+            transpose()),
+  )
+  return tuple(r for r in rules if fused or r.source.keys[3].text != 'qkv_einsum')
+
+
+_GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
+              ('layers/{i}/attn/qkv_einsum/w',))
+
+
 GEMMA3 = Family(
     name='gemma3',
     architecture='Gemma3ForCausalLM',
@@ -387,27 +410,15 @@ GEMMA3 = Family(
     rules=(
         _rule('embedder/input_embedding', 'model.embed_tokens.weight'),  # Tied: no lm_head.
         _rule('final_norm/scale', 'model.norm.weight'),
-        _rule('layers/{i}/attn/q_einsum/w', f'{LAYER}.self_attn.q_proj.weight', HEADS_FIRST),
-        LayoutRule.split(
-            ('layers', '{i}', 'attn', 'kv_einsum', 'w'),
-            *(((f'{LAYER}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
-              for n, p in enumerate('kv'))),
-        LayoutRule.split(  # Heads == kv heads: one fused einsum.
-            ('layers', '{i}', 'attn', 'qkv_einsum', 'w'),
-            *(((f'{LAYER}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
-              for n, p in enumerate('qkv'))),
-        _rule('layers/{i}/attn/attn_vec_einsum/w', f'{LAYER}.self_attn.o_proj.weight', OUT_PROJ),
+        *_gemma_attention(LAYER),
         _rule('layers/{i}/attn/_query_norm/scale', f'{LAYER}.self_attn.q_norm.weight'),
         _rule('layers/{i}/attn/_key_norm/scale', f'{LAYER}.self_attn.k_norm.weight'),
-        _rule('layers/{i}/mlp/{p:gate|up|down}_proj/kernel', f'{LAYER}.mlp.{{p}}_proj.weight',
-              transpose()),
         *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
           for tunix, hf in _GEMMA_NORMS.items()),
     ),
     required=(
         (('embedder/input_embedding', 'final_norm/scale'),),
-        (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
-         ('layers/{i}/attn/qkv_einsum/w',)),
+        _GEMMA_QKV,
         (('layers/{i}/attn/attn_vec_einsum/w', 'layers/{i}/attn/{n:_query|_key}_norm/scale',
           'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
           *(f'layers/{{i}}/{t}/scale' for t in _GEMMA_NORMS)),),
@@ -587,29 +598,6 @@ QWEN3_MOE = _extended(
     optional=('layers/{i}/mlp/{p:gate|up|down}_proj/kernel',),
     maxtext=_maxtext_qwen3_moe(),
 )
-
-
-def _gemma_attention(layer: str, fused: bool = True) -> tuple[LayoutRule, ...]:
-  """Tunix Gemma's attention einsums: q (N, D, H), kv (2, K, D, H) or fused qkv, out (N, H, D)."""
-  rules = (
-      _rule('layers/{i}/attn/q_einsum/w', f'{layer}.self_attn.q_proj.weight', HEADS_FIRST),
-      LayoutRule.split(
-          ('layers', '{i}', 'attn', 'kv_einsum', 'w'),
-          *(((f'{layer}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
-            for n, p in enumerate('kv'))),
-      LayoutRule.split(  # Heads == kv heads: one fused einsum.
-          ('layers', '{i}', 'attn', 'qkv_einsum', 'w'),
-          *(((f'{layer}.self_attn.{p}_proj.weight',), chain(take(0, n), HEADS_FIRST))
-            for n, p in enumerate('qkv'))),
-      _rule('layers/{i}/attn/attn_vec_einsum/w', f'{layer}.self_attn.o_proj.weight', OUT_PROJ),
-      _rule('layers/{i}/mlp/{p:gate|up|down}_proj/kernel', f'{layer}.mlp.{{p}}_proj.weight',
-            transpose()),
-  )
-  return tuple(r for r in rules if fused or r.source.keys[3].text != 'qkv_einsum')
-
-
-_GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
-              ('layers/{i}/attn/qkv_einsum/w',))
 
 
 def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, str],

@@ -31,6 +31,15 @@ def subprocess_env(**extra: str) -> dict[str, str]:
   return env
 
 
+def client_env(script: str, **env: str) -> str:
+  """What `scripts/<script>` prints last: a client's environment (its python or its packages'
+  directory), built on first use, then reused."""
+  out = subprocess.run(['bash', str(ROOT / 'scripts' / script)], capture_output=True, text=True,
+                       timeout=1800, check=False, env={**os.environ, **env})
+  assert out.returncode == 0, f'scripts/{script} failed:\n{out.stderr[-5000:]}'
+  return out.stdout.strip().splitlines()[-1]
+
+
 class Worker:
   """`python SCRIPT --serve`: jobs on stdin, one JSON result per line on a pipe.
 

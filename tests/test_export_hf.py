@@ -49,7 +49,7 @@ import numpy as np
 import pytest
 
 from tests import builders, clients
-from tests.clients import subprocess_env
+from tests.clients import client_env, subprocess_env
 from tests.test_faults import snapshot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -341,11 +341,7 @@ class Export:
 @pytest.fixture(scope='module')
 def tunix_pkgs() -> str:
   """scripts/tunix_pkgs.sh's directory (built on first use, ~15 s; then reused)."""
-  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'tunix_pkgs.sh')], capture_output=True,
-                       text=True, timeout=1800, check=False,
-                       env={**os.environ, 'PYTHON': sys.executable})
-  assert out.returncode == 0, f'scripts/tunix_pkgs.sh failed:\n{out.stderr[-5000:]}'
-  return out.stdout.strip().splitlines()[-1]
+  return client_env('tunix_pkgs.sh', PYTHON=sys.executable)
 
 
 def export_argv(src: pathlib.Path | str, out: pathlib.Path, *flags: str) -> list[str]:
@@ -1039,10 +1035,7 @@ AUTOCONFIG_CLASSES = {'hf_qwen2': 'Qwen2Config', 'hf_qwen3_moe': 'Qwen3MoeConfig
 @pytest.fixture(scope='module')
 def autoconfigs(client) -> dict:
   """transformers' AutoConfig on every --hf-config export of HF_CONFIG_FULL, in one subprocess."""
-  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'maxtext_venv.sh')], capture_output=True,
-                       text=True, timeout=1800, check=False)
-  assert out.returncode == 0, f'scripts/maxtext_venv.sh failed:\n{out.stderr[-5000:]}'
-  python = out.stdout.strip().splitlines()[-1]
+  python = client_env('maxtext_venv.sh')
   dirs = {name: str(client.exported(f'hf_config_{name}')) for name in HF_CONFIG_FULL}
   p = subprocess.run([python, '-c', AUTOCONFIG, *dirs.values()], capture_output=True, text=True,
                      timeout=CLI_TIMEOUT, check=False, env={**os.environ, 'PYTHONPATH': ''})
@@ -1233,14 +1226,6 @@ def test_f_force_does_not_replace_a_folder_with_only_a_config(tmp_path):
 # --------------------------------------------------------------------------- #
 # g. the config written is one transformers reads as the model the tensors are
 # --------------------------------------------------------------------------- #
-def _maxtext_python() -> str:
-  """The MaxText venv's python (transformers 5), built by scripts/maxtext_venv.sh if needed."""
-  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'maxtext_venv.sh')], capture_output=True,
-                       text=True, timeout=1800, check=False)
-  assert out.returncode == 0, f'scripts/maxtext_venv.sh failed:\n{out.stderr[-5000:]}'
-  return out.stdout.strip().splitlines()[-1]
-
-
 _AUTOCONFIG = """
 import json, sys, transformers
 c = transformers.AutoConfig.from_pretrained(sys.argv[1])
@@ -1279,7 +1264,7 @@ def test_g_gemma3_multimodal_config_becomes_the_text_models(tmp_path):
   r = run_cli(export_argv(DATA / 'hf_gemma3', out, '--model', 'gemma3', '--hf-config', str(hf)))
   assert r['rc'] == 0, r['stderr']
   assert 'multimodal' in r['stderr'] and 'hidden_activation' in r['stderr'], r['stderr']
-  got = subprocess.run([_maxtext_python(), '-c', _AUTOCONFIG, str(out)], capture_output=True,
+  got = subprocess.run([client_env('maxtext_venv.sh'), '-c', _AUTOCONFIG, str(out)], capture_output=True,
                        text=True, timeout=300, check=False, env=subprocess_env())
   assert got.returncode == 0, got.stderr[-3000:]
   assert json.loads(got.stdout.strip().splitlines()[-1]) == {

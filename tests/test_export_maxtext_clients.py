@@ -43,7 +43,6 @@ multimodal `Gemma3ForConditionalGeneration` config, which the export turns into 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -54,7 +53,7 @@ import numpy as np
 import pytest
 
 from tests import clients
-from tests.clients import subprocess_env
+from tests.clients import client_env, subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAXTEXT_CLIENT = ROOT / 'tests' / 'maxtext_client.py'
@@ -135,20 +134,13 @@ def text_name(name: str) -> str:
 @pytest.fixture(scope='module')
 def maxtext_python() -> str:
   """The MaxText venv's python, built by scripts/maxtext_venv.sh on first use (~40 s)."""
-  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'maxtext_venv.sh')], capture_output=True,
-                       text=True, timeout=1800, check=False)
-  assert out.returncode == 0, f'scripts/maxtext_venv.sh failed:\n{out.stderr[-5000:]}'
-  return out.stdout.strip().splitlines()[-1]
+  return client_env('maxtext_venv.sh')
 
 
 @pytest.fixture(scope='module')
 def tunix_pkgs() -> str:
   """scripts/tunix_pkgs.sh's directory (built on first use, ~15 s; then reused)."""
-  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'tunix_pkgs.sh')], capture_output=True,
-                       text=True, timeout=1800, check=False,
-                       env={**os.environ, 'PYTHON': sys.executable})
-  assert out.returncode == 0, f'scripts/tunix_pkgs.sh failed:\n{out.stderr[-5000:]}'
-  return out.stdout.strip().splitlines()[-1]
+  return client_env('tunix_pkgs.sh', PYTHON=sys.executable)
 
 
 def export(src: pathlib.Path, out: pathlib.Path, model: str, hf_config: str) -> dict:

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 
 from tests import builders, clients
-from tests.clients import subprocess_env
+from tests.clients import client_env, subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data' / 'maxtext'
@@ -135,10 +135,7 @@ def assert_equal_arrays(got: dict, want: dict, what: str):
 @pytest.fixture(scope='session')
 def maxtext_python() -> str:
   """The MaxText venv's python, built by scripts/maxtext_venv.sh on first use (~40 s)."""
-  out = subprocess.run(['bash', str(ROOT / 'scripts' / 'maxtext_venv.sh')], capture_output=True,
-                       text=True, timeout=1800, check=False)
-  assert out.returncode == 0, f'scripts/maxtext_venv.sh failed:\n{out.stderr[-5000:]}'
-  return out.stdout.strip().splitlines()[-1]
+  return client_env('maxtext_venv.sh')
 
 
 def convert(src: pathlib.Path, dst: pathlib.Path, *flags: str) -> dict:
