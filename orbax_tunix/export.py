@@ -228,8 +228,9 @@ def plan_export(
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = stacks.unstack({p: o.shape for p, o in weights.items()}, naming.stacks,
                              param_scan_axis, where=where)
+  base_config = _base_config(hf_config)
   per_layer, vocab_notes = huggingface.cut_vocab(
-      naming, per_layer, _config_vocab(hf_config), f'{hf_config}/config.json')
+      naming, per_layer, _config_vocab(base_config), f'{hf_config}/config.json')
   shapes = {p: m.shape for p, m in per_layer.items()}
   try:
     mapped = patterns.map_paths(shapes, naming.rules, where=where)
@@ -244,7 +245,7 @@ def plan_export(
     staged.update(_merged_per_layer(merged, weights, per_layer, naming, param_scan_axis))
   outputs = tuple(writer.in_write_order(
       _read_as_stored(o) for o in relay(staged, mapped.outputs)))
-  config, checked, copied, notes = _config_files(family, hf_config, shapes)
+  config, checked, copied, notes = _config_files(family, hf_config, base_config, shapes)
   if checked is not None:
     before = len(checked.notes)
     checked = _with_dtype(checked, {o.dtype.name for o in outputs if o.dtype is not None})
@@ -323,16 +324,10 @@ def _read_as_stored(output: Output) -> Output:
   return dataclasses.replace(output, read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
 
 
-def _config_vocab(hf_config: epath.PathLike | None) -> int | None:
-  """The `vocab_size` of the `hf_config` folder's config.json (its text model's), if any."""
-  if hf_config is None:
-    return None
-  path = storage.as_path(hf_config) / 'config.json'
-  if not path.is_file():
-    return None  # `_config_files` says what is wrong.
-  config = storage.read_json(path, 'a Hugging Face config.json', _CONFIG_REMEDY)
-  config = config.get('text_config', config) if isinstance(config, dict) else {}
-  vocab = config.get('vocab_size') if isinstance(config, dict) else None
+def _config_vocab(values: object) -> int | None:
+  """The `vocab_size` of a parsed config.json (its text model's), if it names one."""
+  values = values.get('text_config', values) if isinstance(values, dict) else {}
+  vocab = values.get('vocab_size') if isinstance(values, dict) else None
   return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
@@ -355,16 +350,14 @@ _CONFIG_REMEDY = ('Fix the file, or pass as `hf_config` the folder of the model 
                   ' trained from.')
 
 
-def _config_files(
-    family: huggingface.Family, hf_config: epath.PathLike | None, shapes
-) -> tuple[epath.Path | None, huggingface.Config | None, tuple[epath.Path, ...], list[str]]:
-  """The base model's config (checked against the weights, as it is to be written)
-  and the other files to copy, every one a regular file (decided before any read)."""
+def _base_config(hf_config: epath.PathLike | None) -> object:
+  """The `hf_config` folder's config.json, parsed (read once per export); None without one.
+
+  Raises:
+    InvalidOptionError: not a folder holding a config.json file, or one that does not parse.
+  """
   if hf_config is None:
-    return None, None, (), [
-        'no config.json written: add the base model\'s (--hf-config DIR copies it and its'
-        ' tokenizer) before loading the folder with transformers or vLLM'
-    ]
+    return None
   folder = storage.as_path(hf_config)
   config = folder / 'config.json'
   found = storage.what_is_at(config) if folder.is_dir() else storage.what_is_at(folder)
@@ -373,7 +366,22 @@ def _config_files(
         f'{config if folder.is_dir() else folder}: `hf_config` must be a Hugging Face model'
         f' folder holding config.json (a file), found {found}.'
     )
-  values = storage.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
+  return storage.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
+
+
+def _config_files(
+    family: huggingface.Family, hf_config: epath.PathLike | None, values: object, shapes
+) -> tuple[epath.Path | None, huggingface.Config | None, tuple[epath.Path, ...], list[str]]:
+  """The base model's config (`values`, as `_base_config` read it; checked against the
+  weights, as it is to be written) and the other files to copy, every one a regular file
+  (decided before any read)."""
+  if hf_config is None:
+    return None, None, (), [
+        'no config.json written: add the base model\'s (--hf-config DIR copies it and its'
+        ' tokenizer) before loading the folder with transformers or vLLM'
+    ]
+  folder = storage.as_path(hf_config)
+  config = folder / 'config.json'
   checked = huggingface.check_config(family, values, shapes, str(config))
   copied, notes = [], list(checked.notes)
   for name in (*CONFIG_FILES[1:], *TOKENIZER_FILES):
