@@ -115,8 +115,9 @@ class ExportPlan:
   @property
   def architecture(self) -> str:
     """The `transformers` class the tensor names are (config.json's `architectures`)."""
-    found = self.naming.architecture if self.naming is not None else None
-    return found or self.family.architecture
+    if self.naming is None:
+      return self.family.architecture
+    return self.family.target_of(self.naming)[0]
 
   @property
   def total_bytes(self) -> int:

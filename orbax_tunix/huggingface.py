@@ -238,7 +238,10 @@ class Family:
   def target(self, paths: Collection[Path]) -> tuple[str, str]:
     """(architecture, model_type) of the model these weights' tensor names are: the
     naming's own where it has one (see `Naming.architecture`), else the family's."""
-    naming = self.naming(paths)
+    return self.target_of(self.naming(paths))
+
+  def target_of(self, naming: Naming) -> tuple[str, str]:
+    """(architecture, model_type) of one of the family's namings (see `target`)."""
     return (naming.architecture or self.architecture, naming.model_type or self.model_type)
 
   def layers(self, paths) -> list[str]:
