@@ -468,6 +468,12 @@ def test_convert_interrupt_leaves_nothing(capsys, tunix_data, tmp_path, monkeypa
   assert list(tmp_path.iterdir()) == []
 
 
+def _start(*argv: str, text: bool = True) -> subprocess.Popen:
+  """`python ARGV` in the suite's environment, its output piped (a convert to signal or kill)."""
+  return subprocess.Popen([sys.executable, *argv], env=SUBPROCESS_ENV, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text)
+
+
 def _wait_for_first_batch(proc: subprocess.Popen, parent: pathlib.Path) -> None:
   """Waits until a conversion has written its first batch into its temporary dir."""
   deadline = time.monotonic() + 120
@@ -481,11 +487,8 @@ def _wait_for_first_batch(proc: subprocess.Popen, parent: pathlib.Path) -> None:
 
 def test_convert_killed_midway_leaves_no_destination(big_checkpoint, tmp_path):
   dst = tmp_path / 'out' / '1'
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
-       '--memory-budget', '12M'],
-      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-  )
+  proc = _start('-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
+                '--memory-budget', '12M', text=False)
   _wait_for_first_batch(proc, dst.parent)
   proc.kill()
   proc.wait(timeout=60)
@@ -500,11 +503,8 @@ def test_convert_killed_midway_leaves_no_destination(big_checkpoint, tmp_path):
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
 def test_convert_sigterm_removes_its_temporary(big_checkpoint, tmp_path, sig):
   dst = tmp_path / 'out' / '1'
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
-       '--memory-budget', '12M'],
-      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-  )
+  proc = _start('-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
+                '--memory-budget', '12M')
   _wait_for_first_batch(proc, dst.parent)
   proc.send_signal(sig)
   _, err = proc.communicate(timeout=60)
@@ -536,11 +536,8 @@ def test_convert_signal_mid_write_leaves_no_temporary(big_checkpoint, tmp_path, 
   """The signal lands while Orbax's threads write a batch (its save started, not waited
   for): they are let finish before the temporary step is removed."""
   dst = tmp_path / 'out' / '1'
-  proc = subprocess.Popen(
-      [sys.executable, str(REPO / 'tests' / 'signal_mid_write.py'), str(int(sig)), str(save),
-       'convert', str(big_checkpoint), str(dst), '--memory-budget', '300M'],
-      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-  )
+  proc = _start(str(REPO / 'tests' / 'signal_mid_write.py'), str(int(sig)), str(save), 'convert',
+                str(big_checkpoint), str(dst), '--memory-budget', '300M')
   _no_temporary_left(proc, dst, tmp_path)
   assert proc.returncode == 130
 
@@ -549,11 +546,8 @@ def test_convert_signal_mid_write_leaves_no_temporary(big_checkpoint, tmp_path, 
 def test_convert_signal_at_any_moment_leaves_no_temporary(big_checkpoint, tmp_path, delay):
   """Signals at several moments after the temporary step appears (reads, writes, commit)."""
   dst = tmp_path / 'out' / '1'
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
-       '--memory-budget', '300M'],
-      env=SUBPROCESS_ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-  )
+  proc = _start('-m', 'orbax_tunix.cli', 'convert', str(big_checkpoint), str(dst),
+                '--memory-budget', '300M')
   deadline = time.monotonic() + 120
   while not list(dst.parent.glob('*.orbax-checkpoint-tmp-*')) and time.monotonic() < deadline:
     assert proc.poll() is None, proc.communicate()
