@@ -102,6 +102,7 @@ arrays and manifest entries (checked), without the full install::
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import os
@@ -466,28 +467,16 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
 HF_ENUM_FIELDS = ("attention_types", "attention_pattern")
 
 
+# family -> its Tunix model class (`tunix.models.<family>.model.<class>`).
+TUNIX_MODEL_CLASSES = {"qwen3": "Qwen3", "llama3": "Llama3", "gemma3": "Gemma3", "qwen2": "Qwen2",
+                       "gemma": "Gemma", "gemma4": "Gemma4"}
+
+
 def _tunix_model_module(family: str):
   # Imported here, not at the top: importing a Tunix model module flips
   # flax_always_shard_variable process-wide, and the other fixtures are made without that.
-  if family == "qwen3":
-    from tunix.models.qwen3 import model as m
-    return m, m.Qwen3
-  if family == "llama3":
-    from tunix.models.llama3 import model as m
-    return m, m.Llama3
-  if family == "gemma3":
-    from tunix.models.gemma3 import model as m
-    return m, m.Gemma3
-  if family == "qwen2":
-    from tunix.models.qwen2 import model as m
-    return m, m.Qwen2
-  if family == "gemma":
-    from tunix.models.gemma import model as m
-    return m, m.Gemma
-  if family == "gemma4":
-    from tunix.models.gemma4 import model as m
-    return m, m.Gemma4
-  raise ValueError(family)
+  m = importlib.import_module(f"tunix.models.{family}.model")
+  return m, getattr(m, TUNIX_MODEL_CLASSES[family])
 
 
 def hf_model_config(family: str, kwargs: dict[str, Any]):
