@@ -288,6 +288,9 @@ def test_b_export_equals_maxtexts_own_conversion(run, name):
   case, src = name.rsplit('_', 1)
   out = run.exported(name)
   if err := run.case(case)['convert_error']:
+    # Only gemma4's is known to fail (its tiny shapes keep the full model's per-layer heads);
+    # for any other family a converter error is a failure, not an expected one.
+    assert case.startswith('gemma4_'), f"MaxText's converter failed on {case}: {err}"
     pytest.xfail(f"MaxText 0.2.5's own converter fails on this tiny model, no expected values: {err}")
   want = {text_name(k[len('hf/'):]): v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
           if k.startswith('hf/')}
