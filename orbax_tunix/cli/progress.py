@@ -9,6 +9,7 @@ what it wrote.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -116,8 +117,10 @@ class Interruptible:
   """A `Progress` that stops the conversion at the next batch once signalled.
 
   A KeyboardInterrupt raised by a signal handler can land in a callback whose
-  exceptions Python ignores (e.g. XLA's garbage-collection hook) and be lost;
-  the flag makes the stop certain, at the latest after the current batch.
+  exceptions Python ignores (e.g. XLA's garbage-collection hook) and be lost,
+  and is not raised at all inside an Orbax call's event loop (see
+  `signals_stop`); the flag makes the stop certain, at the latest after the
+  current batch.
   """
 
   def __init__(self, inner: reader.Progress):
@@ -136,6 +139,14 @@ class Interruptible:
     self._inner.finish()
 
 
+def _in_event_loop() -> bool:
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return False
+  return True
+
+
 @contextlib.contextmanager
 def signals_stop(progress: Interruptible) -> Iterator[None]:
   """SIGINT, SIGTERM and SIGHUP stop the conversion, so its temporary files are removed."""
@@ -143,7 +154,11 @@ def signals_stop(progress: Interruptible) -> Iterator[None]:
   def handler(signum: int, frame: Any) -> None:
     del signum, frame
     progress.stop.set()
-    raise KeyboardInterrupt
+    # Raised inside a running asyncio loop (an Orbax read or write), the interrupt
+    # can drop a queued callback (a task's wake-up) and leave the interrupted
+    # call's tasks waiting forever; there the stop waits for the batch's end.
+    if not _in_event_loop():
+      raise KeyboardInterrupt
 
   try:
     previous = {
