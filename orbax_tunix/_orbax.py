@@ -241,6 +241,47 @@ def open_kvstore(directory: epath.Path, *, use_ocdbt: bool) -> ts.KvStore:
   return ts.KvStore.open(spec, context=_ts_utils.get_ts_context(use_ocdbt=use_ocdbt)).result()
 
 
+def read_parts(
+    directory: epath.Path,
+    parts: Sequence[tuple[Path, tuple[Any, ...], np.dtype | None]],
+    *,
+    use_ocdbt: bool,
+    use_zarr3: bool,
+) -> list[np.ndarray]:
+  """Parts of an item's arrays, read concurrently to the host.
+
+  Orbax's restore reads an array whole (or a device's shards of it); this
+  opens each array as Orbax's own read does (its key-value store spec and
+  TensorStore context, the zarr driver it wrote) and reads `array[index]`
+  only: the chunks under it.
+
+  Args:
+    directory: the item directory.
+    parts: (path on disk, index into the array, dtype to cast to or None).
+
+  Returns:
+    One numpy array per part, in order.
+  """
+  context = _ts_utils.get_ts_context(use_ocdbt=use_ocdbt)
+  opening = {}
+  for path, _, _ in parts:
+    if path not in opening:
+      opening[path] = ts.open({
+          'driver': 'zarr3' if use_zarr3 else 'zarr',
+          'kvstore': _ts_utils.build_kvstore_tspec(
+              directory.as_posix(), name=array_name(path), use_ocdbt=use_ocdbt),
+          'recheck_cached_data': False,
+          'recheck_cached_metadata': False,
+      }, open=True, read=True, context=context)
+  stores = {path: future.result() for path, future in opening.items()}
+  reads = [stores[path][index].read() for path, index, _ in parts]
+  out = []
+  for (_, _, dtype), read in zip(parts, reads, strict=True):
+    value = read.result()
+    out.append(value if dtype is None or value.dtype == dtype else value.astype(dtype))
+  return out
+
+
 def parse_zarr_header(data: bytes, zarr3: bool) -> Any:
   """(shape, dtype) from an array's `.zarray` (zarr v2) or `zarr.json` (v3)."""
   from orbax_tunix.storage import ArrayInfo  # pylint: disable=g-import-not-at-top

@@ -109,7 +109,7 @@ class ConvertPlan:
   @property
   def total_bytes(self) -> int:
     """Bytes of the source leaves read."""
-    read = {i.key: i.leaf.nbytes for item in self.items for o in item.outputs for i in o.inputs}
+    read = {i.key: i.nbytes for item in self.items for o in item.outputs for i in o.inputs}
     return sum(read.values())
 
   @property

@@ -44,7 +44,7 @@ from orbax_tunix.convert import check_destination
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.maxtext import stacks
-from orbax_tunix.outputs import Output, relay
+from orbax_tunix.outputs import Output, read_sliced, relay
 from orbax_tunix.transforms import per_input
 
 # transformers' default `max_shard_size`.
@@ -244,8 +244,10 @@ def plan_export(
   staged = {o.path: o for o in relay(weights, per_layer)}
   if merged is not None:
     staged.update(_merged_per_layer(merged, weights, per_layer, naming, param_scan_axis))
+  # A stacked weight's layers (and a fused weight's parts) are read one by one,
+  # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(writer.in_write_order(
-      _read_as_stored(o) for o in relay(staged, mapped.outputs)))
+      read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs)))
   config, checked, copied, notes = _config_files(family, hf_config, base_config, shapes)
   if checked is not None:
     before = len(checked.notes)

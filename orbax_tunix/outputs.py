@@ -17,22 +17,42 @@ from typing import Any
 
 import numpy as np
 
-from orbax_tunix import errors, reader
+from orbax_tunix import errors, reader, transforms
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.transforms import IDENTITY, Shape, Transform, chain
+from orbax_tunix.transforms import IDENTITY, Shape, Transform, chain, leading_takes, per_input
 
 
 @dataclasses.dataclass(frozen=True)
 class Input:
-  """One source leaf: the checkpoint it is in, and the leaf."""
+  """One source leaf: the checkpoint it is in, and the leaf (or a slice of it).
+
+  Attributes:
+    ckpt: the checkpoint.
+    leaf: the leaf.
+    takes: read only these `take(axis, index)` slices of it, one after
+      another (`transforms.region`): one layer of a stacked weight.
+  """
 
   ckpt: reader.CanonicalCheckpoint
   leaf: reader.LeafInfo
+  takes: tuple[tuple[int, int], ...] = ()
 
   @property
-  def key(self) -> tuple[int, str, Path]:
-    """Identifies the leaf across outputs (the same leaf is read once per batch)."""
-    return id(self.ckpt), self.leaf.item, self.leaf.path
+  def key(self) -> tuple[int, str, Path, tuple[tuple[int, int], ...]]:
+    """Identifies what is read across outputs (the same is read once per batch)."""
+    return id(self.ckpt), self.leaf.item, self.leaf.path, self.takes
+
+  @property
+  def index(self) -> tuple[Any, ...] | None:
+    """The index into the leaf that is read (None: all of it)."""
+    return transforms.region(self.leaf.shape, self.takes)[0] if self.takes else None
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes read (of the slice, where one is)."""
+    if not self.takes or self.leaf.dtype is None:
+      return self.leaf.nbytes
+    return math.prod(transforms.region(self.leaf.shape, self.takes)[1]) * self.leaf.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +139,34 @@ def relay(
   return out
 
 
+def read_sliced(output: Output) -> Output:
+  """The output reading only the slices its transform takes first (one layer of a
+  stacked weight, of its LoRA adapters), not its sources whole: the same value,
+  and the memory one layer needs rather than the whole stack.
+
+  For host reads (`writer.read_inputs`); sources of other kinds than arrays are
+  read whole.
+  """
+  if any(i.leaf.kind != reader.ARRAY or not i.leaf.shape for i in output.inputs):
+    return output
+  transform = output.transform
+  first, *after = transform.steps or (transform,)
+  if first.per is not None:  # Each source's own transform first (e.g. a LoRA merge's).
+    each, then = first.per
+    peeled = [leading_takes(t) for t in each]
+    transform = chain(per_input([rest for _, rest in peeled], then), *after)
+  elif len(output.inputs) == 1:
+    peeled = [leading_takes(transform)]
+    transform = peeled[0][1]
+  else:
+    return output
+  if not any(takes for takes, _ in peeled):
+    return output
+  inputs = tuple(dataclasses.replace(i, takes=i.takes + takes)
+                 for i, (takes, _) in zip(output.inputs, peeled, strict=True))
+  return dataclasses.replace(output, inputs=inputs, transform=transform)
+
+
 @dataclasses.dataclass(frozen=True)
 class ItemOutput:
   """One destination item.
@@ -154,11 +202,6 @@ class ItemOutput:
     twice = [fmt(o.path) for o in self.outputs if o.path in seen or seen.add(o.path)]
     if twice:
       raise ValueError(f'item {self.name!r}: outputs written twice: {twice[:5]}')
-
-
-def sources_of(items: Iterable[ItemOutput]) -> set[tuple[int, str, Path]]:
-  """Every source leaf the items read."""
-  return {i.key for item in items for o in item.outputs for i in o.inputs}
 
 
 def describe(items: Iterable[ItemOutput]) -> list[str]:

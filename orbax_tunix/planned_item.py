@@ -227,6 +227,35 @@ class PlannedItem:
     restored = flat_dict(self._orbax_read(via or through(), args, served))
     return {c: restored[to_disk[c]] for c in wanted}
 
+  def read_parts(
+      self, parts: Sequence[tuple[Path, tuple[Any, ...], Any]]
+  ) -> list[Any]:
+    """Reads parts of arrays (one layer of a stacked weight) to the host.
+
+    Orbax restores an array whole (or a device's shards of it); a part is read
+    from the same store with the same TensorStore spec Orbax's read opens
+    (`_orbax.read_parts`), only the chunks under it.
+
+    Args:
+      parts: (canonical path, index into the array, dtype to cast to or None).
+
+    Returns:
+      One numpy array per part, in order.
+
+    Raises:
+      CorruptMetadataError: stored data is missing or damaged.
+    """
+    if not parts:
+      return []
+    to_disk = self.cmap.canonical_to_disk
+    with self._damaged(
+        'parts of arrays', 'readable array data for every leaf asked for; use another step'
+        ' (`step`), or re-save this one'
+    ):
+      return _orbax.read_parts(
+          self.directory, [(to_disk[p], index, dtype) for p, index, dtype in parts],
+          use_ocdbt=self.meta.use_ocdbt, use_zarr3=self.meta.use_zarr3)
+
   def restore(self, args: ocp.args.PyTreeRestore, via: OrbaxReads | None = None) -> PyTree:
     """A canonical `PyTreeRestore`: a canonical target (any subset), or none (every leaf).
 

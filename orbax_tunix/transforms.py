@@ -21,6 +21,9 @@ each with a transform; nothing else here knows a layout.
   per_input((t1, t2, ...), t)   each source through its own transform, then t on them all
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
 
+`leading_takes` and `region` let a reader read only the slices a transform
+takes first (one layer of a stacked weight), rather than the whole source.
+
 Rounding rule of the computed ones (`shift`, `divide`): the value is taken to
 float32, computed there, and cast back to the dtype it came in (one rounding
 from the float32 result); the writer reads such an output's sources in their
@@ -70,6 +73,13 @@ class Transform:
   # Values are only moved (re-laid), never computed: they stay within their
   # dtype's range. Every transform here; a LoRA merge computes.
   moves_only: bool = True
+  # What a reader can do instead of the transform, by reading less (see
+  # `leading_takes`): the (axis, index) slices a pure `take` (or a chain of
+  # them) takes, one after another; a chain's own steps; a `per_input`'s
+  # (transforms, then).
+  takes: tuple[tuple[int, int], ...] = ()
+  steps: tuple[Transform, ...] = dataclasses.field(default=(), repr=False)
+  per: tuple[tuple[Transform, ...], Transform] | None = dataclasses.field(default=None, repr=False)
 
   def __str__(self) -> str:
     return self.name
@@ -155,7 +165,33 @@ def take(axis: int, index: int) -> Transform:
     return (*spec[:at], None, *spec[at:])  # The taken axis whole on each device.
 
   return Transform(f'take(axis={axis}, index={index})', _one(shape),
-                   lambda xs: xp(*xs).take(xs[0], index, axis=axis), source_spec=source_spec)
+                   lambda xs: xp(*xs).take(xs[0], index, axis=axis), source_spec=source_spec,
+                   takes=((axis, index),))
+
+
+def leading_takes(transform: Transform) -> tuple[tuple[tuple[int, int], ...], Transform]:
+  """The slices a one-source transform takes first, and what it does after them.
+
+  A reader that reads only those slices (a layer of a stacked weight, not the
+  weight) and applies the rest makes the same value: `take` only selects.
+  """
+  steps = transform.steps or (transform,)
+  takes: list[tuple[int, int]] = []
+  for i, step in enumerate(steps):
+    if not step.takes:
+      return tuple(takes), chain(*steps[i:])
+    takes.extend(step.takes)
+  return tuple(takes), IDENTITY
+
+
+def region(shape: Shape, takes: Sequence[tuple[int, int]]) -> tuple[tuple[Any, ...], Shape]:
+  """The index into an array of `shape` that `take`s one after another select, and the
+  shape it leaves: `x[index]` equals the takes applied to `x`."""
+  axes = list(range(len(shape)))  # The source axes not taken yet, in order.
+  index: list[Any] = [slice(None)] * len(shape)
+  for axis, i in takes:
+    index[axes.pop(axis)] = i
+  return tuple(index), tuple(shape[a] for a in axes)
 
 
 def move_axis(source: int, dest: int) -> Transform:
@@ -288,7 +324,8 @@ def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
 
   name = f'per_input({", ".join(t.name for t in transforms)}) -> {then.name}'
   return Transform(name, shape, apply, arity=len(transforms),
-                   moves_only=then.moves_only and all(t.moves_only for t in transforms))
+                   moves_only=then.moves_only and all(t.moves_only for t in transforms),
+                   per=(transforms, then))
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -319,8 +356,12 @@ def chain(*transforms: Transform) -> Transform:
       spec = t.source_spec(spec)
     return spec
 
+  takes = tuple(k for t in transforms for k in t.takes)
+  pure = all(t.takes for t in transforms)
   return Transform(' -> '.join(t.name for t in transforms), shape, apply, first.arity,
-                   source_spec, all(t.moves_only for t in transforms))
+                   source_spec, all(t.moves_only for t in transforms),
+                   takes=takes if pure else (),
+                   steps=tuple(s for t in transforms for s in (t.steps or (t,))))
 
 
 def source_sharding(

@@ -69,7 +69,7 @@ def units(outputs: Sequence[Output]) -> list[list[Output]]:
 
 def _unit_bytes(unit: Sequence[Output]) -> int:
   """The bytes a unit holds while written: its sources, and what transforms make anew."""
-  inputs = {i.key: i.leaf.nbytes for o in unit for i in o.inputs}
+  inputs = {i.key: i.nbytes for o in unit for i in o.inputs}
   return sum(inputs.values()) + sum(o.nbytes for o in unit if not o.transform.is_identity)
 
 
@@ -84,29 +84,37 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
 
   Onto one CPU device (leaves saved as jax arrays stay jax arrays), or to the
   host as numpy when `on_host`. Across processes, onto the global mesh: each
-  process reads only its part (`distributed.placement`).
+  process reads only its part (`distributed.placement`). Sources read in part
+  (`Input.takes`: a layer of a stacked weight) are read to the host.
+
+  Returns:
+    `Input.key` -> the value read.
   """
   spread = distributed.active() and not on_host
   cpu = None if on_host or spread else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-  wanted: dict[tuple[int, str], tuple[Input, dict]] = {}
+  wanted: dict[tuple[int, str], tuple[Input, dict, dict]] = {}
   for output in batch:
     for source, dtype in zip(output.inputs, output.input_dtypes(), strict=True):
-      leaf = source.leaf
-      requests = wanted.setdefault((id(source.ckpt), leaf.item), (source, {}))[1]
-      if leaf.path not in requests:
-        requests[leaf.path] = (leaf, dtype)
+      _, whole, parts = wanted.setdefault(
+          (id(source.ckpt), source.leaf.item), (source, {}, {}))
+      if source.takes:
+        parts.setdefault(source.key, (source, dtype))
+      else:
+        whole.setdefault(source.key, (source, dtype))
   values: dict[tuple, Any] = {}
-  for (key, item), (source, requests) in wanted.items():
-    detection = source.ckpt.detection
+  for (_, item), (first, whole, parts) in wanted.items():
+    detection = first.ckpt.detection
     meta = detection.item_meta(item)
     planned = PlannedItem(meta, detection.maps[item])
-
     got = planned.read({
-        path: reader.request_for(leaf, dtype, _into(leaf, meta, cpu, spread))
-        for path, (leaf, dtype) in requests.items()
+        i.leaf.path: reader.request_for(i.leaf, dtype, _into(i.leaf, meta, cpu, spread))
+        for i, dtype in whole.values()
     })
-    for path, (leaf, dtype) in requests.items():
-      values[(key, item, path)] = _as_stored(got[path], leaf, dtype)
+    for key, (i, dtype) in whole.items():
+      values[key] = _as_stored(got[i.leaf.path], i.leaf, dtype)
+    sliced = planned.read_parts([(i.leaf.path, i.index, dtype) for i, dtype in parts.values()])
+    for key, value in zip(parts, sliced, strict=True):
+      values[key] = value if on_host else jax.device_put(value, cpu)
   return values
 
 
@@ -231,7 +239,7 @@ def write(
     for output, value in made:
       check_range(output, value)
     sink.write(made)
-    read = {i.key: i.leaf.nbytes for o in batch for i in o.inputs}
+    read = {i.key: i.nbytes for o in batch for i in o.inputs}
     del values, made  # Free the batch before the next is read.
     progress.advance(sum(read.values()))
   return sink.close()

@@ -291,6 +291,29 @@ def test_export_matches_the_hf_layout(tmp_path, model, form, kind):
     np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+@pytest.mark.parametrize('kind', ['tunix', 'maxtext'])
+@pytest.mark.parametrize('model', ['llama3', 'qwen3_tied', 'gemma3', 'qwen3_moe'])
+def test_a_scanned_export_reads_each_layer_alone(tmp_path, model, kind):
+  """A stacked weight is read a layer (an expert) at a time: what the export reads adds up
+  to the weights' bytes once, and no read is larger than one layer's largest weight."""
+  save = save_tunix_run if kind == 'tunix' else save_maxtext_step
+  flat = maxtext_tree(model, 'scanned')
+  plan = orbax_tunix.export.plan_export(save(tmp_path / 'run', flat), tmp_path / 'out',
+                                        model=family(model))
+  reads = [i.nbytes for o in plan.outputs for i in o.inputs]
+  assert sum(reads) == sum(v.nbytes for v in flat.values())
+  top, layers = model_weights(model)
+  largest = max(v.nbytes for v in [*top.values(), *layers[0].values()])
+  assert max(reads) <= largest
+  if model == 'qwen3_moe':  # One expert of one layer.
+    assert max(i.nbytes for o in plan.outputs for i in o.inputs
+               if 'moe_block' in i.leaf.path and i.leaf.path[-1] != 'kernel') == D * FE * 4
+  orbax_tunix.export.run_export(plan)
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  for name, value in expected(model).items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 @pytest.mark.parametrize('model', ['qwen3', 'gemma3'])
 def test_bfloat16_export_rounds_once_after_the_arithmetic(tmp_path, model):
   src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned'))
@@ -486,9 +509,11 @@ def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
   assert_refused(p, out, '--merge-lora')
   plan = orbax_tunix.export.plan_export(src, out, model='qwen3', merge_lora=True,
                                         lora_alpha=ALPHA)
-  if form == 'scanned':  # Each layer merged from its own slices, not the stack merged per layer.
+  if form == 'scanned':  # Each layer merged from its own slices, read alone (not the stacks).
     q = next(o for o in plan.outputs if o.path == ('model.layers.1.self_attn.q_proj.weight',))
-    assert q.transform.name.startswith('per_input(take(axis=1, index=1), take(axis=1, index=1)')
+    assert [i.leaf.path[-1] for i in q.inputs] == ['kernel', 'kernel_lora_a', 'kernel_lora_b']
+    assert [i.takes for i in q.inputs] == [((1, 1),)] * 3
+    assert q.transform.name.startswith('per_input(identity, identity, identity) -> lora_merge')
   orbax_tunix.export.run_export(plan)
   got = read_safetensors(out / 'model.safetensors')
   # The expected export is the plain model's with the merged kernels.

@@ -1,9 +1,11 @@
-"""Property tests: the canonical rewrite and its inverse round-trip on generated trees."""
+"""Property tests: the canonical rewrite and its inverse round-trip on generated trees; a
+region read equals the takes it replaces."""
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import given, settings
 
-from orbax_tunix import canonical
+from orbax_tunix import canonical, transforms
 from orbax_tunix.keypaths import nest
 
 # Module names a model may use, `base` among them (a model's own module).
@@ -107,3 +109,34 @@ def test_tree_round_trip(ckpt):
     back = canonical.to_disk_tree(canon, lay)
     kept = {p: i for i, p in enumerate(sorted(paths)) if lay.to_canonical_path(p) is not None}
     assert back == nest(kept.items())
+
+
+@st.composite
+def takes_on_a_shape(draw):
+  """A shape, and `take`s one after another that fit it (axes counted either way)."""
+  shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+  takes, ndim = [], len(shape)
+  left = list(shape)
+  for _ in range(draw(st.integers(0, ndim))):
+    axis = draw(st.integers(-len(left), len(left) - 1))
+    takes.append((axis, draw(st.integers(0, left[axis] - 1))))
+    left.pop(axis)
+  return shape, takes
+
+
+@given(takes_on_a_shape())
+@settings(max_examples=200, deadline=None)
+def test_reading_a_region_equals_taking_its_slices(case):
+  """What a reader reads (`x[region]`) is what the takes make of the whole array
+  (`np.take` one after another), and the shape the transforms expect."""
+  shape, takes = case
+  x = np.arange(int(np.prod(shape))).reshape(shape)
+  want = x
+  for axis, i in takes:
+    want = np.take(want, i, axis=axis)
+  index, left = transforms.region(shape, takes)
+  np.testing.assert_array_equal(x[index], want)
+  assert left == want.shape
+  chained = transforms.chain(*(transforms.take(a, i) for a, i in takes))
+  peeled, rest = transforms.leading_takes(transforms.chain(chained, transforms.transpose()))
+  assert list(peeled) == takes and rest.name == 'transpose'
