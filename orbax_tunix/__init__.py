@@ -20,10 +20,7 @@ The whole public API (`__all__`, and the README's table)::
   maxtext                                a Tunix step as MaxText's TrainState
 """
 
-# First: modules imported below read it.
-__version__ = '0.2.0'
-
-from orbax_tunix import maxtext  # noqa: E402
+from orbax_tunix import maxtext
 from orbax_tunix.canonical import CanonicalMap, to_canonical_tree, to_disk_tree
 from orbax_tunix.composite_handler import TunixAwareHandler
 from orbax_tunix.detection import Detection, detect
@@ -47,6 +44,7 @@ from orbax_tunix.hyperparams import hyperparameters
 from orbax_tunix.merge import restore_merged_lora
 from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.registry import handler_registry, load_plugins, register
+from orbax_tunix.version import __version__ as __version__
 
 __all__ = [
     'CanonicalMap',

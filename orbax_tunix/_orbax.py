@@ -282,13 +282,11 @@ def read_parts(
   return out
 
 
-def parse_zarr_header(data: bytes, zarr3: bool) -> Any:
+def parse_zarr_header(data: bytes, zarr3: bool) -> tuple[tuple[int, ...], np.dtype]:
   """(shape, dtype) from an array's `.zarray` (zarr v2) or `zarr.json` (v3)."""
-  from orbax_tunix.storage import ArrayInfo  # pylint: disable=g-import-not-at-top
-
   header = json.loads(data)
   dtype = header['data_type'] if zarr3 else header['dtype']
-  return ArrayInfo(tuple(header['shape']), np.dtype(jnp.dtype(dtype)))
+  return tuple(header['shape']), np.dtype(jnp.dtype(dtype))
 
 
 def chunk_key(index: Sequence[int], zarr3: bool) -> str:

@@ -558,7 +558,8 @@ class Item:
           f'{self.directory}: the zarr headers of {len(absent)} arrays are empty:\n'
           f'{errors.list_paths(absent)}\nThe item is damaged; use another step (`step`).'
       )
-    return {p: _orbax.parse_zarr_header(value, self.use_zarr3) for p, value in found.items()}
+    return {p: ArrayInfo(*_orbax.parse_zarr_header(value, self.use_zarr3))
+            for p, value in found.items()}
 
   def shapes(self, paths: Iterable[Path]) -> dict[Path, tuple[int, ...]]:
     """Global shapes of the zarr leaves in `paths` (from their headers)."""

@@ -10,7 +10,7 @@ LoRA merge).
 from __future__ import annotations
 
 from orbax_tunix import conventions, errors, reader
-from orbax_tunix.layouts import LaidOut, Layout, Request, register, weights
+from orbax_tunix.layouts.base import LaidOut, Layout, Request, register, weights
 from orbax_tunix.outputs import Input, ItemOutput, copied
 
 

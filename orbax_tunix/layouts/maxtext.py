@@ -24,8 +24,8 @@ import numpy as np
 from orbax_tunix import conventions, errors, lora, patterns, reader
 from orbax_tunix import outputs as outputs_lib
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.layouts import LaidOut, Layout, Request, register
-from orbax_tunix.layouts import weights as layout_weights
+from orbax_tunix.layouts.base import LaidOut, Layout, Request, register
+from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.maxtext import layers, train_state
 from orbax_tunix.maxtext.plan import RestorePlan, make_plan

@@ -1,0 +1,118 @@
+"""What every layout is and takes: `Request`, `Layout`, `LaidOut`, and the catalog they register in.
+
+Its own module so that the layouts (`canonical`, `maxtext`) import it, and the package
+(`layouts/__init__.py`) imports them: no cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from orbax_tunix import catalog, errors, reader
+from orbax_tunix import merge as merge_lib
+from orbax_tunix.outputs import Input, ItemOutput, Output, copied
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What a conversion asks of a layout.
+
+  Attributes:
+    source: the source step, opened (canonical leaves from metadata).
+    params_only: the model weights only.
+    dtype: floating leaves cast to this dtype (None: kept).
+    merge: a LoRA merge whose merged weights are written (implies params_only).
+    scan_layers: MaxText's layer form to write (None: as stored).
+    param_scan_axis: MaxText's layer axis of the scanned side (None: found; see `convert`).
+  """
+
+  source: reader.CanonicalCheckpoint
+  params_only: bool = False
+  dtype: np.dtype | None = None
+  merge: merge_lib.MergePlan | None = None
+  scan_layers: bool | None = None
+  param_scan_axis: int | None = None
+
+
+def weights(request: Request) -> dict[tuple[str, ...], Output]:
+  """The model's weights as outputs under their canonical weight paths, no RNG state.
+
+  Copied from the source (cast to `request.dtype`), or merged for a LoRA
+  merge (the plain model's paths).
+  """
+  if request.merge is not None:
+    return {o.path: o for o in merge_lib.outputs(request.merge, (), request.dtype)}
+  source = request.source
+  return {path: copied(Input(source, leaf), path, request.dtype)
+          for leaf, path in reader.weights(source)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LaidOut:
+  """A layout applied to one source step.
+
+  Attributes:
+    items: the destination items, in write order.
+    notes: things a person should know (what was left out, filled, ...).
+    custom_metadata: entries the new step's custom metadata needs for its
+      readers (e.g. MaxText's `scan_layers`).
+  """
+
+  items: tuple[ItemOutput, ...]
+  notes: tuple[str, ...] = ()
+  custom_metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One output layout.
+
+  Attributes:
+    name: what `--layout` calls it.
+    description: one line for people.
+    lay_out: `Request -> LaidOut`, from metadata only.
+    options: the `Request` fields of `OPTIONS` that it reads; the others
+      must keep their unset value (`check_options`).
+  """
+
+  name: str
+  description: str
+  lay_out: Callable[[Request], LaidOut]
+  options: frozenset[str] = frozenset()
+
+
+# Request fields only some layouts read, and each one's value when not asked for.
+OPTIONS: Mapping[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(Request)
+    if f.name in ('scan_layers', 'param_scan_axis')
+}
+
+LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
+register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
+
+
+def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
+  """Refuses an option `layout` would ignore; checked before the source is opened.
+
+  Args:
+    layout: the layout asked for.
+    given: `OPTIONS` fields as the caller passed them.
+
+  Raises:
+    InvalidOptionError: one set (not its unset value) that `layout` does not
+      read; the message names the layouts that do.
+  """
+  for option, unset in OPTIONS.items():
+    value = given.get(option, unset)
+    if option not in layout.options and value != unset:
+      takers = [n for n in names() if option in get(n).options]
+      raise errors.InvalidOptionError(
+          f'`{option}` {value!r}: the {layout.name} layout does not take it (only'
+          f' {", ".join(takers)} does). Leave `{option}` out, or pass `layout`'
+          f' {" or ".join(takers)}.'
+      )
+
