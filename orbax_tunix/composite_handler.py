@@ -117,7 +117,7 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       step = found.source
       # Planned once here: each item's reader uses it.
       if found.is_tunix:
-        plans = [planned_item.PlannedItem(found.item_meta(n), m) for n, m in found.maps.items()]
+        plans = [planned_item.PlannedItem.of(found, n) for n in found.maps]
     # Orbax is handed the step's metadata as parsed here (no file is read twice).
     served = {} if step is None else {step.directory / CHECKPOINT_METADATA: step.metadata_json}
     token = _RESTORING.set((directory, step))

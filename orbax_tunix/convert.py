@@ -41,7 +41,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import (
-  __version__,
   _orbax,
   checksums,
   commit,
@@ -59,18 +58,11 @@ from orbax_tunix import merge as merge_lib
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.outputs import ItemOutput
 from orbax_tunix.storage import CHECKPOINT_METADATA, as_path
+from orbax_tunix.version import __version__
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
 LAYOUTS = layouts.names()
-
-# Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
-# TensorStore holds the compressed bytes and the decoded array while reading,
-# the host copy and the compressed bytes while writing, and freed buffers are
-# not all returned at once: a batch of B bytes peaks at 2.5 B to 4.5 B above
-# `reader.FIXED_OVERHEAD` (the larger factors for small batches, and from run
-# to run). Sized for the worst case seen.
-COPIES_IN_FLIGHT = 5
 
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
 METADATA_KEY = checksums.RECORD_KEY
@@ -118,7 +110,7 @@ class ConvertPlan:
 
   @property
   def batch_bytes(self) -> int:
-    return reader.batch_bytes(self.memory_budget, COPIES_IN_FLIGHT)
+    return writer.batch_bytes(self.memory_budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,14 +288,7 @@ def plan_convert(
     item.check()
   _check_representable(plans)
   largest = max((o.nbytes for item in plans for o in item.outputs), default=0)
-  needed = reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest
-  if memory_budget < needed:
-    notes.append(
-        f'`memory_budget` {memory_budget} bytes cannot be met: streaming needs about'
-        f' {needed} ({reader.FIXED_OVERHEAD >> 20} MiB whatever the batch, and'
-        f' {COPIES_IN_FLIGHT}x the largest array, {largest} bytes, in flight); each'
-        ' array is copied alone, and the peak will be about that'
-    )
+  notes.extend(filter(None, [writer.budget_note(memory_budget, largest, 'array')]))
   return ConvertPlan(
       source=source,
       dst=dst,

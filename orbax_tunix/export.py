@@ -72,8 +72,6 @@ EXPORT = commit.Kind(
     'a Hugging Face export', (writer.SINGLE_FILE, writer.INDEX_FILE),
     commit_file=None, in_place=False, owns=_in_export,
 )
-# Bytes held per byte of a batch (read, transformed, written), as convert's.
-COPIES_IN_FLIGHT = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +124,7 @@ class ExportPlan:
 
   @property
   def batch_bytes(self) -> int:
-    return reader.batch_bytes(self.memory_budget, COPIES_IN_FLIGHT)
+    return writer.batch_bytes(self.memory_budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,11 +257,8 @@ def plan_export(
   if merged is not None:
     notes.append(f'merging LoRA adapters into {len(merged.merges)} of {len(merged.weights)}'
                  ' weights')
-  largest = max(o.nbytes for o in outputs)
-  if memory_budget < reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest:
-    notes.append(f'`memory_budget` {memory_budget} bytes cannot be met: the largest tensor'
-                 f' ({largest} bytes) is written alone, and the peak will be about'
-                 f' {COPIES_IN_FLIGHT}x it')
+  notes.extend(filter(None, [
+      writer.budget_note(memory_budget, max(o.nbytes for o in outputs), 'tensor')]))
   return ExportPlan(
       source=source, out_dir=out_dir, family=family, outputs=outputs,
       files=tuple(writer.shards(outputs, max_shard_size)), config=config,

@@ -296,7 +296,7 @@ def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[
 # (no scaling in its attention) and q/k's rotary pairs interleaved; Hugging Face's Llama
 # scales in attention and rotates halves. As MaxText's converter (`scale_query_layer`,
 # `adjust_rope`): the product in float32, rounded once.
-_LLAMA_QUERY = chain(multiply('sqrt(head_dim)', lambda s: math.sqrt(s[2])), deinterleave(-1),
+_LLAMA_QUERY = chain(multiply('sqrt(head_dim)', math.sqrt, axis=2), deinterleave(-1),
                      IN_PROJ)
 _LLAMA_KEY = chain(deinterleave(-1), IN_PROJ)
 
@@ -449,15 +449,15 @@ _MT_GEMMA_NORMS = {
 }
 
 
-def _bf16_sqrt(shape: Shape) -> float:
-  return float(np.asarray(math.sqrt(shape[1]), dtype=ml_dtypes.bfloat16))
+def _bf16_sqrt(hidden: int) -> float:
+  return float(np.asarray(math.sqrt(hidden), dtype=ml_dtypes.bfloat16))
 
 
 def _maxtext_gemma3() -> Naming:
   """MaxText's gemma3 text decoder (tied embedding; scanned in blocks of six)."""
   rules = (
       _rule('token_embedder/embedding', 'model.embed_tokens.weight',
-            divide('sqrt(hidden) as bfloat16', _bf16_sqrt)),
+            divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1)),
       _rule('decoder/decoder_norm/scale', 'model.norm.weight', GEMMA_NORM),
       *_mt_attention(norm=GEMMA_NORM),
       *_mt_mlp(),
@@ -479,8 +479,8 @@ def _maxtext_gemma3() -> Naming:
 GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
 
 
-def _f32_sqrt(shape: Shape) -> float:
-  return float(np.float32(math.sqrt(shape[1])))
+def _f32_sqrt(hidden: int) -> float:
+  return float(np.float32(math.sqrt(hidden)))
 
 
 def _maxtext_gemma4() -> Naming:
@@ -493,7 +493,7 @@ def _maxtext_gemma4() -> Naming:
   """
   rules = (
       _rule('token_embedder/embedding', 'model.embed_tokens.weight',
-            divide('sqrt(hidden) as float32', _f32_sqrt)),
+            divide('sqrt(hidden) as float32', _f32_sqrt, axis=1)),
       _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
       *_mt_attention(norm=IDENTITY),
       *_mt_mlp(),

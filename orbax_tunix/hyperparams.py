@@ -96,7 +96,7 @@ def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
   if found is None:
     return {}
   item, wanted = found
-  planned = PlannedItem(detection.item_meta(item), detection.maps[item])
+  planned = PlannedItem.of(detection, item)
   values = planned.read({d: (0, AS_NUMPY) for d in wanted}, on_disk=True)
   return by_shell(wanted, values)
 
@@ -137,7 +137,7 @@ def read_side_leaves(
   for item, disk in leaves.values():
     by_item.setdefault(item, []).append(disk)
   values = {
-      item: PlannedItem(detection.item_meta(item), detection.maps[item]).read(
+      item: PlannedItem.of(detection, item).read(
           {d: (0, AS_NUMPY) for d in paths}, on_disk=True)
       for item, paths in by_item.items()
   }

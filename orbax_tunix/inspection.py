@@ -331,7 +331,7 @@ def _read_scalars(
   if counter is not None:
     wanted.setdefault(opt_item, set()).add(counter)
   values = {
-      item: PlannedItem(detection.item_meta(item), detection.maps[item]).read(
+      item: PlannedItem.of(detection, item).read(
           {p: (0, AS_NUMPY) for p in paths}, on_disk=True)
       for item, paths in wanted.items()
   }

@@ -338,7 +338,7 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
         want(plan.lora, adapter, into(adapter.shape, np.float32, None))
   values: dict[tuple[int, str, Path], Any] = {}
   for (key, item), (ckpt, wanted) in reads.items():
-    planned = PlannedItem(ckpt.detection.item_meta(item), ckpt.detection.maps[item])
+    planned = PlannedItem.of(ckpt.detection, item)
     got = planned.read(wanted)
     values.update(((key, item, p), v) for p, v in got.items())
   out = {}

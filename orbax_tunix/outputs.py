@@ -31,28 +31,44 @@ class Input:
     leaf: the leaf.
     takes: read only these `take(axis, index)` slices of it, one after
       another (`transforms.region`): one layer of a stacked weight.
+    rows: then only entries start..stop-1 along one axis of what the takes
+      leave, as (axis, start, stop): a block of a tensor too large for a batch.
   """
 
   ckpt: reader.CanonicalCheckpoint
   leaf: reader.LeafInfo
   takes: tuple[tuple[int, int], ...] = ()
+  rows: tuple[int, int, int] | None = None
 
   @property
-  def key(self) -> tuple[int, str, Path, tuple[tuple[int, int], ...]]:
+  def key(self) -> tuple:
     """Identifies what is read across outputs (the same is read once per batch)."""
-    return id(self.ckpt), self.leaf.item, self.leaf.path, self.takes
+    return id(self.ckpt), self.leaf.item, self.leaf.path, self.takes, self.rows
+
+  @property
+  def partial(self) -> bool:
+    return bool(self.takes) or self.rows is not None
 
   @property
   def index(self) -> tuple[Any, ...] | None:
     """The index into the leaf that is read (None: all of it)."""
-    return transforms.region(self.leaf.shape, self.takes)[0] if self.takes else None
+    return self._region[0] if self.partial else None
+
+  @property
+  def shape(self) -> Shape:
+    """The shape read."""
+    return self._region[1]
+
+  @property
+  def _region(self) -> tuple[tuple[Any, ...], Shape]:
+    return transforms.region(self.leaf.shape, self.takes, self.rows)
 
   @property
   def nbytes(self) -> int:
-    """Bytes read (of the slice, where one is)."""
-    if not self.takes or self.leaf.dtype is None:
+    """Bytes read (of the part, where one is)."""
+    if not self.partial or self.leaf.dtype is None:
       return self.leaf.nbytes
-    return math.prod(transforms.region(self.leaf.shape, self.takes)[1]) * self.leaf.dtype.itemsize
+    return math.prod(self.shape) * self.leaf.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +85,8 @@ class Output:
     numpy: written as an `np.ndarray` (as its source was saved), else a jax.Array.
     read_dtypes: the dtype each input is read in (None: its own); by
       default the output's dtype, so a cast happens in the read.
+    rows: this output is rows start..stop-1 (along axis 0) of the tensor at
+      `path`, made block by block (`row_blocks`); None: all of it.
   """
 
   path: Path
@@ -79,6 +97,7 @@ class Output:
   kind: str = reader.ARRAY
   numpy: bool = False
   read_dtypes: tuple[np.dtype | None, ...] | None = None
+  rows: tuple[int, int] | None = None
 
   @property
   def nbytes(self) -> int:
@@ -165,6 +184,34 @@ def read_sliced(output: Output) -> Output:
   inputs = tuple(dataclasses.replace(i, takes=i.takes + takes)
                  for i, (takes, _) in zip(output.inputs, peeled, strict=True))
   return dataclasses.replace(output, inputs=inputs, transform=transform)
+
+
+def row_blocks(output: Output, budget: int) -> list[Output]:
+  """A tensor larger than `budget` as blocks of its rows (axis 0), each made from the
+  same block of its source, so that no batch holds it whole (e.g. an embedding).
+
+  Where the transform cannot be made block by block (`Transform.source_axis`:
+  a deinterleave of the rows, a merge of them) or the output has several
+  sources or one row, it stays whole.
+  """
+  if output.nbytes <= budget or len(output.inputs) != 1 or not output.shape:
+    return [output]
+  (source,) = output.inputs
+  if source.leaf.kind != reader.ARRAY or source.rows is not None or source.leaf.dtype is None:
+    return [output]
+  axis = output.transform.source_axis(0, [source.shape])
+  n = output.shape[0]
+  if axis is None or n < 2 or source.shape[axis] < n:
+    return [output]
+  # A block holds its source rows and the rows made: both within the budget.
+  per_row = max(output.nbytes, source.nbytes * n // source.shape[axis]) // n
+  step = max(1, budget // max(2 * per_row, 1))
+  return [
+      dataclasses.replace(
+          output, inputs=(dataclasses.replace(source, rows=(axis, start, min(start + step, n))),),
+          shape=(min(start + step, n) - start, *output.shape[1:]), rows=(start, min(start + step, n)))
+      for start in range(0, n, step)
+  ]
 
 
 @dataclasses.dataclass(frozen=True)

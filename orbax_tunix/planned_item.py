@@ -156,6 +156,11 @@ class PlannedItem:
   meta: storage.Item
   cmap: canonical.CanonicalMap
 
+  @classmethod
+  def of(cls, detection: Any, item: str) -> PlannedItem:
+    """The plan of `item` of a step detection already made (`detection.Detection`)."""
+    return cls(detection.item_meta(item), detection.maps[item])
+
   @property
   def directory(self) -> epath.Path:
     return self.meta.directory

@@ -393,12 +393,12 @@ def read(
   if not leaves:
     return []
   sharding = None if as_numpy else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-  planned = PlannedItem(ckpt.detection.item_meta(item), ckpt.detection.maps[item])
+  planned = PlannedItem.of(ckpt.detection, item)
   values = planned.read({
       leaf.path: request_for(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding)
       for leaf in leaves
   })
-  return [_as_stored(values[leaf.path], leaf, cast_dtype(leaf, dtype)) for leaf in leaves]
+  return [as_stored(values[leaf.path], leaf, cast_dtype(leaf, dtype)) for leaf in leaves]
 
 
 # What `read_each` gives for a leaf whose stored data cannot be read.
@@ -420,7 +420,7 @@ def read_each(ckpt: CanonicalCheckpoint, item: str, leaves: Sequence[LeafInfo]) 
   return [value for leaf in leaves for value in read_each(ckpt, item, [leaf])]
 
 
-def _as_stored(value: Any, leaf: LeafInfo, dtype: np.dtype | None) -> Any:
+def as_stored(value: Any, leaf: LeafInfo, dtype: np.dtype | None) -> Any:
   """A scalar as the numpy scalar it was saved as (Orbax hands back a Python number)."""
   if leaf.kind == SCALAR and dtype is not None:
     return np.asarray(value, dtype=dtype)[()]

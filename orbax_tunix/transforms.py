@@ -78,6 +78,12 @@ class Transform:
   # them) takes, one after another; a chain's own steps; a `per_input`'s
   # (transforms, then).
   takes: tuple[tuple[int, int], ...] = ()
+  # `(destination axis, source shapes) -> source axis or None`: a block of
+  # the destination along that axis is the transform of the same block of the
+  # (one) source along the axis returned; None: it is not. A writer makes a
+  # tensor too large for its budget block by block (see `outputs.row_blocks`).
+  source_axis: Callable[[int, Sequence[Shape]], int | None] = dataclasses.field(
+      repr=False, default=lambda axis, shapes: None)
   steps: tuple[Transform, ...] = dataclasses.field(default=(), repr=False)
   per: tuple[tuple[Transform, ...], Transform] | None = dataclasses.field(default=None, repr=False)
 
@@ -107,7 +113,11 @@ def xp(*arrays: Any) -> Any:
   return np if all(isinstance(a, np.ndarray | np.generic) for a in arrays) else jnp
 
 
-IDENTITY = Transform('identity', _one(lambda s: s), lambda xs: xs[0])
+def _same_axis(axis: int, shapes: Sequence[Shape]) -> int | None:
+  return axis if len(shapes) == 1 else None
+
+
+IDENTITY = Transform('identity', _one(lambda s: s), lambda xs: xs[0], source_axis=_same_axis)
 
 
 def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
@@ -128,9 +138,13 @@ def transpose(perm: Sequence[int] | None = None) -> Transform:
     order = tuple(reversed(range(len(spec)))) if perm is None else perm
     return tuple(spec[i] for i in _inverse(order))
 
+  def source_axis(axis: int, shapes: Sequence[Shape]) -> int:
+    order = tuple(reversed(range(len(shapes[0])))) if perm is None else perm
+    return order[axis]
+
   name = 'transpose' if perm is None else f'transpose{perm}'
   return Transform(name, _one(shape), lambda xs: xp(*xs).transpose(xs[0], perm),
-                   source_spec=source_spec)
+                   source_spec=source_spec, source_axis=source_axis)
 
 
 def merge_axes(start: int, stop: int) -> Transform:
@@ -147,6 +161,8 @@ def merge_axes(start: int, stop: int) -> Transform:
       # The merged axes unpartitioned: a partition of their product does not
       # split into partitions of each.
       source_spec=lambda spec: (*spec[:start], *(None,) * (stop - start), *spec[start + 1:]),
+      source_axis=lambda axis, shapes: (
+          axis if axis < start else None if axis == start else axis + stop - start - 1),
   )
 
 
@@ -166,7 +182,8 @@ def take(axis: int, index: int) -> Transform:
 
   return Transform(f'take(axis={axis}, index={index})', _one(shape),
                    lambda xs: xp(*xs).take(xs[0], index, axis=axis), source_spec=source_spec,
-                   takes=((axis, index),))
+                   takes=((axis, index),),
+                   source_axis=lambda d, shapes: d if d < axis % len(shapes[0]) else d + 1)
 
 
 def leading_takes(transform: Transform) -> tuple[tuple[tuple[int, int], ...], Transform]:
@@ -184,14 +201,21 @@ def leading_takes(transform: Transform) -> tuple[tuple[tuple[int, int], ...], Tr
   return tuple(takes), IDENTITY
 
 
-def region(shape: Shape, takes: Sequence[tuple[int, int]]) -> tuple[tuple[Any, ...], Shape]:
-  """The index into an array of `shape` that `take`s one after another select, and the
-  shape it leaves: `x[index]` equals the takes applied to `x`."""
+def region(shape: Shape, takes: Sequence[tuple[int, int]],
+           rows: tuple[int, int, int] | None = None) -> tuple[tuple[Any, ...], Shape]:
+  """The index into an array of `shape` that `take`s one after another select (then
+  entries start..stop-1 along axis `rows[0]` of what they leave), and the shape it
+  leaves: `x[index]` equals the takes (and the slice) applied to `x`."""
   axes = list(range(len(shape)))  # The source axes not taken yet, in order.
   index: list[Any] = [slice(None)] * len(shape)
   for axis, i in takes:
     index[axes.pop(axis)] = i
-  return tuple(index), tuple(shape[a] for a in axes)
+  left = [shape[a] for a in axes]
+  if rows is not None:
+    axis, start, stop = rows
+    index[axes[axis]] = slice(start, stop)
+    left[axis] = stop - start
+  return tuple(index), tuple(left)
 
 
 def move_axis(source: int, dest: int) -> Transform:
@@ -210,7 +234,8 @@ def move_axis(source: int, dest: int) -> Transform:
     return tuple(spec[i] for i in _inverse(order(len(spec))))
 
   return Transform(f'move_axis({source}, {dest})', _one(shape),
-                   lambda xs: xp(*xs).moveaxis(xs[0], source, dest), source_spec=source_spec)
+                   lambda xs: xp(*xs).moveaxis(xs[0], source, dest), source_spec=source_spec,
+                   source_axis=lambda axis, shapes: order(len(shapes[0]))[axis])
 
 
 def stack(axis: int) -> Transform:
@@ -234,14 +259,18 @@ def constant(value: Any) -> Transform:
                    arity=0)
 
 
-def _in_float32(name: str, fn: Callable[[Any, Shape], Any]) -> Transform:
-  """An elementwise computation in float32 (see the module's rounding rule)."""
+def _in_float32(name: str, fn: Callable[[Any, Shape], Any], reads: int | None = None) -> Transform:
+  """An elementwise computation in float32 (see the module's rounding rule); `fn` reads
+  the size of axis `reads` only (None: no size), so blocks along other axes are its own."""
 
   def apply(xs: Sequence[Any]) -> Any:
     x = xs[0]
     return fn(x.astype(np.float32), tuple(x.shape)).astype(x.dtype)
 
-  return Transform(name, _one(lambda s: s), apply, moves_only=False)
+  def source_axis(axis: int, shapes: Sequence[Shape]) -> int | None:
+    return None if reads is not None and axis == reads % len(shapes[0]) else axis
+
+  return Transform(name, _one(lambda s: s), apply, moves_only=False, source_axis=source_axis)
 
 
 def shift(delta: float) -> Transform:
@@ -249,21 +278,25 @@ def shift(delta: float) -> Transform:
   return _in_float32(f'shift({delta:g})', lambda x, _: x + np.float32(delta))
 
 
-def divide(name: str, divisor: Callable[[Shape], float]) -> Transform:
-  """`x / divisor(shape)`, the divisor taken to float32 (e.g. an embedding's sqrt(hidden)).
+def divide(name: str, divisor: Callable[[int], float], axis: int) -> Transform:
+  """`x / divisor(size of axis)`, the divisor taken to float32 (e.g. an embedding's
+  sqrt(hidden)).
 
   Args:
     name: how the divisor is made, for `describe()` (and the compile cache:
       one name, one function).
-    divisor: the source's shape -> the divisor.
+    divisor: the size of `axis` -> the divisor.
+    axis: the axis whose size makes the divisor.
   """
-  return _in_float32(f'divide({name})', lambda x, shape: x / np.float32(divisor(shape)))
+  return _in_float32(f'divide({name})',
+                     lambda x, shape: x / np.float32(divisor(shape[axis])), reads=axis)
 
 
-def multiply(name: str, factor: Callable[[Shape], float]) -> Transform:
-  """`x * factor(shape)`, the factor taken to float32 (e.g. a query kernel MaxText stores
-  divided by sqrt(head_dim))."""
-  return _in_float32(f'multiply({name})', lambda x, shape: x * np.float32(factor(shape)))
+def multiply(name: str, factor: Callable[[int], float], axis: int) -> Transform:
+  """`x * factor(size of axis)`, the factor taken to float32 (e.g. a query kernel MaxText
+  stores divided by sqrt(head_dim))."""
+  return _in_float32(f'multiply({name})',
+                     lambda x, shape: x * np.float32(factor(shape[axis])), reads=axis)
 
 
 def deinterleave(axis: int = -1) -> Transform:
@@ -285,7 +318,8 @@ def deinterleave(axis: int = -1) -> Transform:
     at = axis % len(spec) if spec else 0
     return tuple(None if i == at else p for i, p in enumerate(spec))  # The axis whole.
 
-  return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=source_spec)
+  return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=source_spec,
+                   source_axis=lambda d, shapes: None if d == axis % len(shapes[0]) else d)
 
 
 def head(axis: int, size: int) -> Transform:
@@ -308,7 +342,10 @@ def head(axis: int, size: int) -> Transform:
     at = axis % len(spec) if spec else 0
     return tuple(None if i == at else p for i, p in enumerate(spec))  # The cut axis whole.
 
-  return Transform(f'head(axis={axis}, size={size})', _one(shape), apply, source_spec=source_spec)
+  # A block of the destination is the same block of the source, also along the
+  # cut axis (the destination's rows are the source's first `size`).
+  return Transform(f'head(axis={axis}, size={size})', _one(shape), apply, source_spec=source_spec,
+                   source_axis=_same_axis)
 
 
 def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
@@ -356,10 +393,23 @@ def chain(*transforms: Transform) -> Transform:
       spec = t.source_spec(spec)
     return spec
 
+  def source_axis(axis: int, shapes: Sequence[Shape]) -> int | None:
+    if first.arity != 1:
+      return None
+    made = [tuple(shapes[0])]  # The shape each transform is given.
+    for t in transforms[:-1]:
+      made.append(t.check([made[-1]]))
+    at: int | None = axis
+    for t, given in zip(reversed(transforms), reversed(made), strict=True):
+      at = t.source_axis(at, [given])
+      if at is None:
+        return None
+    return at
+
   takes = tuple(k for t in transforms for k in t.takes)
   pure = all(t.takes for t in transforms)
   return Transform(' -> '.join(t.name for t in transforms), shape, apply, first.arity,
-                   source_spec, all(t.moves_only for t in transforms),
+                   source_spec, all(t.moves_only for t in transforms), source_axis=source_axis,
                    takes=takes if pure else (),
                    steps=tuple(s for t in transforms for s in (t.steps or (t,))))
 

@@ -29,11 +29,35 @@ from etils import epath
 
 from orbax_tunix import _orbax, checksums, commit, distributed, errors, reader, storage
 from orbax_tunix.keypaths import nest
-from orbax_tunix.outputs import Input, ItemOutput, Output
+from orbax_tunix.outputs import Input, ItemOutput, Output, row_blocks
 from orbax_tunix.planned_item import PlannedItem
 from orbax_tunix.requests import is_key
 
 Written = tuple[Output, Any]
+
+# Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
+# TensorStore holds the compressed bytes and the decoded array while reading,
+# the host copy and the compressed bytes while writing, and freed buffers are
+# not all returned at once: a batch of B bytes peaks at 2.5 B to 4.5 B above
+# `reader.FIXED_OVERHEAD` (the larger factors for small batches, and from run
+# to run). Sized for the worst case seen; convert and export alike.
+COPIES_IN_FLIGHT = 5
+
+
+def batch_bytes(memory_budget: int) -> int:
+  """Bytes of sources per batch so that a write fits `memory_budget`."""
+  return reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)
+
+
+def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
+  """A note when `memory_budget` cannot hold the largest `what` (each is written alone)."""
+  needed = reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest
+  if memory_budget >= needed:
+    return None
+  return (f'`memory_budget` {memory_budget} bytes cannot be met: streaming needs about'
+          f' {needed} ({reader.FIXED_OVERHEAD >> 20} MiB whatever the batch, and'
+          f' {COPIES_IN_FLIGHT}x the largest {what}, {largest} bytes, in flight); each'
+          f' {what} is copied alone, and the peak will be about that')
 
 
 class Sink(Protocol):
@@ -85,7 +109,8 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
   Onto one CPU device (leaves saved as jax arrays stay jax arrays), or to the
   host as numpy when `on_host`. Across processes, onto the global mesh: each
   process reads only its part (`distributed.placement`). Sources read in part
-  (`Input.takes`: a layer of a stacked weight) are read to the host.
+  (`Input.partial`: a layer of a stacked weight, a block of rows) are read to
+  the host.
 
   Returns:
     `Input.key` -> the value read.
@@ -97,21 +122,20 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
     for source, dtype in zip(output.inputs, output.input_dtypes(), strict=True):
       _, whole, parts = wanted.setdefault(
           (id(source.ckpt), source.leaf.item), (source, {}, {}))
-      if source.takes:
+      if source.partial:
         parts.setdefault(source.key, (source, dtype))
       else:
         whole.setdefault(source.key, (source, dtype))
   values: dict[tuple, Any] = {}
   for (_, item), (first, whole, parts) in wanted.items():
-    detection = first.ckpt.detection
-    meta = detection.item_meta(item)
-    planned = PlannedItem(meta, detection.maps[item])
+    planned = PlannedItem.of(first.ckpt.detection, item)
+    meta = planned.meta
     got = planned.read({
         i.leaf.path: reader.request_for(i.leaf, dtype, _into(i.leaf, meta, cpu, spread))
         for i, dtype in whole.values()
     })
     for key, (i, dtype) in whole.items():
-      values[key] = _as_stored(got[i.leaf.path], i.leaf, dtype)
+      values[key] = reader.as_stored(got[i.leaf.path], i.leaf, dtype)
     sliced = planned.read_parts([(i.leaf.path, i.index, dtype) for i, dtype in parts.values()])
     for key, value in zip(parts, sliced, strict=True):
       values[key] = value if on_host else jax.device_put(value, cpu)
@@ -124,13 +148,6 @@ def _into(leaf: reader.LeafInfo, meta: Any, cpu: Any, spread: bool) -> Any:
   if leaf.numpy or not (cpu or spread):
     return None
   return cpu or distributed.placement(leaf.shape, meta.chunk_shape(leaf.disk_path))
-
-
-def _as_stored(value: Any, leaf: reader.LeafInfo, dtype: np.dtype | None) -> Any:
-  """A scalar as the numpy scalar it was saved as (Orbax hands back a Python number)."""
-  if leaf.kind == reader.SCALAR and dtype is not None:
-    return np.asarray(value, dtype=dtype)[()]
-  return value
 
 
 def make(output: Output, values: dict[tuple, Any]) -> Any:
@@ -233,6 +250,8 @@ def write(
     InvalidOptionError: a value left its output dtype's range (see
       `check_range`); nothing of the batch is written.
   """
+  if on_host:  # Host writes (safetensors) take a tensor too large for a batch in blocks.
+    outputs = [block for o in outputs for block in row_blocks(o, budget)]
   for batch in batches(outputs, budget):
     values = read_inputs(batch, on_host)
     made = [(o, make(o, values)) for o in batch]
@@ -404,27 +423,33 @@ class SafetensorsSink:
     self._listed = list(files if listed is None else listed)
     self._write_index = write_index
     self._of = {name: f for f in self._files for name, _, _ in f.tensors}
-    self._open: dict[str, tuple[Any, int]] = {}  # file -> (handle, tensors written)
+    # file -> (handle, tensors written, rows written of the next)
+    self._open: dict[str, tuple[Any, int, int]] = {}
     directory.mkdir(parents=True, exist_ok=True)
 
   def write(self, batch: Sequence[Written]) -> None:
     for output, value in batch:
       shard = self._of[output.path[0]]
-      handle, done = self._open.get(shard.name) or (self._start(shard), 0)
+      handle, done, row = self._open.get(shard.name) or (self._start(shard), 0, 0)
       name, dtype, shape = shard.tensors[done]
-      if name != output.path[0]:
-        raise AssertionError(f'{shard.name}: expected {name} next, got {output.path[0]}')
+      start, stop = output.rows or (0, shape[0] if shape else 0)
+      if name != output.path[0] or start != row:
+        raise AssertionError(f'{shard.name}: expected {name} (from row {row}) next, got'
+                             f' {output.path[0]} (from row {start})')
       array = np.ascontiguousarray(np.asarray(value))
-      if array.dtype != jnp.dtype(dtype) or array.shape != shape:
-        raise AssertionError(f'{name}: planned {dtype}{list(shape)}, made {array.dtype}'
+      want = (stop - start, *shape[1:]) if shape else shape
+      if array.dtype != jnp.dtype(dtype) or array.shape != want:
+        raise AssertionError(f'{name}: planned {dtype}{list(want)}, made {array.dtype}'
                              f'{list(array.shape)}')
+      # A tensor made in blocks of rows is their bytes one after another (C order).
       handle.write(memoryview(array.reshape(-1).view(np.uint8)))
-      done += 1
-      if done == len(shard.tensors):
+      if shape and stop != shape[0]:
+        self._open[shard.name] = (handle, done, stop)
+      elif done + 1 == len(shard.tensors):
         handle.close()
         self._open.pop(shard.name, None)
       else:
-        self._open[shard.name] = (handle, done)
+        self._open[shard.name] = (handle, done + 1, 0)
 
   def _start(self, shard: Shard) -> Any:
     handle = (self._dir / shard.name).open('wb')

@@ -314,6 +314,26 @@ def test_a_scanned_export_reads_each_layer_alone(tmp_path, model, kind):
     np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+@pytest.mark.parametrize('model', sorted(MODELS))
+def test_a_tensor_larger_than_a_batch_is_made_in_blocks_of_rows(tmp_path, model):
+  """A budget smaller than the embedding (and lm_head, vocabulary cut, gemma's division):
+  they are read and written a block of rows at a time, and the files are the same."""
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned', seed=3))
+  config = hf_config(tmp_path / 'hf', model, vocab_size=V - 5)
+  plan = orbax_tunix.export.plan_export(src, tmp_path / 'out', model=family(model),
+                                        memory_budget=20_000, hf_config=config)
+  embed = next(o for o in plan.outputs if o.path == ('model.embed_tokens.weight',))
+  blocks = orbax_tunix.outputs.row_blocks(embed, plan.batch_bytes)
+  assert len(blocks) > 1 and [b.rows for b in blocks][-1][1] == V - 5
+  assert max(b.nbytes for b in blocks) <= plan.batch_bytes
+  orbax_tunix.export.run_export(plan)
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = expected(model, vocab=V - 5, seed=3)
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 @pytest.mark.parametrize('model', ['qwen3', 'gemma3'])
 def test_bfloat16_export_rounds_once_after_the_arithmetic(tmp_path, model):
   src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned'))

@@ -137,7 +137,7 @@ def _make_derived(
     item = sources[0].item
     requests = {s.path: into(shape, first.dtype, sharding)
                 for s, shape in zip(sources, derived.shapes, strict=True)}
-    planned = PlannedItem(plan.detection.item_meta(item), plan.detection.maps[item])
+    planned = PlannedItem.of(plan.detection, item)
     read = planned.read(requests)
     inputs = [read[s.path] for s in sources]
     leaves = [resolved[t][0] for t in targets]
@@ -191,7 +191,7 @@ def execute_plan(
             ocp.ArrayRestoreArgs(sharding=sharding),
         )
     # The plan checked every path and shape; the item's metadata is not read again.
-    planned = PlannedItem(plan.detection.item_meta(item), plan.detection.maps[item])
+    planned = PlannedItem.of(plan.detection, item)
     read = planned.read(requests)
     values.update((Source(item, p), value) for p, value in read.items())
   made = _make_derived(plan, resolved)
