@@ -3,7 +3,7 @@
 Writes a Tunix-layout checkpoint of incompressible float32 arrays (as
 `convert_memory.py` does), then converts it in a fresh process per run,
 alternating: `with` is the real `convert`; `without` replaces
-`orbax_tunix.checksums.checksum` by a constant (everything else the same).
+`orbax_tunix.writing.checksums.checksum` by a constant (everything else the same).
 Reported: median wall time of the conversion (`ConvertResult.seconds`).
 
   python benchmarks/checksum_cost.py [--leaves 64 --leaf-mib 8 --reps 5]

@@ -49,8 +49,17 @@ import synthetic  # noqa: E402
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base_lib  # noqa: E402
 
 import orbax_tunix  # noqa: E402
-from orbax_tunix import canonical, planned_item, pytree_handler, requests, storage  # noqa: E402
+from orbax_tunix.handlers import pytree_handler  # noqa: E402
 from orbax_tunix.keypaths import flatten, nest  # noqa: E402
+from orbax_tunix.reading import (
+  planned_item,  # noqa: E402
+  read_requests,  # noqa: E402
+)
+from orbax_tunix.store import (
+  fileio,  # noqa: E402
+  step_store,  # noqa: E402
+)
+from orbax_tunix.view import canonical_map  # noqa: E402
 
 CONTENDERS = ('a', 'b', 'c', 'd', 'e', 'f', 'g', 'h')
 
@@ -198,7 +207,7 @@ def run_d(dirs, tgt):
 
 def run_e(dirs, tgt):
   del tgt
-  from orbax_tunix import cli  # pylint: disable=g-import-not-at-top
+  from orbax_tunix import cli
 
   out = pathlib.Path(tempfile.mkdtemp(dir=dirs['tunix'].parent.parent, prefix='convert-'))
   dst = out / str(synthetic.STEP)
@@ -305,7 +314,7 @@ def _to_disk(cmap, pairs):
 
 
 def _requests(pairs):
-  return {c: (leaf, requests.restore_arg_for(leaf)) for c, leaf in pairs}
+  return {c: (leaf, read_requests.restore_arg_for(leaf)) for c, leaf in pairs}
 
 
 def _orbax_parse(directory):
@@ -328,14 +337,14 @@ def plan_steps(dirs: dict[str, pathlib.Path], shape: synthetic.Shape, with_orbax
 
   def timed(key, fn, *args, **kwargs):
     t = time.perf_counter()
-    with storage.no_gc():  # As the handler plans (open_item pauses it itself).
+    with fileio.no_gc():  # As the handler plans (open_item pauses it itself).
       out = fn(*args, **kwargs)
     times[key] = times.get(key, 0.0) + time.perf_counter() - t
     return out
 
-  step = timed('open_step', storage.open_step, dirs['tunix'])
+  step = timed('open_step', step_store.open_step, dirs['tunix'])
   metas = {item: timed('open_items', step.item, item) for item in tgt}
-  maps = timed('plan', canonical.plan_step, {k: m.paths for k, m in metas.items()})
+  maps = timed('plan', canonical_map.plan_step, {k: m.paths for k, m in metas.items()})
   for item, tree in tgt.items():
     meta, cmap = metas[item], maps[item]
     pairs, _ = timed('flatten', flatten, tree)

@@ -63,8 +63,8 @@ def main(argv=None) -> None:
   step = work / 'src' / '1'
   if not step.exists():
     write_checkpoint(work / 'src', args.layers, args.dim)
-  from orbax_tunix import reader  # pylint: disable=g-import-not-at-top
   from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.reading import reader
 
   leaves = reader.open_weights(step).items['model_params']
   model = sum(leaf.nbytes for leaf in leaves)

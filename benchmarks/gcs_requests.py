@@ -33,7 +33,8 @@ import orbax.checkpoint as ocp  # noqa: E402
 from etils import epath  # noqa: E402
 
 import orbax_tunix as ot  # noqa: E402
-from orbax_tunix import cli, planned_item  # noqa: E402
+from orbax_tunix import cli  # noqa: E402
+from orbax_tunix.reading import planned_item  # noqa: E402
 
 
 class _BeforeTheRead(Exception):

@@ -58,7 +58,7 @@ def child(args) -> None:
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
-  from orbax_tunix import maxtext  # pylint: disable=g-import-not-at-top
+  from orbax_tunix import maxtext
 
   mesh = jax.make_mesh((4, 2), ('data', 'model'))
   names = [f'w{k}' for k in range(args.weights)]

@@ -21,9 +21,6 @@ The whole public API (`__all__`, and the README's table)::
 """
 
 from orbax_tunix import maxtext
-from orbax_tunix.canonical import CanonicalMap, to_canonical_tree, to_disk_tree
-from orbax_tunix.composite_handler import TunixAwareHandler
-from orbax_tunix.detection import Detection, detect
 from orbax_tunix.errors import (
     CorruptMetadataError,
     DestinationExistsError,
@@ -39,12 +36,15 @@ from orbax_tunix.errors import (
     UncommittedStepError,
     UnsupportedLayoutError,
 )
-from orbax_tunix.export import export_to_hf
-from orbax_tunix.hyperparams import hyperparameters
-from orbax_tunix.merge import restore_merged_lora
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
-from orbax_tunix.registry import handler_registry, load_plugins, register
+from orbax_tunix.handlers.composite_handler import TunixAwareHandler
+from orbax_tunix.handlers.plugins import handler_registry, load_plugins, register
+from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.mapping.merge import restore_merged_lora
+from orbax_tunix.reading.hyperparams import hyperparameters
+from orbax_tunix.tools.export import export_to_hf
 from orbax_tunix.version import __version__ as __version__
+from orbax_tunix.view.canonical_map import CanonicalMap, to_canonical_tree, to_disk_tree
+from orbax_tunix.view.detection import Detection, detect
 
 __all__ = [
     'CanonicalMap',

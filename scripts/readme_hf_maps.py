@@ -24,7 +24,7 @@ MARKERS = {
 
 
 def main() -> int:
-  from orbax_tunix import huggingface
+  from orbax_tunix.mapping import huggingface
 
   text = README.read_text()
   for source, (begin, end) in MARKERS.items():

@@ -19,9 +19,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_tunix
-from orbax_tunix import cli, convert, inspection, reader, storage
+from orbax_tunix import cli
 from orbax_tunix.cli import commands, display, progress
 from orbax_tunix.keypaths import flat_dict, fmt
+from orbax_tunix.reading import reader
+from orbax_tunix.store import step_store
+from orbax_tunix.tools import convert, inspection
 from tests import builders, test_handlers
 
 FIXTURES = tuple(test_handlers.FIXTURES)
@@ -497,7 +500,7 @@ def test_convert_killed_midway_leaves_no_destination(big_checkpoint, tmp_path):
   # What a kill leaves is a temporary directory Orbax and this tool call unfinished.
   leftovers = list(dst.parent.iterdir())
   assert [p.name.startswith('1.orbax-checkpoint-tmp-') for p in leftovers] == [True]
-  assert storage.list_steps(dst.parent)[0].committed is False
+  assert step_store.list_steps(dst.parent)[0].committed is False
 
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
@@ -612,7 +615,7 @@ def test_diff_error_status(capsys, tunix_data, tmp_path):
 
 
 def test_compare_values_handles_nan_and_chunks():
-  from orbax_tunix import diff
+  from orbax_tunix.tools import diff
 
   a = np.arange(300_000, dtype=np.float32)
   b = a.copy()
@@ -706,7 +709,7 @@ def test_plan_is_metadata_only(tunix_data, tmp_path, monkeypatch):
 
 
 def test_optax_state_names_come_from_optax():
-  from orbax_tunix.inspection import optax_state_names
+  from orbax_tunix.tools.inspection import optax_state_names
 
   assert 'ScaleByAdamState' in optax_state_names(frozenset({'count', 'mu', 'nu'}))
   # nnx drops MultiSteps' empty skip_state: a subset of the fields still fits.

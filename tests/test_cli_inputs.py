@@ -171,7 +171,7 @@ def test_restore_train_state_names_the_missing_metadata(tunix_data, tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
 
   import orbax_tunix as ot  # pylint: disable=g-import-not-at-top
-  from orbax_tunix import maxtext  # pylint: disable=g-import-not-at-top
+  from orbax_tunix import maxtext
 
   root = tmp_path / 'run'
   shutil.copytree(tunix_data / 'sft_full', root)
@@ -202,7 +202,7 @@ INT64_MIN = np.iinfo(np.int64).min
     (np.array([2**64 - 1], np.uint64), np.array([INT64_MIN], np.int64)),  # 2**64 + 2**63 - 1 apart
 ])
 def test_diff_compares_integers_exactly(tmp_path, a, b):
-  from orbax_tunix import diff  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.tools import diff
 
   want = abs(int(a[0]) - int(b[0]))  # Python ints: exact.
   assert diff.compare_values(a, b, atol=1) == (float(want), 1)
@@ -227,7 +227,7 @@ def test_diff_compares_integers_exactly(tmp_path, a, b):
 def test_diff_compares_integers_against_floats_exactly(tmp_path, ints, floats):
   from fractions import Fraction  # pylint: disable=g-import-not-at-top
 
-  from orbax_tunix import diff  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.tools import diff
 
   apart = [abs(Fraction(int(i)) - Fraction(float(f))) for i, f in zip(ints, floats, strict=True)]
   for atol in (0.0, 0.5, 1.0, 4096.0):
@@ -243,7 +243,8 @@ def test_diff_compares_integers_against_floats_exactly(tmp_path, ints, floats):
 
 @pytest.mark.parametrize('options', [{'atol': float('nan')}, {'atol': -1.0}, {'memory_budget': 0}])
 def test_library_diff_refuses_options_that_would_make_everything_match(tmp_path, options):
-  from orbax_tunix import diff, errors  # pylint: disable=g-import-not-at-top
+  from orbax_tunix import errors
+  from orbax_tunix.tools import diff
 
   x = save_step(tmp_path / 'a' / '1', state={'x': np.zeros(2)})
   y = save_step(tmp_path / 'b' / '1', state={'x': np.ones(2)})
@@ -470,7 +471,7 @@ def test_failed_reads_leave_no_task_or_coroutine_behind(tmp_path):
   import logging  # pylint: disable=g-import-not-at-top
 
   import orbax_tunix as ot  # pylint: disable=g-import-not-at-top
-  from orbax_tunix import reader  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.reading import reader
 
   step = _truncated_at_read_time(tmp_path / 'run')
   reports = []

@@ -105,7 +105,7 @@ def test_step_argument(tunix_data):
 
 
 def test_empty_and_duplicate_step_directories(tunix_data, tmp_path):
-  """The rule of storage.holds_step: a step holds _CHECKPOINT_METADATA or an item."""
+  """The rule of step_store.holds_step: a step holds _CHECKPOINT_METADATA or an item."""
   root = tmp_path / 'run'
   shutil.copytree(tunix_data / 'sft_full', root)
   (root / '9').mkdir()  # Empty, newer: skipped with a note, as an unfinished step is.
@@ -173,12 +173,12 @@ def test_old_aggregate_only_checkpoint(tmp_path):
   item.mkdir(parents=True)
   tree = {'w1': {'kernel': {'value': 'PLACEHOLDER://w1.kernel.value'}}, 'w2': {'bias': {'value': 1.0}}}
   (item / 'checkpoint').write_bytes(msgpack.packb(tree))
-  from orbax_tunix import storage
+  from orbax_tunix.store import item_store
 
-  assert storage.open_item(item).paths == {('w1', 'kernel', 'value'), ('w2', 'bias', 'value')}
+  assert item_store.open_item(item).paths == {('w1', 'kernel', 'value'), ('w2', 'bias', 'value')}
   (item / 'checkpoint').write_bytes(b'\xc1\xc1garbage')
   with pytest.raises(ot.CorruptMetadataError, match='checkpoint'):
-    storage.open_item(item)
+    item_store.open_item(item)
 
 
 def test_a_step_directory_that_cannot_be_read_is_said_so(tunix_data, tmp_path, monkeypatch, capsys):
@@ -187,7 +187,7 @@ def test_a_step_directory_that_cannot_be_read_is_said_so(tunix_data, tmp_path, m
   root = tmp_path / 'run'
   shutil.copytree(tunix_data / 'sft_full', root)
   locked = root / '2'
-  path_type = type(ot.storage.as_path(locked))
+  path_type = type(ot.fileio.as_path(locked))
   real_exists, real_iterdir = path_type.exists, path_type.iterdir
 
   def denied(path):

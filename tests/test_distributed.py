@@ -30,8 +30,8 @@ import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
-from orbax_tunix import commit, distributed
 from orbax_tunix.cli import commands
+from orbax_tunix.writing import commit, distributed
 from tests import mp_worker
 
 DATA = pathlib.Path(__file__).parent / 'data'
@@ -345,7 +345,7 @@ def test_shares_of_any_split_combine_into_the_crc32():
 def test_parts_of_a_sharded_array_combine_into_its_checksum(mesh):
   # Shards split on either axis (runs of rows, runs within rows): the parts'
   # checksums, combined in offset order, are the whole array's.
-  from orbax_tunix import checksums
+  from orbax_tunix.writing import checksums
 
   value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
   for spec in (jax.sharding.PartitionSpec('data', 'model'),

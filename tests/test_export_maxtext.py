@@ -1,7 +1,7 @@
 """Exporting MaxText models (Tunix runs of one, MaxText's own steps) to Hugging Face safetensors.
 
 The checkpoints are written here with plain Orbax in MaxText 0.2.5's exact parameter trees
-(printed from `nnx.state` of tiny models MaxText builds: see `orbax_tunix/huggingface.py`'s
+(printed from `nnx.state` of tiny models MaxText builds: see `orbax_tunix/mapping/huggingface.py`'s
 docstring): as a Tunix run (`model_params/base/<path>/value`, with RNG leaves and an AQT leaf
 that are no weights) and as a MaxText step (`items/params/params/<path>`), scanned
 (`param_scan_axis` 1), unscanned, and gemma3's scanned blocks of six plus a remainder.
@@ -273,7 +273,7 @@ CASES = [(m, form, kind) for m in MODELS for form in ('scanned', 'unscanned')
 def test_export_matches_the_hf_layout(tmp_path, model, form, kind):
   save = save_tunix_run if kind == 'tunix' else save_maxtext_step
   src = save(tmp_path / 'run', maxtext_tree(model, form))
-  plan = orbax_tunix.export.plan_export(src, tmp_path / 'out', model=family(model))
+  plan = orbax_tunix.tools.export.plan_export(src, tmp_path / 'out', model=family(model))
   notes = '\n'.join(plan.notes)
   layers = MODELS[model][1]
   assert f'weights: MaxText model ({form}, {layers} layers)' in notes
@@ -282,7 +282,7 @@ def test_export_matches_the_hf_layout(tmp_path, model, form, kind):
   if kind == 'tunix':
     assert 'left out 4 RNG state leaves' in notes
     assert 'left out 1 AQT quantization leaves' in notes
-  orbax_tunix.export.run_export(plan)
+  orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
   want = expected(model)
   assert sorted(got) == sorted(want)
@@ -298,7 +298,7 @@ def test_a_scanned_export_reads_each_layer_alone(tmp_path, model, kind):
   to the weights' bytes once, and no read is larger than one layer's largest weight."""
   save = save_tunix_run if kind == 'tunix' else save_maxtext_step
   flat = maxtext_tree(model, 'scanned')
-  plan = orbax_tunix.export.plan_export(save(tmp_path / 'run', flat), tmp_path / 'out',
+  plan = orbax_tunix.tools.export.plan_export(save(tmp_path / 'run', flat), tmp_path / 'out',
                                         model=family(model))
   reads = [i.nbytes for o in plan.outputs for i in o.inputs]
   assert sum(reads) == sum(v.nbytes for v in flat.values())
@@ -308,7 +308,7 @@ def test_a_scanned_export_reads_each_layer_alone(tmp_path, model, kind):
   if model == 'qwen3_moe':  # One expert of one layer.
     assert max(i.nbytes for o in plan.outputs for i in o.inputs
                if 'moe_block' in i.leaf.path and i.leaf.path[-1] != 'kernel') == D * FE * 4
-  orbax_tunix.export.run_export(plan)
+  orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
   for name, value in expected(model).items():
     np.testing.assert_array_equal(got[name], value, err_msg=name)
@@ -320,13 +320,13 @@ def test_a_tensor_larger_than_a_batch_is_made_in_blocks_of_rows(tmp_path, model)
   they are read and written a block of rows at a time, and the files are the same."""
   src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned', seed=3))
   config = hf_config(tmp_path / 'hf', model, vocab_size=V - 5)
-  plan = orbax_tunix.export.plan_export(src, tmp_path / 'out', model=family(model),
+  plan = orbax_tunix.tools.export.plan_export(src, tmp_path / 'out', model=family(model),
                                         memory_budget=20_000, hf_config=config)
   embed = next(o for o in plan.outputs if o.path == ('model.embed_tokens.weight',))
-  blocks = orbax_tunix.outputs.row_blocks(embed, plan.batch_bytes)
+  blocks = orbax_tunix.mapping.outputs.row_blocks(embed, plan.batch_bytes)
   assert len(blocks) > 1 and [b.rows for b in blocks][-1][1] == V - 5
   assert max(b.nbytes for b in blocks) <= plan.batch_bytes
-  orbax_tunix.export.run_export(plan)
+  orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
   want = expected(model, vocab=V - 5, seed=3)
   assert sorted(got) == sorted(want)
@@ -350,10 +350,10 @@ def test_bfloat16_export_rounds_once_after_the_arithmetic(tmp_path, model):
 def test_padded_vocabulary_is_cut_to_the_config(tmp_path, model):
   src = save_tunix_run(tmp_path / 'run', maxtext_tree(model, 'unscanned'))
   config = hf_config(tmp_path / 'hf', model, vocab_size=60)
-  plan = orbax_tunix.export.plan_export(src, tmp_path / 'out', model=family(model),
+  plan = orbax_tunix.tools.export.plan_export(src, tmp_path / 'out', model=family(model),
                                         hf_config=config)
   assert any('vocabulary padding cut, 64 -> 60' in n for n in plan.notes), plan.notes
-  orbax_tunix.export.run_export(plan)
+  orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
   want = expected(model, vocab=60)
   assert got['model.embed_tokens.weight'].shape == (60, D)
@@ -449,7 +449,7 @@ def test_a_config_that_fits_is_copied_and_one_that_does_not_is_refused(tmp_path,
   field, value = next(iter(extra.items())) if extra else ('num_hidden_layers', 99)
   bad = hf_config(tmp_path / 'hf_bad', model, **{**extra, field: value + 1})
   with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match=field):
-    orbax_tunix.export.plan_export(src, tmp_path / 'out2', model=family(model), hf_config=bad)
+    orbax_tunix.tools.export.plan_export(src, tmp_path / 'out2', model=family(model), hf_config=bad)
 
 
 @pytest.mark.parametrize('model,form', [('qwen3', 'scanned'), ('gemma3', 'scanned'),
@@ -472,7 +472,7 @@ def test_readme_shows_the_generated_maxtext_map():
   readme = (ROOT / 'README.md').read_text()
   begin = '<!-- maxtext maps: generated by scripts/readme_hf_maps.py -->\n'
   table = readme.split(begin)[1].split('<!-- end of maxtext maps -->')[0]
-  assert table == orbax_tunix.huggingface.markdown('maxtext'), 'run scripts/readme_hf_maps.py'
+  assert table == orbax_tunix.mapping.huggingface.markdown('maxtext'), 'run scripts/readme_hf_maps.py'
 
 
 RANK, ALPHA = 3, 6.0
@@ -527,14 +527,14 @@ def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
   out = tmp_path / 'out'
   p = run_cli('export', str(src), str(out), '--model', 'qwen3')
   assert_refused(p, out, '--merge-lora')
-  plan = orbax_tunix.export.plan_export(src, out, model='qwen3', merge_lora=True,
+  plan = orbax_tunix.tools.export.plan_export(src, out, model='qwen3', merge_lora=True,
                                         lora_alpha=ALPHA)
   if form == 'scanned':  # Each layer merged from its own slices, read alone (not the stacks).
     q = next(o for o in plan.outputs if o.path == ('model.layers.1.self_attn.q_proj.weight',))
     assert [i.leaf.path[-1] for i in q.inputs] == ['kernel', 'kernel_lora_a', 'kernel_lora_b']
     assert [i.takes for i in q.inputs] == [((1, 1),)] * 3
     assert q.transform.name.startswith('per_input(identity, identity, identity) -> lora_merge')
-  orbax_tunix.export.run_export(plan)
+  orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(out / 'model.safetensors')
   # The expected export is the plain model's with the merged kernels.
   top, layers = model_weights('qwen3')
@@ -573,7 +573,7 @@ def test_another_param_scan_axis(tmp_path):
 def test_llama_aliases_name_the_llama3_family(tmp_path):
   src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'scanned'))
   for alias in ('llama3.1', 'llama2'):
-    plan = orbax_tunix.export.plan_export(src, tmp_path / alias, model=alias)
+    plan = orbax_tunix.tools.export.plan_export(src, tmp_path / alias, model=alias)
     assert plan.family.name == 'llama3'
 
 
@@ -593,9 +593,9 @@ def test_a_family_without_the_sources_naming_is_refused(tmp_path):
 def test_stacked_adapters_merge_per_layer(weight, a, b, stacked):
   rng = np.random.default_rng(0)
   w, la, lb = (rng.normal(size=s).astype(np.float32) for s in (weight, a, b))
-  arranged = orbax_tunix.lora.contraction(weight, a, b)
+  arranged = orbax_tunix.mapping.lora.contraction(weight, a, b)
   assert arranged is not None and arranged.stacked == stacked
-  got = orbax_tunix.merge.combine(arranged, 0.5)(w, la, lb)
+  got = orbax_tunix.mapping.merge.combine(arranged, 0.5)(w, la, lb)
   # By hand: every stacked layer's own product, reshaped into its kernel.
   want = w.copy()
   layers = [weight[i] for i in stacked]

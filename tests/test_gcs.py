@@ -23,7 +23,9 @@ import pytest
 from etils import epath
 
 import orbax_tunix as ot
-from orbax_tunix import commit, maxtext, planned_item
+from orbax_tunix import maxtext
+from orbax_tunix.reading import planned_item
+from orbax_tunix.writing import commit
 from tests import builders, test_lora_merge, tunix_models
 from tests import gcs as gcs_lib
 from tests.test_cli import REPO, SUBPROCESS_ENV, run

@@ -319,7 +319,7 @@ def test_relative_paths_and_typed_key_targets(tunix_data, mesh, monkeypatch):
 @pytest.mark.parametrize('zarr3', [False, True])
 def test_shape_check_from_one_listing_at_scale(tmp_path, mesh, zarr3, monkeypatch):
   """Past a few hundred leaves shapes are checked against the store's chunk grid."""
-  from orbax_tunix import storage
+  from orbax_tunix.store import item_store
 
   specs = [P('data', 'model'), P(), P('data'), P(None, 'model')]
   tree = {'layers': {str(i): {'w': {'value': jax.device_put(
@@ -328,20 +328,20 @@ def test_shape_check_from_one_listing_at_scale(tmp_path, mesh, zarr3, monkeypatc
   handler = ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler(model_params=handler)) as ckptr:
     ckptr.save(tmp_path / '1', args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(tree)))
-  assert len(storage.open_item(item_dir).leaves) > storage._HEADER_READS_UP_TO
+  assert len(item_store.open_item(item_dir).leaves) > item_store.HEADER_READS_UP_TO
   rep = NamedSharding(mesh, P())
   target = {'layers': {
       str(i): {'w': jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=rep)} for i in range(300)}}
   target['layers']['7']['w'] = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=rep)
   target['layers']['9']['w'] = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=rep)
   headers_read = []
-  read_headers = storage.Item._read_headers
+  read_headers = item_store.Item._read_headers
 
   def spy(self, paths):
     headers_read.extend(paths)
     return read_headers(self, paths)
 
-  monkeypatch.setattr(storage.Item, '_read_headers', spy)
+  monkeypatch.setattr(item_store.Item, '_read_headers', spy)
   with pytest.raises(ot.TargetMismatchError) as e:
     ot.TunixPyTreeHandler().restore(item_dir, args=ocp.args.PyTreeRestore(item=target))
   # Only the two that do not fit the chunk grid were looked up, for the message.

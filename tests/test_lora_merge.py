@@ -22,9 +22,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_tunix as ot
-from orbax_tunix import lora, maxtext, merge
+from orbax_tunix import maxtext
 from orbax_tunix.keypaths import flatten, fmt, nest
-from orbax_tunix.planned_item import PlannedItem
+from orbax_tunix.mapping import lora, merge
+from orbax_tunix.reading.planned_item import PlannedItem
 from tests import builders
 from tests import lora_models as lm
 from tests import tunix_models as tm

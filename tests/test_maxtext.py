@@ -25,10 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import orbax_tunix as ot
 from orbax_tunix import maxtext
+from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.keypaths import flatten, fmt
 from orbax_tunix.maxtext import optimizer as maxtext_optimizer
 from orbax_tunix.maxtext import plan as maxtext_plan
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
 from tests import builders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

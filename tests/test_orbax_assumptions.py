@@ -1,4 +1,4 @@
-"""The private Orbax details `orbax_tunix/_orbax.py` and the handlers lean on, one test each.
+"""The private Orbax details `orbax_tunix/store/_orbax.py` and the handlers lean on, one test each.
 
 When an Orbax upgrade moves one of them, the test naming it fails here.
 """
@@ -12,8 +12,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from orbax_tunix import _orbax
-from orbax_tunix.composite_handler import TunixAwareHandler
+from orbax_tunix.handlers.composite_handler import TunixAwareHandler
+from orbax_tunix.store import _orbax
 from tests import opens
 
 

@@ -15,7 +15,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_tunix as ot
-from orbax_tunix import convert, maxtext
+from orbax_tunix import maxtext
+from orbax_tunix.tools import convert
 from tests import builders, opens
 from tests.test_maxtext import TinyLM, abstract_state, adamw
 from tests.test_partial_steps import _plain_target

@@ -5,8 +5,9 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given, settings
 
-from orbax_tunix import canonical, transforms
 from orbax_tunix.keypaths import nest
+from orbax_tunix.mapping import transforms
+from orbax_tunix.view import canonical_map
 
 # Module names a model may use, `base` among them (a model's own module).
 NAMES = st.sampled_from(['base', 'layers', 'attn', 'mlp', 'w', 'kernel', 'bias', 'q', '0', '1', 'head', 'mu'])
@@ -68,7 +69,7 @@ def checkpoint(draw):
 @given(checkpoint())
 def test_round_trip_and_canonical_form(ckpt):
   weights, value, adapter, shell_at, model, opt = ckpt
-  layouts = canonical.plan_step({'model_params': model, 'optimizer_state': opt})
+  layouts = canonical_map.plan_step({'model_params': model, 'optimizer_state': opt})
   m, o = layouts['model_params'], layouts['optimizer_state']
   if not value:
     # No nnx value level: not Tunix's, so read exactly as it is (a plain optax
@@ -102,11 +103,11 @@ def test_round_trip_and_canonical_form(ckpt):
 @given(checkpoint())
 def test_tree_round_trip(ckpt):
   *_, model, opt = ckpt
-  layouts = canonical.plan_step({'model_params': model, 'optimizer_state': opt})
+  layouts = canonical_map.plan_step({'model_params': model, 'optimizer_state': opt})
   for paths, lay in ((model, layouts['model_params']), (opt, layouts['optimizer_state'])):
     disk_tree = nest((p, i) for i, p in enumerate(sorted(paths)))
-    canon = canonical.to_canonical_tree(disk_tree, lay)
-    back = canonical.to_disk_tree(canon, lay)
+    canon = canonical_map.to_canonical_tree(disk_tree, lay)
+    back = canonical_map.to_disk_tree(canon, lay)
     kept = {p: i for i, p in enumerate(sorted(paths)) if lay.to_canonical_path(p) is not None}
     assert back == nest(kept.items())
 

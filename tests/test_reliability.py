@@ -226,7 +226,7 @@ def test_convert_to_read_only_destination(run, tmp_path):
     pytest.skip('no bind mounts here')
   before = snapshot(run)
   try:
-    from orbax_tunix import convert
+    from orbax_tunix.tools import convert
 
     with pytest.raises(ot.InvalidDestinationError) as e:
       convert.run_convert(convert.plan_convert(run, parent / 'out'))
@@ -243,7 +243,7 @@ def test_overlap_compares_what_paths_are(tunix_data, tmp_path):
   """commit.overlap: the one decision of whether a new step may go at a path."""
   from etils import epath  # pylint: disable=g-import-not-at-top
 
-  from orbax_tunix import commit  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.writing import commit
 
   run = tmp_path / 'run'
   shutil.copytree(tunix_data / 'sft_full', run)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from orbax_tunix import canonical
+from orbax_tunix.view import canonical_map
 
 
 def _p(s):
@@ -13,7 +13,7 @@ def _plan(model, opt=None):
   items = {'model_params': frozenset(map(_p, model))}
   if opt is not None:
     items['optimizer_state'] = frozenset(map(_p, opt))
-  return canonical.plan_step(items)
+  return canonical_map.plan_step(items)
 
 
 def test_value_level_alone():

@@ -39,22 +39,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_tunix import (
-  checksums,
-  commit,
-  distributed,
-  errors,
-  huggingface,
-  inspection,
-  reader,
-  sizes,
-)
-from orbax_tunix import convert as convert_lib
-from orbax_tunix import diff as diff_lib
-from orbax_tunix import export as export_lib
+from orbax_tunix import errors, sizes
 from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
+from orbax_tunix.mapping import huggingface
+from orbax_tunix.reading import reader
+from orbax_tunix.tools import convert as convert_lib
+from orbax_tunix.tools import diff as diff_lib
+from orbax_tunix.tools import export as export_lib
+from orbax_tunix.tools import inspection
+from orbax_tunix.writing import checksums, commit, distributed
 
 EXIT_OK = 0
 EXIT_DIFFER = 1

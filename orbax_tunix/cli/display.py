@@ -16,9 +16,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from orbax_tunix import checksums, inspection, reader
-from orbax_tunix import diff as diff_lib
 from orbax_tunix.keypaths import Path, fmt, natural_key, nest
+from orbax_tunix.reading import reader
+from orbax_tunix.tools import diff as diff_lib
+from orbax_tunix.tools import inspection
+from orbax_tunix.writing import checksums
 
 try:  # rich is optional: without it the output is plain text.
   import rich.box

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from orbax_tunix import reader
 from orbax_tunix.cli.display import format_bytes, format_duration, is_tty
+from orbax_tunix.reading import reader
 
 try:  # rich is optional.
   import rich.console

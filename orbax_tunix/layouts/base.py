@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from orbax_tunix import catalog, errors, reader
-from orbax_tunix import merge as merge_lib
-from orbax_tunix.outputs import Input, ItemOutput, Output, copied
+from orbax_tunix import catalog, errors
+from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied
+from orbax_tunix.reading import reader
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,10 @@ LoRA merge).
 
 from __future__ import annotations
 
-from orbax_tunix import conventions, errors, reader
+from orbax_tunix import conventions, errors
 from orbax_tunix.layouts.base import LaidOut, Layout, Request, register, weights
-from orbax_tunix.outputs import Input, ItemOutput, copied
+from orbax_tunix.mapping.outputs import Input, ItemOutput, copied
+from orbax_tunix.reading import reader
 
 
 def weights_item(request: Request, name: str) -> ItemOutput:

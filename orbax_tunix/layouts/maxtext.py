@@ -21,17 +21,19 @@ import dataclasses
 import jax
 import numpy as np
 
-from orbax_tunix import conventions, errors, lora, patterns, reader
-from orbax_tunix import outputs as outputs_lib
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import LaidOut, Layout, Request, register
 from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
+from orbax_tunix.mapping import lora, patterns
+from orbax_tunix.mapping import outputs as outputs_lib
+from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
+from orbax_tunix.mapping.transforms import IDENTITY, constant
 from orbax_tunix.maxtext import layers, train_state
 from orbax_tunix.maxtext.plan import RestorePlan, make_plan
 from orbax_tunix.maxtext.view import read_view
-from orbax_tunix.outputs import Input, ItemOutput, Output
-from orbax_tunix.transforms import IDENTITY, constant
+from orbax_tunix.reading import reader
 
 ITEM = conventions.MAXTEXT_ITEM
 

@@ -16,13 +16,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import conventions, errors, lora, merge, reader, transforms
-from orbax_tunix.detection import Detection
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.mapping import lora, merge, transforms
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore, require_target
 from orbax_tunix.maxtext.view import Shape
-from orbax_tunix.planned_item import PlannedItem
-from orbax_tunix.requests import args_by_path, into, is_key, sharding_of
+from orbax_tunix.reading import reader
+from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.read_requests import args_by_path, into, is_key, sharding_of
+from orbax_tunix.view.detection import Detection
 
 PyTree = Any
 

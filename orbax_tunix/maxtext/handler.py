@@ -12,9 +12,10 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors, storage
+from orbax_tunix import errors
 from orbax_tunix.maxtext.execute import restore_train_state
 from orbax_tunix.maxtext.plan import detect_for, require_target
+from orbax_tunix.store import fileio
 
 PyTree = Any
 
@@ -66,7 +67,7 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
       args = ocp.args.PyTreeRestore(
           item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
       )
-    directory = storage.as_path(directory)
+    directory = fileio.as_path(directory)
     params_only = getattr(args, 'params_only', False)
     found = detect_for(directory, params_only)
     if not found.is_tunix:

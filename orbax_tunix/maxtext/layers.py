@@ -21,11 +21,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Collection, Iterable, Mapping
 
-from orbax_tunix import errors, patterns
+from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.mapping import patterns
+from orbax_tunix.mapping.patterns import LayoutRule, Mapped, Pattern
+from orbax_tunix.mapping.transforms import Shape, move_axis, stack, take
 from orbax_tunix.maxtext.errors import LayerScanMismatchError
-from orbax_tunix.patterns import LayoutRule, Mapped, Pattern
-from orbax_tunix.transforms import Shape, move_axis, stack, take
 
 SCANNED = 'scanned'
 UNSCANNED = 'unscanned'

@@ -13,9 +13,10 @@ from typing import Any
 
 from etils import epath
 
-from orbax_tunix import conventions, errors, storage
-from orbax_tunix.detection import Detection, detect, wanted_items
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.mapping.patterns import Mapped
+from orbax_tunix.mapping.transforms import Transform
 from orbax_tunix.maxtext import layers
 from orbax_tunix.maxtext.optimizer import (
   OptState,
@@ -27,9 +28,9 @@ from orbax_tunix.maxtext.optimizer import (
 from orbax_tunix.maxtext.train_state import COLLECTION, OPT_STATE, PARAMS, STEP
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
-from orbax_tunix.patterns import Mapped
-from orbax_tunix.requests import stored_shape
-from orbax_tunix.transforms import Transform
+from orbax_tunix.reading.read_requests import stored_shape
+from orbax_tunix.store import step_store
+from orbax_tunix.view.detection import Detection, detect, wanted_items
 
 PyTree = Any
 
@@ -484,7 +485,7 @@ def needed_items(params_only: bool) -> tuple[str, ...]:
 
 def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
   """Detects only the items a MaxText restore needs (a params-only one opens no optimizer)."""
-  location = storage.resolve(path)
+  location = step_store.resolve(path)
   return detect(location, items=wanted_items(location, needed_items(params_only)))
 
 

@@ -13,8 +13,8 @@ from collections.abc import Collection, Mapping
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.detection import Detection
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.view.detection import Detection
 
 Shape = tuple[int, ...]
 

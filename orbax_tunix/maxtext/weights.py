@@ -13,9 +13,10 @@ from collections.abc import Collection, Mapping, Sequence
 
 from etils import epath
 
-from orbax_tunix import conventions, errors, lora
+from orbax_tunix import conventions, errors
 from orbax_tunix.errors import LoraOnlyCheckpointError
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.mapping import lora
 from orbax_tunix.maxtext.errors import LayerScanMismatchError
 from orbax_tunix.maxtext.view import CheckpointView, Shape
 

@@ -15,8 +15,13 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, planned_item
-from orbax_tunix.pytree_handler import TunixPyTreeHandler, TunixPyTreeRestore, V1ItemRestore
+from orbax_tunix.handlers.pytree_handler import (
+  TunixPyTreeHandler,
+  TunixPyTreeRestore,
+  V1ItemRestore,
+)
+from orbax_tunix.reading import planned_item
+from orbax_tunix.store import _orbax
 
 # Item handler typestrs whose items hold a PyTree that the v1 loader reads.
 PYTREE_TYPESTRS = _orbax.PYTREE_TYPESTRS | {TunixPyTreeHandler.typestr()}

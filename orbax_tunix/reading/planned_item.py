@@ -1,6 +1,6 @@
 """One item of a step, planned: the canonical read every entry point goes through.
 
-A `PlannedItem` is an item as `storage` read it (its leaves, its `_METADATA`
+A `PlannedItem` is an item as `store.item_store` read it (its leaves, its `_METADATA`
 as parsed) and its `CanonicalMap`. Reading is rewriting a request, path by
 path, into the on-disk structure and executing it with Orbax's own restore
 (every leaf the request leaves out named as `ocp.PLACEHOLDER`, or a partial
@@ -28,9 +28,12 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, canonical, errors, requests, storage
-from orbax_tunix.detection import plan_item
+from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, nest
+from orbax_tunix.reading import read_requests
+from orbax_tunix.store import _orbax, fileio, item_store
+from orbax_tunix.view import canonical_map
+from orbax_tunix.view.detection import plan_item
 
 PyTree = Any
 
@@ -60,7 +63,7 @@ def through(handler: ocp.PyTreeCheckpointHandler | None = None) -> OrbaxReads:
 
 
 def validate_target(
-    meta: storage.Item,
+    meta: item_store.Item,
     canonical_paths: Sequence[Path],
     disk: Sequence[Path | None],
     leaves: Sequence[Any],
@@ -68,7 +71,7 @@ def validate_target(
   """Checks a canonical target against the checkpoint before anything is read.
 
   Args:
-    meta: the item, as `storage` read it.
+    meta: the item, as `store.item_store` read it.
     canonical_paths: the target's leaf paths, canonical.
     disk: the on-disk path of each, in the same order (None: not on disk).
     leaves: the target's leaves, in the same order.
@@ -81,7 +84,7 @@ def validate_target(
   """
   missing = [fmt(c) for c, d in zip(canonical_paths, disk, strict=True) if d is None]
   shapes_of = (
-      (d, requests.stored_shape(leaf))
+      (d, read_requests.stored_shape(leaf))
       for d, leaf in zip(disk, leaves, strict=True) if d is not None
   )
   expected = {d: shape for d, shape in shapes_of if shape is not None}
@@ -107,7 +110,7 @@ def validate_target(
 
 
 def _skeleton(
-    item: storage.Item, wanted: Mapping[Path, requests.Request]
+    item: item_store.Item, wanted: Mapping[Path, read_requests.Request]
 ) -> tuple[PyTree, PyTree]:
   """The item's whole on-disk tree as a target: requested leaves, the rest placeholders.
 
@@ -139,9 +142,9 @@ def _skeleton(
   return as_lists(target, item.sequence_nodes), as_lists(args, item.sequence_nodes)
 
 
-def canonical_metadata(meta: Any, cmap: canonical.CanonicalMap) -> Any:
+def canonical_metadata(meta: Any, cmap: canonical_map.CanonicalMap) -> Any:
   """An on-disk item's metadata tree in canonical form (no store is read)."""
-  return _orbax.tree_metadata_like(meta, canonical.to_canonical_tree(meta.tree, cmap))
+  return _orbax.tree_metadata_like(meta, canonical_map.to_canonical_tree(meta.tree, cmap))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +152,12 @@ class PlannedItem:
   """One item read from metadata once, and its canonical map.
 
   Attributes:
-    meta: the item, as `storage` read it.
+    meta: the item, as `store.item_store` read it.
     cmap: its `CanonicalMap` (the identity for an item that is not Tunix's).
   """
 
-  meta: storage.Item
-  cmap: canonical.CanonicalMap
+  meta: item_store.Item
+  cmap: canonical_map.CanonicalMap
 
   @classmethod
   def of(cls, detection: Any, item: str) -> PlannedItem:
@@ -189,7 +192,7 @@ class PlannedItem:
 
   def read(
       self,
-      wanted: Mapping[Path, requests.Request],
+      wanted: Mapping[Path, read_requests.Request],
       via: OrbaxReads | None = None,
       *,
       on_disk: bool = False,
@@ -213,7 +216,7 @@ class PlannedItem:
       return {}
     meta = self.meta
     to_disk = {p: p for p in wanted} if on_disk else self.cmap.canonical_to_disk
-    with storage.no_gc():
+    with fileio.no_gc():
       by_disk = {to_disk[c]: request for c, request in wanted.items()}
       if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
         # Most of the tree, or lists in it: the whole tree, placeholders for the
@@ -283,18 +286,18 @@ class PlannedItem:
       )
     if self.meta.legacy:
       return self._restore_legacy(args, via)
-    given = requests.args_by_path(args.restore_args)
+    given = read_requests.args_by_path(args.restore_args)
     if args.item is None:
       # Every canonical leaf, restored as saved (as Orbax does without a target).
       wanted = {c: (0, given.get(c, ocp.RestoreArgs())) for c in sorted(self.cmap.canonical_to_disk)}
       return nest(self.read(wanted, via).items())
-    with storage.no_gc():  # Planning builds an object or two per leaf.
+    with fileio.no_gc():  # Planning builds an object or two per leaf.
       pairs, treedef = flatten(args.item)
       to_disk = self.cmap.canonical_to_disk
       chosen = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
       disk = [to_disk.get(c) for c, _ in chosen]
       validate_target(self.meta, [c for c, _ in chosen], disk, [leaf for _, leaf in chosen])
-      wanted = {c: (leaf, given.get(c) or requests.restore_arg_for(leaf)) for c, leaf in chosen}
+      wanted = {c: (leaf, given.get(c) or read_requests.restore_arg_for(leaf)) for c, leaf in chosen}
     values = self.read(wanted, via)
     return jax.tree_util.tree_unflatten(treedef, [values.get(c, leaf) for c, leaf in pairs])
 
@@ -308,7 +311,7 @@ class PlannedItem:
           ' Orbax.'
       )
     whole = self._orbax_read(via, ocp.args.PyTreeRestore(), None)
-    return canonical.to_canonical_tree(whole, self.cmap)
+    return canonical_map.to_canonical_tree(whole, self.cmap)
 
   def metadata(self, via: OrbaxReads | None = None) -> Any:
     """The item's metadata tree as Orbax gives it, in canonical form.
@@ -327,7 +330,7 @@ class PlannedItem:
   def _serving(self, via: OrbaxReads, served: Mapping[str, Any] | None) -> Any:
     """Orbax's read of this item's `_METADATA` answered from `served` (parsed once)."""
     _orbax.serve_tree_reads(via.handler)
-    return _orbax.serving({self.directory / storage.PYTREE_METADATA: served})
+    return _orbax.serving({self.directory / _orbax.PYTREE_METADATA: served})
 
   def _orbax_read(
       self, via: OrbaxReads, args: ocp.args.PyTreeRestore, served: Mapping[str, Any] | None
@@ -345,7 +348,7 @@ class PlannedItem:
     with self._damaged(
         'the arrays', 'readable array data for every leaf asked for; use another step'
         ' (`step`), or re-save this one'
-    ), self._serving(via, served), _orbax.tidy_failures(), storage.no_gc():
+    ), self._serving(via, served), _orbax.tidy_failures(), fileio.no_gc():
       return via.restore(self.directory, args)
 
   @contextlib.contextmanager
@@ -395,7 +398,7 @@ def find(directory: epath.PathLike) -> PlannedItem | None:
   Raises:
     CorruptMetadataError, UnsupportedLayoutError.
   """
-  directory = storage.as_path(directory)
+  directory = fileio.as_path(directory)
   found = _IN_EFFECT.get().get(str(directory))
   if found is not None:
     return found

@@ -19,10 +19,12 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, conventions, errors, planned_item, storage
-from orbax_tunix.detection import Detection, detect, plan_items
-from orbax_tunix.pytree_handler import TunixPyTreeHandler
-from orbax_tunix.storage import CHECKPOINT_METADATA, PYTREE_METADATA
+from orbax_tunix import conventions, errors
+from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.reading import planned_item
+from orbax_tunix.store import _orbax, fileio, item_store, step_store
+from orbax_tunix.store._orbax import CHECKPOINT_METADATA, PYTREE_METADATA
+from orbax_tunix.view.detection import Detection, detect, plan_items
 
 logger = logging.getLogger('orbax_tunix')
 
@@ -32,7 +34,7 @@ _PYTREE_RESTORE_ARGS = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
 # The step a restore of this context is restoring (Orbax's no-arg restore
 # calls `metadata()` for the recorded handlers only: the canonical item trees,
 # which open every array, are not needed then).
-_RESTORING: contextvars.ContextVar[tuple[epath.Path, storage.Step | None] | None] = (
+_RESTORING: contextvars.ContextVar[tuple[epath.Path, step_store.Step | None] | None] = (
     contextvars.ContextVar('orbax_tunix_restoring_step', default=None)
 )
 
@@ -90,11 +92,11 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
         `KeyError` Orbax raises).
       CorruptMetadataError: an item to restore is damaged.
     """
-    directory = storage.as_path(directory)
+    directory = fileio.as_path(directory)
     if not directory.is_dir():
       raise errors.NotACheckpointError(
           f'{directory}: expected a step directory, found'
-          f' {storage.found_at(directory)}. Check the path.'
+          f' {fileio.found_at(directory)}. Check the path.'
       )
     step = None
     if args is None or not dict(args.items()):
@@ -138,11 +140,11 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     handler bound, also those whose recorded handler restores them).
     """
     restoring = _RESTORING.get()
-    if restoring is not None and restoring[0] == storage.as_path(directory):
+    if restoring is not None and restoring[0] == fileio.as_path(directory):
       step = restoring[1]
       with _orbax.silence_unrestorable_warnings(_restorable(step) if step else ()):
         return super().metadata(directory)
-    step = storage.open_step(directory)
+    step = step_store.open_step(directory)
     with (
         _orbax.serving({step.directory / CHECKPOINT_METADATA: step.metadata_json}),
         _orbax.silence_unrestorable_warnings(_restorable(step)),
@@ -170,19 +172,19 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
     return dataclasses.replace(meta, item_metadata=type(meta.item_metadata)(**found))
 
 
-def _restorable(step: storage.Step) -> list[str]:
+def _restorable(step: step_store.Step) -> list[str]:
   """Items on disk whose recorded handler Orbax can restore them with."""
   return [n for n in step.present if _orbax.handler_class(step.handler(n) or '') is not None]
 
 
-def _whole_step(directory: epath.Path) -> tuple[storage.Step | None, Detection | None]:
+def _whole_step(directory: epath.Path) -> tuple[step_store.Step | None, Detection | None]:
   """A step restored whole: its metadata, and its detection (None where Orbax decides).
 
   A Tunix step (one holding an item Tunix names) that is damaged raises here
   (an item holding other than its recorded handler says, unreadable
   metadata). Other steps restore, or fail, exactly as with Orbax's own handler.
   """
-  if not (directory / CHECKPOINT_METADATA).exists() or storage.has_tree(directory):
+  if not (directory / CHECKPOINT_METADATA).exists() or item_store.has_tree(directory):
     return None, None
   try:
     found = detect(directory)
@@ -190,7 +192,7 @@ def _whole_step(directory: epath.Path) -> tuple[storage.Step | None, Detection |
     if any((directory / n).is_dir() for n in conventions.TUNIX_ITEMS):
       raise
     try:
-      return storage.open_step(directory), None
+      return step_store.open_step(directory), None
     except errors.TunixCheckpointError:
       return None, None
   return found.source, found
@@ -228,9 +230,9 @@ def _raise_if_not_a_step(directory: epath.Path, error: Exception) -> None:
     ) from error
   if (directory / CHECKPOINT_METADATA).exists():
     return
-  if not any(storage.list_steps(root) for root in storage.step_roots(directory)):
+  if not any(step_store.list_steps(root) for root in step_store.step_roots(directory)):
     return
-  step_dir = storage.resolve(directory).step.directory  # Raises if none is committed.
+  step_dir = step_store.resolve(directory).step.directory  # Raises if none is committed.
   raise errors.NotACheckpointError(
       f'{directory}: expected a step directory (holding {CHECKPOINT_METADATA}),'
       f' found a checkpoint root. Pass the step directory instead, e.g. {step_dir}.'

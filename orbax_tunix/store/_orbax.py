@@ -34,6 +34,21 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from orbax_tunix.keypaths import Path
 
+# --- Orbax's on-disk schema: the names of its files and the values it records ---
+
+CHECKPOINT_METADATA = '_CHECKPOINT_METADATA'
+PYTREE_METADATA = '_METADATA'
+AGGREGATE_FILE = 'checkpoint'  # msgpack tree of Orbax releases before _METADATA
+ARRAY_METADATAS = 'array_metadatas'
+TMP_MARKER = '.orbax-checkpoint-tmp'
+
+# `value_type` in `_METADATA` of an empty node: None, and the empty containers
+# Orbax records as such (an optax state's `hyperparams_states: {}`, say).
+EMPTY_VALUE_TYPES = frozenset({'None', 'Dict', 'List', 'Tuple', 'NamedTuple'})
+# `key_type` in `_METADATA`: a sequence index or a dict key.
+SEQUENCE_KEY = 1
+
+
 # What a PyTree handler's `metadata()` returns (not exported by Orbax).
 TreeMetadata = _tree_metadata.TreeMetadata
 

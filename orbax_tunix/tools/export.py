@@ -25,27 +25,17 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_tunix import (
-  commit,
-  conventions,
-  distributed,
-  errors,
-  huggingface,
-  layouts,
-  lora,
-  patterns,
-  reader,
-  sizes,
-  storage,
-  writer,
-)
-from orbax_tunix import merge as merge_lib
-from orbax_tunix.convert import check_destination
+from orbax_tunix import conventions, errors, layouts, sizes
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.canonical import rng_note
-from orbax_tunix.maxtext import stacks
-from orbax_tunix.outputs import Output, read_sliced, relay
-from orbax_tunix.transforms import per_input
+from orbax_tunix.mapping import huggingface, lora, patterns, stacks
+from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.outputs import Output, read_sliced, relay
+from orbax_tunix.mapping.transforms import per_input
+from orbax_tunix.reading import reader
+from orbax_tunix.store import fileio
+from orbax_tunix.tools.convert import check_destination
+from orbax_tunix.writing import commit, distributed, writer
 
 # transformers' default `max_shard_size`.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -214,9 +204,9 @@ def plan_export(
   source = reader.open_weights(src, step)
   merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
             if merge_lora else None)
-  out_dir = storage.as_path(out_dir)
+  out_dir = fileio.as_path(out_dir)
   if hf_config is not None:  # First: the more specific refusal.
-    commit.check_not_over(out_dir, storage.as_path(hf_config), 'the `hf_config` folder')
+    commit.check_not_over(out_dir, fileio.as_path(hf_config), 'the `hf_config` folder')
   check_destination(merge_lib.checkpoints_read(source, merged), out_dir, force, EXPORT)
   if merged is None:
     _refuse_adapters(source)
@@ -356,15 +346,15 @@ def _base_config(hf_config: epath.PathLike | None) -> object:
   """
   if hf_config is None:
     return None
-  folder = storage.as_path(hf_config)
+  folder = fileio.as_path(hf_config)
   config = folder / 'config.json'
-  found = storage.what_is_at(config) if folder.is_dir() else storage.what_is_at(folder)
+  found = fileio.what_is_at(config) if folder.is_dir() else fileio.what_is_at(folder)
   if found != 'a file':
     raise errors.InvalidOptionError(
         f'{config if folder.is_dir() else folder}: `hf_config` must be a Hugging Face model'
         f' folder holding config.json (a file), found {found}.'
     )
-  return storage.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
+  return fileio.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
 
 
 def _config_files(
@@ -378,7 +368,7 @@ def _config_files(
         'no config.json written: add the base model\'s (--hf-config DIR copies it and its'
         ' tokenizer) before loading the folder with transformers or vLLM'
     ]
-  folder = storage.as_path(hf_config)
+  folder = fileio.as_path(hf_config)
   config = folder / 'config.json'
   checked = huggingface.check_config(family, values, shapes, str(config))
   copied, notes = [], list(checked.notes)
@@ -428,9 +418,9 @@ def _copyable(path: epath.Path) -> tuple[bool, str | None]:
   Raises:
     InvalidOptionError: it is not a regular file, or cannot be read.
   """
-  if not storage.is_local(path):
+  if not fileio.is_local(path):
     return path.is_file(), None
-  found = storage.what_is_at(path)
+  found = fileio.what_is_at(path)
   if found == 'nothing':
     return False, None
   if found == 'a broken link':

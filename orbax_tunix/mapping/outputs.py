@@ -17,9 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from orbax_tunix import errors, reader, transforms
+from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.transforms import IDENTITY, Shape, Transform, chain, leading_takes, per_input
+from orbax_tunix.mapping import transforms
+from orbax_tunix.mapping.transforms import (
+  IDENTITY,
+  Shape,
+  Transform,
+  chain,
+  leading_takes,
+  per_input,
+)
+from orbax_tunix.reading import reader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +233,7 @@ class ItemOutput:
     sequences: nodes written as lists (their keys '0', '1', ...).
     empty: (path, key types, Orbax's value type) of empty nodes: `None` in a
       list, an empty state, an empty dict or list (value types 'None',
-      'Dict', 'List', ...; see `storage.EMPTY_VALUE_TYPES`).
+      'Dict', 'List', ...; see `store._orbax.EMPTY_VALUE_TYPES`).
     key_types: per leaf path, the key types of the tree it came from (when
       an item is written as it was read, its containers are kept as they were).
     json: the item is a JSON item copied whole from this (checkpoint, item name).

@@ -19,7 +19,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, errors, planned_item, storage
+from orbax_tunix import errors
+from orbax_tunix.reading import planned_item
+from orbax_tunix.store import _orbax, fileio
 
 PyTree = Any
 
@@ -46,11 +48,11 @@ def _existing(directory: epath.PathLike) -> epath.Path:
     NotACheckpointError: it does not exist or is a file (also a
       `FileNotFoundError`).
   """
-  directory = storage.as_path(directory)
+  directory = fileio.as_path(directory)
   if not directory.is_dir():
     raise errors.NotACheckpointError(
         f'{directory}: expected an item directory of an Orbax checkpoint, found'
-        f' {storage.found_at(directory)}. Pass an item, e.g. <step>/model_params.'
+        f' {fileio.found_at(directory)}. Pass an item, e.g. <step>/model_params.'
     )
   return directory
 
@@ -152,7 +154,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       # Orbax raises FileNotFoundError here too; ours is one, and says more.
       raise errors.NotACheckpointError(
           f'{directory}: expected an item directory of an Orbax checkpoint'
-          f' (holding {storage.PYTREE_METADATA}), found a directory without it.'
+          f' (holding {_orbax.PYTREE_METADATA}), found a directory without it.'
           ' Pass an item, e.g. <step>/model_params or <step>/optimizer_state.'
       )
     untargeted = getattr(args, 'item', None) is None and getattr(args, 'restore_args', None) is None

@@ -27,11 +27,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, checksums, commit, distributed, errors, reader, storage
+from orbax_tunix import errors
 from orbax_tunix.keypaths import nest
-from orbax_tunix.outputs import Input, ItemOutput, Output, row_blocks
-from orbax_tunix.planned_item import PlannedItem
-from orbax_tunix.requests import is_key
+from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, row_blocks
+from orbax_tunix.reading import reader
+from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.read_requests import is_key
+from orbax_tunix.store import _orbax, fileio
+from orbax_tunix.writing import checksums, commit, distributed
 
 Written = tuple[Output, Any]
 
@@ -296,7 +299,7 @@ class OrbaxItemSink:
     self._sums.update(zip((checksums.key(o.path) for o, _ in batch), summing.result(),
                           strict=True))
     if distributed.is_primary():  # Orbax writes `_METADATA` on the primary process only.
-      self._written.append(storage.read_json(self._dir / storage.PYTREE_METADATA))
+      self._written.append(fileio.read_json(self._dir / _orbax.PYTREE_METADATA))
 
   def close(self) -> dict[str, Any]:
     self._summer.shutdown()
@@ -312,7 +315,7 @@ class OrbaxItemSink:
         key_types[output.path] = _key_types(output.path, item.sequences)
     merged = _orbax.merge_tree_metadata(self._written, key_types=key_types or None,
                                         empty_nodes=item.empty)
-    (self._dir / storage.PYTREE_METADATA).write_text(json.dumps(merged))
+    (self._dir / _orbax.PYTREE_METADATA).write_text(json.dumps(merged))
     with _orbax.tidy_failures():
       self._writer.finalize(self._dir)
     (self._dir / commit.COMMIT_SUCCESS).write_text(
@@ -322,7 +325,7 @@ class OrbaxItemSink:
 
 def _key_types(path: tuple[str, ...], sequences: frozenset) -> tuple[int, ...]:
   return tuple(
-      storage.SEQUENCE_KEY if path[:i] in sequences else 2 for i in range(len(path))
+      _orbax.SEQUENCE_KEY if path[:i] in sequences else 2 for i in range(len(path))
   )
 
 

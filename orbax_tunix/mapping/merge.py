@@ -23,12 +23,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors, lora, reader, transforms
+from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.outputs import Input, Output, copied
-from orbax_tunix.planned_item import PlannedItem
-from orbax_tunix.requests import into, sharding_of
-from orbax_tunix.transforms import Transform
+from orbax_tunix.mapping import lora, transforms
+from orbax_tunix.mapping.outputs import Input, Output, copied
+from orbax_tunix.mapping.transforms import Transform
+from orbax_tunix.reading import reader
+from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.read_requests import into, sharding_of
 
 PyTree = Any
 

@@ -15,15 +15,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import checksums, conventions, rules, storage
-from orbax_tunix.detection import Detection, detect, wanted_items
+from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.planned_item import PlannedItem
+from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.store import step_store
+from orbax_tunix.view import rules
+from orbax_tunix.view.detection import Detection, detect, wanted_items
 
 # How a scalar is read: to the host, as saved.
 AS_NUMPY = ocp.RestoreArgs(restore_type=np.ndarray)
 # Where a step `convert` wrote records its source's side leaves (under
-# `checksums.RECORD_KEY` of its custom metadata): {label: `as_record` value}.
+# `checksums.RECORD_KEY` of its custom metadata): {label: `checksums.as_record` value}.
 RECORD_KEY = 'inject_hyperparams'
 
 
@@ -53,7 +55,7 @@ def hyperparameters(path: epath.PathLike, *, step: int | None = None) -> dict[st
     MissingItemError: the step records an optimizer item that is not on disk.
     TunixCheckpointError subclasses, as `detect()`.
   """
-  location = storage.resolve(path, step)
+  location = step_store.resolve(path, step)
   wanted = wanted_items(location, (conventions.OPTIMIZER_ITEM,))
   return read_hyperparameters(detect(location, items=wanted))
 
@@ -154,18 +156,3 @@ def hyperparameters_of(
   item, wanted = found
   by_disk = {where: side[label] for label, where in leaves.items()}
   return by_shell(wanted, {d: by_disk[(item, d)] for d in wanted})
-
-
-def as_record(value: Any) -> Any:
-  """A side leaf's value as JSON keeps it: a number (or its text), or, for an
-  array, its shape, dtype and checksum (`checksums.checksum`)."""
-  array = np.asarray(value)
-  if array.ndim == 0:
-    item = array[()]
-    if isinstance(item, np.floating):
-      return float(item)
-    if isinstance(item, np.integer | np.bool_):
-      return item.item()
-    return str(item)
-  return {'shape': list(array.shape), 'dtype': str(array.dtype),
-          'checksum': checksums.checksum(array)}

@@ -21,10 +21,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import conventions, errors, requests, storage
-from orbax_tunix.detection import Detection, detect, wanted_items
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.planned_item import PlannedItem
+from orbax_tunix.reading import read_requests
+from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.store import _orbax, item_store, step_store
+from orbax_tunix.view.detection import Detection, detect, wanted_items
 
 # Leaf kinds, from the Orbax value type of each leaf.
 ARRAY = 'array'
@@ -102,7 +104,7 @@ class CanonicalCheckpoint:
     return tuple(leaf for item in sorted(self.items) for leaf in self.items[item])
 
 
-def _kind(leaf: storage.Leaf) -> str | None:
+def _kind(leaf: item_store.Leaf) -> str | None:
   if leaf.value_type == 'string':
     return STRING
   if leaf.value_type == 'scalar':
@@ -126,7 +128,7 @@ def _item_leaves(
   if meta.legacy:
     raise errors.UnsupportedLayoutError(
         f'{meta.directory}: this item was written by an Orbax release older than'
-        f' {storage.PYTREE_METADATA}, so its shapes and dtypes are not in metadata.'
+        f' {_orbax.PYTREE_METADATA}, so its shapes and dtypes are not in metadata.'
         ' Restore it with orbax_tunix.TunixPyTreeHandler and save it with a current'
         ' Orbax, or leave the item out (`items`).'
     )
@@ -208,7 +210,7 @@ def open_weights(path: epath.PathLike, step: int | None = None) -> CanonicalChec
     MissingItemError: the weights' item is recorded but not on disk.
     TunixCheckpointError subclasses: as `open_checkpoint`.
   """
-  location = storage.resolve(path, step)
+  location = step_store.resolve(path, step)
   wanted = wanted_items(location, (conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM))
   return open_checkpoint(detect(location, items=wanted))
 
@@ -363,7 +365,7 @@ def request_for(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple[
     return '', ocp.RestoreArgs(restore_type=str)
   if leaf.kind == SCALAR:
     return 0, ocp.RestoreArgs(dtype=dtype)
-  return requests.into(leaf.shape, dtype, sharding)
+  return read_requests.into(leaf.shape, dtype, sharding)
 
 
 def read(

@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_tunix import checksums, errors, hyperparams, reader, sizes
+from orbax_tunix import errors, sizes
 from orbax_tunix.keypaths import fmt, natural_key
+from orbax_tunix.reading import hyperparams, reader
+from orbax_tunix.writing import checksums
 
 # Bytes held per byte read from either side: the compressed bytes and the
 # decoded array. A batch (A's and B's leaves together) is sized budget / this.
@@ -443,8 +445,8 @@ def _side_of(
 
 
 def _side_value(value: Any) -> Any:
-  """A side leaf's value in one form for both sources (`hyperparams.as_record`)."""
-  return value if isinstance(value, dict) else hyperparams.as_record(value)
+  """A side leaf's value in one form for both sources (`checksums.as_record`)."""
+  return value if isinstance(value, dict) else checksums.as_record(value)
 
 
 def _compare_side(

@@ -1,9 +1,9 @@
 """Detection: what a checkpoint path holds and which rewrites apply.
 
-`detect()` resolves a path to a step (`storage`), checks that every item the
+`detect()` resolves a path to a step (`store.step_store`), checks that every item the
 step records is there and readable as what it claims to be, classifies the
 checkpoint (Tunix, MaxText or plain Orbax) and plans the rewrites of each
-PyTree item (`canonical.plan_step`). Only metadata is read, once.
+PyTree item (`canonical_map.plan_step`). Only metadata is read, once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from collections.abc import Iterable, Mapping
 
 from etils import epath
 
-from orbax_tunix import _orbax, canonical, conventions, errors, storage
+from orbax_tunix import conventions, errors
+from orbax_tunix.store import _orbax, fileio, item_store, step_store
+from orbax_tunix.view import canonical_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +36,10 @@ class Detection:
     notes: things a person should know.
   """
 
-  location: storage.Location
+  location: step_store.Location
   kind: str
   writer: str
-  maps: Mapping[str, canonical.CanonicalMap]
+  maps: Mapping[str, canonical_map.CanonicalMap]
   others: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
   absent: tuple[str, ...] = ()
   notes: tuple[str, ...] = ()
@@ -47,7 +49,7 @@ class Detection:
     return self.location.path
 
   @property
-  def source(self) -> storage.Step:
+  def source(self) -> step_store.Step:
     return self.location.step
 
   @property
@@ -63,7 +65,7 @@ class Detection:
     return self.location.item
 
   @property
-  def steps(self) -> tuple[storage.StepEntry, ...]:
+  def steps(self) -> tuple[step_store.StepEntry, ...]:
     return self.location.steps
 
   @property
@@ -84,7 +86,7 @@ class Detection:
     """Tunix item name -> names of the rules that apply to it, in order."""
     return {name: m.rule_names for name, m in self.maps.items() if m.rewrites}
 
-  def item_meta(self, name: str) -> storage.Item:
+  def item_meta(self, name: str) -> item_store.Item:
     """An item's leaves as read for this detection."""
     return self.source.item(name)
 
@@ -102,12 +104,12 @@ class Detection:
       raise absent_error(self.source, needed)
 
 
-def _writer(step: storage.Step) -> str:
+def _writer(step: step_store.Step) -> str:
   recorded = step.recorded or {}
   return 'v1' if any(t and '.v1.' in t for t in recorded.values()) else 'v0'
 
 
-def _classify(maps: Mapping[str, canonical.CanonicalMap]) -> str:
+def _classify(maps: Mapping[str, canonical_map.CanonicalMap]) -> str:
   if any(m.rewrites for m in maps.values()):
     return 'tunix'
   items = maps.get(conventions.MAXTEXT_ITEM)
@@ -117,27 +119,27 @@ def _classify(maps: Mapping[str, canonical.CanonicalMap]) -> str:
   return 'orbax'
 
 
-def is_absent(step: storage.Step, name: str) -> bool:
+def is_absent(step: step_store.Step, name: str) -> bool:
   """An item the step records with nothing at its path (not even a broken link)."""
   item_dir = step.item_dir(name)
-  if storage.is_local(item_dir):
+  if fileio.is_local(item_dir):
     return not os.path.lexists(item_dir)
   return not item_dir.exists()
 
 
-def absent_error(step: storage.Step, names: Iterable[str]) -> errors.MissingItemError:
+def absent_error(step: step_store.Step, names: Iterable[str]) -> errors.MissingItemError:
   """The error for needed items that the step records but does not hold."""
   names = sorted(names)
   present = [n for n in step.present if n not in names]
   return errors.MissingItemError(
       f'{step.directory}: expected the item(s) {names} that its'
-      f' {storage.CHECKPOINT_METADATA} records, found no directory for them (the step was'
+      f' {_orbax.CHECKPOINT_METADATA} records, found no directory for them (the step was'
       f' copied or pruned without them). The step holds {present or "no items"}: ask for'
       ' those only (`items`), or restore from a complete copy of the step.'
   )
 
 
-def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str | None], list[str]]:
+def _sort_items(step: step_store.Step, names: Iterable[str]) -> tuple[dict[str, str | None], list[str]]:
   """(non-PyTree items -> handler, notes); raises for items that are not what they claim."""
   others: dict[str, str | None] = {}
   notes = []
@@ -147,7 +149,7 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
     if not item_dir.is_dir():
       raise errors.CorruptMetadataError(
           f'{step.directory}: the step records the item {name!r}, found'
-          f' {storage.found_at(item_dir)} at {item_dir} instead of its directory. The'
+          f' {fileio.found_at(item_dir)} at {item_dir} instead of its directory. The'
           ' step is damaged: use another step (`step`), or ask for the other items'
           ' only (`items`).'
       )
@@ -160,8 +162,8 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
     if is_pytree is False:
       if step.is_pytree(name):
         raise errors.CorruptMetadataError(
-            f'{step.directory}: {storage.CHECKPOINT_METADATA} says item {name!r} was'
-            f' saved by {typestr}, but it holds a PyTree ({storage.PYTREE_METADATA}).'
+            f'{step.directory}: {_orbax.CHECKPOINT_METADATA} says item {name!r} was'
+            f' saved by {typestr}, but it holds a PyTree ({_orbax.PYTREE_METADATA}).'
             ' The step metadata is damaged; restore the item with explicit'
             ' PyTreeRestore args, or use another step (`step`).'
         )
@@ -172,7 +174,7 @@ def _sort_items(step: storage.Step, names: Iterable[str]) -> tuple[dict[str, str
   return others, notes
 
 
-def _unrecorded_note(step: storage.Step) -> list[str]:
+def _unrecorded_note(step: step_store.Step) -> list[str]:
   """A note naming directories of a step that its `_CHECKPOINT_METADATA` does not record.
 
   Orbax restores only recorded items, and so do the tools: such entries (a
@@ -184,12 +186,12 @@ def _unrecorded_note(step: storage.Step) -> list[str]:
   if not extra:
     return []
   return [f'left out {", ".join(f"{n}/" for n in extra)}: in the step directory but not an'
-          f' item its {storage.CHECKPOINT_METADATA} records (Orbax does not restore such'
+          f' item its {_orbax.CHECKPOINT_METADATA} records (Orbax does not restore such'
           ' entries either; copy them yourself if they matter)']
 
 
 def detect(
-    path: epath.PathLike | storage.Location,
+    path: epath.PathLike | step_store.Location,
     *,
     step: int | None = None,
     items: Iterable[str] | None = None,
@@ -202,7 +204,7 @@ def detect(
   Args:
     path: a checkpoint root (its latest committed step is used; an RL root
       with `actor/` too), a step directory, an item directory, or one item
-      saved on its own; or where `storage.resolve` found one.
+      saved on its own; or where `step_store.resolve` found one.
     step: the step wanted under a root (None: the latest committed one).
     items: the items to look at; each must be on disk. Default: every item
       the step records (an item directory: that item); those it records but
@@ -217,7 +219,7 @@ def detect(
     UnsupportedLayoutError: see their docstrings; each message names the path.
     MissingItemError: an item in `items` is not in the step.
   """
-  location = path if isinstance(path, storage.Location) else storage.resolve(path, step)
+  location = path if isinstance(path, step_store.Location) else step_store.resolve(path, step)
   found = location.step
   absent: list[str] = []
   if items is not None:
@@ -239,7 +241,7 @@ def detect(
     names = [n for n in names if n not in absent]
   others, notes = _sort_items(found, names)
   notes = [
-      f'item {n!r} is recorded in {storage.CHECKPOINT_METADATA} but not on disk (the step'
+      f'item {n!r} is recorded in {_orbax.CHECKPOINT_METADATA} but not on disk (the step'
       ' was copied or pruned without it); left out' for n in absent
   ] + notes + (_unrecorded_note(found) if items is None and location.item is None else [])
   pytrees = [n for n in names if n not in others]
@@ -255,7 +257,7 @@ def detect(
   )
 
 
-def wanted_items(location: storage.Location, roles: Iterable[str]) -> list[str] | None:
+def wanted_items(location: step_store.Location, roles: Iterable[str]) -> list[str] | None:
   """The items a caller that needs some Tunix items (by role) should look at.
 
   Args:
@@ -275,7 +277,7 @@ def wanted_items(location: storage.Location, roles: Iterable[str]) -> list[str] 
   return found or None
 
 
-def plan(step: storage.Step, metas: Mapping[str, storage.Item]) -> dict[str, canonical.CanonicalMap]:
+def plan(step: step_store.Step, metas: Mapping[str, item_store.Item]) -> dict[str, canonical_map.CanonicalMap]:
   """Plans the rewrites of some PyTree items of one step.
 
   An item saved on its own is planned as the Tunix item its contents are (see
@@ -284,15 +286,15 @@ def plan(step: storage.Step, metas: Mapping[str, storage.Item]) -> dict[str, can
   if step.single_item:
     (name, meta), = metas.items()
     role = conventions.role(name, {p[0] for p in meta.paths if p})
-    planned = canonical.plan_step({role: meta.paths})[role]
+    planned = canonical_map.plan_step({role: meta.paths})[role]
     return {name: dataclasses.replace(planned, item=name)}
-  return canonical.plan_step({name: meta.paths for name, meta in metas.items()})
+  return canonical_map.plan_step({name: meta.paths for name, meta in metas.items()})
 
 
-Planned = tuple[storage.Item, canonical.CanonicalMap]
+Planned = tuple[item_store.Item, canonical_map.CanonicalMap]
 
 
-def plan_items(step: storage.Step, names: Iterable[str]) -> dict[str, Planned]:
+def plan_items(step: step_store.Step, names: Iterable[str]) -> dict[str, Planned]:
   """Reads and plans some PyTree items of one step, each read once.
 
   The optimizer item is planned with the step's model item, whose weights
@@ -307,7 +309,7 @@ def plan_items(step: storage.Step, names: Iterable[str]) -> dict[str, Planned]:
   if (conventions.OPTIMIZER_ITEM in metas and model not in metas and not step.single_item
       and step.is_pytree(model)):
     metas[model] = step.item(model)
-  with storage.no_gc():
+  with fileio.no_gc():
     maps = plan(step, metas)
   return {n: (metas[n], maps[n]) for n in names}
 
@@ -318,10 +320,10 @@ def plan_item(item_dir: epath.PathLike) -> Planned | None:
   Raises:
     CorruptMetadataError, UnsupportedLayoutError.
   """
-  item_dir = storage.as_path(item_dir)
-  if not storage.has_tree(item_dir):
+  item_dir = fileio.as_path(item_dir)
+  if not item_store.has_tree(item_dir):
     return None
-  single = (item_dir / storage.CHECKPOINT_METADATA).exists()
-  step = storage.open_step(item_dir if single else item_dir.parent)
+  single = (item_dir / _orbax.CHECKPOINT_METADATA).exists()
+  step = step_store.open_step(item_dir if single else item_dir.parent)
   name = step.item_name if step.single_item else item_dir.name
   return plan_items(step, [name])[name]

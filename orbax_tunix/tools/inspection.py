@@ -19,14 +19,17 @@ import numpy as np
 import optax
 from etils import epath
 
-from orbax_tunix import conventions, errors, huggingface, reader, rules
-from orbax_tunix import lora as lora_lib
-from orbax_tunix.detection import Detection
-from orbax_tunix.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
+from orbax_tunix.mapping import huggingface
+from orbax_tunix.mapping import lora as lora_lib
 from orbax_tunix.maxtext import layers as maxtext_layers
-from orbax_tunix.planned_item import PlannedItem
-from orbax_tunix.storage import StepEntry
+from orbax_tunix.reading import reader
+from orbax_tunix.reading.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
+from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.store.step_store import StepEntry
+from orbax_tunix.view import rules
+from orbax_tunix.view.detection import Detection
 
 _RULE_DESCRIPTIONS = {rule.name: rule.description for rule in rules.RULES}
 

@@ -40,25 +40,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import (
-  _orbax,
-  checksums,
-  commit,
-  distributed,
-  errors,
-  hyperparams,
-  layouts,
-  lora,
-  reader,
-  sizes,
-  storage,
-  writer,
-)
-from orbax_tunix import merge as merge_lib
+from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.keypaths import fmt
-from orbax_tunix.outputs import ItemOutput
-from orbax_tunix.storage import CHECKPOINT_METADATA, as_path
+from orbax_tunix.mapping import lora
+from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.outputs import ItemOutput
+from orbax_tunix.reading import hyperparams, reader
+from orbax_tunix.store import _orbax, netprobe
+from orbax_tunix.store._orbax import CHECKPOINT_METADATA
+from orbax_tunix.store.fileio import as_path
 from orbax_tunix.version import __version__
+from orbax_tunix.writing import checksums, commit, distributed, writer
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
@@ -179,7 +171,7 @@ def check_destination(
   commit.check_step_name(dst)
   for src in sources:
     commit.check_outside_source(src.step_dir, dst)
-  problem = storage.unreachable(dst)  # Before any client call (their retries take ~50 s).
+  problem = netprobe.unreachable(dst)  # Before any client call (their retries take ~50 s).
   if problem is not None:
     raise _unreachable(dst, problem)
   try:
@@ -371,7 +363,7 @@ def _provenance(plan: ConvertPlan, sums: dict[str, dict[str, str]]) -> dict[str,
       }
     if side and not plan.params_only:
       # Every leaf the canonical view leaves out (counts too), as `diff` compares them.
-      record[hyperparams.RECORD_KEY] = {label: hyperparams.as_record(v) for label, v in side.items()}
+      record[hyperparams.RECORD_KEY] = {label: checksums.as_record(v) for label, v in side.items()}
   return record
 
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orbax_tunix import errors
-from orbax_tunix import rules as rules_lib
 from orbax_tunix.keypaths import Path, flatten, fmt, nest
+from orbax_tunix.view import rules as rules_lib
 
 
 @dataclasses.dataclass(frozen=True)

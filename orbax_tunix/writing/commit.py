@@ -24,9 +24,10 @@ import fsspec
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import _orbax, errors, storage
+from orbax_tunix import errors
 from orbax_tunix.conventions import RL_ROLES
-from orbax_tunix.storage import CHECKPOINT_METADATA, TMP_MARKER
+from orbax_tunix.store import _orbax, fileio, step_store
+from orbax_tunix.store._orbax import CHECKPOINT_METADATA, TMP_MARKER
 
 COMMIT_SUCCESS = 'commit_success.txt'
 # In a step being written in place (on a bucket), until its commit.
@@ -50,7 +51,7 @@ def what_it_is(path: epath.Path) -> str:
   lower case, repeated slashes, `.` and `..` folded, no trailing slash.
   """
   text = os.fspath(path)
-  if storage.is_local(path):
+  if fileio.is_local(path):
     return os.path.realpath(text)
   scheme, _, rest = text.partition('://')
   bucket, _, key = rest.partition('/')
@@ -64,7 +65,7 @@ def source_run(step_dir: epath.Path) -> epath.Path:
   That is the root holding the step when the step is named as Orbax names
   steps (an RL root above its `actor/` or `critic/`), else the step itself.
   """
-  if storage.step_number(step_dir.name) is None:
+  if step_store.step_number(step_dir.name) is None:
     return step_dir
   root = step_dir.parent
   return root.parent if root.name in RL_ROLES else root
@@ -124,9 +125,9 @@ def overlap(step_dir: epath.Path, dst: epath.Path) -> str | None:
   Returns:
     A phrase saying how they overlap, or None.
   """
-  if storage.is_local(step_dir) != storage.is_local(dst):
+  if fileio.is_local(step_dir) != fileio.is_local(dst):
     return None
-  local = storage.is_local(dst)
+  local = fileio.is_local(dst)
   real_step = what_it_is(step_dir)
   runs = sorted({what_it_is(source_run(step_dir)), what_it_is(source_run(epath.Path(real_step)))})
   targets = [what_it_is(dst)]
@@ -145,7 +146,7 @@ def overlap(step_dir: epath.Path, dst: epath.Path) -> str | None:
 
 def _holding(dst: epath.Path, real: str, what: str) -> str | None:
   """How `dst` is or holds the location `real` (`what_it_is`), or None."""
-  local = storage.is_local(dst)
+  local = fileio.is_local(dst)
   targets = [what_it_is(dst)] + ([os.path.abspath(os.fspath(dst))] if local else [])
   if any(_within(real, target) for target in targets):
     return f'a directory holding {what}' if real != targets[0] else what
@@ -166,7 +167,7 @@ def check_not_over(dst: epath.Path, folder: epath.Path, what: str) -> None:
   Raises:
     InvalidDestinationError: naming both.
   """
-  if storage.is_local(folder) != storage.is_local(dst):
+  if fileio.is_local(folder) != fileio.is_local(dst):
     return
   how = _holding(dst, what_it_is(folder), what)
   if how is not None:
@@ -253,11 +254,11 @@ class Kind:
 # What Orbax writes at the top of a step besides its items (a step saved as one
 # item holds that item's store there).
 _ORBAX_STEP_ENTRIES = frozenset({
-    COMMIT_SUCCESS, MARKER, storage.AGGREGATE_FILE, storage.ARRAY_METADATAS, 'manifest.ocdbt',
+    COMMIT_SUCCESS, MARKER, _orbax.AGGREGATE_FILE, _orbax.ARRAY_METADATAS, 'manifest.ocdbt',
     'd', 'descriptor',
 })
 # Files that tell an item directory: a PyTree's, a JSON item's, an OCDBT store's.
-_ITEM_FILES = (storage.PYTREE_METADATA, storage.AGGREGATE_FILE, 'metadata', 'manifest.ocdbt')
+_ITEM_FILES = (_orbax.PYTREE_METADATA, _orbax.AGGREGATE_FILE, 'metadata', 'manifest.ocdbt')
 
 
 def _in_step(entry: epath.Path) -> bool:
@@ -270,7 +271,7 @@ def _in_step(entry: epath.Path) -> bool:
   if any((entry / f).exists() for f in _ITEM_FILES):
     return True
   try:
-    return name in (storage.open_step(entry.parent).recorded or {})
+    return name in (step_store.open_step(entry.parent).recorded or {})
   except errors.TunixCheckpointError:
     return False
 
@@ -320,14 +321,14 @@ def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
 def remove_tree(path: epath.Path) -> None:
   """Removes a directory tree (a link: the link alone), tolerating writers still
   finishing in it."""
-  if storage.is_local(path) and os.path.islink(path):
+  if fileio.is_local(path) and os.path.islink(path):
     os.unlink(path)  # A link moved aside: what it points to is not ours.
     return
   for _ in range(5):  # Retried: a background write may still add a file.
     if not path.exists():
       return
     try:
-      if storage.is_local(path):
+      if fileio.is_local(path):
         shutil.rmtree(os.fspath(path), ignore_errors=True)
       else:
         path.rmtree()
@@ -387,7 +388,7 @@ class Staging:
     if not self.dst.exists():
       self.work.rename(self.dst)
       return False
-    if storage.is_local(self.dst) and _is_empty_dir(self.dst) and not os.path.islink(self.dst):
+    if fileio.is_local(self.dst) and _is_empty_dir(self.dst) and not os.path.islink(self.dst):
       os.replace(self.work, self.dst)  # rename(2) replaces an empty directory at once.
       return False
     check_replaceable(self.dst, self.force, self.kind)

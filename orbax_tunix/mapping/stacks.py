@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.patterns import Mapped, Pattern
-from orbax_tunix.transforms import IDENTITY, Shape, chain, take
+from orbax_tunix.mapping.patterns import Mapped, Pattern
+from orbax_tunix.mapping.transforms import IDENTITY, Shape, chain, take
 
 DEFAULT_AXIS = 1
 UNSCANNED_LAYER: tuple[str, ...] = ('decoder', 'layers_{i}')

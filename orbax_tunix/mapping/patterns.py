@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.transforms import IDENTITY, Shape, Transform, TransformError
+from orbax_tunix.mapping.transforms import IDENTITY, Shape, Transform, TransformError
 
 REST = '...'
 # `{i}`: a number (layers, experts); `{name:a|b|c}`: one of the words given.

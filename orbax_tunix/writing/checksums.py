@@ -19,8 +19,9 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_tunix import reader, sizes
+from orbax_tunix import sizes
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.reading import reader
 
 # Where in `_CHECKPOINT_METADATA`'s custom metadata the checksums sit: under
 # the record `convert` writes, {item: {formatted path: 'crc32:%08x'}}.
@@ -144,3 +145,17 @@ def verify(
   return Verification(ckpt.step_dir, checked, tuple(damaged), tuple(unrecorded), tuple(missing),
                       tuple(unreadable))
 
+
+def as_record(value: Any) -> Any:
+  """A side leaf's value as JSON keeps it: a number (or its text), or, for an
+  array, its shape, dtype and checksum (`checksum`)."""
+  array = np.asarray(value)
+  if array.ndim == 0:
+    item = array[()]
+    if isinstance(item, np.floating):
+      return float(item)
+    if isinstance(item, np.integer | np.bool_):
+      return item.item()
+    return str(item)
+  return {'shape': list(array.shape), 'dtype': str(array.dtype),
+          'checksum': checksum(array)}

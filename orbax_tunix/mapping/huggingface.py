@@ -21,7 +21,7 @@ itself) and, where MaxText has the model, MaxText's (`maxtext`: a Tunix run
 of a MaxText model, or MaxText's own step). Which one applies comes from the
 weights' names (`source_kind`). MaxText's naming is on the per-layer form
 `decoder/layers_{i}/<w>`: its stacked forms are first taken apart by
-`maxtext.stacks.unstack` (the family's `stacks`); then the rules apply what
+`mapping.stacks.unstack` (the family's `stacks`); then the rules apply what
 MaxText's own converter applies (checkpoint_conversion/utils/param_mapping.py):
 kernels (in, heads, head_dim) merged and transposed to (out, in); gemma norms
 `w - 1` (MaxText stores `1 + w`); gemma3's embedding divided by sqrt(hidden)
@@ -53,9 +53,9 @@ import numpy as np
 
 from orbax_tunix import catalog, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.maxtext import stacks as stacks_lib
-from orbax_tunix.patterns import LayoutRule, Mapped, Pattern
-from orbax_tunix.transforms import (
+from orbax_tunix.mapping import stacks as stacks_lib
+from orbax_tunix.mapping.patterns import LayoutRule, Mapped, Pattern
+from orbax_tunix.mapping.transforms import (
   IDENTITY,
   Shape,
   chain,
@@ -955,7 +955,7 @@ def cut_vocab(
 
   Args:
     naming: the weights' naming (its `vocab` axes).
-    mapped: weight -> how it is made (`maxtext.stacks.unstack`).
+    mapped: weight -> how it is made (`mapping.stacks.unstack`).
     vocab_size: the config's, or None (no config: nothing is cut).
     where: the config.json, for messages.
 

@@ -44,7 +44,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import checksums, commit, errors
+from orbax_tunix import errors
+from orbax_tunix.writing import checksums, commit
 
 # How long a process waits for the others to report an outcome (ms). Long:
 # processes with more to do finish later; a process that dies is found sooner
