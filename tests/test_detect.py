@@ -187,7 +187,7 @@ def test_a_step_directory_that_cannot_be_read_is_said_so(tunix_data, tmp_path, m
   root = tmp_path / 'run'
   shutil.copytree(tunix_data / 'sft_full', root)
   locked = root / '2'
-  path_type = type(ot.fileio.as_path(locked))
+  path_type = type(ot.store.fileio.as_path(locked))
   real_exists, real_iterdir = path_type.exists, path_type.iterdir
 
   def denied(path):

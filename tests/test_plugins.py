@@ -53,7 +53,7 @@ def test_checkpoint_manager_with_args(tunix_data, mesh):
 
 def _ours_in_v1_registry():
   entries = ocp.v1.handlers.global_registry().get_all_entries()
-  return [e for e in entries if e[0] is ot.registry.TunixV1PyTreeHandler]
+  return [e for e in entries if e[0] is ot.handlers.plugins.TunixV1PyTreeHandler]
 
 
 def test_register_is_idempotent_and_v1_loads_canonical(tunix_data, mesh):
@@ -87,7 +87,7 @@ def test_v1_leaves_other_checkpoints_alone(tmp_path):
 
 
 def test_entry_point_declared_and_loaded():
-  eps = importlib.metadata.entry_points(group=ot.registry.ENTRY_POINT_GROUP)
+  eps = importlib.metadata.entry_points(group=ot.handlers.plugins.ENTRY_POINT_GROUP)
   assert 'tunix' in [e.name for e in eps]
   assert next(e for e in eps if e.name == 'tunix').value == 'orbax_tunix:register'
   assert 'tunix' in ot.load_plugins()
