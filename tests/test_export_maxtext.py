@@ -134,7 +134,28 @@ def nest(flat: dict[str, object]) -> dict:
   return tree
 
 
-def save_tunix_run(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 2) -> pathlib.Path:
+def _save_args(tree: dict, per_layer: bool) -> dict | None:
+  """Orbax's save args: stacked weights (layers on axis 1) stored a chunk per layer
+  (`chunk_byte_size` of one layer, split on that axis first) and the large 2-d ones
+  in eighths (as a sharded save stores them), or None: one chunk each."""
+  if not per_layer:
+    return None
+
+  def args(node):
+    if isinstance(node, dict):
+      return {k: args(v) for k, v in node.items()}
+    if isinstance(node, list):
+      return [args(v) for v in node]
+    if isinstance(node, np.ndarray) and node.ndim >= 3:
+      return ocp.SaveArgs(chunk_byte_size=node.nbytes // node.shape[1], shard_axes=(1,))
+    if isinstance(node, np.ndarray) and node.ndim == 2 and node.nbytes >= 4096:
+      return ocp.SaveArgs(chunk_byte_size=node.nbytes // 8)  # The embedding and lm_head.
+    return ocp.SaveArgs()
+  return args(tree)
+
+
+def save_tunix_run(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 2,
+                   per_layer_chunks: bool = False) -> pathlib.Path:
   """A Tunix run of a MaxText model: `model_params/base/<path>/value`, RNG and AQT leaves too."""
   leaves = {f'base/{p}/value': v for p, v in flat.items()}
   leaves['base/decoder/rngs/params/count/value'] = np.uint32(3)
@@ -143,20 +164,24 @@ def save_tunix_run(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 
   leaves['base/decoder/rngs/dropout/key/value'] = np.array([1, 5], np.uint32)
   leaves['base/decoder/logits_dense/aqt/frozen_scale/value'] = np.ones((1, V), np.float32)
   step_dir = root / str(step)
+  tree = nest(leaves)
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    ckptr.save(step_dir, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(nest(leaves))))
+    ckptr.save(step_dir, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(
+        tree, save_args=_save_args(tree, per_layer_chunks))))
   return root
 
 
 def save_maxtext_step(root: pathlib.Path, flat: dict[str, np.ndarray],
-                      step: int = 5) -> pathlib.Path:
+                      step: int = 5, per_layer_chunks: bool = False) -> pathlib.Path:
   """MaxText's own step: `items/params/params/<path>`, with a step counter and an optimizer."""
   tree = {'params': {'params': nest(flat)}, 'step': np.int64(step),
           'opt_state': [{'count': np.int32(step),
                          'mu': nest({p: np.zeros_like(v) for p, v in flat.items()})}]}
+  save_args = _save_args(tree, per_layer_chunks)
   step_dir = root / str(step)
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    ckptr.save(step_dir, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+    ckptr.save(step_dir, args=ocp.args.Composite(items=ocp.args.PyTreeSave(
+        tree, save_args=save_args)))
   return root
 
 
@@ -291,23 +316,34 @@ def test_export_matches_the_hf_layout(tmp_path, model, form, kind):
     np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+@pytest.mark.parametrize('chunks', ['per_layer', 'whole'])
 @pytest.mark.parametrize('kind', ['tunix', 'maxtext'])
 @pytest.mark.parametrize('model', ['llama3', 'qwen3_tied', 'gemma3', 'qwen3_moe'])
-def test_a_scanned_export_reads_each_layer_alone(tmp_path, model, kind):
-  """A stacked weight is read a layer (an expert) at a time: what the export reads adds up
-  to the weights' bytes once, and no read is larger than one layer's largest weight."""
+def test_a_scanned_export_reads_each_stored_chunk_once(tmp_path, model, kind, chunks):
+  """A stacked weight stored a chunk per layer is read a layer at a time (not the stack
+  per batch); one stored as one chunk is read once, whole (a store decodes whole chunks:
+  a layer of it would decode it all, once per layer). Either way, what the export reads
+  adds up to the weights' bytes once."""
   save = save_tunix_run if kind == 'tunix' else save_maxtext_step
   flat = maxtext_tree(model, 'scanned')
-  plan = orbax_tunix.tools.export.plan_export(save(tmp_path / 'run', flat), tmp_path / 'out',
-                                        model=family(model))
-  reads = [i.nbytes for o in plan.outputs for i in o.inputs]
-  assert sum(reads) == sum(v.nbytes for v in flat.values())
-  top, layers = model_weights(model)
-  largest = max(v.nbytes for v in [*top.values(), *layers[0].values()])
-  assert max(reads) <= largest
-  if model == 'qwen3_moe':  # One expert of one layer.
-    assert max(i.nbytes for o in plan.outputs for i in o.inputs
-               if 'moe_block' in i.leaf.path and i.leaf.path[-1] != 'kernel') == D * FE * 4
+  plan = orbax_tunix.tools.export.plan_export(
+      save(tmp_path / 'run', flat, per_layer_chunks=chunks == 'per_layer'), tmp_path / 'out',
+      model=family(model))
+  reads = {i.key: i for o in plan.outputs for i in o.inputs}
+  assert sum(i.nbytes for i in reads.values()) == sum(v.nbytes for v in flat.values())
+  stacked = [i for i in reads.values()  # (gemma3's remainder layers are not stacked)
+             if len(i.leaf.shape) >= 3 and 'layers_remainder' not in i.leaf.path]
+  if chunks == 'whole':
+    assert stacked and all(not i.takes for i in stacked)
+  else:
+    top, layers = model_weights(model)
+    largest = max(v.nbytes for v in [*top.values(), *layers[0].values()])
+    # (gemma3's one block of six has one entry on the stacked axis: that is the layer.)
+    assert all(i.takes or i.leaf.shape[1] == 1 for i in stacked)
+    assert max(i.nbytes for i in reads.values()) <= largest
+    if model == 'qwen3_moe':  # A layer's experts are one chunk: read once, split after.
+      experts = [i for i in stacked if i.leaf.path[-1] in ('wi_0', 'wi_1', 'wo')]
+      assert experts and all(len(i.takes) == 1 for i in experts)
   orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
   for name, value in expected(model).items():
@@ -318,7 +354,8 @@ def test_a_scanned_export_reads_each_layer_alone(tmp_path, model, kind):
 def test_a_tensor_larger_than_a_batch_is_made_in_blocks_of_rows(tmp_path, model):
   """A budget smaller than the embedding (and lm_head, vocabulary cut, gemma's division):
   they are read and written a block of rows at a time, and the files are the same."""
-  src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned', seed=3))
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree(model, 'scanned', seed=3),
+                          per_layer_chunks=True)
   config = hf_config(tmp_path / 'hf', model, vocab_size=V - 5)
   plan = orbax_tunix.tools.export.plan_export(src, tmp_path / 'out', model=family(model),
                                         memory_budget=20_000, hf_config=config)
@@ -523,7 +560,7 @@ def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
     lora_flat, merged = stacked_lora(flat, MODELS['qwen3'][1])
   else:
     lora_flat, merged = with_lora(flat)
-  src = save_tunix_run(tmp_path / 'run', lora_flat)
+  src = save_tunix_run(tmp_path / 'run', lora_flat, per_layer_chunks=True)
   out = tmp_path / 'out'
   p = run_cli('export', str(src), str(out), '--model', 'qwen3')
   assert_refused(p, out, '--merge-lora')

@@ -27,6 +27,7 @@ from orbax_tunix.mapping.transforms import (
   chain,
   leading_takes,
   per_input,
+  take,
 )
 from orbax_tunix.reading import reader
 
@@ -71,6 +72,32 @@ class Input:
   @property
   def _region(self) -> tuple[tuple[Any, ...], Shape]:
     return transforms.region(self.leaf.shape, self.takes, self.rows)
+
+  @property
+  def chunk_shape(self) -> tuple[int, ...] | None:
+    """The shape of the chunks the leaf is stored in (None: not recorded)."""
+    chunk = self.ckpt.detection.item_meta(self.leaf.item).chunk_shape(self.leaf.disk_path)
+    return chunk if chunk is not None and len(chunk) == len(self.leaf.shape) else None
+
+  def stored_axis(self, axis: int) -> int:
+    """The leaf's axis that axis `axis` of the part read is (the takes drop axes)."""
+    left = list(range(len(self.leaf.shape)))
+    for taken, _ in self.takes:
+      left.pop(taken)
+    return left[axis]
+
+  @property
+  def touched_bytes(self) -> int:
+    """Bytes of the stored chunks a read of this part decodes (a store reads whole
+    chunks): the leaf's bytes when it is one chunk, or its chunks are not recorded."""
+    chunk = self.chunk_shape
+    if not self.partial or chunk is None or self.leaf.dtype is None:
+      return self.leaf.nbytes
+    elements = 1
+    for size, c, at in zip(self.leaf.shape, chunk, self.index, strict=True):
+      start, stop = (at, at + 1) if isinstance(at, int) else (at.start or 0, at.stop or size)
+      elements *= min(((stop - 1) // c - start // c + 1) * c, size)
+    return elements * self.leaf.dtype.itemsize
 
   @property
   def nbytes(self) -> int:
@@ -172,8 +199,10 @@ def read_sliced(output: Output) -> Output:
   stacked weight, of its LoRA adapters), not its sources whole: the same value,
   and the memory one layer needs rather than the whole stack.
 
-  For host reads (`writer.read_inputs`); sources of other kinds than arrays are
-  read whole.
+  A source is read in part only where that decodes fewer stored bytes than
+  reading it whole (`Input.touched_bytes`: a store reads whole chunks; a
+  stack stored as one chunk is read once, whole). For host reads
+  (`writer.read_inputs`); sources of other kinds than arrays are read whole.
   """
   if any(i.leaf.kind != reader.ARRAY or not i.leaf.shape for i in output.inputs):
     return output
@@ -181,18 +210,26 @@ def read_sliced(output: Output) -> Output:
   first, *after = transform.steps or (transform,)
   if first.per is not None:  # Each source's own transform first (e.g. a LoRA merge's).
     each, then = first.per
-    peeled = [leading_takes(t) for t in each]
-    transform = chain(per_input([rest for _, rest in peeled], then), *after)
   elif len(output.inputs) == 1:
-    peeled = [leading_takes(transform)]
-    transform = peeled[0][1]
+    each, then, after = (transform,), None, ()
   else:
     return output
-  if not any(takes for takes, _ in peeled):
+  inputs, rests = [], []
+  for source, t in zip(output.inputs, each, strict=True):
+    takes, rest = leading_takes(t)
+    # As many of the takes as each reads fewer chunks (a layer of experts stored
+    # as one chunk is read once, its experts then taken from it).
+    best, n = source, 0
+    for k in range(1, len(takes) + 1):
+      part = dataclasses.replace(source, takes=source.takes + takes[:k])
+      if part.touched_bytes < best.touched_bytes:
+        best, n = part, k
+    inputs.append(best)
+    rests.append(chain(*(take(a, i) for a, i in takes[n:]), rest) if n else t)
+  if inputs == list(output.inputs):
     return output
-  inputs = tuple(dataclasses.replace(i, takes=i.takes + takes)
-                 for i, (takes, _) in zip(output.inputs, peeled, strict=True))
-  return dataclasses.replace(output, inputs=inputs, transform=transform)
+  transform = rests[0] if then is None else chain(per_input(rests, then), *after)
+  return dataclasses.replace(output, inputs=tuple(inputs), transform=transform)
 
 
 def row_blocks(output: Output, budget: int) -> list[Output]:
@@ -212,9 +249,16 @@ def row_blocks(output: Output, budget: int) -> list[Output]:
   n = output.shape[0]
   if axis is None or n < 2 or source.shape[axis] < n:
     return [output]
+  # Blocks of whole stored chunks (a store decodes whole chunks): none where the
+  # rows are one chunk (the tensor is then read whole, once).
+  chunk = source.chunk_shape
+  rows_per_chunk = chunk[source.stored_axis(axis)] if chunk is not None else source.shape[axis]
+  if rows_per_chunk >= n:
+    return [output]
   # A block holds its source rows and the rows made: both within the budget.
   per_row = max(output.nbytes, source.nbytes * n // source.shape[axis]) // n
   step = max(1, budget // max(2 * per_row, 1))
+  step = max(rows_per_chunk, step // rows_per_chunk * rows_per_chunk)
   return [
       dataclasses.replace(
           output, inputs=(dataclasses.replace(source, rows=(axis, start, min(start + step, n))),),

@@ -297,11 +297,25 @@ def read_parts(
   return out
 
 
-def parse_zarr_header(data: bytes, zarr3: bool) -> tuple[tuple[int, ...], np.dtype]:
-  """(shape, dtype) from an array's `.zarray` (zarr v2) or `zarr.json` (v3)."""
+def parse_zarr_header(
+    data: bytes, zarr3: bool
+) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
+  """(shape, dtype, chunk shape) from an array's `.zarray` (zarr v2) or `zarr.json` (v3).
+
+  The chunk shape is what a read decodes whole: v2's `chunks`; v3's grid
+  chunk, or the inner chunk of its `sharding_indexed` codec (None: unstated).
+  """
   header = json.loads(data)
   dtype = header['data_type'] if zarr3 else header['dtype']
-  return tuple(header['shape']), np.dtype(jnp.dtype(dtype))
+  if not zarr3:
+    chunks = header.get('chunks')
+  else:
+    chunks = header.get('chunk_grid', {}).get('configuration', {}).get('chunk_shape')
+    for codec in header.get('codecs') or ():
+      if isinstance(codec, dict) and codec.get('name') == 'sharding_indexed':
+        chunks = codec.get('configuration', {}).get('chunk_shape', chunks)
+  return (tuple(header['shape']), np.dtype(jnp.dtype(dtype)),
+          tuple(chunks) if isinstance(chunks, list) else None)
 
 
 def chunk_key(index: Sequence[int], zarr3: bool) -> str:

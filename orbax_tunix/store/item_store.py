@@ -77,6 +77,7 @@ class ArrayInfo:
 
   shape: tuple[int, ...]
   dtype: np.dtype
+  chunks: tuple[int, ...] | None = None  # What a read decodes whole (None: unstated).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,8 +305,16 @@ class Item:
     return unsure
 
   def chunk_shape(self, path: Path) -> tuple[int, ...] | None:
-    """The chunk shape an array (by its path on disk) is stored in, or None when not recorded."""
-    return self._chunk_shapes.get(_orbax.array_name(path))
+    """The chunk shape an array (by its path on disk) is stored in: from Orbax's array
+    metadata, else its zarr header (numpy arrays have no array metadata); None when
+    neither says (or the header is unreadable: the read then reports it)."""
+    recorded = self._chunk_shapes.get(_orbax.array_name(path))
+    if recorded is not None or path not in self.by_path or not self.by_path[path].has_zarr:
+      return recorded
+    try:
+      return self.arrays([path])[path].chunks
+    except errors.CorruptMetadataError:
+      return None
 
   @functools.cached_property
   def _chunk_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -251,16 +251,24 @@ def write(
 
   Raises:
     InvalidOptionError: a value left its output dtype's range (see
-      `check_range`); nothing of the batch is written.
+      `check_range`); the caller's staging removes what was written.
   """
   if on_host:  # Host writes (safetensors) take a tensor too large for a batch in blocks.
     outputs = [block for o in outputs for block in row_blocks(o, budget)]
   for batch in batches(outputs, budget):
     values = read_inputs(batch, on_host)
-    made = [(o, make(o, values)) for o in batch]
-    for output, value in made:
-      check_range(output, value)
-    sink.write(made)
+    # What transforms make goes to the sink once it fills the budget: a source
+    # read whole for its many outputs (a stack stored as one chunk, split into
+    # its layers) is not held beside all of them.
+    made: list[Written] = []
+    for output in batch:
+      made.append((output, make(output, values)))
+      check_range(*made[-1])
+      if sum(o.nbytes for o, _ in made) >= budget:
+        sink.write(made)
+        made = []
+    if made:
+      sink.write(made)
     read = {i.key: i.nbytes for o in batch for i in o.inputs}
     del values, made  # Free the batch before the next is read.
     progress.advance(sum(read.values()))
