@@ -335,6 +335,19 @@ def _bool(text: str) -> bool:
   return value == 'true'
 
 
+def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
+  """The LoRA merge's flags, one set for every command that merges (convert, export)."""
+  p.add_argument('--merge-lora', action='store_true', help=merge_help)
+  alpha = p.add_mutually_exclusive_group()
+  alpha.add_argument('--lora-alpha', type=_finite, metavar='A',
+                     help="the run's qwix LoRA alpha (scale = alpha / rank); not stored in"
+                     ' checkpoints')
+  alpha.add_argument('--lora-scale', type=_finite, metavar='S', help='the scale itself')
+  p.add_argument('--base', metavar='BASE',
+                 help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
+                 ' checkpoint); default: SRC itself (a full save)')
+
+
 def _finite(text: str) -> float:
   """A finite number (`--lora-alpha`, `--lora-scale`): nan and inf are refused."""
   try:
@@ -486,16 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--json', action='store_true', help='print the summary as JSON')
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
                  help='convert only this source item (repeatable; default: every item)')
-  p.add_argument('--merge-lora', action='store_true',
-                 help='merge the LoRA adapters into the weights (writes weights only)')
-  alpha = p.add_mutually_exclusive_group()
-  alpha.add_argument('--lora-alpha', type=_finite, metavar='A',
-                     help="the run's qwix LoRA alpha (scale = alpha / rank); not stored in"
-                     ' checkpoints')
-  alpha.add_argument('--lora-scale', type=_finite, metavar='S', help='the scale itself')
-  p.add_argument('--base', metavar='BASE',
-                 help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
-                 ' checkpoint); default: SRC itself (a full save)')
+  _add_merge_options(p, 'merge the LoRA adapters into the weights (writes weights only)')
   p.set_defaults(handler=cmd_convert)
 
   p = sub.add_parser(
@@ -548,14 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast the weights to this dtype (bfloat16, float16, float32); default: as'
                  ' stored')
-  p.add_argument('--merge-lora', action='store_true',
-                 help='export the LoRA adapters merged into the weights (no adapter tensors)')
-  alpha = p.add_mutually_exclusive_group()
-  alpha.add_argument('--lora-alpha', type=float, metavar='A',
-                     help="the run's qwix LoRA alpha (scale = alpha / rank)")
-  alpha.add_argument('--lora-scale', type=float, metavar='S', help='the scale itself')
-  p.add_argument('--base', metavar='BASE',
-                 help='the base weights for --merge-lora of an adapters-only save')
+  _add_merge_options(p, 'export the LoRA adapters merged into the weights (no adapter tensors)')
   p.add_argument('--max-shard-size', type=parse_size, default=export_lib.DEFAULT_MAX_SHARD_SIZE,
                  metavar='SIZE', help='bytes per file, e.g. 500MB or 5GB (powers of 1000, as'
                  ' transformers\' max_shard_size; GiB, MiB or G, M for powers of 1024; default'

@@ -114,6 +114,38 @@ def checkpoints_read(
   """Every checkpoint a plan reads: the source, and a merge's base."""
   return [source] if merged is None else [source, merged.base]
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """A LoRA merge's options as one value, checked once (`given`).
+
+  Attributes:
+    alpha: qwix's LoRA alpha of the run (the scale is alpha / rank).
+    scale: the scale itself, instead of `alpha`.
+    base: the base weights' checkpoint (None: the run's own, a full save).
+  """
+
+  alpha: float | None = None
+  scale: float | None = None
+  base: epath.PathLike | None = None
+
+  @classmethod
+  def given(cls, merging: bool, alpha: float | None = None, scale: float | None = None,
+            base: epath.PathLike | None = None,
+            names: tuple[str, str, str] = lora.MERGE_OPTION_NAMES) -> Options | None:
+    """The options of a merge, or None without one; nothing is read.
+
+    Raises:
+      LoraError: options without a merge, or a scaling that is not finite
+        (`lora.check_merge_options`; `names` are the caller's names for them).
+    """
+    lora.check_merge_options(merging, alpha, scale, base, names)
+    return cls(alpha, scale, base) if merging else None
+
+  def plan(self, source: reader.CanonicalCheckpoint) -> MergePlan:
+    """The merge of `source`'s adapters with these options (`plan_merge`)."""
+    return plan_merge(source, alpha=self.alpha, scale=self.scale, base=self.base)
+
+
 def plan_merge(
     path: epath.PathLike | reader.CanonicalCheckpoint,
     *,

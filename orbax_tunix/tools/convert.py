@@ -250,11 +250,10 @@ def plan_convert(
   layouts.check_options(chosen, {'scan_layers': scan_layers, 'param_scan_axis': param_scan_axis})
   params_only = params_only or merge_lora
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
-  lora.check_merge_options(merge_lora, lora_alpha, lora_scale, base)
+  merging = merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base)
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
-  merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
-            if merge_lora else None)
+  merged = merging.plan(source) if merging else None
   check_destination(merge_lib.checkpoints_read(source, merged), dst, force)
   if merged is None:
     _refuse_adapters_only(source)

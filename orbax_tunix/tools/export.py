@@ -200,10 +200,9 @@ def plan_export(
   dtype = _dtype(dtype)
   max_shard_size = sizes.parse_size(max_shard_size, 'max_shard_size')
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
-  lora.check_merge_options(merge_lora, lora_alpha, lora_scale, base)
+  merging = merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base)
   source = reader.open_weights(src, step)
-  merged = (merge_lib.plan_merge(source, alpha=lora_alpha, scale=lora_scale, base=base)
-            if merge_lora else None)
+  merged = merging.plan(source) if merging else None
   out_dir = fileio.as_path(out_dir)
   if hf_config is not None:  # First: the more specific refusal.
     commit.check_not_over(out_dir, fileio.as_path(hf_config), 'the `hf_config` folder')
