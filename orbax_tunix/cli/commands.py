@@ -39,7 +39,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_tunix import errors, sizes
+from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
@@ -328,11 +328,16 @@ def _step(text: str) -> int:
   return value
 
 
-def _bool(text: str) -> bool:
-  value = text.strip().lower()
-  if value not in ('true', 'false'):
-    raise argparse.ArgumentTypeError(f'{text!r}: expected true or false.')
-  return value == 'true'
+def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+  """An option's parser as argparse's type: its ValueError's message said as is."""
+
+  def parse_flag(text: str) -> Any:
+    try:
+      return parse(text)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e) if str(e).startswith(repr(text)) else
+                                       f'{text!r}: {e}') from None
+  return parse_flag
 
 
 def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
@@ -459,12 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
           'Write SRC as an ordinary Orbax checkpoint that plain Orbax restores'
           ' without this package. DST is the step directory to create; name it by'
           ' its step number (out/1000) to make its parent a root that'
-          ' ocp.CheckpointManager reads. canonical: one item per source item,'
-          ' canonical (model_params, optimizer_state). maxtext: the step MaxText'
-          ' itself writes, item "items": params/params/<weights>, opt_state as'
-          ' MaxText\'s adamw chain and step (MaxText resumes from it as step N of'
-          ' its run); with --params-only the weights alone (MaxText\'s'
-          ' load_parameters_path). Streams in batches within --memory-budget;'
+          ' ocp.CheckpointManager reads. Layouts (--layout): '
+          + '; '.join(f'{n}: {layouts.get(n).description}' for n in layouts.names())
+          + '. Streams in batches within --memory-budget;'
           ' written beside DST and renamed at the end, so a failure leaves no DST.'
           ' Check the result with: orbax-tunix diff SRC DST.'
       ),
@@ -474,18 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
-  p.add_argument('--layout', choices=convert_lib.LAYOUTS, default=convert_lib.CANONICAL,
-                 help="canonical (default), or maxtext: MaxText's own step (its full train"
-                 ' state; with --params-only its weights)')
-  p.add_argument('--scan-layers', type=_bool, metavar='{true,false}',
-                 help="maxtext: write the decoder's layers scanned (true: stacked along"
-                 ' --param-scan-axis) or unscanned (false: one array per layer); default: as'
-                 ' stored')
-  p.add_argument('--param-scan-axis', type=int, metavar='AXIS',
-                 help="maxtext: MaxText's param_scan_axis, the layer axis of the scanned side:"
-                 ' of the layers written with --scan-layers true (default 1, or the stored'
-                 " step's axis when it is scanned too), else of the stored scanned layers"
-                 ' (default: read from the step; an axis that does not fit is refused)')
+  p.add_argument('--layout', choices=layouts.names(), default=convert_lib.CANONICAL,
+                 help=f'the layout to write (default {convert_lib.CANONICAL}; see above)')
+  for option in layouts.options().values():  # Each layout's options, from its values.
+    takers = [n for n in layouts.names() if layouts.get(n).takes(option.name)]
+    p.add_argument(option.flag, type=_parsed(option.parse), metavar=option.metavar,
+                   help=f'{" and ".join(takers)}: {option.help}')
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')

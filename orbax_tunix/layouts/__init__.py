@@ -16,16 +16,17 @@ from __future__ import annotations
 from orbax_tunix.layouts import canonical, maxtext  # noqa: F401  (they register)
 from orbax_tunix.layouts.base import (
     LAYOUTS,
-    OPTIONS,
     LaidOut,
     Layout,
+    Option,
     Request,
     check_options,
     get,
     names,
+    options,
     register,
     weights,
 )
 
-__all__ = ['LAYOUTS', 'OPTIONS', 'LaidOut', 'Layout', 'Request', 'check_options', 'get', 'names',
-           'register', 'weights']
+__all__ = ['LAYOUTS', 'LaidOut', 'Layout', 'Option', 'Request', 'check_options', 'get', 'names',
+           'options', 'register', 'weights']

@@ -69,6 +69,32 @@ class LaidOut:
 
 
 @dataclasses.dataclass(frozen=True)
+class Option:
+  """An option a layout takes, as data: a `Request` field, and what the CLI's flag is.
+
+  Attributes:
+    name: the `Request` field and library keyword (the flag: `--scan-layers`).
+    parse: the flag's text -> the value (raises ValueError for text that is none).
+    metavar: how the flag's value is shown.
+    help: what it does, for people.
+  """
+
+  name: str
+  parse: Callable[[str], Any] = dataclasses.field(repr=False)
+  metavar: str
+  help: str
+
+  @property
+  def unset(self) -> Any:
+    """Its value when not asked for (the `Request` field's default)."""
+    return {f.name: f.default for f in dataclasses.fields(Request)}[self.name]
+
+  @property
+  def flag(self) -> str:
+    return '--' + self.name.replace('_', '-')
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
   """One output layout.
 
@@ -76,24 +102,26 @@ class Layout:
     name: what `--layout` calls it.
     description: one line for people.
     lay_out: `Request -> LaidOut`, from metadata only.
-    options: the `Request` fields of `OPTIONS` that it reads; the others
-      must keep their unset value (`check_options`).
+    options: the options it reads (`Option`s: `Request` fields); the other
+      layouts' options must keep their unset value (`check_options`).
   """
 
   name: str
   description: str
   lay_out: Callable[[Request], LaidOut]
-  options: frozenset[str] = frozenset()
+  options: tuple[Option, ...] = ()
 
+  def takes(self, option: str) -> bool:
+    return any(o.name == option for o in self.options)
 
-# Request fields only some layouts read, and each one's value when not asked for.
-OPTIONS: Mapping[str, Any] = {
-    f.name: f.default for f in dataclasses.fields(Request)
-    if f.name in ('scan_layers', 'param_scan_axis')
-}
 
 LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
 register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
+
+
+def options() -> dict[str, Option]:
+  """Every option some layout takes, by name (the CLI's layout flags)."""
+  return {o.name: o for n in names() for o in get(n).options}
 
 
 def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
@@ -101,16 +129,16 @@ def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
 
   Args:
     layout: the layout asked for.
-    given: `OPTIONS` fields as the caller passed them.
+    given: layout options (`options()`) as the caller passed them.
 
   Raises:
     InvalidOptionError: one set (not its unset value) that `layout` does not
       read; the message names the layouts that do.
   """
-  for option, unset in OPTIONS.items():
-    value = given.get(option, unset)
-    if option not in layout.options and value != unset:
-      takers = [n for n in names() if option in get(n).options]
+  for option, known in options().items():
+    value = given.get(option, known.unset)
+    if not layout.takes(option) and value != known.unset:
+      takers = [n for n in names() if get(n).takes(option)]
       raise errors.InvalidOptionError(
           f'`{option}` {value!r}: the {layout.name} layout does not take it (only'
           f' {", ".join(takers)} does). Leave `{option}` out, or pass `layout`'

@@ -23,7 +23,7 @@ import numpy as np
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.layouts.base import LaidOut, Layout, Request, register
+from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, register
 from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.mapping import lora, patterns
@@ -277,10 +277,28 @@ def _refuse_what_maxtext_cannot_continue(
     )
 
 
+def _true_or_false(text: str) -> bool:
+  value = text.strip().lower()
+  if value not in ('true', 'false'):
+    raise ValueError(f'{text!r}: expected true or false.')
+  return value == 'true'
+
+
+SCAN_LAYERS = Option(
+    'scan_layers', _true_or_false, '{true,false}',
+    "write the decoder's layers scanned (true: stacked along --param-scan-axis) or unscanned"
+    ' (false: one array per layer); default: as stored')
+PARAM_SCAN_AXIS = Option(
+    'param_scan_axis', int, 'AXIS',
+    "MaxText's param_scan_axis, the layer axis of the scanned side: of the layers written"
+    " with --scan-layers true (default 1, or the stored step's axis when it is scanned too),"
+    ' else of the stored scanned layers (default: read from the step; an axis that does'
+    ' not fit is refused)')
+
 LAYOUT = register(Layout(
     name='maxtext',
     description="MaxText's own step: item 'items', params/params/<weights> and, unless"
                 ' weights only, opt_state as its adamw chain and step',
     lay_out=lay_out,
-    options=frozenset({'scan_layers', 'param_scan_axis'}),
+    options=(SCAN_LAYERS, PARAM_SCAN_AXIS),
 ))

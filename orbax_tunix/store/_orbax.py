@@ -157,7 +157,6 @@ def failure_text(exc: BaseException) -> str:
 _SERVED: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
     'orbax_tunix_served_metadata', default=types.MappingProxyType({})
 )
-PYTREE_METADATA_FILE = '_METADATA'
 
 
 def _served(path: epath.PathLike) -> Any:
@@ -182,7 +181,7 @@ def serve_tree_reads(handler: ocp.PyTreeCheckpointHandler) -> None:
   original = impl._read_metadata_file  # pylint: disable=protected-access
 
   def read_metadata_file(directory: epath.Path) -> Any:
-    found = _served(epath.Path(directory) / PYTREE_METADATA_FILE)
+    found = _served(epath.Path(directory) / PYTREE_METADATA)
     if found is None:
       return original(directory)
     options = impl._pytree_metadata_options  # pylint: disable=protected-access

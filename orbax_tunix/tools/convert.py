@@ -54,7 +54,6 @@ from orbax_tunix.writing import checksums, commit, distributed, writer
 
 CANONICAL = 'canonical'
 MAXTEXT = 'maxtext'
-LAYOUTS = layouts.names()
 
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
 METADATA_KEY = checksums.RECORD_KEY
