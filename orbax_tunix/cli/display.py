@@ -318,7 +318,7 @@ def _steps_text(report: inspection.Report) -> str:
 def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None:
   """Draws an inspect report."""
   d = report.detection
-  kind = {'tunix': 'Tunix', 'maxtext': 'MaxText', 'orbax': 'plain Orbax'}.get(d.kind, d.kind)
+  kind = d.source_kind.title
   out.fields(
       [
           ('checkpoint', str(d.path)),

@@ -228,17 +228,10 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
     UnsupportedLayoutError: neither place holds anything.
   """
   ckpt.detection.require([conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM])
-  found: list[tuple[LeafInfo, Path]] = []
-  model = _model_item(ckpt)
-  if model is not None:
-    found = [(leaf, leaf.path) for leaf in ckpt.items[model]]
-  elif conventions.MAXTEXT_ITEM in ckpt.items:
-    n = len(conventions.MAXTEXT_PARAMS)
-    found = [
-        (leaf, leaf.path[n:])
-        for leaf in ckpt.items[conventions.MAXTEXT_ITEM]
-        if leaf.path[:n] == conventions.MAXTEXT_PARAMS
-    ]
+  item, prefix = ckpt.detection.source_kind.weights
+  item = item if item in ckpt.items else _model_item(ckpt)
+  n = len(prefix)
+  found = [(leaf, leaf.path[n:]) for leaf in ckpt.items.get(item, ()) if leaf.path[:n] == prefix]
   found = [(leaf, path) for leaf, path in found if not conventions.is_rng_state(path)]
   if not found:
     raise errors.UnsupportedLayoutError(

@@ -297,17 +297,16 @@ def optimizer_outline(
 
 
 def _optimizer_leaves(ckpt: reader.CanonicalCheckpoint) -> tuple[str | None, list[tuple[Path, reader.LeafInfo]]]:
+  """The optimizer state's item and leaves, where the step's kind keeps it (`source_kinds`)."""
+  item, prefix = ckpt.detection.source_kind.optimizer
+  if item is not None:
+    found = [(leaf.path, leaf) for leaf in ckpt.items.get(item, ())
+             if leaf.path[:len(prefix)] == prefix]
+    return (item, found) if found else (None, [])
   for name, leaves in sorted(ckpt.items.items()):
     keys = {leaf.path[0] for leaf in leaves if leaf.path}
     if name != conventions.MAXTEXT_ITEM and conventions.role(name, keys) == conventions.OPTIMIZER_ITEM:
       return name, [(leaf.path, leaf) for leaf in leaves]
-  if conventions.MAXTEXT_ITEM in ckpt.items:
-    found = [
-        (leaf.path, leaf) for leaf in ckpt.items[conventions.MAXTEXT_ITEM]
-        if leaf.path[:1] == (conventions.MAXTEXT_OPT_STATE,)
-    ]
-    if found:
-      return conventions.MAXTEXT_ITEM, found
   return None, []
 
 

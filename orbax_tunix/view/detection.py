@@ -16,7 +16,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.store import _orbax, fileio, item_store, step_store
-from orbax_tunix.view import canonical_map
+from orbax_tunix.view import canonical_map, source_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,12 @@ class Detection:
 
   @property
   def is_tunix(self) -> bool:
-    return self.kind == 'tunix'
+    return self.kind == source_kinds.TUNIX.name
+
+  @property
+  def source_kind(self) -> source_kinds.SourceKind:
+    """What the step's kind holds, and where (`source_kinds`)."""
+    return source_kinds.get(self.kind)
 
   @property
   def items(self) -> tuple[str, ...]:
@@ -107,16 +112,6 @@ class Detection:
 def _writer(step: step_store.Step) -> str:
   recorded = step.recorded or {}
   return 'v1' if any(t and '.v1.' in t for t in recorded.values()) else 'v0'
-
-
-def _classify(maps: Mapping[str, canonical_map.CanonicalMap]) -> str:
-  if any(m.rewrites for m in maps.values()):
-    return 'tunix'
-  items = maps.get(conventions.MAXTEXT_ITEM)
-  n = len(conventions.MAXTEXT_PARAMS)
-  if items is not None and any(p[:n] == conventions.MAXTEXT_PARAMS for p in items.disk_to_canonical):
-    return 'maxtext'
-  return 'orbax'
 
 
 def is_absent(step: step_store.Step, name: str) -> bool:
@@ -248,7 +243,7 @@ def detect(
   maps = {n: cmap for n, (_, cmap) in plan_items(found, pytrees).items()}
   return Detection(
       location=location,
-      kind=_classify(maps),
+      kind=source_kinds.classify(maps).name,
       writer=_writer(found),
       maps=maps,
       others=others,
