@@ -46,7 +46,7 @@ from orbax_tunix.mapping import lora
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import ItemOutput
 from orbax_tunix.reading import hyperparams, reader
-from orbax_tunix.store import _orbax, netprobe
+from orbax_tunix.store import _orbax
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA
 from orbax_tunix.store.fileio import as_path
 from orbax_tunix.version import __version__
@@ -155,37 +155,6 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
     )
 
 
-def check_destination(
-    sources: Sequence[reader.CanonicalCheckpoint], dst: epath.Path, force: bool,
-    kind: commit.Kind = commit.STEP,
-) -> None:
-  """Refuses a DST that overlaps any source run, is named like unfinished
-  work, or may not be replaced (`commit`'s rules); nothing is written.
-
-  Raises:
-    InvalidDestinationError: DST overlaps a source (symlinks resolved; see
-      `commit.overlap`), is named like an unfinished step, or cannot be reached.
-    DestinationExistsError: DST exists and not `force` (or is not one of `kind`).
-  """
-  commit.check_step_name(dst)
-  for src in sources:
-    commit.check_outside_source(src.step_dir, dst)
-  problem = netprobe.unreachable(dst)  # Before any client call (their retries take ~50 s).
-  if problem is not None:
-    raise _unreachable(dst, problem)
-  try:
-    commit.check_replaceable(dst, force, kind)
-  except OSError as e:
-    raise _unreachable(dst, str(e)) from e
-
-
-def _unreachable(dst: epath.Path, why: str) -> errors.InvalidDestinationError:
-  return errors.InvalidDestinationError(
-      f'{dst}: cannot reach the destination ({why}). Check the path, the network and'
-      ' the credentials (gs:// paths need gcsfs and Google credentials).'
-  )
-
-
 def plan_convert(
     src: epath.PathLike,
     dst: epath.PathLike,
@@ -253,7 +222,8 @@ def plan_convert(
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = merging.plan(source) if merging else None
-  check_destination(merge_lib.checkpoints_read(source, merged), dst, force)
+  commit.check_destination(
+      [c.step_dir for c in merge_lib.checkpoints_read(source, merged)], dst, force)
   if merged is None:
     _refuse_adapters_only(source)
   laid = chosen.lay_out(layouts.Request(
@@ -406,31 +376,27 @@ def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> C
   progress = progress or reader.NullProgress()
   start = time.monotonic()
   init_ns = time.time_ns()
-  progress.start(plan.total_bytes, f'converting to {plan.dst}')
   sources = [c.step_dir for c in merge_lib.checkpoints_read(plan.source, plan.merge)]
-  try:
-    # Across hosts (see `distributed`): every process writes its shards of
-    # every item, process 0 the JSON items and the step's metadata, and the
-    # step is committed once.
-    with distributed.staged(plan.dst, plan.force, nbytes=plan.total_bytes,
-                            sources=sources) as staging:
-      sums: dict[str, dict[str, str]] = {}
-      for item in plan.items:
-        if item.json and not distributed.is_primary():
-          continue
-        if item.json:
-          ckpt, name = item.json
-          (staging.work / item.name).mkdir(parents=True, exist_ok=True)
-          ocp.JsonCheckpointHandler().save(
-              staging.work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
-          continue
-        sink = writer.OrbaxItemSink(item, staging.work / item.name)
-        record = writer.write(item.outputs, sink, plan.batch_bytes, progress)
-        sums[item.name] = record['checksums']
-      if distributed.is_primary():
-        _write_step_metadata(staging.work, plan, init_ns, sums)
-  finally:
-    progress.finish()
+  # Across hosts (see `distributed`): every process writes its shards of
+  # every item, process 0 the JSON items and the step's metadata, and the
+  # step is committed once.
+  with writer.streamed(plan.dst, plan.force, commit.STEP, plan.total_bytes, sources, progress,
+                       f'converting to {plan.dst}') as staging:
+    sums: dict[str, dict[str, str]] = {}
+    for item in plan.items:
+      if item.json and not distributed.is_primary():
+        continue
+      if item.json:
+        ckpt, name = item.json
+        (staging.work / item.name).mkdir(parents=True, exist_ok=True)
+        ocp.JsonCheckpointHandler().save(
+            staging.work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
+        continue
+      sink = writer.OrbaxItemSink(item, staging.work / item.name)
+      record = writer.write(item.outputs, sink, plan.batch_bytes, progress)
+      sums[item.name] = record['checksums']
+    if distributed.is_primary():
+      _write_step_metadata(staging.work, plan, init_ns, sums)
   replaced = staging.replaced
   return ConvertResult(
       dst=plan.dst,

@@ -34,7 +34,6 @@ from orbax_tunix.mapping.outputs import Output, read_sliced, relay
 from orbax_tunix.mapping.transforms import per_input
 from orbax_tunix.reading import reader
 from orbax_tunix.store import fileio
-from orbax_tunix.tools.convert import check_destination
 from orbax_tunix.writing import commit, distributed, writer
 
 # transformers' default `max_shard_size`.
@@ -206,7 +205,8 @@ def plan_export(
   out_dir = fileio.as_path(out_dir)
   if hf_config is not None:  # First: the more specific refusal.
     commit.check_not_over(out_dir, fileio.as_path(hf_config), 'the `hf_config` folder')
-  check_destination(merge_lib.checkpoints_read(source, merged), out_dir, force, EXPORT)
+  commit.check_destination(
+      [c.step_dir for c in merge_lib.checkpoints_read(source, merged)], out_dir, force, EXPORT)
   if merged is None:
     _refuse_adapters(source)
   weights = layouts.weights(layouts.Request(source, params_only=True, dtype=dtype, merge=merged))
@@ -453,24 +453,20 @@ def run_export(plan: ExportPlan, progress: reader.Progress | None = None) -> Exp
   progress = progress or reader.NullProgress()
   start = time.monotonic()
   files, outputs = _share(plan)
-  progress.start(sum(o.nbytes for o in outputs), f'exporting to {plan.out_dir}')
   sources = [c.step_dir for c in merge_lib.checkpoints_read(plan.source, plan.merge)]
-  try:
-    # Across hosts (see `distributed`): each process writes its share of the
-    # files, process 0 the index and config, and the folder is committed once.
-    with distributed.staged(plan.out_dir, plan.force, EXPORT, plan.total_bytes,
-                            sources) as staging:
-      sink = writer.SafetensorsSink(staging.work, files, plan.files,
-                                    write_index=distributed.is_primary())
-      record = writer.write(outputs, sink, plan.batch_bytes, progress, on_host=True)
-      for path in (plan.config, *plan.copied) if distributed.is_primary() else ():
-        if path is not None:
-          (staging.work / path.name).write_bytes(_read_copied(path))
-      if plan.config_values is not None and distributed.is_primary():
-        (staging.work / 'config.json').write_text(
-            json.dumps(plan.config_values, indent=2, sort_keys=False) + '\n')
-  finally:
-    progress.finish()
+  # Across hosts (see `distributed`): each process writes its share of the
+  # files, process 0 the index and config, and the folder is committed once.
+  with writer.streamed(plan.out_dir, plan.force, EXPORT, plan.total_bytes, sources, progress,
+                       f'exporting to {plan.out_dir}', sum(o.nbytes for o in outputs)) as staging:
+    sink = writer.SafetensorsSink(staging.work, files, plan.files,
+                                  write_index=distributed.is_primary())
+    record = writer.write(outputs, sink, plan.batch_bytes, progress, on_host=True)
+    for path in (plan.config, *plan.copied) if distributed.is_primary() else ():
+      if path is not None:
+        (staging.work / path.name).write_bytes(_read_copied(path))
+    if plan.config_values is not None and distributed.is_primary():
+      (staging.work / 'config.json').write_text(
+          json.dumps(plan.config_values, indent=2, sort_keys=False) + '\n')
   replaced = staging.replaced
   return ExportResult(plan.out_dir, tuple(record['files']), len(plan.outputs),
                       record['total_size'], time.monotonic() - start, replaced)

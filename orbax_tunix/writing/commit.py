@@ -26,7 +26,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.conventions import RL_ROLES
-from orbax_tunix.store import _orbax, fileio, step_store
+from orbax_tunix.store import _orbax, fileio, netprobe, step_store
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA, TMP_MARKER
 
 COMMIT_SUCCESS = 'commit_success.txt'
@@ -536,3 +536,38 @@ def _stem(dst: epath.Path) -> str:
   cut = encoded[:NAME_MAX - _SUFFIX_ROOM - len(digest) - 1].decode(errors='ignore')
   return f'{cut}~{digest}'
 
+
+def check_destination(
+    sources: Sequence[epath.Path], dst: epath.Path, force: bool, kind: Kind = STEP,
+) -> None:
+  """Refuses a DST that overlaps any source run, is named like unfinished
+  work, or may not be replaced (the rules above); nothing is written.
+
+  Args:
+    sources: the step directories read.
+    dst: the destination (a step, an export folder).
+    force: whether an existing DST of `kind` may be replaced.
+    kind: what is written there.
+
+  Raises:
+    InvalidDestinationError: DST overlaps a source (symlinks resolved; see
+      `overlap`), is named like an unfinished step, or cannot be reached.
+    DestinationExistsError: DST exists and not `force` (or is not one of `kind`).
+  """
+  check_step_name(dst)
+  for src in sources:
+    check_outside_source(src, dst)
+  problem = netprobe.unreachable(dst)  # Before any client call (their retries take ~50 s).
+  if problem is not None:
+    raise _unreachable(dst, problem)
+  try:
+    check_replaceable(dst, force, kind)
+  except OSError as e:
+    raise _unreachable(dst, str(e)) from e
+
+
+def _unreachable(dst: epath.Path, why: str) -> errors.InvalidDestinationError:
+  return errors.InvalidDestinationError(
+      f'{dst}: cannot reach the destination ({why}). Check the path, the network and'
+      ' the credentials (gs:// paths need gcsfs and Google credentials).'
+  )

@@ -14,6 +14,7 @@ Staging and commit are `commit.py`'s.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -45,6 +46,26 @@ Written = tuple[Output, Any]
 # `reader.FIXED_OVERHEAD` (the larger factors for small batches, and from run
 # to run). Sized for the worst case seen; convert and export alike.
 COPIES_IN_FLIGHT = 5
+
+
+@contextlib.contextmanager
+def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
+             sources: Sequence[epath.Path], progress: reader.Progress,
+             description: str, progress_bytes: int | None = None) -> Iterator[Any]:
+  """A destination written in a stage and committed once when the block succeeds
+  (`distributed.staged`: one process or several), progress started and finished
+  around it; the one frame of `convert` and `export`. Yields the staging.
+
+  Args: the destination, whether it may replace one of `kind`, the bytes it will
+  hold (its free space is checked), the step directories read, the progress, its
+  line, and the bytes this process reads (default `total_bytes`).
+  """
+  progress.start(total_bytes if progress_bytes is None else progress_bytes, description)
+  try:
+    with distributed.staged(dst, force, kind, total_bytes, sources) as staging:
+      yield staging
+  finally:
+    progress.finish()
 
 
 def batch_bytes(memory_budget: int) -> int:
