@@ -1325,7 +1325,7 @@ def test_h_force_onto_a_link_to_an_export_leaves_nothing_behind(tmp_path):
 
 _KILLED_MID_EXPORT = """
 import os, signal, sys
-from orbax_tunix import writer
+from orbax_tunix.writing import writer
 from orbax_tunix.cli import commands
 def die(*args, **kwargs):  # kill -9 once the weights start streaming into the folder.
   os.kill(os.getpid(), signal.SIGKILL)
