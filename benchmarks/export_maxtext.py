@@ -82,22 +82,32 @@ def shapes(layers: int, dim: int) -> dict[str, tuple[int, ...]]:
   }
 
 
-def write_checkpoint(root: pathlib.Path, layers: int, dim: int) -> pathlib.Path:
-  """`<root>/0/items` = {'params': {'params': <shapes(), random float32>}}."""
+def write_checkpoint(root: pathlib.Path, layers: int, dim: int, chunks: str = 'whole') -> pathlib.Path:
+  """`<root>/0/items` = {'params': {'params': <shapes(), random float32>}}: each array one
+  chunk (`chunks='whole'`, as one device saves it), or (`'layer'`) the stacked ones a chunk
+  per layer and the 2-d ones in eighths (as a save sharded that way stores them)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(0)
   weights: dict = {}
+  save_args: dict = {}
   for path, shape in shapes(layers, dim).items():
     *parents, leaf = path.split('/')
-    node = weights
+    node, args = weights, save_args
     for p in parents:
-      node = node.setdefault(p, {})
+      node, args = node.setdefault(p, {}), args.setdefault(p, {})
     node[leaf] = rng.standard_normal(shape, np.float32)
+    nbytes = node[leaf].nbytes
+    if chunks == 'layer' and len(shape) >= 3:
+      args[leaf] = ocp.SaveArgs(chunk_byte_size=nbytes // layers, shard_axes=(1,))
+    elif chunks == 'layer' and len(shape) == 2 and path.startswith(('token_', 'decoder/logits')):
+      args[leaf] = ocp.SaveArgs(chunk_byte_size=nbytes // 8)
+    else:
+      args[leaf] = ocp.SaveArgs()
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    ckptr.save(root / str(STEP), args=ocp.args.Composite(
-        items=ocp.args.PyTreeSave({'params': {'params': weights}})))
+    ckptr.save(root / str(STEP), args=ocp.args.Composite(items=ocp.args.PyTreeSave(
+        {'params': {'params': weights}}, save_args={'params': {'params': save_args}})))
   return root / str(STEP)
 
 
@@ -168,6 +178,9 @@ def main(argv=None) -> None:
   parser.add_argument('--dim', type=int, default=1024)
   parser.add_argument('--budgets', default='256M')
   parser.add_argument('--reps', type=int, default=2)
+  parser.add_argument('--chunks', choices=('whole', 'layer'), default='whole',
+                      help="the source's arrays one chunk each (one device's save), or a"
+                      ' chunk per layer (a save sharded on the layer axis)')
   parser.add_argument('--workdir')
   parser.add_argument('--theirs-child', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--src', help=argparse.SUPPRESS)
@@ -184,7 +197,7 @@ def main(argv=None) -> None:
   root = work / 'src'
   step = root / str(STEP)
   if not step.exists():
-    write_checkpoint(root, args.layers, args.dim)
+    write_checkpoint(root, args.layers, args.dim, args.chunks)
   items = step / 'items'
   sizes = {k: 4 * math.prod(v) for k, v in shapes(args.layers, args.dim).items()}
   model = sum(sizes.values())
@@ -238,7 +251,7 @@ def main(argv=None) -> None:
       print(equality, flush=True)
 
   print(f'\nCommand: `python benchmarks/export_maxtext.py --layers {args.layers} --dim {args.dim}'
-        f' --budgets {args.budgets} --reps {args.reps}`')
+        f' --budgets {args.budgets} --reps {args.reps} --chunks {args.chunks}`')
   print(f'MaxText step: {MODEL_NAME}-shaped, scanned, float32, {model / MIB:.0f} MiB'
         f' ({args.layers} layers, emb {D}, mlp {f}, vocab {v}); largest tensor'
         f' {largest / MIB:.0f} MiB ({largest_name}), largest HF tensor {largest_hf / MIB:.0f}'
