@@ -116,8 +116,9 @@ def units(outputs: Sequence[Output]) -> list[list[Output]]:
 
 
 def _unit_bytes(unit: Sequence[Output]) -> int:
-  """The bytes a unit holds while written: its sources, and what transforms make anew."""
-  inputs = {i.key: i.nbytes for o in unit for i in o.inputs}
+  """The bytes a unit holds while written: its sources (the stored chunks a part of one
+  decodes: `Input.touched_bytes`), and what transforms make anew."""
+  inputs = {i.key: i.touched_bytes for o in unit for i in o.inputs}
   return sum(inputs.values()) + sum(o.nbytes for o in unit if not o.transform.is_identity)
 
 
