@@ -90,8 +90,10 @@ class Input:
   def touched_bytes(self) -> int:
     """Bytes of the stored chunks a read of this part decodes (a store reads whole
     chunks): the leaf's bytes when it is one chunk, or its chunks are not recorded."""
-    chunk = self.chunk_shape
-    if not self.partial or chunk is None or self.leaf.dtype is None:
+    if not self.partial or self.leaf.dtype is None:
+      return self.leaf.nbytes
+    chunk = self.chunk_shape  # (Only for parts: it may read the array's header.)
+    if chunk is None:
       return self.leaf.nbytes
     elements = 1
     for size, c, at in zip(self.leaf.shape, chunk, self.index, strict=True):
