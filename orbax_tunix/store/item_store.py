@@ -177,7 +177,7 @@ class Item:
 
   @property
   def _header_name(self) -> str:
-    return 'zarr.json' if self.use_zarr3 else '.zarray'
+    return _orbax.ZARR3_HEADER if self.use_zarr3 else _orbax.ZARR2_HEADER
 
   def _without_data(self, paths: Iterable[Path]) -> list[Path]:
     """The zarr leaves among `paths` whose header is not in the store's listing."""
@@ -231,7 +231,7 @@ class Item:
     return {}
 
   def _read_headers(self, paths: Sequence[Path]) -> dict[Path, ArrayInfo]:
-    name = 'zarr.json' if self.use_zarr3 else '.zarray'
+    name = self._header_name
     try:
       reads = [(p, self._store.read(f'{_orbax.array_name(p)}/{name}')) for p in paths]
       found = {p: r.result().value for p, r in reads}
@@ -325,7 +325,7 @@ class Item:
       return out
     for path in folder.iterdir():
       try:
-        entries = read_json(path, "Orbax's array metadata")['array_metadatas']
+        entries = read_json(path, "Orbax's array metadata")[ARRAY_METADATAS]
         for entry in entries:
           meta = entry['array_metadata']
           out[meta['param_name']] = tuple(meta['chunk_shape'])

@@ -29,7 +29,7 @@ from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.store import _orbax, fileio, netprobe, step_store
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA, TMP_MARKER
 
-COMMIT_SUCCESS = 'commit_success.txt'
+COMMIT_SUCCESS = _orbax.COMMIT_SUCCESS
 # In a step being written in place (on a bucket), until its commit.
 MARKER = '.orbax-tunix-writing'
 # A replacement written beside an existing bucket step (never a step name).
@@ -254,17 +254,18 @@ class Kind:
 # What Orbax writes at the top of a step besides its items (a step saved as one
 # item holds that item's store there).
 _ORBAX_STEP_ENTRIES = frozenset({
-    COMMIT_SUCCESS, MARKER, _orbax.AGGREGATE_FILE, _orbax.ARRAY_METADATAS, 'manifest.ocdbt',
+    COMMIT_SUCCESS, MARKER, _orbax.AGGREGATE_FILE, _orbax.ARRAY_METADATAS, _orbax.OCDBT_MANIFEST,
     'd', 'descriptor',
 })
 # Files that tell an item directory: a PyTree's, a JSON item's, an OCDBT store's.
-_ITEM_FILES = (_orbax.PYTREE_METADATA, _orbax.AGGREGATE_FILE, 'metadata', 'manifest.ocdbt')
+_ITEM_FILES = (_orbax.PYTREE_METADATA, _orbax.AGGREGATE_FILE, _orbax.JSON_ITEM_FILE,
+               _orbax.OCDBT_MANIFEST)
 
 
 def _in_step(entry: epath.Path) -> bool:
   """Whether an entry of a step directory is Orbax's: its own files, or an item."""
   name = entry.name
-  if name.startswith('_') or name in _ORBAX_STEP_ENTRIES or name.startswith('ocdbt.process_'):
+  if name.startswith('_') or name in _ORBAX_STEP_ENTRIES or name.startswith(_orbax.OCDBT_PROCESS_PREFIX):
     return True
   if name.startswith('.') or not entry.is_dir():
     return False
