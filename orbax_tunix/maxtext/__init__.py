@@ -7,7 +7,7 @@ and, for NNX models, `nnx_aux` (RNGs and other non-weight variables). Tunix
 writes `model_params` and `optimizer_state` in nnx's layout instead.
 
 Nothing here knows an optimizer. A `RestorePlan` is worked out once from the
-checkpoint's metadata (canonical paths and shapes, see `canonical.py`) and the
+checkpoint's metadata (canonical paths and shapes, see `view/canonical_map.py`) and the
 abstract state's key paths: optax states are matched by their fields (`count`,
 `mu` mirroring the weights, ...) in chain order, states Tunix never wrote are
 filled, and every mismatch is reported before any array is read. Executing the

@@ -7,7 +7,7 @@ path, into the on-disk structure and executing it with Orbax's own restore
 restore of a few), handing Orbax the metadata already parsed: every array is
 read once, straight into its target's sharding and dtype, and arrays nobody
 asked for are never opened. The handlers (`pytree_handler`,
-`composite_handler`, the v1 handler in `registry`) are thin adapters over it;
+`composite_handler`, the v1 handler in `handlers.plugins`) are thin adapters over it;
 the tools read through it too.
 
 Plans a caller already made (a composite for the items of the step it
