@@ -648,14 +648,20 @@ def test_stacked_adapters_merge_per_layer(weight, a, b, stacked):
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
-def test_a_maxtext_step_in_a_bucket(gcs, bucket, tmp_path):
-  """MaxText's own step read from gs:// (uploaded file by file): the same tensors as locally."""
+@pytest.mark.parametrize('chunks', ['whole', 'per_layer'])
+def test_a_maxtext_step_in_a_bucket(gcs, bucket, tmp_path, chunks):
+  """MaxText's own step read from gs:// (uploaded file by file): the same tensors as locally,
+  its stacks read whole or (a chunk per layer) a layer at a time from the bucket."""
   from tests import gcs as gcs_lib
 
-  local = save_maxtext_step(tmp_path / 'run', maxtext_tree('qwen3', 'scanned'))
+  local = save_maxtext_step(tmp_path / 'run', maxtext_tree('qwen3', 'scanned'),
+                            per_layer_chunks=chunks == 'per_layer')
   remote = bucket / 'checkpoints'
   gcs_lib.upload(local, remote)
-  orbax_tunix.export_to_hf(str(remote), tmp_path / 'out', model='qwen3')
+  plan = orbax_tunix.tools.export.plan_export(str(remote), tmp_path / 'out', model='qwen3')
+  parts = [i for o in plan.outputs for i in o.inputs if i.takes]
+  assert bool(parts) == (chunks == 'per_layer')
+  orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
   want = expected('qwen3')
   assert sorted(got) == sorted(want)
