@@ -283,12 +283,14 @@ def write(
     # read whole for its many outputs (a stack stored as one chunk, split into
     # its layers) is not held beside all of them.
     made: list[Written] = []
+    held = 0
     for output in batch:
       made.append((output, make(output, values)))
       check_range(*made[-1])
-      if sum(o.nbytes for o, _ in made) >= budget:
+      held += output.nbytes
+      if held >= budget:
         sink.write(made)
-        made = []
+        made, held = [], 0
     if made:
       sink.write(made)
     read = {i.key: i.nbytes for o in batch for i in o.inputs}
