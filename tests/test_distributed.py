@@ -33,6 +33,7 @@ from etils import epath
 from orbax_tunix.cli import commands
 from orbax_tunix.writing import commit, distributed
 from tests import mp_worker
+from tests.clients import client_env
 
 DATA = pathlib.Path(__file__).parent / 'data'
 TUNIX = DATA / 'tunix'
@@ -41,8 +42,6 @@ MAXTEXT = DATA / 'maxtext'
 TIMEOUT_S = 150
 # Short JAX timeouts: a failure must show well inside the test's own.
 JAX_TIMEOUT_S = 15
-MAXTEXT_PYTHON = (pathlib.Path(os.environ.get('ORBAX_TUNIX_VENVS', '/work/venvs'))
-                  / 'maxtext' / 'bin' / 'python')
 
 
 def free_port() -> int:
@@ -178,8 +177,6 @@ def test_convert_two_processes_write_what_one_writes(case, tmp_path):
 
 def safetensors_read(folder: pathlib.Path) -> dict[str, tuple[str, list[int], str]]:
   """{file/tensor: (dtype, shape, crc32 of the bytes)} as the `safetensors` package reads them."""
-  if not MAXTEXT_PYTHON.exists():
-    pytest.skip(f'no {MAXTEXT_PYTHON} (the venv with the safetensors package)')
   script = (
       'import json, sys, zlib, pathlib\n'
       'import numpy as np\n'
@@ -192,7 +189,8 @@ def safetensors_read(folder: pathlib.Path) -> dict[str, tuple[str, list[int], st
       '      out[f.name + "/" + k] = [str(t.dtype), list(t.shape), zlib.crc32(t.tobytes())]\n'
       'print(json.dumps(out))\n'
   )
-  done = subprocess.run([str(MAXTEXT_PYTHON), '-c', script, str(folder)], capture_output=True,
+  # The MaxText venv has the safetensors package (built by scripts/maxtext_venv.sh on first use).
+  done = subprocess.run([client_env('maxtext_venv.sh'), '-c', script, str(folder)], capture_output=True,
                         text=True, timeout=120, env={**os.environ, 'PYTHONPATH': ''})
   assert done.returncode == 0, done.stderr[-3000:]
   return json.loads(done.stdout)
