@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -398,6 +398,37 @@ def read(
 
 # What `read_each` gives for a leaf whose stored data cannot be read.
 UNREADABLE = object()
+
+
+T = TypeVar('T')
+V = TypeVar('V')
+
+
+def stream(
+    batched: Iterable[Sequence[T]], read: Callable[[Sequence[T]], V], progress: Progress,
+    done: Callable[[Sequence[T]], int],
+) -> Iterator[tuple[Sequence[T], V]]:
+  """The one streaming loop of the host work (`writer.write`, `diff`, `checksums.verify`).
+
+  Each batch is read once and handed over with what was read; once the
+  caller asks for the next, `progress` advances by `done(batch)`. The caller
+  drops its own references to a batch's values before asking for the next
+  (`del`), so that one batch is held at a time.
+
+  Args:
+    batched: the batches, in order (e.g. from `batches`).
+    read: a batch -> what was read for it.
+    progress: told the bytes each batch took.
+    done: a batch -> its bytes, for `progress`.
+
+  Yields:
+    (batch, what `read` gave for it).
+  """
+  for batch in batched:
+    values = read(batch)
+    yield batch, values
+    del values
+    progress.advance(done(batch))
 
 
 def read_each(ckpt: CanonicalCheckpoint, item: str, leaves: Sequence[LeafInfo]) -> list[Any]:

@@ -555,9 +555,11 @@ def diff_checkpoints(
   budget = reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)
   progress.start(sum(la.nbytes for _, la, _ in pairs), 'comparing')
   try:
-    for batch in reader.batches(pairs, budget, size=lambda p: p[1].nbytes + p[2].nbytes):
-      got_a = _read_side(ckpt_a, [la for _, la, _ in batch])
-      got_b = _read_side(ckpt_b, [lb for _, _, lb in batch])
+    for batch, (got_a, got_b) in reader.stream(
+        reader.batches(pairs, budget, size=lambda p: p[1].nbytes + p[2].nbytes),
+        lambda batch: (_read_side(ckpt_a, [la for _, la, _ in batch]),
+                       _read_side(ckpt_b, [lb for _, _, lb in batch])),
+        progress, lambda batch: sum(la.nbytes for _, la, _ in batch)):
       for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):
         bad_a, bad_b = x is reader.UNREADABLE, y is reader.UNREADABLE
         if bad_a or bad_b:  # Stored data missing or damaged: nothing to compare.
@@ -576,7 +578,6 @@ def diff_checkpoints(
           values.append(ValueDiff(path, max_diff, differing, max(1, int(np.size(x)))))
         compared_bytes += la.nbytes
       del got_a, got_b
-      progress.advance(sum(la.nbytes for _, la, _ in batch))
   finally:
     progress.finish()
   if not pairs and not json_compared and not (found.only_a or found.only_b or shape):

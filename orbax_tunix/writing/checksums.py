@@ -131,15 +131,18 @@ def verify(
   try:
     for item in sorted(ckpt.items):
       leaves = [leaf for leaf in todo if leaf.item == item]
-      for batch in reader.batches(leaves, reader.batch_bytes(memory_budget, 2)):
-        for leaf, value in zip(batch, reader.read_each(ckpt, item, batch), strict=True):
+      for batch, values in reader.stream(
+          reader.batches(leaves, reader.batch_bytes(memory_budget, 2)),
+          lambda batch, item=item: reader.read_each(ckpt, item, batch), progress,
+          lambda batch: sum(leaf.nbytes for leaf in batch)):
+        for leaf, value in zip(batch, values, strict=True):
           if value is reader.UNREADABLE:
             unreadable.append(leaf.name)
             continue
           checked += 1
           if checksum(value) != sums[item][key(leaf.path)]:
             damaged.append(leaf.name)
-        progress.advance(sum(leaf.nbytes for leaf in batch))
+        del values, value
   finally:
     progress.finish()
   return Verification(ckpt.step_dir, checked, tuple(damaged), tuple(unrecorded), tuple(missing),

@@ -277,8 +277,9 @@ def write(
   """
   if on_host:  # Host writes (safetensors) take a tensor too large for a batch in blocks.
     outputs = [block for o in outputs for block in row_blocks(o, budget)]
-  for batch in batches(outputs, budget):
-    values = read_inputs(batch, on_host)
+  for batch, values in reader.stream(batches(outputs, budget),
+                                    lambda batch: read_inputs(batch, on_host), progress,
+                                    _bytes_read):
     # What transforms make goes to the sink once it fills the budget: a source
     # read whole for its many outputs (a stack stored as one chunk, split into
     # its layers) is not held beside all of them.
@@ -293,10 +294,13 @@ def write(
         made, held = [], 0
     if made:
       sink.write(made)
-    read = {i.key: i.nbytes for o in batch for i in o.inputs}
     del values, made  # Free the batch before the next is read.
-    progress.advance(sum(read.values()))
   return sink.close()
+
+
+def _bytes_read(batch: Sequence[Output]) -> int:
+  read = {i.key: i.nbytes for o in batch for i in o.inputs}
+  return sum(read.values())
 
 
 class OrbaxItemSink:
