@@ -6,12 +6,15 @@ synthetic Tunix full state, sharded on disk as a pod writes it) and
 shards) as that many processes of one `jax.distributed` job over localhost,
 4 simulated CPU devices each, and reports per process the bytes it passed
 through read()/write() (`/proc/self/io` rchar and wchar, page cache
-included) and from/to storage (read_bytes, write_bytes), and the command's
-time (joining the job included), all measured from just before the command
-starts (after imports) to its end, and the job's wall time (start-up too):
+included) and from/to storage (read_bytes, write_bytes), its peak memory
+above its start (VmHWM reset to the RSS just before the command:
+`peak.measure`), and the command's time (joining the job included), all
+measured from just before the command starts (after imports) to its end, and
+the job's wall time (start-up too). `--memory-budget` is passed to both
+commands: the budget holds per process.
 
   python benchmarks/multihost.py                      # 256 MiB state, 1 and 2 processes
-  python benchmarks/multihost.py --size-mb 1024 --processes 1 2 4
+  python benchmarks/multihost.py --size-mb 1024 --processes 1 2 4 --memory-budget 256M
 
 Each process of a job runs `python benchmarks/multihost.py child OUT -- ARGV`,
 which imports the command, takes the counters, runs it, and writes OUT.
@@ -51,13 +54,16 @@ def child(out: pathlib.Path, argv: list[str]) -> None:
   os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={LOCAL_DEVICES}'
   os.environ['JAX_PLATFORMS'] = 'cpu'
   sys.path.insert(0, str(ROOT))
+  sys.path.insert(0, str(HERE))
+  import peak  # pylint: disable=g-import-not-at-top
+
   from orbax_tunix.cli import commands  # pylint: disable=g-import-not-at-top
 
-  before, t0 = io_counters(), time.monotonic()
-  code = commands.main(argv)
+  before = io_counters()
+  code, measured = peak.measure(lambda: commands.main(argv))
   after = io_counters()
   out.write_text(json.dumps({
-      'code': code, 'seconds': time.monotonic() - t0,
+      'code': code, 'seconds': measured['wall_s'], 'peak_kb': measured['peak_above_kb'],
       **{k: after[k] - before[k] for k in COUNTERS},
   }))
   sys.stdout.flush()
@@ -149,13 +155,14 @@ def fmt(n: float) -> str:
 
 def report(name: str, source_bytes: int, runs: list[dict[str, Any]]) -> list[str]:
   lines = [f'### {name} (source on disk: {fmt(source_bytes).strip()})', '',
-           '| processes | wall (job) | process | command | rchar | wchar | read_bytes | write_bytes |',
-           '|---|---|---|---|---|---|---|---|']
+           '| processes | wall (job) | process | command | peak above start | rchar | wchar |'
+           ' read_bytes | write_bytes |',
+           '|---|---|---|---|---|---|---|---|---|']
   for run in runs:
     for i, p in enumerate(run['per_process']):
       wall = f'{run["wall_s"]:.1f} s' if i == 0 else ''
       n = run['processes'] if i == 0 else ''
-      lines.append(f'| {n} | {wall} | {i} | {p["seconds"]:.1f} s | '
+      lines.append(f'| {n} | {wall} | {i} | {p["seconds"]:.1f} s | {fmt(p["peak_kb"] << 10).strip()} | '
                    + ' | '.join(fmt(p[k]).strip() for k in COUNTERS) + ' |')
   return lines + ['']
 
@@ -172,12 +179,13 @@ def main(argv: list[str]) -> None:
                       help='export: the Qwen3 fixture with every dim times this')
   parser.add_argument('--processes', type=int, nargs='+', default=[1, 2])
   parser.add_argument('--timeout', type=float, default=1800)
+  parser.add_argument('--memory-budget', default='1G', help='each command\'s --memory-budget')
   args = parser.parse_args(argv)
   work = args.workdir
   work.mkdir(parents=True, exist_ok=True)
   convert_src = write_convert_source(work / 'convert_src', args.size_mb)
   export_src = write_export_source(work / 'export_src', args.export_scale)
-  out = []
+  out = [f'`python benchmarks/multihost.py {" ".join(argv)}`', '']
   for name, src, command in (
       ('convert (canonical, full state)', convert_src, ['convert', str(convert_src)]),
       ('export (qwen3, 8 MB shards)', export_src,
@@ -189,7 +197,8 @@ def main(argv: list[str]) -> None:
       shutil.rmtree(run_dir, ignore_errors=True)
       run_dir.mkdir()
       dst = run_dir / ('out/1' if command[0] == 'convert' else 'out')
-      runs.append(job([*command[:2], str(dst), *command[2:]], n, run_dir, args.timeout))
+      runs.append(job([*command[:2], str(dst), *command[2:], '--memory-budget', args.memory_budget],
+                      n, run_dir, args.timeout))
       shutil.rmtree(run_dir / 'out', ignore_errors=True)
     out += report(name, data_bytes(src), runs)
   print('\n'.join(out))
