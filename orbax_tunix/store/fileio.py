@@ -83,13 +83,16 @@ def _kind(mode: int) -> str:
 
 def what_is_at(path: epath.Path) -> str:
   """What is at a path, for messages: 'a file', 'a directory', 'a device, pipe
-  or socket', 'a broken link' or 'nothing' (links followed)."""
+  or socket', 'a broken link', 'nothing' (links followed), or, where it cannot
+  be looked at, 'a path this user cannot reach (<the reason>)'."""
   if not is_local(path):
     return 'a directory' if path.is_dir() else 'a file' if path.exists() else 'nothing'
   try:
     return _kind(os.stat(path).st_mode)
-  except OSError:
+  except FileNotFoundError:
     return 'a broken link' if os.path.islink(path) else 'nothing'
+  except OSError as e:  # A directory on the way this user may not enter, a loop of links.
+    return f'a path this user cannot reach ({e.strerror or e})'
 
 
 
