@@ -66,3 +66,15 @@ def parse_size(value: object, name: str) -> int:
 def _bad(value: object, name: str, found: str) -> errors.InvalidOptionError:
   return errors.InvalidOptionError(
       f'`{name}` {value!r}: expected a positive size ({HELP}), {found}.')
+
+
+def parse_size_text(text: str) -> int:
+  """Bytes from a size option's text (a flag's value), as `parse_size`.
+
+  Raises:
+    ValueError: the text is not a size; the message starts with it.
+  """
+  try:
+    return parse_size(text, 'size')
+  except errors.InvalidOptionError as e:
+    raise ValueError(str(e).replace('`size` ', '', 1)) from None

@@ -40,6 +40,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -1393,3 +1394,64 @@ def test_readme_table_of_maps_is_the_families_values():
   assert table == huggingface.markdown(), 'run scripts/readme_hf_maps.py'
   for name in huggingface.names():  # every family has rows
     assert f' {name} |' in table or f' {name},' in table, name
+
+
+def _as_nobody(argv: list[str]) -> list[str]:
+  """`argv` as a user who cannot read what its permissions deny (root reads everything):
+  as root, under setpriv as nobody; else as is."""
+  if os.geteuid() != 0:
+    return argv
+  setpriv = shutil.which('setpriv')
+  if setpriv is None:
+    pytest.skip('root without setpriv: a file root cannot read cannot be made')
+  return [setpriv, '--reuid=65534', '--regid=65534', '--clear-groups', *argv]
+
+
+def test_h_an_unreadable_hf_config_file_is_refused_before_any_write():
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  # Where nobody may go (pytest's own directory is root's alone), and write the export.
+  with tempfile.TemporaryDirectory() as top:
+    tmp_path = pathlib.Path(top)
+    tmp_path.chmod(0o777)
+    _refused_for_an_unreadable_tokenizer(tmp_path)
+
+
+def _refused_for_an_unreadable_tokenizer(tmp_path: pathlib.Path) -> None:
+  hf = _write_hf_dir(tmp_path / 'base', HF_CONFIG_DIMS['hf_qwen3'])
+  (hf / 'tokenizer.json').chmod(0)
+  out = tmp_path / 'out'
+  r = run_cli(_as_nobody(export_argv(DATA / 'hf_qwen3', out, '--model', 'qwen3',
+                                     '--hf-config', str(hf))))
+  assert r['rc'] == 2, r['stderr']
+  assert f'{hf / "tokenizer.json"}: expected a readable file to copy from --hf-config' in (
+      r['stderr']), r['stderr']
+  assert 'free space' not in r['stderr'] and 'Traceback' not in r['stderr'], r['stderr']
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['base']  # nothing written
+
+
+def test_h_an_hf_config_file_unreadable_at_run_time_names_itself(tmp_path):
+  """Readable when planned, then replaced by something that cannot be read as a file: the
+  failure names the file (not the destination), and nothing is left."""
+  from orbax_tunix import errors  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.tools import export  # pylint: disable=g-import-not-at-top
+
+  hf = _write_hf_dir(tmp_path / 'base', HF_CONFIG_DIMS['hf_qwen3'])
+  out = tmp_path / 'out'
+  plan = export.plan_export(DATA / 'hf_qwen3', out, model='qwen3', hf_config=hf)
+  (hf / 'tokenizer.json').unlink()
+  (hf / 'tokenizer.json').mkdir()
+  with pytest.raises(errors.InvalidOptionError,
+                     match=re.escape(f'{hf / "tokenizer.json"}: cannot read this `hf_config`')):
+    export.run_export(plan)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['base']
+
+
+def test_h_the_top_help_names_every_command():
+  p = subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', '--help'], capture_output=True,
+                     text=True, cwd=ROOT, env=subprocess_env(), timeout=CLI_TIMEOUT, check=True)
+  for command in ('inspect', 'convert', 'diff', 'export'):
+    assert re.search(rf'^\s+{command}\s', p.stdout, re.M), (command, p.stdout)
+  from orbax_tunix.mapping import huggingface  # pylint: disable=g-import-not-at-top
+  for family in huggingface.names():  # export's line names every family
+    assert family in p.stdout, (family, p.stdout)

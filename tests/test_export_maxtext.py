@@ -589,29 +589,64 @@ def test_lora_run_of_a_maxtext_model_exports_merged(tmp_path, form):
 
 
 def test_another_param_scan_axis(tmp_path):
-  """A model scanned with param_scan_axis=0: `--param-scan-axis 0` takes its layers apart."""
+  """A model scanned with param_scan_axis=0: its layers taken apart along the axis its shapes
+  tell (as convert finds it), or along `--param-scan-axis 0`; another axis is refused naming
+  the one that fits, before anything is written."""
   top, layers = model_weights('llama3')
   flat = dict(top)
   for k in layers[0]:
     flat[f'decoder/layers/{k}'] = np.stack([w[k] for w in layers], axis=0)
   src = save_maxtext_step(tmp_path / 'run', flat)
-  out = tmp_path / 'out'
-  # With MaxText's default axis the stacked shapes do not fit llama3's.
-  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3'), out, 'llama3')
-  p = run_cli('export', str(src), str(out), '--model', 'llama3', '--param-scan-axis', '0')
-  assert p.returncode == 0, p.stderr
-  got = read_safetensors(out / 'model.safetensors')
   want = expected('llama3')
+  for name, flags in (('found', ()), ('given', ('--param-scan-axis', '0'))):
+    out = tmp_path / name
+    p = run_cli('export', str(src), str(out), '--model', 'llama3', *flags)
+    assert p.returncode == 0, p.stderr
+    assert f'MaxText model (scanned, {len(layers)} layers)' in p.stderr, p.stderr
+    got = read_safetensors(out / 'model.safetensors')
+    assert sorted(got) == sorted(want)
+    for tensor, value in want.items():
+      np.testing.assert_array_equal(got[tensor], value, err_msg=tensor)
+  out = tmp_path / 'refused'
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3',
+                         '--param-scan-axis', '1'), out, 'param_scan_axis=1', '--param-scan-axis 0')
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3',
+                         '--param-scan-axis', '-1'), out, 'non-negative')
+
+
+def test_export_takes_the_axis_a_converted_step_records(tmp_path):
+  """`convert --scan-layers true --param-scan-axis 0` records the axis; export and inspect
+  read the layers along it (the layer count is the model's, not another dim)."""
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'unscanned'))
+  step = tmp_path / 'ax0' / '1'
+  p = run_cli('convert', str(src), str(step), '--layout', 'maxtext', '--params-only',
+              '--scan-layers', 'true', '--param-scan-axis', '0')
+  assert p.returncode == 0, p.stderr
+  n = len(model_weights('llama3')[1])
+  shown = json.loads(run_cli('inspect', str(step), '--json').stdout)
+  assert shown['layers'] == {'form': 'scanned', 'count': n, 'axis': 0}, shown['layers']
+  assert shown['weights'] == f'MaxText model (scanned, {n} layers)', shown['weights']
+  out = tmp_path / 'out'
+  p = run_cli('export', str(step), str(out), '--model', 'llama3')
+  assert p.returncode == 0, p.stderr
+  got, want = read_safetensors(out / 'model.safetensors'), expected('llama3')
   assert sorted(got) == sorted(want)
-  for name, value in want.items():
-    np.testing.assert_array_equal(got[name], value, err_msg=name)
+  for tensor, value in want.items():
+    np.testing.assert_array_equal(got[tensor], value, err_msg=tensor)
+
+
+def test_an_axis_for_weights_without_stacked_layers_is_refused(tmp_path):
+  src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'unscanned'))
+  out = tmp_path / 'out'
+  assert_refused(run_cli('export', str(src), str(out), '--model', 'llama3',
+                         '--param-scan-axis', '0'), out, 'no stacked layers', 'unscanned')
 
 
 def test_llama_aliases_name_the_llama3_family(tmp_path):
   src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'scanned'))
   for alias in ('llama3.1', 'llama2'):
     plan = orbax_tunix.tools.export.plan_export(src, tmp_path / alias, model=alias)
-    assert plan.family.name == 'llama3'
+    assert plan.layout == 'llama3'
 
 
 def test_a_family_without_the_sources_naming_is_refused(tmp_path):

@@ -4,8 +4,11 @@
   orbax-tunix convert SRC DST [--step N] [--params-only] [--layout canonical|maxtext]
                       [--dtype bfloat16] [--memory-budget 1G] [--force] [--json]
   orbax-tunix diff A B [--atol X] [--params-only] [--ignore-dtype] [--json]
-  orbax-tunix export SRC OUT_DIR --model qwen3|llama3|gemma3 [--hf-config DIR]
+  orbax-tunix export SRC OUT_DIR --model FAMILY [--hf-config DIR]
                      [--max-shard-size 5GB] [--dtype bfloat16] [--force] [--json]
+
+The layouts a command writes and their flags come from the layout values
+(`layouts`): convert's are the step layouts, export's the Hugging Face families.
 
 This module only parses arguments and draws results; the work is done by
 `inspection`, `convert`, `diff` and `export`. On a terminal, results are tables (with
@@ -49,7 +52,7 @@ from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import export as export_lib
 from orbax_tunix.tools import inspection
-from orbax_tunix.writing import checksums, commit, distributed
+from orbax_tunix.writing import checksums, distributed
 
 EXIT_OK = 0
 EXIT_DIFFER = 1
@@ -64,9 +67,9 @@ def parse_size(text: str) -> int:
     argparse.ArgumentTypeError: the text is not a size.
   """
   try:
-    return sizes.parse_size(text, 'size')
-  except errors.InvalidOptionError as e:
-    raise argparse.ArgumentTypeError(str(e).replace('`size` ', '', 1)) from None
+    return sizes.parse_size_text(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_dtype(name: str | None) -> np.dtype | None:
@@ -164,15 +167,9 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       lora_alpha=args.lora_alpha,
       lora_scale=args.lora_scale,
       base=args.base,
-      scan_layers=args.scan_layers,
-      param_scan_axis=args.param_scan_axis,
+      **_layout_options(args, layouts.STEP),
   )
-  leftovers = [
-      f'{leftover} is left from an interrupted conversion; remove it when no conversion'
-      ' is running.' for leftover in commit.leftovers(plan.dst)
-      if distributed.is_primary()  # Others would see process 0's own staging.
-  ]
-  result = _stream(convert_lib.run_convert, plan, [*plan.notes, *leftovers], args, out)
+  result = _stream(convert_lib.run_convert, plan, plan.notes, args, out)
   source = plan.source.detection
   rate = result.bytes_read / max(result.seconds, 1e-9)
   if args.json:
@@ -219,11 +216,9 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
       lora_alpha=args.lora_alpha,
       lora_scale=args.lora_scale,
       base=args.base,
-      max_shard_size=args.max_shard_size,
-      hf_config=args.hf_config,
       memory_budget=args.memory_budget,
       force=args.force,
-      param_scan_axis=args.param_scan_axis,
+      **_layout_options(args, layouts.FOLDER),
   )
   result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
@@ -232,11 +227,16 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
   replaced = ' (replaced the old one)' if result.replaced else ''
   out.text(
-      f'exported {plan.source.step_dir} -> {result.out_dir}{replaced}: {plan.family.name},'
+      f'exported {plan.source.step_dir} -> {result.out_dir}{replaced}: {plan.layout},'
       f' {result.tensors} tensors in {len(result.files)} file(s),'
       f' {format_bytes(result.total_size)} in {format_duration(result.seconds)}'
   )
   return EXIT_OK
+
+
+def _layout_options(args: argparse.Namespace, sink: str) -> dict[str, Any]:
+  """The layout options' flags as given (unset: their `layouts.Option.unset`)."""
+  return {name: getattr(args, name) for name in layouts.options(sink)}
 
 
 def _join(args: argparse.Namespace) -> None:
@@ -338,6 +338,16 @@ def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
       raise argparse.ArgumentTypeError(str(e) if str(e).startswith(repr(text)) else
                                        f'{text!r}: {e}') from None
   return parse_flag
+
+
+def _add_layout_options(p: argparse.ArgumentParser, sink: str) -> None:
+  """The flags of the options a command's layouts take (`layouts.Option`s, their data)."""
+  every = layouts.named(sink)
+  for option in layouts.options(sink).values():
+    takers = [n for n in every if layouts.get(n).takes(option.name)]
+    said = '' if takers == list(every) else f'{" and ".join(takers)}: '
+    p.add_argument(option.flag, type=_parsed(option.parse), metavar=option.metavar,
+                   help=said + option.help)
 
 
 def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
@@ -465,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
           ' without this package. DST is the step directory to create; name it by'
           ' its step number (out/1000) to make its parent a root that'
           ' ocp.CheckpointManager reads. Layouts (--layout): '
-          + '; '.join(f'{n}: {layouts.get(n).description}' for n in layouts.names())
+          + '; '.join(f'{n}: {layouts.get(n).description}' for n in layouts.named(layouts.STEP))
           + '. Streams in batches within --memory-budget;'
           ' written beside DST and renamed at the end, so a failure leaves no DST.'
           ' Check the result with: orbax-tunix diff SRC DST.'
@@ -476,12 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
-  p.add_argument('--layout', choices=layouts.names(), default=convert_lib.CANONICAL,
+  p.add_argument('--layout', choices=layouts.named(layouts.STEP), default=convert_lib.CANONICAL,
                  help=f'the layout to write (default {convert_lib.CANONICAL}; see above)')
-  for option in layouts.options().values():  # Each layout's options, from its values.
-    takers = [n for n in layouts.names() if layouts.get(n).takes(option.name)]
-    p.add_argument(option.flag, type=_parsed(option.parse), metavar=option.metavar,
-                   help=f'{" and ".join(takers)}: {option.help}')
+  _add_layout_options(p, layouts.STEP)
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')
@@ -525,9 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser(
       'export', parents=[common, hosts],
-      help='write a Hugging Face safetensors folder (qwen3, llama3, gemma3)',
+      help='write a Hugging Face safetensors folder (' + ', '.join(layouts.named(layouts.FOLDER))
+      + ')',
       description=(
-          'Write the weights of SRC (a Tunix run of a tunix.models family) as a'
+          'Write the weights of SRC (a Tunix run of a tunix.models family or of a MaxText'
+          ' model, or MaxText\'s own step) as a'
           ' Hugging Face folder that transformers, vLLM and Tunix\'s own loaders read:'
           ' model.safetensors, or model-0000i-of-0000n.safetensors shards with'
           ' model.safetensors.index.json, tensor names and layouts as Hugging Face has'
@@ -541,22 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('out_dir', metavar='OUT_DIR')
   p.add_argument('--model', required=True, choices=huggingface.choices(),
                  help='the model family')
-  p.add_argument('--param-scan-axis', type=int, default=1, metavar='AXIS',
-                 help="a scanned MaxText model's param_scan_axis, the layer axis of its stacked"
-                 ' weights (default 1, MaxText\'s)')
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast the weights to this dtype (bfloat16, float16, float32); default: as'
                  ' stored')
   _add_merge_options(p, 'export the LoRA adapters merged into the weights (no adapter tensors)')
-  p.add_argument('--max-shard-size', type=parse_size, default=export_lib.DEFAULT_MAX_SHARD_SIZE,
-                 metavar='SIZE', help='bytes per file, e.g. 500MB or 5GB (powers of 1000, as'
-                 ' transformers\' max_shard_size; GiB, MiB or G, M for powers of 1024; default'
-                 ' 5GB)')
-  p.add_argument('--hf-config', metavar='DIR',
-                 help="the base model's Hugging Face folder: its config.json (checked against"
-                 ' the weights), generation_config.json and tokenizer files are copied;'
-                 ' without it the export has no config.json')
+  _add_layout_options(p, layouts.FOLDER)
   p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use above start-up (default 1G ='
                  ' 1GiB)')

@@ -1,5 +1,9 @@
 """What every layout is and takes: `Request`, `Layout`, `LaidOut`, and the catalog they register in.
 
+Every output is a layout: an Orbax step (canonical, MaxText) or a Hugging Face
+safetensors folder (one layout per family). Its `sink` says which kind of
+destination it fills; its `options` are data the CLI builds flags from.
+
 Its own module so that the layouts (`canonical`, `maxtext`) import it, and the package
 (`layouts/__init__.py`) imports them: no cycle.
 """
@@ -11,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from orbax_tunix import catalog, errors
 from orbax_tunix.mapping import merge as merge_lib
@@ -29,6 +34,10 @@ class Request:
     merge: a LoRA merge whose merged weights are written (implies params_only).
     scan_layers: MaxText's layer form to write (None: as stored).
     param_scan_axis: MaxText's layer axis of the scanned side (None: found; see `convert`).
+    hf_config: a Hugging Face folder whose config and tokenizer a folder
+      layout checks and copies (None: none).
+    max_shard_size: bytes per safetensors file of a folder layout (None:
+      `transformers`' default).
   """
 
   source: reader.CanonicalCheckpoint
@@ -37,6 +46,8 @@ class Request:
   merge: merge_lib.MergePlan | None = None
   scan_layers: bool | None = None
   param_scan_axis: int | None = None
+  hf_config: epath.Path | None = None
+  max_shard_size: int | None = None
 
 
 def weights(request: Request) -> dict[tuple[str, ...], Output]:
@@ -61,11 +72,17 @@ class LaidOut:
     notes: things a person should know (what was left out, filled, ...).
     custom_metadata: entries the new step's custom metadata needs for its
       readers (e.g. MaxText's `scan_layers`).
+    files: a folder's other files, by name: a path to copy or a text to write
+      (a Hugging Face config.json, tokenizer files).
+    summary: what a person is told of the output beyond its items (a
+      family's `model` and `architecture`).
   """
 
   items: tuple[ItemOutput, ...]
   notes: tuple[str, ...] = ()
   custom_metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  files: tuple[tuple[str, epath.Path | str], ...] = ()
+  summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +94,15 @@ class Option:
     parse: the flag's text -> the value (raises ValueError for text that is none).
     metavar: how the flag's value is shown.
     help: what it does, for people.
+    coerce: a value the library was given -> the `Request`'s (a size's text to
+      bytes, a path's text to a path); raises `InvalidOptionError`.
   """
 
   name: str
   parse: Callable[[str], Any] = dataclasses.field(repr=False)
   metavar: str
   help: str
+  coerce: Callable[[Any], Any] = dataclasses.field(default=lambda value: value, repr=False)
 
   @property
   def unset(self) -> Any:
@@ -94,22 +114,32 @@ class Option:
     return '--' + self.name.replace('_', '-')
 
 
+# The kinds of destination a layout fills (`Layout.sink`); `tools/pipeline.py`
+# writes each.
+STEP = 'step'  # An Orbax step: one PyTree (or JSON) item per `ItemOutput`.
+FOLDER = 'folder'  # A Hugging Face folder: one item's outputs as safetensors tensors.
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """One output layout.
 
   Attributes:
-    name: what `--layout` calls it.
+    name: what `--layout` (a folder layout: `--model`) calls it.
     description: one line for people.
     lay_out: `Request -> LaidOut`, from metadata only.
     options: the options it reads (`Option`s: `Request` fields); the other
       layouts' options must keep their unset value (`check_options`).
+    sink: the kind of destination it fills (`STEP`, `FOLDER`).
+    weights_only: it writes the model's weights alone (a `params_only` request).
   """
 
   name: str
   description: str
   lay_out: Callable[[Request], LaidOut]
   options: tuple[Option, ...] = ()
+  sink: str = STEP
+  weights_only: bool = False
 
   def takes(self, option: str) -> bool:
     return any(o.name == option for o in self.options)
@@ -119,9 +149,15 @@ LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
 register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
 
 
-def options() -> dict[str, Option]:
-  """Every option some layout takes, by name (the CLI's layout flags)."""
-  return {o.name: o for n in names() for o in get(n).options}
+def options(sink: str | None = None) -> dict[str, Option]:
+  """Every option some layout (of `sink`, else any) takes, by name: a command's layout flags."""
+  return {o.name: o for n in names() for o in get(n).options
+          if sink is None or get(n).sink == sink}
+
+
+def named(sink: str) -> tuple[str, ...]:
+  """The layouts that fill `sink` (a command's choices)."""
+  return tuple(n for n in names() if get(n).sink == sink)
 
 
 def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
@@ -135,10 +171,10 @@ def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
     InvalidOptionError: one set (not its unset value) that `layout` does not
       read; the message names the layouts that do.
   """
-  for option, known in options().items():
+  for option, known in options(layout.sink).items():
     value = given.get(option, known.unset)
     if not layout.takes(option) and value != known.unset:
-      takers = [n for n in names() if get(n).takes(option)]
+      takers = [n for n in named(layout.sink) if get(n).takes(option)]
       raise errors.InvalidOptionError(
           f'`{option}` {value!r}: the {layout.name} layout does not take it (only'
           f' {", ".join(takers)} does). Leave `{option}` out, or pass `layout`'

@@ -95,14 +95,22 @@ def source_kind(paths: Collection[Path]) -> str:
   return MAXTEXT if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX
 
 
-def describe_source(shapes: Mapping[Path, Shape]) -> str:
+def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.DEFAULT_AXIS
+                    ) -> str:
   """What kind of model the weights are, for notes and `inspect`: e.g.
-  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'."""
+  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'.
+
+  Args:
+    shapes: the weights.
+    axis: the layer axis of stacked weights (`param_scan_axis`); None: not
+      known (the count is shown as '?').
+  """
   kind = source_kind(shapes)
   if kind != MAXTEXT:
     return SOURCE_NAMES[kind]
-  form, layers = stacks_lib.describe(shapes)
-  return f'{SOURCE_NAMES[kind]} ({form}, {layers} layers)'
+  form, layers = stacks_lib.describe(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
+  count = '?' if axis is None and form == 'scanned' else layers
+  return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
 
 
 @dataclasses.dataclass(frozen=True)

@@ -379,9 +379,9 @@ def inspect_checkpoint(
   lora = lora_report([leaf for leaf, _ in weight_pairs]) if weight_pairs else None
   opt_item, opt_leaves = _optimizer_leaves(ckpt)
   hparams, state_step = _read_scalars(ckpt, opt_item)
-  outline = optimizer_outline(
-      opt_leaves, {path: leaf.shape for leaf, path in weight_pairs}, tuple(hparams)
-  )
+  weight_shapes = {path: leaf.shape for leaf, path in weight_pairs}
+  outline = optimizer_outline(opt_leaves, weight_shapes, tuple(hparams))
+  layer_form = _layer_form(weight_shapes, detection.source.custom_metadata)
   return Report(
       detection=detection,
       steps=detection.steps,
@@ -395,17 +395,21 @@ def inspect_checkpoint(
       hyperparameters=hparams,
       notes=tuple(detection.notes),
       checkpoint=ckpt,
-      layers=_layer_form({path: leaf.shape for leaf, path in weight_pairs},
-                         detection.source.custom_metadata),
-      source=_source({path: leaf.shape for leaf, path in weight_pairs}),
+      layers=layer_form,
+      source=_source(weight_shapes, layer_form),
   )
 
 
-def _source(shapes: Mapping[Path, tuple[int, ...] | None]) -> str | None:
-  """What kind of model the weights are (a MaxText or a Tunix model's), if any."""
+def _source(shapes: Mapping[Path, tuple[int, ...] | None], layers: LayerReport | None
+            ) -> str | None:
+  """What kind of model the weights are (a MaxText or a Tunix model's), if any: the layer
+  count along the axis the layer report found ('?' where it found none or no count)."""
   if not shapes:
     return None
-  return huggingface.describe_source({p: s for p, s in shapes.items() if s is not None})
+  axis = maxtext_layers.DEFAULT_AXIS
+  if layers is not None and layers.form == maxtext_layers.SCANNED:
+    axis = layers.axis if layers.count is not None else None
+  return huggingface.describe_source({p: s for p, s in shapes.items() if s is not None}, axis)
 
 
 def _layer_form(

@@ -1,0 +1,329 @@
+"""The Hugging Face layouts: one per family (`mapping/huggingface.py`), each a safetensors folder.
+
+A family's layout lays out the model's weights (merged for a LoRA merge) under
+the family's tensor names and layouts: MaxText's stacked layers taken apart
+first, a vocabulary cut to the base config's, each tensor read as stored and
+cast once after its arithmetic. With `hf_config` it also checks the base
+model's config.json against the weights and names the files the folder gets
+(config, generation config, tokenizer), every one a regular file decided
+before any read. The family is the only thing that differs between them:
+a new family is one value in `mapping/huggingface.py`, registered here by the
+loop at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Mapping
+
+from etils import epath
+
+from orbax_tunix import conventions, errors
+from orbax_tunix.keypaths import fmt
+from orbax_tunix.layouts.base import FOLDER, LaidOut, Layout, Option, Request, register, weights
+from orbax_tunix.layouts.canonical import rng_note
+from orbax_tunix.mapping import huggingface, lora, patterns, stacks
+from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.outputs import ItemOutput, Output, read_sliced, relay
+from orbax_tunix.mapping.transforms import per_input
+from orbax_tunix.maxtext import layers as maxtext_layers
+from orbax_tunix.reading import reader
+from orbax_tunix.sizes import parse_size, parse_size_text
+from orbax_tunix.store import fileio
+
+# The one item a folder layout lays out: its outputs are the folder's tensors.
+ITEM = 'model'
+# transformers' default `max_shard_size`.
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+# What `hf_config` copies from the base model's folder (never its weights).
+CONFIG_FILES = ('config.json', 'generation_config.json')
+TOKENIZER_FILES = (
+    'tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'special_tokens_map.json',
+    'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json',
+)
+
+
+def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
+  """The weights of `request.source` as `family`'s tensors, and the folder's other files.
+
+  Raises:
+    UnsupportedLayoutError: weights that do not fit the family; a config.json
+      that disagrees with them.
+    LoraOnlyCheckpointError, LoraError: adapters without a merge.
+    InvalidOptionError: an `hf_config` that is not a readable model folder.
+  """
+  source, merged = request.source, request.merge
+  if merged is None:
+    _refuse_adapters(source)
+  where = str(source.step_dir)
+  model, left_out = _model_weights(weights(request))
+  naming = family.naming(model, where)
+  axis = _scan_axis(request, {p: o.shape for p, o in model.items()}, where)
+  # MaxText's stacked layers taken apart first, then the family's names.
+  per_layer = stacks.unstack({p: o.shape for p, o in model.items()}, naming.stacks, axis,
+                             where=where)
+  base_config = _base_config(request.hf_config)
+  per_layer, vocab_notes = huggingface.cut_vocab(
+      naming, per_layer, _config_vocab(base_config), f'{request.hf_config}/config.json')
+  shapes = {p: m.shape for p, m in per_layer.items()}
+  try:
+    mapped = patterns.map_paths(shapes, naming.rules, where=where)
+  except errors.UnsupportedLayoutError as e:
+    raise errors.UnsupportedLayoutError(
+        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the family"
+        f' the model is (`model`: {", ".join(huggingface.names())}).'
+    ) from e
+  huggingface.fits(family, shapes, mapped.unmatched, where)
+  staged = {o.path: o for o in relay(model, per_layer)}
+  if merged is not None:
+    staged.update(_merged_per_layer(merged, model, per_layer, naming, axis))
+  # A stacked weight's layers (and a fused weight's parts) are read one by one,
+  # not the stack whole for each batch: memory within the budget and one layer.
+  outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
+  files, notes = _config_files(family, request.hf_config, base_config, shapes,
+                               {o.dtype.name for o in outputs if o.dtype is not None})
+  notes = [*rng_note(source), *left_out, *vocab_notes, *notes,
+           f'weights: {huggingface.describe_source({p: o.shape for p, o in model.items()}, axis)}']
+  return LaidOut(
+      items=(ItemOutput(ITEM, outputs),), notes=tuple(notes), files=files,
+      summary={'model': family.name, 'architecture': family.target_of(naming)[0],
+               'config': None if request.hf_config is None
+               else os.fspath(request.hf_config / 'config.json')},
+  )
+
+
+def _scan_axis(request: Request, shapes: Mapping, where: str) -> int:
+  """The layer axis of stacked weights (`param_scan_axis`): as given, else as the step
+  records it (a converted step), else the one the shapes tell (MaxText's default where
+  several do), checked against the stored weights as `convert` checks it.
+
+  Raises:
+    InvalidOptionError: a negative axis; an axis given for weights that hold no
+      stacked layers.
+    LayerScanMismatchError: an axis along which the stacked weights do not hold
+      one layer count (the message names the axis that fits).
+  """
+  given = request.param_scan_axis
+  maxtext_layers.check_axis(given)
+  if stacks.describe(shapes)[0] != 'scanned':
+    if given is not None:
+      raise errors.InvalidOptionError(
+          f'{where}: `param_scan_axis` {given}: the weights hold no stacked layers'
+          f' ({huggingface.describe_source(shapes)}); leave `param_scan_axis` out.')
+    return stacks.DEFAULT_AXIS
+  recorded = request.source.detection.source.custom_metadata.get(maxtext_layers.SCAN_AXIS_KEY)
+  axis = given if given is not None else recorded if isinstance(recorded, int) else None
+  if not maxtext_layers.stacked_axes(shapes):  # Stacks outside decoder/layers (gemma4's blocks).
+    return stacks.DEFAULT_AXIS if axis is None else axis
+  if axis is None and stacks.DEFAULT_AXIS in maxtext_layers.stacked_axes(shapes):
+    axis = stacks.DEFAULT_AXIS  # Where the shapes allow several, MaxText's default.
+  return maxtext_layers.check_stacked(shapes, axis, where)
+
+
+def _model_weights(found: dict) -> tuple[dict, list[str]]:
+  """The weights without AQT's quantization state (no tensor of the model), and a note."""
+  aqt = [p for p in found if conventions.is_quantization_state(p)]
+  if not aqt:
+    return found, []
+  kept = {p: o for p, o in found.items() if p not in set(aqt)}
+  return kept, [f'left out {len(aqt)} AQT quantization leaves (e.g. {fmt(aqt[0])}): not'
+                ' weights of the model']
+
+
+def _merged_per_layer(merged, model, per_layer, naming, axis: int) -> dict:
+  """A scanned layer's LoRA merge, one layer at a time.
+
+  Relaid as any weight, a merged stacked weight would be merged whole for
+  each of its layers; here each layer is taken from the weight and from its
+  adapters (stacked on the same axes: `lora.Contraction.stacked`), then
+  merged. Adapters named otherwise than qwix's `<w>_lora_a` keep the whole merge.
+  """
+  adapters = {}
+  for merge in merged.merges.values():
+    adapters[merge.adapter.a] = merge.a.shape
+    adapters[merge.adapter.b] = merge.b.shape
+  layers = stacks.unstack(adapters, naming.stacks, axis)
+  out = {}
+  for dest, m in per_layer.items():
+    (source,) = m.sources
+    merge = merged.merges.get(source)
+    if merge is None or not merge.contraction.stacked or m.transform.is_identity:
+      continue
+    a, b = (layers.get((*dest[:-1], p[-1])) for p in (merge.adapter.a, merge.adapter.b))
+    if a is None or b is None or a.sources != (merge.adapter.a,) or b.sources != (merge.adapter.b,):
+      continue
+    one = dataclasses.replace(merge, contraction=dataclasses.replace(
+        merge.contraction, weight=m.shape, stacked=()))
+    whole = model[source]
+    out[dest] = dataclasses.replace(
+        whole, path=dest, shape=m.shape,
+        transform=per_input((m.transform, a.transform, b.transform), merge_lib.as_transform(one)))
+  return out
+
+
+def _read_as_stored(output: Output) -> Output:
+  """A computed output (a norm's shift, a division) reads its sources in their own dtype:
+  the arithmetic is in float32 and the cast to the written dtype comes once, after it."""
+  if output.transform.moves_only or output.read_dtypes is not None:
+    return output
+  return dataclasses.replace(output, read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
+
+
+def _config_vocab(values: object) -> int | None:
+  """The `vocab_size` of a parsed config.json (its text model's), if it names one."""
+  values = values.get('text_config', values) if isinstance(values, dict) else {}
+  vocab = values.get('vocab_size') if isinstance(values, dict) else None
+  return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
+  found = [path for _, path in reader.weights(source)]
+  adapters = [fmt(p) for p in found if lora.is_adapter(p)]
+  if not adapters:
+    return
+  what = 'only LoRA adapters' if len(adapters) == len(found) else 'LoRA adapters'
+  base = ' and `base` (the checkpoint the run started from)' if len(adapters) == len(found) else ''
+  error = errors.LoraOnlyCheckpointError if len(adapters) == len(found) else errors.LoraError
+  raise error(
+      f'{source.step_dir}: expected a model\'s weights, found {what} ({len(adapters)} leaves,'
+      f' e.g. {adapters[0]}): a Hugging Face model has no adapter tensors. Export the'
+      f' weights with the adapters merged: `merge_lora=True`, `lora_alpha`{base}.'
+  )
+
+
+_CONFIG_REMEDY = ('Fix the file, or pass as `hf_config` the folder of the model this run was'
+                  ' trained from.')
+
+
+def _base_config(hf_config: epath.Path | None) -> object:
+  """The `hf_config` folder's config.json, parsed (read once per export); None without one.
+
+  Raises:
+    InvalidOptionError: not a folder holding a config.json file, or one that does not parse.
+  """
+  if hf_config is None:
+    return None
+  config = hf_config / 'config.json'
+  found = fileio.what_is_at(config) if hf_config.is_dir() else fileio.what_is_at(hf_config)
+  if found != 'a file':
+    raise errors.InvalidOptionError(
+        f'{config if hf_config.is_dir() else hf_config}: `hf_config` must be a Hugging Face'
+        f' model folder holding config.json (a file), found {found}.'
+    )
+  return fileio.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
+
+
+def _config_files(
+    family: huggingface.Family, hf_config: epath.Path | None, values: object, shapes,
+    dtypes: set[str],
+) -> tuple[tuple[tuple[str, epath.Path | str], ...], list[str]]:
+  """The folder's other files: the base model's config (`values`, as `_base_config` read it;
+  checked against the weights, and written anew where the checks complete it) and the files
+  to copy, every one a regular file (decided before any read); and notes."""
+  if hf_config is None:
+    return (), [
+        'no config.json written: add the base model\'s (--hf-config DIR copies it and its'
+        ' tokenizer) before loading the folder with transformers or vLLM'
+    ]
+  config = hf_config / 'config.json'
+  checked = huggingface.check_config(family, values, shapes, str(config))
+  checked = _with_dtype(checked, dtypes)
+  files: list[tuple[str, epath.Path | str]] = [
+      ('config.json', json.dumps(checked.values, indent=2, sort_keys=False) + '\n'
+       if checked.notes else config)]
+  notes = list(checked.notes)
+  for name in (*CONFIG_FILES[1:], *TOKENIZER_FILES):
+    path = hf_config / name
+    usable, note = _copyable(path)
+    if usable:
+      files.append((name, path))
+    elif note:
+      notes.append(note)
+  return tuple(files), notes
+
+
+# config.json's names for the weights' dtype (`transformers` 4: torch_dtype; 5: dtype).
+_DTYPE_FIELDS = ('torch_dtype', 'dtype')
+
+
+def _with_dtype(checked: huggingface.Config, dtypes: set[str]) -> huggingface.Config:
+  """The config with the dtype it names set to the one the export writes, when they differ
+  (a loader's `dtype='auto'` takes the config's: float32 weights would be loaded as bfloat16)."""
+  if len(dtypes) != 1:
+    return checked
+  (written,) = dtypes
+  values = dict(checked.values)
+  texts = [values] + ([dict(values['text_config'])] if isinstance(
+      values.get('text_config'), Mapping) else [])
+  changed = [(d, f, d[f]) for d in texts for f in _DTYPE_FIELDS
+             if isinstance(d.get(f), str) and d[f] != written]
+  if not changed:
+    return checked
+  for d, f, _ in changed:
+    d[f] = written
+  if len(texts) > 1:
+    values['text_config'] = texts[1]
+  note = ('config.json: ' + ', '.join(f'{f}={written!r} (the base config has {old!r})'
+                                      for _, f, old in changed) + ': the dtype the weights are')
+  return huggingface.Config(values, (*checked.notes, note))
+
+
+def _copyable(path: epath.Path) -> tuple[bool, str | None]:
+  """Whether a base model's file is copied: a readable regular file (links to one
+  too), decided from `stat` alone (a device or a pipe is never read).
+
+  Returns:
+    (copied, a note when it is skipped for a reason a person should know).
+
+  Raises:
+    InvalidOptionError: it is not a regular file, or cannot be read.
+  """
+  if not fileio.is_local(path):
+    return path.is_file(), None
+  found = fileio.what_is_at(path)
+  if found == 'nothing':
+    return False, None
+  if found == 'a broken link':
+    return False, (f'{path} is a link to nothing ({os.readlink(path)}): not copied; the'
+                   ' export has no ' + path.name)
+  if found != 'a file':
+    raise errors.InvalidOptionError(
+        f'{path}: expected a regular file to copy from `hf_config`, found {found}. Replace'
+        ' it with the file (or remove it) and run again.'
+    )
+  if not os.access(path, os.R_OK):
+    raise errors.InvalidOptionError(
+        f'{path}: expected a readable file to copy from `hf_config`, found one this user'
+        ' cannot read. Fix its permissions (or remove it) and run again.'
+    )
+  return True, None
+
+
+HF_CONFIG = Option(
+    'hf_config', fileio.as_path, 'DIR',
+    "the base model's Hugging Face folder: its config.json (checked against the weights),"
+    ' generation_config.json and tokenizer files are copied; without it the export has no'
+    ' config.json', coerce=fileio.as_path)
+MAX_SHARD_SIZE = Option(
+    'max_shard_size', parse_size_text, 'SIZE',
+    "bytes per file, e.g. 500MB or 5GB (powers of 1000, as transformers' max_shard_size;"
+    ' GiB, MiB or G, M for powers of 1024; default 5GB)',
+    coerce=functools.partial(parse_size, name='max_shard_size'))
+PARAM_SCAN_AXIS = Option(
+    'param_scan_axis', int, 'AXIS',
+    "a scanned MaxText model's param_scan_axis, the layer axis of its stacked weights"
+    " (default: the step's own, recorded or told by its shapes; 1, MaxText's, where several"
+    ' fit; an axis that does not fit is refused)')
+
+for _family in map(huggingface.get, huggingface.names()):
+  register(Layout(
+      name=_family.name,
+      description=f'a Hugging Face safetensors folder of {_family.architecture}',
+      lay_out=functools.partial(lay_out, _family),
+      options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG),
+      sink=FOLDER,
+      weights_only=True,
+  ))
