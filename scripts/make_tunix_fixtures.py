@@ -462,6 +462,16 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
                    "attention_pattern": ["LOCAL_SLIDING", "GLOBAL"],
                    "param_dtype": "float32", "dtype": "float32"},
     },
+    # The Gemma targets on Gemma 1 (one kv head: kv_einsum (2, 1, D, H)) and Gemma 4. qwix adapts
+    # only the einsums a forward pass calls: Gemma 4's kv-shared layers (3-5) read layers 1-2's
+    # cache, so their kv_einsum gets no adapter; hf_gemma4_moe's global layer has k_einsum, and
+    # its experts are bare Params (no module to adapt), its dense MLP is adapted.
+    "hf_gemma_lora": {"family": "gemma", "lora_of": "hf_gemma", "lora_only": False,
+                      "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
+    "hf_gemma4_lora": {"family": "gemma4", "lora_of": "hf_gemma4", "lora_only": False,
+                       "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
+    "hf_gemma4_moe_lora": {"family": "gemma4", "lora_of": "hf_gemma4_moe", "lora_only": False,
+                           "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
 }
 # ModelConfig fields holding AttentionType values, recorded by name.
 HF_ENUM_FIELDS = ("attention_types", "attention_pattern")
