@@ -83,12 +83,14 @@ float32 merge of them lands from the LoRA model's own logits).
   hf_qwen3_lora_only   the same run, adapters only (as PeftTrainer saves);
                        its base is hf_qwen3 step 1.
   hf_qwen2, hf_qwen2_lora, hf_qwen3_moe, hf_qwen3_moe_lora, hf_gemma2,
-  hf_gemma2_lora, hf_gemma, hf_gemma4, hf_gemma4_moe
+  hf_gemma2_lora, hf_gemma, hf_gemma4, hf_gemma4_moe, hf_gemma_lora,
+  hf_gemma4_lora, hf_gemma4_moe_lora
                        issue 29's families (tests/data/tunix/README.md says
-                       what each holds); model only.
+                       what each holds); model only (the *_lora ones: qwix
+                       LoRA on a base above, saved in full with the optimizer).
 The hf_* fixtures import Tunix's model modules, which set flax's
 ``flax_always_shard_variable`` to False process-wide: they are written after
-the others (and the lora ones after hf_qwen3, whose files they read). The
+the others (and each lora one after its base, whose files it reads). The
 committed ones were written in /work/tunix-venv (the full install above); the
 test venv with scripts/tunix_pkgs.sh's directory on PYTHONPATH writes the same
 arrays and manifest entries (checked), without the full install::
@@ -96,7 +98,8 @@ arrays and manifest entries (checked), without the full install::
     JAX_PLATFORMS=cpu PYTHONPATH="$(PYTHON=.venv/bin/python scripts/tunix_pkgs.sh | tail -1)" \
         .venv/bin/python scripts/make_tunix_fixtures.py --only hf_qwen3 hf_llama3 \
         hf_gemma3 hf_gemma3_fused hf_qwen3_lora hf_qwen3_lora_only hf_qwen2 hf_qwen2_lora \
-        hf_qwen3_moe hf_qwen3_moe_lora hf_gemma2 hf_gemma2_lora hf_gemma hf_gemma4 hf_gemma4_moe
+        hf_qwen3_moe hf_qwen3_moe_lora hf_gemma2 hf_gemma2_lora hf_gemma hf_gemma4 hf_gemma4_moe \
+        hf_gemma_lora hf_gemma4_lora hf_gemma4_moe_lora
 """
 
 from __future__ import annotations
@@ -462,6 +465,16 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
                    "attention_pattern": ["LOCAL_SLIDING", "GLOBAL"],
                    "param_dtype": "float32", "dtype": "float32"},
     },
+    # The Gemma targets on Gemma 1 (one kv head: kv_einsum (2, 1, D, H)) and Gemma 4. qwix adapts
+    # only the einsums a forward pass calls: Gemma 4's kv-shared layers (3-5) read layers 1-2's
+    # cache, so their kv_einsum gets no adapter; hf_gemma4_moe's global layer has k_einsum, and
+    # its experts are bare Params (no module to adapt), its dense MLP is adapted.
+    "hf_gemma_lora": {"family": "gemma", "lora_of": "hf_gemma", "lora_only": False,
+                      "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
+    "hf_gemma4_lora": {"family": "gemma4", "lora_of": "hf_gemma4", "lora_only": False,
+                       "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
+    "hf_gemma4_moe_lora": {"family": "gemma4", "lora_of": "hf_gemma4_moe", "lora_only": False,
+                           "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
 }
 # ModelConfig fields holding AttentionType values, recorded by name.
 HF_ENUM_FIELDS = ("attention_types", "attention_pattern")
