@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -317,6 +318,32 @@ def test_a_process_killed_mid_way_fails_the_other_and_commits_nothing(tmp_path):
   assert not dst.exists(), done.show()
   # What is left is a staging directory, which every reader skips.
   assert all(commit.TMP_MARKER in p.name for p in dst.parent.iterdir()), list(dst.parent.iterdir())
+
+
+@pytest.mark.parametrize('command', ['convert', 'export'])
+def test_a_process_whose_writes_fail_fails_every_process_and_commits_nothing(command, tmp_path):
+  """Process 1's writes fail part way (a full disk): every process exits non-zero saying
+  which process failed and why, none waits for it past the failure, and nothing is left
+  that looks finished."""
+  src = write_large(tmp_path / 'src', arrays=24, rows=512) if command == 'convert' else (
+      TUNIX / 'hf_qwen3')
+  dst = tmp_path / 'dst' / ('1' if command == 'convert' else 'out')
+  argv = [command, str(src), str(dst), '--memory-budget', '4M'] + (
+      ['--model', 'qwen3', '--max-shard-size', '20KB'] if command == 'export' else [])
+  failing = [sys.executable, str(pathlib.Path(__file__).parent / 'fail_mid_write.py')]
+  done = run_two(argv, tmp_path, prefixes=[[], failing])
+  assert all(c != 0 for c in done.codes), done.show()
+  assert done.seconds < 90, done.show()
+  for output in done.outputs:
+    assert 'orbax-tunix: error:' in output and 'Traceback' not in output, done.show()
+  # Process 0 names the process that failed and why; process 1 says it as one process would.
+  assert re.search(r'process 1( failed)?: OSError: \[Errno 28\] No space left on device',
+                   done.outputs[0]), done.show()
+  assert 'writing failed' not in done.outputs[0], done.show()  # Its own disk is not full.
+  assert f'{dst}: writing failed: no space left on the device' in done.outputs[1], done.show()
+  assert not dst.exists(), done.show()
+  left = list(dst.parent.iterdir()) if dst.parent.exists() else []
+  assert all(commit.TMP_MARKER in p.name for p in left), left
 
 
 # --- the pieces, in this process --------------------------------------------------------

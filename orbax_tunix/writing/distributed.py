@@ -63,6 +63,10 @@ POLL_MS = 50
 MAX_POLL_MS = 1000
 # The rounds where every process reports its outcome, failed or not.
 OUTCOME_ROUNDS = ('write', 'commit')
+# The rounds of a `staged` run, each once per run: keyed by the run, not by the
+# call count, which differs between processes once one has left the block early
+# (a failure) while the others took part in more rounds inside it (`checksums`).
+RUN_ROUNDS = ('open', 'visible', 'write', 'commit', 'replaced')
 # How long a failed process waits for the others before it exits (ms).
 LEAVE_WAIT_MS = 10_000
 LEAVE_LAST_S = 1.0
@@ -223,7 +227,7 @@ def _client() -> Any:
 def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
   """Every process's `text`, in process order (each process calls this in the same order).
 
-  A barrier: returns once every process reported. Keys are numbered by call,
+  A barrier: returns once every process reported. Keys are numbered by call (a `staged` run's own rounds, `RUN_ROUNDS`, by the run),
   so the same `name` may be used again. While waiting it watches for a
   failure another process announced (`_announce`), so that a process that
   failed mid-way does not leave the others waiting for it.
@@ -234,7 +238,8 @@ def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
   """
   if not active():
     return [text]
-  key = f'{KEY_PREFIX}/{next(_rounds)}/{name}'
+  key = (f'{KEY_PREFIX}/run-{_run}/{name}' if name in RUN_ROUNDS
+         else f'{KEY_PREFIX}/{next(_rounds)}/{name}')
   client = _client()
   client.key_value_set(f'{key}/{process_index()}', text)
   got: dict[int, str] = {}
@@ -252,7 +257,8 @@ def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
     # heartbeat, which ends every process of the job.
     failed = None if name in OUTCOME_ROUNDS else _announced(client)
     if failed:
-      raise errors.DistributedError(f'{failed} Stopped waiting ({name}); nothing was committed.')
+      raise errors.DistributedError(
+          f'{failed.rstrip(".")}. This process stopped waiting ({name}); nothing was committed.')
     if waited >= timeout_ms:
       missing = sorted(set(range(process_count())) - set(got))
       raise errors.DistributedError(
@@ -363,10 +369,19 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
     raise errors.DistributedError(f'process 0 could not start writing {dst}: {first[0]}')
   shared = opened or SharedStaging(epath.Path(first[1]))
 
-  def abandon() -> None:
+  def abandon(error: BaseException) -> None:
+    """Process 0 removes the staging: `commit.staged` ends with `error`, its clean-up run
+    here, once (left to the collector, it ran later and raised there, unseen)."""
     if opened is not None:
-      stack.pop_all()
-      opened.abort()
+      with contextlib.suppress(Exception):  # It re-raises `error`, or what it maps it to.
+        stack.__exit__(type(error), error, error.__traceback__)
+
+  def own_failure(error: BaseException) -> BaseException:
+    """This process's own failure as one process alone would say it (a full disk: the
+    destination's failure, `commit.write_failure`); another process's, as it is."""
+    if isinstance(error, errors.DistributedError):
+      return error
+    return commit.write_failure(dst, error, nbytes) or error
 
   if first[2] != os.fspath(dst):
     seen = (f'this process was given the destination {dst}, process 0 {first[2]}: give every'
@@ -378,8 +393,8 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
         ' shared filesystem mounted at the same path on every host).')
   try:
     agree('visible', seen)
-  except errors.DistributedError:
-    abandon()
+  except errors.DistributedError as e:
+    abandon(e)
     raise
   try:
     yield shared
@@ -388,10 +403,11 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
     _announce(_failure(e))
   try:
     agree('write', None if own is None else _failure(own))
-  except errors.DistributedError:
-    abandon()
-    if own is not None:
-      raise own from None  # This process's own failure, as it would be alone.
+  except errors.DistributedError as e:
+    abandon(e if own is None else own)
+    if own is not None:  # This process's own failure, as it would be alone.
+      failure = own_failure(own)
+      raise failure from (None if failure is own else own)
     raise
   if opened is not None:
     try:
