@@ -198,13 +198,19 @@ def safetensors_read(folder: pathlib.Path) -> dict[str, tuple[str, list[int], st
 
 
 def test_export_several_shards_two_processes_write_what_one_writes(tmp_path):
-  argv = ['export', str(TUNIX / 'hf_qwen3'), '--model', 'qwen3', '--max-shard-size', '20KB']
+  from tests.test_export_hf import HF_CONFIG_DIMS, _write_hf_dir  # pylint: disable=g-import-not-at-top
+
+  # With the base model's folder: process 0 writes config.json and copies the tokenizer.
+  hf = _write_hf_dir(tmp_path / 'base', HF_CONFIG_DIMS['hf_qwen3'])
+  argv = ['export', str(TUNIX / 'hf_qwen3'), '--model', 'qwen3', '--max-shard-size', '20KB',
+          '--hf-config', str(hf)]
   run_one([argv[0], argv[1], str(tmp_path / 'one'), *argv[2:]])
   done = run_two([argv[0], argv[1], str(tmp_path / 'two'), *argv[2:]], tmp_path)
   assert done.codes == [0, 0], done.show()
   one, two = tmp_path / 'one', tmp_path / 'two'
   names = sorted(p.name for p in one.iterdir())
   assert len([n for n in names if n.endswith('.safetensors')]) > 2, names
+  assert {'config.json', 'tokenizer.json'} <= set(names), names
   assert sorted(p.name for p in two.iterdir()) == names
   for name in names:  # Name for name, byte for byte.
     assert (two / name).read_bytes() == (one / name).read_bytes(), name
@@ -245,6 +251,42 @@ def test_export_api_in_a_job_the_caller_started(tmp_path):
   assert sorted(p.name for p in (tmp_path / 'two').iterdir()) == names
   for name in names:
     assert (tmp_path / 'two' / name).read_bytes() == (tmp_path / 'one' / name).read_bytes()
+
+
+CONVERT_API_SCRIPT = """
+import sys
+import jax
+jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+port, pid, src, dst = sys.argv[1:]
+jax.distributed.initialize(f'localhost:{port}', 2, int(pid), initialization_timeout=30)
+from orbax_tunix.tools import convert
+result = convert.run_convert(convert.plan_convert(src, dst, layout='maxtext', scan_layers=False))
+print('converted', jax.process_index(), jax.process_count(), result.num_leaves)
+"""
+
+
+def test_convert_api_in_a_job_the_caller_started(tmp_path):
+  # The caller's own jax.distributed.initialize(); plan_convert/run_convert share the work.
+  src = MAXTEXT / 'tunix_llama2_scan'
+  run_one(['convert', str(src), str(tmp_path / 'one' / '1'), '--layout', 'maxtext',
+           '--scan-layers', 'false'])
+  port, t0 = free_port(), time.monotonic()
+  started = []
+  for i in range(2):
+    log = tmp_path / f'api_{i}.log'
+    with log.open('w') as f:
+      started.append((subprocess.Popen(
+          [sys.executable, '-c', CONVERT_API_SCRIPT, str(port), str(i), str(src),
+           str(tmp_path / 'two' / '1')], env=env(), cwd=tmp_path, stdout=f,
+          stderr=subprocess.STDOUT, start_new_session=True), log))
+  done = finish(started, t0)
+  assert done.codes == [0, 0], done.show()
+  assert [f'converted {i} 2 ' in o for i, o in enumerate(done.outputs)] == [True, True]
+  step = tmp_path / 'two' / '1'
+  for item in (p for p in step.iterdir() if (p / '_METADATA').exists()):
+    assert sorted(p.name for p in item.glob('ocdbt.process_*')) == [
+        'ocdbt.process_0', 'ocdbt.process_1'], item
+  assert_same_step(tmp_path / 'one' / '1', step)
 
 
 def test_process_count_mismatch_fails_every_process(tmp_path):
