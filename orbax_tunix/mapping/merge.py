@@ -29,7 +29,7 @@ from orbax_tunix.mapping import lora, transforms
 from orbax_tunix.mapping.outputs import Input, Output, copied
 from orbax_tunix.mapping.transforms import Transform
 from orbax_tunix.reading import reader
-from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import into, sharding_of
 
 PyTree = Any
@@ -358,10 +358,10 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
   check_target(plan, targets)
   # One read per checkpoint item: weights into their targets, the (small)
   # adapters to the host once, in float32; the merge puts them on the devices.
-  reads: dict[tuple[int, str], tuple[reader.CanonicalCheckpoint, dict[Path, Any]]] = {}
+  reads = Reads()
 
   def want(ckpt, leaf, request):
-    reads.setdefault((id(ckpt), leaf.item), (ckpt, {}))[1][leaf.path] = request
+    reads.want(ckpt.detection, leaf.item, leaf.path, request)
 
   for path, leaf in targets.items():
     source, sharding = plan.weights[path], sharding_of(leaf)
@@ -370,23 +370,18 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     if merge is not None:
       for adapter in (merge.a, merge.b):
         want(plan.lora, adapter, into(adapter.shape, np.float32, None))
-  values: dict[tuple[int, str, Path], Any] = {}
-  for (key, item), (ckpt, wanted) in reads.items():
-    planned = PlannedItem.of(ckpt.detection, item)
-    got = planned.read(wanted)
-    values.update(((key, item, p), v) for p, v in got.items())
+  reads.read()
   out = {}
   for path, leaf in targets.items():
     source = plan.weights[path]
-    w = values.pop((id(source.ckpt), source.leaf.item, source.leaf.path))
+    w = reads.pop(source.ckpt.detection, source.leaf.item, source.leaf.path)
     merge = plan.merges.get(path)
     if merge is not None:
-      a = values[(id(plan.lora), merge.a.item, merge.a.path)]
-      b = values[(id(plan.lora), merge.b.item, merge.b.path)]
+      a = reads.got(plan.lora.detection, merge.a.item, merge.a.path)
+      b = reads.got(plan.lora.detection, merge.b.item, merge.b.path)
       w = _merge_fn(merge.contraction, merge.scale, sharding_of(leaf))(w, a, b)
       w.block_until_ready()  # One weight's temporaries at a time.
     out[path] = w
-  values.clear()
   return out
 
 

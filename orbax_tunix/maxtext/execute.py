@@ -22,7 +22,7 @@ from orbax_tunix.mapping import lora, merge, transforms
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore, require_target
 from orbax_tunix.maxtext.view import Shape
 from orbax_tunix.reading import reader
-from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.planned_item import PlannedItem, Reads
 from orbax_tunix.reading.read_requests import args_by_path, into, is_key, sharding_of
 from orbax_tunix.view.detection import Detection
 
@@ -175,27 +175,19 @@ def execute_plan(
   primary: dict[Source, Path] = {}
   for target, source in sorted(plan.reads.items()):
     primary.setdefault(source, target)
-  values: dict[Source, jax.Array] = {}
   direct = sorted({*plan.reads.values(), *(f.source for f in plan.fills.values() if f.source)})
-  by_item: dict[str, list[Path]] = {}
+  # One read per item; the plan checked every path and shape (no metadata read again).
+  reads = Reads()
   for source in direct:
-    by_item.setdefault(source.item, []).append(source.path)
-  for item, paths in by_item.items():
-    requests = {}
-    for path in paths:
-      source = Source(item, path)
-      if source in primary:
-        requests[path] = _read_form(*resolved[primary[source]])
-      else:  # Only a fill needs it (the step): a scalar on one device.
-        sharding = sharding_of(None)
-        requests[path] = (
-            jax.ShapeDtypeStruct((), np.uint32, sharding=sharding),
-            ocp.ArrayRestoreArgs(sharding=sharding),
-        )
-    # The plan checked every path and shape; the item's metadata is not read again.
-    planned = PlannedItem.of(plan.detection, item)
-    read = planned.read(requests)
-    values.update((Source(item, p), value) for p, value in read.items())
+    if source in primary:
+      request = _read_form(*resolved[primary[source]])
+    else:  # Only a fill needs it (the step): a scalar on one device.
+      sharding = sharding_of(None)
+      request = (jax.ShapeDtypeStruct((), np.uint32, sharding=sharding),
+                 ocp.ArrayRestoreArgs(sharding=sharding))
+    reads.want(plan.detection, source.item, source.path, request)
+  reads.read()
+  values = {source: reads.pop(plan.detection, source.item, source.path) for source in direct}
   made = _make_derived(plan, resolved)
   leaves = []
   for path, leaf in pairs:

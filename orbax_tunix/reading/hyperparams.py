@@ -17,7 +17,7 @@ from etils import epath
 
 from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.planned_item import PlannedItem, Reads
 from orbax_tunix.store import step_store
 from orbax_tunix.view import rules
 from orbax_tunix.view.detection import Detection, detect, wanted_items
@@ -135,15 +135,11 @@ def read_side_leaves(
     detection: Detection, leaves: Mapping[str, tuple[str, Path]]
 ) -> dict[str, Any]:
   """The values of `side_leaves` (or some of them): one read per item holding them."""
-  by_item: dict[str, list[Path]] = {}
+  reads = Reads()
   for item, disk in leaves.values():
-    by_item.setdefault(item, []).append(disk)
-  values = {
-      item: PlannedItem.of(detection, item).read(
-          {d: (0, AS_NUMPY) for d in paths}, on_disk=True)
-      for item, paths in by_item.items()
-  }
-  return {label: values[item][disk] for label, (item, disk) in leaves.items()}
+    reads.want(detection, item, disk, (0, AS_NUMPY))
+  reads.read(on_disk=True)
+  return {label: reads.got(detection, item, disk) for label, (item, disk) in leaves.items()}
 
 
 def hyperparameters_of(

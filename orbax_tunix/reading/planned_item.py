@@ -372,6 +372,53 @@ class PlannedItem:
       ) from e
 
 
+# --- the one multi-item read --------------------------------------------------------
+
+
+class Reads:
+  """Leaves of several steps' items, read with one restore per item: the one read API.
+
+  Use: `want(...)` every leaf (from any step and item, in any order), then
+  `read()`, then `got(...)` each value (or `pop`, to drop it once used).
+
+  Example::
+
+    reads = Reads()
+    reads.want(det, 'model_params', ('w',), into(shape, dtype, sharding))
+    reads.read()
+    w = reads.pop(det, 'model_params', ('w',))
+  """
+
+  def __init__(self):
+    # (id of the step's detection, item) -> (detection, {path: request}); the
+    # detection's id: it is not hashable, and one detection is one step.
+    self._wanted: dict[tuple[int, str], tuple[Any, dict[Path, Any]]] = {}
+    self._got: dict[tuple[int, str, Path], Any] = {}
+
+  def want(self, detection: Any, item: str, path: Path, request: Any) -> None:
+    """Asks for one leaf (`PlannedItem.read`'s request); a leaf asked twice is read once,
+    with the first request."""
+    self._wanted.setdefault((id(detection), item), (detection, {}))[1].setdefault(path, request)
+
+  def read(self, *, on_disk: bool = False) -> None:
+    """Reads everything wanted, one restore per item (`PlannedItem.read`).
+
+    Raises:
+      CorruptMetadataError: stored data is missing or damaged.
+    """
+    for (key, item), (detection, wanted) in self._wanted.items():
+      got = PlannedItem.of(detection, item).read(wanted, on_disk=on_disk)
+      self._got.update(((key, item, path), value) for path, value in got.items())
+    self._wanted.clear()
+
+  def got(self, detection: Any, item: str, path: Path) -> Any:
+    return self._got[(id(detection), item, path)]
+
+  def pop(self, detection: Any, item: str, path: Path) -> Any:
+    """The value, no longer held here (the caller's reference may be the last)."""
+    return self._got.pop((id(detection), item, path))
+
+
 # --- plans in effect for a restore --------------------------------------------------
 
 _IN_EFFECT: contextvars.ContextVar[Mapping[str, PlannedItem]] = contextvars.ContextVar(

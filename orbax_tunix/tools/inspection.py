@@ -26,7 +26,7 @@ from orbax_tunix.mapping import lora as lora_lib
 from orbax_tunix.maxtext import layers as maxtext_layers
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
-from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.store.step_store import StepEntry
 from orbax_tunix.view import rules
 from orbax_tunix.view.detection import Detection
@@ -327,18 +327,14 @@ def _read_scalars(
   detection = ckpt.detection
   found = hyperparameter_leaves(detection) if detection.is_tunix else None
   counter = _step_counter(ckpt, opt_item)
-  wanted: dict[str, set[Path]] = {}
-  if found is not None:
-    wanted.setdefault(found[0], set()).update(found[1])
-  if counter is not None:
-    wanted.setdefault(opt_item, set()).add(counter)
-  values = {
-      item: PlannedItem.of(detection, item).read(
-          {p: (0, AS_NUMPY) for p in paths}, on_disk=True)
-      for item, paths in wanted.items()
-  }
-  hparams = by_shell(found[1], values[found[0]]) if found is not None else {}
-  step = None if counter is None else int(np.asarray(values[opt_item][counter]))
+  reads = Reads()
+  for item, path in [*([(found[0], p) for p in found[1]] if found is not None else []),
+                     *([(opt_item, counter)] if counter is not None else [])]:
+    reads.want(detection, item, path, (0, AS_NUMPY))
+  reads.read(on_disk=True)
+  hparams = {} if found is None else by_shell(
+      found[1], {p: reads.got(detection, found[0], p) for p in found[1]})
+  step = None if counter is None else int(np.asarray(reads.got(detection, opt_item, counter)))
   return hparams, step
 
 
