@@ -68,18 +68,31 @@ def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
     progress.finish()
 
 
+# What a process of a multi-process job holds beyond one process alone, whatever the
+# batch: JAX's distributed client, gloo's buffers, the programs that place global arrays
+# and Orbax's multi-host save. Measured with benchmarks/multihost.py (BENCHMARKS §12):
+# 55 to 120 MiB above a one-process convert at the same budget (128M to 512M).
+JOB_OVERHEAD = 128 << 20
+
+
+def _job_overhead() -> int:
+  return JOB_OVERHEAD if distributed.active() else 0
+
+
 def batch_bytes(memory_budget: int) -> int:
-  """Bytes of sources per batch so that a write fits `memory_budget`."""
-  return reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)
+  """Bytes of sources per batch so that a write fits `memory_budget` (in each process of a
+  multi-process job too)."""
+  return reader.batch_bytes(max(memory_budget - _job_overhead(), 1), COPIES_IN_FLIGHT)
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
   """A note when `memory_budget` cannot hold the largest `what` (each is written alone)."""
-  needed = reader.FIXED_OVERHEAD + COPIES_IN_FLIGHT * largest
+  fixed = reader.FIXED_OVERHEAD + _job_overhead()
+  needed = fixed + COPIES_IN_FLIGHT * largest
   if memory_budget >= needed:
     return None
   return (f'`memory_budget` {memory_budget} bytes cannot be met: streaming needs about'
-          f' {needed} ({reader.FIXED_OVERHEAD >> 20} MiB whatever the batch, and'
+          f' {needed} ({fixed >> 20} MiB whatever the batch, and'
           f' {COPIES_IN_FLIGHT}x the largest {what}, {largest} bytes, in flight); each'
           f' {what} is copied alone, and the peak will be about that')
 
