@@ -219,6 +219,20 @@ def test_export_several_shards_two_processes_write_what_one_writes(tmp_path):
   assert not [p for p in tmp_path.iterdir() if 'tmp' in p.name or 'orbax-tunix' in p.name]
 
 
+def run_script_job(script: str, args: list[str], logs: pathlib.Path) -> Finished:
+  """`python -c script PORT I *args` as processes 0 and 1: the caller's own job (the script
+  calls jax.distributed.initialize itself)."""
+  port, t0 = free_port(), time.monotonic()
+  started = []
+  for i in range(2):
+    log = logs / f'api_{i}.log'
+    with log.open('w') as f:
+      started.append((subprocess.Popen(
+          [sys.executable, '-c', script, str(port), str(i), *args], env=env(), cwd=logs,
+          stdout=f, stderr=subprocess.STDOUT, start_new_session=True), log))
+  return finish(started, t0)
+
+
 API_SCRIPT = """
 import sys
 import jax
@@ -235,16 +249,7 @@ def test_export_api_in_a_job_the_caller_started(tmp_path):
   # The caller's own jax.distributed.initialize(); export_to_hf shares the work.
   run_one(['export', str(TUNIX / 'hf_qwen3'), str(tmp_path / 'one'), '--model', 'qwen3',
            '--max-shard-size', '20KB'])
-  port, t0 = free_port(), time.monotonic()
-  started = []
-  for i in range(2):
-    log = tmp_path / f'api_{i}.log'
-    with log.open('w') as f:
-      started.append((subprocess.Popen(
-          [sys.executable, '-c', API_SCRIPT, str(port), str(i), str(TUNIX / 'hf_qwen3'),
-           str(tmp_path / 'two')], env=env(), cwd=tmp_path, stdout=f,
-          stderr=subprocess.STDOUT, start_new_session=True), log))
-  done = finish(started, t0)
+  done = run_script_job(API_SCRIPT, [str(TUNIX / 'hf_qwen3'), str(tmp_path / 'two')], tmp_path)
   assert done.codes == [0, 0], done.show()
   assert [f'exported {i} 2' in o for i, o in enumerate(done.outputs)] == [True, True]
   names = sorted(p.name for p in (tmp_path / 'one').iterdir())
@@ -270,16 +275,7 @@ def test_convert_api_in_a_job_the_caller_started(tmp_path):
   src = MAXTEXT / 'tunix_llama2_scan'
   run_one(['convert', str(src), str(tmp_path / 'one' / '1'), '--layout', 'maxtext',
            '--scan-layers', 'false'])
-  port, t0 = free_port(), time.monotonic()
-  started = []
-  for i in range(2):
-    log = tmp_path / f'api_{i}.log'
-    with log.open('w') as f:
-      started.append((subprocess.Popen(
-          [sys.executable, '-c', CONVERT_API_SCRIPT, str(port), str(i), str(src),
-           str(tmp_path / 'two' / '1')], env=env(), cwd=tmp_path, stdout=f,
-          stderr=subprocess.STDOUT, start_new_session=True), log))
-  done = finish(started, t0)
+  done = run_script_job(CONVERT_API_SCRIPT, [str(src), str(tmp_path / 'two' / '1')], tmp_path)
   assert done.codes == [0, 0], done.show()
   assert [f'converted {i} 2 ' in o for i, o in enumerate(done.outputs)] == [True, True]
   step = tmp_path / 'two' / '1'
