@@ -283,6 +283,43 @@ def test_save_through_handler_writes_ordinary_checkpoint(tmp_path):
   np.testing.assert_array_equal(restored['state']['w'], tree['w'])
 
 
+def test_our_item_handler_takes_orbax_pytree_args(tunix_data, tmp_path):
+  """`TunixPyTreeHandler` given as an item's handler takes `PyTreeSave`/`PyTreeRestore`, as a
+  `PyTreeCheckpointHandler` given the same way does (Orbax registers an item handler under
+  its class's own args types: ours are TunixPyTreeSave/TunixPyTreeRestore)."""
+  tree = {'w': np.arange(6, dtype=np.float32).reshape(2, 3)}
+  ckptr = ocp.Checkpointer(ot.TunixAwareHandler(pytree=ot.TunixPyTreeHandler()))
+  ckptr.save(tmp_path / '1', args=ocp.args.Composite(pytree=ocp.args.PyTreeSave(tree)))
+  plain = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+      tmp_path / '1', args=ocp.args.Composite(pytree=ocp.args.PyTreeRestore()))
+  np.testing.assert_array_equal(plain['pytree']['w'], tree['w'])
+  again = ocp.Checkpointer(ot.TunixAwareHandler(pytree=ot.TunixPyTreeHandler())).restore(
+      tmp_path / '1', args=ocp.args.Composite(pytree=ocp.args.PyTreeRestore()))
+  np.testing.assert_array_equal(again['pytree']['w'], tree['w'])
+  # A Tunix item through the same handler: canonical, as through the default one.
+  step = tunix_data / 'sft_full' / '1'
+  given = ocp.Checkpointer(ot.TunixAwareHandler(model_params=ot.TunixPyTreeHandler())).restore(
+      step, args=ocp.args.Composite(model_params=ocp.args.PyTreeRestore()))
+  default = ocp.Checkpointer(ot.TunixAwareHandler()).restore(
+      step, args=ocp.args.Composite(model_params=ocp.args.PyTreeRestore()))
+  assert jax.tree.structure(given) == jax.tree.structure(default)
+  _assert_values(given['model_params'], _leaves(default['model_params']))
+
+
+def test_a_standard_reader_restores_a_standard_item_asked_for_nothing(tmp_path):
+  """As Orbax's StandardCheckpointHandler restores with no args: its StandardRestore()."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+
+  item = epath.Path(tmp_path / 'item')
+  saver = ocp.StandardCheckpointHandler()
+  saver.save(item, args=ocp.args.StandardSave({'a': np.arange(4)}))
+  saver.finalize(item)
+  want = ocp.StandardCheckpointHandler().restore(item)
+  got = ot.TunixPyTreeHandler(reader=ocp.StandardCheckpointHandler()).restore(item)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  np.testing.assert_array_equal(got['a'], want['a'])
+
+
 def test_hyperparameters(tunix_data):
   hp = ot.hyperparameters(tunix_data / 'adapter_inject_clip')
   assert set(hp) == {'opt_state/1'}

@@ -20,7 +20,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
+from orbax_tunix.handlers.pytree_handler import (
+    TunixPyTreeHandler,
+    TunixPyTreeRestore,
+    TunixPyTreeSave,
+)
 from orbax_tunix.reading import planned_item
 from orbax_tunix.store import _orbax, fileio, item_store, step_store
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA, PYTREE_METADATA
@@ -30,6 +34,8 @@ logger = logging.getLogger('orbax_tunix')
 
 _PYTREE_HANDLERS = (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler)
 _PYTREE_RESTORE_ARGS = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
+# Orbax's PyTree args -> the ones `TunixPyTreeHandler` is registered with.
+_OUR_ARGS = {ocp.args.PyTreeSave: TunixPyTreeSave, ocp.args.PyTreeRestore: TunixPyTreeRestore}
 
 # The step a restore of this context is restoring (Orbax's no-arg restore
 # calls `metadata()` for the recorded handlers only: the canonical item trees,
@@ -72,10 +78,26 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
   # handler (tests/test_orbax_assumptions.py pins it). Saves, and the item's
   # binding to its handler, stay Orbax's; only restores are routed.
   def _get_or_set_handler(self, item_name: str, args: Any) -> Any:
-    handler = super()._get_or_set_handler(item_name, args)
+    handler = self._given_tunix_handler(item_name, args)
+    if handler is None:
+      handler = super()._get_or_set_handler(item_name, args)
     if isinstance(args, _PYTREE_RESTORE_ARGS):
       return self._tunix_reader(handler)
     return handler
+
+  def _given_tunix_handler(self, item_name: str, args: Any) -> Any:
+    """A `TunixPyTreeHandler` given as an item's handler, for Orbax's plain PyTree args.
+
+    Orbax registers an item's handler under the args types registered for its
+    class (`TunixPyTreeSave`/`TunixPyTreeRestore` for ours), so `PyTreeSave`
+    and `PyTreeRestore` for that item would find no handler, where they find
+    a `PyTreeCheckpointHandler` given the same way: ours takes them alike.
+    """
+    ours = _OUR_ARGS.get(type(args))
+    registry = self._handler_registry
+    if ours is None or registry is None or not registry.has(item_name, ours):
+      return None
+    return registry.get(item_name, ours)
 
   def restore(self, directory: epath.Path, args: ocp.args.Composite | None = None) -> Any:
     """Restores the items named in `args`, or every item when there are none.

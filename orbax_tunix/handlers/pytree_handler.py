@@ -141,10 +141,12 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     planned = planned_item.find(directory)
     if args is None:
       nothing = item is None and restore_args is None and transforms is None
-      if nothing and legacy_transform_fn is None and planned is not None and (
-          planned.meta.saved_by == ocp.StandardCheckpointHandler.typestr()):
-        # Asked for nothing: restored as the handler that saved it restores
-        # (shardings from its metadata, Orbax's topology check).
+      standard = isinstance(self._reader, ocp.StandardCheckpointHandler) or (
+          planned is not None and planned.meta.saved_by == ocp.StandardCheckpointHandler.typestr())
+      if nothing and legacy_transform_fn is None and standard:
+        # Asked for nothing: restored as the handler that saved it (or the
+        # Standard reader given) restores: shardings from its metadata,
+        # Orbax's topology check.
         args = ocp.args.StandardRestore()
       else:
         args = ocp.args.PyTreeRestore(
