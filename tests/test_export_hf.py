@@ -1424,33 +1424,26 @@ def test_readme_table_of_maps_is_the_families_values():
     assert f' {name} |' in table or f' {name},' in table, name
 
 
-def _as_nobody(argv: list[str]) -> list[str]:
-  """`argv` as a user who cannot read what its permissions deny (root reads everything):
-  as root, under setpriv as nobody; else as is."""
+def _unable_to_read(argv: list[str], probe: pathlib.Path) -> list[str]:
+  """`argv` as a process that a file's permissions deny: root reads anything, so as root it
+  runs without the capabilities that let it (setpriv); else as is. Skips where they cannot
+  be dropped (`probe`, a file nobody may read, is then still read)."""
   if os.geteuid() != 0:
     return argv
   setpriv = shutil.which('setpriv')
-  if setpriv is None:
-    pytest.skip('root without setpriv: a file root cannot read cannot be made')
-  return [setpriv, '--reuid=65534', '--regid=65534', '--clear-groups', *argv]
+  drop = [setpriv, '--bounding-set=-dac_override,-dac_read_search', '--'] if setpriv else None
+  if drop is None or subprocess.run([*drop, 'cat', str(probe)], capture_output=True,
+                                    check=False).returncode == 0:
+    pytest.skip('root that cannot drop CAP_DAC_OVERRIDE here: every file is readable')
+  return [*drop, *argv]
 
 
-def test_h_an_unreadable_hf_config_file_is_refused_before_any_write():
-  import tempfile  # pylint: disable=g-import-not-at-top
-
-  # Where nobody may go (pytest's own directory is root's alone), and write the export.
-  with tempfile.TemporaryDirectory() as top:
-    tmp_path = pathlib.Path(top)
-    tmp_path.chmod(0o777)
-    _refused_for_an_unreadable_tokenizer(tmp_path)
-
-
-def _refused_for_an_unreadable_tokenizer(tmp_path: pathlib.Path) -> None:
+def test_h_an_unreadable_hf_config_file_is_refused_before_any_write(tmp_path):
   hf = _write_hf_dir(tmp_path / 'base', HF_CONFIG_DIMS['hf_qwen3'])
   (hf / 'tokenizer.json').chmod(0)
   out = tmp_path / 'out'
-  r = run_cli(_as_nobody(export_argv(DATA / 'hf_qwen3', out, '--model', 'qwen3',
-                                     '--hf-config', str(hf))))
+  r = run_cli(_unable_to_read(export_argv(DATA / 'hf_qwen3', out, '--model', 'qwen3',
+                                          '--hf-config', str(hf)), hf / 'tokenizer.json'))
   assert r['rc'] == 2, r['stderr']
   assert f'{hf / "tokenizer.json"}: expected a readable file to copy from --hf-config' in (
       r['stderr']), r['stderr']
