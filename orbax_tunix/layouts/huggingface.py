@@ -61,10 +61,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   where = str(source.step_dir)
   model, left_out = _model_weights(weights(request))
   naming = family.naming(model, where)
-  axis = _scan_axis(request, {p: o.shape for p, o in model.items()}, where)
+  stored = {p: o.shape for p, o in model.items()}
+  axis = _scan_axis(request, stored, where)
   # MaxText's stacked layers taken apart first, then the family's names.
-  per_layer = stacks.unstack({p: o.shape for p, o in model.items()}, naming.stacks, axis,
-                             where=where)
+  per_layer = stacks.unstack(stored, naming.stacks, axis, where=where)
   base_config = _base_config(request.hf_config)
   per_layer, vocab_notes = huggingface.cut_vocab(
       naming, per_layer, _config_vocab(base_config), f'{request.hf_config}/config.json')
@@ -86,7 +86,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   files, notes = _config_files(family, request.hf_config, base_config, shapes,
                                {o.dtype.name for o in outputs if o.dtype is not None})
   notes = [*rng_note(source), *left_out, *vocab_notes, *notes,
-           f'weights: {huggingface.describe_source({p: o.shape for p, o in model.items()}, axis)}']
+           f'weights: {huggingface.describe_source(stored, axis)}']
   return LaidOut(
       items=(ItemOutput(ITEM, outputs),), notes=tuple(notes), files=files,
       summary={'model': family.name, 'architecture': family.target_of(naming)[0],

@@ -103,7 +103,7 @@ class Plan:
   @property
   def total_bytes(self) -> int:
     """Bytes of the source leaves read."""
-    return _bytes_read(self.outputs)
+    return writer.bytes_read(self.outputs)
 
   @property
   def bytes_written(self) -> int:
@@ -165,11 +165,6 @@ class Result:
   @property
   def out_dir(self) -> epath.Path:
     return self.dst
-
-
-def _bytes_read(outputs: Iterable[Output]) -> int:
-  read = {i.key: i.nbytes for o in outputs for i in o.inputs}
-  return sum(read.values())
 
 
 # --- planning -----------------------------------------------------------------
@@ -373,7 +368,7 @@ def run(plan: Plan, progress: reader.Progress | None = None) -> Result:
   sink = plan.sink
   mine = sink.share(plan)
   with writer.streamed(plan.dst, plan.force, sink.kind, plan.bytes_written, plan.sources,
-                       progress, f'{sink.doing} {plan.dst}', _bytes_read(mine)) as staging:
+                       progress, f'{sink.doing} {plan.dst}', writer.bytes_read(mine)) as staging:
     record = sink.write(plan, mine, staging.work, progress)
   return Result(
       dst=plan.dst, items={item.name: len(item.outputs) for item in plan.items},

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -292,7 +292,7 @@ def write(
     outputs = [block for o in outputs for block in row_blocks(o, budget)]
   for batch, values in reader.stream(batches(outputs, budget),
                                     lambda batch: read_inputs(batch, on_host), progress,
-                                    _bytes_read):
+                                    bytes_read):
     # What transforms make goes to the sink once it fills the budget: a source
     # read whole for its many outputs (a stack stored as one chunk, split into
     # its layers) is not held beside all of them.
@@ -311,8 +311,9 @@ def write(
   return sink.close()
 
 
-def _bytes_read(batch: Sequence[Output]) -> int:
-  read = {i.key: i.nbytes for o in batch for i in o.inputs}
+def bytes_read(outputs: Iterable[Output]) -> int:
+  """The bytes of the sources `outputs` read, each source once."""
+  read = {i.key: i.nbytes for o in outputs for i in o.inputs}
   return sum(read.values())
 
 
