@@ -84,6 +84,23 @@ def save_tunix(root: pathlib.Path, step: int, model: nnx.Module, optimizer=None)
   return step_dir
 
 
+def spy_restores(monkeypatch) -> list[tuple[str, list[str]]]:
+  """Records each restore Orbax's PyTree handler is asked for from now on: (item
+  directory name, the leaves asked for, placeholders left out)."""
+  from orbax_tunix.keypaths import flatten, fmt  # pylint: disable=g-import-not-at-top
+
+  calls: list[tuple[str, list[str]]] = []
+  original = ocp.PyTreeCheckpointHandler.restore
+
+  def spy(self, directory, *args, **kwargs):
+    leaves = [fmt(p) for p, leaf in flatten(kwargs['args'].item)[0] if leaf is not ocp.PLACEHOLDER]
+    calls.append((pathlib.Path(directory).name, leaves))
+    return original(self, directory, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', spy)
+  return calls
+
+
 def raw_leaves(item_dir: pathlib.Path) -> dict[str, np.ndarray]:
   """Every leaf of an item read with plain Orbax, as {'a/b/c': numpy array}."""
   tree = ocp.PyTreeCheckpointHandler().restore(pathlib.Path(item_dir))

@@ -139,16 +139,20 @@ def test_scale_instead_of_alpha_and_partial_target(runs, mesh, monkeypatch):
   root = runs['qwix']['root']
   full = abstract_weights('qwix', mesh)
   target = {'layers': {'0': {'q_proj': {'w': full['layers'][0]['q_proj']['w']}}}}
-  read = []
+  read, calls = [], []
   original = PlannedItem.read
 
   def spy(self, wanted, *args, **kwargs):
     read.extend(fmt(p) for p in wanted)
+    calls.append({fmt(p): type(r[0]) for p, r in wanted.items()})
     return original(self, wanted, *args, **kwargs)
 
   monkeypatch.setattr(PlannedItem, 'read', spy)
   by_scale = ot.restore_merged_lora(root / 'full', target, scale=lm.ALPHA / lm.RANK)
   assert sorted(read) == ['layers/0/q_proj/w', 'layers/0/q_proj/w_lora_a', 'layers/0/q_proj/w_lora_b']
+  # One restore: the weight into its target, the adapters to the host (the merge puts them).
+  assert calls == [{'layers/0/q_proj/w': jax.ShapeDtypeStruct, 'layers/0/q_proj/w_lora_a': int,
+                    'layers/0/q_proj/w_lora_b': int}]
   by_alpha = ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA)
   np.testing.assert_array_equal(np.asarray(by_scale['layers']['0']['q_proj']['w']),
                                 np.asarray(by_alpha['layers']['0']['q_proj']['w']))

@@ -395,16 +395,7 @@ def test_plan_reads_each_array_once(tunix_data, mesh):
 
 def test_reads_each_needed_array_once_and_nothing_else(tunix_data, mesh, monkeypatch):
   """grad_accum holds acc_grads, counters and hyperparameters no MaxText state takes."""
-  calls = []
-  original = ocp.PyTreeCheckpointHandler.restore
-
-  def spy(self, directory, *args, **kwargs):
-    # What Orbax is asked to read: the target's leaves that are not placeholders.
-    leaves = [fmt(p) for p, leaf in flatten(kwargs['args'].item)[0] if leaf is not ocp.PLACEHOLDER]
-    calls.append((pathlib.Path(directory).name, leaves))
-    return original(self, directory, *args, **kwargs)
-
-  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', spy)
+  calls = builders.spy_restores(monkeypatch)
   abstract = abstract_state(TinyLM(), adamw(), mesh)
   maxtext.restore_train_state(tunix_data / 'grad_accum', abstract)
   assert [item for item, _ in calls] == ['model_params', 'optimizer_state']

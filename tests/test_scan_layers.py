@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from orbax_tunix import maxtext
 from orbax_tunix.keypaths import flatten, fmt
+from orbax_tunix.mapping import device
 from tests import builders
 from tests.test_cli import run
 from tests.test_maxtext import sharded
@@ -162,6 +163,34 @@ def test_the_other_form_at_read_time(saved, mesh, have, want, axis, params_only)
     np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=fmt(path))
     checked += 1
   assert checked >= (4 if params_only else 15)
+
+
+@pytest.mark.parametrize('group_bytes', [0, 1 << 40], ids=['each-group-alone', 'all-at-once'])
+def test_the_device_executor_reads_groups_alone_or_together_alike(
+    saved, mesh, monkeypatch, group_bytes):
+  """`mapping.device` batches the groups of derived leaves by the bytes they hold: one
+  restore per item when they fit together, one per group (and item) when none do; the
+  same state either way, every source read once."""
+  raw = _raw(saved['scanned'])  # (Plain Orbax, before the spy.)
+  monkeypatch.setattr(device, 'GROUP_BYTES', group_bytes)
+  calls = builders.spy_restores(monkeypatch)
+  abstract = _abstract(mesh, scanned=False)
+  got = maxtext.restore_train_state(saved['scanned'], abstract)
+  read = [leaf for _, leaves in calls for leaf in leaves]
+  assert len(read) == len(set(read))  # Each source once.
+  stacked = [p for p in read if '/layers/' in p]  # The scanned sources of derived leaves.
+  # 2 stacked weights, and mu and nu of each.
+  assert len(stacked) == 6
+  if group_bytes:
+    assert [item for item, _ in calls] == ['model_params', 'optimizer_state']
+  else:  # The first batch holds the direct reads and the first group.
+    assert len(calls) == 2 + 5
+  targets = dict(flatten(abstract)[0])
+  for path, leaf in flatten(got)[0]:
+    assert leaf.sharding == targets[path].sharding and leaf.dtype == targets[path].dtype
+    np.testing.assert_array_equal(
+        np.asarray(leaf), np.asarray(_expected(raw, path, True, 1)).astype(leaf.dtype),
+        err_msg=fmt(path))
 
 
 def test_a_layer_sharded_target_axis(saved, mesh):

@@ -29,7 +29,6 @@ from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.mapping import lora, patterns
 from orbax_tunix.mapping import outputs as outputs_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
-from orbax_tunix.mapping.transforms import IDENTITY, constant
 from orbax_tunix.maxtext import layers, train_state
 from orbax_tunix.maxtext.plan import RestorePlan, make_plan
 from orbax_tunix.maxtext.view import read_view
@@ -158,29 +157,16 @@ def _outputs(request: Request, plan: RestorePlan, target: dict) -> tuple[Output,
   source = request.source
   leaves = {(leaf.item, leaf.path): leaf for leaf in source.leaves}
 
-  def inputs(*sources):
-    return tuple(Input(source, leaves[(s.item, s.path)]) for s in sources)
+  def input_of(s):
+    return Input(source, leaves[(s.item, s.path)])
 
-  def dtype(path, leaf):  # Counts and step as MaxText has them; the rest as stored (cast).
+  def made_as(path, s):  # Counts and step as MaxText has them; the rest as stored (cast).
     fixed = target[path].dtype
-    return fixed if np.issubdtype(fixed, np.integer) else reader.cast_dtype(leaf, request.dtype)
+    dtype = fixed if s is None or np.issubdtype(fixed, np.integer) else reader.cast_dtype(
+        leaves[(s.item, s.path)], request.dtype)
+    return jax.ShapeDtypeStruct(target[path].shape, dtype)
 
-  out = []
-  for path in sorted(target):
-    shape = tuple(target[path].shape)
-    if path in plan.reads:
-      (i,) = inputs(plan.reads[path])
-      out.append(Output(path, (i,), shape=shape, dtype=dtype(path, i.leaf)))
-    elif path in plan.derived:
-      derived = plan.derived[path]
-      ins = inputs(*derived.sources)
-      out.append(Output(path, ins, derived.transform, shape, dtype(path, ins[0].leaf)))
-    elif path in plan.fills:
-      fill = plan.fills[path]
-      ins = () if fill.source is None else inputs(fill.source)
-      out.append(Output(path, ins, IDENTITY if ins else constant(fill.value), shape,
-                        np.dtype(target[path].dtype)))
-  return tuple(out)
+  return plan.outputs(input_of, {p: made_as(p, plan.first_source(p)) for p in target})
 
 
 def lay_out(request: Request) -> LaidOut:

@@ -13,7 +13,6 @@ into.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -25,12 +24,10 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.mapping import lora, transforms
+from orbax_tunix.mapping import device, lora, transforms
 from orbax_tunix.mapping.outputs import Input, Output, copied
 from orbax_tunix.mapping.transforms import Transform
 from orbax_tunix.reading import reader
-from orbax_tunix.reading.planned_item import Reads
-from orbax_tunix.reading.read_requests import into, sharding_of
 
 PyTree = Any
 
@@ -231,17 +228,6 @@ def plan_merge(
   return MergePlan(lora_ckpt, base_ckpt, sources, merges)
 
 
-def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
-  """The whole array on every device of `sharding`."""
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-  devices = sorted(sharding.device_set, key=lambda d: d.id)
-  if len(devices) == 1:
-    return jax.sharding.SingleDeviceSharding(devices[0])
-  mesh = jax.sharding.Mesh(np.array(devices), ('devices',))
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
 def combine(contraction: lora.Contraction, scale: float):
   """`(w, a, b) -> w + scale * (a ⊗ b)` arranged into `w`: float32 math, `w`'s dtype."""
 
@@ -277,43 +263,37 @@ def combine(contraction: lora.Contraction, scale: float):
 
 
 def as_transform(merge: Merge) -> Transform:
-  """One adapted weight's merge as a `Transform` of (W, a, b), for the writer."""
+  """One adapted weight's merge as a `Transform` of (W, a, b): `W` partitioned as the
+  merged weight, its (small) adapters read to the host and put whole on every device."""
   fn = combine(merge.contraction, merge.scale)
   return Transform(
-      f'lora_merge(rank={merge.adapter.rank}, scale={merge.scale:g})',
+      # The name says all it does (the device executor compiles once per name).
+      f'lora_merge(rank={merge.adapter.rank}, scale={merge.scale!r}, {merge.contraction})',
       shape=lambda shapes: tuple(shapes[0]), apply=lambda xs: fn(*xs), arity=3,
-      moves_only=False,
+      moves_only=False, source_specs=lambda spec, n: (spec, None, None),
+  )
+
+
+def output(plan: MergePlan, path: Path, dtype: np.dtype | None, prefix: Path = ()) -> Output:
+  """One weight of the merged model, made in `dtype`: as stored, or merged (its weight
+  read in `dtype`, its adapters in float32)."""
+  source = plan.weights[path]
+  merge = plan.merges.get(path)
+  if merge is None:
+    return copied(source, prefix + path, dtype)
+  return Output(
+      path=prefix + path,
+      inputs=(source, Input(plan.lora, merge.a), Input(plan.lora, merge.b)),
+      transform=as_transform(merge), shape=source.leaf.shape, dtype=dtype,
+      read_dtypes=(dtype, np.dtype(np.float32), np.dtype(np.float32)),
   )
 
 
 def outputs(plan: MergePlan, prefix: Path, dtype: np.dtype | None) -> list[Output]:
-  """The merged model's weights as writer outputs, under `prefix`.
-
-  An adapted weight is read in its output dtype, its adapters in float32.
-  """
-  out = []
-  for path, source in sorted(plan.weights.items()):
-    merge = plan.merges.get(path)
-    if merge is None:
-      out.append(copied(Input(source.ckpt, source.leaf), prefix + path, dtype))
-      continue
-    written = reader.cast_dtype(source.leaf, dtype)
-    out.append(Output(
-        path=prefix + path,
-        inputs=(Input(source.ckpt, source.leaf), Input(plan.lora, merge.a),
-                Input(plan.lora, merge.b)),
-        transform=as_transform(merge), shape=source.leaf.shape, dtype=written,
-        read_dtypes=(written, np.dtype(np.float32), np.dtype(np.float32)),
-    ))
-  return out
-
-
-@functools.lru_cache(maxsize=256)
-def _merge_fn(contraction: lora.Contraction, scale: float, sharding: jax.sharding.Sharding):
-  """One jitted merge per arrangement, on the devices: the weight's buffer reused."""
-  everywhere = _replicated(sharding)
-  return jax.jit(combine(contraction, scale), donate_argnums=0,
-                 in_shardings=(sharding, everywhere, everywhere), out_shardings=sharding)
+  """The merged model's weights as writer outputs, under `prefix` (floating ones cast
+  to `dtype`, None: as stored)."""
+  return [output(plan, path, reader.cast_dtype(source.leaf, dtype), prefix)
+          for path, source in sorted(plan.weights.items())]
 
 
 def check_target(plan: MergePlan, targets: Mapping[Path, Any]) -> None:
@@ -343,10 +323,14 @@ def check_target(plan: MergePlan, targets: Mapping[Path, Any]) -> None:
 def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.Array]:
   """Reads the target's weights, merged, each into its target sharding and dtype.
 
+  The merged weights run on the device executor (`mapping.device`): one
+  read per checkpoint item, each merge on the weight's devices in float32,
+  into the buffer the weight was read into.
+
   Args:
     plan: from `plan_merge`.
     targets: plain-model path -> abstract leaf (`jax.ShapeDtypeStruct` or
-      array; its sharding and dtype are the result's).
+      array; its sharding and dtype are the result's) or `device.Target`.
 
   Returns:
     path -> `jax.Array`.
@@ -355,34 +339,11 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     TargetMismatchError: see `check_target` (before any read).
     CorruptMetadataError: stored data is missing or damaged.
   """
-  check_target(plan, targets)
-  # One read per checkpoint item: weights into their targets, the (small)
-  # adapters to the host once, in float32; the merge puts them on the devices.
-  reads = Reads()
-
-  def want(ckpt, leaf, request):
-    reads.want(ckpt.detection, leaf.item, leaf.path, request)
-
-  for path, leaf in targets.items():
-    source, sharding = plan.weights[path], sharding_of(leaf)
-    want(source.ckpt, source.leaf, into(leaf.shape, leaf.dtype, sharding))
-    merge = plan.merges.get(path)
-    if merge is not None:
-      for adapter in (merge.a, merge.b):
-        want(plan.lora, adapter, into(adapter.shape, np.float32, None))
-  reads.read()
-  out = {}
-  for path, leaf in targets.items():
-    source = plan.weights[path]
-    w = reads.pop(source.ckpt.detection, source.leaf.item, source.leaf.path)
-    merge = plan.merges.get(path)
-    if merge is not None:
-      a = reads.got(plan.lora.detection, merge.a.item, merge.a.path)
-      b = reads.got(plan.lora.detection, merge.b.item, merge.b.path)
-      w = _merge_fn(merge.contraction, merge.scale, sharding_of(leaf))(w, a, b)
-      w.block_until_ready()  # One weight's temporaries at a time.
-    out[path] = w
-  return out
+  resolved = {p: t if isinstance(t, device.Target) else device.Target.of(t)
+              for p, t in targets.items()}
+  check_target(plan, {p: t.abstract for p, t in resolved.items()})
+  made = [output(plan, path, np.dtype(t.abstract.dtype)) for path, t in resolved.items()]
+  return device.execute(made, resolved)
 
 
 def restore_merged_lora(

@@ -86,6 +86,12 @@ class Transform:
       repr=False, default=lambda axis, shapes: None)
   steps: tuple[Transform, ...] = dataclasses.field(default=(), repr=False)
   per: tuple[tuple[Transform, ...], Transform] | None = dataclasses.field(default=None, repr=False)
+  # Where the sources do not all line up alike (a LoRA merge: the weight does,
+  # its small adapters do not): `(destination spec, number of sources) -> each
+  # source's spec`, None for a source read to the host and put whole on every
+  # device; None: `source_spec` for every source.
+  source_specs: Callable[[tuple, int], tuple[tuple, ...]] | None = dataclasses.field(
+      repr=False, default=None)
 
   def __str__(self) -> str:
     return self.name
@@ -393,6 +399,11 @@ def chain(*transforms: Transform) -> Transform:
       spec = t.source_spec(spec)
     return spec
 
+  def source_specs(spec: tuple, n: int) -> tuple[tuple, ...]:
+    for t in reversed(rest):
+      spec = t.source_spec(spec)
+    return first.source_specs(spec, n)
+
   def source_axis(axis: int, shapes: Sequence[Shape]) -> int | None:
     if first.arity != 1:
       return None
@@ -410,26 +421,39 @@ def chain(*transforms: Transform) -> Transform:
   pure = all(t.takes for t in transforms)
   return Transform(' -> '.join(t.name for t in transforms), shape, apply, first.arity,
                    source_spec, all(t.moves_only for t in transforms), source_axis=source_axis,
+                   source_specs=source_specs if first.source_specs else None,
                    takes=takes if pure else (),
                    steps=tuple(s for t in transforms for s in (t.steps or (t,))))
 
 
-def source_sharding(
-    transform: Transform, dest: jax.sharding.Sharding, dest_ndim: int
-) -> jax.sharding.Sharding:
-  """The sharding to read a transform's sources in, for a destination in `dest`.
+def source_shardings(
+    transform: Transform, dest: jax.sharding.Sharding, dest_ndim: int, n: int = 1
+) -> tuple[jax.sharding.Sharding, ...]:
+  """The shardings to read a transform's `n` sources in, for a destination in `dest`.
 
   On a mesh, the partition that lines up with the destination's (the
-  transform then moves no data between devices); any other sharding is used
-  as it is when its devices hold whole arrays, else replicated over them.
+  transform then moves no data between devices; `Transform.source_specs`
+  where the sources differ); any other sharding is used as it is when its
+  devices hold whole arrays, else the sources are replicated over them.
   """
+  spec = tuple(getattr(dest, 'spec', ()))
+  spec += (None,) * (dest_ndim - len(spec))
+  specs = (transform.source_specs(spec, n) if transform.source_specs is not None
+           else (transform.source_spec(spec),) * n)
   if isinstance(dest, jax.sharding.NamedSharding):
-    spec = tuple(dest.spec) + (None,) * (dest_ndim - len(dest.spec))
-    return jax.sharding.NamedSharding(dest.mesh, jax.sharding.PartitionSpec(
-        *transform.source_spec(spec)))
-  if dest.is_fully_replicated:
-    return dest
-  devices = sorted(dest.device_set, key=lambda d: d.id)
+    return tuple(None if s is None else jax.sharding.NamedSharding(
+        dest.mesh, jax.sharding.PartitionSpec(*s)) for s in specs)
+  whole = dest if dest.is_fully_replicated else everywhere(dest)
+  return tuple(None if s is None else whole for s in specs)
+
+
+def everywhere(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+  """The whole array on every device of `sharding`."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  devices = sorted(sharding.device_set, key=lambda d: d.id)
+  if len(devices) == 1:
+    return jax.sharding.SingleDeviceSharding(devices[0])
   mesh = jax.sharding.Mesh(np.array(devices), ('devices',))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -439,21 +463,26 @@ _COMPILED: dict[tuple, Callable] = {}
 
 def on_devices(
     transforms: Sequence[Transform], shardings: Sequence[jax.sharding.Sharding],
-    dtypes: Sequence[Any],
+    dtypes: Sequence[Any], donate: Sequence[int] = (),
+    in_shardings: Sequence[jax.sharding.Sharding] | None = None,
 ) -> Callable:
   """Several transforms of the same sources, compiled as one function on the devices.
 
   `(sources...) -> (destination in sharding i and dtype i, ...)`. Compiled once
-  per set of transforms (by name: a name says all a transform does), shardings
-  and dtypes, and per source shapes (jit's own cache): the layers of one
-  stacked weight are one compilation, and its `mu` and `nu` reuse it.
+  per set of transforms (by name: a name says all a transform does), shardings,
+  dtypes and donated sources (`donate`: their buffers are reused, e.g. a
+  weight a LoRA merge adds to), and per source shapes (jit's own cache): the
+  layers of one stacked weight are one compilation, its `mu` and `nu` reuse it.
+  `in_shardings`: where the sources are put (None: as they are).
   """
-  key = (tuple(t.name for t in transforms), tuple(shardings), tuple(np.dtype(d) for d in dtypes))
+  key = (tuple(t.name for t in transforms), tuple(shardings), tuple(np.dtype(d) for d in dtypes),
+         tuple(donate), None if in_shardings is None else tuple(in_shardings))
   if key not in _COMPILED:
     if len(_COMPILED) > 256:
       _COMPILED.clear()
     ts, ds = list(transforms), list(dtypes)
+    placed = {} if in_shardings is None else {'in_shardings': tuple(in_shardings)}
     _COMPILED[key] = jax.jit(
         lambda *xs: tuple(t.apply(xs).astype(d) for t, d in zip(ts, ds, strict=True)),
-        out_shardings=tuple(shardings))
+        out_shardings=tuple(shardings), donate_argnums=tuple(donate), **placed)
   return _COMPILED[key]

@@ -8,15 +8,16 @@ reported here, before any array is read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.mapping.patterns import Mapped
-from orbax_tunix.mapping.transforms import Transform
+from orbax_tunix.mapping.transforms import IDENTITY, Transform, constant
 from orbax_tunix.maxtext import layers
 from orbax_tunix.maxtext.optimizer import (
   OptState,
@@ -128,6 +129,46 @@ class RestorePlan:
     for source in sorted(needed):
       out.setdefault(source.item, []).append(source.path)
     return out
+
+  def planned(self, path: Path) -> bool:
+    """The target leaf is restored (read, made or filled), not kept as given."""
+    return path in self.reads or path in self.derived or path in self.fills
+
+  def first_source(self, path: Path) -> Source | None:
+    """The (first) leaf a target leaf is made from; None for a constant or a kept leaf."""
+    if path in self.reads:
+      return self.reads[path]
+    if path in self.derived:
+      return self.derived[path].sources[0]
+    fill = self.fills.get(path)
+    return None if fill is None else fill.source
+
+  def outputs(
+      self, input_of: Callable[[Source], Input], targets: Mapping[Path, Any]
+  ) -> tuple[Output, ...]:
+    """Every planned target leaf as an `Output`, the vocabulary both executors run
+    (`mapping.device` for a restore, the writer for a convert): a read is the
+    identity of its source, a derived leaf its transform of its sources, a fill
+    the identity of the leaf it takes or a constant.
+
+    Args:
+      input_of: a source leaf as an `Input` of the executor's.
+      targets: target path -> what it is made as (its `shape` and `dtype`).
+    """
+    out = []
+    for path in sorted({*self.reads, *self.derived, *self.fills}):
+      if path in self.reads:
+        inputs, transform = (input_of(self.reads[path]),), IDENTITY
+      elif path in self.derived:
+        derived = self.derived[path]
+        inputs, transform = tuple(input_of(s) for s in derived.sources), derived.transform
+      else:
+        fill = self.fills[path]
+        inputs = () if fill.source is None else (input_of(fill.source),)
+        transform = IDENTITY if inputs else constant(fill.value)
+      target = targets[path]
+      out.append(Output(path, inputs, transform, tuple(target.shape), target.dtype))
+    return tuple(out)
 
   def describe(self) -> str:
     """A few lines for people: what is read, filled and left out."""

@@ -378,8 +378,9 @@ class PlannedItem:
 class Reads:
   """Leaves of several steps' items, read with one restore per item: the one read API.
 
-  Use: `want(...)` every leaf (from any step and item, in any order), then
-  `read()`, then `got(...)` each value (or `pop`, to drop it once used).
+  Use: `want(...)` every leaf (from any step and item, in any order) and
+  `want_part(...)` every part of one, then `read()`, then `got(...)` each
+  value (or `pop`, to drop it once used; `clear` drops them all).
 
   Example::
 
@@ -390,15 +391,23 @@ class Reads:
   """
 
   def __init__(self):
-    # (id of the step's detection, item) -> (detection, {path: request}); the
-    # detection's id: it is not hashable, and one detection is one step.
-    self._wanted: dict[tuple[int, str], tuple[Any, dict[Path, Any]]] = {}
-    self._got: dict[tuple[int, str, Path], Any] = {}
+    # (id of the step's detection, item) -> (detection, {path: request}, {key: part});
+    # the detection's id: it is not hashable, and one detection is one step.
+    self._wanted: dict[tuple[int, str], tuple[Any, dict[Path, Any], dict[Any, tuple]]] = {}
+    self._got: dict[Any, Any] = {}
+
+  def _of(self, detection: Any, item: str) -> tuple[Any, dict[Path, Any], dict[Any, tuple]]:
+    return self._wanted.setdefault((id(detection), item), (detection, {}, {}))
 
   def want(self, detection: Any, item: str, path: Path, request: Any) -> None:
     """Asks for one leaf (`PlannedItem.read`'s request); a leaf asked twice is read once,
     with the first request."""
-    self._wanted.setdefault((id(detection), item), (detection, {}))[1].setdefault(path, request)
+    self._of(detection, item)[1].setdefault(path, request)
+
+  def want_part(self, key: Any, detection: Any, item: str, path: Path, index: tuple[Any, ...],
+                dtype: Any = None) -> None:
+    """Asks for a part of one leaf, to the host (`PlannedItem.read_parts`), got as `part(key)`."""
+    self._of(detection, item)[2].setdefault(key, (path, index, dtype))
 
   def read(self, *, on_disk: bool = False) -> None:
     """Reads everything wanted, one restore per item (`PlannedItem.read`).
@@ -406,17 +415,31 @@ class Reads:
     Raises:
       CorruptMetadataError: stored data is missing or damaged.
     """
-    for (key, item), (detection, wanted) in self._wanted.items():
-      got = PlannedItem.of(detection, item).read(wanted, on_disk=on_disk)
-      self._got.update(((key, item, path), value) for path, value in got.items())
+    for (key, item), (detection, wanted, parts) in self._wanted.items():
+      planned = PlannedItem.of(detection, item)
+      if wanted:
+        got = planned.read(wanted, on_disk=on_disk)
+        self._got.update(((key, item, path), value) for path, value in got.items())
+      self._got.update(zip(((_PART, k) for k in parts), planned.read_parts(list(parts.values())),
+                           strict=True))
     self._wanted.clear()
 
   def got(self, detection: Any, item: str, path: Path) -> Any:
     return self._got[(id(detection), item, path)]
 
+  def part(self, key: Any) -> Any:
+    return self._got[(_PART, key)]
+
   def pop(self, detection: Any, item: str, path: Path) -> Any:
     """The value, no longer held here (the caller's reference may be the last)."""
     return self._got.pop((id(detection), item, path))
+
+  def clear(self) -> None:
+    """Drops every value read (the callers' references may be the last)."""
+    self._got.clear()
+
+
+_PART = object()  # Keys parts apart from leaves in `Reads`.
 
 
 # --- plans in effect for a restore --------------------------------------------------

@@ -1,0 +1,253 @@
+"""The device executor: outputs made on the devices, into their targets' shardings and dtypes.
+
+A MaxText restore (`maxtext.execute_plan`: reads, re-laid layers, filled
+counts) and a LoRA merge (`merge.read_merged`) both come here as
+`outputs.Output`s, the vocabulary the writer runs on the host:
+
+  one whole source, as stored   read straight into its target (the caller's
+                                restore args kept); a second target of the
+                                same source is cast and resharded from it
+  no source (a constant)        made on the devices
+  a transform of sources        its sources read in the sharding that lines
+                                up with the target's (`Transform.source_specs`),
+                                then one compiled function per group of
+                                outputs sharing their sources
+
+Each source is read once. Groups are read together (one restore per item) up
+to `GROUP_BYTES` of sources held beside what they make, and released before
+the next batch: many small merges are one read, a large stacked weight is
+read alone. A source read exactly as its one output (a weight a merge adds
+to) is donated: the output reuses its buffer.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.mapping import transforms
+from orbax_tunix.mapping.outputs import Input, Output
+from orbax_tunix.reading.planned_item import Reads
+from orbax_tunix.reading.read_requests import Request, into, is_key, sharding_of
+
+# Source bytes a batch of groups may hold beside their outputs (at least one group).
+GROUP_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Where an output goes.
+
+  Attributes:
+    abstract: its shape, dtype and sharding.
+    args: the restore args a direct read uses.
+  """
+
+  abstract: jax.ShapeDtypeStruct
+  args: ocp.ArrayRestoreArgs
+
+  @classmethod
+  def of(cls, leaf: Any, arg: Any = None) -> Target:
+    """A caller's target leaf and its optional restore args.
+
+    Caller-given `ArrayRestoreArgs` are kept (their class too, e.g. MaxText's
+    single-replica ones); what they leave open is taken from the leaf, so
+    every result has the target's dtype (MaxText passes shardings only). A
+    leaf without a sharding is put on the first local device.
+    """
+    shape = tuple(leaf.shape)
+    if isinstance(arg, ocp.ArrayRestoreArgs):
+      sharding = arg.sharding
+      if not isinstance(sharding, jax.sharding.Sharding):
+        sharding = None
+      if sharding is None and arg.mesh is not None and arg.mesh_axes is not None:
+        sharding = jax.sharding.NamedSharding(arg.mesh, arg.mesh_axes)
+      changes: dict[str, Any] = {}
+      if arg.dtype is None:
+        changes['dtype'] = leaf.dtype
+      if sharding is None:
+        sharding = sharding_of(leaf)
+        if arg.sharding is None and arg.mesh is None:
+          changes['sharding'] = sharding
+      arg = dataclasses.replace(arg, **changes) if changes else arg
+      return cls(jax.ShapeDtypeStruct(shape, arg.dtype, sharding=sharding), arg)
+    dtype = getattr(arg, 'dtype', None) or leaf.dtype
+    sharding = sharding_of(leaf)
+    return cls(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+               ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype, global_shape=shape))
+
+  def read_form(self) -> Request:
+    """What to ask the item handler for: a typed PRNG key is read as its key data.
+
+    The checkpoint records key data (e.g. uint32 (2,) for a threefry key of
+    shape ()); it is wrapped back into a key after reading (`as_target`).
+    """
+    target, arg = self.abstract, self.args
+    if not is_key(target.dtype):
+      return target, arg
+    data = jax.eval_shape(jax.random.key_data, target)
+    sharding = target.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      trailing = (None,) * (len(data.shape) - len(target.shape))
+      sharding = jax.sharding.NamedSharding(
+          sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, *trailing))
+    arg = dataclasses.replace(arg, dtype=data.dtype, global_shape=data.shape, shape=data.shape,
+                              sharding=sharding, mesh=None, mesh_axes=None)
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding), arg
+
+  def as_target(self, value: jax.Array) -> jax.Array:
+    """A value read for this target in its form: PRNG keys as typed keys or key data."""
+    want_key, have_key = is_key(self.abstract.dtype), is_key(value.dtype)
+    if want_key == have_key:
+      return value
+    value = jax.random.wrap_key_data(value) if want_key else jax.random.key_data(value)
+    return jax.device_put(value, self.abstract.sharding)
+
+  def converted(self, value: jax.Array) -> jax.Array:
+    """A value read for another target, cast and resharded on the devices into this one."""
+    value = self.as_target(value)
+    if is_key(self.abstract.dtype):
+      return jax.device_put(value, self.abstract.sharding)
+    dtype, sharding = self.abstract.dtype, self.abstract.sharding
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)(value)
+
+  def constant(self, value: Any) -> jax.Array:
+    """`value` everywhere in this target's shape, dtype and sharding."""
+    host = np.full(self.abstract.shape, value, dtype=self.abstract.dtype)
+    return jax.make_array_from_callback(host.shape, self.abstract.sharding, lambda idx: host[idx])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+  """Outputs made from the same sources, how each source is read and where it is put."""
+
+  outputs: tuple[Output, ...]
+  requests: tuple[Request, ...]
+  placed: tuple[jax.sharding.Sharding, ...]
+  donate: tuple[int, ...]
+
+  @property
+  def inputs(self) -> tuple[Input, ...]:
+    return self.outputs[0].inputs
+
+  @property
+  def held_bytes(self) -> int:
+    """Bytes of its sources that are not its outputs' buffers."""
+    return sum(math.prod(i.leaf.shape) * np.dtype(getattr(r[1], 'dtype', None) or r[0].dtype
+                                                  ).itemsize
+               for k, (i, r) in enumerate(zip(self.inputs, self.requests, strict=True))
+               if k not in self.donate)
+
+
+def _is_direct(output: Output) -> bool:
+  return (output.transform.is_identity and len(output.inputs) == 1
+          and not output.inputs[0].partial)
+
+
+def _group(outputs: Sequence[Output], targets: Mapping[Path, Target], uses: Mapping) -> _Group:
+  first = outputs[0]
+  dest = targets[first.path].abstract
+  n = len(first.inputs)
+  if any(i.partial for i in first.inputs):
+    raise ValueError(f'{fmt(first.path)}: the device executor reads whole sources')
+  shardings = transforms.source_shardings(first.transform, dest.sharding, len(dest.shape), n)
+  dtypes = first.read_dtypes or (dest.dtype,) * n
+  # A source to the host (None) is put whole on every device by the compiled function.
+  requests = tuple(into(i.leaf.shape, d, s)
+                   for i, d, s in zip(first.inputs, dtypes, shardings, strict=True))
+  placed = tuple(transforms.everywhere(dest.sharding) if s is None else s for s in shardings)
+  # A source read as its group's one output is, used nowhere else, gives it its buffer.
+  donate = () if len(outputs) > 1 else tuple(
+      k for k, (i, s, d) in enumerate(zip(first.inputs, shardings, dtypes, strict=True))
+      if uses[i.key] == 1 and s is not None and (tuple(i.leaf.shape), np.dtype(d), s)
+      == (tuple(dest.shape), np.dtype(dest.dtype), dest.sharding))
+  return _Group(tuple(outputs), requests, placed, donate[:1])
+
+
+def _batches(groups: Sequence[_Group], budget: int) -> list[list[_Group]]:
+  batches: list[list[_Group]] = [[]]
+  held = 0
+  for group in groups:
+    if batches[-1] and held + group.held_bytes > budget:
+      batches.append([])
+      held = 0
+    batches[-1].append(group)
+    held += group.held_bytes
+  return batches
+
+
+def _want(reads: Reads, source: Input, request: Request) -> None:
+  reads.want(source.ckpt.detection, source.leaf.item, source.leaf.path, request)
+
+
+def _got(reads: Reads, source: Input) -> Any:
+  return reads.got(source.ckpt.detection, source.leaf.item, source.leaf.path)
+
+
+def execute(
+    outputs: Sequence[Output], targets: Mapping[Path, Target], *,
+    group_bytes: int | None = None,
+) -> dict[Path, jax.Array]:
+  """Makes each output on the devices, in its target's sharding and dtype.
+
+  Args:
+    outputs: what to make (whole sources; `Output.path` names the target).
+    targets: output path -> its `Target`.
+    group_bytes: sources held at once beside the outputs they make (None:
+      `GROUP_BYTES`; see the module).
+
+  Returns:
+    output path -> `jax.Array`.
+
+  Raises:
+    CorruptMetadataError: stored data is missing or damaged.
+  """
+  direct = [o for o in outputs if _is_direct(o)]
+  made: dict[tuple, list[Output]] = {}
+  for o in outputs:
+    if not _is_direct(o):
+      made.setdefault(tuple(i.key for i in o.inputs), []).append(o)
+  uses = collections.Counter(i.key for o in outputs for i in o.inputs)
+  groups = [_group(g, targets, uses) for g in made.values() if g[0].inputs]
+  out: dict[Path, jax.Array] = {}
+  for group in made.values():  # Constants: nothing to read.
+    if not group[0].inputs:
+      for o in group:
+        out[o.path] = targets[o.path].constant(np.asarray(o.transform.apply([])).item())
+  # Each direct source read once, into the first target it fills.
+  primary: dict[tuple, Output] = {}
+  for o in direct:
+    primary.setdefault(o.inputs[0].key, o)
+  reads = Reads()
+  for o in sorted(primary.values(), key=lambda o: (o.inputs[0].leaf.item, o.inputs[0].leaf.path)):
+    _want(reads, o.inputs[0], targets[o.path].read_form())
+  budget = GROUP_BYTES if group_bytes is None else group_bytes
+  for k, batch in enumerate(_batches(groups, budget)):
+    for group in batch:
+      for source, request in zip(group.inputs, group.requests, strict=True):
+        _want(reads, source, request)
+    reads.read()
+    if k == 0:
+      for o in direct:
+        value = _got(reads, o.inputs[0])
+        target = targets[o.path]
+        out[o.path] = (target.as_target(value) if primary[o.inputs[0].key] is o
+                       else target.converted(value))
+    for group in batch:
+      make = transforms.on_devices(
+          [o.transform for o in group.outputs],
+          [targets[o.path].abstract.sharding for o in group.outputs],
+          [targets[o.path].abstract.dtype for o in group.outputs], group.donate, group.placed)
+      made_now = make(*(_got(reads, s) for s in group.inputs))
+      out.update(zip((o.path for o in group.outputs), jax.block_until_ready(made_now),
+                     strict=True))
+    reads.clear()  # This batch's sources released before the next is read.
+  return out
