@@ -17,7 +17,7 @@ from etils import epath
 
 from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.reading.planned_item import PlannedItem, Reads
+from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.store import step_store
 from orbax_tunix.view import rules
 from orbax_tunix.view.detection import Detection, detect, wanted_items
@@ -98,9 +98,11 @@ def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
   if found is None:
     return {}
   item, wanted = found
-  planned = PlannedItem.of(detection, item)
-  values = planned.read({d: (0, AS_NUMPY) for d in wanted}, on_disk=True)
-  return by_shell(wanted, values)
+  reads = Reads()
+  for disk in wanted:
+    reads.want(detection, item, disk, (0, AS_NUMPY))
+  reads.read(on_disk=True)
+  return by_shell(wanted, {d: reads.got(detection, item, d) for d in wanted})
 
 
 def side_leaves(detection: Detection) -> dict[str, tuple[str, Path]]:

@@ -4,7 +4,7 @@ The tools (inspect, convert, diff) share one view of a step: every PyTree item,
 each leaf under its canonical path (the Tunix rewrites applied; other
 checkpoints as they are) with its shape, dtype and size, known from metadata
 alone. Reading is executing that listing in batches whose bytes fit a budget,
-each batch one read through `planned_item.PlannedItem.read`, so no tool ever holds
+each batch one read through `planned_item.Reads`, so no tool ever holds
 the whole checkpoint.
 """
 
@@ -24,7 +24,7 @@ from etils import epath
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.reading import read_requests
-from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.store import _orbax, item_store, step_store
 from orbax_tunix.view.detection import Detection, detect, wanted_items
 
@@ -388,12 +388,13 @@ def read(
   if not leaves:
     return []
   sharding = None if as_numpy else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-  planned = PlannedItem.of(ckpt.detection, item)
-  values = planned.read({
-      leaf.path: request_for(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding)
-      for leaf in leaves
-  })
-  return [as_stored(values[leaf.path], leaf, cast_dtype(leaf, dtype)) for leaf in leaves]
+  reads, det = Reads(), ckpt.detection
+  for leaf in leaves:
+    reads.want(det, item, leaf.path,
+               request_for(leaf, cast_dtype(leaf, dtype), None if leaf.numpy else sharding))
+  reads.read()
+  return [as_stored(reads.got(det, item, leaf.path), leaf, cast_dtype(leaf, dtype))
+          for leaf in leaves]
 
 
 # What `read_each` gives for a leaf whose stored data cannot be read.

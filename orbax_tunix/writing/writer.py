@@ -32,7 +32,7 @@ from orbax_tunix import errors
 from orbax_tunix.keypaths import nest
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, row_blocks
 from orbax_tunix.reading import reader
-from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import is_key
 from orbax_tunix.store import _orbax, fileio
 from orbax_tunix.writing import checksums, commit, distributed
@@ -155,28 +155,29 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
   """
   spread = distributed.active() and not on_host
   cpu = None if on_host or spread else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-  wanted: dict[tuple[int, str], tuple[Input, dict, dict]] = {}
+  reads = Reads()
+  read: dict[tuple, tuple[Input, Any]] = {}
   for output in batch:
     for source, dtype in zip(output.inputs, output.input_dtypes(), strict=True):
-      _, whole, parts = wanted.setdefault(
-          (id(source.ckpt), source.leaf.item), (source, {}, {}))
+      if source.key in read:
+        continue
+      read[source.key] = (source, dtype)
+      det, leaf = source.ckpt.detection, source.leaf
       if source.partial:
-        parts.setdefault(source.key, (source, dtype))
+        reads.want_part(source.key, det, leaf.item, leaf.path, source.index, dtype)
       else:
-        whole.setdefault(source.key, (source, dtype))
+        meta = det.item_meta(leaf.item)
+        reads.want(det, leaf.item, leaf.path,
+                   reader.request_for(leaf, dtype, _into(leaf, meta, cpu, spread)))
+  reads.read()
   values: dict[tuple, Any] = {}
-  for (_, item), (first, whole, parts) in wanted.items():
-    planned = PlannedItem.of(first.ckpt.detection, item)
-    meta = planned.meta
-    got = planned.read({
-        i.leaf.path: reader.request_for(i.leaf, dtype, _into(i.leaf, meta, cpu, spread))
-        for i, dtype in whole.values()
-    })
-    for key, (i, dtype) in whole.items():
-      values[key] = reader.as_stored(got[i.leaf.path], i.leaf, dtype)
-    sliced = planned.read_parts([(i.leaf.path, i.index, dtype) for i, dtype in parts.values()])
-    for key, value in zip(parts, sliced, strict=True):
+  for key, (source, dtype) in read.items():
+    if source.partial:
+      value = reads.part(key)
       values[key] = value if on_host else jax.device_put(value, cpu)
+    else:
+      det, leaf = source.ckpt.detection, source.leaf
+      values[key] = reader.as_stored(reads.got(det, leaf.item, leaf.path), leaf, dtype)
   return values
 
 
