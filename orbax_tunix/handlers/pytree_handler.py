@@ -10,8 +10,6 @@ shape (`PlannedItem.as_stored`), goes to Orbax exactly as asked.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -25,20 +23,22 @@ from orbax_tunix.store import _orbax, fileio
 
 PyTree = Any
 
-# Item directories being restored as stored (their target has the on-disk shape):
-# Orbax's StandardCheckpointHandler calls back `metadata` and `restore`, which
-# then answer as Orbax's own.
-_AS_STORED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    'orbax_tunix_as_stored', default=frozenset())
+class _AsOrbax:
+  """A `TunixPyTreeHandler` with Orbax's own `restore` and `metadata` (no canonical view).
 
+  What Orbax's `StandardCheckpointHandler` reads through for an item restored
+  as Orbax would (not Tunix's, or a target already in the on-disk shape): it
+  calls back only these two methods, which then answer as Orbax's own.
+  """
 
-@contextlib.contextmanager
-def _as_stored(directory: epath.Path):
-  token = _AS_STORED.set(_AS_STORED.get() | {str(directory)})
-  try:
-    yield
-  finally:
-    _AS_STORED.reset(token)
+  def __init__(self, handler: ocp.PyTreeCheckpointHandler):
+    self._orbax = super(TunixPyTreeHandler, handler)
+
+  def restore(self, directory: epath.Path, args: ocp.args.CheckpointArgs | None = None) -> PyTree:
+    return self._orbax.restore(directory, args=args)
+
+  def metadata(self, directory: epath.Path) -> Any:
+    return self._orbax.metadata(directory)
 
 
 def _existing(directory: epath.PathLike) -> epath.Path:
@@ -91,8 +91,14 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
 
   @functools.cached_property
   def _standard(self) -> ocp.StandardCheckpointHandler:
-    """Orbax's StandardCheckpointHandler over this one, for `StandardRestore`."""
+    """Orbax's StandardCheckpointHandler over this one, for `StandardRestore` of a
+    Tunix item in canonical form (it calls back `metadata` and `restore`)."""
     return _orbax.standard_handler_over(self)
+
+  @functools.cached_property
+  def _orbax_standard(self) -> ocp.StandardCheckpointHandler:
+    """Orbax's StandardCheckpointHandler over Orbax's own reads of this one."""
+    return _orbax.standard_handler_over(_AsOrbax(self))
 
   @functools.cached_property
   def _reads(self) -> planned_item.OrbaxReads:
@@ -111,7 +117,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     if self._reader is not None:
       return self._reader.restore(directory, args=args)
     if isinstance(args, ocp.args.StandardRestore):
-      return self._standard.restore(directory, args=args)
+      return self._orbax_standard.restore(directory, args=args)
     return super().restore(directory, args=args)
 
   def restore(
@@ -135,9 +141,6 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       CorruptMetadataError: stored data the target needs is missing or damaged.
     """
     directory = _existing(directory)
-    if str(directory) in _AS_STORED.get():
-      return self._orbax_restore(directory, args or ocp.args.PyTreeRestore(
-          item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn))
     planned = planned_item.find(directory)
     if args is None:
       nothing = item is None and restore_args is None and transforms is None
@@ -164,8 +167,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       if planned is None or not planned.is_tunix:
         return self._orbax_restore(directory, args)
       if planned.as_stored(getattr(args, 'item', None)):
-        with _as_stored(directory):
-          return self._orbax_restore(directory, args)
+        return self._orbax_restore(directory, args)
       with planned_item.using([planned]):
         if isinstance(args, ocp.args.StandardRestore):
           # Orbax's own StandardRestore logic, which calls back `metadata` and
@@ -187,7 +189,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       CorruptMetadataError: a Tunix item's array stores are unreadable.
     """
     directory = _existing(directory)
-    planned = None if str(directory) in _AS_STORED.get() else planned_item.find(directory)
+    planned = planned_item.find(directory)
     if planned is None or not planned.is_tunix:
       if self._reader is not None:
         return self._reader.metadata(directory)

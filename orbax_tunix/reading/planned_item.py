@@ -444,6 +444,11 @@ _PART = object()  # Keys parts apart from leaves in `Reads`.
 
 # --- plans in effect for a restore --------------------------------------------------
 
+# Item directory -> its plan, for the restores under way in this context. Orbax
+# calls each item's handler with a directory alone; the step's handler has
+# already planned every item from one read of the step's metadata (and an
+# item's StandardRestore calls back `metadata` and `restore`): the item's
+# handler finds that plan here rather than reading the metadata again.
 _IN_EFFECT: contextvars.ContextVar[Mapping[str, PlannedItem]] = contextvars.ContextVar(
     'orbax_tunix_plans_in_effect', default=types.MappingProxyType({})
 )
