@@ -138,7 +138,7 @@ class Options:
     lora.check_merge_options(merging, alpha, scale, base, names)
     return cls(alpha, scale, base) if merging else None
 
-  def plan(self, source: reader.CanonicalCheckpoint) -> MergePlan:
+  def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
     """The merge of `source`'s adapters with these options (`plan_merge`)."""
     return plan_merge(source, alpha=self.alpha, scale=self.scale, base=self.base)
 

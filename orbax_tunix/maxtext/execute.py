@@ -16,7 +16,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import flatten, fmt
-from orbax_tunix.mapping import device, lora, merge
+from orbax_tunix.mapping import device, merge
 from orbax_tunix.mapping.outputs import Input
 from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore, require_target
 from orbax_tunix.reading import reader
@@ -133,19 +133,18 @@ def restore_train_state(
       without a merge, or one that is not a finite number (before any read).
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  merging = merge_lora or lora_base is not None
-  lora.check_merge_options(merging, lora_alpha, lora_scale)
+  merging = merge.Options.given(merge_lora or lora_base is not None, lora_alpha, lora_scale,
+                                lora_base, names=('lora_alpha', 'lora_scale', 'lora_base'))
   require_target(abstract_state, path.step_dir if isinstance(path, Detection) else path)
-  if merging:
-    return _restore_merged(path, abstract_state, params_only, restore_args,
-                           lora_alpha, lora_scale, lora_base)
+  if merging is not None:
+    return _restore_merged(path, abstract_state, params_only, restore_args, merging)
   plan = plan_restore(path, abstract_state, params_only=params_only,
                       param_scan_axis=param_scan_axis)
   logger.debug('%s', plan.describe())
   return execute_plan(plan, abstract_state, restore_args=restore_args)
 
 
-def _restore_merged(path, abstract_state, params_only, restore_args, alpha, scale, base):
+def _restore_merged(path, abstract_state, params_only, restore_args, options: merge.Options):
   """`params/params/<weights>` merged from a LoRA run; the rest as given."""
   where = path.step_dir if isinstance(path, Detection) else path
   if not params_only:
@@ -156,7 +155,7 @@ def _restore_merged(path, abstract_state, params_only, restore_args, alpha, scal
         ' start the optimizer afresh.'
     )
   source = reader.open_checkpoint(path) if isinstance(path, Detection) else path
-  plan = merge.plan_merge(source, alpha=alpha, scale=scale, base=base)
+  plan = options.plan(source)
   logger.debug('%s', plan.describe())
   pairs, treedef = flatten(abstract_state)
   args = args_by_path(restore_args)
