@@ -63,7 +63,7 @@ def execute_plan(
 
   values = device.execute(plan.outputs(input_of, {p: t.abstract for p, t in targets.items()}),
                           targets)
-  for path, fill in sorted(plan.fills.items()):
+  for path, fill in sorted(plan.fills.items() if logger.isEnabledFor(logging.INFO) else ()):
     # A count is replicated: any local shard holds it (multi-process too).
     number = np.asarray(values[path].addressable_data(0)).item()
     logger.info('%s: filled with %d from %s', fmt(path), number, fill.describe())
