@@ -12,6 +12,13 @@ after / before.
 
 The benchmark's own data must exist (run the benchmark once with its
 `--workdir`); the script itself is run from the working tree both times.
+
+With `--command`, any command instead (e.g. the CLI): its wall time and the
+child's own peak RSS (`os.wait4`'s ru_maxrss, from zero rather than above a
+start), `--fresh DIR` removed before each run (a destination):
+
+  python benchmarks/before_after.py --before 705d2e4 --rounds 5 --fresh /tmp/out --command -- \\
+      python -m orbax_tunix.cli convert /tmp/lb24/lora/1 /tmp/out/1 --merge-lora --lora-scale 0.5
 """
 
 from __future__ import annotations
@@ -20,35 +27,72 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run(tree: pathlib.Path, argv: list[str]) -> dict:
+def _env(tree: pathlib.Path) -> dict[str, str]:
   # The tree's package first on the path (before an editable install of this one).
-  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
+  return {**os.environ, 'PYTHONPATH': os.pathsep.join(
       [str(tree), *filter(None, [os.environ.get('PYTHONPATH')])])}
-  done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
+
+
+def _run(tree: pathlib.Path, argv: list[str]) -> dict:
+  """A benchmark child: its own JSON line (wall_s, peak_above_kb)."""
+  done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=_env(tree),
                         check=False)
   if done.returncode:
     raise SystemExit(f'{tree}: {" ".join(argv)} failed:\n{done.stderr[-3000:]}')
   return json.loads([x for x in done.stdout.splitlines() if x.startswith('{')][-1])
 
 
+def _run_command(tree: pathlib.Path, argv: list[str], fresh: str | None) -> dict:
+  """Any command: its wall time and its own peak RSS (this child's rusage, not all children's)."""
+  if fresh:
+    shutil.rmtree(fresh, ignore_errors=True)
+  argv = [sys.executable if argv[0] == 'python' else argv[0], *argv[1:]]
+  with tempfile.TemporaryFile('w+') as err:
+    t0 = time.perf_counter()
+    child = subprocess.Popen(argv, env=_env(tree), stdout=subprocess.DEVNULL, stderr=err)
+    _, status, usage = os.wait4(child.pid, 0)  # This child's own rusage (ru_maxrss in KiB).
+    wall = time.perf_counter() - t0
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+      err.seek(0)
+      raise SystemExit(f'{tree}: {" ".join(argv)} failed:\n{err.read()[-3000:]}')
+  return {'wall_s': wall, 'peak_above_kb': usage.ru_maxrss}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--before', required=True, help='a git revision of this repository')
   parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('script')
-  parser.add_argument('contender')
+  parser.add_argument('--command', action='store_true',
+                      help='time the command after -- rather than a benchmark child')
+  parser.add_argument('--fresh', help='with --command: a directory removed before each run')
+  parser.add_argument('script', nargs='?')
+  parser.add_argument('contender', nargs='?')
   parser.add_argument('args', nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   rest = args.args[1:] if args.args[:1] == ['--'] else args.args
-  child = [str(pathlib.Path(args.script).resolve()), '--child', args.contender, *rest]
+  if args.command:
+    rest = [x for x in (args.script, args.contender) if x and x != '--'] + rest
+    label, shown = 'command', f'--fresh {args.fresh} --command -- {" ".join(rest)}'
+
+    def run(tree):
+      return _run_command(tree, rest, args.fresh)
+  else:
+    child = [str(pathlib.Path(args.script).resolve()), '--child', args.contender, *rest]
+    label, shown = args.contender, f'{args.script} {args.contender} -- {" ".join(rest)}'
+
+    def run(tree):
+      return _run(tree, child)
   with tempfile.TemporaryDirectory(prefix='before-') as tmp:
     old = pathlib.Path(tmp) / 'tree'
     subprocess.run(['git', '-C', str(REPO), 'worktree', 'add', '--detach', str(old),
@@ -59,7 +103,7 @@ def main(argv=None) -> None:
       for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for side in order:
-          results[side].append(_run(sides[side], child))
+          results[side].append(run(sides[side]))
           print(side, results[side][-1], flush=True)
     finally:
       subprocess.run(['git', '-C', str(REPO), 'worktree', 'remove', '--force', str(old)],
@@ -67,12 +111,13 @@ def main(argv=None) -> None:
   wall = {k: statistics.median(x['wall_s'] for x in v) for k, v in results.items()}
   mib = {k: statistics.median(x['peak_above_kb'] for x in v) / 1024 for k, v in results.items()}
   print(f'\nCommand: `python benchmarks/before_after.py --before {args.before} --rounds'
-        f' {args.rounds} {args.script} {args.contender} -- {" ".join(rest)}`\n')
-  print(f'| {args.contender} | before ({args.before}) | after | after / before |')
+        f' {args.rounds} {shown}`\n')
+  peak = 'peak RSS, median' if args.command else 'peak RSS above start, median'
+  print(f'| {label} | before ({args.before}) | after | after / before |')
   print('|---|---|---|---|')
   print(f'| wall, median of {args.rounds} | {wall["before"]:.2f} s | {wall["after"]:.2f} s |'
         f' {wall["after"] / wall["before"]:.2f} |')
-  print(f'| peak RSS above start, median | {mib["before"]:.0f} MiB | {mib["after"]:.0f} MiB |'
+  print(f'| {peak} | {mib["before"]:.0f} MiB | {mib["after"]:.0f} MiB |'
         f' {mib["after"] / mib["before"]:.2f} |')
 
 
