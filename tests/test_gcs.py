@@ -288,12 +288,24 @@ def test_killed_convert_into_bucket_leaves_no_finished_step(bucket, tmp_path):
 # --- storage requests ----------------------------------------------------------
 
 
+def _settled(gcs) -> int:
+  """The emulator's request count once it stops moving: it logs a request after its
+  response, late on a loaded machine (a fixed wait let one call's requests fall into the
+  next one's count)."""
+  count, deadline = gcs.requests(), time.monotonic() + 10
+  while time.monotonic() < deadline:
+    time.sleep(0.3)
+    now = gcs.requests()
+    if now == count:
+      return now
+    count = now
+  return count
+
+
 def _requests(gcs, call) -> int:
-  time.sleep(0.3)  # The emulator logs a request after its response: let it settle.
-  before = gcs.requests()
+  before = _settled(gcs)
   call()
-  time.sleep(0.3)
-  return gcs.requests() - before
+  return _settled(gcs) - before
 
 
 class _BeforeTheRead(Exception):
