@@ -267,7 +267,7 @@ def as_transform(merge: Merge) -> Transform:
   merged weight, its (small) adapters read to the host and put whole on every device."""
   fn = combine(merge.contraction, merge.scale)
   return Transform(
-      # The name says all it does (the device executor compiles once per name).
+      # The name says all it does (`Transform.computes`: one compiled program per name).
       f'lora_merge(rank={merge.adapter.rank}, scale={merge.scale!r}, {merge.contraction})',
       shape=lambda shapes: tuple(shapes[0]), apply=lambda xs: fn(*xs), arity=3,
       moves_only=False, source_specs=lambda spec, n: (spec, None, None),

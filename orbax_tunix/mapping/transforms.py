@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -92,9 +92,18 @@ class Transform:
   # device; None: `source_spec` for every source.
   source_specs: Callable[[tuple, int], tuple[tuple, ...]] | None = dataclasses.field(
       repr=False, default=None)
+  # What it computes, where `name` (what people read) leaves something out: a
+  # transform made with a function says which (`divide`, `multiply`); composites
+  # are their parts'. Two transforms of one `computes` are one compiled program.
+  what: Hashable = dataclasses.field(default=None, repr=False)
 
   def __str__(self) -> str:
     return self.name
+
+  @property
+  def computes(self) -> Hashable:
+    """What the transform computes, as a hashable value (`on_devices` compiles once per)."""
+    return self.name if self.what is None else self.what
 
   @property
   def is_identity(self) -> bool:
@@ -265,7 +274,8 @@ def constant(value: Any) -> Transform:
                    arity=0)
 
 
-def _in_float32(name: str, fn: Callable[[Any, Shape], Any], reads: int | None = None) -> Transform:
+def _in_float32(name: str, fn: Callable[[Any, Shape], Any], reads: int | None = None,
+                what: Hashable = None) -> Transform:
   """An elementwise computation in float32 (see the module's rounding rule); `fn` reads
   the size of axis `reads` only (None: no size), so blocks along other axes are its own."""
 
@@ -276,7 +286,8 @@ def _in_float32(name: str, fn: Callable[[Any, Shape], Any], reads: int | None = 
   def source_axis(axis: int, shapes: Sequence[Shape]) -> int | None:
     return None if reads is not None and axis == reads % len(shapes[0]) else axis
 
-  return Transform(name, _one(lambda s: s), apply, moves_only=False, source_axis=source_axis)
+  return Transform(name, _one(lambda s: s), apply, moves_only=False, source_axis=source_axis,
+                   what=what)
 
 
 def shift(delta: float) -> Transform:
@@ -295,14 +306,16 @@ def divide(name: str, divisor: Callable[[int], float], axis: int) -> Transform:
     axis: the axis whose size makes the divisor.
   """
   return _in_float32(f'divide({name})',
-                     lambda x, shape: x / np.float32(divisor(shape[axis])), reads=axis)
+                     lambda x, shape: x / np.float32(divisor(shape[axis])), reads=axis,
+                     what=('divide', divisor, axis))
 
 
 def multiply(name: str, factor: Callable[[int], float], axis: int) -> Transform:
   """`x * factor(size of axis)`, the factor taken to float32 (e.g. a query kernel MaxText
   stores divided by sqrt(head_dim))."""
   return _in_float32(f'multiply({name})',
-                     lambda x, shape: x * np.float32(factor(shape[axis])), reads=axis)
+                     lambda x, shape: x * np.float32(factor(shape[axis])), reads=axis,
+                     what=('multiply', factor, axis))
 
 
 def deinterleave(axis: int = -1) -> Transform:
@@ -368,7 +381,8 @@ def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
   name = f'per_input({", ".join(t.name for t in transforms)}) -> {then.name}'
   return Transform(name, shape, apply, arity=len(transforms),
                    moves_only=then.moves_only and all(t.moves_only for t in transforms),
-                   per=(transforms, then))
+                   per=(transforms, then),
+                   what=('per_input', tuple(t.computes for t in transforms), then.computes))
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -421,6 +435,7 @@ def chain(*transforms: Transform) -> Transform:
   pure = all(t.takes for t in transforms)
   return Transform(' -> '.join(t.name for t in transforms), shape, apply, first.arity,
                    source_spec, all(t.moves_only for t in transforms), source_axis=source_axis,
+                   what=('chain', tuple(t.computes for t in transforms)),
                    source_specs=source_specs if first.source_specs else None,
                    takes=takes if pure else (),
                    steps=tuple(s for t in transforms for s in (t.steps or (t,))))
@@ -469,13 +484,13 @@ def on_devices(
   """Several transforms of the same sources, compiled as one function on the devices.
 
   `(sources...) -> (destination in sharding i and dtype i, ...)`. Compiled once
-  per set of transforms (by name: a name says all a transform does), shardings,
+  per set of transforms (by what each computes: `Transform.computes`), shardings,
   dtypes and donated sources (`donate`: their buffers are reused, e.g. a
   weight a LoRA merge adds to), and per source shapes (jit's own cache): the
   layers of one stacked weight are one compilation, its `mu` and `nu` reuse it.
   `in_shardings`: where the sources are put (None: as they are).
   """
-  key = (tuple(t.name for t in transforms), tuple(shardings), tuple(np.dtype(d) for d in dtypes),
+  key = (tuple(t.computes for t in transforms), tuple(shardings), tuple(np.dtype(d) for d in dtypes),
          tuple(donate), None if in_shardings is None else tuple(in_shardings))
   if key not in _COMPILED:
     if len(_COMPILED) > 256:
