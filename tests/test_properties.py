@@ -141,3 +141,105 @@ def test_reading_a_region_equals_taking_its_slices(case):
   chained = transforms.chain(*(transforms.take(a, i) for a, i in takes))
   peeled, rest = transforms.leading_takes(transforms.chain(chained, transforms.transpose()))
   assert list(peeled) == takes and rest.name == 'transpose'
+
+
+@st.composite
+def strided_views(draw):
+  """An array and a strided view of it: transposed, stepped, permuted, or as is."""
+  ndim = draw(st.integers(1, 3))
+  shape = tuple(draw(st.lists(st.integers(1, 300 if ndim <= 2 else 9), min_size=ndim,
+                              max_size=ndim)))
+  x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+  view = draw(st.sampled_from(['T', 'step', 'perm', 'as is']))
+  if view == 'T':
+    return x.T
+  if view == 'step':
+    return x[(slice(None, None, draw(st.integers(1, 3))),) * ndim]
+  if view == 'perm':
+    return x.transpose(draw(st.permutations(range(ndim))))
+  return x
+
+
+@given(strided_views())
+@settings(max_examples=100, deadline=None)
+def test_c_order_blocks_are_the_arrays_bytes_in_order(view):
+  """What the safetensors sink writes of a view (its blocks, one after another) is numpy's
+  own C-order copy of it, whatever the strides."""
+  from orbax_tunix.writing import writer  # noqa: PLC0415
+
+  blocks = [b.reshape(-1).copy() for b in writer.c_order_blocks(view)]
+  np.testing.assert_array_equal(np.concatenate(blocks), np.ascontiguousarray(view).reshape(-1))
+  assert all(b.flags.c_contiguous for b in writer.c_order_blocks(view))
+
+
+class _Count:
+  def __init__(self):
+    self.advanced = []
+
+  def advance(self, n):
+    self.advanced.append(n)
+
+
+@given(st.lists(st.integers(0, 9), max_size=6), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_stream_ahead_hands_over_what_it_reads_in_order(sizes, ahead):
+  """Reading ahead hands over the same batches, values and progress as reading in turn, and
+  reads a batch only once the one before it was handed over (two in flight at most)."""
+  import contextvars  # noqa: PLC0415
+  import threading  # noqa: PLC0415
+
+  from orbax_tunix.reading import reader  # noqa: PLC0415
+
+  seen = contextvars.ContextVar('seen', default=None)
+  seen.set('caller')
+  handed, reads, lock = [], [], threading.Lock()
+
+  def read(batch):
+    with lock:
+      reads.append((batch[0], len(handed)))
+    return (batch[0] * 10, seen.get())  # The read sees the caller's context.
+
+  progress = _Count()
+  batches = [[i] * (s + 1) for i, s in enumerate(sizes)]
+  for batch, value in reader.stream(batches, read, progress, len, ahead=ahead):
+    assert value == (batch[0] * 10, 'caller')
+    handed.append(batch[0])
+  assert handed == list(range(len(sizes)))
+  assert progress.advanced == [s + 1 for s in sizes]
+  assert all(handed_before >= i - 1 for i, handed_before in reads)
+
+
+def test_stream_ahead_stops_reading_when_the_caller_fails():
+  """An error in the caller's loop ends the stream: the read under way is cancelled or let
+  finish, and no batch after it is read."""
+  import pytest  # noqa: PLC0415
+
+  from orbax_tunix.reading import reader  # noqa: PLC0415
+
+  reads = []
+  with pytest.raises(RuntimeError, match='caller'):
+    for batch, _ in reader.stream([[0], [1], [2], [3]], lambda b: reads.append(b[0]),
+                                  _Count(), len, ahead=True):
+      if batch[0] == 1:
+        raise RuntimeError('caller')
+  assert reads in ([0, 1], [0, 1, 2])
+
+
+def test_transforms_that_compute_differently_are_compiled_apart():
+  """The device executor's compile cache is keyed by what a transform computes: two divides
+  of one name but another axis (or function) are two programs, with their own results."""
+  import math  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  x = np.arange(2 * 4 * 9, dtype=np.float32).reshape(2, 4, 9) + 1
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  for axis in (1, 2):
+    t = transforms.divide('sqrt(n)', math.sqrt, axis=axis)
+    got = transforms.on_devices([t], [device], [np.float32])(x)[0]
+    np.testing.assert_allclose(np.asarray(got), x / np.sqrt(x.shape[axis]), rtol=1e-6)
+  same = [transforms.chain(transforms.divide('s', math.sqrt, axis=1), transforms.transpose())
+          for _ in range(2)]
+  assert same[0].computes == same[1].computes
+  assert (transforms.divide('s', math.sqrt, axis=1).computes
+          != transforms.divide('s', math.log, axis=1).computes)

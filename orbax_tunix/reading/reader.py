@@ -10,6 +10,8 @@ the whole checkpoint.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -407,29 +409,53 @@ V = TypeVar('V')
 
 def stream(
     batched: Iterable[Sequence[T]], read: Callable[[Sequence[T]], V], progress: Progress,
-    done: Callable[[Sequence[T]], int],
+    done: Callable[[Sequence[T]], int], *, ahead: bool = False,
 ) -> Iterator[tuple[Sequence[T], V]]:
   """The one streaming loop of the host work (`writer.write`, `diff`, `checksums.verify`).
 
   Each batch is read once and handed over with what was read; once the
   caller asks for the next, `progress` advances by `done(batch)`. The caller
   drops its own references to a batch's values before asking for the next
-  (`del`), so that one batch is held at a time.
+  (`del`), so that one batch is held at a time, or two with `ahead`.
 
   Args:
     batched: the batches, in order (e.g. from `batches`).
     read: a batch -> what was read for it.
     progress: told the bytes each batch took.
     done: a batch -> its bytes, for `progress`.
+    ahead: read the next batch in a thread while the caller uses this one
+      (reading is TensorStore's and the caller's writes are file I/O: both
+      release the GIL). The caller sizes its batches for two in flight. Not
+      across processes: a job's collectives must run in one order everywhere.
 
   Yields:
     (batch, what `read` gave for it).
   """
-  for batch in batched:
-    values = read(batch)
-    yield batch, values
-    del values
-    progress.advance(done(batch))
+  if not ahead:
+    for batch in batched:
+      values = read(batch)
+      yield batch, values
+      del values
+      progress.advance(done(batch))
+    return
+  batches_ = iter(batched)
+  # The reading thread sees this thread's context (the parsed metadata Orbax is served).
+  submit = lambda b: pool.submit(contextvars.copy_context().run, read, b)  # noqa: E731
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='orbax_tunix-read') as pool:
+    batch = next(batches_, None)
+    pending = submit(batch) if batch is not None else None
+    try:
+      while pending is not None:
+        values = pending.result()
+        following = next(batches_, None)
+        pending = submit(following) if following is not None else None
+        yield batch, values
+        del values
+        progress.advance(done(batch))
+        batch = following
+    finally:
+      if pending is not None:  # Stopped early (an error, Ctrl-C): let the read end first.
+        pending.cancel() or concurrent.futures.wait([pending])
 
 
 def read_each(ckpt: CanonicalCheckpoint, item: str, leaves: Sequence[LeafInfo]) -> list[Any]:

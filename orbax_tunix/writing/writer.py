@@ -79,10 +79,17 @@ def _job_overhead() -> int:
   return JOB_OVERHEAD if distributed.active() else 0
 
 
+def _reads_ahead() -> bool:
+  """Whether `write` reads the next batch while it writes one (`reader.stream`'s `ahead`):
+  in one process; a job's processes keep their collectives in one order."""
+  return not distributed.active()
+
+
 def batch_bytes(memory_budget: int) -> int:
   """Bytes of sources per batch so that a write fits `memory_budget` (in each process of a
-  multi-process job too)."""
-  return reader.batch_bytes(max(memory_budget - _job_overhead(), 1), COPIES_IN_FLIGHT)
+  multi-process job too); half as much where two batches are in flight (`_reads_ahead`)."""
+  per = reader.batch_bytes(max(memory_budget - _job_overhead(), 1), COPIES_IN_FLIGHT)
+  return max(per // 2, 1) if _reads_ahead() else per
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
@@ -293,7 +300,7 @@ def write(
     outputs = [block for o in outputs for block in row_blocks(o, budget)]
   for batch, values in reader.stream(batches(outputs, budget),
                                     lambda batch: read_inputs(batch, on_host), progress,
-                                    bytes_read):
+                                    bytes_read, ahead=_reads_ahead()):
     # What transforms make goes to the sink once it fills the budget: a source
     # read whole for its many outputs (a stack stored as one chunk, split into
     # its layers) is not held beside all of them.
@@ -417,6 +424,38 @@ class Shard:
     return data + b' ' * (-len(data) % 8)
 
 
+# A transposed view is copied out in tiles of TILE x TILE elements, a block of rows
+# (about BLOCK_BYTES) at a time: numpy's own copy of a transposed matrix walks one side
+# a whole row apart per element, 2-3x slower than tiles that stay in the cache, and
+# would hold a second copy of the whole tensor.
+TILE = 128
+BLOCK_BYTES = 4 << 20
+
+
+def c_order_blocks(array: np.ndarray) -> Iterator[np.ndarray]:
+  """An array's values in C order, as contiguous arrays of consecutive rows.
+
+  A contiguous array is itself; a strided 2-D one (a transposed view) is copied
+  a block of rows at a time, tile by tile; others are copied a block at a time.
+  The blocks share one buffer: each is valid until the next is asked for.
+  """
+  if array.flags.c_contiguous or array.ndim == 0:
+    yield array
+    return
+  rows = max(1, BLOCK_BYTES // max(1, array[0].nbytes))
+  buffer = np.empty((min(rows, array.shape[0]), *array.shape[1:]), array.dtype)
+  for start in range(0, array.shape[0], rows):
+    part = array[start:start + rows]
+    out = buffer[:part.shape[0]]
+    if array.ndim == 2:
+      for col in range(0, array.shape[1], TILE):
+        for row in range(0, part.shape[0], TILE):
+          out[row:row + TILE, col:col + TILE] = part[row:row + TILE, col:col + TILE]
+    else:
+      out[...] = part
+    yield out
+
+
 def _numpy_dtype(name: str) -> Any:
   return jnp.dtype(name)
 
@@ -490,13 +529,14 @@ class SafetensorsSink:
       if name != output.path[0] or start != row:
         raise AssertionError(f'{shard.name}: expected {name} (from row {row}) next, got'
                              f' {output.path[0]} (from row {start})')
-      array = np.ascontiguousarray(np.asarray(value))
+      array = np.asarray(value)
       want = (stop - start, *shape[1:]) if shape else shape
       if array.dtype != jnp.dtype(dtype) or array.shape != want:
         raise AssertionError(f'{name}: planned {dtype}{list(want)}, made {array.dtype}'
                              f'{list(array.shape)}')
       # A tensor made in blocks of rows is their bytes one after another (C order).
-      handle.write(memoryview(array.reshape(-1).view(np.uint8)))
+      for block in c_order_blocks(array):
+        handle.write(memoryview(block.reshape(-1).view(np.uint8)))
       if shape and stop != shape[0]:
         self._open[shard.name] = (handle, done, stop)
       elif done + 1 == len(shard.tensors):

@@ -1,0 +1,129 @@
+"""`export` against the floor: a plain read-then-write of the same bytes, side by side.
+
+Writes a Qwen3-shaped Tunix step (`export_memory.write_checkpoint`: float32, `--layers`
+layers of width `--dim`; 8 x 1024 is 528 MiB, 36 x 1024 is 2.1 GiB), then, each round in
+fresh processes with the order alternating:
+
+  export  `orbax-tunix export STEP OUT --model qwen3` (its default memory budget)
+  floor   plain Orbax restores `model_params` to the host as numpy (one restore, no target),
+          then the `safetensors` package writes every array into one file: what any
+          converter must at least do, with no re-layout and no memory bound.
+
+`--before TREE` adds the export of another checkout of this package (its tree first on
+PYTHONPATH), e.g. a worktree of the revision before a change.
+
+Each child's wall time is the whole process (imports included: both import JAX and
+Orbax). The floor child also reports its read and its write alone. Reported: the medians
+and export / floor.
+
+  python benchmarks/export_floor.py --layers 36 --dim 1024 --rounds 5 --workdir /tmp/floor \\
+      [--before /tmp/main-worktree]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from export_memory import write_checkpoint  # pylint: disable=g-import-not-at-top
+
+MIB = 1 << 20
+
+
+def floor(step: pathlib.Path, out: pathlib.Path) -> dict:
+  """The floor, in this process: read everything with Orbax, then write it with safetensors."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+  start = time.monotonic()
+  handler = ocp.PyTreeCheckpointHandler()
+  item = step / 'model_params'
+  meta = handler.metadata(item).tree
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+  tree = handler.restore(item, args=ocp.args.PyTreeRestore(restore_args=args))
+  read = time.monotonic()
+  flat = {'.'.join(str(getattr(k, 'key', k)) for k in path): np.asarray(v)
+          for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  out.mkdir(parents=True, exist_ok=True)
+  save_file(flat, str(out / 'model.safetensors'))
+  return {'read_s': read - start, 'write_s': time.monotonic() - read,
+          'bytes': sum(v.nbytes for v in flat.values())}
+
+
+def _child(argv: list[str], out: pathlib.Path, tree: str | None) -> tuple[float, dict]:
+  shutil.rmtree(out, ignore_errors=True)
+  env = dict(os.environ)
+  if tree:
+    env['PYTHONPATH'] = os.pathsep.join([tree, *filter(None, [env.get('PYTHONPATH')])])
+  start = time.monotonic()
+  done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+  seconds = time.monotonic() - start
+  if done.returncode:
+    raise SystemExit(f'{" ".join(argv)} failed:\n{done.stderr[-3000:]}')
+  lines = [x for x in done.stdout.splitlines() if x.startswith('{')]
+  shutil.rmtree(out, ignore_errors=True)
+  return seconds, (json.loads(lines[-1]) if lines else {})
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--layers', type=int, default=8)
+  parser.add_argument('--dim', type=int, default=1024)
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--workdir')
+  parser.add_argument('--before', help='another checkout of this package: its export too')
+  parser.add_argument('--child', nargs=2, metavar=('STEP', 'OUT'), help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    print(json.dumps(floor(*map(pathlib.Path, args.child))))
+    return
+  work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='export-floor-'))
+  step = work / f'src-{args.layers}x{args.dim}' / '1'
+  if not step.exists():
+    write_checkpoint(step.parent, args.layers, args.dim)
+  size = sum(f.stat().st_size for f in (step / 'model_params').rglob('*') if f.is_file())
+  contenders = {
+      'export': [sys.executable, '-m', 'orbax_tunix.cli', 'export', str(step), str(work / 'out'),
+                 '--model', 'qwen3'],
+      'floor': [sys.executable, __file__, '--child', str(step), str(work / 'out')],
+  }
+  trees = {'export': None, 'floor': None}
+  if args.before:
+    contenders['export (before)'] = contenders['export']
+    trees['export (before)'] = args.before
+  times: dict[str, list[float]] = {name: [] for name in contenders}
+  phases: list[dict] = []
+  for i in range(args.rounds):
+    for name in (list(contenders) if i % 2 == 0 else list(reversed(contenders))):
+      seconds, report = _child(contenders[name], work / 'out', trees[name])
+      times[name].append(seconds)
+      if report:
+        phases.append(report)
+      print(f'round {i + 1} {name}: {seconds:.2f} s', file=sys.stderr)
+  med = {name: statistics.median(t) for name, t in times.items()}
+  read = statistics.median(p['read_s'] for p in phases)
+  write = statistics.median(p['write_s'] for p in phases)
+  print(f'\nCommand: `python benchmarks/export_floor.py --layers {args.layers} --dim {args.dim}'
+        f' --rounds {args.rounds}' + (f' --before {args.before}`' if args.before else '`'))
+  print(f'Qwen3-shaped step, {size / MIB:.0f} MiB on disk ({phases[0]["bytes"] / MIB:.0f} MiB'
+        ' float32)\n')
+  print('| contender | wall (median) | / floor |')
+  print('|---|---|---|')
+  for name in contenders:
+    print(f'| {name} | {med[name]:.2f} s | {med[name] / med["floor"]:.2f} |')
+  print(f'\nInside the floor (median): read {read:.2f} s, write {write:.2f} s;'
+        f' the rest of its wall is start-up (imports).')
+
+
+if __name__ == '__main__':
+  main()
