@@ -19,7 +19,7 @@ naming the weights, before any read.
 from __future__ import annotations
 
 import collections
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
@@ -233,21 +233,6 @@ def check_unscanned(shapes: Mapping[Path, Shape | None], where: str) -> int:
   return len(per_layer)
 
 
-def check_source(shapes: Mapping[Path, Shape | None], axis: int | None, where: str,
-                 ) -> int | None:
-  """A stored form checked before re-laying it: `check_stacked` or `check_unscanned`.
-
-  Returns:
-    The stored layer axis when scanned, else None.
-  """
-  form = form_of(p for p, s in shapes.items() if s is not None)
-  if form == SCANNED:
-    return check_stacked(shapes, axis, where)
-  if form == UNSCANNED:
-    check_unscanned(shapes, where)
-  return None
-
-
 def relayout(
     source: Mapping[Path, Shape],
     target: Mapping[Path, Shape | None],
@@ -326,7 +311,3 @@ def relayout(
 
 def _only(shapes: Mapping[Path, Shape | None], form: str) -> dict[Path, Shape]:
   return {p: s for p, s in shapes.items() if s is not None and _MATCH[form].match(p)}
-
-
-def holds_layers(paths: Collection[Path]) -> bool:
-  return form_of(paths) is not None
