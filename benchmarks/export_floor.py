@@ -16,6 +16,8 @@ Each child's wall time is the whole process (imports included: both import JAX a
 Orbax). The floor child also reports its read and its write alone. Reported: the medians
 and export / floor.
 
+Needs the `bench` extra (`pip install -e '.[bench]'`: the safetensors package).
+
   python benchmarks/export_floor.py --layers 36 --dim 1024 --rounds 5 --workdir /tmp/floor \\
       [--before /tmp/main-worktree]
 """
