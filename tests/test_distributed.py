@@ -72,21 +72,28 @@ def env() -> dict[str, str]:
   )
 
 
-def start(argv: list[str], logs: pathlib.Path, *, num_processes: list[int] | None = None,
-          cwds: list[pathlib.Path] | None = None, prefixes: list[list[str]] | None = None,
+def start(argv: list[str] | list[list[str]], logs: pathlib.Path, *,
+          num_processes: list[int] | None = None, cwds: list[pathlib.Path] | None = None,
+          prefixes: list[list[str]] | None = None, process_ids: list[int] | None = None,
+          ports: list[int] | None = None, timeout: int = JAX_TIMEOUT_S,
           ) -> list[tuple[subprocess.Popen, pathlib.Path]]:
-  """Starts the command as processes 0 and 1 of one job; returns (process, log) pairs."""
+  """Starts the command as processes 0 and 1 of one job (or as `process_ids`, each
+  given its `num_processes`, its port, its own argv when `argv` is one per process);
+  returns (process, log) pairs."""
   port = free_port()
+  ids = process_ids or [0, 1]
+  argvs = argv if argv and isinstance(argv[0], list) else [argv] * len(ids)
   started = []
-  for i in range(2):
-    n = (num_processes or [2, 2])[i]
-    log = logs / f'process_{i}.log'
+  for k, i in enumerate(ids):
+    n = (num_processes or [2] * len(ids))[k]
+    log = logs / f'process_{k}.log'
     with log.open('w') as f:
       started.append((subprocess.Popen(
-          [*(prefixes or [[], []])[i], sys.executable, '-m', 'orbax_tunix.cli', *argv,
-           '--coordinator-address', f'localhost:{port}', '--num-processes', str(n),
-           '--process-id', str(i), '--initialization-timeout', str(JAX_TIMEOUT_S)],
-          env=env(), cwd=(cwds or [logs, logs])[i], stdout=f, stderr=subprocess.STDOUT,
+          [*(prefixes or [[]] * len(ids))[k], sys.executable, '-m', 'orbax_tunix.cli', *argvs[k],
+           '--coordinator-address', f'localhost:{(ports or [port] * len(ids))[k]}',
+           '--num-processes', str(n), '--process-id', str(i), '--initialization-timeout',
+           str(timeout)],
+          env=env(), cwd=(cwds or [logs] * len(ids))[k], stdout=f, stderr=subprocess.STDOUT,
           start_new_session=True,  # Its own group: a timeout kills it and its children.
       ), log))
   return started
@@ -330,9 +337,9 @@ def test_destination_some_process_cannot_see_fails_every_process(tmp_path):
   assert list(parent.iterdir()) == [], done.show()
 
 
-def write_large(root: pathlib.Path, arrays: int, rows: int) -> pathlib.Path:
+def write_large(root: pathlib.Path, arrays: int, rows: int, seed: int = 0) -> pathlib.Path:
   """A plain Orbax step large enough that converting it takes a few seconds."""
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   tree = {f'w{i:03d}': rng.standard_normal((rows, 256)).astype(np.float32) for i in range(arrays)}
   step = root / '1'
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
@@ -382,6 +389,90 @@ def test_a_process_whose_writes_fail_fails_every_process_and_commits_nothing(com
   assert not dst.exists(), done.show()
   left = list(dst.parent.iterdir()) if dst.parent.exists() else []
   assert all(commit.TMP_MARKER in p.name for p in left), left
+
+
+# --- a job that cannot form, or processes given different work ---------------------------
+
+# What JAX's coordination service prints when it ends a process, and Python's traceback.
+CRASH = ('Traceback', 'Check failure', 'terminate called', 'client.h:', 'Aborted')
+
+
+def assert_refused(done: Finished, expected: list[str], *, within: float) -> None:
+  """Every process exited 2 with one message holding its `expected` text, no trace, in time."""
+  assert done.codes == [2] * len(expected), done.show()
+  for output, text in zip(done.outputs, expected, strict=True):
+    errors = [line for line in output.splitlines() if line.startswith('orbax-tunix: error:')]
+    assert len(errors) == 1 and text in output, done.show()
+    assert not [c for c in CRASH if c in output], done.show()
+  assert done.seconds < within, done.show()
+
+
+SHORT_S = 3  # --initialization-timeout of the jobs that cannot form.
+# Python and JAX start in a few seconds on 2 shared cores: the wait ends soon after the timeout.
+WITHIN_S = SHORT_S + 25
+
+
+def test_a_missing_peer_ends_every_process_within_the_timeout(tmp_path):
+  out = tmp_path / 'out'
+  argv = ['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3']
+  alone = run_two(argv, tmp_path, process_ids=[0], timeout=SHORT_S)  # Process 1 never comes.
+  assert_refused(alone, ['process 1 did not join within 3 s (--initialization-timeout);'
+                         ' joined: process 0 of 2'], within=WITHIN_S)
+  alone = run_two(argv, tmp_path, process_ids=[1], timeout=SHORT_S)  # Nor process 0.
+  assert_refused(alone, ['process 1: no process 0 answered at localhost:'], within=WITHIN_S)
+  assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
+
+
+def test_a_mistyped_port_ends_every_process_naming_the_flag(tmp_path):
+  out = tmp_path / 'out'
+  done = run_two(['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3'], tmp_path,
+                 ports=[free_port(), free_port()], timeout=SHORT_S)
+  assert_refused(done, ['process 1 did not join within 3 s', 'no process 0 answered at'
+                        ' localhost:'], within=WITHIN_S)
+  assert '(--coordinator-address)' in done.outputs[1], done.show()
+  assert not out.exists()
+
+
+def test_a_duplicated_process_id_ends_every_process_naming_it(tmp_path):
+  out = tmp_path / 'out'
+  argv = ['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3']
+  # Three processes, two of them given id 1 (and none id 2).
+  done = run_two(argv, tmp_path, process_ids=[0, 1, 1], num_processes=[3, 3, 3],
+                 timeout=SHORT_S)
+  assert_refused(done, ['two processes were given --process-id 1'] * 3, within=WITHIN_S)
+  # Two processes given id 0: the second finds the port taken; the first waits for process 1.
+  t0 = time.monotonic()
+  first = start(argv, tmp_path, process_ids=[0], timeout=SHORT_S, ports=[port := free_port()])
+  time.sleep(1.0)
+  (tmp_path / 'second').mkdir()
+  second = start(argv, tmp_path / 'second', process_ids=[0], timeout=SHORT_S, ports=[port])
+  done = finish(first + second, t0)
+  assert_refused(done, ['process 1 did not join within 3 s', 'another process was given'
+                        ' --process-id 0 too'], within=WITHIN_S + 1)
+  assert not out.exists()
+
+
+@pytest.mark.parametrize('flags, expected', [
+    (['--coordinator-address', 'localhost'], "--coordinator-address 'localhost': expected"
+     ' HOST:PORT'),
+    (['--coordinator-address', 'localhost:70000'], "--coordinator-address 'localhost:70000'"),
+    (['--coordinator-address', '::1:1234'], "--coordinator-address '::1:1234'"),
+    (['--initialization-timeout', '0'], '--initialization-timeout 0: expected a whole number'
+     ' of seconds above 0'),
+    (['--initialization-timeout', '-1'], '--initialization-timeout -1'),
+    (['--process-id', '2'], '--process-id 2: expected'),
+    (['--num-processes', '0', '--process-id', '0'], '--num-processes 0: expected'),
+])
+def test_job_flags_out_of_range_are_refused_naming_the_flag(flags, expected, tmp_path, capsys):
+  given = {'--coordinator-address': 'localhost:1234', '--num-processes': '2',
+           '--process-id': '0', '--initialization-timeout': '5'}
+  given.update(zip(flags[::2], flags[1::2], strict=True))
+  out = tmp_path / 'out'
+  code = commands.main(['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3',
+                        *[x for kv in given.items() for x in kv]])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count('orbax-tunix: error:') == 1 and expected in err, err
+  assert not out.exists()
 
 
 # --- the pieces, in this process --------------------------------------------------------

@@ -295,6 +295,10 @@ _FLAGS = {
     'max_shard_size': '--max-shard-size',
     'hf_config': '--hf-config',
     'out_dir': 'OUT_DIR',
+    'coordinator_address': '--coordinator-address',
+    'num_processes': '--num-processes',
+    'process_id': '--process-id',
+    'initialization_timeout': '--initialization-timeout',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 

@@ -45,7 +45,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
-from orbax_tunix.writing import checksums, commit
+from orbax_tunix.writing import checksums, commit, rendezvous
 
 # How long a process waits for the others to report an outcome (ms). Long:
 # processes with more to do finish later; a process that dies is found sooner
@@ -115,30 +115,66 @@ def cluster_detected() -> str | None:
   return None
 
 
+def check(options: Options) -> rendezvous.Address | None:
+  """The options' values, checked before anything waits on them.
+
+  Returns:
+    The coordinator's address (None: not given, JAX's cluster detection finds it).
+
+  Raises:
+    InvalidOptionError: naming the option: an address that is not HOST:PORT,
+      a timeout that is not a positive number of seconds, a process count
+      below 1, a process id outside 0 to N-1.
+  """
+  timeout = options.initialization_timeout
+  if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
+    raise errors.InvalidOptionError(
+        f'`initialization_timeout` {timeout!r}: expected a whole number of seconds above 0'
+        ' (how long every process waits for the others to join).')
+  count, me = options.num_processes, options.process_id
+  if count is not None and count < 1:
+    raise errors.InvalidOptionError(
+        f'`num_processes` {count}: expected the number of processes of the job, 1 or more.')
+  if me is not None and (me < 0 or (count is not None and me >= count)):
+    upto = '' if count is None else f' to {count - 1} (`num_processes={count}`)'
+    raise errors.InvalidOptionError(
+        f'`process_id` {me}: expected this process\'s index, 0{upto}, each process its own.')
+  if options.coordinator_address is None:
+    return None
+  return rendezvous.parse_address(options.coordinator_address)
+
+
 def initialize(options: Options = Options()) -> bool:
   """Joins the job the options (or the cluster's environment) describe.
 
   Nothing happens when the process already joined one (an API caller did),
   or when no flag is given and JAX detects no cluster: one process, as before.
-  On CPU the processes talk through JAX's gloo collectives.
+  Given all three of address, count and id, the processes first meet at the
+  address (`rendezvous`, bounded by the timeout), so that a job that cannot
+  form is reported on every process rather than aborted by JAX. On CPU the
+  processes talk through JAX's gloo collectives.
 
   Returns:
     Whether this process is now part of a multi-process job.
 
   Raises:
-    DistributedError: the job could not be formed (a coordinator that does
-      not answer, a process count that disagrees, a timeout), naming the
-      options and what to check.
+    InvalidOptionError: an option out of range (`check`).
+    DistributedError: the job could not be formed (a process missing, a port
+      that does not answer or is taken, a process count that disagrees, two
+      processes given one id), naming the options and what to check.
   """
   if is_initialized():
     return jax.process_count() > 1
+  address = check(options)
   detected = None if options.explicit else cluster_detected()
   if not options.explicit and detected is None:
     return False
+  timeout = options.initialization_timeout
+  if address is not None and None not in (options.num_processes, options.process_id):
+    rendezvous.meet(address, options.process_id, options.num_processes, timeout)
   if jax.config.jax_cpu_collectives_implementation in (None, 'none', ''):
     # Cross-process CPU computations (resharding, barriers) need collectives.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  timeout = options.initialization_timeout
   try:
     jax.distributed.initialize(
         options.coordinator_address, options.num_processes, options.process_id,
