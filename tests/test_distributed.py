@@ -475,6 +475,71 @@ def test_job_flags_out_of_range_are_refused_naming_the_flag(flags, expected, tmp
   assert not out.exists()
 
 
+def differing_work(tmp_path: pathlib.Path, case: str) -> tuple[list[list[str]], pathlib.Path]:
+  """(each process's argv, the destination) of two processes given different work."""
+  qwen = ['export', str(TUNIX / 'hf_qwen3'), str(tmp_path / 'out'), '--model', 'qwen3']
+  if case == 'step':
+    base = ['convert', str(TUNIX / 'sft_full'), str(tmp_path / 'out' / '1')]
+    return [[*base, '--step', '1'], [*base, '--step', '2']], tmp_path / 'out' / '1'
+  if case == 'source':  # Two runs of one structure, other values.
+    one, two = (write_large(tmp_path / name, arrays=2, rows=8, seed=seed)
+                for name, seed in (('run_a', 0), ('run_b', 1)))
+    dst = tmp_path / 'out' / '1'
+    return [['convert', str(one), str(dst)], ['convert', str(two), str(dst)]], dst
+  if case == 'dtype':
+    return [qwen, [*qwen, '--dtype', 'bfloat16']], tmp_path / 'out'
+  assert case == 'max_shard_size'
+  return [[*qwen, '--max-shard-size', '20KB'], [*qwen, '--max-shard-size', '40KB']], \
+      tmp_path / 'out'
+
+
+@pytest.mark.parametrize('case, fields, shown', [
+    ('step', ['source'], ['sft_full/1 (step 1, metadata', 'sft_full/2 (step 2, metadata']),
+    ('source', ['source'], ['run_a/1 (step', 'run_b/1 (step']),
+    ('dtype', ['dtype', 'items'], ['dtype: process 0: None; process 1: bfloat16']),
+    ('max_shard_size', ['files'], ['files: process 0: ']),
+])
+def test_processes_given_different_work_are_refused_naming_what_differs(
+    case, fields, shown, tmp_path):
+  argvs, dst = differing_work(tmp_path, case)
+  done = run_two(argvs, tmp_path)
+  assert_refused(done, ['the processes were given different work'] * 2, within=TIMEOUT_S)
+  for output in done.outputs:
+    said = output[output.index('orbax-tunix: error:'):]
+    for field in fields:
+      assert f'\n  {field}: process 0: ' in said, done.show()
+    for text in shown:
+      assert text in said, done.show()
+  assert not dst.exists(), done.show()
+  assert not [p for p in dst.parent.parent.rglob('*') if 'tmp' in p.name], done.show()
+
+
+def test_a_process_that_cannot_plan_ends_every_process(tmp_path):
+  # Process 1 is given a step the run does not have: it says so; process 0 names it.
+  base = ['convert', str(TUNIX / 'sft_full'), str(tmp_path / 'out' / '1')]
+  done = run_two([[*base, '--step', '1'], [*base, '--step', '7']], tmp_path)
+  assert_refused(done, ['1 of 2 processes failed (plan)', 'expected a step 7, found none'], within=TIMEOUT_S)
+  assert 'process 1: ' in done.outputs[0], done.show()
+  assert not (tmp_path / 'out').exists(), done.show()
+
+
+def test_a_source_is_told_by_its_metadata_not_only_its_path(tmp_path):
+  # Two runs at one path (each host its own disk): their plans differ in `source` alone.
+  from orbax_tunix.tools import agreement, convert  # pylint: disable=g-import-not-at-top
+
+  def planned() -> dict[str, str]:
+    return agreement.fingerprint(convert.plan_convert(tmp_path / 'run' / '1',
+                                                      tmp_path / 'out' / '1'))
+
+  write_large(tmp_path / 'run', arrays=2, rows=8, seed=0)
+  first = planned()
+  shutil.rmtree(tmp_path / 'run')
+  write_large(tmp_path / 'run', arrays=2, rows=8, seed=1)
+  second = planned()
+  assert [k for k in first if first[k] != second[k]] == ['source'], (first, second)
+  assert planned() == second  # The same work: the same fingerprint.
+
+
 # --- the pieces, in this process --------------------------------------------------------
 
 

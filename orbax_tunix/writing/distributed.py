@@ -36,7 +36,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -343,6 +343,45 @@ def agree(name: str, failure: str | None) -> None:
     lines = '\n'.join(f'  process {i}: {why}' for i, why in failed)
     raise errors.DistributedError(
         f'{len(failed)} of {len(found)} processes failed ({name}); nothing was committed:\n{lines}')
+
+
+def agree_on(name: str, fields: Mapping[str, str] | None,
+             failure: BaseException | None = None) -> None:
+  """Every process's account of its work compared, before any is done (collective).
+
+  Each process passes its `fields` (what it was asked to do, field by field),
+  or, when it could not even work that out, its `failure`; every process
+  reaches this round either way, so none waits for a process that failed.
+
+  Raises:
+    DistributedError: on every process whose own `failure` is None: naming
+      each process that failed and why, or each field whose value differs
+      and every process's value. A process with its own failure returns
+      (it raises that itself).
+  """
+  if not active():
+    return
+  reports = [json.loads(t) for t in exchange(name, json.dumps(
+      {'fields': None if failure is not None else dict(fields or {}),
+       'failure': None if failure is None else _failure(failure)}))]
+  failed = [(i, r['failure']) for i, r in enumerate(reports) if r['failure'] is not None]
+  if failure is not None:
+    return
+  if failed:
+    lines = '\n'.join(f'  process {i}: {why}' for i, why in failed)
+    raise errors.DistributedError(
+        f'{len(failed)} of {len(reports)} processes failed ({name}); nothing was'
+        f' written:\n{lines}')
+  values = [r['fields'] for r in reports]
+  differ = [key for key in dict.fromkeys(k for v in values for k in v)
+            if len({v.get(key) for v in values}) > 1]
+  if differ:
+    lines = '\n'.join(f'  {key}: ' + '; '.join(f'process {i}: {v.get(key)}'
+                                              for i, v in enumerate(values)) for key in differ)
+    raise errors.DistributedError(
+        f'the processes were given different work ({", ".join(differ)} differ): every'
+        ' process must be given the same source, step and options. Nothing was'
+        f' written:\n{lines}')
 
 
 def _failure(e: BaseException) -> str:
