@@ -379,9 +379,9 @@ def agree_on(name: str, fields: Mapping[str, str] | None,
     lines = '\n'.join(f'  {key}: ' + '; '.join(f'process {i}: {v.get(key)}'
                                               for i, v in enumerate(values)) for key in differ)
     raise errors.DistributedError(
-        f'the processes were given different work ({", ".join(differ)} differ): every'
-        ' process must be given the same source, step and options. Nothing was'
-        f' written:\n{lines}')
+        f'the processes were given different work ({", ".join(differ)} differ): give every'
+        ' process the same source, step, destination and options (a path: the same absolute'
+        f' path or bucket URL on every host). Nothing was written:\n{lines}')
 
 
 def _failure(e: BaseException) -> str:
