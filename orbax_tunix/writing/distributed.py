@@ -4,7 +4,11 @@ The same command runs once per host. The processes find each other as JAX's
 multi-controller runtime does (`jax.distributed.initialize`, from explicit
 flags or its own cluster auto-detection), and coordinate only through that
 runtime's key-value store and barriers (Orbax's multi-host save does the
-same). What is shared out:
+same); before it starts, given explicit flags, they meet process 0 at the
+coordinator's port (`rendezvous`), so that a job that cannot form is
+reported rather than aborted by JAX. Once formed, every process's plan is
+compared with the others' (`agree_on`) before anything is written. What is
+shared out:
 
 - `convert`: every array is placed on the global mesh of all processes'
   devices (`placement`), so each process reads and writes only its own
