@@ -472,6 +472,7 @@ def test_job_flags_out_of_range_are_refused_naming_the_flag(flags, expected, tmp
                         *[x for kv in given.items() for x in kv]])
   err = capsys.readouterr().err
   assert code == 2 and err.count('orbax-tunix: error:') == 1 and expected in err, err
+  assert 'Traceback' not in err, err
   assert not out.exists()
 
 

@@ -17,6 +17,7 @@ host's own disk at one path agrees; another run, or another step, does not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -58,35 +59,53 @@ def _digest(value: Any) -> str:
 
 def _canon(value: Any) -> Any:
   """`value` as JSON data, the same in every process for equal values (no ids, no reprs)."""
+  kind = type(value)
+  told = _CANON.get(kind)
+  if told is None:
+    told = _CANON[kind] = _canon_of(value)  # Decided once per type: plans have many leaves.
+  return told(value)
+
+
+def _canon_of(value: Any) -> Callable[[Any], Any]:
+  """How `_canon` tells values of `value`'s type."""
   if value is None or isinstance(value, (bool, int, float, str)):
-    return value
+    return lambda v: v
   if isinstance(value, reader.CanonicalCheckpoint):
-    return os.fspath(value.step_dir)  # Its identity is the source's own field.
+    return lambda v: os.fspath(v.step_dir)  # Its identity is the source's own field.
   if isinstance(value, np.dtype):
-    return value.name
+    return _dtype_name
   if isinstance(value, np.generic):
-    return value.item()
+    return lambda v: v.item()
   if isinstance(value, (epath.Path, os.PathLike)):
-    return os.fspath(value)
+    return os.fspath
   if isinstance(value, Mapping):
-    return sorted(([_canon(k), _canon(v)] for k, v in value.items()), key=json.dumps)
+    return lambda v: sorted(([_canon(k), _canon(x)] for k, x in v.items()), key=json.dumps)
   if isinstance(value, (frozenset, set)):
-    return sorted((_canon(v) for v in value), key=json.dumps)
+    return lambda v: sorted((_canon(x) for x in v), key=json.dumps)
   if isinstance(value, (tuple, list)):
-    return [_canon(v) for v in value]
+    return lambda v: [_canon(x) for x in v]
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {f.name: _canon(getattr(value, f.name)) for f in dataclasses.fields(value)
-            if not callable(getattr(value, f.name))}
-  if callable(value):
-    return getattr(value, '__qualname__', type(value).__name__)
-  return type(value).__name__
+    names = tuple(f.name for f in dataclasses.fields(value))
+    return lambda v: [_canon(getattr(v, name)) for name in names]
+  if callable(value):  # A function (a transform's): by its name.
+    return lambda v: getattr(v, '__qualname__', type(v).__name__)
+  return lambda v: type(v).__name__
+
+
+# Type -> how `_canon` tells its values.
+_CANON: dict[type, Callable[[Any], Any]] = {}
+
+
+@functools.cache
+def _dtype_name(dtype: np.dtype) -> str:
+  return dtype.name  # Slow in numpy (it is computed), and asked once per leaf.
 
 
 def _value(value: Any, seen: dict[str, str]) -> str:
   """A plain value as it is; anything larger as its digest."""
   del seen
   if value is None or isinstance(value, (bool, int, float, str, np.dtype, epath.Path)):
-    return str(value.name if isinstance(value, np.dtype) else value)
+    return str(_dtype_name(value) if isinstance(value, np.dtype) else value)
   return f'digest {_digest(value)}'
 
 
@@ -131,14 +150,14 @@ def _merge(merge: Any, seen: dict[str, str]) -> str:
 def _items(items: Any, seen: dict[str, str]) -> str:
   del seen
   arrays = sum(len(item.outputs) for item in items)
-  return f'{len(items)} items, {arrays} leaves (digest {_digest(items)})'
+  return f'{_count(len(items), "item")}, {_count(arrays, "leaf")} (digest {_digest(items)})'
 
 
 def _files(files: Any, seen: dict[str, str]) -> str:
   del seen
   if not files:
     return 'none'
-  return (f'{len(files)} files, {sum(f.nbytes for f in files)} bytes'
+  return (f'{_count(len(files), "file")}, {sum(f.nbytes for f in files)} bytes'
           f' (digest {_digest(files)})')
 
 
@@ -155,6 +174,10 @@ def _other_files(files: Any, seen: dict[str, str]) -> str:
     except OSError:
       digest.update(b'unreadable')
   return f'{", ".join(name for name, _ in files)} (digest {digest.hexdigest()[:12]})'
+
+
+def _count(n: int, noun: str) -> str:
+  return f'{n} {noun}' if n == 1 else f'{n} {"leaves" if noun == "leaf" else noun + "s"}'
 
 
 # How a field is told (by name); every other field: `_value`.

@@ -181,10 +181,12 @@ def _agreed(make: Callable[..., Plan]) -> Callable[..., Plan]:
   def agreed(*args: Any, **kwargs: Any) -> Plan:
     try:
       made = make(*args, **kwargs)
+      # One process alone has nothing to compare (nor reads anything for it).
+      fields = agreement.fingerprint(made) if distributed.active() else None
     except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
       distributed.agree_on('plan', None, e)
       raise
-    distributed.agree_on('plan', agreement.fingerprint(made))
+    distributed.agree_on('plan', fields)
     return made
 
   return agreed
