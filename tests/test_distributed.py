@@ -541,6 +541,24 @@ def test_a_source_is_told_by_its_metadata_not_only_its_path(tmp_path):
   assert planned() == second  # The same work: the same fingerprint.
 
 
+def test_hf_config_files_are_told_by_their_contents(tmp_path):
+  # The base model's folder at one path, another tokenizer in it: only `other_files` differs.
+  from orbax_tunix.tools import agreement, export  # pylint: disable=g-import-not-at-top
+  from tests.test_export_hf import HF_CONFIG_DIMS, _write_hf_dir  # pylint: disable=g-import-not-at-top
+
+  hf = _write_hf_dir(tmp_path / 'base', HF_CONFIG_DIMS['hf_qwen3'])
+
+  def planned() -> dict[str, str]:
+    return agreement.fingerprint(export.plan_export(TUNIX / 'hf_qwen3', tmp_path / 'out',
+                                                    model='qwen3', hf_config=hf))
+
+  first = planned()
+  (hf / 'tokenizer.json').write_text('{"another": "tokenizer"}')
+  second = planned()
+  assert [k for k in first if first[k] != second[k]] == ['other_files'], (first, second)
+  assert 'tokenizer.json' in second['other_files']
+
+
 # --- the pieces, in this process --------------------------------------------------------
 
 
