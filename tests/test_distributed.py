@@ -409,7 +409,7 @@ def assert_refused(done: Finished, expected: list[str], *, within: float) -> Non
 
 SHORT_S = 3  # --initialization-timeout of the jobs that cannot form.
 # Python and JAX start in a few seconds on 2 shared cores: the wait ends soon after the timeout.
-WITHIN_S = SHORT_S + 25
+WITHIN_S = SHORT_S + 45
 
 
 def test_a_missing_peer_ends_every_process_within_the_timeout(tmp_path):
@@ -447,8 +447,11 @@ def test_a_duplicated_process_id_ends_every_process_naming_it(tmp_path):
   (tmp_path / 'second').mkdir()
   second = start(argv, tmp_path / 'second', process_ids=[0], timeout=SHORT_S, ports=[port])
   done = finish(first + second, t0)
-  assert_refused(done, ['process 1 did not join within 3 s', 'another process was given'
-                        ' --process-id 0 too'], within=WITHIN_S + 1)
+  # Whichever took the port first (the first, unless it started slower) waits for process 1.
+  said = ['process 1 did not join within 3 s', 'another process was given --process-id 0 too']
+  if said[0] not in done.outputs[0]:
+    said.reverse()
+  assert_refused(done, said, within=WITHIN_S + 1)
   assert not out.exists()
 
 
