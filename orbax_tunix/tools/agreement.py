@@ -28,14 +28,13 @@ import numpy as np
 from etils import epath
 
 from orbax_tunix.reading import reader
-from orbax_tunix.store._orbax import CHECKPOINT_METADATA
+from orbax_tunix.store._orbax import CHECKPOINT_METADATA, PYTREE_METADATA
 
 # Plan fields that differ between processes by design: only process 0 tells what an
 # interrupted run left beside the destination.
 PER_PROCESS = ('notes',)
 # A metadata file larger than this is told by its size alone (a 1M-leaf `_METADATA`).
 HASHED_BYTES = 64 << 20
-ITEM_METADATA = '_METADATA'
 
 
 def fingerprint(plan: Any) -> dict[str, str]:
@@ -115,7 +114,7 @@ def _metadata_digest(ckpt: reader.CanonicalCheckpoint, seen: dict[str, str]) -> 
   key = os.fspath(step)
   if key not in seen:
     digest = hashlib.sha256()
-    names = [CHECKPOINT_METADATA] + [f'{item}/{ITEM_METADATA}' for item in
+    names = [CHECKPOINT_METADATA] + [f'{item}/{PYTREE_METADATA}' for item in
                                      sorted({*ckpt.items, *ckpt.json_items})]
     for name in names:
       path = step / name
