@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import time
 
@@ -127,7 +128,7 @@ def _listen(address: Address) -> socket.socket:
   except OSError as e:
     raise errors.DistributedError(
         f'process 0 cannot listen at port {address.port} of `coordinator_address` {address}'
-        f' ({e.strerror or e}): another process was given `process_id=0` too (start each'
+        f' ({os.strerror(e.errno) if e.errno else e}): another process was given `process_id=0` too (start each'
         ' process with its own), or another program holds the port (choose a free one).'
         ' Nothing was written.') from None
 
@@ -167,6 +168,10 @@ def _lead(address: Address, num_processes: int, timeout_s: float) -> None:
             f'process 0 was given `num_processes={num_processes}`, but process {who} was'
             f' given `num_processes={count}` (on {host}): start every process with the same'
             ' `num_processes`. Nothing was written.')
+      elif not isinstance(who, int) or not 0 <= who < num_processes:
+        failure = (
+            f'a process on {host} was given `process_id` {who!r}: expected 0 to'
+            f' {num_processes - 1}, each process its own. Nothing was written.')
       elif who == 0 or who in joined:
         first = 'process 0 (this one)' if who == 0 else f'one on {joined[who][1]}'
         failure = (
