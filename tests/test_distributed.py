@@ -562,6 +562,29 @@ def test_hf_config_files_are_told_by_their_contents(tmp_path):
   assert 'tokenizer.json' in second['other_files']
 
 
+def test_a_port_where_another_program_answers_is_named():
+  # Process 1 given the port of something else (here: a server that answers HTTP).
+  import threading  # pylint: disable=g-import-not-at-top
+
+  from orbax_tunix import errors  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.writing import rendezvous  # pylint: disable=g-import-not-at-top
+
+  server = socket.create_server(('localhost', 0))
+  port = server.getsockname()[1]
+
+  def answer() -> None:
+    conn, _ = server.accept()
+    with conn:
+      conn.recv(4096)
+      conn.sendall(b'HTTP/1.1 400 Bad Request\r\n\r\n')
+
+  threading.Thread(target=answer, daemon=True).start()
+  with server, pytest.raises(errors.DistributedError) as raised:
+    rendezvous.meet(rendezvous.parse_address(f'localhost:{port}'), 1, 2, 5)
+  assert f'what answers at localhost:{port} (`coordinator_address`) said something else' in str(
+      raised.value)
+
+
 # --- the pieces, in this process --------------------------------------------------------
 
 
