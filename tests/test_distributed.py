@@ -72,21 +72,28 @@ def env() -> dict[str, str]:
   )
 
 
-def start(argv: list[str], logs: pathlib.Path, *, num_processes: list[int] | None = None,
-          cwds: list[pathlib.Path] | None = None, prefixes: list[list[str]] | None = None,
+def start(argv: list[str] | list[list[str]], logs: pathlib.Path, *,
+          num_processes: list[int] | None = None, cwds: list[pathlib.Path] | None = None,
+          prefixes: list[list[str]] | None = None, process_ids: list[int] | None = None,
+          ports: list[int] | None = None, timeout: int = JAX_TIMEOUT_S,
           ) -> list[tuple[subprocess.Popen, pathlib.Path]]:
-  """Starts the command as processes 0 and 1 of one job; returns (process, log) pairs."""
+  """Starts the command as processes 0 and 1 of one job (or as `process_ids`, each
+  given its `num_processes`, its port, its own argv when `argv` is one per process);
+  returns (process, log) pairs."""
   port = free_port()
+  ids = process_ids or [0, 1]
+  argvs = argv if argv and isinstance(argv[0], list) else [argv] * len(ids)
   started = []
-  for i in range(2):
-    n = (num_processes or [2, 2])[i]
-    log = logs / f'process_{i}.log'
+  for k, i in enumerate(ids):
+    n = (num_processes or [2] * len(ids))[k]
+    log = logs / f'process_{k}.log'
     with log.open('w') as f:
       started.append((subprocess.Popen(
-          [*(prefixes or [[], []])[i], sys.executable, '-m', 'orbax_tunix.cli', *argv,
-           '--coordinator-address', f'localhost:{port}', '--num-processes', str(n),
-           '--process-id', str(i), '--initialization-timeout', str(JAX_TIMEOUT_S)],
-          env=env(), cwd=(cwds or [logs, logs])[i], stdout=f, stderr=subprocess.STDOUT,
+          [*(prefixes or [[]] * len(ids))[k], sys.executable, '-m', 'orbax_tunix.cli', *argvs[k],
+           '--coordinator-address', f'localhost:{(ports or [port] * len(ids))[k]}',
+           '--num-processes', str(n), '--process-id', str(i), '--initialization-timeout',
+           str(timeout)],
+          env=env(), cwd=(cwds or [logs] * len(ids))[k], stdout=f, stderr=subprocess.STDOUT,
           start_new_session=True,  # Its own group: a timeout kills it and its children.
       ), log))
   return started
@@ -330,9 +337,9 @@ def test_destination_some_process_cannot_see_fails_every_process(tmp_path):
   assert list(parent.iterdir()) == [], done.show()
 
 
-def write_large(root: pathlib.Path, arrays: int, rows: int) -> pathlib.Path:
+def write_large(root: pathlib.Path, arrays: int, rows: int, seed: int = 0) -> pathlib.Path:
   """A plain Orbax step large enough that converting it takes a few seconds."""
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   tree = {f'w{i:03d}': rng.standard_normal((rows, 256)).astype(np.float32) for i in range(arrays)}
   step = root / '1'
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
@@ -382,6 +389,201 @@ def test_a_process_whose_writes_fail_fails_every_process_and_commits_nothing(com
   assert not dst.exists(), done.show()
   left = list(dst.parent.iterdir()) if dst.parent.exists() else []
   assert all(commit.TMP_MARKER in p.name for p in left), left
+
+
+# --- a job that cannot form, or processes given different work ---------------------------
+
+# What JAX's coordination service prints when it ends a process, and Python's traceback.
+CRASH = ('Traceback', 'Check failure', 'terminate called', 'client.h:', 'Aborted')
+
+
+def assert_refused(done: Finished, expected: list[str], *, within: float) -> None:
+  """Every process exited 2 with one message holding its `expected` text, no trace, in time."""
+  assert done.codes == [2] * len(expected), done.show()
+  for output, text in zip(done.outputs, expected, strict=True):
+    errors = [line for line in output.splitlines() if line.startswith('orbax-tunix: error:')]
+    assert len(errors) == 1 and text in output, done.show()
+    assert not [c for c in CRASH if c in output], done.show()
+  assert done.seconds < within, done.show()
+
+
+SHORT_S = 3  # --initialization-timeout of the jobs that cannot form.
+# Python and JAX start in a few seconds on 2 shared cores: the wait ends soon after the timeout.
+WITHIN_S = SHORT_S + 45
+
+
+def test_a_missing_peer_ends_every_process_within_the_timeout(tmp_path):
+  out = tmp_path / 'out'
+  argv = ['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3']
+  alone = run_two(argv, tmp_path, process_ids=[0], timeout=SHORT_S)  # Process 1 never comes.
+  assert_refused(alone, ['process 1 did not join within 3 s (--initialization-timeout);'
+                         ' joined: process 0 of 2'], within=WITHIN_S)
+  alone = run_two(argv, tmp_path, process_ids=[1], timeout=SHORT_S)  # Nor process 0.
+  assert_refused(alone, ['process 1: no process 0 answered at localhost:'], within=WITHIN_S)
+  assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
+
+
+def test_a_mistyped_port_ends_every_process_naming_the_flag(tmp_path):
+  out = tmp_path / 'out'
+  done = run_two(['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3'], tmp_path,
+                 ports=[free_port(), free_port()], timeout=SHORT_S)
+  assert_refused(done, ['process 1 did not join within 3 s', 'no process 0 answered at'
+                        ' localhost:'], within=WITHIN_S)
+  assert '(--coordinator-address)' in done.outputs[1], done.show()
+  assert not out.exists()
+
+
+def test_a_duplicated_process_id_ends_every_process_naming_it(tmp_path):
+  out = tmp_path / 'out'
+  argv = ['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3']
+  # Three processes, two of them given id 1 (and none id 2).
+  done = run_two(argv, tmp_path, process_ids=[0, 1, 1], num_processes=[3, 3, 3],
+                 timeout=SHORT_S)
+  assert_refused(done, ['two processes were given --process-id 1'] * 3, within=WITHIN_S)
+  # Two processes given id 0: the second finds the port taken; the first waits for process 1.
+  t0 = time.monotonic()
+  first = start(argv, tmp_path, process_ids=[0], timeout=SHORT_S, ports=[port := free_port()])
+  time.sleep(1.0)
+  (tmp_path / 'second').mkdir()
+  second = start(argv, tmp_path / 'second', process_ids=[0], timeout=SHORT_S, ports=[port])
+  done = finish(first + second, t0)
+  # Whichever took the port first (the first, unless it started slower) waits for process 1.
+  said = ['process 1 did not join within 3 s', 'another process was given --process-id 0 too']
+  if said[0] not in done.outputs[0]:
+    said.reverse()
+  assert_refused(done, said, within=WITHIN_S + 1)
+  assert not out.exists()
+
+
+@pytest.mark.parametrize('flags, expected', [
+    (['--coordinator-address', 'localhost'], "--coordinator-address 'localhost': expected"
+     ' HOST:PORT'),
+    (['--coordinator-address', 'localhost:70000'], "--coordinator-address 'localhost:70000'"),
+    (['--coordinator-address', '::1:1234'], "--coordinator-address '::1:1234'"),
+    (['--initialization-timeout', '0'], '--initialization-timeout 0: expected a whole number'
+     ' of seconds above 0'),
+    (['--initialization-timeout', '-1'], '--initialization-timeout -1'),
+    (['--process-id', '2'], '--process-id 2: expected'),
+    (['--num-processes', '0', '--process-id', '0'], '--num-processes 0: expected'),
+])
+def test_job_flags_out_of_range_are_refused_naming_the_flag(flags, expected, tmp_path, capsys):
+  given = {'--coordinator-address': 'localhost:1234', '--num-processes': '2',
+           '--process-id': '0', '--initialization-timeout': '5'}
+  given.update(zip(flags[::2], flags[1::2], strict=True))
+  out = tmp_path / 'out'
+  code = commands.main(['export', str(TUNIX / 'hf_qwen3'), str(out), '--model', 'qwen3',
+                        *[x for kv in given.items() for x in kv]])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count('orbax-tunix: error:') == 1 and expected in err, err
+  assert 'Traceback' not in err, err
+  assert not out.exists()
+
+
+def differing_work(tmp_path: pathlib.Path, case: str) -> tuple[list[list[str]], pathlib.Path]:
+  """(each process's argv, the destination) of two processes given different work."""
+  qwen = ['export', str(TUNIX / 'hf_qwen3'), str(tmp_path / 'out'), '--model', 'qwen3']
+  if case == 'step':
+    base = ['convert', str(TUNIX / 'sft_full'), str(tmp_path / 'out' / '1')]
+    return [[*base, '--step', '1'], [*base, '--step', '2']], tmp_path / 'out' / '1'
+  if case == 'source':  # Two runs of one structure, other values.
+    one, two = (write_large(tmp_path / name, arrays=2, rows=8, seed=seed)
+                for name, seed in (('run_a', 0), ('run_b', 1)))
+    dst = tmp_path / 'out' / '1'
+    return [['convert', str(one), str(dst)], ['convert', str(two), str(dst)]], dst
+  if case == 'dtype':
+    return [qwen, [*qwen, '--dtype', 'bfloat16']], tmp_path / 'out'
+  assert case == 'max_shard_size'
+  return [[*qwen, '--max-shard-size', '20KB'], [*qwen, '--max-shard-size', '40KB']], \
+      tmp_path / 'out'
+
+
+@pytest.mark.parametrize('case, fields, shown', [
+    ('step', ['source'], ['sft_full/1 (step 1, metadata', 'sft_full/2 (step 2, metadata']),
+    ('source', ['source'], ['run_a/1 (step', 'run_b/1 (step']),
+    ('dtype', ['dtype', 'items'], ['dtype: process 0: None; process 1: bfloat16']),
+    ('max_shard_size', ['files'], ['files: process 0: ']),
+])
+def test_processes_given_different_work_are_refused_naming_what_differs(
+    case, fields, shown, tmp_path):
+  argvs, dst = differing_work(tmp_path, case)
+  done = run_two(argvs, tmp_path)
+  assert_refused(done, ['the processes were given different work'] * 2, within=TIMEOUT_S)
+  for output in done.outputs:
+    said = output[output.index('orbax-tunix: error:'):]
+    for field in fields:
+      assert f'\n  {field}: process 0: ' in said, done.show()
+    for text in shown:
+      assert text in said, done.show()
+  assert not dst.exists(), done.show()
+  assert not [p for p in tmp_path.rglob('*') if 'tmp' in p.name or 'orbax-tunix' in p.name], \
+      done.show()
+
+
+def test_a_process_that_cannot_plan_ends_every_process(tmp_path):
+  # Process 1 is given a step the run does not have: it says so; process 0 names it.
+  base = ['convert', str(TUNIX / 'sft_full'), str(tmp_path / 'out' / '1')]
+  done = run_two([[*base, '--step', '1'], [*base, '--step', '7']], tmp_path)
+  assert_refused(done, ['1 of 2 processes failed (plan)', 'expected a step 7, found none'], within=TIMEOUT_S)
+  assert 'process 1: ' in done.outputs[0], done.show()
+  assert not (tmp_path / 'out').exists(), done.show()
+
+
+def test_a_source_is_told_by_its_metadata_not_only_its_path(tmp_path):
+  # Two runs at one path (each host its own disk): their plans differ in `source` alone.
+  from orbax_tunix.tools import agreement, convert  # pylint: disable=g-import-not-at-top
+
+  def planned() -> dict[str, str]:
+    return agreement.fingerprint(convert.plan_convert(tmp_path / 'run' / '1',
+                                                      tmp_path / 'out' / '1'))
+
+  write_large(tmp_path / 'run', arrays=2, rows=8, seed=0)
+  first = planned()
+  shutil.rmtree(tmp_path / 'run')
+  write_large(tmp_path / 'run', arrays=2, rows=8, seed=1)
+  second = planned()
+  assert [k for k in first if first[k] != second[k]] == ['source'], (first, second)
+  assert planned() == second  # The same work: the same fingerprint.
+
+
+def test_hf_config_files_are_told_by_their_contents(tmp_path):
+  # The base model's folder at one path, another tokenizer in it: only `other_files` differs.
+  from orbax_tunix.tools import agreement, export  # pylint: disable=g-import-not-at-top
+  from tests.test_export_hf import HF_CONFIG_DIMS, _write_hf_dir  # pylint: disable=g-import-not-at-top
+
+  hf = _write_hf_dir(tmp_path / 'base', HF_CONFIG_DIMS['hf_qwen3'])
+
+  def planned() -> dict[str, str]:
+    return agreement.fingerprint(export.plan_export(TUNIX / 'hf_qwen3', tmp_path / 'out',
+                                                    model='qwen3', hf_config=hf))
+
+  first = planned()
+  (hf / 'tokenizer.json').write_text('{"another": "tokenizer"}')
+  second = planned()
+  assert [k for k in first if first[k] != second[k]] == ['other_files'], (first, second)
+  assert 'tokenizer.json' in second['other_files']
+
+
+def test_a_port_where_another_program_answers_is_named():
+  # Process 1 given the port of something else (here: a server that answers HTTP).
+  import threading  # pylint: disable=g-import-not-at-top
+
+  from orbax_tunix import errors  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.writing import rendezvous  # pylint: disable=g-import-not-at-top
+
+  server = socket.create_server(('localhost', 0))
+  port = server.getsockname()[1]
+
+  def answer() -> None:
+    conn, _ = server.accept()
+    with conn:
+      conn.recv(4096)
+      conn.sendall(b'HTTP/1.1 400 Bad Request\r\n\r\n')
+
+  threading.Thread(target=answer, daemon=True).start()
+  with server, pytest.raises(errors.DistributedError) as raised:
+    rendezvous.meet(rendezvous.parse_address(f'localhost:{port}'), 1, 2, 5)
+  assert f'what answers at localhost:{port} (`coordinator_address`) said something else' in str(
+      raised.value)
 
 
 # --- the pieces, in this process --------------------------------------------------------

@@ -295,6 +295,10 @@ _FLAGS = {
     'max_shard_size': '--max-shard-size',
     'hf_config': '--hf-config',
     'out_dir': 'OUT_DIR',
+    'coordinator_address': '--coordinator-address',
+    'num_processes': '--num-processes',
+    'process_id': '--process-id',
+    'initialization_timeout': '--initialization-timeout',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
@@ -436,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
   group.add_argument('--num-processes', type=int, metavar='N', help='how many processes')
   group.add_argument('--process-id', type=int, metavar='I', help="this process's index, 0 to N-1")
   group.add_argument('--initialization-timeout', type=int, default=300, metavar='SECONDS',
-                     help='how long to wait for every process to join, and for a silent'
+                     help='how long to wait (above 0) for every process to join, and for a silent'
                      ' process before it is taken for dead (default 300)')
   sub = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
 

@@ -27,6 +27,7 @@ either is committed once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -48,6 +49,7 @@ from orbax_tunix.reading import hyperparams, reader
 from orbax_tunix.store import _orbax
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA
 from orbax_tunix.store.fileio import as_path
+from orbax_tunix.tools import agreement
 from orbax_tunix.version import __version__
 from orbax_tunix.writing import checksums, commit, distributed, writer
 
@@ -170,6 +172,27 @@ class Result:
 # --- planning -----------------------------------------------------------------
 
 
+def _agreed(make: Callable[..., Plan]) -> Callable[..., Plan]:
+  """`make`, and in a multi-process job every process's plan compared with the others'
+  (`agreement.fingerprint`) before it is returned; a process that fails to plan tells the
+  others, which stop too."""
+
+  @functools.wraps(make)
+  def agreed(*args: Any, **kwargs: Any) -> Plan:
+    try:
+      made = make(*args, **kwargs)
+      # One process alone has nothing to compare (nor reads anything for it).
+      fields = agreement.fingerprint(made) if distributed.active() else None
+    except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
+      distributed.agree_on('plan', None, e)
+      raise
+    distributed.agree_on('plan', fields)
+    return made
+
+  return agreed
+
+
+@_agreed
 def plan(
     src: epath.PathLike,
     dst: epath.PathLike,
@@ -214,6 +237,9 @@ def plan(
     LoraError, UnsupportedLayoutError and the other `TunixCheckpointError`
     subclasses: see `convert.plan_convert` and `export.plan_export`; every
     one before any array is read.
+    DistributedError: in a multi-process job (where every process calls it), the
+      processes were given different work (source, step, options), or another
+      process failed to plan: on every process, before anything is written.
   """
   chosen = layouts.get(layout)
   known = layouts.options()

@@ -4,7 +4,11 @@ The same command runs once per host. The processes find each other as JAX's
 multi-controller runtime does (`jax.distributed.initialize`, from explicit
 flags or its own cluster auto-detection), and coordinate only through that
 runtime's key-value store and barriers (Orbax's multi-host save does the
-same). What is shared out:
+same); before it starts, given explicit flags, they meet process 0 at the
+coordinator's port (`rendezvous`), so that a job that cannot form is
+reported rather than aborted by JAX. Once formed, every process's plan is
+compared with the others' (`agree_on`) before anything is written. What is
+shared out:
 
 - `convert`: every array is placed on the global mesh of all processes'
   devices (`placement`), so each process reads and writes only its own
@@ -36,7 +40,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -45,7 +49,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
-from orbax_tunix.writing import checksums, commit
+from orbax_tunix.writing import checksums, commit, rendezvous
 
 # How long a process waits for the others to report an outcome (ms). Long:
 # processes with more to do finish later; a process that dies is found sooner
@@ -115,30 +119,66 @@ def cluster_detected() -> str | None:
   return None
 
 
+def check(options: Options) -> rendezvous.Address | None:
+  """The options' values, checked before anything waits on them.
+
+  Returns:
+    The coordinator's address (None: not given, JAX's cluster detection finds it).
+
+  Raises:
+    InvalidOptionError: naming the option: an address that is not HOST:PORT,
+      a timeout that is not a positive number of seconds, a process count
+      below 1, a process id outside 0 to N-1.
+  """
+  timeout = options.initialization_timeout
+  if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
+    raise errors.InvalidOptionError(
+        f'`initialization_timeout` {timeout!r}: expected a whole number of seconds above 0'
+        ' (how long every process waits for the others to join).')
+  count, me = options.num_processes, options.process_id
+  if count is not None and count < 1:
+    raise errors.InvalidOptionError(
+        f'`num_processes` {count}: expected the number of processes of the job, 1 or more.')
+  if me is not None and (me < 0 or (count is not None and me >= count)):
+    upto = '' if count is None else f' to {count - 1} (`num_processes={count}`)'
+    raise errors.InvalidOptionError(
+        f'`process_id` {me}: expected this process\'s index, 0{upto}, each process its own.')
+  if options.coordinator_address is None:
+    return None
+  return rendezvous.parse_address(options.coordinator_address)
+
+
 def initialize(options: Options = Options()) -> bool:
   """Joins the job the options (or the cluster's environment) describe.
 
   Nothing happens when the process already joined one (an API caller did),
   or when no flag is given and JAX detects no cluster: one process, as before.
-  On CPU the processes talk through JAX's gloo collectives.
+  Given all three of address, count and id, the processes first meet at the
+  address (`rendezvous`, bounded by the timeout), so that a job that cannot
+  form is reported on every process rather than aborted by JAX. On CPU the
+  processes talk through JAX's gloo collectives.
 
   Returns:
     Whether this process is now part of a multi-process job.
 
   Raises:
-    DistributedError: the job could not be formed (a coordinator that does
-      not answer, a process count that disagrees, a timeout), naming the
-      options and what to check.
+    InvalidOptionError: an option out of range (`check`).
+    DistributedError: the job could not be formed (a process missing, a port
+      that does not answer or is taken, a process count that disagrees, two
+      processes given one id), naming the options and what to check.
   """
   if is_initialized():
     return jax.process_count() > 1
+  address = check(options)
   detected = None if options.explicit else cluster_detected()
   if not options.explicit and detected is None:
     return False
+  timeout = options.initialization_timeout
+  if address is not None and None not in (options.num_processes, options.process_id):
+    rendezvous.meet(address, options.process_id, options.num_processes, timeout)
   if jax.config.jax_cpu_collectives_implementation in (None, 'none', ''):
     # Cross-process CPU computations (resharding, barriers) need collectives.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  timeout = options.initialization_timeout
   try:
     jax.distributed.initialize(
         options.coordinator_address, options.num_processes, options.process_id,
@@ -307,6 +347,45 @@ def agree(name: str, failure: str | None) -> None:
     lines = '\n'.join(f'  process {i}: {why}' for i, why in failed)
     raise errors.DistributedError(
         f'{len(failed)} of {len(found)} processes failed ({name}); nothing was committed:\n{lines}')
+
+
+def agree_on(name: str, fields: Mapping[str, str] | None,
+             failure: BaseException | None = None) -> None:
+  """Every process's account of its work compared, before any is done (collective).
+
+  Each process passes its `fields` (what it was asked to do, field by field),
+  or, when it could not even work that out, its `failure`; every process
+  reaches this round either way, so none waits for a process that failed.
+
+  Raises:
+    DistributedError: on every process whose own `failure` is None: naming
+      each process that failed and why, or each field whose value differs
+      and every process's value. A process with its own failure returns
+      (it raises that itself).
+  """
+  if not active():
+    return
+  reports = [json.loads(t) for t in exchange(name, json.dumps(
+      {'fields': None if failure is not None else dict(fields or {}),
+       'failure': None if failure is None else _failure(failure)}))]
+  failed = [(i, r['failure']) for i, r in enumerate(reports) if r['failure'] is not None]
+  if failure is not None:
+    return
+  if failed:
+    lines = '\n'.join(f'  process {i}: {why}' for i, why in failed)
+    raise errors.DistributedError(
+        f'{len(failed)} of {len(reports)} processes failed ({name}); nothing was'
+        f' written:\n{lines}')
+  values = [r['fields'] for r in reports]
+  differ = [key for key in dict.fromkeys(k for v in values for k in v)
+            if len({v.get(key) for v in values}) > 1]
+  if differ:
+    lines = '\n'.join(f'  {key}: ' + '; '.join(f'process {i}: {v.get(key)}'
+                                              for i, v in enumerate(values)) for key in differ)
+    raise errors.DistributedError(
+        f'the processes were given different work ({", ".join(differ)} differ): give every'
+        ' process the same source, step, destination and options (a path: the same absolute'
+        f' path or bucket URL on every host). Nothing was written:\n{lines}')
 
 
 def _failure(e: BaseException) -> str:
