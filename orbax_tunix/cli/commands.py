@@ -209,6 +209,7 @@ _NOT_WITH_PEFT = {
     'base': 'the adapter is read from SRC alone (--base is the base weights of a merge)',
     'hf_config': 'an adapter folder holds no config.json or tokenizer of the model',
     'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
+    'base_only': 'the adapter holds the adapters; --base-only writes the base model',
 }
 
 
@@ -390,6 +391,9 @@ def _add_layout_options(p: argparse.ArgumentParser, sink: str) -> None:
   for option in layouts.options(sink).values():
     takers = [n for n in every if layouts.get(n).takes(option.name)]
     said = '' if takers == list(every) else f'{" and ".join(takers)}: '
+    if option.switch:
+      p.add_argument(option.flag, action='store_true', help=said + option.help)
+      continue
     p.add_argument(option.flag, type=_parsed(option.parse), metavar=option.metavar,
                    help=said + option.help)
 

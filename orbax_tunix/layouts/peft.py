@@ -77,6 +77,31 @@ def _first_rule(rules, path: Path) -> patterns.LayoutRule | None:
   return next((r for r in rules if r.source.match(path) is not None), None)
 
 
+def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
+                  shapes: Mapping[Path, tuple[int, ...]], where: str, whole: bool = True
+                  ) -> patterns.PathMap:
+  """The family's rules applied to weights (a full save's whole model, or the adapted weights).
+
+  Raises:
+    UnsupportedLayoutError: the weights are not the family's (a whole model: as a model
+      export refuses it; adapted weights: none of them is one of its modules).
+  """
+  try:
+    mapped = patterns.map_paths(shapes, naming.rules, where=where)
+  except errors.UnsupportedLayoutError as e:
+    raise errors.UnsupportedLayoutError(
+        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the"
+        f' family the model is (`model`: {", ".join(huggingface.names())}).') from e
+  if whole:
+    huggingface.fits(family, shapes, mapped.unmatched, where)
+  elif shapes and not mapped.outputs:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: none of the adapted weights is a {family.name} module\'s (e.g.'
+        f' {fmt(min(shapes))}). Pick the family the model is (`model`:'
+        f' {", ".join(huggingface.names())}).')
+  return mapped
+
+
 def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   """A LoRA run's adapters as `family`'s PEFT adapter: the tensors and adapter_config.json.
 
@@ -103,6 +128,11 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
             for w, a in adapters.items()}
   naming = family.naming(list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
+  axis = stacks.DEFAULT_AXIS if request.param_scan_axis is None else request.param_scan_axis
+  if base:  # A full save: the family must take the whole model, as a model export checks.
+    shapes = {p: m.shape for p, m in stacks.unstack(
+        {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
+    _family_rules(family, naming, shapes, where)
   problems: list[str] = []
   arranged: dict[Path, lora.Contraction] = {}
   for weight, adapter in sorted(adapters.items()):
@@ -111,16 +141,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       problems.append(f'{fmt(weight)}: {found}')
     else:
       arranged[weight] = found
-  axis = stacks.DEFAULT_AXIS if request.param_scan_axis is None else request.param_scan_axis
   per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
                              where=where)
-  try:
-    mapped = patterns.map_paths({p: m.shape for p, m in per_layer.items()}, naming.rules,
-                                where=where)
-  except errors.UnsupportedLayoutError as e:
-    raise errors.UnsupportedLayoutError(
-        f"{e}\nThe adapted weights have {family.name}'s names but not its shapes. Pick the"
-        f' family the model is (`model`: {", ".join(huggingface.names())}).') from e
+  mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
+                         whole=False)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]
   outputs: list[Output] = []
@@ -139,6 +163,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       continue
     if not name.endswith(peft.WEIGHT):
       problems.append(f'{fmt(weight)} -> {name}: a bare parameter, not a module\'s weight')
+      continue
+    if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
+      problems.append(f'{fmt(weight)} -> {name}: an embedding (PEFT adapts its lookup, qwix'
+                      ' adapted a product with its weight)')
       continue
     a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
     factors = peft.Factors.of(arranged[weight], chain(layer.transform, m.transform),

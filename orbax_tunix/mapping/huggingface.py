@@ -113,6 +113,12 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
   return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
 
 
+# Hugging Face modules whose weight is 2-D but that are no linear layer: embeddings (PEFT
+# adapts one as a lookup, with lora_embedding_A/B; qwix adapts a product with its weight,
+# e.g. a tied output projection).
+EMBEDDINGS = frozenset({'embed_tokens', 'embed_tokens_per_layer'})
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
   """How qwix lays out the LoRA adapter of one weight: data beside the weight's rule (a PEFT

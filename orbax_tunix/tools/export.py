@@ -63,6 +63,7 @@ def plan_export(
     memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     param_scan_axis: int | None = None,
+    base_only: bool = False,
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
 
@@ -92,6 +93,9 @@ def plan_export(
       Checked against the stored weights; refused for weights that hold no
       stacked layers. The source kind and layer form come from the weights'
       names.
+    base_only: a full LoRA save's base weights alone (the adapters left out,
+      not merged): the model a PEFT adapter of the run applies to, where the
+      base has no Hugging Face folder of its own.
 
   Returns:
     An `ExportPlan`.
@@ -110,7 +114,7 @@ def plan_export(
       src, out_dir, layout=family.name, step=step, dtype=_dtype(dtype), memory_budget=memory_budget,
       force=force, merge_lora=merge_lora, lora_alpha=lora_alpha, lora_scale=lora_scale,
       base=base, max_shard_size=max_shard_size, hf_config=hf_config,
-      param_scan_axis=param_scan_axis,
+      param_scan_axis=param_scan_axis, base_only=base_only,
   )
 
 
