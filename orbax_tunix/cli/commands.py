@@ -339,7 +339,7 @@ _FLAGS = {
     'out_dir': 'OUT_DIR',
     'base_model': '--base-model',
     'base_only': '--base-only',
-    'export_peft_adapter': '--peft',
+    'export_peft_adapter': 'export --peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
