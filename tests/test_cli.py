@@ -156,6 +156,9 @@ def test_inspect_lora(capsys, tunix_data):
   ]
   _, out, _ = run(capsys, 'inspect', tunix_data / 'lora_qwix')
   assert 'rank          2' in out and 'not saved (adapters only)' in out
+  assert 'export --peft --lora-alpha A' in out and '--merge-lora --lora-alpha A --base BASE' in out
+  _, out, _ = run(capsys, 'inspect', tunix_data / 'lora_qwix_full')
+  assert 'export --peft --lora-alpha A' in out and '--base-only' in out
 
 
 def test_inspect_collapses_layers_on_request(capsys, tunix_data):

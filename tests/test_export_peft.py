@@ -324,3 +324,72 @@ def test_factors_of_a_fused_kv_einsum_share_a_and_split_b():
     np.testing.assert_allclose(big_b @ big_a, np.transpose(w[c], (1, 0, 2)).reshape(40, 36).T,
                                err_msg=name, atol=1e-12)
     np.testing.assert_array_equal(big_a, a.T)
+
+
+# --------------------------------------------------------------------------- #
+# --base-model: the config checked, a multimodal class's names
+# --------------------------------------------------------------------------- #
+QWEN3_CONFIG = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3', 'vocab_size': 96,
+                'hidden_size': 40, 'intermediate_size': 56, 'num_hidden_layers': 2,
+                'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12,
+                'tie_word_embeddings': False}
+
+
+def _folder(root: pathlib.Path, config: dict) -> pathlib.Path:
+  root.mkdir(parents=True)
+  (root / 'config.json').write_text(json.dumps(config))
+  return root
+
+
+@pytest.mark.parametrize('name', ['hf_qwen3_lora', 'hf_qwen3_lora_only'])
+def test_base_model_folder_config_is_checked(exports, tmp_path, name):
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model='qwen3', alpha=3, base_model=good)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['base_model_name_or_path'] == str(good)
+  assert (tmp_path / 'a' / peft.ADAPTER_FILE).read_bytes() == (
+      exports[name]['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  for field, value in (('num_attention_heads', 8), ('intermediate_size', 64),
+                       ('model_type', 'llama'), ('num_hidden_layers', 1)):
+    bad = _folder(tmp_path / f'bad_{field}', {**QWEN3_CONFIG, field: value})
+    p = cli(DATA / name, tmp_path / 'out', '--model', 'qwen3', *PEFT, '--base-model', bad)
+    assert p.returncode == 2, p.stderr
+    assert field in p.stderr and str(value) in p.stderr and '--base-model' in p.stderr, p.stderr
+    assert not (tmp_path / 'out').exists()
+
+
+def _gemma3_with_adapters(root: pathlib.Path) -> pathlib.Path:
+  """hf_gemma3 with qwix-shaped adapters on layer 0's q_einsum (N, D, H) and up_proj."""
+  rng = np.random.default_rng(0)
+  return _with('hf_gemma3', {
+      'layers/0/attn/q_einsum/w_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/attn/q_einsum/w_lora_b': rng.normal(size=(2, 4, 12)).astype(np.float32),
+      'layers/0/mlp/up_proj/kernel_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/mlp/up_proj/kernel_lora_b': rng.normal(size=(2, 56)).astype(np.float32)}, root)
+
+
+def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path):
+  """gemma-3-4b's class (Gemma3ForConditionalGeneration) holds the text model's modules under
+  model.language_model (transformers 5); the weights' own class, under model."""
+  run = _gemma3_with_adapters(tmp_path / 'run')
+  text = {'hidden_size': 40, 'intermediate_size': 56, 'model_type': 'gemma3_text',
+          'num_hidden_layers': manifest('hf_gemma3')['model_config']['num_layers'],
+          'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12}
+  multimodal = _folder(tmp_path / 'gemma-3-4b', {
+      'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
+      'text_config': text, 'vision_config': {'model_type': 'siglip_vision_model'}})
+  causal = _folder(tmp_path / 'gemma-3-1b', {'architectures': ['Gemma3ForCausalLM'], **text,
+                                            'vocab_size': 96})
+  got = {}
+  for base in (multimodal, causal):
+    ot.export_peft_adapter(run, tmp_path / base.name / 'a', model='gemma3', scale=1.0,
+                           base_model=base)
+    got[base.name] = tensors(tmp_path / base.name / 'a' / peft.ADAPTER_FILE)
+  modules = ['layers.0.mlp.up_proj', 'layers.0.self_attn.q_proj']
+  assert sorted(got['gemma-3-1b']) == sorted(
+      f'{PREFIX}model.{m}.lora_{x}.weight' for m in modules for x in 'AB')
+  assert sorted(got['gemma-3-4b']) == sorted(
+      f'{PREFIX}model.language_model.{m}.lora_{x}.weight' for m in modules for x in 'AB')
+  for k, v in got['gemma-3-1b'].items():
+    np.testing.assert_array_equal(
+        got['gemma-3-4b'][k.replace(PREFIX + 'model.', PREFIX + 'model.language_model.')], v)
