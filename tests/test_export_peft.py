@@ -393,3 +393,35 @@ def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path
   for k, v in got['gemma-3-1b'].items():
     np.testing.assert_array_equal(
         got['gemma-3-4b'][k.replace(PREFIX + 'model.', PREFIX + 'model.language_model.')], v)
+
+
+# --------------------------------------------------------------------------- #
+# Tunix runs of MaxText models (qwix's dot_general adapters, flattened; scanned: stacked)
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize('model', ['qwen3', 'llama3'])
+@pytest.mark.parametrize('form', ['unscanned', 'scanned'])
+def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, model, form):
+  """tests/test_export_maxtext.py's LoRA runs of MaxText models (adapters as qwix writes them
+  on MaxText's layers): the adapter on the --base-only export is the merged export. Llama's
+  query is stored divided by sqrt(head_dim) with its rotary pairs interleaved: B carries both."""
+  from tests import test_export_maxtext as mt
+  flat = mt.maxtext_tree(model, 'unscanned')
+  lora_flat, _ = (mt.stacked_lora(flat, mt.MODELS[model][1]) if form == 'scanned'
+                  else mt.with_lora(flat))
+  src = mt.save_tunix_run(tmp_path / 'run', lora_flat, per_layer_chunks=True)
+  ot.export_to_hf(src, tmp_path / 'base', model=model, base_only=True)
+  ot.export_to_hf(src, tmp_path / 'merged', model=model, merge_lora=True, lora_alpha=mt.ALPHA)
+  result = ot.export_peft_adapter(src, tmp_path / 'a', model=model, alpha=mt.ALPHA)
+  base = tensors(tmp_path / 'base' / 'model.safetensors')
+  merged = tensors(tmp_path / 'merged' / 'model.safetensors')
+  adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['r'] == mt.RANK and config['lora_alpha'] == mt.ALPHA
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert len(changed) == 3 * mt.MODELS[model][1]
+  assert sorted(adapter) == sorted(f'{PREFIX}{m}.lora_{x}.weight' for m in changed for x in 'AB')
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + mt.ALPHA / mt.RANK * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=2e-5, err_msg=m)
+  assert result.bytes_read == sum(v.nbytes for k, v in lora_flat.items() if '_lora_' in k)

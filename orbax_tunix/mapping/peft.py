@@ -67,29 +67,30 @@ def _coefficients(contraction: lora.Contraction, a: Shape, b: Shape
   a_stride = [math.prod(a[j + 1:-1]) for j in range(len(a) - 1)]
   b_stride = [0] + [math.prod(b[j + 1:]) for j in range(1, len(b))]
   ca, cb = [0] * len(weight), [0] * len(weight)
-  if contraction.reshape:
-    if stacked or len(a) != 2 or len(b) != 2:
-      return None
-    split = next((k for k in range(len(weight) + 1)
-                  if math.prod(weight[:k]) == a[0] and math.prod(weight[k:]) == b[1]), None)
-    if split is None:
-      return None
-    for k in range(len(weight)):
-      if k < split:
-        ca[k] = math.prod(weight[k + 1:split])
-      else:
-        cb[k] = math.prod(weight[k + 1:])
-    return ca, cb
   a_axes = [j for j in range(len(a) - 1) if j not in stacked]
   b_axes = [j for j in range(1, len(b)) if j not in stacked]
   inner = [k for k in range(len(weight)) if k not in stacked]
+  for k in stacked:
+    ca[k], cb[k] = a_stride[k], b_stride[k]
+  if contraction.reshape:  # One flattened axis each (qwix's dot_general): a's lead the weight.
+    if len(a_axes) != 1 or len(b_axes) != 1:
+      return None
+    sizes = [weight[k] for k in inner]
+    split = next((n for n in range(len(sizes) + 1) if math.prod(sizes[:n]) == a[a_axes[0]]
+                  and math.prod(sizes[n:]) == b[b_axes[0]]), None)
+    if split is None:
+      return None
+    for n, k in enumerate(inner):
+      if n < split:
+        ca[k] = math.prod(sizes[n + 1:split]) * a_stride[a_axes[0]]
+      else:
+        cb[k] = math.prod(sizes[n + 1:]) * b_stride[b_axes[0]]
+    return ca, cb
   for k, p in zip(inner, contraction.permutation, strict=True):
     if p < len(a_axes):
       ca[k] = a_stride[a_axes[p]]
     else:
       cb[k] = b_stride[b_axes[p - len(a_axes)]]
-  for k in stacked:
-    ca[k], cb[k] = a_stride[k], b_stride[k]
   return ca, cb
 
 
