@@ -159,6 +159,8 @@ CONVERTS = {
                                                        '--scan-layers', 'true']),
     'lora_merge_bf16': (TUNIX / 'lora_qwix_full', ['--merge-lora', '--lora-alpha', '4',
                                                    '--dtype', 'bfloat16']),
+    # A canonical step claims no model: adapters saved alone convert as they are.
+    'canonical_adapters_only': (TUNIX / 'lora_qwix', []),
 }
 
 
