@@ -221,6 +221,21 @@ def test_export_several_shards_two_processes_write_what_one_writes(tmp_path):
   assert not [p for p in tmp_path.iterdir() if 'tmp' in p.name or 'orbax-tunix' in p.name]
 
 
+def test_export_peft_two_processes_write_what_one_writes(tmp_path):
+  argv = ['export', str(TUNIX / 'hf_gemma2_lora'), '--model', 'gemma2', '--peft',
+          '--lora-alpha', '3', '--base-model', 'google/gemma-2-2b']
+  run_one([argv[0], argv[1], str(tmp_path / 'one'), *argv[2:]])
+  done = run_two([argv[0], argv[1], str(tmp_path / 'two'), *argv[2:]], tmp_path)
+  assert done.codes == [0, 0], done.show()
+  one, two = tmp_path / 'one', tmp_path / 'two'
+  names = sorted(p.name for p in one.iterdir())
+  assert names == ['adapter_config.json', 'adapter_model.safetensors']
+  assert sorted(p.name for p in two.iterdir()) == names
+  for name in names:
+    assert (two / name).read_bytes() == (one / name).read_bytes(), name
+  assert not [p for p in tmp_path.iterdir() if 'tmp' in p.name or 'orbax-tunix' in p.name]
+
+
 def run_script_job(script: str, args: list[str], logs: pathlib.Path) -> Finished:
   """`python -c script PORT I *args` as processes 0 and 1: the caller's own job (the script
   calls jax.distributed.initialize itself)."""

@@ -425,3 +425,23 @@ def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, mo
     got = base[f'{m}.weight'] + mt.ALPHA / mt.RANK * (b.astype(np.float64) @ a)
     np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=2e-5, err_msg=m)
   assert result.bytes_read == sum(v.nbytes for k, v in lora_flat.items() if '_lora_' in k)
+
+
+def test_config_states_ranks_and_alphas_that_differ_per_module():
+  """PEFT scales a module by its lora_alpha / r: where modules differ, rank_pattern and
+  alpha_pattern state them (keys: the modules' full names)."""
+  modules = {'model.layers.0.self_attn.q_proj': (4, 0.5),
+             'model.layers.1.self_attn.q_proj': (4, 0.5),
+             'model.layers.0.mlp.up_proj': (8, 0.25)}  # qwix: alpha 2 over ranks 4 and 8.
+  config = peft.config(modules, 2.0, None)
+  assert (config['r'], config['lora_alpha']) == (4, 2)
+  assert config['rank_pattern'] == {'model.layers.0.mlp.up_proj': 8}
+  assert config['alpha_pattern'] == {}  # 2 / 8 is the module's scale already.
+  config = peft.config(modules, None, None)  # --lora-scale 0.5 on the rank-4 modules
+  assert (config['r'], config['lora_alpha']) == (4, 2)
+  scaled = {**modules, 'model.layers.0.mlp.up_proj': (8, 0.5)}  # --lora-scale 0.5 everywhere
+  config = peft.config(scaled, None, None)
+  assert config['alpha_pattern'] == {'model.layers.0.mlp.up_proj': 4}
+  for name, (rank, scale) in scaled.items():
+    assert config['rank_pattern'].get(name, config['r']) == rank
+    assert config['alpha_pattern'].get(name, config['lora_alpha']) / rank == scale
