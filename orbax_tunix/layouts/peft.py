@@ -75,8 +75,17 @@ def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter
       f'{fmt(adapter.a)} {a} and {fmt(adapter.b)} {b} do not fit qwix\'s {einsum!r}')
 
 
-def _first_rule(rules, path: Path) -> patterns.LayoutRule | None:
-  return next((r for r in rules if r.source.match(path) is not None), None)
+def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | None:
+  """Why the Hugging Face tensor `name` made from the weight at `path` is no module PEFT
+  adapts as a linear layer, or None."""
+  rule = next((r for r in naming.rules if r.source.match(path) is not None), None)
+  if rule is not None and rule.fan_out is not None:
+    return 'MoE experts held as bare parameters (no module PEFT can adapt)'
+  if not name.endswith(peft.WEIGHT):
+    return 'a bare parameter, not a module\'s weight'
+  if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
+    return 'an embedding (PEFT adapts its lookup, qwix adapted a product with its weight)'
+  return None
 
 
 def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
@@ -213,21 +222,9 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     (weight,) = layer.sources
     adapter = adapters[weight]
     name = dest[0]
-    rule = _first_rule(naming.rules, layer_path)
-    if rule is not None and rule.fan_out is not None:
-      problems.append(f'{fmt(weight)} -> {name}: MoE experts held as bare parameters (no'
-                      ' module PEFT can adapt)')
-      continue
-    if not name.endswith(peft.WEIGHT):
-      problems.append(f'{fmt(weight)} -> {name}: a bare parameter, not a module\'s weight')
-      continue
-    if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
-      problems.append(f'{fmt(weight)} -> {name}: an embedding (PEFT adapts its lookup, qwix'
-                      ' adapted a product with its weight)')
-      continue
     a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
-    factors = peft.Factors.of(arranged[weight], chain(layer.transform, m.transform),
-                              a_leaf.shape, b_leaf.shape)
+    factors = _not_a_module(naming, layer_path, name) or peft.Factors.of(
+        arranged[weight], chain(layer.transform, m.transform), a_leaf.shape, b_leaf.shape)
     if isinstance(factors, str):
       problems.append(f'{fmt(weight)} -> {name}: {factors}')
       continue
