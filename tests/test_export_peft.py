@@ -445,3 +445,45 @@ def test_config_states_ranks_and_alphas_that_differ_per_module():
   for name, (rank, scale) in scaled.items():
     assert config['rank_pattern'].get(name, config['r']) == rank
     assert config['alpha_pattern'].get(name, config['lora_alpha']) / rank == scale
+
+
+# qwix's adapters of Tunix Gemma's einsums, as `_parse_einsum_str_for_lora` shapes them: `a` the
+# weight's dims the input shares (D) then r, `b` r then the others in the weight's order.
+GEMMA3_SYNTHETIC = {
+    'hf_gemma3': {'layers/0/attn/q_einsum/w': ((40, 2), (2, 4, 12)),
+                  'layers/1/attn/kv_einsum/w': ((40, 2), (2, 2, 2, 12)),
+                  'layers/2/attn/attn_vec_einsum/w': ((4, 12, 2), (2, 40))},
+    'hf_gemma3_fused': {'layers/1/attn/qkv_einsum/w': ((40, 2), (2, 3, 4, 12))},
+}
+
+
+@pytest.mark.parametrize('name', GEMMA3_SYNTHETIC)
+def test_gemma3_einsum_adapters_with_and_without_their_base(tmp_path, name):
+  """Gemma 3 (no LoRA fixture): random qwix-shaped adapters on its einsums, fused qkv too. The
+  adapter on the --base-only export is the merged export, and saved alone (no base weight to
+  tell the arrangement: the family's lora data does) it is the same adapter."""
+  rng = np.random.default_rng(0)
+  extra = {}
+  for weight, (a, b) in GEMMA3_SYNTHETIC[name].items():
+    extra[weight + '_lora_a'] = rng.normal(size=a).astype(np.float32)
+    extra[weight + '_lora_b'] = rng.normal(size=b).astype(np.float32)
+  _save_model_params(tmp_path / 'full' / '1', {**raw_weights(name), **extra})
+  _save_model_params(tmp_path / 'alone' / '1', extra)
+  ot.export_to_hf(tmp_path / 'full', tmp_path / 'base', model='gemma3', base_only=True)
+  ot.export_to_hf(tmp_path / 'full', tmp_path / 'merged', model='gemma3', merge_lora=True,
+                  lora_scale=0.5)
+  for kind in ('full', 'alone'):
+    ot.export_peft_adapter(tmp_path / kind, tmp_path / f'a_{kind}', model='gemma3', scale=0.5)
+  base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
+  adapter = tensors(tmp_path / 'a_full' / peft.ADAPTER_FILE)
+  alone = tensors(tmp_path / 'a_alone' / peft.ADAPTER_FILE)
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert len(changed) == {'hf_gemma3': 4, 'hf_gemma3_fused': 3}[name], changed
+  assert sorted(adapter) == sorted(alone) == sorted(
+      f'{PREFIX}{m}.lora_{x}.weight' for m in changed for x in 'AB')
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + 0.5 * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=1e-5, err_msg=m)
+  for k, v in adapter.items():
+    np.testing.assert_array_equal(alone[k], v, err_msg=k)
