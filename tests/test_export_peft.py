@@ -398,8 +398,11 @@ def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path
 # --------------------------------------------------------------------------- #
 # Tunix runs of MaxText models (qwix's dot_general adapters, flattened; scanned: stacked)
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize('model', ['qwen3', 'llama3'])
-@pytest.mark.parametrize('form', ['unscanned', 'scanned'])
+MAXTEXT_CASES = [(m, f) for m in ('qwen3', 'llama3') for f in ('unscanned', 'scanned')] + [
+    ('gemma3', 'unscanned'), ('gemma4', 'unscanned')]
+
+
+@pytest.mark.parametrize(('model', 'form'), MAXTEXT_CASES)
 def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, model, form):
   """tests/test_export_maxtext.py's LoRA runs of MaxText models (adapters as qwix writes them
   on MaxText's layers): the adapter on the --base-only export is the merged export. Llama's
