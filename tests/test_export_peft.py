@@ -129,6 +129,17 @@ def test_only_the_adapter_arrays_are_read(exports, name):
     assert want < total / 5  # The base weights are most of a full save.
 
 
+@pytest.mark.parametrize('name', ['hf_qwen3_lora', 'hf_gemma4_lora'])
+def test_a_full_save_is_read_for_its_adapters_alone(tmp_path, monkeypatch, name):
+  """Measured at Orbax's restore: the leaves asked for are the adapters, each once."""
+  want = sorted(p + '/value' for p in raw_weights(name) if '_lora_' in p)
+  calls = builders.spy_restores(monkeypatch)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model=family_of(name), alpha=3)
+  asked = [leaf for _, leaves in calls for leaf in leaves]
+  assert {item for item, _ in calls} == {'model_params'}
+  assert sorted(asked) == want
+
+
 def test_adapters_only_save_gives_the_full_saves_adapter(exports):
   a, b = exports['hf_qwen3_lora_only'], exports['hf_qwen3_lora']
   assert a['config'] == b['config']
