@@ -501,3 +501,24 @@ def test_gemma3_einsum_adapters_with_and_without_their_base(tmp_path, name):
     np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=1e-5, err_msg=m)
   for k, v in adapter.items():
     np.testing.assert_array_equal(alone[k], v, err_msg=k)
+
+
+def test_an_existing_adapter_is_replaced_only_with_force(exports, tmp_path):
+  out = tmp_path / 'a'
+  out.mkdir()
+  (out / peft.ADAPTER_FILE).write_bytes(b'stale')
+  (out / peft.CONFIG_FILE).write_text('{}')
+  with pytest.raises(ot.DestinationExistsError):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3)
+  assert (out / peft.ADAPTER_FILE).read_bytes() == b'stale'
+  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  assert (out / peft.ADAPTER_FILE).read_bytes() == (
+      exports['hf_qwen3_lora']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  (out / 'notes.txt').write_text('mine')  # Not an adapter export's: never replaced.
+  with pytest.raises(ot.TunixCheckpointError, match='notes.txt'):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  model = tmp_path / 'model'
+  ot.export_to_hf(DATA / 'hf_qwen3', model, model='qwen3')  # A model folder is no adapter's.
+  with pytest.raises(ot.TunixCheckpointError):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', model, model='qwen3', alpha=3, force=True)
+  assert (model / 'model.safetensors').exists()
