@@ -409,8 +409,26 @@ def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path
 # --------------------------------------------------------------------------- #
 # Tunix runs of MaxText models (qwix's dot_general adapters, flattened; scanned: stacked)
 # --------------------------------------------------------------------------- #
-MAXTEXT_CASES = [(m, f) for m in ('qwen3', 'llama3') for f in ('unscanned', 'scanned')] + [
-    ('gemma3', 'unscanned'), ('gemma4', 'unscanned')]
+MAXTEXT_CASES = [(m, f) for m in ('qwen3', 'llama3', 'gemma3') for f in ('unscanned', 'scanned')
+                 ] + [('gemma4', 'unscanned')]
+
+
+def _gemma3_blocks(flat: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+  """MaxText's scanned gemma3 (blocks of six `layers_{j}` stacked on axis 1, the rest as a
+  remainder) of an unscanned tree, its adapters stacked as its kernels are."""
+  blocks, out = n // 6, {}
+  for path, value in flat.items():
+    if not path.startswith('decoder/layers_'):
+      out[path] = value
+      continue
+    _, layer, rest = path.split('/', 2)
+    i = int(layer.removeprefix('layers_'))
+    if i >= 6 * blocks:
+      out[f'decoder/layers_remainder/layers_{i - 6 * blocks}/{rest}'] = value
+    elif i < 6:
+      out[f'decoder/layers/layers_{i}/{rest}'] = np.stack(
+          [flat[f'decoder/layers_{6 * b + i}/{rest}'] for b in range(blocks)], axis=1)
+  return out
 
 
 @pytest.mark.parametrize(('model', 'form'), MAXTEXT_CASES)
@@ -420,8 +438,12 @@ def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, mo
   query is stored divided by sqrt(head_dim) with its rotary pairs interleaved: B carries both."""
   from tests import test_export_maxtext as mt
   flat = mt.maxtext_tree(model, 'unscanned')
-  lora_flat, _ = (mt.stacked_lora(flat, mt.MODELS[model][1]) if form == 'scanned'
-                  else mt.with_lora(flat))
+  if form == 'unscanned':
+    lora_flat, _ = mt.with_lora(flat)
+  elif model == 'gemma3':
+    lora_flat = _gemma3_blocks(mt.with_lora(flat)[0], mt.MODELS[model][1])
+  else:
+    lora_flat, _ = mt.stacked_lora(flat, mt.MODELS[model][1])
   src = mt.save_tunix_run(tmp_path / 'run', lora_flat, per_layer_chunks=True)
   ot.export_to_hf(src, tmp_path / 'base', model=model, base_only=True)
   ot.export_to_hf(src, tmp_path / 'merged', model=model, merge_lora=True, lora_alpha=mt.ALPHA)
