@@ -409,8 +409,32 @@ def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path
 # --------------------------------------------------------------------------- #
 # Tunix runs of MaxText models (qwix's dot_general adapters, flattened; scanned: stacked)
 # --------------------------------------------------------------------------- #
-MAXTEXT_CASES = [(m, f) for m in ('qwen3', 'llama3', 'gemma3') for f in ('unscanned', 'scanned')
-                 ] + [('gemma4', 'unscanned')]
+MAXTEXT_CASES = [(m, f) for m in ('qwen3', 'llama3', 'gemma3', 'gemma4')
+                 for f in ('unscanned', 'scanned')]
+
+
+def _gemma4_blocks(flat: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+  """MaxText's scanned gemma4 (per block of six: five local layers on axes 1, 2 and a global
+  one on axis 1; then a remainder of local layers on axis 1) of an unscanned tree, its
+  adapters stacked as its kernels are."""
+  blocks, out = n // 6, {}
+  layer = {}
+  for path, value in flat.items():
+    if not path.startswith('decoder/layers_'):
+      out[path] = value
+      continue
+    _, name, rest = path.split('/', 2)
+    layer.setdefault(int(name.removeprefix('layers_')), {})[rest] = value
+  for rest in layer[0]:
+    out[f'decoder/scanned_blocks/local_layers/{rest}'] = np.stack(
+        [np.stack([layer[6 * b + j][rest] for j in range(5)], axis=1) for b in range(blocks)],
+        axis=1)
+    out[f'decoder/layers_remainder/local_layers/{rest}'] = np.stack(
+        [layer[i][rest] for i in range(6 * blocks, n)], axis=1)
+  for rest in layer[5]:
+    out[f'decoder/scanned_blocks/global_layer/{rest}'] = np.stack(
+        [layer[6 * b + 5][rest] for b in range(blocks)], axis=1)
+  return out
 
 
 def _gemma3_blocks(flat: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
@@ -440,8 +464,9 @@ def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, mo
   flat = mt.maxtext_tree(model, 'unscanned')
   if form == 'unscanned':
     lora_flat, _ = mt.with_lora(flat)
-  elif model == 'gemma3':
-    lora_flat = _gemma3_blocks(mt.with_lora(flat)[0], mt.MODELS[model][1])
+  elif model in ('gemma3', 'gemma4'):
+    blocks = _gemma3_blocks if model == 'gemma3' else _gemma4_blocks
+    lora_flat = blocks(mt.with_lora(flat)[0], mt.MODELS[model][1])
   else:
     lora_flat, _ = mt.stacked_lora(flat, mt.MODELS[model][1])
   src = mt.save_tunix_run(tmp_path / 'run', lora_flat, per_layer_chunks=True)
