@@ -569,3 +569,16 @@ def test_an_existing_adapter_is_replaced_only_with_force(exports, tmp_path):
   with pytest.raises(ot.TunixCheckpointError):
     ot.export_peft_adapter(DATA / 'hf_qwen3_lora', model, model='qwen3', alpha=3, force=True)
   assert (model / 'model.safetensors').exists()
+
+
+def test_maxtext_adapters_saved_alone_say_why_they_cannot_be_arranged(tmp_path):
+  """qwix flattens a MaxText kernel's (heads, head_dim) into its adapters: without the kernel
+  its shape is unknown, so the adapter is refused (not guessed), saying what to do instead."""
+  from tests import test_export_maxtext as mt
+  lora_flat, _ = mt.with_lora(mt.maxtext_tree('qwen3', 'unscanned'))
+  src = mt.save_tunix_run(tmp_path / 'run', {k: v for k, v in lora_flat.items() if '_lora_' in k})
+  p = cli(src, tmp_path / 'out', '--model', 'qwen3', *PEFT)
+  assert p.returncode == 2, p.stderr
+  assert 'adapters alone' in p.stderr and '--merge-lora' in p.stderr and '--base' in p.stderr
+  assert 'query/kernel' in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()

@@ -206,8 +206,17 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       arranged[weight] = found
   per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
                              where=where)
-  mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
-                         whole=False)
+  try:
+    mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
+                           whole=False)
+  except errors.UnsupportedLayoutError as e:
+    if base:
+      raise
+    raise errors.LoraError(
+        f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
+        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Export the'
+        ' adapter from a save with the base weights beside them, or the merged model:'
+        ' `merge_lora=True`, `lora_alpha` and `base`.') from e
   rename, config_notes = _names_for_base(
       family, naming, request.base_model,
       model_shapes if base else {p: m.shape for p, m in per_layer.items()}, bool(base), where)
