@@ -42,7 +42,7 @@ from etils import epath
 from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts import huggingface as hf_layouts
-from orbax_tunix.mapping import lora
+from orbax_tunix.mapping import lora, peft
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import ItemOutput, Output
 from orbax_tunix.reading import hyperparams, reader
@@ -260,8 +260,8 @@ def plan(
     commit.check_not_over(dst, folder, what)  # First: the more specific refusal.
   commit.check_destination(
       [c.step_dir for c in merge_lib.checkpoints_read(source, merged)], dst, force, sink.kind)
-  if merged is None:
-    _refuse_adapters_only(source)
+  if merged is None and not chosen.adapters:
+    _refuse_adapters_only(source, chosen.name)
   laid = chosen.lay_out(layouts.Request(
       source=source, params_only=params_only, dtype=dtype, merge=merged, **given))
   written = [item for item in laid.items if item.outputs or item.json]
@@ -309,8 +309,9 @@ def _open_source(
   return source
 
 
-def _refuse_adapters_only(source: reader.CanonicalCheckpoint) -> None:
-  """A LoRA run saved without its base weights is no model as it is.
+def _refuse_adapters_only(source: reader.CanonicalCheckpoint, layout: str) -> None:
+  """A LoRA run saved without its base weights is no model as it is (for a layout that writes
+  a model: one that takes adapters as they are is not asked).
 
   Raises:
     LoraOnlyCheckpointError: saying how to merge instead.
@@ -324,9 +325,11 @@ def _refuse_adapters_only(source: reader.CanonicalCheckpoint) -> None:
     raise errors.LoraOnlyCheckpointError(
         f'{source.step_dir}: expected model weights, found LoRA adapters only'
         f' ({len(adapters)} leaves, e.g. {adapters[0]}): the run saved no base weights'
-        " (Tunix's save_only_lora_params). Converted alone they are not a model."
-        ' Merge them into the base weights the run started from: `merge_lora=True`,'
-        ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint).'
+        f" (Tunix's save_only_lora_params). A {layout} output is a model, and they alone are"
+        ' none. Merge them into the base weights the run started from: `merge_lora=True`,'
+        ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint); or convert'
+        " them as they are (`layout='canonical'`), or export them as a PEFT adapter"
+        ' (`export_peft_adapter`).'
     )
 
 
@@ -591,6 +594,30 @@ class Sink:
   read_folders: tuple[str, ...] = ()
 
 
+def _in_adapter(entry: epath.Path) -> bool:
+  """Whether an entry of an adapter folder is one an adapter export writes."""
+  return not entry.is_dir() and entry.name in (peft.ADAPTER_FILE, peft.CONFIG_FILE)
+
+
+# An exported PEFT adapter (what `force` may replace): its tensors, and nothing else
+# but its config.
+ADAPTER_EXPORT = commit.Kind(
+    'a PEFT adapter export', (peft.ADAPTER_FILE,), commit_file=None, in_place=False,
+    owns=_in_adapter,
+)
+
+
+def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
+                  ) -> tuple[list[ItemOutput], list[writer.Shard]]:
+  """The adapter's tensors in write order, all in the one file vLLM reads
+  (`adapter_model.safetensors`: it reads no other name, and no index)."""
+  del given
+  (item,) = items
+  outputs = tuple(writer.in_write_order(item.outputs))
+  return [dataclasses.replace(item, outputs=outputs)], [writer.Shard(
+      peft.ADAPTER_FILE, tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in outputs))]
+
+
 SINKS: dict[str, Sink] = {
     layouts.STEP: Sink(
         kind=commit.STEP, unit='array', run='conversion', doing='converting to',
@@ -601,5 +628,9 @@ SINKS: dict[str, Sink] = {
         kind=EXPORT, unit='tensor', run='export', doing='exporting to',
         shard=_shard_folder, share=_share_folder, write=_write_folder,
         read_folders=('hf_config',),
+    ),
+    layouts.ADAPTER: Sink(
+        kind=ADAPTER_EXPORT, unit='tensor', run='export', doing='exporting the adapter to',
+        shard=_adapter_file, share=_share_folder, write=_write_folder,
     ),
 }

@@ -1,0 +1,584 @@
+"""`export --peft`: a Tunix LoRA run's adapters as a PEFT adapter, checked against the merged export.
+
+The sources are the committed LoRA runs of every Tunix family (`tests/data/tunix/hf_*_lora*`,
+written by google-tunix with qwix; MANIFEST.json holds rank and alpha). The expected values are
+independent of the adapter export: the family's merged export (`export --merge-lora`, which
+tests/test_export_hf.py proves against the LoRA model's own logits under Tunix) and the plain
+export of the run's base fixture (proven there against the raw weights). For every module PEFT
+would adapt, `W + (lora_alpha / r) * B @ A` from the adapter file must be the merged tensor
+(float32, one rounding apart), and the modules the adapter holds must be exactly the tensors the
+merge changed. The safetensors files are parsed here (8-byte length, JSON header).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_tunix as ot
+from orbax_tunix.mapping import huggingface as hf
+from orbax_tunix.mapping import lora, peft
+from orbax_tunix.mapping.transforms import chain, take
+from orbax_tunix.tools import export as export_lib
+from tests import builders
+from tests.clients import subprocess_env
+from tests.test_export_hf import (
+  DATA,
+  FAMILY_FIXTURES,
+  LORA_FIXTURES,
+  ROOT,
+  manifest,
+  read_safetensors,
+)
+from tests.test_faults import snapshot
+
+PREFIX = 'base_model.model.'
+FULL_SAVES = tuple(n for n in LORA_FIXTURES if not n.endswith('_only'))
+# One rounding of W + s·B·A in float32 against the merge's own, |W| < ~1.5 (as WEIGHT_ATOL of
+# test_export_hf.py); the adapters move the weights by ~1e-2 and more.
+ATOL = 2e-6
+CONFIG_FIXED = {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'bias': 'none',
+                'lora_dropout': 0.0, 'use_rslora': False, 'use_dora': False,
+                'inference_mode': True, 'modules_to_save': None, 'fan_in_fan_out': False,
+                'init_lora_weights': True, 'layers_to_transform': None}
+
+
+def family_of(name: str) -> str:
+  return FAMILY_FIXTURES[manifest(name)['lora']['base']]
+
+
+def tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  return read_safetensors(path)[2]
+
+
+@pytest.fixture(scope='module')
+def exports(tmp_path_factory) -> dict[str, dict]:
+  """Per LoRA fixture: the adapter, the merged model and the base model, exported."""
+  work = tmp_path_factory.mktemp('peft')
+  out = {}
+  for name in LORA_FIXTURES:
+    spec, model = manifest(name)['lora'], family_of(name)
+    d = work / name
+    result = ot.export_peft_adapter(DATA / name, d / 'adapter', model=model, alpha=spec['alpha'])
+    extra = {'base': DATA / spec['base']} if name.endswith('_only') else {}
+    ot.export_to_hf(DATA / name, d / 'merged', model=model, merge_lora=True,
+                    lora_alpha=spec['alpha'], **extra)
+    ot.export_to_hf(DATA / spec['base'], d / 'base', model=model)
+    out[name] = {'dir': d, 'result': result,
+                 'adapter': tensors(d / 'adapter' / peft.ADAPTER_FILE),
+                 'config': json.loads((d / 'adapter' / peft.CONFIG_FILE).read_text()),
+                 'merged': tensors(d / 'merged' / 'model.safetensors'),
+                 'base': tensors(d / 'base' / 'model.safetensors')}
+  return out
+
+
+def changed_modules(e: dict) -> set[str]:
+  """The Hugging Face modules whose weight the merge changed (independent of the adapter)."""
+  names = {k for k, w in e['merged'].items() if not np.array_equal(w, e['base'][k])}
+  assert all(k.endswith('.weight') for k in names), names
+  return {k[:-len('.weight')] for k in names}
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_adapter_folder_and_config(exports, name):
+  e, spec = exports[name], manifest(name)['lora']
+  assert sorted(p.name for p in (e['dir'] / 'adapter').iterdir()) == [
+      'adapter_config.json', 'adapter_model.safetensors']
+  modules = changed_modules(e)
+  assert e['config'] == {
+      **CONFIG_FIXED, 'r': spec['rank'], 'lora_alpha': spec['alpha'],
+      'target_modules': sorted({m.rsplit('.', 1)[-1] for m in modules}),
+      'base_model_name_or_path': None, 'rank_pattern': {}, 'alpha_pattern': {}}
+  assert sorted(e['adapter']) == sorted(
+      f'{PREFIX}{m}.lora_{x}.weight' for m in modules for x in 'AB')
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_adapter_on_the_base_is_the_merged_export(exports, name):
+  e = exports[name]
+  scale = e['config']['lora_alpha'] / e['config']['r']
+  assert scale == manifest(name)['lora']['scale']
+  for module in changed_modules(e):
+    a = e['adapter'][f'{PREFIX}{module}.lora_A.weight']
+    b = e['adapter'][f'{PREFIX}{module}.lora_B.weight']
+    w = e['base'][f'{module}.weight']
+    r = e['config']['r']
+    assert a.dtype == b.dtype == np.float32
+    assert a.shape == (r, w.shape[1]) and b.shape == (w.shape[0], r), (module, a.shape, b.shape)
+    got = w.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))
+    want = e['merged'][f'{module}.weight']
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=module)
+    assert np.abs(want - w).max() > 100 * ATOL, f'{module}: the adapter hardly moves it'
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_only_the_adapter_arrays_are_read(exports, name):
+  step = str(manifest(name)['steps'][-1])
+  leaves = manifest(name)['step_items'][step]['items']['model_params']
+  adapters = [x for x in leaves if '_lora_' in x['path']]
+  want = sum(np.prod(x['shape']) * np.dtype(x['dtype']).itemsize for x in adapters)
+  assert exports[name]['result'].bytes_read == want
+  total = sum(np.prod(x['shape']) * np.dtype(x['dtype']).itemsize for x in leaves)
+  if not name.endswith('_only'):
+    assert want < total / 5  # The base weights are most of a full save.
+
+
+@pytest.mark.parametrize('name', ['hf_qwen3_lora', 'hf_gemma4_lora'])
+def test_a_full_save_is_read_for_its_adapters_alone(tmp_path, monkeypatch, name):
+  """Measured at Orbax's restore: the leaves asked for are the adapters, each once."""
+  want = sorted(p + '/value' for p in raw_weights(name) if '_lora_' in p)
+  calls = builders.spy_restores(monkeypatch)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model=family_of(name), alpha=3)
+  asked = [leaf for _, leaves in calls for leaf in leaves]
+  assert {item for item, _ in calls} == {'model_params'}
+  assert sorted(asked) == want
+
+
+def test_adapters_only_save_gives_the_full_saves_adapter(exports):
+  a, b = exports['hf_qwen3_lora_only'], exports['hf_qwen3_lora']
+  assert a['config'] == b['config']
+  assert sorted(a['adapter']) == sorted(b['adapter'])
+  for k, v in b['adapter'].items():
+    np.testing.assert_array_equal(a['adapter'][k], v, err_msg=k)
+
+
+def _save_model_params(step_dir: pathlib.Path, weights: dict[str, np.ndarray]) -> None:
+  """Writes weights ({'a/b/w': array}) as a Tunix run's model_params, nnx's `value` level kept."""
+  tree: dict = {}
+  for path, value in weights.items():
+    node = tree
+    for key in path.split('/'):
+      node = node.setdefault(key, {})
+    node['value'] = value
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(step_dir, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(tree)))
+
+
+def raw_weights(name: str) -> dict[str, np.ndarray]:
+  step = manifest(name)['steps'][-1]
+  return {p[:-len('/value')]: v for p, v in
+          builders.raw_leaves(DATA / name / str(step) / 'model_params').items()}
+
+
+@pytest.mark.parametrize('name', ['hf_gemma2_lora', 'hf_gemma_lora', 'hf_gemma4_moe_lora'])
+def test_gemma_adapters_saved_alone_are_arranged_by_the_familys_data(exports, tmp_path, name):
+  """Without the base weights the shapes cannot say where qwix put D among Gemma's einsum
+  axes; the family's `lora` data does, and gives the adapter the full save gives."""
+  alone = {p: v for p, v in raw_weights(name).items() if lora.is_adapter(p.split('/'))}
+  _save_model_params(tmp_path / 'run' / '3', alone)
+  ot.export_peft_adapter(tmp_path / 'run', tmp_path / 'adapter', model=family_of(name),
+                         alpha=manifest(name)['lora']['alpha'])
+  got = tensors(tmp_path / 'adapter' / peft.ADAPTER_FILE)
+  want = exports[name]['adapter']
+  assert sorted(got) == sorted(want)
+  for k, v in want.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_scale_instead_of_alpha(exports, tmp_path):
+  spec = manifest('hf_qwen3_lora')['lora']
+  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', tmp_path / 'a', model='qwen3',
+                         scale=spec['scale'], base_model='Qwen/Qwen3-0.6B')
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config == {**exports['hf_qwen3_lora']['config'], 'lora_alpha': spec['scale'] * 2,
+                    'base_model_name_or_path': 'Qwen/Qwen3-0.6B'}
+
+
+def test_bfloat16_adapter_is_the_float32_one_cast(exports, tmp_path):
+  import ml_dtypes
+  ot.export_peft_adapter(DATA / 'hf_gemma2_lora', tmp_path / 'a', model='gemma2', alpha=3,
+                         dtype='bfloat16')
+  got = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  for k, v in exports['hf_gemma2_lora']['adapter'].items():
+    assert got[k].dtype == ml_dtypes.bfloat16, k
+    np.testing.assert_array_equal(got[k], v.astype(ml_dtypes.bfloat16), err_msg=k)
+
+
+def test_gemma4_k_eq_v_layer_says_what_vllm_does():
+  plan = export_lib.plan_peft_export(DATA / 'hf_gemma4_moe_lora', '/nonexistent/out',
+                                     model='gemma4', alpha=3)
+  said = [n for n in plan.notes if 'k_eq_v' in n]
+  assert len(said) == 1 and 'vLLM' in said[0], plan.notes
+  assert 'model.language_model.layers.1.self_attn.k_proj' in said[0]
+  assert 'layers.0.' not in said[0]  # Layer 0 has its own values (kv_einsum).
+
+
+@pytest.mark.parametrize('name', FULL_SAVES)
+def test_base_only_is_the_base_fixtures_export(exports, tmp_path, name):
+  ot.export_to_hf(DATA / name, tmp_path / 'b', model=family_of(name), base_only=True)
+  assert (tmp_path / 'b' / 'model.safetensors').read_bytes() == (
+      exports[name]['dir'] / 'base' / 'model.safetensors').read_bytes()
+
+
+# --------------------------------------------------------------------------- #
+# The command line, and what it refuses
+# --------------------------------------------------------------------------- #
+def cli(*argv: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', 'export', *map(str, argv)],
+                        capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
+                        timeout=300, check=False)
+
+
+def test_cli_peft_writes_the_libraries_adapter(exports, tmp_path):
+  p = cli(DATA / 'hf_qwen3_lora_only', tmp_path / 'a', '--model', 'qwen3', '--peft',
+          '--lora-alpha', '3', '--base-model', 'Qwen/Qwen3-0.6B')
+  assert p.returncode == 0, p.stderr
+  assert sorted(x.name for x in (tmp_path / 'a').iterdir()) == [
+      'adapter_config.json', 'adapter_model.safetensors']
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config == {**exports['hf_qwen3_lora_only']['config'],
+                    'base_model_name_or_path': 'Qwen/Qwen3-0.6B'}
+  assert (tmp_path / 'a' / peft.ADAPTER_FILE).read_bytes() == (
+      exports['hf_qwen3_lora_only']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+
+
+def _with(name: str, extra: dict[str, np.ndarray], root: pathlib.Path) -> pathlib.Path:
+  _save_model_params(root / '1', {**raw_weights(name), **extra})
+  return root
+
+
+def _experts_adapted(root: pathlib.Path) -> pathlib.Path:
+  """hf_qwen3_moe_lora with qwix's adapters on the stacked experts of layer 0 (E, D, F):
+  a (E, D, r) (E is a batch dimension of the einsum), b (r, F)."""
+  rng = np.random.default_rng(0)
+  return _with('hf_qwen3_moe_lora', {
+      'layers/0/mlp/gate_proj_lora_a': rng.normal(size=(3, 40, 2)).astype(np.float32),
+      'layers/0/mlp/gate_proj_lora_b': rng.normal(size=(2, 20)).astype(np.float32)}, root)
+
+
+def _embedding_adapted(root: pathlib.Path) -> pathlib.Path:
+  """hf_qwen3_lora with adapters on the embedding (as on a tied output projection)."""
+  rng = np.random.default_rng(0)
+  return _with('hf_qwen3_lora', {
+      'embedder/input_embedding_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'embedder/input_embedding_lora_b': rng.normal(size=(2, 96)).astype(np.float32)}, root)
+
+
+PEFT = ('--peft', '--lora-alpha', '3')
+REFUSED = {  # case -> (source, model, flags, words the message holds (one of each tuple))
+    'no_adapters': ('hf_qwen3', 'qwen3', PEFT, [('no LoRA run', 'found none'), ('--peft',)]),
+    'no_alpha': ('hf_qwen3_lora', 'qwen3', ('--peft',), [('--lora-alpha',), ('--lora-scale',)]),
+    'with_merge': ('hf_qwen3_lora', 'qwen3', (*PEFT, '--merge-lora'), [('--merge-lora',)]),
+    'with_base': ('hf_qwen3_lora_only', 'qwen3', (*PEFT, '--base', DATA / 'hf_qwen3'),
+                  [('--base',)]),
+    'with_hf_config': ('hf_qwen3_lora', 'qwen3', (*PEFT, '--hf-config', DATA), [('--hf-config',)]),
+    'with_base_only': ('hf_qwen3_lora', 'qwen3', (*PEFT, '--base-only'), [('--base-only',)]),
+    'base_model_alone': ('hf_qwen3_lora', 'qwen3', ('--base-model', 'x'), [('--peft',)]),
+    'base_only_no_adapters': ('hf_qwen3', 'qwen3', ('--base-only',), [('none',)]),
+    'base_only_of_adapters_only': ('hf_qwen3_lora_only', 'qwen3', ('--base-only',),
+                                   [('adapters only',), ('base weights',)]),
+    'other_family': ('hf_qwen3_lora', 'gemma2', PEFT, [('q_proj', 'o_proj'), ('--model',)]),
+    'experts': (_experts_adapted, 'qwen3_moe', PEFT,
+                [('experts',), ('layers/0/mlp/gate_proj',), ('--merge-lora',)]),
+    'embedding': (_embedding_adapted, 'qwen3', PEFT,
+                  [('embedding',), ('embedder/input_embedding',), ('--merge-lora',)]),
+}
+
+
+@pytest.mark.parametrize('case', REFUSED)
+def test_cli_refusals(tmp_path, case):
+  source, model, flags, words = REFUSED[case]
+  src = source(tmp_path / 'run') if callable(source) else DATA / source
+  before = snapshot(src)
+  p = cli(src, tmp_path / 'out', '--model', model, *flags)
+  message = p.stderr
+  assert p.returncode == 2, (p.returncode, p.stdout, message)
+  assert message.startswith('orbax-tunix: error:') and 'Traceback' not in message, message
+  for alternatives in words:
+    assert any(w in message for w in alternatives), (alternatives, message)
+  assert not (tmp_path / 'out').exists()
+  assert [x.name for x in tmp_path.iterdir()] == (['run'] if callable(source) else [])
+  assert snapshot(src) == before
+
+
+def test_refusal_names_every_module_at_once(tmp_path):
+  root = _experts_adapted(tmp_path / 'run')
+  rng = np.random.default_rng(1)
+  _save_model_params(root / '2', {
+      **raw_weights('hf_qwen3_moe_lora'),
+      **{f'layers/{i}/mlp/{p}_proj_lora_{x}': rng.normal(size=s).astype(np.float32)
+         for i in (0, 1) for p in ('up', 'down')
+         for x, s in (('a', (3, 40 if p == 'up' else 20, 2)), ('b', (2, 20 if p == 'up' else 40)))}})
+  with pytest.raises(ot.LoraError) as e:
+    export_lib.plan_peft_export(root, tmp_path / 'out', model='qwen3_moe', alpha=3)
+  assert str(e.value).count('MoE experts') == 4 * 3  # 4 weights, 3 experts each.
+  assert '`merge_lora=True`' in str(e.value)
+
+
+# --------------------------------------------------------------------------- #
+# The factorization itself
+# --------------------------------------------------------------------------- #
+def test_factors_refuse_a_module_feature_mixing_rows_of_a():
+  # a holds (D, N): an output feature (n, h) of HF's (N·H, D) would take a row of `a` per n.
+  contraction = lora.contraction((40, 4, 12), (40, 4, 2), (2, 12))
+  assert contraction is not None
+  found = peft.Factors.of(contraction, hf.IN_PROJ, (40, 4, 2), (2, 12))
+  assert isinstance(found, str) and 'not B·A' in found
+
+
+def test_factors_of_a_fused_kv_einsum_share_a_and_split_b():
+  rng = np.random.default_rng(0)
+  a, b = rng.normal(size=(40, 2)), rng.normal(size=(2, 2, 3, 12))  # (D, r), (r, C, K, H)
+  w = np.einsum('dr,rckh->ckdh', a, b)  # Tunix's kv_einsum (C, K, D, H), as qwix adds it
+  contraction = lora.contraction(w.shape, a.shape, b.shape)
+  for c, name in enumerate('kv'):
+    transform = chain(take(0, c), hf.HEADS_FIRST)
+    f = peft.Factors.of(contraction, transform, a.shape, b.shape)
+    big_a = peft.lora_a(f, 2).apply([a])
+    big_b = peft.lora_b(f, 2).apply([b])
+    np.testing.assert_allclose(big_b @ big_a, np.transpose(w[c], (1, 0, 2)).reshape(40, 36).T,
+                               err_msg=name, atol=1e-12)
+    np.testing.assert_array_equal(big_a, a.T)
+
+
+# --------------------------------------------------------------------------- #
+# --base-model: the config checked, a multimodal class's names
+# --------------------------------------------------------------------------- #
+QWEN3_CONFIG = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3', 'vocab_size': 96,
+                'hidden_size': 40, 'intermediate_size': 56, 'num_hidden_layers': 2,
+                'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12,
+                'tie_word_embeddings': False}
+
+
+def _folder(root: pathlib.Path, config: dict) -> pathlib.Path:
+  root.mkdir(parents=True)
+  (root / 'config.json').write_text(json.dumps(config))
+  return root
+
+
+@pytest.mark.parametrize('name', ['hf_qwen3_lora', 'hf_qwen3_lora_only'])
+def test_base_model_folder_config_is_checked(exports, tmp_path, name):
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model='qwen3', alpha=3, base_model=good)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['base_model_name_or_path'] == str(good)
+  assert (tmp_path / 'a' / peft.ADAPTER_FILE).read_bytes() == (
+      exports[name]['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  for field, value in (('num_attention_heads', 8), ('intermediate_size', 64),
+                       ('model_type', 'llama'), ('num_hidden_layers', 1)):
+    bad = _folder(tmp_path / f'bad_{field}', {**QWEN3_CONFIG, field: value})
+    p = cli(DATA / name, tmp_path / 'out', '--model', 'qwen3', *PEFT, '--base-model', bad)
+    assert p.returncode == 2, p.stderr
+    assert field in p.stderr and str(value) in p.stderr and '--base-model' in p.stderr, p.stderr
+    assert not (tmp_path / 'out').exists()
+
+
+def _gemma3_with_adapters(root: pathlib.Path) -> pathlib.Path:
+  """hf_gemma3 with qwix-shaped adapters on layer 0's q_einsum (N, D, H) and up_proj."""
+  rng = np.random.default_rng(0)
+  return _with('hf_gemma3', {
+      'layers/0/attn/q_einsum/w_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/attn/q_einsum/w_lora_b': rng.normal(size=(2, 4, 12)).astype(np.float32),
+      'layers/0/mlp/up_proj/kernel_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/mlp/up_proj/kernel_lora_b': rng.normal(size=(2, 56)).astype(np.float32)}, root)
+
+
+def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path):
+  """gemma-3-4b's class (Gemma3ForConditionalGeneration) holds the text model's modules under
+  model.language_model (transformers 5); the weights' own class, under model."""
+  run = _gemma3_with_adapters(tmp_path / 'run')
+  text = {'hidden_size': 40, 'intermediate_size': 56, 'model_type': 'gemma3_text',
+          'num_hidden_layers': manifest('hf_gemma3')['model_config']['num_layers'],
+          'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12}
+  multimodal = _folder(tmp_path / 'gemma-3-4b', {
+      'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
+      'text_config': text, 'vision_config': {'model_type': 'siglip_vision_model'}})
+  causal = _folder(tmp_path / 'gemma-3-1b', {'architectures': ['Gemma3ForCausalLM'], **text,
+                                            'vocab_size': 96})
+  got = {}
+  for base in (multimodal, causal):
+    ot.export_peft_adapter(run, tmp_path / base.name / 'a', model='gemma3', scale=1.0,
+                           base_model=base)
+    got[base.name] = tensors(tmp_path / base.name / 'a' / peft.ADAPTER_FILE)
+  modules = ['layers.0.mlp.up_proj', 'layers.0.self_attn.q_proj']
+  assert sorted(got['gemma-3-1b']) == sorted(
+      f'{PREFIX}model.{m}.lora_{x}.weight' for m in modules for x in 'AB')
+  assert sorted(got['gemma-3-4b']) == sorted(
+      f'{PREFIX}model.language_model.{m}.lora_{x}.weight' for m in modules for x in 'AB')
+  for k, v in got['gemma-3-1b'].items():
+    np.testing.assert_array_equal(
+        got['gemma-3-4b'][k.replace(PREFIX + 'model.', PREFIX + 'model.language_model.')], v)
+
+
+# --------------------------------------------------------------------------- #
+# Tunix runs of MaxText models (qwix's dot_general adapters, flattened; scanned: stacked)
+# --------------------------------------------------------------------------- #
+MAXTEXT_CASES = [(m, f) for m in ('qwen3', 'llama3', 'gemma3', 'gemma4')
+                 for f in ('unscanned', 'scanned')]
+
+
+def _gemma4_blocks(flat: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+  """MaxText's scanned gemma4 (per block of six: five local layers on axes 1, 2 and a global
+  one on axis 1; then a remainder of local layers on axis 1) of an unscanned tree, its
+  adapters stacked as its kernels are."""
+  blocks, out = n // 6, {}
+  layer = {}
+  for path, value in flat.items():
+    if not path.startswith('decoder/layers_'):
+      out[path] = value
+      continue
+    _, name, rest = path.split('/', 2)
+    layer.setdefault(int(name.removeprefix('layers_')), {})[rest] = value
+  for rest in layer[0]:
+    out[f'decoder/scanned_blocks/local_layers/{rest}'] = np.stack(
+        [np.stack([layer[6 * b + j][rest] for j in range(5)], axis=1) for b in range(blocks)],
+        axis=1)
+    out[f'decoder/layers_remainder/local_layers/{rest}'] = np.stack(
+        [layer[i][rest] for i in range(6 * blocks, n)], axis=1)
+  for rest in layer[5]:
+    out[f'decoder/scanned_blocks/global_layer/{rest}'] = np.stack(
+        [layer[6 * b + 5][rest] for b in range(blocks)], axis=1)
+  return out
+
+
+def _gemma3_blocks(flat: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+  """MaxText's scanned gemma3 (blocks of six `layers_{j}` stacked on axis 1, the rest as a
+  remainder) of an unscanned tree, its adapters stacked as its kernels are."""
+  blocks, out = n // 6, {}
+  for path, value in flat.items():
+    if not path.startswith('decoder/layers_'):
+      out[path] = value
+      continue
+    _, layer, rest = path.split('/', 2)
+    i = int(layer.removeprefix('layers_'))
+    if i >= 6 * blocks:
+      out[f'decoder/layers_remainder/layers_{i - 6 * blocks}/{rest}'] = value
+    elif i < 6:
+      out[f'decoder/layers/layers_{i}/{rest}'] = np.stack(
+          [flat[f'decoder/layers_{6 * b + i}/{rest}'] for b in range(blocks)], axis=1)
+  return out
+
+
+@pytest.mark.parametrize(('model', 'form'), MAXTEXT_CASES)
+def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, model, form):
+  """tests/test_export_maxtext.py's LoRA runs of MaxText models (adapters as qwix writes them
+  on MaxText's layers): the adapter on the --base-only export is the merged export. Llama's
+  query is stored divided by sqrt(head_dim) with its rotary pairs interleaved: B carries both."""
+  from tests import test_export_maxtext as mt
+  flat = mt.maxtext_tree(model, 'unscanned')
+  if form == 'unscanned':
+    lora_flat, _ = mt.with_lora(flat)
+  elif model in ('gemma3', 'gemma4'):
+    blocks = _gemma3_blocks if model == 'gemma3' else _gemma4_blocks
+    lora_flat = blocks(mt.with_lora(flat)[0], mt.MODELS[model][1])
+  else:
+    lora_flat, _ = mt.stacked_lora(flat, mt.MODELS[model][1])
+  src = mt.save_tunix_run(tmp_path / 'run', lora_flat, per_layer_chunks=True)
+  ot.export_to_hf(src, tmp_path / 'base', model=model, base_only=True)
+  ot.export_to_hf(src, tmp_path / 'merged', model=model, merge_lora=True, lora_alpha=mt.ALPHA)
+  result = ot.export_peft_adapter(src, tmp_path / 'a', model=model, alpha=mt.ALPHA)
+  base = tensors(tmp_path / 'base' / 'model.safetensors')
+  merged = tensors(tmp_path / 'merged' / 'model.safetensors')
+  adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['r'] == mt.RANK and config['lora_alpha'] == mt.ALPHA
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert len(changed) == 3 * mt.MODELS[model][1]
+  assert sorted(adapter) == sorted(f'{PREFIX}{m}.lora_{x}.weight' for m in changed for x in 'AB')
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + mt.ALPHA / mt.RANK * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=2e-5, err_msg=m)
+  assert result.bytes_read == sum(v.nbytes for k, v in lora_flat.items() if '_lora_' in k)
+
+
+def test_config_states_ranks_and_alphas_that_differ_per_module():
+  """PEFT scales a module by its lora_alpha / r: where modules differ, rank_pattern and
+  alpha_pattern state them (keys: the modules' full names)."""
+  modules = {'model.layers.0.self_attn.q_proj': (4, 0.5),
+             'model.layers.1.self_attn.q_proj': (4, 0.5),
+             'model.layers.0.mlp.up_proj': (8, 0.25)}  # qwix: alpha 2 over ranks 4 and 8.
+  config = peft.config(modules, 2.0, None)
+  assert (config['r'], config['lora_alpha']) == (4, 2)
+  assert config['rank_pattern'] == {'model.layers.0.mlp.up_proj': 8}
+  assert config['alpha_pattern'] == {}  # 2 / 8 is the module's scale already.
+  config = peft.config(modules, None, None)  # --lora-scale 0.5 on the rank-4 modules
+  assert (config['r'], config['lora_alpha']) == (4, 2)
+  scaled = {**modules, 'model.layers.0.mlp.up_proj': (8, 0.5)}  # --lora-scale 0.5 everywhere
+  config = peft.config(scaled, None, None)
+  assert config['alpha_pattern'] == {'model.layers.0.mlp.up_proj': 4}
+  for name, (rank, scale) in scaled.items():
+    assert config['rank_pattern'].get(name, config['r']) == rank
+    assert config['alpha_pattern'].get(name, config['lora_alpha']) / rank == scale
+
+
+# qwix's adapters of Tunix Gemma's einsums, as `_parse_einsum_str_for_lora` shapes them: `a` the
+# weight's dims the input shares (D) then r, `b` r then the others in the weight's order.
+GEMMA3_SYNTHETIC = {
+    'hf_gemma3': {'layers/0/attn/q_einsum/w': ((40, 2), (2, 4, 12)),
+                  'layers/1/attn/kv_einsum/w': ((40, 2), (2, 2, 2, 12)),
+                  'layers/2/attn/attn_vec_einsum/w': ((4, 12, 2), (2, 40))},
+    'hf_gemma3_fused': {'layers/1/attn/qkv_einsum/w': ((40, 2), (2, 3, 4, 12))},
+}
+
+
+@pytest.mark.parametrize('name', GEMMA3_SYNTHETIC)
+def test_gemma3_einsum_adapters_with_and_without_their_base(tmp_path, name):
+  """Gemma 3 (no LoRA fixture): random qwix-shaped adapters on its einsums, fused qkv too. The
+  adapter on the --base-only export is the merged export, and saved alone (no base weight to
+  tell the arrangement: the family's lora data does) it is the same adapter."""
+  rng = np.random.default_rng(0)
+  extra = {}
+  for weight, (a, b) in GEMMA3_SYNTHETIC[name].items():
+    extra[weight + '_lora_a'] = rng.normal(size=a).astype(np.float32)
+    extra[weight + '_lora_b'] = rng.normal(size=b).astype(np.float32)
+  _save_model_params(tmp_path / 'full' / '1', {**raw_weights(name), **extra})
+  _save_model_params(tmp_path / 'alone' / '1', extra)
+  ot.export_to_hf(tmp_path / 'full', tmp_path / 'base', model='gemma3', base_only=True)
+  ot.export_to_hf(tmp_path / 'full', tmp_path / 'merged', model='gemma3', merge_lora=True,
+                  lora_scale=0.5)
+  for kind in ('full', 'alone'):
+    ot.export_peft_adapter(tmp_path / kind, tmp_path / f'a_{kind}', model='gemma3', scale=0.5)
+  base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
+  adapter = tensors(tmp_path / 'a_full' / peft.ADAPTER_FILE)
+  alone = tensors(tmp_path / 'a_alone' / peft.ADAPTER_FILE)
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert len(changed) == {'hf_gemma3': 4, 'hf_gemma3_fused': 3}[name], changed
+  assert sorted(adapter) == sorted(alone) == sorted(
+      f'{PREFIX}{m}.lora_{x}.weight' for m in changed for x in 'AB')
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + 0.5 * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=1e-5, err_msg=m)
+  for k, v in adapter.items():
+    np.testing.assert_array_equal(alone[k], v, err_msg=k)
+
+
+def test_an_existing_adapter_is_replaced_only_with_force(exports, tmp_path):
+  out = tmp_path / 'a'
+  out.mkdir()
+  (out / peft.ADAPTER_FILE).write_bytes(b'stale')
+  (out / peft.CONFIG_FILE).write_text('{}')
+  with pytest.raises(ot.DestinationExistsError):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3)
+  assert (out / peft.ADAPTER_FILE).read_bytes() == b'stale'
+  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  assert (out / peft.ADAPTER_FILE).read_bytes() == (
+      exports['hf_qwen3_lora']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  (out / 'notes.txt').write_text('mine')  # Not an adapter export's: never replaced.
+  with pytest.raises(ot.TunixCheckpointError, match='notes.txt'):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  model = tmp_path / 'model'
+  ot.export_to_hf(DATA / 'hf_qwen3', model, model='qwen3')  # A model folder is no adapter's.
+  with pytest.raises(ot.TunixCheckpointError):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', model, model='qwen3', alpha=3, force=True)
+  assert (model / 'model.safetensors').exists()
+
+
+def test_maxtext_adapters_saved_alone_say_why_they_cannot_be_arranged(tmp_path):
+  """qwix flattens a MaxText kernel's (heads, head_dim) into its adapters: without the kernel
+  its shape is unknown, so the adapter is refused (not guessed), saying what to do instead."""
+  from tests import test_export_maxtext as mt
+  lora_flat, _ = mt.with_lora(mt.maxtext_tree('qwen3', 'unscanned'))
+  src = mt.save_tunix_run(tmp_path / 'run', {k: v for k, v in lora_flat.items() if '_lora_' in k})
+  p = cli(src, tmp_path / 'out', '--model', 'qwen3', *PEFT)
+  assert p.returncode == 2, p.stderr
+  assert 'adapters alone' in p.stderr and '--merge-lora' in p.stderr and '--base' in p.stderr
+  assert 'query/kernel' in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()
