@@ -12,23 +12,18 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 
-import numpy as np
 import pytest
 
+import orbax_tunix as ot
+from orbax_tunix.mapping import huggingface, stacks
 from orbax_tunix.tools import export as export_lib
-from tests.clients import client_env, subprocess_env
 from tests.test_cli import run
 from tests.test_export_hf import (
   DATA,
   HF_CONFIG_DIMS,
   HF_CONFIG_EXTRA,
-  HF_CONFIG_FULL,
-  Export,
-  export_argv,
   raw,
-  run_cli,
 )
 
 
@@ -64,3 +59,50 @@ def test_hf_config_naming_another_file_says_what_to_pass(tmp_path, capsys):
   assert f'{hf / "tokenizer.json"}: --hf-config must be a Hugging Face model folder' in err, err
   assert 'found a file' in err and 'Not a directory' not in err, err
   assert not (tmp_path / 'out').exists()
+
+
+# --- issue 36.5: a smaller vocab_size cuts only padding -------------------------------
+
+
+@pytest.mark.parametrize('fixture, family, rows', [
+    ('hf_qwen3', 'qwen3', ('embedder/input_embedding', 'lm_head/w')),  # untied: both
+    ('hf_gemma3', 'gemma3', ('embedder/input_embedding',)),
+])
+def test_smaller_vocab_size_of_a_tunix_model_is_refused(tmp_path, capsys, fixture, family, rows):
+  """A Tunix model's rows are trained tokens: a config with fewer is not this model's, and
+  the export is refused naming the field and both sizes, before anything is written."""
+  stored = raw(fixture)['embedder/input_embedding'].shape[0]
+  config = {**HF_CONFIG_DIMS[fixture], **HF_CONFIG_EXTRA.get(fixture, {}),
+            'vocab_size': stored - 6}
+  if family == 'gemma3':
+    config.update(architectures=['Gemma3ForCausalLM'], model_type='gemma3_text')
+  hf = _hf_dir(tmp_path / 'hf', config)
+  status, _, err = run(capsys, 'export', DATA / fixture, tmp_path / 'out', '--model', family,
+                       '--hf-config', hf)
+  assert status == 2, err
+  assert f'vocab_size {stored - 6} is smaller than the weights\' vocabulary' in err, err
+  assert f'{rows[0]} ({stored}, 40) has {stored} along axis 0' in err, err
+  assert '--hf-config' in err and f'vocab_size {stored}' in err, err
+  assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('family, rows, vocab_size, cut', [
+    ('gemma2', 256128, 256000, True),   # Gemma's own checkpoints pad 256000 to 256128
+    ('gemma', 256128, 256000, True),
+    ('gemma2', 256130, 256000, False),  # any other cut is of trained rows
+    ('gemma3', 262208, 262144, False),
+    ('qwen3', 151936, 151669, False),   # Qwen3's tokenizer size: its rows are still the model's
+])
+def test_only_known_padding_is_cut_from_a_tunix_model(family, rows, vocab_size, cut):
+  naming = huggingface.get(family).tunix
+  shapes = {('embedder', 'input_embedding'): (rows, 8)}
+  weights = stacks.unstack(shapes, naming.stacks)
+  if not cut:
+    with pytest.raises(ot.UnsupportedLayoutError, match=f'vocab_size {vocab_size} is smaller'):
+      huggingface.cut_vocab(naming, weights, vocab_size, 'config.json')
+    return
+  out, notes = huggingface.cut_vocab(naming, weights, vocab_size, 'config.json')
+  assert out[('embedder', 'input_embedding')].shape == (vocab_size, 8)
+  assert notes == [f'embedder/input_embedding: vocabulary padding cut, {rows} -> {vocab_size}'
+                   " (the config's vocab_size; Gemma's checkpoints pad 256000 tokens to 256128"
+                   ' rows)']

@@ -77,6 +77,34 @@ MAXTEXT = 'maxtext'
 _MAXTEXT_ROOTS = frozenset({'decoder', 'token_embedder'})
 SOURCE_NAMES = {TUNIX: 'Tunix model (tunix.models)', MAXTEXT: 'MaxText model'}
 
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabPadding:
+  """Which rows past a config's `vocab_size` a source kind holds as padding (never trained),
+  so that an export may cut them; rows of any other source are the model's own.
+
+  Attributes:
+    any: every cut is padding (MaxText pads the vocabulary to a multiple of its sharding).
+    known: (stored rows, real vocabulary) pairs that are padding.
+    why: who pads, for notes.
+  """
+
+  any: bool = False
+  known: tuple[tuple[int, int], ...] = ()
+  why: str = ''
+
+  def allows(self, rows: int, vocab_size: int) -> bool:
+    return self.any or (rows, vocab_size) in self.known
+
+
+NO_PADDING = VocabPadding()
+MAXTEXT_PADDING = VocabPadding(any=True, why='MaxText pads the vocabulary for sharding')
+# Gemma 1 and 2's own checkpoints (Kaggle's, which Tunix's `gemma` models load) hold 256128
+# rows for the tokenizer's 256000 (Hugging Face's `vocab_size`).
+GEMMA_PADDING = VocabPadding(known=((256128, 256000),),
+                             why="Gemma's checkpoints pad 256000 tokens to 256128 rows")
+
 LAYER = 'model.layers.{i}'
 # (D, X, H) -> (X·H, D): an input projection as Hugging Face's linear weight.
 IN_PROJ = chain(merge_axes(1, 3), transpose())
@@ -127,6 +155,7 @@ class Naming:
     layer: the pattern of one layer's prefix (`{i}` its number).
     vocab: weight pattern -> its vocabulary axis (cut to the config's
       `vocab_size` when the checkpoint's is padded).
+    vocab_padding: which cuts of those axes are padding (`VocabPadding`).
     stacks: the stacked forms MaxText stores the family's layers in.
     architecture: the `transformers` class the names are, when not the
       family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
@@ -142,6 +171,7 @@ class Naming:
   tied: Callable[[Collection[Path]], bool] | None = None
   layer: tuple[str, ...] = ('layers', '{i}')
   vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  vocab_padding: VocabPadding = NO_PADDING
   stacks: tuple[stacks_lib.Stack, ...] = ()
   architecture: str | None = None
   model_type: str | None = None
@@ -200,6 +230,7 @@ class Family:
     fixed: config.json fields every model of the family has, whatever the
       base config says (e.g. Gemma's tanh-approximated GELU).
     vocab: the Tunix weights' vocabulary axes (see `Naming.vocab`).
+    vocab_padding: which cuts of them are padding (`Naming.vocab_padding`).
     maxtext: MaxText's naming of the family, if MaxText has the model.
   """
 
@@ -213,12 +244,14 @@ class Family:
   fixed: Mapping[str, object] = dataclasses.field(default_factory=dict)
   vocab: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {'embedder/input_embedding': 0, 'lm_head/w': 1})
+  vocab_padding: VocabPadding = NO_PADDING
   maxtext: Naming | None = None
 
   @property
   def tunix(self) -> Naming:
     """The naming of Tunix's own model class (the family's own fields)."""
-    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab)
+    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
+                  vocab_padding=self.vocab_padding)
 
   @property
   def namings(self) -> tuple[Naming, ...]:
@@ -333,7 +366,8 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
   return Naming(
       MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, stacks=stacks_lib.SCANNED,
+      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      stacks=stacks_lib.SCANNED,
   )
 
 
@@ -480,7 +514,7 @@ def _maxtext_gemma3() -> Naming:
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   ),)
   return Naming(MAXTEXT, rules, tuple((r,) for r in required), _mt_dims(),
-                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
+                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 stacks=stacks_lib.blocks(6))
 
 
@@ -523,7 +557,8 @@ def _maxtext_gemma4() -> Naming:
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
   return Naming(MAXTEXT, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
-                vocab=_MT_VOCAB, stacks=stacks_lib.local_global(6),
+                vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                stacks=stacks_lib.local_global(6),
                 architecture='Gemma4ForCausalLM', model_type='gemma4_text')
 
 
@@ -638,6 +673,7 @@ def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, st
       dims=GEMMA3.dims,
       tied=lambda paths: True,
       fixed=fixed,
+      vocab_padding=GEMMA_PADDING,
   )
 
 
@@ -959,7 +995,9 @@ def cut_vocab(
   """The weights with a padded vocabulary cut to the config's `vocab_size`.
 
   MaxText pads the vocabulary for sharding; the config's `vocab_size` is the
-  real one. Rows past it are dropped, as MaxText's converter does.
+  real one. Rows past it are dropped, as MaxText's converter does, where the
+  naming's source is known to pad (`Naming.vocab_padding`); elsewhere they are
+  trained rows, and a smaller `vocab_size` is refused.
 
   Args:
     naming: the weights' naming (its `vocab` axes).
@@ -971,7 +1009,8 @@ def cut_vocab(
     (the weights, notes).
 
   Raises:
-    UnsupportedLayoutError: the config's vocabulary is larger than the weights'.
+    UnsupportedLayoutError: the config's vocabulary is larger than the weights', or
+      smaller where the rows past it are not padding.
   """
   out, notes = dict(mapped), []
   if vocab_size is None:
@@ -988,9 +1027,18 @@ def cut_vocab(
           f' ({fmt(path)} {m.shape} has {rows} along axis {axis}): the config is not this'
           ' model\'s. Pass the --hf-config of the model this run was trained from.'
       )
+    if vocab_size < rows and not naming.vocab_padding.allows(rows, vocab_size):
+      raise errors.UnsupportedLayoutError(
+          f'{where}: vocab_size {vocab_size} is smaller than the weights\' vocabulary'
+          f' ({fmt(path)} {m.shape} has {rows} along axis {axis}), and a'
+          f' {SOURCE_NAMES[naming.source]}\'s rows are its own (only a source known to pad'
+          ' its vocabulary, as MaxText does, is cut): cutting them would drop trained'
+          ' tokens. Pass as `hf_config` the folder of the model this run was trained from'
+          f' (vocab_size {rows}).'
+      )
     if vocab_size < rows:
       cut = head(axis, vocab_size)
       out[path] = Mapped(m.sources, chain(m.transform, cut), cut.check([m.shape]))
       notes.append(f'{fmt(path)}: vocabulary padding cut, {rows} -> {vocab_size} (the'
-                   ' config\'s vocab_size)')
+                   f' config\'s vocab_size; {naming.vocab_padding.why})')
   return out, notes
