@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
 
 import pytest
 
 import orbax_tunix as ot
 from orbax_tunix.mapping import huggingface, stacks
 from orbax_tunix.tools import export as export_lib
+from tests.clients import client_env, subprocess_env
 from tests.test_cli import run
 from tests.test_export_hf import (
   DATA,
   HF_CONFIG_DIMS,
   HF_CONFIG_EXTRA,
+  HF_CONFIG_FULL,
   raw,
 )
 
@@ -106,3 +109,80 @@ def test_only_known_padding_is_cut_from_a_tunix_model(family, rows, vocab_size, 
   assert notes == [f'embedder/input_embedding: vocabulary padding cut, {rows} -> {vocab_size}'
                    " (the config's vocab_size; Gemma's checkpoints pad 256000 tokens to 256128"
                    ' rows)']
+
+
+# --- issue 36.8: per-layer config fields against the weights' layers ------------------
+
+# transformers in the Hugging Face client venv: AutoConfig on each folder (its error, or what it
+# read), and the causal LM where asked (the keys it did not find or did not use).
+_HF_LOAD = """
+import json, sys, transformers
+out = {}
+for d, model in zip(sys.argv[1::2], sys.argv[2::2]):
+  try:
+    c = transformers.AutoConfig.from_pretrained(d)
+  except Exception as e:  # what transformers says of the folder
+    out[d] = {'error': f'{type(e).__name__}: {e}'}
+    continue
+  t = c.get_text_config()
+  out[d] = {'class': type(c).__name__, 'layer_types': t.layer_types,
+            'num_hidden_layers': t.num_hidden_layers}
+  if model == 'model':
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+    out[d]['missing'] = sorted(info['missing_keys'])
+    out[d]['unexpected'] = sorted(info['unexpected_keys'])
+print(json.dumps(out))
+"""
+
+
+def _hf_load(*folders: tuple[pathlib.Path, bool]) -> dict[str, dict]:
+  python = client_env('hf_venv.sh')
+  argv = [a for d, model in folders for a in (str(d), 'model' if model else 'config')]
+  p = subprocess.run([python, '-c', _HF_LOAD, *argv], capture_output=True, text=True,
+                     timeout=600, check=False, env=subprocess_env(PYTHONPATH=''))
+  assert p.returncode == 0, p.stderr[-4000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+_G3_LAYERS = ['sliding_attention'] * 5 + ['full_attention']  # hf_gemma3: 6 layers, 5 local
+
+
+def _gemma_config(fixture: str, layer_types: list[str]) -> dict:
+  if fixture == 'hf_gemma3':
+    return {**HF_CONFIG_DIMS['hf_gemma3'], **HF_CONFIG_EXTRA['hf_gemma3_fused'],
+            'layer_types': layer_types}
+  config = json.loads(json.dumps(HF_CONFIG_FULL[fixture]))
+  config['text_config']['layer_types'] = layer_types
+  return config
+
+
+def test_layer_types_of_another_length_than_the_layers_is_refused(tmp_path, capsys):
+  """A config.json whose `layer_types` has 7 entries for 6 layers: transformers refuses such a
+  folder, so the export is refused (naming the field and both counts) and writes nothing; with
+  one entry per layer the folder written loads in transformers (config and model)."""
+  cases = {'hf_gemma3': ('gemma3', _G3_LAYERS),
+           'hf_gemma4': ('gemma4', HF_CONFIG_FULL['hf_gemma4']['text_config']['layer_types'])}
+  bad, good = {}, {}
+  for fixture, (family, layer_types) in cases.items():
+    bad[fixture] = _hf_dir(tmp_path / f'bad_{fixture}',
+                           _gemma_config(fixture, [*layer_types, 'sliding_attention']))
+    status, _, err = run(capsys, 'export', DATA / fixture, tmp_path / f'out_bad_{fixture}',
+                         '--model', family, '--hf-config', bad[fixture])
+    assert status == 2, err
+    assert 'layer_types: config.json has 7 entries, the weights have 6 layers' in err, err
+    assert not (tmp_path / f'out_bad_{fixture}').exists()
+    hf = _hf_dir(tmp_path / f'good_{fixture}', _gemma_config(fixture, layer_types))
+    good[fixture] = tmp_path / f'out_{fixture}'
+    status, _, err = run(capsys, 'export', DATA / fixture, good[fixture], '--model', family,
+                         '--hf-config', hf)
+    assert status == 0, err
+  got = _hf_load(*[(d, False) for d in bad.values()], (good['hf_gemma3'], True),
+                 (good['hf_gemma4'], False))
+  for d in bad.values():  # What the check stands for: transformers' own refusal.
+    assert 'ValueError' in got[str(d)].get('error', ''), got[str(d)]  # layer_types, or gemma4's
+    # per_layer_config built from it
+  g3 = got[str(good['hf_gemma3'])]
+  assert g3['layer_types'] == _G3_LAYERS and g3['num_hidden_layers'] == 6, g3
+  assert g3['missing'] == [] and g3['unexpected'] == [], g3
+  g4 = got[str(good['hf_gemma4'])]
+  assert g4['class'] == 'Gemma4Config' and len(g4['layer_types']) == 6, g4

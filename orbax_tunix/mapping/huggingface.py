@@ -828,6 +828,11 @@ class Config:
   notes: tuple[str, ...] = ()
 
 
+# config.json fields holding one entry per layer: transformers (`PreTrainedConfig.
+# validate_layer_type`) refuses a config whose list has another length than its layers, and a
+# loader builds each layer as its entry says (Gemma's sliding or full attention).
+PER_LAYER_FIELDS = ('layer_types', 'mlp_layer_types')
+
 _JSON_TYPES = {list: 'array', str: 'string', int: 'number', float: 'number', bool: 'boolean',
                type(None): 'null'}
 
@@ -902,7 +907,9 @@ def check_config(
       `tie_word_embeddings` must say what the weights are (a tied model has
       no lm_head: a loader told otherwise starts a random one); those the
       config omits are written (the config class's default may differ);
-    * the family's `fixed` fields are written.
+    * the family's `fixed` fields are written;
+    * a per-layer list (`PER_LAYER_FIELDS`: `layer_types`) must have one
+      entry per layer of the weights (transformers refuses the folder else).
 
   Args:
     family: the family.
@@ -944,6 +951,12 @@ def check_config(
       wrong.append(f'{field}: config.json has {have}, the weights have {value}'
                    + (' (no lm_head: the loader would start a random one)'
                       if field == 'tie_word_embeddings' and value else ''))
+  layers = implied['num_hidden_layers']
+  for field in PER_LAYER_FIELDS:
+    have = fields.get(field)
+    if isinstance(have, list) and len(have) != layers:
+      wrong.append(f'{field}: config.json has {len(have)} entries, the weights have {layers}'
+                   ' layers (one entry per layer: transformers refuses another count)')
   if wrong:
     raise errors.UnsupportedLayoutError(
         f'{where}: config.json does not describe these weights ({family.name}):\n'
