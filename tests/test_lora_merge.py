@@ -443,3 +443,36 @@ def test_a_target_leaf_that_is_not_an_array_is_a_target_mismatch(runs, mesh, mon
   with pytest.raises(ot.TargetMismatchError, match='2 leaves that are not arrays') as e:
     ot.restore_merged_lora(runs['qwix']['root'] / 'full', target, alpha=lm.ALPHA)
   assert 'layers/0/q_proj/w: float' in str(e.value) and 'layers/1/up/bias: int' in str(e.value)
+
+
+def test_adapters_are_not_merged_twice(runs, mesh, tmp_path, capsys, monkeypatch):
+  """A merged step records what was merged into it (the adapters' step, the base, the scales),
+  and keeps that record when converted again; merging the same adapters into it (as `base`) is
+  refused: they would be added twice, silently."""
+  root = runs['qwix']['root']
+  merged = tmp_path / 'merged' / '1'
+  status, _, err = run(capsys, 'convert', root / 'only', merged, '--merge-lora', '--lora-alpha',
+                       str(lm.ALPHA), '--base', root / 'base')
+  assert status == 0, err
+  relaid = tmp_path / 'relaid' / '1'  # converted again, no merge: the record is kept
+  status, _, err = run(capsys, 'convert', merged, relaid, '--layout', 'maxtext', '--params-only')
+  assert status == 0, err
+  for step in (merged, relaid):
+    record = json.loads((step / '_CHECKPOINT_METADATA').read_text())['custom_metadata'][
+        'orbax_tunix']
+    (done,) = record['lora_merges']
+    assert done['adapters'] == str(root / 'only' / '1') and done['adapters_step'] == 1, done
+    assert done['base'] == str(root / 'base' / '1'), done
+    assert done['adapted']['layers/0/q_proj/w']['scale'] == lm.ALPHA / lm.RANK
+  for base in (merged, relaid):
+    dst = tmp_path / f'twice_{base.parent.name}' / '1'
+    status, _, err = run(capsys, 'convert', root / 'only', dst, '--merge-lora', '--lora-alpha',
+                         str(lm.ALPHA), '--base', base)
+    assert status == 2, err
+    assert f'records the adapters of {root / "only" / "1"} merged into already' in err, err
+    assert 'add them twice' in err and '--base' in err, err
+    assert not dst.exists()
+  forbid_reads(monkeypatch)
+  with pytest.raises(ot.LoraError, match='add them twice'):
+    ot.restore_merged_lora(root / 'only', abstract_weights('qwix', mesh), alpha=lm.ALPHA,
+                           base=relaid)

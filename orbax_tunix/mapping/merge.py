@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.mapping import device, lora, transforms
 from orbax_tunix.mapping.outputs import Input, Output, copied
@@ -105,6 +106,55 @@ def _plain(weights: Mapping[Path, reader.LeafInfo], adapters: Mapping[Path, lora
 
 
 
+# Where a step's record (`conventions.PROVENANCE_KEY`) lists the LoRA merges its weights hold:
+# every one, oldest first (`MERGES`), and the one that wrote the step (`MERGE`; older records
+# have only this).
+MERGES = 'lora_merges'
+MERGE = 'lora_merge'
+
+
+def recorded_merges(custom_metadata: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+  """The LoRA merges a step's custom metadata records its weights hold (none: [])."""
+  record = custom_metadata.get(conventions.PROVENANCE_KEY)
+  if not isinstance(record, Mapping):
+    return []
+  merges = record.get(MERGES)
+  if isinstance(merges, list):
+    return [m for m in merges if isinstance(m, Mapping)]
+  one = record.get(MERGE)
+  return [one] if isinstance(one, Mapping) else []
+
+
+def record(plan: MergePlan) -> dict[str, Any]:
+  """What a step written from a merge records of it: where the adapters and the base
+  came from, and each adapted weight's style, rank and scale."""
+  return {
+      'adapters': os.fspath(plan.lora.step_dir),
+      'adapters_step': plan.lora.detection.step,
+      'base': os.fspath(plan.base.step_dir),
+      'adapted': {fmt(p): {'style': m.adapter.style, 'rank': m.adapter.rank, 'scale': m.scale}
+                  for p, m in sorted(plan.merges.items())},
+  }
+
+
+def _refuse_merged_twice(lora_ckpt: reader.CanonicalCheckpoint,
+                         base_ckpt: reader.CanonicalCheckpoint) -> None:
+  """A base whose metadata records these adapters merged into it already.
+
+  Raises:
+    LoraError: they would be added a second time.
+  """
+  adapters = os.fspath(lora_ckpt.step_dir)
+  for done in recorded_merges(base_ckpt.detection.source.custom_metadata):
+    if done.get('adapters') == adapters:
+      raise errors.LoraError(
+          f'{base_ckpt.step_dir}: expected the base weights the LoRA run started from, found'
+          f' weights its metadata records the adapters of {adapters} merged into already (from'
+          f' the base {done.get("base")}): merging them again would add them twice. Pass as'
+          ' `base` the checkpoint the run started from, or use this one as it is.'
+      )
+
+
 def checkpoints_read(
     source: reader.CanonicalCheckpoint, merged: MergePlan | None
 ) -> list[reader.CanonicalCheckpoint]:
@@ -175,7 +225,8 @@ def plan_merge(
     A `MergePlan`.
 
   Raises:
-    LoraError: no adapters; adapters without their pair or base weight;
+    LoraError: no adapters; adapters without their pair or base weight; a
+      base whose metadata records these adapters merged into it already;
       ranks or shapes that the contraction cannot reproduce; no alpha; an
       alpha or scale that is not a finite number, or whose scale float32
       cannot hold; an alpha or scale for flax adapters, which have none
@@ -195,6 +246,7 @@ def plan_merge(
     )
   lora.check_scaling_applies(adapters, alpha, scale, names)
   base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
+  _refuse_merged_twice(lora_ckpt, base_ckpt)
   base_weights = _plain(
       lora_weights if base is None else {p: leaf for leaf, p in reader.weights(base_ckpt)},
       adapters,
