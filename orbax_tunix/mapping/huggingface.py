@@ -53,6 +53,7 @@ import numpy as np
 
 from orbax_tunix import catalog, errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.mapping import lora
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping.patterns import LayoutRule, Mapped, Pattern
 from orbax_tunix.mapping.transforms import (
@@ -76,6 +77,9 @@ MAXTEXT = 'maxtext'
 # decoder model (Tunix's model classes have `embedder`, `layers`, ...).
 _MAXTEXT_ROOTS = frozenset({'decoder', 'token_embedder'})
 SOURCE_NAMES = {TUNIX: 'Tunix model (tunix.models)', MAXTEXT: 'MaxText model'}
+# What `describe_source` calls weights of no family's model, and a LoRA save without them.
+NO_MODEL = 'Orbax arrays (no known model)'
+ADAPTERS_ONLY = 'LoRA adapters only (no base weights)'
 
 
 
@@ -126,7 +130,9 @@ def source_kind(paths: Collection[Path]) -> str:
 def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.DEFAULT_AXIS
                     ) -> str:
   """What kind of model the weights are, for notes and `inspect`: e.g.
-  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'.
+  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)' (only
+  when they hold every weight one of the families' Tunix models has), else
+  `ADAPTERS_ONLY` or `NO_MODEL`.
 
   Args:
     shapes: the weights.
@@ -135,7 +141,12 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
   """
   kind = source_kind(shapes)
   if kind != MAXTEXT:
-    return SOURCE_NAMES[kind]
+    paths = [p for p in shapes if not lora.is_adapter(p)]
+    if not paths and shapes:
+      return ADAPTERS_ONLY
+    tunix = [f.tunix for f in map(get, names()) if f.rules]
+    known = any(n.layers(paths) and not n.missing(paths) for n in tunix)
+    return SOURCE_NAMES[kind] if known else NO_MODEL
   form, layers = stacks_lib.describe(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
   count = '?' if axis is None and form == 'scanned' else layers
   return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
