@@ -17,6 +17,10 @@ OPTIMIZER_ITEM = 'optimizer_state'
 TUNIX_ITEMS = (MODEL_ITEM, OPTIMIZER_ITEM)
 # The top-level keys of `nnx.state(optimizer, nnx.optimizer.OptState)`.
 OPTIMIZER_KEYS = frozenset({'opt_state', 'step'})
+# The record a step written by this package keeps in its custom metadata (its source, its
+# checksums, a LoRA merge it holds): `tools/pipeline.py` writes it.
+PROVENANCE_KEY = 'orbax_tunix'
+
 # The optimizer's own step counter in Tunix's optimizer item (canonical path).
 OPTIMIZER_STEP: Path = ('step',)
 

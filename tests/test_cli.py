@@ -779,3 +779,18 @@ def test_convert_maxtext_says_when_the_weights_are_not_a_maxtext_model(capsys, t
   status, _, err = run(capsys, 'convert', REPO / 'tests/data/maxtext/tunix_llama2_scan',
                        tmp_path / '2', '--layout', 'maxtext', '--params-only')
   assert status == 0 and "not a MaxText model's" not in err
+
+
+def test_inspect_calls_plain_arrays_no_known_model(capsys, tunix_data, tmp_path):
+  """`weights` says what the arrays are: a Tunix model only when they are one of the families'
+  (issue 36.13); arrays Orbax wrote of no model, and a LoRA save without its base, say so."""
+  step = tmp_path / 'plain' / '1'
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(step, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(
+        {'encoder': {'w': np.ones((4, 3), np.float32)}, 'head': np.zeros(3, np.float32)})))
+  for path, want in ((step, 'Orbax arrays (no known model)'),
+                     (tunix_data / 'lora_qwix', 'LoRA adapters only (no base weights)'),
+                     (tunix_data / 'hf_gemma4', 'Tunix model (tunix.models)')):
+    status, out, err = run(capsys, 'inspect', path, '--json')
+    assert status == 0, err
+    assert json.loads(out)['weights'] == want, path

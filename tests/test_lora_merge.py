@@ -107,7 +107,8 @@ def test_merged_weights_compute_what_the_lora_model_computes(runs, mesh, name, s
   run_ = runs[name]
   target = abstract_weights(name, mesh, dtype)
   base = None if saved == 'full' else run_['root'] / 'base'
-  merged = ot.restore_merged_lora(run_['root'] / saved, target, alpha=lm.ALPHA, base=base)
+  alpha = lm.ALPHA if name == 'qwix' else None  # flax's LoRA has no alpha
+  merged = ot.restore_merged_lora(run_['root'] / saved, target, alpha=alpha, base=base)
   assert_target_kept(merged, target)
   atol = F32_ATOL if dtype == jnp.float32 else BF16_ATOL
   np.testing.assert_allclose(forward(name, merged), run_['logits'], atol=atol, rtol=0)
@@ -332,7 +333,8 @@ def test_fixture_merge_computes_the_lora_models_logits(tunix_data, mesh, case, d
   target = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=split if x.ndim == 2 else replicated),
       state)
-  merged = ot.restore_merged_lora(tunix_data / name, target, alpha=FIXTURE_ALPHA,
+  merged = ot.restore_merged_lora(tunix_data / name, target,
+                                  alpha=None if name == 'lora_flax' else FIXTURE_ALPHA,
                                   base=None if base is None else tunix_data / base)
   assert_target_kept(merged, target)
   # bfloat16: 0.008-0.012 seen; the adapters move these logits by 0.065-0.10.
@@ -370,3 +372,110 @@ def test_errors_name_paths_as_each_checkpoint_holds_them(runs, tmp_path, monkeyp
   msg = str(e.value)
   assert 'fc2/kernel (32, 8): the base holds model_params/fc2/base_module/kernel/value' in msg, msg
   assert 'model_params/fc2/lora_a/value' in msg
+
+
+# --- issue 36: inputs that gave wrong weights or raw errors ---------------------------------
+
+
+def test_a_scale_float32_cannot_hold_is_refused(runs, mesh, tmp_path, capsys, monkeypatch):
+  """alpha 1e39 is a finite Python float, but alpha / rank is inf in float32 (the merge's
+  arithmetic): every merged weight would be inf or NaN. Refused before any read, naming the
+  option; so is a nonzero scale float32 rounds to 0 (the adapters silently dropped)."""
+  root = runs['qwix']['root']
+  target = abstract_weights('qwix', mesh)
+  dst = tmp_path / 'merged' / '1'
+  status, _, err = run(capsys, 'convert', root / 'full', dst, '--merge-lora', '--lora-alpha',
+                       '1e39')
+  assert status == 2 and '--lora-alpha 1e+39' in err and 'float32' in err, err
+  assert not dst.exists()
+  forbid_reads(monkeypatch)
+  for given, name in (({'alpha': 1e39}, 'alpha'), ({'scale': -4e38}, 'scale'),
+                      ({'alpha': 1e-46}, 'alpha')):
+    with pytest.raises(ot.LoraError, match=f'`{name}=.*float32') as e:
+      ot.restore_merged_lora(root / 'full', target, **given)
+    assert 'layers/0/q_proj/w_lora_a' in str(e.value) or 'lora_a' in str(e.value)
+
+
+def test_a_merge_that_overflows_float32_is_refused(tmp_path, capsys):
+  """A finite scale whose product with a·b leaves float32's range: the merged weights would
+  be inf. W, a, b are finite, so it is the merge's own arithmetic: refused naming the leaf and
+  --lora-alpha/--lora-scale, nothing committed (as --dtype refuses a cast that overflows)."""
+  src = tmp_path / 'run' / '1'
+  _save_model_params(src, {'fc': {'kernel': np.ones((4, 6), np.float32),
+                                  'kernel_lora_a': np.full((4, 2), 10.0, np.float32),
+                                  'kernel_lora_b': np.full((2, 6), 10.0, np.float32)}})
+  # a⊗b is 200 everywhere: 1e36 keeps the merge finite (2e38), 1e37 does not (2e39).
+  ok = tmp_path / 'ok' / '1'
+  status, _, err = run(capsys, 'convert', src, ok, '--merge-lora', '--lora-scale', '1e36')
+  assert status == 0, err
+  got = ocp.PyTreeCheckpointHandler().restore(ok / 'model_params')['fc']['kernel']
+  np.testing.assert_allclose(np.asarray(got), np.float32(1 + 1e36 * 200), rtol=1e-6)
+  dst = tmp_path / 'merged' / '1'
+  status, _, err = run(capsys, 'convert', src, dst, '--merge-lora', '--lora-scale', '1e37')
+  assert status == 2, err
+  assert 'model_params/fc/kernel' in err and '24 of 24 values' in err, err
+  assert '--lora-alpha' in err and '--lora-scale' in err and 'float32' in err, err
+  assert not dst.exists() and (not dst.parent.exists() or not list(dst.parent.iterdir()))
+
+
+def test_flax_adapters_take_no_alpha(runs, mesh, tmp_path, capsys, monkeypatch):
+  """flax's nnx.LoRA adds a·b unscaled: an alpha or scale given for its adapters would be
+  ignored without a word, so it is refused (the library's and the command's names)."""
+  root = runs['flax']['root']
+  dst = tmp_path / 'merged' / '1'
+  for flag in ('--lora-alpha', '--lora-scale'):
+    status, _, err = run(capsys, 'convert', root / 'full', dst, '--merge-lora', flag, '16')
+    assert status == 2 and f'{flag} 16' not in err and flag in err, err
+    assert "flax's" in err and 'no alpha' in err, err
+    assert not dst.exists()
+  forbid_reads(monkeypatch)
+  with pytest.raises(ot.LoraError, match="`alpha` given, but these adapters are flax's"):
+    ot.restore_merged_lora(root / 'full', abstract_weights('flax', mesh), alpha=16.0)
+  with pytest.raises(ot.LoraError, match="`lora_scale` given, but these adapters are flax's"):
+    maxtext.restore_train_state(root / 'full', {'params': {'params': abstract_weights(
+        'flax', mesh)}}, params_only=True, merge_lora=True, lora_scale=2.0)
+
+
+def test_a_target_leaf_that_is_not_an_array_is_a_target_mismatch(runs, mesh, monkeypatch):
+  """A float or int in the target (not a ShapeDtypeStruct or array): the package's own
+  error naming every such leaf, before any read (was a raw AttributeError)."""
+  target = abstract_weights('qwix', mesh)
+  target['layers'][0]['q_proj']['w'] = 1.0
+  target['layers'][1]['up']['bias'] = 3
+  forbid_reads(monkeypatch)
+  with pytest.raises(ot.TargetMismatchError, match='2 leaves that are not arrays') as e:
+    ot.restore_merged_lora(runs['qwix']['root'] / 'full', target, alpha=lm.ALPHA)
+  assert 'layers/0/q_proj/w: float' in str(e.value) and 'layers/1/up/bias: int' in str(e.value)
+
+
+def test_adapters_are_not_merged_twice(runs, mesh, tmp_path, capsys, monkeypatch):
+  """A merged step records what was merged into it (the adapters' step, the base, the scales),
+  and keeps that record when converted again; merging the same adapters into it (as `base`) is
+  refused: they would be added twice, silently."""
+  root = runs['qwix']['root']
+  merged = tmp_path / 'merged' / '1'
+  status, _, err = run(capsys, 'convert', root / 'only', merged, '--merge-lora', '--lora-alpha',
+                       str(lm.ALPHA), '--base', root / 'base')
+  assert status == 0, err
+  relaid = tmp_path / 'relaid' / '1'  # converted again, no merge: the record is kept
+  status, _, err = run(capsys, 'convert', merged, relaid, '--layout', 'maxtext', '--params-only')
+  assert status == 0, err
+  for step in (merged, relaid):
+    record = json.loads((step / '_CHECKPOINT_METADATA').read_text())['custom_metadata'][
+        'orbax_tunix']
+    (done,) = record['lora_merges']
+    assert done['adapters'] == str(root / 'only' / '1') and done['adapters_step'] == 1, done
+    assert done['base'] == str(root / 'base' / '1'), done
+    assert done['adapted']['layers/0/q_proj/w']['scale'] == lm.ALPHA / lm.RANK
+  for base in (merged, relaid):
+    dst = tmp_path / f'twice_{base.parent.name}' / '1'
+    status, _, err = run(capsys, 'convert', root / 'only', dst, '--merge-lora', '--lora-alpha',
+                         str(lm.ALPHA), '--base', base)
+    assert status == 2, err
+    assert f'records the adapters of {root / "only" / "1"} merged into already' in err, err
+    assert 'add them twice' in err and '--base' in err, err
+    assert not dst.exists()
+  forbid_reads(monkeypatch)
+  with pytest.raises(ot.LoraError, match='add them twice'):
+    ot.restore_merged_lora(root / 'only', abstract_weights('qwix', mesh), alpha=lm.ALPHA,
+                           base=relaid)

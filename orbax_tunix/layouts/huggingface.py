@@ -243,11 +243,12 @@ def _base_config(hf_config: epath.Path | None) -> object:
   if hf_config is None:
     return None
   config = hf_config / 'config.json'
-  found = fileio.what_is_at(config) if hf_config.is_dir() else fileio.what_is_at(hf_config)
-  if found != 'a file':
+  where, found = ((config, fileio.what_is_at(config)) if hf_config.is_dir()
+                  else (hf_config, fileio.what_is_at(hf_config)))
+  if found != 'a file' or where != config:
     raise errors.InvalidOptionError(
-        f'{config if hf_config.is_dir() else hf_config}: `hf_config` must be a Hugging Face'
-        f' model folder holding config.json (a file), found {found}.'
+        f'{where}: `hf_config` must be a Hugging Face model folder holding config.json (a'
+        f' file), or that config.json, found {found}. Pass the base model\'s folder.'
     )
   return fileio.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
 
@@ -338,11 +339,20 @@ def _copyable(path: epath.Path) -> tuple[bool, str | None]:
   return True, None
 
 
+def _hf_folder(value: object) -> epath.Path:
+  """The `hf_config` folder: as given, or the folder of the config.json file given (its
+  tokenizer and generation config are that folder's)."""
+  path = fileio.as_path(value)
+  if path.name == CONFIG_FILES[0] and fileio.what_is_at(path) == 'a file':
+    return path.parent
+  return path
+
+
 HF_CONFIG = Option(
-    'hf_config', fileio.as_path, 'DIR',
-    "the base model's Hugging Face folder: its config.json (checked against the weights),"
-    ' generation_config.json and tokenizer files are copied; without it the export has no'
-    ' config.json', coerce=fileio.as_path)
+    'hf_config', _hf_folder, 'DIR',
+    "the base model's Hugging Face folder (or its config.json): its config.json (checked"
+    ' against the weights), generation_config.json and tokenizer files are copied; without it'
+    ' the export has no config.json', coerce=_hf_folder)
 MAX_SHARD_SIZE = Option(
     'max_shard_size', parse_size_text, 'SIZE',
     "bytes per file, e.g. 500MB or 5GB (powers of 1000, as transformers' max_shard_size;"

@@ -53,6 +53,7 @@ import numpy as np
 
 from orbax_tunix import catalog, errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.mapping import lora
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping.patterns import LayoutRule, Mapped, Pattern
 from orbax_tunix.mapping.transforms import (
@@ -76,6 +77,37 @@ MAXTEXT = 'maxtext'
 # decoder model (Tunix's model classes have `embedder`, `layers`, ...).
 _MAXTEXT_ROOTS = frozenset({'decoder', 'token_embedder'})
 SOURCE_NAMES = {TUNIX: 'Tunix model (tunix.models)', MAXTEXT: 'MaxText model'}
+# What `describe_source` calls weights of no family's model, and a LoRA save without them.
+NO_MODEL = 'Orbax arrays (no known model)'
+ADAPTERS_ONLY = 'LoRA adapters only (no base weights)'
+
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabPadding:
+  """Which rows past a config's `vocab_size` a source kind holds as padding (never trained),
+  so that an export may cut them; rows of any other source are the model's own.
+
+  Attributes:
+    any: every cut is padding (MaxText pads the vocabulary to a multiple of its sharding).
+    known: (stored rows, real vocabulary) pairs that are padding.
+    why: who pads, for notes.
+  """
+
+  any: bool = False
+  known: tuple[tuple[int, int], ...] = ()
+  why: str = ''
+
+  def allows(self, rows: int, vocab_size: int) -> bool:
+    return self.any or (rows, vocab_size) in self.known
+
+
+NO_PADDING = VocabPadding()
+MAXTEXT_PADDING = VocabPadding(any=True, why='MaxText pads the vocabulary for sharding')
+# Gemma 1 and 2's own checkpoints (Kaggle's, which Tunix's `gemma` models load) hold 256128
+# rows for the tokenizer's 256000 (Hugging Face's `vocab_size`).
+GEMMA_PADDING = VocabPadding(known=((256128, 256000),),
+                             why="Gemma's checkpoints pad 256000 tokens to 256128 rows")
 
 LAYER = 'model.layers.{i}'
 # (D, X, H) -> (X·H, D): an input projection as Hugging Face's linear weight.
@@ -98,7 +130,9 @@ def source_kind(paths: Collection[Path]) -> str:
 def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.DEFAULT_AXIS
                     ) -> str:
   """What kind of model the weights are, for notes and `inspect`: e.g.
-  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)'.
+  'MaxText model (scanned, 34 layers)', 'Tunix model (tunix.models)' (only
+  when they hold every weight one of the families' Tunix models has), else
+  `ADAPTERS_ONLY` or `NO_MODEL`.
 
   Args:
     shapes: the weights.
@@ -107,7 +141,12 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
   """
   kind = source_kind(shapes)
   if kind != MAXTEXT:
-    return SOURCE_NAMES[kind]
+    paths = [p for p in shapes if not lora.is_adapter(p)]
+    if not paths and shapes:
+      return ADAPTERS_ONLY
+    tunix = [f.tunix for f in map(get, names()) if f.rules]
+    known = any(n.layers(paths) and not n.missing(paths) for n in tunix)
+    return SOURCE_NAMES[kind] if known else NO_MODEL
   form, layers = stacks_lib.describe(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
   count = '?' if axis is None and form == 'scanned' else layers
   return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
@@ -150,6 +189,7 @@ class Naming:
     layer: the pattern of one layer's prefix (`{i}` its number).
     vocab: weight pattern -> its vocabulary axis (cut to the config's
       `vocab_size` when the checkpoint's is padded).
+    vocab_padding: which cuts of those axes are padding (`VocabPadding`).
     stacks: the stacked forms MaxText stores the family's layers in.
     architecture: the `transformers` class the names are, when not the
       family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
@@ -167,6 +207,7 @@ class Naming:
   tied: Callable[[Collection[Path]], bool] | None = None
   layer: tuple[str, ...] = ('layers', '{i}')
   vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  vocab_padding: VocabPadding = NO_PADDING
   stacks: tuple[stacks_lib.Stack, ...] = ()
   architecture: str | None = None
   model_type: str | None = None
@@ -233,6 +274,7 @@ class Family:
     fixed: config.json fields every model of the family has, whatever the
       base config says (e.g. Gemma's tanh-approximated GELU).
     vocab: the Tunix weights' vocabulary axes (see `Naming.vocab`).
+    vocab_padding: which cuts of them are padding (`Naming.vocab_padding`).
     maxtext: MaxText's naming of the family, if MaxText has the model.
     lora: see `Naming.lora` (Tunix's naming).
     text_prefixes: `transformers` class -> where it holds the text model's modules, for
@@ -249,6 +291,7 @@ class Family:
   fixed: Mapping[str, object] = dataclasses.field(default_factory=dict)
   vocab: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {'embedder/input_embedding': 0, 'lm_head/w': 1})
+  vocab_padding: VocabPadding = NO_PADDING
   maxtext: Naming | None = None
   lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
   text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -257,7 +300,7 @@ class Family:
   def tunix(self) -> Naming:
     """The naming of Tunix's own model class (the family's own fields)."""
     return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
-                  lora=self.lora)
+                  vocab_padding=self.vocab_padding, lora=self.lora)
 
   @property
   def namings(self) -> tuple[Naming, ...]:
@@ -372,7 +415,8 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
   return Naming(
       MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, stacks=stacks_lib.SCANNED,
+      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      stacks=stacks_lib.SCANNED,
   )
 
 
@@ -531,7 +575,7 @@ def _maxtext_gemma3() -> Naming:
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   ),)
   return Naming(MAXTEXT, rules, tuple((r,) for r in required), _mt_dims(),
-                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB,
+                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 stacks=stacks_lib.blocks(6))
 
 
@@ -574,7 +618,8 @@ def _maxtext_gemma4() -> Naming:
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
   return Naming(MAXTEXT, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
-                vocab=_MT_VOCAB, stacks=stacks_lib.local_global(6),
+                vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                stacks=stacks_lib.local_global(6),
                 architecture='Gemma4ForCausalLM', model_type='gemma4_text')
 
 
@@ -690,6 +735,7 @@ def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, st
       tied=lambda paths: True,
       fixed=fixed,
       lora=GEMMA_LORA,
+      vocab_padding=GEMMA_PADDING,
   )
 
 
@@ -856,6 +902,11 @@ class Config:
   notes: tuple[str, ...] = ()
 
 
+# config.json fields holding one entry per layer: transformers (`PreTrainedConfig.
+# validate_layer_type`) refuses a config whose list has another length than its layers, and a
+# loader builds each layer as its entry says (Gemma's sliding or full attention).
+PER_LAYER_FIELDS = ('layer_types', 'mlp_layer_types')
+
 _JSON_TYPES = {list: 'array', str: 'string', int: 'number', float: 'number', bool: 'boolean',
                type(None): 'null'}
 
@@ -931,7 +982,9 @@ def check_config(
       `tie_word_embeddings` must say what the weights are (a tied model has
       no lm_head: a loader told otherwise starts a random one); those the
       config omits are written (the config class's default may differ);
-    * the family's `fixed` fields are written.
+    * the family's `fixed` fields are written;
+    * a per-layer list (`PER_LAYER_FIELDS`: `layer_types`) must have one
+      entry per layer of the weights (transformers refuses the folder else).
 
   Args:
     family: the family.
@@ -974,6 +1027,12 @@ def check_config(
       wrong.append(f'{field}: config.json has {have}, the weights have {value}'
                    + (' (no lm_head: the loader would start a random one)'
                       if field == 'tie_word_embeddings' and value else ''))
+  layers = implied['num_hidden_layers']
+  for field in PER_LAYER_FIELDS:
+    have = fields.get(field)
+    if isinstance(have, list) and len(have) != layers:
+      wrong.append(f'{field}: config.json has {len(have)} entries, the weights have {layers}'
+                   ' layers (one entry per layer: transformers refuses another count)')
   if wrong:
     raise errors.UnsupportedLayoutError(
         f'{where}: config.json does not describe these weights ({family.name}):\n'
@@ -1025,7 +1084,9 @@ def cut_vocab(
   """The weights with a padded vocabulary cut to the config's `vocab_size`.
 
   MaxText pads the vocabulary for sharding; the config's `vocab_size` is the
-  real one. Rows past it are dropped, as MaxText's converter does.
+  real one. Rows past it are dropped, as MaxText's converter does, where the
+  naming's source is known to pad (`Naming.vocab_padding`); elsewhere they are
+  trained rows, and a smaller `vocab_size` is refused.
 
   Args:
     naming: the weights' naming (its `vocab` axes).
@@ -1037,7 +1098,8 @@ def cut_vocab(
     (the weights, notes).
 
   Raises:
-    UnsupportedLayoutError: the config's vocabulary is larger than the weights'.
+    UnsupportedLayoutError: the config's vocabulary is larger than the weights', or
+      smaller where the rows past it are not padding.
   """
   out, notes = dict(mapped), []
   if vocab_size is None:
@@ -1054,9 +1116,18 @@ def cut_vocab(
           f' ({fmt(path)} {m.shape} has {rows} along axis {axis}): the config is not this'
           ' model\'s. Pass the --hf-config of the model this run was trained from.'
       )
+    if vocab_size < rows and not naming.vocab_padding.allows(rows, vocab_size):
+      raise errors.UnsupportedLayoutError(
+          f'{where}: vocab_size {vocab_size} is smaller than the weights\' vocabulary'
+          f' ({fmt(path)} {m.shape} has {rows} along axis {axis}), and a'
+          f' {SOURCE_NAMES[naming.source]}\'s rows are its own (only a source known to pad'
+          ' its vocabulary, as MaxText does, is cut): cutting them would drop trained'
+          ' tokens. Pass as `hf_config` the folder of the model this run was trained from'
+          f' (vocab_size {rows}).'
+      )
     if vocab_size < rows:
       cut = head(axis, vocab_size)
       out[path] = Mapped(m.sources, chain(m.transform, cut), cut.check([m.shape]))
       notes.append(f'{fmt(path)}: vocabulary padding cut, {rows} -> {vocab_size} (the'
-                   ' config\'s vocab_size)')
+                   f' config\'s vocab_size; {naming.vocab_padding.why})')
   return out, notes

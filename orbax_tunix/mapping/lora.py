@@ -27,6 +27,8 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
 
@@ -295,20 +297,63 @@ def check_merge_options(
     )
   check_scaling(alpha, scale, names[:2])
 
-def scale_of(adapter: Adapter, alpha: float | None, scale: float | None) -> float:
-  """The factor of `a ⊗ b`: qwix's `alpha / rank` (or `scale`), flax's 1.
+def check_scaling_applies(
+    adapters: Mapping[Path, Adapter], alpha: float | None, scale: float | None,
+    names: tuple[str, str] = ('alpha', 'scale'),
+) -> None:
+  """Refuses an alpha or scale for adapters that have none (flax's add `a ⊗ b` unscaled).
 
   Raises:
-    LoraError: a qwix adapter, and neither `alpha` nor `scale` given.
+    LoraError: `alpha` or `scale` given, and every adapter is flax's (it would be ignored).
+  """
+  given = [f'`{n}`' for n, v in zip(names, (alpha, scale), strict=True) if v is not None]
+  if not given or any(a.style != FLAX for a in adapters.values()):
+    return
+  first = next(iter(adapters.values()))
+  raise errors.LoraError(
+      f'{" and ".join(given)} given, but these adapters are flax\'s (nnx.LoRA or'
+      f' nnx.LoRALinear: e.g. {fmt(first.a)}), which have no alpha: flax adds a·b unscaled,'
+      f' and so does the merge. Drop {" and ".join(given)} (they apply to qwix\'s adapters).'
+  )
+
+
+# The merge's arithmetic is float32 (`merge.combine`): its largest finite value.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def scale_of(adapter: Adapter, alpha: float | None, scale: float | None,
+             names: tuple[str, str] = ('alpha', 'scale')) -> float:
+  """The factor of `a ⊗ b`: qwix's `alpha / rank` (or `scale`), flax's 1.
+
+  Args:
+    adapter: the adapter.
+    alpha, scale: as given (None: not given).
+    names: the caller's names for `alpha` and `scale`, for messages.
+
+  Raises:
+    LoraError: a qwix adapter, and neither `alpha` nor `scale` given; or a
+      scale float32 (the merge's arithmetic) cannot hold: beyond its range, or
+      a nonzero scale it rounds to 0.
   """
   if adapter.style == FLAX:
     return 1.0
-  if scale is not None:
-    return float(scale)
-  if alpha is None:
+  if scale is None and alpha is None:
     raise errors.LoraError(
         f'{fmt(adapter.a)}: qwix LoRA scales the adapters by alpha / rank, and alpha'
-        ' is not stored in the checkpoint. Pass `alpha` (the LoraProvider\'s alpha'
-        ' of the run), or `scale` (alpha / rank) directly.'
+        f' is not stored in the checkpoint. Pass `{names[0]}` (the LoraProvider\'s alpha'
+        f' of the run), or `{names[1]}` (alpha / rank) directly.'
     )
-  return float(alpha) / adapter.rank
+  value = float(scale) if scale is not None else float(alpha) / adapter.rank
+  with np.errstate(over='ignore', under='ignore'):
+    held = float(np.float32(value))
+  if abs(value) > _FLOAT32_MAX or (value != 0 and held == 0):
+    name, given = (names[1], scale) if scale is not None else (names[0], alpha)
+    what = '' if scale is not None else f' (alpha / rank {adapter.rank})'
+    raise errors.LoraError(
+        f'`{name}={given!r}`: the scale {value:g}{what} of {fmt(adapter.a)} is outside'
+        f' what float32, the merge\'s arithmetic, holds ({"at most" if held else "at least"}'
+        f' {_FLOAT32_MAX if held else float(np.finfo(np.float32).smallest_subnormal):g}):'
+        ' every merged weight would be inf, NaN or unchanged. Pass the alpha the run was'
+        ' trained with.'
+    )
+  return value

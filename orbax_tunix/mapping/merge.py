@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_tunix import errors
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.mapping import device, lora, transforms
 from orbax_tunix.mapping.outputs import Input, Output, copied
@@ -105,6 +106,55 @@ def plain_weights(weights: Mapping[Path, reader.LeafInfo], adapters: Mapping[Pat
 
 
 
+# Where a step's record (`conventions.PROVENANCE_KEY`) lists the LoRA merges its weights hold:
+# every one, oldest first (`MERGES`), and the one that wrote the step (`MERGE`; older records
+# have only this).
+MERGES = 'lora_merges'
+MERGE = 'lora_merge'
+
+
+def recorded_merges(custom_metadata: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+  """The LoRA merges a step's custom metadata records its weights hold (none: [])."""
+  record = custom_metadata.get(conventions.PROVENANCE_KEY)
+  if not isinstance(record, Mapping):
+    return []
+  merges = record.get(MERGES)
+  if isinstance(merges, list):
+    return [m for m in merges if isinstance(m, Mapping)]
+  one = record.get(MERGE)
+  return [one] if isinstance(one, Mapping) else []
+
+
+def record(plan: MergePlan) -> dict[str, Any]:
+  """What a step written from a merge records of it: where the adapters and the base
+  came from, and each adapted weight's style, rank and scale."""
+  return {
+      'adapters': os.fspath(plan.lora.step_dir),
+      'adapters_step': plan.lora.detection.step,
+      'base': os.fspath(plan.base.step_dir),
+      'adapted': {fmt(p): {'style': m.adapter.style, 'rank': m.adapter.rank, 'scale': m.scale}
+                  for p, m in sorted(plan.merges.items())},
+  }
+
+
+def _refuse_merged_twice(lora_ckpt: reader.CanonicalCheckpoint,
+                         base_ckpt: reader.CanonicalCheckpoint) -> None:
+  """A base whose metadata records these adapters merged into it already.
+
+  Raises:
+    LoraError: they would be added a second time.
+  """
+  adapters = os.fspath(lora_ckpt.step_dir)
+  for done in recorded_merges(base_ckpt.detection.source.custom_metadata):
+    if done.get('adapters') == adapters:
+      raise errors.LoraError(
+          f'{base_ckpt.step_dir}: expected the base weights the LoRA run started from, found'
+          f' weights its metadata records the adapters of {adapters} merged into already (from'
+          f' the base {done.get("base")}): merging them again would add them twice. Pass as'
+          ' `base` the checkpoint the run started from, or use this one as it is.'
+      )
+
+
 def checkpoints_read(
     source: reader.CanonicalCheckpoint, merged: MergePlan | None
 ) -> list[reader.CanonicalCheckpoint]:
@@ -119,11 +169,13 @@ class Options:
     alpha: qwix's LoRA alpha of the run (the scale is alpha / rank).
     scale: the scale itself, instead of `alpha`.
     base: the base weights' checkpoint (None: the run's own, a full save).
+    names: the caller's names for `alpha` and `scale`, for messages.
   """
 
   alpha: float | None = None
   scale: float | None = None
   base: epath.PathLike | None = None
+  names: tuple[str, str] = lora.MERGE_OPTION_NAMES[:2]
 
   @classmethod
   def given(cls, merging: bool, alpha: float | None = None, scale: float | None = None,
@@ -136,11 +188,12 @@ class Options:
         (`lora.check_merge_options`; `names` are the caller's names for them).
     """
     lora.check_merge_options(merging, alpha, scale, base, names)
-    return cls(alpha, scale, base) if merging else None
+    return cls(alpha, scale, base, names[:2]) if merging else None
 
   def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
     """The merge of `source`'s adapters with these options (`plan_merge`)."""
-    return plan_merge(source, alpha=self.alpha, scale=self.scale, base=self.base)
+    return plan_merge(source, alpha=self.alpha, scale=self.scale, base=self.base,
+                      names=self.names)
 
 
 def plan_merge(
@@ -151,6 +204,7 @@ def plan_merge(
     base: epath.PathLike | None = None,
     step: int | None = None,
     base_step: int | None = None,
+    names: tuple[str, str] = ('alpha', 'scale'),
 ) -> MergePlan:
   """Plans a merge from metadata only; nothing is read.
 
@@ -165,17 +219,21 @@ def plan_merge(
       step, or any Orbax checkpoint of canonical weights); None: `path`'s own.
     step: the step under `path` (None: the latest committed).
     base_step: the step under `base`.
+    names: the caller's names for `alpha` and `scale`, for messages.
 
   Returns:
     A `MergePlan`.
 
   Raises:
-    LoraError: no adapters; adapters without their pair or base weight;
+    LoraError: no adapters; adapters without their pair or base weight; a
+      base whose metadata records these adapters merged into it already;
       ranks or shapes that the contraction cannot reproduce; no alpha; an
-      alpha or scale that is not a finite number (before anything is read).
+      alpha or scale that is not a finite number, or whose scale float32
+      cannot hold; an alpha or scale for flax adapters, which have none
+      (before anything is read).
     TunixCheckpointError subclasses: a checkpoint is not readable.
   """
-  lora.check_scaling(alpha, scale)
+  lora.check_scaling(alpha, scale, names)
   lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
                else reader.open_weights(path, step))
   lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
@@ -186,7 +244,9 @@ def plan_merge(
         ' or lora_a/lora_b from flax), found none among its weights. Restore it'
         ' without merging.'
     )
+  lora.check_scaling_applies(adapters, alpha, scale, names)
   base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
+  _refuse_merged_twice(lora_ckpt, base_ckpt)
   base_weights = plain_weights(
       lora_weights if base is None else {p: leaf for leaf, p in reader.weights(base_ckpt)},
       adapters,
@@ -207,7 +267,7 @@ def plan_merge(
                  f' {a.stored} {a.shape} ⊗ {b.stored} {b.shape}')
       continue
     merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b,
-                           lora.scale_of(adapter, alpha, scale), arranged)
+                           lora.scale_of(adapter, alpha, scale, names), arranged)
   where = base_ckpt.step_dir
   if missing:
     fix = ('Pass `base`: the checkpoint the LoRA run started from (a Tunix save, a MaxText'
@@ -262,13 +322,18 @@ def combine(contraction: lora.Contraction, scale: float):
   return merge
 
 
+# How a merge's transform is named (its name starts so; `writer.check_range` tells a merge
+# by it).
+TRANSFORM_NAME = 'lora_merge'
+
+
 def as_transform(merge: Merge) -> Transform:
   """One adapted weight's merge as a `Transform` of (W, a, b): `W` partitioned as the
   merged weight, its (small) adapters read to the host and put whole on every device."""
   fn = combine(merge.contraction, merge.scale)
   return Transform(
       # The name says all it does (`Transform.computes`: one compiled program per name).
-      f'lora_merge(rank={merge.adapter.rank}, scale={merge.scale!r}, {merge.contraction})',
+      f'{TRANSFORM_NAME}(rank={merge.adapter.rank}, scale={merge.scale!r}, {merge.contraction})',
       shape=lambda shapes: tuple(shapes[0]), apply=lambda xs: fn(*xs), arity=3,
       moves_only=False, source_specs=lambda spec, n: (spec, None, None),
   )
@@ -336,9 +401,19 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     path -> `jax.Array`.
 
   Raises:
-    TargetMismatchError: see `check_target` (before any read).
+    TargetMismatchError: leaves that are not arrays; see `check_target` (before any read).
     CorruptMetadataError: stored data is missing or damaged.
   """
+  not_arrays = [f'{fmt(p)}: {type(t).__name__}' for p, t in targets.items()
+                if not isinstance(t, device.Target) and not (
+                    hasattr(t, 'shape') and hasattr(t, 'dtype'))]
+  if not_arrays:
+    raise errors.TargetMismatchError(
+        f'{plan.base.step_dir}: the target has {len(not_arrays)} leaves that are not arrays'
+        ' (expected jax.ShapeDtypeStruct or jax.Array):\n'
+        f'{errors.list_paths(not_arrays)}\nPass the plain model\'s abstract weights, e.g.'
+        ' nnx.state(nnx.eval_shape(...)) (or `ocp.PLACEHOLDER` for leaves not to restore).'
+    )
   resolved = {p: t if isinstance(t, device.Target) else device.Target.of(t)
               for p, t in targets.items()}
   check_target(plan, {p: t.abstract for p, t in resolved.items()})

@@ -268,6 +268,9 @@ def plan(
   notes = [*source.detection.notes, *laid.notes]
   if merged is not None and merged.base is not source:
     notes += [f'base: {note}' for note in merged.base.detection.notes]
+    notes += [f'base: holds the adapters of {m.get("adapters")} merged already (its metadata'
+              ' records it); these adapters are merged on top'
+              for m in merge_lib.recorded_merges(merged.base.detection.source.custom_metadata)]
   notes += [f'skipped item {item.name!r}: nothing to write' for item in laid.items
             if item not in written]
   if merged is not None:
@@ -445,12 +448,15 @@ def _provenance(plan: Plan, sums: dict[str, dict[str, str]]) -> dict[str, Any]:
       'version': __version__,
       checksums.KEY: sums,
   }
+  # Every merge the weights hold (`merge.recorded_merges`): the base's (or, copied, the
+  # source's), then this one: a later merge of the same adapters into them is refused.
+  held = plan.source if plan.merge is None else plan.merge.base
+  merges = merge_lib.recorded_merges(held.detection.source.custom_metadata)
   if plan.merge is not None:
-    record['lora_merge'] = {
-        'base': os.fspath(plan.merge.base.step_dir),
-        'adapted': {fmt(p): {'style': m.adapter.style, 'rank': m.adapter.rank, 'scale': m.scale}
-                    for p, m in sorted(plan.merge.merges.items())},
-    }
+    record[merge_lib.MERGE] = merge_lib.record(plan.merge)
+    merges = [*merges, record[merge_lib.MERGE]]
+  if merges:
+    record[merge_lib.MERGES] = merges
   if detection.is_tunix:
     leaves = hyperparams.side_leaves(detection)
     side = hyperparams.read_side_leaves(detection, leaves)

@@ -19,13 +19,13 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_tunix import sizes
+from orbax_tunix import conventions, sizes
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.reading import reader
 
 # Where in `_CHECKPOINT_METADATA`'s custom metadata the checksums sit: under
 # the record `convert` writes, {item: {formatted path: 'crc32:%08x'}}.
-RECORD_KEY = 'orbax_tunix'
+RECORD_KEY = conventions.PROVENANCE_KEY
 KEY = 'checksums'
 ALGORITHM = 'crc32'
 

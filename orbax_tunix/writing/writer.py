@@ -30,6 +30,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import nest
+from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, row_blocks
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.planned_item import Reads
@@ -234,6 +235,14 @@ def _may_overflow(output: Output) -> bool:
   return any(i.leaf.dtype is not None and _largest(i.leaf.dtype) > limit for i in output.inputs)
 
 
+def _all_finite(value: Any) -> bool:
+  """Whether a value read holds no inf or NaN (not floating: True)."""
+  value = distributed.on_host(value)
+  if not jnp.issubdtype(getattr(value, 'dtype', np.float32), jnp.floating):
+    return True
+  return bool(np.isfinite(value).all())
+
+
 def check_range(output: Output, value: Any) -> None:
   """Refuses an output whose values left its dtype's range (became inf).
 
@@ -242,9 +251,13 @@ def check_range(output: Output, value: Any) -> None:
   sources are read again in their own dtypes and compared, so that infs and
   NaNs the source holds itself are kept.
 
+  Finite sources that make non-finite values always left the range (a LoRA
+  merge whose scale is far too large: its float32 arithmetic overflows).
+
   Raises:
     InvalidOptionError: the output dtype cannot hold them (naming the source
-      leaf, how many values, the largest and the dtype's limit).
+      leaf, how many values, the largest and the dtype's limit), or the
+      arithmetic overflowed (a merge: naming `lora_alpha` and `lora_scale`).
   """
   if not _may_overflow(output):
     return
@@ -259,12 +272,25 @@ def check_range(output: Output, value: Any) -> None:
   finite = np.isfinite(written)
   own = dataclasses.replace(output, dtype=None,
                             read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
-  exact = np.asarray(distributed.on_host(make(own, read_inputs([own]))), dtype=np.float64)
-  lost = np.isfinite(exact) & ~finite
+  sources = read_inputs([own])
+  exact = np.asarray(distributed.on_host(make(own, sources)), dtype=np.float64)
+  # From finite sources, every value that is not finite left the range; from sources
+  # holding infs or NaNs, only those their own arithmetic keeps finite.
+  lost = ~finite if all(map(_all_finite, sources.values())) else np.isfinite(exact) & ~finite
   if not lost.any():
     return
   source = output.inputs[0]
   dtype = np.dtype(output.dtype)
+  if not np.isfinite(exact[lost]).all():  # The arithmetic itself, not the cast, overflowed.
+    why = ('the LoRA merge W + scale·(a⊗b) leaves float32\'s range: the scale is far larger'
+           ' than the run\'s. Pass the alpha the run was trained with (`lora_alpha`, or'
+           ' `lora_scale`).' if merge_lib.TRANSFORM_NAME in output.transform.name else
+           f'{output.transform.name} leaves the range of its arithmetic.')
+    raise errors.InvalidOptionError(
+        f'{source.ckpt.step_dir}: {source.leaf.stored}: {int(lost.sum())} of {written.size}'
+        f' values computed from finite ones are not finite ({dtype.name}): {why} Nothing was'
+        ' committed.'
+    )
   raise errors.InvalidOptionError(
       f'{source.ckpt.step_dir}: {source.leaf.stored}: {int(lost.sum())} of {written.size}'
       f' values are outside the range of {dtype.name} (largest magnitude'
