@@ -10,6 +10,7 @@ The whole public API (`__all__`, and the README's table)::
   hyperparameters(path)                  the inject_hyperparams values
   restore_merged_lora(path, target, ...) LoRA adapters merged into the weights
   export_to_hf(path, out_dir, model=...)  a Hugging Face safetensors folder
+  export_peft_adapter(path, out_dir, model=..., alpha=...)  a LoRA run as a PEFT adapter
   to_canonical_tree, to_disk_tree        rewriting whole trees with a
   CanonicalMap                           ... step's planned map
   TunixCheckpointError                   the base of every error raised:
@@ -41,7 +42,7 @@ from orbax_tunix.handlers.plugins import handler_registry, load_plugins, registe
 from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.mapping.merge import restore_merged_lora
 from orbax_tunix.reading.hyperparams import hyperparameters
-from orbax_tunix.tools.export import export_to_hf
+from orbax_tunix.tools.export import export_peft_adapter, export_to_hf
 from orbax_tunix.version import __version__ as __version__
 from orbax_tunix.view.canonical_map import CanonicalMap, to_canonical_tree, to_disk_tree
 from orbax_tunix.view.detection import Detection, detect
@@ -65,6 +66,7 @@ __all__ = [
     'UncommittedStepError',
     'UnsupportedLayoutError',
     'detect',
+    'export_peft_adapter',
     'export_to_hf',
     'handler_registry',
     'hyperparameters',

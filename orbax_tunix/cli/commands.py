@@ -203,10 +203,64 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   return EXIT_OK
 
 
+# Flags of a model export that an adapter export (`--peft`) does not take, and why.
+_NOT_WITH_PEFT = {
+    'merge_lora': 'the adapter holds the adapters unmerged; --merge-lora writes a model',
+    'base': 'the adapter is read from SRC alone (--base is the base weights of a merge)',
+    'hf_config': 'an adapter folder holds no config.json or tokenizer of the model',
+    'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
+    'base_only': 'the adapter holds the adapters; --base-only writes the base model',
+}
+
+
+def _check_peft_flags(args: argparse.Namespace) -> None:
+  """Refuses the flags that do not go with `--peft` (or need it); nothing is read.
+
+  Raises:
+    InvalidOptionError: naming the flag and why.
+  """
+  if not args.peft:
+    if args.base_model is not None:
+      raise errors.InvalidOptionError(
+          f'--base-model {args.base_model}: it names the base model of a PEFT adapter; add'
+          ' --peft (with --lora-alpha), or leave --base-model out.')
+    return
+  given = [name for name in _NOT_WITH_PEFT if getattr(args, name, None) not in (None, False)]
+  if given:
+    raise errors.InvalidOptionError(
+        f'--peft with {_FLAGS[given[0]]}: {_NOT_WITH_PEFT[given[0]]}. Leave'
+        f' {_FLAGS[given[0]]} out, or export a model without --peft.')
+
+
 def cmd_export(args: argparse.Namespace, out: Output) -> int:
   """`orbax-tunix export`: plans, streams with progress, prints the summary; returns 0."""
+  _check_peft_flags(args)
   _join(args)
-  plan = export_lib.plan_export(
+  if args.peft:
+    plan = export_lib.plan_peft_export(
+        args.src, args.out_dir, model=args.model, alpha=args.lora_alpha, scale=args.lora_scale,
+        base_model=args.base_model, step=args.step, dtype=args.dtype,
+        memory_budget=args.memory_budget, force=args.force,
+        param_scan_axis=args.param_scan_axis)
+  else:
+    plan = _plan_model_export(args)
+  result = _stream(export_lib.run_export, plan, plan.notes, args, out)
+  if args.json:
+    print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
+                      'replaced': result.replaced}), file=out.stream)
+    return EXIT_OK
+  replaced = ' (replaced the old one)' if result.replaced else ''
+  out.text(
+      f'exported {plan.source.step_dir} -> {result.out_dir}{replaced}: {plan.layout},'
+      f' {result.tensors} tensors in {len(result.files)} file(s),'
+      f' {format_bytes(result.total_size)} in {format_duration(result.seconds)}'
+  )
+  return EXIT_OK
+
+
+def _plan_model_export(args: argparse.Namespace) -> export_lib.ExportPlan:
+  """A model export's plan (not `--peft`)."""
+  return export_lib.plan_export(
       args.src,
       args.out_dir,
       model=args.model,
@@ -220,18 +274,6 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
       force=args.force,
       **_layout_options(args, layouts.FOLDER),
   )
-  result = _stream(export_lib.run_export, plan, plan.notes, args, out)
-  if args.json:
-    print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
-                      'replaced': result.replaced}), file=out.stream)
-    return EXIT_OK
-  replaced = ' (replaced the old one)' if result.replaced else ''
-  out.text(
-      f'exported {plan.source.step_dir} -> {result.out_dir}{replaced}: {plan.layout},'
-      f' {result.tensors} tensors in {len(result.files)} file(s),'
-      f' {format_bytes(result.total_size)} in {format_duration(result.seconds)}'
-  )
-  return EXIT_OK
 
 
 def _layout_options(args: argparse.Namespace, sink: str) -> dict[str, Any]:
@@ -295,6 +337,9 @@ _FLAGS = {
     'max_shard_size': '--max-shard-size',
     'hf_config': '--hf-config',
     'out_dir': 'OUT_DIR',
+    'base_model': '--base-model',
+    'base_only': '--base-only',
+    'export_peft_adapter': '--peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
@@ -346,6 +391,9 @@ def _add_layout_options(p: argparse.ArgumentParser, sink: str) -> None:
   for option in layouts.options(sink).values():
     takers = [n for n in every if layouts.get(n).takes(option.name)]
     said = '' if takers == list(every) else f'{" and ".join(takers)}: '
+    if option.switch:
+      p.add_argument(option.flag, action='store_true', help=said + option.help)
+      continue
     p.add_argument(option.flag, type=_parsed(option.parse), metavar=option.metavar,
                    help=said + option.help)
 
@@ -555,6 +603,13 @@ def build_parser() -> argparse.ArgumentParser:
                  help='cast the weights to this dtype (bfloat16, float16, float32); default: as'
                  ' stored')
   _add_merge_options(p, 'export the LoRA adapters merged into the weights (no adapter tensors)')
+  p.add_argument('--peft', action='store_true',
+                 help="export a LoRA run's adapters as a PEFT adapter folder"
+                 ' (adapter_config.json, adapter_model.safetensors), with --lora-alpha or'
+                 ' --lora-scale; reads the adapters only (a save with or without its base)')
+  p.add_argument('--base-model', metavar='NAME_OR_PATH',
+                 help="--peft: the base model (a Hub name or a folder), the adapter config's"
+                 ' base_model_name_or_path')
   _add_layout_options(p, layouts.FOLDER)
   p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use above start-up (default 1G ='

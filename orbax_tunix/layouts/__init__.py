@@ -12,12 +12,15 @@ output format is one more registered layout.
   maxtext     MaxText's own step: weights, or the full train state (`layouts/maxtext.py`)
   qwen3, llama3, gemma3, ...
               a Hugging Face safetensors folder, one per family (`layouts/huggingface.py`)
+  qwen3.peft, llama3.peft, ...
+              a LoRA run's adapters as a PEFT adapter folder, one per family (`layouts/peft.py`)
 """
 
 from __future__ import annotations
 
-from orbax_tunix.layouts import canonical, huggingface, maxtext  # noqa: F401  (they register)
+from orbax_tunix.layouts import canonical, huggingface, maxtext, peft  # noqa: F401  (they register)
 from orbax_tunix.layouts.base import (
+    ADAPTER,
     FOLDER,
     LAYOUTS,
     STEP,
@@ -34,5 +37,5 @@ from orbax_tunix.layouts.base import (
     weights,
 )
 
-__all__ = ['FOLDER', 'LAYOUTS', 'STEP', 'named', 'LaidOut', 'Layout', 'Option', 'Request', 'check_options', 'get', 'names',
+__all__ = ['ADAPTER', 'FOLDER', 'LAYOUTS', 'STEP', 'named', 'LaidOut', 'Layout', 'Option', 'Request', 'check_options', 'get', 'names',
            'options', 'register', 'weights']

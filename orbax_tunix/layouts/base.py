@@ -38,6 +38,12 @@ class Request:
       layout checks and copies (None: none).
     max_shard_size: bytes per safetensors file of a folder layout (None:
       `transformers`' default).
+    base_only: a folder layout writes a LoRA save's base weights alone (the
+      adapters left out, not merged).
+    adapter_alpha, adapter_scale: an adapter layout's LoRA scaling (qwix's
+      alpha, or alpha / rank itself).
+    base_model: an adapter layout's base model (a Hub name or a folder), as its
+      config names it.
   """
 
   source: reader.CanonicalCheckpoint
@@ -48,6 +54,10 @@ class Request:
   param_scan_axis: int | None = None
   hf_config: epath.Path | None = None
   max_shard_size: int | None = None
+  base_only: bool = False
+  adapter_alpha: float | None = None
+  adapter_scale: float | None = None
+  base_model: str | None = None
 
 
 def weights(request: Request) -> dict[tuple[str, ...], Output]:
@@ -96,6 +106,7 @@ class Option:
     help: what it does, for people.
     coerce: a value the library was given -> the `Request`'s (a size's text to
       bytes, a path's text to a path); raises `InvalidOptionError`.
+    switch: the flag takes no value (it sets True).
   """
 
   name: str
@@ -103,6 +114,7 @@ class Option:
   metavar: str
   help: str
   coerce: Callable[[Any], Any] = dataclasses.field(default=lambda value: value, repr=False)
+  switch: bool = False
 
   @property
   def unset(self) -> Any:
@@ -118,6 +130,7 @@ class Option:
 # writes each.
 STEP = 'step'  # An Orbax step: one PyTree (or JSON) item per `ItemOutput`.
 FOLDER = 'folder'  # A Hugging Face folder: one item's outputs as safetensors tensors.
+ADAPTER = 'adapter'  # A PEFT adapter folder: one item's outputs in adapter_model.safetensors.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +145,8 @@ class Layout:
       layouts' options must keep their unset value (`check_options`).
     sink: the kind of destination it fills (`STEP`, `FOLDER`).
     weights_only: it writes the model's weights alone (a `params_only` request).
+    adapters: it takes LoRA adapters as they are (an adapters-only save is a
+      valid source); else the pipeline refuses an adapters-only save unmerged.
   """
 
   name: str
@@ -140,6 +155,7 @@ class Layout:
   options: tuple[Option, ...] = ()
   sink: str = STEP
   weights_only: bool = False
+  adapters: bool = False
 
   def takes(self, option: str) -> bool:
     return any(o.name == option for o in self.options)

@@ -27,7 +27,7 @@ from orbax_tunix.layouts.base import FOLDER, LaidOut, Layout, Option, Request, r
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.mapping import huggingface, lora, patterns, stacks
 from orbax_tunix.mapping import merge as merge_lib
-from orbax_tunix.mapping.outputs import ItemOutput, Output, read_sliced, relay
+from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied, read_sliced, relay
 from orbax_tunix.mapping.transforms import per_input
 from orbax_tunix.maxtext import layers as maxtext_layers
 from orbax_tunix.reading import reader
@@ -56,10 +56,14 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     InvalidOptionError: an `hf_config` that is not a readable model folder.
   """
   source, merged = request.source, request.merge
-  if merged is None:
-    _refuse_adapters(source)
+  if request.base_only:
+    found = base_weights(request)
+  else:
+    if merged is None:
+      _refuse_adapters(source)
+    found = weights(request)
   where = str(source.step_dir)
-  model, left_out = _model_weights(weights(request))
+  model, left_out = _model_weights(found)
   naming = family.naming(model, where)
   stored = {p: o.shape for p, o in model.items()}
   axis = _scan_axis(request, stored, where)
@@ -93,6 +97,35 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                'config': None if request.hf_config is None
                else os.fspath(request.hf_config / 'config.json')},
   )
+
+
+def base_weights(request: Request) -> dict:
+  """A full LoRA save's base weights alone, under the plain model's paths (an
+  `nnx.LoRA(base_module=...)`'s layer in its place), the adapters left out, not merged.
+
+  Raises:
+    InvalidOptionError: with a merge.
+    LoraError: a save without adapters (nothing to leave out).
+    LoraOnlyCheckpointError: a save of adapters only (no base weights).
+  """
+  source = request.source
+  if request.merge is not None:
+    raise errors.InvalidOptionError(
+        f'{source.step_dir}: `base_only` exports the base weights without the adapters,'
+        ' `merge_lora` with them merged: pass one of them.')
+  leaves = {p: leaf for leaf, p in reader.weights(source)}
+  adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
+  if not adapters:
+    raise errors.LoraError(
+        f'{source.step_dir}: `base_only` leaves out LoRA adapters, and these weights have'
+        ' none: export them without `base_only`.')
+  plain = merge_lib.plain_weights(leaves, adapters)
+  if not plain:
+    raise errors.LoraOnlyCheckpointError(
+        f'{source.step_dir}: expected base weights beside the LoRA adapters, found adapters'
+        ' only (the run saved no base weights): the base is the checkpoint the run started'
+        ' from; export that one.')
+  return {path: copied(Input(source, leaf), path, request.dtype) for path, leaf in plain.items()}
 
 
 def _scan_axis(request: Request, shapes: Mapping, where: str) -> int:
@@ -186,11 +219,14 @@ def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
     return
   what = 'only LoRA adapters' if len(adapters) == len(found) else 'LoRA adapters'
   base = ' and `base` (the checkpoint the run started from)' if len(adapters) == len(found) else ''
+  base_only = '' if len(adapters) == len(found) else ' (and its base: `base_only=True`)'
   error = errors.LoraOnlyCheckpointError if len(adapters) == len(found) else errors.LoraError
   raise error(
       f'{source.step_dir}: expected a model\'s weights, found {what} ({len(adapters)} leaves,'
       f' e.g. {adapters[0]}): a Hugging Face model has no adapter tensors. Export the'
-      f' weights with the adapters merged: `merge_lora=True`, `lora_alpha`{base}.'
+      f' weights with the adapters merged: `merge_lora=True`, `lora_alpha`{base}; or the'
+      ' adapters as a PEFT adapter to serve on the base model: `export_peft_adapter`'
+      f' with `lora_alpha`{base_only}.'
   )
 
 
@@ -318,12 +354,17 @@ PARAM_SCAN_AXIS = Option(
     " (default: the step's own, recorded or told by its shapes; 1, MaxText's, where several"
     ' fit; an axis that does not fit is refused)')
 
+BASE_ONLY = Option(
+    'base_only', bool, '', "a full LoRA save's base weights alone (the adapters left out, not"
+    ' merged): the base a PEFT adapter of the run applies to', switch=True)
+
 for _family in map(huggingface.get, huggingface.names()):
   register(Layout(
       name=_family.name,
       description=f'a Hugging Face safetensors folder of {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
-      options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG),
+      options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG, BASE_ONLY),
       sink=FOLDER,
       weights_only=True,
+      adapters=True,  # `lay_out` refuses them unmerged itself, saying what to do.
   ))

@@ -113,6 +113,29 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
   return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
 
 
+# Hugging Face modules whose weight is 2-D but that are no linear layer: embeddings (PEFT
+# adapts one as a lookup, with lora_embedding_A/B; qwix adapts a product with its weight,
+# e.g. a tied output projection).
+EMBEDDINGS = frozenset({'embed_tokens', 'embed_tokens_per_layer'})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraWeight:
+  """How qwix lays out the LoRA adapter of one weight: data beside the weight's rule (a PEFT
+  adapter export reads it; `mapping/peft.py`).
+
+  Attributes:
+    einsum: `a, b -> weight` as qwix arranges them (e.g. 'dr,rnh->ndh': `a` (D, r), `b`
+      (r, N, H), the weight (N, D, H)): where `a`'s dimensions sit among the weight's, for
+      a save without the weight (adapters only). None: `a`'s dimensions then `b`'s, in order
+      (qwix's `dot_general` adapters, and every einsum whose contracted dimensions lead).
+    note: what a person serving the adapter should know, said when the weight is adapted.
+  """
+
+  einsum: str | None = None
+  note: str | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Naming:
   """One kind of source's names for a family (see the module docstring).
@@ -133,6 +156,8 @@ class Naming:
       `model.*`, where the Hub's and Tunix's are Gemma4ForConditionalGeneration's
       `model.language_model.*`).
     model_type: that architecture's config `model_type`, with `architecture`.
+    lora: weight pattern -> `LoraWeight`, for weights whose adapters are not laid out as
+      `a`'s dimensions then `b`'s, or that a person should know of.
   """
 
   source: str
@@ -145,6 +170,14 @@ class Naming:
   stacks: tuple[stacks_lib.Stack, ...] = ()
   architecture: str | None = None
   model_type: str | None = None
+  lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
+
+  def lora_weight(self, path: Path) -> LoraWeight:
+    """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
+    for pattern, value in self.lora.items():
+      if Pattern.parse(pattern.split('/')).match(path) is not None:
+        return value
+    return LoraWeight()
 
   def layers(self, paths) -> list[str]:
     pattern = Pattern.parse((*self.layer, '...'))
@@ -201,6 +234,7 @@ class Family:
       base config says (e.g. Gemma's tanh-approximated GELU).
     vocab: the Tunix weights' vocabulary axes (see `Naming.vocab`).
     maxtext: MaxText's naming of the family, if MaxText has the model.
+    lora: see `Naming.lora` (Tunix's naming).
   """
 
   name: str
@@ -214,11 +248,13 @@ class Family:
   vocab: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {'embedder/input_embedding': 0, 'lm_head/w': 1})
   maxtext: Naming | None = None
+  lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
 
   @property
   def tunix(self) -> Naming:
     """The naming of Tunix's own model class (the family's own fields)."""
-    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab)
+    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
+                  lora=self.lora)
 
   @property
   def namings(self) -> tuple[Naming, ...]:
@@ -410,6 +446,15 @@ def _gemma_attention(layer: str, fused: bool = True) -> tuple[LayoutRule, ...]:
   return tuple(r for r in rules if fused or r.source.keys[3].text != 'qkv_einsum')
 
 
+# qwix's adapters of Tunix Gemma's attention einsums: `a` holds D (the input contracts it), `b`
+# the rest; the weights hold D between them ('BTD,NDH->BTNH', 'BSD,CKDH->CBSKH').
+GEMMA_LORA = {
+    'layers/{i}/attn/q_einsum/w': LoraWeight('dr,rnh->ndh'),
+    'layers/{i}/attn/kv_einsum/w': LoraWeight('dr,rckh->ckdh'),
+    'layers/{i}/attn/qkv_einsum/w': LoraWeight('dr,rcnh->cndh'),
+}
+
+
 _GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
               ('layers/{i}/attn/qkv_einsum/w',))
 
@@ -443,6 +488,7 @@ GEMMA3 = Family(
         'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
     },
     fixed=GEMMA_GELU,
+    lora=GEMMA_LORA,
 )
 
 # MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
@@ -638,6 +684,7 @@ def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, st
       dims=GEMMA3.dims,
       tied=lambda paths: True,
       fixed=fixed,
+      lora=GEMMA_LORA,
   )
 
 
@@ -676,6 +723,15 @@ _GEMMA4_NORMS = {
     'moe_post_ffw_norm': 'post_feedforward_layernorm_2',
     'post_per_layer_input_norm': 'post_per_layer_input_norm',
 }
+# Gemma 4's global layers whose keys are their values (`k_eq_v`): `transformers` has no v_proj
+# there, vLLM loads the key weights into both its K and V slots.
+K_EQ_V_NOTE = (
+    "{module}: Gemma 4's layer reuses its keys as values (k_eq_v): transformers and peft have"
+    ' no v_proj there and apply this adapter to the keys, which are the values too (as the'
+    ' run computed); vLLM loads the key weights into separate K and V slots and applies a'
+    ' k_proj adapter to K alone, so served by vLLM the values of these layers stay the'
+    " base's"
+)
 GEMMA4 = Family(
     name='gemma4',
     architecture='Gemma4ForConditionalGeneration',
@@ -731,6 +787,7 @@ GEMMA4 = Family(
     },
     tied=lambda paths: True,
     fixed=GEMMA_GELU,
+    lora={**GEMMA_LORA, 'layers/{i}/attn/k_einsum/w': LoraWeight('dr,rkh->kdh', K_EQ_V_NOTE)},
     maxtext=_maxtext_gemma4(),
 )
 

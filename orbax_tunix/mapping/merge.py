@@ -82,7 +82,7 @@ class MergePlan:
     return '\n'.join(lines)
 
 
-def _plain(weights: Mapping[Path, reader.LeafInfo], adapters: Mapping[Path, lora.Adapter]
+def plain_weights(weights: Mapping[Path, reader.LeafInfo], adapters: Mapping[Path, lora.Adapter]
            ) -> dict[Path, reader.LeafInfo]:
   """A LoRA model's weights under the plain model's paths, adapters left out.
 
@@ -187,7 +187,7 @@ def plan_merge(
         ' without merging.'
     )
   base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
-  base_weights = _plain(
+  base_weights = plain_weights(
       lora_weights if base is None else {p: leaf for leaf, p in reader.weights(base_ckpt)},
       adapters,
   )

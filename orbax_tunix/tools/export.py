@@ -23,6 +23,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.layouts import huggingface as hf_layouts
+from orbax_tunix.layouts import peft as peft_layouts
 from orbax_tunix.mapping import huggingface
 from orbax_tunix.reading import reader
 from orbax_tunix.tools import pipeline
@@ -62,6 +63,7 @@ def plan_export(
     memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     param_scan_axis: int | None = None,
+    base_only: bool = False,
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
 
@@ -91,6 +93,9 @@ def plan_export(
       Checked against the stored weights; refused for weights that hold no
       stacked layers. The source kind and layer form come from the weights'
       names.
+    base_only: a full LoRA save's base weights alone (the adapters left out,
+      not merged): the model a PEFT adapter of the run applies to, where the
+      base has no Hugging Face folder of its own.
 
   Returns:
     An `ExportPlan`.
@@ -109,7 +114,7 @@ def plan_export(
       src, out_dir, layout=family.name, step=step, dtype=_dtype(dtype), memory_budget=memory_budget,
       force=force, merge_lora=merge_lora, lora_alpha=lora_alpha, lora_scale=lora_scale,
       base=base, max_shard_size=max_shard_size, hf_config=hf_config,
-      param_scan_axis=param_scan_axis,
+      param_scan_axis=param_scan_axis, base_only=base_only,
   )
 
 
@@ -158,3 +163,78 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
       'notes': list(plan.notes),
   }
 
+
+
+def plan_peft_export(
+    src: epath.PathLike,
+    out_dir: epath.PathLike,
+    *,
+    model: str,
+    alpha: float | None = None,
+    scale: float | None = None,
+    base_model: str | None = None,
+    step: int | None = None,
+    dtype: Any = None,
+    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    force: bool = False,
+    param_scan_axis: int | None = None,
+) -> ExportPlan:
+  """Plans a PEFT adapter export from metadata only; nothing is read or written.
+
+  Args:
+    src: the LoRA run (a root, a step, a model item), saved with or without its
+      base weights.
+    out_dir: the folder to create: `adapter_config.json` and
+      `adapter_model.safetensors`.
+    model: the Hugging Face family (as `plan_export`).
+    alpha: qwix's LoRA alpha of the run (PEFT's `lora_alpha`; the scale is
+      alpha / rank); or `scale`, the scale itself (`lora_alpha` is then
+      scale * r).
+    base_model: `base_model_name_or_path` of the config (a Hub name or a
+      folder); None: null.
+    step, dtype, memory_budget, force, param_scan_axis: as `plan_export`.
+
+  Returns:
+    An `ExportPlan`.
+
+  Raises:
+    LoraError: no adapters; no alpha or scale; both; adapters a PEFT adapter
+      cannot express (every one named: export them merged instead).
+    UnsupportedLayoutError, InvalidDestinationError, DestinationExistsError,
+    TunixCheckpointError subclasses: as `plan_export`.
+  """
+  family = huggingface.get(model)
+  return pipeline.plan(
+      src, out_dir, layout=peft_layouts.layout_name(family.name), step=step, dtype=_dtype(dtype),
+      memory_budget=memory_budget, force=force, adapter_alpha=alpha, adapter_scale=scale,
+      base_model=base_model, param_scan_axis=param_scan_axis,
+  )
+
+
+def export_peft_adapter(
+    path: epath.PathLike, out_dir: epath.PathLike, *, model: str, alpha: float | None = None,
+    scale: float | None = None, base_model: str | None = None, step: int | None = None,
+    dtype: Any = None, **kwargs: Any,
+) -> ExportResult:
+  """Exports a LoRA run's adapters as a PEFT adapter folder (`adapter_config.json`,
+  `adapter_model.safetensors`), reading the adapter arrays only.
+
+  Example::
+
+    orbax_tunix.export_peft_adapter('/ckpts/lora_run', '/adapters/run', model='qwen3',
+                                    alpha=16.0, base_model='Qwen/Qwen3-0.6B')
+
+  Args:
+    path, out_dir, model, alpha, scale, base_model, step, dtype: see `plan_peft_export`.
+    **kwargs: `plan_peft_export`'s others (`memory_budget`, `force`, `param_scan_axis`).
+
+  Returns:
+    An `ExportResult`.
+
+  Raises:
+    As `plan_peft_export` and `run_export`; every check is made before any read, and a
+    failure leaves nothing at `out_dir`.
+  """
+  return run_export(plan_peft_export(
+      path, out_dir, model=model, alpha=alpha, scale=scale, base_model=base_model, step=step,
+      dtype=dtype, **kwargs))

@@ -41,7 +41,7 @@ from etils import epath
 from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts import huggingface as hf_layouts
-from orbax_tunix.mapping import lora
+from orbax_tunix.mapping import lora, peft
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import ItemOutput, Output
 from orbax_tunix.reading import hyperparams, reader
@@ -234,7 +234,7 @@ def plan(
     commit.check_not_over(dst, folder, what)  # First: the more specific refusal.
   commit.check_destination(
       [c.step_dir for c in merge_lib.checkpoints_read(source, merged)], dst, force, sink.kind)
-  if merged is None:
+  if merged is None and not chosen.adapters:
     _refuse_adapters_only(source)
   laid = chosen.lay_out(layouts.Request(
       source=source, params_only=params_only, dtype=dtype, merge=merged, **given))
@@ -565,6 +565,30 @@ class Sink:
   read_folders: tuple[str, ...] = ()
 
 
+def _in_adapter(entry: epath.Path) -> bool:
+  """Whether an entry of an adapter folder is one an adapter export writes."""
+  return not entry.is_dir() and entry.name in (peft.ADAPTER_FILE, peft.CONFIG_FILE)
+
+
+# An exported PEFT adapter (what `force` may replace): its tensors, and nothing else
+# but its config.
+ADAPTER_EXPORT = commit.Kind(
+    'a PEFT adapter export', (peft.ADAPTER_FILE,), commit_file=None, in_place=False,
+    owns=_in_adapter,
+)
+
+
+def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
+                  ) -> tuple[list[ItemOutput], list[writer.Shard]]:
+  """The adapter's tensors in write order, all in the one file vLLM reads
+  (`adapter_model.safetensors`: it reads no other name, and no index)."""
+  del given
+  (item,) = items
+  outputs = tuple(writer.in_write_order(item.outputs))
+  return [dataclasses.replace(item, outputs=outputs)], [writer.Shard(
+      peft.ADAPTER_FILE, tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in outputs))]
+
+
 SINKS: dict[str, Sink] = {
     layouts.STEP: Sink(
         kind=commit.STEP, unit='array', run='conversion', doing='converting to',
@@ -575,5 +599,9 @@ SINKS: dict[str, Sink] = {
         kind=EXPORT, unit='tensor', run='export', doing='exporting to',
         shard=_shard_folder, share=_share_folder, write=_write_folder,
         read_folders=('hf_config',),
+    ),
+    layouts.ADAPTER: Sink(
+        kind=ADAPTER_EXPORT, unit='tensor', run='export', doing='exporting the adapter to',
+        shard=_adapter_file, share=_share_folder, write=_write_folder,
     ),
 }

@@ -1,0 +1,244 @@
+"""The PEFT adapter layouts: one per family, a LoRA run's adapters as a Hugging Face PEFT adapter.
+
+A family's adapter layout writes `adapter_model.safetensors` (PEFT's names:
+`base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight`
+(out, r)) and `adapter_config.json`, from the adapter arrays alone (the base
+weights are never read, and need not be saved). Each adapted weight's Hugging
+Face modules are the family's own rules (`mapping/huggingface.py`) applied to
+it; how `a` and `b` become each module's `lora_A` and `lora_B` is that rule's
+transform applied to the weight's positions (`mapping/peft.py`), and where a
+save without the weight cannot say how qwix arranged `a ⊗ b`, the family's
+`lora` data says it. Whatever an adapter cannot express (a weight with no
+Hugging Face module, MoE experts held as bare parameters, a module whose
+weight is not `B·A`) is refused, every one named, before anything is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+
+import numpy as np
+
+from orbax_tunix import errors
+from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.layouts.base import ADAPTER, LaidOut, Layout, Option, Request, register
+from orbax_tunix.layouts.huggingface import ITEM, PARAM_SCAN_AXIS, _model_weights
+from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
+from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
+from orbax_tunix.mapping.transforms import chain
+from orbax_tunix.reading import reader
+
+SUFFIX = '.peft'
+# The library's names for the scaling (`export_peft_adapter`), for messages.
+SCALING_NAMES = ('alpha', 'scale')
+
+
+def layout_name(family: str) -> str:
+  """The adapter layout of a family (`huggingface.get(...).name`)."""
+  return family + SUFFIX
+
+
+def _refuse(where: str, problems: list[str]) -> errors.LoraError:
+  return errors.LoraError(
+      f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
+      f'{errors.list_paths(problems)}\nAn adapter without them would serve another model than'
+      ' the run trained. Export the weights with the adapters merged instead:'
+      ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).'
+  )
+
+
+def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter,
+                 leaves: Mapping[Path, reader.LeafInfo], base: Mapping[Path, reader.LeafInfo]
+                 ) -> lora.Contraction | str:
+  """How `a ⊗ b` makes the weight: from the weight's shape where the save holds it, else
+  from the family's `lora` data (else `a`'s dimensions then `b`'s); or why it cannot be."""
+  a, b = leaves[adapter.a].shape, leaves[adapter.b].shape
+  found = base.get(weight)
+  if found is not None:
+    arranged = lora.contraction(found.shape, a, b)
+    return arranged if arranged is not None else (
+        f'{fmt(adapter.a)} {a} ⊗ {fmt(adapter.b)} {b} does not reproduce the weight'
+        f' {found.shape} (or more than one arrangement does)')
+  einsum = naming.lora_weight(weight).einsum
+  if einsum is None:
+    if not a or not b or a[-1] != b[0]:
+      return f'{fmt(adapter.a)} {a} and {fmt(adapter.b)} {b}: ranks disagree'
+    product = (*a[:-1], *b[1:])
+    return lora.Contraction(product, False, tuple(range(len(product))))
+  arranged = peft.einsum_contraction(einsum, a, b)
+  return arranged if arranged is not None else (
+      f'{fmt(adapter.a)} {a} and {fmt(adapter.b)} {b} do not fit qwix\'s {einsum!r}')
+
+
+def _first_rule(rules, path: Path) -> patterns.LayoutRule | None:
+  return next((r for r in rules if r.source.match(path) is not None), None)
+
+
+def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
+                  shapes: Mapping[Path, tuple[int, ...]], where: str, whole: bool = True
+                  ) -> patterns.PathMap:
+  """The family's rules applied to weights (a full save's whole model, or the adapted weights).
+
+  Raises:
+    UnsupportedLayoutError: the weights are not the family's (a whole model: as a model
+      export refuses it; adapted weights: none of them is one of its modules).
+  """
+  try:
+    mapped = patterns.map_paths(shapes, naming.rules, where=where)
+  except errors.UnsupportedLayoutError as e:
+    raise errors.UnsupportedLayoutError(
+        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the"
+        f' family the model is (`model`: {", ".join(huggingface.names())}).') from e
+  if whole:
+    huggingface.fits(family, shapes, mapped.unmatched, where)
+  elif shapes and not mapped.outputs:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: none of the adapted weights is a {family.name} module\'s (e.g.'
+        f' {fmt(min(shapes))}). Pick the family the model is (`model`:'
+        f' {", ".join(huggingface.names())}).')
+  return mapped
+
+
+def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
+  """A LoRA run's adapters as `family`'s PEFT adapter: the tensors and adapter_config.json.
+
+  Raises:
+    LoraError: no adapters; a merge asked for; no alpha or scale for qwix
+      adapters; adapters no PEFT adapter expresses (each named).
+    UnsupportedLayoutError: adapted weights that are not the family's.
+  """
+  source = request.source
+  where = str(source.step_dir)
+  if request.merge is not None:
+    raise errors.LoraError(
+        f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
+        ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
+  lora.check_scaling(request.adapter_alpha, request.adapter_scale, SCALING_NAMES)
+  leaves, left_out = _model_weights({p: leaf for leaf, p in reader.weights(source)})
+  adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
+  if not adapters:
+    raise errors.LoraError(
+        f'{where}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or lora_a/lora_b'
+        ' from flax), found none among its weights: the run is no LoRA run. Export its'
+        ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
+  scales = {w: lora.scale_of(a, request.adapter_alpha, request.adapter_scale)
+            for w, a in adapters.items()}
+  naming = family.naming(list(leaves), where)
+  base = merge_lib.plain_weights(leaves, adapters)
+  axis = stacks.DEFAULT_AXIS if request.param_scan_axis is None else request.param_scan_axis
+  if base:  # A full save: the family must take the whole model, as a model export checks.
+    shapes = {p: m.shape for p, m in stacks.unstack(
+        {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
+    _family_rules(family, naming, shapes, where)
+  problems: list[str] = []
+  arranged: dict[Path, lora.Contraction] = {}
+  for weight, adapter in sorted(adapters.items()):
+    found = _arrangement(naming, weight, adapter, leaves, base)
+    if isinstance(found, str):
+      problems.append(f'{fmt(weight)}: {found}')
+    else:
+      arranged[weight] = found
+  per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
+                             where=where)
+  mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
+                         whole=False)
+  problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
+               for p in mapped.unmatched]
+  outputs: list[Output] = []
+  modules: dict[str, tuple[int, float]] = {}
+  said: dict[str, list[str]] = {}
+  for dest, m in sorted(mapped.outputs.items()):
+    (layer_path,) = m.sources
+    layer = per_layer[layer_path]
+    (weight,) = layer.sources
+    adapter = adapters[weight]
+    name = dest[0]
+    rule = _first_rule(naming.rules, layer_path)
+    if rule is not None and rule.fan_out is not None:
+      problems.append(f'{fmt(weight)} -> {name}: MoE experts held as bare parameters (no'
+                      ' module PEFT can adapt)')
+      continue
+    if not name.endswith(peft.WEIGHT):
+      problems.append(f'{fmt(weight)} -> {name}: a bare parameter, not a module\'s weight')
+      continue
+    if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
+      problems.append(f'{fmt(weight)} -> {name}: an embedding (PEFT adapts its lookup, qwix'
+                      ' adapted a product with its weight)')
+      continue
+    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
+    factors = peft.Factors.of(arranged[weight], chain(layer.transform, m.transform),
+                              a_leaf.shape, b_leaf.shape)
+    if isinstance(factors, str):
+      problems.append(f'{fmt(weight)} -> {name}: {factors}')
+      continue
+    module = name[:-len(peft.WEIGHT)]
+    modules[module] = (adapter.rank, scales[weight])
+    note = naming.lora_weight(weight).note
+    if note:
+      said.setdefault(note, []).append(module)
+    a_name, b_name = peft.tensor_names(module)
+    a_transform = peft.lora_a(factors, adapter.rank)
+    b_transform = peft.lora_b(factors, adapter.rank)
+    b_dtype = reader.cast_dtype(b_leaf, request.dtype)
+    outputs += [
+        Output((a_name,), (Input(source, a_leaf),), a_transform,
+               a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
+        Output((b_name,), (Input(source, b_leaf),), b_transform,
+               b_transform.check([b_leaf.shape]), b_dtype,
+               # Scaled: read as stored, the product in float32, one cast after it.
+               read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
+    ]
+  if problems:
+    raise _refuse(where, problems)
+  alpha = request.adapter_alpha
+  config = peft.config(modules, None if alpha is None else float(alpha), request.base_model)
+  stored = {p: leaf.shape for p, leaf in leaves.items()}
+  notes = [
+      *left_out,
+      *(note.format(module=', '.join(names)) for note, names in said.items()),
+      f'adapters of {len(arranged)} weights as {len(modules)} PEFT modules'
+      f' ({", ".join(config["target_modules"])}; r={config["r"]},'
+      f' lora_alpha={config["lora_alpha"]}); read: {2 * len(adapters)} adapter arrays,'
+      f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
+      ' base weight',
+      f'weights: {huggingface.describe_source(stored)}',
+  ]
+  if request.base_model is None:
+    notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
+                 ' (`base_model`) or load the adapter onto it by name')
+  architecture, _ = family.target_of(naming)
+  return LaidOut(
+      items=(ItemOutput(ITEM, tuple(outputs)),), notes=tuple(notes),
+      files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),),
+      summary={'model': family.name, 'architecture': architecture, 'config': None,
+               'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
+                           'target_modules': config['target_modules'],
+                           'modules': len(modules)}},
+  )
+
+
+def _number(text: str) -> float:
+  value = float(text)
+  if not np.isfinite(value):
+    raise ValueError('expected a finite number')
+  return value
+
+
+ADAPTER_ALPHA = Option('adapter_alpha', _number, 'A', "the run's qwix LoRA alpha")
+ADAPTER_SCALE = Option('adapter_scale', _number, 'S', 'the LoRA scale itself (alpha / rank)')
+BASE_MODEL = Option('base_model', str, 'NAME_OR_PATH',
+                    "the base model, as adapter_config.json's base_model_name_or_path names it")
+
+for _family in map(huggingface.get, huggingface.names()):
+  register(Layout(
+      name=layout_name(_family.name),
+      description=f'a PEFT LoRA adapter for {_family.architecture}',
+      lay_out=functools.partial(lay_out, _family),
+      options=(PARAM_SCAN_AXIS, ADAPTER_ALPHA, ADAPTER_SCALE, BASE_MODEL),
+      sink=ADAPTER,
+      weights_only=True,
+      adapters=True,
+  ))

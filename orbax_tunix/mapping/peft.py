@@ -1,0 +1,247 @@
+"""LoRA adapters as a PEFT adapter: each adapted weight's `a`, `b` as Hugging Face's `lora_A`, `lora_B`.
+
+qwix computes `base + s * lhs·a·b` (s = alpha / rank), `a` holding the
+weight's dimensions the input contracts then the rank, `b` the rank then the
+others (`lora.py`). PEFT's `Linear` computes `W x + (lora_alpha / r) * B A x`,
+`A` (r, in) and `B` (out, r), for a Hugging Face weight `W` (out, in) that the
+family's rule makes from the Tunix weight by moving its axes (transposes,
+merges, one part of a fused weight taken). So no product is formed: the
+family's own transform is applied to the *positions* of the weight (which row
+of `a`, which column of `b` each entry of `a ⊗ b` takes), and the adapter is
+expressible when every column of the Hugging Face weight takes one row of `a`
+(that column's `A`) and every row one column of `b` (that row's `B`). A fused
+weight (Gemma's `kv_einsum`) then gives each part the shared `a` and its own
+slice of `b`. A transform that scales the weight (MaxText llama's query) scales
+`B`. What does not factor so (a column of the weight mixing rows of `a`) is
+not a PEFT adapter (`Factors.of` says why). Nothing here reads an array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from orbax_tunix.mapping import lora
+from orbax_tunix.mapping.transforms import Shape, Transform, TransformError
+
+# PEFT's names: the adapter file (vLLM reads this name only), its config, and the tensors'.
+ADAPTER_FILE = 'adapter_model.safetensors'
+CONFIG_FILE = 'adapter_config.json'
+PREFIX = 'base_model.model.'
+WEIGHT = '.weight'
+
+
+def tensor_names(module: str) -> tuple[str, str]:
+  """(lora_A, lora_B) tensor names of one Hugging Face module (e.g. 'model.layers.0.mlp.up_proj')."""
+  return f'{PREFIX}{module}.lora_A{WEIGHT}', f'{PREFIX}{module}.lora_B{WEIGHT}'
+
+
+def einsum_contraction(einsum: str, a: Shape, b: Shape) -> lora.Contraction | None:
+  """The `Contraction` an einsum `a, b -> weight` (a `huggingface.LoraWeight`) states, or None
+  when the adapters' shapes do not fit it."""
+  try:
+    ins, out = einsum.replace(' ', '').split('->')
+    sa, sb = ins.split(',')
+  except ValueError:
+    return None
+  if len(sa) != len(a) or len(sb) != len(b) or sa[-1] != sb[0] or a[-1] != b[0]:
+    return None
+  product = sa[:-1] + sb[1:]
+  if sorted(product) != sorted(out) or len(set(product)) != len(product):
+    return None
+  sizes = dict(zip(product, (*a[:-1], *b[1:]), strict=True))
+  return lora.Contraction(tuple(sizes[c] for c in out), False,
+                          tuple(product.index(c) for c in out))
+
+
+def _coefficients(contraction: lora.Contraction, a: Shape, b: Shape
+                  ) -> tuple[list[int], list[int]] | None:
+  """Per axis of the weight, its stride in `a` flattened to (-1, rank) and in `b` flattened to
+  (rank, -1) (0: the axis is not one of theirs); None: an arrangement this cannot follow."""
+  weight, stacked = contraction.weight, contraction.stacked
+  a_stride = [math.prod(a[j + 1:-1]) for j in range(len(a) - 1)]
+  b_stride = [0] + [math.prod(b[j + 1:]) for j in range(1, len(b))]
+  ca, cb = [0] * len(weight), [0] * len(weight)
+  if contraction.reshape:
+    if stacked or len(a) != 2 or len(b) != 2:
+      return None
+    split = next((k for k in range(len(weight) + 1)
+                  if math.prod(weight[:k]) == a[0] and math.prod(weight[k:]) == b[1]), None)
+    if split is None:
+      return None
+    for k in range(len(weight)):
+      if k < split:
+        ca[k] = math.prod(weight[k + 1:split])
+      else:
+        cb[k] = math.prod(weight[k + 1:])
+    return ca, cb
+  a_axes = [j for j in range(len(a) - 1) if j not in stacked]
+  b_axes = [j for j in range(1, len(b)) if j not in stacked]
+  inner = [k for k in range(len(weight)) if k not in stacked]
+  for k, p in zip(inner, contraction.permutation, strict=True):
+    if p < len(a_axes):
+      ca[k] = a_stride[a_axes[p]]
+    else:
+      cb[k] = b_stride[b_axes[p - len(a_axes)]]
+  for k in stacked:
+    ca[k], cb[k] = a_stride[k], b_stride[k]
+  return ca, cb
+
+
+def _positions(shape: Shape, coefficients: Sequence[int]) -> np.ndarray:
+  """The array of `shape` whose entry at each index is `sum(coefficient * index)`."""
+  out = np.zeros(shape, np.int64)
+  for axis, (n, c) in enumerate(zip(shape, coefficients, strict=True)):
+    if c:
+      out += (np.arange(n, dtype=np.int64) * c).reshape([-1 if i == axis else 1
+                                                          for i in range(len(shape))])
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Factors:
+  """One Hugging Face module's `lora_A` and `lora_B` out of `a` and `b`.
+
+  Attributes:
+    a_rows: `a` flattened to (-1, rank): the row of each input feature (A is
+      `a_rows`' rows, transposed: (rank, in)).
+    b_columns: `b` flattened to (rank, -1): the column of each output feature
+      (B is those columns, transposed: (out, rank)).
+    factor: what the family's transform multiplies the weight by (B carries it).
+  """
+
+  a_rows: np.ndarray
+  b_columns: np.ndarray
+  factor: float = 1.0
+
+  @staticmethod
+  def of(contraction: lora.Contraction, transform: Transform, a: Shape, b: Shape
+         ) -> Factors | str:
+    """The factors of `transform(a ⊗ b arranged by contraction)`, or why there are none.
+
+    The transform's steps that move values are applied to the positions of the
+    weight; a step that computes must be a scaling by one number (checked on ones
+    and zeros), which `B` takes.
+    """
+    return _factors(contraction, transform, tuple(a), tuple(b))
+
+
+@functools.lru_cache(maxsize=64)
+def _factors(contraction: lora.Contraction, transform: Transform, a: Shape, b: Shape
+             ) -> Factors | str:
+  found = _coefficients(contraction, a, b)
+  if found is None:
+    return 'its adapters are arranged in a way a linear module\'s cannot follow'
+  weight = contraction.weight
+  rows, columns = _positions(weight, found[0]), _positions(weight, found[1])
+  factor = 1.0
+  try:
+    for step in transform.steps or (transform,):
+      if step.moves_only:
+        rows, columns = step.apply([rows]), step.apply([columns])
+        continue
+      ones = np.asarray(step.apply([np.ones(rows.shape, np.float32)]))
+      zeros = np.asarray(step.apply([np.zeros(rows.shape, np.float32)]))
+      if ones.shape != rows.shape or np.any(zeros != 0) or np.any(ones != ones.flat[0]):
+        return f'the weight is made by {step.name}, which is not a scaling of it'
+      factor *= float(ones.flat[0])
+  except TransformError as e:
+    return str(e)
+  if rows.ndim != 2:
+    return f'the Hugging Face tensor has {rows.ndim} dimensions (a linear module\'s has 2)'
+  if np.any(rows != rows[:1]) or np.any(columns != columns[:, :1]):
+    return ('a feature of the Hugging Face module mixes several rows of lora_a (or columns of'
+            ' lora_b): not B·A for any rank')
+  return Factors(np.ascontiguousarray(rows[0]), np.ascontiguousarray(columns[:, 0]), factor)
+
+
+def _digest(*arrays: np.ndarray) -> str:
+  h = hashlib.sha1()
+  for x in arrays:
+    h.update(np.ascontiguousarray(x).tobytes())
+  return h.hexdigest()[:12]
+
+
+def lora_a(factors: Factors, rank: int) -> Transform:
+  """`a` -> PEFT's `lora_A` (rank, in)."""
+  rows = factors.a_rows
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    (a,) = shapes
+    if not a or a[-1] != rank or math.prod(a[:-1]) <= int(rows.max(initial=0)):
+      raise TransformError(f'lora_A: {a} is not the adapter planned (rank {rank})')
+    return (rank, len(rows))
+
+  def apply(xs):
+    (a,) = xs
+    return a.reshape(-1, rank)[rows].T
+
+  return Transform(f'peft_lora_A(rank={rank}, in={len(rows)}, {_digest(rows)})', shape, apply)
+
+
+def lora_b(factors: Factors, rank: int) -> Transform:
+  """`b` -> PEFT's `lora_B` (out, rank), times the family transform's factor."""
+  columns, factor = factors.b_columns, factors.factor
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    (b,) = shapes
+    if not b or b[0] != rank or math.prod(b[1:]) <= int(columns.max(initial=0)):
+      raise TransformError(f'lora_B: {b} is not the adapter planned (rank {rank})')
+    return (len(columns), rank)
+
+  def apply(xs):
+    (b,) = xs
+    out = b.reshape(rank, -1)[:, columns].T
+    if factor == 1.0:
+      return out
+    return (out.astype(np.float32) * np.float32(factor)).astype(b.dtype)
+
+  return Transform(f'peft_lora_B(rank={rank}, out={len(columns)}, factor={factor!r},'
+                   f' {_digest(columns)})', shape, apply, moves_only=factor == 1.0)
+
+
+def config(modules: dict[str, tuple[int, float]], alpha: float | None,
+           base_model: str | None) -> dict[str, object]:
+  """PEFT's adapter_config.json for modules {name: (rank, scale)}.
+
+  PEFT scales a module by `lora_alpha / r` (`alpha_pattern`, `rank_pattern` per
+  module where they differ from the top-level ones): `r` is the rank most
+  modules have, `lora_alpha` the alpha given, else `scale * r`.
+  """
+  ranks = [r for r, _ in modules.values()]
+  r = max(sorted(set(ranks)), key=ranks.count)
+  alphas = {name: s * rank for name, (rank, s) in modules.items()}
+  if alpha is None:
+    values = [alphas[n] for n, (rank, _) in modules.items() if rank == r]
+    alpha = max(sorted(set(values)), key=values.count)
+  return {
+      'peft_type': 'LORA',
+      'task_type': 'CAUSAL_LM',
+      'base_model_name_or_path': base_model,
+      'r': r,
+      'lora_alpha': _number(alpha),
+      'target_modules': sorted({name.rsplit('.', 1)[-1] for name in modules}),
+      'rank_pattern': {n: rank for n, (rank, _) in sorted(modules.items()) if rank != r},
+      'alpha_pattern': {n: _number(v) for n, v in sorted(alphas.items())
+                        if not math.isclose(v, alpha, rel_tol=1e-12)},
+      'bias': 'none',
+      'lora_dropout': 0.0,
+      'use_rslora': False,
+      'use_dora': False,
+      'inference_mode': True,
+      'modules_to_save': None,
+      'fan_in_fan_out': False,
+      'init_lora_weights': True,
+      'layers_to_transform': None,
+  }
+
+
+def _number(value: float) -> int | float:
+  """A whole number as an int (alpha 16, not 16.0), as PEFT's own configs hold it."""
+  value = float(value)
+  return int(value) if value.is_integer() else value
