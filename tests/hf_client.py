@@ -11,7 +11,7 @@ the clients' own code (tests/serve_jobs.py: one JSON job per line on stdin, one 
 on fd N; a job that raises gives ok=false with `error`, and the next job still runs).
 
 Arrays go to `<out_dir>/<id>.npz`: 'logits' (float32, (B, T, V)), and for `peft` the merged
-model's state dict under 'merged/<name>' and its logits under 'merged_logits'. Logits are
+model's logits under 'merged_logits'. Logits are
 computed on `tokens` (a (B, T) list of ints) with positions 0..T-1, a causal mask and no padding
 (an all-ones attention mask), as tests/tunix_client.py computes Tunix's.
 
@@ -29,7 +29,8 @@ Jobs:
          Returns `peft_class`, `loading_info` of the base, `adapter_missing_keys`,
          `adapter_unexpected_keys`, `lora_modules` (the modules peft wrapped, by name),
          `adapter_config` (the PeftConfig as peft parsed it), the logits with the adapters live;
-         then `merge_and_unload()`: the merged model's state dict and logits.
+         then `merge_and_unload()`: its logits, and the merged model as `save_pretrained`
+         writes it (the Hub's names) in `merged_dir`. router_reads_normed as for `load`.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def job_load(job, out_dir):
 
 def job_peft(job, out_dir):
   base, info, caught = load_model(job['base'])
+  patched = router_reads_normed(base) if job.get('router_reads_normed') else 0
   config = PeftConfig.from_pretrained(job['adapter'])
   cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)
   model = cls(base, config, 'default')
@@ -138,16 +140,16 @@ def job_peft(job, out_dir):
                         if hasattr(m, 'lora_A') and 'default' in m.lora_A)
   live = logits(model, job['tokens'])
   merged = model.merge_and_unload()
-  arrays = {'logits': live, 'merged_logits': logits(merged, job['tokens'])}
-  for name, t in merged.state_dict().items():
-    arrays[f'merged/{name}'] = t.detach().to(torch.float32).numpy().copy()
   npz = os.path.join(out_dir, f"{job['id']}.npz")
-  np.savez(npz, **arrays)
+  np.savez(npz, logits=live, merged_logits=logits(merged, job['tokens']))
+  saved = os.path.join(out_dir, f"{job['id']}_merged")
+  merged.save_pretrained(saved)
   return {'peft_class': cls.__name__, 'model_class': type(merged).__name__,
           'loading_info': info, 'warnings': caught,
           'adapter_missing_keys': sorted(result.missing_keys),
           'adapter_unexpected_keys': sorted(result.unexpected_keys),
-          'lora_modules': lora_modules, 'adapter_config': plain(config.to_dict()), 'npz': npz}
+          'lora_modules': lora_modules, 'adapter_config': plain(config.to_dict()),
+          'patched_routers': patched, 'npz': npz, 'merged_dir': saved}
 
 
 JOBS = {'load': job_load, 'peft': job_peft}
