@@ -494,3 +494,51 @@ def test_b_adapter_meets_vllm_rules(hf, name):
     out_dim, in_dim = base[f'{module}.weight']
     assert parts['A'] == (r, in_dim) and parts['B'] == (out_dim, r), (module, parts)
     assert module.split('.')[-1] in targets, (module, targets)
+
+
+# --------------------------------------------------------------------------- #
+# c. the facts' config handling, in process (no client)
+# --------------------------------------------------------------------------- #
+def _llama_paths():
+  from orbax_tunix.mapping import huggingface
+  return huggingface.get('llama3'), [('layers', '0', 'attn', 'q_proj', 'w')], ['0']
+
+
+@pytest.mark.parametrize('config, want', [
+    # transformers 5 writes the RoPE base in rope_parameters: set there, not added at the top.
+    ({'rope_parameters': {'rope_type': 'default', 'rope_theta': 500000.0}},
+     {'rope_parameters': {'rope_type': 'default', 'rope_theta': 1000000}}),
+    # Left to the class's default (10000 for LlamaConfig): written.
+    ({'model_type': 'llama'}, {'model_type': 'llama', 'rope_theta': 1000000}),
+    # Already the trained value: unchanged, no note.
+    ({'rope_theta': 1000000.0}, {'rope_theta': 1000000.0}),
+])
+def test_c_config_as_trained_writes_where_transformers_reads(config, want):
+  from orbax_tunix.mapping import as_trained
+  family, paths, layers = _llama_paths()
+  kept, notes = as_trained.apply(family.as_trained, 'llama3', paths, layers, config, write=False)
+  assert kept == config
+  written, wrote = as_trained.apply(family.as_trained, 'llama3', paths, layers, config, write=True)
+  assert written == want
+  assert bool(notes) == bool(wrote) == (want != config), (notes, wrote)
+  if not config.get('rope_theta') and not config.get('rope_parameters'):
+    assert "its class's default" in notes[0], notes
+
+
+def test_c_config_as_trained_is_refused_without_hf_config():
+  from orbax_tunix import errors
+  from orbax_tunix.tools import export
+  with pytest.raises(errors.InvalidOptionError, match='`hf_config`'):
+    export.plan_export(DATA / 'hf_llama3', pathlib.Path('/nonexistent/out'), model='llama3',
+                       config_as_trained=True)
+
+
+def test_c_facts_are_tunix_models_only():
+  """Qwen2's Tunix class passes its config's RoPE base (no fact); MaxText's models are not
+  Tunix's classes (the facts hold for Tunix's naming only: `layouts/huggingface.py`)."""
+  from orbax_tunix.mapping import huggingface
+  assert [f.field for f in huggingface.get('qwen2').as_trained] == []
+  for name in ('llama3', 'qwen3', 'qwen3_moe'):
+    assert [(f.field, f.value) for f in huggingface.get(name).as_trained] == [
+        ('rope_theta', 1_000_000)]
+  assert [f.what for f in huggingface.get('gemma4').as_trained] == ['router']
