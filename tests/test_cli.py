@@ -156,6 +156,9 @@ def test_inspect_lora(capsys, tunix_data):
   ]
   _, out, _ = run(capsys, 'inspect', tunix_data / 'lora_qwix')
   assert 'rank          2' in out and 'not saved (adapters only)' in out
+  assert 'export --peft --lora-alpha A' in out and '--merge-lora --lora-alpha A --base BASE' in out
+  _, out, _ = run(capsys, 'inspect', tunix_data / 'lora_qwix_full')
+  assert 'export --peft --lora-alpha A' in out and '--base-only' in out
 
 
 def test_inspect_collapses_layers_on_request(capsys, tunix_data):
@@ -378,7 +381,26 @@ def test_convert_params_only_of_a_lora_only_save_fails_as_the_api_does(tunix_dat
   assert 'Traceback' not in done.stderr
   assert not (tmp_path / 'out').exists()
   with pytest.raises(orbax_tunix.LoraOnlyCheckpointError):
-    convert.plan_convert(tunix_data / 'lora_qwix', dst, params_only=True)
+    convert.plan_convert(tunix_data / 'lora_qwix', dst, params_only=True, layout='maxtext')
+
+
+@pytest.mark.parametrize('params_only', [False, True])
+def test_canonical_convert_of_a_lora_only_save_keeps_the_adapters(tunix_data, tmp_path,
+                                                                   params_only):
+  """A canonical step re-lays what was saved and claims no model: adapters alone convert."""
+  dst = tmp_path / 'out' / '1'
+  done = subprocess.run(
+      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(tunix_data / 'lora_qwix'),
+       str(dst), *(['--params-only'] if params_only else [])],
+      capture_output=True, text=True, env=SUBPROCESS_ENV, cwd=REPO, timeout=120,
+  )
+  assert done.returncode == 0, done.stderr
+  raw = builders.raw_leaves(tunix_data / 'lora_qwix' / '1' / 'model_params')
+  got = builders.raw_leaves(dst / 'model_params')
+  assert sorted(got) == sorted(p.removesuffix('/value') for p in raw)
+  for path, value in raw.items():
+    np.testing.assert_array_equal(got[path.removesuffix('/value')], value, err_msg=path)
+  assert (dst / 'optimizer_state').exists() != params_only
 
 
 def test_convert_params_only_canonical_drops_rng_and_optimizer(capsys, tunix_data, tmp_path):

@@ -159,6 +159,8 @@ CONVERTS = {
                                                        '--scan-layers', 'true']),
     'lora_merge_bf16': (TUNIX / 'lora_qwix_full', ['--merge-lora', '--lora-alpha', '4',
                                                    '--dtype', 'bfloat16']),
+    # A canonical step claims no model: adapters saved alone convert as they are.
+    'canonical_adapters_only': (TUNIX / 'lora_qwix', []),
 }
 
 
@@ -216,6 +218,21 @@ def test_export_several_shards_two_processes_write_what_one_writes(tmp_path):
     assert (two / name).read_bytes() == (one / name).read_bytes(), name
   read_one, read_two = safetensors_read(one), safetensors_read(two)
   assert read_two == read_one and read_one
+  assert not [p for p in tmp_path.iterdir() if 'tmp' in p.name or 'orbax-tunix' in p.name]
+
+
+def test_export_peft_two_processes_write_what_one_writes(tmp_path):
+  argv = ['export', str(TUNIX / 'hf_gemma2_lora'), '--model', 'gemma2', '--peft',
+          '--lora-alpha', '3', '--base-model', 'google/gemma-2-2b']
+  run_one([argv[0], argv[1], str(tmp_path / 'one'), *argv[2:]])
+  done = run_two([argv[0], argv[1], str(tmp_path / 'two'), *argv[2:]], tmp_path)
+  assert done.codes == [0, 0], done.show()
+  one, two = tmp_path / 'one', tmp_path / 'two'
+  names = sorted(p.name for p in one.iterdir())
+  assert names == ['adapter_config.json', 'adapter_model.safetensors']
+  assert sorted(p.name for p in two.iterdir()) == names
+  for name in names:
+    assert (two / name).read_bytes() == (one / name).read_bytes(), name
   assert not [p for p in tmp_path.iterdir() if 'tmp' in p.name or 'orbax-tunix' in p.name]
 
 

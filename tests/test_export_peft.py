@@ -129,6 +129,17 @@ def test_only_the_adapter_arrays_are_read(exports, name):
     assert want < total / 5  # The base weights are most of a full save.
 
 
+@pytest.mark.parametrize('name', ['hf_qwen3_lora', 'hf_gemma4_lora'])
+def test_a_full_save_is_read_for_its_adapters_alone(tmp_path, monkeypatch, name):
+  """Measured at Orbax's restore: the leaves asked for are the adapters, each once."""
+  want = sorted(p + '/value' for p in raw_weights(name) if '_lora_' in p)
+  calls = builders.spy_restores(monkeypatch)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model=family_of(name), alpha=3)
+  asked = [leaf for _, leaves in calls for leaf in leaves]
+  assert {item for item, _ in calls} == {'model_params'}
+  assert sorted(asked) == want
+
+
 def test_adapters_only_save_gives_the_full_saves_adapter(exports):
   a, b = exports['hf_qwen3_lora_only'], exports['hf_qwen3_lora']
   assert a['config'] == b['config']
@@ -324,3 +335,250 @@ def test_factors_of_a_fused_kv_einsum_share_a_and_split_b():
     np.testing.assert_allclose(big_b @ big_a, np.transpose(w[c], (1, 0, 2)).reshape(40, 36).T,
                                err_msg=name, atol=1e-12)
     np.testing.assert_array_equal(big_a, a.T)
+
+
+# --------------------------------------------------------------------------- #
+# --base-model: the config checked, a multimodal class's names
+# --------------------------------------------------------------------------- #
+QWEN3_CONFIG = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3', 'vocab_size': 96,
+                'hidden_size': 40, 'intermediate_size': 56, 'num_hidden_layers': 2,
+                'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12,
+                'tie_word_embeddings': False}
+
+
+def _folder(root: pathlib.Path, config: dict) -> pathlib.Path:
+  root.mkdir(parents=True)
+  (root / 'config.json').write_text(json.dumps(config))
+  return root
+
+
+@pytest.mark.parametrize('name', ['hf_qwen3_lora', 'hf_qwen3_lora_only'])
+def test_base_model_folder_config_is_checked(exports, tmp_path, name):
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model='qwen3', alpha=3, base_model=good)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['base_model_name_or_path'] == str(good)
+  assert (tmp_path / 'a' / peft.ADAPTER_FILE).read_bytes() == (
+      exports[name]['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  for field, value in (('num_attention_heads', 8), ('intermediate_size', 64),
+                       ('model_type', 'llama'), ('num_hidden_layers', 1)):
+    bad = _folder(tmp_path / f'bad_{field}', {**QWEN3_CONFIG, field: value})
+    p = cli(DATA / name, tmp_path / 'out', '--model', 'qwen3', *PEFT, '--base-model', bad)
+    assert p.returncode == 2, p.stderr
+    assert field in p.stderr and str(value) in p.stderr and '--base-model' in p.stderr, p.stderr
+    assert not (tmp_path / 'out').exists()
+
+
+def _gemma3_with_adapters(root: pathlib.Path) -> pathlib.Path:
+  """hf_gemma3 with qwix-shaped adapters on layer 0's q_einsum (N, D, H) and up_proj."""
+  rng = np.random.default_rng(0)
+  return _with('hf_gemma3', {
+      'layers/0/attn/q_einsum/w_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/attn/q_einsum/w_lora_b': rng.normal(size=(2, 4, 12)).astype(np.float32),
+      'layers/0/mlp/up_proj/kernel_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/mlp/up_proj/kernel_lora_b': rng.normal(size=(2, 56)).astype(np.float32)}, root)
+
+
+def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path):
+  """gemma-3-4b's class (Gemma3ForConditionalGeneration) holds the text model's modules under
+  model.language_model (transformers 5); the weights' own class, under model."""
+  run = _gemma3_with_adapters(tmp_path / 'run')
+  text = {'hidden_size': 40, 'intermediate_size': 56, 'model_type': 'gemma3_text',
+          'num_hidden_layers': manifest('hf_gemma3')['model_config']['num_layers'],
+          'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12}
+  multimodal = _folder(tmp_path / 'gemma-3-4b', {
+      'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
+      'text_config': text, 'vision_config': {'model_type': 'siglip_vision_model'}})
+  causal = _folder(tmp_path / 'gemma-3-1b', {'architectures': ['Gemma3ForCausalLM'], **text,
+                                            'vocab_size': 96})
+  got = {}
+  for base in (multimodal, causal):
+    ot.export_peft_adapter(run, tmp_path / base.name / 'a', model='gemma3', scale=1.0,
+                           base_model=base)
+    got[base.name] = tensors(tmp_path / base.name / 'a' / peft.ADAPTER_FILE)
+  modules = ['layers.0.mlp.up_proj', 'layers.0.self_attn.q_proj']
+  assert sorted(got['gemma-3-1b']) == sorted(
+      f'{PREFIX}model.{m}.lora_{x}.weight' for m in modules for x in 'AB')
+  assert sorted(got['gemma-3-4b']) == sorted(
+      f'{PREFIX}model.language_model.{m}.lora_{x}.weight' for m in modules for x in 'AB')
+  for k, v in got['gemma-3-1b'].items():
+    np.testing.assert_array_equal(
+        got['gemma-3-4b'][k.replace(PREFIX + 'model.', PREFIX + 'model.language_model.')], v)
+
+
+# --------------------------------------------------------------------------- #
+# Tunix runs of MaxText models (qwix's dot_general adapters, flattened; scanned: stacked)
+# --------------------------------------------------------------------------- #
+MAXTEXT_CASES = [(m, f) for m in ('qwen3', 'llama3', 'gemma3', 'gemma4')
+                 for f in ('unscanned', 'scanned')]
+
+
+def _gemma4_blocks(flat: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+  """MaxText's scanned gemma4 (per block of six: five local layers on axes 1, 2 and a global
+  one on axis 1; then a remainder of local layers on axis 1) of an unscanned tree, its
+  adapters stacked as its kernels are."""
+  blocks, out = n // 6, {}
+  layer = {}
+  for path, value in flat.items():
+    if not path.startswith('decoder/layers_'):
+      out[path] = value
+      continue
+    _, name, rest = path.split('/', 2)
+    layer.setdefault(int(name.removeprefix('layers_')), {})[rest] = value
+  for rest in layer[0]:
+    out[f'decoder/scanned_blocks/local_layers/{rest}'] = np.stack(
+        [np.stack([layer[6 * b + j][rest] for j in range(5)], axis=1) for b in range(blocks)],
+        axis=1)
+    out[f'decoder/layers_remainder/local_layers/{rest}'] = np.stack(
+        [layer[i][rest] for i in range(6 * blocks, n)], axis=1)
+  for rest in layer[5]:
+    out[f'decoder/scanned_blocks/global_layer/{rest}'] = np.stack(
+        [layer[6 * b + 5][rest] for b in range(blocks)], axis=1)
+  return out
+
+
+def _gemma3_blocks(flat: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+  """MaxText's scanned gemma3 (blocks of six `layers_{j}` stacked on axis 1, the rest as a
+  remainder) of an unscanned tree, its adapters stacked as its kernels are."""
+  blocks, out = n // 6, {}
+  for path, value in flat.items():
+    if not path.startswith('decoder/layers_'):
+      out[path] = value
+      continue
+    _, layer, rest = path.split('/', 2)
+    i = int(layer.removeprefix('layers_'))
+    if i >= 6 * blocks:
+      out[f'decoder/layers_remainder/layers_{i - 6 * blocks}/{rest}'] = value
+    elif i < 6:
+      out[f'decoder/layers/layers_{i}/{rest}'] = np.stack(
+          [flat[f'decoder/layers_{6 * b + i}/{rest}'] for b in range(blocks)], axis=1)
+  return out
+
+
+@pytest.mark.parametrize(('model', 'form'), MAXTEXT_CASES)
+def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, model, form):
+  """tests/test_export_maxtext.py's LoRA runs of MaxText models (adapters as qwix writes them
+  on MaxText's layers): the adapter on the --base-only export is the merged export. Llama's
+  query is stored divided by sqrt(head_dim) with its rotary pairs interleaved: B carries both."""
+  from tests import test_export_maxtext as mt
+  flat = mt.maxtext_tree(model, 'unscanned')
+  if form == 'unscanned':
+    lora_flat, _ = mt.with_lora(flat)
+  elif model in ('gemma3', 'gemma4'):
+    blocks = _gemma3_blocks if model == 'gemma3' else _gemma4_blocks
+    lora_flat = blocks(mt.with_lora(flat)[0], mt.MODELS[model][1])
+  else:
+    lora_flat, _ = mt.stacked_lora(flat, mt.MODELS[model][1])
+  src = mt.save_tunix_run(tmp_path / 'run', lora_flat, per_layer_chunks=True)
+  ot.export_to_hf(src, tmp_path / 'base', model=model, base_only=True)
+  ot.export_to_hf(src, tmp_path / 'merged', model=model, merge_lora=True, lora_alpha=mt.ALPHA)
+  result = ot.export_peft_adapter(src, tmp_path / 'a', model=model, alpha=mt.ALPHA)
+  base = tensors(tmp_path / 'base' / 'model.safetensors')
+  merged = tensors(tmp_path / 'merged' / 'model.safetensors')
+  adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['r'] == mt.RANK and config['lora_alpha'] == mt.ALPHA
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert len(changed) == 3 * mt.MODELS[model][1]
+  assert sorted(adapter) == sorted(f'{PREFIX}{m}.lora_{x}.weight' for m in changed for x in 'AB')
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + mt.ALPHA / mt.RANK * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=2e-5, err_msg=m)
+  assert result.bytes_read == sum(v.nbytes for k, v in lora_flat.items() if '_lora_' in k)
+
+
+def test_config_states_ranks_and_alphas_that_differ_per_module():
+  """PEFT scales a module by its lora_alpha / r: where modules differ, rank_pattern and
+  alpha_pattern state them (keys: the modules' full names)."""
+  modules = {'model.layers.0.self_attn.q_proj': (4, 0.5),
+             'model.layers.1.self_attn.q_proj': (4, 0.5),
+             'model.layers.0.mlp.up_proj': (8, 0.25)}  # qwix: alpha 2 over ranks 4 and 8.
+  config = peft.config(modules, 2.0, None)
+  assert (config['r'], config['lora_alpha']) == (4, 2)
+  assert config['rank_pattern'] == {'model.layers.0.mlp.up_proj': 8}
+  assert config['alpha_pattern'] == {}  # 2 / 8 is the module's scale already.
+  config = peft.config(modules, None, None)  # --lora-scale 0.5 on the rank-4 modules
+  assert (config['r'], config['lora_alpha']) == (4, 2)
+  scaled = {**modules, 'model.layers.0.mlp.up_proj': (8, 0.5)}  # --lora-scale 0.5 everywhere
+  config = peft.config(scaled, None, None)
+  assert config['alpha_pattern'] == {'model.layers.0.mlp.up_proj': 4}
+  for name, (rank, scale) in scaled.items():
+    assert config['rank_pattern'].get(name, config['r']) == rank
+    assert config['alpha_pattern'].get(name, config['lora_alpha']) / rank == scale
+
+
+# qwix's adapters of Tunix Gemma's einsums, as `_parse_einsum_str_for_lora` shapes them: `a` the
+# weight's dims the input shares (D) then r, `b` r then the others in the weight's order.
+GEMMA3_SYNTHETIC = {
+    'hf_gemma3': {'layers/0/attn/q_einsum/w': ((40, 2), (2, 4, 12)),
+                  'layers/1/attn/kv_einsum/w': ((40, 2), (2, 2, 2, 12)),
+                  'layers/2/attn/attn_vec_einsum/w': ((4, 12, 2), (2, 40))},
+    'hf_gemma3_fused': {'layers/1/attn/qkv_einsum/w': ((40, 2), (2, 3, 4, 12))},
+}
+
+
+@pytest.mark.parametrize('name', GEMMA3_SYNTHETIC)
+def test_gemma3_einsum_adapters_with_and_without_their_base(tmp_path, name):
+  """Gemma 3 (no LoRA fixture): random qwix-shaped adapters on its einsums, fused qkv too. The
+  adapter on the --base-only export is the merged export, and saved alone (no base weight to
+  tell the arrangement: the family's lora data does) it is the same adapter."""
+  rng = np.random.default_rng(0)
+  extra = {}
+  for weight, (a, b) in GEMMA3_SYNTHETIC[name].items():
+    extra[weight + '_lora_a'] = rng.normal(size=a).astype(np.float32)
+    extra[weight + '_lora_b'] = rng.normal(size=b).astype(np.float32)
+  _save_model_params(tmp_path / 'full' / '1', {**raw_weights(name), **extra})
+  _save_model_params(tmp_path / 'alone' / '1', extra)
+  ot.export_to_hf(tmp_path / 'full', tmp_path / 'base', model='gemma3', base_only=True)
+  ot.export_to_hf(tmp_path / 'full', tmp_path / 'merged', model='gemma3', merge_lora=True,
+                  lora_scale=0.5)
+  for kind in ('full', 'alone'):
+    ot.export_peft_adapter(tmp_path / kind, tmp_path / f'a_{kind}', model='gemma3', scale=0.5)
+  base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
+  adapter = tensors(tmp_path / 'a_full' / peft.ADAPTER_FILE)
+  alone = tensors(tmp_path / 'a_alone' / peft.ADAPTER_FILE)
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert len(changed) == {'hf_gemma3': 4, 'hf_gemma3_fused': 3}[name], changed
+  assert sorted(adapter) == sorted(alone) == sorted(
+      f'{PREFIX}{m}.lora_{x}.weight' for m in changed for x in 'AB')
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + 0.5 * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=1e-5, err_msg=m)
+  for k, v in adapter.items():
+    np.testing.assert_array_equal(alone[k], v, err_msg=k)
+
+
+def test_an_existing_adapter_is_replaced_only_with_force(exports, tmp_path):
+  out = tmp_path / 'a'
+  out.mkdir()
+  (out / peft.ADAPTER_FILE).write_bytes(b'stale')
+  (out / peft.CONFIG_FILE).write_text('{}')
+  with pytest.raises(ot.DestinationExistsError):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3)
+  assert (out / peft.ADAPTER_FILE).read_bytes() == b'stale'
+  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  assert (out / peft.ADAPTER_FILE).read_bytes() == (
+      exports['hf_qwen3_lora']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  (out / 'notes.txt').write_text('mine')  # Not an adapter export's: never replaced.
+  with pytest.raises(ot.TunixCheckpointError, match='notes.txt'):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  model = tmp_path / 'model'
+  ot.export_to_hf(DATA / 'hf_qwen3', model, model='qwen3')  # A model folder is no adapter's.
+  with pytest.raises(ot.TunixCheckpointError):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', model, model='qwen3', alpha=3, force=True)
+  assert (model / 'model.safetensors').exists()
+
+
+def test_maxtext_adapters_saved_alone_say_why_they_cannot_be_arranged(tmp_path):
+  """qwix flattens a MaxText kernel's (heads, head_dim) into its adapters: without the kernel
+  its shape is unknown, so the adapter is refused (not guessed), saying what to do instead."""
+  from tests import test_export_maxtext as mt
+  lora_flat, _ = mt.with_lora(mt.maxtext_tree('qwen3', 'unscanned'))
+  src = mt.save_tunix_run(tmp_path / 'run', {k: v for k, v in lora_flat.items() if '_lora_' in k})
+  p = cli(src, tmp_path / 'out', '--model', 'qwen3', *PEFT)
+  assert p.returncode == 2, p.stderr
+  assert 'adapters alone' in p.stderr and '--merge-lora' in p.stderr and '--base' in p.stderr
+  assert 'query/kernel' in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()

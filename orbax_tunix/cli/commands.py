@@ -341,7 +341,7 @@ _FLAGS = {
     'out_dir': 'OUT_DIR',
     'base_model': '--base-model',
     'base_only': '--base-only',
-    'export_peft_adapter': '--peft',
+    'export_peft_adapter': 'export --peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
@@ -593,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
           ' them for the family. Streams in batches within --memory-budget; written'
           ' beside OUT_DIR and moved at the end, so a failure leaves nothing. Without'
           ' --hf-config no config.json (and no tokenizer) is written: transformers and vLLM'
-          ' need one, so pass the base model\'s folder or add them yourself.'
+          ' need one, so pass the base model\'s folder or add them yourself. With --peft,'
+          ' a LoRA run\'s adapters as a PEFT adapter instead (adapter_config.json,'
+          ' adapter_model.safetensors) to serve on its base model.'
       ),
   )
   p.add_argument('src', metavar='SRC')

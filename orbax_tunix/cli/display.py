@@ -386,6 +386,7 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
             ('rank', ', '.join(str(r) for r in lora.ranks) or '-'),
             ('adapted', f'{len(lora.targets)} weights ({lora.num_leaves} leaves, {format_bytes(lora.nbytes)})'),
             ('base weights', 'saved too' if lora.base_weights else 'not saved (adapters only)'),
+            ('export', LORA_USES[lora.base_weights]),
         ]
     )
     for target, rank in _fold_targets(lora.targets, lora.target_ranks, collapse):
@@ -411,6 +412,15 @@ def _scalar_text(value: Any) -> str:
   if isinstance(value, np.floating):
     return f'{float(value):.6g}'
   return str(value)
+
+
+# What a LoRA save is good for, by whether its base weights are saved too (`inspect`).
+LORA_USES = {
+    True: 'export --peft --lora-alpha A (a PEFT adapter) and --base-only (its base model), or'
+          ' export/convert --merge-lora --lora-alpha A (the merged model)',
+    False: 'export --peft --lora-alpha A (a PEFT adapter of the base the run started from), or'
+           ' export/convert --merge-lora --lora-alpha A --base BASE (the merged model)',
+}
 
 
 def _fold_targets(targets: Sequence[str], ranks: Sequence[int], collapse: bool

@@ -63,4 +63,6 @@ LAYOUT = register(Layout(
     name='canonical',
     description='an ordinary Orbax step: each item in the canonical view (weights only: model_params)',
     lay_out=lay_out,
+    # It re-lays what was saved and claims no model: an adapters-only save converts as it is.
+    adapters=True,
 ))

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import ADAPTER, LaidOut, Layout, Option, Request, register
-from orbax_tunix.layouts.huggingface import ITEM, PARAM_SCAN_AXIS, _model_weights
+from orbax_tunix.layouts.huggingface import ITEM, PARAM_SCAN_AXIS, _base_config, _model_weights
 from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
 from orbax_tunix.reading import reader
+from orbax_tunix.store import fileio
 
 SUFFIX = '.peft'
 # The library's names for the scaling (`export_peft_adapter`), for messages.
@@ -73,8 +75,17 @@ def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter
       f'{fmt(adapter.a)} {a} and {fmt(adapter.b)} {b} do not fit qwix\'s {einsum!r}')
 
 
-def _first_rule(rules, path: Path) -> patterns.LayoutRule | None:
-  return next((r for r in rules if r.source.match(path) is not None), None)
+def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | None:
+  """Why the Hugging Face tensor `name` made from the weight at `path` is no module PEFT
+  adapts as a linear layer, or None."""
+  rule = next((r for r in naming.rules if r.source.match(path) is not None), None)
+  if rule is not None and rule.fan_out is not None:
+    return 'MoE experts held as bare parameters (no module PEFT can adapt)'
+  if not name.endswith(peft.WEIGHT):
+    return 'a bare parameter, not a module\'s weight'
+  if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
+    return 'an embedding (PEFT adapts its lookup, qwix adapted a product with its weight)'
+  return None
 
 
 def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
@@ -100,6 +111,58 @@ def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
         f' {fmt(min(shapes))}). Pick the family the model is (`model`:'
         f' {", ".join(huggingface.names())}).')
   return mapped
+
+
+# What a save of adapters alone cannot tell of the model (its other layers, its lm_head).
+_UNTOLD = ('num_hidden_layers', 'tie_word_embeddings')
+
+
+def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
+                    base_model: str | None, shapes: Mapping[Path, tuple[int, ...]], full: bool,
+                    where: str) -> tuple[Callable[[str], str], list[str]]:
+  """The modules' names as the base model's class holds them, and notes.
+
+  A `base_model` folder's config.json is checked against the weights as a model export
+  checks it (a save of adapters alone: the dimensions they tell, and a layer count that
+  holds them); a multimodal class (Gemma3ForConditionalGeneration) holds the text model's
+  modules deeper (`Family.text_prefixes`). A Hub name is not checked.
+
+  Raises:
+    InvalidOptionError, UnsupportedLayoutError: a folder whose config.json is not one, or
+      does not describe these weights.
+  """
+  def same(name: str) -> str:
+    return name
+
+  if base_model is None:
+    return same, []
+  folder = fileio.as_path(base_model)
+  if not folder.is_dir():  # As transformers takes it: a folder if there is one, else a name.
+    return same, [f'base model {base_model!r} is no folder here: its config is not checked']
+  values = _base_config(folder)
+  config = str(folder / 'config.json')
+  try:
+    huggingface.check_config(family, values, shapes, config, skip=() if full else _UNTOLD)
+  except errors.UnsupportedLayoutError as e:
+    raise errors.UnsupportedLayoutError(
+        f'{e}\n(The config is that of `base_model` {base_model}.)') from e
+  text = values.get('text_config', values) if isinstance(values, dict) else {}
+  layers = [int(i) for i in naming.layers(shapes)]
+  count = text.get('num_hidden_layers') if isinstance(text, dict) else None
+  if not full and isinstance(count, int) and layers and max(layers) >= count:
+    raise errors.UnsupportedLayoutError(
+        f'{config}: config.json does not describe these weights ({family.name}):'
+        f' num_hidden_layers {count}, the adapters are on layer {max(layers)}. Pass as'
+        ' `base_model` the model this run was trained from.')
+  archs = values.get('architectures') if isinstance(values, dict) else None
+  own = family.target_of(naming)[0]
+  have, want = family.text_prefixes.get(own), family.text_prefixes.get(
+      archs[0] if isinstance(archs, list) and archs else own)
+  if have is None or want is None or have == want:
+    return same, []
+  return (lambda name: want + name[len(have):] if name.startswith(have) else name), [
+      f'{config} is {archs[0]}: the adapter names its text model\'s modules as that class'
+      f' holds them ({want}...)']
 
 
 def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
@@ -130,9 +193,9 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   base = merge_lib.plain_weights(leaves, adapters)
   axis = stacks.DEFAULT_AXIS if request.param_scan_axis is None else request.param_scan_axis
   if base:  # A full save: the family must take the whole model, as a model export checks.
-    shapes = {p: m.shape for p, m in stacks.unstack(
+    model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
-    _family_rules(family, naming, shapes, where)
+    _family_rules(family, naming, model_shapes, where)
   problems: list[str] = []
   arranged: dict[Path, lora.Contraction] = {}
   for weight, adapter in sorted(adapters.items()):
@@ -143,8 +206,20 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       arranged[weight] = found
   per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
                              where=where)
-  mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
-                         whole=False)
+  try:
+    mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
+                           whole=False)
+  except errors.UnsupportedLayoutError as e:
+    if base:
+      raise
+    raise errors.LoraError(
+        f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
+        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Export the'
+        ' adapter from a save with the base weights beside them, or the merged model:'
+        ' `merge_lora=True`, `lora_alpha` and `base`.') from e
+  rename, config_notes = _names_for_base(
+      family, naming, request.base_model,
+      model_shapes if base else {p: m.shape for p, m in per_layer.items()}, bool(base), where)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]
   outputs: list[Output] = []
@@ -156,25 +231,13 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     (weight,) = layer.sources
     adapter = adapters[weight]
     name = dest[0]
-    rule = _first_rule(naming.rules, layer_path)
-    if rule is not None and rule.fan_out is not None:
-      problems.append(f'{fmt(weight)} -> {name}: MoE experts held as bare parameters (no'
-                      ' module PEFT can adapt)')
-      continue
-    if not name.endswith(peft.WEIGHT):
-      problems.append(f'{fmt(weight)} -> {name}: a bare parameter, not a module\'s weight')
-      continue
-    if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
-      problems.append(f'{fmt(weight)} -> {name}: an embedding (PEFT adapts its lookup, qwix'
-                      ' adapted a product with its weight)')
-      continue
     a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
-    factors = peft.Factors.of(arranged[weight], chain(layer.transform, m.transform),
-                              a_leaf.shape, b_leaf.shape)
+    factors = _not_a_module(naming, layer_path, name) or peft.Factors.of(
+        arranged[weight], chain(layer.transform, m.transform), a_leaf.shape, b_leaf.shape)
     if isinstance(factors, str):
       problems.append(f'{fmt(weight)} -> {name}: {factors}')
       continue
-    module = name[:-len(peft.WEIGHT)]
+    module = rename(name[:-len(peft.WEIGHT)])
     modules[module] = (adapter.rank, scales[weight])
     note = naming.lora_weight(weight).note
     if note:
@@ -198,6 +261,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   stored = {p: leaf.shape for p, leaf in leaves.items()}
   notes = [
       *left_out,
+      *config_notes,
       *(note.format(module=', '.join(names)) for note, names in said.items()),
       f'adapters of {len(arranged)} weights as {len(modules)} PEFT modules'
       f' ({", ".join(config["target_modules"])}; r={config["r"]},'
@@ -229,8 +293,18 @@ def _number(text: str) -> float:
 
 ADAPTER_ALPHA = Option('adapter_alpha', _number, 'A', "the run's qwix LoRA alpha")
 ADAPTER_SCALE = Option('adapter_scale', _number, 'S', 'the LoRA scale itself (alpha / rank)')
+def _name_or_path(value: object) -> str:
+  """A base model's Hub name or folder (a path-like's text), as the config names it."""
+  if isinstance(value, str | os.PathLike):
+    return os.fspath(value)
+  raise errors.InvalidOptionError(
+      f'`base_model` {value!r}: expected a Hugging Face Hub name or a folder (a string or a'
+      ' path).')
+
+
 BASE_MODEL = Option('base_model', str, 'NAME_OR_PATH',
-                    "the base model, as adapter_config.json's base_model_name_or_path names it")
+                    "the base model, as adapter_config.json's base_model_name_or_path names it",
+                    coerce=_name_or_path)
 
 for _family in map(huggingface.get, huggingface.names()):
   register(Layout(

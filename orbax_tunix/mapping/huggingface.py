@@ -238,6 +238,8 @@ class Family:
     lora: see `Naming.lora` (Tunix's naming).
     as_trained: where Tunix's model class computes otherwise than `transformers` does from
       the family's config.json (`mapping/as_trained.py`; Tunix's naming only).
+    text_prefixes: `transformers` class -> where it holds the text model's modules, for
+      the classes a base model of the family may be (a multimodal one holds them deeper).
   """
 
   name: str
@@ -253,6 +255,7 @@ class Family:
   maxtext: Naming | None = None
   lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
   as_trained: tuple[AsTrained, ...] = ()
+  text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def tunix(self) -> Naming:
@@ -504,6 +507,8 @@ GEMMA3 = Family(
     },
     fixed=GEMMA_GELU,
     lora=GEMMA_LORA,
+    text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
+                   'model.language_model.'},
 )
 
 # MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
@@ -807,6 +812,8 @@ GEMMA4 = Family(
     tied=lambda paths: True,
     fixed=GEMMA_GELU,
     lora={**GEMMA_LORA, 'layers/{i}/attn/k_einsum/w': LoraWeight('dr,rkh->kdh', K_EQ_V_NOTE)},
+    text_prefixes={'Gemma4ForCausalLM': 'model.', 'Gemma4ForConditionalGeneration':
+                   'model.language_model.'},
     maxtext=_maxtext_gemma4(),
     # Measured with `transformers` (tests/test_hf_clients.py): fed what Tunix's is, its router
     # gives the Tunix model back.
@@ -937,7 +944,8 @@ def markdown(source: str = TUNIX) -> str:
   return '\n'.join(lines) + '\n'
 
 def check_config(
-    family: Family, config: object, shapes: Mapping[Path, Shape], where: str
+    family: Family, config: object, shapes: Mapping[Path, Shape], where: str,
+    skip: Collection[str] = (),
 ) -> Config:
   """Checks a Hugging Face config.json against the weights; returns the one to write.
 
@@ -979,7 +987,8 @@ def check_config(
   if top.get('model_type', model_type) != model_type:
     wrong.append(f'model_type: config.json has {_shown(top["model_type"])}, the weights are'
                  f' {model_type!r}')
-  implied = family.config(shapes)
+  # `skip`: fields these weights cannot tell (a LoRA save's adapted weights alone).
+  implied = {f: v for f, v in family.config(shapes).items() if f not in skip}
   for field, value in implied.items():
     have = fields.get(field)
     if have is None:

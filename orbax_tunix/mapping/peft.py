@@ -19,7 +19,6 @@ not a PEFT adapter (`Factors.of` says why). Nothing here reads an array.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from orbax_tunix.mapping import lora
-from orbax_tunix.mapping.transforms import Shape, Transform, TransformError
+from orbax_tunix.mapping.transforms import Shape, Transform, TransformError, leading_takes
 
 # PEFT's names: the adapter file (vLLM reads this name only), its config, and the tensors'.
 ADAPTER_FILE = 'adapter_model.safetensors'
@@ -67,39 +66,43 @@ def _coefficients(contraction: lora.Contraction, a: Shape, b: Shape
   a_stride = [math.prod(a[j + 1:-1]) for j in range(len(a) - 1)]
   b_stride = [0] + [math.prod(b[j + 1:]) for j in range(1, len(b))]
   ca, cb = [0] * len(weight), [0] * len(weight)
-  if contraction.reshape:
-    if stacked or len(a) != 2 or len(b) != 2:
-      return None
-    split = next((k for k in range(len(weight) + 1)
-                  if math.prod(weight[:k]) == a[0] and math.prod(weight[k:]) == b[1]), None)
-    if split is None:
-      return None
-    for k in range(len(weight)):
-      if k < split:
-        ca[k] = math.prod(weight[k + 1:split])
-      else:
-        cb[k] = math.prod(weight[k + 1:])
-    return ca, cb
   a_axes = [j for j in range(len(a) - 1) if j not in stacked]
   b_axes = [j for j in range(1, len(b)) if j not in stacked]
   inner = [k for k in range(len(weight)) if k not in stacked]
+  for k in stacked:
+    ca[k], cb[k] = a_stride[k], b_stride[k]
+  if contraction.reshape:  # One flattened axis each (qwix's dot_general): a's lead the weight.
+    if len(a_axes) != 1 or len(b_axes) != 1:
+      return None
+    sizes = [weight[k] for k in inner]
+    split = next((n for n in range(len(sizes) + 1) if math.prod(sizes[:n]) == a[a_axes[0]]
+                  and math.prod(sizes[n:]) == b[b_axes[0]]), None)
+    if split is None:
+      return None
+    for n, k in enumerate(inner):
+      if n < split:
+        ca[k] = math.prod(sizes[n + 1:split]) * a_stride[a_axes[0]]
+      else:
+        cb[k] = math.prod(sizes[n + 1:]) * b_stride[b_axes[0]]
+    return ca, cb
   for k, p in zip(inner, contraction.permutation, strict=True):
     if p < len(a_axes):
       ca[k] = a_stride[a_axes[p]]
     else:
       cb[k] = b_stride[b_axes[p - len(a_axes)]]
-  for k in stacked:
-    ca[k], cb[k] = a_stride[k], b_stride[k]
   return ca, cb
 
 
 def _positions(shape: Shape, coefficients: Sequence[int]) -> np.ndarray:
-  """The array of `shape` whose entry at each index is `sum(coefficient * index)`."""
-  out = np.zeros(shape, np.int64)
+  """The array of `shape` whose entry at each index is `sum(coefficient * index)` (in int32
+  where that holds every entry: half the memory of a weight-sized int64 array)."""
+  largest = sum((n - 1) * c for n, c in zip(shape, coefficients, strict=True))
+  dtype = np.int32 if largest < 2**31 else np.int64
+  out = np.zeros(shape, dtype)
   for axis, (n, c) in enumerate(zip(shape, coefficients, strict=True)):
     if c:
-      out += (np.arange(n, dtype=np.int64) * c).reshape([-1 if i == axis else 1
-                                                          for i in range(len(shape))])
+      out += (np.arange(n, dtype=dtype) * c).reshape([-1 if i == axis else 1
+                                                       for i in range(len(shape))])
   return out
 
 
@@ -131,33 +134,67 @@ class Factors:
     return _factors(contraction, transform, tuple(a), tuple(b))
 
 
-@functools.lru_cache(maxsize=64)
 def _factors(contraction: lora.Contraction, transform: Transform, a: Shape, b: Shape
              ) -> Factors | str:
   found = _coefficients(contraction, a, b)
   if found is None:
     return 'its adapters are arranged in a way a linear module\'s cannot follow'
-  weight = contraction.weight
-  rows, columns = _positions(weight, found[0]), _positions(weight, found[1])
-  factor = 1.0
-  try:
-    for step in transform.steps or (transform,):
-      if step.moves_only:
-        rows, columns = step.apply([rows]), step.apply([columns])
-        continue
-      ones = np.asarray(step.apply([np.ones(rows.shape, np.float32)]))
-      zeros = np.asarray(step.apply([np.zeros(rows.shape, np.float32)]))
-      if ones.shape != rows.shape or np.any(zeros != 0) or np.any(ones != ones.flat[0]):
-        return f'the weight is made by {step.name}, which is not a scaling of it'
-      factor *= float(ones.flat[0])
-  except TransformError as e:
-    return str(e)
-  if rows.ndim != 2:
-    return f'the Hugging Face tensor has {rows.ndim} dimensions (a linear module\'s has 2)'
-  if np.any(rows != rows[:1]) or np.any(columns != columns[:, :1]):
-    return ('a feature of the Hugging Face module mixes several rows of lora_a (or columns of'
-            ' lora_b): not B·A for any rank')
-  return Factors(np.ascontiguousarray(rows[0]), np.ascontiguousarray(columns[:, 0]), factor)
+  shape, ca, cb = list(contraction.weight), list(found[0]), list(found[1])
+  # The transform's leading takes (a layer of a stacked weight, a part of a fused one) only
+  # add a constant to the positions: the rest is computed once per layer shape (cached).
+  takes, rest = leading_takes(transform)
+  offset_a = offset_b = 0
+  for axis, index in takes:
+    axis %= len(shape)
+    if not 0 <= index < shape[axis]:
+      return f'take(axis={axis}, index={index}) does not fit the weight {tuple(shape)}'
+    offset_a, offset_b = offset_a + index * ca[axis], offset_b + index * cb[axis]
+    del shape[axis], ca[axis], cb[axis]
+  key = (tuple(shape), tuple(ca), tuple(cb), rest.name)
+  if key not in _FACTORS:
+    if len(_FACTORS) > 256:
+      _FACTORS.clear()
+    _FACTORS[key] = _positions_through(rest, tuple(shape), ca, cb)
+  made = _FACTORS[key]
+  if isinstance(made, str):
+    return made
+  return Factors(made.a_rows + offset_a, made.b_columns + offset_b, made.factor)
+
+
+# (weight shape, coefficients, transform name) -> its Factors (a name says all a transform
+# does, as for `transforms.on_devices`): every layer of a model shares a handful.
+_FACTORS: dict[tuple, Factors | str] = {}
+
+
+def _positions_through(transform: Transform, shape: Shape, ca: Sequence[int],
+                       cb: Sequence[int]) -> Factors | str:
+  """`_factors` for one weight shape: the positions of `a` and of `b`, one after the other
+  (each the weight's size, in the narrowest integers that hold them), through `transform`."""
+  found, factor = [], 1.0
+  for coefficients, axis in ((ca, 0), (cb, 1)):
+    positions = _positions(shape, coefficients)
+    try:
+      for step in transform.steps or (transform,):
+        if step.moves_only:
+          positions = step.apply([positions])
+          continue
+        if axis == 0:  # A computed step: a scaling by one number, which B takes.
+          ones = np.asarray(step.apply([np.ones(positions.shape, np.float32)]))
+          zeros = np.asarray(step.apply([np.zeros(positions.shape, np.float32)]))
+          if (ones.shape != positions.shape or np.any(zeros != 0)
+              or np.any(ones != ones.flat[0])):
+            return f'the weight is made by {step.name}, which is not a scaling of it'
+          factor *= float(ones.flat[0])
+    except TransformError as e:
+      return str(e)
+    if positions.ndim != 2:
+      return f'the Hugging Face tensor has {positions.ndim} dimensions (a linear module\'s has 2)'
+    first = positions[:1] if axis == 0 else positions[:, :1]
+    if np.any(positions != first):
+      return ('a feature of the Hugging Face module mixes several rows of lora_a (or columns of'
+              ' lora_b): not B·A for any rank')
+    found.append(np.ascontiguousarray(first.reshape(-1)).astype(np.int64))
+  return Factors(found[0], found[1], factor)
 
 
 def _digest(*arrays: np.ndarray) -> str:

@@ -165,6 +165,7 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
       'files': {f.name: len(f.tensors) for f in plan.files},
       'total_size': sum(f.nbytes for f in plan.files),
       'config': plan.summary.get('config'),
+      **({'adapter': plan.summary['adapter']} if 'adapter' in plan.summary else {}),
       'notes': list(plan.notes),
   }
 

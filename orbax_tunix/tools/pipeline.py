@@ -235,7 +235,7 @@ def plan(
   commit.check_destination(
       [c.step_dir for c in merge_lib.checkpoints_read(source, merged)], dst, force, sink.kind)
   if merged is None and not chosen.adapters:
-    _refuse_adapters_only(source)
+    _refuse_adapters_only(source, chosen.name)
   laid = chosen.lay_out(layouts.Request(
       source=source, params_only=params_only, dtype=dtype, merge=merged, **given))
   written = [item for item in laid.items if item.outputs or item.json]
@@ -283,8 +283,9 @@ def _open_source(
   return source
 
 
-def _refuse_adapters_only(source: reader.CanonicalCheckpoint) -> None:
-  """A LoRA run saved without its base weights is no model as it is.
+def _refuse_adapters_only(source: reader.CanonicalCheckpoint, layout: str) -> None:
+  """A LoRA run saved without its base weights is no model as it is (for a layout that writes
+  a model: one that takes adapters as they are is not asked).
 
   Raises:
     LoraOnlyCheckpointError: saying how to merge instead.
@@ -298,9 +299,11 @@ def _refuse_adapters_only(source: reader.CanonicalCheckpoint) -> None:
     raise errors.LoraOnlyCheckpointError(
         f'{source.step_dir}: expected model weights, found LoRA adapters only'
         f' ({len(adapters)} leaves, e.g. {adapters[0]}): the run saved no base weights'
-        " (Tunix's save_only_lora_params). Converted alone they are not a model."
-        ' Merge them into the base weights the run started from: `merge_lora=True`,'
-        ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint).'
+        f" (Tunix's save_only_lora_params). A {layout} output is a model, and they alone are"
+        ' none. Merge them into the base weights the run started from: `merge_lora=True`,'
+        ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint); or convert'
+        " them as they are (`layout='canonical'`), or export them as a PEFT adapter"
+        ' (`export_peft_adapter`).'
     )
 
 
