@@ -50,7 +50,10 @@ mkdir -p "$VENVS"
 "$PY" -m venv "$VENV"
 VPIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input -q)
 # torch first, alone: with its CPU build in place, the rest resolve against it and pull no CUDA.
-"${VPIP[@]}" install --no-compile "$(grep -E '^torch==' "$REQS")"
+# ORBAX_TUNIX_TORCH_INDEX (CI: https://download.pytorch.org/whl/cpu) is where that CPU build is
+# where pip's configured wheels do not hold it (PyPI's torch for Linux is a CUDA build).
+"${VPIP[@]}" install --no-compile ${ORBAX_TUNIX_TORCH_INDEX:+--index-url "$ORBAX_TUNIX_TORCH_INDEX"} \
+  "$(grep -E '^torch==' "$REQS")"
 "${VPIP[@]}" install --no-compile -r "$REQS"
 "$VENV/bin/python" -c "$IMPORTS" >/dev/null 2>&1 || { "$VENV/bin/python" -c "$IMPORTS" || true; log "import check failed"; exit 1; }
 echo "$want_stamp" >"$STAMP"

@@ -210,6 +210,7 @@ _NOT_WITH_PEFT = {
     'hf_config': 'an adapter folder holds no config.json or tokenizer of the model',
     'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
     'base_only': 'the adapter holds the adapters; --base-only writes the base model',
+    'config_as_trained': 'an adapter folder holds no config.json of the model',
 }
 
 
@@ -336,6 +337,7 @@ _FLAGS = {
     'model': '--model',
     'max_shard_size': '--max-shard-size',
     'hf_config': '--hf-config',
+    'config_as_trained': '--config-as-trained',
     'out_dir': 'OUT_DIR',
     'coordinator_address': '--coordinator-address',
     'num_processes': '--num-processes',

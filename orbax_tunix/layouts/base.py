@@ -44,6 +44,9 @@ class Request:
       alpha, or alpha / rank itself).
     base_model: an adapter layout's base model (a Hub name or a folder), as its
       config names it.
+    config_as_trained: a folder layout writes into config.json the values the
+      trainer computed with where they differ from the base config's
+      (`mapping/as_trained.py`).
   """
 
   source: reader.CanonicalCheckpoint
@@ -58,6 +61,7 @@ class Request:
   adapter_alpha: float | None = None
   adapter_scale: float | None = None
   base_model: str | None = None
+  config_as_trained: bool = False
 
 
 def weights(request: Request) -> dict[tuple[str, ...], Output]:

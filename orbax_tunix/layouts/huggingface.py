@@ -25,7 +25,7 @@ from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.base import FOLDER, LaidOut, Layout, Option, Request, register, weights
 from orbax_tunix.layouts.canonical import rng_note
-from orbax_tunix.mapping import huggingface, lora, patterns, stacks
+from orbax_tunix.mapping import as_trained, huggingface, lora, patterns, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied, read_sliced, relay
 from orbax_tunix.mapping.transforms import per_input
@@ -87,8 +87,11 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   # A stacked weight's layers (and a fused weight's parts) are read one by one,
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
+  facts = family.as_trained if naming.source == huggingface.TUNIX else ()
+  trained = functools.partial(as_trained.apply, facts, family.name, shapes, naming.layers(shapes),
+                              write=request.config_as_trained)
   files, notes = _config_files(family, request.hf_config, base_config, shapes,
-                               {o.dtype.name for o in outputs if o.dtype is not None})
+                               {o.dtype.name for o in outputs if o.dtype is not None}, trained)
   notes = [*rng_note(source), *left_out, *vocab_notes, *notes,
            f'weights: {huggingface.describe_source(stored, axis)}']
   return LaidOut(
@@ -255,23 +258,35 @@ def _base_config(hf_config: epath.Path | None) -> object:
 
 def _config_files(
     family: huggingface.Family, hf_config: epath.Path | None, values: object, shapes,
-    dtypes: set[str],
+    dtypes: set[str], trained,
 ) -> tuple[tuple[tuple[str, epath.Path | str], ...], list[str]]:
   """The folder's other files: the base model's config (`values`, as `_base_config` read it;
-  checked against the weights, and written anew where the checks complete it) and the files
-  to copy, every one a regular file (decided before any read); and notes."""
+  checked against the weights, and written anew where the checks complete it or `trained`, the
+  family's `as_trained.apply`, changes it) and the files to copy, every one a regular file
+  (decided before any read); and notes.
+
+  Raises:
+    InvalidOptionError: `config_as_trained` without `hf_config` (no config.json to write to).
+  """
   if hf_config is None:
+    if trained.keywords['write']:
+      raise errors.InvalidOptionError(
+          '`config_as_trained` writes the values the trainer used into the config.json that'
+          ' `hf_config` gives, and no `hf_config` was given. Pass `hf_config` (the base'
+          " model's folder) too, or leave `config_as_trained` out.")
     return (), [
         'no config.json written: add the base model\'s (--hf-config DIR copies it and its'
-        ' tokenizer) before loading the folder with transformers or vLLM'
+        ' tokenizer) before loading the folder with transformers or vLLM',
+        *trained(None)[1],
     ]
   config = hf_config / 'config.json'
   checked = huggingface.check_config(family, values, shapes, str(config))
   checked = _with_dtype(checked, dtypes)
+  written, trained_notes = trained(dict(checked.values))
   files: list[tuple[str, epath.Path | str]] = [
-      ('config.json', json.dumps(checked.values, indent=2, sort_keys=False) + '\n'
-       if checked.notes else config)]
-  notes = list(checked.notes)
+      ('config.json', json.dumps(written, indent=2, sort_keys=False) + '\n'
+       if checked.notes or written != dict(checked.values) else config)]
+  notes = [*checked.notes, *trained_notes]
   for name in (*CONFIG_FILES[1:], *TOKENIZER_FILES):
     path = hf_config / name
     usable, note = _copyable(path)
@@ -367,13 +382,18 @@ PARAM_SCAN_AXIS = Option(
 BASE_ONLY = Option(
     'base_only', bool, '', "a full LoRA save's base weights alone (the adapters left out, not"
     ' merged): the base a PEFT adapter of the run applies to', switch=True)
+CONFIG_AS_TRAINED = Option(
+    as_trained.OPTION, bool, '', 'write into config.json the values google-tunix trained with'
+    " where its model class ignores the base config's (rope_theta: llama3, qwen3, qwen3_moe"
+    ' rotate with base 1000000 whatever the config says); without it the export notes the'
+    ' difference. Needs --hf-config', switch=True)
 
 for _family in map(huggingface.get, huggingface.names()):
   register(Layout(
       name=_family.name,
       description=f'a Hugging Face safetensors folder of {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
-      options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG, BASE_ONLY),
+      options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG, BASE_ONLY, CONFIG_AS_TRAINED),
       sink=FOLDER,
       weights_only=True,
       adapters=True,  # `lay_out` refuses them unmerged itself, saying what to do.

@@ -55,6 +55,7 @@ from orbax_tunix import catalog, errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import lora
 from orbax_tunix.mapping import stacks as stacks_lib
+from orbax_tunix.mapping.as_trained import AsTrained
 from orbax_tunix.mapping.patterns import LayoutRule, Mapped, Pattern
 from orbax_tunix.mapping.transforms import (
   IDENTITY,
@@ -277,6 +278,8 @@ class Family:
     vocab_padding: which cuts of them are padding (`Naming.vocab_padding`).
     maxtext: MaxText's naming of the family, if MaxText has the model.
     lora: see `Naming.lora` (Tunix's naming).
+    as_trained: where Tunix's model class computes otherwise than `transformers` does from
+      the family's config.json (`mapping/as_trained.py`; Tunix's naming only).
     text_prefixes: `transformers` class -> where it holds the text model's modules, for
       the classes a base model of the family may be (a multimodal one holds them deeper).
   """
@@ -294,6 +297,7 @@ class Family:
   vocab_padding: VocabPadding = NO_PADDING
   maxtext: Naming | None = None
   lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
+  as_trained: tuple[AsTrained, ...] = ()
   text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   @property
@@ -420,6 +424,16 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
   )
 
 
+# Measured with `transformers` (tests/test_hf_clients.py): Tunix's Llama3 and Qwen3 (its MoE
+# too) call `apply_rope` without the ModelConfig's rope_theta, so they rotate with its
+# default base; Llama 3's Hub config says 500000 (Qwen2's model passes its config's).
+ROPE_BASE_1E6 = AsTrained(
+    what='rope_theta', field='rope_theta', value=1_000_000,
+    trained='attention rotates with RoPE base 1000000 whatever its ModelConfig says'
+            " (`apply_rope`'s default; the config's rope_theta is never passed to it)",
+    consequence="the attention, and so every output, differs from the trained model's")
+
+
 def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
                  maxtext: Naming) -> Family:
   """Qwen3 and Llama3 share Tunix's layout; Qwen3 adds q/k norms."""
@@ -457,6 +471,7 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
       },
       tied=lambda paths: ('lm_head', 'w') not in paths,
       maxtext=maxtext,
+      as_trained=(ROPE_BASE_1E6,),
   )
 
 
@@ -666,10 +681,13 @@ def _per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
 
 
 def _extended(base: Family, name: str, architecture: str, model_type: str, rules=(), required=(),
-              dims=None, optional=(), maxtext: Naming | None = None) -> Family:
-  """`base` plus some weights, the patterns in `optional` no longer required."""
+              dims=None, optional=(), maxtext: Naming | None = None,
+              as_trained: tuple[AsTrained, ...] = ()) -> Family:
+  """`base` plus some weights, the patterns in `optional` no longer required (and only
+  `as_trained`'s facts: the model class is another one)."""
   return dataclasses.replace(
       base, name=name, architecture=architecture, model_type=model_type, maxtext=maxtext,
+      as_trained=as_trained,
       rules=base.rules + tuple(rules),
       required=tuple(tuple(tuple(p for p in alt if p not in optional) for alt in alts)
                      for alts in base.required) + tuple(required),
@@ -704,6 +722,7 @@ QWEN3_MOE = _extended(
     },
     optional=('layers/{i}/mlp/{p:gate|up|down}_proj/kernel',),
     maxtext=_maxtext_qwen3_moe(),
+    as_trained=QWEN3.as_trained,  # Tunix's Qwen3 class, with experts.
 )
 
 
@@ -842,6 +861,13 @@ GEMMA4 = Family(
     text_prefixes={'Gemma4ForCausalLM': 'model.', 'Gemma4ForConditionalGeneration':
                    'model.language_model.'},
     maxtext=_maxtext_gemma4(),
+    # Measured with `transformers` (tests/test_hf_clients.py): fed what Tunix's is, its router
+    # gives the Tunix model back.
+    as_trained=(AsTrained(
+        what='router', when=('layers/{i}/moe/router_logits',),
+        trained="MoE router reads moe_pre_ffw_norm(x), the experts' input",
+        served='reads x (pre_feedforward_layernorm_2 normalises the experts\' input only)',
+        consequence='served, tokens go to other experts, with other weights, than in training'),),
 )
 
 FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')

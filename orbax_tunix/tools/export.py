@@ -64,6 +64,7 @@ def plan_export(
     force: bool = False,
     param_scan_axis: int | None = None,
     base_only: bool = False,
+    config_as_trained: bool = False,
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
 
@@ -96,6 +97,10 @@ def plan_export(
     base_only: a full LoRA save's base weights alone (the adapters left out,
       not merged): the model a PEFT adapter of the run applies to, where the
       base has no Hugging Face folder of its own.
+    config_as_trained: write into the config.json `hf_config` gives the values
+      google-tunix trained with where its model class ignores the base
+      config's (`rope_theta` for llama3, qwen3, qwen3_moe); without it such a
+      difference is a note. Needs `hf_config`.
 
   Returns:
     An `ExportPlan`.
@@ -114,7 +119,7 @@ def plan_export(
       src, out_dir, layout=family.name, step=step, dtype=_dtype(dtype), memory_budget=memory_budget,
       force=force, merge_lora=merge_lora, lora_alpha=lora_alpha, lora_scale=lora_scale,
       base=base, max_shard_size=max_shard_size, hf_config=hf_config,
-      param_scan_axis=param_scan_axis, base_only=base_only,
+      param_scan_axis=param_scan_axis, base_only=base_only, config_as_trained=config_as_trained,
   )
 
 
