@@ -50,8 +50,8 @@ mkdir -p "$VENVS"
 "$PY" -m venv "$VENV"
 VPIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input -q)
 # torch first, alone: with its CPU build in place, the rest resolve against it and pull no CUDA.
-# ORBAX_TUNIX_TORCH_INDEX (CI: https://download.pytorch.org/whl/cpu) is where that CPU build is
-# where pip's configured wheels do not hold it (PyPI's torch for Linux is a CUDA build).
+# This machine kind's pip takes it from its configured wheels (a CPU build for Python 3.11);
+# elsewhere ORBAX_TUNIX_TORCH_INDEX may name an index that holds one (PyPI's is a CUDA build).
 "${VPIP[@]}" install --no-compile ${ORBAX_TUNIX_TORCH_INDEX:+--index-url "$ORBAX_TUNIX_TORCH_INDEX"} \
   "$(grep -E '^torch==' "$REQS")"
 "${VPIP[@]}" install --no-compile -r "$REQS"
