@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import os
 import posixpath
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,7 @@ from orbax_tunix import errors
 from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.store import _orbax, fileio, netprobe, step_store
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA, TMP_MARKER
+from orbax_tunix.writing import checksums
 
 COMMIT_SUCCESS = _orbax.COMMIT_SUCCESS
 # In a step being written in place (on a bucket), until its commit.
@@ -211,14 +213,57 @@ def check_step_name(dst: epath.Path) -> None:
     )
 
 
+def _unescape(field: str) -> str:
+  """A path as /proc/self/mountinfo writes it (space, tab, newline, backslash as octal)."""
+  return re.sub(r'\\([0-7]{3})', lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mount_points() -> frozenset[str]:
+  """Every mount point of this process's mount namespace (bind mounts too: unlike
+  `os.path.ismount`, which compares devices, this sees a bind mount within one file
+  system); empty where /proc is not there."""
+  try:
+    with open('/proc/self/mountinfo', encoding='utf-8', errors='surrogateescape') as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return frozenset()
+  return frozenset(_unescape(line.split(' ')[4]) for line in lines if line.count(' ') >= 4)
+
+
+def is_mount_point(dst: epath.Path) -> bool:
+  """Whether a local `dst` is a directory something is mounted on (a container's
+  volume); a link given as DST is not (a rename replaces the link itself)."""
+  if not fileio.is_local(dst) or os.path.islink(dst) or not os.path.isdir(dst):
+    return False
+  text = os.path.abspath(os.fspath(dst))
+  where = os.path.join(os.path.realpath(os.path.dirname(text)), os.path.basename(text))
+  return os.path.ismount(where) or where in _mount_points()
+
+
+def check_not_mount_point(dst: epath.Path, kind: Kind) -> None:
+  """Refuses a local DST that is a mount point, before anything is written.
+
+  A new one is written complete beside DST and renamed onto it (the one way a
+  reader never sees it half made), and a mount point can be neither renamed nor
+  replaced (EBUSY): written there, the whole output would land on the parent's
+  file system first, then fail.
+
+  Raises:
+    InvalidDestinationError: saying why and what to do.
+  """
+  if is_mount_point(dst):
+    raise errors.InvalidDestinationError(
+        f'{dst}: the destination is a mount point (a volume is mounted there). This'
+        f' command writes {kind.what} complete beside its destination and renames it onto'
+        ' it, so that no reader sees it half made, and a mount point cannot be renamed or'
+        ' replaced.'
+        f' Choose a new directory inside it instead (e.g. {os.path.join(os.fspath(dst), "out")}).'
+    )
+
+
 def is_ours_unfinished(path: epath.Path) -> bool:
   """A step this package was writing in place when it was interrupted."""
   return (path / MARKER).exists() and not ocp.path.step.is_path_finalized(path)
-
-
-def _everything(entry: epath.Path) -> bool:
-  del entry
-  return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,61 +272,59 @@ class Kind:
 
   Attributes:
     what: for messages ('a checkpoint step').
-    holds: the entries one of these holds, any of which tells it (for `force`).
+    holds: the entries one of these holds, any of which tells it.
+    record: path -> the entries this package's own record in it says it wrote
+      there (None: no record, so not written by this package). Replacing
+      deletes every entry, so only a directory whose every entry the record
+      names is replaced: nothing this package did not write is touched,
+      whatever its name.
     commit_file: written last to make it final (None: the rename alone).
     in_place: on a bucket, written in place (Orbax's way for steps); else
       written beside and copied over once complete.
-    owns: whether an entry of one of these is what this package (or Orbax)
-      writes there. Replacing deletes every entry, so a directory holding
-      one it does not own (a `.git`, someone's notes) is never replaced.
   """
 
   what: str
   holds: tuple[str, ...]
+  record: Callable[[epath.Path], frozenset[str] | None]
   commit_file: str | None = COMMIT_SUCCESS
   in_place: bool = True
-  owns: Callable[[epath.Path], bool] = _everything
 
   def is_one(self, path: epath.Path) -> bool:
     return path.is_dir() and TMP_MARKER not in path.name and any(
         (path / name).exists() for name in self.holds)
 
-  def foreign(self, path: epath.Path) -> list[str]:
-    """The entries of `path` (one of these) that it does not own, sorted."""
-    return sorted(entry.name for entry in path.iterdir() if not self.owns(entry))
+  def foreign(self, path: epath.Path, recorded: frozenset[str]) -> list[str]:
+    """The entries of `path` that its record does not name, sorted."""
+    return sorted(entry.name for entry in path.iterdir() if entry.name not in recorded)
 
 
-# What Orbax writes at the top of a step besides its items (a step saved as one
-# item holds that item's store there).
-_ORBAX_STEP_ENTRIES = frozenset({
-    COMMIT_SUCCESS, MARKER, _orbax.AGGREGATE_FILE, _orbax.ARRAY_METADATAS, _orbax.OCDBT_MANIFEST,
-    'd', 'descriptor',
-})
-# Files that tell an item directory: a PyTree's, a JSON item's, an OCDBT store's.
-_ITEM_FILES = (_orbax.PYTREE_METADATA, _orbax.AGGREGATE_FILE, _orbax.JSON_ITEM_FILE,
-               _orbax.OCDBT_MANIFEST)
+# What this package writes at the top of a step besides the items its metadata names.
+_STEP_FILES = frozenset({CHECKPOINT_METADATA, COMMIT_SUCCESS, MARKER})
 
 
-def _in_step(entry: epath.Path) -> bool:
-  """Whether an entry of a step directory is Orbax's: its own files, or an item."""
-  name = entry.name
-  if name.startswith('_') or name in _ORBAX_STEP_ENTRIES or name.startswith(_orbax.OCDBT_PROCESS_PREFIX):
-    return True
-  if name.startswith('.') or not entry.is_dir():
-    return False
-  if any((entry / f).exists() for f in _ITEM_FILES):
-    return True
+def _step_record(path: epath.Path) -> frozenset[str] | None:
+  """The entries a step this package wrote holds: the items its `_CHECKPOINT_METADATA`
+  names (`item_handlers`) and the step's own files; None when the metadata is not
+  this package's (no `orbax_tunix` record in its custom metadata) or unreadable."""
   try:
-    return name in (step_store.open_step(entry.parent).recorded or {})
+    step = step_store.open_step(path)
   except errors.TunixCheckpointError:
-    return False
+    return None
+  if checksums.RECORD_KEY not in step.custom_metadata or step.recorded is None:
+    return None
+  return frozenset(step.recorded) | _STEP_FILES
 
 
-STEP = Kind('a checkpoint step', (CHECKPOINT_METADATA,), owns=_in_step)
+STEP = Kind('a checkpoint step', (CHECKPOINT_METADATA,), record=_step_record)
 
 
 def _is_empty_dir(path: epath.Path) -> bool:
   return path.is_dir() and next(iter(path.iterdir()), None) is None
+
+
+def _some_entries(path: epath.Path) -> str:
+  names = sorted(p.name for p in path.iterdir())
+  return ', '.join(names[:5]) + (f' and {len(names) - 5} more' if len(names) > 5 else '')
 
 
 def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
@@ -297,20 +340,28 @@ def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
   if not dst.exists() or is_ours_unfinished(dst) or _is_empty_dir(dst):
     return
   if not kind.is_one(dst):
-    found = 'a file' if not dst.is_dir() else (
-        'a directory holding ' + ', '.join(sorted(p.name for p in dst.iterdir())[:5]))
+    found = 'a file' if not dst.is_dir() else f'a directory holding {_some_entries(dst)}'
     raise errors.InvalidDestinationError(
         f'{dst}: expected a new (or empty) directory, found {found}: not {kind.what}'
         f' (a directory holding {" or ".join(kind.holds)}), so it is never written over.'
         ' Choose another dst, or move it away yourself.'
     )
-  foreign = kind.foreign(dst)
+  recorded = kind.record(dst)
+  if recorded is None:
+    raise errors.InvalidDestinationError(
+        f'{dst}: holds {kind.what} that this package did not write ({_some_entries(dst)},'
+        ' and no record of this package naming what it wrote), so it is never written'
+        ' over: replacing it would delete what its owner wrote. Choose another dst, or'
+        ' move it away yourself.'
+    )
+  foreign = kind.foreign(dst, recorded)
   if foreign:
     raise errors.InvalidDestinationError(
         f'{dst}: holds {kind.what} and also {", ".join(foreign[:5])}'
         f'{f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""}, which this'
-        ' package does not write; replacing the folder would delete them. Choose another'
-        ' dst, or move those entries away yourself.'
+        ' package did not write (its record there does not name them); replacing the'
+        ' folder would delete them. Choose another dst, or move those entries away'
+        ' yourself.'
     )
   if not force:
     raise errors.DestinationExistsError(
@@ -366,6 +417,7 @@ class Staging:
         self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{time.time_ns()}'
       (self.work / MARKER).write_text('written by orbax-tunix; not committed yet')
       return self.work
+    check_not_mount_point(dst, self.kind)
     parent = dst.parent
     while not parent.exists() and parent != parent.parent:
       self._created.append(parent)
@@ -558,6 +610,7 @@ def check_destination(
   check_step_name(dst)
   for src in sources:
     check_outside_source(src, dst)
+  check_not_mount_point(dst, kind)
   problem = netprobe.unreachable(dst)  # Before any client call (their retries take ~50 s).
   if problem is not None:
     raise _unreachable(dst, problem)
