@@ -337,8 +337,8 @@ def _leftover_notes(dst: epath.Path, sink: Sink) -> list[str]:
   see its own staging)."""
   if not distributed.is_primary():
     return []
-  return [f'{p} is left from an interrupted {sink.run} to {dst} (never a finished one);'
-          f' remove it when no {sink.run} is running' for p in commit.leftovers(dst)]
+  return [f'{p} is left from an interrupted {sink.run} to {dst} (it was never committed'
+          f' there); remove it when no {sink.run} is running' for p in commit.leftovers(dst)]
 
 
 # --- running ------------------------------------------------------------------

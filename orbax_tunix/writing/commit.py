@@ -14,15 +14,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import posixpath
 import re
+import secrets
 import shutil
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import fsspec
-import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
@@ -261,9 +264,160 @@ def check_not_mount_point(dst: epath.Path, kind: Kind) -> None:
     )
 
 
-def is_ours_unfinished(path: epath.Path) -> bool:
-  """A step this package was writing in place when it was interrupted."""
-  return (path / MARKER).exists() and not ocp.path.step.is_path_finalized(path)
+# --- which run a location is (being) written by ------------------------------------
+#
+# A run claims what it writes into on a bucket by creating `MARKER` there
+# exclusively (a create that fails when the object exists), and renews the claim
+# while it writes. A second run never deletes what a live run claims; a claim
+# whose run is gone (its process on this host has ended, or it was not renewed
+# for `LEASE_SECONDS`) is an interrupted run's leftover, which a rerun replaces.
+
+# A claim lapses this long after its last renewal (a run on another host, whose
+# process cannot be looked up, is taken as gone only then).
+LEASE_SECONDS = 120.0
+# How often a run renews its claims.
+RENEW_SECONDS = 15.0
+
+
+def _host() -> str:
+  """This host, as far as a process id means something on it: its name, its kernel's
+  boot and its process-id namespace (containers sharing a name differ in the latter)."""
+  parts = [socket.gethostname()]
+  for where, read in (('/proc/sys/kernel/random/boot_id', 'file'), ('/proc/self/ns/pid', 'link')):
+    with contextlib.suppress(OSError):
+      parts.append(open(where).read().strip() if read == 'file' else os.readlink(where))
+  return '/'.join(parts)
+
+
+def new_run_id() -> str:
+  """A run's id: unique across hosts, short enough for a temporary name."""
+  return f'{time.time_ns()}-{secrets.token_hex(4)}'
+
+
+# The runs of this process under way (a claim of this process whose run is not
+# here is a leftover of an earlier call).
+_RUNS_HERE: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """Who writes a location: the content of its `MARKER`."""
+
+  run: str
+  host: str
+  pid: int
+  renewed: float
+
+  @classmethod
+  def mine(cls, run: str) -> Claim:
+    return cls(run, _host(), os.getpid(), time.time())
+
+  def text(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def read(cls, marker: epath.Path) -> Claim | None:
+    """The claim a marker holds; None when there is none, or one an earlier version
+    of this package wrote (plain text: a leftover, its run long gone)."""
+    try:
+      found = json.loads(marker.read_text())
+      return cls(str(found['run']), str(found['host']), int(found['pid']),
+                 float(found['renewed']))
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
+
+  def live(self) -> bool:
+    """Whether its run may still be writing: its process is running (on this host),
+    or its claim was renewed within `LEASE_SECONDS` (another host)."""
+    if self.host == _host():
+      if self.pid == os.getpid():
+        return self.run in _RUNS_HERE
+      try:
+        os.kill(self.pid, 0)
+      except ProcessLookupError:
+        return False
+      except OSError:
+        return True  # Running, as another user.
+      return True
+    return time.time() - self.renewed < LEASE_SECONDS
+
+  def describe(self) -> str:
+    if self.host == _host():
+      return f'run {self.run}, process {self.pid} on this host'
+    age = max(time.time() - self.renewed, 0.0)
+    return (f'run {self.run}, process {self.pid} on host {self.host.split("/")[0]}, its claim'
+            f' renewed {age:.0f} s ago')
+
+
+def unfinished_claim(path: epath.Path, kind: Kind) -> Claim | None:
+  """The claim on `path` when it is unfinished work of this package (it holds `MARKER`
+  and is not committed); None otherwise. An unreadable claim (an earlier version's)
+  counts as a run long gone."""
+  marker = path / MARKER
+  if not marker.exists():
+    return None
+  if kind.commit_file is not None and (path / kind.commit_file).exists():
+    return None  # Committed: the marker is left from the commit's last step.
+  return Claim.read(marker) or Claim('(unknown)', '(unknown)', 0, 0.0)
+
+
+def _being_written(dst: epath.Path, claim: Claim, kind: Kind) -> errors.InvalidDestinationError:
+  return errors.InvalidDestinationError(
+      f'{dst}: expected no other run writing there, found {kind.what} being written by'
+      f' another run ({claim.describe()}); a run never deletes what another is writing.'
+      ' Wait for it to finish (then pass `force=True` to replace what it wrote), or, if'
+      f' that run is dead, run again once its claim lapses ({LEASE_SECONDS:.0f} s after'
+      ' its last renewal; at once on the same host).'
+  )
+
+
+def _create(path: epath.Path, text: str) -> bool:
+  """Creates a file only if it does not exist (atomic on a bucket too: a create
+  conditional on no object being there); returns whether this call created it."""
+  if fileio.is_local(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+  fs, where = fsspec.core.url_to_fs(os.fspath(path))
+  try:
+    fs.pipe_file(where, text.encode(), mode='create')
+  except FileExistsError:
+    return False
+  return True
+
+
+class _Lease:
+  """The claims one run holds, renewed every `RENEW_SECONDS` until `stop`."""
+
+  def __init__(self, run: str):
+    self.run = run
+    self.markers: list[epath.Path] = []
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def claim(self, marker: epath.Path) -> bool:
+    """Claims a location (creates its marker); False when another run holds it."""
+    if not _create(marker, Claim.mine(self.run).text()):
+      return False
+    self.markers.append(marker)
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._renew, name='orbax-tunix-claim', daemon=True)
+      self._thread.start()
+    return True
+
+  def holds(self, marker: epath.Path) -> bool:
+    claim = Claim.read(marker)
+    return claim is not None and claim.run == self.run
+
+  def _renew(self) -> None:
+    while not self._stop.wait(RENEW_SECONDS):
+      for marker in list(self.markers):
+        with contextlib.suppress(OSError):
+          if self.holds(marker):  # Never over another run's (one that took over).
+            marker.write_text(Claim.mine(self.run).text())
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,17 +482,24 @@ def _some_entries(path: epath.Path) -> str:
 
 
 def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
-  """Says whether `dst` may be written: absent, an empty directory, our own
-  leftover, or (force) one of `kind` holding only what one of `kind` holds.
+  """Says whether `dst` may be written: absent, an empty directory, what an
+  interrupted run left (`unfinished_claim`, its run gone), or (force) one of
+  `kind` this package wrote, holding only what its record names (`Kind.record`).
 
   Raises:
     DestinationExistsError: it is one of `kind` and `force` was not given.
-    InvalidDestinationError: it is something else (a file, another folder,
-      one of `kind` holding other entries too), with or without `force`:
+    InvalidDestinationError: another run is writing it; or it is something else
+      (a file, another folder, one of `kind` this package did not write, or
+      holding entries its record does not name), with or without `force`:
       replacing deletes every entry, so only its owner may remove them.
   """
-  if not dst.exists() or is_ours_unfinished(dst) or _is_empty_dir(dst):
+  if not dst.exists() or _is_empty_dir(dst):
     return
+  claim = unfinished_claim(dst, kind)
+  if claim is not None:
+    if claim.live():
+      raise _being_written(dst, claim, kind)
+    return  # What an interrupted run left: unfinished, never a committed one.
   if not kind.is_one(dst):
     found = 'a file' if not dst.is_dir() else f'a directory holding {_some_entries(dst)}'
     raise errors.InvalidDestinationError(
@@ -389,35 +550,55 @@ def remove_tree(path: epath.Path) -> None:
     time.sleep(0.05)
 
 
-class Staging:
-  """Where a new step at `dst` is written, and how it is made final.
+# In a bucket copy-in's staging folder once it is complete, when its kind has no commit
+# file (a step's staging gets its commit file: Orbax reads it there); never copied over.
+COMPLETE = '.orbax-tunix-complete'
 
-  Use: `work = staging.open()`, write the step's items and metadata into
-  `work`, then `staging.commit()`; on any failure `staging.abort()`.
+
+class Staging:
+  """Where a new step (or export) at `dst` is written, and how it is made final.
+
+  Use: `work = staging.open()`, write into `work`, then `staging.commit()`; on
+  any failure `staging.abort()`, which says what each location holds.
+
+  Local disks: written into a temporary sibling, renamed onto `dst` (an old one
+  is first renamed aside, removed once the new one is in place). Buckets (no
+  rename): a new step is written in place, claimed by `MARKER`, committed by
+  `COMMIT_SUCCESS`; a replacement (or an export) is written complete into a
+  sibling, then copied in: `dst` is claimed and made unfinished, emptied, filled,
+  committed, and only then the sibling removed. At every instant `dst` holds the
+  old one, the new one complete, or an unfinished step Orbax skips while the new
+  one is complete in the sibling.
   """
 
   def __init__(self, dst: epath.Path, force: bool, kind: Kind = STEP):
     self.dst = dst
     self.force = force
     self.kind = kind
-    self.in_place = _orbax.commits_with_file(dst)
-    self.work = dst
+    self.in_place = _orbax.commits_with_file(dst)  # A bucket.
+    self.work: epath.Path = None  # type: ignore[assignment]  # Set by `open`.
     self.replaced = False  # Set by `staged` once committed.
+    self.run = new_run_id()
     self._created: list[epath.Path] = []
+    self._lease = _Lease(self.run)
+    # Set before the step they name (the storage then tells whether it happened).
+    self._committing = False
+    self._claiming_dst = False
+    self._finishing = False
+    self._replacing = False
+    self._old: epath.Path | None = None
 
   def open(self) -> epath.Path:
-    """Creates the directory the new step is written into, and returns it."""
-    dst = self.dst
+    """Creates the directory the new one is written into, and returns it.
+
+    Raises:
+      InvalidDestinationError: another run is writing `dst`; a mount point.
+    """
+    _RUNS_HERE.add(self.run)
     if self.in_place:
-      if is_ours_unfinished(dst):
-        remove_tree(dst)  # What an interrupted run of ours left: nobody's step.
-      if dst.exists() or not self.kind.in_place:
-        if dst.exists():
-          check_replaceable(dst, self.force, self.kind)
-        self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{time.time_ns()}'
-      (self.work / MARKER).write_text('written by orbax-tunix; not committed yet')
-      return self.work
-    check_not_mount_point(dst, self.kind)
+      return self._open_bucket()
+    check_not_mount_point(self.dst, self.kind)
+    dst = self.dst
     parent = dst.parent
     while not parent.exists() and parent != parent.parent:
       self._created.append(parent)
@@ -427,14 +608,35 @@ class Staging:
     self.work.mkdir()
     return self.work
 
+  def _open_bucket(self) -> epath.Path:
+    dst, kind = self.dst, self.kind
+    claim = unfinished_claim(dst, kind)
+    if claim is not None:
+      if claim.live():
+        raise _being_written(dst, claim, kind)
+      remove_tree(dst)  # An interrupted run's: nobody's step.
+    if kind.in_place and (not dst.exists() or _is_empty_dir(dst)):
+      self._claiming_dst = True
+      if not self._lease.claim(dst / MARKER):  # Another run claimed it just now.
+        raise _being_written(dst, Claim.read(dst / MARKER) or Claim('?', '?', 0, 0.0), kind)
+      self.work = dst
+      return dst
+    if dst.exists():
+      check_replaceable(dst, self.force, kind)
+    self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{self.run}'
+    self._lease.claim(self.work / MARKER)
+    return self.work
+
   def commit(self) -> bool:
-    """Makes the new step final at `dst`; returns whether an old one was replaced.
+    """Makes the new one final at `dst`; returns whether an old one was replaced.
 
     Raises:
       DestinationExistsError: `dst` appeared meanwhile and `force` is off.
+      InvalidDestinationError: another run claimed `dst` meanwhile.
     """
+    self._committing = True
     if self.in_place:
-      return self._commit_in_place()
+      return self._commit_bucket()
     if self.kind.commit_file:
       (self.work / self.kind.commit_file).write_text(
           f'Checkpoint commit was successful to {self.dst}')
@@ -445,42 +647,132 @@ class Staging:
       os.replace(self.work, self.dst)  # rename(2) replaces an empty directory at once.
       return False
     check_replaceable(self.dst, self.force, self.kind)
-    old = self.dst.parent / f'{_stem(self.dst)}{OLD_MARKER}{time.time_ns()}'
-    self.dst.rename(old)
-    try:
-      self.work.rename(self.dst)
-    except BaseException:
-      old.rename(self.dst)
-      raise
-    remove_tree(old)
+    self._old = self.dst.parent / f'{_stem(self.dst)}{OLD_MARKER}{time.time_ns()}'
+    self.dst.rename(self._old)
+    self.work.rename(self.dst)  # If this fails, `abort` puts the old one back.
+    with contextlib.suppress(Exception):  # Committed: what is left is named by `abort`.
+      remove_tree(self._old)
     return True
 
-  def _commit_in_place(self) -> bool:
-    dst, copied = self.dst, self.work != self.dst
-    replaced = copied and dst.exists()
-    if copied:
-      # The new step is complete beside the old one: from here the old one is
-      # unfinished (ours to replace on a rerun), then emptied and refilled.
-      (dst / MARKER).write_text('written by orbax-tunix convert; not committed yet')
-      (dst / COMMIT_SUCCESS).unlink(missing_ok=True)
-      for entry in list(dst.iterdir()):
-        if entry.name != MARKER:
-          remove_tree(entry) if entry.is_dir() else entry.unlink()
-      fs, _ = fsspec.core.url_to_fs(os.fspath(self.work))
-      for entry in self.work.iterdir():
-        if entry.name != MARKER:
-          fs.copy(os.fspath(entry), os.fspath(dst / entry.name), recursive=True)
-      remove_tree(self.work)
-    (dst / MARKER).unlink()
-    if self.kind.commit_file:
-      (dst / self.kind.commit_file).write_text(f'Checkpoint commit was successful to {dst}')
+  def _commit_text(self) -> str:
+    return f'Checkpoint commit was successful to {self.dst} (orbax-tunix run {self.run})'
+
+  def _commit_bucket(self) -> bool:
+    dst, work, kind = self.dst, self.work, self.kind
+    if work != dst:
+      return self._copy_in()
+    if not self._lease.holds(dst / MARKER):
+      raise errors.InvalidDestinationError(
+          f'{dst}: another run took this step over while this one wrote it (it found this'
+          f' run\'s claim not renewed for {LEASE_SECONDS:.0f} s); nothing was committed.'
+          ' Check what it wrote there before running again.')
+    self._finishing = True
+    if kind.commit_file:
+      (dst / kind.commit_file).write_text(self._commit_text())  # The commit.
+    self._release(dst / MARKER)
+    return False
+
+  def _copy_in(self) -> bool:
+    """Copies the complete new one from its sibling into `dst` (see the class)."""
+    dst, work, kind = self.dst, self.work, self.kind
+    replaced = self._replacing = dst.exists()
+    if replaced:
+      check_replaceable(dst, self.force, kind)
+    # Complete: a step Orbax reads where it is (should the copy-in be interrupted).
+    (work / (kind.commit_file or COMPLETE)).write_text(self._commit_text())
+    self._claiming_dst = True
+    if not self._lease.claim(dst / MARKER):
+      raise _being_written(dst, Claim.read(dst / MARKER) or Claim('?', '?', 0, 0.0), kind)
+    if kind.commit_file:
+      (dst / kind.commit_file).unlink(missing_ok=True)  # From here: unfinished.
+    for entry in list(dst.iterdir()):
+      if entry.name != MARKER:
+        remove_tree(entry) if entry.is_dir() else entry.unlink()
+    fs, _ = fsspec.core.url_to_fs(os.fspath(work))
+    for entry in work.iterdir():
+      if entry.name not in (MARKER, COMPLETE, kind.commit_file):
+        fs.copy(os.fspath(entry), os.fspath(dst / entry.name), recursive=True)
+    self._finishing = True
+    if kind.commit_file:
+      (dst / kind.commit_file).write_text(self._commit_text())  # The commit.
+    self._release(dst / MARKER)  # An export's commit: no longer unfinished.
+    with contextlib.suppress(Exception):  # Committed: what is left is named by `abort`.
+      remove_tree(work)
     return replaced
 
-  def abort(self) -> None:
-    """Removes what was written (and the parent folders `open` created)."""
-    remove_tree(self.work)
-    _remove_empty(self._created)
+  def _release(self, marker: epath.Path) -> None:
+    self._lease.stop()
+    marker.unlink(missing_ok=True)
 
+  def committed(self) -> bool:
+    """Whether the new one is final at `dst` (read from the storage, not from flags:
+    an interruption may land between a step and the flag that follows it)."""
+    if not self._committing:
+      return False
+    if not self.in_place:
+      return not os.path.lexists(self.work) and os.path.lexists(self.dst)
+    if self.kind.commit_file:
+      try:
+        return self.run in (self.dst / self.kind.commit_file).read_text()
+      except OSError:
+        return False
+    return self._finishing and not (self.dst / MARKER).exists()
+
+  def abort(self) -> str | None:
+    """Removes what is not committed and is this run's, and puts an old one moved
+    aside back.
+
+    Returns:
+      None when `dst` holds what it held before (nothing was written there), else
+      what `dst` and the staging hold now, for the message.
+    """
+    self._lease.stop()
+    _RUNS_HERE.discard(self.run)
+    dst, work, what = self.dst, self.work, self.kind.what
+    if work is None:  # `open` failed before creating anything.
+      _remove_empty(self._created)
+      return None
+    if self.committed():
+      # Best effort, a second interruption included: the state is read after it.
+      with contextlib.suppress(OSError, KeyboardInterrupt):
+        if self.in_place:
+          (dst / MARKER).unlink(missing_ok=True)
+          if work != dst:
+            remove_tree(work)
+        elif self._old is not None:
+          remove_tree(self._old)
+      left = [p for p in (self._old, None if work == dst else work)
+              if p is not None and p.exists()]
+      return (f'{dst} holds the new {_bare(what)}, complete (committed before the'
+              ' interruption)' + (f'; {left[0]}, left beside it, is not read by Orbax or'
+                                  ' this package: remove it' if left else ''))
+    if not self.in_place:
+      if self._old is not None and os.path.lexists(self._old) and not os.path.lexists(dst):
+        self._old.rename(dst)  # The new one never went in: the old one goes back.
+      remove_tree(work)
+      _remove_empty(self._created)
+      return None
+    claimed = self._claiming_dst and self._lease.holds(dst / MARKER)
+    if work == dst:
+      if claimed:
+        remove_tree(dst)  # This run's unfinished step.
+      return None
+    if not claimed:
+      remove_tree(work)  # `dst` was never touched.
+      return None
+    with contextlib.suppress(OSError):
+      (work / MARKER).unlink(missing_ok=True)  # Kept: complete, and nobody's work now.
+    skipped = f' and no {self.kind.commit_file}: Orbax and this package skip it' \
+        if self.kind.commit_file else ''
+    gone = '; the old one is gone' if self._replacing else ''
+    return (f'the new {_bare(what)} is complete at {work}; {dst} is unfinished (it holds'
+            f' {MARKER}{skipped}){gone}. Run again to write {dst} anew (this run\'s claim on'
+            f' it has ended), or copy {work} there yourself; then remove {work}')
+
+
+def _bare(what: str) -> str:
+  """'a checkpoint step' -> 'checkpoint step'."""
+  return what.split(' ', 1)[1] if what.startswith(('a ', 'an ')) else what
 
 
 @contextlib.contextmanager
@@ -506,15 +798,20 @@ def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
       written (permissions, space); what was written is removed.
     DestinationExistsError: `dst` appeared meanwhile and not `force`.
     Whatever the block raises (KeyboardInterrupt too), after the same
-    clean-up; an existing `dst` is untouched in every case.
+    clean-up; an existing `dst` is untouched, except once a bucket's copy-in
+    has begun (`Staging`): then the complete new one is kept, and the
+    KeyboardInterrupt or InvalidDestinationError raised says what `dst` and
+    the staging hold (its `state`).
   """
   for source in sources:
     check_outside_source(source, dst)
   staging = Staging(dst, force, kind)
   try:
     staging.open()
-  except OSError as e:
+  except BaseException as e:
     staging.abort()
+    if not isinstance(e, OSError):
+      raise
     raise errors.InvalidDestinationError(
         f'{dst}: cannot create {kind.what} there ({e}). Expected a writable'
         ' directory; choose another destination or fix its permissions.'
@@ -523,11 +820,27 @@ def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
     yield staging
     staging.replaced = staging.commit()
   except BaseException as e:
-    staging.abort()
+    state = staging.abort()
+    if state is not None:
+      raise _with_state(dst, e, state) from e
     failure = write_failure(dst, e, nbytes)
     if failure is None:
       raise
     raise failure from e
+  finally:
+    _RUNS_HERE.discard(staging.run)
+
+
+def _with_state(dst: epath.Path, exc: BaseException, state: str) -> BaseException:
+  """A failure (an interruption) once `dst` was written to, saying what each location
+  holds: KeyboardInterrupt(state), or an InvalidDestinationError naming the failure
+  (its `state` attribute holds the state, for a caller that reports it as an
+  interruption)."""
+  if isinstance(exc, KeyboardInterrupt):
+    return KeyboardInterrupt(state)
+  failure = errors.InvalidDestinationError(f'{dst}: writing failed ({exc}); {state}.')
+  failure.state = state
+  return failure
 
 
 def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
