@@ -5,8 +5,11 @@ Orbax decides per kind of path how a step becomes final (its
 temporary sibling and renamed; on a bucket, where a rename is a copy, it is
 written in place and `commit_success.txt`, written last, makes it final. A
 `Staging` follows the same rule, and replaces an existing step only once the
-new one is complete. A step it writes in place holds `MARKER` until it is
-committed, so that a rerun after an interruption may replace what it left.
+new one is complete (on a bucket: complete beside it first, kept until it is
+committed in place). What a run writes in a bucket holds `MARKER`, its claim
+(`Claim`), until it is committed: a rerun replaces what an interrupted run
+left, never what a live one writes. Only what this package's own record names
+(`Kind.record`) is ever replaced.
 """
 
 from __future__ import annotations
