@@ -508,3 +508,22 @@ def test_convert_of_truncated_data_prints_one_message(tmp_path):
     assert len(done.stderr.splitlines()) == 1, (attempt, done.stderr)
     assert done.stderr.startswith(f'orbax-tunix: error: {step / "model_params"}: ')
   assert not (tmp_path / 'out').exists() and snapshot(tmp_path / 'run') == before
+
+
+def test_force_interrupted_after_the_commit_says_it_is_committed(tunix_data, tmp_path):
+  """SIGINT while --force removes the old step it moved aside, the new one already renamed
+  into place: the message says DST holds the new step (it said 'nothing was written'), and
+  nothing is left beside it."""
+  import signal  # noqa: PLC0415
+
+  dst = tmp_path / 'out' / '1'
+  assert cli('convert', tunix_data / 'sft_full', dst, '--step', '1').returncode == 0
+  done = subprocess.run(
+      [sys.executable, str(REPO / 'tests' / 'signal_in_commit.py'), str(int(signal.SIGINT)),
+       'cleanup', 'convert', str(tunix_data / 'sft_full'), str(dst), '--force'],
+      capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+  assert done.returncode == 130, done.stderr
+  assert (f'orbax-tunix: interrupted; {dst} holds the new checkpoint step, complete (committed'
+          ' before the interruption).') in done.stderr, done.stderr
+  assert sorted(p.name for p in dst.parent.iterdir()) == ['1']
+  assert cli('diff', tunix_data / 'sft_full' / '2', dst).returncode == 0  # The new one, whole.

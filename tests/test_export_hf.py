@@ -319,7 +319,9 @@ class Export:
     """The layout transformers writes: one file, or numbered shards + index."""
     assert self.weight_files, f'no *.safetensors in {self.out}: {self.files}'
     for f in self.weight_files:
-      assert self.meta[f] == {'format': 'pt'}, f'{f}: __metadata__ {self.meta[f]}'
+      # transformers' own, and this package's record of the files it wrote: all there are.
+      assert self.meta[f] == {'format': 'pt', 'orbax_tunix.files': json.dumps(self.files)}, (
+          f'{f}: __metadata__ {self.meta[f]}')
       dtypes = {e['dtype'] for e in self.headers[f].values()}
       assert len(dtypes) == 1, f'{f} mixes dtypes {dtypes} (Tunix reads a file with one dtype)'
     if self.weight_files == ['model.safetensors']:
@@ -643,14 +645,16 @@ def client(tunix_pkgs, tmp_path_factory):
          out_dir=work / 'refused' / f'mismatch_{case}' / 'out')
   for case, (src, flags, _) in REFUSALS.items():
     plan(f'refuse_{case}', src, *flags, out_dir=work / 'refused' / case / 'out')
-  # An existing OUT_DIR (with a stale shard Tunix's glob would pick up): refused, then --force.
+  # An existing OUT_DIR (with stale shards Tunix's glob would pick up): refused, then --force.
   # (The 'force' one is an older sharded export: its shards must not survive.)
+  # Both are an earlier export of this package (its record in them: --force replaces only that).
+  older = work / 'existing' / 'exists'
+  made = run_cli(export_argv(DATA / 'hf_qwen3', older, '--model', 'qwen3', '--max-shard-size',
+                             '60KB'))
+  assert made['rc'] == 0 and (older / 'model.safetensors.index.json').exists(), made['stderr']
+  shutil.copytree(older, work / 'existing' / 'force')
   for case in ('exists', 'force'):
     d = work / 'existing' / case
-    d.mkdir(parents=True)
-    for f in ('model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'):
-      (d / f).write_bytes(b'stale')
-    (d / 'model.safetensors.index.json').write_text('{"metadata": {}, "weight_map": {}}')
     plan(f'{case}_hf_qwen3', 'hf_qwen3', '--model', 'qwen3',
          *(['--force'] if case == 'force' else []), out_dir=d)
   existing_before = snapshot(work / 'existing' / 'exists')

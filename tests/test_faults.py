@@ -377,7 +377,37 @@ def _out_dirs(src, data):
   return {'run': src / 'run', 'mine': mine, 'project': project, 'step': step}
 
 
+def _lookalikes(src, data):
+  """A step and an export this package wrote (its record in them), each copied with one
+  entry it did not write added, named as Orbax or an export names its own; and an Orbax
+  step that this package did not write. --force must replace none of them."""
+  shutil.copytree(data / 'hf_qwen3', src / 'run')
+  made = {'step': src / 'mine' / 'step', 'export': src / 'mine' / 'export'}
+  for argv in (('convert', src / 'run', made['step']),
+               ('export', src / 'run', made['export'], '--model', 'qwen3')):
+    done = run_cli(*argv)
+    assert done.returncode == 0, done.stderr
+  paths = {'run': src / 'run', 'orbax_step': src / 'orbax' / '1'}
+  shutil.copytree(data / 'hf_qwen3' / '1', paths['orbax_step'])  # Written by Orbax.
+  extras = {
+      'notes': ('step', '_NOTES.md', None), 'backup': ('step', '_backup', 'old.txt'),
+      'metadata': ('step', 'notes', 'metadata'), 'd': ('step', 'd', 'mine.bin'),
+      'tokenizer': ('export', 'tokenizer.json', None),
+      'generation': ('export', 'generation_config.json', None),
+  }
+  for name, (kind, entry, inner) in extras.items():
+    paths[name] = src / 'copies' / name
+    shutil.copytree(made[kind], paths[name])
+    if inner is None:
+      (paths[name] / entry).write_text('mine\n')
+    else:
+      (paths[name] / entry).mkdir()
+      (paths[name] / entry / inner).write_text('mine\n')
+  return paths
+
+
 OVERLAP = 'overlaps the source checkpoint'
+NOT_OURS = 'package did not write'
 
 HOSTILE = [
     Hostile('a symlink to the run as DST or SRC', _linked_run, (
@@ -498,15 +528,27 @@ HOSTILE = [
     )),
     Hostile('export and convert --force over folders holding other things', _out_dirs, (
         Run(('export', '{run}', '{mine}', '--model', 'qwen3', '--force'), 2,
-            r'holds a Hugging Face export and also \.git, notes.*would delete them'),
-        Run(('export', '{run}', '{mine}', '--model', 'qwen3'), 2, r'also \.git, notes',
-            '--force'),
+            r'holds a Hugging Face export that this ' + NOT_OURS + r' \(\.git, config.json,'
+            r' model.safetensors, notes.*would delete what its owner wrote'),
+        Run(('export', '{run}', '{mine}', '--model', 'qwen3'), 2, NOT_OURS, '--force'),
         Run(('export', '{run}', '{project}', '--model', 'qwen3'), 2,
             r'found a directory holding config.json, src: not a Hugging Face export', '--force'),
         Run(('export', '{run}', '{project}', '--model', 'qwen3', '--force'), 2,
             'never written over'),
         Run(('convert', '{run}', '{step}', '--force'), 2,
-            r'holds a checkpoint step and also \.git, notes'),
+            r'holds a checkpoint step that this ' + NOT_OURS + r' \(\.git, _CHECKPOINT'),
+    )),
+    Hostile('--force over entries named like Orbax\'s or an export\'s', _lookalikes, (
+        Run(('convert', '{run}', '{notes}', '--force'), 2, r'also _NOTES\.md, which this ' + NOT_OURS),
+        Run(('convert', '{run}', '{backup}', '--force'), 2, r'also _backup, which'),
+        Run(('convert', '{run}', '{metadata}', '--force'), 2, r'also notes, which'),
+        Run(('convert', '{run}', '{d}', '--force'), 2, r'also d, which'),
+        Run(('convert', '{run}', '{orbax_step}', '--force'), 2,
+            r'holds a checkpoint step that this ' + NOT_OURS, '--force'),
+        Run(('export', '{run}', '{tokenizer}', '--model', 'qwen3', '--force'), 2,
+            r'also tokenizer\.json, which'),
+        Run(('export', '{run}', '{generation}', '--model', 'qwen3', '--force'), 2,
+            r'also generation_config\.json, which'),
     )),
     Hostile('sizes out of range, and long destination names', _copy('hf_qwen3'), (
         Run(('export', '{run}', '{out}/1', '--model', 'qwen3', '--max-shard-size', '1e400'), 2,

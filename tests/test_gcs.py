@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -283,6 +285,137 @@ def test_killed_convert_into_bucket_leaves_no_finished_step(bucket, tmp_path):
   restored = restore_plain(dst)['model_params']
   for name, value in big.items():
     np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
+
+
+def _cli(*argv, script=None, check=None):
+  """The real CLI in a subprocess (through a test script when given)."""
+  command = [sys.executable, *(['-m', 'orbax_tunix.cli'] if script is None else
+                               [str(REPO / 'tests' / script)]), *map(str, argv)]
+  done = subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True,
+                        timeout=600)
+  assert 'Traceback' not in done.stderr, done.stderr
+  if check is not None:
+    assert done.returncode == check, done.stderr
+  return done
+
+
+def _model_params(step_dir):
+  return restore_plain(step_dir)['model_params']
+
+
+@pytest.mark.parametrize('signum, where', [
+    (signal.SIGTERM, 'copy:2'),   # A preemption while the new step is copied in.
+    (signal.SIGINT, 'empty'),     # Ctrl-C while the old step is emptied.
+])
+def test_force_interrupted_while_copying_in_keeps_the_complete_new_step(
+    uploaded, bucket, tunix_data, signum, where):
+  """--force on a bucket (no rename): interrupted once the old step was made unfinished,
+  the complete new step is kept beside it and the message says where; DST is an unfinished
+  step Orbax skips (never a mixed one); a rerun writes it."""
+  root = bucket / 'out'
+  dst = root / '7'
+  _cli('convert', uploaded['sft_full'], dst, '--step', '1', check=0)
+  done = _cli(signum, where, 'convert', uploaded['sft_full'], dst, '--force',
+              script='signal_in_commit.py', check=130)
+  (staging,) = commit.leftovers(dst)
+  assert re.search(rf'interrupted; the new checkpoint step is complete at {re.escape(str(staging))};'
+                   rf' {re.escape(str(dst))} is unfinished \(it holds .*skip it\); the old one is'
+                   ' gone. Run again', done.stderr), done.stderr
+  assert 'nothing was written' not in done.stderr
+  assert orbax_steps(root) == []  # DST: an unfinished step.
+  assert not (dst / commit.COMMIT_SUCCESS).exists()
+  expected = expected_leaves(tunix_data / 'sft_full' / '2', 'model_params', {})
+  _assert_values(_model_params(staging), expected)  # The new step, whole, where it says.
+  rerun = _cli('convert', uploaded['sft_full'], dst, check=0)
+  assert f'note: {staging} is left from an interrupted conversion' in rerun.stderr, rerun.stderr
+  assert orbax_steps(root) == [7]
+  _assert_values(_model_params(dst), expected)
+
+
+def test_force_interrupted_after_the_commit_says_it_is_committed(uploaded, bucket, tunix_data):
+  """SIGINT while the staging copy is removed, the new step already committed in DST: the
+  message says DST holds the new step (not 'nothing was written')."""
+  root = bucket / 'out'
+  dst = root / '7'
+  _cli('convert', uploaded['sft_full'], dst, '--step', '1', check=0)
+  done = _cli(signal.SIGINT, 'cleanup', 'convert', uploaded['sft_full'], dst, '--force',
+              script='signal_in_commit.py', check=130)
+  assert f'interrupted; {dst} holds the new checkpoint step, complete (committed before the' \
+      ' interruption)' in done.stderr, done.stderr
+  assert orbax_steps(root) == [7]
+  _assert_values(_model_params(dst), expected_leaves(tunix_data / 'sft_full' / '2',
+                                                     'model_params', {}))
+
+
+def test_force_interrupted_before_the_copy_leaves_the_old_step(uploaded, bucket, tunix_data):
+  """SIGTERM while the new step is still being written beside the old one: the old step
+  is untouched and committed, nothing is left beside it."""
+  root = bucket / 'out'
+  dst = root / '7'
+  _cli('convert', uploaded['sft_full'], dst, '--step', '1', check=0)
+  done = _cli(signal.SIGTERM, 1, 'convert', uploaded['sft_full'], dst, '--force',
+              script='signal_mid_write.py', check=130)
+  assert 'interrupted; nothing was written at the destination' in done.stderr, done.stderr
+  assert orbax_steps(root) == [7] and commit.leftovers(dst) == []
+  _assert_values(_model_params(dst), expected_leaves(tunix_data / 'sft_full' / '1',
+                                                     'model_params', {}))
+
+
+def test_a_second_run_into_a_step_another_run_writes_is_refused(bucket, tmp_path):
+  """A resubmitted job: a second convert into the step a live convert is writing in place
+  refuses (deleting nothing); the first one finishes and its step is whole."""
+  src = tmp_path / 'src'
+  big = {f'w{i}': np.full((64, 64), i, np.float32) for i in range(6)}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(src / '1', args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeSave({k: {'value': v} for k, v in big.items()})))
+  root = bucket / 'converted'
+  dst = root / '1'
+  go = tmp_path / 'go'
+  first = subprocess.Popen(
+      [sys.executable, str(REPO / 'tests' / 'pause_mid_write.py'), str(go), '1', 'convert',
+       str(src), str(dst), '--memory-budget', '64KiB'],
+      cwd=REPO, env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not pathlib.Path(f'{go}.paused').exists():
+      assert first.poll() is None, first.communicate()
+      assert time.monotonic() < deadline, 'the first convert never started writing'
+      time.sleep(0.1)
+    for flags in ((), ('--force',)):
+      second = _cli('convert', src, dst, *flags, check=2)
+      assert re.search(r'being written by another run \(run \S+, process '
+                       rf'{first.pid} on this host\); a run never deletes', second.stderr), \
+          second.stderr
+      assert (dst / commit.MARKER).exists()
+  finally:
+    go.write_text('go')
+    out, err = first.communicate(timeout=600)
+  assert first.returncode == 0, err
+  assert orbax_steps(root) == [1]
+  restored = _model_params(dst)
+  for name, value in big.items():
+    np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
+  assert _cli('convert', src, dst, check=2).stderr.count('already exists') == 1  # Committed.
+
+
+@pytest.mark.parametrize('age, refused', [(5, True), (commit.LEASE_SECONDS + 60, False)])
+def test_a_claim_from_another_host_holds_until_it_lapses(bucket, tunix_data, age, refused):
+  """An unfinished step claimed by a run on another host (whose process cannot be looked
+  up): refused while its claim is fresh, replaced as a leftover once it has lapsed."""
+  root = bucket / 'out'
+  dst = root / '3'
+  (dst / 'model_params').mkdir(parents=True)
+  (dst / 'model_params' / 'partial').write_text('half written')
+  (dst / commit.MARKER).write_text(json.dumps(
+      {'run': 'r-elsewhere', 'host': 'elsewhere', 'pid': 4242, 'renewed': time.time() - age}))
+  done = _cli('convert', tunix_data / 'sft_full', dst, check=2 if refused else 0)
+  if refused:
+    assert re.search(r'being written by another run \(run r-elsewhere, process 4242 on host'
+                     r' elsewhere, its claim renewed \d+ s ago\)', done.stderr), done.stderr
+    assert (dst / 'model_params' / 'partial').exists()
+  else:
+    assert orbax_steps(root) == [3] and not (dst / 'model_params' / 'partial').exists()
 
 
 # --- storage requests ----------------------------------------------------------

@@ -305,3 +305,30 @@ def test_convert_onto_a_full_disk_says_so_and_leaves_nothing(tmp_path, full_disk
   assert 'nothing was left behind' in err and 'Free space or choose another destination' in err
   assert 'report it' not in err
   assert list(full_disk.iterdir()) == []
+
+
+@pytest.mark.parametrize('mount', ['-t tmpfs -o size=8m tmpfs', '--bind {other}'])
+@pytest.mark.parametrize('command', ['convert', 'export'])
+def test_an_empty_mount_point_as_destination_is_refused_at_once(tunix_data, tmp_path, mount,
+                                                               command):
+  """A container volume as DST (a tmpfs, or a bind mount within one file system, which
+  `os.path.ismount` does not see): refused before anything is written, saying why; nothing
+  on the parent's file system, nothing on the volume."""
+  from tests.test_cli_inputs import cli  # noqa: PLC0415  (the real CLI, a subprocess)
+  volume, other = tmp_path / 'out' / 'volume', tmp_path / 'other'
+  volume.mkdir(parents=True)
+  other.mkdir()
+  if os.system(f'mount {mount.format(other=other)} {volume} 2>/dev/null') != 0:
+    pytest.skip('nothing can be mounted here')
+  try:
+    flags = ('--model', 'qwen3') if command == 'export' else ()
+    done = cli(command, tunix_data / 'hf_qwen3', volume, *flags)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f'orbax-tunix: error: {volume}: the destination is a mount'
+                                  ' point') and 'inside it' in done.stderr, done.stderr
+    assert sorted(p.name for p in volume.parent.iterdir()) == ['volume']
+    assert list(volume.iterdir()) == [] and list(other.iterdir()) == []
+    inside = cli(command, tunix_data / 'hf_qwen3', volume / '1', *flags)  # What it suggests.
+    assert inside.returncode == 0, inside.stderr
+  finally:
+    os.system(f'umount {volume}')

@@ -144,9 +144,9 @@ def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
   with progress_lib.signals_stop(progress):
     try:
       return run(plan, progress)
-    except Exception:
-      if progress.stop.is_set():
-        raise KeyboardInterrupt from None
+    except Exception as e:
+      if progress.stop.is_set():  # Keeping what the destination holds, when it was said.
+        raise KeyboardInterrupt(*filter(None, [getattr(e, 'state', None)])) from None
       raise
 
 
@@ -820,8 +820,11 @@ def _main(argv: Sequence[str] | None) -> int:
   try:
     with _quiet(debug), _x64():
       return args.handler(args, out)
-  except KeyboardInterrupt:
-    print('orbax-tunix: interrupted; nothing was written at the destination.', file=sys.stderr)
+  except KeyboardInterrupt as e:
+    # What the destination holds when the interruption came once it was written to
+    # (`commit.staged`), else nothing was written there.
+    print(f'orbax-tunix: interrupted; {str(e) or "nothing was written at the destination"}.',
+          file=sys.stderr)
     return EXIT_INTERRUPTED
   except errors.TunixCheckpointError as e:
     if debug:

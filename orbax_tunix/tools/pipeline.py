@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -369,8 +369,8 @@ def _leftover_notes(dst: epath.Path, sink: Sink) -> list[str]:
   see its own staging)."""
   if not distributed.is_primary():
     return []
-  return [f'{p} is left from an interrupted {sink.run} to {dst} (never a finished one);'
-          f' remove it when no {sink.run} is running' for p in commit.leftovers(dst)]
+  return [f'{p} is left from an interrupted {sink.run} to {dst} (it was never committed'
+          f' there); remove it when no {sink.run} is running' for p in commit.leftovers(dst)]
 
 
 # --- running ------------------------------------------------------------------
@@ -491,22 +491,12 @@ def _write_step_metadata(work: epath.Path, plan: Plan, init_ns: int,
 
 # --- the folder sink ----------------------------------------------------------
 
-_SHARD = re.compile(r'^model(-\d+-of-\d+)?\.safetensors$')
-
-
-def _in_export(entry: epath.Path) -> bool:
-  """Whether an entry of an export folder is one an export writes."""
-  name = entry.name
-  return not entry.is_dir() and (bool(_SHARD.match(name)) or name in (
-      writer.INDEX_FILE, *hf_layouts.CONFIG_FILES, *hf_layouts.TOKENIZER_FILES))
-
-
 # An exported folder (what `force` may replace): it holds a model's weights, as
 # every export does (a config.json alone is no sign: many projects have one),
-# and nothing an export does not write (a `.git`, notes: never deleted).
+# and only the files its record names (a `.git`, notes: never deleted).
 EXPORT = commit.Kind(
     'a Hugging Face export', (writer.SINGLE_FILE, writer.INDEX_FILE),
-    commit_file=None, in_place=False, owns=_in_export,
+    record=writer.recorded_files, commit_file=None, in_place=False,
 )
 
 
@@ -531,11 +521,18 @@ def _share_folder(plan: Plan) -> list[Output]:
   return [o for o in plan.outputs if o.path[0] in names]
 
 
+def _folder_files(plan: Plan) -> list[str]:
+  """Every file the export writes (its record: what `force` may replace later)."""
+  index = [writer.INDEX_FILE] if len(plan.files) > 1 else []
+  return sorted({*(f.name for f in plan.files), *index, *(n for n, _ in plan.other_files)})
+
+
 def _write_folder(plan: Plan, mine: Sequence[Output], work: epath.Path,
                   progress: reader.Progress) -> dict[str, Any]:
   """This process's safetensors files into `work`; process 0 the index and other files."""
   sink = writer.SafetensorsSink(work, _my_files(plan), plan.files,
-                                write_index=distributed.is_primary())
+                                write_index=distributed.is_primary(),
+                                metadata={writer.FILES_RECORD: json.dumps(_folder_files(plan))})
   record = writer.write(mine, sink, plan.batch_bytes, progress, on_host=True)
   for name, content in plan.other_files if distributed.is_primary() else ():
     if isinstance(content, str):

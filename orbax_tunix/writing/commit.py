@@ -5,8 +5,11 @@ Orbax decides per kind of path how a step becomes final (its
 temporary sibling and renamed; on a bucket, where a rename is a copy, it is
 written in place and `commit_success.txt`, written last, makes it final. A
 `Staging` follows the same rule, and replaces an existing step only once the
-new one is complete. A step it writes in place holds `MARKER` until it is
-committed, so that a rerun after an interruption may replace what it left.
+new one is complete (on a bucket: complete beside it first, kept until it is
+committed in place). What a run writes in a bucket holds `MARKER`, its claim
+(`Claim`), until it is committed: a rerun replaces what an interrupted run
+left, never what a live one writes. Only what this package's own record names
+(`Kind.record`) is ever replaced.
 """
 
 from __future__ import annotations
@@ -14,20 +17,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import posixpath
+import re
+import secrets
 import shutil
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import fsspec
-import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.store import _orbax, fileio, netprobe, step_store
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA, TMP_MARKER
+from orbax_tunix.writing import checksums
 
 COMMIT_SUCCESS = _orbax.COMMIT_SUCCESS
 # In a step being written in place (on a bucket), until its commit.
@@ -211,14 +219,208 @@ def check_step_name(dst: epath.Path) -> None:
     )
 
 
-def is_ours_unfinished(path: epath.Path) -> bool:
-  """A step this package was writing in place when it was interrupted."""
-  return (path / MARKER).exists() and not ocp.path.step.is_path_finalized(path)
+def _unescape(field: str) -> str:
+  """A path as /proc/self/mountinfo writes it (space, tab, newline, backslash as octal)."""
+  return re.sub(r'\\([0-7]{3})', lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _everything(entry: epath.Path) -> bool:
-  del entry
+def _mount_points() -> frozenset[str]:
+  """Every mount point of this process's mount namespace (bind mounts too: unlike
+  `os.path.ismount`, which compares devices, this sees a bind mount within one file
+  system); empty where /proc is not there."""
+  try:
+    with open('/proc/self/mountinfo', encoding='utf-8', errors='surrogateescape') as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return frozenset()
+  return frozenset(_unescape(line.split(' ')[4]) for line in lines if line.count(' ') >= 4)
+
+
+def is_mount_point(dst: epath.Path) -> bool:
+  """Whether a local `dst` is a directory something is mounted on (a container's
+  volume); a link given as DST is not (a rename replaces the link itself)."""
+  if not fileio.is_local(dst) or os.path.islink(dst) or not os.path.isdir(dst):
+    return False
+  text = os.path.abspath(os.fspath(dst))
+  where = os.path.join(os.path.realpath(os.path.dirname(text)), os.path.basename(text))
+  return os.path.ismount(where) or where in _mount_points()
+
+
+def check_not_mount_point(dst: epath.Path, kind: Kind) -> None:
+  """Refuses a local DST that is a mount point, before anything is written.
+
+  A new one is written complete beside DST and renamed onto it (the one way a
+  reader never sees it half made), and a mount point can be neither renamed nor
+  replaced (EBUSY): written there, the whole output would land on the parent's
+  file system first, then fail.
+
+  Raises:
+    InvalidDestinationError: saying why and what to do.
+  """
+  if is_mount_point(dst):
+    raise errors.InvalidDestinationError(
+        f'{dst}: the destination is a mount point (a volume is mounted there). This'
+        f' command writes {kind.what} complete beside its destination and renames it onto'
+        ' it, so that no reader sees it half made, and a mount point cannot be renamed or'
+        ' replaced.'
+        f' Choose a new directory inside it instead (e.g. {os.path.join(os.fspath(dst), "out")}).'
+    )
+
+
+# --- which run a location is (being) written by ------------------------------------
+#
+# A run claims what it writes into on a bucket by creating `MARKER` there
+# exclusively (a create that fails when the object exists), and renews the claim
+# while it writes. A second run never deletes what a live run claims; a claim
+# whose run is gone (its process on this host has ended, or it was not renewed
+# for `LEASE_SECONDS`) is an interrupted run's leftover, which a rerun replaces.
+
+# A claim lapses this long after its last renewal (a run on another host, whose
+# process cannot be looked up, is taken as gone only then).
+LEASE_SECONDS = 120.0
+# How often a run renews its claims.
+RENEW_SECONDS = 15.0
+
+
+def _host() -> str:
+  """This host, as far as a process id means something on it: its name, its kernel's
+  boot and its process-id namespace (containers sharing a name differ in the latter)."""
+  parts = [socket.gethostname()]
+  for where, read in (('/proc/sys/kernel/random/boot_id', 'file'), ('/proc/self/ns/pid', 'link')):
+    with contextlib.suppress(OSError):
+      parts.append(open(where).read().strip() if read == 'file' else os.readlink(where))
+  return '/'.join(parts)
+
+
+def new_run_id() -> str:
+  """A run's id: unique across hosts, short enough for a temporary name."""
+  return f'{time.time_ns()}-{secrets.token_hex(4)}'
+
+
+# The runs of this process under way (a claim of this process whose run is not
+# here is a leftover of an earlier call).
+_RUNS_HERE: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """Who writes a location: the content of its `MARKER`."""
+
+  run: str
+  host: str
+  pid: int
+  renewed: float
+
+  @classmethod
+  def mine(cls, run: str) -> Claim:
+    return cls(run, _host(), os.getpid(), time.time())
+
+  def text(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def read(cls, marker: epath.Path) -> Claim | None:
+    """The claim a marker holds; None when there is none, or one an earlier version
+    of this package wrote (plain text: a leftover, its run long gone)."""
+    try:
+      found = json.loads(marker.read_text())
+      return cls(str(found['run']), str(found['host']), int(found['pid']),
+                 float(found['renewed']))
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
+
+  def live(self) -> bool:
+    """Whether its run may still be writing: its process is running (on this host),
+    or its claim was renewed within `LEASE_SECONDS` (another host)."""
+    if self.host == _host():
+      if self.pid == os.getpid():
+        return self.run in _RUNS_HERE
+      try:
+        os.kill(self.pid, 0)
+      except ProcessLookupError:
+        return False
+      except OSError:
+        return True  # Running, as another user.
+      return True
+    return time.time() - self.renewed < LEASE_SECONDS
+
+  def describe(self) -> str:
+    if self.host == _host():
+      return f'run {self.run}, process {self.pid} on this host'
+    age = max(time.time() - self.renewed, 0.0)
+    return (f'run {self.run}, process {self.pid} on host {self.host.split("/")[0]}, its claim'
+            f' renewed {age:.0f} s ago')
+
+
+def unfinished_claim(path: epath.Path, kind: Kind) -> Claim | None:
+  """The claim on `path` when it is unfinished work of this package (it holds `MARKER`
+  and is not committed); None otherwise. An unreadable claim (an earlier version's)
+  counts as a run long gone."""
+  marker = path / MARKER
+  if not marker.exists():
+    return None
+  if kind.commit_file is not None and (path / kind.commit_file).exists():
+    return None  # Committed: the marker is left from the commit's last step.
+  return Claim.read(marker) or Claim('(unknown)', '(unknown)', 0, 0.0)
+
+
+def _being_written(dst: epath.Path, claim: Claim, kind: Kind) -> errors.InvalidDestinationError:
+  return errors.InvalidDestinationError(
+      f'{dst}: expected no other run writing there, found {kind.what} being written by'
+      f' another run ({claim.describe()}); a run never deletes what another is writing.'
+      ' Wait for it to finish (then pass `force=True` to replace what it wrote), or, if'
+      f' that run is dead, run again once its claim lapses ({LEASE_SECONDS:.0f} s after'
+      ' its last renewal; at once on the same host).'
+  )
+
+
+def _create(path: epath.Path, text: str) -> bool:
+  """Creates a file only if it does not exist (atomic on a bucket too: a create
+  conditional on no object being there); returns whether this call created it."""
+  if fileio.is_local(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+  fs, where = fsspec.core.url_to_fs(os.fspath(path))
+  try:
+    fs.pipe_file(where, text.encode(), mode='create')
+  except FileExistsError:
+    return False
   return True
+
+
+class _Lease:
+  """The claims one run holds, renewed every `RENEW_SECONDS` until `stop`."""
+
+  def __init__(self, run: str):
+    self.run = run
+    self.markers: list[epath.Path] = []
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def claim(self, marker: epath.Path) -> bool:
+    """Claims a location (creates its marker); False when another run holds it."""
+    if not _create(marker, Claim.mine(self.run).text()):
+      return False
+    self.markers.append(marker)
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._renew, name='orbax-tunix-claim', daemon=True)
+      self._thread.start()
+    return True
+
+  def holds(self, marker: epath.Path) -> bool:
+    claim = Claim.read(marker)
+    return claim is not None and claim.run == self.run
+
+  def _renew(self) -> None:
+    while not self._stop.wait(RENEW_SECONDS):
+      for marker in list(self.markers):
+        with contextlib.suppress(OSError):
+          if self.holds(marker):  # Never over another run's (one that took over).
+            marker.write_text(Claim.mine(self.run).text())
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,90 +429,103 @@ class Kind:
 
   Attributes:
     what: for messages ('a checkpoint step').
-    holds: the entries one of these holds, any of which tells it (for `force`).
+    holds: the entries one of these holds, any of which tells it.
+    record: path -> the entries this package's own record in it says it wrote
+      there (None: no record, so not written by this package). Replacing
+      deletes every entry, so only a directory whose every entry the record
+      names is replaced: nothing this package did not write is touched,
+      whatever its name.
     commit_file: written last to make it final (None: the rename alone).
     in_place: on a bucket, written in place (Orbax's way for steps); else
       written beside and copied over once complete.
-    owns: whether an entry of one of these is what this package (or Orbax)
-      writes there. Replacing deletes every entry, so a directory holding
-      one it does not own (a `.git`, someone's notes) is never replaced.
   """
 
   what: str
   holds: tuple[str, ...]
+  record: Callable[[epath.Path], frozenset[str] | None]
   commit_file: str | None = COMMIT_SUCCESS
   in_place: bool = True
-  owns: Callable[[epath.Path], bool] = _everything
 
   def is_one(self, path: epath.Path) -> bool:
     return path.is_dir() and TMP_MARKER not in path.name and any(
         (path / name).exists() for name in self.holds)
 
-  def foreign(self, path: epath.Path) -> list[str]:
-    """The entries of `path` (one of these) that it does not own, sorted."""
-    return sorted(entry.name for entry in path.iterdir() if not self.owns(entry))
+  def foreign(self, path: epath.Path, recorded: frozenset[str]) -> list[str]:
+    """The entries of `path` that its record does not name, sorted."""
+    return sorted(entry.name for entry in path.iterdir() if entry.name not in recorded)
 
 
-# What Orbax writes at the top of a step besides its items (a step saved as one
-# item holds that item's store there).
-_ORBAX_STEP_ENTRIES = frozenset({
-    COMMIT_SUCCESS, MARKER, _orbax.AGGREGATE_FILE, _orbax.ARRAY_METADATAS, _orbax.OCDBT_MANIFEST,
-    'd', 'descriptor',
-})
-# Files that tell an item directory: a PyTree's, a JSON item's, an OCDBT store's.
-_ITEM_FILES = (_orbax.PYTREE_METADATA, _orbax.AGGREGATE_FILE, _orbax.JSON_ITEM_FILE,
-               _orbax.OCDBT_MANIFEST)
+# What this package writes at the top of a step besides the items its metadata names.
+_STEP_FILES = frozenset({CHECKPOINT_METADATA, COMMIT_SUCCESS, MARKER})
 
 
-def _in_step(entry: epath.Path) -> bool:
-  """Whether an entry of a step directory is Orbax's: its own files, or an item."""
-  name = entry.name
-  if name.startswith('_') or name in _ORBAX_STEP_ENTRIES or name.startswith(_orbax.OCDBT_PROCESS_PREFIX):
-    return True
-  if name.startswith('.') or not entry.is_dir():
-    return False
-  if any((entry / f).exists() for f in _ITEM_FILES):
-    return True
+def _step_record(path: epath.Path) -> frozenset[str] | None:
+  """The entries a step this package wrote holds: the items its `_CHECKPOINT_METADATA`
+  names (`item_handlers`) and the step's own files; None when the metadata is not
+  this package's (no `orbax_tunix` record in its custom metadata) or unreadable."""
   try:
-    return name in (step_store.open_step(entry.parent).recorded or {})
+    step = step_store.open_step(path)
   except errors.TunixCheckpointError:
-    return False
+    return None
+  if checksums.RECORD_KEY not in step.custom_metadata or step.recorded is None:
+    return None
+  return frozenset(step.recorded) | _STEP_FILES
 
 
-STEP = Kind('a checkpoint step', (CHECKPOINT_METADATA,), owns=_in_step)
+STEP = Kind('a checkpoint step', (CHECKPOINT_METADATA,), record=_step_record)
 
 
 def _is_empty_dir(path: epath.Path) -> bool:
   return path.is_dir() and next(iter(path.iterdir()), None) is None
 
 
+def _some_entries(path: epath.Path) -> str:
+  names = sorted(p.name for p in path.iterdir())
+  return ', '.join(names[:5]) + (f' and {len(names) - 5} more' if len(names) > 5 else '')
+
+
 def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
-  """Says whether `dst` may be written: absent, an empty directory, our own
-  leftover, or (force) one of `kind` holding only what one of `kind` holds.
+  """Says whether `dst` may be written: absent, an empty directory, what an
+  interrupted run left (`unfinished_claim`, its run gone), or (force) one of
+  `kind` this package wrote, holding only what its record names (`Kind.record`).
 
   Raises:
     DestinationExistsError: it is one of `kind` and `force` was not given.
-    InvalidDestinationError: it is something else (a file, another folder,
-      one of `kind` holding other entries too), with or without `force`:
+    InvalidDestinationError: another run is writing it; or it is something else
+      (a file, another folder, one of `kind` this package did not write, or
+      holding entries its record does not name), with or without `force`:
       replacing deletes every entry, so only its owner may remove them.
   """
-  if not dst.exists() or is_ours_unfinished(dst) or _is_empty_dir(dst):
+  if not dst.exists() or _is_empty_dir(dst):
     return
+  claim = unfinished_claim(dst, kind)
+  if claim is not None:
+    if claim.live():
+      raise _being_written(dst, claim, kind)
+    return  # What an interrupted run left: unfinished, never a committed one.
   if not kind.is_one(dst):
-    found = 'a file' if not dst.is_dir() else (
-        'a directory holding ' + ', '.join(sorted(p.name for p in dst.iterdir())[:5]))
+    found = 'a file' if not dst.is_dir() else f'a directory holding {_some_entries(dst)}'
     raise errors.InvalidDestinationError(
         f'{dst}: expected a new (or empty) directory, found {found}: not {kind.what}'
         f' (a directory holding {" or ".join(kind.holds)}), so it is never written over.'
         ' Choose another dst, or move it away yourself.'
     )
-  foreign = kind.foreign(dst)
+  recorded = kind.record(dst)
+  if recorded is None:
+    raise errors.InvalidDestinationError(
+        f'{dst}: holds {kind.what} that this package did not write ({_some_entries(dst)},'
+        ' and no record of this package naming what it wrote), so it is never written'
+        ' over: replacing it would delete what its owner wrote. Choose another dst, or'
+        ' move it away yourself.'
+    )
+  foreign = kind.foreign(dst, recorded)
   if foreign:
     raise errors.InvalidDestinationError(
         f'{dst}: holds {kind.what} and also {", ".join(foreign[:5])}'
         f'{f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""}, which this'
-        ' package does not write; replacing the folder would delete them. Choose another'
-        ' dst, or move those entries away yourself.'
+        ' package did not write (its record there does not name them); replacing the'
+        ' folder would delete them. Choose another dst, or move those entries away'
+        ' yourself.'
     )
   if not force:
     raise errors.DestinationExistsError(
@@ -338,34 +553,55 @@ def remove_tree(path: epath.Path) -> None:
     time.sleep(0.05)
 
 
-class Staging:
-  """Where a new step at `dst` is written, and how it is made final.
+# In a bucket copy-in's staging folder once it is complete, when its kind has no commit
+# file (a step's staging gets its commit file: Orbax reads it there); never copied over.
+COMPLETE = '.orbax-tunix-complete'
 
-  Use: `work = staging.open()`, write the step's items and metadata into
-  `work`, then `staging.commit()`; on any failure `staging.abort()`.
+
+class Staging:
+  """Where a new step (or export) at `dst` is written, and how it is made final.
+
+  Use: `work = staging.open()`, write into `work`, then `staging.commit()`; on
+  any failure `staging.abort()`, which says what each location holds.
+
+  Local disks: written into a temporary sibling, renamed onto `dst` (an old one
+  is first renamed aside, removed once the new one is in place). Buckets (no
+  rename): a new step is written in place, claimed by `MARKER`, committed by
+  `COMMIT_SUCCESS`; a replacement (or an export) is written complete into a
+  sibling, then copied in: `dst` is claimed and made unfinished, emptied, filled,
+  committed, and only then the sibling removed. At every instant `dst` holds the
+  old one, the new one complete, or an unfinished step Orbax skips while the new
+  one is complete in the sibling.
   """
 
   def __init__(self, dst: epath.Path, force: bool, kind: Kind = STEP):
     self.dst = dst
     self.force = force
     self.kind = kind
-    self.in_place = _orbax.commits_with_file(dst)
-    self.work = dst
+    self.in_place = _orbax.commits_with_file(dst)  # A bucket.
+    self.work: epath.Path = None  # type: ignore[assignment]  # Set by `open`.
     self.replaced = False  # Set by `staged` once committed.
+    self.run = new_run_id()
     self._created: list[epath.Path] = []
+    self._lease = _Lease(self.run)
+    # Set before the step they name (the storage then tells whether it happened).
+    self._committing = False
+    self._claiming_dst = False
+    self._finishing = False
+    self._replacing = False
+    self._old: epath.Path | None = None
 
   def open(self) -> epath.Path:
-    """Creates the directory the new step is written into, and returns it."""
-    dst = self.dst
+    """Creates the directory the new one is written into, and returns it.
+
+    Raises:
+      InvalidDestinationError: another run is writing `dst`; a mount point.
+    """
+    _RUNS_HERE.add(self.run)
     if self.in_place:
-      if is_ours_unfinished(dst):
-        remove_tree(dst)  # What an interrupted run of ours left: nobody's step.
-      if dst.exists() or not self.kind.in_place:
-        if dst.exists():
-          check_replaceable(dst, self.force, self.kind)
-        self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{time.time_ns()}'
-      (self.work / MARKER).write_text('written by orbax-tunix; not committed yet')
-      return self.work
+      return self._open_bucket()
+    check_not_mount_point(self.dst, self.kind)
+    dst = self.dst
     parent = dst.parent
     while not parent.exists() and parent != parent.parent:
       self._created.append(parent)
@@ -375,14 +611,35 @@ class Staging:
     self.work.mkdir()
     return self.work
 
+  def _open_bucket(self) -> epath.Path:
+    dst, kind = self.dst, self.kind
+    claim = unfinished_claim(dst, kind)
+    if claim is not None:
+      if claim.live():
+        raise _being_written(dst, claim, kind)
+      remove_tree(dst)  # An interrupted run's: nobody's step.
+    if kind.in_place and (not dst.exists() or _is_empty_dir(dst)):
+      self._claiming_dst = True
+      if not self._lease.claim(dst / MARKER):  # Another run claimed it just now.
+        raise _being_written(dst, Claim.read(dst / MARKER) or Claim('?', '?', 0, 0.0), kind)
+      self.work = dst
+      return dst
+    if dst.exists():
+      check_replaceable(dst, self.force, kind)
+    self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{self.run}'
+    self._lease.claim(self.work / MARKER)
+    return self.work
+
   def commit(self) -> bool:
-    """Makes the new step final at `dst`; returns whether an old one was replaced.
+    """Makes the new one final at `dst`; returns whether an old one was replaced.
 
     Raises:
       DestinationExistsError: `dst` appeared meanwhile and `force` is off.
+      InvalidDestinationError: another run claimed `dst` meanwhile.
     """
+    self._committing = True
     if self.in_place:
-      return self._commit_in_place()
+      return self._commit_bucket()
     if self.kind.commit_file:
       (self.work / self.kind.commit_file).write_text(
           f'Checkpoint commit was successful to {self.dst}')
@@ -393,42 +650,132 @@ class Staging:
       os.replace(self.work, self.dst)  # rename(2) replaces an empty directory at once.
       return False
     check_replaceable(self.dst, self.force, self.kind)
-    old = self.dst.parent / f'{_stem(self.dst)}{OLD_MARKER}{time.time_ns()}'
-    self.dst.rename(old)
-    try:
-      self.work.rename(self.dst)
-    except BaseException:
-      old.rename(self.dst)
-      raise
-    remove_tree(old)
+    self._old = self.dst.parent / f'{_stem(self.dst)}{OLD_MARKER}{time.time_ns()}'
+    self.dst.rename(self._old)
+    self.work.rename(self.dst)  # If this fails, `abort` puts the old one back.
+    with contextlib.suppress(Exception):  # Committed: what is left is named by `abort`.
+      remove_tree(self._old)
     return True
 
-  def _commit_in_place(self) -> bool:
-    dst, copied = self.dst, self.work != self.dst
-    replaced = copied and dst.exists()
-    if copied:
-      # The new step is complete beside the old one: from here the old one is
-      # unfinished (ours to replace on a rerun), then emptied and refilled.
-      (dst / MARKER).write_text('written by orbax-tunix convert; not committed yet')
-      (dst / COMMIT_SUCCESS).unlink(missing_ok=True)
-      for entry in list(dst.iterdir()):
-        if entry.name != MARKER:
-          remove_tree(entry) if entry.is_dir() else entry.unlink()
-      fs, _ = fsspec.core.url_to_fs(os.fspath(self.work))
-      for entry in self.work.iterdir():
-        if entry.name != MARKER:
-          fs.copy(os.fspath(entry), os.fspath(dst / entry.name), recursive=True)
-      remove_tree(self.work)
-    (dst / MARKER).unlink()
-    if self.kind.commit_file:
-      (dst / self.kind.commit_file).write_text(f'Checkpoint commit was successful to {dst}')
+  def _commit_text(self) -> str:
+    return f'Checkpoint commit was successful to {self.dst} (orbax-tunix run {self.run})'
+
+  def _commit_bucket(self) -> bool:
+    dst, work, kind = self.dst, self.work, self.kind
+    if work != dst:
+      return self._copy_in()
+    if not self._lease.holds(dst / MARKER):
+      raise errors.InvalidDestinationError(
+          f'{dst}: another run took this step over while this one wrote it (it found this'
+          f' run\'s claim not renewed for {LEASE_SECONDS:.0f} s); nothing was committed.'
+          ' Check what it wrote there before running again.')
+    self._finishing = True
+    if kind.commit_file:
+      (dst / kind.commit_file).write_text(self._commit_text())  # The commit.
+    self._release(dst / MARKER)
+    return False
+
+  def _copy_in(self) -> bool:
+    """Copies the complete new one from its sibling into `dst` (see the class)."""
+    dst, work, kind = self.dst, self.work, self.kind
+    replaced = self._replacing = dst.exists()
+    if replaced:
+      check_replaceable(dst, self.force, kind)
+    # Complete: a step Orbax reads where it is (should the copy-in be interrupted).
+    (work / (kind.commit_file or COMPLETE)).write_text(self._commit_text())
+    self._claiming_dst = True
+    if not self._lease.claim(dst / MARKER):
+      raise _being_written(dst, Claim.read(dst / MARKER) or Claim('?', '?', 0, 0.0), kind)
+    if kind.commit_file:
+      (dst / kind.commit_file).unlink(missing_ok=True)  # From here: unfinished.
+    for entry in list(dst.iterdir()):
+      if entry.name != MARKER:
+        remove_tree(entry) if entry.is_dir() else entry.unlink()
+    fs, _ = fsspec.core.url_to_fs(os.fspath(work))
+    for entry in work.iterdir():
+      if entry.name not in (MARKER, COMPLETE, kind.commit_file):
+        fs.copy(os.fspath(entry), os.fspath(dst / entry.name), recursive=True)
+    self._finishing = True
+    if kind.commit_file:
+      (dst / kind.commit_file).write_text(self._commit_text())  # The commit.
+    self._release(dst / MARKER)  # An export's commit: no longer unfinished.
+    with contextlib.suppress(Exception):  # Committed: what is left is named by `abort`.
+      remove_tree(work)
     return replaced
 
-  def abort(self) -> None:
-    """Removes what was written (and the parent folders `open` created)."""
-    remove_tree(self.work)
-    _remove_empty(self._created)
+  def _release(self, marker: epath.Path) -> None:
+    self._lease.stop()
+    marker.unlink(missing_ok=True)
 
+  def committed(self) -> bool:
+    """Whether the new one is final at `dst` (read from the storage, not from flags:
+    an interruption may land between a step and the flag that follows it)."""
+    if not self._committing:
+      return False
+    if not self.in_place:
+      return not os.path.lexists(self.work) and os.path.lexists(self.dst)
+    if self.kind.commit_file:
+      try:
+        return self.run in (self.dst / self.kind.commit_file).read_text()
+      except OSError:
+        return False
+    return self._finishing and not (self.dst / MARKER).exists()
+
+  def abort(self) -> str | None:
+    """Removes what is not committed and is this run's, and puts an old one moved
+    aside back.
+
+    Returns:
+      None when `dst` holds what it held before (nothing was written there), else
+      what `dst` and the staging hold now, for the message.
+    """
+    self._lease.stop()
+    _RUNS_HERE.discard(self.run)
+    dst, work, what = self.dst, self.work, self.kind.what
+    if work is None:  # `open` failed before creating anything.
+      _remove_empty(self._created)
+      return None
+    if self.committed():
+      # Best effort, a second interruption included: the state is read after it.
+      with contextlib.suppress(OSError, KeyboardInterrupt):
+        if self.in_place:
+          (dst / MARKER).unlink(missing_ok=True)
+          if work != dst:
+            remove_tree(work)
+        elif self._old is not None:
+          remove_tree(self._old)
+      left = [p for p in (self._old, None if work == dst else work)
+              if p is not None and p.exists()]
+      return (f'{dst} holds the new {_bare(what)}, complete (committed before the'
+              ' interruption)' + (f'; {left[0]}, left beside it, is not read by Orbax or'
+                                  ' this package: remove it' if left else ''))
+    if not self.in_place:
+      if self._old is not None and os.path.lexists(self._old) and not os.path.lexists(dst):
+        self._old.rename(dst)  # The new one never went in: the old one goes back.
+      remove_tree(work)
+      _remove_empty(self._created)
+      return None
+    claimed = self._claiming_dst and self._lease.holds(dst / MARKER)
+    if work == dst:
+      if claimed:
+        remove_tree(dst)  # This run's unfinished step.
+      return None
+    if not claimed:
+      remove_tree(work)  # `dst` was never touched.
+      return None
+    with contextlib.suppress(OSError):
+      (work / MARKER).unlink(missing_ok=True)  # Kept: complete, and nobody's work now.
+    skipped = f' and no {self.kind.commit_file}: Orbax and this package skip it' \
+        if self.kind.commit_file else ''
+    gone = '; the old one is gone' if self._replacing else ''
+    return (f'the new {_bare(what)} is complete at {work}; {dst} is unfinished (it holds'
+            f' {MARKER}{skipped}){gone}. Run again to write {dst} anew (this run\'s claim on'
+            f' it has ended), or copy {work} there yourself; then remove {work}')
+
+
+def _bare(what: str) -> str:
+  """'a checkpoint step' -> 'checkpoint step'."""
+  return what.split(' ', 1)[1] if what.startswith(('a ', 'an ')) else what
 
 
 @contextlib.contextmanager
@@ -454,15 +801,20 @@ def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
       written (permissions, space); what was written is removed.
     DestinationExistsError: `dst` appeared meanwhile and not `force`.
     Whatever the block raises (KeyboardInterrupt too), after the same
-    clean-up; an existing `dst` is untouched in every case.
+    clean-up; an existing `dst` is untouched, except once a bucket's copy-in
+    has begun (`Staging`): then the complete new one is kept, and the
+    KeyboardInterrupt or InvalidDestinationError raised says what `dst` and
+    the staging hold (its `state`).
   """
   for source in sources:
     check_outside_source(source, dst)
   staging = Staging(dst, force, kind)
   try:
     staging.open()
-  except OSError as e:
+  except BaseException as e:
     staging.abort()
+    if not isinstance(e, OSError):
+      raise
     raise errors.InvalidDestinationError(
         f'{dst}: cannot create {kind.what} there ({e}). Expected a writable'
         ' directory; choose another destination or fix its permissions.'
@@ -471,11 +823,27 @@ def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
     yield staging
     staging.replaced = staging.commit()
   except BaseException as e:
-    staging.abort()
+    state = staging.abort()
+    if state is not None:
+      raise _with_state(dst, e, state) from e
     failure = write_failure(dst, e, nbytes)
     if failure is None:
       raise
     raise failure from e
+  finally:
+    _RUNS_HERE.discard(staging.run)
+
+
+def _with_state(dst: epath.Path, exc: BaseException, state: str) -> BaseException:
+  """A failure (an interruption) once `dst` was written to, saying what each location
+  holds: KeyboardInterrupt(state), or an InvalidDestinationError naming the failure
+  (its `state` attribute holds the state, for a caller that reports it as an
+  interruption)."""
+  if isinstance(exc, KeyboardInterrupt):
+    return KeyboardInterrupt(state)
+  failure = errors.InvalidDestinationError(f'{dst}: writing failed ({exc}); {state}.')
+  failure.state = state
+  return failure
 
 
 def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
@@ -558,6 +926,7 @@ def check_destination(
   check_step_name(dst)
   for src in sources:
     check_outside_source(src, dst)
+  check_not_mount_point(dst, kind)
   problem = netprobe.unreachable(dst)  # Before any client call (their retries take ~50 s).
   if problem is not None:
     raise _unreachable(dst, problem)

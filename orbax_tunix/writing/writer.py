@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -424,6 +424,11 @@ SAFETENSORS_DTYPES = {
 }
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
+# In every safetensors file an export writes (its header's `__metadata__`): the names of
+# every file of that export, as a JSON list; what `force` may later replace (and only it).
+FILES_RECORD = 'orbax_tunix.files'
+# safetensors' own cap on a header (its readers refuse a larger one).
+_MAX_HEADER = 100_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,9 +442,10 @@ class Shard:
   def nbytes(self) -> int:
     return sum(math.prod(s) * np.dtype(_numpy_dtype(d)).itemsize for _, d, s in self.tensors)
 
-  def header(self) -> bytes:
-    """The file's JSON header, padded with spaces to 8 bytes (as safetensors writes it)."""
-    entries: dict[str, Any] = {'__metadata__': {'format': 'pt'}}
+  def header(self, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The file's JSON header, padded with spaces to 8 bytes (as safetensors writes it);
+    `metadata` is added to its `__metadata__` (string values, as the format takes)."""
+    entries: dict[str, Any] = {'__metadata__': {'format': 'pt', **(metadata or {})}}
     at = 0
     for name, dtype, shape in self.tensors:
       size = math.prod(shape) * np.dtype(_numpy_dtype(dtype)).itemsize
@@ -525,6 +531,28 @@ def index(files: Sequence[Shard]) -> dict[str, Any]:
   }
 
 
+def recorded_files(folder: epath.Path) -> frozenset[str] | None:
+  """The files an export by this package wrote in `folder`, as its record says
+  (`FILES_RECORD` in the header of its first safetensors file: `SINGLE_FILE`, or the
+  first file the index names); None when there is no such record or it cannot be read."""
+  try:
+    index = folder / INDEX_FILE
+    first = SINGLE_FILE
+    if index.exists():
+      weight_map = json.loads(index.read_text()).get('weight_map')
+      first = min(weight_map.values())
+    with (folder / first).open('rb') as f:
+      (size,) = struct.unpack('<Q', f.read(8))
+      if size > _MAX_HEADER:
+        return None
+      files = json.loads(json.loads(f.read(size))['__metadata__'][FILES_RECORD])
+  except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+    return None
+  if not isinstance(files, list) or not all(isinstance(n, str) for n in files):
+    return None
+  return frozenset(files)
+
+
 class SafetensorsSink:
   """Hugging Face safetensors files, written tensor by tensor as batches arrive.
 
@@ -534,10 +562,13 @@ class SafetensorsSink:
   """
 
   def __init__(self, directory: epath.Path, files: Sequence[Shard],
-               listed: Sequence[Shard] | None = None, write_index: bool = True):
+               listed: Sequence[Shard] | None = None, write_index: bool = True,
+               metadata: Mapping[str, str] | None = None):
     """Args: the folder; the files to write; the whole export's files (default
-    `files`; several processes each write some); whether to write their index."""
+    `files`; several processes each write some); whether to write their index;
+    what every file's header adds to its `__metadata__`."""
     self._dir = directory
+    self._metadata = dict(metadata or {})
     self._files = list(files)
     self._listed = list(files if listed is None else listed)
     self._write_index = write_index
@@ -573,7 +604,7 @@ class SafetensorsSink:
 
   def _start(self, shard: Shard) -> Any:
     handle = (self._dir / shard.name).open('wb')
-    header = shard.header()
+    header = shard.header(self._metadata)
     handle.write(struct.pack('<Q', len(header)) + header)
     return handle
 
