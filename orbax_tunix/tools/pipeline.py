@@ -597,16 +597,12 @@ class Sink:
   read_folders: tuple[str, ...] = ()
 
 
-def _in_adapter(entry: epath.Path) -> bool:
-  """Whether an entry of an adapter folder is one an adapter export writes."""
-  return not entry.is_dir() and entry.name in (peft.ADAPTER_FILE, peft.CONFIG_FILE)
-
-
-# An exported PEFT adapter (what `force` may replace): its tensors, and nothing else
-# but its config.
+# An exported PEFT adapter (what `force` may replace): its tensors, whose header records
+# the files the export wrote (the tensors and adapter_config.json), as a model export's do.
 ADAPTER_EXPORT = commit.Kind(
-    'a PEFT adapter export', (peft.ADAPTER_FILE,), commit_file=None, in_place=False,
-    owns=_in_adapter,
+    'a PEFT adapter export', (peft.ADAPTER_FILE,),
+    record=lambda path: writer.recorded_files(path, peft.ADAPTER_FILE), commit_file=None,
+    in_place=False,
 )
 
 

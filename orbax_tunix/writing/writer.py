@@ -531,13 +531,13 @@ def index(files: Sequence[Shard]) -> dict[str, Any]:
   }
 
 
-def recorded_files(folder: epath.Path) -> frozenset[str] | None:
+def recorded_files(folder: epath.Path, single: str = SINGLE_FILE) -> frozenset[str] | None:
   """The files an export by this package wrote in `folder`, as its record says
-  (`FILES_RECORD` in the header of its first safetensors file: `SINGLE_FILE`, or the
+  (`FILES_RECORD` in the header of its first safetensors file: `single`, or the
   first file the index names); None when there is no such record or it cannot be read."""
   try:
     index = folder / INDEX_FILE
-    first = SINGLE_FILE
+    first = single
     if index.exists():
       weight_map = json.loads(index.read_text()).get('weight_map')
       first = min(weight_map.values())
