@@ -551,14 +551,22 @@ def test_gemma3_einsum_adapters_with_and_without_their_base(tmp_path, name):
 
 
 def test_an_existing_adapter_is_replaced_only_with_force(exports, tmp_path):
+  """An adapter this package exported (its record) is replaced with `force` only; files of
+  an adapter's names it did not write are never replaced."""
+  stale = tmp_path / 'stale'
+  stale.mkdir()
+  (stale / peft.ADAPTER_FILE).write_bytes(b'stale')
+  (stale / peft.CONFIG_FILE).write_text('{}')
+  with pytest.raises(ot.TunixCheckpointError):
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', stale, model='qwen3', alpha=3, force=True)
+  assert (stale / peft.ADAPTER_FILE).read_bytes() == b'stale'
   out = tmp_path / 'a'
-  out.mkdir()
-  (out / peft.ADAPTER_FILE).write_bytes(b'stale')
-  (out / peft.CONFIG_FILE).write_text('{}')
+  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=6)
   with pytest.raises(ot.DestinationExistsError):
     ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3)
-  assert (out / peft.ADAPTER_FILE).read_bytes() == b'stale'
+  assert json.loads((out / peft.CONFIG_FILE).read_text())['lora_alpha'] == 6
   ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  assert json.loads((out / peft.CONFIG_FILE).read_text())['lora_alpha'] == 3
   assert (out / peft.ADAPTER_FILE).read_bytes() == (
       exports['hf_qwen3_lora']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
   (out / 'notes.txt').write_text('mine')  # Not an adapter export's: never replaced.
