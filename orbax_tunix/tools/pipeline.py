@@ -120,6 +120,10 @@ class Plan:
     return writer.batch_bytes(self.memory_budget)
 
   @property
+  def reads_ahead(self) -> bool:
+    return writer.reads_ahead(self.memory_budget)
+
+  @property
   def sources(self) -> list[epath.Path]:
     """The step directories read (the source, and a merge's base)."""
     return [c.step_dir for c in merge_lib.checkpoints_read(self.source, self.merge)]
@@ -429,7 +433,8 @@ def _write_step(plan: Plan, mine: Sequence[Output], work: epath.Path,
           work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
       continue
     sink = writer.OrbaxItemSink(item, work / item.name)
-    sums[item.name] = writer.write(item.outputs, sink, plan.batch_bytes, progress)['checksums']
+    sums[item.name] = writer.write(item.outputs, sink, plan.batch_bytes, progress,
+                                  ahead=plan.reads_ahead)['checksums']
   if distributed.is_primary():
     _write_step_metadata(work, plan, init_ns, sums)
   return {}
@@ -533,7 +538,8 @@ def _write_folder(plan: Plan, mine: Sequence[Output], work: epath.Path,
   sink = writer.SafetensorsSink(work, _my_files(plan), plan.files,
                                 write_index=distributed.is_primary(),
                                 metadata={writer.FILES_RECORD: json.dumps(_folder_files(plan))})
-  record = writer.write(mine, sink, plan.batch_bytes, progress, on_host=True)
+  record = writer.write(mine, sink, plan.batch_bytes, progress, on_host=True,
+                        ahead=plan.reads_ahead)
   for name, content in plan.other_files if distributed.is_primary() else ():
     if isinstance(content, str):
       (work / name).write_text(content)

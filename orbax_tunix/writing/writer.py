@@ -80,17 +80,19 @@ def _job_overhead() -> int:
   return JOB_OVERHEAD if distributed.active() else 0
 
 
-def _reads_ahead() -> bool:
+def reads_ahead(memory_budget: int) -> bool:
   """Whether `write` reads the next batch while it writes one (`reader.stream`'s `ahead`):
-  in one process; a job's processes keep their collectives in one order."""
-  return not distributed.active()
+  in one process (a job's processes keep their collectives in one order), with a budget
+  that holds two batches above the fixed overhead (a smaller one is met as closely as
+  one batch at a time can)."""
+  return not distributed.active() and memory_budget >= 2 * reader.FIXED_OVERHEAD
 
 
 def batch_bytes(memory_budget: int) -> int:
   """Bytes of sources per batch so that a write fits `memory_budget` (in each process of a
-  multi-process job too); half as much where two batches are in flight (`_reads_ahead`)."""
+  multi-process job too); half as much where two batches are in flight (`reads_ahead`)."""
   per = reader.batch_bytes(max(memory_budget - _job_overhead(), 1), COPIES_IN_FLIGHT)
-  return max(per // 2, 1) if _reads_ahead() else per
+  return max(per // 2, 1) if reads_ahead(memory_budget) else per
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
@@ -303,7 +305,7 @@ def check_range(output: Output, value: Any) -> None:
 
 def write(
     outputs: Sequence[Output], sink: Sink, budget: int, progress: reader.Progress,
-    *, on_host: bool = False,
+    *, on_host: bool = False, ahead: bool = False,
 ) -> dict[str, Any]:
   """Streams outputs into a sink, a batch of at most `budget` bytes at a time.
 
@@ -314,6 +316,8 @@ def write(
     progress: told the bytes read after each batch.
     on_host: read and transform as numpy on the host (transposes stay views
       until the sink copies each tensor out), else on one CPU device.
+    ahead: read the next batch while this one is written (`reads_ahead`; the
+      budget is then each of two batches').
 
   Returns:
     What the sink records (see `Sink.close`).
@@ -326,7 +330,7 @@ def write(
     outputs = [block for o in outputs for block in row_blocks(o, budget)]
   for batch, values in reader.stream(batches(outputs, budget),
                                     lambda batch: read_inputs(batch, on_host), progress,
-                                    bytes_read, ahead=_reads_ahead()):
+                                    bytes_read, ahead=ahead):
     # What transforms make goes to the sink once it fills the budget: a source
     # read whole for its many outputs (a stack stored as one chunk, split into
     # its layers) is not held beside all of them.
