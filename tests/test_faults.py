@@ -509,7 +509,7 @@ HOSTILE = [
             r'config.json as JSON, found 40 bytes that do not parse.*Fix the file',
             'another step'),
         Run(('export', '{qwen3}', '{out}/8', '--model', 'qwen3', '--hf-config', '{hf_dir}'), 2,
-            r'holding config.json \(a file\), found a directory'),
+            r'holding config.json \(a file\), or that config.json, found a directory'),
         Run(('export', '{llama3}', '{out}/9', '--model', 'llama3', '--hf-config', '{hf_untied}'),
             2, r'tie_word_embeddings: config.json has False, the weights have True \(no lm_head'),
         Run(('export', '{llama3}', '{out}/10', '--model', 'llama3', '--hf-config',
