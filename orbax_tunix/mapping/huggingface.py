@@ -1053,10 +1053,11 @@ def check_config(
       wrong.append(f'{field}: config.json has {have}, the weights have {value}'
                    + (' (no lm_head: the loader would start a random one)'
                       if field == 'tie_word_embeddings' and value else ''))
-  layers = implied['num_hidden_layers']
+  # Weights that cannot tell their layer count (adapters alone) leave it to the config's.
+  layers = implied.get('num_hidden_layers', fields.get('num_hidden_layers'))
   for field in PER_LAYER_FIELDS:
     have = fields.get(field)
-    if isinstance(have, list) and len(have) != layers:
+    if isinstance(have, list) and isinstance(layers, int) and len(have) != layers:
       wrong.append(f'{field}: config.json has {len(have)} entries, the weights have {layers}'
                    ' layers (one entry per layer: transformers refuses another count)')
   if wrong:
