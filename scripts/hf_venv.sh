@@ -20,19 +20,8 @@ IMPORTS='import torch, transformers, peft, safetensors.torch'
 
 log() { echo "[hf_venv] $*" >&2; }
 
-is_py311() { [ -n "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1; }
-find_python311() {
-  local cand root v
-  for cand in "$(command -v python3.11 2>/dev/null || true)" "$(command -v python3 2>/dev/null || true)"; do
-    if is_py311 "$cand"; then echo "$cand"; return 0; fi
-  done
-  if command -v pyenv >/dev/null 2>&1; then root="$(pyenv root)"; else root="${PYENV_ROOT:-$HOME/.pyenv}"; fi
-  for v in $(ls -1 "$root/versions" 2>/dev/null | grep -E '^3\.11(\.[0-9]+)?$' | sort -t. -k3,3nr); do
-    cand="$root/versions/$v/bin/python3.11"
-    if is_py311 "$cand"; then echo "$cand"; return 0; fi
-  done
-  return 1
-}
+# shellcheck source=python312.sh
+source "$REPO/scripts/python312.sh"  # find_python
 
 want_stamp="$( { echo "recipe=$RECIPE_VERSION"; cat "$REQS"; } | sha256sum | cut -d' ' -f1)"
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ]; then
@@ -41,7 +30,7 @@ if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_
   exit 0
 fi
 
-PY="$(find_python311)" || { log "no Python 3.11 found (torch's CPU wheel here is for 3.11)"; exit 1; }
+PY="$(find_python 3.11)" || { log "no Python 3.11 found (torch's CPU wheel here is for 3.11)"; exit 1; }
 start=$SECONDS
 log "building $VENV with $PY"
 # The stamp is written last: an interrupted build has none and is rebuilt from scratch next time.
