@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import statistics
@@ -35,6 +34,7 @@ import sys
 import tempfile
 import time
 
+from before_after import _env  # pylint: disable=g-import-not-at-top
 from export_memory import write_checkpoint  # pylint: disable=g-import-not-at-top
 
 MIB = 1 << 20
@@ -64,9 +64,7 @@ def floor(step: pathlib.Path, out: pathlib.Path) -> dict:
 
 def _child(argv: list[str], out: pathlib.Path, tree: str | None) -> tuple[float, dict]:
   shutil.rmtree(out, ignore_errors=True)
-  env = dict(os.environ)
-  if tree:
-    env['PYTHONPATH'] = os.pathsep.join([tree, *filter(None, [env.get('PYTHONPATH')])])
+  env = _env(pathlib.Path(tree)) if tree else None
   start = time.monotonic()
   done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
   seconds = time.monotonic() - start
