@@ -167,7 +167,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       lora_alpha=args.lora_alpha,
       lora_scale=args.lora_scale,
       base=args.base,
-      **_layout_options(args, layouts.STEP),
+      **_layout_options(args, layouts.SinkKind.STEP),
   )
   result = _stream(convert_lib.run_convert, plan, plan.notes, args, out)
   source = plan.source.detection
@@ -273,11 +273,11 @@ def _plan_model_export(args: argparse.Namespace) -> export_lib.ExportPlan:
       base=args.base,
       memory_budget=args.memory_budget,
       force=args.force,
-      **_layout_options(args, layouts.FOLDER),
+      **_layout_options(args, layouts.SinkKind.FOLDER),
   )
 
 
-def _layout_options(args: argparse.Namespace, sink: str) -> dict[str, Any]:
+def _layout_options(args: argparse.Namespace, sink: layouts.SinkKind) -> dict[str, Any]:
   """The layout options' flags as given (unset: their `layouts.Option.unset`)."""
   return {name: getattr(args, name) for name in layouts.options(sink)}
 
@@ -391,7 +391,7 @@ def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
   return parse_flag
 
 
-def _add_layout_options(p: argparse.ArgumentParser, sink: str) -> None:
+def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.SinkKind) -> None:
   """The flags of the options a command's layouts take (`layouts.Option`s, their data)."""
   every = layouts.named(sink)
   for option in layouts.options(sink).values():
@@ -529,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
           ' without this package. DST is the step directory to create; name it by'
           ' its step number (out/1000) to make its parent a root that'
           ' ocp.CheckpointManager reads. Layouts (--layout): '
-          + '; '.join(f'{n}: {layouts.get(n).description}' for n in layouts.named(layouts.STEP))
+          + '; '.join(f'{n}: {layouts.get(n).description}' for n in layouts.named(layouts.SinkKind.STEP))
           + '. Streams in batches within --memory-budget;'
           ' written beside DST and renamed at the end, so a failure leaves no DST.'
           ' Check the result with: orbax-tunix diff SRC DST.'
@@ -540,9 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
-  p.add_argument('--layout', choices=layouts.named(layouts.STEP), default=convert_lib.CANONICAL,
+  p.add_argument('--layout', choices=layouts.named(layouts.SinkKind.STEP), default=convert_lib.CANONICAL,
                  help=f'the layout to write (default {convert_lib.CANONICAL}; see above)')
-  _add_layout_options(p, layouts.STEP)
+  _add_layout_options(p, layouts.SinkKind.STEP)
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')
@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser(
       'export', parents=[common, hosts],
-      help='write a Hugging Face safetensors folder (' + ', '.join(layouts.named(layouts.FOLDER))
+      help='write a Hugging Face safetensors folder (' + ', '.join(layouts.named(layouts.SinkKind.FOLDER))
       + ')',
       description=(
           'Write the weights of SRC (a Tunix run of a tunix.models family or of a MaxText'
@@ -618,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--base-model', metavar='NAME_OR_PATH',
                  help="--peft: the base model (a Hub name or a folder), the adapter config's"
                  ' base_model_name_or_path')
-  _add_layout_options(p, layouts.FOLDER)
+  _add_layout_options(p, layouts.SinkKind.FOLDER)
   p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use above start-up (default 1G ='
                  ' 1GiB)')

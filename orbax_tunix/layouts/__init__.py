@@ -3,8 +3,8 @@
 A `Layout` is a value: its name, a line for people, `lay_out(request)` (a
 pure function of the source checkpoint's metadata that says every destination
 item and leaf, `outputs.ItemOutput`, and how each is made from source leaves),
-the kind of destination it fills (`sink`: an Orbax step or a Hugging Face
-folder) and its options as data. The one pipeline (`tools/pipeline.py`) looks
+the kind of destination it fills (`sink`, a `SinkKind`: an Orbax step, a Hugging
+Face folder or a PEFT adapter folder) and its options as data. The one pipeline (`tools/pipeline.py`) looks
 layouts up here and hands the result to the one writer (`writer.py`); a new
 output format is one more registered layout.
 
@@ -20,14 +20,12 @@ from __future__ import annotations
 
 from orbax_tunix.layouts import canonical, huggingface, maxtext, peft  # noqa: F401  (they register)
 from orbax_tunix.layouts.base import (
-    ADAPTER,
-    FOLDER,
     LAYOUTS,
-    STEP,
     LaidOut,
     Layout,
     Option,
     Request,
+    SinkKind,
     check_options,
     get,
     named,
@@ -37,5 +35,5 @@ from orbax_tunix.layouts.base import (
     weights,
 )
 
-__all__ = ['ADAPTER', 'FOLDER', 'LAYOUTS', 'STEP', 'named', 'LaidOut', 'Layout', 'Option', 'Request', 'check_options', 'get', 'names',
-           'options', 'register', 'weights']
+__all__ = ['LAYOUTS', 'LaidOut', 'Layout', 'Option', 'Request', 'SinkKind', 'check_options',
+           'get', 'named', 'names', 'options', 'register', 'weights']

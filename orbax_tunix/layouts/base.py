@@ -1,8 +1,8 @@
 """What every layout is and takes: `Request`, `Layout`, `LaidOut`, and the catalog they register in.
 
 Every output is a layout: an Orbax step (canonical, MaxText) or a Hugging Face
-safetensors folder (one layout per family). Its `sink` says which kind of
-destination it fills; its `options` are data the CLI builds flags from.
+safetensors folder (one layout per family). Its `sink` (a `SinkKind`) says which kind
+of destination it fills; its `options` are data the CLI builds flags from.
 
 Its own module so that the layouts (`canonical`, `maxtext`) import it, and the package
 (`layouts/__init__.py`) imports them: no cycle.
@@ -11,6 +11,7 @@ Its own module so that the layouts (`canonical`, `maxtext`) import it, and the p
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -130,11 +131,20 @@ class Option:
     return '--' + self.name.replace('_', '-')
 
 
-# The kinds of destination a layout fills (`Layout.sink`); `tools/pipeline.py`
-# writes each.
-STEP = 'step'  # An Orbax step: one PyTree (or JSON) item per `ItemOutput`.
-FOLDER = 'folder'  # A Hugging Face folder: one item's outputs as safetensors tensors.
-ADAPTER = 'adapter'  # A PEFT adapter folder: one item's outputs in adapter_model.safetensors.
+class SinkKind(enum.Enum):
+  """The kinds of destination a layout fills (`Layout.sink`); `tools/pipeline.py` writes
+  each (`pipeline.SINKS`, keyed by them)."""
+
+  STEP = 'step'  # An Orbax step: one PyTree (or JSON) item per `ItemOutput`.
+  FOLDER = 'folder'  # A Hugging Face folder: one item's outputs as safetensors tensors.
+  ADAPTER = 'adapter'  # A PEFT adapter folder: one item's outputs in adapter_model.safetensors.
+
+
+def _check_kind(sink: object) -> None:
+  """Refuses a sink kind that is not a `SinkKind` (a bare string would match no layout)."""
+  if not isinstance(sink, SinkKind):
+    raise TypeError(f'sink {sink!r}: expected a layouts.SinkKind'
+                    f' ({", ".join(k.name for k in SinkKind)}), found a {type(sink).__name__}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +157,7 @@ class Layout:
     lay_out: `Request -> LaidOut`, from metadata only.
     options: the options it reads (`Option`s: `Request` fields); the other
       layouts' options must keep their unset value (`check_options`).
-    sink: the kind of destination it fills (`STEP`, `FOLDER`).
+    sink: the kind of destination it fills (a `SinkKind`).
     weights_only: it writes the model's weights alone (a `params_only` request).
     adapters: it takes LoRA adapters as they are (an adapters-only save is a
       valid source); else the pipeline refuses an adapters-only save unmerged.
@@ -157,9 +167,12 @@ class Layout:
   description: str
   lay_out: Callable[[Request], LaidOut]
   options: tuple[Option, ...] = ()
-  sink: str = STEP
+  sink: SinkKind = SinkKind.STEP
   weights_only: bool = False
   adapters: bool = False
+
+  def __post_init__(self):
+    _check_kind(self.sink)
 
   def takes(self, option: str) -> bool:
     return any(o.name == option for o in self.options)
@@ -169,14 +182,25 @@ LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
 register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
 
 
-def options(sink: str | None = None) -> dict[str, Option]:
-  """Every option some layout (of `sink`, else any) takes, by name: a command's layout flags."""
+def options(sink: SinkKind | None = None) -> dict[str, Option]:
+  """Every option some layout (of `sink`, else any) takes, by name: a command's layout flags.
+
+  Raises:
+    TypeError: `sink` is neither None nor a `SinkKind`.
+  """
+  if sink is not None:
+    _check_kind(sink)
   return {o.name: o for n in names() for o in get(n).options
           if sink is None or get(n).sink == sink}
 
 
-def named(sink: str) -> tuple[str, ...]:
-  """The layouts that fill `sink` (a command's choices)."""
+def named(sink: SinkKind) -> tuple[str, ...]:
+  """The layouts that fill `sink` (a command's choices).
+
+  Raises:
+    TypeError: `sink` is not a `SinkKind`.
+  """
+  _check_kind(sink)
   return tuple(n for n in names() if get(n).sink == sink)
 
 

@@ -23,7 +23,15 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import fmt
-from orbax_tunix.layouts.base import FOLDER, LaidOut, Layout, Option, Request, register, weights
+from orbax_tunix.layouts.base import (
+    LaidOut,
+    Layout,
+    Option,
+    Request,
+    SinkKind,
+    register,
+    weights,
+)
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.mapping import as_trained, huggingface, lora, patterns, stacks
 from orbax_tunix.mapping import merge as merge_lib
@@ -394,7 +402,7 @@ for _family in map(huggingface.get, huggingface.names()):
       description=f'a Hugging Face safetensors folder of {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
       options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG, BASE_ONLY, CONFIG_AS_TRAINED),
-      sink=FOLDER,
+      sink=SinkKind.FOLDER,
       weights_only=True,
       adapters=True,  # `lay_out` refuses them unmerged itself, saying what to do.
   ))

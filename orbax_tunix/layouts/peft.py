@@ -24,7 +24,7 @@ import numpy as np
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.layouts.base import ADAPTER, LaidOut, Layout, Option, Request, register
+from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, SinkKind, register
 from orbax_tunix.layouts.huggingface import ITEM, PARAM_SCAN_AXIS, _base_config, _model_weights
 from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
@@ -312,7 +312,7 @@ for _family in map(huggingface.get, huggingface.names()):
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
       options=(PARAM_SCAN_AXIS, ADAPTER_ALPHA, ADAPTER_SCALE, BASE_MODEL),
-      sink=ADAPTER,
+      sink=SinkKind.ADAPTER,
       weights_only=True,
       adapters=True,
   ))

@@ -10,13 +10,14 @@ memory budget at a time, inside one staged commit (`writer.streamed`): nothing
 is seen at the destination until all of it is written. `convert` and `export`
 are this pipeline with a step layout and a folder layout.
 
-Sinks (`SINKS`, by `Layout.sink`):
+Sinks (`SINKS`, by `Layout.sink`, a `layouts.SinkKind`):
 
-  step    every item a plain `PyTreeCheckpointHandler` item (JSON items copied),
-          `_CHECKPOINT_METADATA` naming that handler, and the step's custom
-          metadata recording the source and a CRC-32 of every array
-  folder  safetensors files as `transformers` shards them, their index, and the
-          layout's other files (config.json, tokenizer)
+  STEP     every item a plain `PyTreeCheckpointHandler` item (JSON items copied),
+           `_CHECKPOINT_METADATA` naming that handler, and the step's custom
+           metadata recording the source and a CRC-32 of every array
+  FOLDER   safetensors files as `transformers` shards them, their index, and the
+           layout's other files (config.json, tokenizer)
+  ADAPTER  one adapter_model.safetensors (no index) and adapter_config.json
 
 Across hosts (`distributed`): a step is written by every process (its shards of
 every item; process 0 the JSON items and the metadata), a folder's files are
@@ -623,18 +624,18 @@ def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
       peft.ADAPTER_FILE, tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in outputs))]
 
 
-SINKS: dict[str, Sink] = {
-    layouts.STEP: Sink(
+SINKS: dict[layouts.SinkKind, Sink] = {
+    layouts.SinkKind.STEP: Sink(
         kind=commit.STEP, unit='array', run='conversion', doing='converting to',
         shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs,
         write=_write_step,
     ),
-    layouts.FOLDER: Sink(
+    layouts.SinkKind.FOLDER: Sink(
         kind=EXPORT, unit='tensor', run='export', doing='exporting to',
         shard=_shard_folder, share=_share_folder, write=_write_folder,
         read_folders=('hf_config',),
     ),
-    layouts.ADAPTER: Sink(
+    layouts.SinkKind.ADAPTER: Sink(
         kind=ADAPTER_EXPORT, unit='tensor', run='export', doing='exporting the adapter to',
         shard=_adapter_file, share=_share_folder, write=_write_folder,
     ),
