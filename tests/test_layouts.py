@@ -1,11 +1,16 @@
-"""The layout catalog: sink kinds are `layouts.SinkKind` values, and every kind a layout
-names is one the pipeline writes."""
+"""The layout catalog: sink kinds are `layouts.SinkKind` values, every kind a layout names is
+one the pipeline writes, and the families are named only by their own values."""
 
 from __future__ import annotations
+
+import ast
+import pathlib
+import re
 
 import pytest
 
 from orbax_tunix import layouts
+from orbax_tunix.mapping import huggingface
 from orbax_tunix.tools import pipeline
 
 
@@ -30,3 +35,41 @@ def test_a_layout_of_a_bare_string_sink_is_refused():
 def test_the_step_layouts_are_canonical_and_maxtext():
   # Independent of the catalog's code: the two Orbax step outputs README documents.
   assert set(layouts.named(layouts.SinkKind.STEP)) == {'canonical', 'maxtext'}
+
+
+PACKAGE = pathlib.Path(layouts.__file__).resolve().parents[1]
+FAMILIES_MODULE = PACKAGE / 'mapping' / 'huggingface.py'
+
+
+def _enumerations(path: pathlib.Path, families: tuple[str, ...]) -> list[str]:
+  """The string literals of `path` (not its docstrings) that name two families or more."""
+  tree = ast.parse(path.read_text())
+  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef))
+                and node.body and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)}
+  found = []
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and id(node) not in docstrings):
+      named = {f for f in families if re.search(rf'(?<![\w.]){re.escape(f)}(?![\w.])', node.value)}
+      if len(named) > 1:
+        found.append(f'{path.relative_to(PACKAGE.parent)}:{node.lineno}: {sorted(named)}')
+  return found
+
+
+def test_no_module_but_the_families_enumerates_them():
+  # Issue 35: a family is one value; text listing families is generated from the catalog
+  # (as `--model`'s choices and `--config-as-trained`'s help are), never kept by hand.
+  families = huggingface.choices()
+  found = [e for path in sorted(PACKAGE.rglob('*.py')) if path != FAMILIES_MODULE
+           for e in _enumerations(path, families)]
+  assert found == []
+
+
+def test_aliases_are_the_family_values_own():
+  # MaxText's names of the Llama model (README: `--model llama3`, or llama3.1 and llama2).
+  assert huggingface.get('llama3.1') is huggingface.get('llama2') is huggingface.get('llama3')
+  assert huggingface.choices()[-2:] == ('llama3.1', 'llama2')
+  assert huggingface.get('qwen2').aliases == ()  # Built from llama3's value, not its names.

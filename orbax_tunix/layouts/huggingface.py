@@ -392,9 +392,10 @@ BASE_ONLY = Option(
     ' merged): the base a PEFT adapter of the run applies to', switch=True)
 CONFIG_AS_TRAINED = Option(
     as_trained.OPTION, bool, '', 'write into config.json the values google-tunix trained with'
-    " where its model class ignores the base config's (rope_theta: llama3, qwen3, qwen3_moe"
-    ' rotate with base 1000000 whatever the config says); without it the export notes the'
-    ' difference. Needs --hf-config', switch=True)
+    " where its model class ignores the base config's ("
+    + '; '.join(f'{fact.field}: {", ".join(families)} {fact.brief}'
+                for fact, families in huggingface.written_as_trained().items())
+    + '); without it the export notes the difference. Needs --hf-config', switch=True)
 
 for _family in map(huggingface.get, huggingface.names()):
   register(Layout(

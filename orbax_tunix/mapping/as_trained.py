@@ -34,6 +34,9 @@ class AsTrained:
     value: the value the trainer used, for `field`.
     when: weight patterns (`{i}` over the layers); the fact holds for weights having any of
       them (empty: for every model of the family).
+    brief: what the trainer does, in a few words after the families' names (e.g. 'rotate
+      with base 1000000 whatever the config says'), for the help of `OPTION`, which writes
+      `field` (`layouts/huggingface.py`).
   """
 
   what: str
@@ -43,6 +46,7 @@ class AsTrained:
   field: str | None = None
   value: object = None
   when: tuple[str, ...] = ()
+  brief: str = ''
 
   def holds(self, paths: Collection[Path], layers: Sequence[str]) -> bool:
     if not self.when:

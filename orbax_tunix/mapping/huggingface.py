@@ -282,6 +282,8 @@ class Family:
       the family's config.json (`mapping/as_trained.py`; Tunix's naming only).
     text_prefixes: `transformers` class -> where it holds the text model's modules, for
       the classes a base model of the family may be (a multimodal one holds them deeper).
+    aliases: other names `model` takes for it: MaxText's model names whose Hugging Face
+      names and layouts are this family's (llama2 and llama3.1 are LlamaForCausalLM).
   """
 
   name: str
@@ -299,6 +301,7 @@ class Family:
   lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
   as_trained: tuple[AsTrained, ...] = ()
   text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  aliases: tuple[str, ...] = ()
 
   @property
   def tunix(self) -> Naming:
@@ -431,11 +434,12 @@ ROPE_BASE_1E6 = AsTrained(
     what='rope_theta', field='rope_theta', value=1_000_000,
     trained='attention rotates with RoPE base 1000000 whatever its ModelConfig says'
             " (`apply_rope`'s default; the config's rope_theta is never passed to it)",
-    consequence="the attention, and so every output, differs from the trained model's")
+    consequence="the attention, and so every output, differs from the trained model's",
+    brief='rotate with base 1000000 whatever the config says')
 
 
 def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
-                 maxtext: Naming) -> Family:
+                 maxtext: Naming, aliases: tuple[str, ...] = ()) -> Family:
   """Qwen3 and Llama3 share Tunix's layout; Qwen3 adds q/k norms."""
   rules = [
       _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
@@ -472,13 +476,15 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
       tied=lambda paths: ('lm_head', 'w') not in paths,
       maxtext=maxtext,
       as_trained=(ROPE_BASE_1E6,),
+      aliases=aliases,
   )
 
 
 QWEN3 = _qwen3_style('qwen3', 'Qwen3ForCausalLM', 'qwen3', norms=True,
                      maxtext=_maxtext_qwen3_style(norms=True))
 LLAMA3 = _qwen3_style('llama3', 'LlamaForCausalLM', 'llama', norms=False,
-                      maxtext=_maxtext_qwen3_style(norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY))
+                      maxtext=_maxtext_qwen3_style(norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY),
+                      aliases=('llama3.1', 'llama2'))  # MaxText's names of the model.
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
 # which transformers takes as the exact GELU and vLLM refuses (maxtext#2867).
@@ -684,10 +690,11 @@ def _extended(base: Family, name: str, architecture: str, model_type: str, rules
               dims=None, optional=(), maxtext: Naming | None = None,
               as_trained: tuple[AsTrained, ...] = ()) -> Family:
   """`base` plus some weights, the patterns in `optional` no longer required (and only
-  `as_trained`'s facts: the model class is another one)."""
+  `as_trained`'s facts: the model class is another one; none of `base`'s aliases: they name
+  `base`)."""
   return dataclasses.replace(
       base, name=name, architecture=architecture, model_type=model_type, maxtext=maxtext,
-      as_trained=as_trained,
+      as_trained=as_trained, aliases=(),
       rules=base.rules + tuple(rules),
       required=tuple(tuple(tuple(p for p in alt if p not in optional) for alt in alts)
                      for alts in base.required) + tuple(required),
@@ -874,9 +881,33 @@ FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
 for _family in (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4):
   FAMILIES.register(_family)
 register, names = FAMILIES.register, FAMILIES.names
-# Other names `model` takes for a family: MaxText's model names whose Hugging Face
-# names and layouts are another family's (LlamaForCausalLM for llama2 and llama3.1).
-ALIASES = {'llama3.1': 'llama3', 'llama2': 'llama3'}
+
+
+def aliases() -> dict[str, str]:
+  """Every family's other names (`Family.aliases`) -> its name, in the order registered.
+
+  Raises:
+    ValueError: an alias that is a family's name or another family's alias.
+  """
+  out: dict[str, str] = {}
+  for family in map(FAMILIES.get, names()):
+    for alias in family.aliases:
+      if alias in out or alias in names():
+        raise ValueError(f'the {family.name} family\'s alias {alias!r} names another family'
+                         f' already ({out.get(alias, alias)}); give it another alias.')
+      out[alias] = family.name
+  return out
+
+
+def written_as_trained() -> dict[AsTrained, tuple[str, ...]]:
+  """Each `as_trained` fact a config.json value reproduces (it has a `field`) -> the families
+  it holds for, by name in alphabetical order (for the help of `as_trained.OPTION`)."""
+  out: dict[AsTrained, list[str]] = {}
+  for family in map(FAMILIES.get, names()):
+    for fact in family.as_trained:
+      if fact.field is not None:
+        out.setdefault(fact, []).append(family.name)
+  return {fact: tuple(sorted(families)) for fact, families in out.items()}
 
 
 def get(name: str) -> Family:
@@ -885,12 +916,12 @@ def get(name: str) -> Family:
   Raises:
     UnsupportedLayoutError: no such family (the message lists them).
   """
-  return FAMILIES.get(ALIASES.get(name, name))
+  return FAMILIES.get(aliases().get(name, name))
 
 
 def choices() -> tuple[str, ...]:
-  """Every name `model` takes: the families', then the aliases."""
-  return (*names(), *ALIASES)
+  """Every name `model` takes: the families', then their aliases."""
+  return (*names(), *aliases())
 
 
 def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:

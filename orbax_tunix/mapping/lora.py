@@ -31,6 +31,7 @@ import numpy as np
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.mapping import stacks
 
 QWIX = 'qwix'
 FLAX = 'flax'
@@ -163,9 +164,9 @@ class Contraction:
   stacked: tuple[int, ...] = ()
 
 
-# How many stacked axes a scanned layer's adapters may have (MaxText's gemma4
-# scans its local layers within its scanned blocks: two).
-MAX_STACKED = 2
+# How many stacked axes a scanned layer's adapters may have: as many as the deepest of
+# MaxText's stacked forms holds layers on (`stacks.FORMS`; e.g. a scan within a scan: two).
+MAX_STACKED = max(len(stack.axes) for form in stacks.FORMS for stack in form)
 
 
 def contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:

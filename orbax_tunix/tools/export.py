@@ -72,9 +72,9 @@ def plan_export(
     src: the Tunix run (a root: its latest committed step, or `step`; a step;
       a model item).
     out_dir: the folder to create.
-    model: the Hugging Face family (`huggingface.choices()`: qwen3, llama3, gemma3, qwen2,
-      qwen3_moe, gemma, gemma2, gemma4, or an alias: llama3.1, llama2), for Tunix's own
-      model classes or MaxText's models (a Tunix run of one, or MaxText's own step).
+    model: the Hugging Face family, by name or alias (`huggingface.choices()`, e.g. qwen3;
+      `orbax-tunix export --help` lists them), for Tunix's own model classes or MaxText's
+      models (a Tunix run of one, or MaxText's own step).
     step: the step under a root.
     dtype: cast floating weights to this dtype (bfloat16, float16, float32);
       None: as stored.
@@ -99,8 +99,8 @@ def plan_export(
       base has no Hugging Face folder of its own.
     config_as_trained: write into the config.json `hf_config` gives the values
       google-tunix trained with where its model class ignores the base
-      config's (`rope_theta` for llama3, qwen3, qwen3_moe); without it such a
-      difference is a note. Needs `hf_config`.
+      config's (the family's `as_trained` facts, e.g. `rope_theta` for qwen3);
+      without it such a difference is a note. Needs `hf_config`.
 
   Returns:
     An `ExportPlan`.
