@@ -441,8 +441,46 @@ def _atol(text: str) -> float:
   return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The argument parser of `orbax-tunix`."""
+_EPILOG = (
+    'examples:\n'
+    '  orbax-tunix inspect gs://bucket/run/checkpoints\n'
+    '  orbax-tunix convert run/checkpoints out/1000 --step 1000\n'
+    '  orbax-tunix diff run/checkpoints/1000 out/1000\n'
+    '  orbax-tunix convert run/checkpoints mt/1000 --layout maxtext --params-only\n'
+    '  orbax-tunix diff run/checkpoints mt/1000 --params-only\n'
+    '  orbax-tunix export run/checkpoints hf/ --model qwen3 --hf-config Qwen3-0.6B/\n'
+    '\n'
+    'sizes (--memory-budget, --max-shard-size): bytes, or KB, MB, GB (powers of\n'
+    '1000, as transformers), KiB, MiB, GiB or K, M, G (powers of 1024)\n'
+    '\n'
+    'exit status: 0 success (diff: match), 1 diff found differences (inspect\n'
+    '--verify: damaged arrays), 2 error, 130 interrupted; a closed output pipe\n'
+    '(| head -1) drops the rest of the output, never changes the status'
+)
+_DESCRIPTION = (
+    'Inspect, convert, diff and export Tunix checkpoints (and any Orbax PyTree\n'
+    'checkpoint) without writing Python: convert writes plain Orbax or MaxText steps,\n'
+    'export a Hugging Face safetensors folder. A path may be a root (the latest\n'
+    'committed step is used), a step directory or an item directory, on a local disk\n'
+    'or in a bucket.'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parents:
+  """The flag sets commands share (argparse parents).
+
+  Attributes:
+    common: every command's (--debug, --plain).
+    hosts: a writing command's multi-process flags (`distributed.Options`).
+  """
+
+  common: argparse.ArgumentParser
+  hosts: argparse.ArgumentParser
+
+
+def _common_flags() -> argparse.ArgumentParser:
+  """--debug and --plain, on the top level and every command."""
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument(
       '--debug', action='store_true', default=argparse.SUPPRESS,
@@ -452,34 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
       '--plain', action='store_true', default=argparse.SUPPRESS,
       help='plain text even on a terminal (no tables drawn with rich)',
   )
-  parser = argparse.ArgumentParser(
-      prog='orbax-tunix',
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog=(
-          'examples:\n'
-          '  orbax-tunix inspect gs://bucket/run/checkpoints\n'
-          '  orbax-tunix convert run/checkpoints out/1000 --step 1000\n'
-          '  orbax-tunix diff run/checkpoints/1000 out/1000\n'
-          '  orbax-tunix convert run/checkpoints mt/1000 --layout maxtext --params-only\n'
-          '  orbax-tunix diff run/checkpoints mt/1000 --params-only\n'
-          '  orbax-tunix export run/checkpoints hf/ --model qwen3 --hf-config Qwen3-0.6B/\n'
-          '\n'
-          'sizes (--memory-budget, --max-shard-size): bytes, or KB, MB, GB (powers of\n'
-          '1000, as transformers), KiB, MiB, GiB or K, M, G (powers of 1024)\n'
-          '\n'
-          'exit status: 0 success (diff: match), 1 diff found differences (inspect\n'
-          '--verify: damaged arrays), 2 error, 130 interrupted; a closed output pipe\n'
-          '(| head -1) drops the rest of the output, never changes the status'
-      ),
-      description=(
-          'Inspect, convert, diff and export Tunix checkpoints (and any Orbax PyTree\n'
-          'checkpoint) without writing Python: convert writes plain Orbax or MaxText steps,\n'
-          'export a Hugging Face safetensors folder. A path may be a root (the latest\n'
-          'committed step is used), a step directory or an item directory, on a local disk\n'
-          'or in a bucket.'
-      ),
-      parents=[common],
-  )
+  return common
+
+
+def _host_flags() -> argparse.ArgumentParser:
+  """The 'across hosts' group (`distributed.Options`) of the commands that write."""
   hosts = argparse.ArgumentParser(add_help=False)
   group = hosts.add_argument_group(
       'across hosts', 'run the same command once per host (JAX\'s multi-controller runtime);'
@@ -492,10 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
   group.add_argument('--initialization-timeout', type=int, default=300, metavar='SECONDS',
                      help='how long to wait (above 0) for every process to join, and for a silent'
                      ' process before it is taken for dead (default 300)')
-  sub = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
+  return hosts
 
+
+def _add_inspect(sub: Any, parents: _Parents) -> None:
+  """`orbax-tunix inspect PATH`."""
   p = sub.add_parser(
-      'inspect', parents=[common],
+      'inspect', parents=[parents.common],
       help='what a checkpoint holds, from metadata only',
       description=(
           'Show the steps, the layout and the rewrites that apply, the canonical'
@@ -521,15 +539,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help='fold identical numbered layers into one row (the default on a terminal)')
   p.set_defaults(handler=cmd_inspect)
 
+
+def _add_convert(sub: Any, parents: _Parents) -> None:
+  """`orbax-tunix convert SRC DST`: its layouts and their flags are the step layouts'."""
   p = sub.add_parser(
-      'convert', parents=[common, hosts],
+      'convert', parents=[parents.common, parents.hosts],
       help='write an ordinary Orbax checkpoint (canonical, or MaxText\'s own step)',
       description=(
           'Write SRC as an ordinary Orbax checkpoint that plain Orbax restores'
           ' without this package. DST is the step directory to create; name it by'
           ' its step number (out/1000) to make its parent a root that'
           ' ocp.CheckpointManager reads. Layouts (--layout): '
-          + '; '.join(f'{n}: {layouts.get(n).description}' for n in layouts.named(layouts.SinkKind.STEP))
+          + '; '.join(f'{n}: {layouts.get(n).description}'
+                      for n in layouts.named(layouts.SinkKind.STEP))
           + '. Streams in batches within --memory-budget;'
           ' written beside DST and renamed at the end, so a failure leaves no DST.'
           ' Check the result with: orbax-tunix diff SRC DST.'
@@ -540,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
-  p.add_argument('--layout', choices=layouts.named(layouts.SinkKind.STEP), default=convert_lib.CANONICAL,
+  p.add_argument('--layout', choices=layouts.named(layouts.SinkKind.STEP),
+                 default=convert_lib.CANONICAL,
                  help=f'the layout to write (default {convert_lib.CANONICAL}; see above)')
   _add_layout_options(p, layouts.SinkKind.STEP)
   p.add_argument('--dtype', type=parse_dtype,
@@ -559,8 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
   _add_merge_options(p, 'merge the LoRA adapters into the weights (writes weights only)')
   p.set_defaults(handler=cmd_convert)
 
+
+def _add_diff(sub: Any, parents: _Parents) -> None:
+  """`orbax-tunix diff A B`."""
   p = sub.add_parser(
-      'diff', parents=[common],
+      'diff', parents=[parents.common],
       help='compare two checkpoints in canonical form',
       description=(
           'Compare A and B in canonical form (Tunix or not): paths only in A, only'
@@ -584,10 +610,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help='compare only this item (repeatable; default: every item)')
   p.set_defaults(handler=cmd_diff)
 
+
+def _add_export(sub: Any, parents: _Parents) -> None:
+  """`orbax-tunix export SRC OUT_DIR --model FAMILY`: its families and flags are the folder
+  layouts' (`--peft`: the adapter layouts')."""
   p = sub.add_parser(
-      'export', parents=[common, hosts],
-      help='write a Hugging Face safetensors folder (' + ', '.join(layouts.named(layouts.SinkKind.FOLDER))
-      + ')',
+      'export', parents=[parents.common, parents.hosts],
+      help='write a Hugging Face safetensors folder ('
+      + ', '.join(layouts.named(layouts.SinkKind.FOLDER)) + ')',
       description=(
           'Write the weights of SRC (a Tunix run of a tunix.models family or of a MaxText'
           ' model, or MaxText\'s own step) as a'
@@ -626,6 +656,23 @@ def build_parser() -> argparse.ArgumentParser:
                  help='replace an existing export folder (only once the new one is complete)')
   p.add_argument('--json', action='store_true', help='print the summary as JSON')
   p.set_defaults(handler=cmd_export)
+
+
+# The commands, in the order `--help` lists them: each adds its sub-parser.
+COMMANDS: tuple[Callable[[Any, _Parents], None], ...] = (
+    _add_inspect, _add_convert, _add_diff, _add_export)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The argument parser of `orbax-tunix`: the top level, then each of `COMMANDS`."""
+  common = _common_flags()
+  parser = argparse.ArgumentParser(
+      prog='orbax-tunix', formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=_EPILOG, description=_DESCRIPTION, parents=[common])
+  parents = _Parents(common, _host_flags())
+  sub = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
+  for add in COMMANDS:
+    add(sub, parents)
   return parser
 
 
