@@ -47,7 +47,7 @@ from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
 from orbax_tunix.mapping import huggingface
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory
 from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import export as export_lib
@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--verify', action='store_true',
                  help='read every array and check it against the checksums orbax-tunix'
                  ' convert recorded (exit 1 if one differs)')
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory --verify may use (default 1G = 1GiB)')
   group = p.add_mutually_exclusive_group()
   group.add_argument('--full', dest='collapse', action='store_false', default=None,
@@ -546,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE',
                  help='memory the streaming may use above start-up, e.g. 512M or 4G (default'
                  ' 1G = 1GiB; budgets under ~128M cannot be met); an array too large for one batch'
@@ -577,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='compare the model weights only (matches a --layout maxtext conversion)')
   p.add_argument('--ignore-dtype', action='store_true',
                  help='do not count dtype differences (check a --dtype conversion with --atol)')
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use (default 1G = 1GiB)')
   p.add_argument('--json', action='store_true', help='print one JSON document')
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
@@ -619,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="--peft: the base model (a Hub name or a folder), the adapter config's"
                  ' base_model_name_or_path')
   _add_layout_options(p, layouts.FOLDER)
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use above start-up (default 1G ='
                  ' 1GiB)')
   p.add_argument('--force', action='store_true',

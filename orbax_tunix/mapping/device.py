@@ -14,7 +14,7 @@ counts) and a LoRA merge (`merge.read_merged`) both come here as
                                 outputs sharing their sources
 
 Each source is read once. Groups are read together (one restore per item) up
-to `GROUP_BYTES` of sources held beside what they make, and released before
+to `memory.DEVICE_GROUP_BYTES` of sources held beside what they make, and released before
 the next batch: many small merges are one read, a large stacked weight is
 read alone. A source read exactly as its one output (a weight a merge adds
 to) is donated: the output reuses its buffer.
@@ -35,11 +35,9 @@ import orbax.checkpoint as ocp
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import transforms
 from orbax_tunix.mapping.outputs import Input, Output
+from orbax_tunix.reading import memory
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import Request, into, is_key, sharding_of
-
-# Source bytes a batch of groups may hold beside their outputs (at least one group).
-GROUP_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,18 +170,6 @@ def _group(outputs: Sequence[Output], targets: Mapping[Path, Target], uses: Mapp
   return _Group(tuple(outputs), requests, placed, donate[:1])
 
 
-def _batches(groups: Sequence[_Group], budget: int) -> list[list[_Group]]:
-  batches: list[list[_Group]] = [[]]
-  held = 0
-  for group in groups:
-    if batches[-1] and held + group.held_bytes > budget:
-      batches.append([])
-      held = 0
-    batches[-1].append(group)
-    held += group.held_bytes
-  return batches
-
-
 def _want(reads: Reads, source: Input, request: Request) -> None:
   reads.want(source.ckpt.detection, source.leaf.item, source.leaf.path, request)
 
@@ -202,7 +188,7 @@ def execute(
     outputs: what to make (whole sources; `Output.path` names the target).
     targets: output path -> its `Target`.
     group_bytes: sources held at once beside the outputs they make (None:
-      `GROUP_BYTES`; see the module).
+      `memory.DEVICE_GROUP_BYTES`; see the module).
 
   Returns:
     output path -> `jax.Array`.
@@ -229,8 +215,8 @@ def execute(
   reads = Reads()
   for o in sorted(primary.values(), key=lambda o: (o.inputs[0].leaf.item, o.inputs[0].leaf.path)):
     _want(reads, o.inputs[0], targets[o.path].read_form())
-  budget = GROUP_BYTES if group_bytes is None else group_bytes
-  for k, batch in enumerate(_batches(groups, budget)):
+  budget = memory.DEVICE_GROUP_BYTES if group_bytes is None else group_bytes
+  for k, batch in enumerate(memory.batches(groups, budget, size=lambda g: g.held_bytes)):
     for group in batch:
       for source, request in zip(group.inputs, group.requests, strict=True):
         _want(reads, source, request)

@@ -36,7 +36,7 @@ import numpy as np
 from etils import epath
 
 from orbax_tunix import errors, layouts
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
 CANONICAL = 'canonical'
@@ -55,7 +55,7 @@ def plan_convert(
     layout: str = CANONICAL,
     params_only: bool = False,
     dtype: np.dtype | None = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
     merge_lora: bool = False,

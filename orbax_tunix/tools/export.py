@@ -25,7 +25,7 @@ from orbax_tunix import errors
 from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts import peft as peft_layouts
 from orbax_tunix.mapping import huggingface
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
 DEFAULT_MAX_SHARD_SIZE = hf_layouts.DEFAULT_MAX_SHARD_SIZE
@@ -60,7 +60,7 @@ def plan_export(
     base: epath.PathLike | None = None,
     max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
     hf_config: epath.PathLike | None = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     param_scan_axis: int | None = None,
     base_only: bool = False,
@@ -181,7 +181,7 @@ def plan_peft_export(
     base_model: str | None = None,
     step: int | None = None,
     dtype: Any = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     param_scan_axis: int | None = None,
 ) -> ExportPlan:

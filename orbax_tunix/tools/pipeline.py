@@ -45,7 +45,7 @@ from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.mapping import lora, peft
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import ItemOutput, Output
-from orbax_tunix.reading import hyperparams, reader
+from orbax_tunix.reading import hyperparams, memory, reader
 from orbax_tunix.store import _orbax
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA
 from orbax_tunix.store.fileio import as_path
@@ -205,7 +205,7 @@ def plan(
     step: int | None = None,
     params_only: bool = False,
     dtype: np.dtype | None = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
     merge_lora: bool = False,

@@ -32,22 +32,13 @@ from orbax_tunix import errors
 from orbax_tunix.keypaths import nest
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, row_blocks
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import is_key
 from orbax_tunix.store import _orbax, fileio
 from orbax_tunix.writing import checksums, commit, distributed
 
 Written = tuple[Output, Any]
-
-# Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
-# TensorStore holds the compressed bytes and the decoded array while reading,
-# the host copy and the compressed bytes while writing, and freed buffers are
-# not all returned at once: a batch of B bytes peaks at 2.5 B to 4.5 B above
-# `reader.FIXED_OVERHEAD` (the larger factors for small batches, and from run
-# to run). Sized for the worst case seen; convert and export alike.
-COPIES_IN_FLIGHT = 5
-
 
 @contextlib.contextmanager
 def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
@@ -69,42 +60,24 @@ def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
     progress.finish()
 
 
-# What a process of a multi-process job holds beyond one process alone, whatever the
-# batch: JAX's distributed client, gloo's buffers, the programs that place global arrays
-# and Orbax's multi-host save. Measured with benchmarks/multihost.py (BENCHMARKS §12):
-# 55 to 120 MiB above a one-process convert at the same budget (128M to 512M).
-JOB_OVERHEAD = 128 << 20
-
-
-def _job_overhead() -> int:
-  return JOB_OVERHEAD if distributed.active() else 0
-
-
 def reads_ahead(memory_budget: int) -> bool:
   """Whether `write` reads the next batch while it writes one (`reader.stream`'s `ahead`):
   in one process (a job's processes keep their collectives in one order), with a budget
-  that holds two batches above the fixed overhead (a smaller one is met as closely as
-  one batch at a time can)."""
-  return not distributed.active() and memory_budget >= 2 * reader.FIXED_OVERHEAD
+  that holds two batches (a smaller one is met as closely as one batch at a time can)."""
+  return not distributed.active() and memory.holds_two_batches(memory_budget)
 
 
 def batch_bytes(memory_budget: int) -> int:
   """Bytes of sources per batch so that a write fits `memory_budget` (in each process of a
   multi-process job too); half as much where two batches are in flight (`reads_ahead`)."""
-  per = reader.batch_bytes(max(memory_budget - _job_overhead(), 1), COPIES_IN_FLIGHT)
-  return max(per // 2, 1) if reads_ahead(memory_budget) else per
+  return memory.batch_bytes(memory_budget, memory.WRITE_COPIES, job=distributed.active(),
+                            in_flight=2 if reads_ahead(memory_budget) else 1)
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
   """A note when `memory_budget` cannot hold the largest `what` (each is written alone)."""
-  fixed = reader.FIXED_OVERHEAD + _job_overhead()
-  needed = fixed + COPIES_IN_FLIGHT * largest
-  if memory_budget >= needed:
-    return None
-  return (f'`memory_budget` {memory_budget} bytes cannot be met: streaming needs about'
-          f' {needed} ({fixed >> 20} MiB whatever the batch, and'
-          f' {COPIES_IN_FLIGHT}x the largest {what}, {largest} bytes, in flight); each'
-          f' {what} is copied alone, and the peak will be about that')
+  return memory.shortfall(memory_budget, largest, what, memory.WRITE_COPIES,
+                          job=distributed.active())
 
 
 class Sink(Protocol):
@@ -147,7 +120,7 @@ def _unit_bytes(unit: Sequence[Output]) -> int:
 
 def batches(outputs: Sequence[Output], budget: int) -> Iterator[list[Output]]:
   """Outputs in batches whose source and output bytes fit `budget` (units kept whole)."""
-  for batch in reader.batches(units(outputs), budget, size=_unit_bytes):
+  for batch in memory.batches(units(outputs), budget, size=_unit_bytes):
     yield [o for unit in batch for o in unit]
 
 
