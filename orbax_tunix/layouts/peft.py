@@ -134,23 +134,25 @@ def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
 
 def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
                  adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
-                 base_model: str | None, axis: int, where: str) -> dict[Path, tuple[int, ...]]:
+                 base_model: str | None, axis: int, where: str
+                 ) -> tuple[dict[Path, tuple[int, ...]], Mapping[str, object] | None]:
   """For a save of adapters alone: each adapted weight's stored shape, as the `base_model`
-  folder's config.json gives it (the naming's `axes`); {} without a folder or `axes`.
+  folder's config.json gives it (the naming's `axes`), and the text model's config fields
+  it read; ({}, None) without a folder or `axes`.
 
   Raises:
     UnsupportedLayoutError: a config whose fields do not fit the adapters (every weight
       named, with the field, what the adapters expect and what the config has).
   """
   if not naming.axes or base_model is None:
-    return {}
+    return {}, None
   folder = fileio.as_path(base_model)
   if not folder.is_dir():
-    return {}
+    return {}, None
   values = _base_config(folder)
   text = values.get('text_config', values) if isinstance(values, dict) else None
   if not isinstance(text, dict):
-    return {}  # _names_for_base refuses it, naming what it is.
+    return {}, None  # _names_for_base refuses it, naming what it is.
   told, problems = {}, []
   for weight, adapter in sorted(adapters.items()):
     found = _told_shape(naming, weight, leaves[adapter.a].shape, leaves[adapter.b].shape, text,
@@ -165,7 +167,7 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
         f' ({family.name}; the save holds no base weight, so their shapes come from it):\n'
         f'{errors.list_paths(problems)}\nPass as `base_model` the folder of the model this run'
         ' was trained from.')
-  return told
+  return told, text
 
 
 def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | None:
@@ -289,8 +291,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
     _family_rules(family, naming, model_shapes, where)
-  told = {} if base else _told_shapes(family, naming, adapters, leaves, request.base_model,
-                                      axis, where)
+  told, text = ({}, None) if base else _told_shapes(
+      family, naming, adapters, leaves, request.base_model, axis, where)
   problems: list[str] = []
   arranged: dict[Path, lora.Contraction] = {}
   for weight, adapter in sorted(adapters.items()):
@@ -321,6 +323,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       model_shapes if base else {p: m.shape for p, m in per_layer.items()}, bool(base), where)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]
+  # Which weights the model has, for notes that hold in some layers only: a full save's own,
+  # else as far as the base model's config says.
+  has = ((lambda p: p in model_shapes) if base else
+         None if text is None else functools.partial(naming.has, config=text))
   outputs: list[Output] = []
   modules: dict[str, tuple[int, float]] = {}
   said: dict[str, list[str]] = {}
@@ -338,7 +344,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       continue
     module = rename(name[:-len(peft.WEIGHT)])
     modules[module] = (adapter.rank, scales[weight])
-    note = naming.lora_weight(layer_path).note_for(layer_path, model_shapes if base else None)
+    note = naming.lora_weight(layer_path).note_for(layer_path, has)
     if note:
       said.setdefault(note, []).append(module)
     a_name, b_name = peft.tensor_names(module)

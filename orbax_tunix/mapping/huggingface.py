@@ -178,20 +178,26 @@ class LoraWeight:
   """A weight pattern (`{i}`: the layer's number): the note holds only in layers without it
   (MaxText gemma4's global layers have no value kernel: their keys are the values)."""
 
-  def note_for(self, path: Path, weights: Collection[Path] | None) -> str | None:
-    """The note, where it holds for the weight at `path` among the model's `weights` (None:
-    not known, e.g. adapters saved alone: a conditional note is not said)."""
+  def note_for(self, path: Path, has: Callable[[Path], bool] | None) -> str | None:
+    """The note, where it holds for the weight at `path` (per-layer form) of a model that
+    `has` the weights it has (None: not known, and a conditional note is not said)."""
     if self.without is None or self.note is None:
       return self.note
-    if weights is None:
+    number = _layer_number(path)
+    if has is None or number is None:
       return None
-    pattern = Pattern.parse(self.without.split('/'))
-    layer = next((k for k in path if k.startswith('layers_')), None)
-    number = layer.removeprefix('layers_') if layer else None
-    if number is None or not number.isdigit():
-      return None
-    absent = not any(p in weights for p in pattern.expand({'i': [number]}))
-    return self.note if absent else None
+    without = Pattern.parse(self.without.split('/')).expand({'i': [str(number)]})
+    return None if any(has(p) for p in without) else self.note
+
+
+def _layer_number(path: Path) -> int | None:
+  """The `i` of a per-layer path (`decoder/layers_{i}/...`, `layers/{i}/...`), or None."""
+  for n, key in enumerate(path):
+    number = key.removeprefix('layers_') if key.startswith('layers_') else (
+        path[n + 1] if key == 'layers' and n + 1 < len(path) else None)
+    if number is not None and number.isdigit():
+      return int(number)
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +207,15 @@ class LayerType:
   Attributes:
     fields: config.json field -> the field such a layer reads instead (gemma4's global
       layers: `head_dim` -> `global_head_dim`).
+    without: weight patterns (`{i}`: the layer's number) such a layer has not (MaxText
+      gemma4's global layers: no value kernel).
   """
 
   fields: Mapping[str, str]
+  without: tuple[str, ...] = ()
+
+
+_ANY_LAYER = LayerType({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,16 +272,26 @@ class Naming:
                   if (m := Pattern.parse(pattern.split('/')).match(path)) is not None), None)
     if found is None:
       return None
-    fields, bound = found
-    kinds, kind = config.get('layer_types'), None
-    if str(bound.get('i', '')).isdigit():
-      i = int(bound['i'])
-      if isinstance(kinds, list) and i < len(kinds):
-        kind = kinds[i]
-      elif self.default_layer_type is not None:
-        kind = self.default_layer_type(i)
-    instead = self.layer_types[kind].fields if kind in self.layer_types else {}
+    fields, _ = found
+    instead = self.layer_type(path, config).fields
     return tuple(instead.get(f, f) for f in fields)
+
+  def layer_type(self, path: Path, config: Mapping[str, object]) -> LayerType:
+    """How the layer of the weight at `path` reads `config` (its `layer_types` entry)."""
+    i, kinds, kind = _layer_number(path), config.get('layer_types'), None
+    if i is not None and isinstance(kinds, list) and i < len(kinds):
+      kind = kinds[i]
+    elif i is not None and self.default_layer_type is not None:
+      kind = self.default_layer_type(i)
+    return self.layer_types.get(kind, _ANY_LAYER) if isinstance(kind, str) else _ANY_LAYER
+
+  def has(self, path: Path, config: Mapping[str, object]) -> bool:
+    """Whether a model of `config` has the weight at `path` as far as its layer's kind says
+    (a save of adapters alone tells no other weight)."""
+    without = self.layer_type(path, config).without
+    number = _layer_number(path)
+    return not any(path in Pattern.parse(w.split('/')).expand({'i': [str(number)]})
+                   for w in without)
 
   def lora_weight(self, path: Path) -> LoraWeight:
     """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
@@ -673,7 +695,8 @@ def _f32_sqrt(hidden: int) -> float:
 
 # Gemma 4's global layers (transformers' `per_layer_config`): their own head_dim and kv heads.
 _GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
-                            'num_key_value_heads': 'num_global_key_value_heads'})
+                            'num_key_value_heads': 'num_global_key_value_heads'},
+                           without=(f'{MT_LAYER}/self_attention/value/kernel',))
 
 
 def _maxtext_gemma4() -> Naming:
