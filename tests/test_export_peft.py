@@ -724,3 +724,29 @@ def test_maxtext_gemma4_global_key_adapter_says_what_vllm_does(tmp_path, form):
   assert p.returncode == 0, p.stderr
   assert 'model.layers.5.self_attn.k_proj: Gemma 4' in p.stdout + p.stderr
   assert 'model.layers.4.self_attn.k_proj: Gemma 4' not in p.stdout + p.stderr
+
+
+def test_inspect_says_maxtext_adapters_alone_need_the_base_models_folder(tmp_path):
+  from tests import test_export_maxtext as mt
+  run, _ = _maxtext_lora_run('qwen3', 'unscanned')
+  alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
+  p = subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', 'inspect', str(alone)],
+                     capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
+                     timeout=300, check=False)
+  assert p.returncode == 0, p.stderr
+  assert 'export --peft --lora-alpha A --base-model FOLDER' in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize('model', ['qwen3', 'llama3', 'gemma3', 'gemma4', 'qwen3_moe'])
+def test_maxtext_axes_are_the_dims_read_the_other_way(model):
+  """Every config field `dims` reads off a MaxText kernel's axis is the one `axes` names for
+  that axis (layer 5: gemma4's first global layer, as transformers' default layer_types)."""
+  naming = hf.get(model).maxtext
+  checked = 0
+  for field, alternatives in naming.dims.items():
+    for pattern, axis in alternatives:
+      fields = naming.axis_fields(tuple(pattern.split('/')), {})
+      if fields is not None:
+        assert fields[axis] == field, (pattern, axis, fields)
+        checked += 1
+  assert checked >= 3, naming.dims  # heads and head_dim (query), kv heads (key)

@@ -771,8 +771,10 @@ def _maxtext_qwen3_moe() -> Naming:
   dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
   dims['moe_intermediate_size'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 2),)
   dims['num_experts'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 0),)
+  axes = {p: f for p, f in _MT_AXES.items() if '/mlp/' not in p}
+  axes[f'{MT_LAYER}/moe_block/gate/kernel'] = ('hidden_size', 'num_experts')
   return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
-                             dims=dims)
+                             dims=dims, axes=axes)
 
 
 
