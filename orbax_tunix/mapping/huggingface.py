@@ -170,13 +170,14 @@ class LoraWeight:
       a save without the weight (adapters only). None: `a`'s dimensions then `b`'s, in order
       (qwix's `dot_general` adapters, and every einsum whose contracted dimensions lead).
     note: what a person serving the adapter should know, said when the weight is adapted.
+    without: a weight pattern (`{i}`: the layer's number): the note holds only in layers
+      without that weight (MaxText gemma4's global layers have no value kernel: their keys
+      are the values).
   """
 
   einsum: str | None = None
   note: str | None = None
   without: str | None = None
-  """A weight pattern (`{i}`: the layer's number): the note holds only in layers without it
-  (MaxText gemma4's global layers have no value kernel: their keys are the values)."""
 
   def note_for(self, path: Path, has: Callable[[Path], bool] | None) -> str | None:
     """The note, where it holds for the weight at `path` (per-layer form) of a model that
@@ -268,11 +269,10 @@ class Naming:
   def axis_fields(self, path: Path, config: Mapping[str, object]) -> tuple[str, ...] | None:
     """The config.json field giving each axis of the weight at `path` (per-layer form) in a
     model of this `config` (its text model's fields), or None: `axes` does not say."""
-    found = next(((fields, m[0]) for pattern, fields in self.axes.items()
-                  if (m := Pattern.parse(pattern.split('/')).match(path)) is not None), None)
-    if found is None:
+    fields = next((fields for pattern, fields in self.axes.items()
+                   if Pattern.parse(pattern.split('/')).match(path) is not None), None)
+    if fields is None:
       return None
-    fields, _ = found
     instead = self.layer_type(path, config).fields
     return tuple(instead.get(f, f) for f in fields)
 
@@ -288,8 +288,9 @@ class Naming:
   def has(self, path: Path, config: Mapping[str, object]) -> bool:
     """Whether a model of `config` has the weight at `path` as far as its layer's kind says
     (a save of adapters alone tells no other weight)."""
-    without = self.layer_type(path, config).without
-    number = _layer_number(path)
+    without, number = self.layer_type(path, config).without, _layer_number(path)
+    if number is None:
+      return True
     return not any(path in Pattern.parse(w.split('/')).expand({'i': [str(number)]})
                    for w in without)
 
@@ -737,7 +738,8 @@ def _maxtext_gemma4() -> Naming:
                 lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
                     note=K_EQ_V_NOTE, without=f'{MT_LAYER}/self_attention/value/kernel')},
                 axes=_MT_AXES, layer_types={'full_attention': _GEMMA4_GLOBAL},
-                # transformers' Gemma4TextConfig without `layer_types`: every sixth is global.
+                # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
+                # (it also makes the last layer global; MaxText's remainder layers are local).
                 default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
                                               else 'sliding_attention'))
 
