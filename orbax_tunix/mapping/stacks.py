@@ -159,6 +159,13 @@ def unstack(
   return out
 
 
+def layer_axes(path: Path, stacks: Sequence[Stack], axis: int = DEFAULT_AXIS) -> tuple[int, ...]:
+  """The axes of the array at `path` that hold layers, outermost first (none: a weight of
+  one layer, or no layer's)."""
+  stack = next((s for s in stacks if s.pattern.match(path)), None)
+  return () if stack is None else tuple(axis + a for a in stack.axes)
+
+
 def _indices(sizes: Sequence[int]) -> list[tuple[int, ...]]:
   out: list[tuple[int, ...]] = [()]
   for size in sizes:
