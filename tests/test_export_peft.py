@@ -686,6 +686,28 @@ def test_maxtext_adapters_saved_alone_refuse_a_config_that_does_not_fit(tmp_path
   assert not (tmp_path / 'out').exists()
 
 
+def test_a_llama_config_without_head_dim_reads_it_as_transformers_does(tmp_path):
+  """The Hub's Llama 3 configs have no head_dim: LlamaConfig takes hidden_size //
+  num_attention_heads, and so do the kernels' shapes of a save of adapters alone (here 16 // 4
+  = 4, where the run's head_dim is 8: refused, naming the value it read)."""
+  from tests import test_export_maxtext as mt
+  llama = hf.get('llama3').maxtext
+  assert llama.config_value({'hidden_size': 4096, 'num_attention_heads': 32}, 'head_dim') == 128
+  assert llama.config_value({'hidden_size': 4096, 'num_attention_heads': 32,
+                             'head_dim': 64}, 'head_dim') == 64
+  assert hf.get('qwen3').maxtext.config_value({'hidden_size': 4096}, 'head_dim') is None
+  run, _ = _maxtext_lora_run('llama3', 'unscanned')
+  alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
+  folder = mt.hf_config(tmp_path / 'base', 'llama3')
+  config = json.loads((folder / 'config.json').read_text())
+  del config['head_dim']
+  (folder / 'config.json').write_text(json.dumps(config))
+  p = cli(alone, tmp_path / 'out', '--model', 'llama3', *PEFT, '--base-model', folder)
+  assert p.returncode == 2, p.stderr
+  assert 'head_dim 8 (found 4)' in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()
+
+
 def _gemma4_keys_adapted(form: str) -> dict[str, np.ndarray]:
   """A MaxText gemma4 LoRA run with adapters on the key kernels too: layer 5 is global (no
   value kernel: its keys are its values), the others local."""

@@ -107,7 +107,7 @@ def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
     fields = naming.axis_fields(path, text)
     if fields is None:
       return None
-    values = [text.get(f) for f in fields]
+    values = [naming.config_value(text, f) for f in fields]
     bad = next((f for f, v in zip(fields, values, strict=True)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1), None)
     if bad is not None:

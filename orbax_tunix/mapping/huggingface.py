@@ -248,6 +248,9 @@ class Naming:
     layer_types: config `layer_types` entry -> `LayerType`, for layers that read other
       fields (a layer's entry: `layer_types[i]`, else `default_layer_type(i)`).
     default_layer_type: a layer's kind when the config has no `layer_types`.
+    config_defaults: config field -> its value when config.json leaves it out, as the
+      `transformers` config class computes it (Llama's `head_dim`: hidden_size //
+      num_attention_heads; the Hub's Llama 3 configs have no `head_dim`).
   """
 
   source: str
@@ -265,6 +268,17 @@ class Naming:
   axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   layer_types: Mapping[str, LayerType] = dataclasses.field(default_factory=dict)
   default_layer_type: Callable[[int], str] | None = None
+  config_defaults: Mapping[str, Callable[[Mapping[str, object]], object]] = dataclasses.field(
+      default_factory=dict)
+
+  def config_value(self, config: Mapping[str, object], field: str) -> object:
+    """`config[field]`, else the `transformers` default (`config_defaults`), else None."""
+    if field in config or field not in self.config_defaults:
+      return config.get(field)
+    try:
+      return self.config_defaults[field](config)
+    except (KeyError, TypeError, ZeroDivisionError):
+      return None
 
   def axis_fields(self, path: Path, config: Mapping[str, object]) -> tuple[str, ...] | None:
     """The config.json field giving each axis of the weight at `path` (per-layer form) in a
@@ -488,7 +502,8 @@ _LLAMA_QUERY = chain(multiply('sqrt(head_dim)', math.sqrt, axis=2), deinterleave
 _LLAMA_KEY = chain(deinterleave(-1), IN_PROJ)
 
 
-def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
+def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_defaults=None
+                         ) -> Naming:
   """MaxText's llama3.1 and qwen3 (dense) decoders: qwen3 adds q/k norms, llama's q/k
   are laid out as `_LLAMA_QUERY` / `_LLAMA_KEY` undo."""
   rules = [
@@ -513,7 +528,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
       MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
       layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-      stacks=stacks_lib.SCANNED, axes=_MT_AXES,
+      stacks=stacks_lib.SCANNED, axes=_MT_AXES, config_defaults=config_defaults or {},
   )
 
 
@@ -571,7 +586,10 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
 QWEN3 = _qwen3_style('qwen3', 'Qwen3ForCausalLM', 'qwen3', norms=True,
                      maxtext=_maxtext_qwen3_style(norms=True))
 LLAMA3 = _qwen3_style('llama3', 'LlamaForCausalLM', 'llama', norms=False,
-                      maxtext=_maxtext_qwen3_style(norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY))
+                      maxtext=_maxtext_qwen3_style(
+                          norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY,
+                          config_defaults={'head_dim': lambda c: c['hidden_size']
+                                           // c['num_attention_heads']}))
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
 # which transformers takes as the exact GELU and vLLM refuses (maxtext#2867).
