@@ -73,7 +73,9 @@ def batches(items: Sequence[Any], budget: int, size: Callable[[Any], int] | None
             ) -> Iterator[list[Any]]:
   """Groups items, in order, into batches of at most `budget` bytes.
 
-  An item larger than the budget forms a batch of its own: it cannot be split.
+  An item larger than the budget forms a batch of its own: it cannot be split. Items that
+  hold no bytes (a read straight into its output) join the batch at hand, and a batch
+  that holds no bytes yet takes the next item whatever its size.
 
   Args:
     items: what is to be read, in order.
@@ -87,10 +89,11 @@ def batches(items: Sequence[Any], budget: int, size: Callable[[Any], int] | None
   batch: list[Any] = []
   total = 0
   for item in items:
-    if batch and total + size(item) > budget:
+    nbytes = size(item)
+    if batch and total and nbytes and total + nbytes > budget:
       yield batch
       batch, total = [], 0
     batch.append(item)
-    total += size(item)
+    total += nbytes
   if batch:
     yield batch
