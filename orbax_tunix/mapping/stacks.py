@@ -21,18 +21,14 @@ from any of them: the rest of a model (embedding, final norm) is passed
 through. Planning only: the result says which source array and which `take`s
 make each per-layer weight.
 
-The plain decoder's two forms, SCANNED and UNSCANNED, are told apart by their
-paths (`form_of`) and turned into each other by layout rules (`rules`).
-`param_scan_axis` always names the layer axis of the scanned side: of the
-weights written (or restored into) when they are scanned, of the stored ones
-when only those are. A stored scanned step's own axis is read from its custom
-metadata (`SCAN_AXIS_KEY`: convert records it) or from its shapes: the axis
-along which every stacked weight has one size, the layer count
-(`stacked_axes`). An axis that does not fit, or a layer count that differs
-between weights, is refused naming the weights, before any read
-(`check_stacked`, `check_unscanned`). `stackings` pairs the leaves of a model
-saved in one form with those of the other, under any naming of the layers
-(`layers_0`, `layers/0`), for the message that says so.
+SCANNED and UNSCANNED (the plain decoder's forms) are told apart by paths
+(`form_of`) and turned into each other by layout rules (`rules`).
+`param_scan_axis` names the layer axis of the scanned side; a stored step's is
+its custom metadata's (`SCAN_AXIS_KEY`) or the one along which every stacked
+weight has one size (`stacked_axes`); one that does not fit, or layer counts
+that differ, are refused naming the weights (`check_stacked`,
+`check_unscanned`). `stackings` pairs a model's leaves in one form with those
+of the other under any layer naming (`layers_0`, `layers/0`), for messages.
 """
 
 from __future__ import annotations
@@ -55,8 +51,8 @@ UNSCANNED = 'unscanned'
 # Custom metadata keys of a converted step: the form (MaxText's own key) and the axis.
 SCAN_LAYERS_KEY = 'scan_layers'
 SCAN_AXIS_KEY = 'param_scan_axis'
-UNSCANNED_LAYER: tuple[str, ...] = ('decoder', 'layers_{i}')
-_KEYS = {SCANNED: ('decoder', 'layers', '...'), UNSCANNED: (*UNSCANNED_LAYER, '...')}
+# The plain decoder's forms, as path patterns.
+_KEYS = {SCANNED: ('decoder', 'layers', '...'), UNSCANNED: ('decoder', 'layers_{i}', '...')}
 _MATCH = {form: Pattern.parse(keys) for form, keys in _KEYS.items()}
 AS_STORED = LayoutRule.of(('...',), ('...',))
 
