@@ -29,7 +29,6 @@ from orbax_tunix.mapping import as_trained, huggingface, lora, patterns, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied, read_sliced, relay
 from orbax_tunix.mapping.transforms import per_input
-from orbax_tunix.maxtext import layers as maxtext_layers
 from orbax_tunix.reading import reader
 from orbax_tunix.sizes import parse_size, parse_size_text
 from orbax_tunix.store import fileio
@@ -143,20 +142,21 @@ def _scan_axis(request: Request, shapes: Mapping, where: str) -> int:
       one layer count (the message names the axis that fits).
   """
   given = request.param_scan_axis
-  maxtext_layers.check_axis(given)
-  if stacks.describe(shapes)[0] != 'scanned':
+  stacks.check_axis(given)
+  if stacks.describe(shapes)[0] != stacks.SCANNED:
     if given is not None:
       raise errors.InvalidOptionError(
           f'{where}: `param_scan_axis` {given}: the weights hold no stacked layers'
           f' ({huggingface.describe_source(shapes)}); leave `param_scan_axis` out.')
     return stacks.DEFAULT_AXIS
-  recorded = request.source.detection.source.custom_metadata.get(maxtext_layers.SCAN_AXIS_KEY)
+  recorded = request.source.detection.source.custom_metadata.get(stacks.SCAN_AXIS_KEY)
   axis = given if given is not None else recorded if isinstance(recorded, int) else None
-  if not maxtext_layers.stacked_axes(shapes):  # Stacks outside decoder/layers (gemma4's blocks).
+  fit = stacks.stacked_axes(shapes)
+  if not fit:  # Stacks outside decoder/layers (gemma4's blocks).
     return stacks.DEFAULT_AXIS if axis is None else axis
-  if axis is None and stacks.DEFAULT_AXIS in maxtext_layers.stacked_axes(shapes):
+  if axis is None and stacks.DEFAULT_AXIS in fit:
     axis = stacks.DEFAULT_AXIS  # Where the shapes allow several, MaxText's default.
-  return maxtext_layers.check_stacked(shapes, axis, where)
+  return stacks.check_stacked(shapes, axis, where)
 
 
 def _model_weights(found: dict) -> tuple[dict, list[str]]:

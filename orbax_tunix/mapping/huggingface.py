@@ -528,7 +528,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_default
       MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
       layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-      stacks=stacks_lib.SCANNED, axes=_MT_AXES, config_defaults=config_defaults or {},
+      stacks=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
   )
 
 
