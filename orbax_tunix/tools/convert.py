@@ -36,6 +36,7 @@ import numpy as np
 from etils import epath
 
 from orbax_tunix import errors, layouts
+from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.reading import reader
 from orbax_tunix.tools import pipeline
 
@@ -114,8 +115,9 @@ def plan_convert(
         f'`layout` {layout!r}: expected one of {", ".join(steps)}{folder}.')
   return pipeline.plan(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
-      memory_budget=memory_budget, force=force, items=items, merge_lora=merge_lora,
-      lora_alpha=lora_alpha, lora_scale=lora_scale, base=base, scan_layers=scan_layers,
+      memory_budget=memory_budget, force=force, items=items,
+      merge_options=merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base),
+      scan_layers=scan_layers,
       param_scan_axis=param_scan_axis,
   )
 
