@@ -36,7 +36,7 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import transforms
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.reading.planned_item import Reads
-from orbax_tunix.reading.read_requests import Request, into, is_key, sharding_of
+from orbax_tunix.reading.read_requests import ReadRequest, into, is_key, sharding_of
 
 # Source bytes a batch of groups may hold beside their outputs (at least one group).
 GROUP_BYTES = 64 << 20
@@ -84,7 +84,7 @@ class Target:
     return cls(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
                ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype, global_shape=shape))
 
-  def read_form(self) -> Request:
+  def read_form(self) -> ReadRequest:
     """What to ask the item handler for: a typed PRNG key is read as its key data.
 
     The checkpoint records key data (e.g. uint32 (2,) for a threefry key of
@@ -130,7 +130,7 @@ class _Group:
   """Outputs made from the same sources, how each source is read and where it is put."""
 
   outputs: tuple[Output, ...]
-  requests: tuple[Request, ...]
+  requests: tuple[ReadRequest, ...]
   placed: tuple[jax.sharding.Sharding, ...]
   donate: tuple[int, ...]
 
@@ -184,7 +184,7 @@ def _batches(groups: Sequence[_Group], budget: int) -> list[list[_Group]]:
   return batches
 
 
-def _want(reads: Reads, source: Input, request: Request) -> None:
+def _want(reads: Reads, source: Input, request: ReadRequest) -> None:
   reads.want(source.ckpt.detection, source.leaf.item, source.leaf.path, request)
 
 

@@ -110,7 +110,7 @@ def validate_target(
 
 
 def _skeleton(
-    item: item_store.Item, wanted: Mapping[Path, read_requests.Request]
+    item: item_store.Item, wanted: Mapping[Path, read_requests.ReadRequest]
 ) -> tuple[PyTree, PyTree]:
   """The item's whole on-disk tree as a target: requested leaves, the rest placeholders.
 
@@ -192,7 +192,7 @@ class PlannedItem:
 
   def read(
       self,
-      wanted: Mapping[Path, read_requests.Request],
+      wanted: Mapping[Path, read_requests.ReadRequest],
       via: OrbaxReads | None = None,
       *,
       on_disk: bool = False,

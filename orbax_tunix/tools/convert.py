@@ -40,8 +40,8 @@ from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.reading import reader
 from orbax_tunix.tools import pipeline
 
-CANONICAL = 'canonical'
-MAXTEXT = 'maxtext'
+# The layout `plan_convert` writes unless told another (`layouts.names()`).
+DEFAULT_LAYOUT = layouts.canonical.LAYOUT.name
 
 # A conversion's plan and result are the pipeline's.
 ConvertPlan = pipeline.Plan
@@ -53,7 +53,7 @@ def plan_convert(
     dst: epath.PathLike,
     *,
     step: int | None = None,
-    layout: str = CANONICAL,
+    layout: str = DEFAULT_LAYOUT,
     params_only: bool = False,
     dtype: np.dtype | None = None,
     memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,

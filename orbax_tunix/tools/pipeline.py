@@ -94,7 +94,7 @@ class Plan:
   summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
-  def sink(self) -> Sink:
+  def sink(self) -> SinkKind:
     return SINKS[layouts.get(self.layout).sink]
 
   @property
@@ -365,7 +365,7 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
     )
 
 
-def _leftover_notes(dst: epath.Path, sink: Sink) -> list[str]:
+def _leftover_notes(dst: epath.Path, sink: SinkKind) -> list[str]:
   """What an interrupted run to `dst` left beside it (process 0 tells: the others would
   see its own staging)."""
   if not distributed.is_primary():
@@ -573,7 +573,7 @@ def _copy(path: epath.Path, dest: epath.Path) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sink:
+class SinkKind:
   """A kind of destination, as data: how it is told, planned, shared and written.
 
   Attributes:
@@ -620,18 +620,18 @@ def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
       peft.ADAPTER_FILE, tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in outputs))]
 
 
-SINKS: dict[str, Sink] = {
-    layouts.STEP: Sink(
+SINKS: dict[str, SinkKind] = {
+    layouts.STEP: SinkKind(
         kind=commit.STEP, unit='array', run='conversion', doing='converting to',
         shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs,
         write=_write_step,
     ),
-    layouts.FOLDER: Sink(
+    layouts.FOLDER: SinkKind(
         kind=EXPORT, unit='tensor', run='export', doing='exporting to',
         shard=_shard_folder, share=_share_folder, write=_write_folder,
         read_folders=('hf_config',),
     ),
-    layouts.ADAPTER: Sink(
+    layouts.ADAPTER: SinkKind(
         kind=ADAPTER_EXPORT, unit='tensor', run='export', doing='exporting the adapter to',
         shard=_adapter_file, share=_share_folder, write=_write_folder,
     ),
