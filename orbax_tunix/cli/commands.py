@@ -540,8 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
-  p.add_argument('--layout', choices=layouts.named(layouts.STEP), default=convert_lib.CANONICAL,
-                 help=f'the layout to write (default {convert_lib.CANONICAL}; see above)')
+  p.add_argument('--layout', choices=layouts.named(layouts.STEP), default=convert_lib.DEFAULT_LAYOUT,
+                 help=f'the layout to write (default {convert_lib.DEFAULT_LAYOUT}; see above)')
   _add_layout_options(p, layouts.STEP)
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '

@@ -40,8 +40,9 @@ class Request:
       `transformers`' default).
     base_only: a folder layout writes a LoRA save's base weights alone (the
       adapters left out, not merged).
-    adapter_alpha, adapter_scale: an adapter layout's LoRA scaling (qwix's
-      alpha, or alpha / rank itself).
+    adapter_scaling: an adapter layout's LoRA scaling, as a merge's options
+      spell it (`merge.Options`: qwix's `alpha`, or alpha / rank itself,
+      `scale`; no `base`). None: neither given.
     base_model: an adapter layout's base model (a Hub name or a folder), as its
       config names it.
     config_as_trained: a folder layout writes into config.json the values the
@@ -58,8 +59,7 @@ class Request:
   hf_config: epath.Path | None = None
   max_shard_size: int | None = None
   base_only: bool = False
-  adapter_alpha: float | None = None
-  adapter_scale: float | None = None
+  adapter_scaling: merge_lib.Options | None = None
   base_model: str | None = None
   config_as_trained: bool = False
 

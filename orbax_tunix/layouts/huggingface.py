@@ -86,7 +86,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   # A stacked weight's layers (and a fused weight's parts) are read one by one,
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
-  facts = family.as_trained if naming.source == huggingface.TUNIX else ()
+  facts = family.as_trained if naming.source == huggingface.TUNIX_MODEL else ()
   trained = functools.partial(as_trained.apply, facts, family.name, shapes, naming.layers(shapes),
                               write=request.config_as_trained)
   files, notes = _config_files(family, request.hf_config, base_config, shapes,

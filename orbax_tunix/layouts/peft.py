@@ -35,8 +35,6 @@ from orbax_tunix.reading import reader
 from orbax_tunix.store import fileio
 
 SUFFIX = '.peft'
-# The library's names for the scaling (`export_peft_adapter`), for messages.
-SCALING_NAMES = ('alpha', 'scale')
 
 
 def layout_name(family: str) -> str:
@@ -274,7 +272,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     raise errors.LoraError(
         f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
-  lora.check_scaling(request.adapter_alpha, request.adapter_scale, SCALING_NAMES)
+  scaling = request.adapter_scaling or merge_lib.Options()
+  lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
   leaves, left_out = _model_weights({p: leaf for leaf, p in reader.weights(source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
   if not adapters:
@@ -282,7 +281,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         f'{where}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or lora_a/lora_b'
         ' from flax), found none among its weights: the run is no LoRA run. Export its'
         ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
-  scales = {w: lora.scale_of(a, request.adapter_alpha, request.adapter_scale)
+  scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
             for w, a in adapters.items()}
   naming = family.naming(list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
@@ -361,7 +360,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     ]
   if problems:
     raise _refuse(where, problems)
-  alpha = request.adapter_alpha
+  alpha = scaling.alpha
   config = peft.config(modules, None if alpha is None else float(alpha), request.base_model)
   stored = {p: leaf.shape for p, leaf in leaves.items()}
   notes = [
@@ -396,8 +395,22 @@ def _number(text: str) -> float:
   return value
 
 
-ADAPTER_ALPHA = Option('adapter_alpha', _number, 'A', "the run's qwix LoRA alpha")
-ADAPTER_SCALE = Option('adapter_scale', _number, 'S', 'the LoRA scale itself (alpha / rank)')
+def _not_text(text: str) -> None:
+  raise ValueError(f'{text!r}: no flag gives the scaling as one text')
+
+
+def _scaling(value: object) -> merge_lib.Options:
+  """The scaling as a merge's options spell it (`merge.Options`), without a base."""
+  if isinstance(value, merge_lib.Options) and value.base is None:
+    return value
+  raise errors.InvalidOptionError(
+      f'`adapter_scaling` {value!r}: expected `merge.Options(alpha, scale)` without a `base`'
+      ' (pass `alpha` or `scale` to `export_peft_adapter`).')
+
+
+# qwix's LoRA alpha (PEFT's `lora_alpha`), or the scale itself (alpha / rank).
+ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
+                         coerce=_scaling)
 def _name_or_path(value: object) -> str:
   """A base model's Hub name or folder (a path-like's text), as the config names it."""
   if isinstance(value, str | os.PathLike):
@@ -416,7 +429,7 @@ for _family in map(huggingface.get, huggingface.names()):
       name=layout_name(_family.name),
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
-      options=(PARAM_SCAN_AXIS, ADAPTER_ALPHA, ADAPTER_SCALE, BASE_MODEL),
+      options=(PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
       sink=ADAPTER,
       weights_only=True,
       adapters=True,

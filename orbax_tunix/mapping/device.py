@@ -38,7 +38,7 @@ from orbax_tunix.mapping import executor, transforms
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.reading import memory
 from orbax_tunix.reading.planned_item import Reads
-from orbax_tunix.reading.read_requests import Request, into, is_key, sharding_of
+from orbax_tunix.reading.read_requests import ReadRequest, into, is_key, sharding_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Target:
     return cls(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
                ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype, global_shape=shape))
 
-  def read_form(self) -> Request:
+  def read_form(self) -> ReadRequest:
     """What to ask the item handler for: a typed PRNG key is read as its key data.
 
     The checkpoint records key data (e.g. uint32 (2,) for a threefry key of
@@ -129,7 +129,7 @@ class _Group:
   """Outputs made from the same sources, how each source is read and where it is put."""
 
   outputs: tuple[Output, ...]
-  requests: tuple[Request, ...]
+  requests: tuple[ReadRequest, ...]
   placed: tuple[jax.sharding.Sharding, ...]
   donate: tuple[int, ...]
 
@@ -138,7 +138,7 @@ class _Group:
     return self.outputs[0].inputs
 
   @property
-  def reads(self) -> tuple[tuple[Input, Request], ...]:
+  def reads(self) -> tuple[tuple[Input, ReadRequest], ...]:
     return tuple(zip(self.inputs, self.requests, strict=True))
 
   @property
@@ -181,11 +181,11 @@ class _Direct:
   the others cast and resharded from it. Holds nothing beside its outputs."""
 
   outputs: tuple[Output, ...]
-  request: Request
+  request: ReadRequest
   held_bytes = 0
 
   @property
-  def reads(self) -> tuple[tuple[Input, Request], ...]:
+  def reads(self) -> tuple[tuple[Input, ReadRequest], ...]:
     return ((self.outputs[0].inputs[0], self.request),)
 
 
@@ -205,7 +205,7 @@ def _source(unit: _Unit) -> Input:
   return unit.outputs[0].inputs[0]
 
 
-def _want(reads: Reads, source: Input, request: Request) -> None:
+def _want(reads: Reads, source: Input, request: ReadRequest) -> None:
   reads.want(source.ckpt.detection, source.leaf.item, source.leaf.path, request)
 
 

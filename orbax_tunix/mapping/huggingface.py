@@ -71,13 +71,14 @@ from orbax_tunix.mapping.transforms import (
   transpose,
 )
 
-# The kinds of source a family may name (`Naming.source`).
-TUNIX = 'tunix'
-MAXTEXT = 'maxtext'
+# The models whose weight names a family maps (`Naming.source`); not checkpoint kinds
+# (those are `view.source_kinds`: a Tunix run may hold either model).
+TUNIX_MODEL = 'tunix'
+MAXTEXT_MODEL = 'maxtext'
 # How a source kind is told from its weights: the top-level keys of MaxText's
 # decoder model (Tunix's model classes have `embedder`, `layers`, ...).
 _MAXTEXT_ROOTS = frozenset({'decoder', 'token_embedder'})
-SOURCE_NAMES = {TUNIX: 'Tunix model (tunix.models)', MAXTEXT: 'MaxText model'}
+SOURCE_NAMES = {TUNIX_MODEL: 'Tunix model (tunix.models)', MAXTEXT_MODEL: 'MaxText model'}
 # What `describe_source` calls weights of no family's model, and a LoRA save without them.
 NO_MODEL = 'Orbax arrays (no known model)'
 ADAPTERS_ONLY = 'LoRA adapters only (no base weights)'
@@ -124,8 +125,9 @@ def _rule(source: str, dest: str, transform=None) -> LayoutRule:
 
 
 def source_kind(paths: Collection[Path]) -> str:
-  """MAXTEXT for MaxText's model (a Tunix run of one, or MaxText's own step), else TUNIX."""
-  return MAXTEXT if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX
+  """MAXTEXT_MODEL for MaxText's model (a Tunix run of one, or MaxText's own step), else
+  TUNIX_MODEL."""
+  return MAXTEXT_MODEL if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX_MODEL
 
 
 def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.DEFAULT_AXIS
@@ -141,7 +143,7 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
       known (the count is shown as '?').
   """
   kind = source_kind(shapes)
-  if kind != MAXTEXT:
+  if kind != MAXTEXT_MODEL:
     paths = [p for p in shapes if not lora.is_adapter(p)]
     if not paths and shapes:
       return ADAPTERS_ONLY
@@ -224,8 +226,8 @@ class Naming:
   """One kind of source's names for a family (see the module docstring).
 
   Attributes:
-    source: TUNIX or MAXTEXT.
-    rules: weight pattern -> tensor name and transform (MAXTEXT: on the
+    source: TUNIX_MODEL or MAXTEXT_MODEL.
+    rules: weight pattern -> tensor name and transform (MAXTEXT_MODEL: on the
       per-layer form).
     required: as `Family.required`.
     dims: as `Family.dims`.
@@ -397,7 +399,7 @@ class Family:
   @property
   def tunix(self) -> Naming:
     """The naming of Tunix's own model class (the family's own fields)."""
-    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
+    return Naming(TUNIX_MODEL, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
                   vocab_padding=self.vocab_padding, lora=self.lora)
 
   @property
@@ -525,7 +527,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_default
   if norms:
     required.append((f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',))
   return Naming(
-      MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
+      MAXTEXT_MODEL, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
       layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
       stacks=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
@@ -700,7 +702,7 @@ def _maxtext_gemma3() -> Naming:
       f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   ),)
-  return Naming(MAXTEXT, rules, tuple((r,) for r in required), _mt_dims(),
+  return Naming(MAXTEXT_MODEL, rules, tuple((r,) for r in required), _mt_dims(),
                 layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 stacks=stacks_lib.blocks(6), axes=_MT_AXES)
 
@@ -749,7 +751,7 @@ def _maxtext_gemma4() -> Naming:
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return Naming(MAXTEXT, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
+  return Naming(MAXTEXT_MODEL, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
                 vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 stacks=stacks_lib.local_global(6),
                 architecture='Gemma4ForCausalLM', model_type='gemma4_text',
@@ -1019,7 +1021,7 @@ def choices() -> tuple[str, ...]:
   return (*names(), *ALIASES)
 
 
-def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:
+def table(family: Family, source: str = TUNIX_MODEL) -> list[tuple[str, str, str]]:
   """(source path, Hugging Face name, transform) per rule of one naming, as the README
   shows them."""
   naming = next((n for n in family.namings if n.source == source), None)
@@ -1102,10 +1104,10 @@ def _shown(value: object) -> str:
 
 
 # The first column of `markdown`'s table, per naming.
-_TABLE_SOURCES = {TUNIX: 'Tunix (canonical)', MAXTEXT: 'MaxText (per layer)'}
+_TABLE_SOURCES = {TUNIX_MODEL: 'Tunix (canonical)', MAXTEXT_MODEL: 'MaxText (per layer)'}
 
 
-def markdown(source: str = TUNIX) -> str:
+def markdown(source: str = TUNIX_MODEL) -> str:
   """The README's table of one kind of source's maps: each `table` row once, with the
   families that have it (`scripts/readme_hf_maps.py` writes it into README.md)."""
   rows: dict[tuple[str, str, str], list[str]] = {}
