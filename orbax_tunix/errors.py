@@ -50,6 +50,11 @@ class LoraOnlyCheckpointError(TargetMismatchError):
   """The checkpoint holds only LoRA adapters; full weights were asked for."""
 
 
+class LayerScanMismatchError(TargetMismatchError):
+  """One side stacks the layers into one array per weight (scanned), the other not
+  (exported as `maxtext.LayerScanMismatchError`)."""
+
+
 class LoraError(TunixCheckpointError):
   """LoRA adapters cannot be merged as asked (raised before any array is read)."""
 

@@ -22,7 +22,7 @@ import orbax_tunix
 from orbax_tunix import cli
 from orbax_tunix.cli import commands, display, progress
 from orbax_tunix.keypaths import flat_dict, fmt
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.store import step_store
 from orbax_tunix.tools import convert, inspection
 from tests import builders, test_handlers
@@ -714,7 +714,7 @@ def test_console_script_is_declared():
 
 def test_batches_fit_the_budget():
   leaves = [reader.LeafInfo('m', (str(i),), (str(i),), (n,), np.dtype('uint8')) for i, n in enumerate([3, 3, 3, 10, 1])]
-  sizes = [[leaf.nbytes for leaf in b] for b in reader.batches(leaves, 6)]
+  sizes = [[leaf.nbytes for leaf in b] for b in memory.batches(leaves, 6)]
   assert sizes == [[3, 3], [3], [10], [1]]
 
 

@@ -579,14 +579,196 @@ def test_an_existing_adapter_is_replaced_only_with_force(exports, tmp_path):
   assert (model / 'model.safetensors').exists()
 
 
-def test_maxtext_adapters_saved_alone_say_why_they_cannot_be_arranged(tmp_path):
+@pytest.mark.parametrize('base_model', [None, 'Qwen/Qwen3-0.6B'])
+def test_maxtext_adapters_saved_alone_say_why_they_cannot_be_arranged(tmp_path, base_model):
   """qwix flattens a MaxText kernel's (heads, head_dim) into its adapters: without the kernel
-  its shape is unknown, so the adapter is refused (not guessed), saying what to do instead."""
+  or a base model folder whose config gives its shape, the adapter is refused (not guessed),
+  saying what to do instead (a Hub name is no folder: its config is not at hand)."""
   from tests import test_export_maxtext as mt
   lora_flat, _ = mt.with_lora(mt.maxtext_tree('qwen3', 'unscanned'))
   src = mt.save_tunix_run(tmp_path / 'run', {k: v for k, v in lora_flat.items() if '_lora_' in k})
-  p = cli(src, tmp_path / 'out', '--model', 'qwen3', *PEFT)
+  given = () if base_model is None else ('--base-model', base_model)
+  p = cli(src, tmp_path / 'out', '--model', 'qwen3', *PEFT, *given)
   assert p.returncode == 2, p.stderr
   assert 'adapters alone' in p.stderr and '--merge-lora' in p.stderr and '--base' in p.stderr
+  assert '--base-model' in p.stderr and 'folder' in p.stderr, p.stderr
   assert 'query/kernel' in p.stderr, p.stderr
+  assert base_model is None or base_model in p.stderr
   assert not (tmp_path / 'out').exists()
+
+
+def _maxtext_lora_run(model: str, form: str) -> tuple[dict, dict]:
+  """(a Tunix LoRA run of a MaxText model in `form`, flat; its per-layer adapters unscanned)."""
+  from tests import test_export_maxtext as mt
+  flat = mt.maxtext_tree(model, 'unscanned')
+  unscanned, _ = mt.with_lora(flat)
+  if form == 'unscanned':
+    return unscanned, unscanned
+  if model in ('gemma3', 'gemma4'):
+    blocks = _gemma3_blocks if model == 'gemma3' else _gemma4_blocks
+    return blocks(unscanned, mt.MODELS[model][1]), unscanned
+  return mt.stacked_lora(flat, mt.MODELS[model][1])[0], unscanned
+
+
+def _maxtext_base_folder(root: pathlib.Path, model: str) -> pathlib.Path:
+  """The base model's folder: config.json as Hugging Face writes it for the family (gemma3's
+  multimodal class: the text model's fields in text_config)."""
+  from tests import test_export_maxtext as mt
+  folder = mt.hf_config(root, model, **mt.FAMILY_CONFIG.get(model, {}))
+  if model == 'gemma3':
+    text = json.loads((folder / 'config.json').read_text())
+    (folder / 'config.json').write_text(json.dumps({
+        'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
+        'text_config': {**text, 'model_type': 'gemma3_text'},
+        'vision_config': {'model_type': 'siglip_vision_model'}}))
+  return folder
+
+
+def _halves(x: np.ndarray, head_dim: int) -> np.ndarray:
+  """Rows (heads·head_dim) with each head's interleaved rotary pairs as evens then odds."""
+  x = x.reshape(-1, head_dim, *x.shape[1:])
+  return np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1).reshape(-1, *x.shape[2:])
+
+
+@pytest.mark.parametrize('form', ['unscanned', 'scanned'])
+@pytest.mark.parametrize('model', ['qwen3', 'llama3', 'gemma3', 'gemma4'])
+def test_maxtext_adapters_saved_alone_take_their_shapes_from_the_base_config(
+    tmp_path, model, form):
+  """A save of adapters alone with --base-model FOLDER: each kernel's shape comes from its
+  config.json; the adapter is the full save's, byte for byte, and each module's lora_A / lora_B
+  is the raw a / b transposed (llama's q: its head_dim's rotary halves put back, times
+  sqrt(head_dim); gemma4's global layers: their own head_dim)."""
+  from tests import test_export_maxtext as mt
+  run, per_layer = _maxtext_lora_run(model, form)
+  full = mt.save_tunix_run(tmp_path / 'full', run)
+  alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
+  folder = _maxtext_base_folder(tmp_path / 'base', model)
+  for src, out in ((full, 'a_full'), (alone, 'a_alone')):
+    ot.export_peft_adapter(src, tmp_path / out, model=model, alpha=mt.ALPHA, base_model=folder)
+  for name in (peft.ADAPTER_FILE, peft.CONFIG_FILE):
+    assert (tmp_path / 'a_alone' / name).read_bytes() == (
+        tmp_path / 'a_full' / name).read_bytes(), name
+  got = tensors(tmp_path / 'a_alone' / peft.ADAPTER_FILE)
+  prefix = PREFIX + ('model.language_model.' if model == 'gemma3' else 'model.')
+  modules = {'self_attention/query/kernel': 'self_attn.q_proj',
+             'self_attention/out/kernel': 'self_attn.o_proj', 'mlp/wo/kernel': 'mlp.down_proj'}
+  assert len(got) == 2 * len(modules) * mt.MODELS[model][1]
+  for i in range(mt.MODELS[model][1]):
+    for weight, module in modules.items():
+      a = per_layer[f'decoder/layers_{i}/{weight}_lora_a']
+      b = per_layer[f'decoder/layers_{i}/{weight}_lora_b']
+      want_b = b.T
+      if model == 'llama3' and module == 'self_attn.q_proj':
+        want_b = (_halves(b.T, mt.H) * np.float32(np.sqrt(mt.H))).astype(np.float32)
+      name = f'{prefix}layers.{i}.{module}'
+      np.testing.assert_array_equal(got[f'{name}.lora_A.weight'], a.T, err_msg=name)
+      np.testing.assert_array_equal(got[f'{name}.lora_B.weight'], want_b, err_msg=name)
+
+
+@pytest.mark.parametrize(('field', 'value', 'said'), [
+    ('num_attention_heads', 8, 'num_attention_heads 4 (found 8)'),
+    ('intermediate_size', 64, 'intermediate_size 48 (found 64)'),
+    ('head_dim', None, 'expected head_dim (a positive integer'),
+])
+def test_maxtext_adapters_saved_alone_refuse_a_config_that_does_not_fit(tmp_path, field, value,
+                                                                        said):
+  from tests import test_export_maxtext as mt
+  run, _ = _maxtext_lora_run('qwen3', 'scanned')
+  alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
+  folder = mt.hf_config(tmp_path / 'base', 'qwen3')
+  config = json.loads((folder / 'config.json').read_text())
+  config[field] = value
+  (folder / 'config.json').write_text(json.dumps(config))
+  p = cli(alone, tmp_path / 'out', '--model', 'qwen3', *PEFT, '--base-model', folder)
+  assert p.returncode == 2, p.stderr
+  assert str(folder / 'config.json') in p.stderr and said in p.stderr, p.stderr
+  assert '--base-model' in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()
+
+
+def test_a_llama_config_without_head_dim_reads_it_as_transformers_does(tmp_path):
+  """The Hub's Llama 3 configs have no head_dim: LlamaConfig takes hidden_size //
+  num_attention_heads, and so do the kernels' shapes of a save of adapters alone (here 16 // 4
+  = 4, where the run's head_dim is 8: refused, naming the value it read)."""
+  from tests import test_export_maxtext as mt
+  llama = hf.get('llama3').maxtext
+  assert llama.config_value({'hidden_size': 4096, 'num_attention_heads': 32}, 'head_dim') == 128
+  assert llama.config_value({'hidden_size': 4096, 'num_attention_heads': 32,
+                             'head_dim': 64}, 'head_dim') == 64
+  assert hf.get('qwen3').maxtext.config_value({'hidden_size': 4096}, 'head_dim') is None
+  run, _ = _maxtext_lora_run('llama3', 'unscanned')
+  alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
+  folder = mt.hf_config(tmp_path / 'base', 'llama3')
+  config = json.loads((folder / 'config.json').read_text())
+  del config['head_dim']
+  (folder / 'config.json').write_text(json.dumps(config))
+  p = cli(alone, tmp_path / 'out', '--model', 'llama3', *PEFT, '--base-model', folder)
+  assert p.returncode == 2, p.stderr
+  assert 'head_dim 8 (found 4)' in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()
+
+
+def _gemma4_keys_adapted(form: str) -> dict[str, np.ndarray]:
+  """A MaxText gemma4 LoRA run with adapters on the key kernels too: layer 5 is global (no
+  value kernel: its keys are its values), the others local."""
+  from tests import test_export_maxtext as mt
+  flat = mt.maxtext_tree('gemma4', 'unscanned')
+  rng = np.random.default_rng(2)
+  extra = {}
+  for i in range(mt.MODELS['gemma4'][1]):
+    w = flat[f'decoder/layers_{i}/self_attention/key/kernel']
+    extra[f'decoder/layers_{i}/self_attention/key/kernel_lora_a'] = rng.normal(
+        size=(w.shape[0], mt.RANK)).astype(np.float32)
+    extra[f'decoder/layers_{i}/self_attention/key/kernel_lora_b'] = rng.normal(
+        size=(mt.RANK, w.shape[1] * w.shape[2])).astype(np.float32)
+  run = {**mt.with_lora(flat)[0], **extra}
+  return run if form == 'unscanned' else _gemma4_blocks(run, mt.MODELS['gemma4'][1])
+
+
+@pytest.mark.parametrize('form', ['unscanned', 'scanned'])
+def test_maxtext_gemma4_global_key_adapter_says_what_vllm_does(tmp_path, form):
+  """MaxText gemma4's global layers have no value kernel (the keys are the values): the
+  k_eq_v note names their k_proj, and no local layer's; for adapters saved alone, the base
+  model's config says which layers are global."""
+  from tests import test_export_maxtext as mt
+  run = _gemma4_keys_adapted(form)
+  full = mt.save_tunix_run(tmp_path / 'full', run)
+  alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
+  folder = _maxtext_base_folder(tmp_path / 'base', 'gemma4')
+  for src in (full, alone):
+    plan = export_lib.plan_peft_export(src, tmp_path / 'out', model='gemma4', alpha=mt.ALPHA,
+                                       base_model=folder)
+    said = [n for n in plan.notes if 'k_eq_v' in n]
+    assert len(said) == 1 and 'vLLM' in said[0], plan.notes
+    assert said[0].startswith('model.layers.5.self_attn.k_proj:'), said
+    assert 'layers.0.' not in said[0] and 'layers.6.' not in said[0], said
+  p = cli(full, tmp_path / 'out', '--model', 'gemma4', '--peft', '--lora-alpha', str(mt.ALPHA))
+  assert p.returncode == 0, p.stderr
+  assert 'model.layers.5.self_attn.k_proj: Gemma 4' in p.stdout + p.stderr
+  assert 'model.layers.4.self_attn.k_proj: Gemma 4' not in p.stdout + p.stderr
+
+
+def test_inspect_says_maxtext_adapters_alone_need_the_base_models_folder(tmp_path):
+  from tests import test_export_maxtext as mt
+  run, _ = _maxtext_lora_run('qwen3', 'unscanned')
+  alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
+  p = subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', 'inspect', str(alone)],
+                     capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
+                     timeout=300, check=False)
+  assert p.returncode == 0, p.stderr
+  assert 'export --peft --lora-alpha A --base-model FOLDER' in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize('model', ['qwen3', 'llama3', 'gemma3', 'gemma4', 'qwen3_moe'])
+def test_maxtext_axes_are_the_dims_read_the_other_way(model):
+  """Every config field `dims` reads off a MaxText kernel's axis is the one `axes` names for
+  that axis (layer 5: gemma4's first global layer, as transformers' default layer_types)."""
+  naming = hf.get(model).maxtext
+  checked = 0
+  for field, alternatives in naming.dims.items():
+    for pattern, axis in alternatives:
+      fields = naming.axis_fields(tuple(pattern.split('/')), {})
+      if fields is not None:
+        assert fields[axis] == field, (pattern, axis, fields)
+        checked += 1
+  assert checked >= 3, naming.dims  # heads and head_dim (query), kv heads (key)

@@ -1,4 +1,4 @@
-"""The layout catalog: sink kinds are `layouts.SinkKind` values, every kind a layout names is
+"""The layout catalog: sink kinds are `layouts.Destination` values, every kind a layout names is
 one the pipeline writes, and the families are named only by their own values."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from orbax_tunix.tools import pipeline
 
 def test_every_layout_names_a_sink_the_pipeline_writes():
   kinds = {layouts.get(n).sink for n in layouts.names()}
-  assert kinds == set(layouts.SinkKind)
-  assert set(pipeline.SINKS) == set(layouts.SinkKind)
+  assert kinds == set(layouts.Destination)
+  assert set(pipeline.SINKS) == set(layouts.Destination)
 
 
 @pytest.mark.parametrize('call', [layouts.named, layouts.options])
 def test_a_bare_string_is_refused_as_a_sink_kind(call):
   # 'step' was the kind's spelling before it was a value: it would match no layout, silently.
-  with pytest.raises(TypeError, match=r"sink 'step': expected a layouts.SinkKind"):
+  with pytest.raises(TypeError, match=r"sink 'step': expected a layouts.Destination"):
     call('step')
 
 
@@ -34,7 +34,7 @@ def test_a_layout_of_a_bare_string_sink_is_refused():
 
 def test_the_step_layouts_are_canonical_and_maxtext():
   # Independent of the catalog's code: the two Orbax step outputs README documents.
-  assert set(layouts.named(layouts.SinkKind.STEP)) == {'canonical', 'maxtext'}
+  assert set(layouts.named(layouts.Destination.STEP)) == {'canonical', 'maxtext'}
 
 
 PACKAGE = pathlib.Path(layouts.__file__).resolve().parents[1]

@@ -57,20 +57,6 @@ def test_tree_metadata_types():
   assert 'TreeMetadata' in str(inspect.signature(meta).return_annotation)
 
 
-@pytest.mark.parametrize('text, storage', [
-    ('OUT_OF_RANGE: Error reading "x/.zarray"', True),
-    ('NOT_FOUND: Error opening "zarr" driver', True),
-    ('DATA_LOSS: checksum mismatch', True),
-    ('INVALID_ARGUMENT: dtype mismatch', False),
-    ('One of device_put args was given the sharding of NamedSharding', False),
-])
-def test_storage_failures_are_told_from_request_errors(text, storage):
-  wrapped = Exception('Encountered error while reading array index: (0,).')
-  wrapped.__cause__ = ValueError(text)
-  assert (_orbax.storage_failure(wrapped) is not None) == storage
-  assert _orbax.storage_failure(FileNotFoundError('x')) is not None
-
-
 def _saved(tmp_path):
   tree = {'a': np.arange(4, dtype=np.float32), 'b': {'c': np.ones(3, np.int32)}}
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:

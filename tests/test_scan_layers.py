@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from orbax_tunix import maxtext
 from orbax_tunix.keypaths import flatten, fmt
-from orbax_tunix.mapping import device
+from orbax_tunix.reading import memory
 from tests import builders
 from tests.test_cli import run
 from tests.test_maxtext import sharded
@@ -172,7 +172,7 @@ def test_the_device_executor_reads_groups_alone_or_together_alike(
   restore per item when they fit together, one per group (and item) when none do; the
   same state either way, every source read once."""
   raw = _raw(saved['scanned'])  # (Plain Orbax, before the spy.)
-  monkeypatch.setattr(device, 'GROUP_BYTES', group_bytes)
+  monkeypatch.setattr(memory, 'DEVICE_GROUP_BYTES', group_bytes)
   calls = builders.spy_restores(monkeypatch)
   abstract = _abstract(mesh, scanned=False)
   got = maxtext.restore_train_state(saved['scanned'], abstract)

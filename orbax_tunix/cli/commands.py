@@ -47,7 +47,7 @@ from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
 from orbax_tunix.mapping import huggingface
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory
 from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import export as export_lib
@@ -167,7 +167,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       lora_alpha=args.lora_alpha,
       lora_scale=args.lora_scale,
       base=args.base,
-      **_layout_options(args, layouts.SinkKind.STEP),
+      **_layout_options(args, layouts.Destination.STEP),
   )
   result = _stream(convert_lib.run_convert, plan, plan.notes, args, out)
   source = plan.source.detection
@@ -273,11 +273,11 @@ def _plan_model_export(args: argparse.Namespace) -> export_lib.ExportPlan:
       base=args.base,
       memory_budget=args.memory_budget,
       force=args.force,
-      **_layout_options(args, layouts.SinkKind.FOLDER),
+      **_layout_options(args, layouts.Destination.FOLDER),
   )
 
 
-def _layout_options(args: argparse.Namespace, sink: layouts.SinkKind) -> dict[str, Any]:
+def _layout_options(args: argparse.Namespace, sink: layouts.Destination) -> dict[str, Any]:
   """The layout options' flags as given (unset: their `layouts.Option.unset`)."""
   return {name: getattr(args, name) for name in layouts.options(sink)}
 
@@ -391,7 +391,7 @@ def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
   return parse_flag
 
 
-def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.SinkKind) -> None:
+def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.Destination) -> None:
   """The flags of the options a command's layouts take (`layouts.Option`s, their data)."""
   every = layouts.named(sink)
   for option in layouts.options(sink).values():
@@ -530,7 +530,7 @@ def _add_inspect(sub: Any, parents: _Parents) -> None:
   p.add_argument('--verify', action='store_true',
                  help='read every array and check it against the checksums orbax-tunix'
                  ' convert recorded (exit 1 if one differs)')
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory --verify may use (default 1G = 1GiB)')
   group = p.add_mutually_exclusive_group()
   group.add_argument('--full', dest='collapse', action='store_false', default=None,
@@ -551,7 +551,7 @@ def _add_convert(sub: Any, parents: _Parents) -> None:
           ' its step number (out/1000) to make its parent a root that'
           ' ocp.CheckpointManager reads. Layouts (--layout): '
           + '; '.join(f'{n}: {layouts.get(n).description}'
-                      for n in layouts.named(layouts.SinkKind.STEP))
+                      for n in layouts.named(layouts.Destination.STEP))
           + '. Streams in batches within --memory-budget;'
           ' written beside DST and renamed at the end, so a failure leaves no DST.'
           ' Check the result with: orbax-tunix diff SRC DST.'
@@ -562,14 +562,14 @@ def _add_convert(sub: Any, parents: _Parents) -> None:
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
-  p.add_argument('--layout', choices=layouts.named(layouts.SinkKind.STEP),
-                 default=convert_lib.CANONICAL,
-                 help=f'the layout to write (default {convert_lib.CANONICAL}; see above)')
-  _add_layout_options(p, layouts.SinkKind.STEP)
+  p.add_argument('--layout', choices=layouts.named(layouts.Destination.STEP),
+                 default=convert_lib.DEFAULT_LAYOUT,
+                 help=f'the layout to write (default {convert_lib.DEFAULT_LAYOUT}; see above)')
+  _add_layout_options(p, layouts.Destination.STEP)
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE',
                  help='memory the streaming may use above start-up, e.g. 512M or 4G (default'
                  ' 1G = 1GiB; budgets under ~128M cannot be met); an array too large for one batch'
@@ -603,7 +603,7 @@ def _add_diff(sub: Any, parents: _Parents) -> None:
                  help='compare the model weights only (matches a --layout maxtext conversion)')
   p.add_argument('--ignore-dtype', action='store_true',
                  help='do not count dtype differences (check a --dtype conversion with --atol)')
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use (default 1G = 1GiB)')
   p.add_argument('--json', action='store_true', help='print one JSON document')
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
@@ -617,7 +617,7 @@ def _add_export(sub: Any, parents: _Parents) -> None:
   p = sub.add_parser(
       'export', parents=[parents.common, parents.hosts],
       help='write a Hugging Face safetensors folder ('
-      + ', '.join(layouts.named(layouts.SinkKind.FOLDER)) + ')',
+      + ', '.join(layouts.named(layouts.Destination.FOLDER)) + ')',
       description=(
           'Write the weights of SRC (a Tunix run of a tunix.models family or of a MaxText'
           ' model, or MaxText\'s own step) as a'
@@ -648,8 +648,8 @@ def _add_export(sub: Any, parents: _Parents) -> None:
   p.add_argument('--base-model', metavar='NAME_OR_PATH',
                  help="--peft: the base model (a Hub name or a folder), the adapter config's"
                  ' base_model_name_or_path')
-  _add_layout_options(p, layouts.SinkKind.FOLDER)
-  p.add_argument('--memory-budget', type=parse_size, default=reader.DEFAULT_MEMORY_BUDGET,
+  _add_layout_options(p, layouts.Destination.FOLDER)
+  p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use above start-up (default 1G ='
                  ' 1GiB)')
   p.add_argument('--force', action='store_true',

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from orbax_tunix.keypaths import Path, fmt, natural_key, nest
+from orbax_tunix.mapping import huggingface
 from orbax_tunix.reading import reader
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import inspection
@@ -386,7 +387,7 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
             ('rank', ', '.join(str(r) for r in lora.ranks) or '-'),
             ('adapted', f'{len(lora.targets)} weights ({lora.num_leaves} leaves, {format_bytes(lora.nbytes)})'),
             ('base weights', 'saved too' if lora.base_weights else 'not saved (adapters only)'),
-            ('export', LORA_USES[lora.base_weights]),
+            ('export', _lora_uses(lora.base_weights, lora.targets)),
         ]
     )
     for target, rank in _fold_targets(lora.targets, lora.target_ranks, collapse):
@@ -421,6 +422,17 @@ LORA_USES = {
     False: 'export --peft --lora-alpha A (a PEFT adapter of the base the run started from), or'
            ' export/convert --merge-lora --lora-alpha A --base BASE (the merged model)',
 }
+
+
+def _lora_uses(base_weights: bool, targets: Sequence[str]) -> str:
+  """`LORA_USES`: a MaxText model's adapters alone take their kernels' shapes from the base
+  model's config (qwix flattened them), so --peft needs --base-model FOLDER there."""
+  uses = LORA_USES[base_weights]
+  maxtext = huggingface.source_kind([tuple(t.split('/')) for t in targets]) == huggingface.MAXTEXT
+  if base_weights or not maxtext:
+    return uses
+  return uses.replace('--lora-alpha A (a PEFT adapter',
+                      '--lora-alpha A --base-model FOLDER (a PEFT adapter', 1)
 
 
 def _fold_targets(targets: Sequence[str], ranks: Sequence[int], collapse: bool

@@ -3,7 +3,7 @@
 A `Layout` is a value: its name, a line for people, `lay_out(request)` (a
 pure function of the source checkpoint's metadata that says every destination
 item and leaf, `outputs.ItemOutput`, and how each is made from source leaves),
-the kind of destination it fills (`sink`, a `SinkKind`: an Orbax step, a Hugging
+the kind of destination it fills (`sink`, a `Destination`: an Orbax step, a Hugging
 Face folder or a PEFT adapter folder) and its options as data. The one pipeline (`tools/pipeline.py`) looks
 layouts up here and hands the result to the one writer (`writer.py`); a new
 output format is one more registered layout.
@@ -21,11 +21,11 @@ from __future__ import annotations
 from orbax_tunix.layouts import canonical, huggingface, maxtext, peft  # noqa: F401  (they register)
 from orbax_tunix.layouts.base import (
     LAYOUTS,
+    Destination,
     LaidOut,
     Layout,
     Option,
     Request,
-    SinkKind,
     check_options,
     get,
     named,
@@ -35,5 +35,5 @@ from orbax_tunix.layouts.base import (
     weights,
 )
 
-__all__ = ['LAYOUTS', 'LaidOut', 'Layout', 'Option', 'Request', 'SinkKind', 'check_options',
+__all__ = ['LAYOUTS', 'LaidOut', 'Layout', 'Option', 'Request', 'Destination', 'check_options',
            'get', 'named', 'names', 'options', 'register', 'weights']

@@ -1,7 +1,7 @@
 """What every layout is and takes: `Request`, `Layout`, `LaidOut`, and the catalog they register in.
 
 Every output is a layout: an Orbax step (canonical, MaxText) or a Hugging Face
-safetensors folder (one layout per family). Its `sink` (a `SinkKind`) says which kind
+safetensors folder (one layout per family). Its `sink` (a `Destination`) says which kind
 of destination it fills; its `options` are data the CLI builds flags from.
 
 Its own module so that the layouts (`canonical`, `maxtext`) import it, and the package
@@ -41,8 +41,9 @@ class Request:
       `transformers`' default).
     base_only: a folder layout writes a LoRA save's base weights alone (the
       adapters left out, not merged).
-    adapter_alpha, adapter_scale: an adapter layout's LoRA scaling (qwix's
-      alpha, or alpha / rank itself).
+    adapter_scaling: an adapter layout's LoRA scaling, as a merge's options
+      spell it (`merge.Options`: qwix's `alpha`, or alpha / rank itself,
+      `scale`; no `base`). None: neither given.
     base_model: an adapter layout's base model (a Hub name or a folder), as its
       config names it.
     config_as_trained: a folder layout writes into config.json the values the
@@ -59,8 +60,7 @@ class Request:
   hf_config: epath.Path | None = None
   max_shard_size: int | None = None
   base_only: bool = False
-  adapter_alpha: float | None = None
-  adapter_scale: float | None = None
+  adapter_scaling: merge_lib.Options | None = None
   base_model: str | None = None
   config_as_trained: bool = False
 
@@ -131,7 +131,7 @@ class Option:
     return '--' + self.name.replace('_', '-')
 
 
-class SinkKind(enum.Enum):
+class Destination(enum.Enum):
   """The kinds of destination a layout fills (`Layout.sink`); `tools/pipeline.py` writes
   each (`pipeline.SINKS`, keyed by them)."""
 
@@ -141,10 +141,10 @@ class SinkKind(enum.Enum):
 
 
 def _check_kind(sink: object) -> None:
-  """Refuses a sink kind that is not a `SinkKind` (a bare string would match no layout)."""
-  if not isinstance(sink, SinkKind):
-    raise TypeError(f'sink {sink!r}: expected a layouts.SinkKind'
-                    f' ({", ".join(k.name for k in SinkKind)}), found a {type(sink).__name__}.')
+  """Refuses a sink kind that is not a `Destination` (a bare string would match no layout)."""
+  if not isinstance(sink, Destination):
+    raise TypeError(f'sink {sink!r}: expected a layouts.Destination'
+                    f' ({", ".join(k.name for k in Destination)}), found a {type(sink).__name__}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,7 @@ class Layout:
     lay_out: `Request -> LaidOut`, from metadata only.
     options: the options it reads (`Option`s: `Request` fields); the other
       layouts' options must keep their unset value (`check_options`).
-    sink: the kind of destination it fills (a `SinkKind`).
+    sink: the kind of destination it fills (a `Destination`).
     weights_only: it writes the model's weights alone (a `params_only` request).
     adapters: it takes LoRA adapters as they are (an adapters-only save is a
       valid source); else the pipeline refuses an adapters-only save unmerged.
@@ -167,7 +167,7 @@ class Layout:
   description: str
   lay_out: Callable[[Request], LaidOut]
   options: tuple[Option, ...] = ()
-  sink: SinkKind = SinkKind.STEP
+  sink: Destination = Destination.STEP
   weights_only: bool = False
   adapters: bool = False
 
@@ -182,11 +182,11 @@ LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
 register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
 
 
-def options(sink: SinkKind | None = None) -> dict[str, Option]:
+def options(sink: Destination | None = None) -> dict[str, Option]:
   """Every option some layout (of `sink`, else any) takes, by name: a command's layout flags.
 
   Raises:
-    TypeError: `sink` is neither None nor a `SinkKind`.
+    TypeError: `sink` is neither None nor a `Destination`.
   """
   if sink is not None:
     _check_kind(sink)
@@ -194,11 +194,11 @@ def options(sink: SinkKind | None = None) -> dict[str, Option]:
           if sink is None or get(n).sink == sink}
 
 
-def named(sink: SinkKind) -> tuple[str, ...]:
+def named(sink: Destination) -> tuple[str, ...]:
   """The layouts that fill `sink` (a command's choices).
 
   Raises:
-    TypeError: `sink` is not a `SinkKind`.
+    TypeError: `sink` is not a `Destination`.
   """
   _check_kind(sink)
   return tuple(n for n in names() if get(n).sink == sink)

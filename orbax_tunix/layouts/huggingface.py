@@ -24,20 +24,19 @@ from etils import epath
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.base import (
-    LaidOut,
-    Layout,
-    Option,
-    Request,
-    SinkKind,
-    register,
-    weights,
+  Destination,
+  LaidOut,
+  Layout,
+  Option,
+  Request,
+  register,
+  weights,
 )
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.mapping import as_trained, huggingface, lora, patterns, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied, read_sliced, relay
 from orbax_tunix.mapping.transforms import per_input
-from orbax_tunix.maxtext import layers as maxtext_layers
 from orbax_tunix.reading import reader
 from orbax_tunix.sizes import parse_size, parse_size_text
 from orbax_tunix.store import fileio
@@ -95,7 +94,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   # A stacked weight's layers (and a fused weight's parts) are read one by one,
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
-  facts = family.as_trained if naming.source == huggingface.TUNIX else ()
+  facts = family.as_trained if naming.source == huggingface.TUNIX_MODEL else ()
   trained = functools.partial(as_trained.apply, facts, family.name, shapes, naming.layers(shapes),
                               write=request.config_as_trained)
   files, notes = _config_files(family, request.hf_config, base_config, shapes,
@@ -151,20 +150,21 @@ def _scan_axis(request: Request, shapes: Mapping, where: str) -> int:
       one layer count (the message names the axis that fits).
   """
   given = request.param_scan_axis
-  maxtext_layers.check_axis(given)
-  if stacks.describe(shapes)[0] != 'scanned':
+  stacks.check_axis(given)
+  if stacks.describe(shapes)[0] != stacks.SCANNED:
     if given is not None:
       raise errors.InvalidOptionError(
           f'{where}: `param_scan_axis` {given}: the weights hold no stacked layers'
           f' ({huggingface.describe_source(shapes)}); leave `param_scan_axis` out.')
     return stacks.DEFAULT_AXIS
-  recorded = request.source.detection.source.custom_metadata.get(maxtext_layers.SCAN_AXIS_KEY)
+  recorded = request.source.detection.source.custom_metadata.get(stacks.SCAN_AXIS_KEY)
   axis = given if given is not None else recorded if isinstance(recorded, int) else None
-  if not maxtext_layers.stacked_axes(shapes):  # Stacks outside decoder/layers (gemma4's blocks).
+  fit = stacks.stacked_axes(shapes)
+  if not fit:  # Stacks outside decoder/layers (gemma4's blocks).
     return stacks.DEFAULT_AXIS if axis is None else axis
-  if axis is None and stacks.DEFAULT_AXIS in maxtext_layers.stacked_axes(shapes):
+  if axis is None and stacks.DEFAULT_AXIS in fit:
     axis = stacks.DEFAULT_AXIS  # Where the shapes allow several, MaxText's default.
-  return maxtext_layers.check_stacked(shapes, axis, where)
+  return stacks.check_stacked(shapes, axis, where)
 
 
 def _model_weights(found: dict) -> tuple[dict, list[str]]:
@@ -403,7 +403,7 @@ for _family in map(huggingface.get, huggingface.names()):
       description=f'a Hugging Face safetensors folder of {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
       options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG, BASE_ONLY, CONFIG_AS_TRAINED),
-      sink=SinkKind.FOLDER,
+      sink=Destination.FOLDER,
       weights_only=True,
       adapters=True,  # `lay_out` refuses them unmerged itself, saying what to do.
   ))

@@ -11,7 +11,7 @@ optimizer laid out as MaxText's adamw chain saves it (`opt_state` a list:
 The mapping is the MaxText view's (`maxtext.plan.make_plan`), the one that
 restores a Tunix step into an abstract state a caller gives: here the target
 is MaxText's own train state for these weights (`maxtext.train_state`),
-optionally with the decoder's layers in the other form (`maxtext.layers`).
+optionally with the decoder's layers in the other form (`mapping.stacks`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, register
 from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
-from orbax_tunix.mapping import lora, patterns
+from orbax_tunix.mapping import lora, patterns, stacks
 from orbax_tunix.mapping import outputs as outputs_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
-from orbax_tunix.maxtext import layers, train_state
+from orbax_tunix.maxtext import train_state
 from orbax_tunix.maxtext.plan import RestorePlan, make_plan
 from orbax_tunix.maxtext.view import read_view
 from orbax_tunix.reading import reader
@@ -63,7 +63,7 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
   `param_scan_axis` names the layer axis of the scanned side: the written one
   when writing scanned, else the stored one. A stored scanned step's own axis
   is the one its custom metadata records (a converted step), else the one its
-  shapes allow (`layers.check_stacked`); a given axis that does not fit it is
+  shapes allow (`stacks.check_stacked`); a given axis that does not fit it is
   refused, naming the weights.
 
   Raises:
@@ -74,18 +74,18 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
       with another layer count or shape), or the axis does not fit them.
   """
   given = request.param_scan_axis
-  layers.check_axis(given)
+  stacks.check_axis(given)
   where = str(request.source.step_dir)
-  stored = layers.form_of(shapes)
+  stored = stacks.form_of(shapes)
   want = None if request.scan_layers is None else (
-      layers.SCANNED if request.scan_layers else layers.UNSCANNED)
+      stacks.SCANNED if request.scan_layers else stacks.UNSCANNED)
   if stored is None and want is not None:
     raise errors.UnsupportedLayoutError(
         f'{where}: `scan_layers` asks for MaxText\'s {want} layers, but the weights hold'
         ' no MaxText decoder layers (decoder/layers/... or decoder/layers_<i>/...).'
         ' Leave `scan_layers` out.'
     )
-  if given is not None and layers.SCANNED not in (stored, want):
+  if given is not None and stacks.SCANNED not in (stored, want):
     raise errors.InvalidOptionError(
         f'`param_scan_axis` {given}: '
         + ('the layers are written as stored (no `scan_layers`), and the weights hold no'
@@ -95,33 +95,33 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
         + (', or pass `scan_layers` too.' if want is None else '.')
     )
   if stored is None:
-    return _Layers((layers.AS_STORED,), None, None, False)
-  if stored == layers.UNSCANNED:
-    if want != layers.SCANNED:
-      return _Layers((layers.AS_STORED,), stored, None, False)
-    layers.check_unscanned(shapes, where)
-    axis = layers.DEFAULT_AXIS if given is None else given
-    return _Layers(layers.rules(layers.SCANNED, axis), want, axis, True, axis)
-  recorded = request.source.detection.source.custom_metadata.get(layers.SCAN_AXIS_KEY)
+    return _Layers((stacks.AS_STORED,), None, None, False)
+  if stored == stacks.UNSCANNED:
+    if want != stacks.SCANNED:
+      return _Layers((stacks.AS_STORED,), stored, None, False)
+    stacks.check_unscanned(shapes, where)
+    axis = stacks.DEFAULT_AXIS if given is None else given
+    return _Layers(stacks.rules(stacks.SCANNED, axis), want, axis, True, axis)
+  recorded = request.source.detection.source.custom_metadata.get(stacks.SCAN_AXIS_KEY)
   recorded = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
-  names_stored = want != layers.SCANNED  # The axis given names the stored layers.
+  names_stored = want != stacks.SCANNED  # The axis given names the stored layers.
   if names_stored and given is not None and recorded is not None and given != recorded:
-    raise layers.LayerScanMismatchError(
+    raise errors.LayerScanMismatchError(
         f'{where}: `param_scan_axis` {given}, but the step records its layers stacked along'
-        f' axis {recorded} (custom metadata {layers.SCAN_AXIS_KEY!r}). Pass'
+        f' axis {recorded} (custom metadata {stacks.SCAN_AXIS_KEY!r}). Pass'
         f' `param_scan_axis={recorded}`, or'
         ' leave it out.'
     )
   named = given if names_stored and given is not None else recorded
   if want is None and named is None:
     try:  # As stored: the axis is only recorded, when the shapes tell it.
-      axis = layers.check_stacked(shapes, None, where)
-    except layers.LayerScanMismatchError:
+      axis = stacks.check_stacked(shapes, None, where)
+    except errors.LayerScanMismatchError:
       axis = None
-    return _Layers((layers.AS_STORED,), stored, axis, False, axis)
-  source_axis = layers.check_stacked(shapes, named, where)
-  if want == layers.UNSCANNED:
-    return _Layers(layers.rules(layers.UNSCANNED, source_axis), want, None, True, source_axis)
+    return _Layers((stacks.AS_STORED,), stored, axis, False, axis)
+  source_axis = stacks.check_stacked(shapes, named, where)
+  if want == stacks.UNSCANNED:
+    return _Layers(stacks.rules(stacks.UNSCANNED, source_axis), want, None, True, source_axis)
   axis = source_axis if want is None or given is None else given
   if axis != source_axis and not request.params_only:
     raise errors.UnsupportedLayoutError(
@@ -130,7 +130,7 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
         ' re-laid so). Add `params_only` (MaxText then starts its optimizer afresh), or'
         f' pass `param_scan_axis={source_axis}`.'
     )
-  return _Layers(layers.rules(layers.SCANNED, axis, source_axis), layers.SCANNED, axis,
+  return _Layers(stacks.rules(stacks.SCANNED, axis, source_axis), stacks.SCANNED, axis,
                  axis != source_axis, axis)
 
 
@@ -140,7 +140,7 @@ def _relaid(request: Request, weights, laid: _Layers) -> dict[Path, patterns.Map
   try:
     return patterns.map_paths(shapes, laid.rules, where=str(request.source.step_dir)).outputs
   except errors.UnsupportedLayoutError as e:
-    raise layers.LayerScanMismatchError(
+    raise errors.LayerScanMismatchError(
         f'{e}\nThe decoder\'s layers cannot be re-laid so: check how the step was written.'
     ) from e
 
@@ -192,7 +192,7 @@ def lay_out(request: Request) -> LaidOut:
     plan = make_plan(view, {p: tuple(s.shape) for p, s in target.items()},
                      param_scan_axis=laid.scan_axis)
   except errors.TargetMismatchError as e:
-    if isinstance(e, layers.LayerScanMismatchError):
+    if isinstance(e, errors.LayerScanMismatchError):
       raise
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: the Tunix optimizer state cannot be laid out as MaxText\'s'
@@ -213,9 +213,9 @@ def _scan_record(laid: _Layers) -> dict[str, bool | int]:
   key, which its `from_pretrained` checks) and, when they are, along which axis."""
   if laid.form is None:
     return {}
-  record: dict[str, bool | int] = {layers.SCAN_LAYERS_KEY: laid.form == layers.SCANNED}
+  record: dict[str, bool | int] = {stacks.SCAN_LAYERS_KEY: laid.form == stacks.SCANNED}
   if laid.axis is not None:
-    record[layers.SCAN_AXIS_KEY] = laid.axis
+    record[stacks.SCAN_AXIS_KEY] = laid.axis
   return record
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, SinkKind, register
+from orbax_tunix.layouts.base import Destination, LaidOut, Layout, Option, Request, register
 from orbax_tunix.layouts.huggingface import ITEM, PARAM_SCAN_AXIS, _base_config, _model_weights
 from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
@@ -34,8 +35,6 @@ from orbax_tunix.reading import reader
 from orbax_tunix.store import fileio
 
 SUFFIX = '.peft'
-# The library's names for the scaling (`export_peft_adapter`), for messages.
-SCALING_NAMES = ('alpha', 'scale')
 
 
 def layout_name(family: str) -> str:
@@ -53,17 +52,18 @@ def _refuse(where: str, problems: list[str]) -> errors.LoraError:
 
 
 def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter,
-                 leaves: Mapping[Path, reader.LeafInfo], base: Mapping[Path, reader.LeafInfo]
-                 ) -> lora.Contraction | str:
-  """How `a ⊗ b` makes the weight: from the weight's shape where the save holds it, else
-  from the family's `lora` data (else `a`'s dimensions then `b`'s); or why it cannot be."""
+                 leaves: Mapping[Path, reader.LeafInfo], base: Mapping[Path, reader.LeafInfo],
+                 told: Mapping[Path, tuple[int, ...]]) -> lora.Contraction | str:
+  """How `a ⊗ b` makes the weight: from the weight's shape where the save holds it or the
+  base model's config tells it (`told`), else from the family's `lora` data (else `a`'s
+  dimensions then `b`'s); or why it cannot be."""
   a, b = leaves[adapter.a].shape, leaves[adapter.b].shape
-  found = base.get(weight)
-  if found is not None:
-    arranged = lora.contraction(found.shape, a, b)
+  shape = base[weight].shape if weight in base else told.get(weight)
+  if shape is not None:
+    arranged = lora.contraction(shape, a, b)
     return arranged if arranged is not None else (
         f'{fmt(adapter.a)} {a} ⊗ {fmt(adapter.b)} {b} does not reproduce the weight'
-        f' {found.shape} (or more than one arrangement does)')
+        f' {tuple(shape)} (or more than one arrangement does)')
   einsum = naming.lora_weight(weight).einsum
   if einsum is None:
     if not a or not b or a[-1] != b[0]:
@@ -73,6 +73,99 @@ def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter
   arranged = peft.einsum_contraction(einsum, a, b)
   return arranged if arranged is not None else (
       f'{fmt(adapter.a)} {a} and {fmt(adapter.b)} {b} do not fit qwix\'s {einsum!r}')
+
+
+def _config_fix(shape: tuple[int, ...], fields: tuple[str, ...], rows: int, columns: int
+                ) -> list[str]:
+  """The single config fields whose other value would make a weight of `shape` (one value
+  per field) a `rows` x `columns` product flattened as qwix flattens it, as 'field N (found
+  M)'."""
+  fixes = []
+  for k in range(1, len(shape)):
+    for j, field in enumerate(fields):
+      part, need, other, want = ((shape[:k], rows, shape[k:], columns) if j < k
+                                 else (shape[k:], columns, shape[:k], rows))
+      rest = math.prod(part) // shape[j]
+      if math.prod(other) == want and need % rest == 0 and need // rest != shape[j]:
+        fixes.append(f'{field} {need // rest} (found {shape[j]})')
+  return sorted(set(fixes))
+
+
+def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
+                b: tuple[int, ...], text: Mapping[str, object], axis: int, where: str
+                ) -> tuple[int, ...] | str | None:
+  """The stored shape the config's fields (`text`, the text model's) give the weight at
+  `weight`: per layer the naming's `axes`, with the layer axes its adapters hold (a scanned
+  layer's adapters are stacked as its weight is). A str: why the config does not fit the
+  adapters; None: `axes` does not name the weight."""
+  layer_axes = stacks.layer_axes(weight, naming.stacks, axis)
+  per_layer = stacks.unstack({weight: a}, naming.stacks, axis, where=where)
+  shapes: dict[tuple[int, ...], tuple[Path, tuple[str, ...]]] = {}
+  for path in per_layer:
+    fields = naming.axis_fields(path, text)
+    if fields is None:
+      return None
+    values = [naming.config_value(text, f) for f in fields]
+    bad = next((f for f, v in zip(fields, values, strict=True)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1), None)
+    if bad is not None:
+      return (f'{fmt(path)}: expected {bad} (a positive integer, an axis of'
+              f' {" x ".join(fields)}), found {json.dumps(text.get(bad))}')
+    shapes.setdefault(tuple(values), (path, fields))
+  if len(shapes) != 1:
+    return (f'{fmt(weight)}: expected one shape for the layers it stacks, found'
+            f' {", ".join(f"{fmt(p)} {s}" for s, (p, _) in shapes.items())}')
+  ((shape, (path, fields)),) = shapes.items()
+  stored = list(shape)
+  for k in layer_axes:
+    stored.insert(k, a[k])
+  if lora.contraction(tuple(stored), a, b) is not None:
+    return tuple(stored)
+  rows = math.prod(n for k, n in enumerate(a[:-1]) if k not in layer_axes)
+  columns = math.prod(n for k, n in enumerate(b[1:], 1) if k not in layer_axes)
+  fixes = _config_fix(shape, fields, rows, columns)
+  return (f'{fmt(path)}: {" x ".join(fields)} = {shape}, its adapters hold {rows} x'
+          f' {columns} (lora_a {a}, lora_b {b}): expected '
+          + (' or '.join(fixes) if fixes else f'a shape whose leading axes make {rows} and'
+             f' the rest {columns}'))
+
+
+def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
+                 adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
+                 base_model: str | None, axis: int, where: str
+                 ) -> tuple[dict[Path, tuple[int, ...]], Mapping[str, object] | None]:
+  """For a save of adapters alone: each adapted weight's stored shape, as the `base_model`
+  folder's config.json gives it (the naming's `axes`), and the text model's config fields
+  it read; ({}, None) without a folder or `axes`.
+
+  Raises:
+    UnsupportedLayoutError: a config whose fields do not fit the adapters (every weight
+      named, with the field, what the adapters expect and what the config has).
+  """
+  if not naming.axes or base_model is None:
+    return {}, None
+  folder = fileio.as_path(base_model)
+  if not folder.is_dir():
+    return {}, None
+  values = _base_config(folder)
+  text = values.get('text_config', values) if isinstance(values, dict) else None
+  if not isinstance(text, dict):
+    return {}, None  # _names_for_base refuses it, naming what it is.
+  told, problems = {}, []
+  for weight, adapter in sorted(adapters.items()):
+    found = _told_shape(naming, weight, leaves[adapter.a].shape, leaves[adapter.b].shape, text,
+                        axis, where)
+    if isinstance(found, str):
+      problems.append(found)
+    elif found is not None:
+      told[weight] = found
+  if problems:
+    raise errors.UnsupportedLayoutError(
+        f'{folder / "config.json"}: config.json does not describe these adapters'
+        f' ({family.name}; the save holds no base weight, so their shapes come from it):\n'
+        f'{errors.list_paths(problems)}\nPass as `base_model` the folder of the model this run'
+        ' was trained from.')
+  return told, text
 
 
 def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | None:
@@ -179,7 +272,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     raise errors.LoraError(
         f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
-  lora.check_scaling(request.adapter_alpha, request.adapter_scale, SCALING_NAMES)
+  scaling = request.adapter_scaling or merge_lib.Options()
+  lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
   leaves, left_out = _model_weights({p: leaf for leaf, p in reader.weights(source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
   if not adapters:
@@ -187,7 +281,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         f'{where}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or lora_a/lora_b'
         ' from flax), found none among its weights: the run is no LoRA run. Export its'
         ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
-  scales = {w: lora.scale_of(a, request.adapter_alpha, request.adapter_scale)
+  scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
             for w, a in adapters.items()}
   naming = family.naming(list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
@@ -196,10 +290,12 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
     _family_rules(family, naming, model_shapes, where)
+  told, text = ({}, None) if base else _told_shapes(
+      family, naming, adapters, leaves, request.base_model, axis, where)
   problems: list[str] = []
   arranged: dict[Path, lora.Contraction] = {}
   for weight, adapter in sorted(adapters.items()):
-    found = _arrangement(naming, weight, adapter, leaves, base)
+    found = _arrangement(naming, weight, adapter, leaves, base, told)
     if isinstance(found, str):
       problems.append(f'{fmt(weight)}: {found}')
     else:
@@ -212,16 +308,24 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   except errors.UnsupportedLayoutError as e:
     if base:
       raise
+    given = '' if request.base_model is None else (
+        f' (`base_model` {request.base_model} is no folder here, or its config does not'
+        ' give their shapes)')
     raise errors.LoraError(
         f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
-        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Export the'
-        ' adapter from a save with the base weights beside them, or the merged model:'
-        ' `merge_lora=True`, `lora_alpha` and `base`.') from e
+        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
+        f' `base_model` the base model\'s folder, whose config.json gives them{given}; or'
+        ' export the adapter from a save with the base weights beside them, or the merged'
+        ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
   rename, config_notes = _names_for_base(
       family, naming, request.base_model,
       model_shapes if base else {p: m.shape for p, m in per_layer.items()}, bool(base), where)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]
+  # Which weights the model has, for notes that hold in some layers only: a full save's own,
+  # else as far as the base model's config says.
+  has = ((lambda p: p in model_shapes) if base else
+         None if text is None else functools.partial(naming.has, config=text))
   outputs: list[Output] = []
   modules: dict[str, tuple[int, float]] = {}
   said: dict[str, list[str]] = {}
@@ -239,7 +343,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       continue
     module = rename(name[:-len(peft.WEIGHT)])
     modules[module] = (adapter.rank, scales[weight])
-    note = naming.lora_weight(weight).note
+    note = naming.lora_weight(layer_path).note_for(layer_path, has)
     if note:
       said.setdefault(note, []).append(module)
     a_name, b_name = peft.tensor_names(module)
@@ -256,7 +360,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     ]
   if problems:
     raise _refuse(where, problems)
-  alpha = request.adapter_alpha
+  alpha = scaling.alpha
   config = peft.config(modules, None if alpha is None else float(alpha), request.base_model)
   stored = {p: leaf.shape for p, leaf in leaves.items()}
   notes = [
@@ -291,8 +395,22 @@ def _number(text: str) -> float:
   return value
 
 
-ADAPTER_ALPHA = Option('adapter_alpha', _number, 'A', "the run's qwix LoRA alpha")
-ADAPTER_SCALE = Option('adapter_scale', _number, 'S', 'the LoRA scale itself (alpha / rank)')
+def _not_text(text: str) -> None:
+  raise ValueError(f'{text!r}: no flag gives the scaling as one text')
+
+
+def _scaling(value: object) -> merge_lib.Options:
+  """The scaling as a merge's options spell it (`merge.Options`), without a base."""
+  if isinstance(value, merge_lib.Options) and value.base is None:
+    return value
+  raise errors.InvalidOptionError(
+      f'`adapter_scaling` {value!r}: expected `merge.Options(alpha, scale)` without a `base`'
+      ' (pass `alpha` or `scale` to `export_peft_adapter`).')
+
+
+# qwix's LoRA alpha (PEFT's `lora_alpha`), or the scale itself (alpha / rank).
+ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
+                         coerce=_scaling)
 def _name_or_path(value: object) -> str:
   """A base model's Hub name or folder (a path-like's text), as the config names it."""
   if isinstance(value, str | os.PathLike):
@@ -311,8 +429,8 @@ for _family in map(huggingface.get, huggingface.names()):
       name=layout_name(_family.name),
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
-      options=(PARAM_SCAN_AXIS, ADAPTER_ALPHA, ADAPTER_SCALE, BASE_MODEL),
-      sink=SinkKind.ADAPTER,
+      options=(PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
+      sink=Destination.ADAPTER,
       weights_only=True,
       adapters=True,
   ))

@@ -1,4 +1,5 @@
-"""The device executor: outputs made on the devices, into their targets' shardings and dtypes.
+"""Outputs made on the devices, into their targets' shardings and dtypes: `OnDevices`, the
+placement the one executor (`executor.run`) runs a restore with.
 
 A MaxText restore (`maxtext.execute_plan`: reads, re-laid layers, filled
 counts) and a LoRA merge (`merge.read_merged`) both come here as
@@ -14,8 +15,8 @@ counts) and a LoRA merge (`merge.read_merged`) both come here as
                                 outputs sharing their sources
 
 Each source is read once. Groups are read together (one restore per item) up
-to `GROUP_BYTES` of sources held beside what they make, and released before
-the next batch: many small merges are one read, a large stacked weight is
+to `memory.DEVICE_GROUP_BYTES` of sources held beside what they make, and released
+before the next batch: many small merges are one read, a large stacked weight is
 read alone. A source read exactly as its one output (a weight a merge adds
 to) is donated: the output reuses its buffer.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,13 +34,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import transforms
+from orbax_tunix.mapping import executor, transforms
 from orbax_tunix.mapping.outputs import Input, Output
+from orbax_tunix.reading import memory
 from orbax_tunix.reading.planned_item import Reads
-from orbax_tunix.reading.read_requests import Request, into, is_key, sharding_of
-
-# Source bytes a batch of groups may hold beside their outputs (at least one group).
-GROUP_BYTES = 64 << 20
+from orbax_tunix.reading.read_requests import ReadRequest, into, is_key, sharding_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +83,7 @@ class Target:
     return cls(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
                ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype, global_shape=shape))
 
-  def read_form(self) -> Request:
+  def read_form(self) -> ReadRequest:
     """What to ask the item handler for: a typed PRNG key is read as its key data.
 
     The checkpoint records key data (e.g. uint32 (2,) for a threefry key of
@@ -130,13 +129,17 @@ class _Group:
   """Outputs made from the same sources, how each source is read and where it is put."""
 
   outputs: tuple[Output, ...]
-  requests: tuple[Request, ...]
+  requests: tuple[ReadRequest, ...]
   placed: tuple[jax.sharding.Sharding, ...]
   donate: tuple[int, ...]
 
   @property
   def inputs(self) -> tuple[Input, ...]:
     return self.outputs[0].inputs
+
+  @property
+  def reads(self) -> tuple[tuple[Input, ReadRequest], ...]:
+    return tuple(zip(self.inputs, self.requests, strict=True))
 
   @property
   def held_bytes(self) -> int:
@@ -172,19 +175,37 @@ def _group(outputs: Sequence[Output], targets: Mapping[Path, Target], uses: Mapp
   return _Group(tuple(outputs), requests, placed, donate[:1])
 
 
-def _batches(groups: Sequence[_Group], budget: int) -> list[list[_Group]]:
-  batches: list[list[_Group]] = [[]]
-  held = 0
-  for group in groups:
-    if batches[-1] and held + group.held_bytes > budget:
-      batches.append([])
-      held = 0
-    batches[-1].append(group)
-    held += group.held_bytes
-  return batches
+@dataclasses.dataclass(frozen=True)
+class _Direct:
+  """Outputs that are one whole source as stored: read straight into the first target,
+  the others cast and resharded from it. Holds nothing beside its outputs."""
+
+  outputs: tuple[Output, ...]
+  request: ReadRequest
+  held_bytes = 0
+
+  @property
+  def reads(self) -> tuple[tuple[Input, ReadRequest], ...]:
+    return ((self.outputs[0].inputs[0], self.request),)
 
 
-def _want(reads: Reads, source: Input, request: Request) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Constant:
+  """Outputs made from no source (a filled count)."""
+
+  outputs: tuple[Output, ...]
+  held_bytes = 0
+  reads = ()
+
+
+_Unit = _Direct | _Constant | _Group
+
+
+def _source(unit: _Unit) -> Input:
+  return unit.outputs[0].inputs[0]
+
+
+def _want(reads: Reads, source: Input, request: ReadRequest) -> None:
   reads.want(source.ckpt.detection, source.leaf.item, source.leaf.path, request)
 
 
@@ -192,17 +213,76 @@ def _got(reads: Reads, source: Input) -> Any:
   return reads.got(source.ckpt.detection, source.leaf.item, source.leaf.path)
 
 
+@dataclasses.dataclass(frozen=True)
+class OnDevices:
+  """The placement of outputs made on the devices, into their targets (`executor.Placement`).
+
+  Units: each whole source read as stored (one read for all the outputs it fills),
+  constants, and groups of derived outputs sharing their sources (one compiled function
+  each), in that order, so that the first batch reads every direct source with the
+  first groups.
+  """
+
+  targets: Mapping[Path, Target]
+
+  def units(self, outputs: Sequence[Output]) -> list[_Unit]:
+    direct: dict[tuple, list[Output]] = {}
+    made: dict[tuple, list[Output]] = {}
+    for o in outputs:
+      if _is_direct(o):
+        direct.setdefault(o.inputs[0].key, []).append(o)
+      else:
+        made.setdefault(tuple(i.key for i in o.inputs), []).append(o)
+    uses = collections.Counter(i.key for o in outputs for i in o.inputs)
+    reads = sorted((_Direct(tuple(g), self.targets[g[0].path].read_form()) for g in
+                    direct.values()), key=lambda u: (_source(u).leaf.item, _source(u).leaf.path))
+    constants = [_Constant(tuple(g)) for g in made.values() if not g[0].inputs]
+    groups = [_group(g, self.targets, uses) for g in made.values() if g[0].inputs]
+    return [*reads, *constants, *groups]
+
+  def held_bytes(self, unit: _Unit) -> int:
+    return unit.held_bytes
+
+  def read_bytes(self, batch: Sequence[_Unit]) -> int:
+    return sum(source.nbytes for unit in batch for source, _ in unit.reads)
+
+  def read(self, batch: Sequence[_Unit]) -> Reads:
+    reads = Reads()
+    for unit in batch:
+      for source, request in unit.reads:
+        _want(reads, source, request)
+    reads.read()
+    return reads
+
+  def make(self, unit: _Unit, reads: Reads) -> Iterable[tuple[Output, jax.Array]]:
+    if isinstance(unit, _Constant):
+      return [(o, self.targets[o.path].constant(np.asarray(o.transform.apply([])).item()))
+              for o in unit.outputs]
+    if isinstance(unit, _Direct):
+      value = _got(reads, _source(unit))
+      first, *others = unit.outputs
+      return [(first, self.targets[first.path].as_target(value)),
+              *((o, self.targets[o.path].converted(value)) for o in others)]
+    make = transforms.on_devices(
+        [o.transform for o in unit.outputs],
+        [self.targets[o.path].abstract.sharding for o in unit.outputs],
+        [self.targets[o.path].abstract.dtype for o in unit.outputs], unit.donate, unit.placed)
+    made = make(*(_got(reads, s) for s in unit.inputs))
+    return list(zip(unit.outputs, jax.block_until_ready(made), strict=True))
+
+
 def execute(
     outputs: Sequence[Output], targets: Mapping[Path, Target], *,
     group_bytes: int | None = None,
 ) -> dict[Path, jax.Array]:
-  """Makes each output on the devices, in its target's sharding and dtype.
+  """Makes each output on the devices, in its target's sharding and dtype (the one
+  executor, `executor.run`, with the `OnDevices` placement into `executor.Collect`).
 
   Args:
     outputs: what to make (whole sources; `Output.path` names the target).
     targets: output path -> its `Target`.
     group_bytes: sources held at once beside the outputs they make (None:
-      `GROUP_BYTES`; see the module).
+      `memory.DEVICE_GROUP_BYTES`; see the module).
 
   Returns:
     output path -> `jax.Array`.
@@ -210,44 +290,5 @@ def execute(
   Raises:
     CorruptMetadataError: stored data is missing or damaged.
   """
-  direct = [o for o in outputs if _is_direct(o)]
-  made: dict[tuple, list[Output]] = {}
-  for o in outputs:
-    if not _is_direct(o):
-      made.setdefault(tuple(i.key for i in o.inputs), []).append(o)
-  uses = collections.Counter(i.key for o in outputs for i in o.inputs)
-  groups = [_group(g, targets, uses) for g in made.values() if g[0].inputs]
-  out: dict[Path, jax.Array] = {}
-  for group in made.values():  # Constants: nothing to read.
-    if not group[0].inputs:
-      for o in group:
-        out[o.path] = targets[o.path].constant(np.asarray(o.transform.apply([])).item())
-  # Each direct source read once, into the first target it fills.
-  primary: dict[tuple, Output] = {}
-  for o in direct:
-    primary.setdefault(o.inputs[0].key, o)
-  reads = Reads()
-  for o in sorted(primary.values(), key=lambda o: (o.inputs[0].leaf.item, o.inputs[0].leaf.path)):
-    _want(reads, o.inputs[0], targets[o.path].read_form())
-  budget = GROUP_BYTES if group_bytes is None else group_bytes
-  for k, batch in enumerate(_batches(groups, budget)):
-    for group in batch:
-      for source, request in zip(group.inputs, group.requests, strict=True):
-        _want(reads, source, request)
-    reads.read()
-    if k == 0:
-      for o in direct:
-        value = _got(reads, o.inputs[0])
-        target = targets[o.path]
-        out[o.path] = (target.as_target(value) if primary[o.inputs[0].key] is o
-                       else target.converted(value))
-    for group in batch:
-      make = transforms.on_devices(
-          [o.transform for o in group.outputs],
-          [targets[o.path].abstract.sharding for o in group.outputs],
-          [targets[o.path].abstract.dtype for o in group.outputs], group.donate, group.placed)
-      made_now = make(*(_got(reads, s) for s in group.inputs))
-      out.update(zip((o.path for o in group.outputs), jax.block_until_ready(made_now),
-                     strict=True))
-    reads.clear()  # This batch's sources released before the next is read.
-  return out
+  budget = memory.DEVICE_GROUP_BYTES if group_bytes is None else group_bytes
+  return executor.run(outputs, OnDevices(targets), executor.Collect(), budget)['values']

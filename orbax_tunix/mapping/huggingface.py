@@ -71,13 +71,14 @@ from orbax_tunix.mapping.transforms import (
   transpose,
 )
 
-# The kinds of source a family may name (`Naming.source`).
-TUNIX = 'tunix'
-MAXTEXT = 'maxtext'
+# The models whose weight names a family maps (`Naming.source`); not checkpoint kinds
+# (those are `view.source_kinds`: a Tunix run may hold either model).
+TUNIX_MODEL = 'tunix'
+MAXTEXT_MODEL = 'maxtext'
 # How a source kind is told from its weights: the top-level keys of MaxText's
 # decoder model (Tunix's model classes have `embedder`, `layers`, ...).
 _MAXTEXT_ROOTS = frozenset({'decoder', 'token_embedder'})
-SOURCE_NAMES = {TUNIX: 'Tunix model (tunix.models)', MAXTEXT: 'MaxText model'}
+SOURCE_NAMES = {TUNIX_MODEL: 'Tunix model (tunix.models)', MAXTEXT_MODEL: 'MaxText model'}
 # What `describe_source` calls weights of no family's model, and a LoRA save without them.
 NO_MODEL = 'Orbax arrays (no known model)'
 ADAPTERS_ONLY = 'LoRA adapters only (no base weights)'
@@ -124,8 +125,9 @@ def _rule(source: str, dest: str, transform=None) -> LayoutRule:
 
 
 def source_kind(paths: Collection[Path]) -> str:
-  """MAXTEXT for MaxText's model (a Tunix run of one, or MaxText's own step), else TUNIX."""
-  return MAXTEXT if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX
+  """MAXTEXT_MODEL for MaxText's model (a Tunix run of one, or MaxText's own step), else
+  TUNIX_MODEL."""
+  return MAXTEXT_MODEL if any(p and p[0] in _MAXTEXT_ROOTS for p in paths) else TUNIX_MODEL
 
 
 def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.DEFAULT_AXIS
@@ -141,7 +143,7 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
       known (the count is shown as '?').
   """
   kind = source_kind(shapes)
-  if kind != MAXTEXT:
+  if kind != MAXTEXT_MODEL:
     paths = [p for p in shapes if not lora.is_adapter(p)]
     if not paths and shapes:
       return ADAPTERS_ONLY
@@ -170,10 +172,53 @@ class LoraWeight:
       a save without the weight (adapters only). None: `a`'s dimensions then `b`'s, in order
       (qwix's `dot_general` adapters, and every einsum whose contracted dimensions lead).
     note: what a person serving the adapter should know, said when the weight is adapted.
+    without: a weight pattern (`{i}`: the layer's number): the note holds only in layers
+      without that weight (MaxText gemma4's global layers have no value kernel: their keys
+      are the values).
   """
 
   einsum: str | None = None
   note: str | None = None
+  without: str | None = None
+
+  def note_for(self, path: Path, has: Callable[[Path], bool] | None) -> str | None:
+    """The note, where it holds for the weight at `path` (per-layer form) of a model that
+    `has` the weights it has (None: not known, and a conditional note is not said)."""
+    if self.without is None or self.note is None:
+      return self.note
+    number = _layer_number(path)
+    if has is None or number is None:
+      return None
+    without = Pattern.parse(self.without.split('/')).expand({'i': [str(number)]})
+    return None if any(has(p) for p in without) else self.note
+
+
+def _layer_number(path: Path) -> int | None:
+  """The `i` of a per-layer path (`decoder/layers_{i}/...`, `layers/{i}/...`), or None."""
+  for n, key in enumerate(path):
+    number = key.removeprefix('layers_') if key.startswith('layers_') else (
+        path[n + 1] if key == 'layers' and n + 1 < len(path) else None)
+    if number is not None and number.isdigit():
+      return int(number)
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerType:
+  """How a layer of one kind (a config's `layer_types` entry) reads the config otherwise.
+
+  Attributes:
+    fields: config.json field -> the field such a layer reads instead (gemma4's global
+      layers: `head_dim` -> `global_head_dim`).
+    without: weight patterns (`{i}`: the layer's number) such a layer has not (MaxText
+      gemma4's global layers: no value kernel).
+  """
+
+  fields: Mapping[str, str]
+  without: tuple[str, ...] = ()
+
+
+_ANY_LAYER = LayerType({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +226,8 @@ class Naming:
   """One kind of source's names for a family (see the module docstring).
 
   Attributes:
-    source: TUNIX or MAXTEXT.
-    rules: weight pattern -> tensor name and transform (MAXTEXT: on the
+    source: TUNIX_MODEL or MAXTEXT_MODEL.
+    rules: weight pattern -> tensor name and transform (MAXTEXT_MODEL: on the
       per-layer form).
     required: as `Family.required`.
     dims: as `Family.dims`.
@@ -199,6 +244,15 @@ class Naming:
     model_type: that architecture's config `model_type`, with `architecture`.
     lora: weight pattern -> `LoraWeight`, for weights whose adapters are not laid out as
       `a`'s dimensions then `b`'s, or that a person should know of.
+    axes: weight pattern -> the config.json field giving each of its axes (`dims` read the
+      other way): the shape a base model's config gives a weight that a save of adapters
+      alone lacks (qwix flattens a MaxText kernel's dimensions into its adapters).
+    layer_types: config `layer_types` entry -> `LayerType`, for layers that read other
+      fields (a layer's entry: `layer_types[i]`, else `default_layer_type(i)`).
+    default_layer_type: a layer's kind when the config has no `layer_types`.
+    config_defaults: config field -> its value when config.json leaves it out, as the
+      `transformers` config class computes it (Llama's `head_dim`: hidden_size //
+      num_attention_heads; the Hub's Llama 3 configs have no `head_dim`).
   """
 
   source: str
@@ -213,6 +267,48 @@ class Naming:
   architecture: str | None = None
   model_type: str | None = None
   lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
+  axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  layer_types: Mapping[str, LayerType] = dataclasses.field(default_factory=dict)
+  default_layer_type: Callable[[int], str] | None = None
+  config_defaults: Mapping[str, Callable[[Mapping[str, object]], object]] = dataclasses.field(
+      default_factory=dict)
+
+  def config_value(self, config: Mapping[str, object], field: str) -> object:
+    """`config[field]`, else the `transformers` default (`config_defaults`), else None."""
+    if field in config or field not in self.config_defaults:
+      return config.get(field)
+    try:
+      return self.config_defaults[field](config)
+    except (KeyError, TypeError, ZeroDivisionError):
+      return None
+
+  def axis_fields(self, path: Path, config: Mapping[str, object]) -> tuple[str, ...] | None:
+    """The config.json field giving each axis of the weight at `path` (per-layer form) in a
+    model of this `config` (its text model's fields), or None: `axes` does not say."""
+    fields = next((fields for pattern, fields in self.axes.items()
+                   if Pattern.parse(pattern.split('/')).match(path) is not None), None)
+    if fields is None:
+      return None
+    instead = self.layer_type(path, config).fields
+    return tuple(instead.get(f, f) for f in fields)
+
+  def layer_type(self, path: Path, config: Mapping[str, object]) -> LayerType:
+    """How the layer of the weight at `path` reads `config` (its `layer_types` entry)."""
+    i, kinds, kind = _layer_number(path), config.get('layer_types'), None
+    if i is not None and isinstance(kinds, list) and i < len(kinds):
+      kind = kinds[i]
+    elif i is not None and self.default_layer_type is not None:
+      kind = self.default_layer_type(i)
+    return self.layer_types.get(kind, _ANY_LAYER) if isinstance(kind, str) else _ANY_LAYER
+
+  def has(self, path: Path, config: Mapping[str, object]) -> bool:
+    """Whether a model of `config` has the weight at `path` as far as its layer's kind says
+    (a save of adapters alone tells no other weight)."""
+    without, number = self.layer_type(path, config).without, _layer_number(path)
+    if number is None:
+      return True
+    return not any(path in Pattern.parse(w.split('/')).expand({'i': [str(number)]})
+                   for w in without)
 
   def lora_weight(self, path: Path) -> LoraWeight:
     """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
@@ -306,7 +402,7 @@ class Family:
   @property
   def tunix(self) -> Naming:
     """The naming of Tunix's own model class (the family's own fields)."""
-    return Naming(TUNIX, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
+    return Naming(TUNIX_MODEL, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
                   vocab_padding=self.vocab_padding, lora=self.lora)
 
   @property
@@ -389,6 +485,19 @@ def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[
   }
 
 
+# The config.json field of each axis of MaxText's per-layer kernels (`_mt_dims` read the other
+# way, for every axis): (D, N, H), (D, K, H), (N, H, D); the MLP's (D, F), (F, D).
+_MT_AXES = {
+    f'{MT_LAYER}/self_attention/query/kernel': ('hidden_size', 'num_attention_heads', 'head_dim'),
+    **{f'{MT_LAYER}/self_attention/{p}/kernel': ('hidden_size', 'num_key_value_heads', 'head_dim')
+       for p in ('key', 'value')},
+    f'{MT_LAYER}/self_attention/out/kernel': ('num_attention_heads', 'head_dim', 'hidden_size'),
+    **{f'{MT_LAYER}/mlp/{p}/kernel': ('hidden_size', 'intermediate_size')
+       for p in ('wi_0', 'wi_1')},
+    f'{MT_LAYER}/mlp/wo/kernel': ('intermediate_size', 'hidden_size'),
+}
+
+
 # MaxText's llama (llama2, llama3.1) keeps the query kernel divided by sqrt(head_dim)
 # (no scaling in its attention) and q/k's rotary pairs interleaved; Hugging Face's Llama
 # scales in attention and rotates halves. As MaxText's converter (`scale_query_layer`,
@@ -398,7 +507,8 @@ _LLAMA_QUERY = chain(multiply('sqrt(head_dim)', math.sqrt, axis=2), deinterleave
 _LLAMA_KEY = chain(deinterleave(-1), IN_PROJ)
 
 
-def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
+def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_defaults=None
+                         ) -> Naming:
   """MaxText's llama3.1 and qwen3 (dense) decoders: qwen3 adds q/k norms, llama's q/k
   are laid out as `_LLAMA_QUERY` / `_LLAMA_KEY` undo."""
   rules = [
@@ -420,10 +530,10 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ) -> Naming:
   if norms:
     required.append((f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',))
   return Naming(
-      MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
+      MAXTEXT_MODEL, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
       layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-      stacks=stacks_lib.SCANNED,
+      stacks=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
   )
 
 
@@ -483,7 +593,10 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
 QWEN3 = _qwen3_style('qwen3', 'Qwen3ForCausalLM', 'qwen3', norms=True,
                      maxtext=_maxtext_qwen3_style(norms=True))
 LLAMA3 = _qwen3_style('llama3', 'LlamaForCausalLM', 'llama', norms=False,
-                      maxtext=_maxtext_qwen3_style(norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY),
+                      maxtext=_maxtext_qwen3_style(
+                          norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY,
+                          config_defaults={'head_dim': lambda c: c['hidden_size']
+                                           // c['num_attention_heads']}),
                       aliases=('llama3.1', 'llama2'))  # MaxText's names of the model.
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
@@ -595,9 +708,9 @@ def _maxtext_gemma3() -> Naming:
       f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   ),)
-  return Naming(MAXTEXT, rules, tuple((r,) for r in required), _mt_dims(),
+  return Naming(MAXTEXT_MODEL, rules, tuple((r,) for r in required), _mt_dims(),
                 layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-                stacks=stacks_lib.blocks(6))
+                stacks=stacks_lib.blocks(6), axes=_MT_AXES)
 
 
 GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
@@ -605,6 +718,12 @@ GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
 
 def _f32_sqrt(hidden: int) -> float:
   return float(np.float32(math.sqrt(hidden)))
+
+
+# Gemma 4's global layers (transformers' `per_layer_config`): their own head_dim and kv heads.
+_GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
+                            'num_key_value_heads': 'num_global_key_value_heads'},
+                           without=(f'{MT_LAYER}/self_attention/value/kernel',))
 
 
 def _maxtext_gemma4() -> Naming:
@@ -638,10 +757,17 @@ def _maxtext_gemma4() -> Naming:
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return Naming(MAXTEXT, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
+  return Naming(MAXTEXT_MODEL, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
                 vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 stacks=stacks_lib.local_global(6),
-                architecture='Gemma4ForCausalLM', model_type='gemma4_text')
+                architecture='Gemma4ForCausalLM', model_type='gemma4_text',
+                lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
+                    note=K_EQ_V_NOTE, without=f'{MT_LAYER}/self_attention/value/kernel')},
+                axes=_MT_AXES, layer_types={'full_attention': _GEMMA4_GLOBAL},
+                # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
+                # (it also makes the last layer global; MaxText's remainder layers are local).
+                default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
+                                              else 'sliding_attention'))
 
 
 def _maxtext_qwen3_moe() -> Naming:
@@ -673,8 +799,10 @@ def _maxtext_qwen3_moe() -> Naming:
   dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
   dims['moe_intermediate_size'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 2),)
   dims['num_experts'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 0),)
+  axes = {p: f for p, f in _MT_AXES.items() if '/mlp/' not in p}
+  axes[f'{MT_LAYER}/moe_block/gate/kernel'] = ('hidden_size', 'num_experts')
   return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
-                             dims=dims)
+                             dims=dims, axes=axes)
 
 
 
@@ -924,7 +1052,7 @@ def choices() -> tuple[str, ...]:
   return (*names(), *aliases())
 
 
-def table(family: Family, source: str = TUNIX) -> list[tuple[str, str, str]]:
+def table(family: Family, source: str = TUNIX_MODEL) -> list[tuple[str, str, str]]:
   """(source path, Hugging Face name, transform) per rule of one naming, as the README
   shows them."""
   naming = next((n for n in family.namings if n.source == source), None)
@@ -1007,10 +1135,10 @@ def _shown(value: object) -> str:
 
 
 # The first column of `markdown`'s table, per naming.
-_TABLE_SOURCES = {TUNIX: 'Tunix (canonical)', MAXTEXT: 'MaxText (per layer)'}
+_TABLE_SOURCES = {TUNIX_MODEL: 'Tunix (canonical)', MAXTEXT_MODEL: 'MaxText (per layer)'}
 
 
-def markdown(source: str = TUNIX) -> str:
+def markdown(source: str = TUNIX_MODEL) -> str:
   """The README's table of one kind of source's maps: each `table` row once, with the
   families that have it (`scripts/readme_hf_maps.py` writes it into README.md)."""
   rows: dict[tuple[str, str, str], list[str]] = {}

@@ -163,7 +163,8 @@ def checkpoints_read(
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """A LoRA merge's options as one value, checked once (`given`).
+  """A LoRA merge's options as one value, checked once (`given`): the one spelling
+  every caller carries them in, from its own keywords down to `plan_merge`.
 
   Attributes:
     alpha: qwix's LoRA alpha of the run (the scale is alpha / rank).
@@ -175,7 +176,7 @@ class Options:
   alpha: float | None = None
   scale: float | None = None
   base: epath.PathLike | None = None
-  names: tuple[str, str] = lora.MERGE_OPTION_NAMES[:2]
+  names: tuple[str, str] = ('alpha', 'scale')
 
   @classmethod
   def given(cls, merging: bool, alpha: float | None = None, scale: float | None = None,
@@ -183,28 +184,29 @@ class Options:
             names: tuple[str, str, str] = lora.MERGE_OPTION_NAMES) -> Options | None:
     """The options of a merge, or None without one; nothing is read.
 
+    Args:
+      merging: whether the caller merges.
+      alpha, scale, base: as the caller was given them (None: not given).
+      names: the caller's names for them (its keywords), for messages.
+
     Raises:
       LoraError: options without a merge, or a scaling that is not finite
-        (`lora.check_merge_options`; `names` are the caller's names for them).
+        (`lora.check_merge_options`).
     """
     lora.check_merge_options(merging, alpha, scale, base, names)
     return cls(alpha, scale, base, names[:2]) if merging else None
 
   def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
     """The merge of `source`'s adapters with these options (`plan_merge`)."""
-    return plan_merge(source, alpha=self.alpha, scale=self.scale, base=self.base,
-                      names=self.names)
+    return plan_merge(source, self)
 
 
 def plan_merge(
     path: epath.PathLike | reader.CanonicalCheckpoint,
+    options: Options = Options(),
     *,
-    alpha: float | None = None,
-    scale: float | None = None,
-    base: epath.PathLike | None = None,
     step: int | None = None,
     base_step: int | None = None,
-    names: tuple[str, str] = ('alpha', 'scale'),
 ) -> MergePlan:
   """Plans a merge from metadata only; nothing is read.
 
@@ -212,14 +214,14 @@ def plan_merge(
     path: the LoRA run's checkpoint (a root, step or model item, or the
       checkpoint already opened): a full save (base weights beside the
       adapters) or adapters only.
-    alpha: qwix's LoRA alpha of the run (the scale is alpha / rank); not
-      stored in checkpoints, so it must be given for qwix adapters.
-    scale: the scale itself, instead of `alpha`.
-    base: a checkpoint of the base weights (a Tunix save, a MaxText `items`
-      step, or any Orbax checkpoint of canonical weights); None: `path`'s own.
+    options: the merge's `Options`: `alpha`, qwix's LoRA alpha of the run
+      (the scale is alpha / rank; not stored in checkpoints, so it must be
+      given for qwix adapters), or `scale` itself; `base`, a checkpoint of the
+      base weights (a Tunix save, a MaxText `items` step, or any Orbax
+      checkpoint of canonical weights; None: `path`'s own); `names`, the
+      caller's names for `alpha` and `scale`, for messages.
     step: the step under `path` (None: the latest committed).
-    base_step: the step under `base`.
-    names: the caller's names for `alpha` and `scale`, for messages.
+    base_step: the step under `options.base`.
 
   Returns:
     A `MergePlan`.
@@ -233,6 +235,7 @@ def plan_merge(
       (before anything is read).
     TunixCheckpointError subclasses: a checkpoint is not readable.
   """
+  alpha, scale, base, names = options.alpha, options.scale, options.base, options.names
   lora.check_scaling(alpha, scale, names)
   lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
                else reader.open_weights(path, step))
@@ -450,7 +453,7 @@ def restore_merged_lora(
       or arrays with shardings (a single local device when they have none);
       any subset of the weights (only that is read); `ocp.PLACEHOLDER` leaves
       are returned as they are.
-    alpha, scale, base, step, base_step: see `plan_merge`.
+    alpha, scale, base: the merge's `Options`; step, base_step: see `plan_merge`.
 
   Returns:
     A tree of `target`'s structure holding `jax.Array`s.
@@ -459,7 +462,7 @@ def restore_merged_lora(
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
-  plan = plan_merge(path, alpha=alpha, scale=scale, base=base, step=step, base_step=base_step)
+  plan = plan_merge(path, Options(alpha, scale, base), step=step, base_step=base_step)
   pairs, treedef = flatten(target)
   wanted = {p: leaf for p, leaf in pairs if leaf is not ocp.PLACEHOLDER}
   values = read_merged(plan, wanted)

@@ -94,16 +94,26 @@ def _coefficients(contraction: lora.Contraction, a: Shape, b: Shape
 
 
 def _positions(shape: Shape, coefficients: Sequence[int]) -> np.ndarray:
-  """The array of `shape` whose entry at each index is `sum(coefficient * index)` (in int32
-  where that holds every entry: half the memory of a weight-sized int64 array)."""
+  """The array of `shape` whose entry at each index is `sum(coefficient * index)`: a read-only
+  view that holds only the axes with a coefficient (broadcast along the others), so that `a`'s
+  positions in a weight cost the size of `a`, not of the weight, while transforms only move
+  them (int32 where that holds every entry)."""
   largest = sum((n - 1) * c for n, c in zip(shape, coefficients, strict=True))
   dtype = np.int32 if largest < 2**31 else np.int64
-  out = np.zeros(shape, dtype)
+  own = np.zeros([n if c else 1 for n, c in zip(shape, coefficients, strict=True)], dtype)
   for axis, (n, c) in enumerate(zip(shape, coefficients, strict=True)):
     if c:
-      out += (np.arange(n, dtype=dtype) * c).reshape([-1 if i == axis else 1
+      own += (np.arange(n, dtype=dtype) * c).reshape([-1 if i == axis else 1
                                                        for i in range(len(shape))])
-  return out
+  return np.broadcast_to(own, tuple(shape))
+
+
+def _constant_along(positions: np.ndarray, axis: int) -> bool:
+  """Whether every entry equals the first along `axis` (a broadcast axis, at no cost)."""
+  if positions.strides[axis] == 0 or positions.shape[axis] <= 1:
+    return True
+  first = positions[:1] if axis == 0 else positions[:, :1]
+  return bool(np.all(positions == first))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +199,11 @@ def _positions_through(transform: Transform, shape: Shape, ca: Sequence[int],
       return str(e)
     if positions.ndim != 2:
       return f'the Hugging Face tensor has {positions.ndim} dimensions (a linear module\'s has 2)'
-    first = positions[:1] if axis == 0 else positions[:, :1]
-    if np.any(positions != first):
+    if not _constant_along(positions, axis):
       return ('a feature of the Hugging Face module mixes several rows of lora_a (or columns of'
               ' lora_b): not B·A for any rank')
-    found.append(np.ascontiguousarray(first.reshape(-1)).astype(np.int64))
+    first = positions[0] if axis == 0 else positions[:, 0]
+    found.append(np.array(first, np.int64))
   return Factors(found[0], found[1], factor)
 
 

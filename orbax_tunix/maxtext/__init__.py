@@ -22,11 +22,12 @@ the target's sharding and dtype.
 
 The flow, a module each: train_state (MaxText's key paths) -> view (the
 checkpoint's canonical leaves) -> optimizer, weights (matching and checking
-each side) -> plan -> execute -> handler; errors holds the two errors of its own.
+each side) -> plan -> execute -> handler; layers re-lays the decoder's layers in
+the other form, with `mapping/stacks.py`'s model of them. Its two errors are
+`orbax_tunix.errors`'.
 """
 
-from orbax_tunix.errors import LoraOnlyCheckpointError
-from orbax_tunix.maxtext.errors import LayerScanMismatchError
+from orbax_tunix.errors import LayerScanMismatchError, LoraOnlyCheckpointError
 from orbax_tunix.maxtext.execute import execute_plan, restore_train_state
 from orbax_tunix.maxtext.handler import ItemsHandler, ItemsRestore
 from orbax_tunix.maxtext.plan import RestorePlan, plan_restore

@@ -15,6 +15,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.mapping import stacks
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.mapping.patterns import Mapped
 from orbax_tunix.mapping.transforms import IDENTITY, Transform, constant
@@ -260,7 +261,7 @@ def _plan_weights(draft: _Draft, aux: frozenset[Path]) -> dict[Path, Path]:
   weights = {p[2:]: p for p in draft.target if p[0] == PARAMS}
   missing = [w for w in weights if w not in view.model]
   others = [w for w in view.model if w not in weights and w not in aux]
-  if missing and layers.form_of(missing) and layers.form_of(others):
+  if missing and stacks.form_of(missing) and stacks.form_of(others):
     # The target asks for the other form of the layers (scanned vs unscanned).
     shapes = view.shapes(conventions.MODEL_ITEM, others)
     draft.relaid = layers.relayout(

@@ -2,99 +2,20 @@
 
 Besides listing weights found on one side only, it recognises the two cases that
 explain a whole set of them at once: scanned vs unscanned layers (inferred from
-paths and shapes) and a LoRA-only checkpoint.
+paths and shapes: `mapping.stacks.stackings`) and a LoRA-only checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Collection, Mapping, Sequence
 
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.errors import LoraOnlyCheckpointError
+from orbax_tunix.errors import LayerScanMismatchError, LoraOnlyCheckpointError
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import lora
-from orbax_tunix.maxtext.errors import LayerScanMismatchError
+from orbax_tunix.mapping import lora, stacks
 from orbax_tunix.maxtext.view import CheckpointView, Shape
-
-# A layer index as a key of its own ('layers/0/...', nnx.List) or a name
-# suffix ('layers_0/...', Linen's unscanned layers).
-_INDEXED_NAME = re.compile(r'(.+)_(\d+)')
-
-
-def _unindexed(path: Path) -> tuple[Path, int] | None:
-  """The path without its first layer index, and that index ('layers/0' or 'layers_0')."""
-  for i, key in enumerate(path):
-    if key.isdigit():
-      return path[:i] + path[i + 1 :], int(key)
-    m = _INDEXED_NAME.fullmatch(key)
-    if m:
-      return path[:i] + (m.group(1),) + path[i + 1 :], int(m.group(2))
-  return None
-
-
-def _layer_axis(stacked: Shape | None, per_layer: Shape | None, n: int) -> int | None:
-  """The axis of `stacked` that holds `n` layers of shape `per_layer`, if any."""
-  if stacked is None or per_layer is None:
-    return None
-  for axis, size in enumerate(stacked):
-    if size == n and stacked[:axis] + stacked[axis + 1 :] == per_layer:
-      return axis
-  return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stacking:
-  """Evidence of scanned vs unscanned: one stacked leaf and its per-layer leaves."""
-
-  stacked: str
-  stacked_shape: Shape | None
-  per_layer: tuple[str, ...]
-  per_layer_shape: Shape | None
-  axis: int | None
-
-  def __str__(self) -> str:
-    axis = f'layer axis {self.axis}' if self.axis is not None else 'no layer axis fits'
-    return (
-        f'{self.stacked} {self.stacked_shape} <-> {len(self.per_layer)} per-layer leaves'
-        f' {self.per_layer[0]}, ... {self.per_layer_shape} ({axis})'
-    )
-
-
-def _stackings(
-    per_layer: Mapping[Path, tuple[str, Shape | None]],
-    stacked: Mapping[Path, tuple[str, Shape | None]],
-) -> list[_Stacking]:
-  """Pairs each stacked leaf with the per-layer leaves that would make it.
-
-  Args:
-    per_layer: path -> (name for messages, shape) on the per-layer side.
-    stacked: path -> (name for messages, shape) on the other side.
-  """
-  groups: dict[Path, list[tuple[int, Path]]] = {}
-  for path in per_layer:
-    unindexed = _unindexed(path)
-    if unindexed is not None:
-      groups.setdefault(unindexed[0], []).append((unindexed[1], path))
-  found = []
-  for path, (name, shape) in sorted(stacked.items()):
-    layers = sorted(groups.get(path, ()))
-    if not layers:
-      continue
-    per_shape = per_layer[layers[0][1]][1]
-    found.append(
-        _Stacking(
-            stacked=name,
-            stacked_shape=shape,
-            per_layer=tuple(per_layer[p][0] for _, p in layers),
-            per_layer_shape=per_shape,
-            axis=_layer_axis(shape, per_shape, len(layers)),
-        )
-    )
-  return found
 
 
 def check_weights(
@@ -139,8 +60,8 @@ def check_weights(
     extra_shapes = view.shapes(conventions.MODEL_ITEM, extra)
     disk_only = {w: (fmt(w), extra_shapes.get(w)) for w in extra}
     target_only = {w: (fmt(target[w]), target_shapes[target[w]]) for w in missing}
-    scanned_target = _stackings(disk_only, target_only)
-    scanned_disk = _stackings(target_only, disk_only)
+    scanned_target = stacks.stackings(disk_only, target_only)
+    scanned_disk = stacks.stackings(target_only, disk_only)
     if scanned_target or scanned_disk:
       raise LayerScanMismatchError(
           _scan_message(view.step_dir, scanned_target, scanned_disk, len(missing), len(extra))
@@ -172,8 +93,8 @@ def check_weights(
 
 def _scan_message(
     step_dir: epath.Path,
-    scanned_target: Sequence[_Stacking],
-    scanned_disk: Sequence[_Stacking],
+    scanned_target: Sequence[stacks.Stacking],
+    scanned_disk: Sequence[stacks.Stacking],
     n_missing: int,
     n_extra: int,
 ) -> str:

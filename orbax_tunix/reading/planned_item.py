@@ -31,7 +31,7 @@ from etils import epath
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, nest
 from orbax_tunix.reading import read_requests
-from orbax_tunix.store import _orbax, fileio, item_store
+from orbax_tunix.store import _orbax, fileio, item_store, storage_errors
 from orbax_tunix.view import canonical_map
 from orbax_tunix.view.detection import plan_item
 
@@ -110,7 +110,7 @@ def validate_target(
 
 
 def _skeleton(
-    item: item_store.Item, wanted: Mapping[Path, read_requests.Request]
+    item: item_store.Item, wanted: Mapping[Path, read_requests.ReadRequest]
 ) -> tuple[PyTree, PyTree]:
   """The item's whole on-disk tree as a target: requested leaves, the rest placeholders.
 
@@ -192,7 +192,7 @@ class PlannedItem:
 
   def read(
       self,
-      wanted: Mapping[Path, read_requests.Request],
+      wanted: Mapping[Path, read_requests.ReadRequest],
       via: OrbaxReads | None = None,
       *,
       on_disk: bool = False,
@@ -363,12 +363,12 @@ class PlannedItem:
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except
-      cause = _orbax.storage_failure(e)
+      cause = storage_errors.storage_failure(e)
       if cause is None:
         raise
       raise errors.CorruptMetadataError(
           f'{self.directory}: reading {what} failed: stored data is missing or damaged'
-          f' ({_orbax.failure_text(cause)}). Expected {expected}.'
+          f' ({storage_errors.failure_text(cause)}). Expected {expected}.'
       ) from e
 
 

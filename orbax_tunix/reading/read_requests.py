@@ -18,7 +18,7 @@ from orbax_tunix.keypaths import Path, key_str
 
 PyTree = Any
 # (target leaf, restore args) for one leaf to read.
-Request = tuple[Any, ocp.RestoreArgs]
+ReadRequest = tuple[Any, ocp.RestoreArgs]
 
 
 def is_key(dtype: Any) -> bool:
@@ -47,7 +47,7 @@ def sharding_of(leaf: Any) -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
-def into(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding | None) -> Request:
+def into(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding | None) -> ReadRequest:
   """A request for an array in `sharding` and `dtype`; to the host (numpy) when None."""
   if sharding is None:
     return 0, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)

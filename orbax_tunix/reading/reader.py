@@ -296,53 +296,6 @@ class NullProgress:
     pass
 
 
-# Memory the streaming needs whatever the batch size (TensorStore's thread
-# pools and caches, allocator slack), measured with
-# benchmarks/convert_memory.py; the rest of a budget goes to batches.
-FIXED_OVERHEAD = 64 << 20
-DEFAULT_MEMORY_BUDGET = 1 << 30
-
-
-def batch_bytes(memory_budget: int, copies: int) -> int:
-  """Bytes of array data per batch so that the streaming fits `memory_budget`.
-
-  Args:
-    memory_budget: bytes the streaming may use above the process's start-up.
-    copies: bytes held per byte of a batch while it is read and used.
-
-  Returns:
-    (budget - FIXED_OVERHEAD) / copies, and at least budget / (4 * copies)
-    so that small budgets still make progress.
-  """
-  return max(memory_budget // (4 * copies), (memory_budget - FIXED_OVERHEAD) // copies, 1)
-
-
-def batches(leaves: Sequence[Any], budget: int, size: Any = None) -> Iterator[list[Any]]:
-  """Groups items, in order, into batches of at most `budget` bytes.
-
-  An item larger than the budget forms a batch of its own: it cannot be split.
-
-  Args:
-    leaves: the items, in the order they are to be read.
-    budget: bytes per batch (at least 1).
-    size: an item's bytes (default: its `nbytes`).
-
-  Yields:
-    Lists of consecutive items.
-  """
-  size = size or (lambda leaf: leaf.nbytes)
-  batch: list[Any] = []
-  total = 0
-  for leaf in leaves:
-    if batch and total + size(leaf) > budget:
-      yield batch
-      batch, total = [], 0
-    batch.append(leaf)
-    total += size(leaf)
-  if batch:
-    yield batch
-
-
 def cast_dtype(leaf: LeafInfo, dtype: np.dtype | None) -> np.dtype | None:
   """The dtype a leaf is read as: `dtype` for floating leaves, else its own.
 
@@ -419,7 +372,7 @@ def stream(
   (`del`), so that one batch is held at a time, or two with `ahead`.
 
   Args:
-    batched: the batches, in order (e.g. from `batches`).
+    batched: the batches, in order (e.g. from `memory.batches`).
     read: a batch -> what was read for it.
     progress: told the bytes each batch took.
     done: a batch -> its bytes, for `progress`.

@@ -3,25 +3,23 @@
 Orbax's public surface does not cover everything a plugin handler needs. Each
 function here leans on one private detail of orbax-checkpoint 0.12.x, and
 `tests/test_orbax_assumptions.py` pins each one, so that an Orbax upgrade that
-moves it fails there, loudly, and nowhere else.
+moves it fails there, loudly, and nowhere else. What merely sits near Orbax
+without being its API lives beside this module: `storage_errors` (telling a
+storage failure from the caller's error), `zarr_format` (the arrays' headers
+and chunk keys), `loops` (draining an event loop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
-import errno
-import json
 import logging
 import os
 import threading
-import time
 import types
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -33,6 +31,7 @@ from orbax.checkpoint._src.metadata.tree import InternalTreeMetadata
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from orbax_tunix.keypaths import Path
+from orbax_tunix.store import loops
 
 # --- Orbax's on-disk schema: the names of its files and the values it records ---
 
@@ -45,7 +44,6 @@ COMMIT_SUCCESS = 'commit_success.txt'  # A step on a bucket is final once it hol
 JSON_ITEM_FILE = 'metadata'  # A JSON item's file.
 OCDBT_MANIFEST = 'manifest.ocdbt'
 OCDBT_PROCESS_PREFIX = 'ocdbt.process_'  # Each process's own database, before the merge.
-ZARR2_HEADER, ZARR3_HEADER = '.zarray', 'zarr.json'
 
 # `value_type` in `_METADATA` of an empty node: None, and the empty containers
 # Orbax records as such (an optax state's `hyperparams_states: {}`, say).
@@ -82,57 +80,6 @@ def pytree_handler_of(standard: ocp.StandardCheckpointHandler) -> ocp.PyTreeChec
   return standard._impl  # pylint: disable=protected-access
 
 
-# TensorStore reports storage failures as ValueErrors whose text starts with a
-# status code; Orbax wraps a failed array read in a bare `Exception`
-# ('Encountered error while reading array index ...') whose `__cause__` is
-# TensorStore's. Other codes (INVALID_ARGUMENT, ...) and JAX's
-# own errors are about the request, i.e. the caller's.
-_STORAGE_CODES = (
-    'OUT_OF_RANGE:', 'NOT_FOUND:', 'DATA_LOSS:', 'UNAVAILABLE:', 'PERMISSION_DENIED:',
-    'FAILED_PRECONDITION:', 'ABORTED:', 'INTERNAL:', 'UNKNOWN:',
-)
-
-
-def storage_failure(exc: BaseException) -> BaseException | None:
-  """The exception in `exc`'s chain that says stored data is missing or damaged.
-
-  Returns None when the failure is about the request (a sharding that does not
-  divide an array, a wrong dtype...), which the caller must see as raised.
-  """
-  seen = set()
-  while exc is not None and id(exc) not in seen:
-    seen.add(id(exc))
-    text = str(exc)
-    if isinstance(exc, OSError) or text.startswith(_STORAGE_CODES):
-      return exc
-    exc = exc.__cause__ or exc.__context__
-  return None
-
-
-# Errors a full disk (or quota) gives: errno, and the words TensorStore's
-# RESOURCE_EXHAUSTED write failures carry (it reports `os_error_code='28'`).
-_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_NO_SPACE_TEXT = ('No space left on device', 'Disk quota exceeded')
-
-
-def out_of_space(exc: BaseException) -> BaseException | None:
-  """The exception in `exc`'s chain that says the destination is full, or None.
-
-  Python's file writes raise `OSError(ENOSPC)`; TensorStore's (an Orbax save)
-  a `ValueError('RESOURCE_EXHAUSTED: ... No space left on device ...')`, which
-  Orbax may wrap.
-  """
-  seen = set()
-  while exc is not None and id(exc) not in seen:
-    seen.add(id(exc))
-    if isinstance(exc, OSError) and exc.errno in _NO_SPACE_ERRNOS:
-      return exc
-    if any(text in str(exc) for text in _NO_SPACE_TEXT):
-      return exc
-    exc = exc.__cause__ or exc.__context__
-  return None
-
-
 # What Orbax's PyTree handlers raise when an array restored without a target has
 # no usable sharding: its saved one names devices this process does not have.
 _NO_SHARDING = 'sharding passed to deserialization should be specified'
@@ -147,12 +94,6 @@ TOPOLOGY_MISMATCH = (
 def is_topology_mismatch(exc: BaseException) -> bool:
   """Whether a restore without a target failed for want of the saved devices."""
   return isinstance(exc, ValueError) and _NO_SHARDING in str(exc)
-
-
-def failure_text(exc: BaseException) -> str:
-  """A storage failure's first line, without the TensorStore spec Orbax appends."""
-  text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-  return text.split(' [tensorstore_spec=')[0]
 
 
 # --- handing Orbax the metadata this package parsed ------------------------------
@@ -301,37 +242,6 @@ def read_parts(
   return out
 
 
-def parse_zarr_header(
-    data: bytes, zarr3: bool
-) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
-  """(shape, dtype, chunk shape) from an array's `.zarray` (zarr v2) or `zarr.json` (v3).
-
-  The chunk shape is what a read decodes whole: v2's `chunks`; v3's grid
-  chunk, or the inner chunk of its `sharding_indexed` codec (None: unstated).
-  """
-  header = json.loads(data)
-  dtype = header['data_type'] if zarr3 else header['dtype']
-  if not zarr3:
-    chunks = header.get('chunks')
-  else:
-    chunks = header.get('chunk_grid', {}).get('configuration', {}).get('chunk_shape')
-    for codec in header.get('codecs') or ():
-      if isinstance(codec, dict) and codec.get('name') == 'sharding_indexed':
-        chunks = codec.get('configuration', {}).get('chunk_shape', chunks)
-  return (tuple(header['shape']), np.dtype(jnp.dtype(dtype)),
-          tuple(chunks) if isinstance(chunks, list) else None)
-
-
-def chunk_key(index: Sequence[int], zarr3: bool) -> str:
-  """The store key of chunk `index` of an array, below the array's name.
-
-  Zarr names chunk (i, j) `i.j` (v2; `0` for a 0-d array) or `c/i/j` (v3).
-  """
-  if zarr3:
-    return '/'.join(['c', *map(str, index)])
-  return '.'.join(map(str, index)) or '0'
-
-
 # --- the handler an item records ----------------------------------------------
 
 # What Orbax's v1 API records for a PyTree item; v0 has no handler class for it.
@@ -469,54 +379,13 @@ _TIDY: contextvars.ContextVar[bool] = contextvars.ContextVar('orbax_tunix_tidy',
 _ORBAX_RUN_ON_NEW_LOOP = getattr(_asyncio_utils, '_run_sync_via_new_loop', None)
 
 
-def _drain(loop: asyncio.AbstractEventLoop) -> None:
-  """Cancels and awaits every task left on `loop`, and runs the callbacks due
-  (which retrieve the exceptions of tasks that finished meanwhile)."""
-  pending = asyncio.all_tasks(loop)
-  for task in pending:
-    task.cancel()
-  loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-
-
-def _finish(loop: asyncio.AbstractEventLoop) -> None:
-  """Lets every task left on `loop` run to its end (an interrupted save's writes):
-  the caller removes what they write only once they are done. Interrupts that
-  arrive meanwhile are ignored; `PENDING_WRITES_TIMEOUT` bounds the wait."""
-  pending = asyncio.all_tasks(loop)
-  if not pending:
-    return
-  # One waiting task, resumed when an interrupt (or a task re-raising one) stops the loop.
-  waiting = loop.create_task(asyncio.wait(pending, timeout=PENDING_WRITES_TIMEOUT))
-  while not waiting.done():
-    with contextlib.suppress(KeyboardInterrupt):
-      loop.run_until_complete(waiting)
-  for task in pending:  # Retrieved: Python would report them when collected.
-    if task.done() and not task.cancelled():
-      task.exception()
-
-
 def _run_on_new_loop(coro: Any) -> Any:
-  """Orbax's `_run_sync_via_new_loop`, draining the loop when the call fails
-  inside `tidy_failures` (exactly Orbax's own function outside it); when it is
-  interrupted (KeyboardInterrupt), its tasks are let finish instead."""
+  """Orbax's `_run_sync_via_new_loop` outside `tidy_failures` (exactly Orbax's own
+  function); inside it, `loops.run_tidily`: the loop drained when the call fails,
+  its tasks let finish when it is interrupted."""
   if not _TIDY.get():
     return _ORBAX_RUN_ON_NEW_LOOP(coro)
-  loop = asyncio.new_event_loop()
-  try:
-    asyncio.set_event_loop(loop)
-    try:
-      return loop.run_until_complete(coro)
-    except Exception:
-      with contextlib.suppress(Exception):  # Best effort: the failure itself is raised.
-        _drain(loop)
-      raise
-    except BaseException:
-      with contextlib.suppress(Exception):
-        _finish(loop)
-      raise
-  finally:
-    asyncio.set_event_loop(None)
-    loop.close()
+  return loops.run_tidily(coro)
 
 
 # An Orbax save writes in threads of its own (its commit futures, each awaiting
@@ -525,30 +394,15 @@ def _run_on_new_loop(coro: Any) -> Any:
 # the directory, also after the caller removed it: a temporary step reappears,
 # and at exit Python reports "cannot schedule new futures after shutdown".
 # Within `tidy_failures`, the threads a failed call started are waited for
-# (a batch's writes; up to this long) before the failure propagates.
-PENDING_WRITES_TIMEOUT = 300.0
-
-
-def _wait_for_threads(before: set[threading.Thread]) -> None:
-  """Waits for the threads started since `before` (interrupts meanwhile are ignored:
-  the clean-up that follows needs them done)."""
-  deadline = time.monotonic() + PENDING_WRITES_TIMEOUT
-  for thread in threading.enumerate():
-    if thread in before or thread is threading.current_thread():
-      continue
-    while thread.is_alive() and time.monotonic() < deadline:
-      try:
-        # The base class's join: Orbax's threads raise TimeoutError from theirs.
-        threading.Thread.join(thread, 0.05)
-      except KeyboardInterrupt:
-        continue
+# (a batch's writes; up to `loops.PENDING_WRITES_TIMEOUT`) before the failure
+# propagates.
 
 
 @contextlib.contextmanager
 def tidy_failures() -> Iterator[None]:
   """Orbax calls made in this context leave nothing running when they fail.
 
-  See `_TIDY` and `PENDING_WRITES_TIMEOUT`: a failed (or interrupted) call's
+  See `_TIDY` and `loops.PENDING_WRITES_TIMEOUT`: a failed (or interrupted) call's
   loop is drained and the threads it started are waited for, so what it wrote
   is all there when the caller removes it. Installs the drain on first use
   (where Orbax has the function it wraps); Orbax calls outside the context are
@@ -561,7 +415,7 @@ def tidy_failures() -> Iterator[None]:
   try:
     yield
   except BaseException:
-    _wait_for_threads(before)
+    loops.wait_for_threads(before)
     raise
   finally:
     _TIDY.reset(token)

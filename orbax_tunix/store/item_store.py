@@ -22,7 +22,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.store import _orbax
+from orbax_tunix.store import _orbax, storage_errors, zarr_format
 from orbax_tunix.store._orbax import (
   AGGREGATE_FILE,
   ARRAY_METADATAS,
@@ -156,7 +156,7 @@ class Item:
   def _storage_error(self, e: BaseException) -> errors.CorruptMetadataError:
     return errors.CorruptMetadataError(
         f'{self.directory}: the array store cannot be read: stored data is missing'
-        f' or damaged ({_orbax.failure_text(_orbax.storage_failure(e) or e)}).'
+        f' or damaged ({storage_errors.failure_text(storage_errors.storage_failure(e) or e)}).'
         ' Use another step (`step`).'
     )
 
@@ -177,7 +177,7 @@ class Item:
 
   @property
   def _header_name(self) -> str:
-    return _orbax.ZARR3_HEADER if self.use_zarr3 else _orbax.ZARR2_HEADER
+    return zarr_format.header_name(self.use_zarr3)
 
   def _without_data(self, paths: Iterable[Path]) -> list[Path]:
     """The zarr leaves among `paths` whose header is not in the store's listing."""
@@ -244,7 +244,7 @@ class Item:
           f'{self.directory}: the zarr headers of {len(absent)} arrays are empty:\n'
           f'{errors.list_paths(absent)}\nThe item is damaged; use another step (`step`).'
       )
-    return {p: ArrayInfo(*_orbax.parse_zarr_header(value, self.use_zarr3))
+    return {p: ArrayInfo(*zarr_format.parse_header(value, self.use_zarr3))
             for p, value in found.items()}
 
   def shapes(self, paths: Iterable[Path]) -> dict[Path, tuple[int, ...]]:
@@ -296,7 +296,7 @@ class Item:
         unsure.append(path)
         continue
       grid = [-(-s // c) for s, c in zip(shape, chunk, strict=True)]
-      last = f'{name}/{_orbax.chunk_key([g - 1 for g in grid], zarr3)}'
+      last = f'{name}/{zarr_format.chunk_key([g - 1 for g in grid], zarr3)}'
       # Exactly the grid's chunks, and the header: the shape is the expected one.
       if span[1] - span[0] - 1 != math.prod(grid) or not self._holds(last, span):
         unsure.append(path)

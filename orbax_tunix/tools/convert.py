@@ -36,11 +36,12 @@ import numpy as np
 from etils import epath
 
 from orbax_tunix import errors, layouts
-from orbax_tunix.reading import reader
+from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
-CANONICAL = 'canonical'
-MAXTEXT = 'maxtext'
+# The layout `plan_convert` writes unless told another (`layouts.names()`).
+DEFAULT_LAYOUT = layouts.canonical.LAYOUT.name
 
 # A conversion's plan and result are the pipeline's.
 ConvertPlan = pipeline.Plan
@@ -52,10 +53,10 @@ def plan_convert(
     dst: epath.PathLike,
     *,
     step: int | None = None,
-    layout: str = CANONICAL,
+    layout: str = DEFAULT_LAYOUT,
     params_only: bool = False,
     dtype: np.dtype | None = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
     merge_lora: bool = False,
@@ -106,7 +107,7 @@ def plan_convert(
     TunixCheckpointError subclasses: the source is not readable, or cannot be
       laid out as asked.
   """
-  steps = layouts.named(layouts.SinkKind.STEP)
+  steps = layouts.named(layouts.Destination.STEP)
   if layout not in steps:
     folder = (f'; {layout} is a Hugging Face folder: export it (`export_to_hf`,'
               f' orbax-tunix export --model {layout})' if layout in layouts.names() else '')
@@ -114,8 +115,9 @@ def plan_convert(
         f'`layout` {layout!r}: expected one of {", ".join(steps)}{folder}.')
   return pipeline.plan(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
-      memory_budget=memory_budget, force=force, items=items, merge_lora=merge_lora,
-      lora_alpha=lora_alpha, lora_scale=lora_scale, base=base, scan_layers=scan_layers,
+      memory_budget=memory_budget, force=force, items=items,
+      merge_options=merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base),
+      scan_layers=scan_layers,
       param_scan_axis=param_scan_axis,
   )
 

@@ -27,12 +27,9 @@ from etils import epath
 
 from orbax_tunix import errors, sizes
 from orbax_tunix.keypaths import fmt, natural_key
-from orbax_tunix.reading import hyperparams, reader
+from orbax_tunix.reading import hyperparams, memory, reader
 from orbax_tunix.writing import checksums
 
-# Bytes held per byte read from either side: the compressed bytes and the
-# decoded array. A batch (A's and B's leaves together) is sized budget / this.
-COPIES_IN_FLIGHT = 2
 # Elements compared at once, so that the float64 working copies stay small.
 _CHUNK = 1 << 18
 
@@ -498,7 +495,7 @@ def diff_checkpoints(
     atol: float = 0.0,
     params_only: bool = False,
     ignore_dtype: bool = False,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     progress: reader.Progress | None = None,
     items: Iterable[str] | None = None,
 ) -> DiffResult:
@@ -552,11 +549,11 @@ def diff_checkpoints(
   sums_b = checksums.recorded(ckpt_b.detection.source.custom_metadata)
   damaged_a: list[str] = []
   damaged_b: list[str] = []
-  budget = reader.batch_bytes(memory_budget, COPIES_IN_FLIGHT)
+  budget = memory.batch_bytes(memory_budget, memory.READ_COPIES)
   progress.start(sum(la.nbytes for _, la, _ in pairs), 'comparing')
   try:
     for batch, (got_a, got_b) in reader.stream(
-        reader.batches(pairs, budget, size=lambda p: p[1].nbytes + p[2].nbytes),
+        memory.batches(pairs, budget, size=lambda p: p[1].nbytes + p[2].nbytes),
         lambda batch: (_read_side(ckpt_a, [la for _, la, _ in batch]),
                        _read_side(ckpt_b, [lb for _, _, lb in batch])),
         progress, lambda batch: sum(la.nbytes for _, la, _ in batch)):

@@ -25,7 +25,8 @@ from orbax_tunix import errors
 from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts import peft as peft_layouts
 from orbax_tunix.mapping import huggingface
-from orbax_tunix.reading import reader
+from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
 DEFAULT_MAX_SHARD_SIZE = hf_layouts.DEFAULT_MAX_SHARD_SIZE
@@ -60,7 +61,7 @@ def plan_export(
     base: epath.PathLike | None = None,
     max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
     hf_config: epath.PathLike | None = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     param_scan_axis: int | None = None,
     base_only: bool = False,
@@ -117,8 +118,8 @@ def plan_export(
   family = huggingface.get(model)
   return pipeline.plan(
       src, out_dir, layout=family.name, step=step, dtype=_dtype(dtype), memory_budget=memory_budget,
-      force=force, merge_lora=merge_lora, lora_alpha=lora_alpha, lora_scale=lora_scale,
-      base=base, max_shard_size=max_shard_size, hf_config=hf_config,
+      force=force, merge_options=merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base),
+      max_shard_size=max_shard_size, hf_config=hf_config,
       param_scan_axis=param_scan_axis, base_only=base_only, config_as_trained=config_as_trained,
   )
 
@@ -181,7 +182,7 @@ def plan_peft_export(
     base_model: str | None = None,
     step: int | None = None,
     dtype: Any = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     param_scan_axis: int | None = None,
 ) -> ExportPlan:
@@ -212,7 +213,7 @@ def plan_peft_export(
   family = huggingface.get(model)
   return pipeline.plan(
       src, out_dir, layout=peft_layouts.layout_name(family.name), step=step, dtype=_dtype(dtype),
-      memory_budget=memory_budget, force=force, adapter_alpha=alpha, adapter_scale=scale,
+      memory_budget=memory_budget, force=force, adapter_scaling=merge_lib.Options(alpha, scale),
       base_model=base_model, param_scan_axis=param_scan_axis,
   )
 

@@ -21,9 +21,8 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
-from orbax_tunix.mapping import huggingface
+from orbax_tunix.mapping import huggingface, stacks
 from orbax_tunix.mapping import lora as lora_lib
-from orbax_tunix.maxtext import layers as maxtext_layers
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
 from orbax_tunix.reading.planned_item import Reads
@@ -144,7 +143,7 @@ class LayerReport:
   """MaxText's decoder layers in a step.
 
   Attributes:
-    form: `maxtext.layers.SCANNED` or `UNSCANNED`.
+    form: `mapping.stacks.SCANNED` or `UNSCANNED`.
     count: how many layers (None: the weights do not agree on one).
     axis: the layer axis of scanned weights (None: unscanned, or not told by
       the shapes nor recorded).
@@ -402,8 +401,8 @@ def _source(shapes: Mapping[Path, tuple[int, ...] | None], layers: LayerReport |
   count along the axis the layer report found ('?' where it found none or no count)."""
   if not shapes:
     return None
-  axis = maxtext_layers.DEFAULT_AXIS
-  if layers is not None and layers.form == maxtext_layers.SCANNED:
+  axis = stacks.DEFAULT_AXIS
+  if layers is not None and layers.form == stacks.SCANNED:
     axis = layers.axis if layers.count is not None else None
   return huggingface.describe_source({p: s for p, s in shapes.items() if s is not None}, axis)
 
@@ -413,14 +412,14 @@ def _layer_form(
 ) -> LayerReport | None:
   """MaxText's form of the decoder's layers, their count and (scanned) their axis: the
   axis the step records (a converted step), else the one the shapes tell."""
-  form = maxtext_layers.form_of(shapes)
+  form = stacks.form_of(shapes)
   if form is None:
     return None
   known = {p: s for p, s in shapes.items() if s is not None}
   axis = None
-  if form == maxtext_layers.SCANNED:
-    recorded = custom.get(maxtext_layers.SCAN_AXIS_KEY)
-    axis = maxtext_layers.scan_axis(known, recorded if isinstance(recorded, int) else None)
-  count = maxtext_layers.layer_count(known, axis) if form == maxtext_layers.UNSCANNED or (
+  if form == stacks.SCANNED:
+    recorded = custom.get(stacks.SCAN_AXIS_KEY)
+    axis = stacks.scan_axis(known, recorded if isinstance(recorded, int) else None)
+  count = stacks.layer_count(known, axis) if form == stacks.UNSCANNED or (
       axis is not None) else None
   return LayerReport(form, count, axis)

@@ -10,7 +10,7 @@ memory budget at a time, inside one staged commit (`writer.streamed`): nothing
 is seen at the destination until all of it is written. `convert` and `export`
 are this pipeline with a step layout and a folder layout.
 
-Sinks (`SINKS`, by `Layout.sink`, a `layouts.SinkKind`):
+Sinks (`SINKS`, by `Layout.sink`, a `layouts.Destination`):
 
   STEP     every item a plain `PyTreeCheckpointHandler` item (JSON items copied),
            `_CHECKPOINT_METADATA` naming that handler, and the step's custom
@@ -46,7 +46,7 @@ from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.mapping import lora, peft
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import ItemOutput, Output
-from orbax_tunix.reading import hyperparams, reader
+from orbax_tunix.reading import hyperparams, memory, reader
 from orbax_tunix.store import _orbax
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA
 from orbax_tunix.store.fileio import as_path
@@ -95,7 +95,7 @@ class Plan:
   summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
-  def sink(self) -> Sink:
+  def sink(self) -> SinkKind:
     return SINKS[layouts.get(self.layout).sink]
 
   @property
@@ -206,13 +206,10 @@ def plan(
     step: int | None = None,
     params_only: bool = False,
     dtype: np.dtype | None = None,
-    memory_budget: int | float | str = reader.DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
-    merge_lora: bool = False,
-    lora_alpha: float | None = None,
-    lora_scale: float | None = None,
-    base: epath.PathLike | None = None,
+    merge_options: merge_lib.Options | None = None,
     **options: Any,
 ) -> Plan:
   """Plans a layout's output from metadata only; nothing is read or written.
@@ -228,7 +225,8 @@ def plan(
     memory_budget: bytes the streaming may hold at once (a size: `sizes.parse_size`).
     force: replace an existing destination (only one of the sink's kind).
     items: the source items to read (default: every item the step records).
-    merge_lora, lora_alpha, lora_scale, base: the LoRA merge (`merge.Options`).
+    merge_options: the LoRA merge's options (`merge.Options.given`, from the
+      caller's own keywords); None: no merge.
     **options: the layout's options (`layouts.options()`: `scan_layers`,
       `param_scan_axis`, `hf_config`, `max_shard_size`); another layout's
       must be left unset.
@@ -254,12 +252,11 @@ def plan(
   layouts.check_options(chosen, options)
   given = {name: known[name].coerce(value) for name, value in options.items()
            if value != known[name].unset}
-  params_only = params_only or merge_lora or chosen.weights_only
+  params_only = params_only or merge_options is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
-  merging = merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base)
   source = _open_source(src, step, items, params_only)
   dst = as_path(dst)
-  merged = merging.plan(source) if merging else None
+  merged = merge_options.plan(source) if merge_options is not None else None
   sink = SINKS[chosen.sink]
   for folder, what in [(given[o], f'the `{o}` folder') for o in sink.read_folders if o in given]:
     commit.check_not_over(dst, folder, what)  # First: the more specific refusal.
@@ -369,7 +366,7 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
     )
 
 
-def _leftover_notes(dst: epath.Path, sink: Sink) -> list[str]:
+def _leftover_notes(dst: epath.Path, sink: SinkKind) -> list[str]:
   """What an interrupted run to `dst` left beside it (process 0 tells: the others would
   see its own staging)."""
   if not distributed.is_primary():
@@ -577,7 +574,7 @@ def _copy(path: epath.Path, dest: epath.Path) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sink:
+class SinkKind:
   """A kind of destination, as data: how it is told, planned, shared and written.
 
   Attributes:
@@ -624,18 +621,18 @@ def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
       peft.ADAPTER_FILE, tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in outputs))]
 
 
-SINKS: dict[layouts.SinkKind, Sink] = {
-    layouts.SinkKind.STEP: Sink(
+SINKS: dict[layouts.Destination, SinkKind] = {
+    layouts.Destination.STEP: SinkKind(
         kind=commit.STEP, unit='array', run='conversion', doing='converting to',
         shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs,
         write=_write_step,
     ),
-    layouts.SinkKind.FOLDER: Sink(
+    layouts.Destination.FOLDER: SinkKind(
         kind=EXPORT, unit='tensor', run='export', doing='exporting to',
         shard=_shard_folder, share=_share_folder, write=_write_folder,
         read_folders=('hf_config',),
     ),
-    layouts.SinkKind.ADAPTER: Sink(
+    layouts.Destination.ADAPTER: SinkKind(
         kind=ADAPTER_EXPORT, unit='tensor', run='export', doing='exporting the adapter to',
         shard=_adapter_file, share=_share_folder, write=_write_folder,
     ),

@@ -21,7 +21,7 @@ from etils import epath
 
 from orbax_tunix import conventions, sizes
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 
 # Where in `_CHECKPOINT_METADATA`'s custom metadata the checksums sit: under
 # the record `convert` writes, {item: {formatted path: 'crc32:%08x'}}.
@@ -132,7 +132,7 @@ def verify(
     for item in sorted(ckpt.items):
       leaves = [leaf for leaf in todo if leaf.item == item]
       for batch, values in reader.stream(
-          reader.batches(leaves, reader.batch_bytes(memory_budget, 2)),
+          memory.batches(leaves, memory.batch_bytes(memory_budget, memory.READ_COPIES)),
           lambda batch, item=item: reader.read_each(ckpt, item, batch), progress,
           lambda batch: sum(leaf.nbytes for leaf in batch)):
         for leaf, value in zip(batch, values, strict=True):

@@ -33,7 +33,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.conventions import RL_ROLES
-from orbax_tunix.store import _orbax, fileio, netprobe, step_store
+from orbax_tunix.store import _orbax, fileio, netprobe, step_store, storage_errors
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA, TMP_MARKER
 from orbax_tunix.writing import checksums
 
@@ -855,11 +855,11 @@ def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
     The error to raise (its clean-up done: nothing is left behind), or None
     when the failure is not the destination's.
   """
-  full = _orbax.out_of_space(exc)
+  full = storage_errors.out_of_space(exc)
   if full is not None:
     return errors.InvalidDestinationError(
         f'{dst}: writing failed: no space left on the device'
-        f' ({_orbax.failure_text(full)}); nothing was left behind. Expected room for'
+        f' ({storage_errors.failure_text(full)}); nothing was left behind. Expected room for'
         f' about {nbytes} bytes. Free space or choose another destination.'
     )
   if isinstance(exc, OSError):

@@ -1,14 +1,15 @@
-"""The one streaming writer: outputs read, transformed and written in bounded batches.
+"""Writing outputs: the host placement of the one executor, and the sinks of files.
 
-`write` executes the outputs of a layout (see `outputs.py`) a batch at a time:
-each batch's source leaves are read with one restore per source item (cast
-in the read where the output's dtype says so), transformed on the host's
-device, and handed to a sink, then released before the next batch is read.
-Outputs that share sources (a stacked weight's layers, a fused weight's
-parts) stay in one batch, so every source is read once. Sinks:
-`OrbaxItemSink` (an Orbax PyTree item, written batch by batch with Orbax's
-own handler) and `SafetensorsSink` (Hugging Face shards and their index).
-Staging and commit are `commit.py`'s.
+`write` runs the outputs of a layout (see `outputs.py`) through the one
+executor (`mapping/executor.py`) with the `OnHost` placement: each batch's
+source leaves are read with one restore per source item (cast in the read
+where the output's dtype says so), transformed on the host's device, and
+handed to a sink, then released before the next batch is read. Outputs that
+share sources (a stacked weight's layers, a fused weight's parts) stay in
+one unit, so every source is read once. Sinks: `OrbaxItemSink` (an Orbax
+PyTree item, written batch by batch with Orbax's own handler) and
+`SafetensorsSink` (Hugging Face shards and their index; one file for a PEFT
+adapter). Staging and commit are `commit.py`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,24 +31,16 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import nest
+from orbax_tunix.mapping import executor
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, row_blocks
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import is_key
 from orbax_tunix.store import _orbax, fileio
 from orbax_tunix.writing import checksums, commit, distributed
 
-Written = tuple[Output, Any]
-
-# Bytes held per byte of a batch, measured with benchmarks/convert_memory.py:
-# TensorStore holds the compressed bytes and the decoded array while reading,
-# the host copy and the compressed bytes while writing, and freed buffers are
-# not all returned at once: a batch of B bytes peaks at 2.5 B to 4.5 B above
-# `reader.FIXED_OVERHEAD` (the larger factors for small batches, and from run
-# to run). Sized for the worst case seen; convert and export alike.
-COPIES_IN_FLIGHT = 5
-
+Written = executor.Made
 
 @contextlib.contextmanager
 def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
@@ -69,52 +62,24 @@ def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
     progress.finish()
 
 
-# What a process of a multi-process job holds beyond one process alone, whatever the
-# batch: JAX's distributed client, gloo's buffers, the programs that place global arrays
-# and Orbax's multi-host save. Measured with benchmarks/multihost.py (BENCHMARKS §12):
-# 55 to 120 MiB above a one-process convert at the same budget (128M to 512M).
-JOB_OVERHEAD = 128 << 20
-
-
-def _job_overhead() -> int:
-  return JOB_OVERHEAD if distributed.active() else 0
-
-
 def reads_ahead(memory_budget: int) -> bool:
   """Whether `write` reads the next batch while it writes one (`reader.stream`'s `ahead`):
   in one process (a job's processes keep their collectives in one order), with a budget
-  that holds two batches above the fixed overhead (a smaller one is met as closely as
-  one batch at a time can)."""
-  return not distributed.active() and memory_budget >= 2 * reader.FIXED_OVERHEAD
+  that holds two batches (a smaller one is met as closely as one batch at a time can)."""
+  return not distributed.active() and memory.holds_two_batches(memory_budget)
 
 
 def batch_bytes(memory_budget: int) -> int:
   """Bytes of sources per batch so that a write fits `memory_budget` (in each process of a
   multi-process job too); half as much where two batches are in flight (`reads_ahead`)."""
-  per = reader.batch_bytes(max(memory_budget - _job_overhead(), 1), COPIES_IN_FLIGHT)
-  return max(per // 2, 1) if reads_ahead(memory_budget) else per
+  return memory.batch_bytes(memory_budget, memory.WRITE_COPIES, job=distributed.active(),
+                            in_flight=2 if reads_ahead(memory_budget) else 1)
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
   """A note when `memory_budget` cannot hold the largest `what` (each is written alone)."""
-  fixed = reader.FIXED_OVERHEAD + _job_overhead()
-  needed = fixed + COPIES_IN_FLIGHT * largest
-  if memory_budget >= needed:
-    return None
-  return (f'`memory_budget` {memory_budget} bytes cannot be met: streaming needs about'
-          f' {needed} ({fixed >> 20} MiB whatever the batch, and'
-          f' {COPIES_IN_FLIGHT}x the largest {what}, {largest} bytes, in flight); each'
-          f' {what} is copied alone, and the peak will be about that')
-
-
-class Sink(Protocol):
-  """Where a batch of output values goes."""
-
-  def write(self, batch: Sequence[Written]) -> None:
-    """Writes one batch (its values may be released once this returns)."""
-
-  def close(self) -> dict[str, Any]:
-    """Finishes the destination; returns what to record of it (e.g. checksums)."""
+  return memory.shortfall(memory_budget, largest, what, memory.WRITE_COPIES,
+                          job=distributed.active())
 
 
 def units(outputs: Sequence[Output]) -> list[list[Output]]:
@@ -143,12 +108,6 @@ def _unit_bytes(unit: Sequence[Output]) -> int:
   decodes: `Input.touched_bytes`), and what transforms make anew."""
   inputs = {i.key: i.touched_bytes for o in unit for i in o.inputs}
   return sum(inputs.values()) + sum(o.nbytes for o in unit if not o.transform.is_identity)
-
-
-def batches(outputs: Sequence[Output], budget: int) -> Iterator[list[Output]]:
-  """Outputs in batches whose source and output bytes fit `budget` (units kept whole)."""
-  for batch in reader.batches(units(outputs), budget, size=_unit_bytes):
-    yield [o for unit in batch for o in unit]
 
 
 def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, Any]:
@@ -303,19 +262,51 @@ def check_range(output: Output, value: Any) -> None:
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class OnHost:
+  """The placement of outputs made on the host (`executor.Placement`): units of outputs
+  sharing a source (`units`), their sources read onto one CPU device, or as numpy with
+  `numpy` (`read_inputs`), each output made by its transform and checked for range.
+
+  Attributes:
+    numpy: read and transform as numpy (transposes stay views until the sink copies
+      each tensor out), else on one CPU device.
+  """
+
+  numpy: bool = False
+
+  def units(self, outputs: Sequence[Output]) -> list[list[Output]]:
+    return units(outputs)
+
+  def held_bytes(self, unit: Sequence[Output]) -> int:
+    return _unit_bytes(unit)
+
+  def read_bytes(self, batch: Sequence[Sequence[Output]]) -> int:
+    return bytes_read(o for unit in batch for o in unit)
+
+  def read(self, batch: Sequence[Sequence[Output]]) -> dict[tuple, Any]:
+    return read_inputs([o for unit in batch for o in unit], self.numpy)
+
+  def make(self, unit: Sequence[Output], values: dict[tuple, Any]) -> Iterator[Written]:
+    for output in unit:
+      value = make(output, values)
+      check_range(output, value)
+      yield output, value
+
+
 def write(
-    outputs: Sequence[Output], sink: Sink, budget: int, progress: reader.Progress,
+    outputs: Sequence[Output], sink: executor.Sink, budget: int, progress: reader.Progress,
     *, on_host: bool = False, ahead: bool = False,
 ) -> dict[str, Any]:
-  """Streams outputs into a sink, a batch of at most `budget` bytes at a time.
+  """Streams outputs into a sink, a batch of at most `budget` bytes at a time (the one
+  executor, `executor.run`, with the `OnHost` placement).
 
   Args:
     outputs: what to write, in order.
     sink: where.
     budget: bytes of sources (and of what transforms make) per batch.
     progress: told the bytes read after each batch.
-    on_host: read and transform as numpy on the host (transposes stay views
-      until the sink copies each tensor out), else on one CPU device.
+    on_host: read and transform as numpy on the host (`OnHost.numpy`).
     ahead: read the next batch while this one is written (`reads_ahead`; the
       budget is then each of two batches').
 
@@ -328,25 +319,7 @@ def write(
   """
   if on_host:  # Host writes (safetensors) take a tensor too large for a batch in blocks.
     outputs = [block for o in outputs for block in row_blocks(o, budget)]
-  for batch, values in reader.stream(batches(outputs, budget),
-                                    lambda batch: read_inputs(batch, on_host), progress,
-                                    bytes_read, ahead=ahead):
-    # What transforms make goes to the sink once it fills the budget: a source
-    # read whole for its many outputs (a stack stored as one chunk, split into
-    # its layers) is not held beside all of them.
-    made: list[Written] = []
-    held = 0
-    for output in batch:
-      made.append((output, make(output, values)))
-      check_range(*made[-1])
-      held += output.nbytes
-      if held >= budget:
-        sink.write(made)
-        made, held = [], 0
-    if made:
-      sink.write(made)
-    del values, made  # Free the batch before the next is read.
-  return sink.close()
+  return executor.run(outputs, OnHost(on_host), sink, budget, progress, ahead=ahead)
 
 
 def bytes_read(outputs: Iterable[Output]) -> int:

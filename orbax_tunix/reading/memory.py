@@ -1,0 +1,99 @@
+"""How much memory streaming holds: one set of constants, one batching by bytes.
+
+Everything here that reads arrays reads them in batches sized by bytes and
+released before the next: the device executor (restore into MaxText's state,
+LoRA merge), the streaming writer (convert, export), `diff` and `verify`. Each
+holds a fixed overhead whatever the batch, a number of bytes per byte of a
+batch while it is read and used (its copies in flight), and, in a process of a
+multi-process job, the job's own overhead once. All measured with
+`benchmarks/convert_memory.py` and `benchmarks/multihost.py` (BENCHMARKS §§6, 12).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+# Held whatever the batch size: TensorStore's thread pools and caches, allocator slack.
+FIXED_OVERHEAD = 64 << 20
+# Held by a process of a multi-process job beyond one process alone, whatever the batch:
+# JAX's distributed client, gloo's buffers, the programs that place global arrays and
+# Orbax's multi-host save (55 to 120 MiB measured, budgets 128M to 512M).
+JOB_OVERHEAD = 128 << 20
+# Bytes held per byte of a batch. Writing: TensorStore holds the compressed bytes and the
+# decoded array while reading, the host copy and the compressed bytes while writing, and
+# freed buffers are not all returned at once (2.5 to 4.5 measured; sized for the worst).
+WRITE_COPIES = 5
+# Comparing or checksumming: the compressed bytes and the decoded array.
+READ_COPIES = 2
+# The device executor (a restore has no budget of its own: the caller's state is the
+# target): sources held at once beside the outputs they make, at least one group.
+DEVICE_GROUP_BYTES = 64 << 20
+
+
+def batch_bytes(memory_budget: int, copies: int, *, job: bool = False,
+                in_flight: int = 1) -> int:
+  """Bytes of array data per batch so that streaming fits `memory_budget`.
+
+  Args:
+    memory_budget: bytes the streaming may use above the process's start-up.
+    copies: bytes held per byte of a batch while it is read and used.
+    job: this process is one of a multi-process job (`JOB_OVERHEAD` is held once).
+    in_flight: batches held at once (2 where the next is read while one is written).
+
+  Returns:
+    (budget - overheads) / copies / in_flight, and at least budget / (4 * copies)
+    / in_flight so that small budgets still make progress; at least 1.
+  """
+  budget = max(memory_budget - (JOB_OVERHEAD if job else 0), 1)
+  per = max(budget // (4 * copies), (budget - FIXED_OVERHEAD) // copies, 1)
+  return max(per // in_flight, 1)
+
+
+def holds_two_batches(memory_budget: int) -> bool:
+  """Whether a budget holds two batches above the fixed overhead (one read ahead)."""
+  return memory_budget >= 2 * FIXED_OVERHEAD
+
+
+def shortfall(memory_budget: int, largest: int, what: str, copies: int, *,
+              job: bool = False) -> str | None:
+  """A note when `memory_budget` cannot hold the largest `what` (each is streamed alone)."""
+  fixed = FIXED_OVERHEAD + (JOB_OVERHEAD if job else 0)
+  needed = fixed + copies * largest
+  if memory_budget >= needed:
+    return None
+  return (f'`memory_budget` {memory_budget} bytes cannot be met: streaming needs about'
+          f' {needed} ({fixed >> 20} MiB whatever the batch, and'
+          f' {copies}x the largest {what}, {largest} bytes, in flight); each'
+          f' {what} is copied alone, and the peak will be about that')
+
+
+def batches(items: Sequence[Any], budget: int, size: Callable[[Any], int] | None = None
+            ) -> Iterator[list[Any]]:
+  """Groups items, in order, into batches of at most `budget` bytes.
+
+  An item larger than the budget forms a batch of its own: it cannot be split. Items that
+  hold no bytes (a read straight into its output) join the batch at hand, and a batch
+  that holds no bytes yet takes the next item whatever its size.
+
+  Args:
+    items: what is to be read, in order.
+    budget: bytes per batch (at least 1).
+    size: an item's bytes (default: its `nbytes`).
+
+  Yields:
+    Lists of consecutive items.
+  """
+  size = size or (lambda item: item.nbytes)
+  batch: list[Any] = []
+  total = 0
+  for item in items:
+    nbytes = size(item)
+    if batch and total and nbytes and total + nbytes > budget:
+      yield batch
+      batch, total = [], 0
+    batch.append(item)
+    total += nbytes
+  if batch:
+    yield batch
