@@ -33,7 +33,6 @@ import concurrent.futures
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -133,21 +132,6 @@ def hub_config(name: str) -> dict:
 
 def base_family(name: str) -> str:
   return FAMILY_FIXTURES[manifest(name)['lora']['base'] if manifest(name).get('lora') else name]
-
-
-@pytest.fixture(scope='session')
-def hf_python() -> str:
-  """The Hugging Face client venv's python (scripts/hf_venv.sh, built on first use).
-
-  Skipped only where no Python 3.11 can be found to build it, and never on CI.
-  """
-  out = subprocess.run(
-      ['bash', str(ROOT / 'scripts' / 'hf_venv.sh')], capture_output=True, text=True,
-      timeout=1800, check=False)
-  if out.returncode != 0 and 'no Python 3.11 found' in out.stderr and not os.environ.get('CI'):
-    pytest.skip('the Hugging Face client venv needs Python 3.11 (scripts/hf_venv.sh): none here')
-  assert out.returncode == 0, f'scripts/hf_venv.sh failed:\n{out.stderr[-5000:]}'
-  return out.stdout.strip().splitlines()[-1]
 
 
 class Runs:
