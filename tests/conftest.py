@@ -1,4 +1,5 @@
-"""Shared test set-up: 8 simulated CPU devices, a mesh, the committed fixtures."""
+"""Shared test set-up: 8 simulated CPU devices, a mesh, the committed fixtures, the Hugging Face
+client venv."""
 
 import os
 
@@ -16,11 +17,13 @@ GCS_URL = f'http://127.0.0.1:{gcs_lib.free_port()}'
 os.environ.update(gcs_lib.environment(GCS_URL))
 
 import pathlib  # noqa: E402
+import subprocess  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / 'data' / 'tunix'
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope='session')
@@ -50,3 +53,18 @@ def bucket(gcs):
   from etils import epath  # pylint: disable=g-import-not-at-top
 
   return epath.Path(gcs.bucket())
+
+
+@pytest.fixture(scope='session')
+def hf_python() -> str:
+  """The Hugging Face client venv's python (scripts/hf_venv.sh, built on first use).
+
+  Skipped only where no Python 3.11 can be found to build it, and never on CI.
+  """
+  out = subprocess.run(
+      ['bash', str(ROOT / 'scripts' / 'hf_venv.sh')], capture_output=True, text=True,
+      timeout=1800, check=False)
+  if out.returncode != 0 and 'no Python 3.11 found' in out.stderr and not os.environ.get('CI'):
+    pytest.skip('the Hugging Face client venv needs Python 3.11 (scripts/hf_venv.sh): none here')
+  assert out.returncode == 0, f'scripts/hf_venv.sh failed:\n{out.stderr[-5000:]}'
+  return out.stdout.strip().splitlines()[-1]

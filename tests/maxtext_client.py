@@ -619,7 +619,8 @@ def job_family_case(job, out_dir):
       'local_rope_max_timescale', 'rope_linear_scaling_factor', 'num_experts',
       'num_experts_per_tok', 'moe_mlp_dim', 'norm_topk_prob', 'use_qk_norm',
       'final_logits_soft_cap', 'query_pre_attn_scalar', 'global_head_dim',
-      'global_num_kv_heads') if hasattr(cfg, k)}
+      'global_num_kv_heads', 'rope_use_scale', 'global_rope_max_timescale',
+      'global_rope_proportion', 'local_rope_proportion') if hasattr(cfg, k)}
   return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},

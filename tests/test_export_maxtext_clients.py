@@ -35,13 +35,27 @@ Tunix 0.1.7's models can match them (tunix_config says how): RoPE theta 1e6 for 
 scaling factor passed to Tunix's ModelConfig. MaxText's own converted weights, loaded by the
 same loader, must give the same logits (the reference chain holds without orbax_tunix).
 
-`transformers.AutoConfig` (MaxText venv) loads every exported config.json; the export gets
-`--hf-config` = MaxText's HF_MODEL_CONFIGS entry fitted to the tiny model (for gemma3 the
-multimodal `Gemma3ForConditionalGeneration` config, which the export turns into the text one).
+The export gets `--hf-config` = MaxText's HF_MODEL_CONFIGS entry fitted to the tiny model
+(for gemma3 the multimodal `Gemma3ForConditionalGeneration` config, which the export turns into
+the text one): tests/maxtext_client.py fits the dims and per-layer lists as MaxText's converter
+does, then this module (`tiny_hf_config`, TINY_HF_FIELDS) sets what that entry says otherwise
+than the tiny model computes (the export copies it): RoPE bases and scaling (llama3: base 1e6,
+no llama3.1 scaling, chosen so Tunix can match; qwen3_moe: 1e6; gemma3: global base 1e6, linear
+factor 8, local 10000), gemma3's query scale (head_dim), and gemma4's `per_layer_config` (left
+out, so transformers derives the global layers' heads from global_head_dim).
+
+`transformers.AutoConfig` (MaxText venv) loads every exported config.json, and `transformers`
+itself (tests/hf_client.py's `load` job in the Hugging Face venv, scripts/hf_venv.sh, started
+as tests/test_hf_clients.py starts it) loads every export, both sources, every family, scanned
+and unscanned: `AutoModelForCausalLM.from_pretrained` (float32, eager) as the family's class,
+with no missing, unexpected or mismatched key, computing the logits MaxText's model computed on
+the same tokens within HF_LOGITS_ATOL (gemma4 included: MaxText's own forward pass is the
+reference, not its converter).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 import subprocess
@@ -58,6 +72,7 @@ from tests.clients import client_env, subprocess_env
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAXTEXT_CLIENT = ROOT / 'tests' / 'maxtext_client.py'
 TUNIX_CLIENT = ROOT / 'tests' / 'tunix_client.py'
+HF_CLIENT = ROOT / 'tests' / 'hf_client.py'
 WORKER_TIMEOUT = 1200
 CLI_TIMEOUT = 600
 STEP = 3  # the step both sources are saved at
@@ -65,6 +80,14 @@ STEP = 3  # the step both sources are saved at
 # export may round it differently (a quotient, or a product by the reciprocal): 1 ulp.
 ONE_ULP = {'model.embed_tokens.weight'}
 LOGITS_TOL = 2e-4  # float32 logits of two implementations (|logits| ~ 1..30)
+# transformers (torch, CPU) vs MaxText (XLA, CPU), both float32, same weights and tokens: the
+# same sums in other orders and kernels. Measured (transformers 5.24, torch 2.13 vs MaxText
+# 0.2.5, jax 0.10.2) on logits of at most ~2 in size: <= 1.3e-6 for llama3, qwen3, qwen3_moe
+# and gemma3, <= 4.6e-6 for gemma4 (12 layers, 256/512-wide heads). 2e-5 keeps a >4x margin,
+# while a config that describes another model moves them far more: llama3.1's frequency
+# scaling by 1.2e-2, RoPE base 1e7 for 1e6 (qwen3_moe) by 5.4e-3, gemma3's query scale and
+# global RoPE base by 0.18.
+HF_LOGITS_ATOL = 2e-5
 
 # The tiny dims every family shares (all distinct: emb 36, q 4×8=32, kv 2×8=16, mlp 40,
 # vocab 72; seq 16); head_dim 8 except gemma4's. emb 36: sqrt(36) = 6 is a bfloat16, so
@@ -97,6 +120,63 @@ FORMS = {'scan': True, 'unscan': False}
 SOURCES = ('tunix', 'maxtext')
 CASES = [f'{fam}_{form}' for fam in FAMILIES for form in FORMS]
 EXPORTS = [f'{case}_{src}' for case in CASES for src in SOURCES]
+
+
+def _rope(theta: float, rope_type: str = 'default', **more) -> dict:
+  return {'rope_type': rope_type, 'rope_theta': theta, **more}
+
+
+def _qwen3(c: dict) -> dict:
+  return {'rope_parameters': _rope(c['rope_max_timescale'])}
+
+
+def _llama3(c: dict) -> dict:
+  assert not c['rope_use_scale'], 'the tiny llama3 has no llama3.1 frequency scaling'
+  return {'rope_parameters': _rope(c['rope_max_timescale'])}
+
+
+# A field tiny_hf_config removes from the text config.
+DROP = object()
+# case family -> the text-config fields that describe the tiny MaxText model (from its MaxText
+# config, `c`) where the HF config tests/maxtext_client.py fits (MaxText's HF_MODEL_CONFIGS
+# entry; `_validate_or_update_architecture` fits only the dims) describes another model: the
+# RoPE bases and scaling (llama3: 1e6, no llama3.1 scaling; qwen3_moe: 1e6 where
+# Qwen3-30B-A3B-2507 says 1e7; gemma3: global base 1e6 where MaxText's entry says 10000),
+# gemma3's query scale (MaxText's gemma3-4b scales queries by head_dim**-0.5, transformers by
+# query_pre_attn_scalar**-0.5), and gemma4's `per_layer_config`: the fitting leaves it null,
+# which transformers 5 reads as "no per-layer overrides" (global layers at head_dim 256, the
+# export's 512-wide global weights refused as mismatched); absent, transformers derives it from
+# global_head_dim and num_global_key_value_heads.
+TINY_HF_FIELDS = {
+    'llama3': _llama3, 'qwen3_tied': _qwen3, 'qwen3_untied': _qwen3, 'qwen3_moe': _qwen3,
+    'gemma3': lambda c: {
+        'query_pre_attn_scalar': c['head_dim'],
+        'rope_parameters': {
+            'full_attention': _rope(c['rope_max_timescale'], 'linear',
+                                    factor=c['rope_linear_scaling_factor']),
+            'sliding_attention': _rope(c['local_rope_max_timescale'])}},
+    'gemma4': lambda c: {'per_layer_config': DROP, 'rope_parameters': {
+        'full_attention': _rope(c['global_rope_max_timescale'], 'proportional',
+                                partial_rotary_factor=c['global_rope_proportion']),
+        'sliding_attention': _rope(c['local_rope_max_timescale'])}},
+}
+# case family -> the class AutoModelForCausalLM builds from the export's config.json.
+HF_CLASSES = {'llama3': 'LlamaForCausalLM', 'qwen3_tied': 'Qwen3ForCausalLM',
+              'qwen3_untied': 'Qwen3ForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM',
+              'gemma3': 'Gemma3ForCausalLM', 'gemma4': 'Gemma4ForCausalLM'}
+
+
+def tiny_hf_config(case: str, hf_config: dict, cfg: dict) -> dict:
+  """MaxText's HF config fitted to the tiny model `cfg` (its MaxText config keys): a copy with
+  TINY_HF_FIELDS set in its text config."""
+  out = copy.deepcopy(hf_config)
+  text = out.get('text_config') or out
+  for field, value in TINY_HF_FIELDS[case.rsplit('_', 1)[0]](cfg).items():
+    if value is DROP:
+      text.pop(field, None)
+    else:
+      text[field] = value
+  return out
 
 
 def tunix_config(case: str, cfg: dict) -> dict:
@@ -213,9 +293,14 @@ def run(maxtext_python, tunix_pkgs, tmp_path_factory):
       if not (r and r['ok']):
         continue
       model = FAMILIES[case.rsplit('_', 1)[0]][1]
+      hf_config = work / case / 'hf_config_tiny'
+      hf_config.mkdir()
+      base = json.loads((pathlib.Path(r['hf_config']) / 'config.json').read_text())
+      (hf_config / 'config.json').write_text(
+          json.dumps(tiny_hf_config(case, base, r['config']), indent=2) + '\n')
       for src in SOURCES:
         futures[f'{case}_{src}'] = pool.submit(
-            export, pathlib.Path(r[src]), work / f'{case}_{src}_hf', model, r['hf_config'])
+            export, pathlib.Path(r[src]), work / f'{case}_{src}_hf', model, str(hf_config))
     for name, f in futures.items():
       exports[name] = f.result()
   for case in CASES:
@@ -243,6 +328,25 @@ def run(maxtext_python, tunix_pkgs, tmp_path_factory):
   for w in (maxtext, tunix):
     w.finish(max(60.0, deadline - time.time()))
   return Run(work, maxtext, tunix, exports)
+
+
+@pytest.fixture(scope='module')
+def hf(run, hf_python) -> clients.Worker:
+  """transformers (tests/hf_client.py in the Hugging Face venv) loads every export (job
+  `load`) and computes its logits on the tokens MaxText's model was given."""
+  (run.work / 'hf_out').mkdir()
+  worker = clients.Worker('transformers', hf_python, HF_CLIENT, run.work / 'hf_out',
+                          run.work / 'hf.log', env=subprocess_env())
+  for name in EXPORTS:
+    r = run.maxtext.results.get(f"case_{name.rsplit('_', 1)[0]}")
+    e = run.exports.get(name)
+    if not (r and r['ok'] and e and e['rc'] == 0):
+      continue  # the test names what is missing
+    with np.load(r['npz']) as z:
+      tokens = z['tokens'].tolist()
+    worker.send({'id': f'load_{name}', 'job': 'load', 'dir': str(e['out']), 'tokens': tokens})
+  worker.finish(WORKER_TIMEOUT)
+  return worker
 
 
 # --------------------------------------------------------------------------- #
@@ -348,3 +452,19 @@ def test_e_tunix_loads_the_export_and_computes_maxtexts_logits(run, name):
   want = run.arrays(run.maxtext, f'case_{case}')['logits']
   got = run.arrays(run.tunix, f'load_{name}')['logits']
   np.testing.assert_allclose(got, want, rtol=LOGITS_TOL, atol=LOGITS_TOL)
+
+
+@pytest.mark.parametrize('name', EXPORTS)
+def test_f_transformers_loads_the_export_and_computes_maxtexts_logits(run, hf, name):
+  """AutoModelForCausalLM.from_pretrained (float32, eager) loads every export with no missing,
+  unexpected or mismatched key, as the family's class, and computes MaxText's logits."""
+  case = name.rsplit('_', 1)[0]
+  run.exported(name)
+  r = run.result(hf, f'load_{name}')
+  bad = {k: v for k, v in r['loading_info'].items() if v}
+  assert not bad, f'{name}: transformers loaded it with {bad}'
+  assert r['model_class'] == HF_CLASSES[case.rsplit('_', 1)[0]], r['model_class']
+  want = run.arrays(run.maxtext, f'case_{case}')['logits']
+  got = run.arrays(hf, f'load_{name}')['logits']
+  assert np.abs(want).max() > 0.1, f'{name}: degenerate MaxText logits'
+  np.testing.assert_allclose(got, want, rtol=0, atol=HF_LOGITS_ATOL, err_msg=name)

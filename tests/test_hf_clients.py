@@ -14,7 +14,8 @@ from the `--merge-lora` export (itself checked against a float32 hand merge and 
 merged saver in tests/test_export_hf.py), vLLM's rules as vLLM states them.
 
 What the tests hold the exports to:
-  (a) every full export (each Tunix family; each --merge-lora export) loads in
+  (a) every full export (each Tunix family, every registered family having a fixture; each
+      --merge-lora export) loads in
       `AutoModelForCausalLM.from_pretrained` with no missing, unexpected or mismatched key, as
       the family's class, and computes the Tunix model's logits within LOGITS_RTOL; where
       google-tunix 0.1.7 computes otherwise than transformers reads the config (TRAINER_FACTS),
@@ -33,7 +34,6 @@ import concurrent.futures
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -133,21 +133,6 @@ def hub_config(name: str) -> dict:
 
 def base_family(name: str) -> str:
   return FAMILY_FIXTURES[manifest(name)['lora']['base'] if manifest(name).get('lora') else name]
-
-
-@pytest.fixture(scope='session')
-def hf_python() -> str:
-  """The Hugging Face client venv's python (scripts/hf_venv.sh, built on first use).
-
-  Skipped only where no Python 3.11 can be found to build it, and never on CI.
-  """
-  out = subprocess.run(
-      ['bash', str(ROOT / 'scripts' / 'hf_venv.sh')], capture_output=True, text=True,
-      timeout=1800, check=False)
-  if out.returncode != 0 and 'no Python 3.11 found' in out.stderr and not os.environ.get('CI'):
-    pytest.skip('the Hugging Face client venv needs Python 3.11 (scripts/hf_venv.sh): none here')
-  assert out.returncode == 0, f'scripts/hf_venv.sh failed:\n{out.stderr[-5000:]}'
-  return out.stdout.strip().splitlines()[-1]
 
 
 class Runs:
@@ -323,6 +308,14 @@ def safetensors_names(folder: pathlib.Path) -> dict[str, tuple[int, ...]]:
 # --------------------------------------------------------------------------- #
 # a. full exports in transformers
 # --------------------------------------------------------------------------- #
+def test_a_every_family_has_a_full_export_loaded():
+  """Each registered Hugging Face family has a Tunix fixture whose full export transformers
+  loads below (MaxText models: tests/test_export_maxtext_clients.py)."""
+  from orbax_tunix.mapping import huggingface
+  assert set(huggingface.names()) <= set(FAMILY_FIXTURES.values()), (
+      sorted(set(huggingface.names()) - set(FAMILY_FIXTURES.values())))
+
+
 @pytest.mark.parametrize('name', FAMILY_FIXTURES)
 def test_a_full_export_loads_in_transformers_as_the_tunix_model(hf, name):
   r = hf.hf_result(f'load_full_{name}', f'full_{name}')

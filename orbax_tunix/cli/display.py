@@ -428,7 +428,7 @@ def _lora_uses(base_weights: bool, targets: Sequence[str]) -> str:
   """`LORA_USES`: a MaxText model's adapters alone take their kernels' shapes from the base
   model's config (qwix flattened them), so --peft needs --base-model FOLDER there."""
   uses = LORA_USES[base_weights]
-  maxtext = huggingface.source_kind([tuple(t.split('/')) for t in targets]) == huggingface.MAXTEXT
+  maxtext = huggingface.source_kind([tuple(t.split('/')) for t in targets]) == huggingface.MAXTEXT_MODEL
   if base_weights or not maxtext:
     return uses
   return uses.replace('--lora-alpha A (a PEFT adapter',
