@@ -3,7 +3,6 @@
 When an Orbax upgrade moves one of them, the test naming it fails here.
 """
 
-import asyncio
 import inspect
 import json
 
@@ -200,17 +199,7 @@ def test_tidy_failures_drains_what_a_failed_call_left():
   closes; outside, it is left pending, as Orbax leaves it."""
   from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
 
-  def failing_call(started):
-    async def sibling():
-      await asyncio.sleep(60)
-
-    async def call():
-      started.append(asyncio.ensure_future(sibling()))
-      await asyncio.sleep(0)
-      raise RuntimeError('one read failed')
-
-    return call()
-
+  from tests.test_store_helpers import failing_call  # pylint: disable=g-import-not-at-top
   tidy, untidy = [], []
   with _orbax.tidy_failures(), pytest.raises(RuntimeError, match='one read failed'):
     asyncio_utils.run_sync(failing_call(tidy))

@@ -5,6 +5,7 @@ import asyncio
 import errno
 import os
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -67,9 +68,9 @@ def test_headers_and_chunk_keys_are_what_tensorstore_writes(tmp_path, driver, wr
     assert keys == chunks | {zarr_format.header_name(zarr3)}
 
 
-def test_run_tidily_drains_what_a_failed_coroutine_left():
-  started = []
-
+def failing_call(started: list) -> Any:
+  """A coroutine that fails and leaves a sibling task pending (appended to `started`), as
+  Orbax's gather of array reads does when one read fails."""
   async def sibling():
     await asyncio.sleep(60)
 
@@ -78,12 +79,18 @@ def test_run_tidily_drains_what_a_failed_coroutine_left():
     await asyncio.sleep(0)
     raise RuntimeError('one read failed')
 
+  return call()
+
+
+def test_run_tidily_drains_what_a_failed_coroutine_left():
+  started = []
+
   async def answer():
     return 42
 
   assert loops.run_tidily(answer()) == 42
   with pytest.raises(RuntimeError, match='one read failed'):
-    loops.run_tidily(call())
+    loops.run_tidily(failing_call(started))
   assert started[0].cancelled()
 
 
