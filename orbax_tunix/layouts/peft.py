@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
@@ -130,9 +131,18 @@ def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
              f' the rest {columns}'))
 
 
+def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
+  """The `base_model` folder and its config.json as read (once for the whole layout), or
+  None: no base model, or a Hub name (as transformers takes it: a folder if there is one)."""
+  if base_model is None:
+    return None
+  folder = fileio.as_path(base_model)
+  return (folder, _base_config(folder)) if folder.is_dir() else None
+
+
 def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
                  adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
-                 base_model: str | None, axis: int, where: str
+                 base_folder: tuple[epath.Path, object] | None, axis: int, where: str
                  ) -> tuple[dict[Path, tuple[int, ...]], Mapping[str, object] | None]:
   """For a save of adapters alone: each adapted weight's stored shape, as the `base_model`
   folder's config.json gives it (the naming's `axes`), and the text model's config fields
@@ -142,12 +152,9 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
     UnsupportedLayoutError: a config whose fields do not fit the adapters (every weight
       named, with the field, what the adapters expect and what the config has).
   """
-  if not naming.axes or base_model is None:
+  if not naming.axes or base_folder is None:
     return {}, None
-  folder = fileio.as_path(base_model)
-  if not folder.is_dir():
-    return {}, None
-  values = _base_config(folder)
+  folder, values = base_folder
   text = values.get('text_config', values) if isinstance(values, dict) else None
   if not isinstance(text, dict):
     return {}, None  # _names_for_base refuses it, naming what it is.
@@ -211,8 +218,9 @@ _UNTOLD = ('num_hidden_layers', 'tie_word_embeddings')
 
 
 def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
-                    base_model: str | None, shapes: Mapping[Path, tuple[int, ...]], full: bool,
-                    where: str) -> tuple[Callable[[str], str], list[str]]:
+                    base_model: str | None, base_folder: tuple[epath.Path, object] | None,
+                    shapes: Mapping[Path, tuple[int, ...]], full: bool, where: str
+                    ) -> tuple[Callable[[str], str], list[str]]:
   """The modules' names as the base model's class holds them, and notes.
 
   A `base_model` folder's config.json is checked against the weights as a model export
@@ -229,10 +237,9 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
 
   if base_model is None:
     return same, []
-  folder = fileio.as_path(base_model)
-  if not folder.is_dir():  # As transformers takes it: a folder if there is one, else a name.
+  if base_folder is None:
     return same, [f'base model {base_model!r} is no folder here: its config is not checked']
-  values = _base_config(folder)
+  folder, values = base_folder
   config = str(folder / 'config.json')
   try:
     huggingface.check_config(family, values, shapes, config, skip=() if full else _UNTOLD)
@@ -290,8 +297,9 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
     _family_rules(family, naming, model_shapes, where)
+  base_folder = _base_folder(request.base_model)
   told, text = ({}, None) if base else _told_shapes(
-      family, naming, adapters, leaves, request.base_model, axis, where)
+      family, naming, adapters, leaves, base_folder, axis, where)
   problems: list[str] = []
   arranged: dict[Path, lora.Contraction] = {}
   for weight, adapter in sorted(adapters.items()):
@@ -318,7 +326,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         ' export the adapter from a save with the base weights beside them, or the merged'
         ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
   rename, config_notes = _names_for_base(
-      family, naming, request.base_model,
+      family, naming, request.base_model, base_folder,
       model_shapes if base else {p: m.shape for p, m in per_layer.items()}, bool(base), where)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]

@@ -720,10 +720,12 @@ def _f32_sqrt(hidden: int) -> float:
   return float(np.float32(math.sqrt(hidden)))
 
 
-# Gemma 4's global layers (transformers' `per_layer_config`): their own head_dim and kv heads.
+# Gemma 4's global layers (transformers' `per_layer_config`): their own head_dim and kv heads,
+# and no value kernel (their keys are their values: the k_eq_v note holds there only).
+_MT_VALUE = f'{MT_LAYER}/self_attention/value/kernel'
 _GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
                             'num_key_value_heads': 'num_global_key_value_heads'},
-                           without=(f'{MT_LAYER}/self_attention/value/kernel',))
+                           without=(_MT_VALUE,))
 
 
 def _maxtext_gemma4() -> Naming:
@@ -762,7 +764,7 @@ def _maxtext_gemma4() -> Naming:
                 stacks=stacks_lib.local_global(6),
                 architecture='Gemma4ForCausalLM', model_type='gemma4_text',
                 lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
-                    note=K_EQ_V_NOTE, without=f'{MT_LAYER}/self_attention/value/kernel')},
+                    note=K_EQ_V_NOTE, without=_MT_VALUE)},
                 axes=_MT_AXES, layer_types={'full_attention': _GEMMA4_GLOBAL},
                 # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
                 # (it also makes the last layer global; MaxText's remainder layers are local).
