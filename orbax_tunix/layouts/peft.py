@@ -351,7 +351,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       continue
     module = rename(name[:-len(peft.WEIGHT)])
     modules[module] = (adapter.rank, scales[weight])
-    note = naming.lora_weight(layer_path).note_for(layer_path, has)
+    note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
     if note:
       said.setdefault(note, []).append(module)
     a_name, b_name = peft.tensor_names(module)

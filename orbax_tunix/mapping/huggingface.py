@@ -181,26 +181,15 @@ class LoraWeight:
   note: str | None = None
   without: str | None = None
 
-  def note_for(self, path: Path, has: Callable[[Path], bool] | None) -> str | None:
-    """The note, where it holds for the weight at `path` (per-layer form) of a model that
-    `has` the weights it has (None: not known, and a conditional note is not said)."""
+  def note_for(self, number: int | None, has: Callable[[Path], bool] | None) -> str | None:
+    """The note, where it holds for a weight of layer `number` (None: of no layer) of a model
+    that `has` the weights it has (None: not known, and a conditional note is not said)."""
     if self.without is None or self.note is None:
       return self.note
-    number = _layer_number(path)
     if has is None or number is None:
       return None
     without = Pattern.parse(self.without.split('/')).expand({'i': [str(number)]})
     return None if any(has(p) for p in without) else self.note
-
-
-def _layer_number(path: Path) -> int | None:
-  """The `i` of a per-layer path (`decoder/layers_{i}/...`, `layers/{i}/...`), or None."""
-  for n, key in enumerate(path):
-    number = key.removeprefix('layers_') if key.startswith('layers_') else (
-        path[n + 1] if key == 'layers' and n + 1 < len(path) else None)
-    if number is not None and number.isdigit():
-      return int(number)
-  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,9 +281,14 @@ class Naming:
     instead = self.layer_type(path, config).fields
     return tuple(instead.get(f, f) for f in fields)
 
+  def layer_number(self, path: Path) -> int | None:
+    """The number of the layer the weight at `path` (per-layer form) is in, or None."""
+    match = Pattern.parse((*self.layer, '...')).match(path)
+    return int(match[0]['i']) if match else None
+
   def layer_type(self, path: Path, config: Mapping[str, object]) -> LayerType:
     """How the layer of the weight at `path` reads `config` (its `layer_types` entry)."""
-    i, kinds, kind = _layer_number(path), config.get('layer_types'), None
+    i, kinds, kind = self.layer_number(path), config.get('layer_types'), None
     if i is not None and isinstance(kinds, list) and i < len(kinds):
       kind = kinds[i]
     elif i is not None and self.default_layer_type is not None:
@@ -304,7 +298,7 @@ class Naming:
   def has(self, path: Path, config: Mapping[str, object]) -> bool:
     """Whether a model of `config` has the weight at `path` as far as its layer's kind says
     (a save of adapters alone tells no other weight)."""
-    without, number = self.layer_type(path, config).without, _layer_number(path)
+    without, number = self.layer_type(path, config).without, self.layer_number(path)
     if number is None:
       return True
     return not any(path in Pattern.parse(w.split('/')).expand({'i': [str(number)]})
