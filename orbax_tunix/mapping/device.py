@@ -186,7 +186,7 @@ class _Direct:
 
   @property
   def reads(self) -> tuple[tuple[Input, ReadRequest], ...]:
-    return ((self.outputs[0].inputs[0], self.request),)
+    return ((_source(self), self.request),)
 
 
 @dataclasses.dataclass(frozen=True)
