@@ -28,7 +28,6 @@ from orbax_tunix import maxtext
 from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.keypaths import flatten, fmt
 from orbax_tunix.maxtext import optimizer as maxtext_optimizer
-from orbax_tunix.maxtext import plan as maxtext_plan
 from tests import builders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -347,7 +346,7 @@ def test_rng_variables_left_out_without_nnx_aux(tunix_data, mesh, caplog):
   caplog.set_level(logging.INFO, logger='orbax_tunix')
   abstract = abstract_state(RngModel(), adamw(), mesh)
   plan = maxtext.plan_restore(tunix_data / 'rng_vars', abstract)
-  assert not any('rngs' in p for s in plan.reads.values() for p in s.path)
+  assert not any('rngs' in s for m in plan.leaves.values() for s in m.sources[0])
   maxtext.restore_train_state(tunix_data / 'rng_vars', abstract)
   assert any('6 RNG/non-weight variables' in r.getMessage() for r in caplog.records)
 
@@ -387,9 +386,10 @@ def test_plan_reads_each_array_once(tunix_data, mesh):
   assert len(sources['optimizer_state']) == 1 + 1 + 2 * 14  # step, adam count, mu, nu
   assert list(plan.fills) == [('opt_state', '1', '2', 'count')]
   w = ('layers', '0', 'attn', 'q_proj', 'w')
-  assert plan.reads[('opt_state', '1', '0', 'mu', 'params') + w] == maxtext_plan.Source(
-      'optimizer_state', ('opt_state', '1', '0', 'mu') + w)
-  assert plan.reads[('params', 'params') + w] == maxtext_plan.Source('model_params', w)
+  mu = plan.leaves[('opt_state', '1', '0', 'mu', 'params') + w]
+  assert mu.sources == (('optimizer_state', 'opt_state', '1', '0', 'mu') + w,)
+  assert mu.transform.is_identity
+  assert plan.leaves[('params', 'params') + w].sources == (('model_params',) + w,)
   assert 'fill opt_state/1/2/count' in plan.describe()
 
 

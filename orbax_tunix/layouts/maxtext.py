@@ -158,15 +158,15 @@ def _outputs(request: Request, plan: RestorePlan, target: dict) -> tuple[Output,
   leaves = {(leaf.item, leaf.path): leaf for leaf in source.leaves}
 
   def input_of(s):
-    return Input(source, leaves[(s.item, s.path)])
+    return Input(source, leaves[(s[0], s[1:])])
 
-  def made_as(path, s):  # Counts and step as MaxText has them; the rest as stored (cast).
+  def made_as(path, m):  # Counts and step as MaxText has them; the rest as stored (cast).
     fixed = target[path].dtype
-    dtype = fixed if s is None or np.issubdtype(fixed, np.integer) else reader.cast_dtype(
-        leaves[(s.item, s.path)], request.dtype)
+    dtype = fixed if not m.sources or np.issubdtype(fixed, np.integer) else reader.cast_dtype(
+        input_of(m.sources[0]).leaf, request.dtype)
     return jax.ShapeDtypeStruct(target[path].shape, dtype)
 
-  return plan.outputs(input_of, {p: made_as(p, plan.first_source(p)) for p in target})
+  return plan.outputs(input_of, {p: made_as(p, m) for p, m in plan.leaves.items()})
 
 
 def lay_out(request: Request) -> LaidOut:
@@ -202,7 +202,7 @@ def lay_out(request: Request) -> LaidOut:
   sequences, empty = train_state.containers()
   item = ItemOutput(ITEM, _outputs(request, plan, target), sequences=sequences, empty=empty,
                     zarr3=True)
-  notes = list(first) + [f'{fmt(p)}: filled from {f.describe()}'
+  notes = list(first) + [f'{fmt(p)}: filled from {f}'
                          for p, f in sorted(plan.fills.items())]
   notes += [n for n in plan.left_out if 'RNG' not in n]
   return LaidOut((item,), tuple(notes), _scan_record(laid))

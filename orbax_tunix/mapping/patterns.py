@@ -180,11 +180,12 @@ class LayoutRule:
 
 @dataclasses.dataclass(frozen=True)
 class Mapped:
-  """One destination: its source paths (in order) and the transform joining them."""
+  """One destination: its source paths (in order) and the transform joining them (its
+  shape None when its source's is not known: see `map_paths`)."""
 
   sources: tuple[Path, ...]
   transform: Transform
-  shape: Shape
+  shape: Shape | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +209,9 @@ def map_paths(
   Each source is taken by the first rule that matches it.
 
   Args:
-    shapes: source path -> shape.
+    shapes: source path -> shape; None where it is not known (then only a rule
+      with the identity transform may take it, and its destination's shape is
+      None: a caller checks it against the store later).
     rules: the rules, in order.
     where: what the sources are, for messages (e.g. a step directory).
 
@@ -257,6 +260,9 @@ def map_paths(
       )
       continue
     paths = tuple(p for _, p in sources)
+    if transform.is_identity and shapes[paths[0]] is None:
+      outputs[dest] = Mapped(paths, transform, None)
+      continue
     try:
       shape = transform.check([shapes[p] for p in paths])
     except TransformError as e:
@@ -278,6 +284,20 @@ def _add(made, dest, transform, gathered, order, path, problems) -> None:
     problems.append(f'{fmt(dest)}: made from both {fmt(entry[2][0][1])} and {fmt(path)}')
   else:
     entry[2].append((order, path))
+
+
+def nested(rules: Sequence[LayoutRule], source: Path, dest: Path) -> tuple[LayoutRule, ...]:
+  """The rules applied below a node: each source pattern under the keys `source`, each
+  destination under `dest` (keys taken literally), e.g. a model's layer rules for its
+  weights inside an optimizer's `mu`."""
+  def literal(keys: Path) -> tuple[Key, ...]:
+    return tuple(Key(k, (), None, spec=k) for k in keys)
+
+  return tuple(dataclasses.replace(
+      rule,
+      source=dataclasses.replace(rule.source, keys=literal(source) + rule.source.keys),
+      dests=tuple((dataclasses.replace(p, keys=literal(dest) + p.keys), t) for p, t in rule.dests),
+  ) for rule in rules)
 
 
 def under(prefix: Path, mapping: PathMap) -> dict[Path, Mapped]:

@@ -15,12 +15,12 @@ import numpy as np
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.keypaths import flatten, fmt
+from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.mapping import device, merge
 from orbax_tunix.mapping.outputs import Input
-from orbax_tunix.maxtext.plan import RestorePlan, Source, plan_restore, require_target
+from orbax_tunix.maxtext.plan import RestorePlan, plan_restore, require_target
 from orbax_tunix.reading import reader
-from orbax_tunix.reading.read_requests import args_by_path, stored_shape
+from orbax_tunix.reading.read_requests import args_by_path
 from orbax_tunix.view.detection import Detection
 
 PyTree = Any
@@ -47,26 +47,22 @@ def execute_plan(
   """
   pairs, treedef = flatten(abstract_state)
   given = args_by_path(restore_args)
-  targets = {p: device.Target.of(leaf, given.get(p)) for p, leaf in pairs
-             if plan.planned(p)}
-  # The plan checked every path and shape: the sources' shapes are the targets' or
-  # the stored ones it recorded (no metadata read again).
+  targets = {p: device.Target.of(leaf, given.get(p)) for p, leaf in pairs if p in plan.leaves}
+  # The plan checked every path and shape: the sources' shapes are its (no metadata
+  # read again).
   step = reader.CanonicalCheckpoint(plan.detection, {}, {})
-  shapes = {s: shape for d in plan.derived.values()
-            for s, shape in zip(d.sources, d.shapes, strict=True)}
-  shapes.update((s, stored_shape(targets[p].abstract)) for p, s in plan.reads.items())
 
-  def input_of(source: Source) -> Input:
-    disk = plan.detection.maps[source.item].canonical_to_disk[source.path]
-    return Input(step, reader.LeafInfo(source.item, source.path, disk,
-                                       shapes.get(source, ()), None))
+  def input_of(source: Path) -> Input:
+    item, path = source[0], source[1:]
+    disk = plan.detection.maps[item].canonical_to_disk[path]
+    return Input(step, reader.LeafInfo(item, path, disk, plan.shapes.get(source, ()), None))
 
   values = device.execute(plan.outputs(input_of, {p: t.abstract for p, t in targets.items()}),
                           targets)
   for path, fill in sorted(plan.fills.items() if logger.isEnabledFor(logging.INFO) else ()):
     # A count is replicated: any local shard holds it (multi-process too).
     number = np.asarray(values[path].addressable_data(0)).item()
-    logger.info('%s: filled with %d from %s', fmt(path), number, fill.describe())
+    logger.info('%s: filled with %d from %s', fmt(path), number, fill)
   for note in plan.left_out:
     logger.info('%s: left out of the MaxText state: %s', plan.step_dir, note)
   return jax.tree_util.tree_unflatten(treedef, [values.get(p, leaf) for p, leaf in pairs])

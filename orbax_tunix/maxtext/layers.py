@@ -23,8 +23,9 @@ def relayout(
     axis: int | None = None,
     *,
     where: str = '',
-) -> dict[Path, Mapped]:
-  """The target weights the source holds in the other form, and how to make them.
+) -> tuple[tuple[patterns.LayoutRule, ...], dict[Path, Mapped]]:
+  """The rules laying the source's decoder layers out as the target's, and the target
+  weights the source holds in the other form, each with how it is made.
 
   Args:
     source: the checkpoint's weights (canonical paths) -> shapes.
@@ -34,9 +35,9 @@ def relayout(
     where: the checkpoint, for messages.
 
   Returns:
-    target weight -> `Mapped` (its sources and transform) for each target
-    weight that is not in the source as it is but is the other form of some;
-    {} when the two sides are in one form.
+    (the layer rules, `stacks.rules`, or `stacks.AS_STORED` alone when the two
+    sides are in one form; target weight -> `Mapped` (its sources and
+    transform) for each target weight that is the other form of some).
 
   Raises:
     LayerScanMismatchError: the forms differ, but a layer count differs
@@ -45,11 +46,9 @@ def relayout(
   """
   stacks.check_axis(axis)
   missing = [t for t in target if t not in source]
-  if not missing:
-    return {}
   want, have = stacks.form_of(missing), stacks.form_of(p for p in source if p not in target)
-  if want is None or have is None or want == have:
-    return {}
+  if not missing or want is None or have is None or want == have:
+    return (stacks.AS_STORED,), {}
   stored = {p: s for p, s in source.items() if stacks.form_of([p]) == have}
   if have == stacks.SCANNED:
     axis = stacks.check_stacked(stored, axis, where,
@@ -61,8 +60,9 @@ def relayout(
     axis = stacks.DEFAULT_AXIS if stacks.DEFAULT_AXIS in fits or len(fits) != 1 else fits[0]
   else:
     stacks.check_unscanned(stored, where)
+  rules = stacks.rules(want, axis)
   try:
-    mapped = patterns.map_paths(stored, stacks.rules(want, axis), where=where).outputs
+    mapped = patterns.map_paths(stored, rules, where=where).outputs
   except errors.UnsupportedLayoutError as e:
     raise LayerScanMismatchError(
         f'{where}: the checkpoint is {have.upper()} and the target {want.upper()}, but the'
@@ -93,4 +93,4 @@ def relayout(
     parts.append('Build the target with the number of layers and the param_scan_axis the run'
                  ' trained with.')
     raise LayerScanMismatchError('\n'.join(parts))
-  return found
+  return rules, found

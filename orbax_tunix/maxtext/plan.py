@@ -1,5 +1,10 @@
 """Planning: where every leaf of a MaxText target comes from, worked out once.
 
+MaxText's train state is layout rules over the Tunix step's canonical leaves
+(`train_state`'s: the weights under `params/params`, non-weight variables under
+`nnx_aux`, the step, and each optimizer state matched between the two sides,
+its `mu`/`nu` laid out by the weights' own layer rules), applied by the planner
+every layout uses (`patterns.map_paths`); what Tunix never wrote is filled.
 `make_plan` is a pure function of the checkpoint's view and the target's key
 paths and shapes; `plan_restore` gathers both from a path. Every mismatch is
 reported here, before any array is read.
@@ -8,25 +13,19 @@ reported here, before any array is read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.mapping import stacks
+from orbax_tunix.mapping import patterns, stacks
 from orbax_tunix.mapping.outputs import Input, Output
-from orbax_tunix.mapping.patterns import Mapped
-from orbax_tunix.mapping.transforms import IDENTITY, Transform, constant
-from orbax_tunix.maxtext import layers
-from orbax_tunix.maxtext.optimizer import (
-  OptState,
-  align_states,
-  chain_order,
-  opt_states,
-  split_opt_path,
-)
+from orbax_tunix.mapping.patterns import LayoutRule, Mapped
+from orbax_tunix.mapping.transforms import IDENTITY, constant
+from orbax_tunix.maxtext import layers, train_state
+from orbax_tunix.maxtext.optimizer import align_states, chain_order, opt_states, split_opt_path
 from orbax_tunix.maxtext.train_state import COLLECTION, OPT_STATE, PARAMS, STEP
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
@@ -36,62 +35,19 @@ from orbax_tunix.view.detection import Detection, detect, wanted_items
 
 PyTree = Any
 
-_TUNIX_STEP = conventions.OPTIMIZER_STEP
+MODEL, OPTIMIZER = conventions.MODEL_ITEM, conventions.OPTIMIZER_ITEM
+_TUNIX_STEP = (OPTIMIZER, *conventions.OPTIMIZER_STEP)
 # A state Tunix may not have written but whose value is known: a schedule's
 # `count` (ScaleByScheduleState) is the number of steps taken.
 _STEP_COUNTER_FIELDS = (('count', False),)
 
 
+def source_name(source: Path) -> str:
+  """A source leaf, `(item, *canonical path)`, for people: 'item:path'."""
+  return f'{source[0]}:{fmt(source[1:])}'
+
+
 # --- the plan --------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Source:
-  """One leaf of a Tunix item, by its canonical path."""
-
-  item: str
-  path: Path
-
-  def __str__(self) -> str:
-    return f'{self.item}:{fmt(self.path)}'
-
-
-@dataclasses.dataclass(frozen=True)
-class Fill:
-  """A target leaf Tunix never wrote, computed instead of read.
-
-  Attributes:
-    source: the leaf whose value it takes (the optimizer's step), or None.
-    value: the value when there is no source (the step directory's number).
-    reason: why this is right, for the log.
-  """
-
-  source: Source | None
-  value: int | None
-  reason: str
-
-  def describe(self) -> str:
-    origin = f"the checkpoint's {self.source}" if self.source else f'{self.value}'
-    return f'{origin} ({self.reason})'
-
-
-@dataclasses.dataclass(frozen=True)
-class Derived:
-  """A target leaf made from several Tunix leaves, or from one by a transform.
-
-  Attributes:
-    sources: the leaves it is made from, in order (e.g. the layers to stack).
-    transform: how (see `transforms.py`); the result is cast to the target's dtype.
-  """
-
-  sources: tuple[Source, ...]
-  transform: Transform
-  shapes: tuple[Shape, ...] = ()
-
-  def __str__(self) -> str:
-    first = ', '.join(str(s) for s in self.sources[:2])
-    more = f', ... ({len(self.sources)} in all)' if len(self.sources) > 2 else ''
-    return f'{self.transform} of {first}{more}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +58,12 @@ class RestorePlan:
     step_dir: the Tunix step directory.
     detection: the step as detected (its items read once; execution reads
       through them without planning again).
-    reads: target leaf path -> the Tunix leaf it is read from.
-    derived: target leaf path -> the Tunix leaves it is made from and how
-      (a layer of a stacked weight, the layers stacked).
-    fills: target leaf path -> how it is filled (leaves Tunix never wrote).
+    leaves: each restored target leaf -> its sources (`(item, *canonical
+      path)`, in order) and the transform making it (`patterns.Mapped`): the
+      identity of one leaf, a layer of a stacked weight, the layers stacked, or
+      a constant.
+    shapes: each source -> its stored shape (checked against the store, or read).
+    fills: target leaves Tunix never wrote -> where their value comes from, and why.
     kept: target leaves returned as given (outside `params` when params_only;
       RNG variables the checkpoint does not hold in the target's form).
     left_out: what the checkpoint holds that the target does not take.
@@ -114,62 +72,34 @@ class RestorePlan:
 
   step_dir: epath.Path
   detection: Detection
-  reads: Mapping[Path, Source]
-  fills: Mapping[Path, Fill]
+  leaves: Mapping[Path, Mapped]
+  shapes: Mapping[Path, Shape]
+  fills: Mapping[Path, str]
   kept: frozenset[Path]
   left_out: tuple[str, ...] = ()
   notes: tuple[str, ...] = ()
-  derived: Mapping[Path, Derived] = dataclasses.field(default_factory=dict)
 
   def sources(self) -> dict[str, list[Path]]:
     """Tunix item -> the canonical paths read from it, each once, sorted."""
-    needed = set(self.reads.values())
-    needed.update(f.source for f in self.fills.values() if f.source is not None)
-    needed.update(s for d in self.derived.values() for s in d.sources)
     out: dict[str, list[Path]] = {}
-    for source in sorted(needed):
-      out.setdefault(source.item, []).append(source.path)
+    for source in sorted({s for m in self.leaves.values() for s in m.sources}):
+      out.setdefault(source[0], []).append(source[1:])
     return out
 
-  def planned(self, path: Path) -> bool:
-    """The target leaf is restored (read, made or filled), not kept as given."""
-    return path in self.reads or path in self.derived or path in self.fills
-
-  def first_source(self, path: Path) -> Source | None:
-    """The (first) leaf a target leaf is made from; None for a constant or a kept leaf."""
-    if path in self.reads:
-      return self.reads[path]
-    if path in self.derived:
-      return self.derived[path].sources[0]
-    fill = self.fills.get(path)
-    return None if fill is None else fill.source
-
   def outputs(
-      self, input_of: Callable[[Source], Input], targets: Mapping[Path, Any]
+      self, input_of: Callable[[Path], Input], targets: Mapping[Path, Any]
   ) -> tuple[Output, ...]:
-    """Every planned target leaf as an `Output`, the vocabulary both executors run
-    (`mapping.device` for a restore, the writer for a convert): a read is the
-    identity of its source, a derived leaf its transform of its sources, a fill
-    the identity of the leaf it takes or a constant.
+    """Every restored target leaf as an `Output`, the vocabulary the executor runs
+    (into device targets for a restore, into an item for a convert).
 
     Args:
-      input_of: a source leaf as an `Input` of the executor's.
+      input_of: a source leaf, `(item, *canonical path)`, as an `Input` of the executor's.
       targets: target path -> what it is made as (its `shape` and `dtype`).
     """
-    out = []
-    for path in sorted({*self.reads, *self.derived, *self.fills}):
-      if path in self.reads:
-        inputs, transform = (input_of(self.reads[path]),), IDENTITY
-      elif path in self.derived:
-        derived = self.derived[path]
-        inputs, transform = tuple(input_of(s) for s in derived.sources), derived.transform
-      else:
-        fill = self.fills[path]
-        inputs = () if fill.source is None else (input_of(fill.source),)
-        transform = IDENTITY if inputs else constant(fill.value)
-      target = targets[path]
-      out.append(Output(path, inputs, transform, tuple(target.shape), target.dtype))
-    return tuple(out)
+    return tuple(
+        Output(path, tuple(input_of(s) for s in m.sources), m.transform,
+               tuple(targets[path].shape), targets[path].dtype)
+        for path, m in sorted(self.leaves.items()))
 
   def describe(self) -> str:
     """A few lines for people: what is read, filled and left out."""
@@ -177,11 +107,16 @@ class RestorePlan:
     lines += [f'  note: {n}' for n in self.notes]
     for item, paths in self.sources().items():
       lines.append(f'  read {len(paths)} arrays from {item}')
-    if self.derived:
-      lines.append(f'  make {len(self.derived)} target leaves from others, e.g.'
-                   f' {fmt(min(self.derived))} = {self.derived[min(self.derived)]}')
+    made = sorted(p for p, m in self.leaves.items()
+                  if not m.transform.is_identity and p not in self.fills)
+    if made:
+      m = self.leaves[made[0]]
+      first = ', '.join(source_name(s) for s in m.sources[:2])
+      more = f', ... ({len(m.sources)} in all)' if len(m.sources) > 2 else ''
+      lines.append(f'  make {len(made)} target leaves from others, e.g.'
+                   f' {fmt(made[0])} = {m.transform} of {first}{more}')
     for target, fill in sorted(self.fills.items()):
-      lines.append(f'  fill {fmt(target)} from {fill.describe()}')
+      lines.append(f'  fill {fmt(target)} from {fill}')
     if self.kept:
       lines.append(f'  keep {len(self.kept)} target leaves as given (not restored)')
     lines += [f'  left out: {n}' for n in self.left_out]
@@ -191,208 +126,165 @@ class RestorePlan:
 # --- planning ---------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Draft:
-  """A plan being worked out: what the planners below add, and what they find wrong."""
+@dataclasses.dataclass(frozen=True)
+class _Sides:
+  """What every part of a plan looks at: the checkpoint, the target, and how the
+  decoder's layers go from one to the other.
+
+  Attributes:
+    view: the checkpoint.
+    target: target leaf path -> shape as stored (None: not an array).
+    layers: the layer rules (`layers.relayout`): the stored form to the target's.
+    relaid: target weight -> how it is made from the stored layers (the other form).
+    stored: the stored shapes of the checkpoint's weights the target does not name as
+      they are (the layers in the other form; read only when the forms differ).
+    step: the checkpoint's optimizer step, `(item, *path)`, or None.
+  """
 
   view: CheckpointView
   target: Mapping[Path, Shape | None]
-  axis: int | None = None
-  reads: dict[Path, Source] = dataclasses.field(default_factory=dict)
-  derived: dict[Path, Derived] = dataclasses.field(default_factory=dict)
-  fills: dict[Path, Fill] = dataclasses.field(default_factory=dict)
-  kept: set[Path] = dataclasses.field(default_factory=set)
-  left_out: list[str] = dataclasses.field(default_factory=list)
-  problems: list[str] = dataclasses.field(default_factory=list)
-  shapes: list[str] = dataclasses.field(default_factory=list)
-  # Canonical weight -> how it is made from the checkpoint's (the other layer form).
-  relaid: dict[Path, Mapped] = dataclasses.field(default_factory=dict)
-  # Stored shapes of the weights `relaid` reads, for the mirrored optimizer leaves.
-  relaid_shapes: dict[Path, Shape] = dataclasses.field(default_factory=dict)
-  # Optimizer leaves read for derived ones -> the shape of the weight they mirror.
-  mirrored_shapes: dict[Path, Shape] = dataclasses.field(default_factory=dict)
-
-  def read(self, target: Path, item: str, path: Path) -> None:
-    self.reads[target] = Source(item, path)
-
-  def derive(self, target: Path, item: str, paths: Sequence[Path], mapped: Mapped) -> None:
-    """`target` <- `mapped`'s transform of `paths` (the sources of `mapped`, or mirrors of them)."""
-    shapes = tuple(self.relaid_shapes[w] for w in mapped.sources)
-    self.derived[target] = Derived(tuple(Source(item, p) for p in paths), mapped.transform, shapes)
-
-  def check_shapes(self) -> None:
-    """Every read against the checkpoint's shapes, an item at a time, before any read."""
-    for item in (conventions.MODEL_ITEM, conventions.OPTIMIZER_ITEM):
-      wanted: dict[Path, Shape] = {}
-      targets: dict[Path, list[Path]] = {}
-      for target, source in self.reads.items():
-        shape = self.target[target]
-        if source.item == item and shape is not None:
-          wanted[source.path] = shape
-          targets.setdefault(source.path, []).append(target)
-      if not wanted:
-        continue
-      for path, have in self.view.mismatched_shapes(item, wanted).items():
-        for target in targets[path]:
-          self.shapes.append(
-              f'{fmt(target)}: target {self.target[target]}, checkpoint {have}'
-              f' ({item}:{fmt(path)}, stored as {self.view.stored(item, path)})'
-          )
-    # Leaves made from optimizer leaves that mirror relaid weights: their weights' shapes.
-    wanted = self.mirrored_shapes
-    for path, have in self.view.mismatched_shapes(conventions.OPTIMIZER_ITEM, wanted).items():
-      self.shapes.append(f'{conventions.OPTIMIZER_ITEM}:{fmt(path)}: expected {wanted[path]}'
-                         f' (its weight\'s shape), checkpoint {have}')
-
-  @property
-  def step_source(self) -> Source | None:
-    if self.view.optimizer is not None and _TUNIX_STEP in self.view.optimizer:
-      return Source(conventions.OPTIMIZER_ITEM, _TUNIX_STEP)
-    return None
+  layers: tuple[LayoutRule, ...]
+  relaid: Mapping[Path, Mapped]
+  stored: Mapping[Path, Shape]
+  step: Path | None
 
 
-def _plan_weights(draft: _Draft, aux: frozenset[Path]) -> dict[Path, Path]:
-  """params/params/<w> <- model_params:<w>, or made from the other layer form of it.
+def _apply(sides: _Sides, shapes: Mapping[Path, Shape | None], rules, problems) -> dict:
+  """`map_paths` of some source leaves, `(item, *path)`; what does not fit, a problem."""
+  try:
+    return patterns.map_paths(shapes, rules, where=str(sides.view.step_dir)).outputs
+  except errors.UnsupportedLayoutError as e:
+    problems.append(str(e))
+    return {}
+
+
+def _plan_weights(sides: _Sides, aux: frozenset[Path], leaves, problems) -> dict[Path, Path]:
+  """params/params/<w> <- model_params:<w> (`train_state.weight_rules`), the layers in
+  the target's form.
 
   Returns:
     canonical weight -> target path.
   """
-  view = draft.view
-  weights = {p[2:]: p for p in draft.target if p[0] == PARAMS}
-  missing = [w for w in weights if w not in view.model]
-  others = [w for w in view.model if w not in weights and w not in aux]
-  if missing and stacks.form_of(missing) and stacks.form_of(others):
-    # The target asks for the other form of the layers (scanned vs unscanned).
-    shapes = view.shapes(conventions.MODEL_ITEM, others)
-    draft.relaid = layers.relayout(
-        shapes, {w: draft.target[t] for w, t in weights.items()}, draft.axis,
-        where=str(view.step_dir))
-    used = {s for m in draft.relaid.values() for s in m.sources}
-    draft.relaid_shapes = {s: shapes[s] for s in used}
-    aux = aux | used
-  plain = {w: t for w, t in weights.items() if w not in draft.relaid}
-  draft.problems += check_weights(view, plain, draft.target, aux)
-  for w, target in weights.items():
-    if w in draft.relaid:
-      mapped = draft.relaid[w]
-      draft.derive(target, conventions.MODEL_ITEM, mapped.sources, mapped)
-    elif w in view.model:
-      draft.read(target, conventions.MODEL_ITEM, w)
+  view = sides.view
+  weights = {p[2:]: p for p in sides.target if p[0] == PARAMS}
+  plain = {w: t for w, t in weights.items() if w not in sides.relaid}
+  used = {s for m in sides.relaid.values() for s in m.sources}
+  problems += check_weights(view, plain, sides.target, aux | used)
+  made = _apply(sides, {(MODEL, *w): sides.stored.get(w) for w in view.model if w not in aux},
+                train_state.weight_rules(sides.layers), problems)
+  leaves.update((t, made[t]) for t in weights.values() if t in made)
   return weights
 
 
-def _plan_aux(draft: _Draft, aux: frozenset[Path]) -> None:
+def _plan_aux(sides: _Sides, aux: frozenset[Path], leaves, kept, left_out) -> None:
   """nnx_aux[/model]/<path> <- model_params:<path>; other RNG state is left out."""
-  targets = [p for p in draft.target if p[0] == conventions.MAXTEXT_NNX_AUX]
+  view = sides.view
+  targets = [p for p in sides.target if p[0] == conventions.MAXTEXT_NNX_AUX]
   nested = targets and all(len(p) > 2 and p[1] == conventions.MAXTEXT_NNX_AUX_MODEL for p in targets)
   depth = 2 if nested else 1
-  present = {p: draft.target[p] for p in targets if p[depth:] in draft.view.model}
+  present = {p: sides.target[p] for p in targets if p[depth:] in view.model}
   # Kept as given, as MaxText keeps its own values for what a checkpoint lacks:
   # leaves the checkpoint does not hold, or holds in another form (e.g. other
   # RNG key data).
-  other = draft.view.mismatched_shapes(
-      conventions.MODEL_ITEM, {p[depth:]: s for p, s in present.items() if s is not None})
-  kept = [p for p in targets if p not in present or p[depth:] in other]
+  other = view.mismatched_shapes(
+      MODEL, {p[depth:]: s for p, s in present.items() if s is not None})
+  kept.update(p for p in targets if p not in present or p[depth:] in other)
   if kept:
-    draft.kept.update(kept)
-    draft.left_out.append(
+    left_out.append(
         f'{len(kept)} {conventions.MAXTEXT_NNX_AUX} leaves of the target kept as given (the'
-        f' checkpoint does not hold them, or holds them in another form), e.g. {fmt(kept[0])}'
+        f' checkpoint does not hold them, or holds them in another form), e.g.'
+        f' {fmt(sorted(kept, key=targets.index)[0])}'
     )
-  for p in targets:
-    if p not in draft.kept:
-      draft.read(p, conventions.MODEL_ITEM, p[depth:])
-  taken = {s.path for s in draft.reads.values() if s.item == conventions.MODEL_ITEM}
+  read = [p for p in targets if p not in kept]
+  if read:
+    made = patterns.map_paths({(MODEL, *p[depth:]): None for p in read},
+                              train_state.aux_rules(read[0][:depth])).outputs
+    leaves.update((p, made[p]) for p in read)
+  taken = {m.sources[0][1:] for m in leaves.values() if m.sources and m.sources[0][0] == MODEL}
   unused = sorted(w for w in aux if w not in taken)
   if unused:
     why = 'not in the target' if targets else 'the target has no nnx_aux'
-    draft.left_out.append(
-        f'{len(unused)} RNG/non-weight variables of {conventions.MODEL_ITEM} ({why}),'
+    left_out.append(
+        f'{len(unused)} RNG/non-weight variables of {MODEL} ({why}),'
         f' e.g. {fmt(unused[0])}'
     )
 
 
-def _plan_step(draft: _Draft) -> None:
-  """step <- optimizer_state:step (uint32, cast to the target's dtype on read)."""
-  if (STEP,) not in draft.target:
-    return
-  if draft.step_source is not None:
-    draft.read((STEP,), conventions.OPTIMIZER_ITEM, _TUNIX_STEP)
-  elif draft.view.step is not None:
-    draft.fills[(STEP,)] = Fill(
-        None, draft.view.step, f'no {conventions.OPTIMIZER_ITEM} item: the step directory number'
-    )
-  else:
-    draft.problems.append(
-        f'the target has {STEP}, but the checkpoint has no {conventions.OPTIMIZER_ITEM}'
-        ' item and its directory name carries no step number.'
-    )
+def _step_fill(sides: _Sides, reason: str) -> tuple[Mapped, str]:
+  """A leaf Tunix never wrote whose value is the step: the optimizer's, else the
+  step directory's number."""
+  if sides.step is not None:
+    return (Mapped((sides.step,), IDENTITY, ()),
+            f"the checkpoint's {source_name(sides.step)} ({reason})")
+  return Mapped((), constant(sides.view.step), ()), f'{sides.view.step} ({reason})'
 
 
 def _plan_optimizer(
-    draft: _Draft,
-    weights: Collection[Path],
+    sides: _Sides,
+    weights: Mapping[Path, Path],
     source_splits: Mapping[Path, tuple[Path, str, Path | None]],
-) -> None:
-  """opt_state/... <- optimizer_state:opt_state/..., state by state.
+    leaves, fills, problems, left_out,
+) -> dict[Path, Shape]:
+  """opt_state/... <- optimizer_state:opt_state/... and step <- optimizer_state:step.
 
   Target and checkpoint states are matched by their fields in chain order
-  (`align_states`); a matched state's leaves map field by field. A target
-  state left unmatched is filled when it is a lone `count` (a schedule's
-  state, which Tunix's optimizer may not have: it equals the step), and is an
-  error otherwise.
+  (`align_states`); a matched state's fields map by `train_state.state_rules`.
+  A target state left unmatched is filled when it is a lone `count` (a
+  schedule's state, which Tunix's optimizer may not have: it equals the step),
+  and is an error otherwise.
+
+  Returns:
+    the optimizer leaves mirroring re-laid weights -> their weights' stored shapes.
   """
-  view = draft.view
-  targets = [p for p in draft.target if p[0] == OPT_STATE]
+  view = sides.view
+  targets = [p for p in sides.target if p[0] == OPT_STATE]
+  if (STEP,) in sides.target:
+    if sides.step is not None:
+      leaves[(STEP,)] = Mapped((sides.step,), IDENTITY, ())
+    elif view.step is not None:
+      leaves[(STEP,)], fills[(STEP,)] = _step_fill(
+          sides, f'no {OPTIMIZER} item: the step directory number')
+    else:
+      problems.append(
+          f'the target has {STEP}, but the checkpoint has no {OPTIMIZER}'
+          ' item and its directory name carries no step number.'
+      )
   if not targets:
-    return
+    return {}
   if view.optimizer is None:
-    draft.problems.append(
+    problems.append(
         f'the target has {len(targets)} {OPT_STATE} leaves, but the checkpoint'
-        f' has no {conventions.OPTIMIZER_ITEM} item (Tunix wrote only the weights). Use'
+        f' has no {OPTIMIZER} item (Tunix wrote only the weights). Use'
         ' params_only=True, or a target without opt_state.'
     )
-    return
+    return {}
   known = set(weights) | set(view.model)
   splits = {p: split_opt_path(p, known, COLLECTION) for p in targets}
   target_states = opt_states(splits.values())
   source_states = opt_states(source_splits.values())
   matched = align_states(target_states, source_states)
   index = {s.node: i for i, s in enumerate(target_states)}
-  fillable = draft.step_source is not None or view.step is not None
-  unmatched: list[OptState] = []
-  missing = []
+  fillable = sides.step is not None or view.step is not None
+  # Each matched field: its node in the checkpoint -> its node in the target; and
+  # the checkpoint leaf each target leaf takes (for the messages).
+  fields: dict[Path, Path] = {}
+  expected: dict[Path, list[Path]] = {}
+  unmatched, missing = [], []
   for p in sorted(targets, key=chain_order):
     node, field, weight = splits[p]
     i = index[node]
     if i in matched:
-      node = (OPT_STATE,) + source_states[matched[i]].node + (field,)
-      if weight in draft.relaid:  # Mirrors a weight made from the other layer form.
-        mapped = draft.relaid[weight]
-        sources = [node + w for w in mapped.sources]
-        absent = [s for s in sources if s not in view.optimizer]
-        if absent:
-          missing.append(f'{fmt(p)} (checkpoint path {fmt(absent[0])})')
-        else:
-          draft.derive(p, conventions.OPTIMIZER_ITEM, sources, mapped)
-          draft.mirrored_shapes.update(
-              (s, draft.relaid_shapes[w]) for s, w in zip(sources, mapped.sources, strict=True))
-        continue
-      source = node + (weight or ())
-      if source in view.optimizer:
-        draft.read(p, conventions.OPTIMIZER_ITEM, source)
-      else:
-        missing.append(f'{fmt(p)} (checkpoint path {fmt(source)})')
+      source = (OPT_STATE, *source_states[matched[i]].node, field)
+      fields.setdefault(source, p[:len(p) - len(weight or ())])
+      mirrored = sides.relaid[weight].sources if weight in sides.relaid else (weight or (),)
+      expected[p] = [source + w for w in mirrored]
     elif target_states[i].fields == _STEP_COUNTER_FIELDS and fillable:
-      draft.fills[p] = Fill(
-          draft.step_source,
-          None if draft.step_source else view.step,
-          "Tunix never wrote this state; a schedule's count is the step",
-      )
+      leaves[p], fills[p] = _step_fill(
+          sides, "Tunix never wrote this state; a schedule's count is the step")
     elif target_states[i] not in unmatched:
       unmatched.append(target_states[i])
   if unmatched:
-    draft.problems.append(
+    problems.append(
         f"{len(unmatched)} states of the target's optimizer have no counterpart in"
         f' the checkpoint:\n{errors.list_paths([str(s) for s in unmatched])}\n'
         "The checkpoint's optimizer states (canonical):\n"
@@ -401,23 +293,69 @@ def _plan_optimizer(
         ' (empty states, a clipping transform and inject_hyperparams may'
         ' differ), or restore with params_only=True.'
     )
+  for p, sources in expected.items():
+    absent = [s for s in sources if s not in view.optimizer]
+    if absent:
+      missing.append(f'{fmt(p)} (checkpoint path {fmt(absent[0])})')
   if missing:
-    draft.problems.append(
+    problems.append(
         f'{len(missing)} {OPT_STATE} leaves are not in the checkpoint:\n'
         + errors.list_paths(missing)
     )
+  mirrors = {}
+  if not missing:
+    # A leaf mirroring a re-laid weight is laid out as that weight is: its shape.
+    shapes = {(OPTIMIZER, *s): sides.stored.get(w) for s, (_, _, w) in source_splits.items()}
+    made = _apply(sides, shapes, train_state.state_rules(fields, sides.layers), problems)
+    leaves.update((p, made[p]) for p in expected if p in made)
+    mirrors = {s: shapes[s] for p in expected if p in made and not made[p].transform.is_identity
+               for s in made[p].sources}
   used = set(matched.values())
-  draft.left_out += [
+  left_out += [
       f"optimizer state {state} (the target's optimizer has no such state)"
       for j, state in enumerate(source_states)
       if j not in used
   ]
   if view.side_paths:
-    draft.left_out.append(
+    left_out.append(
         f'{len(view.side_paths)} leaves outside the canonical view (the'
         ' inject_hyperparams count and hyperparameters): MaxText takes its'
         ' hyperparameters from its config'
     )
+  return mirrors
+
+
+def _check_shapes(
+    sides: _Sides, leaves: Mapping[Path, Mapped], fills, mirrors: Mapping[Path, Shape]
+) -> tuple[dict[Path, Shape], list[str]]:
+  """Every source whose shape the plan assumes, against the store, an item at a time,
+  before any read: a leaf read as it is has its target's shape; an optimizer leaf
+  mirroring a re-laid weight (`mirrors`), its weight's.
+
+  Returns:
+    (each source -> its stored shape, the mismatches for people).
+  """
+  view, mismatches = sides.view, []
+  shapes = {(MODEL, *w): s for w, s in sides.stored.items()} | dict(mirrors)
+  for item in (MODEL, OPTIMIZER):
+    reads: dict[Path, list[Path]] = {}
+    for target, m in leaves.items():
+      if (m.transform.is_identity and target not in fills and m.sources[0][0] == item
+          and sides.target[target] is not None):
+        reads.setdefault(m.sources[0][1:], []).append(target)
+        shapes[m.sources[0]] = sides.target[target]
+    wanted = {path: sides.target[targets[0]] for path, targets in reads.items()}
+    for path, have in view.mismatched_shapes(item, wanted).items():
+      for target in reads[path]:
+        mismatches.append(
+            f'{fmt(target)}: target {sides.target[target]}, checkpoint {have}'
+            f' ({item}:{fmt(path)}, stored as {view.stored(item, path)})'
+        )
+  wanted = {s[1:]: shape for s, shape in mirrors.items()}
+  for path, have in view.mismatched_shapes(OPTIMIZER, wanted).items():
+    mismatches.append(f'{OPTIMIZER}:{fmt(path)}: expected {wanted[path]}'
+                      f' (its weight\'s shape), checkpoint {have}')
+  return shapes, mismatches
 
 
 def make_plan(
@@ -466,7 +404,6 @@ def make_plan(
         f'{where}\nparams_only=True, but the target has no'
         f' {PARAMS}/{COLLECTION}/... leaves. Pass the abstract state with its params.'
     )
-  draft = _Draft(view, wanted, param_scan_axis)
   # Which model leaves are weights: those the optimizer mirrors (its `wrt`),
   # never RNG state; with no optimizer item, everything but RNG state.
   source_splits = {
@@ -476,33 +413,51 @@ def make_plan(
   aux = frozenset(
       w for w in view.model if conventions.is_rng_state(w) or (mirrored and w not in mirrored)
   )
-
-  weights = _plan_weights(draft, aux)
-  _plan_aux(draft, aux)
-  _plan_step(draft)
-  _plan_optimizer(draft, weights, source_splits)
+  sides = _sides(view, wanted, aux, param_scan_axis)
+  leaves: dict[Path, Mapped] = {}
+  fills: dict[Path, str] = {}
+  kept: set[Path] = set()
+  problems: list[str] = []
+  left_out: list[str] = []
+  weights = _plan_weights(sides, aux, leaves, problems)
+  _plan_aux(sides, aux, leaves, kept, left_out)
+  mirrors = _plan_optimizer(sides, weights, source_splits, leaves, fills, problems, left_out)
   if params_only and view.optimizer is not None:
-    draft.left_out.append(f'{conventions.OPTIMIZER_ITEM} (params_only=True)')
-  if not draft.problems:
-    draft.check_shapes()
-  if draft.shapes:
-    draft.problems.append(
-        f'{len(draft.shapes)} leaves differ in shape:\n' + errors.list_paths(draft.shapes)
+    left_out.append(f'{OPTIMIZER} (params_only=True)')
+  shapes, mismatches = _check_shapes(sides, leaves, fills, mirrors) if not problems else ({}, [])
+  if mismatches:
+    problems.append(
+        f'{len(mismatches)} leaves differ in shape:\n' + errors.list_paths(mismatches)
         + '\nThe target must have the shapes the run trained with (vocabulary,'
         ' widths, number of layers).'
     )
-  if draft.problems:
-    raise errors.TargetMismatchError('\n'.join([where, *draft.problems]))
+  if problems:
+    raise errors.TargetMismatchError('\n'.join([where, *problems]))
   return RestorePlan(
       step_dir=view.step_dir,
       detection=view.detection,
-      reads=draft.reads,
-      fills=draft.fills,
-      kept=frozenset(p for p in target_shapes if p not in wanted) | frozenset(draft.kept),
-      left_out=tuple(draft.left_out),
+      leaves=leaves,
+      shapes=shapes,
+      fills=fills,
+      kept=frozenset(p for p in target_shapes if p not in wanted) | frozenset(kept),
+      left_out=tuple(left_out),
       notes=tuple(notes),
-      derived=draft.derived,
   )
+
+
+def _sides(view: CheckpointView, target: Mapping[Path, Shape | None], aux: frozenset[Path],
+           axis: int | None) -> _Sides:
+  """The two sides, and the layer rules between them: when the target asks for the
+  decoder's layers in the other form (scanned vs unscanned), `layers.relayout`'s."""
+  weights = {p[2:]: s for p, s in target.items() if p[0] == PARAMS}
+  missing = [w for w in weights if w not in view.model]
+  others = [w for w in view.model if w not in weights and w not in aux]
+  step = _TUNIX_STEP if view.optimizer is not None and _TUNIX_STEP[1:] in view.optimizer else None
+  if not (missing and stacks.form_of(missing) and stacks.form_of(others)):
+    return _Sides(view, target, (stacks.AS_STORED,), {}, {}, step)
+  stored = view.shapes(MODEL, others)
+  rules, relaid = layers.relayout(stored, weights, axis, where=str(view.step_dir))
+  return _Sides(view, target, rules, relaid, stored, step)
 
 
 def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None]:

@@ -6,18 +6,28 @@ scale_by_learning_rate)`, saved as the list
 `[{count, mu: {params: <weights>}, nu: {params: <weights>}}, None, {count}]`;
 `step` is int32. `template` builds that train state's leaves for a given set
 of weights; the MaxText view (`plan.make_plan`) maps a Tunix step onto it, as
-it maps one onto an abstract state a caller gives.
+it maps one onto an abstract state a caller gives, by the rules below: layout
+rules (`mapping.patterns`) over the step's canonical leaves, each named
+`(item, *canonical path)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
 
-from orbax_tunix.conventions import MAXTEXT_OPT_STATE, MAXTEXT_PARAMS, MAXTEXT_STEP
+from orbax_tunix.conventions import (
+  MAXTEXT_OPT_STATE,
+  MAXTEXT_PARAMS,
+  MAXTEXT_STEP,
+  MODEL_ITEM,
+  OPTIMIZER_ITEM,
+)
 from orbax_tunix.keypaths import Path
+from orbax_tunix.mapping import patterns, stacks
+from orbax_tunix.mapping.patterns import LayoutRule
 
 # The names the MaxText view uses (defined once, in `conventions`).
 PARAMS, COLLECTION = MAXTEXT_PARAMS
@@ -77,3 +87,32 @@ def containers(
   empty = tuple(((OPT_STATE, str(i)), (2, 1), 'None')
                 for i, fields in enumerate(chain) if fields is None)
   return frozenset({(OPT_STATE,)}), empty
+
+
+# --- the rules from a Tunix step ------------------------------------------------
+
+
+def weight_rules(layers: Sequence[LayoutRule] = (stacks.AS_STORED,)) -> tuple[LayoutRule, ...]:
+  """params/params/<w> <- model_params:<w>, the decoder's layers laid out by `layers`
+  (`stacks.rules`: in the other form than stored, or as stored)."""
+  return patterns.nested(layers, (MODEL_ITEM,), MAXTEXT_PARAMS)
+
+
+def aux_rules(node: Path) -> tuple[LayoutRule, ...]:
+  """<node>/<v> <- model_params:<v>: RNG and other non-weight variables (`nnx_aux[/model]`)."""
+  return patterns.nested((stacks.AS_STORED,), (MODEL_ITEM,), node)
+
+
+def state_rules(
+    fields: Mapping[Path, Path], layers: Sequence[LayoutRule] = (stacks.AS_STORED,)
+) -> tuple[LayoutRule, ...]:
+  """opt_state/<state>/<field>[/params]/<w> <- optimizer_state:opt_state/<state'>/<field>/<w>:
+  the fields of the optimizer states matched between the two sides, the weights
+  they mirror (`mu`, `nu`) laid out by the weights' own `layers`.
+
+  Args:
+    fields: a field's node in the checkpoint (canonical, from `opt_state`) -> its
+      node in the target (with MaxText's `params` level where the target has it).
+  """
+  return tuple(rule for source, dest in fields.items()
+               for rule in patterns.nested(layers, (OPTIMIZER_ITEM, *source), dest))
