@@ -28,6 +28,8 @@ from orbax_tunix import maxtext
 from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.keypaths import flatten, fmt
 from orbax_tunix.maxtext import optimizer as maxtext_optimizer
+from orbax_tunix.maxtext import plan as maxtext_plan
+from orbax_tunix.maxtext.view import read_view
 from tests import builders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -617,6 +619,23 @@ def test_error_optimizer_without_counterpart(tunix_data, mesh, no_reads):
   assert "1 states of the target's optimizer have no counterpart" in msg
   assert 'opt_state/0 {trace[weights]}' in msg
   assert 'opt_state/0 {count, mu[weights], nu[weights]}' in msg
+
+
+def test_error_target_leaf_no_rule_makes(tunix_data, mesh, no_reads):
+  """One optimizer field under two nodes in the target (with and without MaxText's
+  `params` level): the rules map a field one way, so the leaves in the other are
+  refused, never handed back unread."""
+  pairs, _ = flatten(abstract_state(TinyLM(), adamw(), mesh))
+  shapes = {p: tuple(leaf.shape) for p, leaf in pairs}
+  moved = next(p for p in sorted(shapes) if p[:4] == ('opt_state', '0', 'nu', 'params'))
+  shapes[moved[:3] + moved[4:]] = shapes.pop(moved)
+  view = read_view(ot.detect(tunix_data / 'sft_full'))
+  with pytest.raises(ot.TargetMismatchError) as e:
+    maxtext_plan.make_plan(view, shapes)
+  msg = str(e.value)
+  # The first leaf (in chain order) sets where the field goes; the other form is refused.
+  assert 'target leaves are not made by the MaxText rules' in msg
+  assert 'opt_state/0/nu/' in msg and 'opt_state/0/mu/' not in msg
 
 
 def test_error_not_maxtext_key_paths(tunix_data, mesh, no_reads):

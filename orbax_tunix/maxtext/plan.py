@@ -424,6 +424,14 @@ def make_plan(
   mirrors = _plan_optimizer(sides, weights, source_splits, leaves, fills, problems, left_out)
   if params_only and view.optimizer is not None:
     left_out.append(f'{OPTIMIZER} (params_only=True)')
+  # Never a target leaf handed back unread as if restored.
+  unmade = [fmt(p) for p in wanted if p not in leaves and p not in kept]
+  if unmade and not problems:
+    problems.append(
+        f'{len(unmade)} target leaves are not made by the MaxText rules from any leaf of'
+        f' the checkpoint:\n{errors.list_paths(unmade)}\nBuild the abstract state from the'
+        ' model and the optimizer the run trained with.'
+    )
   shapes, mismatches = _check_shapes(sides, leaves, fills, mirrors) if not problems else ({}, [])
   if mismatches:
     problems.append(
