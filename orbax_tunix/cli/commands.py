@@ -244,7 +244,20 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
         memory_budget=args.memory_budget, force=args.force,
         param_scan_axis=args.param_scan_axis)
   else:
-    plan = _plan_model_export(args)
+    plan = export_lib.plan_export(
+        args.src,
+        args.out_dir,
+        model=args.model,
+        step=args.step,
+        dtype=args.dtype,
+        merge_lora=args.merge_lora,
+        lora_alpha=args.lora_alpha,
+        lora_scale=args.lora_scale,
+        base=args.base,
+        memory_budget=args.memory_budget,
+        force=args.force,
+        **_layout_options(args, layouts.Destination.FOLDER),
+    )
   result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
     print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
@@ -257,24 +270,6 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
       f' {format_bytes(result.total_size)} in {format_duration(result.seconds)}'
   )
   return EXIT_OK
-
-
-def _plan_model_export(args: argparse.Namespace) -> export_lib.ExportPlan:
-  """A model export's plan (not `--peft`)."""
-  return export_lib.plan_export(
-      args.src,
-      args.out_dir,
-      model=args.model,
-      step=args.step,
-      dtype=args.dtype,
-      merge_lora=args.merge_lora,
-      lora_alpha=args.lora_alpha,
-      lora_scale=args.lora_scale,
-      base=args.base,
-      memory_budget=args.memory_budget,
-      force=args.force,
-      **_layout_options(args, layouts.Destination.FOLDER),
-  )
 
 
 def _layout_options(args: argparse.Namespace, sink: layouts.Destination) -> dict[str, Any]:
@@ -313,38 +308,20 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
 # --- arguments and main -----------------------------------------------------
 
 # The library's parameters, as its messages name them (in backquotes), and the
-# flags that set them here.
+# flags that set them here: `memory_budget` is --memory-budget, the others as listed.
 _FLAGS = {
-    'force': '--force',
-    'params_only': '--params-only',
-    'layout': '--layout',
-    'dtype': '--dtype',
-    'memory_budget': '--memory-budget',
-    'step': '--step',
-    'atol': '--atol',
-    'ignore_dtype': '--ignore-dtype',
+    **{name: '--' + name.replace('_', '-') for name in (
+        'force', 'params_only', 'layout', 'dtype', 'memory_budget', 'step', 'atol',
+        'ignore_dtype', 'merge_lora', 'lora_alpha', 'lora_scale', 'base', 'scan_layers',
+        'param_scan_axis', 'model', 'max_shard_size', 'hf_config', 'config_as_trained',
+        'coordinator_address', 'num_processes', 'process_id', 'initialization_timeout',
+        'base_model', 'base_only')},
     'dst': 'DST',
     'src': 'SRC',
-    'items': '--item',
-    'merge_lora': '--merge-lora',
-    'lora_alpha': '--lora-alpha',
-    'alpha': '--lora-alpha',
-    'lora_scale': '--lora-scale',
-    'scale': '--lora-scale',
-    'base': '--base',
-    'scan_layers': '--scan-layers',
-    'param_scan_axis': '--param-scan-axis',
-    'model': '--model',
-    'max_shard_size': '--max-shard-size',
-    'hf_config': '--hf-config',
-    'config_as_trained': '--config-as-trained',
     'out_dir': 'OUT_DIR',
-    'coordinator_address': '--coordinator-address',
-    'num_processes': '--num-processes',
-    'process_id': '--process-id',
-    'initialization_timeout': '--initialization-timeout',
-    'base_model': '--base-model',
-    'base_only': '--base-only',
+    'items': '--item',
+    'alpha': '--lora-alpha',
+    'scale': '--lora-scale',
     'export_peft_adapter': 'export --peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
@@ -366,7 +343,6 @@ def as_flags(message: str) -> str:
     return f'{_FLAGS[name]} {value[1:]}'
 
   return _PARAMETER.sub(flag, message)
-
 
 
 def _step(text: str) -> int:
@@ -873,24 +849,18 @@ def _main(argv: Sequence[str] | None) -> int:
     print(f'orbax-tunix: interrupted; {str(e) or "nothing was written at the destination"}.',
           file=sys.stderr)
     return EXIT_INTERRUPTED
-  except errors.TunixCheckpointError as e:
-    if debug:
-      traceback.print_exc()
-    print(f'orbax-tunix: error: {as_flags(str(e))}', file=sys.stderr)
-    return EXIT_ERROR
-  except OSError as e:
-    if debug:
-      traceback.print_exc()
-    where = f' ({e.filename})' if getattr(e, 'filename', None) else ''
-    print(
-        f'orbax-tunix: error: {e.strerror or e}{where}. Check the path and its permissions.',
-        file=sys.stderr,
-    )
-    return EXIT_ERROR
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       traceback.print_exc()
-    else:
+    if isinstance(e, errors.TunixCheckpointError):
+      print(f'orbax-tunix: error: {as_flags(str(e))}', file=sys.stderr)
+    elif isinstance(e, OSError):
+      where = f' ({e.filename})' if getattr(e, 'filename', None) else ''
+      print(
+          f'orbax-tunix: error: {e.strerror or e}{where}. Check the path and its permissions.',
+          file=sys.stderr,
+      )
+    elif not debug:
       print(
           f'orbax-tunix: error: {type(e).__name__}: {e}\n(run again with --debug for the'
           ' traceback, and report it if the checkpoint looks sound)',
