@@ -28,6 +28,7 @@ from etils import epath
 from orbax_tunix import errors, sizes
 from orbax_tunix.keypaths import fmt, natural_key
 from orbax_tunix.reading import hyperparams, memory, reader
+from orbax_tunix.tools import pipeline
 from orbax_tunix.writing import checksums
 
 # Elements compared at once, so that the float64 working copies stay small.
@@ -336,12 +337,7 @@ def _open(
   """One side, opened as far as the comparison needs (a whole step must be whole)."""
   if isinstance(side, reader.CanonicalCheckpoint):
     return side
-  if params_only and items is None:
-    return reader.open_weights(side)
-  ckpt = reader.open_checkpoint(side, items=items)
-  if items is None:
-    ckpt.detection.require()
-  return ckpt
+  return pipeline.open_source(side, None, items, params_only)
 
 
 # --- JSON items ---------------------------------------------------------------

@@ -254,7 +254,7 @@ def plan(
            if value != known[name].unset}
   params_only = params_only or merge_options is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
-  source = _open_source(src, step, items, params_only)
+  source = open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = merge_options.plan(source) if merge_options is not None else None
   sink = SINKS[chosen.sink]
@@ -298,10 +298,10 @@ def plan(
   )
 
 
-def _open_source(
+def open_source(
     src: epath.PathLike, step: int | None, items: Iterable[str] | None, params_only: bool
 ) -> reader.CanonicalCheckpoint:
-  """The source, opened as far as the plan needs it.
+  """A source (a plan's, a side of a diff), opened as far as it is needed.
 
   Weights only: just the weights' item (the others are not read, and may be
   absent). A whole step (no `items`): every item it records must be there.
