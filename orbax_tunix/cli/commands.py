@@ -1,14 +1,8 @@
 """`orbax-tunix`: inspect, convert, diff and export Tunix checkpoints from the command line.
 
-  orbax-tunix inspect PATH [--step N] [--json] [--full]
-  orbax-tunix convert SRC DST [--step N] [--params-only] [--layout canonical|maxtext]
-                      [--dtype bfloat16] [--memory-budget 1G] [--force] [--json]
-  orbax-tunix diff A B [--atol X] [--params-only] [--ignore-dtype] [--json]
-  orbax-tunix export SRC OUT_DIR --model FAMILY [--hf-config DIR]
-                     [--max-shard-size 5GB] [--dtype bfloat16] [--force] [--json]
-
-The layouts a command writes and their flags come from the layout values
-(`layouts`): convert's are the step layouts, export's the Hugging Face families.
+Each command's flags are in its `--help` (`build_parser`). The layouts a command
+writes and their flags come from the layout values (`layouts`): convert's are the
+step layouts, export's the Hugging Face families.
 
 This module only parses arguments and draws results; the work is done by
 `inspection`, `convert`, `diff` and `export`. On a terminal, results are tables (with
@@ -60,26 +54,29 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-def parse_size(text: str) -> int:
-  """Bytes from a size option (`sizes.parse_size`: '512M', '5GB', '1.5GiB', '1000000').
+def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+  """An option's parser as argparse's type: its ValueError's message said as is."""
 
-  Raises:
-    argparse.ArgumentTypeError: the text is not a size.
-  """
-  try:
-    return sizes.parse_size_text(text)
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
+  def parse_flag(text: str) -> Any:
+    try:
+      return parse(text)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e) if str(e).startswith(repr(text)) else
+                                       f'{text!r}: {e}') from None
+  return parse_flag
 
 
-def parse_dtype(name: str | None) -> np.dtype | None:
-  """The floating dtype `--dtype` names (e.g. 'bfloat16'), or None.
+# Bytes from a size option (`sizes.parse_size`: '512M', '5GB', '1.5GiB', '1000000'); text
+# that is not a size raises argparse.ArgumentTypeError.
+parse_size = _parsed(sizes.parse_size_text)
+
+
+def parse_dtype(name: str) -> np.dtype:
+  """The floating dtype `--dtype` names (e.g. 'bfloat16').
 
   Raises:
     argparse.ArgumentTypeError: not a floating dtype.
   """
-  if name is None:
-    return None
   try:
     dtype = np.dtype(jnp.dtype(name))
   except TypeError:
@@ -353,18 +350,6 @@ def _step(text: str) -> int:
   if value < 0:
     raise argparse.ArgumentTypeError(f'{text!r}: step numbers are not negative.')
   return value
-
-
-def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-  """An option's parser as argparse's type: its ValueError's message said as is."""
-
-  def parse_flag(text: str) -> Any:
-    try:
-      return parse(text)
-    except ValueError as e:
-      raise argparse.ArgumentTypeError(str(e) if str(e).startswith(repr(text)) else
-                                       f'{text!r}: {e}') from None
-  return parse_flag
 
 
 def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.Destination) -> None:
