@@ -10,11 +10,8 @@ This module only parses arguments and draws results; the work is done by
 show a progress bar; piped, output is plain aligned text (or one JSON
 document with `--json`) and progress is a line every few seconds on stderr.
 
-Exit status: 0 success (diff: the checkpoints match), 1 diff found
-differences (inspect --verify: damaged arrays), 2 error (the message says
-what is wrong and what to do; no traceback unless `--debug`), 130
-interrupted. The status is the result's even when the output's reader goes
-away (`| head -1`): the rest of the output is dropped, never the result.
+The exit status is `main`'s (an error: 2, with one message saying what to do and
+no traceback unless `--debug`).
 """
 
 from __future__ import annotations

@@ -422,13 +422,12 @@ def _write_step(plan: Plan, mine: Sequence[Output], work: epath.Path,
   init_ns = time.time_ns()
   sums: dict[str, dict[str, str]] = {}
   for item in plan.items:
-    if item.json and not distributed.is_primary():
-      continue
     if item.json:
-      ckpt, name = item.json
-      (work / item.name).mkdir(parents=True, exist_ok=True)
-      ocp.JsonCheckpointHandler().save(
-          work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
+      if distributed.is_primary():
+        ckpt, name = item.json
+        (work / item.name).mkdir(parents=True, exist_ok=True)
+        ocp.JsonCheckpointHandler().save(
+            work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
       continue
     sink = writer.OrbaxItemSink(item, work / item.name)
     sums[item.name] = writer.write(item.outputs, sink, plan.batch_bytes, progress,
