@@ -318,11 +318,10 @@ def _steps_text(report: inspection.Report) -> str:
 def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None:
   """Draws an inspect report."""
   d = report.detection
-  kind = d.source_kind.title
   out.fields(
       [
           ('checkpoint', str(d.path)),
-          ('kind', f'{kind} (written with the Orbax {d.writer} API)'),
+          ('kind', f'{d.source_kind.title} (written with the Orbax {d.writer} API)'),
           ('step', f'{d.step if d.step is not None else "-"}  ({d.step_dir})'),
           ('steps', _steps_text(report)),
           ('size', f'{format_bytes(report.nbytes)} in {report.num_leaves} leaves'),

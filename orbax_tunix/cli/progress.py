@@ -99,11 +99,9 @@ class LineProgress:
 
 def make_progress(stream: TextIO, fancy: bool) -> Any:
   """The progress display suited to `stream` (stderr)."""
-  if is_tty(stream):
-    if fancy and rich is not None:
-      return RichProgress(stream)
-    return LineProgress(stream, rewrite=True)
-  return LineProgress(stream, rewrite=False)
+  if fancy and rich is not None and is_tty(stream):
+    return RichProgress(stream)
+  return LineProgress(stream, rewrite=is_tty(stream))
 
 
 class Interruptible:

@@ -3,14 +3,13 @@
 Both sides are opened with `reader.open_checkpoint` (Tunix checkpoints in
 their canonical form, any other Orbax checkpoint as it is), their leaves are
 matched by `item/path`, and the leaves both sides hold with one shape are read
-in batches that fit the memory budget and compared value by value (the largest
-absolute difference per leaf; integers exactly, against integers and
-floats; floats against floats in float64). Beside the arrays: JSON items,
-value by value, and the leaves the canonical view leaves out (the
-inject_hyperparams values and counts, `hyperparams.side_leaves`, or the
-record `convert` keeps of them). `params_only` compares the weights
-alone (see `reader.weights`), which matches a Tunix step against its MaxText
-parameter conversion.
+in batches that fit the memory budget and compared value by value
+(`compare_values`: the largest absolute difference per leaf). Beside the arrays:
+JSON items, value by value, and the leaves the canonical view leaves out (the
+inject_hyperparams values and counts, `hyperparams.side_leaves`, or the record
+`convert` keeps of them). `params_only` compares the weights alone (see
+`reader.weights`), which matches a Tunix step against its MaxText parameter
+conversion.
 """
 
 from __future__ import annotations
