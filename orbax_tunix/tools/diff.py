@@ -428,12 +428,10 @@ def _side_of(
   if detection.is_tunix:
     return {}  # Its optimizer (if any) has no inject_hyperparams shell.
   recorded = _recorded_side(ckpt)
-  if recorded is None:
-    return None
-  if items is not None:
-    wanted = set(items)
-    recorded = {k: v for k, v in recorded.items() if k.split('/', 1)[0] in wanted}
-  return recorded
+  if recorded is None or items is None:
+    return recorded
+  wanted = set(items)
+  return {k: v for k, v in recorded.items() if k.split('/', 1)[0] in wanted}
 
 
 def _side_value(value: Any) -> Any:
