@@ -55,7 +55,6 @@ from orbax_tunix.version import __version__
 from orbax_tunix.writing import checksums, commit, distributed, writer
 
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
-METADATA_KEY = checksums.RECORD_KEY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,9 +475,8 @@ def _provenance(plan: Plan, sums: dict[str, dict[str, str]]) -> dict[str, Any]:
 
 def _write_step_metadata(work: epath.Path, plan: Plan, init_ns: int,
                          sums: dict[str, dict[str, str]]) -> None:
-  custom = dict(plan.source.detection.source.custom_metadata)
-  custom.update(plan.custom_metadata)
-  custom[METADATA_KEY] = _provenance(plan, sums)
+  custom = {**plan.source.detection.source.custom_metadata, **plan.custom_metadata,
+            checksums.RECORD_KEY: _provenance(plan, sums)}
   meta = ocp.metadata.StepMetadata(
       item_handlers={
           item.name: reader.JSON_TYPESTR if item.json else PYTREE_TYPESTR for item in plan.items
