@@ -672,9 +672,8 @@ _LOOP_NOISE = ('Event loop is closed', 'Cannot close a running event loop')
 
 
 def _is_shutdown_noise(exc: BaseException | None) -> bool:
-  if isinstance(exc, KeyboardInterrupt):
-    return True
-  return isinstance(exc, RuntimeError) and str(exc) in _LOOP_NOISE
+  return isinstance(exc, KeyboardInterrupt) or (
+      isinstance(exc, RuntimeError) and str(exc) in _LOOP_NOISE)
 
 
 def _silence_shutdown_noise() -> None:

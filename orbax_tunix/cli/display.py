@@ -180,7 +180,6 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
   {shape, dtype, bytes}; then `lora`, `optimizer` and `hyperparameters`.
   """
   d = report.detection
-  weights = report.num_weights
   return {
       'path': str(d.path),
       'step_dir': str(d.step_dir),
@@ -218,7 +217,7 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
                   'depth': r.depth,
                   'leaf': r.leaf is not None,
                   'optax_states': list(r.states),
-                  'description': outline_text(r, weights),
+                  'description': outline_text(r, report.num_weights),
               }
               for r in report.optimizer
           ],

@@ -101,8 +101,7 @@ def plan_convert(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
       memory_budget=memory_budget, force=force, items=items,
       merge_options=merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base),
-      scan_layers=scan_layers,
-      param_scan_axis=param_scan_axis,
+      scan_layers=scan_layers, param_scan_axis=param_scan_axis,
   )
 
 
