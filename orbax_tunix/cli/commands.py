@@ -339,14 +339,28 @@ def as_flags(message: str) -> str:
   return _PARAMETER.sub(flag, message)
 
 
-def _step(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not a step number.') from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f'{text!r}: step numbers are not negative.')
-  return value
+def _number(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool],
+            why: str) -> Callable[[str], Any]:
+  """A number flag's argparse type: `convert(text)` where `ok` accepts it, else an error
+  saying the text is not `what`, or `why` not."""
+
+  def parse(text: str) -> Any:
+    try:
+      value = convert(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'{text!r} is not {what}.') from None
+    if not ok(value):
+      raise argparse.ArgumentTypeError(f'{text!r}: {why}')
+    return value
+  return parse
+
+
+_step = _number(int, 'a step number', lambda value: value >= 0,
+                'step numbers are not negative.')
+# `--lora-alpha`, `--lora-scale`: nan and inf are refused.
+_finite = _number(float, 'a number', math.isfinite, 'expected a finite number (a NaN or'
+                  ' infinite scale makes every merged weight NaN or infinite).')
+_atol = _number(float, 'a number', lambda value: value >= 0, 'the tolerance must be >= 0.')
 
 
 def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.Destination) -> None:
@@ -373,30 +387,6 @@ def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
   p.add_argument('--base', metavar='BASE',
                  help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
                  ' checkpoint); default: SRC itself (a full save)')
-
-
-def _finite(text: str) -> float:
-  """A finite number (`--lora-alpha`, `--lora-scale`): nan and inf are refused."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not a number.') from None
-  if not math.isfinite(value):
-    raise argparse.ArgumentTypeError(
-        f'{text!r}: expected a finite number (a NaN or infinite scale makes every'
-        ' merged weight NaN or infinite).'
-    )
-  return value
-
-
-def _atol(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not a number.') from None
-  if not value >= 0:
-    raise argparse.ArgumentTypeError(f'{text!r}: the tolerance must be >= 0.')
-  return value
 
 
 _EPILOG = (
