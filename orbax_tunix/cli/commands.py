@@ -1,14 +1,8 @@
 """`orbax-tunix`: inspect, convert, diff and export Tunix checkpoints from the command line.
 
-  orbax-tunix inspect PATH [--step N] [--json] [--full]
-  orbax-tunix convert SRC DST [--step N] [--params-only] [--layout canonical|maxtext]
-                      [--dtype bfloat16] [--memory-budget 1G] [--force] [--json]
-  orbax-tunix diff A B [--atol X] [--params-only] [--ignore-dtype] [--json]
-  orbax-tunix export SRC OUT_DIR --model FAMILY [--hf-config DIR]
-                     [--max-shard-size 5GB] [--dtype bfloat16] [--force] [--json]
-
-The layouts a command writes and their flags come from the layout values
-(`layouts`): convert's are the step layouts, export's the Hugging Face families.
+Each command's flags are in its `--help` (`build_parser`). The layouts a command
+writes and their flags come from the layout values (`layouts`): convert's are the
+step layouts, export's the Hugging Face families.
 
 This module only parses arguments and draws results; the work is done by
 `inspection`, `convert`, `diff` and `export`. On a terminal, results are tables (with
@@ -16,11 +10,8 @@ This module only parses arguments and draws results; the work is done by
 show a progress bar; piped, output is plain aligned text (or one JSON
 document with `--json`) and progress is a line every few seconds on stderr.
 
-Exit status: 0 success (diff: the checkpoints match), 1 diff found
-differences (inspect --verify: damaged arrays), 2 error (the message says
-what is wrong and what to do; no traceback unless `--debug`), 130
-interrupted. The status is the result's even when the output's reader goes
-away (`| head -1`): the rest of the output is dropped, never the result.
+The exit status is `main`'s (an error: 2, with one message saying what to do and
+no traceback unless `--debug`).
 """
 
 from __future__ import annotations
@@ -60,26 +51,29 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-def parse_size(text: str) -> int:
-  """Bytes from a size option (`sizes.parse_size`: '512M', '5GB', '1.5GiB', '1000000').
+def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+  """An option's parser as argparse's type: its ValueError's message said as is."""
 
-  Raises:
-    argparse.ArgumentTypeError: the text is not a size.
-  """
-  try:
-    return sizes.parse_size_text(text)
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
+  def parse_flag(text: str) -> Any:
+    try:
+      return parse(text)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e) if str(e).startswith(repr(text)) else
+                                       f'{text!r}: {e}') from None
+  return parse_flag
 
 
-def parse_dtype(name: str | None) -> np.dtype | None:
-  """The floating dtype `--dtype` names (e.g. 'bfloat16'), or None.
+# Bytes from a size option (`sizes.parse_size`: '512M', '5GB', '1.5GiB', '1000000'); text
+# that is not a size raises argparse.ArgumentTypeError.
+parse_size = _parsed(sizes.parse_size_text)
+
+
+def parse_dtype(name: str) -> np.dtype:
+  """The floating dtype `--dtype` names (e.g. 'bfloat16').
 
   Raises:
     argparse.ArgumentTypeError: not a floating dtype.
   """
-  if name is None:
-    return None
   try:
     dtype = np.dtype(jnp.dtype(name))
   except TypeError:
@@ -244,7 +238,20 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
         memory_budget=args.memory_budget, force=args.force,
         param_scan_axis=args.param_scan_axis)
   else:
-    plan = _plan_model_export(args)
+    plan = export_lib.plan_export(
+        args.src,
+        args.out_dir,
+        model=args.model,
+        step=args.step,
+        dtype=args.dtype,
+        merge_lora=args.merge_lora,
+        lora_alpha=args.lora_alpha,
+        lora_scale=args.lora_scale,
+        base=args.base,
+        memory_budget=args.memory_budget,
+        force=args.force,
+        **_layout_options(args, layouts.Destination.FOLDER),
+    )
   result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
     print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
@@ -257,24 +264,6 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
       f' {format_bytes(result.total_size)} in {format_duration(result.seconds)}'
   )
   return EXIT_OK
-
-
-def _plan_model_export(args: argparse.Namespace) -> export_lib.ExportPlan:
-  """A model export's plan (not `--peft`)."""
-  return export_lib.plan_export(
-      args.src,
-      args.out_dir,
-      model=args.model,
-      step=args.step,
-      dtype=args.dtype,
-      merge_lora=args.merge_lora,
-      lora_alpha=args.lora_alpha,
-      lora_scale=args.lora_scale,
-      base=args.base,
-      memory_budget=args.memory_budget,
-      force=args.force,
-      **_layout_options(args, layouts.Destination.FOLDER),
-  )
 
 
 def _layout_options(args: argparse.Namespace, sink: layouts.Destination) -> dict[str, Any]:
@@ -313,38 +302,20 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
 # --- arguments and main -----------------------------------------------------
 
 # The library's parameters, as its messages name them (in backquotes), and the
-# flags that set them here.
+# flags that set them here: `memory_budget` is --memory-budget, the others as listed.
 _FLAGS = {
-    'force': '--force',
-    'params_only': '--params-only',
-    'layout': '--layout',
-    'dtype': '--dtype',
-    'memory_budget': '--memory-budget',
-    'step': '--step',
-    'atol': '--atol',
-    'ignore_dtype': '--ignore-dtype',
+    **{name: '--' + name.replace('_', '-') for name in (
+        'force', 'params_only', 'layout', 'dtype', 'memory_budget', 'step', 'atol',
+        'ignore_dtype', 'merge_lora', 'lora_alpha', 'lora_scale', 'base', 'scan_layers',
+        'param_scan_axis', 'model', 'max_shard_size', 'hf_config', 'config_as_trained',
+        'coordinator_address', 'num_processes', 'process_id', 'initialization_timeout',
+        'base_model', 'base_only')},
     'dst': 'DST',
     'src': 'SRC',
-    'items': '--item',
-    'merge_lora': '--merge-lora',
-    'lora_alpha': '--lora-alpha',
-    'alpha': '--lora-alpha',
-    'lora_scale': '--lora-scale',
-    'scale': '--lora-scale',
-    'base': '--base',
-    'scan_layers': '--scan-layers',
-    'param_scan_axis': '--param-scan-axis',
-    'model': '--model',
-    'max_shard_size': '--max-shard-size',
-    'hf_config': '--hf-config',
-    'config_as_trained': '--config-as-trained',
     'out_dir': 'OUT_DIR',
-    'coordinator_address': '--coordinator-address',
-    'num_processes': '--num-processes',
-    'process_id': '--process-id',
-    'initialization_timeout': '--initialization-timeout',
-    'base_model': '--base-model',
-    'base_only': '--base-only',
+    'items': '--item',
+    'alpha': '--lora-alpha',
+    'scale': '--lora-scale',
     'export_peft_adapter': 'export --peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
@@ -368,27 +339,28 @@ def as_flags(message: str) -> str:
   return _PARAMETER.sub(flag, message)
 
 
+def _number(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool],
+            why: str) -> Callable[[str], Any]:
+  """A number flag's argparse type: `convert(text)` where `ok` accepts it, else an error
+  saying the text is not `what`, or `why` not."""
 
-def _step(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not a step number.') from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f'{text!r}: step numbers are not negative.')
-  return value
-
-
-def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-  """An option's parser as argparse's type: its ValueError's message said as is."""
-
-  def parse_flag(text: str) -> Any:
+  def parse(text: str) -> Any:
     try:
-      return parse(text)
-    except ValueError as e:
-      raise argparse.ArgumentTypeError(str(e) if str(e).startswith(repr(text)) else
-                                       f'{text!r}: {e}') from None
-  return parse_flag
+      value = convert(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'{text!r} is not {what}.') from None
+    if not ok(value):
+      raise argparse.ArgumentTypeError(f'{text!r}: {why}')
+    return value
+  return parse
+
+
+_step = _number(int, 'a step number', lambda value: value >= 0,
+                'step numbers are not negative.')
+# `--lora-alpha`, `--lora-scale`: nan and inf are refused.
+_finite = _number(float, 'a number', math.isfinite, 'expected a finite number (a NaN or'
+                  ' infinite scale makes every merged weight NaN or infinite).')
+_atol = _number(float, 'a number', lambda value: value >= 0, 'the tolerance must be >= 0.')
 
 
 def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.Destination) -> None:
@@ -415,30 +387,6 @@ def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
   p.add_argument('--base', metavar='BASE',
                  help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
                  ' checkpoint); default: SRC itself (a full save)')
-
-
-def _finite(text: str) -> float:
-  """A finite number (`--lora-alpha`, `--lora-scale`): nan and inf are refused."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not a number.') from None
-  if not math.isfinite(value):
-    raise argparse.ArgumentTypeError(
-        f'{text!r}: expected a finite number (a NaN or infinite scale makes every'
-        ' merged weight NaN or infinite).'
-    )
-  return value
-
-
-def _atol(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not a number.') from None
-  if not value >= 0:
-    raise argparse.ArgumentTypeError(f'{text!r}: the tolerance must be >= 0.')
-  return value
 
 
 _EPILOG = (
@@ -714,9 +662,8 @@ _LOOP_NOISE = ('Event loop is closed', 'Cannot close a running event loop')
 
 
 def _is_shutdown_noise(exc: BaseException | None) -> bool:
-  if isinstance(exc, KeyboardInterrupt):
-    return True
-  return isinstance(exc, RuntimeError) and str(exc) in _LOOP_NOISE
+  return isinstance(exc, KeyboardInterrupt) or (
+      isinstance(exc, RuntimeError) and str(exc) in _LOOP_NOISE)
 
 
 def _silence_shutdown_noise() -> None:
@@ -873,24 +820,18 @@ def _main(argv: Sequence[str] | None) -> int:
     print(f'orbax-tunix: interrupted; {str(e) or "nothing was written at the destination"}.',
           file=sys.stderr)
     return EXIT_INTERRUPTED
-  except errors.TunixCheckpointError as e:
-    if debug:
-      traceback.print_exc()
-    print(f'orbax-tunix: error: {as_flags(str(e))}', file=sys.stderr)
-    return EXIT_ERROR
-  except OSError as e:
-    if debug:
-      traceback.print_exc()
-    where = f' ({e.filename})' if getattr(e, 'filename', None) else ''
-    print(
-        f'orbax-tunix: error: {e.strerror or e}{where}. Check the path and its permissions.',
-        file=sys.stderr,
-    )
-    return EXIT_ERROR
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       traceback.print_exc()
-    else:
+    if isinstance(e, errors.TunixCheckpointError):
+      print(f'orbax-tunix: error: {as_flags(str(e))}', file=sys.stderr)
+    elif isinstance(e, OSError):
+      where = f' ({e.filename})' if getattr(e, 'filename', None) else ''
+      print(
+          f'orbax-tunix: error: {e.strerror or e}{where}. Check the path and its permissions.',
+          file=sys.stderr,
+      )
+    elif not debug:
       print(
           f'orbax-tunix: error: {type(e).__name__}: {e}\n(run again with --debug for the'
           ' traceback, and report it if the checkpoint looks sound)',

@@ -54,7 +54,6 @@ def format_duration(seconds: float) -> str:
   return f'{hours}h{minutes:02d}m'
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One display row: a leaf, or identical leaves of numbered layers folded.
@@ -139,11 +138,11 @@ def collapse_rows(leaves: Sequence[reader.LeafInfo]) -> list[Row]:
 def format_bytes(n: int) -> str:
   """'1.5 MiB': sizes for people (binary units)."""
   value = float(n)
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if value < 1024 or unit == 'TiB':
+  for unit in ('B', 'KiB', 'MiB', 'GiB'):
+    if value < 1024:
       return f'{int(value)} {unit}' if unit == 'B' else f'{value:.1f} {unit}'
     value /= 1024
-  return f'{n} B'
+  return f'{value:.1f} TiB'
 
 
 def _leaf_json(leaf: reader.LeafInfo) -> dict[str, Any]:
@@ -181,7 +180,6 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
   {shape, dtype, bytes}; then `lora`, `optimizer` and `hyperparameters`.
   """
   d = report.detection
-  weights = report.num_weights
   return {
       'path': str(d.path),
       'step_dir': str(d.step_dir),
@@ -219,7 +217,7 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
                   'depth': r.depth,
                   'leaf': r.leaf is not None,
                   'optax_states': list(r.states),
-                  'description': outline_text(r, weights),
+                  'description': outline_text(r, report.num_weights),
               }
               for r in report.optimizer
           ],
@@ -319,11 +317,10 @@ def _steps_text(report: inspection.Report) -> str:
 def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None:
   """Draws an inspect report."""
   d = report.detection
-  kind = d.source_kind.title
   out.fields(
       [
           ('checkpoint', str(d.path)),
-          ('kind', f'{kind} (written with the Orbax {d.writer} API)'),
+          ('kind', f'{d.source_kind.title} (written with the Orbax {d.writer} API)'),
           ('step', f'{d.step if d.step is not None else "-"}  ({d.step_dir})'),
           ('steps', _steps_text(report)),
           ('size', f'{format_bytes(report.nbytes)} in {report.num_leaves} leaves'),
@@ -335,11 +332,9 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
       + [('note', note) for note in report.notes]
   )
   out.title('Layout')
-  rows = []
-  for item in report.items:
-    rewrites = item.rewrites or (('(none)', 'read as it is'),)
-    for i, (name, description) in enumerate(rewrites):
-      rows.append([item.name if i == 0 else '', name, description])
+  rows = [[item.name if i == 0 else '', name, description]
+          for item in report.items
+          for i, (name, description) in enumerate(item.rewrites or (('(none)', 'read as it is'),))]
   out.table(['item', 'rewrite', 'what it undoes'], rows)
   for item in report.items:
     side = f', {len(item.side_leaves)} side leaves left out' if item.side_leaves else ''
@@ -516,57 +511,40 @@ def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
   }
 
 
-def _limited(rows: list[list[str]], limit: int | None) -> tuple[list[list[str]], int]:
-  if limit is None or len(rows) <= limit:
-    return rows, 0
-  return rows[:limit], len(rows) - limit
-
-
 def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint: str | None) -> None:
   """Draws a diff result, then its one-line verdict."""
+  pair = ['path', 'A', 'B']
+
+  def pairs(found: Sequence[diff_lib.Mismatch]) -> list[list[str]]:
+    return [[m.path, m.a, m.b] for m in found]
+
   sections = [
-      (
-          f'Damaged in A ({result.a}): data does not match its recorded checksum, or'
-          ' cannot be read',
-          ['path'], [[p] for p in result.damaged_a], (),
-      ),
-      (
-          f'Damaged in B ({result.b}): data does not match its recorded checksum, or'
-          ' cannot be read',
-          ['path'], [[p] for p in result.damaged_b], (),
-      ),
+      *((f'Damaged in {side} ({where}): data does not match its recorded checksum, or'
+         ' cannot be read', ['path'], [[p] for p in damaged], ())
+        for side, where, damaged in (('A', result.a, result.damaged_a),
+                                     ('B', result.b, result.damaged_b))),
       (f'Only in A ({result.a})', ['path'], [[p] for p in result.only_a], ()),
       (f'Only in B ({result.b})', ['path'], [[p] for p in result.only_b], ()),
-      ('Shapes differ', ['path', 'A', 'B'], [[m.path, m.a, m.b] for m in result.shape], ()),
-      (
-          'Dtypes differ' + (' (ignored)' if result.ignore_dtype else ''),
-          ['path', 'A', 'B'],
-          [[m.path, m.a, m.b] for m in result.dtype],
-          (),
-      ),
+      ('Shapes differ', pair, pairs(result.shape), ()),
+      ('Dtypes differ' + (' (ignored)' if result.ignore_dtype else ''), pair,
+       pairs(result.dtype), ()),
       (
           f'Values differ (atol {result.atol:g})',
           ['path', 'max abs diff', 'elements differing'],
           [[v.path, f'{v.max_abs_diff:.6g}', f'{v.differing} / {v.size}'] for v in result.values],
           (1, 2),
       ),
-      ('JSON values differ', ['path', 'A', 'B'], [[m.path, m.a, m.b] for m in result.json], ()),
-      (
-          'Hyperparameters differ (inject_hyperparams values and counts, outside the'
-          ' canonical view)',
-          ['path', 'A', 'B'],
-          [[m.path, m.a, m.b] for m in result.hyperparameters],
-          (),
-      ),
+      ('JSON values differ', pair, pairs(result.json), ()),
+      ('Hyperparameters differ (inject_hyperparams values and counts, outside the'
+       ' canonical view)', pair, pairs(result.hyperparameters), ()),
   ]
   for title, columns, rows, right in sections:
     if not rows:
       continue
-    shown, more = _limited(rows, limit)
     out.title(f'{title}: {len(rows)}')
-    out.table(columns, shown, right=right)
-    if more:
-      out.text(f'  ... and {more} more (--json lists them all)')
+    out.table(columns, rows[:limit], right=right)
+    if limit is not None and len(rows) > limit:
+      out.text(f'  ... and {len(rows) - limit} more (--json lists them all)')
   if hint:
     out.text()
     out.text(f'hint: {hint}')

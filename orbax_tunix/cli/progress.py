@@ -62,11 +62,7 @@ class LineProgress:
   def __init__(self, stream: TextIO, rewrite: bool):
     self._stream = stream
     self._rewrite = rewrite
-    self._total = 1
-    self._done = 0
-    self._start = 0.0
-    self._last = 0.0
-    self._description = ''
+    self.start(0, '')
 
   def start(self, total_bytes: int, description: str) -> None:
     self._total, self._done = max(total_bytes, 1), 0
@@ -92,10 +88,7 @@ class LineProgress:
     elif now - self._last < LOG_INTERVAL:
       return  # In a log, a quick run shows only its summary.
     self._last = now
-    if self._rewrite:
-      self._stream.write('\r\x1b[2K' + self.line())
-    else:
-      self._stream.write(self.line() + '\n')
+    self._stream.write('\r\x1b[2K' + self.line() if self._rewrite else self.line() + '\n')
     self._stream.flush()
 
   def finish(self) -> None:
@@ -106,11 +99,9 @@ class LineProgress:
 
 def make_progress(stream: TextIO, fancy: bool) -> Any:
   """The progress display suited to `stream` (stderr)."""
-  if is_tty(stream):
-    if fancy and rich is not None:
-      return RichProgress(stream)
-    return LineProgress(stream, rewrite=True)
-  return LineProgress(stream, rewrite=False)
+  if fancy and rich is not None and is_tty(stream):
+    return RichProgress(stream)
+  return LineProgress(stream, rewrite=is_tty(stream))
 
 
 class Interruptible:

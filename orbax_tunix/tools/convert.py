@@ -1,29 +1,13 @@
 """Convert: a checkpoint rewritten as an ordinary Orbax step, streamed and atomic.
 
-What is written (DST is a step directory) is a layout's (`layouts/`):
-
-* `canonical`: one item per source PyTree item, in the canonical view (for
-  Tunix: `model_params` without the nnx `value` and adapter `base` levels,
-  `optimizer_state` without the inject_hyperparams shell). With
-  `params_only`, only `model_params` holding the weights (no RNG state).
-* `maxtext`: the step MaxText 0.2.5 itself writes: one item `items` with
-  `params/params/<weights>`, and unless `params_only` the optimizer laid out
-  as MaxText's adamw chain and `step`; `scan_layers` writes the decoder's
-  layers in the other form.
-
-Every item is a plain `PyTreeCheckpointHandler` item and `_CHECKPOINT_METADATA`
-names that handler, so plain Orbax (v0 and v1) restores it without this
-package. The step's custom metadata keeps the source's and adds `orbax_tunix`:
-where it came from, the inject_hyperparams values the canonical view leaves
-out (by name, and every such leaf, counts too, as `diff` compares them), and
-a CRC-32 of every array.
-
-This is the one pipeline (`pipeline.py`) with a step layout: its outputs are
-written by the one streaming writer (`writer.py`), in batches within the
-memory budget. Committed as Orbax commits
-(`commit.Staging`): on a local disk everything is written to
-`<DST>.orbax-checkpoint-tmp-<ns>` beside DST and renamed at the end; on a
-bucket DST is written in place and `commit_success.txt` comes last. Any
+What is written (DST is a step directory) is a step layout's (`layouts/`:
+`canonical`, the canonical view; `maxtext`, the step MaxText 0.2.5 itself
+writes), through the one pipeline (`pipeline.py`, its step sink): every item a
+plain `PyTreeCheckpointHandler` item that plain Orbax (v0 and v1) restores
+without this package, the source and a CRC-32 of every array recorded in the
+step's custom metadata. Committed as Orbax commits (`commit.Staging`): on a
+local disk written to `<DST>.orbax-checkpoint-tmp-<ns>` beside DST and renamed
+at the end; on a bucket written in place, `commit_success.txt` last. Any
 failure or interrupt removes what was written. An existing DST is refused
 unless `force`, and then replaced only once the new one is complete.
 """
@@ -117,8 +101,7 @@ def plan_convert(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
       memory_budget=memory_budget, force=force, items=items,
       merge_options=merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base),
-      scan_layers=scan_layers,
-      param_scan_axis=param_scan_axis,
+      scan_layers=scan_layers, param_scan_axis=param_scan_axis,
   )
 
 

@@ -3,14 +3,13 @@
 Both sides are opened with `reader.open_checkpoint` (Tunix checkpoints in
 their canonical form, any other Orbax checkpoint as it is), their leaves are
 matched by `item/path`, and the leaves both sides hold with one shape are read
-in batches that fit the memory budget and compared value by value (the largest
-absolute difference per leaf; integers exactly, against integers and
-floats; floats against floats in float64). Beside the arrays: JSON items,
-value by value, and the leaves the canonical view leaves out (the
-inject_hyperparams values and counts, `hyperparams.side_leaves`, or the
-record `convert` keeps of them). `params_only` compares the weights
-alone (see `reader.weights`), which matches a Tunix step against its MaxText
-parameter conversion.
+in batches that fit the memory budget and compared value by value
+(`compare_values`: the largest absolute difference per leaf). Beside the arrays:
+JSON items, value by value, and the leaves the canonical view leaves out (the
+inject_hyperparams values and counts, `hyperparams.side_leaves`, or the record
+`convert` keeps of them). `params_only` compares the weights alone (see
+`reader.weights`), which matches a Tunix step against its MaxText parameter
+conversion.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from etils import epath
 from orbax_tunix import errors, sizes
 from orbax_tunix.keypaths import fmt, natural_key
 from orbax_tunix.reading import hyperparams, memory, reader
+from orbax_tunix.tools import pipeline
 from orbax_tunix.writing import checksums
 
 # Elements compared at once, so that the float64 working copies stay small.
@@ -336,12 +336,7 @@ def _open(
   """One side, opened as far as the comparison needs (a whole step must be whole)."""
   if isinstance(side, reader.CanonicalCheckpoint):
     return side
-  if params_only and items is None:
-    return reader.open_weights(side)
-  ckpt = reader.open_checkpoint(side, items=items)
-  if items is None:
-    ckpt.detection.require()
-  return ckpt
+  return pipeline.open_source(side, None, items, params_only)
 
 
 # --- JSON items ---------------------------------------------------------------
@@ -433,12 +428,10 @@ def _side_of(
   if detection.is_tunix:
     return {}  # Its optimizer (if any) has no inject_hyperparams shell.
   recorded = _recorded_side(ckpt)
-  if recorded is None:
-    return None
-  if items is not None:
-    wanted = set(items)
-    recorded = {k: v for k, v in recorded.items() if k.split('/', 1)[0] in wanted}
-  return recorded
+  if recorded is None or items is None:
+    return recorded
+  wanted = set(items)
+  return {k: v for k, v in recorded.items() if k.split('/', 1)[0] in wanted}
 
 
 def _side_value(value: Any) -> Any:

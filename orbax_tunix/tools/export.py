@@ -1,16 +1,12 @@
 """Export: a Tunix run's (or a MaxText step's) weights as a Hugging Face safetensors folder.
 
 This is the one pipeline (`pipeline.py`) with a family's layout
-(`layouts/huggingface.py`, one per family of `mapping/huggingface.py`):
-`plan_export` decides everything from metadata before any array is read (the
-weights, merged for a LoRA run; the family's tensor names and layouts; the
-files they go to, as `transformers` shards them; the config checks), and
-`run_export` streams them through the one writer (`writer.py`) into
-safetensors files, a batch within the memory budget at a time, and commits
-the folder as `convert` commits a step (`commit.Staging`): written beside
-OUT_DIR and renamed (on a bucket: copied over) once complete, so a failure
-leaves nothing half-written. `hf_config` copies the base model's config and
-tokenizer files after checking the config against the weights.
+(`layouts/huggingface.py`, one per family of `mapping/huggingface.py`; `--peft`:
+`layouts/peft.py`): the family's tensor names and layouts, in files as `transformers`
+shards them, committed as `convert` commits a step (`commit.Staging`): written beside
+OUT_DIR and renamed (on a bucket: copied over) once complete, so a failure leaves
+nothing half-written. `hf_config` copies the base model's config and tokenizer files
+after checking the config against the weights.
 """
 
 from __future__ import annotations
@@ -169,7 +165,6 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
       **({'adapter': plan.summary['adapter']} if 'adapter' in plan.summary else {}),
       'notes': list(plan.notes),
   }
-
 
 
 def plan_peft_export(

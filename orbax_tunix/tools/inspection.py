@@ -31,18 +31,13 @@ from orbax_tunix.view import rules
 from orbax_tunix.view.detection import Detection
 
 _RULE_DESCRIPTIONS = {rule.name: rule.description for rule in rules.RULES}
-
-def _optax_state_fields() -> dict[str, frozenset[str]]:
-  """optax's own state NamedTuples, by name: the outline names states with them."""
-  return {
-      name: frozenset(obj._fields)
-      for name, obj in vars(optax).items()
-      if isinstance(obj, type) and issubclass(obj, tuple) and getattr(obj, '_fields', ())
-      and name.endswith('State')
-  }
-
-
-_OPTAX_STATES = _optax_state_fields()
+# optax's own state NamedTuples, by name: the outline names states with them.
+_OPTAX_STATES = {
+    name: frozenset(obj._fields)
+    for name, obj in vars(optax).items()
+    if isinstance(obj, type) and issubclass(obj, tuple) and getattr(obj, '_fields', ())
+    and name.endswith('State')
+}
 
 
 def optax_state_names(keys: frozenset[str]) -> tuple[str, ...]:
@@ -355,18 +350,17 @@ def inspect_checkpoint(
   """
   ckpt = reader.open_checkpoint(path, step, items)
   detection = ckpt.detection
-  reports = []
-  for name in sorted(ckpt.items):
-    names = detection.maps[name].rule_names
-    reports.append(
-        ItemReport(
-            name=name,
-            handler=detection.item_handlers.get(name),
-            rewrites=tuple((n, _RULE_DESCRIPTIONS.get(n, '')) for n in names),
-            leaves=tuple(sorted(ckpt.items[name], key=lambda leaf: natural_order(leaf.path))),
-            side_leaves=ckpt.side_leaves.get(name, ()),
-        )
-    )
+  reports = [
+      ItemReport(
+          name=name,
+          handler=detection.item_handlers.get(name),
+          rewrites=tuple((n, _RULE_DESCRIPTIONS.get(n, ''))
+                         for n in detection.maps[name].rule_names),
+          leaves=tuple(sorted(ckpt.items[name], key=lambda leaf: natural_order(leaf.path))),
+          side_leaves=ckpt.side_leaves.get(name, ()),
+      )
+      for name in sorted(ckpt.items)
+  ]
   try:
     weight_pairs = reader.weights(ckpt)
   except (errors.UnsupportedLayoutError, errors.MissingItemError):

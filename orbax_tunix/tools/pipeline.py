@@ -55,7 +55,6 @@ from orbax_tunix.version import __version__
 from orbax_tunix.writing import checksums, commit, distributed, writer
 
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
-METADATA_KEY = checksums.RECORD_KEY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +253,7 @@ def plan(
            if value != known[name].unset}
   params_only = params_only or merge_options is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
-  source = _open_source(src, step, items, params_only)
+  source = open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = merge_options.plan(source) if merge_options is not None else None
   sink = SINKS[chosen.sink]
@@ -298,10 +297,10 @@ def plan(
   )
 
 
-def _open_source(
+def open_source(
     src: epath.PathLike, step: int | None, items: Iterable[str] | None, params_only: bool
 ) -> reader.CanonicalCheckpoint:
-  """The source, opened as far as the plan needs it.
+  """A source (a plan's, a side of a diff), opened as far as it is needed.
 
   Weights only: just the weights' item (the others are not read, and may be
   absent). A whole step (no `items`): every item it records must be there.
@@ -422,13 +421,12 @@ def _write_step(plan: Plan, mine: Sequence[Output], work: epath.Path,
   init_ns = time.time_ns()
   sums: dict[str, dict[str, str]] = {}
   for item in plan.items:
-    if item.json and not distributed.is_primary():
-      continue
     if item.json:
-      ckpt, name = item.json
-      (work / item.name).mkdir(parents=True, exist_ok=True)
-      ocp.JsonCheckpointHandler().save(
-          work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
+      if distributed.is_primary():
+        ckpt, name = item.json
+        (work / item.name).mkdir(parents=True, exist_ok=True)
+        ocp.JsonCheckpointHandler().save(
+            work / item.name, args=ocp.args.JsonSave(reader.read_json_item(ckpt, name)))
       continue
     sink = writer.OrbaxItemSink(item, work / item.name)
     sums[item.name] = writer.write(item.outputs, sink, plan.batch_bytes, progress,
@@ -477,9 +475,8 @@ def _provenance(plan: Plan, sums: dict[str, dict[str, str]]) -> dict[str, Any]:
 
 def _write_step_metadata(work: epath.Path, plan: Plan, init_ns: int,
                          sums: dict[str, dict[str, str]]) -> None:
-  custom = dict(plan.source.detection.source.custom_metadata)
-  custom.update(plan.custom_metadata)
-  custom[METADATA_KEY] = _provenance(plan, sums)
+  custom = {**plan.source.detection.source.custom_metadata, **plan.custom_metadata,
+            checksums.RECORD_KEY: _provenance(plan, sums)}
   meta = ocp.metadata.StepMetadata(
       item_handlers={
           item.name: reader.JSON_TYPESTR if item.json else PYTREE_TYPESTR for item in plan.items
