@@ -41,9 +41,6 @@ AGGREGATE_FILE = 'checkpoint'  # msgpack tree of Orbax releases before _METADATA
 ARRAY_METADATAS = 'array_metadatas'
 TMP_MARKER = '.orbax-checkpoint-tmp'
 COMMIT_SUCCESS = 'commit_success.txt'  # A step on a bucket is final once it holds this.
-JSON_ITEM_FILE = 'metadata'  # A JSON item's file.
-OCDBT_MANIFEST = 'manifest.ocdbt'
-OCDBT_PROCESS_PREFIX = 'ocdbt.process_'  # Each process's own database, before the merge.
 
 # `value_type` in `_METADATA` of an empty node: None, and the empty containers
 # Orbax records as such (an optax state's `hyperparams_states: {}`, say).
