@@ -591,21 +591,6 @@ def on_host(value: Any) -> np.ndarray:
   return np.asarray(value)
 
 
-def _runs(shard_index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
-  """(first dim of the runs, elements per run, number of runs) of a block of an array.
-
-  A block's elements are contiguous in C order along its trailing dims that it
-  covers whole, and the one before them.
-  """
-  bounds = [s.indices(n)[:2] for s, n in zip(shard_index, shape, strict=True)]
-  k = len(shape)
-  while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
-    k -= 1
-  k = max(k - 1, 0)
-  per_run = math.prod(b - a for a, b in bounds[k:]) if shape else 1
-  return k, per_run, math.prod(b - a for a, b in bounds[:k])
-
-
 def _local_runs(value: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
   """(byte offset, bytes) of each contiguous run of this process's primary shards."""
   for shard in value.addressable_shards:
@@ -638,11 +623,20 @@ def _process_block(value: jax.Array) -> tuple[tuple[slice, ...], np.ndarray] | N
 
 def _block_runs(index: tuple[slice, ...], data: np.ndarray, shape: tuple[int, ...],
                 ) -> Iterator[tuple[int, np.ndarray]]:
-  """(byte offset, bytes) of each contiguous run of a block of an array."""
-  k, per_run, _ = _runs(index, shape)
+  """(byte offset, bytes) of each contiguous run of a block of an array.
+
+  A block's elements are contiguous in C order along its trailing dims that it
+  covers whole, and the one before them (from dim `k` on).
+  """
+  bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+  k = len(shape)
+  while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
+    k -= 1
+  k = max(k - 1, 0)
+  per_run = math.prod(b - a for a, b in bounds[k:])
   rows = np.ascontiguousarray(data).reshape(-1, per_run or 1)
-  starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
-  outer = [range(*s.indices(n)[:2]) for s, n in zip(index[:k], shape[:k], strict=True)]
+  starts = [a for a, _ in bounds]
+  outer = [range(a, b) for a, b in bounds[:k]]
   for row, lead in zip(rows, itertools.product(*outer), strict=True):
     offset = int(np.ravel_multi_index((*lead, *starts[k:]), shape)) if shape else 0
     yield offset * data.dtype.itemsize, row.view(np.uint8)
