@@ -268,11 +268,8 @@ class Item:
       CorruptMetadataError: an array has no data, or its header is damaged.
     """
     wanted = {p: tuple(s) for p, s in expected.items() if self.by_path[p].has_zarr}
-    if len(wanted) > HEADER_READS_UP_TO and self.stores_fill_chunks and self._chunk_shapes:
-      unsure = self._off_grid(wanted)
-    else:
-      unsure = list(wanted)
-    actual = self.shapes(unsure)
+    listed = len(wanted) > HEADER_READS_UP_TO and self.stores_fill_chunks and self._chunk_shapes
+    actual = self.shapes(self._off_grid(wanted) if listed else wanted)
     return {p: a for p, a in actual.items() if a != wanted[p]}
 
   def _off_grid(self, wanted: Mapping[Path, tuple[int, ...]]) -> list[Path]:
@@ -325,8 +322,7 @@ class Item:
       return out
     for path in folder.iterdir():
       try:
-        entries = read_json(path, "Orbax's array metadata")[ARRAY_METADATAS]
-        for entry in entries:
+        for entry in read_json(path, "Orbax's array metadata")[ARRAY_METADATAS]:
           meta = entry['array_metadata']
           out[meta['param_name']] = tuple(meta['chunk_shape'])
       except (errors.CorruptMetadataError, KeyError, TypeError):
