@@ -105,12 +105,10 @@ def overlap(step_dir: epath.Path, dst: epath.Path) -> str | None:
   """How a destination overlaps a source step's run, or None when it does not.
 
   The one decision of every command that writes a new step from an existing
-  one: the destination may be neither inside the source's run (see
-  `source_run`; writing there adds or replaces a step the source's trainer
-  resumes from), nor the run itself, nor a directory holding the source step.
-  Paths are compared as what they are (`what_it_is`: every symlink
-  resolved), and local directories also by identity (a bind mount), before
-  anything is written. Nothing is written here.
+  one: the destination may be neither inside the source's run (`source_run`:
+  a step added there is one the source's trainer resumes from), nor the run
+  itself, nor a directory holding the source step. Paths are compared as what
+  they are (`what_it_is`), local directories also by identity (a bind mount).
 
   Args:
     step_dir: the source step directory (as given, links and all).

@@ -3,12 +3,11 @@
 The same command runs once per host. The processes find each other as JAX's
 multi-controller runtime does (`jax.distributed.initialize`, from explicit
 flags or its own cluster auto-detection), and coordinate only through that
-runtime's key-value store and barriers (Orbax's multi-host save does the
-same); before it starts, given explicit flags, they meet process 0 at the
-coordinator's port (`rendezvous`), so that a job that cannot form is
-reported rather than aborted by JAX. Once formed, every process's plan is
-compared with the others' (`agree_on`) before anything is written. What is
-shared out:
+runtime's key-value store and barriers (as Orbax's multi-host save does);
+given explicit flags, they first meet process 0 at the coordinator's port
+(`rendezvous`), so that a job that cannot form is reported rather than
+aborted by JAX. Every process's plan is compared with the others'
+(`agree_on`) before anything is written. What is shared out:
 
 - `convert`: every array is placed on the global mesh of all processes'
   devices (`placement`), so each process reads and writes only its own
@@ -18,13 +17,10 @@ shared out:
 - `export`: the safetensors files are dealt out to the processes by bytes
   (`mine`); each reads whole tensors for its own files only.
 
-Every multi-process run goes through `staged`: process 0 opens the staging
-directory, every process checks it can see it, every process reports its
-outcome, and process 0 commits only when every process succeeded; otherwise
-every process raises `DistributedError` naming the process that failed and
-why, and the staging is removed. A process that dies is found by JAX's own
-heartbeat, which ends every other process (non-zero exit); what is left is
-a staging directory, which readers skip, never a finished-looking output.
+Every multi-process run goes through `staged`, which commits only when every
+process succeeded. A process that dies is found by JAX's own heartbeat, which
+ends every other process (non-zero exit); what is left is a staging
+directory, which readers skip, never a finished-looking output.
 
 On one process (no `jax.distributed`), nothing here changes anything.
 """

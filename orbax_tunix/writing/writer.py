@@ -205,9 +205,6 @@ def check_range(output: Output, value: Any) -> None:
   sources are read again in their own dtypes and compared, so that infs and
   NaNs the source holds itself are kept.
 
-  Finite sources that make non-finite values always left the range (a LoRA
-  merge whose scale is far too large: its float32 arithmetic overflows).
-
   Raises:
     InvalidOptionError: the output dtype cannot hold them (naming the source
       leaf, how many values, the largest and the dtype's limit), or the
