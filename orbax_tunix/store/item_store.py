@@ -179,16 +179,6 @@ class Item:
   def _header_name(self) -> str:
     return zarr_format.header_name(self.use_zarr3)
 
-  def _without_data(self, paths: Iterable[Path]) -> list[Path]:
-    """The zarr leaves among `paths` whose header is not in the store's listing."""
-    header = self._header_name
-    out = []
-    for path in paths:
-      name = _orbax.array_name(path)
-      if self.by_path[path].has_zarr and not self._holds(f'{name}/{header}', self._span(name)):
-        out.append(path)
-    return out
-
   def _no_data_error(self, absent: Sequence[Path]) -> errors.CorruptMetadataError:
     return errors.CorruptMetadataError(
         f'{self.directory}: {PYTREE_METADATA} lists {len(absent)} leaves that have no'
@@ -205,7 +195,12 @@ class Item:
       CorruptMetadataError: naming the leaves `_METADATA` lists that have no
         array data.
     """
-    absent = self._without_data(self.paths if paths is None else paths)
+    header = self._header_name
+    absent = []
+    for path in self.paths if paths is None else paths:
+      name = _orbax.array_name(path)
+      if self.by_path[path].has_zarr and not self._holds(f'{name}/{header}', self._span(name)):
+        absent.append(path)  # Its header is not in the store's listing.
     if absent:
       raise self._no_data_error(sorted(absent))
 
