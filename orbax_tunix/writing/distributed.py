@@ -150,9 +150,8 @@ def initialize(options: Options = Options()) -> bool:
   Nothing happens when the process already joined one (an API caller did),
   or when no flag is given and JAX detects no cluster: one process, as before.
   Given all three of address, count and id, the processes first meet at the
-  address (`rendezvous`, bounded by the timeout), so that a job that cannot
-  form is reported on every process rather than aborted by JAX. On CPU the
-  processes talk through JAX's gloo collectives.
+  address (`rendezvous`, bounded by the timeout; see the module's docstring).
+  On CPU the processes talk through JAX's gloo collectives.
 
   Returns:
     Whether this process is now part of a multi-process job.
@@ -451,13 +450,6 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
       with contextlib.suppress(Exception):  # It re-raises `error`, or what it maps it to.
         stack.__exit__(type(error), error, error.__traceback__)
 
-  def own_failure(error: BaseException) -> BaseException:
-    """This process's own failure as one process alone would say it (a full disk: the
-    destination's failure, `commit.write_failure`); another process's, as it is."""
-    if isinstance(error, errors.DistributedError):
-      return error
-    return commit.write_failure(dst, error, nbytes) or error
-
   if first[2] != os.fspath(dst):
     seen = (f'this process was given the destination {dst}, process 0 {first[2]}: give every'
             ' process the same absolute path or bucket URL.')
@@ -480,8 +472,11 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
     agree('write', None if own is None else _failure(own))
   except errors.DistributedError as e:
     abandon(e if own is None else own)
-    if own is not None:  # This process's own failure, as it would be alone.
-      failure = own_failure(own)
+    if own is not None:
+      # This process's own failure, as one process alone says it (a full disk: the
+      # destination's failure, `commit.write_failure`); another process's as it is.
+      failure = own if isinstance(own, errors.DistributedError) else (
+          commit.write_failure(dst, own, nbytes) or own)
       raise failure from (None if failure is own else own)
     raise
   if opened is not None:
