@@ -13,7 +13,7 @@ import bisect
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -335,17 +335,15 @@ def _tree_from_aggregate(path: epath.Path) -> tuple[Leaf, ...]:
         f'{path}: expected Orbax\'s msgpack tree file, found bytes that do not'
         f' decode ({e}). The file is damaged; use another step (`step`).'
     ) from e
-  leaves: list[Leaf] = []
 
-  def walk(node: Any, prefix: Path) -> None:
+  def walk(node: Any, prefix: Path) -> Iterator[Leaf]:
     if isinstance(node, dict) and node:
       for key, child in node.items():
-        walk(child, prefix + (str(key),))
+        yield from walk(child, prefix + (str(key),))
     else:
-      leaves.append(Leaf(prefix, (2,) * len(prefix), 'unknown'))
+      yield Leaf(prefix, (2,) * len(prefix), 'unknown')
 
-  walk(tree, ())
-  return tuple(leaves)
+  return tuple(walk(tree, ()))
 
 
 def _leaves_of(entries: Mapping[str, Any]) -> tuple[Leaf, ...]:
