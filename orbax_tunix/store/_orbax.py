@@ -231,12 +231,9 @@ def read_parts(
           'recheck_cached_metadata': False,
       }, open=True, read=True, context=context)
   stores = {path: future.result() for path, future in opening.items()}
-  reads = [stores[path][index].read() for path, index, _ in parts]
-  out = []
-  for (_, _, dtype), read in zip(parts, reads, strict=True):
-    value = read.result()
-    out.append(value if dtype is None or value.dtype == dtype else value.astype(dtype))
-  return out
+  reads = [(stores[path][index].read(), dtype) for path, index, dtype in parts]
+  values = [(read.result(), dtype) for read, dtype in reads]
+  return [v if dtype is None or v.dtype == dtype else v.astype(dtype) for v, dtype in values]
 
 
 # --- the handler an item records ----------------------------------------------
