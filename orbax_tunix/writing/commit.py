@@ -684,8 +684,8 @@ class Staging:
     return replaced
 
   def _finish(self) -> None:
-    """Commits `dst`: its commit file, then its claim released (an export's commit:
-    no longer unfinished)."""
+    """Makes `dst` final: its commit file written, then its `MARKER` removed (the commit
+    itself for a kind without a commit file: an export)."""
     self._finishing = True
     if self.kind.commit_file:
       (self.dst / self.kind.commit_file).write_text(self._commit_text())
