@@ -527,13 +527,11 @@ def remove_tree(path: epath.Path) -> None:
   for _ in range(5):  # Retried: a background write may still add a file.
     if not path.exists():
       return
-    try:
+    with contextlib.suppress(OSError):
       if fileio.is_local(path):
         shutil.rmtree(os.fspath(path), ignore_errors=True)
       else:
         path.rmtree()
-    except OSError:
-      pass
     time.sleep(0.05)
 
 
