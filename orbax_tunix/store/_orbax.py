@@ -41,9 +41,6 @@ AGGREGATE_FILE = 'checkpoint'  # msgpack tree of Orbax releases before _METADATA
 ARRAY_METADATAS = 'array_metadatas'
 TMP_MARKER = '.orbax-checkpoint-tmp'
 COMMIT_SUCCESS = 'commit_success.txt'  # A step on a bucket is final once it holds this.
-JSON_ITEM_FILE = 'metadata'  # A JSON item's file.
-OCDBT_MANIFEST = 'manifest.ocdbt'
-OCDBT_PROCESS_PREFIX = 'ocdbt.process_'  # Each process's own database, before the merge.
 
 # `value_type` in `_METADATA` of an empty node: None, and the empty containers
 # Orbax records as such (an optax state's `hyperparams_states: {}`, say).
@@ -234,12 +231,9 @@ def read_parts(
           'recheck_cached_metadata': False,
       }, open=True, read=True, context=context)
   stores = {path: future.result() for path, future in opening.items()}
-  reads = [stores[path][index].read() for path, index, _ in parts]
-  out = []
-  for (_, _, dtype), read in zip(parts, reads, strict=True):
-    value = read.result()
-    out.append(value if dtype is None or value.dtype == dtype else value.astype(dtype))
-  return out
+  reads = [(stores[path][index].read(), dtype) for path, index, dtype in parts]
+  values = [(read.result(), dtype) for read, dtype in reads]
+  return [v if dtype is None or v.dtype == dtype else v.astype(dtype) for v, dtype in values]
 
 
 # --- the handler an item records ----------------------------------------------

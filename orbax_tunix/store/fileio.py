@@ -23,8 +23,6 @@ from orbax_tunix import errors
 MAX_METADATA_BYTES = 1 << 30
 
 
-
-
 def as_path(path: epath.PathLike) -> epath.Path:
   """An `epath.Path`, made absolute when local (TensorStore's OCDBT needs it)."""
   path = epath.Path(path)
@@ -93,7 +91,6 @@ def what_is_at(path: epath.Path) -> str:
     return 'a broken link' if os.path.islink(path) else 'nothing'
   except OSError as e:  # A directory on the way this user may not enter, a loop of links.
     return f'a path this user cannot reach ({e.strerror or e})'
-
 
 
 def _unreadable(path: epath.Path, what: str, e: OSError) -> errors.CorruptMetadataError:

@@ -13,7 +13,7 @@ import bisect
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -179,16 +179,6 @@ class Item:
   def _header_name(self) -> str:
     return zarr_format.header_name(self.use_zarr3)
 
-  def _without_data(self, paths: Iterable[Path]) -> list[Path]:
-    """The zarr leaves among `paths` whose header is not in the store's listing."""
-    header = self._header_name
-    out = []
-    for path in paths:
-      name = _orbax.array_name(path)
-      if self.by_path[path].has_zarr and not self._holds(f'{name}/{header}', self._span(name)):
-        out.append(path)
-    return out
-
   def _no_data_error(self, absent: Sequence[Path]) -> errors.CorruptMetadataError:
     return errors.CorruptMetadataError(
         f'{self.directory}: {PYTREE_METADATA} lists {len(absent)} leaves that have no'
@@ -205,7 +195,12 @@ class Item:
       CorruptMetadataError: naming the leaves `_METADATA` lists that have no
         array data.
     """
-    absent = self._without_data(self.paths if paths is None else paths)
+    header = self._header_name
+    absent = []
+    for path in self.paths if paths is None else paths:
+      name = _orbax.array_name(path)
+      if self.by_path[path].has_zarr and not self._holds(f'{name}/{header}', self._span(name)):
+        absent.append(path)  # Its header is not in the store's listing.
     if absent:
       raise self._no_data_error(sorted(absent))
 
@@ -268,11 +263,8 @@ class Item:
       CorruptMetadataError: an array has no data, or its header is damaged.
     """
     wanted = {p: tuple(s) for p, s in expected.items() if self.by_path[p].has_zarr}
-    if len(wanted) > HEADER_READS_UP_TO and self.stores_fill_chunks and self._chunk_shapes:
-      unsure = self._off_grid(wanted)
-    else:
-      unsure = list(wanted)
-    actual = self.shapes(unsure)
+    listed = len(wanted) > HEADER_READS_UP_TO and self.stores_fill_chunks and self._chunk_shapes
+    actual = self.shapes(self._off_grid(wanted) if listed else wanted)
     return {p: a for p, a in actual.items() if a != wanted[p]}
 
   def _off_grid(self, wanted: Mapping[Path, tuple[int, ...]]) -> list[Path]:
@@ -325,8 +317,7 @@ class Item:
       return out
     for path in folder.iterdir():
       try:
-        entries = read_json(path, "Orbax's array metadata")[ARRAY_METADATAS]
-        for entry in entries:
+        for entry in read_json(path, "Orbax's array metadata")[ARRAY_METADATAS]:
           meta = entry['array_metadata']
           out[meta['param_name']] = tuple(meta['chunk_shape'])
       except (errors.CorruptMetadataError, KeyError, TypeError):
@@ -344,17 +335,15 @@ def _tree_from_aggregate(path: epath.Path) -> tuple[Leaf, ...]:
         f'{path}: expected Orbax\'s msgpack tree file, found bytes that do not'
         f' decode ({e}). The file is damaged; use another step (`step`).'
     ) from e
-  leaves: list[Leaf] = []
 
-  def walk(node: Any, prefix: Path) -> None:
+  def walk(node: Any, prefix: Path) -> Iterator[Leaf]:
     if isinstance(node, dict) and node:
       for key, child in node.items():
-        walk(child, prefix + (str(key),))
+        yield from walk(child, prefix + (str(key),))
     else:
-      leaves.append(Leaf(prefix, (2,) * len(prefix), 'unknown'))
+      yield Leaf(prefix, (2,) * len(prefix), 'unknown')
 
-  walk(tree, ())
-  return tuple(leaves)
+  return tuple(walk(tree, ()))
 
 
 def _leaves_of(entries: Mapping[str, Any]) -> tuple[Leaf, ...]:

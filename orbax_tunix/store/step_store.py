@@ -124,11 +124,6 @@ def _holds_step(directory: epath.Path) -> bool:
   return any(_is_item_dir(child) for child in directory.iterdir())
 
 
-def _why_unreadable(error: OSError) -> str:
-  """An OSError that kept a directory from being read, in a few words."""
-  return error.strerror or str(error) or type(error).__name__
-
-
 def list_steps(root: epath.Path) -> list[StepEntry]:
   """Step directories directly under `root`, committed or not, by step number.
 
@@ -147,7 +142,7 @@ def list_steps(root: epath.Path) -> list[StepEntry]:
       try:
         held = _holds_step(child)
       except OSError as e:
-        unreadable = _why_unreadable(e)
+        unreadable = e.strerror or str(e) or type(e).__name__  # In a few words.
     steps.append(StepEntry(number, child, committed, not held, unreadable))
   return sorted(steps, key=lambda s: (s.step, s.usable, s.path.name))
 

@@ -9,6 +9,7 @@ whose `__cause__` is TensorStore's). No Orbax API is used here.
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 
 # TensorStore's status codes that say stored data is missing or damaged, or the
 # storage unreachable. Other codes (INVALID_ARGUMENT, ...) and JAX's own errors
@@ -30,14 +31,8 @@ def storage_failure(exc: BaseException) -> BaseException | None:
   Returns None when the failure is about the request (a sharding that does not
   divide an array, a wrong dtype...), which the caller must see as raised.
   """
-  seen = set()
-  while exc is not None and id(exc) not in seen:
-    seen.add(id(exc))
-    text = str(exc)
-    if isinstance(exc, OSError) or text.startswith(_STORAGE_CODES):
-      return exc
-    exc = exc.__cause__ or exc.__context__
-  return None
+  return next((e for e in _chain(exc)
+               if isinstance(e, OSError) or str(e).startswith(_STORAGE_CODES)), None)
 
 
 def out_of_space(exc: BaseException) -> BaseException | None:
@@ -47,15 +42,17 @@ def out_of_space(exc: BaseException) -> BaseException | None:
   a `ValueError('RESOURCE_EXHAUSTED: ... No space left on device ...')`, which
   Orbax may wrap.
   """
+  return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS
+               or any(text in str(e) for text in _NO_SPACE_TEXT)), None)
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+  """`exc`, then its cause (else its context), and so on, each once."""
   seen = set()
   while exc is not None and id(exc) not in seen:
     seen.add(id(exc))
-    if isinstance(exc, OSError) and exc.errno in _NO_SPACE_ERRNOS:
-      return exc
-    if any(text in str(exc) for text in _NO_SPACE_TEXT):
-      return exc
+    yield exc
     exc = exc.__cause__ or exc.__context__
-  return None
 
 
 def failure_text(exc: BaseException) -> str:

@@ -109,7 +109,7 @@ def verify(
   if not sums:
     return None
   progress = progress or reader.NullProgress()
-  damaged, unrecorded, checked = [], [], 0
+  damaged, unreadable, checked = [], [], 0
   listed = {(item, key(leaf.path)) for item, leaves in ckpt.items.items() for leaf in leaves}
   # Only the items opened are checked (`items`, an item directory), and those
   # the step records but lacks: another item's checksums say nothing of these.
@@ -118,15 +118,9 @@ def verify(
       f'{item}/{path}' for item, paths in sums.items() if item in looked_at
       for path in paths if (item, path) not in listed
   )
-  todo = [
-      leaf for item in sorted(ckpt.items) for leaf in ckpt.items[item]
-      if key(leaf.path) in sums.get(item, {})
-  ]
-  unrecorded = [
-      leaf.name for item in sorted(ckpt.items) for leaf in ckpt.items[item]
-      if key(leaf.path) not in sums.get(item, {})
-  ]
-  unreadable: list[str] = []
+  every = [leaf for item in sorted(ckpt.items) for leaf in ckpt.items[item]]
+  todo = [leaf for leaf in every if key(leaf.path) in sums.get(leaf.item, {})]
+  unrecorded = [leaf.name for leaf in every if key(leaf.path) not in sums.get(leaf.item, {})]
   progress.start(sum(leaf.nbytes for leaf in todo), 'verifying')
   try:
     for item in sorted(ckpt.items):

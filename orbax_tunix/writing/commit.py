@@ -50,14 +50,10 @@ OLD_MARKER = '.orbax-tunix-old-'
 
 
 def what_it_is(path: epath.Path) -> str:
-  """What a path is, for comparing locations: local paths with every symlink
-  resolved, bucket URLs normalized.
-
-  Local: `os.path.realpath`, which resolves each existing component in turn
-  (the deepest existing ancestor's real path) and normalizes the rest, which
-  a write would create as plain directories. Buckets: scheme and bucket in
-  lower case, repeated slashes, `.` and `..` folded, no trailing slash.
-  """
+  """What a path is, for comparing locations: local paths with every symlink resolved
+  (`os.path.realpath`; components not there yet normalized), bucket URLs normalized
+  (scheme and bucket in lower case; repeated slashes, `.`, `..` and a trailing slash
+  folded)."""
   text = os.fspath(path)
   if fileio.is_local(path):
     return os.path.realpath(text)
@@ -83,16 +79,6 @@ def _within(path: str, area: str) -> bool:
   return path == area or path.startswith(area.rstrip('/') + '/')
 
 
-def _ancestors(path: str) -> Iterator[str]:
-  """`path` and every directory above it (local paths)."""
-  while True:
-    yield path
-    parent = os.path.dirname(path)
-    if parent == path:
-      return
-    path = parent
-
-
 def _identity(path: str) -> tuple[int, int] | None:
   try:
     info = os.stat(path)
@@ -102,29 +88,27 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 def _same_directory_within(path: str, areas: Sequence[str]) -> str | None:
-  """The area one of `path`'s existing ancestors is (by device and inode), or None.
+  """The area `path` or one of its existing ancestors is (by device and inode), or None.
 
   Catches what the path text does not show: a bind mount of the area.
   """
   ids = {_identity(area): area for area in areas}
   ids.pop(None, None)
-  for ancestor in _ancestors(path):
-    found = ids.get(_identity(ancestor)) if os.path.lexists(ancestor) else None
-    if found is not None:
+  while True:
+    found = ids.get(_identity(path))  # None for a path that does not exist.
+    if found is not None or os.path.dirname(path) == path:
       return found
-  return None
+    path = os.path.dirname(path)
 
 
 def overlap(step_dir: epath.Path, dst: epath.Path) -> str | None:
   """How a destination overlaps a source step's run, or None when it does not.
 
   The one decision of every command that writes a new step from an existing
-  one: the destination may be neither inside the source's run (see
-  `source_run`; writing there adds or replaces a step the source's trainer
-  resumes from), nor the run itself, nor a directory holding the source step.
-  Paths are compared as what they are (`what_it_is`: every symlink
-  resolved), and local directories also by identity (a bind mount), before
-  anything is written. Nothing is written here.
+  one: the destination may be neither inside the source's run (`source_run`:
+  a step added there is one the source's trainer resumes from), nor the run
+  itself, nor a directory holding the source step. Paths are compared as what
+  they are (`what_it_is`), local directories also by identity (a bind mount).
 
   Args:
     step_dir: the source step directory (as given, links and all).
@@ -543,13 +527,11 @@ def remove_tree(path: epath.Path) -> None:
   for _ in range(5):  # Retried: a background write may still add a file.
     if not path.exists():
       return
-    try:
+    with contextlib.suppress(OSError):
       if fileio.is_local(path):
         shutil.rmtree(os.fspath(path), ignore_errors=True)
       else:
         path.rmtree()
-    except OSError:
-      pass
     time.sleep(0.05)
 
 
@@ -619,9 +601,7 @@ class Staging:
         raise _being_written(dst, claim, kind)
       remove_tree(dst)  # An interrupted run's: nobody's step.
     if kind.in_place and (not dst.exists() or _is_empty_dir(dst)):
-      self._claiming_dst = True
-      if not self._lease.claim(dst / MARKER):  # Another run claimed it just now.
-        raise _being_written(dst, Claim.read(dst / MARKER) or Claim('?', '?', 0, 0.0), kind)
+      self._claim_dst()
       self.work = dst
       return dst
     if dst.exists():
@@ -629,6 +609,12 @@ class Staging:
     self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{self.run}'
     self._lease.claim(self.work / MARKER)
     return self.work
+
+  def _claim_dst(self) -> None:
+    self._claiming_dst = True
+    if not self._lease.claim(self.dst / MARKER):  # Another run claimed it just now.
+      claim = Claim.read(self.dst / MARKER) or Claim('?', '?', 0, 0.0)
+      raise _being_written(self.dst, claim, self.kind)
 
   def commit(self) -> bool:
     """Makes the new one final at `dst`; returns whether an old one was replaced.
@@ -661,18 +647,15 @@ class Staging:
     return f'Checkpoint commit was successful to {self.dst} (orbax-tunix run {self.run})'
 
   def _commit_bucket(self) -> bool:
-    dst, work, kind = self.dst, self.work, self.kind
-    if work != dst:
+    dst = self.dst
+    if self.work != dst:
       return self._copy_in()
     if not self._lease.holds(dst / MARKER):
       raise errors.InvalidDestinationError(
           f'{dst}: another run took this step over while this one wrote it (it found this'
           f' run\'s claim not renewed for {LEASE_SECONDS:.0f} s); nothing was committed.'
           ' Check what it wrote there before running again.')
-    self._finishing = True
-    if kind.commit_file:
-      (dst / kind.commit_file).write_text(self._commit_text())  # The commit.
-    self._release(dst / MARKER)
+    self._finish()
     return False
 
   def _copy_in(self) -> bool:
@@ -683,9 +666,7 @@ class Staging:
       check_replaceable(dst, self.force, kind)
     # Complete: a step Orbax reads where it is (should the copy-in be interrupted).
     (work / (kind.commit_file or COMPLETE)).write_text(self._commit_text())
-    self._claiming_dst = True
-    if not self._lease.claim(dst / MARKER):
-      raise _being_written(dst, Claim.read(dst / MARKER) or Claim('?', '?', 0, 0.0), kind)
+    self._claim_dst()
     if kind.commit_file:
       (dst / kind.commit_file).unlink(missing_ok=True)  # From here: unfinished.
     for entry in list(dst.iterdir()):
@@ -695,17 +676,19 @@ class Staging:
     for entry in work.iterdir():
       if entry.name not in (MARKER, COMPLETE, kind.commit_file):
         fs.copy(os.fspath(entry), os.fspath(dst / entry.name), recursive=True)
-    self._finishing = True
-    if kind.commit_file:
-      (dst / kind.commit_file).write_text(self._commit_text())  # The commit.
-    self._release(dst / MARKER)  # An export's commit: no longer unfinished.
+    self._finish()
     with contextlib.suppress(Exception):  # Committed: what is left is named by `abort`.
       remove_tree(work)
     return replaced
 
-  def _release(self, marker: epath.Path) -> None:
+  def _finish(self) -> None:
+    """Makes `dst` final: its commit file written, then its `MARKER` removed (the commit
+    itself for a kind without a commit file: an export)."""
+    self._finishing = True
+    if self.kind.commit_file:
+      (self.dst / self.kind.commit_file).write_text(self._commit_text())
     self._lease.stop()
-    marker.unlink(missing_ok=True)
+    (self.dst / MARKER).unlink(missing_ok=True)
 
   def committed(self) -> bool:
     """Whether the new one is final at `dst` (read from the storage, not from flags:

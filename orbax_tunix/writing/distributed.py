@@ -3,12 +3,11 @@
 The same command runs once per host. The processes find each other as JAX's
 multi-controller runtime does (`jax.distributed.initialize`, from explicit
 flags or its own cluster auto-detection), and coordinate only through that
-runtime's key-value store and barriers (Orbax's multi-host save does the
-same); before it starts, given explicit flags, they meet process 0 at the
-coordinator's port (`rendezvous`), so that a job that cannot form is
-reported rather than aborted by JAX. Once formed, every process's plan is
-compared with the others' (`agree_on`) before anything is written. What is
-shared out:
+runtime's key-value store and barriers (as Orbax's multi-host save does);
+given explicit flags, they first meet process 0 at the coordinator's port
+(`rendezvous`), so that a job that cannot form is reported rather than
+aborted by JAX. Every process's plan is compared with the others'
+(`agree_on`) before anything is written. What is shared out:
 
 - `convert`: every array is placed on the global mesh of all processes'
   devices (`placement`), so each process reads and writes only its own
@@ -18,13 +17,10 @@ shared out:
 - `export`: the safetensors files are dealt out to the processes by bytes
   (`mine`); each reads whole tensors for its own files only.
 
-Every multi-process run goes through `staged`: process 0 opens the staging
-directory, every process checks it can see it, every process reports its
-outcome, and process 0 commits only when every process succeeded; otherwise
-every process raises `DistributedError` naming the process that failed and
-why, and the staging is removed. A process that dies is found by JAX's own
-heartbeat, which ends every other process (non-zero exit); what is left is
-a staging directory, which readers skip, never a finished-looking output.
+Every multi-process run goes through `staged`, which commits only when every
+process succeeded. A process that dies is found by JAX's own heartbeat, which
+ends every other process (non-zero exit); what is left is a staging
+directory, which readers skip, never a finished-looking output.
 
 On one process (no `jax.distributed`), nothing here changes anything.
 """
@@ -154,9 +150,8 @@ def initialize(options: Options = Options()) -> bool:
   Nothing happens when the process already joined one (an API caller did),
   or when no flag is given and JAX detects no cluster: one process, as before.
   Given all three of address, count and id, the processes first meet at the
-  address (`rendezvous`, bounded by the timeout), so that a job that cannot
-  form is reported on every process rather than aborted by JAX. On CPU the
-  processes talk through JAX's gloo collectives.
+  address (`rendezvous`, bounded by the timeout; see the module's docstring).
+  On CPU the processes talk through JAX's gloo collectives.
 
   Returns:
     Whether this process is now part of a multi-process job.
@@ -455,13 +450,6 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
       with contextlib.suppress(Exception):  # It re-raises `error`, or what it maps it to.
         stack.__exit__(type(error), error, error.__traceback__)
 
-  def own_failure(error: BaseException) -> BaseException:
-    """This process's own failure as one process alone would say it (a full disk: the
-    destination's failure, `commit.write_failure`); another process's, as it is."""
-    if isinstance(error, errors.DistributedError):
-      return error
-    return commit.write_failure(dst, error, nbytes) or error
-
   if first[2] != os.fspath(dst):
     seen = (f'this process was given the destination {dst}, process 0 {first[2]}: give every'
             ' process the same absolute path or bucket URL.')
@@ -484,8 +472,11 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
     agree('write', None if own is None else _failure(own))
   except errors.DistributedError as e:
     abandon(e if own is None else own)
-    if own is not None:  # This process's own failure, as it would be alone.
-      failure = own_failure(own)
+    if own is not None:
+      # This process's own failure, as one process alone says it (a full disk: the
+      # destination's failure, `commit.write_failure`); another process's as it is.
+      failure = own if isinstance(own, errors.DistributedError) else (
+          commit.write_failure(dst, own, nbytes) or own)
       raise failure from (None if failure is own else own)
     raise
   if opened is not None:
@@ -591,21 +582,6 @@ def on_host(value: Any) -> np.ndarray:
   return np.asarray(value)
 
 
-def _runs(shard_index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int, int]:
-  """(first dim of the runs, elements per run, number of runs) of a block of an array.
-
-  A block's elements are contiguous in C order along its trailing dims that it
-  covers whole, and the one before them.
-  """
-  bounds = [s.indices(n)[:2] for s, n in zip(shard_index, shape, strict=True)]
-  k = len(shape)
-  while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
-    k -= 1
-  k = max(k - 1, 0)
-  per_run = math.prod(b - a for a, b in bounds[k:]) if shape else 1
-  return k, per_run, math.prod(b - a for a, b in bounds[:k])
-
-
 def _local_runs(value: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
   """(byte offset, bytes) of each contiguous run of this process's primary shards."""
   for shard in value.addressable_shards:
@@ -638,11 +614,20 @@ def _process_block(value: jax.Array) -> tuple[tuple[slice, ...], np.ndarray] | N
 
 def _block_runs(index: tuple[slice, ...], data: np.ndarray, shape: tuple[int, ...],
                 ) -> Iterator[tuple[int, np.ndarray]]:
-  """(byte offset, bytes) of each contiguous run of a block of an array."""
-  k, per_run, _ = _runs(index, shape)
+  """(byte offset, bytes) of each contiguous run of a block of an array.
+
+  A block's elements are contiguous in C order along its trailing dims that it
+  covers whole, and the one before them (from dim `k` on).
+  """
+  bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+  k = len(shape)
+  while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
+    k -= 1
+  k = max(k - 1, 0)
+  per_run = math.prod(b - a for a, b in bounds[k:])
   rows = np.ascontiguousarray(data).reshape(-1, per_run or 1)
-  starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
-  outer = [range(*s.indices(n)[:2]) for s, n in zip(index[:k], shape[:k], strict=True)]
+  starts = [a for a, _ in bounds]
+  outer = [range(a, b) for a, b in bounds[:k]]
   for row, lead in zip(rows, itertools.product(*outer), strict=True):
     offset = int(np.ravel_multi_index((*lead, *starts[k:]), shape)) if shape else 0
     yield offset * data.dtype.itemsize, row.view(np.uint8)

@@ -244,5 +244,4 @@ def _join(address: Address, process_id: int, num_processes: int, timeout_s: floa
 def _reason(e: OSError | None) -> str:
   if e is None:
     return 'no answer'
-  return (e.strerror or type(e).__name__ if not isinstance(e, TimeoutError)
-          else 'timed out')
+  return 'timed out' if isinstance(e, TimeoutError) else e.strerror or type(e).__name__

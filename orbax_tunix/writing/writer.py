@@ -103,13 +103,6 @@ def units(outputs: Sequence[Output]) -> list[list[Output]]:
   return groups
 
 
-def _unit_bytes(unit: Sequence[Output]) -> int:
-  """The bytes a unit holds while written: its sources (the stored chunks a part of one
-  decodes: `Input.touched_bytes`), and what transforms make anew."""
-  inputs = {i.key: i.touched_bytes for o in unit for i in o.inputs}
-  return sum(inputs.values()) + sum(o.nbytes for o in unit if not o.transform.is_identity)
-
-
 def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, Any]:
   """Every source of a batch, once: one restore per source item.
 
@@ -212,9 +205,6 @@ def check_range(output: Output, value: Any) -> None:
   sources are read again in their own dtypes and compared, so that infs and
   NaNs the source holds itself are kept.
 
-  Finite sources that make non-finite values always left the range (a LoRA
-  merge whose scale is far too large: its float32 arithmetic overflows).
-
   Raises:
     InvalidOptionError: the output dtype cannot hold them (naming the source
       leaf, how many values, the largest and the dtype's limit), or the
@@ -279,7 +269,10 @@ class OnHost:
     return units(outputs)
 
   def held_bytes(self, unit: Sequence[Output]) -> int:
-    return _unit_bytes(unit)
+    """The bytes a unit holds while written: its sources (the stored chunks a part of one
+    decodes: `Input.touched_bytes`), and what transforms make anew."""
+    inputs = {i.key: i.touched_bytes for o in unit for i in o.inputs}
+    return sum(inputs.values()) + sum(o.nbytes for o in unit if not o.transform.is_identity)
 
   def read_bytes(self, batch: Sequence[Sequence[Output]]) -> int:
     return bytes_read(o for unit in batch for o in unit)
@@ -417,7 +410,7 @@ class Shard:
 
   @property
   def nbytes(self) -> int:
-    return sum(math.prod(s) * np.dtype(_numpy_dtype(d)).itemsize for _, d, s in self.tensors)
+    return sum(math.prod(s) * jnp.dtype(d).itemsize for _, d, s in self.tensors)
 
   def header(self, metadata: Mapping[str, str] | None = None) -> bytes:
     """The file's JSON header, padded with spaces to 8 bytes (as safetensors writes it);
@@ -425,7 +418,7 @@ class Shard:
     entries: dict[str, Any] = {'__metadata__': {'format': 'pt', **(metadata or {})}}
     at = 0
     for name, dtype, shape in self.tensors:
-      size = math.prod(shape) * np.dtype(_numpy_dtype(dtype)).itemsize
+      size = math.prod(shape) * jnp.dtype(dtype).itemsize
       entries[name] = {'dtype': SAFETENSORS_DTYPES[dtype], 'shape': list(shape),
                        'data_offsets': [at, at + size]}
       at += size
@@ -463,10 +456,6 @@ def c_order_blocks(array: np.ndarray) -> Iterator[np.ndarray]:
     else:
       out[...] = part
     yield out
-
-
-def _numpy_dtype(name: str) -> Any:
-  return jnp.dtype(name)
 
 
 def in_write_order(outputs: Sequence[Output]) -> list[Output]:
