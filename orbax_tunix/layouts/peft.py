@@ -175,7 +175,8 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
   return told, text
 
 
-def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | None:
+def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: Path, name: str
+                  ) -> str | None:
   """Why the Hugging Face tensor `name` made from the weight at `path` is no module PEFT
   adapts as a linear layer, or None."""
   rule = next((r for r in naming.rules if r.source.match(path) is not None), None)
@@ -183,7 +184,7 @@ def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | No
     return 'MoE experts held as bare parameters (no module PEFT can adapt)'
   if not name.endswith(peft.WEIGHT):
     return 'a bare parameter, not a module\'s weight'
-  if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
+  if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in family.embeddings:
     return 'an embedding (PEFT adapts its lookup, qwix adapted a product with its weight)'
   return None
 
@@ -344,7 +345,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     adapter = adapters[weight]
     name = dest[0]
     a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
-    factors = _not_a_module(naming, layer_path, name) or peft.Factors.of(
+    factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
         arranged[weight], chain(layer.transform, m.transform), a_leaf.shape, b_leaf.shape)
     if isinstance(factors, str):
       problems.append(f'{fmt(weight)} -> {name}: {factors}')

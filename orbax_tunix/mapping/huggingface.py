@@ -155,12 +155,6 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
   return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
 
 
-# Hugging Face modules whose weight is 2-D but that are no linear layer: embeddings (PEFT
-# adapts one as a lookup, with lora_embedding_A/B; qwix adapts a product with its weight,
-# e.g. a tied output projection).
-EMBEDDINGS = frozenset({'embed_tokens', 'embed_tokens_per_layer'})
-
-
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
   """How qwix lays out the LoRA adapter of one weight: data beside the weight's rule (a PEFT
@@ -374,6 +368,9 @@ class Family:
       the classes a base model of the family may be (a multimodal one holds them deeper).
     aliases: other names `model` takes for it: MaxText's model names whose Hugging Face
       names and layouts are this family's (llama2 and llama3.1 are LlamaForCausalLM).
+    embeddings: the Hugging Face modules whose weight is 2-D but that are no linear layer
+      (PEFT adapts an embedding as a lookup, with lora_embedding_A/B; qwix adapts a product
+      with its weight, e.g. a tied output projection).
   """
 
   name: str
@@ -392,6 +389,7 @@ class Family:
   as_trained: tuple[AsTrained, ...] = ()
   text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   aliases: tuple[str, ...] = ()
+  embeddings: tuple[str, ...] = ('embed_tokens',)
 
   @property
   def tunix(self) -> Naming:
@@ -991,6 +989,7 @@ GEMMA4 = Family(
     lora={**GEMMA_LORA, 'layers/{i}/attn/k_einsum/w': LoraWeight('dr,rkh->kdh', K_EQ_V_NOTE)},
     text_prefixes={'Gemma4ForCausalLM': 'model.', 'Gemma4ForConditionalGeneration':
                    'model.language_model.'},
+    embeddings=('embed_tokens', 'embed_tokens_per_layer'),
     maxtext=_maxtext_gemma4(),
     # Measured with `transformers` (tests/test_hf_clients.py): fed what Tunix's is, its router
     # gives the Tunix model back.
