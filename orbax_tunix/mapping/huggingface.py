@@ -420,25 +420,10 @@ class Family:
       )
     return found
 
-  def target(self, paths: Collection[Path]) -> tuple[str, str]:
-    """(architecture, model_type) of the model these weights' tensor names are: the
-    naming's own where it has one (see `Naming.architecture`), else the family's."""
-    return self.target_of(self.naming(paths))
-
   def target_of(self, naming: Naming) -> tuple[str, str]:
-    """(architecture, model_type) of one of the family's namings (see `target`)."""
+    """(architecture, model_type) of the model a naming's tensor names are: the naming's own
+    where it has one (see `Naming.architecture`), else the family's."""
     return (naming.architecture or self.architecture, naming.model_type or self.model_type)
-
-  def layers(self, paths) -> list[str]:
-    return self.naming(paths).layers(paths)
-
-  def missing(self, paths) -> list[str]:
-    """The first alternative of each requirement the weights do not meet, as paths."""
-    return self.naming(paths).missing(paths)
-
-  def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
-    """The config.json dimensions these weights imply."""
-    return self.naming(shapes).config(shapes)
 
 
 MT_LAYER = 'decoder/layers_{i}'
@@ -1183,7 +1168,8 @@ def check_config(
   if not isinstance(config, Mapping):
     raise _bad_config(where, f'a JSON {_JSON_TYPES.get(type(config), "value")}'
                              f' ({json.dumps(config)[:60]})')
-  architecture, model_type = family.target(shapes)
+  naming = family.naming(shapes)
+  architecture, model_type = family.target_of(naming)
   top, inner, notes = _split((architecture, model_type), config, where)
   fields = top if inner is None else inner
   wrong = []
@@ -1195,7 +1181,7 @@ def check_config(
     wrong.append(f'model_type: config.json has {_shown(top["model_type"])}, the weights are'
                  f' {model_type!r}')
   # `skip`: fields these weights cannot tell (a LoRA save's adapted weights alone).
-  implied = {f: v for f, v in family.config(shapes).items() if f not in skip}
+  implied = {f: v for f, v in naming.config(shapes).items() if f not in skip}
   for field, value in implied.items():
     have = fields.get(field)
     if have is None:
@@ -1245,7 +1231,7 @@ def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path]
   Raises:
     UnsupportedLayoutError: naming the first unmapped and missing weights.
   """
-  missing = family.missing(shapes)
+  missing = family.naming(shapes).missing(shapes)
   if unmatched or missing:
     parts = [f'{where}: these weights are not a {family.name} model\'s'
              f' ({family.architecture}):']
