@@ -26,9 +26,9 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts.base import Destination, LaidOut, Layout, Option, Request, register
-from orbax_tunix.layouts.huggingface import ITEM, PARAM_SCAN_AXIS, _base_config, _model_weights
-from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
+from orbax_tunix.mapping import huggingface, lora, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
@@ -137,7 +137,7 @@ def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
   if base_model is None:
     return None
   folder = fileio.as_path(base_model)
-  return (folder, _base_config(folder)) if folder.is_dir() else None
+  return (folder, hf_layouts._base_config(folder)) if folder.is_dir() else None
 
 
 def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
@@ -187,31 +187,6 @@ def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: 
   if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in family.embeddings:
     return 'an embedding (PEFT adapts its lookup, qwix adapted a product with its weight)'
   return None
-
-
-def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
-                  shapes: Mapping[Path, tuple[int, ...]], where: str, whole: bool = True
-                  ) -> patterns.PathMap:
-  """The family's rules applied to weights (a full save's whole model, or the adapted weights).
-
-  Raises:
-    UnsupportedLayoutError: the weights are not the family's (a whole model: as a model
-      export refuses it; adapted weights: none of them is one of its modules).
-  """
-  try:
-    mapped = patterns.map_paths(shapes, naming.rules, where=where)
-  except errors.UnsupportedLayoutError as e:
-    raise errors.UnsupportedLayoutError(
-        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the"
-        f' family the model is (`model`: {", ".join(huggingface.names())}).') from e
-  if whole:
-    huggingface.fits(family, shapes, mapped.unmatched, where)
-  elif shapes and not mapped.outputs:
-    raise errors.UnsupportedLayoutError(
-        f'{where}: none of the adapted weights is a {family.name} module\'s (e.g.'
-        f' {fmt(min(shapes))}). Pick the family the model is (`model`:'
-        f' {", ".join(huggingface.names())}).')
-  return mapped
 
 
 # What a save of adapters alone cannot tell of the model (its other layers, its lm_head).
@@ -282,7 +257,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
   scaling = request.adapter_scaling or merge_lib.Options()
   lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
-  leaves, left_out = _model_weights({p: leaf for leaf, p in reader.weights(source)})
+  leaves, left_out = hf_layouts._model_weights({p: leaf for leaf, p in reader.weights(source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
   if not adapters:
     raise errors.LoraError(
@@ -297,7 +272,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
-    _family_rules(family, naming, model_shapes, where)
+    hf_layouts._family_rules(family, naming, model_shapes, where)
   base_folder = _base_folder(request.base_model)
   told, text = ({}, None) if base else _told_shapes(
       family, naming, adapters, leaves, base_folder, axis, where)
@@ -311,9 +286,9 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       arranged[weight] = found
   per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
                              where=where)
+  layer_shapes = {p: m.shape for p, m in per_layer.items()}
   try:
-    mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
-                           whole=False)
+    mapped = hf_layouts._family_rules(family, naming, layer_shapes, where, whole=False)
   except errors.UnsupportedLayoutError as e:
     if base:
       raise
@@ -328,7 +303,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
   rename, config_notes = _names_for_base(
       family, naming, request.base_model, base_folder,
-      model_shapes if base else {p: m.shape for p, m in per_layer.items()}, bool(base), where)
+      model_shapes if base else layer_shapes, bool(base), where)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]
   # Which weights the model has, for notes that hold in some layers only: a full save's own,
@@ -388,7 +363,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                  ' (`base_model`) or load the adapter onto it by name')
   architecture, _ = family.target_of(naming)
   return LaidOut(
-      items=(ItemOutput(ITEM, tuple(outputs)),), notes=tuple(notes),
+      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
       files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),),
       summary={'model': family.name, 'architecture': architecture, 'config': None,
                'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
@@ -438,7 +413,7 @@ for _family in map(huggingface.get, huggingface.names()):
       name=layout_name(_family.name),
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
-      options=(PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
+      options=(hf_layouts.PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
       sink=Destination.ADAPTER,
       weights_only=True,
       adapters=True,
