@@ -203,10 +203,8 @@ def _merged_per_layer(merged, model, per_layer, naming, axis: int) -> dict:
   adapters (stacked on the same axes: `lora.Contraction.stacked`), then
   merged. Adapters named otherwise than qwix's `<w>_lora_a` keep the whole merge.
   """
-  adapters = {}
-  for merge in merged.merges.values():
-    adapters[merge.adapter.a] = merge.a.shape
-    adapters[merge.adapter.b] = merge.b.shape
+  adapters = {path: leaf.shape for m in merged.merges.values()
+              for path, leaf in ((m.adapter.a, m.a), (m.adapter.b, m.b))}
   layers = stacks.unstack(adapters, naming.stacks, axis)
   out = {}
   for dest, m in per_layer.items():

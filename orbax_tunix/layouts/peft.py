@@ -333,12 +333,11 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     a_name, b_name = peft.tensor_names(module)
     a_transform = peft.lora_a(factors, adapter.rank)
     b_transform = peft.lora_b(factors, adapter.rank)
-    b_dtype = reader.cast_dtype(b_leaf, request.dtype)
     outputs += [
         Output((a_name,), (Input(source, a_leaf),), a_transform,
                a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
         Output((b_name,), (Input(source, b_leaf),), b_transform,
-               b_transform.check([b_leaf.shape]), b_dtype,
+               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, request.dtype),
                # Scaled: read as stored, the product in float32, one cast after it.
                read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
     ]
@@ -361,11 +360,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   if request.base_model is None:
     notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
                  ' (`base_model`) or load the adapter onto it by name')
-  architecture, _ = family.target_of(naming)
   return LaidOut(
       items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
       files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),),
-      summary={'model': family.name, 'architecture': architecture, 'config': None,
+      summary={'model': family.name, 'architecture': family.target_of(naming)[0], 'config': None,
                'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
                            'target_modules': config['target_modules'],
                            'modules': len(modules)}},

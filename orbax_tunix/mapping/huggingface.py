@@ -212,9 +212,7 @@ class Naming:
     source: TUNIX_MODEL or MAXTEXT_MODEL.
     rules: weight pattern -> tensor name and transform (MAXTEXT_MODEL: on the
       per-layer form).
-    required: as `Family.required`.
-    dims: as `Family.dims`.
-    tied: as `Family.tied`.
+    required, dims, tied: as the `Family`'s.
     layer: the pattern of one layer's prefix (`{i}` its number).
     vocab: weight pattern -> its vocabulary axis (cut to the config's
       `vocab_size` when the checkpoint's is padded).
