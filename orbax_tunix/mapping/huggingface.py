@@ -448,7 +448,7 @@ def _mt_mlp() -> list[LayoutRule]:
           for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))]
 
 
-def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[str, int], ...]]:
+def _mt_dims() -> dict[str, tuple[tuple[str, int], ...]]:
   first = MT_LAYER.replace('{i}', '0')
   return {
       'vocab_size': (('token_embedder/embedding', 0),),
@@ -456,7 +456,7 @@ def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[
       'num_attention_heads': ((f'{first}/self_attention/query/kernel', 1),),
       'head_dim': ((f'{first}/self_attention/query/kernel', 2),),
       'num_key_value_heads': ((f'{first}/self_attention/key/kernel', 1),),
-      'intermediate_size': ((mlp.replace('{i}', '0'), 1),),
+      'intermediate_size': ((f'{first}/mlp/wi_0/kernel', 1),),
   }
 
 
@@ -665,30 +665,33 @@ def _bf16_sqrt(hidden: int) -> float:
   return float(np.asarray(math.sqrt(hidden), dtype=ml_dtypes.bfloat16))
 
 
-def _maxtext_gemma3() -> Naming:
-  """MaxText's gemma3 text decoder (tied embedding; scanned in blocks of six)."""
+def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
+  """MaxText's gemma3 text decoder, and gemma4's base (tied embedding; in blocks of six): the
+  embedding through `embedding`, every norm through `norm`; each layer holds the attention
+  `kernels` and `own`, weights Hugging Face names as MaxText does (gemma4's layer_scalar)."""
   rules = (
-      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
-            divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1)),
-      _rule('decoder/decoder_norm/scale', 'model.norm.weight', GEMMA_NORM),
-      *_mt_attention(norm=GEMMA_NORM),
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight', embedding),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight', norm),
+      *_mt_attention(norm=norm),
       *_mt_mlp(),
-      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', GEMMA_NORM)
+      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', norm)
         for mt, hf in _MT_GEMMA_NORMS.items()),
+      *(_rule(f'{MT_LAYER}/{w}', f'{LAYER}.{w}') for w in own),
   )
-  required = ((
+  required = (
       'token_embedder/embedding', 'decoder/decoder_norm/scale',
-      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{p:{kernels}}}/kernel',
       f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
-      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', *(f'{MT_LAYER}/{w}' for w in own),
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
-  ),)
-  return Naming(MAXTEXT_MODEL, rules, tuple((r,) for r in required), _mt_dims(),
+  )
+  return Naming(MAXTEXT_MODEL, rules, ((required,),), _mt_dims(),
                 layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 stacks=stacks_lib.blocks(6), axes=_MT_AXES)
 
 
-GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
+GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma(
+    divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1), GEMMA_NORM, 'query|key|value|out'))
 
 
 def _f32_sqrt(hidden: int) -> float:
@@ -711,40 +714,30 @@ def _maxtext_gemma4() -> Naming:
   `attention_k_eq_v` has no v_proj there either), so `value` is not required
   of every layer; `layer_scalar` is Hugging Face's per-layer buffer.
   """
-  rules = (
-      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
-            divide('sqrt(hidden) as float32', _f32_sqrt, axis=1)),
-      _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
-      *_mt_attention(norm=IDENTITY),
-      *_mt_mlp(),
-      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight')
-        for mt, hf in _MT_GEMMA_NORMS.items()),
-      _rule(f'{MT_LAYER}/layer_scalar', f'{LAYER}.layer_scalar'),
-  )
-  required = (
-      (('token_embedder/embedding', 'decoder/decoder_norm/scale',
-        f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
-        f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
-        f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
-        *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS)),),
-  )
   dims = {
       **_mt_dims(),
       # Layer 5 is the first global one (five local, one global).
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return Naming(MAXTEXT_MODEL, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
-                vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-                stacks=stacks_lib.local_global(6),
-                architecture='Gemma4ForCausalLM', model_type='gemma4_text',
-                lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
-                    note=K_EQ_V_NOTE, without=_MT_VALUE)},
-                axes=_MT_AXES, layer_types={'full_attention': _GEMMA4_GLOBAL},
-                # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
-                # (it also makes the last layer global; MaxText's remainder layers are local).
-                default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
-                                              else 'sliding_attention'))
+  return dataclasses.replace(
+      _maxtext_gemma(divide('sqrt(hidden) as float32', _f32_sqrt, axis=1), IDENTITY,
+                     'query|key|out', 'layer_scalar'),
+      dims=dims, stacks=stacks_lib.local_global(6),
+      architecture='Gemma4ForCausalLM', model_type='gemma4_text',
+      lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
+          note=K_EQ_V_NOTE, without=_MT_VALUE)},
+      layer_types={'full_attention': _GEMMA4_GLOBAL},
+      # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
+      # (it also makes the last layer global; MaxText's remainder layers are local).
+      default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
+                                    else 'sliding_attention'))
+
+
+def _per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
+  """One stacked expert weight (experts along `axis`) onto one tensor per expert `{e}`."""
+  return LayoutRule.of(tuple(source.split('/')), (dest,), fan_out=('e', axis),
+                       transform_for=lambda e: chain(take(axis, e), then))
 
 
 def _maxtext_qwen3_moe() -> Naming:
@@ -755,16 +748,12 @@ def _maxtext_qwen3_moe() -> Naming:
   for all experts, become one (out, in) tensor per expert.
   """
   dense = _maxtext_qwen3_style(norms=True)
-  experts = [
-      LayoutRule.of(tuple(f'{MT_LAYER}/moe_block/{mt}'.split('/')),
-                    (f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',), fan_out=('e', 0),
-                    transform_for=lambda e: chain(take(0, e), transpose()))
-      for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))
-  ]
   rules = (
       *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
       _rule(f'{MT_LAYER}/moe_block/gate/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
-      *experts,
+      *(_per_expert(f'{MT_LAYER}/moe_block/{mt}', f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',
+                    0, transpose())
+        for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
   )
   required = ((
       'token_embedder/embedding', 'decoder/decoder_norm/scale',
@@ -780,15 +769,6 @@ def _maxtext_qwen3_moe() -> Naming:
   axes[f'{MT_LAYER}/moe_block/gate/kernel'] = ('hidden_size', 'num_experts')
   return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
                              dims=dims, axes=axes)
-
-
-
-def _per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
-  """One stacked expert weight (experts along `axis`) onto one tensor per expert `{e}`."""
-  shown = dataclasses.replace(chain(take(axis, 0), then),
-                              name=f'take(axis={axis}, index={{e}}) -> {then.name}')
-  return LayoutRule.of(tuple(source.split('/')), (dest,), shown, fan_out=('e', axis),
-                       transform_for=lambda e: chain(take(axis, e), then))
 
 
 def _extended(base: Family, name: str, architecture: str, model_type: str, rules=(), required=(),
