@@ -21,7 +21,6 @@ import math
 import os
 from collections.abc import Callable, Mapping
 
-import numpy as np
 from etils import epath
 
 from orbax_tunix import errors
@@ -41,15 +40,6 @@ SUFFIX = '.peft'
 def layout_name(family: str) -> str:
   """The adapter layout of a family (`huggingface.get(...).name`)."""
   return family + SUFFIX
-
-
-def _refuse(where: str, problems: list[str]) -> errors.LoraError:
-  return errors.LoraError(
-      f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
-      f'{errors.list_paths(problems)}\nAn adapter without them would serve another model than'
-      ' the run trained. Export the weights with the adapters merged instead:'
-      ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).'
-  )
 
 
 def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter,
@@ -342,7 +332,11 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
     ]
   if problems:
-    raise _refuse(where, problems)
+    raise errors.LoraError(
+        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
+        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
+        ' than the run trained. Export the weights with the adapters merged instead:'
+        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
   alpha = scaling.alpha
   config = peft.config(modules, None if alpha is None else float(alpha), request.base_model)
   stored = {p: leaf.shape for p, leaf in leaves.items()}
@@ -363,18 +357,12 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   return LaidOut(
       items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
       files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),),
-      summary={'model': family.name, 'architecture': family.target_of(naming)[0], 'config': None,
+      summary={'model': family.name, 'architecture': family.target_of(naming)[0],
+               'config': None,
                'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
                            'target_modules': config['target_modules'],
                            'modules': len(modules)}},
   )
-
-
-def _number(text: str) -> float:
-  value = float(text)
-  if not np.isfinite(value):
-    raise ValueError('expected a finite number')
-  return value
 
 
 def _not_text(text: str) -> None:
