@@ -843,7 +843,6 @@ def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, st
             *(f'layers/{{i}}/{t}/scale' for t in norms)),),
       ),
       dims=GEMMA3.dims,
-      tied=lambda paths: True,
       fixed=fixed,
       lora=GEMMA_LORA,
       vocab_padding=GEMMA_PADDING,
@@ -947,7 +946,6 @@ GEMMA4 = Family(
         'num_experts': (('layers/0/moe/router_logits', 1),),
         'moe_intermediate_size': (('layers/0/moe/gating_einsum', 2),),
     },
-    tied=lambda paths: True,
     fixed=GEMMA_GELU,
     lora={**GEMMA_LORA, 'layers/{i}/attn/k_einsum/w': LoraWeight('dr,rkh->kdh', K_EQ_V_NOTE)},
     text_prefixes={'Gemma4ForCausalLM': 'model.', 'Gemma4ForConditionalGeneration':
