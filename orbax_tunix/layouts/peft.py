@@ -148,14 +148,10 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
   text = values.get('text_config', values) if isinstance(values, dict) else None
   if not isinstance(text, dict):
     return {}, None  # _names_for_base refuses it, naming what it is.
-  told, problems = {}, []
-  for weight, adapter in sorted(adapters.items()):
-    found = _told_shape(naming, weight, leaves[adapter.a].shape, leaves[adapter.b].shape, text,
-                        axis, where)
-    if isinstance(found, str):
-      problems.append(found)
-    elif found is not None:
-      told[weight] = found
+  found = {w: _told_shape(naming, w, leaves[a.a].shape, leaves[a.b].shape, text, axis, where)
+           for w, a in sorted(adapters.items())}
+  problems = [f for f in found.values() if isinstance(f, str)]
+  told = {w: f for w, f in found.items() if f is not None and not isinstance(f, str)}
   if problems:
     raise errors.UnsupportedLayoutError(
         f'{folder / "config.json"}: config.json does not describe these adapters'
@@ -266,14 +262,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   base_folder = _base_folder(request.base_model)
   told, text = ({}, None) if base else _told_shapes(
       family, naming, adapters, leaves, base_folder, axis, where)
-  problems: list[str] = []
-  arranged: dict[Path, lora.Contraction] = {}
-  for weight, adapter in sorted(adapters.items()):
-    found = _arrangement(naming, weight, adapter, leaves, base, told)
-    if isinstance(found, str):
-      problems.append(f'{fmt(weight)}: {found}')
-    else:
-      arranged[weight] = found
+  found = {w: _arrangement(naming, w, a, leaves, base, told)
+           for w, a in sorted(adapters.items())}
+  problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
+  arranged = {w: f for w, f in found.items() if not isinstance(f, str)}
   per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
                              where=where)
   layer_shapes = {p: m.shape for p, m in per_layer.items()}
