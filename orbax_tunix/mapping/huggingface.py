@@ -5,10 +5,9 @@ tensor names and layouts Hugging Face uses (the exact inverse of the maps
 google-tunix's own loaders apply, `tunix/models/{qwen3,llama3,qwen2}/params.py` and
 `tunix/models/{gemma,gemma3,gemma4}/params_safetensors.py`; where Tunix's map
 disagrees with `transformers`, as for Gemma 1's norms, `transformers` decides),
-the weights every checkpoint of
-the family holds, and where each `config.json` dimension is read from the
-shapes. Families are found by name (`get`, `names`); a new family is one more
-registered value. Nothing here reads an array.
+the weights every checkpoint of the family holds, and where each `config.json`
+dimension is read from the shapes. Families are found by name (`get`, `names`);
+a new family is one more registered value. Nothing here reads an array.
 
 Tunix lays attention weights out as einsums: q/k/v (D, heads, H), the output
 (heads, H, D); Hugging Face as linear layers (out, in): q/k/v (heads·H, D),
