@@ -706,13 +706,9 @@ _GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
 
 
 def _maxtext_gemma4() -> Naming:
-  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are.
-
-  A global layer (every sixth) has its own head_dim and kv heads and no value
-  kernel (`share_kv_projections`: keys are values; Hugging Face's
-  `attention_k_eq_v` has no v_proj there either), so `value` is not required
-  of every layer; `layer_scalar` is Hugging Face's per-layer buffer.
-  """
+  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are;
+  a global layer (every sixth: `_GEMMA4_GLOBAL`) has no value kernel (`share_kv_projections`;
+  Hugging Face's `attention_k_eq_v`), so `value` is not required of every layer."""
   dims = {
       **_mt_dims(),
       # Layer 5 is the first global one (five local, one global).
@@ -883,8 +879,6 @@ _GEMMA4_NORMS = {
     'moe_post_ffw_norm': 'post_feedforward_layernorm_2',
     'post_per_layer_input_norm': 'post_per_layer_input_norm',
 }
-# Gemma 4's global layers whose keys are their values (`k_eq_v`): `transformers` has no v_proj
-# there, vLLM loads the key weights into both its K and V slots.
 K_EQ_V_NOTE = (
     "{module}: Gemma 4's layer reuses its keys as values (k_eq_v): transformers and peft have"
     ' no v_proj there and apply this adapter to the keys, which are the values too (as the'
