@@ -289,11 +289,9 @@ class Naming:
   def has(self, path: Path, config: Mapping[str, object]) -> bool:
     """Whether a model of `config` has the weight at `path` as far as its layer's kind says
     (a save of adapters alone tells no other weight)."""
-    without, number = self.layer_type(path, config).without, self.layer_number(path)
-    if number is None:
-      return True
+    number = self.layer_number(path)  # None: in no layer, whose type lacks nothing.
     return not any(path in Pattern.parse(w.split('/')).expand({'i': [str(number)]})
-                   for w in without)
+                   for w in self.layer_type(path, config).without)
 
   def lora_weight(self, path: Path) -> LoraWeight:
     """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
