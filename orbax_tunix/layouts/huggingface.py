@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.keypaths import fmt
+from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import (
   Destination,
   LaidOut,
@@ -80,14 +80,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   per_layer, vocab_notes = huggingface.cut_vocab(
       naming, per_layer, _config_vocab(base_config), f'{request.hf_config}/config.json')
   shapes = {p: m.shape for p, m in per_layer.items()}
-  try:
-    mapped = patterns.map_paths(shapes, naming.rules, where=where)
-  except errors.UnsupportedLayoutError as e:
-    raise errors.UnsupportedLayoutError(
-        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the family"
-        f' the model is (`model`: {", ".join(huggingface.names())}).'
-    ) from e
-  huggingface.fits(family, shapes, mapped.unmatched, where)
+  mapped = _family_rules(family, naming, shapes, where)
   staged = {o.path: o for o in relay(model, per_layer)}
   if merged is not None:
     staged.update(_merged_per_layer(merged, model, per_layer, naming, axis))
@@ -107,6 +100,31 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                'config': None if request.hf_config is None
                else os.fspath(request.hf_config / 'config.json')},
   )
+
+
+def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
+                  shapes: Mapping[Path, tuple[int, ...]], where: str, whole: bool = True
+                  ) -> patterns.PathMap:
+  """The family's rules applied to weights (a full save's whole model, or the adapted weights).
+
+  Raises:
+    UnsupportedLayoutError: the weights are not the family's (a whole model: as a model
+      export refuses it; adapted weights: none of them is one of its modules).
+  """
+  try:
+    mapped = patterns.map_paths(shapes, naming.rules, where=where)
+  except errors.UnsupportedLayoutError as e:
+    raise errors.UnsupportedLayoutError(
+        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the"
+        f' family the model is (`model`: {", ".join(huggingface.names())}).') from e
+  if whole:
+    huggingface.fits(family, shapes, mapped.unmatched, where)
+  elif shapes and not mapped.outputs:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: none of the adapted weights is a {family.name} module\'s (e.g.'
+        f' {fmt(min(shapes))}). Pick the family the model is (`model`:'
+        f' {", ".join(huggingface.names())}).')
+  return mapped
 
 
 def base_weights(request: Request) -> dict:
@@ -185,10 +203,8 @@ def _merged_per_layer(merged, model, per_layer, naming, axis: int) -> dict:
   adapters (stacked on the same axes: `lora.Contraction.stacked`), then
   merged. Adapters named otherwise than qwix's `<w>_lora_a` keep the whole merge.
   """
-  adapters = {}
-  for merge in merged.merges.values():
-    adapters[merge.adapter.a] = merge.a.shape
-    adapters[merge.adapter.b] = merge.b.shape
+  adapters = {path: leaf.shape for m in merged.merges.values()
+              for path, leaf in ((m.adapter.a, m.a), (m.adapter.b, m.b))}
   layers = stacks.unstack(adapters, naming.stacks, axis)
   out = {}
   for dest, m in per_layer.items():

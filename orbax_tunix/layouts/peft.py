@@ -21,14 +21,13 @@ import math
 import os
 from collections.abc import Callable, Mapping
 
-import numpy as np
 from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts.base import Destination, LaidOut, Layout, Option, Request, register
-from orbax_tunix.layouts.huggingface import ITEM, PARAM_SCAN_AXIS, _base_config, _model_weights
-from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
+from orbax_tunix.mapping import huggingface, lora, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
@@ -41,15 +40,6 @@ SUFFIX = '.peft'
 def layout_name(family: str) -> str:
   """The adapter layout of a family (`huggingface.get(...).name`)."""
   return family + SUFFIX
-
-
-def _refuse(where: str, problems: list[str]) -> errors.LoraError:
-  return errors.LoraError(
-      f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
-      f'{errors.list_paths(problems)}\nAn adapter without them would serve another model than'
-      ' the run trained. Export the weights with the adapters merged instead:'
-      ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).'
-  )
 
 
 def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter,
@@ -137,7 +127,7 @@ def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
   if base_model is None:
     return None
   folder = fileio.as_path(base_model)
-  return (folder, _base_config(folder)) if folder.is_dir() else None
+  return (folder, hf_layouts._base_config(folder)) if folder.is_dir() else None
 
 
 def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
@@ -158,14 +148,10 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
   text = values.get('text_config', values) if isinstance(values, dict) else None
   if not isinstance(text, dict):
     return {}, None  # _names_for_base refuses it, naming what it is.
-  told, problems = {}, []
-  for weight, adapter in sorted(adapters.items()):
-    found = _told_shape(naming, weight, leaves[adapter.a].shape, leaves[adapter.b].shape, text,
-                        axis, where)
-    if isinstance(found, str):
-      problems.append(found)
-    elif found is not None:
-      told[weight] = found
+  found = {w: _told_shape(naming, w, leaves[a.a].shape, leaves[a.b].shape, text, axis, where)
+           for w, a in sorted(adapters.items())}
+  problems = [f for f in found.values() if isinstance(f, str)]
+  told = {w: f for w, f in found.items() if f is not None and not isinstance(f, str)}
   if problems:
     raise errors.UnsupportedLayoutError(
         f'{folder / "config.json"}: config.json does not describe these adapters'
@@ -175,7 +161,8 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
   return told, text
 
 
-def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | None:
+def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: Path, name: str
+                  ) -> str | None:
   """Why the Hugging Face tensor `name` made from the weight at `path` is no module PEFT
   adapts as a linear layer, or None."""
   rule = next((r for r in naming.rules if r.source.match(path) is not None), None)
@@ -183,34 +170,9 @@ def _not_a_module(naming: huggingface.Naming, path: Path, name: str) -> str | No
     return 'MoE experts held as bare parameters (no module PEFT can adapt)'
   if not name.endswith(peft.WEIGHT):
     return 'a bare parameter, not a module\'s weight'
-  if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in huggingface.EMBEDDINGS:
+  if name[:-len(peft.WEIGHT)].rsplit('.', 1)[-1] in family.embeddings:
     return 'an embedding (PEFT adapts its lookup, qwix adapted a product with its weight)'
   return None
-
-
-def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
-                  shapes: Mapping[Path, tuple[int, ...]], where: str, whole: bool = True
-                  ) -> patterns.PathMap:
-  """The family's rules applied to weights (a full save's whole model, or the adapted weights).
-
-  Raises:
-    UnsupportedLayoutError: the weights are not the family's (a whole model: as a model
-      export refuses it; adapted weights: none of them is one of its modules).
-  """
-  try:
-    mapped = patterns.map_paths(shapes, naming.rules, where=where)
-  except errors.UnsupportedLayoutError as e:
-    raise errors.UnsupportedLayoutError(
-        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the"
-        f' family the model is (`model`: {", ".join(huggingface.names())}).') from e
-  if whole:
-    huggingface.fits(family, shapes, mapped.unmatched, where)
-  elif shapes and not mapped.outputs:
-    raise errors.UnsupportedLayoutError(
-        f'{where}: none of the adapted weights is a {family.name} module\'s (e.g.'
-        f' {fmt(min(shapes))}). Pick the family the model is (`model`:'
-        f' {", ".join(huggingface.names())}).')
-  return mapped
 
 
 # What a save of adapters alone cannot tell of the model (its other layers, its lm_head).
@@ -281,7 +243,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
   scaling = request.adapter_scaling or merge_lib.Options()
   lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
-  leaves, left_out = _model_weights({p: leaf for leaf, p in reader.weights(source)})
+  leaves, left_out = hf_layouts._model_weights({p: leaf for leaf, p in reader.weights(source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
   if not adapters:
     raise errors.LoraError(
@@ -296,23 +258,19 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
-    _family_rules(family, naming, model_shapes, where)
+    hf_layouts._family_rules(family, naming, model_shapes, where)
   base_folder = _base_folder(request.base_model)
   told, text = ({}, None) if base else _told_shapes(
       family, naming, adapters, leaves, base_folder, axis, where)
-  problems: list[str] = []
-  arranged: dict[Path, lora.Contraction] = {}
-  for weight, adapter in sorted(adapters.items()):
-    found = _arrangement(naming, weight, adapter, leaves, base, told)
-    if isinstance(found, str):
-      problems.append(f'{fmt(weight)}: {found}')
-    else:
-      arranged[weight] = found
+  found = {w: _arrangement(naming, w, a, leaves, base, told)
+           for w, a in sorted(adapters.items())}
+  problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
+  arranged = {w: f for w, f in found.items() if not isinstance(f, str)}
   per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
                              where=where)
+  layer_shapes = {p: m.shape for p, m in per_layer.items()}
   try:
-    mapped = _family_rules(family, naming, {p: m.shape for p, m in per_layer.items()}, where,
-                           whole=False)
+    mapped = hf_layouts._family_rules(family, naming, layer_shapes, where, whole=False)
   except errors.UnsupportedLayoutError as e:
     if base:
       raise
@@ -327,7 +285,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
   rename, config_notes = _names_for_base(
       family, naming, request.base_model, base_folder,
-      model_shapes if base else {p: m.shape for p, m in per_layer.items()}, bool(base), where)
+      model_shapes if base else layer_shapes, bool(base), where)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]
   # Which weights the model has, for notes that hold in some layers only: a full save's own,
@@ -344,7 +302,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     adapter = adapters[weight]
     name = dest[0]
     a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
-    factors = _not_a_module(naming, layer_path, name) or peft.Factors.of(
+    factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
         arranged[weight], chain(layer.transform, m.transform), a_leaf.shape, b_leaf.shape)
     if isinstance(factors, str):
       problems.append(f'{fmt(weight)} -> {name}: {factors}')
@@ -357,17 +315,20 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     a_name, b_name = peft.tensor_names(module)
     a_transform = peft.lora_a(factors, adapter.rank)
     b_transform = peft.lora_b(factors, adapter.rank)
-    b_dtype = reader.cast_dtype(b_leaf, request.dtype)
     outputs += [
         Output((a_name,), (Input(source, a_leaf),), a_transform,
                a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
         Output((b_name,), (Input(source, b_leaf),), b_transform,
-               b_transform.check([b_leaf.shape]), b_dtype,
+               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, request.dtype),
                # Scaled: read as stored, the product in float32, one cast after it.
                read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
     ]
   if problems:
-    raise _refuse(where, problems)
+    raise errors.LoraError(
+        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
+        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
+        ' than the run trained. Export the weights with the adapters merged instead:'
+        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
   alpha = scaling.alpha
   config = peft.config(modules, None if alpha is None else float(alpha), request.base_model)
   stored = {p: leaf.shape for p, leaf in leaves.items()}
@@ -385,22 +346,15 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   if request.base_model is None:
     notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
                  ' (`base_model`) or load the adapter onto it by name')
-  architecture, _ = family.target_of(naming)
   return LaidOut(
-      items=(ItemOutput(ITEM, tuple(outputs)),), notes=tuple(notes),
+      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
       files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),),
-      summary={'model': family.name, 'architecture': architecture, 'config': None,
+      summary={'model': family.name, 'architecture': family.target_of(naming)[0],
+               'config': None,
                'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
                            'target_modules': config['target_modules'],
                            'modules': len(modules)}},
   )
-
-
-def _number(text: str) -> float:
-  value = float(text)
-  if not np.isfinite(value):
-    raise ValueError('expected a finite number')
-  return value
 
 
 def _not_text(text: str) -> None:
@@ -437,7 +391,7 @@ for _family in map(huggingface.get, huggingface.names()):
       name=layout_name(_family.name),
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
-      options=(PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
+      options=(hf_layouts.PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
       sink=Destination.ADAPTER,
       weights_only=True,
       adapters=True,

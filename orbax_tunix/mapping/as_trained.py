@@ -10,6 +10,7 @@ the trained model and the caller asks (`write`), into that value in the config i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
@@ -59,14 +60,9 @@ class AsTrained:
 def _where(config: Mapping[str, object], field: str) -> list[dict]:
   """The objects of `config` that hold `field` as `transformers` reads it: its top level or
   `text_config`, and their `rope_parameters` (transformers 5 keeps the RoPE base there)."""
-  found = []
-  for level in (config, config.get('text_config')):
-    if not isinstance(level, dict):
-      continue
-    for d in (level, level.get('rope_parameters')):
-      if isinstance(d, dict) and field in d:
-        found.append(d)
-  return found
+  levels = [level for level in (config, config.get('text_config')) if isinstance(level, dict)]
+  return [d for level in levels for d in (level, level.get('rope_parameters'))
+          if isinstance(d, dict) and field in d]
 
 
 def apply(facts: Sequence[AsTrained], family: str, paths: Collection[Path],
@@ -83,11 +79,7 @@ def apply(facts: Sequence[AsTrained], family: str, paths: Collection[Path],
   Returns:
     (the config, changed or not (None when `config` is None); the notes).
   """
-  out = None if config is None else {
-      k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
-  if out is not None and isinstance(out.get('text_config'), dict):
-    out['text_config'] = {k: (dict(v) if isinstance(v, dict) else v)
-                          for k, v in out['text_config'].items()}
+  out = copy.deepcopy(config)  # The caller's config is never changed.
   notes = []
   for fact in facts:
     if not fact.holds(paths, layers):

@@ -5,10 +5,9 @@ tensor names and layouts Hugging Face uses (the exact inverse of the maps
 google-tunix's own loaders apply, `tunix/models/{qwen3,llama3,qwen2}/params.py` and
 `tunix/models/{gemma,gemma3,gemma4}/params_safetensors.py`; where Tunix's map
 disagrees with `transformers`, as for Gemma 1's norms, `transformers` decides),
-the weights every checkpoint of
-the family holds, and where each `config.json` dimension is read from the
-shapes. Families are found by name (`get`, `names`); a new family is one more
-registered value. Nothing here reads an array.
+the weights every checkpoint of the family holds, and where each `config.json`
+dimension is read from the shapes. Families are found by name (`get`, `names`);
+a new family is one more registered value. Nothing here reads an array.
 
 Tunix lays attention weights out as einsums: q/k/v (D, heads, H), the output
 (heads, H, D); Hugging Face as linear layers (out, in): q/k/v (heads·H, D),
@@ -155,12 +154,6 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
   return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
 
 
-# Hugging Face modules whose weight is 2-D but that are no linear layer: embeddings (PEFT
-# adapts one as a lookup, with lora_embedding_A/B; qwix adapts a product with its weight,
-# e.g. a tied output projection).
-EMBEDDINGS = frozenset({'embed_tokens', 'embed_tokens_per_layer'})
-
-
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
   """How qwix lays out the LoRA adapter of one weight: data beside the weight's rule (a PEFT
@@ -218,9 +211,7 @@ class Naming:
     source: TUNIX_MODEL or MAXTEXT_MODEL.
     rules: weight pattern -> tensor name and transform (MAXTEXT_MODEL: on the
       per-layer form).
-    required: as `Family.required`.
-    dims: as `Family.dims`.
-    tied: as `Family.tied`.
+    required, dims, tied: as the `Family`'s.
     layer: the pattern of one layer's prefix (`{i}` its number).
     vocab: weight pattern -> its vocabulary axis (cut to the config's
       `vocab_size` when the checkpoint's is padded).
@@ -298,11 +289,9 @@ class Naming:
   def has(self, path: Path, config: Mapping[str, object]) -> bool:
     """Whether a model of `config` has the weight at `path` as far as its layer's kind says
     (a save of adapters alone tells no other weight)."""
-    without, number = self.layer_type(path, config).without, self.layer_number(path)
-    if number is None:
-      return True
+    number = self.layer_number(path)  # None: in no layer, whose type lacks nothing.
     return not any(path in Pattern.parse(w.split('/')).expand({'i': [str(number)]})
-                   for w in without)
+                   for w in self.layer_type(path, config).without)
 
   def lora_weight(self, path: Path) -> LoraWeight:
     """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
@@ -374,6 +363,9 @@ class Family:
       the classes a base model of the family may be (a multimodal one holds them deeper).
     aliases: other names `model` takes for it: MaxText's model names whose Hugging Face
       names and layouts are this family's (llama2 and llama3.1 are LlamaForCausalLM).
+    embeddings: the Hugging Face modules whose weight is 2-D but that are no linear layer
+      (PEFT adapts an embedding as a lookup, with lora_embedding_A/B; qwix adapts a product
+      with its weight, e.g. a tied output projection).
   """
 
   name: str
@@ -392,6 +384,7 @@ class Family:
   as_trained: tuple[AsTrained, ...] = ()
   text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   aliases: tuple[str, ...] = ()
+  embeddings: tuple[str, ...] = ('embed_tokens',)
 
   @property
   def tunix(self) -> Naming:
@@ -422,25 +415,10 @@ class Family:
       )
     return found
 
-  def target(self, paths: Collection[Path]) -> tuple[str, str]:
-    """(architecture, model_type) of the model these weights' tensor names are: the
-    naming's own where it has one (see `Naming.architecture`), else the family's."""
-    return self.target_of(self.naming(paths))
-
   def target_of(self, naming: Naming) -> tuple[str, str]:
-    """(architecture, model_type) of one of the family's namings (see `target`)."""
+    """(architecture, model_type) of the model a naming's tensor names are: the naming's own
+    where it has one (see `Naming.architecture`), else the family's."""
     return (naming.architecture or self.architecture, naming.model_type or self.model_type)
-
-  def layers(self, paths) -> list[str]:
-    return self.naming(paths).layers(paths)
-
-  def missing(self, paths) -> list[str]:
-    """The first alternative of each requirement the weights do not meet, as paths."""
-    return self.naming(paths).missing(paths)
-
-  def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
-    """The config.json dimensions these weights imply."""
-    return self.naming(shapes).config(shapes)
 
 
 MT_LAYER = 'decoder/layers_{i}'
@@ -467,7 +445,7 @@ def _mt_mlp() -> list[LayoutRule]:
           for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))]
 
 
-def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[str, int], ...]]:
+def _mt_dims() -> dict[str, tuple[tuple[str, int], ...]]:
   first = MT_LAYER.replace('{i}', '0')
   return {
       'vocab_size': (('token_embedder/embedding', 0),),
@@ -475,7 +453,7 @@ def _mt_dims(mlp: str = f'{MT_LAYER}/mlp/wi_0/kernel') -> dict[str, tuple[tuple[
       'num_attention_heads': ((f'{first}/self_attention/query/kernel', 1),),
       'head_dim': ((f'{first}/self_attention/query/kernel', 2),),
       'num_key_value_heads': ((f'{first}/self_attention/key/kernel', 1),),
-      'intermediate_size': ((mlp.replace('{i}', '0'), 1),),
+      'intermediate_size': ((f'{first}/mlp/wi_0/kernel', 1),),
   }
 
 
@@ -684,30 +662,33 @@ def _bf16_sqrt(hidden: int) -> float:
   return float(np.asarray(math.sqrt(hidden), dtype=ml_dtypes.bfloat16))
 
 
-def _maxtext_gemma3() -> Naming:
-  """MaxText's gemma3 text decoder (tied embedding; scanned in blocks of six)."""
+def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
+  """MaxText's gemma3 text decoder, and gemma4's base (tied embedding; in blocks of six): the
+  embedding through `embedding`, every norm through `norm`; each layer holds the attention
+  `kernels` and `own`, weights Hugging Face names as MaxText does (gemma4's layer_scalar)."""
   rules = (
-      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
-            divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1)),
-      _rule('decoder/decoder_norm/scale', 'model.norm.weight', GEMMA_NORM),
-      *_mt_attention(norm=GEMMA_NORM),
+      _rule('token_embedder/embedding', 'model.embed_tokens.weight', embedding),
+      _rule('decoder/decoder_norm/scale', 'model.norm.weight', norm),
+      *_mt_attention(norm=norm),
       *_mt_mlp(),
-      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', GEMMA_NORM)
+      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', norm)
         for mt, hf in _MT_GEMMA_NORMS.items()),
+      *(_rule(f'{MT_LAYER}/{w}', f'{LAYER}.{w}') for w in own),
   )
-  required = ((
+  required = (
       'token_embedder/embedding', 'decoder/decoder_norm/scale',
-      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{p:{kernels}}}/kernel',
       f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
-      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', *(f'{MT_LAYER}/{w}' for w in own),
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
-  ),)
-  return Naming(MAXTEXT_MODEL, rules, tuple((r,) for r in required), _mt_dims(),
+  )
+  return Naming(MAXTEXT_MODEL, rules, ((required,),), _mt_dims(),
                 layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 stacks=stacks_lib.blocks(6), axes=_MT_AXES)
 
 
-GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma3())
+GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma(
+    divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1), GEMMA_NORM, 'query|key|value|out'))
 
 
 def _f32_sqrt(hidden: int) -> float:
@@ -723,47 +704,33 @@ _GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
 
 
 def _maxtext_gemma4() -> Naming:
-  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are.
-
-  A global layer (every sixth) has its own head_dim and kv heads and no value
-  kernel (`share_kv_projections`: keys are values; Hugging Face's
-  `attention_k_eq_v` has no v_proj there either), so `value` is not required
-  of every layer; `layer_scalar` is Hugging Face's per-layer buffer.
-  """
-  rules = (
-      _rule('token_embedder/embedding', 'model.embed_tokens.weight',
-            divide('sqrt(hidden) as float32', _f32_sqrt, axis=1)),
-      _rule('decoder/decoder_norm/scale', 'model.norm.weight'),
-      *_mt_attention(norm=IDENTITY),
-      *_mt_mlp(),
-      *(_rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight')
-        for mt, hf in _MT_GEMMA_NORMS.items()),
-      _rule(f'{MT_LAYER}/layer_scalar', f'{LAYER}.layer_scalar'),
-  )
-  required = (
-      (('token_embedder/embedding', 'decoder/decoder_norm/scale',
-        f'{MT_LAYER}/self_attention/{{p:query|key|out}}/kernel',
-        f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
-        f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', f'{MT_LAYER}/layer_scalar',
-        *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS)),),
-  )
+  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are;
+  a global layer (every sixth: `_GEMMA4_GLOBAL`) has no value kernel (`share_kv_projections`;
+  Hugging Face's `attention_k_eq_v`), so `value` is not required of every layer."""
   dims = {
       **_mt_dims(),
       # Layer 5 is the first global one (five local, one global).
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return Naming(MAXTEXT_MODEL, rules, required, dims, layer=tuple(MT_LAYER.split('/')),
-                vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-                stacks=stacks_lib.local_global(6),
-                architecture='Gemma4ForCausalLM', model_type='gemma4_text',
-                lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
-                    note=K_EQ_V_NOTE, without=_MT_VALUE)},
-                axes=_MT_AXES, layer_types={'full_attention': _GEMMA4_GLOBAL},
-                # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
-                # (it also makes the last layer global; MaxText's remainder layers are local).
-                default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
-                                              else 'sliding_attention'))
+  return dataclasses.replace(
+      _maxtext_gemma(divide('sqrt(hidden) as float32', _f32_sqrt, axis=1), IDENTITY,
+                     'query|key|out', 'layer_scalar'),
+      dims=dims, stacks=stacks_lib.local_global(6),
+      architecture='Gemma4ForCausalLM', model_type='gemma4_text',
+      lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
+          note=K_EQ_V_NOTE, without=_MT_VALUE)},
+      layer_types={'full_attention': _GEMMA4_GLOBAL},
+      # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
+      # (it also makes the last layer global; MaxText's remainder layers are local).
+      default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
+                                    else 'sliding_attention'))
+
+
+def _per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
+  """One stacked expert weight (experts along `axis`) onto one tensor per expert `{e}`."""
+  return LayoutRule.of(tuple(source.split('/')), (dest,), fan_out=('e', axis),
+                       transform_for=lambda e: chain(take(axis, e), then))
 
 
 def _maxtext_qwen3_moe() -> Naming:
@@ -774,16 +741,12 @@ def _maxtext_qwen3_moe() -> Naming:
   for all experts, become one (out, in) tensor per expert.
   """
   dense = _maxtext_qwen3_style(norms=True)
-  experts = [
-      LayoutRule.of(tuple(f'{MT_LAYER}/moe_block/{mt}'.split('/')),
-                    (f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',), fan_out=('e', 0),
-                    transform_for=lambda e: chain(take(0, e), transpose()))
-      for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))
-  ]
   rules = (
       *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
       _rule(f'{MT_LAYER}/moe_block/gate/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
-      *experts,
+      *(_per_expert(f'{MT_LAYER}/moe_block/{mt}', f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',
+                    0, transpose())
+        for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
   )
   required = ((
       'token_embedder/embedding', 'decoder/decoder_norm/scale',
@@ -799,15 +762,6 @@ def _maxtext_qwen3_moe() -> Naming:
   axes[f'{MT_LAYER}/moe_block/gate/kernel'] = ('hidden_size', 'num_experts')
   return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
                              dims=dims, axes=axes)
-
-
-
-def _per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
-  """One stacked expert weight (experts along `axis`) onto one tensor per expert `{e}`."""
-  shown = dataclasses.replace(chain(take(axis, 0), then),
-                              name=f'take(axis={axis}, index={{e}}) -> {then.name}')
-  return LayoutRule.of(tuple(source.split('/')), (dest,), shown, fan_out=('e', axis),
-                       transform_for=lambda e: chain(take(axis, e), then))
 
 
 def _extended(base: Family, name: str, architecture: str, model_type: str, rules=(), required=(),
@@ -882,7 +836,6 @@ def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, st
             *(f'layers/{{i}}/{t}/scale' for t in norms)),),
       ),
       dims=GEMMA3.dims,
-      tied=lambda paths: True,
       fixed=fixed,
       lora=GEMMA_LORA,
       vocab_padding=GEMMA_PADDING,
@@ -924,8 +877,6 @@ _GEMMA4_NORMS = {
     'moe_post_ffw_norm': 'post_feedforward_layernorm_2',
     'post_per_layer_input_norm': 'post_per_layer_input_norm',
 }
-# Gemma 4's global layers whose keys are their values (`k_eq_v`): `transformers` has no v_proj
-# there, vLLM loads the key weights into both its K and V slots.
 K_EQ_V_NOTE = (
     "{module}: Gemma 4's layer reuses its keys as values (k_eq_v): transformers and peft have"
     ' no v_proj there and apply this adapter to the keys, which are the values too (as the'
@@ -986,11 +937,11 @@ GEMMA4 = Family(
         'num_experts': (('layers/0/moe/router_logits', 1),),
         'moe_intermediate_size': (('layers/0/moe/gating_einsum', 2),),
     },
-    tied=lambda paths: True,
     fixed=GEMMA_GELU,
     lora={**GEMMA_LORA, 'layers/{i}/attn/k_einsum/w': LoraWeight('dr,rkh->kdh', K_EQ_V_NOTE)},
     text_prefixes={'Gemma4ForCausalLM': 'model.', 'Gemma4ForConditionalGeneration':
                    'model.language_model.'},
+    embeddings=('embed_tokens', 'embed_tokens_per_layer'),
     maxtext=_maxtext_gemma4(),
     # Measured with `transformers` (tests/test_hf_clients.py): fed what Tunix's is, its router
     # gives the Tunix model back.
@@ -1184,7 +1135,8 @@ def check_config(
   if not isinstance(config, Mapping):
     raise _bad_config(where, f'a JSON {_JSON_TYPES.get(type(config), "value")}'
                              f' ({json.dumps(config)[:60]})')
-  architecture, model_type = family.target(shapes)
+  naming = family.naming(shapes)
+  architecture, model_type = family.target_of(naming)
   top, inner, notes = _split((architecture, model_type), config, where)
   fields = top if inner is None else inner
   wrong = []
@@ -1196,7 +1148,7 @@ def check_config(
     wrong.append(f'model_type: config.json has {_shown(top["model_type"])}, the weights are'
                  f' {model_type!r}')
   # `skip`: fields these weights cannot tell (a LoRA save's adapted weights alone).
-  implied = {f: v for f, v in family.config(shapes).items() if f not in skip}
+  implied = {f: v for f, v in naming.config(shapes).items() if f not in skip}
   for field, value in implied.items():
     have = fields.get(field)
     if have is None:
@@ -1246,7 +1198,7 @@ def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path]
   Raises:
     UnsupportedLayoutError: naming the first unmapped and missing weights.
   """
-  missing = family.missing(shapes)
+  missing = family.naming(shapes).missing(shapes)
   if unmatched or missing:
     parts = [f'{where}: these weights are not a {family.name} model\'s'
              f' ({family.architecture}):']

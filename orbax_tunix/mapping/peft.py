@@ -141,34 +141,29 @@ class Factors:
     weight; a step that computes must be a scaling by one number (checked on ones
     and zeros), which `B` takes.
     """
-    return _factors(contraction, transform, tuple(a), tuple(b))
-
-
-def _factors(contraction: lora.Contraction, transform: Transform, a: Shape, b: Shape
-             ) -> Factors | str:
-  found = _coefficients(contraction, a, b)
-  if found is None:
-    return 'its adapters are arranged in a way a linear module\'s cannot follow'
-  shape, ca, cb = list(contraction.weight), list(found[0]), list(found[1])
-  # The transform's leading takes (a layer of a stacked weight, a part of a fused one) only
-  # add a constant to the positions: the rest is computed once per layer shape (cached).
-  takes, rest = leading_takes(transform)
-  offset_a = offset_b = 0
-  for axis, index in takes:
-    axis %= len(shape)
-    if not 0 <= index < shape[axis]:
-      return f'take(axis={axis}, index={index}) does not fit the weight {tuple(shape)}'
-    offset_a, offset_b = offset_a + index * ca[axis], offset_b + index * cb[axis]
-    del shape[axis], ca[axis], cb[axis]
-  key = (tuple(shape), tuple(ca), tuple(cb), rest.name)
-  if key not in _FACTORS:
-    if len(_FACTORS) > 256:
-      _FACTORS.clear()
-    _FACTORS[key] = _positions_through(rest, tuple(shape), ca, cb)
-  made = _FACTORS[key]
-  if isinstance(made, str):
-    return made
-  return Factors(made.a_rows + offset_a, made.b_columns + offset_b, made.factor)
+    found = _coefficients(contraction, tuple(a), tuple(b))
+    if found is None:
+      return 'its adapters are arranged in a way a linear module\'s cannot follow'
+    shape, ca, cb = list(contraction.weight), list(found[0]), list(found[1])
+    # The transform's leading takes (a layer of a stacked weight, a part of a fused one) only
+    # add a constant to the positions: the rest is computed once per layer shape (cached).
+    takes, rest = leading_takes(transform)
+    offset_a = offset_b = 0
+    for axis, index in takes:
+      axis %= len(shape)
+      if not 0 <= index < shape[axis]:
+        return f'take(axis={axis}, index={index}) does not fit the weight {tuple(shape)}'
+      offset_a, offset_b = offset_a + index * ca[axis], offset_b + index * cb[axis]
+      del shape[axis], ca[axis], cb[axis]
+    key = (tuple(shape), tuple(ca), tuple(cb), rest.name)
+    if key not in _FACTORS:
+      if len(_FACTORS) > 256:
+        _FACTORS.clear()
+      _FACTORS[key] = _positions_through(rest, tuple(shape), ca, cb)
+    made = _FACTORS[key]
+    if isinstance(made, str):
+      return made
+    return Factors(made.a_rows + offset_a, made.b_columns + offset_b, made.factor)
 
 
 # (weight shape, coefficients, transform name) -> its Factors (a name says all a transform
@@ -178,7 +173,7 @@ _FACTORS: dict[tuple, Factors | str] = {}
 
 def _positions_through(transform: Transform, shape: Shape, ca: Sequence[int],
                        cb: Sequence[int]) -> Factors | str:
-  """`_factors` for one weight shape: the positions of `a` and of `b`, one after the other
+  """`Factors.of` for one weight shape: the positions of `a` and of `b`, one after the other
   (each the weight's size, in the narrowest integers that hold them), through `transform`."""
   found, factor = [], 1.0
   for coefficients, axis in ((ca, 0), (cb, 1)):
