@@ -107,13 +107,8 @@ class CanonicalCheckpoint:
 
 
 def _kind(leaf: item_store.Leaf) -> str | None:
-  if leaf.value_type == 'string':
-    return STRING
-  if leaf.value_type == 'scalar':
-    return SCALAR
-  if leaf.is_array:
-    return ARRAY
-  return None
+  kinds = {'string': STRING, 'scalar': SCALAR}
+  return kinds.get(leaf.value_type, ARRAY if leaf.is_array else None)
 
 
 def _item_leaves(
