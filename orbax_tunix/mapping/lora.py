@@ -45,8 +45,6 @@ FLAX_KERNEL = 'kernel'
 Shape = tuple[int, ...]
 
 
-
-
 def is_adapter(path: Path) -> bool:
   """Whether a weight path is a LoRA adapter leaf (either writer's naming)."""
   return any(key.endswith(QWIX_SUFFIXES) or key in FLAX_KEYS for key in path)
@@ -268,7 +266,6 @@ def check_scaling(
       )
 
 
-
 MERGE_OPTION_NAMES = ('lora_alpha', 'lora_scale', 'base')
 
 
@@ -297,6 +294,7 @@ def check_merge_options(
         f' `merge_lora=True`, or drop {"it" if one else "them"}.'
     )
   check_scaling(alpha, scale, names[:2])
+
 
 def check_scaling_applies(
     adapters: Mapping[Path, Adapter], alpha: float | None, scale: float | None,
