@@ -332,8 +332,8 @@ def check_stacked(shapes: Mapping[Path, Shape | None], axis: int | None, where: 
     )
   axis = DEFAULT_AXIS if axis is None else axis
   along = {p: s[axis] if len(s) > axis else None for p, s in stacked.items()}
-  common, held = collections.Counter(v for v in along.values() if v is not None).most_common(1)[0] \
-      if any(v is not None for v in along.values()) else (None, 0)
+  counted = collections.Counter(v for v in along.values() if v is not None)
+  common, held = (counted.most_common(1) or [(None, 0)])[0]
   odd = [f'{fmt(p)} {s}: ' + (f'no axis {axis}' if along[p] is None else f'{along[p]} along it')
          for p, s in sorted(stacked.items()) if along[p] != common]
   raise LayerScanMismatchError(
@@ -445,8 +445,7 @@ def stackings(
   """
   groups: dict[Path, list[tuple[int, Path]]] = {}
   for path in per_layer:
-    unindexed = _unindexed(path)
-    if unindexed is not None:
+    if (unindexed := _unindexed(path)) is not None:
       groups.setdefault(unindexed[0], []).append((unindexed[1], path))
   found = []
   for path, (name, shape) in sorted(stacked.items()):

@@ -83,11 +83,8 @@ def validate_target(
     CorruptMetadataError: arrays the target names have no data in the store.
   """
   missing = [fmt(c) for c, d in zip(canonical_paths, disk, strict=True) if d is None]
-  shapes_of = (
-      (d, read_requests.stored_shape(leaf))
-      for d, leaf in zip(disk, leaves, strict=True) if d is not None
-  )
-  expected = {d: shape for d, shape in shapes_of if shape is not None}
+  expected = {d: shape for d, leaf in zip(disk, leaves, strict=True)
+              if d is not None and (shape := read_requests.stored_shape(leaf)) is not None}
   have = meta.mismatched_shapes(expected)
   shapes = [
       f'{fmt(c)}: target {expected[d]}, on disk {have[d]}{"" if c == d else f" (at {fmt(d)})"}'
