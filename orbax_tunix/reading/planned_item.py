@@ -218,8 +218,7 @@ class PlannedItem:
       if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
         # Most of the tree, or lists in it: the whole tree, placeholders for the
         # rest (Orbax's plain path; it cannot prune a list).
-        target, restore_args = _skeleton(meta, by_disk)
-        args = ocp.args.PyTreeRestore(target, restore_args)
+        args = ocp.args.PyTreeRestore(*_skeleton(meta, by_disk))
         served = meta.tree_json_of()
       else:
         # A few leaves of a tree of dicts: Orbax is handed their metadata alone.
