@@ -147,11 +147,6 @@ class _Group:
                for k, (i, r) in enumerate(self.reads) if k not in self.donate)
 
 
-def _is_direct(output: Output) -> bool:
-  return (output.transform.is_identity and len(output.inputs) == 1
-          and not output.inputs[0].partial)
-
-
 def _group(outputs: Sequence[Output], targets: Mapping[Path, Target], uses: Mapping) -> _Group:
   first = outputs[0]
   dest = targets[first.path].abstract
@@ -222,7 +217,7 @@ class OnDevices:
     direct: dict[tuple, list[Output]] = {}
     made: dict[tuple, list[Output]] = {}
     for o in outputs:
-      if _is_direct(o):
+      if o.transform.is_identity and len(o.inputs) == 1 and not o.inputs[0].partial:
         direct.setdefault(o.inputs[0].key, []).append(o)
       else:
         made.setdefault(tuple(i.key for i in o.inputs), []).append(o)

@@ -252,13 +252,11 @@ def check_scaling(
   for name, value in zip(names, (alpha, scale), strict=True):
     if value is None:
       continue
-    number = None
-    if not isinstance(value, bool | str):
-      try:
-        number = float(value)
-      except (TypeError, ValueError):
-        number = None
-    if number is None or not math.isfinite(number):
+    try:
+      finite = not isinstance(value, bool | str) and math.isfinite(float(value))
+    except (TypeError, ValueError):
+      finite = False
+    if not finite:
       raise errors.LoraError(
           f'`{name}={value!r}`: expected a finite number (the run\'s LoRA alpha, or the'
           ' scale alpha / rank itself); a NaN or infinite scale would make every'
