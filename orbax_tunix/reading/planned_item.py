@@ -252,10 +252,7 @@ class PlannedItem:
     if not parts:
       return []
     to_disk = self.cmap.canonical_to_disk
-    with self._damaged(
-        'parts of arrays', 'readable array data for every leaf asked for; use another step'
-        ' (`step`), or re-save this one'
-    ):
+    with self._damaged('parts of arrays'):
       return _orbax.read_parts(
           self.directory, [(to_disk[p], index, dtype) for p, index, dtype in parts],
           use_ocdbt=self.meta.use_ocdbt, use_zarr3=self.meta.use_zarr3)
@@ -341,14 +338,15 @@ class PlannedItem:
     # restored arrays, the parsed metadata): 18 % of a 1k-leaf restore's
     # time, 28 % at 10k leaves (benchmarks/restore_cost.py).
     # Reference counting still frees what the read drops.
-    with self._damaged(
-        'the arrays', 'readable array data for every leaf asked for; use another step'
-        ' (`step`), or re-save this one'
-    ), self._serving(via, served), _orbax.tidy_failures(), fileio.no_gc():
+    with (self._damaged('the arrays'), self._serving(via, served), _orbax.tidy_failures(),
+          fileio.no_gc()):
       return via.restore(self.directory, args)
 
   @contextlib.contextmanager
-  def _damaged(self, what: str, expected: str) -> Iterator[None]:
+  def _damaged(
+      self, what: str, expected: str = 'readable array data for every leaf asked for; use'
+      ' another step (`step`), or re-save this one',
+  ) -> Iterator[None]:
     """Storage failures inside (missing or damaged data) raised in our terms.
 
     Raises:
