@@ -247,10 +247,7 @@ def plan_merge(
   lora.check_scaling_applies(adapters, alpha, scale, names)
   base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
   _refuse_merged_twice(lora_ckpt, base_ckpt)
-  base_weights = plain_weights(
-      lora_weights if base is None else {p: leaf for leaf, p in reader.weights(base_ckpt)},
-      adapters,
-  )
+  base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
   missing, bad, merges = [], [], {}
   for weight, adapter in sorted(adapters.items()):
     found = base_weights.get(weight)

@@ -297,14 +297,8 @@ def shift(delta: float) -> Transform:
 
 def divide(name: str, divisor: Callable[[int], float], axis: int) -> Transform:
   """`x / divisor(size of axis)`, the divisor taken to float32 (e.g. an embedding's
-  sqrt(hidden)).
-
-  Args:
-    name: how the divisor is made, for `describe()` (and the compile cache:
-      one name, one function).
-    divisor: the size of `axis` -> the divisor.
-    axis: the axis whose size makes the divisor.
-  """
+  sqrt(hidden)); `name` says how the divisor is made, for `describe()` (and the compile
+  cache: one name, one function)."""
   return _in_float32(f'divide({name})',
                      lambda x, shape: x / np.float32(divisor(shape[axis])), reads=axis,
                      what=('divide', divisor, axis))
