@@ -78,9 +78,8 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
   # handler (tests/test_orbax_assumptions.py pins it). Saves, and the item's
   # binding to its handler, stay Orbax's; only restores are routed.
   def _get_or_set_handler(self, item_name: str, args: Any) -> Any:
-    handler = self._given_tunix_handler(item_name, args)
-    if handler is None:
-      handler = super()._get_or_set_handler(item_name, args)
+    handler = (self._given_tunix_handler(item_name, args)
+               or super()._get_or_set_handler(item_name, args))
     if isinstance(args, _PYTREE_RESTORE_ARGS):
       return self._tunix_reader(handler)
     return handler
