@@ -78,9 +78,8 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
   # handler (tests/test_orbax_assumptions.py pins it). Saves, and the item's
   # binding to its handler, stay Orbax's; only restores are routed.
   def _get_or_set_handler(self, item_name: str, args: Any) -> Any:
-    handler = self._given_tunix_handler(item_name, args)
-    if handler is None:
-      handler = super()._get_or_set_handler(item_name, args)
+    handler = (self._given_tunix_handler(item_name, args)
+               or super()._get_or_set_handler(item_name, args))
     if isinstance(args, _PYTREE_RESTORE_ARGS):
       return self._tunix_reader(handler)
     return handler
@@ -179,18 +178,14 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
         if (m is None or isinstance(m, _orbax.TreeMetadata))
         and not step.single_item and step.is_pytree(n)
     ]
-    changed = False
-    for name, (item, cmap) in plan_items(step, names).items():
-      if not cmap.rewrites:
-        continue
-      planned = planned_item.PlannedItem(item, cmap)
-      if found[name] is None:
-        found[name] = planned.metadata()  # The arrays' metadata, with the plan just made.
+    tunix = {n: planned for n, planned in plan_items(step, names).items() if planned[1].rewrites}
+    if not tunix:
+      return meta
+    for name, (item, cmap) in tunix.items():
+      if found[name] is None:  # The arrays' metadata, with the plan just made.
+        found[name] = planned_item.PlannedItem(item, cmap).metadata()
       else:
         found[name] = planned_item.canonical_metadata(found[name], cmap)
-      changed = True
-    if not changed:
-      return meta
     return dataclasses.replace(meta, item_metadata=type(meta.item_metadata)(**found))
 
 

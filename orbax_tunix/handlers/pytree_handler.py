@@ -155,18 +155,17 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
         args = ocp.args.PyTreeRestore(
             item, restore_args, transforms, transforms_default_to_original, legacy_transform_fn
         )
-    if planned is None and getattr(args, 'item', None) is None:
+    target = getattr(args, 'item', None)
+    if planned is None and target is None:
       # Orbax raises FileNotFoundError here too; ours is one, and says more.
       raise errors.NotACheckpointError(
           f'{directory}: expected an item directory of an Orbax checkpoint'
           f' (holding {_orbax.PYTREE_METADATA}), found a directory without it.'
           ' Pass an item, e.g. <step>/model_params or <step>/optimizer_state.'
       )
-    untargeted = getattr(args, 'item', None) is None and getattr(args, 'restore_args', None) is None
+    untargeted = target is None and getattr(args, 'restore_args', None) is None
     try:
-      if planned is None or not planned.is_tunix:
-        return self._orbax_restore(directory, args)
-      if planned.as_stored(getattr(args, 'item', None)):
+      if planned is None or not planned.is_tunix or planned.as_stored(target):
         return self._orbax_restore(directory, args)
       with planned_item.using([planned]):
         if isinstance(args, ocp.args.StandardRestore):

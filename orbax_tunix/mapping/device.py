@@ -64,9 +64,7 @@ class Target:
     """
     shape = tuple(leaf.shape)
     if isinstance(arg, ocp.ArrayRestoreArgs):
-      sharding = arg.sharding
-      if not isinstance(sharding, jax.sharding.Sharding):
-        sharding = None
+      sharding = arg.sharding if isinstance(arg.sharding, jax.sharding.Sharding) else None
       if sharding is None and arg.mesh is not None and arg.mesh_axes is not None:
         sharding = jax.sharding.NamedSharding(arg.mesh, arg.mesh_axes)
       changes: dict[str, Any] = {}
@@ -146,13 +144,7 @@ class _Group:
     """Bytes of its sources that are not its outputs' buffers."""
     return sum(math.prod(i.leaf.shape) * np.dtype(getattr(r[1], 'dtype', None) or r[0].dtype
                                                   ).itemsize
-               for k, (i, r) in enumerate(zip(self.inputs, self.requests, strict=True))
-               if k not in self.donate)
-
-
-def _is_direct(output: Output) -> bool:
-  return (output.transform.is_identity and len(output.inputs) == 1
-          and not output.inputs[0].partial)
+               for k, (i, r) in enumerate(self.reads) if k not in self.donate)
 
 
 def _group(outputs: Sequence[Output], targets: Mapping[Path, Target], uses: Mapping) -> _Group:
@@ -205,10 +197,6 @@ def _source(unit: _Unit) -> Input:
   return unit.outputs[0].inputs[0]
 
 
-def _want(reads: Reads, source: Input, request: ReadRequest) -> None:
-  reads.want(source.ckpt.detection, source.leaf.item, source.leaf.path, request)
-
-
 def _got(reads: Reads, source: Input) -> Any:
   return reads.got(source.ckpt.detection, source.leaf.item, source.leaf.path)
 
@@ -229,7 +217,7 @@ class OnDevices:
     direct: dict[tuple, list[Output]] = {}
     made: dict[tuple, list[Output]] = {}
     for o in outputs:
-      if _is_direct(o):
+      if o.transform.is_identity and len(o.inputs) == 1 and not o.inputs[0].partial:
         direct.setdefault(o.inputs[0].key, []).append(o)
       else:
         made.setdefault(tuple(i.key for i in o.inputs), []).append(o)
@@ -250,7 +238,7 @@ class OnDevices:
     reads = Reads()
     for unit in batch:
       for source, request in unit.reads:
-        _want(reads, source, request)
+        reads.want(source.ckpt.detection, source.leaf.item, source.leaf.path, request)
     reads.read()
     return reads
 

@@ -45,8 +45,6 @@ FLAX_KERNEL = 'kernel'
 Shape = tuple[int, ...]
 
 
-
-
 def is_adapter(path: Path) -> bool:
   """Whether a weight path is a LoRA adapter leaf (either writer's naming)."""
   return any(key.endswith(QWIX_SUFFIXES) or key in FLAX_KEYS for key in path)
@@ -254,19 +252,16 @@ def check_scaling(
   for name, value in zip(names, (alpha, scale), strict=True):
     if value is None:
       continue
-    number = None
-    if not isinstance(value, bool | str):
-      try:
-        number = float(value)
-      except (TypeError, ValueError):
-        number = None
-    if number is None or not math.isfinite(number):
+    try:
+      finite = not isinstance(value, bool | str) and math.isfinite(float(value))
+    except (TypeError, ValueError):
+      finite = False
+    if not finite:
       raise errors.LoraError(
           f'`{name}={value!r}`: expected a finite number (the run\'s LoRA alpha, or the'
           ' scale alpha / rank itself); a NaN or infinite scale would make every'
           ' merged weight NaN or infinite. Pass the value the run was trained with.'
       )
-
 
 
 MERGE_OPTION_NAMES = ('lora_alpha', 'lora_scale', 'base')
@@ -297,6 +292,7 @@ def check_merge_options(
         f' `merge_lora=True`, or drop {"it" if one else "them"}.'
     )
   check_scaling(alpha, scale, names[:2])
+
 
 def check_scaling_applies(
     adapters: Mapping[Path, Adapter], alpha: float | None, scale: float | None,

@@ -105,7 +105,6 @@ def plain_weights(weights: Mapping[Path, reader.LeafInfo], adapters: Mapping[Pat
   return out
 
 
-
 # Where a step's record (`conventions.PROVENANCE_KEY`) lists the LoRA merges its weights hold:
 # every one, oldest first (`MERGES`), and the one that wrote the step (`MERGE`; older records
 # have only this).
@@ -161,6 +160,7 @@ def checkpoints_read(
   """Every checkpoint a plan reads: the source, and a merge's base."""
   return [source] if merged is None else [source, merged.base]
 
+
 @dataclasses.dataclass(frozen=True)
 class Options:
   """A LoRA merge's options as one value, checked once (`given`): the one spelling
@@ -214,12 +214,9 @@ def plan_merge(
     path: the LoRA run's checkpoint (a root, step or model item, or the
       checkpoint already opened): a full save (base weights beside the
       adapters) or adapters only.
-    options: the merge's `Options`: `alpha`, qwix's LoRA alpha of the run
-      (the scale is alpha / rank; not stored in checkpoints, so it must be
-      given for qwix adapters), or `scale` itself; `base`, a checkpoint of the
-      base weights (a Tunix save, a MaxText `items` step, or any Orbax
-      checkpoint of canonical weights; None: `path`'s own); `names`, the
-      caller's names for `alpha` and `scale`, for messages.
+    options: the merge's `Options` (qwix's alpha is not stored in checkpoints: `alpha`
+      or `scale` must be given for qwix adapters; `base` may be a Tunix save, a
+      MaxText `items` step, or any Orbax checkpoint of canonical weights).
     step: the step under `path` (None: the latest committed).
     base_step: the step under `options.base`.
 
@@ -250,10 +247,7 @@ def plan_merge(
   lora.check_scaling_applies(adapters, alpha, scale, names)
   base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
   _refuse_merged_twice(lora_ckpt, base_ckpt)
-  base_weights = plain_weights(
-      lora_weights if base is None else {p: leaf for leaf, p in reader.weights(base_ckpt)},
-      adapters,
-  )
+  base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
   missing, bad, merges = [], [], {}
   for weight, adapter in sorted(adapters.items()):
     found = base_weights.get(weight)
@@ -300,26 +294,21 @@ def combine(contraction: lora.Contraction, scale: float):
   def merge(w, a, b):
     ops = transforms.xp(w, a, b)  # jax.numpy on the devices, numpy on the host.
     a, b = a.astype(np.float32), b.astype(np.float32)
-    if stacked:  # One product per stacked layer, the layers in front meanwhile.
-      a, b = ops.moveaxis(a, stacked, front), ops.moveaxis(b, stacked, front)
-      layers = a.shape[:len(stacked)]
-      left, right = a.shape[len(stacked):-1], b.shape[len(stacked) + 1:]
-      n = math.prod(layers)
-      delta = ops.matmul(a.reshape(n, math.prod(left), a.shape[-1]),
-                         b.reshape(n, b.shape[len(stacked)], math.prod(right)))
-      delta = delta.reshape(n, *left, *right)
-      one = tuple(d for i, d in enumerate(contraction.weight) if i not in stacked)
-      if contraction.reshape:
-        delta = delta.reshape(n, *one)
-      elif contraction.permutation != tuple(range(len(one))):
-        delta = delta.transpose(0, *(p + 1 for p in contraction.permutation))
-      delta = ops.moveaxis(delta.reshape(*layers, *one), front, stacked)
-    else:
-      delta = ops.tensordot(a, b, axes=1)
-      if contraction.reshape:
-        delta = delta.reshape(contraction.weight)
-      elif contraction.permutation != tuple(range(delta.ndim)):
-        delta = delta.transpose(contraction.permutation)
+    # One product per stacked layer (no stacked axes: one product), the layers in front
+    # meanwhile.
+    a, b = ops.moveaxis(a, stacked, front), ops.moveaxis(b, stacked, front)
+    layers = a.shape[:len(stacked)]
+    left, right = a.shape[len(stacked):-1], b.shape[len(stacked) + 1:]
+    n = math.prod(layers)
+    delta = ops.matmul(a.reshape(n, math.prod(left), a.shape[-1]),
+                       b.reshape(n, b.shape[len(stacked)], math.prod(right)))
+    delta = delta.reshape(n, *left, *right)
+    one = tuple(d for i, d in enumerate(contraction.weight) if i not in stacked)
+    if contraction.reshape:
+      delta = delta.reshape(n, *one)
+    elif contraction.permutation != tuple(range(len(one))):
+      delta = delta.transpose(0, *(p + 1 for p in contraction.permutation))
+    delta = ops.moveaxis(delta.reshape(*layers, *one), front, stacked)
     return (w.astype(np.float32) + np.float32(scale) * delta).astype(w.dtype)
 
   return merge

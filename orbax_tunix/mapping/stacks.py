@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -116,10 +117,9 @@ def describe(shapes: Mapping[Path, Shape], axis: int = DEFAULT_AXIS) -> tuple[st
   """(SCANNED or UNSCANNED, how many layers) of a MaxText model's weights."""
   form = next((f for f in FORMS if any(f[0].pattern.match(p) for p in shapes)), ())
   try:
-    per_layer = unstack(shapes, form, axis)
+    return (SCANNED if form else UNSCANNED), len(_numbers(unstack(shapes, form, axis)))
   except errors.UnsupportedLayoutError:
     return SCANNED, 0
-  return (SCANNED if form else UNSCANNED), len(_numbers(per_layer))
 
 
 def unstack(
@@ -163,7 +163,7 @@ def unstack(
     for stack, path, shape, bound, rest, axes in pending:
       if stack.remainder != remainder:
         continue
-      for index in _indices([shape[a] for a in axes]):
+      for index in itertools.product(*(range(shape[a]) for a in axes)):
         names = {**bound, **{f'a{n}': i for n, i in enumerate(index)}, 'scanned': len(scanned)}
         i = stack.layer(names)
         made.add(i)
@@ -186,13 +186,6 @@ def layer_axes(path: Path, stacks: Sequence[Stack], axis: int = DEFAULT_AXIS) ->
   one layer, or no layer's)."""
   stack = next((s for s in stacks if s.pattern.match(path)), None)
   return () if stack is None else tuple(axis + a for a in stack.axes)
-
-
-def _indices(sizes: Sequence[int]) -> list[tuple[int, ...]]:
-  out: list[tuple[int, ...]] = [()]
-  for size in sizes:
-    out = [(*o, i) for o in out for i in range(size)]
-  return out
 
 
 def _put(out: dict[Path, Mapped], dest: Path, mapped: Mapped, problems: list[str]) -> None:
@@ -253,13 +246,9 @@ def form_of(paths: Iterable[Path]) -> str | None:
   return found.pop() if len(found) == 1 else None
 
 
-def _stacked(shapes: Mapping[Path, Shape | None]) -> dict[Path, Shape]:
-  return {p: tuple(s) for p, s in shapes.items() if s is not None and _MATCH[SCANNED].match(p)}
-
-
 def stacked_axes(shapes: Mapping[Path, Shape | None]) -> tuple[int, ...]:
   """The axes along which every scanned weight has one size: where the layers can be."""
-  stacked = _stacked(shapes)
+  stacked = in_form(shapes, SCANNED)
   if not stacked:
     return ()
   rank = min(len(s) for s in stacked.values())
@@ -293,7 +282,7 @@ def layer_count(shapes: Mapping[Path, Shape | None], axis: int | None = None) ->
     axis = scan_axis(shapes) if axis is None else axis
     if axis is None:
       return None
-    sizes = {s[axis] if len(s) > axis else None for s in _stacked(shapes).values()}
+    sizes = {s[axis] if len(s) > axis else None for s in in_form(shapes, SCANNED).values()}
     return sizes.pop() if len(sizes) == 1 else None
   return None
 
@@ -317,7 +306,7 @@ def check_stacked(shapes: Mapping[Path, Shape | None], axis: int | None, where: 
       layers along it than the rest (naming each such weight and its shape);
       the message suggests another axis only when every weight agrees on it.
   """
-  stacked = _stacked(shapes)
+  stacked = in_form(shapes, SCANNED)
   axes = stacked_axes(stacked)
   if axis is None:
     fits = [a for a in axes if count is None or stacked[next(iter(stacked))][a] == count]
@@ -343,8 +332,8 @@ def check_stacked(shapes: Mapping[Path, Shape | None], axis: int | None, where: 
     )
   axis = DEFAULT_AXIS if axis is None else axis
   along = {p: s[axis] if len(s) > axis else None for p, s in stacked.items()}
-  common, held = collections.Counter(v for v in along.values() if v is not None).most_common(1)[0] \
-      if any(v is not None for v in along.values()) else (None, 0)
+  counted = collections.Counter(v for v in along.values() if v is not None)
+  common, held = (counted.most_common(1) or [(None, 0)])[0]
   odd = [f'{fmt(p)} {s}: ' + (f'no axis {axis}' if along[p] is None else f'{along[p]} along it')
          for p, s in sorted(stacked.items()) if along[p] != common]
   raise LayerScanMismatchError(
@@ -394,7 +383,7 @@ def check_unscanned(shapes: Mapping[Path, Shape | None], where: str) -> int:
 
 def in_form(shapes: Mapping[Path, Shape | None], form: str) -> dict[Path, Shape]:
   """The weights of `shapes` in `form` (those of unknown shape left out)."""
-  return {p: s for p, s in shapes.items() if s is not None and _MATCH[form].match(p)}
+  return {p: tuple(s) for p, s in shapes.items() if s is not None and _MATCH[form].match(p)}
 
 
 def _numbers(paths: Iterable[Path]) -> set[str]:
@@ -422,10 +411,8 @@ def _layer_axis(stacked: Shape | None, per_layer: Shape | None, n: int) -> int |
   """The axis of `stacked` that holds `n` layers of shape `per_layer`, if any."""
   if stacked is None or per_layer is None:
     return None
-  for axis, size in enumerate(stacked):
-    if size == n and stacked[:axis] + stacked[axis + 1 :] == per_layer:
-      return axis
-  return None
+  return next((axis for axis, size in enumerate(stacked)
+               if size == n and stacked[:axis] + stacked[axis + 1 :] == per_layer), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,8 +445,7 @@ def stackings(
   """
   groups: dict[Path, list[tuple[int, Path]]] = {}
   for path in per_layer:
-    unindexed = _unindexed(path)
-    if unindexed is not None:
+    if (unindexed := _unindexed(path)) is not None:
       groups.setdefault(unindexed[0], []).append((unindexed[1], path))
   found = []
   for path, (name, shape) in sorted(stacked.items()):

@@ -33,6 +33,7 @@ stored dtype, so a cast to `dtype` happens once, after the arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -58,8 +59,7 @@ class Transform:
       when the sources cannot be transformed so.
     apply: `(source arrays) -> destination array`, with `jax.numpy`.
     arity: how many sources it takes (None: one or more).
-    source_spec: see below.
-    moves_only: the values are only re-laid, never computed.
+    The other fields are described where they are declared.
   """
 
   name: str
@@ -143,19 +143,19 @@ def transpose(perm: Sequence[int] | None = None) -> Transform:
   """Axes permuted as `jnp.transpose(x, perm)` (None: reversed, as `.T`)."""
   perm = None if perm is None else tuple(perm)
 
+  def order(ndim: int) -> tuple[int, ...]:
+    return tuple(reversed(range(ndim))) if perm is None else perm
+
   def shape(s: Shape) -> Shape:
-    order = tuple(reversed(range(len(s)))) if perm is None else perm
-    if sorted(order) != list(range(len(s))):
+    if sorted(order(len(s))) != list(range(len(s))):
       raise TransformError(f'transpose{perm}: does not fit a {len(s)}-d array {s}')
-    return tuple(s[i] for i in order)
+    return tuple(s[i] for i in order(len(s)))
 
   def source_spec(spec: tuple) -> tuple:
-    order = tuple(reversed(range(len(spec)))) if perm is None else perm
-    return tuple(spec[i] for i in _inverse(order))
+    return tuple(spec[i] for i in _inverse(order(len(spec))))
 
   def source_axis(axis: int, shapes: Sequence[Shape]) -> int:
-    order = tuple(reversed(range(len(shapes[0])))) if perm is None else perm
-    return order[axis]
+    return order(len(shapes[0]))[axis]
 
   name = 'transpose' if perm is None else f'transpose{perm}'
   return Transform(name, _one(shape), lambda xs: xp(*xs).transpose(xs[0], perm),
@@ -297,14 +297,8 @@ def shift(delta: float) -> Transform:
 
 def divide(name: str, divisor: Callable[[int], float], axis: int) -> Transform:
   """`x / divisor(size of axis)`, the divisor taken to float32 (e.g. an embedding's
-  sqrt(hidden)).
-
-  Args:
-    name: how the divisor is made, for `describe()` (and the compile cache:
-      one name, one function).
-    divisor: the size of `axis` -> the divisor.
-    axis: the axis whose size makes the divisor.
-  """
+  sqrt(hidden)); `name` says how the divisor is made, for `describe()` (and the compile
+  cache: one name, one function)."""
   return _in_float32(f'divide({name})',
                      lambda x, shape: x / np.float32(divisor(shape[axis])), reads=axis,
                      what=('divide', divisor, axis))
@@ -397,21 +391,13 @@ def chain(*transforms: Transform) -> Transform:
   first, rest = transforms[0], transforms[1:]
 
   def shape(shapes: Sequence[Shape]) -> Shape:
-    out = first.check(shapes)
-    for t in rest:
-      out = t.check([out])
-    return out
+    return functools.reduce(lambda out, t: t.check([out]), rest, first.check(shapes))
 
   def apply(xs: Sequence[Any]) -> Any:
-    out = first.apply(xs)
-    for t in rest:
-      out = t.apply([out])
-    return out
+    return functools.reduce(lambda out, t: t.apply([out]), rest, first.apply(xs))
 
   def source_spec(spec: tuple) -> tuple:
-    for t in reversed(transforms):
-      spec = t.source_spec(spec)
-    return spec
+    return functools.reduce(lambda out, t: t.source_spec(out), reversed(transforms), spec)
 
   def source_specs(spec: tuple, n: int) -> tuple[tuple, ...]:
     for t in reversed(rest):

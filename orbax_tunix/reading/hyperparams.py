@@ -98,11 +98,7 @@ def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
   if found is None:
     return {}
   item, wanted = found
-  reads = Reads()
-  for disk in wanted:
-    reads.want(detection, item, disk, (0, AS_NUMPY))
-  reads.read(on_disk=True)
-  return by_shell(wanted, {d: reads.got(detection, item, d) for d in wanted})
+  return by_shell(wanted, read_side_leaves(detection, {d: (item, d) for d in wanted}))
 
 
 def side_leaves(detection: Detection) -> dict[str, tuple[str, Path]]:

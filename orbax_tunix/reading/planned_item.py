@@ -83,11 +83,8 @@ def validate_target(
     CorruptMetadataError: arrays the target names have no data in the store.
   """
   missing = [fmt(c) for c, d in zip(canonical_paths, disk, strict=True) if d is None]
-  shapes_of = (
-      (d, read_requests.stored_shape(leaf))
-      for d, leaf in zip(disk, leaves, strict=True) if d is not None
-  )
-  expected = {d: shape for d, shape in shapes_of if shape is not None}
+  expected = {d: shape for d, leaf in zip(disk, leaves, strict=True)
+              if d is not None and (shape := read_requests.stored_shape(leaf)) is not None}
   have = meta.mismatched_shapes(expected)
   shapes = [
       f'{fmt(c)}: target {expected[d]}, on disk {have[d]}{"" if c == d else f" (at {fmt(d)})"}'
@@ -221,8 +218,7 @@ class PlannedItem:
       if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
         # Most of the tree, or lists in it: the whole tree, placeholders for the
         # rest (Orbax's plain path; it cannot prune a list).
-        target, restore_args = _skeleton(meta, by_disk)
-        args = ocp.args.PyTreeRestore(target, restore_args)
+        args = ocp.args.PyTreeRestore(*_skeleton(meta, by_disk))
         served = meta.tree_json_of()
       else:
         # A few leaves of a tree of dicts: Orbax is handed their metadata alone.
@@ -256,10 +252,7 @@ class PlannedItem:
     if not parts:
       return []
     to_disk = self.cmap.canonical_to_disk
-    with self._damaged(
-        'parts of arrays', 'readable array data for every leaf asked for; use another step'
-        ' (`step`), or re-save this one'
-    ):
+    with self._damaged('parts of arrays'):
       return _orbax.read_parts(
           self.directory, [(to_disk[p], index, dtype) for p, index, dtype in parts],
           use_ocdbt=self.meta.use_ocdbt, use_zarr3=self.meta.use_zarr3)
@@ -345,14 +338,15 @@ class PlannedItem:
     # restored arrays, the parsed metadata): 18 % of a 1k-leaf restore's
     # time, 28 % at 10k leaves (benchmarks/restore_cost.py).
     # Reference counting still frees what the read drops.
-    with self._damaged(
-        'the arrays', 'readable array data for every leaf asked for; use another step'
-        ' (`step`), or re-save this one'
-    ), self._serving(via, served), _orbax.tidy_failures(), fileio.no_gc():
+    with (self._damaged('the arrays'), self._serving(via, served), _orbax.tidy_failures(),
+          fileio.no_gc()):
       return via.restore(self.directory, args)
 
   @contextlib.contextmanager
-  def _damaged(self, what: str, expected: str) -> Iterator[None]:
+  def _damaged(
+      self, what: str, expected: str = 'readable array data for every leaf asked for; use'
+      ' another step (`step`), or re-save this one',
+  ) -> Iterator[None]:
     """Storage failures inside (missing or damaged data) raised in our terms.
 
     Raises:

@@ -107,13 +107,8 @@ class CanonicalCheckpoint:
 
 
 def _kind(leaf: item_store.Leaf) -> str | None:
-  if leaf.value_type == 'string':
-    return STRING
-  if leaf.value_type == 'scalar':
-    return SCALAR
-  if leaf.is_array:
-    return ARRAY
-  return None
+  kinds = {'string': STRING, 'scalar': SCALAR}
+  return kinds.get(leaf.value_type, ARRAY if leaf.is_array else None)
 
 
 def _item_leaves(
@@ -233,8 +228,8 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
   item, prefix = ckpt.detection.source_kind.weights
   item = item if item in ckpt.items else _model_item(ckpt)
   n = len(prefix)
-  found = [(leaf, leaf.path[n:]) for leaf in ckpt.items.get(item, ()) if leaf.path[:n] == prefix]
-  found = [(leaf, path) for leaf, path in found if not conventions.is_rng_state(path)]
+  found = [(leaf, leaf.path[n:]) for leaf in ckpt.items.get(item, ())
+           if leaf.path[:n] == prefix and not conventions.is_rng_state(leaf.path[n:])]
   if not found:
     raise errors.UnsupportedLayoutError(
         f'{ckpt.step_dir}: expected model weights in item'

@@ -47,14 +47,11 @@ class CanonicalMap:
 
   def to_canonical_path(self, path: Path) -> Path | None:
     """Runs the rules forwards on one on-disk path."""
-    for rewrite in self.rewrites:
-      path = rewrite.to_canonical(path)
-      if path is None:
-        return None
-    return path
+    return self.path_before(None, path)
 
-  def path_before(self, rule: rules_lib.Rule, path: Path) -> Path | None:
-    """An on-disk path as `rule` saw it: only the rules planned before it applied."""
+  def path_before(self, rule: rules_lib.Rule | None, path: Path) -> Path | None:
+    """An on-disk path as `rule` saw it: only the rules planned before it applied (None:
+    every rule)."""
     for rewrite in self.rewrites:
       if rewrite.rule is rule:
         break
@@ -127,17 +124,14 @@ def _check_bijective(item: str, mapping: Mapping[Path, Path | None]) -> None:
   seen: dict[Path, Path] = {}
   clashes = []
   for disk, canon in mapping.items():
-    if canon is None:
-      continue
-    if canon in seen:
+    if canon is not None and canon in seen:
       clashes.append(f'{fmt(seen[canon])} and {fmt(disk)} -> {fmt(canon)}')
     seen[canon] = disk
-  if clashes:
-    raise errors.UnsupportedLayoutError(
-        f'Item {item!r}: the rewrite rules map several on-disk leaves to one'
-        f' canonical path:\n{errors.list_paths(clashes)}\nThis checkpoint cannot be'
-        ' read canonically; restore it with plain Orbax (no orbax_tunix handler).'
-    )
+  raise errors.UnsupportedLayoutError(
+      f'Item {item!r}: the rewrite rules map several on-disk leaves to one'
+      f' canonical path:\n{errors.list_paths(clashes)}\nThis checkpoint cannot be'
+      ' read canonically; restore it with plain Orbax (no orbax_tunix handler).'
+  )
 
 
 def to_canonical_tree(tree: Any, layout: CanonicalMap) -> dict[str, Any]:

@@ -268,8 +268,7 @@ def wanted_items(location: step_store.Location, roles: Iterable[str]) -> list[st
   if location.item is not None or step.single_item:
     return None
   known = set(step.items) | set(step.present)
-  found = [r for r in roles if r in known]
-  return found or None
+  return [r for r in roles if r in known] or None
 
 
 def plan(step: step_store.Step, metas: Mapping[str, item_store.Item]) -> dict[str, canonical_map.CanonicalMap]:

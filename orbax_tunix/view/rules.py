@@ -122,8 +122,6 @@ def _drop_level(key: str, keep_siblings: bool) -> Callable[[Path, Anchors], Path
           dropped.append(depth)
         elif not keep_siblings:
           return None
-    if not dropped:
-      return path
     for depth in reversed(dropped):
       path = path[:depth] + path[depth + 1:]
     return path
