@@ -110,15 +110,10 @@ def holds_step(directory: epath.Path) -> bool:
   directory (older releases). An empty numbered directory, or one holding
   stray files only, is not a step: Orbax's `CheckpointManager` would count
   it, and fail to restore it.
+
+  Raises:
+    OSError: the directory cannot be read.
   """
-  try:
-    return _holds_step(directory)
-  except OSError:
-    return False
-
-
-def _holds_step(directory: epath.Path) -> bool:
-  """`holds_step`, raising the OSError that keeps the directory from being read."""
   if (directory / CHECKPOINT_METADATA).exists() or has_tree(directory):
     return True
   return any(_is_item_dir(child) for child in directory.iterdir())
@@ -140,7 +135,7 @@ def list_steps(root: epath.Path) -> list[StepEntry]:
     held, unreadable = True, ''
     if committed:
       try:
-        held = _holds_step(child)
+        held = holds_step(child)
       except OSError as e:
         unreadable = e.strerror or str(e) or type(e).__name__  # In a few words.
     steps.append(StepEntry(number, child, committed, not held, unreadable))
@@ -165,11 +160,7 @@ def _reading_options(entry: StepEntry) -> str:
 
 
 def _only_one(root: epath.Path, found: Sequence[StepEntry]) -> StepEntry:
-  """The one directory of a step; several (`5` and `0005`) are refused.
-
-  Raises:
-    UnsupportedLayoutError: naming each directory and which Orbax reads.
-  """
+  """The one directory of a step; several (`5` and `0005`) are refused, naming which Orbax reads."""
   if len(found) == 1:
     return found[0]
   which = '; '.join(f'{s.path.name} with {_reading_options(s)}' for s in found)
@@ -275,14 +266,11 @@ def open_step(directory: epath.PathLike) -> Step:
   handlers = meta.get('item_handlers')
   # A Checkpointer over a PyTree handler writes both files into one directory.
   single = has_tree(directory)
-  if isinstance(handlers, dict) and not single:
-    recorded: dict[str, str | None] | None = {
-        str(k): v if isinstance(v, str) else None for k, v in handlers.items()
-    }
-  elif single:
+  recorded: dict[str, str | None] | None = None
+  if single:
     recorded = {directory.name: handlers if isinstance(handlers, str) else None}
-  else:
-    recorded = None
+  elif isinstance(handlers, dict):
+    recorded = {str(k): v if isinstance(v, str) else None for k, v in handlers.items()}
   custom = meta.get('custom_metadata')
   return Step(
       directory=directory,
@@ -421,13 +409,7 @@ def _skip_notes(steps: Sequence[StepEntry]) -> list[str]:
 
 
 def _latest(path: epath.Path, root: epath.Path, steps: Sequence[StepEntry]) -> StepEntry:
-  """The latest usable step of a root (see `StepEntry.usable`).
-
-  Raises:
-    UncommittedStepError: the root's steps are all unfinished (or empty).
-    NotACheckpointError: they are all empty directories.
-    UnsupportedLayoutError: the latest is held by two directories.
-  """
+  """The latest usable step of a root (see `StepEntry.usable`; the errors are `resolve`'s)."""
   usable = [s for s in steps if s.usable]
   if usable:
     return _only_one(root, [s for s in usable if s.step == usable[-1].step])
@@ -462,13 +444,7 @@ def _cannot_read(path: epath.Path, unreadable: Sequence[StepEntry], steps: Seque
 
 def _numbered(path: epath.Path, root: epath.Path, steps: Sequence[StepEntry], step: int
               ) -> StepEntry:
-  """Step `step` of a root.
-
-  Raises:
-    NotACheckpointError: there is none, or only an empty directory.
-    UncommittedStepError: it is unfinished.
-    UnsupportedLayoutError: it is held by two directories.
-  """
+  """Step `step` of a root (the errors are `resolve`'s)."""
   matching = [s for s in steps if s.step == step]
   done = [s for s in matching if s.usable]
   if done:
