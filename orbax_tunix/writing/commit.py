@@ -220,16 +220,6 @@ def _mount_points() -> frozenset[str]:
   return frozenset(_unescape(line.split(' ')[4]) for line in lines if line.count(' ') >= 4)
 
 
-def is_mount_point(dst: epath.Path) -> bool:
-  """Whether a local `dst` is a directory something is mounted on (a container's
-  volume); a link given as DST is not (a rename replaces the link itself)."""
-  if not fileio.is_local(dst) or os.path.islink(dst) or not os.path.isdir(dst):
-    return False
-  text = os.path.abspath(os.fspath(dst))
-  where = os.path.join(os.path.realpath(os.path.dirname(text)), os.path.basename(text))
-  return os.path.ismount(where) or where in _mount_points()
-
-
 def check_not_mount_point(dst: epath.Path, kind: Kind) -> None:
   """Refuses a local DST that is a mount point, before anything is written.
 
@@ -241,7 +231,12 @@ def check_not_mount_point(dst: epath.Path, kind: Kind) -> None:
   Raises:
     InvalidDestinationError: saying why and what to do.
   """
-  if is_mount_point(dst):
+  # A link given as DST is no mount point: a rename replaces the link itself.
+  if not fileio.is_local(dst) or os.path.islink(dst) or not os.path.isdir(dst):
+    return
+  text = os.path.abspath(os.fspath(dst))
+  where = os.path.join(os.path.realpath(os.path.dirname(text)), os.path.basename(text))
+  if os.path.ismount(where) or where in _mount_points():
     raise errors.InvalidDestinationError(
         f'{dst}: the destination is a mount point (a volume is mounted there). This'
         f' command writes {kind.what} complete beside its destination and renames it onto'
@@ -274,11 +269,6 @@ def _host() -> str:
     with contextlib.suppress(OSError):
       parts.append(open(where).read().strip() if read == 'file' else os.readlink(where))
   return '/'.join(parts)
-
-
-def new_run_id() -> str:
-  """A run's id: unique across hosts, short enough for a temporary name."""
-  return f'{time.time_ns()}-{secrets.token_hex(4)}'
 
 
 # The runs of this process under way (a claim of this process whose run is not
@@ -434,10 +424,6 @@ class Kind:
     return path.is_dir() and TMP_MARKER not in path.name and any(
         (path / name).exists() for name in self.holds)
 
-  def foreign(self, path: epath.Path, recorded: frozenset[str]) -> list[str]:
-    """The entries of `path` that its record does not name, sorted."""
-    return sorted(entry.name for entry in path.iterdir() if entry.name not in recorded)
-
 
 # What this package writes at the top of a step besides the items its metadata names.
 _STEP_FILES = frozenset({CHECKPOINT_METADATA, COMMIT_SUCCESS, MARKER})
@@ -502,7 +488,7 @@ def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
         ' over: replacing it would delete what its owner wrote. Choose another dst, or'
         ' move it away yourself.'
     )
-  foreign = kind.foreign(dst, recorded)
+  foreign = sorted(entry.name for entry in dst.iterdir() if entry.name not in recorded)
   if foreign:
     raise errors.InvalidDestinationError(
         f'{dst}: holds {kind.what} and also {", ".join(foreign[:5])}'
@@ -563,7 +549,7 @@ class Staging:
     self.in_place = _orbax.commits_with_file(dst)  # A bucket.
     self.work: epath.Path = None  # type: ignore[assignment]  # Set by `open`.
     self.replaced = False  # Set by `staged` once committed.
-    self.run = new_run_id()
+    self.run = f'{time.time_ns()}-{secrets.token_hex(4)}'  # Unique across hosts, short.
     self._created: list[epath.Path] = []
     self._lease = _Lease(self.run)
     # Set before the step they name (the storage then tells whether it happened).
