@@ -135,8 +135,14 @@ def _same_axis(axis: int, shapes: Sequence[Shape]) -> int | None:
 IDENTITY = Transform('identity', _one(lambda s: s), lambda xs: xs[0], source_axis=_same_axis)
 
 
-def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
-  return tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
+def _permuted(order: Callable[[int], Sequence[int]]) -> Callable[[tuple], tuple]:
+  """The source spec of a transform whose axis i is source axis `order(ndim)[i]`."""
+  return lambda spec: tuple(spec[order(len(spec)).index(a)] for a in range(len(spec)))
+
+
+def _whole(axis: int) -> Callable[[tuple], tuple]:
+  """The source spec of a transform that needs axis `axis` whole on each device."""
+  return lambda spec: tuple(None if i == axis % len(spec) else p for i, p in enumerate(spec))
 
 
 def transpose(perm: Sequence[int] | None = None) -> Transform:
@@ -151,15 +157,12 @@ def transpose(perm: Sequence[int] | None = None) -> Transform:
       raise TransformError(f'transpose{perm}: does not fit a {len(s)}-d array {s}')
     return tuple(s[i] for i in order(len(s)))
 
-  def source_spec(spec: tuple) -> tuple:
-    return tuple(spec[i] for i in _inverse(order(len(spec))))
-
   def source_axis(axis: int, shapes: Sequence[Shape]) -> int:
     return order(len(shapes[0]))[axis]
 
   name = 'transpose' if perm is None else f'transpose{perm}'
   return Transform(name, _one(shape), lambda xs: xp(*xs).transpose(xs[0], perm),
-                   source_spec=source_spec, source_axis=source_axis)
+                   source_spec=_permuted(order), source_axis=source_axis)
 
 
 def merge_axes(start: int, stop: int) -> Transform:
@@ -245,11 +248,8 @@ def move_axis(source: int, dest: int) -> Transform:
       raise TransformError(f'move_axis({source}, {dest}): does not fit a {len(s)}-d array {s}')
     return tuple(s[a] for a in order(len(s)))
 
-  def source_spec(spec: tuple) -> tuple:
-    return tuple(spec[i] for i in _inverse(order(len(spec))))
-
   return Transform(f'move_axis({source}, {dest})', _one(shape),
-                   lambda xs: xp(*xs).moveaxis(xs[0], source, dest), source_spec=source_spec,
+                   lambda xs: xp(*xs).moveaxis(xs[0], source, dest), source_spec=_permuted(order),
                    source_axis=lambda axis, shapes: order(len(shapes[0]))[axis])
 
 
@@ -327,11 +327,7 @@ def deinterleave(axis: int = -1) -> Transform:
     n = x.shape[axis]
     return xp(x).take(x, np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)]), axis=axis)
 
-  def source_spec(spec: tuple) -> tuple:
-    at = axis % len(spec) if spec else 0
-    return tuple(None if i == at else p for i, p in enumerate(spec))  # The axis whole.
-
-  return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=source_spec,
+  return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=_whole(axis),
                    source_axis=lambda d, shapes: None if d == axis % len(shapes[0]) else d)
 
 
@@ -351,14 +347,10 @@ def head(axis: int, size: int) -> Transform:
     index[axis] = slice(0, size)
     return x[tuple(index)]
 
-  def source_spec(spec: tuple) -> tuple:
-    at = axis % len(spec) if spec else 0
-    return tuple(None if i == at else p for i, p in enumerate(spec))  # The cut axis whole.
-
   # A block of the destination is the same block of the source, also along the
   # cut axis (the destination's rows are the source's first `size`).
-  return Transform(f'head(axis={axis}, size={size})', _one(shape), apply, source_spec=source_spec,
-                   source_axis=_same_axis)
+  return Transform(f'head(axis={axis}, size={size})', _one(shape), apply,
+                   source_spec=_whole(axis), source_axis=_same_axis)
 
 
 def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
