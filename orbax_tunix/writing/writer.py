@@ -40,7 +40,6 @@ from orbax_tunix.reading.read_requests import is_key
 from orbax_tunix.store import _orbax, fileio
 from orbax_tunix.writing import checksums, commit, distributed
 
-Written = executor.Made
 
 @contextlib.contextmanager
 def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
@@ -254,9 +253,8 @@ def check_range(output: Output, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class OnHost:
-  """The placement of outputs made on the host (`executor.Placement`): units of outputs
-  sharing a source (`units`), their sources read onto one CPU device, or as numpy with
-  `numpy` (`read_inputs`), each output made by its transform and checked for range.
+  """The placement of outputs made on the host (`executor.Placement`; see the module),
+  each output checked for range (`check_range`).
 
   Attributes:
     numpy: read and transform as numpy (transposes stay views until the sink copies
@@ -280,7 +278,7 @@ class OnHost:
   def read(self, batch: Sequence[Sequence[Output]]) -> dict[tuple, Any]:
     return read_inputs([o for unit in batch for o in unit], self.numpy)
 
-  def make(self, unit: Sequence[Output], values: dict[tuple, Any]) -> Iterator[Written]:
+  def make(self, unit: Sequence[Output], values: dict[tuple, Any]) -> Iterator[executor.Made]:
     for output in unit:
       value = make(output, values)
       check_range(output, value)
@@ -342,7 +340,7 @@ class OrbaxItemSink:
     self._summer = concurrent.futures.ThreadPoolExecutor(1)
     item_dir.mkdir(parents=True, exist_ok=True)
 
-  def write(self, batch: Sequence[Written]) -> None:
+  def write(self, batch: Sequence[executor.Made]) -> None:
     values = [v for _, v in batch]
     # Checksums beside the write (zlib releases the GIL); across processes,
     # each process's parts combined (`distributed.checksums_of`).
@@ -543,7 +541,7 @@ class SafetensorsSink:
     self._open: dict[str, tuple[Any, int, int]] = {}
     directory.mkdir(parents=True, exist_ok=True)
 
-  def write(self, batch: Sequence[Written]) -> None:
+  def write(self, batch: Sequence[executor.Made]) -> None:
     for output, value in batch:
       shard = self._of[output.path[0]]
       handle, done, row = self._open.get(shard.name) or (self._start(shard), 0, 0)
