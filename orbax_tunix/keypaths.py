@@ -88,8 +88,7 @@ def _as_lists(node: Any, path: Path, sequences: frozenset[Path]) -> Any:
 
 def flat_dict(tree: Mapping[str, Any] | Any) -> dict[Path, Any]:
   """The leaves of a tree of nested dicts/lists as {path: leaf}."""
-  pairs, _ = flatten(tree)
-  return dict(pairs)
+  return dict(flatten(tree)[0])
 
 
 def natural_key(key: str) -> tuple[int, int, str]:

@@ -130,10 +130,8 @@ class Pattern:
     choices = {**{n: tuple(v) for n, v in numbers.items()},
                **{n: w for k in self.keys for n, w in k.words.items()}}
     names = sorted(self.names)
-    paths = []
-    for values in itertools.product(*(choices[n] for n in names)):
-      paths.append(self.fill(dict(zip(names, values, strict=True))))
-    return paths
+    return [self.fill(dict(zip(names, values, strict=True)))
+            for values in itertools.product(*(choices[n] for n in names))]
 
   def fill(self, bound: Mapping[str, str], rest: Path = ()) -> Path:
     out: list[str] = []
