@@ -203,13 +203,8 @@ def _got(reads: Reads, source: Input) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class OnDevices:
-  """The placement of outputs made on the devices, into their targets (`executor.Placement`).
-
-  Units: each whole source read as stored (one read for all the outputs it fills),
-  constants, and groups of derived outputs sharing their sources (one compiled function
-  each), in that order, so that the first batch reads every direct source with the
-  first groups.
-  """
+  """The placement of outputs made on the devices, into their targets (`executor.Placement`;
+  its units are the module's three kinds)."""
 
   targets: Mapping[Path, Target]
 
@@ -226,6 +221,7 @@ class OnDevices:
                     direct.values()), key=lambda u: (_source(u).leaf.item, _source(u).leaf.path))
     constants = [_Constant(tuple(g)) for g in made.values() if not g[0].inputs]
     groups = [_group(g, self.targets, uses) for g in made.values() if g[0].inputs]
+    # In this order, so that the first batch reads every direct source with the first groups.
     return [*reads, *constants, *groups]
 
   def held_bytes(self, unit: _Unit) -> int:
@@ -263,8 +259,7 @@ def execute(
     outputs: Sequence[Output], targets: Mapping[Path, Target], *,
     group_bytes: int | None = None,
 ) -> dict[Path, jax.Array]:
-  """Makes each output on the devices, in its target's sharding and dtype (the one
-  executor, `executor.run`, with the `OnDevices` placement into `executor.Collect`).
+  """Makes each output on the devices, in its target's sharding and dtype (`OnDevices`).
 
   Args:
     outputs: what to make (whole sources; `Output.path` names the target).

@@ -37,8 +37,6 @@ class Input:
   """One source leaf: the checkpoint it is in, and the leaf (or a slice of it).
 
   Attributes:
-    ckpt: the checkpoint.
-    leaf: the leaf.
     takes: read only these `take(axis, index)` slices of it, one after
       another (`transforms.region`): one layer of a stacked weight.
     rows: then only entries start..stop-1 along one axis of what the takes
