@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# At most this many paths are listed in one message; the rest are counted.
-MAX_LISTED = 20
-
 
 class TunixCheckpointError(ValueError):
   """Base class of every error raised by orbax_tunix."""
@@ -82,7 +79,7 @@ class DistributedError(TunixCheckpointError):
   """
 
 
-def list_paths(paths: Sequence[str], limit: int = MAX_LISTED) -> str:
+def list_paths(paths: Sequence[str], limit: int = 20) -> str:
   """Formats paths one per line, at most `limit` of them, then a count.
 
   Args:
