@@ -45,27 +45,18 @@ COUNT_DTYPE = np.dtype(np.int32)
 STEP_DTYPE = np.dtype(np.int32)
 
 
-def template(
-    weights: Mapping[Path, jax.ShapeDtypeStruct],
-    *,
-    params_only: bool = False,
-    chain: tuple = ADAMW,
-) -> dict[Path, jax.ShapeDtypeStruct]:
-  """MaxText's train state for these weights, leaf by leaf (no `nnx_aux`).
+def template(weights: Mapping[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.ShapeDtypeStruct]:
+  """MaxText's train state for these weights, leaf by leaf (no `nnx_aux`); `ADAMW`'s
+  mirroring fields take each weight's shape and dtype.
 
   Args:
     weights: weight path (no `params` level) -> its shape and dtype.
-    params_only: the weights alone (`params/params/<weights>`).
-    chain: the optimizer's states as MaxText saves them (see `ADAMW`);
-      mirroring fields take each weight's shape and dtype.
 
   Returns:
     leaf path -> `jax.ShapeDtypeStruct`.
   """
   out = {MAXTEXT_PARAMS + w: leaf for w, leaf in weights.items()}
-  if params_only:
-    return out
-  for position, fields in enumerate(chain):
+  for position, fields in enumerate(ADAMW):
     for field, mirrored in fields or ():
       node = (OPT_STATE, str(position), field)
       if mirrored:
@@ -76,16 +67,14 @@ def template(
   return out
 
 
-def containers(
-    chain: tuple = ADAMW,
-) -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], str], ...]]:
+def containers() -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], str], ...]]:
   """(sequence nodes, empty nodes with their key types and value type) of the saved train state.
 
   MaxText's `opt_state` is a list (its positions are sequence keys) with
   `None` where a state is empty.
   """
   empty = tuple(((OPT_STATE, str(i)), (2, 1), 'None')
-                for i, fields in enumerate(chain) if fields is None)
+                for i, fields in enumerate(ADAMW) if fields is None)
   return frozenset({(OPT_STATE,)}), empty
 
 
