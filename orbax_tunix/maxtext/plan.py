@@ -19,13 +19,13 @@ from typing import Any
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.keypaths import Path, flatten, fmt, natural_order
 from orbax_tunix.mapping import patterns, stacks
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.mapping.patterns import LayoutRule, Mapped
 from orbax_tunix.mapping.transforms import IDENTITY, constant
 from orbax_tunix.maxtext import layers, train_state
-from orbax_tunix.maxtext.optimizer import align_states, chain_order, opt_states, split_opt_path
+from orbax_tunix.maxtext.optimizer import align_states, opt_states, split_opt_path
 from orbax_tunix.maxtext.train_state import COLLECTION, OPT_STATE, PARAMS, STEP
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
@@ -270,7 +270,7 @@ def _plan_optimizer(
   fields: dict[Path, Path] = {}
   expected: dict[Path, list[Path]] = {}
   unmatched, missing = [], []
-  for p in sorted(targets, key=chain_order):
+  for p in sorted(targets, key=natural_order):
     node, field, weight = splits[p]
     i = index[node]
     if i in matched:
