@@ -145,13 +145,6 @@ def _relaid(request: Request, weights, laid: _Layers) -> dict[Path, patterns.Map
     ) from e
 
 
-def _weights_item(request: Request, weights, laid: _Layers) -> ItemOutput:
-  """params/params/<weights> (merged for a LoRA merge), in the layer form asked for."""
-  mapped = _relaid(request, weights, laid)
-  return ItemOutput(ITEM, tuple(outputs_lib.relay(
-      layout_weights(request), mapped, conventions.MAXTEXT_PARAMS)), zarr3=True)
-
-
 def _outputs(request: Request, plan: RestorePlan, target: dict) -> tuple[Output, ...]:
   """Every target leaf of a MaxText plan as an output of the writer."""
   source = request.source
@@ -180,9 +173,10 @@ def lay_out(request: Request) -> LaidOut:
   if laid.relaid:
     first += (f'decoder layers written {laid.form}'
               + (f' (param_scan_axis={laid.axis})' if laid.axis is not None else ''),)
-  if request.params_only:
-    item = _weights_item(request, weights, laid)
-    return LaidOut((item,), first, _scan_record(laid))
+  if request.params_only:  # params/params/<weights> (merged for a LoRA merge)
+    made = outputs_lib.relay(layout_weights(request), _relaid(request, weights, laid),
+                             conventions.MAXTEXT_PARAMS)
+    return LaidOut((ItemOutput(ITEM, tuple(made), zarr3=True),), first, _scan_record(laid))
   _refuse_what_maxtext_cannot_continue(source, weights)
   shapes = {w: jax.ShapeDtypeStruct(m.shape, reader.cast_dtype(weights[m.sources[0]], request.dtype))
             for w, m in _relaid(request, weights, laid).items()}
