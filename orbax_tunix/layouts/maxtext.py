@@ -2,9 +2,8 @@
 
 One item, `items`, as MaxText 0.2.5 saves its train state (zarr3 arrays):
 `params/params/<weights>` (no RNG state), and unless weights only, the
-optimizer laid out as MaxText's adamw chain saves it (`opt_state` a list:
-`[{count, mu: {params: ..}, nu: {params: ..}}, None, {count}]`) and `step`
-(int32). `nnx_aux` is left out: MaxText keeps its own initial values for it
+optimizer and `step` as MaxText's adamw chain saves them (`maxtext.train_state`).
+`nnx_aux` is left out: MaxText keeps its own initial values for it
 (a Tunix run's RNG keys are of another kind). The custom metadata records
 `scan_layers`, which MaxText's `from_pretrained` checks.
 
@@ -109,8 +108,7 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
     raise errors.LayerScanMismatchError(
         f'{where}: `param_scan_axis` {given}, but the step records its layers stacked along'
         f' axis {recorded} (custom metadata {stacks.SCAN_AXIS_KEY!r}). Pass'
-        f' `param_scan_axis={recorded}`, or'
-        ' leave it out.'
+        f' `param_scan_axis={recorded}`, or leave it out.'
     )
   named = given if names_stored and given is not None else recorded
   if want is None and named is None:
