@@ -299,11 +299,10 @@ def _plan_optimizer(
     leaves.update((p, made[p]) for p in expected if p in made)
     mirrors = {s: shapes[s] for p in expected if p in made and not made[p].transform.is_identity
                for s in made[p].sources}
-  used = set(matched.values())
   left_out += [
       f"optimizer state {state} (the target's optimizer has no such state)"
       for j, state in enumerate(source_states)
-      if j not in used
+      if j not in matched.values()
   ]
   if view.side_paths:
     left_out.append(
