@@ -534,5 +534,6 @@ def plan_restore(
         f' {detection.kind} one (items {list(detection.items)}). Restore it with'
         ' plain Orbax; `ItemsHandler` does so by itself.'
     )
-  return make_plan(read_view(detection), _target_shapes(flatten(abstract_state)[0]),
-                   params_only=params_only, notes=detection.notes, param_scan_axis=param_scan_axis)
+  shapes = _target_shapes(flatten(abstract_state)[0])  # Before the view: its errors first.
+  return make_plan(read_view(detection), shapes, params_only=params_only, notes=detection.notes,
+                   param_scan_axis=param_scan_axis)
