@@ -172,8 +172,8 @@ def lay_out(request: Request) -> LaidOut:
     first += (f'decoder layers written {laid.form}'
               + (f' (param_scan_axis={laid.axis})' if laid.axis is not None else ''),)
   if request.params_only:  # params/params/<weights> (merged for a LoRA merge)
-    made = outputs_lib.relay(layout_weights(request), _relaid(request, weights, laid),
-                             conventions.MAXTEXT_PARAMS)
+    mapped = _relaid(request, weights, laid)  # A layer refusal before any output is made.
+    made = outputs_lib.relay(layout_weights(request), mapped, conventions.MAXTEXT_PARAMS)
     return LaidOut((ItemOutput(ITEM, tuple(made), zarr3=True),), first, _scan_record(laid))
   _refuse_what_maxtext_cannot_continue(source, weights)
   shapes = {w: jax.ShapeDtypeStruct(m.shape, reader.cast_dtype(weights[m.sources[0]], request.dtype))
