@@ -18,21 +18,15 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from orbax_tunix.conventions import (
-  MAXTEXT_OPT_STATE,
-  MAXTEXT_PARAMS,
-  MAXTEXT_STEP,
-  MODEL_ITEM,
-  OPTIMIZER_ITEM,
-)
+from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path
 from orbax_tunix.mapping import patterns, stacks
 from orbax_tunix.mapping.patterns import LayoutRule
 
 # The names the MaxText view uses (defined once, in `conventions`).
-PARAMS, COLLECTION = MAXTEXT_PARAMS
-OPT_STATE = MAXTEXT_OPT_STATE
-STEP = MAXTEXT_STEP
+PARAMS, COLLECTION = conventions.MAXTEXT_PARAMS
+OPT_STATE = conventions.MAXTEXT_OPT_STATE
+STEP = conventions.MAXTEXT_STEP
 
 # MaxText's adamw chain as saved: per position, its fields (those mirroring the
 # weights marked), or None for an empty state.
@@ -55,7 +49,7 @@ def template(weights: Mapping[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Sha
   Returns:
     leaf path -> `jax.ShapeDtypeStruct`.
   """
-  out = {MAXTEXT_PARAMS + w: leaf for w, leaf in weights.items()}
+  out = {conventions.MAXTEXT_PARAMS + w: leaf for w, leaf in weights.items()}
   for position, fields in enumerate(ADAMW):
     for field, mirrored in fields or ():
       node = (OPT_STATE, str(position), field)
@@ -84,12 +78,12 @@ def containers() -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], st
 def weight_rules(layers: Sequence[LayoutRule] = (stacks.AS_STORED,)) -> tuple[LayoutRule, ...]:
   """params/params/<w> <- model_params:<w>, the decoder's layers laid out by `layers`
   (`stacks.rules`: in the other form than stored, or as stored)."""
-  return patterns.nested(layers, (MODEL_ITEM,), MAXTEXT_PARAMS)
+  return patterns.nested(layers, (conventions.MODEL_ITEM,), conventions.MAXTEXT_PARAMS)
 
 
 def aux_rules(node: Path) -> tuple[LayoutRule, ...]:
   """<node>/<v> <- model_params:<v>: RNG and other non-weight variables (`nnx_aux[/model]`)."""
-  return patterns.nested((stacks.AS_STORED,), (MODEL_ITEM,), node)
+  return patterns.nested((stacks.AS_STORED,), (conventions.MODEL_ITEM,), node)
 
 
 def state_rules(
@@ -104,4 +98,4 @@ def state_rules(
       node in the target (with MaxText's `params` level where the target has it).
   """
   return tuple(rule for source, dest in fields.items()
-               for rule in patterns.nested(layers, (OPTIMIZER_ITEM, *source), dest))
+               for rule in patterns.nested(layers, (conventions.OPTIMIZER_ITEM, *source), dest))
