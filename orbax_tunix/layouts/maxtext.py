@@ -2,9 +2,8 @@
 
 One item, `items`, as MaxText 0.2.5 saves its train state (zarr3 arrays):
 `params/params/<weights>` (no RNG state), and unless weights only, the
-optimizer laid out as MaxText's adamw chain saves it (`opt_state` a list:
-`[{count, mu: {params: ..}, nu: {params: ..}}, None, {count}]`) and `step`
-(int32). `nnx_aux` is left out: MaxText keeps its own initial values for it
+optimizer and `step` as MaxText's adamw chain saves them (`maxtext.train_state`).
+`nnx_aux` is left out: MaxText keeps its own initial values for it
 (a Tunix run's RNG keys are of another kind). The custom metadata records
 `scan_layers`, which MaxText's `from_pretrained` checks.
 
@@ -109,8 +108,7 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
     raise errors.LayerScanMismatchError(
         f'{where}: `param_scan_axis` {given}, but the step records its layers stacked along'
         f' axis {recorded} (custom metadata {stacks.SCAN_AXIS_KEY!r}). Pass'
-        f' `param_scan_axis={recorded}`, or'
-        ' leave it out.'
+        f' `param_scan_axis={recorded}`, or leave it out.'
     )
   named = given if names_stored and given is not None else recorded
   if want is None and named is None:
@@ -145,13 +143,6 @@ def _relaid(request: Request, weights, laid: _Layers) -> dict[Path, patterns.Map
     ) from e
 
 
-def _weights_item(request: Request, weights, laid: _Layers) -> ItemOutput:
-  """params/params/<weights> (merged for a LoRA merge), in the layer form asked for."""
-  mapped = _relaid(request, weights, laid)
-  return ItemOutput(ITEM, tuple(outputs_lib.relay(
-      layout_weights(request), mapped, conventions.MAXTEXT_PARAMS)), zarr3=True)
-
-
 def _outputs(request: Request, plan: RestorePlan, target: dict) -> tuple[Output, ...]:
   """Every target leaf of a MaxText plan as an output of the writer."""
   source = request.source
@@ -180,9 +171,10 @@ def lay_out(request: Request) -> LaidOut:
   if laid.relaid:
     first += (f'decoder layers written {laid.form}'
               + (f' (param_scan_axis={laid.axis})' if laid.axis is not None else ''),)
-  if request.params_only:
-    item = _weights_item(request, weights, laid)
-    return LaidOut((item,), first, _scan_record(laid))
+  if request.params_only:  # params/params/<weights> (merged for a LoRA merge)
+    mapped = _relaid(request, weights, laid)  # A layer refusal before any output is made.
+    made = outputs_lib.relay(layout_weights(request), mapped, conventions.MAXTEXT_PARAMS)
+    return LaidOut((ItemOutput(ITEM, tuple(made), zarr3=True),), first, _scan_record(laid))
   _refuse_what_maxtext_cannot_continue(source, weights)
   shapes = {w: jax.ShapeDtypeStruct(m.shape, reader.cast_dtype(weights[m.sources[0]], request.dtype))
             for w, m in _relaid(request, weights, laid).items()}

@@ -6,13 +6,9 @@ optax chain's states in chain order, `None` where a state is empty), `step`
 and, for NNX models, `nnx_aux` (RNGs and other non-weight variables). Tunix
 writes `model_params` and `optimizer_state` in nnx's layout instead.
 
-Nothing here knows an optimizer. A `RestorePlan` is worked out once from the
-checkpoint's metadata (canonical paths and shapes, see `view/canonical_map.py`) and the
-abstract state's key paths: optax states are matched by their fields (`count`,
-`mu` mirroring the weights, ...) in chain order, states Tunix never wrote are
-filled, and every mismatch is reported before any array is read. Executing the
-plan reads each needed array once, through `TunixPyTreeHandler`, straight into
-the target's sharding and dtype.
+Nothing here knows an optimizer: optax states are matched by their fields in
+chain order. A `RestorePlan` is worked out from metadata alone, every mismatch
+reported before any array is read; executing it reads each needed array once.
 
   restore_train_state(path, abstract_state)    the function
   ItemsHandler, ItemsRestore                   the same as an Orbax handler

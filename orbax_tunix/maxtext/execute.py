@@ -1,8 +1,5 @@
-"""Executing a plan: each needed array read once, into the target's shardings and dtypes.
-
-`execute_plan` runs a plan's outputs on the device executor (`mapping.device`): each
-array read once, what Tunix never wrote filled; `restore_train_state` is planning and
-executing in one.
+"""Executing a plan: each needed array read once, into the target's shardings and dtypes;
+`restore_train_state` is planning and executing in one.
 """
 
 from __future__ import annotations
@@ -150,8 +147,7 @@ def _restore_merged(path, abstract_state, params_only, restore_args, options: me
         ' full train state cannot be restored from it; restore the parameters and'
         ' start the optimizer afresh.'
     )
-  source = reader.open_checkpoint(path) if isinstance(path, Detection) else path
-  plan = options.plan(source)
+  plan = options.plan(reader.open_checkpoint(path) if isinstance(path, Detection) else path)
   logger.debug('%s', plan.describe())
   pairs, treedef = flatten(abstract_state)
   args = args_by_path(restore_args)

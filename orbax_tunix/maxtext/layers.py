@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from orbax_tunix import errors
-from orbax_tunix.errors import LayerScanMismatchError
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import patterns, stacks
 from orbax_tunix.mapping.patterns import Mapped
@@ -64,7 +63,7 @@ def relayout(
   try:
     mapped = patterns.map_paths(stored, rules, where=where).outputs
   except errors.UnsupportedLayoutError as e:
-    raise LayerScanMismatchError(
+    raise errors.LayerScanMismatchError(
         f'{where}: the checkpoint is {have.upper()} and the target {want.upper()}, but the'
         f' layers cannot be re-laid along param_scan_axis={axis}:\n{e}\nPass the'
         ' param_scan_axis the model was built with.'
@@ -92,5 +91,5 @@ def relayout(
                    + errors.list_paths([fmt(t) for t in unmade]))
     parts.append('Build the target with the number of layers and the param_scan_axis the run'
                  ' trained with.')
-    raise LayerScanMismatchError('\n'.join(parts))
+    raise errors.LayerScanMismatchError('\n'.join(parts))
   return rules, found

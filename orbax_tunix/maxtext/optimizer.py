@@ -32,10 +32,6 @@ class OptState:
     return f'{fmt((OPT_STATE,) + self.node)} {{{names}}}'
 
 
-# Sort key putting chain positions in numeric order ('2' before '10').
-chain_order = natural_order
-
-
 def split_opt_path(
     path: Path, weights: Collection[Path], collection: str | None = None
 ) -> tuple[Path, str, Path | None]:
@@ -72,7 +68,7 @@ def opt_states(splits: Iterable[tuple[Path, str, Path | None]]) -> list[OptState
     known[field] = known.get(field, False) or weight is not None
   return [
       OptState(node, tuple(sorted(fields[node].items())))
-      for node in sorted(fields, key=chain_order)
+      for node in sorted(fields, key=natural_order)  # '2' before '10'
   ]
 
 

@@ -1,13 +1,9 @@
 """Planning: where every leaf of a MaxText target comes from, worked out once.
 
-MaxText's train state is layout rules over the Tunix step's canonical leaves
-(`train_state`'s: the weights under `params/params`, non-weight variables under
-`nnx_aux`, the step, and each optimizer state matched between the two sides,
-its `mu`/`nu` laid out by the weights' own layer rules), applied by the planner
-every layout uses (`patterns.map_paths`); what Tunix never wrote is filled.
-`make_plan` is a pure function of the checkpoint's view and the target's key
-paths and shapes; `plan_restore` gathers both from a path. Every mismatch is
-reported here, before any array is read.
+The target's leaves are made by `train_state`'s layout rules over the Tunix step's
+canonical leaves, applied by `patterns.map_paths`; what Tunix never wrote is filled.
+`make_plan` is a pure function of metadata; `plan_restore` gathers it from a path.
+Every mismatch is reported here, before any array is read.
 """
 
 from __future__ import annotations
@@ -19,13 +15,13 @@ from typing import Any
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.keypaths import Path, flatten, fmt, natural_order
 from orbax_tunix.mapping import patterns, stacks
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.mapping.patterns import LayoutRule, Mapped
 from orbax_tunix.mapping.transforms import IDENTITY, constant
 from orbax_tunix.maxtext import layers, train_state
-from orbax_tunix.maxtext.optimizer import align_states, chain_order, opt_states, split_opt_path
+from orbax_tunix.maxtext.optimizer import align_states, opt_states, split_opt_path
 from orbax_tunix.maxtext.train_state import COLLECTION, OPT_STATE, PARAMS, STEP
 from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
@@ -158,13 +154,9 @@ def _apply(sides: _Sides, shapes: Mapping[Path, Shape | None], rules, problems) 
     return {}
 
 
-def _plan_weights(sides: _Sides, aux: frozenset[Path], leaves, problems) -> dict[Path, Path]:
+def _plan_weights(sides: _Sides, aux: frozenset[Path], leaves, problems) -> None:
   """params/params/<w> <- model_params:<w> (`train_state.weight_rules`), the layers in
-  the target's form.
-
-  Returns:
-    canonical weight -> target path.
-  """
+  the target's form."""
   view = sides.view
   weights = {p[2:]: p for p in sides.target if p[0] == PARAMS}
   plain = {w: t for w, t in weights.items() if w not in sides.relaid}
@@ -173,20 +165,18 @@ def _plan_weights(sides: _Sides, aux: frozenset[Path], leaves, problems) -> dict
   made = _apply(sides, {(MODEL, *w): sides.stored.get(w) for w in view.model if w not in aux},
                 train_state.weight_rules(sides.layers), problems)
   leaves.update((t, made[t]) for t in weights.values() if t in made)
-  return weights
 
 
 def _plan_aux(sides: _Sides, aux: frozenset[Path], leaves, kept, left_out) -> None:
   """nnx_aux[/model]/<path> <- model_params:<path>; other RNG state is left out."""
-  view = sides.view
   targets = [p for p in sides.target if p[0] == conventions.MAXTEXT_NNX_AUX]
   nested = targets and all(len(p) > 2 and p[1] == conventions.MAXTEXT_NNX_AUX_MODEL for p in targets)
   depth = 2 if nested else 1
-  present = {p: sides.target[p] for p in targets if p[depth:] in view.model}
+  present = {p: sides.target[p] for p in targets if p[depth:] in sides.view.model}
   # Kept as given, as MaxText keeps its own values for what a checkpoint lacks:
   # leaves the checkpoint does not hold, or holds in another form (e.g. other
   # RNG key data).
-  other = view.mismatched_shapes(
+  other = sides.view.mismatched_shapes(
       MODEL, {p[depth:]: s for p, s in present.items() if s is not None})
   kept.update(p for p in targets if p not in present or p[depth:] in other)
   if kept:
@@ -221,7 +211,6 @@ def _step_fill(sides: _Sides, reason: str) -> tuple[Mapped, str]:
 
 def _plan_optimizer(
     sides: _Sides,
-    weights: Mapping[Path, Path],
     source_splits: Mapping[Path, tuple[Path, str, Path | None]],
     leaves, fills, problems, left_out,
 ) -> dict[Path, Shape]:
@@ -258,7 +247,7 @@ def _plan_optimizer(
         ' params_only=True, or a target without opt_state.'
     )
     return {}
-  known = set(weights) | set(view.model)
+  known = {p[2:] for p in sides.target if p[0] == PARAMS} | view.model
   splits = {p: split_opt_path(p, known, COLLECTION) for p in targets}
   target_states = opt_states(splits.values())
   source_states = opt_states(source_splits.values())
@@ -270,7 +259,7 @@ def _plan_optimizer(
   fields: dict[Path, Path] = {}
   expected: dict[Path, list[Path]] = {}
   unmatched, missing = [], []
-  for p in sorted(targets, key=chain_order):
+  for p in sorted(targets, key=natural_order):
     node, field, weight = splits[p]
     i = index[node]
     if i in matched:
@@ -310,11 +299,10 @@ def _plan_optimizer(
     leaves.update((p, made[p]) for p in expected if p in made)
     mirrors = {s: shapes[s] for p in expected if p in made and not made[p].transform.is_identity
                for s in made[p].sources}
-  used = set(matched.values())
   left_out += [
       f"optimizer state {state} (the target's optimizer has no such state)"
       for j, state in enumerate(source_states)
-      if j not in used
+      if j not in matched.values()
   ]
   if view.side_paths:
     left_out.append(
@@ -419,9 +407,9 @@ def make_plan(
   kept: set[Path] = set()
   problems: list[str] = []
   left_out: list[str] = []
-  weights = _plan_weights(sides, aux, leaves, problems)
+  _plan_weights(sides, aux, leaves, problems)
   _plan_aux(sides, aux, leaves, kept, left_out)
-  mirrors = _plan_optimizer(sides, weights, source_splits, leaves, fills, problems, left_out)
+  mirrors = _plan_optimizer(sides, source_splits, leaves, fills, problems, left_out)
   if params_only and view.optimizer is not None:
     left_out.append(f'{OPTIMIZER} (params_only=True)')
   # Never a target leaf handed back unread as if restored.
@@ -483,9 +471,7 @@ def _target_shapes(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Shape | None
 
 def needed_items(params_only: bool) -> tuple[str, ...]:
   """The Tunix items a MaxText restore reads: the weights, and the optimizer unless params-only."""
-  if params_only:
-    return (conventions.MODEL_ITEM,)
-  return (conventions.MODEL_ITEM, conventions.OPTIMIZER_ITEM)
+  return (MODEL,) if params_only else (MODEL, OPTIMIZER)
 
 
 def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
@@ -548,8 +534,6 @@ def plan_restore(
         f' {detection.kind} one (items {list(detection.items)}). Restore it with'
         ' plain Orbax; `ItemsHandler` does so by itself.'
     )
-  pairs, _ = flatten(abstract_state)
-  shapes = _target_shapes(pairs)
-  view = read_view(detection)
-  return make_plan(view, shapes, params_only=params_only, notes=detection.notes,
+  shapes = _target_shapes(flatten(abstract_state)[0])  # Before the view: its errors first.
+  return make_plan(read_view(detection), shapes, params_only=params_only, notes=detection.notes,
                    param_scan_axis=param_scan_axis)

@@ -18,21 +18,15 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from orbax_tunix.conventions import (
-  MAXTEXT_OPT_STATE,
-  MAXTEXT_PARAMS,
-  MAXTEXT_STEP,
-  MODEL_ITEM,
-  OPTIMIZER_ITEM,
-)
+from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path
 from orbax_tunix.mapping import patterns, stacks
 from orbax_tunix.mapping.patterns import LayoutRule
 
 # The names the MaxText view uses (defined once, in `conventions`).
-PARAMS, COLLECTION = MAXTEXT_PARAMS
-OPT_STATE = MAXTEXT_OPT_STATE
-STEP = MAXTEXT_STEP
+PARAMS, COLLECTION = conventions.MAXTEXT_PARAMS
+OPT_STATE = conventions.MAXTEXT_OPT_STATE
+STEP = conventions.MAXTEXT_STEP
 
 # MaxText's adamw chain as saved: per position, its fields (those mirroring the
 # weights marked), or None for an empty state.
@@ -45,27 +39,18 @@ COUNT_DTYPE = np.dtype(np.int32)
 STEP_DTYPE = np.dtype(np.int32)
 
 
-def template(
-    weights: Mapping[Path, jax.ShapeDtypeStruct],
-    *,
-    params_only: bool = False,
-    chain: tuple = ADAMW,
-) -> dict[Path, jax.ShapeDtypeStruct]:
-  """MaxText's train state for these weights, leaf by leaf (no `nnx_aux`).
+def template(weights: Mapping[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.ShapeDtypeStruct]:
+  """MaxText's train state for these weights, leaf by leaf (no `nnx_aux`); `ADAMW`'s
+  mirroring fields take each weight's shape and dtype.
 
   Args:
     weights: weight path (no `params` level) -> its shape and dtype.
-    params_only: the weights alone (`params/params/<weights>`).
-    chain: the optimizer's states as MaxText saves them (see `ADAMW`);
-      mirroring fields take each weight's shape and dtype.
 
   Returns:
     leaf path -> `jax.ShapeDtypeStruct`.
   """
-  out = {MAXTEXT_PARAMS + w: leaf for w, leaf in weights.items()}
-  if params_only:
-    return out
-  for position, fields in enumerate(chain):
+  out = {conventions.MAXTEXT_PARAMS + w: leaf for w, leaf in weights.items()}
+  for position, fields in enumerate(ADAMW):
     for field, mirrored in fields or ():
       node = (OPT_STATE, str(position), field)
       if mirrored:
@@ -76,16 +61,14 @@ def template(
   return out
 
 
-def containers(
-    chain: tuple = ADAMW,
-) -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], str], ...]]:
+def containers() -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], str], ...]]:
   """(sequence nodes, empty nodes with their key types and value type) of the saved train state.
 
   MaxText's `opt_state` is a list (its positions are sequence keys) with
   `None` where a state is empty.
   """
   empty = tuple(((OPT_STATE, str(i)), (2, 1), 'None')
-                for i, fields in enumerate(chain) if fields is None)
+                for i, fields in enumerate(ADAMW) if fields is None)
   return frozenset({(OPT_STATE,)}), empty
 
 
@@ -95,12 +78,12 @@ def containers(
 def weight_rules(layers: Sequence[LayoutRule] = (stacks.AS_STORED,)) -> tuple[LayoutRule, ...]:
   """params/params/<w> <- model_params:<w>, the decoder's layers laid out by `layers`
   (`stacks.rules`: in the other form than stored, or as stored)."""
-  return patterns.nested(layers, (MODEL_ITEM,), MAXTEXT_PARAMS)
+  return patterns.nested(layers, (conventions.MODEL_ITEM,), conventions.MAXTEXT_PARAMS)
 
 
 def aux_rules(node: Path) -> tuple[LayoutRule, ...]:
   """<node>/<v> <- model_params:<v>: RNG and other non-weight variables (`nnx_aux[/model]`)."""
-  return patterns.nested((stacks.AS_STORED,), (MODEL_ITEM,), node)
+  return patterns.nested((stacks.AS_STORED,), (conventions.MODEL_ITEM,), node)
 
 
 def state_rules(
@@ -115,4 +98,4 @@ def state_rules(
       node in the target (with MaxText's `params` level where the target has it).
   """
   return tuple(rule for source, dest in fields.items()
-               for rule in patterns.nested(layers, (OPTIMIZER_ITEM, *source), dest))
+               for rule in patterns.nested(layers, (conventions.OPTIMIZER_ITEM, *source), dest))

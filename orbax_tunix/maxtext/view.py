@@ -1,8 +1,5 @@
-"""The checkpoint's side: the canonical leaves of one Tunix step, from metadata only.
-
-`read_view` turns what `detect()` found into a `CheckpointView` (canonical
-paths; shapes checked or looked up only where a plan needs them); no array
-is read.
+"""The checkpoint's side: the canonical leaves of one Tunix step, from metadata only
+(`read_view` of what `detect()` found); no array is read.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from collections.abc import Collection, Mapping, Sequence
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.errors import LayerScanMismatchError, LoraOnlyCheckpointError
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import lora, stacks
 from orbax_tunix.maxtext.view import CheckpointView, Shape
@@ -46,7 +45,7 @@ def check_weights(
     disk_weights = sorted(w for w in view.model if w not in aux)
     needed_full = [w for w in missing if not lora.is_adapter(w)]
     if disk_weights and all(lora.is_adapter(w) for w in disk_weights) and needed_full:
-      raise LoraOnlyCheckpointError(
+      raise errors.LoraOnlyCheckpointError(
           f'{view.step_dir}: the checkpoint holds only LoRA adapter weights'
           f' ({len(disk_weights)} leaves), but the target needs full weights:'
           f' {len(needed_full)} target weights are not in it, e.g.\n'
@@ -63,7 +62,7 @@ def check_weights(
     scanned_target = stacks.stackings(disk_only, target_only)
     scanned_disk = stacks.stackings(target_only, disk_only)
     if scanned_target or scanned_disk:
-      raise LayerScanMismatchError(
+      raise errors.LayerScanMismatchError(
           _scan_message(view.step_dir, scanned_target, scanned_disk, len(missing), len(extra))
       )
     if missing:
