@@ -130,13 +130,6 @@ def _describe(leaf: reader.LeafInfo) -> str:
   return f'{leaf.shape} {leaf.dtype}'
 
 
-def _as_comparable(x: np.ndarray) -> np.ndarray:
-  """A copy of `x` that subtracts meaningfully with a float: float64 (complex128)."""
-  if np.issubdtype(x.dtype, np.complexfloating):
-    return x.astype(np.complex128)
-  return x.astype(np.float64)
-
-
 def _is_integral(x: np.ndarray) -> bool:
   return x.dtype.kind in 'biu'
 
@@ -249,7 +242,7 @@ def _compare_integer_float(
 
 def _compare_floats(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
   """(max |x - y|, how many differ by more than `atol`), in float64 (complex128)."""
-  x, y = _as_comparable(x), _as_comparable(y)
+  x, y = (v.astype(np.complex128 if np.iscomplexobj(v) else np.float64) for v in (x, y))
   with np.errstate(invalid='ignore', over='ignore'):
     delta = np.abs(x - y)
   beyond = delta > atol
@@ -327,16 +320,6 @@ def _read_side(
     for i, value in zip(indices, got, strict=True):
       values[i] = value
   return values
-
-
-def _open(
-    side: epath.PathLike | reader.CanonicalCheckpoint, items: Iterable[str] | None,
-    params_only: bool,
-) -> reader.CanonicalCheckpoint:
-  """One side, opened as far as the comparison needs (a whole step must be whole)."""
-  if isinstance(side, reader.CanonicalCheckpoint):
-    return side
-  return pipeline.open_source(side, None, items, params_only)
 
 
 # --- JSON items ---------------------------------------------------------------
@@ -520,10 +503,9 @@ def diff_checkpoints(
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   start = time.monotonic()
   progress = progress or reader.NullProgress()
-  ckpt_a, ckpt_b = (_open(side, items, params_only) for side in (a, b))
+  ckpt_a, ckpt_b = (side if isinstance(side, reader.CanonicalCheckpoint)
+                    else pipeline.open_source(side, None, items, params_only) for side in (a, b))
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
-  only_a = tuple(sorted(set(view_a) - set(view_b)))
-  only_b = tuple(sorted(set(view_b) - set(view_a)))
   shape, dtype, pairs = [], [], []
   for path in sorted(set(view_a) & set(view_b)):
     la, lb = view_a[path], view_b[path]
@@ -533,7 +515,7 @@ def diff_checkpoints(
     if la.dtype != lb.dtype:
       dtype.append(Mismatch(path, _describe(la), _describe(lb)))
     pairs.append((path, la, lb))
-  found = _Found(list(only_a), list(only_b))
+  found = _Found(sorted(set(view_a) - set(view_b)), sorted(set(view_b) - set(view_a)))
   json_compared = 0 if params_only else _compare_json_items(ckpt_a, ckpt_b, found)
   side, notes = ([], []) if params_only else _compare_sides(
       ckpt_a, ckpt_b, atol, None if items is None else list(items))
@@ -551,17 +533,13 @@ def diff_checkpoints(
                        _read_side(ckpt_b, [lb for _, _, lb in batch])),
         progress, lambda batch: sum(la.nbytes for _, la, _ in batch)):
       for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):
-        bad_a, bad_b = x is reader.UNREADABLE, y is reader.UNREADABLE
-        if bad_a or bad_b:  # Stored data missing or damaged: nothing to compare.
-          if bad_a:
-            damaged_a.append(path)
-          if bad_b:
-            damaged_b.append(path)
-          continue
-        if _damaged(sums_a, la, x):
+        unreadable = x is reader.UNREADABLE or y is reader.UNREADABLE
+        if x is reader.UNREADABLE or (not unreadable and _damaged(sums_a, la, x)):
           damaged_a.append(path)
-        if _damaged(sums_b, lb, y):
+        if y is reader.UNREADABLE or (not unreadable and _damaged(sums_b, lb, y)):
           damaged_b.append(path)
+        if unreadable:  # Stored data missing or damaged: nothing to compare.
+          continue
         max_diff, differing = compare_values(x, y, atol)
         worst = max(worst, max_diff)
         if differing:
