@@ -156,7 +156,7 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
   """The plan for people and `--json`: files, tensors per file, bytes."""
   return {
       'source': os.fspath(plan.source.step_dir),
-      'out_dir': os.fspath(plan.out_dir),
+      'out_dir': os.fspath(plan.dst),
       'model': plan.summary['model'],
       'architecture': plan.architecture,
       'files': {f.name: len(f.tensors) for f in plan.files},

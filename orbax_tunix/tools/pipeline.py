@@ -103,17 +103,8 @@ class Plan:
     return tuple(o for item in self.items for o in item.outputs)
 
   @property
-  def total_bytes(self) -> int:
-    """Bytes of the source leaves read."""
-    return writer.bytes_read(self.outputs)
-
-  @property
   def bytes_written(self) -> int:
     return sum(o.nbytes for o in self.outputs)
-
-  @property
-  def num_leaves(self) -> int:
-    return len(self.outputs)
 
   @property
   def batch_bytes(self) -> int:
@@ -127,11 +118,6 @@ class Plan:
   def sources(self) -> list[epath.Path]:
     """The step directories read (the source, and a merge's base)."""
     return [c.step_dir for c in merge_lib.checkpoints_read(self.source, self.merge)]
-
-  # A folder's plan, as `export` has named it.
-  @property
-  def out_dir(self) -> epath.Path:
-    return self.dst
 
   @property
   def architecture(self) -> str | None:
@@ -405,7 +391,7 @@ def run(plan: Plan, progress: reader.Progress | None = None) -> Result:
     record = sink.write(plan, mine, staging.work, progress)
   return Result(
       dst=plan.dst, items={item.name: len(item.outputs) for item in plan.items},
-      files=tuple(record.get('files', ())), bytes_read=plan.total_bytes,
+      files=tuple(record.get('files', ())), bytes_read=writer.bytes_read(plan.outputs),
       total_size=record.get('total_size', plan.bytes_written),
       seconds=time.monotonic() - start, replaced=staging.replaced,
   )
