@@ -3,9 +3,8 @@
 This is the one pipeline (`pipeline.py`) with a family's layout
 (`layouts/huggingface.py`, one per family of `mapping/huggingface.py`; `--peft`:
 `layouts/peft.py`): the family's tensor names and layouts, in files as `transformers`
-shards them, committed as `convert` commits a step (`commit.Staging`): written beside
-OUT_DIR and renamed (on a bucket: copied over) once complete, so a failure leaves
-nothing half-written. `hf_config` copies the base model's config and tokenizer files
+shards them, committed as `convert` commits a step (`commit.Staging`: a failure leaves
+nothing half-written). `hf_config` copies the base model's config and tokenizer files
 after checking the config against the weights.
 """
 
