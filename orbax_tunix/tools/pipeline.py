@@ -200,16 +200,11 @@ def plan(
   """Plans a layout's output from metadata only; nothing is read or written.
 
   Args:
-    src: the source: a root (latest committed step, or `step`), a step or an
-      item directory.
+    src, step, dtype, memory_budget, items: as `convert.plan_convert`.
     dst: the destination to create (a step directory; a folder).
     layout: a registered layout's name (`layouts.names()`).
-    step: the source step (see `reader.resolve`).
     params_only: write the weights only (a weights-only layout implies it).
-    dtype: cast floating leaves to this dtype.
-    memory_budget: bytes the streaming may hold at once (a size: `sizes.parse_size`).
     force: replace an existing destination (only one of the sink's kind).
-    items: the source items to read (default: every item the step records).
     merge_options: the LoRA merge's options (`merge.Options.given`, from the
       caller's own keywords); None: no merge.
     **options: the layout's options (`layouts.options()`: `scan_layers`,
