@@ -327,9 +327,7 @@ def _read_side(
 
 def _same_json(x: Any, y: Any) -> bool:
   """Two JSON scalars are the same value (numbers by value, NaN as NaN; a bool is no number)."""
-  if isinstance(x, bool) or isinstance(y, bool):
-    return type(x) is type(y) and x == y
-  if isinstance(x, int | float) and isinstance(y, int | float):
+  if type(x) in (int, float) and type(y) in (int, float):
     return x == y or (x != x and y != y)  # pylint: disable=comparison-with-itself
   return type(x) is type(y) and x == y
 
