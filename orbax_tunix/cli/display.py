@@ -302,8 +302,7 @@ def _shape(shape: Any) -> str:
 def _steps_text(report: inspection.Report) -> str:
   if not report.steps:
     return '-'
-  committed = [str(s.step) for s in report.steps if s.usable]
-  text = ', '.join(committed) or 'none committed'
+  text = ', '.join(str(s.step) for s in report.steps if s.usable) or 'none committed'
   for state in ('unfinished', 'empty'):
     skipped = [s.path.name if state == 'empty' else str(s.step)
                for s in report.steps if s.state == state]
