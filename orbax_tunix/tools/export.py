@@ -25,10 +25,9 @@ from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
 DEFAULT_MAX_SHARD_SIZE = hf_layouts.DEFAULT_MAX_SHARD_SIZE
-# An export's plan and result are the pipeline's; `EXPORT` is what `force` may replace.
+# An export's plan and result are the pipeline's.
 ExportPlan = pipeline.Plan
 ExportResult = pipeline.Result
-EXPORT = pipeline.EXPORT
 
 
 def _dtype(dtype: Any) -> np.dtype | None:

@@ -94,10 +94,6 @@ class Plan:
   summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
-  def sink(self) -> SinkKind:
-    return SINKS[layouts.get(self.layout).sink]
-
-  @property
   def outputs(self) -> tuple[Output, ...]:
     """Every output, item after item (a folder's: its tensors in write order)."""
     return tuple(o for item in self.items for o in item.outputs)
@@ -379,7 +375,7 @@ def run(plan: Plan, progress: reader.Progress | None = None) -> Result:
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
-  sink = plan.sink
+  sink = SINKS[layouts.get(plan.layout).sink]
   mine = sink.share(plan)
   with writer.streamed(plan.dst, plan.force, sink.kind, plan.bytes_written, plan.sources,
                        progress, f'{sink.doing} {plan.dst}', writer.bytes_read(mine)) as staging:
