@@ -107,17 +107,9 @@ class DiffResult:
 
   @property
   def match(self) -> bool:
-    return not (
-        self.only_a
-        or self.only_b
-        or self.shape
-        or self.values
-        or self.damaged_a
-        or self.damaged_b
-        or self.json
-        or self.hyperparameters
-        or (self.dtype and not self.ignore_dtype)
-    )
+    differences = (self.only_a, self.only_b, self.shape, self.values, self.damaged_a,
+                   self.damaged_b, self.json, self.hyperparameters)
+    return not (any(differences) or (self.dtype and not self.ignore_dtype))
 
 
 # What a side holds where the other has a value (hyperparameters).
