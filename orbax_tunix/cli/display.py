@@ -126,8 +126,6 @@ def collapse_rows(leaves: Sequence[reader.LeafInfo]) -> list[Row]:
   Returns:
     Display rows, in natural order.
   """
-  if not leaves:
-    return []
   tree = nest((leaf.path, leaf) for leaf in leaves)
   return [
       Row(fmt(path), count, leaf.shape, leaf.dtype, leaf.nbytes * count)
@@ -304,8 +302,7 @@ def _shape(shape: Any) -> str:
 def _steps_text(report: inspection.Report) -> str:
   if not report.steps:
     return '-'
-  committed = [str(s.step) for s in report.steps if s.usable]
-  text = ', '.join(committed) or 'none committed'
+  text = ', '.join(str(s.step) for s in report.steps if s.usable) or 'none committed'
   for state in ('unfinished', 'empty'):
     skipped = [s.path.name if state == 'empty' else str(s.step)
                for s in report.steps if s.state == state]
@@ -494,14 +491,11 @@ def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
       'damaged_b': list(result.damaged_b),
       'only_a': list(result.only_a),
       'only_b': list(result.only_b),
-      'shape': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.shape],
-      'dtype': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.dtype],
-      'values': [
-          {'path': v.path, 'max_abs_diff': v.max_abs_diff, 'differing': v.differing, 'size': v.size}
-          for v in result.values
-      ],
-      'json': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.json],
-      'hyperparameters': [{'path': m.path, 'a': m.a, 'b': m.b} for m in result.hyperparameters],
+      'shape': [dataclasses.asdict(m) for m in result.shape],
+      'dtype': [dataclasses.asdict(m) for m in result.dtype],
+      'values': [dataclasses.asdict(v) for v in result.values],
+      'json': [dataclasses.asdict(m) for m in result.json],
+      'hyperparameters': [dataclasses.asdict(m) for m in result.hyperparameters],
       'compared': result.compared,
       'bytes_compared': result.bytes_compared,
       'atol': result.atol,

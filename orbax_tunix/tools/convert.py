@@ -2,14 +2,11 @@
 
 What is written (DST is a step directory) is a step layout's (`layouts/`:
 `canonical`, the canonical view; `maxtext`, the step MaxText 0.2.5 itself
-writes), through the one pipeline (`pipeline.py`, its step sink): every item a
-plain `PyTreeCheckpointHandler` item that plain Orbax (v0 and v1) restores
-without this package, the source and a CRC-32 of every array recorded in the
-step's custom metadata. Committed as Orbax commits (`commit.Staging`): on a
-local disk written to `<DST>.orbax-checkpoint-tmp-<ns>` beside DST and renamed
-at the end; on a bucket written in place, `commit_success.txt` last. Any
-failure or interrupt removes what was written. An existing DST is refused
-unless `force`, and then replaced only once the new one is complete.
+writes), through the one pipeline's step sink (`pipeline.py`: what the step
+records) into items plain Orbax (v0 and v1) restores without this package,
+committed as Orbax commits (`commit.Staging`: a failure or interrupt removes
+what was written; an existing DST is replaced, with `force`, only once the new
+one is complete).
 """
 
 from __future__ import annotations

@@ -107,17 +107,9 @@ class DiffResult:
 
   @property
   def match(self) -> bool:
-    return not (
-        self.only_a
-        or self.only_b
-        or self.shape
-        or self.values
-        or self.damaged_a
-        or self.damaged_b
-        or self.json
-        or self.hyperparameters
-        or (self.dtype and not self.ignore_dtype)
-    )
+    differences = (self.only_a, self.only_b, self.shape, self.values, self.damaged_a,
+                   self.damaged_b, self.json, self.hyperparameters)
+    return not (any(differences) or (self.dtype and not self.ignore_dtype))
 
 
 # What a side holds where the other has a value (hyperparameters).
@@ -128,13 +120,6 @@ def _describe(leaf: reader.LeafInfo) -> str:
   if leaf.kind == reader.STRING:
     return 'string'
   return f'{leaf.shape} {leaf.dtype}'
-
-
-def _as_comparable(x: np.ndarray) -> np.ndarray:
-  """A copy of `x` that subtracts meaningfully with a float: float64 (complex128)."""
-  if np.issubdtype(x.dtype, np.complexfloating):
-    return x.astype(np.complex128)
-  return x.astype(np.float64)
 
 
 def _is_integral(x: np.ndarray) -> bool:
@@ -249,7 +234,7 @@ def _compare_integer_float(
 
 def _compare_floats(x: np.ndarray, y: np.ndarray, atol: float) -> tuple[float, int]:
   """(max |x - y|, how many differ by more than `atol`), in float64 (complex128)."""
-  x, y = _as_comparable(x), _as_comparable(y)
+  x, y = (v.astype(np.complex128 if np.iscomplexobj(v) else np.float64) for v in (x, y))
   with np.errstate(invalid='ignore', over='ignore'):
     delta = np.abs(x - y)
   beyond = delta > atol
@@ -329,24 +314,12 @@ def _read_side(
   return values
 
 
-def _open(
-    side: epath.PathLike | reader.CanonicalCheckpoint, items: Iterable[str] | None,
-    params_only: bool,
-) -> reader.CanonicalCheckpoint:
-  """One side, opened as far as the comparison needs (a whole step must be whole)."""
-  if isinstance(side, reader.CanonicalCheckpoint):
-    return side
-  return pipeline.open_source(side, None, items, params_only)
-
-
 # --- JSON items ---------------------------------------------------------------
 
 
 def _same_json(x: Any, y: Any) -> bool:
   """Two JSON scalars are the same value (numbers by value, NaN as NaN; a bool is no number)."""
-  if isinstance(x, bool) or isinstance(y, bool):
-    return type(x) is type(y) and x == y
-  if isinstance(x, int | float) and isinstance(y, int | float):
+  if type(x) in (int, float) and type(y) in (int, float):
     return x == y or (x != x and y != y)  # pylint: disable=comparison-with-itself
   return type(x) is type(y) and x == y
 
@@ -520,10 +493,9 @@ def diff_checkpoints(
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   start = time.monotonic()
   progress = progress or reader.NullProgress()
-  ckpt_a, ckpt_b = (_open(side, items, params_only) for side in (a, b))
+  ckpt_a, ckpt_b = (side if isinstance(side, reader.CanonicalCheckpoint)
+                    else pipeline.open_source(side, None, items, params_only) for side in (a, b))
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
-  only_a = tuple(sorted(set(view_a) - set(view_b)))
-  only_b = tuple(sorted(set(view_b) - set(view_a)))
   shape, dtype, pairs = [], [], []
   for path in sorted(set(view_a) & set(view_b)):
     la, lb = view_a[path], view_b[path]
@@ -533,7 +505,7 @@ def diff_checkpoints(
     if la.dtype != lb.dtype:
       dtype.append(Mismatch(path, _describe(la), _describe(lb)))
     pairs.append((path, la, lb))
-  found = _Found(list(only_a), list(only_b))
+  found = _Found(sorted(set(view_a) - set(view_b)), sorted(set(view_b) - set(view_a)))
   json_compared = 0 if params_only else _compare_json_items(ckpt_a, ckpt_b, found)
   side, notes = ([], []) if params_only else _compare_sides(
       ckpt_a, ckpt_b, atol, None if items is None else list(items))
@@ -551,17 +523,13 @@ def diff_checkpoints(
                        _read_side(ckpt_b, [lb for _, _, lb in batch])),
         progress, lambda batch: sum(la.nbytes for _, la, _ in batch)):
       for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):
-        bad_a, bad_b = x is reader.UNREADABLE, y is reader.UNREADABLE
-        if bad_a or bad_b:  # Stored data missing or damaged: nothing to compare.
-          if bad_a:
-            damaged_a.append(path)
-          if bad_b:
-            damaged_b.append(path)
-          continue
-        if _damaged(sums_a, la, x):
+        unreadable = x is reader.UNREADABLE or y is reader.UNREADABLE
+        if x is reader.UNREADABLE or (not unreadable and _damaged(sums_a, la, x)):
           damaged_a.append(path)
-        if _damaged(sums_b, lb, y):
+        if y is reader.UNREADABLE or (not unreadable and _damaged(sums_b, lb, y)):
           damaged_b.append(path)
+        if unreadable:  # Stored data missing or damaged: nothing to compare.
+          continue
         max_diff, differing = compare_values(x, y, atol)
         worst = max(worst, max_diff)
         if differing:

@@ -3,9 +3,8 @@
 This is the one pipeline (`pipeline.py`) with a family's layout
 (`layouts/huggingface.py`, one per family of `mapping/huggingface.py`; `--peft`:
 `layouts/peft.py`): the family's tensor names and layouts, in files as `transformers`
-shards them, committed as `convert` commits a step (`commit.Staging`): written beside
-OUT_DIR and renamed (on a bucket: copied over) once complete, so a failure leaves
-nothing half-written. `hf_config` copies the base model's config and tokenizer files
+shards them, committed as `convert` commits a step (`commit.Staging`: a failure leaves
+nothing half-written). `hf_config` copies the base model's config and tokenizer files
 after checking the config against the weights.
 """
 
@@ -26,10 +25,9 @@ from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
 DEFAULT_MAX_SHARD_SIZE = hf_layouts.DEFAULT_MAX_SHARD_SIZE
-# An export's plan and result are the pipeline's; `EXPORT` is what `force` may replace.
+# An export's plan and result are the pipeline's.
 ExportPlan = pipeline.Plan
 ExportResult = pipeline.Result
-EXPORT = pipeline.EXPORT
 
 
 def _dtype(dtype: Any) -> np.dtype | None:
@@ -156,7 +154,7 @@ def describe(plan: ExportPlan) -> dict[str, Any]:
   """The plan for people and `--json`: files, tensors per file, bytes."""
   return {
       'source': os.fspath(plan.source.step_dir),
-      'out_dir': os.fspath(plan.out_dir),
+      'out_dir': os.fspath(plan.dst),
       'model': plan.summary['model'],
       'architecture': plan.architecture,
       'files': {f.name: len(f.tensors) for f in plan.files},

@@ -414,6 +414,4 @@ def _layer_form(
   if form == stacks.SCANNED:
     recorded = custom.get(stacks.SCAN_AXIS_KEY)
     axis = stacks.scan_axis(known, recorded if isinstance(recorded, int) else None)
-  count = stacks.layer_count(known, axis) if form == stacks.UNSCANNED or (
-      axis is not None) else None
-  return LayerReport(form, count, axis)
+  return LayerReport(form, stacks.layer_count(known, axis), axis)

@@ -94,26 +94,13 @@ class Plan:
   summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
-  def sink(self) -> SinkKind:
-    return SINKS[layouts.get(self.layout).sink]
-
-  @property
   def outputs(self) -> tuple[Output, ...]:
     """Every output, item after item (a folder's: its tensors in write order)."""
     return tuple(o for item in self.items for o in item.outputs)
 
   @property
-  def total_bytes(self) -> int:
-    """Bytes of the source leaves read."""
-    return writer.bytes_read(self.outputs)
-
-  @property
   def bytes_written(self) -> int:
     return sum(o.nbytes for o in self.outputs)
-
-  @property
-  def num_leaves(self) -> int:
-    return len(self.outputs)
 
   @property
   def batch_bytes(self) -> int:
@@ -127,11 +114,6 @@ class Plan:
   def sources(self) -> list[epath.Path]:
     """The step directories read (the source, and a merge's base)."""
     return [c.step_dir for c in merge_lib.checkpoints_read(self.source, self.merge)]
-
-  # A folder's plan, as `export` has named it.
-  @property
-  def out_dir(self) -> epath.Path:
-    return self.dst
 
   @property
   def architecture(self) -> str | None:
@@ -214,16 +196,11 @@ def plan(
   """Plans a layout's output from metadata only; nothing is read or written.
 
   Args:
-    src: the source: a root (latest committed step, or `step`), a step or an
-      item directory.
+    src, step, dtype, memory_budget, items: as `convert.plan_convert`.
     dst: the destination to create (a step directory; a folder).
     layout: a registered layout's name (`layouts.names()`).
-    step: the source step (see `reader.resolve`).
     params_only: write the weights only (a weights-only layout implies it).
-    dtype: cast floating leaves to this dtype.
-    memory_budget: bytes the streaming may hold at once (a size: `sizes.parse_size`).
     force: replace an existing destination (only one of the sink's kind).
-    items: the source items to read (default: every item the step records).
     merge_options: the LoRA merge's options (`merge.Options.given`, from the
       caller's own keywords); None: no merge.
     **options: the layout's options (`layouts.options()`: `scan_layers`,
@@ -398,14 +375,14 @@ def run(plan: Plan, progress: reader.Progress | None = None) -> Result:
   """
   progress = progress or reader.NullProgress()
   start = time.monotonic()
-  sink = plan.sink
+  sink = SINKS[layouts.get(plan.layout).sink]
   mine = sink.share(plan)
   with writer.streamed(plan.dst, plan.force, sink.kind, plan.bytes_written, plan.sources,
                        progress, f'{sink.doing} {plan.dst}', writer.bytes_read(mine)) as staging:
     record = sink.write(plan, mine, staging.work, progress)
   return Result(
       dst=plan.dst, items={item.name: len(item.outputs) for item in plan.items},
-      files=tuple(record.get('files', ())), bytes_read=plan.total_bytes,
+      files=tuple(record.get('files', ())), bytes_read=writer.bytes_read(plan.outputs),
       total_size=record.get('total_size', plan.bytes_written),
       seconds=time.monotonic() - start, replaced=staging.replaced,
   )
