@@ -270,6 +270,11 @@ def test_diff_compares_json_items(tmp_path):
   assert done.returncode == 1 and 'JSON values differ: 1' in done.stdout
   done = cli('diff', a, without, '--item', 'json_cfg')  # Asked for, absent from B: an error.
   assert done.returncode == 2 and 'json_cfg' in done.stderr
+  # From Python, `items` may be any iterable: B narrowed as A is (one pass would leave B whole).
+  from orbax_tunix.tools import diff
+
+  result = diff.diff_checkpoints(a, without, items=iter(['state']))
+  assert result.match and not result.only_a and not result.only_b
 
 
 def _scaled_learning_rate(src_step: pathlib.Path, dst_step: pathlib.Path, factor: float) -> None:

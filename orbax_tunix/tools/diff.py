@@ -493,6 +493,7 @@ def diff_checkpoints(
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   start = time.monotonic()
   progress = progress or reader.NullProgress()
+  items = None if items is None else tuple(items)  # read for both sides
   ckpt_a, ckpt_b = (side if isinstance(side, reader.CanonicalCheckpoint)
                     else pipeline.open_source(side, None, items, params_only) for side in (a, b))
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
