@@ -612,39 +612,52 @@ _GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
               ('layers/{i}/attn/qkv_einsum/w',))
 
 
-GEMMA3 = Family(
-    name='gemma3',
-    architecture='Gemma3ForCausalLM',
-    model_type='gemma3_text',  # Gemma3ForConditionalGeneration's text_config.
-    rules=(
-        _rule('embedder/input_embedding', 'model.embed_tokens.weight'),  # Tied: no lm_head.
-        _rule('final_norm/scale', 'model.norm.weight'),
-        *_gemma_attention(LAYER),
-        _rule('layers/{i}/attn/_query_norm/scale', f'{LAYER}.self_attn.q_norm.weight'),
-        _rule('layers/{i}/attn/_key_norm/scale', f'{LAYER}.self_attn.k_norm.weight'),
-        *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
-          for tunix, hf in _GEMMA_NORMS.items()),
-    ),
-    required=(
-        (('embedder/input_embedding', 'final_norm/scale'),),
-        _GEMMA_QKV,
-        (('layers/{i}/attn/attn_vec_einsum/w', 'layers/{i}/attn/{n:_query|_key}_norm/scale',
-          'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
-          *(f'layers/{{i}}/{t}/scale' for t in _GEMMA_NORMS)),),
-    ),
-    dims={
-        'vocab_size': (('embedder/input_embedding', 0),),
-        'hidden_size': (('embedder/input_embedding', 1),),
-        'num_attention_heads': (('layers/0/attn/q_einsum/w', 0), ('layers/0/attn/qkv_einsum/w', 1)),
-        'head_dim': (('layers/0/attn/q_einsum/w', 2), ('layers/0/attn/qkv_einsum/w', 3)),
-        'num_key_value_heads': (('layers/0/attn/kv_einsum/w', 1), ('layers/0/attn/qkv_einsum/w', 1)),
-        'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
-    },
-    fixed=GEMMA_GELU,
-    lora=GEMMA_LORA,
-    text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
-                   'model.language_model.'},
-)
+_GEMMA_DIMS = {
+    'vocab_size': (('embedder/input_embedding', 0),),
+    'hidden_size': (('embedder/input_embedding', 1),),
+    'num_attention_heads': (('layers/0/attn/q_einsum/w', 0), ('layers/0/attn/qkv_einsum/w', 1)),
+    'head_dim': (('layers/0/attn/q_einsum/w', 2), ('layers/0/attn/qkv_einsum/w', 3)),
+    'num_key_value_heads': (('layers/0/attn/kv_einsum/w', 1), ('layers/0/attn/qkv_einsum/w', 1)),
+    'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
+}
+
+
+def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, str],
+           fixed: Mapping[str, object], qk_norms: bool = False,
+           vocab_padding: VocabPadding = GEMMA_PADDING, **fields) -> Family:
+  """Gemma 1 and 2 (`tunix/models/gemma`: one model class, its norms set by the config) and
+  Gemma 3 (q/k norms too); `fields`: other `Family` fields.
+
+  They scale embeddings by sqrt(D), tie them (no lm_head) and compute `1 + scale` in
+  every norm on both sides, so every value is copied as it is.
+  """
+  qk = ('layers/{i}/attn/{n:_query|_key}_norm/scale',) if qk_norms else ()
+  return Family(
+      name=name,
+      architecture=architecture,
+      model_type=model_type,
+      rules=(
+          _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
+          _rule('final_norm/scale', 'model.norm.weight'),
+          *_gemma_attention(LAYER),
+          *(_rule(f'layers/{{i}}/attn/_{t}_norm/scale', f'{LAYER}.self_attn.{hf}_norm.weight')
+            for t, hf in (('query', 'q'), ('key', 'k')) if qk_norms),
+          *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
+            for tunix, hf in norms.items()),
+      ),
+      required=(
+          (('embedder/input_embedding', 'final_norm/scale'),),
+          _GEMMA_QKV,
+          (('layers/{i}/attn/attn_vec_einsum/w', *qk, 'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
+            *(f'layers/{{i}}/{t}/scale' for t in norms)),),
+      ),
+      dims=_GEMMA_DIMS,
+      fixed=fixed,
+      lora=GEMMA_LORA,
+      vocab_padding=vocab_padding,
+      **fields,
+  )
+
 
 # MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
 # multiplied by sqrt(hidden): gemma3's converter divides by that number rounded
@@ -687,8 +700,14 @@ def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
                 stacks=stacks_lib.blocks(6), axes=_MT_AXES)
 
 
-GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma(
-    divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1), GEMMA_NORM, 'query|key|value|out'))
+GEMMA3 = _gemma(
+    'gemma3', 'Gemma3ForCausalLM', 'gemma3_text',  # Gemma3ForConditionalGeneration's text_config.
+    _GEMMA_NORMS, GEMMA_GELU, qk_norms=True, vocab_padding=NO_PADDING,
+    text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
+                   'model.language_model.'},
+    maxtext=_maxtext_gemma(divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1), GEMMA_NORM,
+                           'query|key|value|out'),
+)
 
 
 def _f32_sqrt(hidden: int) -> float:
@@ -809,37 +828,6 @@ QWEN3_MOE = _extended(
     maxtext=_maxtext_qwen3_moe(),
     as_trained=QWEN3.as_trained,  # Tunix's Qwen3 class, with experts.
 )
-
-
-def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, str],
-           fixed: Mapping[str, object]) -> Family:
-  """Gemma 1 and 2 (`tunix/models/gemma`): one model class, its norms set by the config.
-
-  Both scale embeddings by sqrt(D), tie them (no lm_head) and compute `1 + scale` in
-  every norm on both sides, so every value is copied as it is.
-  """
-  return Family(
-      name=name,
-      architecture=architecture,
-      model_type=model_type,
-      rules=(
-          _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
-          _rule('final_norm/scale', 'model.norm.weight'),
-          *_gemma_attention(LAYER),
-          *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
-            for tunix, hf in norms.items()),
-      ),
-      required=(
-          (('embedder/input_embedding', 'final_norm/scale'),),
-          _GEMMA_QKV,
-          (('layers/{i}/attn/attn_vec_einsum/w', 'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
-            *(f'layers/{{i}}/{t}/scale' for t in norms)),),
-      ),
-      dims=GEMMA3.dims,
-      fixed=fixed,
-      lora=GEMMA_LORA,
-      vocab_padding=GEMMA_PADDING,
-  )
 
 
 # Gemma 2 (Gemma2ForCausalLM): norms around both blocks, as Tunix's safetensors loader maps
