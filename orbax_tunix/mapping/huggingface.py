@@ -83,7 +83,6 @@ NO_MODEL = 'Orbax arrays (no known model)'
 ADAPTERS_ONLY = 'LoRA adapters only (no base weights)'
 
 
-
 @dataclasses.dataclass(frozen=True)
 class VocabPadding:
   """Which rows past a config's `vocab_size` a source kind holds as padding (never trained),
@@ -269,8 +268,7 @@ class Naming:
                    if Pattern.parse(pattern.split('/')).match(path) is not None), None)
     if fields is None:
       return None
-    instead = self.layer_type(path, config).fields
-    return tuple(instead.get(f, f) for f in fields)
+    return tuple(self.layer_type(path, config).fields.get(f, f) for f in fields)
 
   def layer_number(self, path: Path) -> int | None:
     """The number of the layer the weight at `path` (per-layer form) is in, or None."""
@@ -996,9 +994,8 @@ def table(family: Family, source: str = TUNIX_MODEL) -> list[tuple[str, str, str
     source = '/'.join(k.spec for k in rule.source.keys)
     for dest, transform in rule.dests:
       shown = transform.name
-      if rule.fan_out is not None:  # One transform per value of the placeholder.
-        name, _ = rule.fan_out
-        shown = rule.transform_for(0).name.replace('index=0', f'index={{{name}}}')
+      if rule.fan_out is not None:  # One transform per value of the placeholder `fan_out[0]`.
+        shown = rule.transform_for(0).name.replace('index=0', f'index={{{rule.fan_out[0]}}}')
       rows.append((source, '/'.join(k.spec for k in dest.keys), shown))
   return rows
 
@@ -1069,10 +1066,6 @@ def _shown(value: object) -> str:
       value)
 
 
-# The first column of `markdown`'s table, per naming.
-_TABLE_SOURCES = {TUNIX_MODEL: 'Tunix (canonical)', MAXTEXT_MODEL: 'MaxText (per layer)'}
-
-
 def markdown(source: str = TUNIX_MODEL) -> str:
   """The README's table of one kind of source's maps: each `table` row once, with the
   families that have it (`scripts/readme_hf_maps.py` writes it into README.md)."""
@@ -1084,7 +1077,8 @@ def markdown(source: str = TUNIX_MODEL) -> str:
   def cell(text: str) -> str:
     return '`' + text.replace('|', '\\|') + '`'
 
-  lines = [f'| {_TABLE_SOURCES[source]} | Hugging Face | layout | families |', '|---|---|---|---|']
+  first = {TUNIX_MODEL: 'Tunix (canonical)', MAXTEXT_MODEL: 'MaxText (per layer)'}[source]
+  lines = [f'| {first} | Hugging Face | layout | families |', '|---|---|---|---|']
   lines += [f'| {cell(s)} | {cell(d)} | {t} | {", ".join(f)} |' for (s, d, t), f in rows.items()]
   return '\n'.join(lines) + '\n'
 
@@ -1205,10 +1199,8 @@ def cut_vocab(
 ) -> tuple[dict[Path, Mapped], list[str]]:
   """The weights with a padded vocabulary cut to the config's `vocab_size`.
 
-  MaxText pads the vocabulary for sharding; the config's `vocab_size` is the
-  real one. Rows past it are dropped, as MaxText's converter does, where the
-  naming's source is known to pad (`Naming.vocab_padding`); elsewhere they are
-  trained rows, and a smaller `vocab_size` is refused.
+  Rows past it are dropped, as MaxText's converter does, where they are padding
+  (`Naming.vocab_padding`); elsewhere they are trained, and a smaller `vocab_size` is refused.
 
   Args:
     naming: the weights' naming (its `vocab` axes).
