@@ -401,8 +401,7 @@ def _unindexed(path: Path) -> tuple[Path, int] | None:
   for i, key in enumerate(path):
     if key.isdigit():
       return path[:i] + path[i + 1 :], int(key)
-    m = _INDEXED_NAME.fullmatch(key)
-    if m:
+    if m := _INDEXED_NAME.fullmatch(key):
       return path[:i] + (m.group(1),) + path[i + 1 :], int(m.group(2))
   return None
 
