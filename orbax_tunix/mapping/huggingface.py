@@ -293,10 +293,8 @@ class Naming:
 
   def lora_weight(self, path: Path) -> LoraWeight:
     """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
-    for pattern, value in self.lora.items():
-      if Pattern.parse(pattern.split('/')).match(path) is not None:
-        return value
-    return LoraWeight()
+    return next((value for pattern, value in self.lora.items()
+                 if Pattern.parse(pattern.split('/')).match(path) is not None), LoraWeight())
 
   def layers(self, paths) -> list[str]:
     pattern = Pattern.parse((*self.layer, '...'))
