@@ -205,9 +205,7 @@ def check_axis(axis: int | None) -> None:
   Raises:
     InvalidOptionError: naming the value.
   """
-  if axis is None:
-    return
-  if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+  if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int) or axis < 0):
     raise errors.InvalidOptionError(
         f'`param_scan_axis` {axis!r}: expected a non-negative axis, counted from the front'
         f' as MaxText counts it ({DEFAULT_AXIS} by default: query/kernel is (emb, layers,'
