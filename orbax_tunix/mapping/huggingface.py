@@ -604,10 +604,6 @@ GEMMA_LORA = {
 }
 
 
-_GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
-              ('layers/{i}/attn/qkv_einsum/w',))
-
-
 _GEMMA_DIMS = {
     'vocab_size': (('embedder/input_embedding', 0),),
     'hidden_size': (('embedder/input_embedding', 1),),
@@ -643,7 +639,8 @@ def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, st
       ),
       required=(
           (('embedder/input_embedding', 'final_norm/scale'),),
-          _GEMMA_QKV,
+          (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
+           ('layers/{i}/attn/qkv_einsum/w',)),
           (('layers/{i}/attn/attn_vec_einsum/w', *qk, 'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
             *(f'layers/{{i}}/{t}/scale' for t in norms)),),
       ),
