@@ -83,7 +83,6 @@ NO_MODEL = 'Orbax arrays (no known model)'
 ADAPTERS_ONLY = 'LoRA adapters only (no base weights)'
 
 
-
 @dataclasses.dataclass(frozen=True)
 class VocabPadding:
   """Which rows past a config's `vocab_size` a source kind holds as padding (never trained),
@@ -269,8 +268,7 @@ class Naming:
                    if Pattern.parse(pattern.split('/')).match(path) is not None), None)
     if fields is None:
       return None
-    instead = self.layer_type(path, config).fields
-    return tuple(instead.get(f, f) for f in fields)
+    return tuple(self.layer_type(path, config).fields.get(f, f) for f in fields)
 
   def layer_number(self, path: Path) -> int | None:
     """The number of the layer the weight at `path` (per-layer form) is in, or None."""
@@ -295,10 +293,8 @@ class Naming:
 
   def lora_weight(self, path: Path) -> LoraWeight:
     """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
-    for pattern, value in self.lora.items():
-      if Pattern.parse(pattern.split('/')).match(path) is not None:
-        return value
-    return LoraWeight()
+    return next((value for pattern, value in self.lora.items()
+                 if Pattern.parse(pattern.split('/')).match(path) is not None), LoraWeight())
 
   def layers(self, paths) -> list[str]:
     pattern = Pattern.parse((*self.layer, '...'))
@@ -608,43 +604,53 @@ GEMMA_LORA = {
 }
 
 
-_GEMMA_QKV = (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
-              ('layers/{i}/attn/qkv_einsum/w',))
+_GEMMA_DIMS = {
+    'vocab_size': (('embedder/input_embedding', 0),),
+    'hidden_size': (('embedder/input_embedding', 1),),
+    'num_attention_heads': (('layers/0/attn/q_einsum/w', 0), ('layers/0/attn/qkv_einsum/w', 1)),
+    'head_dim': (('layers/0/attn/q_einsum/w', 2), ('layers/0/attn/qkv_einsum/w', 3)),
+    'num_key_value_heads': (('layers/0/attn/kv_einsum/w', 1), ('layers/0/attn/qkv_einsum/w', 1)),
+    'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
+}
 
 
-GEMMA3 = Family(
-    name='gemma3',
-    architecture='Gemma3ForCausalLM',
-    model_type='gemma3_text',  # Gemma3ForConditionalGeneration's text_config.
-    rules=(
-        _rule('embedder/input_embedding', 'model.embed_tokens.weight'),  # Tied: no lm_head.
-        _rule('final_norm/scale', 'model.norm.weight'),
-        *_gemma_attention(LAYER),
-        _rule('layers/{i}/attn/_query_norm/scale', f'{LAYER}.self_attn.q_norm.weight'),
-        _rule('layers/{i}/attn/_key_norm/scale', f'{LAYER}.self_attn.k_norm.weight'),
-        *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
-          for tunix, hf in _GEMMA_NORMS.items()),
-    ),
-    required=(
-        (('embedder/input_embedding', 'final_norm/scale'),),
-        _GEMMA_QKV,
-        (('layers/{i}/attn/attn_vec_einsum/w', 'layers/{i}/attn/{n:_query|_key}_norm/scale',
-          'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
-          *(f'layers/{{i}}/{t}/scale' for t in _GEMMA_NORMS)),),
-    ),
-    dims={
-        'vocab_size': (('embedder/input_embedding', 0),),
-        'hidden_size': (('embedder/input_embedding', 1),),
-        'num_attention_heads': (('layers/0/attn/q_einsum/w', 0), ('layers/0/attn/qkv_einsum/w', 1)),
-        'head_dim': (('layers/0/attn/q_einsum/w', 2), ('layers/0/attn/qkv_einsum/w', 3)),
-        'num_key_value_heads': (('layers/0/attn/kv_einsum/w', 1), ('layers/0/attn/qkv_einsum/w', 1)),
-        'intermediate_size': (('layers/0/mlp/gate_proj/kernel', 1),),
-    },
-    fixed=GEMMA_GELU,
-    lora=GEMMA_LORA,
-    text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
-                   'model.language_model.'},
-)
+def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, str],
+           fixed: Mapping[str, object], qk_norms: bool = False,
+           vocab_padding: VocabPadding = GEMMA_PADDING, **fields) -> Family:
+  """Gemma 1 and 2 (`tunix/models/gemma`: one model class, its norms set by the config) and
+  Gemma 3 (q/k norms too); `fields`: other `Family` fields.
+
+  They scale embeddings by sqrt(D), tie them (no lm_head) and compute `1 + scale` in
+  every norm on both sides, so every value is copied as it is.
+  """
+  qk = ('layers/{i}/attn/{n:_query|_key}_norm/scale',) if qk_norms else ()
+  return Family(
+      name=name,
+      architecture=architecture,
+      model_type=model_type,
+      rules=(
+          _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
+          _rule('final_norm/scale', 'model.norm.weight'),
+          *_gemma_attention(LAYER),
+          *(_rule(f'layers/{{i}}/attn/_{t}_norm/scale', f'{LAYER}.self_attn.{hf}_norm.weight')
+            for t, hf in (('query', 'q'), ('key', 'k')) if qk_norms),
+          *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
+            for tunix, hf in norms.items()),
+      ),
+      required=(
+          (('embedder/input_embedding', 'final_norm/scale'),),
+          (('layers/{i}/attn/q_einsum/w', 'layers/{i}/attn/kv_einsum/w'),
+           ('layers/{i}/attn/qkv_einsum/w',)),
+          (('layers/{i}/attn/attn_vec_einsum/w', *qk, 'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
+            *(f'layers/{{i}}/{t}/scale' for t in norms)),),
+      ),
+      dims=_GEMMA_DIMS,
+      fixed=fixed,
+      lora=GEMMA_LORA,
+      vocab_padding=vocab_padding,
+      **fields,
+  )
+
 
 # MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
 # multiplied by sqrt(hidden): gemma3's converter divides by that number rounded
@@ -687,8 +693,14 @@ def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
                 stacks=stacks_lib.blocks(6), axes=_MT_AXES)
 
 
-GEMMA3 = dataclasses.replace(GEMMA3, maxtext=_maxtext_gemma(
-    divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1), GEMMA_NORM, 'query|key|value|out'))
+GEMMA3 = _gemma(
+    'gemma3', 'Gemma3ForCausalLM', 'gemma3_text',  # Gemma3ForConditionalGeneration's text_config.
+    _GEMMA_NORMS, GEMMA_GELU, qk_norms=True, vocab_padding=NO_PADDING,
+    text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
+                   'model.language_model.'},
+    maxtext=_maxtext_gemma(divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1), GEMMA_NORM,
+                           'query|key|value|out'),
+)
 
 
 def _f32_sqrt(hidden: int) -> float:
@@ -809,37 +821,6 @@ QWEN3_MOE = _extended(
     maxtext=_maxtext_qwen3_moe(),
     as_trained=QWEN3.as_trained,  # Tunix's Qwen3 class, with experts.
 )
-
-
-def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, str],
-           fixed: Mapping[str, object]) -> Family:
-  """Gemma 1 and 2 (`tunix/models/gemma`): one model class, its norms set by the config.
-
-  Both scale embeddings by sqrt(D), tie them (no lm_head) and compute `1 + scale` in
-  every norm on both sides, so every value is copied as it is.
-  """
-  return Family(
-      name=name,
-      architecture=architecture,
-      model_type=model_type,
-      rules=(
-          _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
-          _rule('final_norm/scale', 'model.norm.weight'),
-          *_gemma_attention(LAYER),
-          *(_rule(f'layers/{{i}}/{tunix}/scale', f'{LAYER}.{hf}.weight')
-            for tunix, hf in norms.items()),
-      ),
-      required=(
-          (('embedder/input_embedding', 'final_norm/scale'),),
-          _GEMMA_QKV,
-          (('layers/{i}/attn/attn_vec_einsum/w', 'layers/{i}/mlp/{p:gate|up|down}_proj/kernel',
-            *(f'layers/{{i}}/{t}/scale' for t in norms)),),
-      ),
-      dims=GEMMA3.dims,
-      fixed=fixed,
-      lora=GEMMA_LORA,
-      vocab_padding=GEMMA_PADDING,
-  )
 
 
 # Gemma 2 (Gemma2ForCausalLM): norms around both blocks, as Tunix's safetensors loader maps
@@ -1008,9 +989,8 @@ def table(family: Family, source: str = TUNIX_MODEL) -> list[tuple[str, str, str
     source = '/'.join(k.spec for k in rule.source.keys)
     for dest, transform in rule.dests:
       shown = transform.name
-      if rule.fan_out is not None:  # One transform per value of the placeholder.
-        name, _ = rule.fan_out
-        shown = rule.transform_for(0).name.replace('index=0', f'index={{{name}}}')
+      if rule.fan_out is not None:  # One transform per value of the placeholder `fan_out[0]`.
+        shown = rule.transform_for(0).name.replace('index=0', f'index={{{rule.fan_out[0]}}}')
       rows.append((source, '/'.join(k.spec for k in dest.keys), shown))
   return rows
 
@@ -1081,10 +1061,6 @@ def _shown(value: object) -> str:
       value)
 
 
-# The first column of `markdown`'s table, per naming.
-_TABLE_SOURCES = {TUNIX_MODEL: 'Tunix (canonical)', MAXTEXT_MODEL: 'MaxText (per layer)'}
-
-
 def markdown(source: str = TUNIX_MODEL) -> str:
   """The README's table of one kind of source's maps: each `table` row once, with the
   families that have it (`scripts/readme_hf_maps.py` writes it into README.md)."""
@@ -1096,7 +1072,8 @@ def markdown(source: str = TUNIX_MODEL) -> str:
   def cell(text: str) -> str:
     return '`' + text.replace('|', '\\|') + '`'
 
-  lines = [f'| {_TABLE_SOURCES[source]} | Hugging Face | layout | families |', '|---|---|---|---|']
+  first = {TUNIX_MODEL: 'Tunix (canonical)', MAXTEXT_MODEL: 'MaxText (per layer)'}[source]
+  lines = [f'| {first} | Hugging Face | layout | families |', '|---|---|---|---|']
   lines += [f'| {cell(s)} | {cell(d)} | {t} | {", ".join(f)} |' for (s, d, t), f in rows.items()]
   return '\n'.join(lines) + '\n'
 
@@ -1217,10 +1194,8 @@ def cut_vocab(
 ) -> tuple[dict[Path, Mapped], list[str]]:
   """The weights with a padded vocabulary cut to the config's `vocab_size`.
 
-  MaxText pads the vocabulary for sharding; the config's `vocab_size` is the
-  real one. Rows past it are dropped, as MaxText's converter does, where the
-  naming's source is known to pad (`Naming.vocab_padding`); elsewhere they are
-  trained rows, and a smaller `vocab_size` is refused.
+  Rows past it are dropped, as MaxText's converter does, where they are padding
+  (`Naming.vocab_padding`); elsewhere they are trained, and a smaller `vocab_size` is refused.
 
   Args:
     naming: the weights' naming (its `vocab` axes).

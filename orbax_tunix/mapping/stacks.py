@@ -205,9 +205,7 @@ def check_axis(axis: int | None) -> None:
   Raises:
     InvalidOptionError: naming the value.
   """
-  if axis is None:
-    return
-  if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+  if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int) or axis < 0):
     raise errors.InvalidOptionError(
         f'`param_scan_axis` {axis!r}: expected a non-negative axis, counted from the front'
         f' as MaxText counts it ({DEFAULT_AXIS} by default: query/kernel is (emb, layers,'
@@ -401,8 +399,7 @@ def _unindexed(path: Path) -> tuple[Path, int] | None:
   for i, key in enumerate(path):
     if key.isdigit():
       return path[:i] + path[i + 1 :], int(key)
-    m = _INDEXED_NAME.fullmatch(key)
-    if m:
+    if m := _INDEXED_NAME.fullmatch(key):
       return path[:i] + (m.group(1),) + path[i + 1 :], int(m.group(2))
   return None
 
