@@ -407,5 +407,3 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
       stores_fill_chunks=bool(options.get('store_array_data_equal_to_fill_value', False)),
       tree_json=meta,
   )
-
-
