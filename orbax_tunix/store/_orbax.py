@@ -245,12 +245,9 @@ V1_PYTREE_TYPESTR = 'orbax.checkpoint.experimental.v1._src.handlers.pytree_handl
 # The typestrs PyTree items are recorded with: the v0 PyTree and Standard
 # handlers' (as this Orbax writes them, and as Orbax releases that moved them
 # under `orbax.checkpoint.v0` write them), and v1's.
-PYTREE_TYPESTRS = frozenset(
-    {ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr(),
-     V1_PYTREE_TYPESTR}
-    | {t.replace('orbax.checkpoint._src.', 'orbax.checkpoint.v0._src.')
-       for t in (ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr())}
-)
+_V0_TYPESTRS = (ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr())
+PYTREE_TYPESTRS = frozenset({*_V0_TYPESTRS, V1_PYTREE_TYPESTR}) | {
+    t.replace('orbax.checkpoint._src.', 'orbax.checkpoint.v0._src.') for t in _V0_TYPESTRS}
 
 
 def handler_class(typestr: str) -> type | None:
