@@ -245,12 +245,9 @@ V1_PYTREE_TYPESTR = 'orbax.checkpoint.experimental.v1._src.handlers.pytree_handl
 # The typestrs PyTree items are recorded with: the v0 PyTree and Standard
 # handlers' (as this Orbax writes them, and as Orbax releases that moved them
 # under `orbax.checkpoint.v0` write them), and v1's.
-PYTREE_TYPESTRS = frozenset(
-    {ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr(),
-     V1_PYTREE_TYPESTR}
-    | {t.replace('orbax.checkpoint._src.', 'orbax.checkpoint.v0._src.')
-       for t in (ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr())}
-)
+_V0_TYPESTRS = (ocp.PyTreeCheckpointHandler.typestr(), ocp.StandardCheckpointHandler.typestr())
+PYTREE_TYPESTRS = frozenset({*_V0_TYPESTRS, V1_PYTREE_TYPESTR}) | {
+    t.replace('orbax.checkpoint._src.', 'orbax.checkpoint.v0._src.') for t in _V0_TYPESTRS}
 
 
 def handler_class(typestr: str) -> type | None:
@@ -307,11 +304,6 @@ def silence_unrestorable_warnings(items: Collection[str]) -> Iterator[None]:
 # --- writing one item in batches ----------------------------------------------
 
 
-def tree_metadata_entry_key(path: Path) -> str:
-  """How `_METADATA` keys a leaf: the text of its key tuple."""
-  return str(tuple(path))
-
-
 def merge_tree_metadata(
     files: Sequence[dict[str, Any]],
     key_types: Mapping[Path, Sequence[int]] | None = None,
@@ -334,7 +326,7 @@ def merge_tree_metadata(
       for key, kind in zip(entry['key_metadata'], key_types.get(path, ()), strict=False):
         key['key_type'] = kind
   for path, kinds, value_type in empty_nodes:
-    entries[tree_metadata_entry_key(path)] = {
+    entries[str(tuple(path))] = {  # `_METADATA` keys a leaf by the text of its key tuple.
         'key_metadata': [{'key': k, 'key_type': t} for k, t in zip(path, kinds, strict=True)],
         'value_metadata': {'value_type': value_type, 'skip_deserialize': True},
     }
@@ -382,25 +374,17 @@ def _run_on_new_loop(coro: Any) -> Any:
   return loops.run_tidily(coro)
 
 
-# An Orbax save writes in threads of its own (its commit futures, each awaiting
-# TensorStore's writes) while the caller waits on them. When the wait is
-# interrupted (Ctrl-C, a signal, a failure), they run on and keep writing into
-# the directory, also after the caller removed it: a temporary step reappears,
-# and at exit Python reports "cannot schedule new futures after shutdown".
-# Within `tidy_failures`, the threads a failed call started are waited for
-# (a batch's writes; up to `loops.PENDING_WRITES_TIMEOUT`) before the failure
-# propagates.
-
-
 @contextlib.contextmanager
 def tidy_failures() -> Iterator[None]:
   """Orbax calls made in this context leave nothing running when they fail.
 
-  See `_TIDY` and `loops.PENDING_WRITES_TIMEOUT`: a failed (or interrupted) call's
-  loop is drained and the threads it started are waited for, so what it wrote
-  is all there when the caller removes it. Installs the drain on first use
-  (where Orbax has the function it wraps); Orbax calls outside the context are
-  untouched.
+  A failed (or interrupted) call's loop is drained (see `_TIDY`) and the
+  threads it started (an Orbax save's commit futures) are waited for, up to
+  `loops.PENDING_WRITES_TIMEOUT`: left running, they write on into the
+  directory after the caller removed it (a temporary step reappears, and at
+  exit Python reports "cannot schedule new futures after shutdown"). Installs
+  the drain on first use (where Orbax has the function it wraps); Orbax calls
+  outside the context are untouched.
   """
   if _ORBAX_RUN_ON_NEW_LOOP is not None and _asyncio_utils._run_sync_via_new_loop is not _run_on_new_loop:  # pylint: disable=protected-access
     _asyncio_utils._run_sync_via_new_loop = _run_on_new_loop  # pylint: disable=protected-access

@@ -156,5 +156,3 @@ def read_json(path: epath.Path, what: str = 'an Orbax metadata file',
         f'{path}: expected {what} as JSON, found {len(data)} bytes that do not'
         f' parse ({e}). {remedy}'
     ) from e
-
-

@@ -397,15 +397,12 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
           ' The file is damaged or was not written by a PyTree handler; use'
           ' another step (`step`).'
       ) from e
-    options = {k: v for k, v in meta.items() if k != 'tree_metadata'}
   return Item(
       name=name,
       directory=directory,
       leaves=leaves,
-      use_ocdbt=bool(options.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory),
-      use_zarr3=bool(options.get('use_zarr3', False)),
-      stores_fill_chunks=bool(options.get('store_array_data_equal_to_fill_value', False)),
+      use_ocdbt=bool(meta.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory),
+      use_zarr3=bool(meta.get('use_zarr3', False)),
+      stores_fill_chunks=bool(meta.get('store_array_data_equal_to_fill_value', False)),
       tree_json=meta,
   )
-
-

@@ -62,5 +62,3 @@ def unreachable(path: epath.Path) -> str | None:
     reason = 'no answer' if isinstance(e, TimeoutError) else (e.strerror or str(e))
     return f'{endpoint[0]}:{endpoint[1]}: {reason}'
   return None
-
-

@@ -11,12 +11,10 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-V2_HEADER, V3_HEADER = '.zarray', 'zarr.json'  # An array's header file, below its name.
-
 
 def header_name(zarr3: bool) -> str:
   """The name of an array's header file: `zarr.json` (v3) or `.zarray` (v2)."""
-  return V3_HEADER if zarr3 else V2_HEADER
+  return 'zarr.json' if zarr3 else '.zarray'
 
 
 def parse_header(

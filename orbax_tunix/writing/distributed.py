@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -277,16 +278,12 @@ def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
          else f'{KEY_PREFIX}/{next(_rounds)}/{name}')
   client = _client()
   client.key_value_set(f'{key}/{process_index()}', text)
-  got: dict[int, str] = {}
   waited, pause = 0, POLL_MS
-
-  def collect() -> bool:
+  while True:
     # One request for every report so far (not one per process: N hosts poll).
-    for k, v in client.key_value_dir_get(f'{key}/'):
-      got[int(k.rsplit('/', 1)[-1])] = v
-    return len(got) == process_count()
-
-  while not collect():
+    got = {int(k.rsplit('/', 1)[-1]): v for k, v in client.key_value_dir_get(f'{key}/')}
+    if len(got) == process_count():
+      return [got[i] for i in range(process_count())]
     # A failure announced stops every wait but the outcome rounds themselves
     # (every process reaches those). A process that dies is found by JAX's
     # heartbeat, which ends every process of the job.
@@ -302,7 +299,6 @@ def exchange(name: str, text: str, timeout_ms: int = WAIT_MS) -> list[str]:
     time.sleep(pause / 1000)
     waited += pause
     pause = min(2 * pause, MAX_POLL_MS)  # Long waits (a slower process) poll less.
-  return [got[i] for i in range(process_count())]
 
 
 def _announce(failure: str) -> None:
@@ -758,8 +754,6 @@ def leave(code: int) -> None:
   peer): it would hold this process for the shutdown timeout and then abort
   it. The outcome is already agreed and reported, and the staging removed.
   """
-  import sys  # pylint: disable=g-import-not-at-top
-
   # Process 0 hosts the coordinator: leaving first would end the others
   # before they print their message. Every process that gets here waits a
   # little for the others to get here too.
