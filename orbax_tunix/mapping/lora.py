@@ -232,9 +232,7 @@ def _contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
   return None
 
 
-def check_scaling(
-    alpha: float | None, scale: float | None, names: tuple[str, str] = ('alpha', 'scale')
-) -> None:
+def check_scaling(alpha: float | None, scale: float | None, names: tuple[str, str]) -> None:
   """Refuses a LoRA scaling that is not one finite number; reads nothing.
 
   Args:
@@ -264,10 +262,8 @@ def check_scaling(
       )
 
 
-def check_scaling_applies(
-    adapters: Mapping[Path, Adapter], alpha: float | None, scale: float | None,
-    names: tuple[str, str] = ('alpha', 'scale'),
-) -> None:
+def check_scaling_applies(adapters: Mapping[Path, Adapter], alpha: float | None,
+                          scale: float | None, names: tuple[str, str]) -> None:
   """Refuses an alpha or scale for adapters that have none (flax's add `a ⊗ b` unscaled).
 
   Raises:
@@ -289,7 +285,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def scale_of(adapter: Adapter, alpha: float | None, scale: float | None,
-             names: tuple[str, str] = ('alpha', 'scale')) -> float:
+             names: tuple[str, str]) -> float:
   """The factor of `a ⊗ b`: qwix's `alpha / rank` (or `scale`), flax's 1.
 
   Args:
