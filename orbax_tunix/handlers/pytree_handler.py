@@ -1,11 +1,8 @@
 """`TunixPyTreeHandler`: an Orbax PyTree handler that reads Tunix items canonically.
 
-A thin adapter: a Tunix item is restored by its `planned_item.PlannedItem`
-(the target rewritten into the on-disk structure, only the arrays it names
-read, each straight into its sharding and dtype), through Orbax's reads by
-this handler (or the `reader` it was given), with their options. Any other
-item, and a Tunix item restored into a target that already has its on-disk
-shape (`PlannedItem.as_stored`), goes to Orbax exactly as asked.
+A thin adapter over `planned_item.PlannedItem` (see the class), reading through
+this handler's Orbax reads or its `reader`'s. A Tunix item restored into a target
+already in its on-disk shape (`PlannedItem.as_stored`) goes to Orbax as asked.
 """
 
 from __future__ import annotations

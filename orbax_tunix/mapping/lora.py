@@ -232,9 +232,7 @@ def _contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
   return None
 
 
-def check_scaling(
-    alpha: float | None, scale: float | None, names: tuple[str, str] = ('alpha', 'scale')
-) -> None:
+def check_scaling(alpha: float | None, scale: float | None, names: tuple[str, str]) -> None:
   """Refuses a LoRA scaling that is not one finite number; reads nothing.
 
   Args:
@@ -264,40 +262,8 @@ def check_scaling(
       )
 
 
-MERGE_OPTION_NAMES = ('lora_alpha', 'lora_scale', 'base')
-
-
-def check_merge_options(
-    merging: bool, alpha: float | None, scale: float | None, base: object = None,
-    names: tuple[str, str, str] = MERGE_OPTION_NAMES,
-) -> None:
-  """Refuses a merge's options without a merge, and a scaling that is not
-  finite (see `check_scaling`); reads nothing.
-
-  Args:
-    merging: whether the caller merges.
-    alpha, scale, base: as given (None: not given).
-    names: the caller's names for them, for the message.
-
-  Raises:
-    LoraError: options without a merge (the adapters would be copied
-      unmerged), or see `check_scaling`.
-  """
-  given = [n for n, v in zip(names, (alpha, scale, base), strict=True) if v is not None]
-  if given and not merging:
-    one = len(given) == 1
-    raise errors.LoraError(
-        f'{" and ".join(f"`{n}`" for n in given)} {"is an option" if one else "are options"}'
-        ' of a LoRA merge (without one the adapters would be copied unmerged): add'
-        f' `merge_lora=True`, or drop {"it" if one else "them"}.'
-    )
-  check_scaling(alpha, scale, names[:2])
-
-
-def check_scaling_applies(
-    adapters: Mapping[Path, Adapter], alpha: float | None, scale: float | None,
-    names: tuple[str, str] = ('alpha', 'scale'),
-) -> None:
+def check_scaling_applies(adapters: Mapping[Path, Adapter], alpha: float | None,
+                          scale: float | None, names: tuple[str, str]) -> None:
   """Refuses an alpha or scale for adapters that have none (flax's add `a ⊗ b` unscaled).
 
   Raises:
@@ -319,7 +285,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def scale_of(adapter: Adapter, alpha: float | None, scale: float | None,
-             names: tuple[str, str] = ('alpha', 'scale')) -> float:
+             names: tuple[str, str]) -> float:
   """The factor of `a ⊗ b`: qwix's `alpha / rank` (or `scale`), flax's 1.
 
   Args:

@@ -181,7 +181,7 @@ class Options:
   @classmethod
   def given(cls, merging: bool, alpha: float | None = None, scale: float | None = None,
             base: epath.PathLike | None = None,
-            names: tuple[str, str, str] = lora.MERGE_OPTION_NAMES) -> Options | None:
+            names: tuple[str, str, str] = ('lora_alpha', 'lora_scale', 'base')) -> Options | None:
     """The options of a merge, or None without one; nothing is read.
 
     Args:
@@ -190,10 +190,18 @@ class Options:
       names: the caller's names for them (its keywords), for messages.
 
     Raises:
-      LoraError: options without a merge, or a scaling that is not finite
-        (`lora.check_merge_options`).
+      LoraError: options without a merge (the adapters would be copied
+        unmerged), or a scaling that is not finite (`lora.check_scaling`).
     """
-    lora.check_merge_options(merging, alpha, scale, base, names)
+    given = [n for n, v in zip(names, (alpha, scale, base), strict=True) if v is not None]
+    if given and not merging:
+      one = len(given) == 1
+      raise errors.LoraError(
+          f'{" and ".join(f"`{n}`" for n in given)} {"is an option" if one else "are options"}'
+          ' of a LoRA merge (without one the adapters would be copied unmerged): add'
+          f' `merge_lora=True`, or drop {"it" if one else "them"}.'
+      )
+    lora.check_scaling(alpha, scale, names[:2])
     return cls(alpha, scale, base, names[:2]) if merging else None
 
   def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:

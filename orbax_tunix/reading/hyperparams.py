@@ -56,8 +56,12 @@ def hyperparameters(path: epath.PathLike, *, step: int | None = None) -> dict[st
     TunixCheckpointError subclasses, as `detect()`.
   """
   location = step_store.resolve(path, step)
-  wanted = wanted_items(location, (conventions.OPTIMIZER_ITEM,))
-  return read_hyperparameters(detect(location, items=wanted))
+  detection = detect(location, items=wanted_items(location, (conventions.OPTIMIZER_ITEM,)))
+  found = hyperparameter_leaves(detection)
+  if found is None:
+    return {}
+  item, wanted = found
+  return by_shell(wanted, read_side_leaves(detection, {d: (item, d) for d in wanted}))
 
 
 def hyperparameter_leaves(detection: Detection) -> tuple[str, dict[Path, tuple[str, str]]] | None:
@@ -90,15 +94,6 @@ def by_shell(wanted: Mapping[Path, tuple[str, str]], values: Mapping[Path, Any])
   for disk, (shell, key) in wanted.items():
     out.setdefault(shell, {})[key] = np.asarray(values[disk])[()]
   return out
-
-
-def read_hyperparameters(detection: Detection) -> dict[str, dict[str, Any]]:
-  """`hyperparameters` of an already detected step (its metadata is not read again)."""
-  found = hyperparameter_leaves(detection)
-  if found is None:
-    return {}
-  item, wanted = found
-  return by_shell(wanted, read_side_leaves(detection, {d: (item, d) for d in wanted}))
 
 
 def side_leaves(detection: Detection) -> dict[str, tuple[str, Path]]:

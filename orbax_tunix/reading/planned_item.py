@@ -374,14 +374,14 @@ class Reads:
 
   Use: `want(...)` every leaf (from any step and item, in any order) and
   `want_part(...)` every part of one, then `read()`, then `got(...)` each
-  value (or `pop`, to drop it once used; `clear` drops them all).
+  value (`part(...)` each part).
 
   Example::
 
     reads = Reads()
     reads.want(det, 'model_params', ('w',), into(shape, dtype, sharding))
     reads.read()
-    w = reads.pop(det, 'model_params', ('w',))
+    w = reads.got(det, 'model_params', ('w',))
   """
 
   def __init__(self):
@@ -423,14 +423,6 @@ class Reads:
 
   def part(self, key: Any) -> Any:
     return self._got[(_PART, key)]
-
-  def pop(self, detection: Any, item: str, path: Path) -> Any:
-    """The value, no longer held here (the caller's reference may be the last)."""
-    return self._got.pop((id(detection), item, path))
-
-  def clear(self) -> None:
-    """Drops every value read (the callers' references may be the last)."""
-    self._got.clear()
 
 
 _PART = object()  # Keys parts apart from leaves in `Reads`.

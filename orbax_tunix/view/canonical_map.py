@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from orbax_tunix import errors
@@ -67,15 +67,11 @@ class CanonicalMap:
     return path
 
 
-def plan_step(
-    item_paths: Mapping[str, frozenset[Path]],
-    rules: Sequence[rules_lib.Rule] = rules_lib.RULES,
-) -> dict[str, CanonicalMap]:
-  """Plans every rule on every item of one step.
+def plan_step(item_paths: Mapping[str, frozenset[Path]]) -> dict[str, CanonicalMap]:
+  """Plans every rule (`rules.RULES`, in order) on every item of one step.
 
   Args:
     item_paths: item name -> the set of on-disk leaf paths of that item.
-    rules: the rules to plan, in order.
 
   Returns:
     item name -> its `CanonicalMap`. An item where no identifying rule (see
@@ -89,7 +85,7 @@ def plan_step(
   current: dict[str, list[Path | None]] = {item: list(paths) for item, paths in disk.items()}
   stage = {item: frozenset(paths) for item, paths in item_paths.items()}
   planned: dict[str, list[rules_lib.Rewrite]] = {item: [] for item in item_paths}
-  for rule in rules:
+  for rule in rules_lib.RULES:
     changed = []
     for item in current:
       anchors = rule.find(item, stage)

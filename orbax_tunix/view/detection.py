@@ -271,20 +271,6 @@ def wanted_items(location: step_store.Location, roles: Iterable[str]) -> list[st
   return [r for r in roles if r in known] or None
 
 
-def plan(step: step_store.Step, metas: Mapping[str, item_store.Item]) -> dict[str, canonical_map.CanonicalMap]:
-  """Plans the rewrites of some PyTree items of one step.
-
-  An item saved on its own is planned as the Tunix item its contents are (see
-  `conventions.role`).
-  """
-  if step.single_item:
-    (name, meta), = metas.items()
-    role = conventions.role(name, {p[0] for p in meta.paths if p})
-    planned = canonical_map.plan_step({role: meta.paths})[role]
-    return {name: dataclasses.replace(planned, item=name)}
-  return canonical_map.plan_step({name: meta.paths for name, meta in metas.items()})
-
-
 Planned = tuple[item_store.Item, canonical_map.CanonicalMap]
 
 
@@ -292,7 +278,8 @@ def plan_items(step: step_store.Step, names: Iterable[str]) -> dict[str, Planned
   """Reads and plans some PyTree items of one step, each read once.
 
   The optimizer item is planned with the step's model item, whose weights
-  identify the adapter level in mu/nu (read for that when not asked for).
+  identify the adapter level in mu/nu (read for that when not asked for); an
+  item saved on its own, as the Tunix item its contents are (`conventions.role`).
 
   Raises:
     CorruptMetadataError, UnsupportedLayoutError.
@@ -304,7 +291,13 @@ def plan_items(step: step_store.Step, names: Iterable[str]) -> dict[str, Planned
       and step.is_pytree(model)):
     metas[model] = step.item(model)
   with fileio.no_gc():
-    maps = plan(step, metas)
+    if step.single_item:
+      (name, meta), = metas.items()
+      role = conventions.role(name, {p[0] for p in meta.paths if p})
+      planned = canonical_map.plan_step({role: meta.paths})[role]
+      maps = {name: dataclasses.replace(planned, item=name)}
+    else:
+      maps = canonical_map.plan_step({name: meta.paths for name, meta in metas.items()})
   return {n: (metas[n], maps[n]) for n in names}
 
 
