@@ -49,10 +49,15 @@ class Key:
   spec: str = ''  # As written (with the words), for documentation.
 
   @classmethod
+  def literal(cls, text: str) -> Key:
+    """The key `text` itself, braces and all (a key read from a checkpoint)."""
+    return cls(text, (), None, spec=text)
+
+  @classmethod
   def parse(cls, text: str) -> Key:
     found = _PLACEHOLDER.findall(text)
     if not found:
-      return cls(text, (), None, spec=text)
+      return cls.literal(text)
     regex, at = [], 0
     for m in _PLACEHOLDER.finditer(text):
       regex.append(re.escape(text[at:m.start()]))
@@ -289,7 +294,7 @@ def nested(rules: Sequence[LayoutRule], source: Path, dest: Path) -> tuple[Layou
   destination under `dest` (keys taken literally), e.g. a model's layer rules for its
   weights inside an optimizer's `mu`."""
   def literal(keys: Path) -> tuple[Key, ...]:
-    return tuple(Key(k, (), None, spec=k) for k in keys)
+    return tuple(map(Key.literal, keys))
 
   return tuple(dataclasses.replace(
       rule,
