@@ -31,6 +31,11 @@ NNX_VALUE = 'value'
 RNG_KEY = 'rngs'
 # MaxText's adapter (TunixMaxTextAdapter) puts the whole model under `base`.
 ADAPTER_KEY = 'base'
+# qwix saves a quantized weight (`QArray`, a QLoRA run's frozen base) as
+# `<w>/array/{qvalue, scale[, zero_point]}`: the value first, then the rest.
+QARRAY_KEY = 'array'
+QVALUE, SCALE, ZERO_POINT = 'qvalue', 'scale', 'zero_point'
+QARRAY_PARTS = (QVALUE, SCALE, ZERO_POINT)
 
 # MaxText keeps one item, a Linen TrainState (MaxText 0.2.5 writes its NNX state
 # in that layout): `params/params/<weights>` (the Linen `params` collection),

@@ -75,10 +75,11 @@ class FlaxPlainLM(nnx.Module):
     return self.embedder.attend(self.fc2(jax.nn.gelu(self.fc1(self.embedder(tokens)))))
 
 
-def with_qwix_lora(base: QwixLM) -> nnx.Module:
-  """qwix LoRA on every projection, as Tunix applies it (`apply_lora_to_model`)."""
+def with_qwix_lora(base: QwixLM, **quantized) -> nnx.Module:
+  """qwix LoRA on every projection, as Tunix applies it (`apply_lora_to_model`); QLoRA with
+  `weight_qtype=...` (and `tile_size`, `weight_calibration_method`): the base frozen quantized."""
   provider = qwix.LoraProvider(module_path='.*(q_proj|v_proj|o_proj|up|down)', rank=RANK,
-                               alpha=ALPHA)
+                               alpha=ALPHA, **quantized)
   return qwix.apply_lora_to_model(base, provider, jnp.asarray(TOKENS))
 
 

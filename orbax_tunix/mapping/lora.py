@@ -189,6 +189,19 @@ def contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
   return fits[0] if len(fits) == 1 else None
 
 
+def contracting_axes(arranged: Contraction, a: Shape) -> tuple[int, ...]:
+  """The weight's axes its layer's input contracts: those whose sizes `a` holds (but the
+  rank and any stacked axes), in the weight's order (qwix quantizes a frozen weight with one
+  scale per channel of the others)."""
+  layer = [i for i in range(len(arranged.weight)) if i not in arranged.stacked]
+  left = _drop(tuple(a), arranged.stacked)[:-1]
+  if arranged.reshape:  # Leading axes flattened into `a`'s first (the first that fit).
+    one = [arranged.weight[i] for i in layer]
+    k = next(k for k in range(len(one) + 1) if math.prod(one[:k]) == math.prod(left))
+    return tuple(layer[:k])
+  return tuple(layer[w] for w, p in enumerate(arranged.permutation) if p < len(left))
+
+
 def _drop(shape: Shape, axes: tuple[int, ...]) -> Shape:
   return tuple(n for i, n in enumerate(shape) if i not in axes)
 

@@ -28,14 +28,21 @@ from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.mapping import device, lora, transforms
 from orbax_tunix.mapping.outputs import Input, Output, copied
 from orbax_tunix.mapping.transforms import Transform
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import quantized, reader
 
 PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Merge:
-  """One adapted weight: its base, its adapters, and how they combine."""
+  """One adapted weight: its base, its adapters, and how they combine.
+
+  Attributes:
+    requantize: (recipe, the weight's contracting axes): the base is a float
+      base that the run quantized so before training (an adapters-only QLoRA
+      save); it is quantized and dequantized as qwix did before the merge.
+      None: the base as read (a quantized one is dequantized by the read).
+  """
 
   adapter: lora.Adapter
   base: Input
@@ -43,6 +50,7 @@ class Merge:
   b: reader.LeafInfo
   scale: float
   contraction: lora.Contraction
+  requantize: tuple[quantized.Recipe, tuple[int, ...]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +63,14 @@ class MergePlan:
     weights: plain-model path -> where the weight is read (adapted ones:
       their base).
     merges: plain-model path -> its `Merge`, for the adapted weights.
+    notes: what a person should know of the merge (a quantized base).
   """
 
   lora: reader.CanonicalCheckpoint
   base: reader.CanonicalCheckpoint
   weights: Mapping[Path, Input]
   merges: Mapping[Path, Merge]
+  notes: tuple[str, ...] = ()
 
   def shapes(self) -> dict[Path, tuple[tuple[int, ...], np.dtype]]:
     """The merged model's weights: path -> (shape, dtype), as stored in the base."""
@@ -78,8 +88,14 @@ class MergePlan:
           else 'direct')
       if m.contraction.stacked:
         how += f' per layer (stacked on axes {m.contraction.stacked})'
+      stored = m.base.leaf.quantized
+      if stored is not None:
+        how += f'; base stored quantized ({stored.describe()}), dequantized'
+      elif m.requantize is not None:
+        how += f'; base re-quantized as the run did ({m.requantize[0].describe()})'
       lines.append(f'  {fmt(path)}: {m.adapter.style}, rank {m.adapter.rank},'
                    f' scale {m.scale:g}, {how}')
+    lines += [f'note: {n}' for n in self.notes]
     return '\n'.join(lines)
 
 
@@ -171,29 +187,44 @@ class Options:
     scale: the scale itself, instead of `alpha`.
     base: the base weights' checkpoint (None: the run's own, a full save).
     names: the caller's names for `alpha` and `scale`, for messages.
+    base_quantized: how the run quantized `base` before training (an
+      adapters-only QLoRA save): the merge re-quantizes it so. None: `base`
+      as stored.
   """
 
   alpha: float | None = None
   scale: float | None = None
   base: epath.PathLike | None = None
   names: tuple[str, str] = ('alpha', 'scale')
+  base_quantized: quantized.Recipe | None = None
+  # The caller's names for `base` and the recipe's qtype, tile size and calibration.
+  base_names: tuple[str, str, str, str] = ('base', 'base_qtype', 'base_tile_size',
+                                          'base_calibration')
 
   @classmethod
   def given(cls, merging: bool, alpha: float | None = None, scale: float | None = None,
-            base: epath.PathLike | None = None,
-            names: tuple[str, str, str] = ('lora_alpha', 'lora_scale', 'base')) -> Options | None:
+            base: epath.PathLike | None = None, base_qtype: str | None = None,
+            base_tile_size: int | None = None, base_calibration: str | None = None,
+            names: tuple[str, ...] = ('lora_alpha', 'lora_scale', 'base', 'base_qtype',
+                                      'base_tile_size', 'base_calibration')) -> Options | None:
     """The options of a merge, or None without one; nothing is read.
 
     Args:
       merging: whether the caller merges.
       alpha, scale, base: as the caller was given them (None: not given).
-      names: the caller's names for them (its keywords), for messages.
+      base_qtype, base_tile_size, base_calibration: the recipe the run
+        quantized `base` with (qwix's `weight_qtype`, `tile_size`,
+        `weight_calibration_method`; `quantized.Recipe`), for an adapters-only
+        QLoRA save.
+      names: the caller's names for them all (its keywords), for messages.
 
     Raises:
       LoraError: options without a merge (the adapters would be copied
-        unmerged), or a scaling that is not finite (`lora.check_scaling`).
+        unmerged); a scaling that is not finite (`lora.check_scaling`); a
+        recipe without `base` or without its qtype, or one qwix does not take.
     """
-    given = [n for n, v in zip(names, (alpha, scale, base), strict=True) if v is not None]
+    values = (alpha, scale, base, base_qtype, base_tile_size, base_calibration)
+    given = [n for n, v in zip(names, values, strict=True) if v is not None]
     if given and not merging:
       one = len(given) == 1
       raise errors.LoraError(
@@ -202,11 +233,73 @@ class Options:
           f' `merge_lora=True`, or drop {"it" if one else "them"}.'
       )
     lora.check_scaling(alpha, scale, names[:2])
-    return cls(alpha, scale, base, names[:2]) if merging else None
+    recipe = _recipe(base, base_qtype, base_tile_size, base_calibration, names)
+    return cls(alpha, scale, base, names[:2], recipe, names[2:]) if merging else None
 
   def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
     """The merge of `source`'s adapters with these options (`plan_merge`)."""
     return plan_merge(source, self)
+
+
+def _recipe(base: Any, qtype: str | None, tile_size: int | None, calibration: str | None,
+            names: tuple[str, ...]) -> quantized.Recipe | None:
+  """The quantization recipe of an adapters-only QLoRA save's base, checked (nothing read).
+
+  Raises:
+    LoraError: a tile size or calibration without a qtype; a recipe without a base; a
+      qtype, tile size or calibration qwix does not take.
+  """
+  qtype_name, tile_name, calibration_name = names[3:6]
+  if qtype is None:
+    extra = [n for n, v in ((tile_name, tile_size), (calibration_name, calibration))
+             if v is not None]
+    if extra:
+      raise errors.LoraError(
+          f'`{extra[0]}` given without `{qtype_name}`: they describe how a QLoRA run quantized'
+          f' its base. Pass `{qtype_name}` too (the run\'s weight_qtype: one of'
+          f' {", ".join(quantized.QTYPES)}), or drop `{extra[0]}`.')
+    return None
+  if base is None:
+    raise errors.LoraError(
+        f'`{qtype_name}={qtype}` without `{names[2]}`: it says how a QLoRA run quantized the'
+        f' float base that `{names[2]}` names, for an adapters-only save. A full save holds its'
+        f' quantized base and says how (drop `{qtype_name}`); for adapters only, pass'
+        f' `{names[2]}` too.')
+  try:
+    return quantized.Recipe(qtype, tile_size, calibration or 'absmax')
+  except ValueError as e:
+    raise errors.LoraError(
+        f'`{qtype_name}`, `{tile_name}`, `{calibration_name}`: {e}') from None
+
+
+def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.CanonicalCheckpoint,
+                     merges: Mapping[Path, Merge], options: Options, adapters_only: bool
+                     ) -> list[str]:
+  """What a merge says of quantized bases: stored (and dequantized), re-quantized, or unknown."""
+  stored: dict[str, list[Path]] = {}
+  for path, m in merges.items():
+    if m.base.leaf.quantized is not None:
+      stored.setdefault(m.base.leaf.quantized.describe(), []).append(path)
+  notes = [f'{len(paths)} adapted weights have their base saved quantized ({how}, e.g.'
+           f' {fmt(paths[0])}): merged onto it dequantized, the weights the run trained with'
+           for how, paths in sorted(stored.items())]
+  recipe = options.base_quantized
+  if recipe is not None:
+    notes.append(f'the base {base_ckpt.step_dir} re-quantized as the run did ({recipe.describe()})'
+                 ' before the merge: the weights a QLoRA run trained with')
+    odd = sorted({(str(m.base.leaf.dtype), str(m.a.dtype)) for m in merges.values()
+                  if m.base.leaf.dtype != m.a.dtype})
+    notes += [f'the base is stored in {b} and the adapters in {a}: quantized in {a}, the dtype'
+              ' qwix gives the adapters (the scale\'s, which the run quantized in)'
+              for b, a in odd]
+  elif adapters_only and not stored:
+    names = options.base_names[1:]
+    notes.append(
+        f'{lora_ckpt.step_dir} holds adapters only, which cannot tell whether the run trained'
+        ' them on a quantized base (QLoRA): merged onto the base as stored. If the run'
+        f' quantized it (qwix\'s weight_qtype), pass `{names[0]}` (and `{names[1]}`,'
+        f' `{names[2]}` as the run set them) to re-quantize it as the run did.')
+  return notes
 
 
 def plan_merge(
@@ -253,6 +346,15 @@ def plan_merge(
         ' without merging.'
     )
   lora.check_scaling_applies(adapters, alpha, scale, names)
+  saved_quantized = sorted(p for p in adapters if getattr(lora_weights.get(p), 'quantized', None))
+  if saved_quantized and base is not None:
+    how = lora_weights[saved_quantized[0]].quantized.describe()
+    raise errors.LoraError(
+        f'{lora_ckpt.step_dir}: a QLoRA save: it holds the base weights its adapters were'
+        f' trained on, quantized ({how}: {len(saved_quantized)} adapted weights, e.g.'
+        f' {fmt(saved_quantized[0])}); merging onto the float weights of `{options.base_names[0]}`'
+        ' would give another model than the one trained. Drop `'
+        f'{options.base_names[0]}`: the merge then uses the saved base, dequantized.')
   base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
   _refuse_merged_twice(lora_ckpt, base_ckpt)
   base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
@@ -271,8 +373,21 @@ def plan_merge(
       bad.append(f'{fmt(weight)} {found.shape}: the base holds {found.stored} {found.shape};'
                  f' {a.stored} {a.shape} ⊗ {b.stored} {b.shape}')
       continue
+    requantize = None
+    if options.base_quantized is not None:
+      if found.quantized is not None:
+        bad.append(f'{fmt(weight)}: the base holds it quantized already ({found.stored},'
+                   f' {found.quantized.describe()}); drop `{options.base_names[1]}`')
+        continue
+      axes = lora.contracting_axes(arranged, a.shape)
+      try:
+        options.base_quantized.tiled_axes(found.shape, axes)
+      except ValueError as e:
+        bad.append(f'{fmt(weight)}: `{options.base_names[2]}`: {e}')
+        continue
+      requantize = (options.base_quantized, axes)
     merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b,
-                           lora.scale_of(adapter, alpha, scale, names), arranged)
+                           lora.scale_of(adapter, alpha, scale, names), arranged, requantize)
   where = base_ckpt.step_dir
   if missing:
     fix = ('Pass `base`: the checkpoint the LoRA run started from (a Tunix save, a MaxText'
@@ -290,7 +405,9 @@ def plan_merge(
         ' arranges its weight in a way the shapes alone do not determine.'
     )
   sources = {p: Input(base_ckpt, leaf) for p, leaf in base_weights.items()}
-  return MergePlan(lora_ckpt, base_ckpt, sources, merges)
+  notes = _quantized_notes(lora_ckpt, base_ckpt, merges, options,
+                           lora.adapters_only(lora_weights))
+  return MergePlan(lora_ckpt, base_ckpt, sources, merges, tuple(notes))
 
 
 def combine(contraction: lora.Contraction, scale: float):
@@ -331,11 +448,22 @@ def as_transform(merge: Merge) -> Transform:
   """One adapted weight's merge as a `Transform` of (W, a, b): `W` partitioned as the
   merged weight, its (small) adapters read to the host and put whole on every device."""
   fn = combine(merge.contraction, merge.scale)
+  name = f'{TRANSFORM_NAME}(rank={merge.adapter.rank}, scale={merge.scale!r}, {merge.contraction}'
+  whole: tuple[int, ...] = ()  # Axes of W each device holds whole.
+  if merge.requantize is not None:  # The float base as the run quantized it, then merged.
+    recipe, axes = merge.requantize
+    merged = fn
+    fn = lambda w, a, b: merged(quantized.requantize(w, recipe, axes), a, b)  # noqa: E731
+    name += f', base re-quantized {recipe} on axes {axes}'
+    # A tile's scale is computed within the tile: its axis split in tiles on each device.
+    whole = tuple(recipe.tiled_axes(merge.contraction.weight, axes))
   return Transform(
       # The name says all it does (`Transform.computes`: one compiled program per name).
-      f'{TRANSFORM_NAME}(rank={merge.adapter.rank}, scale={merge.scale!r}, {merge.contraction})',
+      name + ')',
       shape=lambda shapes: tuple(shapes[0]), apply=lambda xs: fn(*xs), arity=3,
-      moves_only=False, source_specs=lambda spec, n: (spec, None, None),
+      moves_only=False,
+      source_specs=lambda spec, n: (
+          tuple(None if i in whole else p for i, p in enumerate(spec)), None, None),
   )
 
 
@@ -346,11 +474,14 @@ def output(plan: MergePlan, path: Path, dtype: np.dtype | None, prefix: Path = (
   merge = plan.merges.get(path)
   if merge is None:
     return copied(source, prefix + path, dtype)
+  # A base to re-quantize is read in the dtype the run quantized it in: its adapters' (qwix
+  # makes them in the quantized weight's scale dtype, the model's).
+  base_dtype = dtype if merge.requantize is None else merge.a.dtype
   return Output(
       path=prefix + path,
       inputs=(source, Input(plan.lora, merge.a), Input(plan.lora, merge.b)),
       transform=as_transform(merge), shape=source.leaf.shape, dtype=dtype,
-      read_dtypes=(dtype, np.dtype(np.float32), np.dtype(np.float32)),
+      read_dtypes=(base_dtype, np.dtype(np.float32), np.dtype(np.float32)),
   )
 
 
@@ -430,6 +561,9 @@ def restore_merged_lora(
     base: epath.PathLike | None = None,
     step: int | None = None,
     base_step: int | None = None,
+    base_qtype: str | None = None,
+    base_tile_size: int | None = None,
+    base_calibration: str | None = None,
 ) -> PyTree:
   """Restores a LoRA run's weights merged into the base, into a plain-model target.
 
@@ -443,6 +577,9 @@ def restore_merged_lora(
   rank; flax `nnx.LoRA`: 1), else `W`, in the target's sharding and dtype.
   The merge runs on the devices in float32; `W` is read in the target's dtype
   (so a narrower target rounds `W` once before the merge adds the adapters).
+  A QLoRA run's full save merges onto its saved quantized base, dequantized;
+  an adapters-only one onto `base` re-quantized as the run did, given its
+  recipe (`base_qtype`...).
 
   Args:
     path: the LoRA run's checkpoint (root, step or model item).
@@ -451,6 +588,10 @@ def restore_merged_lora(
       any subset of the weights (only that is read); `ocp.PLACEHOLDER` leaves
       are returned as they are.
     alpha, scale, base: the merge's `Options`; step, base_step: see `plan_merge`.
+    base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
+      `base` before training (qwix's `weight_qtype`: int8, int4, nf4,
+      float8_e4m3fn; `tile_size`; `weight_calibration_method`: absmax or
+      minmax), for an adapters-only save; see `Options.given`.
 
   Returns:
     A tree of `target`'s structure holding `jax.Array`s.
@@ -459,7 +600,10 @@ def restore_merged_lora(
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
-  plan = plan_merge(path, Options(alpha, scale, base), step=step, base_step=base_step)
+  options = Options.given(True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
+                          names=('alpha', 'scale', 'base', 'base_qtype', 'base_tile_size',
+                                 'base_calibration'))
+  plan = plan_merge(path, options, step=step, base_step=base_step)
   pairs, treedef = flatten(target)
   wanted = {p: leaf for p, leaf in pairs if leaf is not ocp.PLACEHOLDER}
   values = read_merged(plan, wanted)

@@ -29,8 +29,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
+from orbax_tunix.conventions import QARRAY_PARTS, QVALUE, SCALE
 from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, nest
-from orbax_tunix.reading import read_requests
+from orbax_tunix.reading import quantized, read_requests
 from orbax_tunix.store import _orbax, fileio, item_store, storage_errors
 from orbax_tunix.view import canonical_map
 from orbax_tunix.view.detection import plan_item
@@ -140,8 +141,18 @@ def _skeleton(
 
 
 def canonical_metadata(meta: Any, cmap: canonical_map.CanonicalMap) -> Any:
-  """An on-disk item's metadata tree in canonical form (no store is read)."""
-  return _orbax.tree_metadata_like(meta, canonical_map.to_canonical_tree(meta.tree, cmap))
+  """An on-disk item's metadata tree in canonical form (no store is read): a quantized
+  weight is described as its qvalue's shape in its scale's dtype (what a read gives)."""
+  tree = canonical_map.to_canonical_tree(meta.tree, cmap)
+  if cmap.composed:
+    stored = flat_dict(meta.tree)
+    weights = flat_dict(tree)
+    for path, parts in cmap.composed.items():
+      dtype = getattr(stored.get(parts[SCALE]), 'dtype', None)
+      if path in weights and dtype is not None and dataclasses.is_dataclass(weights[path]):
+        weights[path] = dataclasses.replace(weights[path], dtype=dtype)
+    tree = nest(weights.items())
+  return _orbax.tree_metadata_like(meta, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +222,14 @@ class PlannedItem:
     """
     if not wanted:
       return {}
-    meta = self.meta
-    to_disk = {p: p for p in wanted} if on_disk else self.cmap.canonical_to_disk
+    meta, cmap = self.meta, self.cmap
+    disk_path = (lambda p: p) if on_disk else cmap.disk_path
+    composed = {} if on_disk else {c: self._parts(c) for c in wanted if c in cmap.composed}
     with fileio.no_gc():
-      by_disk = {to_disk[c]: request for c, request in wanted.items()}
+      by_disk = {disk_path(c): request for c, request in wanted.items() if c not in composed}
+      for c, (parts, _) in composed.items():  # A quantized weight: read its parts.
+        for name, request in quantized.part_requests(wanted[c], parts).items():
+          by_disk.setdefault(cmap.composed[c][name], request)
       if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
         # Most of the tree, or lists in it: the whole tree, placeholders for the
         # rest (Orbax's plain path; it cannot prune a list).
@@ -229,7 +244,19 @@ class PlannedItem:
         )
         served = meta.tree_json_of(by_disk)
     restored = flat_dict(self._orbax_read(via or through(), args, served))
-    return {c: restored[to_disk[c]] for c in wanted}
+    out = {c: restored[disk_path(c)] for c in wanted if c not in composed}
+    for c, (_, qscheme) in composed.items():
+      parts = {name: restored[d] for name, d in cmap.composed[c].items()}
+      out[c] = quantized.combine(wanted[c], parts, qscheme)
+    return {c: out[c] for c in wanted}
+
+  def _parts(self, path: Path) -> tuple[dict[str, tuple[tuple[int, ...], Any]], quantized.Scheme]:
+    """A composed leaf's parts, name -> (shape, dtype) as stored, and its `Scheme`
+    (from the parts' headers, read once per item)."""
+    parts = self.cmap.composed[path]
+    infos = self.meta.arrays(parts.values())
+    stored = {name: (infos[d].shape, infos[d].dtype) for name, d in parts.items()}
+    return stored, quantized.scheme(stored)
 
   def read_parts(
       self, parts: Sequence[tuple[Path, tuple[Any, ...], Any]]
@@ -251,11 +278,33 @@ class PlannedItem:
     """
     if not parts:
       return []
-    to_disk = self.cmap.canonical_to_disk
+    cmap = self.cmap
+    reads: list[tuple[Path, tuple[Any, ...], Any]] = []
+    made: list[tuple[int, quantized.Scheme, tuple[Any, ...], Any] | None] = []
+    for path, index, dtype in parts:
+      if path not in cmap.composed:
+        made.append(None)
+        reads.append((cmap.disk_path(path), index, dtype))
+        continue
+      # A quantized weight: its qvalue's region, and its scale's (zero point's) that covers it.
+      stored, qscheme = self._parts(path)
+      made.append((len(stored), qscheme, index, dtype))
+      scale_index, _ = quantized.part_index(index, qscheme)
+      reads += [(d, index if name == QVALUE else scale_index, None)
+                for name, d in quantized.disk_parts(cmap.composed[path]).items()]
     with self._damaged('parts of arrays'):
-      return _orbax.read_parts(
-          self.directory, [(to_disk[p], index, dtype) for p, index, dtype in parts],
-          use_ocdbt=self.meta.use_ocdbt, use_zarr3=self.meta.use_zarr3)
+      got = iter(_orbax.read_parts(self.directory, reads, use_ocdbt=self.meta.use_ocdbt,
+                                   use_zarr3=self.meta.use_zarr3))
+    out = []
+    for how in made:
+      if how is None:
+        out.append(next(got))
+        continue
+      n, qscheme, index, dtype = how
+      # The parts were read in qwix's order; only the last (a zero point) may be absent.
+      values = {name: next(got) for name in QARRAY_PARTS[:n]}
+      out.append(quantized.dequantize_region(values, index, qscheme, dtype))
+    return out
 
   def restore(self, args: ocp.args.PyTreeRestore, via: OrbaxReads | None = None) -> PyTree:
     """A canonical `PyTreeRestore`: a canonical target (any subset), or none (every leaf).
@@ -286,9 +335,8 @@ class PlannedItem:
       return nest(self.read(wanted, via).items())
     with fileio.no_gc():  # Planning builds an object or two per leaf.
       pairs, treedef = flatten(args.item)
-      to_disk = self.cmap.canonical_to_disk
       chosen = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
-      disk = [to_disk.get(c) for c, _ in chosen]
+      disk = [self.cmap.disk_path(c) for c, _ in chosen]
       validate_target(self.meta, [c for c, _ in chosen], disk, [leaf for _, leaf in chosen])
       wanted = {c: (leaf, given.get(c) or read_requests.restore_arg_for(leaf)) for c, leaf in chosen}
     values = self.read(wanted, via)

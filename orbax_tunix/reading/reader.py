@@ -25,6 +25,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.reading import quantized as quantized_lib
 from orbax_tunix.reading import read_requests
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.store import _orbax, item_store, step_store
@@ -50,6 +51,8 @@ class LeafInfo:
     dtype: its dtype (None for strings).
     kind: ARRAY, SCALAR or STRING.
     numpy: the array was saved as an `np.ndarray` (else a `jax.Array`).
+    quantized: how a weight saved quantized is (`quantized.Scheme`; its
+      `disk_path` is then its qvalue's); None for any other leaf.
   """
 
   item: str
@@ -59,6 +62,7 @@ class LeafInfo:
   dtype: np.dtype | None
   kind: str = ARRAY
   numpy: bool = False
+  quantized: quantized_lib.Scheme | None = None
 
   @property
   def nbytes(self) -> int:
@@ -132,17 +136,25 @@ def _item_leaves(
   cmap = detection.maps[name]
   arrays = meta.arrays([leaf.path for leaf in meta.leaves if _kind(leaf) != STRING])
   leaves, side, odd = [], [], []
+  parts_of_composed = set(cmap.parts.values())
   for leaf in meta.leaves:
     canon = cmap.disk_to_canonical[leaf.path]
     kind = _kind(leaf)
     if leaf.is_empty:
       continue  # Structure (an empty state), no data.
     if canon is None:
-      side.append(leaf.path)
+      if leaf.path not in parts_of_composed:
+        side.append(leaf.path)
     elif kind is None:
       odd.append(f'{fmt(leaf.path)} ({leaf.value_type})')
     elif kind == STRING:
       leaves.append(LeafInfo(name, canon, leaf.path, None, None, STRING))
+    elif canon in cmap.composed:  # A weight saved quantized: its parts make it.
+      parts = cmap.composed[canon]
+      qscheme = quantized_lib.scheme({n: (arrays[d].shape, arrays[d].dtype)
+                                      for n, d in parts.items()})
+      leaves.append(LeafInfo(name, canon, leaf.path, qscheme.shape, qscheme.dtype, kind,
+                             leaf.value_type == 'np.ndarray', qscheme))
     else:
       info = arrays[leaf.path]
       numpy = leaf.value_type == 'np.ndarray'

@@ -26,12 +26,20 @@ class CanonicalMap:
     item: item name (e.g. 'model_params').
     rewrites: the planned rules, in application order (disk -> canonical).
     disk_to_canonical: every on-disk leaf path -> canonical path, or None for
-      side leaves that the canonical view leaves out (e.g. hyperparameters).
+      side leaves that the canonical view leaves out (e.g. hyperparameters)
+      and for the parts of a composed leaf but its first.
+    composed: canonical leaves made of several stored ones (a quantized
+      weight, `rules.QUANTIZED`): path -> {part name: on-disk path}.
+    parts: each part of a composed leaf under the path it has without the
+      composing rule (`<w>/array/qvalue`) -> its on-disk path: a target
+      that keeps that structure reads the parts as stored.
   """
 
   item: str
   rewrites: tuple[rules_lib.Rewrite, ...]
   disk_to_canonical: Mapping[Path, Path | None]
+  composed: Mapping[Path, Mapping[str, Path]] = dataclasses.field(default_factory=dict)
+  parts: Mapping[Path, Path] = dataclasses.field(default_factory=dict)
 
   @property
   def rule_names(self) -> tuple[str, ...]:
@@ -43,7 +51,14 @@ class CanonicalMap:
 
   @property
   def side_paths(self) -> tuple[Path, ...]:
-    return tuple(d for d, c in self.disk_to_canonical.items() if c is None)
+    """On-disk leaves outside the canonical view (the parts of composed leaves aside)."""
+    parts = {d for d in self.parts.values()}
+    return tuple(d for d, c in self.disk_to_canonical.items() if c is None and d not in parts)
+
+  def disk_path(self, path: Path) -> Path | None:
+    """The on-disk leaf a canonical path (or a composed leaf's part) reads; None: none."""
+    found = self.canonical_to_disk.get(path)
+    return self.parts.get(path) if found is None else found
 
   def to_canonical_path(self, path: Path) -> Path | None:
     """Runs the rules forwards on one on-disk path."""
@@ -85,6 +100,8 @@ def plan_step(item_paths: Mapping[str, frozenset[Path]]) -> dict[str, CanonicalM
   current: dict[str, list[Path | None]] = {item: list(paths) for item, paths in disk.items()}
   stage = {item: frozenset(paths) for item, paths in item_paths.items()}
   planned: dict[str, list[rules_lib.Rewrite]] = {item: [] for item in item_paths}
+  composed: dict[str, dict[Path, dict[str, Path]]] = {item: {} for item in item_paths}
+  parts: dict[str, dict[Path, Path]] = {item: {} for item in item_paths}
   for rule in rules_lib.RULES:
     changed = []
     for item in current:
@@ -93,6 +110,13 @@ def plan_step(item_paths: Mapping[str, frozenset[Path]]) -> dict[str, CanonicalM
         continue
       rewrite = rules_lib.Rewrite(rule, anchors)
       planned[item].append(rewrite)
+      # Composed leaves found earlier are rewritten as leaves are.
+      composed[item] = {rewrite.to_canonical(c): p for c, p in composed[item].items()}
+      if rule.part_of is not None:
+        for d, c in zip(disk[item], current[item], strict=True):
+          if c is not None and (part := rewrite.part_of(c)) is not None:
+            composed[item].setdefault(part[0], {})[part[1]] = d
+            parts[item][c] = d
       current[item] = [None if c is None else rewrite.to_canonical(c) for c in current[item]]
       changed.append(item)
     for item in changed:  # The next rule sees the rewritten paths.
@@ -104,7 +128,7 @@ def plan_step(item_paths: Mapping[str, frozenset[Path]]) -> dict[str, CanonicalM
       continue
     mapping = dict(zip(disk[item], paths, strict=True))
     _check_bijective(item, mapping)
-    maps[item] = CanonicalMap(item, tuple(planned[item]), mapping)
+    maps[item] = CanonicalMap(item, tuple(planned[item]), mapping, composed[item], parts[item])
   return maps
 
 

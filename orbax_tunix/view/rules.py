@@ -14,7 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping
 
-from orbax_tunix.conventions import ADAPTER_KEY, MODEL_ITEM, NNX_VALUE
+from orbax_tunix.conventions import (
+  ADAPTER_KEY,
+  MODEL_ITEM,
+  NNX_VALUE,
+  QARRAY_KEY,
+  QARRAY_PARTS,
+  QVALUE,
+)
 from orbax_tunix.keypaths import Path
 
 
@@ -58,6 +65,10 @@ class Rule:
     identifies: finding this wrapper alone says the item was written by Tunix
       (an item where no identifying rule applies is read as it is, whatever
       the other rules find: a plain optax state is not rewritten).
+    part_of: for a rule that makes one canonical leaf of several stored ones
+      (a quantized weight): `(path, anchors) -> (leaf's path, part name)` for
+      each such stored path, else None; `to_canonical` sends the leaf's first
+      part to the leaf's path and the other parts to None.
   """
 
   name: str
@@ -66,6 +77,7 @@ class Rule:
   to_canonical: Callable[[Path, Anchors], Path | None]
   to_disk: Callable[[Path, Anchors], Path]
   identifies: bool = False
+  part_of: Callable[[Path, Anchors], tuple[Path, str] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +92,9 @@ class Rewrite:
 
   def to_disk(self, path: Path) -> Path:
     return self.rule.to_disk(path, self.anchors)
+
+  def part_of(self, path: Path) -> tuple[Path, str] | None:
+    return None if self.rule.part_of is None else self.rule.part_of(path, self.anchors)
 
 
 # --- the nnx `value` level -------------------------------------------------
@@ -232,5 +247,52 @@ ADAPTER_BASE = Rule(
     to_disk=_insert_level(ADAPTER_KEY),
 )
 
+# --- a quantized weight: one canonical leaf of several stored ones -----------
+
+
+def _find_qarrays(item: str, step: StepPaths) -> Anchors:
+  """Weights saved as qwix `QArray`s (a QLoRA run's frozen base): a node whose one
+  child `array` holds the leaves `qvalue` and `scale` (and `zero_point`), nothing else."""
+  paths = step[item]
+  nodes = {p[:-2] for p in paths if len(p) > 2 and p[-1] == QVALUE and p[-2] == QARRAY_KEY}
+  if not nodes:
+    return Anchors()
+  arrays = {n + (QARRAY_KEY,) for n in nodes}
+  kids = _children_of(paths, nodes | arrays)
+  leaves = {p for p in paths if p[:-1] in arrays}
+  return Anchors(
+      n for n in nodes
+      if kids[n] == {QARRAY_KEY} and set(QARRAY_PARTS[:2]) <= kids[n + (QARRAY_KEY,)]
+      <= set(QARRAY_PARTS) and all(n + (QARRAY_KEY, k) in leaves for k in kids[n + (QARRAY_KEY,)])
+  )
+
+
+def _qarray_part(path: Path, anchors: Anchors) -> tuple[Path, str] | None:
+  node = path[:-2]
+  if len(path) > 2 and path[-2] == QARRAY_KEY and len(node) in anchors.depths and node in anchors:
+    return node, path[-1]
+  return None
+
+
+def _qarray_to_canonical(path: Path, anchors: Anchors) -> Path | None:
+  part = _qarray_part(path, anchors)
+  if part is None:
+    return path
+  return part[0] if part[1] == QVALUE else None
+
+
+QUANTIZED = Rule(
+    name='qwix_quantized',
+    description=(
+        "a weight qwix saved quantized (array/qvalue, scale[, zero_point]): read"
+        ' dequantized, as one weight'
+    ),
+    find=_find_qarrays,
+    to_canonical=_qarray_to_canonical,
+    to_disk=lambda path, anchors: (
+        path + (QARRAY_KEY, QVALUE) if len(path) in anchors.depths and path in anchors else path),
+    part_of=_qarray_part,
+)
+
 # Order matters: each rule is planned on the paths the previous ones produced.
-RULES: tuple[Rule, ...] = (NNX_VALUE_LEVEL, INJECT_SHELL, ADAPTER_BASE)
+RULES: tuple[Rule, ...] = (NNX_VALUE_LEVEL, INJECT_SHELL, ADAPTER_BASE, QUANTIZED)

@@ -1,0 +1,470 @@
+"""Weights qwix saved quantized (a QLoRA run's frozen base), read as the weights they are.
+
+qwix keeps a quantized weight `W` (a `QArray`) as stored parts (`view.rules.QUANTIZED`):
+`qvalue` (W's shape, in the quantized type: int8, int4, float8_e4m3fn; nf4 as uint4 bucket
+indices), `scale` (W's rank and the model's dtype; on each axis W's size, 1, or W's size over
+a tile) and, with minmax calibration, `zero_point` (scale's shape, qvalue's dtype). `W` is
+qwix's `dequantize`:
+
+    (convert_from(qvalue) in scale's dtype - zero_point) * scale,  scale repeated over W
+
+in scale's dtype (`convert_from` is the identity but for nf4: a table of 16 values). Here it is
+computed in float32 and rounded once to scale's dtype: that is qwix's value bit for bit (the
+difference of two quantized integers, or a table entry in scale's dtype, is exact, as is its
+product with a scale of bfloat16 or float16 in float32; qwix rounds that product once), then
+cast to the dtype asked for. On the devices it runs in one compiled function per shape, in the
+target's sharding: `qvalue` is read in that sharding, `scale` and `zero_point` in the one that
+lines up with it (an axis they hold whole where they are 1 or tiled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+from orbax_tunix.conventions import QVALUE, SCALE, ZERO_POINT
+from orbax_tunix.keypaths import Path
+from orbax_tunix.reading.read_requests import ReadRequest
+
+Shape = tuple[int, ...]
+
+# qwix's nf4 buckets (`qwix._src.core.numerics.get_nf4_buckets`, from the QLoRA paper's
+# appendix E), float32: an nf4 qvalue (stored as uint4) is an index into them.
+NF4_BUCKETS = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], dtype=np.float32)
+NF4 = 'nf4'
+_NF4_STORAGE = np.dtype(ml_dtypes.uint4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+  """How one weight is quantized, as its stored parts say (nothing else records it).
+
+  Attributes:
+    shape: the weight's shape (qvalue's).
+    qvalue_dtype: qvalue's stored dtype.
+    scale_shape: scale's shape.
+    dtype: scale's dtype, the weight's (qwix dequantizes into it).
+    zero_point: whether a zero point is stored (minmax calibration).
+  """
+
+  shape: Shape
+  qvalue_dtype: np.dtype
+  scale_shape: Shape
+  dtype: np.dtype
+  zero_point: bool
+
+  @property
+  def qtype(self) -> str:
+    """The quantized type as qwix names it (int8, int4, float8_e4m3fn, nf4)."""
+    return NF4 if self.qvalue_dtype == _NF4_STORAGE else self.qvalue_dtype.name
+
+  @property
+  def calibration(self) -> str:
+    return 'minmax' if self.zero_point else 'absmax'
+
+  @property
+  def tiles(self) -> dict[int, int]:
+    """Axis -> tile size, for the axes quantized in tiles (scale neither 1 nor W's size)."""
+    return {a: n // s for a, (n, s) in enumerate(zip(self.shape, self.scale_shape, strict=True))
+            if s not in (1, n)}
+
+  @property
+  def reduced(self) -> tuple[int, ...]:
+    """The axes one scale covers whole (W's contracting axes, but a tiled one)."""
+    return tuple(a for a, (n, s) in enumerate(zip(self.shape, self.scale_shape, strict=True))
+                 if s == 1 and n != 1)
+
+  def describe(self) -> str:
+    """E.g. 'int8, tiles of 4 on axis 1, minmax' or 'int4, per channel (axis 0 reduced), absmax'."""
+    tiles = self.tiles
+    how = ', '.join(f'tiles of {t} on axis {a}' for a, t in tiles.items()) if tiles else (
+        f'per channel (axes {list(self.reduced)} reduced)')
+    return f'{self.qtype}, {how}, {self.calibration}'
+
+  @property
+  def stored_bytes(self) -> int:
+    """The parts' bytes on disk (int4 and uint4 take one byte a value)."""
+    n = int(np.prod(self.shape))
+    s = int(np.prod(self.scale_shape))
+    q = max(1, self.qvalue_dtype.itemsize)
+    return n * q + s * self.dtype.itemsize + (s * q if self.zero_point else 0)
+
+  @property
+  def dequantized_bytes(self) -> int:
+    return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def scheme(parts: Mapping[str, tuple[Shape, np.dtype]]) -> Scheme:
+  """The `Scheme` of a weight from its parts' (shape, dtype), by part name."""
+  qshape, qdtype = parts[QVALUE]
+  sshape, sdtype = parts[SCALE]
+  return Scheme(tuple(qshape), np.dtype(qdtype), tuple(sshape), np.dtype(sdtype),
+                ZERO_POINT in parts)
+
+
+# --- the arithmetic ------------------------------------------------------------------
+
+
+def _xp(*arrays: Any) -> Any:
+  return np if all(isinstance(a, np.ndarray | np.generic) for a in arrays) else jnp
+
+
+def _broadcast(op: Any, x: Any, y: Any) -> Any:
+  """`op(x, y)` with `y` repeated over `x` along each axis where it is smaller (a tile of
+  `x` per entry of `y`). On the host without making the repeated `y` (qwix's generic
+  broadcast: reshapes, which are views); on the devices `y` repeated (a reshape of a
+  partitioned axis is no option there; the compiler fuses the repeat into `op`)."""
+  if not isinstance(x, np.ndarray):
+    for axis, (a, b) in enumerate(zip(x.shape, y.shape, strict=True)):
+      if b not in (a, 1):
+        y = jnp.repeat(y, a // b, axis=axis)
+    return op(x, y)
+  xs, ys = [], []
+  for a, b in zip(x.shape, y.shape, strict=True):
+    if a == b or b == 1:
+      xs.append(a)
+      ys.append(b)
+    else:
+      xs += [b, a // b]
+      ys += [b, 1]
+  return op(x.reshape(xs), y.reshape(ys)).reshape(x.shape)
+
+
+def dequantize(qvalue: Any, scale: Any, zero_point: Any = None, *, nf4: bool = False,
+               dtype: Any = None) -> Any:
+  """qwix's `dequantize` of stored parts (see the module), in `dtype` (None: scale's).
+
+  numpy arrays are computed with numpy on the host, jax arrays with jax.numpy.
+  """
+  xp = _xp(qvalue, scale, *([] if zero_point is None else [zero_point]))
+  if nf4:
+    qvalue = xp.asarray(NF4_BUCKETS)[qvalue.astype(np.int32)]
+  value = qvalue.astype(scale.dtype).astype(np.float32)
+  if zero_point is not None:
+    value = _broadcast(xp.subtract, value, zero_point.astype(np.float32))
+  value = _broadcast(xp.multiply, value, scale.astype(np.float32)).astype(scale.dtype)
+  return value if dtype is None else value.astype(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _on_devices(nf4: bool, zero_point: bool, dtype: np.dtype, sharding: Any) -> Any:
+  """`dequantize` compiled into `sharding` and `dtype` (jit's cache keeps one per shape)."""
+
+  def fn(qvalue, scale, *rest):
+    return dequantize(qvalue, scale, rest[0] if zero_point else None, nf4=nf4, dtype=dtype)
+
+  return jax.jit(fn, out_shardings=sharding)
+
+
+# --- reading the parts -------------------------------------------------------------
+
+
+def _sharding_of(request: ReadRequest) -> jax.sharding.Sharding | None:
+  """The sharding a request reads into (None: to the host, or as saved)."""
+  target, args = request
+  if getattr(args, 'restore_type', None) is np.ndarray:
+    return None
+  sharding = getattr(args, 'sharding', None)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return sharding
+  if getattr(args, 'mesh', None) is not None and getattr(args, 'mesh_axes', None) is not None:
+    return jax.sharding.NamedSharding(args.mesh, args.mesh_axes)
+  sharding = getattr(target, 'sharding', None)
+  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def _dtype_of(request: ReadRequest) -> np.dtype | None:
+  target, args = request
+  dtype = getattr(args, 'dtype', None) or getattr(target, 'dtype', None)
+  return None if dtype is None else np.dtype(dtype)
+
+
+def _lined_up(sharding: jax.sharding.Sharding, shape: Shape, weight: Shape
+              ) -> jax.sharding.Sharding:
+  """The sharding of a scale (or zero point) of `shape` that lines up with `sharding` of the
+  weight: partitioned where it has the weight's size, whole where it is 1 or tiled."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding if sharding.is_fully_replicated else jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ('d',)),
+        jax.sharding.PartitionSpec())
+  spec = tuple(sharding.spec) + (None,) * (len(weight) - len(sharding.spec))
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+      *(p if n == w else None for p, n, w in zip(spec, shape, weight, strict=True))))
+
+
+def part_requests(request: ReadRequest, parts: Mapping[str, tuple[Shape, np.dtype]]
+                  ) -> dict[str, ReadRequest]:
+  """What to read of each part of one quantized weight for `request` (the weight's own):
+  each part in its stored dtype; to the host, as saved, or into the sharding that lines up
+  with the weight's.
+
+  Args:
+    request: (target leaf, restore args) for the weight.
+    parts: part name -> (stored shape, stored dtype).
+  """
+  target, args = request
+  if getattr(args, 'restore_type', None) is np.ndarray:
+    return {name: (0, ocp.RestoreArgs(restore_type=np.ndarray)) for name in parts}
+  sharding = _sharding_of(request)
+  if sharding is None:
+    return {name: (0, ocp.RestoreArgs()) for name in parts}  # As saved, as Orbax does.
+  weight = tuple(parts[QVALUE][0])
+  out = {}
+  for name, (shape, dtype) in parts.items():
+    shape = tuple(shape)
+    s = sharding if name == QVALUE else _lined_up(sharding, shape, weight)
+    out[name] = (jax.ShapeDtypeStruct(shape, dtype, sharding=s), ocp.ArrayRestoreArgs(
+        restore_type=jax.Array, sharding=s, global_shape=shape, dtype=dtype))
+  return out
+
+
+def combine(request: ReadRequest, values: Mapping[str, Any], qscheme: Scheme) -> Any:
+  """The weight from its parts read for `request` (`part_requests`): in the request's dtype
+  (else scale's) and sharding (else qvalue's), on the host for host reads."""
+  dtype = _dtype_of(request) or qscheme.dtype
+  zero_point = values.get(ZERO_POINT)
+  nf4 = qscheme.qtype == NF4
+  qvalue, scale = values[QVALUE], values[SCALE]
+  if isinstance(qvalue, np.ndarray):
+    return dequantize(qvalue, np.asarray(scale), None if zero_point is None else
+                      np.asarray(zero_point), nf4=nf4, dtype=dtype)
+  sharding = _sharding_of(request) or qvalue.sharding
+  operands = (qvalue, scale) + (() if zero_point is None else (zero_point,))
+  return _on_devices(nf4, zero_point is not None, np.dtype(dtype), sharding)(*operands)
+
+
+def part_index(index: Sequence[Any], qscheme: Scheme) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """For a region of the weight (ints and slices, one per axis), the region of its scale
+  that covers it, and where the weight's region sits in that scale region repeated.
+
+  Returns:
+    (index into scale, index into the repeated scale region's result) per axis.
+  """
+  into, crop = [], []
+  for at, n, s in zip(index, qscheme.shape, qscheme.scale_shape, strict=True):
+    per = n // s  # Weight entries per scale entry on this axis.
+    if isinstance(at, int | np.integer):
+      into.append(int(at) // per)
+      continue
+    start, stop, _ = at.indices(n)
+    if s == 1:  # One scale for the whole axis: it broadcasts as it is.
+      into.append(slice(0, 1))
+      crop.append(slice(None))
+      continue
+    first = start // per
+    into.append(slice(first, -(-stop // per)))
+    crop.append(slice(start - first * per, stop - first * per))
+  return tuple(into), tuple(crop)
+
+
+def dequantize_region(values: Mapping[str, np.ndarray], index: Sequence[Any], qscheme: Scheme,
+                      dtype: Any) -> np.ndarray:
+  """The weight's region `index` from qvalue's region and the scale (zero point) regions
+  `part_index` names (host arrays)."""
+  _, crop = part_index(index, qscheme)
+  kept = [a for a, at in enumerate(index) if not isinstance(at, int | np.integer)]
+
+  def spread(x: np.ndarray) -> np.ndarray:  # Each entry repeated over its tile, then cut.
+    for axis, a in enumerate(kept):
+      per = qscheme.shape[a] // qscheme.scale_shape[a]
+      if 1 < per < qscheme.shape[a]:
+        x = np.repeat(x, per, axis=axis)
+    return x[crop]
+
+  zero_point = values.get(ZERO_POINT)
+  scale = spread(np.asarray(values[SCALE]))
+  return dequantize(np.asarray(values[QVALUE]), scale,
+                    None if zero_point is None else spread(np.asarray(zero_point)),
+                    nf4=qscheme.qtype == NF4, dtype=dtype)
+
+
+def disk_parts(composed: Mapping[str, Path]) -> dict[str, Path]:
+  """A composed leaf's parts, in qwix's order (qvalue, scale, zero point)."""
+  return {name: composed[name] for name in (QVALUE, SCALE, ZERO_POINT) if name in composed}
+
+
+# --- quantizing a float base as the run did (an adapters-only QLoRA save) -------------
+
+@dataclasses.dataclass(frozen=True)
+class QType:
+  """One of qwix's quantized types (`qwix._src.core.numerics`).
+
+  Attributes:
+    storage: the dtype its values are stored in.
+    bound: what absmax calibration divides by (`get_symmetric_bound`).
+    asymmetric: (qmin, qmax) that minmax calibration maps to (`get_asymmetric_bound`;
+      None: qwix calibrates it by absmax only).
+    rounds: its values are integers (rounded half to even and saturated); else a
+      float type (clipped to its range and cast) or nf4's table.
+  """
+
+  storage: np.dtype
+  bound: float
+  asymmetric: tuple[float, float] | None = None
+  rounds: bool = False
+
+
+_QTYPES: dict[str, QType] = {
+    'int8': QType(np.dtype(np.int8), 127.5, (-128.0, 127.0), rounds=True),
+    'int4': QType(np.dtype(ml_dtypes.int4), 7.5, (-8.0, 7.0), rounds=True),
+    'float8_e4m3fn': QType(np.dtype(ml_dtypes.float8_e4m3fn),
+                           float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)),
+    NF4: QType(_NF4_STORAGE, 1.0),
+}
+QTYPES = tuple(_QTYPES)
+CALIBRATIONS = ('absmax', 'minmax')
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a QLoRA run quantized its base (qwix `LoraProvider`'s `weight_qtype`, `tile_size`,
+  `weight_calibration_method`): what an adapters-only save does not record.
+
+  Raises (on construction):
+    ValueError: a qtype, tile size or calibration qwix does not take for weights.
+  """
+
+  qtype: str
+  tile_size: int | None = None
+  calibration: str = 'absmax'
+
+  def __post_init__(self):
+    if self.qtype not in _QTYPES:
+      raise ValueError(f'qtype {self.qtype!r}: expected one of {", ".join(QTYPES)} (as qwix'
+                       ' names them in LoraProvider(weight_qtype=...)).')
+    if self.calibration not in CALIBRATIONS:
+      raise ValueError(f'calibration {self.calibration!r}: expected absmax or minmax (qwix\'s'
+                       ' weight_calibration_method).')
+    if self.calibration == 'minmax' and _QTYPES[self.qtype].asymmetric is None:
+      raise ValueError(f'calibration minmax with qtype {self.qtype}: qwix calibrates only'
+                       ' integer types (int8, int4) by minmax; pass absmax.')
+    if self.tile_size is not None and (isinstance(self.tile_size, bool) or
+                                       not isinstance(self.tile_size, int | np.integer)
+                                       or self.tile_size < 1):
+      raise ValueError(f'tile size {self.tile_size!r}: expected a positive integer (qwix\'s'
+                       ' tile_size), or none for one scale per channel.')
+
+  def describe(self) -> str:
+    tile = f'tiles of {self.tile_size}' if self.tile_size else 'per channel'
+    return f'{self.qtype}, {tile}, {self.calibration}'
+
+  def tiled_axes(self, shape: Shape, contracting: Sequence[int]) -> dict[int, int]:
+    """qwix's tiling of a weight: the tile on its last contracting axis (none per channel).
+
+    Raises:
+      ValueError: the tile does not divide that axis.
+    """
+    if not self.tile_size or not contracting:
+      return {}
+    axis = contracting[-1]
+    if shape[axis] % self.tile_size:
+      raise ValueError(f'tile size {self.tile_size} does not divide axis {axis} of a weight'
+                       f' of shape {tuple(shape)} (its last contracting axis)')
+    return {axis: self.tile_size}
+
+
+def requantize(w: Any, recipe: Recipe, contracting: Sequence[int]) -> Any:
+  """`dequantize(quantize(w))` as qwix quantizes a frozen weight (`qarray.quantize` with the
+  op's how-to-quantize: one scale per channel, reduced over the contracting axes, or per tile
+  of the last one): the base a QLoRA run trained on, from its float base.
+
+  Computed by XLA as qwix's own steps are (a host array on JAX's default device, and back):
+  each step in float32, rounded to `w`'s dtype where qwix computes in it
+  (`lax.reduce_precision`, which compiled code keeps), so the values are the run's bit for
+  bit where XLA divides as it did for the run (the same kind of device: CPU, TPU and GPU
+  round a float division differently).
+
+  Returns:
+    float32 values, each one of `w`'s dtype (the run's base weight, exactly).
+  """
+  if isinstance(w, np.ndarray | np.generic):
+    return np.asarray(_requantize_compiled(recipe, tuple(contracting))(w))
+  return _requantize(w, recipe, tuple(contracting))
+
+
+@functools.lru_cache(maxsize=64)
+def _requantize_compiled(recipe: Recipe, contracting: tuple[int, ...]) -> Any:
+  return jax.jit(lambda w: _requantize(w, recipe, contracting))
+
+
+def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
+  qtype = _QTYPES[recipe.qtype]
+  dtype = np.dtype(w.dtype)
+  info = ml_dtypes.finfo(dtype)
+  narrower = dtype.itemsize < 4
+
+  def rnd(x: Any) -> Any:  # One of qwix's steps in `dtype`: its float32 result, rounded.
+    return jax.lax.reduce_precision(x, info.nexp, info.nmant) if narrower else x
+
+  shape = tuple(w.shape)
+  tiled = recipe.tiled_axes(shape, contracting)
+  split, reduce = [], []
+  for axis, n in enumerate(shape):
+    if axis in tiled:
+      split += [n // tiled[axis], tiled[axis]]
+      reduce.append(len(split) - 1)  # Within a tile, not over the tiles.
+    else:
+      split.append(n)
+      if axis in contracting:
+        reduce.append(len(split) - 1)
+  x = w.astype(np.float32).reshape(split)
+  reduce = tuple(reduce)
+  tiny = np.float32(np.sqrt(float(info.tiny)))  # A power of two: exact in every dtype.
+  zero_point = None
+  if recipe.calibration == 'minmax':
+    qmin, qmax = qtype.asymmetric
+    low = jnp.minimum(x.min(axis=reduce, keepdims=True), 0)
+    high = jnp.maximum(x.max(axis=reduce, keepdims=True), 0)
+    scale = rnd(rnd(high - low) / np.float32(qmax - qmin))
+    scale = jnp.where(scale < tiny, np.float32(1), scale)
+    zero_point = _to_qtype(rnd(np.float32(qmin) - rnd(low / scale)), recipe.qtype)
+    zero_point = zero_point.astype(np.float32)
+  else:
+    scale = rnd(jnp.abs(x).max(axis=reduce, keepdims=True) / np.float32(qtype.bound))
+    scale = jnp.where(scale < tiny, np.float32(1), scale)
+  q = rnd(x / scale)
+  if zero_point is not None:
+    q = rnd(q + zero_point)
+  q = _to_qtype(q, recipe.qtype)
+  value = rnd(jnp.asarray(NF4_BUCKETS)[q.astype(np.int32)] if recipe.qtype == NF4
+              else q.astype(np.float32))
+  if zero_point is not None:
+    value = rnd(value - zero_point)
+  # The barrier keeps the product rounded where a caller adds to it in the same compiled
+  # function (a LoRA merge): the compiler would fuse the two into one multiply-add.
+  return jax.lax.optimization_barrier(rnd(value * scale).reshape(shape))
+
+
+def _to_qtype(x: Any, qtype: str) -> Any:
+  """qwix's `numerics.convert_to` (no stochastic rounding) of float32 values: nf4's nearest
+  bucket, a float type clipped to its range, an integer rounded half to even and saturated."""
+  storage = _QTYPES[qtype].storage
+  if qtype == NF4:
+    return _nearest_bucket(x).astype(storage)
+  if not _QTYPES[qtype].rounds:
+    info = ml_dtypes.finfo(storage)
+    return jnp.clip(x, np.float32(info.min), np.float32(info.max)).astype(storage)
+  info = ml_dtypes.iinfo(storage)
+  return jnp.clip(jnp.round(x), int(info.min), int(info.max)).astype(storage)
+
+
+def _nearest_bucket(x: Any) -> Any:
+  """qwix's `fp_to_nf4`: the index of the nearest nf4 bucket (`argmin |bucket - x|` in
+  float32, the first on a tie), from the two buckets around each value, not all sixteen."""
+  buckets = jnp.asarray(NF4_BUCKETS)
+  hi = jnp.clip(jnp.searchsorted(buckets, x), 1, len(NF4_BUCKETS) - 1)
+  lo = hi - 1
+  return jnp.where(jnp.abs(buckets[lo] - x) <= jnp.abs(buckets[hi] - x), lo, hi)

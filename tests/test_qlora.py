@@ -1,0 +1,310 @@
+"""QLoRA runs: a weight qwix saved quantized is one weight in the canonical view, and merges.
+
+Models are built with the real qwix and flax nnx (`lora_models.QwixLM`), quantized and adapted
+by qwix's `LoraProvider(weight_qtype=...)` as Tunix applies it, trained a few steps and saved
+as Tunix saves them. The expected values are qwix's own: `qwix.dequantize` of the raw parts
+read by plain Orbax, `qwix.quantize` of the float base, and the QLoRA model's own logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import qwix
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from qwix._src.core import numerics, qarray
+
+import orbax_tunix as ot
+from orbax_tunix import errors
+from orbax_tunix.keypaths import flat_dict, nest
+from orbax_tunix.mapping import merge
+from orbax_tunix.reading import quantized
+from orbax_tunix.reading.planned_item import PlannedItem
+from tests import builders
+from tests import lora_models as lm
+from tests.test_lora_merge import F32_ATOL, abstract_weights, forward
+
+# (name, LoraProvider's quantization keywords, dtype of the model's params)
+RECIPES = {
+    'int8_minmax_tile4': (dict(weight_qtype='int8', tile_size=4,
+                               weight_calibration_method='minmax'), jnp.float32),
+    'int4_absmax': (dict(weight_qtype='int4'), jnp.float32),
+    'fp8_tile4': (dict(weight_qtype='float8_e4m3fn', tile_size=4), jnp.float32),
+    'int8_bf16': (dict(weight_qtype='int8', weight_calibration_method='minmax'), jnp.bfloat16),
+}
+ADAPTED = ('q_proj/w', 'v_proj/w', 'o_proj/w', 'up/kernel', 'down/kernel')
+
+
+def _qarray(raw: dict[str, np.ndarray], weight: str) -> qwix.QArray:
+  """qwix's `QArray` of a weight's parts as plain Orbax reads them."""
+  parts = {k: raw[f'{weight}/array/{k}/value'] for k in ('qvalue', 'scale', 'zero_point')
+           if f'{weight}/array/{k}/value' in raw}
+  qvalue = jnp.asarray(parts['qvalue'])
+  qtype = 'nf4' if qvalue.dtype == jnp.uint4 else qvalue.dtype
+  zero_point = parts.get('zero_point')
+  return qwix.QArray(qvalue, jnp.asarray(parts['scale']),
+                     None if zero_point is None else jnp.asarray(zero_point), qtype)
+
+
+def _cast(model: nnx.Module, dtype) -> nnx.Module:
+  if dtype != jnp.float32:
+    state = nnx.state(model)
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
+  return model
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Each recipe's QLoRA run saved in full and adapters-only, with its float base."""
+  root = tmp_path_factory.mktemp('qlora')
+  out = {}
+  for name, (recipe, dtype) in RECIPES.items():
+    base = _cast(lm.QwixLM(rngs=nnx.Rngs(0)), dtype)
+    builders.save_tunix(root / name / 'base', 1, base)
+    model = lm.train(lm.with_qwix_lora(nnx.clone(base), **recipe))
+    builders.save_tunix(root / name / 'full', 1, model)
+    only = nnx.state(model, nnx.LoRAParam)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+      ckptr.save(root / name / 'only' / '1',
+                 args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(only)))
+    out[name] = {'root': root / name, 'dtype': dtype, 'recipe': recipe,
+                 'logits': np.asarray(model(jnp.asarray(lm.TOKENS)), np.float32)}
+  return out
+
+
+def _raw(run) -> dict[str, np.ndarray]:
+  return builders.raw_leaves(run['root'] / 'full' / '1' / 'model_params')
+
+
+@pytest.mark.parametrize('name', RECIPES)
+def test_a_quantized_weight_reads_as_qwix_dequantizes_it(runs, name):
+  """No target: every weight canonical, the quantized ones dequantized, in scale's dtype."""
+  run = runs[name]
+  step = run['root'] / 'full' / '1'
+  ckptr = ocp.Checkpointer(ot.TunixAwareHandler())
+  state = flat_dict(ckptr.restore(step)['model_params'])
+  meta = flat_dict(ckptr.metadata(step).item_metadata['model_params'])
+  raw = _raw(run)
+  assert not any('array' in path for path in state), 'parts left in the canonical view'
+  for layer, weight in itertools.product(('0', '1'), ADAPTED):
+    path = ('layers', layer, *weight.split('/'))
+    want = qwix.dequantize(_qarray(raw, f'layers/{layer}/{weight}'))
+    got = state[path]
+    assert got.dtype == want.dtype and got.shape == want.shape  # scale's dtype, as qwix's
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (meta[path].shape, meta[path].dtype) == (want.shape, want.dtype)
+
+
+@pytest.mark.parametrize('name', ['int8_minmax_tile4', 'fp8_tile4'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_sharded_target_is_dequantized_into_its_sharding_and_dtype(runs, mesh, name, dtype):
+  run = runs[name]
+  raw = _raw(run)
+  target = {'layers': {'1': {
+      'v_proj': {'w': jax.ShapeDtypeStruct((lm.N, lm.D, lm.H), dtype,
+                                            sharding=NamedSharding(mesh, P('model', None, 'data')))},
+      'up': {'kernel': jax.ShapeDtypeStruct((lm.D, lm.F), dtype,
+                                            sharding=NamedSharding(mesh, P('model', 'data')))},
+  }}}
+  ckptr = ocp.Checkpointer(ot.TunixAwareHandler())
+  got = ckptr.restore(run['root'] / 'full' / '1', args=ocp.args.Composite(
+      model_params=ocp.args.PyTreeRestore(item=target)))['model_params']
+  for weight in ('v_proj/w', 'up/kernel'):
+    value = flat_dict(got)[('layers', '1', *weight.split('/'))]
+    want_leaf = flat_dict(target)[('layers', '1', *weight.split('/'))]
+    assert value.sharding == want_leaf.sharding and value.dtype == dtype
+    want = qwix.dequantize(_qarray(raw, f'layers/1/{weight}')).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(want))
+
+
+def test_a_target_of_the_stored_parts_reads_them_as_stored(runs, mesh):
+  run = runs['int8_minmax_tile4']
+  raw = _raw(run)
+  sharding = NamedSharding(mesh, P())
+  parts = {k: jax.ShapeDtypeStruct(raw[f'layers/0/q_proj/w/array/{k}/value'].shape,
+                                   raw[f'layers/0/q_proj/w/array/{k}/value'].dtype,
+                                   sharding=sharding)
+           for k in ('qvalue', 'scale', 'zero_point')}
+  target = {'layers': {'0': {'q_proj': {'w': {'array': parts}}}}}
+  got = ocp.Checkpointer(ot.TunixPyTreeHandler()).restore(
+      run['root'] / 'full' / '1' / 'model_params', args=ocp.args.PyTreeRestore(item=target))
+  for k in parts:
+    value = got['layers']['0']['q_proj']['w']['array'][k]
+    assert value.dtype == parts[k].dtype and value.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(value), raw[f'layers/0/q_proj/w/array/{k}/value'])
+
+
+def test_orbax_v1_loads_the_dequantized_weights(runs):
+  ot.register()
+  run = runs['int4_absmax']
+  loaded = ocp.v1.load_checkpointables(run['root'] / 'full' / '1')['model_params']
+  want = qwix.dequantize(_qarray(_raw(run), 'layers/0/o_proj/w'))
+  np.testing.assert_array_equal(np.asarray(loaded['layers']['0']['o_proj']['w']),
+                                np.asarray(want))
+
+
+def test_parts_of_a_quantized_weight_read_as_the_same_region_dequantized(runs):
+  """A layer's slice or a block of rows (the writer's partial reads) of a tiled weight."""
+  run = runs['int8_minmax_tile4']
+  step = run['root'] / 'full' / '1'
+  found = ot.detect(step)
+  item = PlannedItem.of(found, 'model_params')
+  path = ('layers', '0', 'v_proj', 'w')  # (N, D, H), tiles of 4 on D
+  whole = np.asarray(qwix.dequantize(_qarray(_raw(run), 'layers/0/v_proj/w')))
+  regions = [(1, slice(None), slice(None)), (slice(None), slice(1, 7), slice(None)),
+             (0, slice(3, 8), 2), (slice(1, 2), slice(5, 6), slice(0, 4))]
+  got = item.read_parts([(path, region, None) for region in regions])
+  for region, value in zip(regions, got, strict=True):
+    np.testing.assert_array_equal(value, whole[region])
+
+
+@pytest.mark.parametrize('qtype', ['int8', 'int4', 'float8_e4m3fn', 'nf4'])
+@pytest.mark.parametrize('scale_dtype', [np.float32, ml_dtypes.bfloat16])
+def test_dequantize_is_qwix_dequantize(qtype, scale_dtype):
+  """The arithmetic alone, on host and device, nf4's table included (nf4 full saves fail in
+  Orbax: uint4 cannot be stored, so only the arithmetic can be checked)."""
+  rs = np.random.RandomState(1)
+  storage = {'int8': np.int8, 'int4': ml_dtypes.int4, 'float8_e4m3fn': ml_dtypes.float8_e4m3fn,
+             'nf4': ml_dtypes.uint4}[qtype]
+  shape, scale_shape = (6, 8, 4), (6, 2, 1)
+  if qtype == 'float8_e4m3fn':
+    qvalue = rs.uniform(-400, 400, shape).astype(storage)
+  else:
+    info = ml_dtypes.iinfo(storage)
+    qvalue = rs.randint(int(info.min), int(info.max) + 1, shape).astype(storage)
+  scale = rs.uniform(0.01, 2, scale_shape).astype(scale_dtype)
+  zero_point = (rs.randint(-8, 8, scale_shape).astype(storage)
+                if qtype in ('int8', 'int4') else None)
+  want = qarray.dequantize(qwix.QArray(
+      jnp.asarray(qvalue), jnp.asarray(scale), None if zero_point is None else jnp.asarray(
+          zero_point), 'nf4' if qtype == 'nf4' else jnp.dtype(storage)))
+  nf4 = qtype == 'nf4'
+  host = quantized.dequantize(qvalue, scale, zero_point, nf4=nf4)
+  dev = jax.jit(lambda *xs: quantized.dequantize(*xs, nf4=nf4))(
+      *(jnp.asarray(x) for x in (qvalue, scale) + (() if zero_point is None else (zero_point,))))
+  for got in (host, dev):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+  np.testing.assert_array_equal(quantized.NF4_BUCKETS, np.asarray(numerics.get_nf4_buckets()))
+
+
+@pytest.mark.parametrize('qtype,calibration', [
+    ('int8', 'absmax'), ('int8', 'minmax'), ('int4', 'minmax'), ('int4', 'absmax'),
+    ('float8_e4m3fn', 'absmax'), ('nf4', 'absmax')])
+@pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16])
+def test_requantize_is_qwix_quantize_then_dequantize(qtype, calibration, dtype):
+  """Bit for bit, per channel and tiled, einsum weights of 2-4 axes, host and device."""
+  rs = np.random.RandomState(2)
+  for tile, (shape, contracting) in itertools.product(
+      [None, 4], [((40, 56), (0,)), ((4, 12, 40), (0, 1)), ((2, 4, 40, 12), (2,))]):
+    w = (rs.randn(*shape) * rs.uniform(0.01, 3)).astype(dtype)
+    w[..., 0] = 0  # A channel of zeros: qwix's scale of 1.
+    recipe = quantized.Recipe(qtype, tile, calibration)
+    how = qarray.HowToQuantize(
+        qtype='nf4' if qtype == 'nf4' else jnp.dtype(qtype),
+        channelwise_axes=[a for a in range(len(shape)) if a not in contracting],
+        tiled_axes=recipe.tiled_axes(shape, contracting), calibration_method=calibration)
+    want = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(w), how)))
+    host = np.asarray(quantized.requantize(w, recipe, contracting)).astype(want.dtype)
+    dev = np.asarray(jax.jit(lambda x, r=recipe, c=contracting: quantized.requantize(x, r, c))(
+        jnp.asarray(w))).astype(want.dtype)
+    for got in (host, dev):
+      np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                    err_msg=f'{recipe} {shape}')
+
+
+# --- merges ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', RECIPES)
+def test_full_save_merges_onto_its_dequantized_base(runs, mesh, name):
+  """No `base`: the save's quantized base is the one merged onto; the plain model with
+  the merged weights computes the QLoRA model's logits."""
+  run = runs[name]
+  target = abstract_weights('qwix', mesh, jnp.float32)
+  plan = merge.plan_merge(run['root'] / 'full', merge.Options(alpha=lm.ALPHA))
+  assert any('saved quantized' in n for n in plan.notes), plan.notes
+  merged = ot.restore_merged_lora(run['root'] / 'full', target, alpha=lm.ALPHA)
+  right = np.abs(forward('qwix', merged) - run['logits']).max()
+  # The float base merged instead is another model (what a silent float merge wrote).
+  floats = ot.restore_merged_lora(run['root'] / 'only', target, alpha=lm.ALPHA,
+                                  base=run['root'] / 'base')
+  wrong = np.abs(forward('qwix', floats) - run['logits']).max()
+  print(name, right, wrong)
+  if run['dtype'] == jnp.float32:
+    assert right <= F32_ATOL and wrong > 5 * F32_ATOL, (right, wrong)
+  else:  # bfloat16 through the network blurs both; the quantized base is still the nearer.
+    assert right < wrong / 2, (right, wrong)
+
+
+def test_full_save_with_a_base_is_refused_naming_quantization(runs):
+  run = runs['int4_absmax']
+  with pytest.raises(errors.LoraError, match='QLoRA save.*quantized.*int4'):
+    merge.plan_merge(run['root'] / 'full', merge.Options(
+        alpha=lm.ALPHA, base=run['root'] / 'base'))
+
+
+@pytest.mark.parametrize('name', RECIPES)
+def test_adapters_only_with_the_recipe_merges_onto_the_requantized_base(runs, mesh, name):
+  run = runs[name]
+  recipe = run['recipe']
+  target = abstract_weights('qwix', mesh, jnp.float32)
+
+  def restore(path, **keywords):
+    return flat_dict(ot.restore_merged_lora(path, target, **keywords))
+
+  given = dict(base=run['root'] / 'base', base_qtype=recipe['weight_qtype'],
+               base_tile_size=recipe.get('tile_size'),
+               base_calibration=recipe.get('weight_calibration_method'))
+  merged = restore(run['root'] / 'only', alpha=lm.ALPHA, **given)
+  full = restore(run['root'] / 'full', alpha=lm.ALPHA)
+  right = np.abs(forward('qwix', nest(merged.items())) - run['logits']).max()
+  if run['dtype'] == jnp.float32:
+    assert right <= F32_ATOL, right
+  # The full save's merge (its saved quantized base), weight for weight: the sum may round
+  # differently in another compiled program (a fused multiply-add), by a float32 step of
+  # the largest addend.
+  for path, value in merged.items():
+    want = np.asarray(full[path], np.float32)
+    np.testing.assert_allclose(np.asarray(value, np.float32), want, rtol=0,
+                               atol=2 * float(np.spacing(np.abs(want).max())), err_msg=str(path))
+  # With a scale of 0 the merge adds nothing: the re-quantized base is the saved one, exactly.
+  requantized = restore(run['root'] / 'only', scale=0.0, **given)
+  saved = restore(run['root'] / 'full', scale=0.0)
+  for path, value in requantized.items():
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(saved[path]), err_msg=str(path))
+
+
+def test_adapters_only_without_the_recipe_says_it_cannot_tell(runs):
+  run = runs['int8_minmax_tile4']
+  plan = merge.plan_merge(run['root'] / 'only', merge.Options(
+      alpha=lm.ALPHA, base=run['root'] / 'base'))
+  assert any('cannot tell whether' in n and 'base_qtype' in n for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize('keywords,match', [
+    (dict(base_qtype='int3'), 'qtype .int3.: expected one of int8, int4'),
+    (dict(base_qtype='float8_e4m3fn', base_calibration='minmax'), 'minmax with qtype float8'),
+    (dict(base_tile_size=4), '`base_tile_size` given without `base_qtype`'),
+    (dict(base_qtype='int8', base_tile_size=0), 'tile size 0: expected a positive integer'),
+    (dict(base_qtype='int8', base_tile_size=3), 'tile size 3 does not divide axis'),
+])
+def test_a_recipe_that_does_not_fit_is_refused_before_any_read(runs, mesh, keywords, match):
+  run = runs['int4_absmax']
+  with pytest.raises(errors.LoraError, match=match):
+    ot.restore_merged_lora(run['root'] / 'only', abstract_weights('qwix', mesh), alpha=lm.ALPHA,
+                           base=run['root'] / 'base', **keywords)
+
+
+def test_a_recipe_without_a_base_is_refused(runs, mesh):
+  with pytest.raises(errors.LoraError, match='`base_qtype=int8` without `base`'):
+    ot.restore_merged_lora(runs['int4_absmax']['root'] / 'full', abstract_weights('qwix', mesh),
+                           alpha=lm.ALPHA, base_qtype='int8')
