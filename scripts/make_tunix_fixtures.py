@@ -88,6 +88,37 @@ float32 merge of them lands from the LoRA model's own logits).
                        issue 29's families (tests/data/tunix/README.md says
                        what each holds); model only (the *_lora ones: qwix
                        LoRA on a base above, saved in full with the optimizer).
+
+QLoRA fixtures (issue 45): a float base above read back, a qwix LoraRule with
+``weight_qtype`` (rank 2, alpha 3), ``qwix.apply_lora_to_model`` (which quantizes
+the adapted weights while it runs the model once, eagerly), adapters trained
+three adamw(3e-2) steps, saved by Tunix's CheckpointManager. A compact matrix:
+every qtype, calibration, tiling, save kind and family at least once.
+  name                       base             qtype          tile cal.   save
+  hf_qwen3_qlora_int8        hf_qwen3         int8           -    absmax full+opt
+  hf_qwen3_qlora_int4_only   hf_qwen3         int4           4    absmax adapters
+  hf_qwen3_qlora_nf4_only    hf_qwen3         nf4            4    absmax adapters+opt
+  hf_qwen3_bf16_qlora        hf_qwen3_bf16    int4           4    minmax full
+  hf_qwen3_bf16_qlora_only   hf_qwen3_bf16    int4           4    minmax adapters
+  hf_gemma3_qlora_int8       hf_gemma3        int8           4    minmax full
+  hf_gemma3_qlora_int4_only  hf_gemma3        int4           -    minmax adapters
+  hf_gemma3_fused_qlora_fp8  hf_gemma3_fused  float8_e4m3fn  -    absmax full
+  hf_qwen3_bf16              hf_qwen3 step 1 cast to bfloat16 (dtype and
+                             param_dtype), model only: the bf16 runs' base.
+qwen3 runs quantize the MLP (Tunix 0.1.7's qwen3 Einsum casts its weight with
+jnp.astype, which fails on qwix's quantized weight at every forward after the
+first); hf_qwen3_qlora_int8 adapts the attention with a second, plain LoRA rule.
+nf4 runs are adapters-only: Orbax cannot save nf4's uint4 qvalue. The script
+asserts, per quantized weight, that qwix.quantize of the float base with the
+run's recipe (the axes qwix's einsum/dot_general choose) gives the live model's
+qvalue, scale and zero point bit for bit, eagerly and under jit. Manifest
+entries add ``qlora`` (recipe, rank, alpha, rules, targets, each quantized
+weight's axes, base fixture and step, figures measured when the fixture was
+made: how far the live QLoRA model's logits are from the float-base merge and
+from the dequantized-base merge, in the run's dtype and in float32) and a
+``lora`` record shaped as the LoRA fixtures'; ``lora_reference.json`` holds the
+tokens and the live QLoRA model's logits (qwix in the loop).
+
 The hf_* fixtures import Tunix's model modules, which set flax's
 ``flax_always_shard_variable`` to False process-wide: they are written after
 the others (and each lora one after its base, whose files it reads). The
@@ -100,6 +131,14 @@ arrays and manifest entries (checked), without the full install::
         hf_gemma3 hf_gemma3_fused hf_qwen3_lora hf_qwen3_lora_only hf_qwen2 hf_qwen2_lora \
         hf_qwen3_moe hf_qwen3_moe_lora hf_gemma2 hf_gemma2_lora hf_gemma hf_gemma4 hf_gemma4_moe \
         hf_gemma_lora hf_gemma4_lora hf_gemma4_moe_lora
+
+The QLoRA fixtures were written this second way (their bases must exist in ``--out``)::
+
+    JAX_PLATFORMS=cpu PYTHONPATH="$(PYTHON=.venv/bin/python scripts/tunix_pkgs.sh | tail -1)" \
+        .venv/bin/python scripts/make_tunix_fixtures.py --only hf_qwen3_bf16 \
+        hf_qwen3_qlora_int8 hf_qwen3_qlora_int4_only hf_qwen3_qlora_nf4_only \
+        hf_qwen3_bf16_qlora hf_qwen3_bf16_qlora_only hf_gemma3_qlora_int8 \
+        hf_gemma3_qlora_int4_only hf_gemma3_fused_qlora_fp8
 """
 
 from __future__ import annotations
@@ -111,6 +150,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,9 +162,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import qwix  # noqa: E402
-from fixture_trees import describe_tree, key_str  # noqa: E402  (beside this script)
+from fixture_trees import describe_tree, flat, key_str  # noqa: E402  (beside this script)
 from flax import nnx  # noqa: E402
 from orbax.checkpoint import v1 as ocp_v1  # noqa: E402
+from qwix._src.core import dot_general as qwix_dot_general  # noqa: E402  (qwix's own choice of
+from qwix._src.core import einsum as qwix_einsum  # noqa: E402  axes, not public in qwix 0.1.8)
 from tunix.sft import checkpoint_manager as tunix_ckpt  # noqa: E402
 from tunix.sft import utils as tunix_sft_utils  # noqa: E402
 
@@ -386,17 +428,22 @@ HF_GEMMA_LORA_MODULE_PATH = (".*q_einsum|.*kv_einsum|.*k_einsum|.*attn_vec_einsu
                              "|.*up_proj|.*down_proj")
 # qwix's adapters of an einsum: a holds the weight's axes the input shares (in order) and the
 # rank, b the rank and the rest, so a.b has the weight's shape when the shared axes lead;
-# Gemma's q/kv/k einsums (N, D, H), (C, K, D, H), (K, D, H) have D inside (by module name).
+# Gemma's q/kv/k/qkv einsums (N, D, H), (C, K, D, H), (K, D, H), (S, N, D, H) have D inside (by
+# module name).
 HF_LORA_EINSUMS = {"q_einsum": "dr,rnh->ndh", "kv_einsum": "dr,rckh->ckdh",
-                   "k_einsum": "dr,rkh->kdh"}
+                   "k_einsum": "dr,rkh->kdh", "qkv_einsum": "dr,rsnh->sndh"}
 HF_LORA_RANK, HF_LORA_ALPHA = 2, 3.0  # scale alpha / rank = 1.5, distinct from both
 
+_HF_QWEN3_CONFIG = {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "rope_theta": 1_000_000,
+                    "norm_eps": 1e-6, "use_tied_embedding": False}
+# Issue 45 (QLoRA). Tunix 0.1.7's qwen3 Einsum casts its weight (`jnp.astype(self.w.value, ...)`),
+# which fails on qwix's quantized weight: qwen3 QLoRA runs quantize the MLP (plain LoRA may still
+# adapt the attention, by a second rule without weight_qtype).
+QWEN3_MLP_MODULE_PATH = ".*gate_proj|.*up_proj|.*down_proj"
+QWEN3_ATTN_MODULE_PATH = ".*q_proj|.*k_proj|.*v_proj|.*o_proj"
+
 HF_FIXTURES: dict[str, dict[str, Any]] = {
-    "hf_qwen3": {
-        "family": "qwen3", "steps": [1], "optimizer": True,
-        "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "rope_theta": 1_000_000,
-                   "norm_eps": 1e-6, "use_tied_embedding": False},
-    },
+    "hf_qwen3": {"family": "qwen3", "steps": [1], "optimizer": True, "config": _HF_QWEN3_CONFIG},
     "hf_llama3": {
         "family": "llama3", "steps": [1, 2], "optimizer": False,
         "config": {"num_layers": 2, "vocab_size": 96, **_HF_DIMS, "rope_theta": 500_000,
@@ -475,6 +522,58 @@ HF_FIXTURES: dict[str, dict[str, Any]] = {
                        "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
     "hf_gemma4_moe_lora": {"family": "gemma4", "lora_of": "hf_gemma4_moe", "lora_only": False,
                            "steps": [3], "module_path": HF_GEMMA_LORA_MODULE_PATH},
+    # Issue 45: QLoRA. A compact matrix: every qtype, calibration, tiling, save kind and family at
+    # least once (the docstring's table). "qlora" is the quantizing LoraRule's recipe (qwix's
+    # names); "plain_module_path" adds a second rule without weight_qtype (plain LoRA).
+    "hf_qwen3_bf16": {  # hf_qwen3 step 1 read back, every Param cast to bfloat16 (not trained)
+        "family": "qwen3", "cast_of": "hf_qwen3", "steps": [1], "optimizer": False,
+        "config": {**_HF_QWEN3_CONFIG, "dtype": "bfloat16", "param_dtype": "bfloat16"},
+    },
+    "hf_qwen3_qlora_int8": {
+        "family": "qwen3", "lora_of": "hf_qwen3", "lora_only": False, "steps": [3],
+        "optimizer": True, "module_path": QWEN3_MLP_MODULE_PATH,
+        "plain_module_path": QWEN3_ATTN_MODULE_PATH,
+        "qlora": {"weight_qtype": "int8", "tile_size": None, "weight_calibration_method": "absmax"},
+    },
+    "hf_qwen3_qlora_int4_only": {
+        "family": "qwen3", "lora_of": "hf_qwen3", "lora_only": True, "steps": [3],
+        "optimizer": False, "module_path": QWEN3_MLP_MODULE_PATH,
+        "qlora": {"weight_qtype": "int4", "tile_size": 4, "weight_calibration_method": "absmax"},
+    },
+    # nf4's qvalue is uint4, which Orbax cannot save: nf4 runs exist only as adapters-only saves.
+    "hf_qwen3_qlora_nf4_only": {
+        "family": "qwen3", "lora_of": "hf_qwen3", "lora_only": True, "steps": [3],
+        "optimizer": True, "module_path": QWEN3_MLP_MODULE_PATH,
+        "qlora": {"weight_qtype": "nf4", "tile_size": 4, "weight_calibration_method": "absmax"},
+    },
+    "hf_qwen3_bf16_qlora": {
+        "family": "qwen3", "lora_of": "hf_qwen3_bf16", "lora_only": False, "steps": [3],
+        "optimizer": False, "module_path": QWEN3_MLP_MODULE_PATH,
+        "qlora": {"weight_qtype": "int4", "tile_size": 4, "weight_calibration_method": "minmax"},
+    },
+    "hf_qwen3_bf16_qlora_only": {
+        "family": "qwen3", "lora_of": "hf_qwen3_bf16", "lora_only": True, "steps": [3],
+        "optimizer": False, "module_path": QWEN3_MLP_MODULE_PATH,
+        "qlora": {"weight_qtype": "int4", "tile_size": 4, "weight_calibration_method": "minmax"},
+    },
+    # Gemma3's einsums quantize: q_einsum (N, D, H), kv_einsum (C, K, D, H), attn_vec (N, H, D).
+    "hf_gemma3_qlora_int8": {
+        "family": "gemma3", "lora_of": "hf_gemma3", "lora_only": False, "steps": [3],
+        "optimizer": False, "module_path": HF_GEMMA_LORA_MODULE_PATH,
+        "qlora": {"weight_qtype": "int8", "tile_size": 4, "weight_calibration_method": "minmax"},
+    },
+    "hf_gemma3_qlora_int4_only": {
+        "family": "gemma3", "lora_of": "hf_gemma3", "lora_only": True, "steps": [3],
+        "optimizer": False, "module_path": HF_GEMMA_LORA_MODULE_PATH,
+        "qlora": {"weight_qtype": "int4", "tile_size": None, "weight_calibration_method": "minmax"},
+    },
+    # `.*kv_einsum` also matches qkv_einsum (heads == kv heads).
+    "hf_gemma3_fused_qlora_fp8": {
+        "family": "gemma3", "lora_of": "hf_gemma3_fused", "lora_only": False, "steps": [3],
+        "optimizer": False, "module_path": HF_GEMMA_LORA_MODULE_PATH,
+        "qlora": {"weight_qtype": "float8_e4m3fn", "tile_size": None,
+                  "weight_calibration_method": "absmax"},
+    },
 }
 # ModelConfig fields holding AttentionType values, recorded by name.
 HF_ENUM_FIELDS = ("attention_types", "attention_pattern")
@@ -563,6 +662,22 @@ def _hand_merged_state(model, scale: float):
   return pure
 
 
+def _read_base(name: str, base_name: str, out: Path, seed: int):
+  """(base model, step): fixture `base_name`'s last step read back from `out` by Tunix."""
+  spec = HF_FIXTURES[base_name]
+  cfg = hf_model_config(spec["family"], spec["config"])
+  _, model_cls = _tunix_model_module(spec["family"])
+  base_root, base_step = out / base_name, spec["steps"][-1]
+  if not (base_root / str(base_step) / "commit_success.txt").exists():
+    raise SystemExit(f"{name} starts from {base_name} step {base_step}: write it first"
+                     f" (--only {base_name} {name})")
+  base = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(params=seed)))
+  restored_step, _ = tunix_ckpt.CheckpointManager(str(base_root)).maybe_restore(
+      base, step=base_step)
+  assert restored_step == base_step
+  return base, base_step
+
+
 def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, Any]:
   spec = HF_FIXTURES[name]
   family = spec["family"]
@@ -575,7 +690,20 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
   entry: dict[str, Any] = {"family": family, "model_config": cfg_kwargs,
                            "tokens": HF_TOKENS.tolist()}
   lora = "lora_of" in spec
-  if not lora:
+  if "cast_of" in spec:
+    # The float base read back and cast: trained as its source was, not again.
+    source, source_step = _read_base(name, spec["cast_of"], out, seed)
+    model = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(params=seed)))
+    nnx.update(model, jax.tree.map(
+        lambda x: x.astype(cfg.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        nnx.state(source)))
+    tx = optax.adamw(1e-2)
+    desc = (f"none (not trained: {spec['cast_of']} step {source_step} cast to "
+            f"{jnp.dtype(cfg.param_dtype).name})")
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    saved_optimizer = False
+    only_lora = False
+  elif not lora:
     model = model_cls(cfg, rngs=nnx.Rngs(params=seed))
     _perturb(model, seed=42 + seed)
     tx, desc = optax.adamw(1e-2), "optax.adamw(1e-2), params perturbed first"
@@ -584,15 +712,7 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
     only_lora = False
   else:
     base_name = spec["lora_of"]
-    base_root = out / base_name
-    base_step = HF_FIXTURES[base_name]["steps"][-1]
-    if not (base_root / str(base_step) / "commit_success.txt").exists():
-      raise SystemExit(f"{name} starts from {base_name} step {base_step}: write it first"
-                       f" (--only {base_name} {name})")
-    base = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(params=seed)))
-    restored_step, _ = tunix_ckpt.CheckpointManager(str(base_root)).maybe_restore(
-        base, step=base_step)
-    assert restored_step == base_step
+    base, base_step = _read_base(name, base_name, out, seed)
     base_logits = np.asarray(hf_forward(base, HF_TOKENS))
     module_path = spec.get("module_path", HF_LORA_MODULE_PATH)
     provider = qwix.LoraProvider(module_path=module_path, rank=HF_LORA_RANK,
@@ -609,7 +729,7 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
   steps_info = {}
   done = 0
   for step in spec["steps"]:
-    updates = step - done if lora else 1  # LoRA: 3 updates (lora_b starts at zero)
+    updates = step - done if lora else 0 if "cast_of" in spec else 1  # LoRA: 3 (lora_b is 0)
     for _ in range(updates):
       _hf_train_step(model, optimizer, lora)
     done = step
@@ -661,6 +781,256 @@ def make_hf_fixture(name: str, root: Path, out: Path, seed: int) -> dict[str, An
   return entry
 
 
+# --------------------------------------------------------------------------- #
+# QLoRA fixtures (issue 45): qwix LoRA rules with weight_qtype on Tunix's models
+# --------------------------------------------------------------------------- #
+def _unboxed(x):
+  """A QArray field as a plain jax.Array (qwix keeps the Param box around each one)."""
+  if x is None:
+    return None
+  return jnp.asarray(x.get_value() if isinstance(x, nnx.Variable) else x)
+
+
+def _modules(model) -> dict[str, nnx.Module]:
+  return {"/".join(str(k) for k in path): m for path, m in nnx.iter_modules(model)}
+
+
+def _quantized_weights(model) -> dict[str, qwix.QArray]:
+  """Each weight qwix quantized, by '/'-joined path, as a QArray of plain arrays (with qtype)."""
+  out = {}
+  for mpath, module in _modules(model).items():
+    for attr, v in vars(module).items():
+      q = getattr(v, "array", None)
+      if isinstance(q, qwix.QArray):
+        out[f"{mpath}/{attr}" if mpath else attr] = qwix.QArray(
+            qvalue=_unboxed(q.qvalue), scale=_unboxed(q.scale),
+            zero_point=_unboxed(q.zero_point), qtype=q.qtype)
+  return dict(sorted(out.items()))
+
+
+def _how(module, weight: jax.Array, recipe: dict[str, Any]):
+  """qwix's own choice of axes for a weight of `module` (the rhs of its einsum or dot_general)."""
+  kw = {"for_lhs": False, "tile_size": recipe["tile_size"], "qtype": recipe["weight_qtype"],
+        "calibration_method": recipe["weight_calibration_method"]}
+  einsum_str = getattr(module, "einsum_str", None)
+  if einsum_str is not None:  # a Tunix Einsum: jnp.einsum(einsum_str, x, w)
+    lhs = einsum_str.split("->")[0].split(",")[0]
+    return qwix_einsum.get_how_to_quantize(einsum_str=einsum_str,
+                                           ndims=(len(lhs), weight.ndim), **kw)
+  assert isinstance(module, nnx.Linear), type(module)  # x (B, T, in) . kernel (in, out)
+  return qwix_dot_general.get_how_to_quantize(dimension_numbers=(((2,), (0,)), ((), ())),
+                                              ndims=(3, 2), **kw)
+
+
+def _same_bits(a, b) -> bool:
+  a, b = (None if x is None else np.asarray(x) for x in (a, b))
+  if a is None or b is None:
+    return a is None and b is None
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _requantized(base, model, quantized, recipe) -> dict[str, dict[str, Any]]:
+  """Re-quantizes each float base weight with the run's recipe (qwix.quantize with the axes
+  qwix's einsum/dot_general chooses), eagerly and under jit; asserts both reproduce the live
+  model's qvalue, scale and zero_point bit for bit. Returns each weight's axes."""
+  base_modules, modules = _modules(base), _modules(model)
+  how_by_weight = {}
+  for path, q in quantized.items():
+    mpath, attr = path.rsplit("/", 1)
+    w = _unboxed(getattr(base_modules[mpath], attr))
+    how = _how(modules[mpath], w, recipe)
+
+    def requantize(x, how=how):
+      return qwix.quantize(x, recipe["weight_qtype"], channelwise_axes=how.channelwise_axes,
+                           tiled_axes=how.tiled_axes,
+                           calibration_method=recipe["weight_calibration_method"])
+
+    for again in (requantize(w), jax.jit(requantize)(w)):
+      for field in ("qvalue", "scale", "zero_point"):
+        assert _same_bits(getattr(again, field), getattr(q, field)), (path, field)
+    assert qwix.dequantize(q).dtype == q.scale.dtype, path  # the scale's dtype
+    how_by_weight[path] = {"channelwise_axes": sorted(how.channelwise_axes),
+                           "tiled_axes": {str(k): v for k, v in sorted(how.tiled_axes.items())}}
+  return how_by_weight
+
+
+def _lora_deltas(model) -> dict[str, np.ndarray]:
+  """Each adapted weight's a.b in float32, laid out as the weight, by '/'-joined path."""
+  lora = nnx.state(model, nnx.LoRAParam).to_pure_dict()
+  flat_lora = {"/".join(key_str(k) for k in p): np.asarray(x, np.float32)
+               for p, x in jax.tree_util.tree_flatten_with_path(lora)[0]}
+  out = {}
+  for target in _lora_targets(model):
+    a, b = flat_lora[f"{target}_lora_a"], flat_lora[f"{target}_lora_b"]
+    module = target.split("/")[-2]
+    out[target] = (np.einsum(HF_LORA_EINSUMS[module], a, b) if module in HF_LORA_EINSUMS else
+                   np.tensordot(a, b, axes=([-1], [0])))
+  return out
+
+
+def _plain_logits(model_cls, cfg, base, weights: dict[str, np.ndarray], seed: int) -> np.ndarray:
+  """Logits of the plain (unadapted, unquantized) model of `cfg`: the float base's Params with
+  `weights` (float32, by path) put in, all cast to cfg's param dtype."""
+  pure = nnx.state(base, nnx.Param).to_pure_dict()
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
+  new = []
+  for p, x in leaves:
+    x = weights.get("/".join(key_str(k) for k in p), x)
+    new.append(jnp.asarray(x, cfg.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+  plain = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(params=seed)))
+  state = nnx.state(plain, nnx.Param)
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, new))
+  nnx.update(plain, state)
+  return np.asarray(hf_forward(plain, HF_TOKENS), np.float32)
+
+
+def _full_save_error(model) -> str:
+  """What Tunix's full save of `model` raises (into a scratch directory), or '' if none."""
+  errors = []
+  with tempfile.TemporaryDirectory() as scratch:
+    manager = tunix_ckpt.CheckpointManager(str(Path(scratch) / "run"))
+    for stage, call in (("save", lambda: manager.save(1, model, None, force=True)),
+                        ("close", manager.close)):
+      try:
+        call()
+      except Exception as e:  # noqa: BLE001  (recorded, whatever it is)
+        errors.append(f"{type(e).__name__} (in CheckpointManager.{stage}): {e}")
+  return "; ".join(errors)
+
+
+def _quantized_attention_error(base, seed: int) -> str:
+  """Tunix 0.1.7's qwen3 attention with a quantizing rule: qwix quantizes q/k/v/o_proj while it
+  traces the model, then every forward fails. Returns the forward's error."""
+  provider = qwix.LoraProvider(module_path=QWEN3_ATTN_MODULE_PATH, rank=HF_LORA_RANK,
+                               alpha=HF_LORA_ALPHA, weight_qtype="int8")
+  model = qwix.apply_lora_to_model(base, provider, **base.get_model_input(),
+                                   rngs=nnx.Rngs(seed + 2))
+  assert "layers/0/attn/q_proj/w" in _quantized_weights(model)
+  try:
+    hf_forward(model, HF_TOKENS)
+  except TypeError as e:
+    return f"{type(e).__name__}: {e}"
+  raise AssertionError("Tunix's qwen3 attention ran quantized: the docstring is out of date")
+
+
+def make_qlora_fixture(name: str, root: Path, out: Path, seed: int,
+                       reference: dict[str, Any]) -> dict[str, Any]:
+  """A QLoRA run: the float base read back, qwix LoRA with a quantizing rule, adapters trained
+  three adamw steps, saved by Tunix; the live model's logits go to `reference`."""
+  spec = HF_FIXTURES[name]
+  family, base_name, recipe = spec["family"], spec["lora_of"], spec["qlora"]
+  cfg_kwargs = HF_FIXTURES[base_name]["config"]
+  cfg = hf_model_config(family, cfg_kwargs)
+  _, model_cls = _tunix_model_module(family)
+  if root.exists():
+    shutil.rmtree(root)
+  root.mkdir(parents=True)
+  base, base_step = _read_base(name, base_name, out, seed)
+  rules = [qwix.LoraRule(module_path=spec["module_path"], rank=HF_LORA_RANK, alpha=HF_LORA_ALPHA,
+                         **recipe)]
+  if "plain_module_path" in spec:
+    rules.append(qwix.LoraRule(module_path=spec["plain_module_path"], rank=HF_LORA_RANK,
+                               alpha=HF_LORA_ALPHA))
+  model = qwix.apply_lora_to_model(base, qwix.LoraProvider(rules), **base.get_model_input(),
+                                   rngs=nnx.Rngs(seed + 2))
+  assert tunix_sft_utils.is_lora_enabled(model)
+  quantized = _quantized_weights(model)
+  assert quantized, name
+  how = _requantized(base, model, quantized, recipe)
+  tx, desc = optax.adamw(3e-2), "optax.adamw(3e-2), wrt=nnx.LoRAParam"
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+
+  only_lora, step = spec["lora_only"], spec["steps"][-1]
+  for _ in range(step):  # lora_b starts at zero: three updates move both adapters
+    _hf_train_step(model, optimizer, lora=True)
+  after = _quantized_weights(model)  # training leaves the quantized base alone
+  assert all(_same_bits(getattr(after[p], f), getattr(q, f))
+             for p, q in quantized.items() for f in ("qvalue", "scale", "zero_point")), name
+  manager = tunix_ckpt.CheckpointManager(str(root))
+  assert manager.save(step, model, optimizer if spec["optimizer"] else None,
+                      save_only_lora_params=only_lora, force=True), f"{name}: step not saved"
+  manager.close()
+  items = items_for(model, optimizer, only_lora)
+  if not spec["optimizer"]:
+    items.pop("optimizer_state")
+
+  # What a merge must reproduce: the live QLoRA model (qwix in the loop), against the plain
+  # model with (a) the float base + s.a.b (wrong) and (b) the dequantized base + s.a.b (right).
+  scale = HF_LORA_ALPHA / HF_LORA_RANK
+  logits = np.asarray(hf_forward(model, HF_TOKENS), np.float32)
+  float_w = {p: np.asarray(w, np.float32) for p, w in flat(nnx.state(base, nnx.Param)
+                                                           .to_pure_dict()).items()}
+  deq = {p: np.asarray(qwix.dequantize(q), np.float32) for p, q in quantized.items()}
+  deltas = _lora_deltas(model)
+  targets = sorted(deltas)
+  assert set(deq) <= set(targets), (name, set(deq) - set(targets))
+
+  def diff(weights, config=cfg):
+    return float(np.abs(_plain_logits(model_cls, config, base, weights, seed) - logits).max())
+
+  float_merge = diff({p: float_w[p] + scale * d for p, d in deltas.items()})
+  right = {p: deq.get(p, float_w[p]) + scale * d for p, d in deltas.items()}
+  deq_merge = diff(right)
+  # The same merge kept in float32 (weights and compute), as a float32 export would run it.
+  cfg32 = hf_model_config(family, {**cfg_kwargs, "param_dtype": "float32",
+                                   **({"dtype": "float32"} if "dtype" in cfg_kwargs else {})})
+  deq_merge32 = diff(right, cfg32)
+  deq_base = diff(deq)  # the quantized base, no adapters: what the adapters add
+  float_base = diff({})
+  # The difference must matter: both figures well above the right merge's (float32: by 1e4 and
+  # more; bfloat16, whose right merge rounds the merged weights: by ~10).
+  assert min(float_merge, deq_base) > 5 * max(deq_merge, 1e-6), (name, float_merge, deq_merge)
+  assert min(float(np.abs(x).max()) for p, x in
+             flat(nnx.state(model, nnx.LoRAParam).to_pure_dict()).items()
+             if p.endswith("_lora_b")) > 1e-3, name  # trained: b moved off zero
+  reference[name] = {"tokens": HF_TOKENS.tolist(), "logits": logits.tolist()}
+
+  dtype = jnp.dtype(cfg.param_dtype).name
+  saved = ("adapters only (save_only_lora_params=True)" if only_lora else
+           "base and adapters (save_only_lora_params=False)")
+  module_path = "|".join(r.module_path for r in rules)
+  qlora = {
+      "qtype": recipe["weight_qtype"], "tile_size": recipe["tile_size"],
+      "calibration": recipe["weight_calibration_method"], "dtype": dtype,
+      "rank": HF_LORA_RANK, "alpha": HF_LORA_ALPHA, "scale": scale,
+      "module_path": spec["module_path"],
+      "plain_lora_module_path": spec.get("plain_module_path"),
+      "rules": [{"module_path": r.module_path, "weight_qtype": r.weight_qtype,
+                 "tile_size": r.tile_size, "weight_calibration_method":
+                 r.weight_calibration_method if r.weight_qtype else None} for r in rules],
+      "targets": targets, "quantized": how,
+      "base": base_name, "base_step": base_step, "saved": saved,
+      "reference": f"{LORA_REFERENCE} (tokens, and the live QLoRA model's logits on them)",
+      "logits_max_abs": float(np.abs(logits).max()),
+      "logits_max_abs_diff_float_base_merge": float_merge,
+      "logits_max_abs_diff_dequantized_merge": deq_merge,
+      "logits_max_abs_diff_dequantized_merge_float32": deq_merge32,
+      "logits_max_abs_diff_dequantized_base": deq_base,
+      "logits_max_abs_diff_float_base": float_base,
+      "requantize_bit_exact": {"eager": True, "jit": True},
+      "dequantize_dtype": dtype,
+  }
+  if recipe["weight_qtype"] == "nf4":  # why this run has no full save
+    qlora["full_save_error"] = _full_save_error(model)
+    assert "uint4" in qlora["full_save_error"], qlora["full_save_error"]
+  if family == "qwen3" and "plain_module_path" in spec:
+    qlora["quantized_attention_error"] = _quantized_attention_error(base, seed)
+  return {
+      "family": family, "model_config": cfg_kwargs, "tokens": HF_TOKENS.tolist(),
+      "lora": {"rank": HF_LORA_RANK, "alpha": HF_LORA_ALPHA, "scale": scale,
+               "module_path": module_path, "targets": targets, "base": base_name,
+               "base_step": base_step, "saved": saved},
+      "qlora": qlora,
+      "writer": "tunix.sft.checkpoint_manager.CheckpointManager (Orbax v0 API)",
+      "step_dir": "<step>",
+      "steps": spec["steps"],
+      "model": f"qwix QLoRA on {model_cls.__name__}",
+      "optimizer": desc + ("" if spec["optimizer"] else " (not saved)"),
+      "optimizer_wrt": "nnx.LoRAParam",
+      "step_items": {str(step): {"items": items, "custom_metadata": {}}},
+  }
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="tests/data/tunix", help="output directory")
@@ -684,7 +1054,9 @@ def main(argv=None) -> int:
   order = [*FIXTURES, *HF_FIXTURES]
   for name in sorted(args.only or order, key=order.index):
     print(f"writing {name}", file=sys.stderr)
-    if name in HF_FIXTURES:
+    if "qlora" in HF_FIXTURES.get(name, {}):
+      entry = make_qlora_fixture(name, out / name, out, args.seed, reference)
+    elif name in HF_FIXTURES:
       entry = make_hf_fixture(name, out / name, out, args.seed)
     else:
       entry = make_fixture(name, out / name, args.seed, reference)
