@@ -157,12 +157,20 @@ def test_manifest_round_trip(tunix_data):
       layout = d.maps[item]
       disk = {tuple(leaf['path'].split('/')) for leaf in leaves}
       assert set(layout.disk_to_canonical) == disk, (name, item)
+      parts = set(layout.parts.values())
       for path in disk:
         canon = layout.to_canonical_path(path)
         if canon is None:
-          assert 'hyperparams' in path or path[-2:] == ('count', 'value'), path
+          # A quantized weight's scale or zero point (part of its weight), or a side leaf.
+          assert (path in parts and path[-2] in ('scale', 'zero_point')
+                  or 'hyperparams' in path or path[-2:] == ('count', 'value')), path
           continue
         assert 'value' not in canon and layout.to_disk_path(canon) == path, (name, path)
+      quantized = {p[:-3] for p in disk if p[-3:-1] == ('array', 'qvalue')}
+      assert {layout.to_disk_path(c)[:-3] for c in layout.composed} == quantized, (name, item)
+      for canon, stored in layout.composed.items():  # QLoRA saves: each weight is its parts.
+        assert stored['qvalue'] == layout.to_disk_path(canon)
+        assert set(stored) <= {'qvalue', 'scale', 'zero_point'} and 'scale' in stored
 
 
 def test_old_aggregate_only_checkpoint(tmp_path):
