@@ -38,7 +38,7 @@ from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
 from orbax_tunix.mapping import huggingface
-from orbax_tunix.reading import memory
+from orbax_tunix.reading import memory, quantized
 from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import export as export_lib
@@ -161,6 +161,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       lora_alpha=args.lora_alpha,
       lora_scale=args.lora_scale,
       base=args.base,
+      **_base_quantized(args),
       **_layout_options(args, layouts.Destination.STEP),
   )
   result = _stream(convert_lib.run_convert, plan, plan.notes, args, out)
@@ -205,6 +206,9 @@ _NOT_WITH_PEFT = {
     'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
     'base_only': 'the adapter holds the adapters; --base-only writes the base model',
     'config_as_trained': 'an adapter folder holds no config.json of the model',
+    **dict.fromkeys(('base_qtype', 'base_tile_size', 'base_calibration'),
+                    'it says how a merge\'s --base was quantized (the adapter is read from SRC'
+                    ' alone)'),
 }
 
 
@@ -248,6 +252,7 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
         lora_alpha=args.lora_alpha,
         lora_scale=args.lora_scale,
         base=args.base,
+        **_base_quantized(args),
         memory_budget=args.memory_budget,
         force=args.force,
         **_layout_options(args, layouts.Destination.FOLDER),
@@ -309,7 +314,7 @@ _FLAGS = {
         'ignore_dtype', 'merge_lora', 'lora_alpha', 'lora_scale', 'base', 'scan_layers',
         'param_scan_axis', 'model', 'max_shard_size', 'hf_config', 'config_as_trained',
         'coordinator_address', 'num_processes', 'process_id', 'initialization_timeout',
-        'base_model', 'base_only')},
+        'base_model', 'base_only', 'base_qtype', 'base_tile_size', 'base_calibration')},
     'dst': 'DST',
     'src': 'SRC',
     'out_dir': 'OUT_DIR',
@@ -361,6 +366,7 @@ _step = _number(int, 'a step number', lambda value: value >= 0,
 _finite = _number(float, 'a number', math.isfinite, 'expected a finite number (a NaN or'
                   ' infinite scale makes every merged weight NaN or infinite).')
 _atol = _number(float, 'a number', lambda value: value >= 0, 'the tolerance must be >= 0.')
+_tile = _number(int, 'a tile size', lambda value: value >= 1, 'a tile size is at least 1.')
 
 
 def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.Destination) -> None:
@@ -387,6 +393,20 @@ def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
   p.add_argument('--base', metavar='BASE',
                  help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
                  ' checkpoint); default: SRC itself (a full save)')
+  p.add_argument('--base-qtype', choices=quantized.QTYPES, metavar='Q',
+                 help='an adapters-only QLoRA save: how the run quantized BASE (qwix\'s'
+                 f' weight_qtype: {", ".join(quantized.QTYPES)}); BASE is re-quantized so'
+                 ' before the merge. A full save holds its quantized base: not needed')
+  p.add_argument('--base-tile-size', type=_tile, metavar='N',
+                 help="with --base-qtype: the run's tile_size (default: per channel)")
+  p.add_argument('--base-calibration', choices=quantized.CALIBRATIONS,
+                 help="with --base-qtype: the run's weight_calibration_method (default absmax)")
+
+
+def _base_quantized(args: argparse.Namespace) -> dict[str, Any]:
+  """The recipe flags of an adapters-only QLoRA merge, as the library's keywords."""
+  return {name: getattr(args, name, None)
+          for name in ('base_qtype', 'base_tile_size', 'base_calibration')}
 
 
 _EPILOG = (

@@ -205,6 +205,10 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
       'num_leaves': report.num_leaves,
       'bytes': report.nbytes,
       'lora': None if report.lora is None else dataclasses.asdict(report.lora),
+      'quantized': None if report.quantized is None else {
+          'schemes': {k: list(v) for k, v in report.quantized.schemes.items()},
+          'stored_bytes': report.quantized.stored_bytes,
+          'dequantized_bytes': report.quantized.dequantized_bytes},
       'weights': report.source,
       'layers': None if report.layers is None else dataclasses.asdict(report.layers),
       'optimizer': {
@@ -384,6 +388,8 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
     )
     for target, rank in _fold_targets(lora.targets, lora.target_ranks, collapse):
       out.text(f'  {target}  rank {rank}')
+  if report.quantized is not None:
+    show_quantized(out, report.quantized, collapse)
   if report.optimizer:
     out.title(f'Optimizer state ({report.optimizer_item})')
     for row in report.optimizer:
@@ -397,6 +403,22 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
         for name, value in sorted(values.items())
     ]
     out.table(['shell', 'name', 'value'], rows)
+
+
+def show_quantized(out: Output, quantized: inspection.QuantizedReport, collapse: bool) -> None:
+  """The weights saved quantized: how, which, and the bytes it saves."""
+  count = sum(len(paths) for paths in quantized.schemes.values())
+  saved = quantized.dequantized_bytes - quantized.stored_bytes
+  out.title('Quantized weights (QLoRA base)')
+  out.fields([
+      ('weights', f'{count}, read dequantized (qwix\'s dequantize, in their scale\'s dtype)'),
+      ('stored', f'{format_bytes(quantized.stored_bytes)} (dequantized'
+                 f' {format_bytes(quantized.dequantized_bytes)}: {format_bytes(saved)} saved)'),
+  ])
+  for how, paths in quantized.schemes.items():
+    out.text(f'  {how}: {len(paths)} weights')
+    for path, _ in _fold_targets(paths, (0,) * len(paths), collapse):
+      out.text(f'    {path}')
 
 
 def _scalar_text(value: Any) -> str:

@@ -76,6 +76,9 @@ def restore_train_state(
     lora_scale: float | None = None,
     lora_base: epath.PathLike | None = None,
     param_scan_axis: int | None = None,
+    lora_base_qtype: str | None = None,
+    lora_base_tile_size: int | None = None,
+    lora_base_calibration: str | None = None,
 ) -> PyTree:
   """Restores a Tunix checkpoint as MaxText's train state.
 
@@ -103,6 +106,10 @@ def restore_train_state(
       (`orbax_tunix.restore_merged_lora`); needs `params_only=True`.
     lora_alpha, lora_scale, lora_base: the merge's `alpha`, `scale` and
       `base` (the base weights' checkpoint, for an adapters-only save).
+    lora_base_qtype, lora_base_tile_size, lora_base_calibration: how a QLoRA
+      run quantized `lora_base` (`orbax_tunix.restore_merged_lora`'s
+      `base_qtype`...). A QLoRA full save merges onto its own quantized base,
+      dequantized: MaxText's model takes float kernels.
     param_scan_axis: MaxText's layer axis of scanned weights, of the side
       that is scanned. A checkpoint holding the decoder's layers in the other
       form than the target (`decoder/layers/<w>` stacked vs
@@ -126,8 +133,11 @@ def restore_train_state(
       without a merge, or one that is not a finite number (before any read).
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  merging = merge.Options.given(merge_lora or lora_base is not None, lora_alpha, lora_scale,
-                                lora_base, names=('lora_alpha', 'lora_scale', 'lora_base'))
+  merging = merge.Options.given(
+      merge_lora or lora_base is not None, lora_alpha, lora_scale, lora_base, lora_base_qtype,
+      lora_base_tile_size, lora_base_calibration,
+      names=('lora_alpha', 'lora_scale', 'lora_base', 'lora_base_qtype', 'lora_base_tile_size',
+             'lora_base_calibration'))
   require_target(abstract_state, path.step_dir if isinstance(path, Detection) else path)
   if merging is not None:
     return _restore_merged(path, abstract_state, params_only, restore_args, merging)

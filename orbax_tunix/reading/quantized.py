@@ -88,10 +88,12 @@ class Scheme:
                  if s == 1 and n != 1)
 
   def describe(self) -> str:
-    """E.g. 'int8, tiles of 4 on axis 1, minmax' or 'int4, per channel (axis 0 reduced), absmax'."""
+    """E.g. 'int8, tiles of 4 on axis 1, minmax' or 'int4, per channel, axis 0 reduced, absmax'."""
     tiles = self.tiles
+    reduced = ', '.join(map(str, self.reduced))
     how = ', '.join(f'tiles of {t} on axis {a}' for a, t in tiles.items()) if tiles else (
-        f'per channel (axes {list(self.reduced)} reduced)')
+        f'per channel, axis {reduced} reduced' if len(self.reduced) == 1 else
+        f'per channel, axes {reduced} reduced')
     return f'{self.qtype}, {how}, {self.calibration}'
 
   @property

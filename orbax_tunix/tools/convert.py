@@ -44,6 +44,9 @@ def plan_convert(
     lora_alpha: float | None = None,
     lora_scale: float | None = None,
     base: epath.PathLike | None = None,
+    base_qtype: str | None = None,
+    base_tile_size: int | None = None,
+    base_calibration: str | None = None,
     scan_layers: bool | None = None,
     param_scan_axis: int | None = None,
 ) -> ConvertPlan:
@@ -65,6 +68,8 @@ def plan_convert(
     merge_lora: write the weights with the LoRA adapters merged (weights
       only, as `params_only`); see `orbax_tunix.restore_merged_lora`.
     lora_alpha, lora_scale, base: the merge's `alpha`, `scale` and `base`.
+    base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
+      `base` (an adapters-only save; see `restore_merged_lora`).
     scan_layers: the `maxtext` layout's form of the decoder's layers
       (True: scanned, stacked along `param_scan_axis`; False: one array per
       layer; None: as stored).
@@ -97,7 +102,9 @@ def plan_convert(
   return pipeline.plan(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
       memory_budget=memory_budget, force=force, items=items,
-      merge_options=merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base),
+      merge_options=merge_lib.Options.given(
+          merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
+          base_calibration),
       scan_layers=scan_layers, param_scan_axis=param_scan_axis,
   )
 

@@ -53,6 +53,9 @@ def plan_export(
     lora_alpha: float | None = None,
     lora_scale: float | None = None,
     base: epath.PathLike | None = None,
+    base_qtype: str | None = None,
+    base_tile_size: int | None = None,
+    base_calibration: str | None = None,
     max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
     hf_config: epath.PathLike | None = None,
     memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
@@ -76,6 +79,8 @@ def plan_export(
     merge_lora: export the LoRA adapters merged into the weights (no adapter
       tensors); an adapters-only save also needs `base`.
     lora_alpha, lora_scale, base: the merge's (see `restore_merged_lora`).
+    base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
+      `base` (an adapters-only save; see `restore_merged_lora`).
     max_shard_size: bytes per file: an int, or a size as `transformers` writes it
       ('5GB' is 5*10**9 bytes, '2GiB' 2*2**30; `sizes.parse_size`).
     hf_config: the base model's Hugging Face folder: its config.json (checked
@@ -112,7 +117,9 @@ def plan_export(
   family = huggingface.get(model)
   return pipeline.plan(
       src, out_dir, layout=family.name, step=step, dtype=_dtype(dtype), memory_budget=memory_budget,
-      force=force, merge_options=merge_lib.Options.given(merge_lora, lora_alpha, lora_scale, base),
+      force=force, merge_options=merge_lib.Options.given(
+          merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
+          base_calibration),
       max_shard_size=max_shard_size, hf_config=hf_config,
       param_scan_axis=param_scan_axis, base_only=base_only, config_as_trained=config_as_trained,
   )

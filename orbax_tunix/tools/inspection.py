@@ -109,6 +109,44 @@ class LoraReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantizedReport:
+  """Weights saved quantized (a QLoRA run's frozen base, `reading.quantized`).
+
+  Attributes:
+    schemes: how they are quantized (`Scheme.describe()`: qtype, per channel or tiles of
+      N on an axis, calibration) -> the weights so quantized, canonical paths.
+    stored_bytes: their parts' bytes as stored.
+    dequantized_bytes: their bytes dequantized (in their scale's dtype, as read).
+  """
+
+  schemes: Mapping[str, tuple[str, ...]]
+  stored_bytes: int
+  dequantized_bytes: int
+
+
+def quantized_report(leaves: Sequence[reader.LeafInfo]) -> QuantizedReport | None:
+  """The weights among `leaves` saved quantized, or None when there are none."""
+  found = sorted((leaf for leaf in leaves if leaf.quantized is not None),
+                 key=lambda leaf: natural_order(leaf.path))
+  if not found:
+    return None
+  schemes: dict[str, list[str]] = {}
+  for leaf in found:
+    schemes.setdefault(leaf.quantized.describe(), []).append(fmt(leaf.path))
+  return QuantizedReport({k: tuple(v) for k, v in sorted(schemes.items())},
+                         sum(leaf.quantized.stored_bytes for leaf in found),
+                         sum(leaf.quantized.dequantized_bytes for leaf in found))
+
+
+# A LoRA save of adapters alone cannot say whether the run quantized its base (QLoRA).
+ADAPTERS_ONLY_QLORA_NOTE = (
+    'adapters only: a save cannot tell whether the run trained them on a quantized base'
+    ' (QLoRA: qwix\'s weight_qtype). If it did, merge with --base BASE --base-qtype Q'
+    ' [--base-tile-size N] [--base-calibration minmax] as the run set them (Q: int8, int4,'
+    ' nf4, float8_e4m3fn), so the base is re-quantized as the run did')
+
+
+@dataclasses.dataclass(frozen=True)
 class OutlineRow:
   """One node of the optimizer outline.
 
@@ -170,6 +208,7 @@ class Report:
     checkpoint: the step as opened (to read it further, e.g. to verify).
     source: what kind of model the weights are, as export takes them
       (`huggingface.describe_source`), when there are weights.
+    quantized: the weights saved quantized (a QLoRA run's base), if any.
   """
 
   detection: Detection
@@ -186,6 +225,7 @@ class Report:
   checkpoint: reader.CanonicalCheckpoint | None = None
   layers: LayerReport | None = None
   source: str | None = None
+  quantized: QuantizedReport | None = None
 
   @property
   def nbytes(self) -> int:
@@ -366,6 +406,10 @@ def inspect_checkpoint(
   except (errors.UnsupportedLayoutError, errors.MissingItemError):
     weight_pairs = []  # No weights here (the notes say when they are absent).
   lora = lora_report([leaf for leaf, _ in weight_pairs]) if weight_pairs else None
+  quantized = quantized_report([leaf for leaf, _ in weight_pairs])
+  notes = [*detection.notes]
+  if lora is not None and not lora.base_weights and lora.style != lora_lib.FLAX:
+    notes.append(ADAPTERS_ONLY_QLORA_NOTE)
   opt_item, opt_leaves = _optimizer_leaves(ckpt)
   hparams, state_step = _read_scalars(ckpt, opt_item)
   weight_shapes = {path: leaf.shape for leaf, path in weight_pairs}
@@ -382,10 +426,11 @@ def inspect_checkpoint(
       optimizer=outline,
       num_weights=len(weight_pairs),
       hyperparameters=hparams,
-      notes=tuple(detection.notes),
+      notes=tuple(notes),
       checkpoint=ckpt,
       layers=layer_form,
       source=_source(weight_shapes, layer_form),
+      quantized=quantized,
   )
 
 

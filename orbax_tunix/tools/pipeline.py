@@ -254,6 +254,8 @@ def plan(
   if merged is not None:
     notes.append(f'merging LoRA adapters into {len(merged.merges)} of'
                  f' {len(merged.weights)} weights')
+    notes += merged.notes
+  notes += _dequantized_notes(written, merged)
   if not written:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: expected at least one PyTree item to convert,'
@@ -272,6 +274,23 @@ def plan(
       merge=merged, custom_metadata=dict(laid.custom_metadata), files=tuple(files),
       other_files=laid.files, summary=dict(laid.summary),
   )
+
+
+def _dequantized_notes(written: Iterable[ItemOutput], merged: merge_lib.MergePlan | None
+                       ) -> list[str]:
+  """A note for the weights saved quantized (a QLoRA run's base) that are written
+  dequantized without a merge saying so: how they were stored, and that they are float now."""
+  said = set() if merged is None else {m.base.leaf.name for m in merged.merges.values()}
+  found: dict[str, list[reader.LeafInfo]] = {}
+  for item in written:
+    for o in item.outputs:
+      for i in o.inputs:
+        if i.leaf.quantized is not None and i.leaf.name not in said:
+          found.setdefault(i.leaf.quantized.describe(), []).append(i.leaf)
+  return [f'{len({leaf.path for leaf in leaves})} weights saved quantized ({how}, e.g.'
+          f' {fmt(leaves[0].path)}; a QLoRA run\'s frozen base) are written dequantized (qwix\'s'
+          ' dequantize, in float): the weights the quantized base stands for'
+          for how, leaves in sorted(found.items())]
 
 
 def open_source(
