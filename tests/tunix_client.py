@@ -246,8 +246,10 @@ def restored_model(job):
     step, _ = manager.maybe_restore(model, step=job.get('step'))
     assert step, f"nothing restored from {job['root']}"
     return model, step
-  provider = qwix.LoraProvider(module_path=lora['module_path'], rank=int(lora['rank']),
-                               alpha=float(lora['alpha']))
+  rank, alpha = int(lora['rank']), float(lora['alpha'])
+  provider = (qwix.LoraProvider([qwix.LoraRule(rank=rank, alpha=alpha, **rule)
+                                 for rule in lora['rules']]) if lora.get('rules')
+              else qwix.LoraProvider(module_path=lora['module_path'], rank=rank, alpha=alpha))
   base = abstract_model(family, cfg)
   if lora.get('base_root'):
     base_step, _ = tunix_ckpt.CheckpointManager(lora['base_root']).maybe_restore(

@@ -346,15 +346,31 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   if request.base_model is None:
     notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
                  ' (`base_model`) or load the adapter onto it by name')
+  qlora = _qlora_note(adapters, base)
+  readme = [qlora] if qlora else []
   return LaidOut(
-      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
-      files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),),
+      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes + readme),
+      files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),
+             *((peft.README_FILE, peft.readme(readme)),) * bool(readme)),
       summary={'model': family.name, 'architecture': family.target_of(naming)[0],
                'config': None,
                'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
                            'target_modules': config['target_modules'],
                            'modules': len(modules)}},
   )
+
+
+def _qlora_note(adapters: Mapping[Path, lora.Adapter], base: Mapping[Path, reader.LeafInfo]
+                ) -> str | None:
+  """What a QLoRA run's adapter is (trained on a quantized base), where its save says so."""
+  how = sorted({base[w].quantized.describe() for w in adapters
+                if w in base and base[w].quantized is not None})
+  if not how:
+    return None
+  return ('QLoRA: these adapters were trained against a quantized base ('
+          + '; '.join(how) + '), the run\'s frozen base. Served on the original full-precision'
+          ' model, as QLoRA adapters are, they compute close to but not exactly the trained'
+          ' model; on the dequantized base (`export --base-only` of the run) exactly it.')
 
 
 def _not_text(text: str) -> None:

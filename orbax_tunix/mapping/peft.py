@@ -31,6 +31,8 @@ from orbax_tunix.mapping.transforms import Shape, Transform, TransformError, lea
 # PEFT's names: the adapter file (vLLM reads this name only), its config, and the tensors'.
 ADAPTER_FILE = 'adapter_model.safetensors'
 CONFIG_FILE = 'adapter_config.json'
+# What a person serving the adapter should know (a QLoRA run's quantized base), beside it.
+README_FILE = 'README.md'
 PREFIX = 'base_model.model.'
 WEIGHT = '.weight'
 
@@ -287,3 +289,8 @@ def _number(value: float) -> int | float:
   """A whole number as an int (alpha 16, not 16.0), as PEFT's own configs hold it."""
   value = float(value)
   return int(value) if value.is_integer() else value
+
+
+def readme(notes: Sequence[str]) -> str:
+  """The adapter folder's README: what serving it should know, one paragraph a note."""
+  return '# LoRA adapter (written by orbax-tunix)\n\n' + '\n\n'.join(notes) + '\n'
