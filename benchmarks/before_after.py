@@ -120,8 +120,9 @@ def main(argv=None) -> None:
   wall = {k: statistics.median(x['wall_s'] for x in v) for k, v in results.items()}
   mib = {k: harness.med_of(v, 'peak_rss_bytes') for k, v in results.items()}
   warm = {k: harness.med_of(v, 'warm_s') for k, v in results.items()}
+  devices = f' --devices {args.devices}' if args.devices else ''
   print(f'\nCommand: `python benchmarks/before_after.py --before {args.before} --rounds'
-        f' {args.rounds} {shown}`\n')
+        f' {args.rounds}{devices} {shown}`\n')
   peak = 'peak RSS, median' if args.command else 'peak RSS above start, median'
   first = 'wall' if args.command else 'wall, first call'
   print(f'| {label} | before ({args.before}) | after | after / before |')

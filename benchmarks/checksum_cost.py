@@ -48,8 +48,10 @@ def child(mode: str, src: str, dst: str, warm: int) -> None:
     shutil.rmtree(done[-1].parent)
     return {'convert_s': result.seconds}
 
+  import jax  # pylint: disable=g-import-not-at-top
+
   measured = harness.calls(call, warm, describe_out=after)
-  harness.emit({'contender': mode, **measured[0], 'warm': measured[1:]})
+  harness.emit(harness.child_result(mode, measured, jax.devices()))
 
 
 def main(argv=None) -> None:
@@ -81,7 +83,8 @@ def main(argv=None) -> None:
     print(f'\nCommand: `python benchmarks/checksum_cost.py --leaves {args.leaves} --leaf-mib'
           f' {args.leaf_mib} --reps {args.reps} --warm {args.warm}'
           + (f' --devices {args.devices}`' if args.devices else '`')
-          + f' ({total} MiB converted per run)\n')
+          + f' ({total} MiB converted per run); JAX in the children:'
+          f' {harness.describe_line(harness.first_device_info(results))}\n')
     print('| convert | first call, median s | | warm calls, median s | |')
     print('|---|---|---|---|---|')
     first = {k: statistics.median(r['convert_s'] for r in v) for k, v in results.items()}

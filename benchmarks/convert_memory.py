@@ -146,6 +146,7 @@ def main() -> None:
   if args.json:
     print(json.dumps(rows, indent=1))
     return
+  print(harness.commands_line(args.devices))
   columns = list(rows[0])
   widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
   print('  '.join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import statistics
@@ -124,7 +123,7 @@ def main(argv=None) -> None:
   print(f'\nCommand: `python benchmarks/export_floor.py --layers {args.layers} --dim {args.dim}'
         f' --rounds {args.rounds}' + (f' --before {args.before}' if args.before else '')
         + (f' --devices {args.devices}`' if args.devices else '`'))
-  print(f'JAX_PLATFORMS {os.environ.get("JAX_PLATFORMS", "(unset: JAX picks)")}')
+  print(harness.commands_line(args.devices))
   print(f'Qwen3-shaped step, {size / MIB:.0f} MiB on disk ({phases[0]["bytes"] / MIB:.0f} MiB'
         ' float32)\n')
   print('| contender | wall (median) | / floor |')

@@ -264,6 +264,7 @@ def main(argv=None) -> None:
   print(f'\nCommand: `python benchmarks/export_maxtext.py --layers {args.layers} --dim {args.dim}'
         f' --budgets {args.budgets} --reps {args.reps} --chunks {args.chunks}'
         + (f' --devices {args.devices}`' if args.devices else '`'))
+  print(f'{harness.commands_line(args.devices)} (theirs: cpu)')
   print(f'MaxText step: {MODEL_NAME}-shaped, scanned, float32, {model / MIB:.0f} MiB'
         f' ({args.layers} layers, emb {D}, mlp {f}, vocab {v}); largest tensor'
         f' {largest / MIB:.0f} MiB ({largest_name}), largest HF tensor {largest_hf / MIB:.0f}'

@@ -84,7 +84,9 @@ def main(argv=None) -> None:
   baseline, _, status = peak_rss(cli + ['inspect', str(step), '--json'])
   assert status == 0, 'inspect failed'
   print(f'\nCommand: `python benchmarks/export_memory.py --layers {args.layers} --dim {args.dim}'
-        f' --budgets {args.budgets} --max-shard-size {args.max_shard_size} --repeat {args.repeat}`')
+        f' --budgets {args.budgets} --max-shard-size {args.max_shard_size} --repeat {args.repeat}'
+        + (f' --devices {args.devices}`' if args.devices else '`'))
+  print(harness.commands_line(args.devices))
   print(f'model {model / MIB:.0f} MiB float32 ({len(leaves)} tensors, the largest'
         f' {largest / MIB:.0f} MiB); baseline (inspect --json) {harness.mib(baseline)} MiB\n')
   print('| --memory-budget | peak RSS (median of runs) | above baseline | bound: budget +'

@@ -168,6 +168,14 @@ def child_env(devices: int | None = None, base: dict[str, str] | None = None) ->
   return env
 
 
+def commands_line(devices: int | None) -> str:
+  """For a report of commands run with `child_env(devices)`: what their JAX was told."""
+  cpu = (f'{devices} simulated CPU devices (JAX_NUM_CPU_DEVICES)' if devices else
+         "JAX's own CPU devices")
+  return (f'commands on the host: {cpu}; JAX_PLATFORMS'
+          f' {os.environ.get("JAX_PLATFORMS", "unset (JAX picks)")}')
+
+
 # --- counters --------------------------------------------------------------------
 
 

@@ -65,8 +65,10 @@ def main(argv=None) -> None:
       peak, seconds, status = harness.sampled_peak_rss(command, env, interval=0.01)
       rows.append((name, seconds, peak, status))
       print(rows[-1], flush=True)
-    print(f'\nCommand: `python benchmarks/metadata_scale.py --leaves {args.leaves}`'
-          f' (_METADATA of {size / 2**20:.0f} MiB, no array data)\n')
+    print(f'\nCommand: `python benchmarks/metadata_scale.py --leaves {args.leaves}'
+          + (f' --devices {args.devices}`' if args.devices else '`')
+          + f' (_METADATA of {size / 2**20:.0f} MiB, no array data);'
+          f' {harness.commands_line(args.devices)}\n')
     print('| | wall s | peak RSS | exit |')
     print('|---|---|---|---|')
     for name, seconds, peak, status in rows:
