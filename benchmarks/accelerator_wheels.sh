@@ -5,7 +5,7 @@
 #   bash benchmarks/accelerator_wheels.sh PYTHON_VERSION [DIR]    # e.g. 3.11 .whl-accel
 #
 # PYTHON_VERSION is the accelerator host's (`python3 -V` there); DIR is where the wheels go
-# (default .whl-accel; add it to .git/info/exclude to keep it out of git).
+# (default: .whl-accel at the repository's root, which .gitignore leaves out of git).
 #
 # It resolves this package's requirements (pyproject.toml: its dependencies and the extras
 # `bench` and `cli`) at the versions of constraints.txt for that Python on manylinux x86-64,
@@ -23,8 +23,8 @@ if [[ $# -lt 1 || $# -gt 2 ]]; then
   exit 2
 fi
 pyver="$1"
-dir="${2:-.whl-accel}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
+dir="${2:-$root/.whl-accel}"
 python="${PYTHON:-python3}"
 # manylinux tags, newest first: pip matches each one exactly.
 platforms=()

@@ -201,7 +201,8 @@ def main(argv: list[str]) -> None:
   convert_src = write_convert_source(work / 'convert_src', args.size_mb)
   export_src = write_export_source(work / 'export_src', args.export_scale)
   out = [f'`python benchmarks/multihost.py {" ".join(argv)}`', '',
-         f'{harness.commands_line(args.devices)} (per process)', '']
+         f'{harness.commands_line(args.devices)}, per process (where unset, the job\'s'
+         ' processes take cpu)', '']
   for name, src, command in (
       ('convert (canonical, full state)', convert_src, ['convert', str(convert_src)]),
       ('export (qwen3, 8 MB shards)', export_src,

@@ -1,8 +1,10 @@
 """The benchmarks keep running where CI runs them, on the CPU, as on any JAX backend.
 
 `restore_cost.py` end to end on one device of a host without I/O counters (the
-counters switched off as `harness.py` lets one), and the harness's meshes and
-shardings on device counts that the synthetic model's dimensions do not divide.
+counters switched off as `harness.py` lets one): the checkpoints are written on
+8 devices, so the naive contender restores onto another topology, as on a
+one-chip TPU; and the harness's meshes and shardings on device counts that the
+synthetic model's dimensions do not divide.
 """
 
 import json
@@ -23,21 +25,23 @@ import synthetic  # noqa: E402
 
 
 def test_restore_cost_reaches_its_ratio_table_on_one_device_without_io_counters(tmp_path):
-  # The smallest run that still writes both checkpoints and restores a and b in fresh
-  # processes, each with a warm call after its first.
+  # The smallest run that still writes both checkpoints (on 8 devices) and restores a, b
+  # and d in fresh processes on one, each with a warm call after its first.
   env = {**os.environ, 'BENCH_NO_COUNTERS': 'io',
          'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
   out = tmp_path / 'figures.json'
   done = subprocess.run(
       [sys.executable, str(BENCHMARKS / 'restore_cost.py'), '--quick', '--devices', '1',
-       '--contenders', 'ab', '--reps', '1', '--warm', '1', '--no-verify', '--scan-leaves', '',
+       '--contenders', 'abd', '--reps', '1', '--warm', '1', '--no-verify', '--scan-leaves', '',
        '--memory-check-gb', '0', '--size-mb', '2', '--leaves', '40',
        '--workdir', str(tmp_path / 'work'), '--json', str(out)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-  assert '| b/a | first |' in done.stdout and '| b/a | warm |' in done.stdout, done.stdout[-3000:]
+  for ratio in ('b/a', 'd/b'):
+    for calls in ('first', 'warm'):
+      assert f'| {ratio} | {calls} |' in done.stdout, done.stdout[-3000:]
   results = json.loads(out.read_text())['compare']['results']
-  for name in 'ab':
+  for name in 'abd':
     (run,) = results[name]
     assert 'error' not in run, run
     assert run['devices'] == {**run['devices'], 'backend': 'cpu', 'devices': 1,
