@@ -10,10 +10,10 @@ exists until every array is ready, first in this fresh process and then
   a   plain Orbax: the canonical copy into the target (the floor).
   b   orbax_tunix: the Tunix checkpoint into the same target, full state.
   c   orbax_tunix: params only (the `model_params` item).
-  d   naive, as its user on another topology than the writer's: plain Orbax
-      restores the raw Tunix tree to the host (the writer's shardings name
-      devices that need not exist here), Python rewrites it to canonical,
-      `jax.device_put` moves it into the target's shardings.
+  d   naive: plain Orbax restores the raw Tunix tree (as saved where the
+      writer's devices exist; else to host arrays, as its user must on another
+      topology), Python rewrites it to canonical, `jax.device_put` moves it
+      into the target's shardings.
   e   `orbax-tunix convert` of the Tunix step to a canonical copy.
   f   orbax_tunix: one named weight of the Tunix checkpoint.
   g   plain Orbax: the same weight from the canonical copy (partial restore).
@@ -181,18 +181,30 @@ def naive_canonical(tree: Any) -> Any:
   return {k: naive_canonical(v) for k, v in tree.items()}
 
 
+def writer_devices_here() -> bool:
+  """Whether the devices the checkpoints were written on exist in this process.
+
+  `synthetic.write` writes on `synthetic.WRITER_DEVICES` CPU devices; Orbax can
+  rebuild the saved shardings only where JAX has those devices.
+  """
+  devices = jax.devices()
+  return devices[0].platform == 'cpu' and len(devices) >= synthetic.WRITER_DEVICES
+
+
 def run_d(dirs, tgt):
-  # Without a target, Orbax would rebuild the writer's shardings, whose devices need not
-  # exist here ("sharding passed to deserialization should be specified"): its user asks for
-  # host arrays, leaf by leaf from the saved tree's metadata, as Orbax's docs advise.
-  items = {}
-  for k in tgt:
-    saved = ocp.PyTreeCheckpointHandler().metadata(dirs['tunix'] / k).tree
-    items[k] = ocp.args.PyTreeRestore(restore_args=jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved))
   handlers = {k: ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS) for k in tgt}
+  args = ()  # no target: the tree as saved, in the writer's shardings
+  if not writer_devices_here():
+    # Elsewhere Orbax cannot rebuild the writer's shardings ("sharding passed to
+    # deserialization should be specified"): the user asks for host arrays, leaf by leaf
+    # from the saved tree's metadata, and moves them to the devices afterwards.
+    args = (ocp.args.Composite(**{
+        k: ocp.args.PyTreeRestore(restore_args=jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+            ocp.PyTreeCheckpointHandler().metadata(dirs['tunix'] / k).tree))
+        for k in tgt}),)
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as ckptr:
-    raw = dict(ckptr.restore(dirs['tunix'], args=ocp.args.Composite(**items)).items())
+    raw = dict(ckptr.restore(dirs['tunix'], *args).items())
   canonical = {k: naive_canonical(raw[k]) for k in tgt}
   shardings = jax.tree.map(lambda t: t.sharding, tgt)
   return jax.device_put(canonical, shardings)
