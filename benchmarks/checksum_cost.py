@@ -4,7 +4,11 @@ Writes a Tunix-layout checkpoint of incompressible float32 arrays (as
 `convert_memory.py` does), then converts it in a fresh process per run,
 alternating: `with` is the real `convert`; `without` replaces
 `orbax_tunix.writing.checksums.checksum` by a constant (everything else the same).
-Reported: median wall time of the conversion (`ConvertResult.seconds`).
+Each process converts once (its first call) and `--warm K` more times (a new
+destination each). Reported: median wall time of the conversion
+(`ConvertResult.seconds`), first and warm calls apart. `--devices N` sets how many
+CPU devices the children's JAX simulates (convert works on the host); JAX_PLATFORMS
+passes through (`harness.py`).
 
   python benchmarks/checksum_cost.py [--leaves 64 --leaf-mib 8 --reps 5]
 """
@@ -12,26 +16,42 @@ Reported: median wall time of the conversion (`ConvertResult.seconds`).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import convert_memory  # noqa: E402
+import harness  # noqa: E402
 
-CHILD = """
-import json, sys
-from orbax_tunix import checksums, convert
-if sys.argv[3] == 'without':
-  checksums.checksum = lambda value: '0'
-plan = convert.plan_convert(sys.argv[1], sys.argv[2])
-print(json.dumps({'seconds': convert.run_convert(plan).seconds}))
-"""
+MODES = ('with', 'without')
+
+
+def child(mode: str, src: str, dst: str, warm: int) -> None:
+  """`warm + 1` conversions of `src` in this process, to `dst`-0, `dst`-1, ...; one report."""
+  from orbax_tunix.tools import convert  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.writing import checksums  # pylint: disable=g-import-not-at-top
+
+  if mode == 'without':
+    checksums.checksum = lambda value: '0'
+  done = []
+
+  def call():
+    out = pathlib.Path(f'{dst}-{len(done)}') / '1'
+    done.append(out)
+    return convert.run_convert(convert.plan_convert(src, str(out)))
+
+  def after(result):
+    shutil.rmtree(done[-1].parent)
+    return {'convert_s': result.seconds}
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  measured = harness.calls(call, warm, describe_out=after)
+  harness.emit(harness.child_result(mode, measured, jax.devices()))
 
 
 def main(argv=None) -> None:
@@ -39,28 +59,43 @@ def main(argv=None) -> None:
   parser.add_argument('--leaves', type=int, default=64)
   parser.add_argument('--leaf-mib', type=int, default=8)
   parser.add_argument('--reps', type=int, default=5)
+  parser.add_argument('--child', nargs=3, metavar=('MODE', 'SRC', 'DST'), help=argparse.SUPPRESS)
+  harness.add_flags(parser, cpu_default=None, warm=True)
   args = parser.parse_args(argv)
+  if args.child:
+    return child(*args.child, args.warm)
+  harness.keep_off_devices()  # The writer's JAX: an accelerator stays free for the children.
+  env = harness.child_env(args.devices)
   work = pathlib.Path(tempfile.mkdtemp(prefix='checksum-cost-'))
   try:
     src = convert_memory.write_checkpoint(work / 'src', args.leaves, args.leaf_mib, optimizer=True)
-    times: dict[str, list[float]] = {'with': [], 'without': []}
-    for rep in range(args.reps):
-      for mode in (('with', 'without') if rep % 2 == 0 else ('without', 'with')):
-        dst = work / 'out' / str(rep) / mode / '1'
-        done = subprocess.run([sys.executable, '-c', CHILD, str(src), str(dst), mode],
-                              capture_output=True, text=True, check=True)
-        times[mode].append(json.loads(done.stdout.strip().splitlines()[-1])['seconds'])
-        shutil.rmtree(dst.parent)
-        print(mode, f'{times[mode][-1]:.2f} s', flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def run(mode, rep):
+      return harness.run_child([__file__, '--child', mode, str(src),
+                                str(work / 'out' / f'{rep}-{mode}'), '--warm', str(args.warm)],
+                               env=env)
+
+    results = harness.rounds(MODES, args.reps, run)
+    failed = {k: v[0]['error'] for k, v in results.items() if not harness.ok(v)}
+    if failed:
+      raise SystemExit(f'contenders failed: {failed}')
     total = 2 * args.leaves * args.leaf_mib
     print(f'\nCommand: `python benchmarks/checksum_cost.py --leaves {args.leaves} --leaf-mib'
-          f' {args.leaf_mib} --reps {args.reps}` ({total} MiB converted per run)\n')
-    print('| convert | median s | |')
-    print('|---|---|---|')
-    print(f'| without checksums | {med["without"]:.2f} | |')
-    print(f'| with checksums | {med["with"]:.2f} | {med["with"] / med["without"] - 1:+.1%}'
-          ' (target <= +5%) |')
+          f' {args.leaf_mib} --reps {args.reps} --warm {args.warm}'
+          + (f' --devices {args.devices}`' if args.devices else '`')
+          + f' ({total} MiB converted per run); JAX in the children:'
+          f' {harness.describe_line(harness.first_device_info(results))}\n')
+    print('| convert | first call, median s | | warm calls, median s | |')
+    print('|---|---|---|---|---|')
+    first = {k: statistics.median(r['convert_s'] for r in v) for k, v in results.items()}
+    warm = {k: [w['convert_s'] for r in v for w in r['warm']] for k, v in results.items()}
+    warm = {k: statistics.median(v) if v else None for k, v in warm.items()}
+    for mode in ('without', 'with'):
+      cost = f'{first["with"] / first["without"] - 1:+.1%} (target <= +5%)' if mode == 'with' else ''
+      wcost = (f'{warm["with"] / warm["without"] - 1:+.1%}'
+               if mode == 'with' and None not in warm.values() else '')
+      shown = '-' if warm[mode] is None else f'{warm[mode]:.2f}'
+      print(f'| {mode} checksums | {first[mode]:.2f} | {cost} | {shown} | {wcost} |')
   finally:
     shutil.rmtree(work, ignore_errors=True)
 

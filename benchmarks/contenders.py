@@ -4,13 +4,16 @@ Run by `restore_cost.py`, never by hand (but `--help` says how). A fresh
 process per repetition gives every contender the same start: no warm
 tensorstore context or jit cache from a previous contender, and a peak RSS of
 its own. What is measured is the call a user makes, from the moment the target
-exists until every array is ready:
+exists until every array is ready, first in this fresh process and then
+`--warm K` more times in it (the page cache made as it was before each):
 
   a   plain Orbax: the canonical copy into the target (the floor).
   b   orbax_tunix: the Tunix checkpoint into the same target, full state.
   c   orbax_tunix: params only (the `model_params` item).
-  d   naive: plain Orbax restores the raw Tunix tree, Python rewrites it to
-      canonical, `jax.device_put` moves it into the target's shardings.
+  d   naive: plain Orbax restores the raw Tunix tree (as saved where the
+      writer's devices exist; else to host arrays, as its user must on another
+      topology), Python rewrites it to canonical, `jax.device_put` moves it
+      into the target's shardings.
   e   `orbax-tunix convert` of the Tunix step to a canonical copy.
   f   orbax_tunix: one named weight of the Tunix checkpoint.
   g   plain Orbax: the same weight from the canonical copy (partial restore).
@@ -18,59 +21,41 @@ exists until every array is ready:
       path (partial restore): Orbax's own cost on the deeper Tunix tree.
   plan      times the planning steps of b one by one (no array is read).
   verify    b, c and d against a, leaf by leaf (not timed).
+
+The target is sharded over a (data, model) mesh of the first `--devices N` of
+JAX's devices (8 simulated CPU devices by default; `harness.py`).
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
 
-# Eight simulated CPU devices; must be set before jax is imported.
-os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-).strip()
-os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+import harness  # sibling modules; the script's directory is on sys.path
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import synthetic
+from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base_lib
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-import peak  # noqa: E402  (sibling modules; the script's directory is on sys.path)
-import synthetic  # noqa: E402
-from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base_lib  # noqa: E402
-
-import orbax_tunix  # noqa: E402
-from orbax_tunix.handlers import pytree_handler  # noqa: E402
-from orbax_tunix.keypaths import flatten, nest  # noqa: E402
-from orbax_tunix.reading import (
-  planned_item,  # noqa: E402
-  read_requests,  # noqa: E402
-)
-from orbax_tunix.store import (
-  fileio,  # noqa: E402
-  step_store,  # noqa: E402
-)
-from orbax_tunix.view import canonical_map  # noqa: E402
+import orbax_tunix
+from orbax_tunix.handlers import pytree_handler
+from orbax_tunix.keypaths import flatten, nest
+from orbax_tunix.reading import planned_item, read_requests
+from orbax_tunix.store import fileio, step_store
+from orbax_tunix.view import canonical_map
 
 CONTENDERS = ('a', 'b', 'c', 'd', 'e', 'f', 'g', 'h')
 
 
-# --- process measurements --------------------------------------------------
-
-
-def proc_io() -> dict[str, int]:
-  """This process's I/O counters (all threads, dead ones included)."""
-  with open('/proc/self/io') as f:
-    return {k: int(v) for k, v in (line.split(':') for line in f)}
+# --- where the time goes ----------------------------------------------------
 
 
 class Timeline:
@@ -196,10 +181,30 @@ def naive_canonical(tree: Any) -> Any:
   return {k: naive_canonical(v) for k, v in tree.items()}
 
 
+def writer_devices_here() -> bool:
+  """Whether the devices the checkpoints were written on exist in this process.
+
+  `synthetic.write` writes on `synthetic.WRITER_DEVICES` CPU devices; Orbax can
+  rebuild the saved shardings only where JAX has those devices.
+  """
+  devices = jax.devices()
+  return devices[0].platform == 'cpu' and len(devices) >= synthetic.WRITER_DEVICES
+
+
 def run_d(dirs, tgt):
   handlers = {k: ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS) for k in tgt}
+  args = ()  # no target: the tree as saved, in the writer's shardings
+  if not writer_devices_here():
+    # Elsewhere Orbax cannot rebuild the writer's shardings ("sharding passed to
+    # deserialization should be specified"): the user asks for host arrays, leaf by leaf
+    # from the saved tree's metadata, and moves them to the devices afterwards.
+    args = (ocp.args.Composite(**{
+        k: ocp.args.PyTreeRestore(restore_args=jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+            ocp.PyTreeCheckpointHandler().metadata(dirs['tunix'] / k).tree))
+        for k in tgt}),)
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as ckptr:
-    raw = dict(ckptr.restore(dirs['tunix']).items())  # no target: the tree as saved
+    raw = dict(ckptr.restore(dirs['tunix'], *args).items())
   canonical = {k: naive_canonical(raw[k]) for k in tgt}
   shardings = jax.tree.map(lambda t: t.sharding, tgt)
   return jax.device_put(canonical, shardings)
@@ -269,44 +274,36 @@ def target_bytes(tree: Any) -> tuple[int, int]:
   return total, held
 
 
-def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape) -> dict[str, Any]:
-  mesh = synthetic.make_mesh()
+def measure(name: str, dirs: dict[str, pathlib.Path], shape: synthetic.Shape,
+            devices: list[Any], warm: int, cache: harness.CachePolicy) -> dict[str, Any]:
+  """The contender's first call in this process, then `warm` more (`harness.calls`)."""
+  mesh = harness.make_mesh(devices)
   tgt = synthetic.target(shape, mesh)
   if name == 'c':
     tgt = {synthetic.MODEL_ITEM: tgt[synthetic.MODEL_ITEM]}
   elif name in 'fgh':
     tgt = {synthetic.MODEL_ITEM: one_leaf(tgt)} | {'_full': tgt}
   nbytes, held = target_bytes({k: v for k, v in tgt.items() if k != '_full'})
+  arg = tgt.pop('_full', tgt)
   timeline = Timeline().install()
-  gc.collect()
-  rss0 = peak.status_kb('VmRSS')
-  hwm_reset = peak.reset_peak()
-  maxrss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  io0 = proc_io()
-  cpu0 = os.times()
-  t0 = time.perf_counter()
-  out = RUNNERS[name](dirs, tgt.pop('_full', tgt))
-  jax.block_until_ready(out)
-  wall = time.perf_counter() - t0
-  cpu1 = os.times()
-  io1 = proc_io()
-  peak_kb = peak.status_kb('VmHWM') if hwm_reset else resource.getrusage(
-      resource.RUSAGE_SELF).ru_maxrss
-  result = {
-      'contender': name,
-      'wall_s': wall,
-      'cpu_s': (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
-      'rchar': io1['rchar'] - io0['rchar'],
-      'read_bytes': io1['read_bytes'] - io0['read_bytes'],
-      'wchar': io1['wchar'] - io0['wchar'],
-      'peak_rss_delta': (peak_kb - rss0) * 1024,
-      'peak_rss_exact': hwm_reset or maxrss0 <= rss0,
-      'target_bytes': nbytes,
-      'target_held_bytes': held,
-      'leaves': len(jax.tree.leaves(out)) if out is not None else 0,
-  }
-  result.update(timeline.summary(t0, t0 + wall))
-  return result
+  span: dict[str, float] = {}
+
+  def call():
+    timeline.items.clear()
+    span['start'] = time.perf_counter()
+    out = RUNNERS[name](dirs, arg)
+    jax.block_until_ready(out)
+    span['end'] = time.perf_counter()
+    return out
+
+  def describe_out(out):
+    return {'leaves': len(jax.tree.leaves(out)) if out is not None else 0,
+            **timeline.summary(span['start'], span['end'])}
+
+  measured = harness.calls(call, warm, devices, lambda: cache.prepare(list(dirs.values())),
+                           describe_out)
+  return harness.child_result(name, measured, devices, mesh, target_bytes=nbytes,
+                              target_held_bytes=held)
 
 
 def _to_disk(cmap, pairs):
@@ -326,13 +323,14 @@ def _orbax_parse(directory):
   return internal.as_nested_tree()
 
 
-def plan_steps(dirs: dict[str, pathlib.Path], shape: synthetic.Shape, with_orbax: bool = False) -> dict[str, Any]:
+def plan_steps(dirs: dict[str, pathlib.Path], shape: synthetic.Shape, devices: list[Any],
+               with_orbax: bool = False) -> dict[str, Any]:
   """Times b's planning steps separately, as TunixAwareHandler.restore runs them.
 
   With `with_orbax`, also times Orbax's own parse of the same `_METADATA`
   files (what its restore does again), outside the total.
   """
-  tgt = synthetic.target(shape, synthetic.make_mesh())
+  tgt = synthetic.target(shape, harness.make_mesh(devices))
   times: dict[str, float] = {}
 
   def timed(key, fn, *args, **kwargs):
@@ -360,11 +358,13 @@ def plan_steps(dirs: dict[str, pathlib.Path], shape: synthetic.Shape, with_orbax
   return {'contender': 'plan', 'steps_s': times, 'leaves': shape.disk_leaves}
 
 
-def verify(dirs: dict[str, pathlib.Path], shape: synthetic.Shape) -> dict[str, Any]:
+def verify(dirs: dict[str, pathlib.Path], shape: synthetic.Shape,
+           devices: list[Any]) -> dict[str, Any]:
   """b, c and d must return exactly a's arrays, in the target's shardings."""
-  tgt = synthetic.target(shape, synthetic.make_mesh())
+  mesh = harness.make_mesh(devices)
+  tgt = synthetic.target(shape, mesh)
   ref = flatten(run_a(dirs, tgt))[0]
-  report = {'contender': 'verify', 'leaves': len(ref)}
+  report = {'contender': 'verify', 'leaves': len(ref), 'devices': harness.describe(devices, mesh)}
   for name in ('b', 'c', 'd'):
     got = dict(flatten(RUNNERS[name](dirs, tgt if name != 'c' else {
         synthetic.MODEL_ITEM: tgt[synthetic.MODEL_ITEM]}))[0])
@@ -388,16 +388,24 @@ def main(argv: list[str]) -> None:
   parser.add_argument('workdir', type=pathlib.Path, help='as written by synthetic.write')
   parser.add_argument('--with-orbax', action='store_true',
                       help='plan: also time Orbax metadata() for the same leaves')
+  parser.add_argument('--cache', choices=('cold', 'warm', 'as-is'), default='as-is',
+                      help='the page cache before each warm call, as the parent made it'
+                      ' before the first')
+  parser.add_argument('--drop-caches', action='store_true',
+                      help='cold through /proc/sys/vm/drop_caches (root) rather than fadvise')
+  harness.add_flags(parser, cpu_default=8, warm=True)
   args = parser.parse_args(argv)
+  devices = harness.use_devices(args.devices, cpu_default=8)
   shape = synthetic.read_shape(args.workdir)
   dirs = {k: synthetic.step_dir(args.workdir, k) for k in synthetic.LAYOUTS}
   if args.contender == 'plan':
-    result = plan_steps(dirs, shape, args.with_orbax)
+    result = plan_steps(dirs, shape, devices, args.with_orbax)
   elif args.contender == 'verify':
-    result = verify(dirs, shape)
+    result = verify(dirs, shape, devices)
   else:
-    result = measure(args.contender, dirs, shape)
-  print('RESULT ' + json.dumps(result), flush=True)
+    cache = harness.CachePolicy(args.cache, args.drop_caches)
+    result = measure(args.contender, dirs, shape, devices, args.warm, cache)
+  harness.emit(result)
 
 
 if __name__ == '__main__':

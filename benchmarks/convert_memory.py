@@ -16,6 +16,9 @@ budget is copied alone, and costs about three times its size (TensorStore
 holds the compressed chunk and the decoded array while reading, the host copy
 and the compressed output while writing).
 
+The commands work on the host: `--devices N` sets how many CPU devices their JAX
+simulates; JAX_PLATFORMS passes through to them (`harness.py`).
+
 Usage (from the repository root)::
 
   python benchmarks/convert_memory.py
@@ -26,16 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-import psutil
+import harness  # sibling module; the script's directory is on sys.path
 
 MIB = 2**20
 
@@ -67,36 +67,26 @@ def write_checkpoint(root: pathlib.Path, leaves: int, leaf_mib: int, optimizer: 
   return root / '1'
 
 
-def peak_rss(argv: list[str], interval: float = 0.003) -> tuple[int, float, int]:
-  """Runs a command; returns (peak RSS in bytes, seconds, exit status)."""
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
-  start = time.monotonic()
-  proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  ps = psutil.Process(proc.pid)
-  peak = 0
-  while proc.poll() is None:
-    try:
-      peak = max(peak, ps.memory_info().rss)
-    except psutil.NoSuchProcess:
-      break
-    time.sleep(interval)
-  err = proc.stderr.read().decode()
-  if proc.returncode:
-    print(err, file=sys.stderr)
-  return peak, time.monotonic() - start, proc.returncode
-
-
 def parse_budget(text: str) -> int:
   from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
 
   return parse_size(text)
 
 
+def _mib(value: float | None) -> float | str:
+  return 'n/a' if value is None else round(value / MIB, 1)
+
+
 def measure(
-    step_dir: pathlib.Path, out_dir: pathlib.Path, budgets: list[str], label: str, repeat: int
+    step_dir: pathlib.Path, out_dir: pathlib.Path, budgets: list[str], label: str, repeat: int,
+    env: dict[str, str],
 ) -> list[dict]:
   """Baseline and `repeat` conversions per budget; returns one row per budget."""
   cli = [sys.executable, '-m', 'orbax_tunix.cli']
+
+  def peak_rss(argv):
+    return harness.sampled_peak_rss(argv, env)
+
   baseline, _, status = peak_rss(cli + ['inspect', str(step_dir), '--json'])
   assert status == 0, 'inspect failed'
   data = sum(f.stat().st_size for f in step_dir.rglob('*') if f.is_file())
@@ -114,15 +104,16 @@ def measure(
       times.append(seconds)
       matches.append(same == 0)
       shutil.rmtree(dst.parent)
-    worst = max(peaks)
+    known = baseline is not None and None not in peaks  # RSS unreadable here: n/a
+    worst = max(peaks) - baseline if known else None
     rows.append({
         'checkpoint': label,
         'on_disk_mib': round(data / MIB, 1),
         'budget_mib': round(parse_budget(budget) / MIB, 1),
-        'baseline_rss_mib': round(baseline / MIB, 1),
-        'streaming_mib_median': round((statistics.median(peaks) - baseline) / MIB, 1),
-        'streaming_mib_max': round((worst - baseline) / MIB, 1),
-        'within_budget': worst - baseline <= parse_budget(budget),
+        'baseline_rss_mib': _mib(baseline),
+        'streaming_mib_median': _mib(statistics.median(peaks) - baseline if known else None),
+        'streaming_mib_max': _mib(worst),
+        'within_budget': worst <= parse_budget(budget) if known else 'n/a',
         'seconds_median': round(statistics.median(times), 1),
         'diff_match': all(matches),
     })
@@ -139,19 +130,23 @@ def main() -> None:
                       help='size of the single array of the second checkpoint (0: skip)')
   parser.add_argument('--repeat', type=int, default=3, help='conversions per budget')
   parser.add_argument('--json', action='store_true')
+  harness.add_flags(parser, cpu_default=None)
   args = parser.parse_args()
+  harness.keep_off_devices()  # The writer's JAX: an accelerator stays free for the commands.
+  env = harness.child_env(args.devices)
   with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
     tmp = pathlib.Path(tmp)
     many = write_checkpoint(tmp / 'many', args.leaves, args.leaf_mib, optimizer=True)
     rows = measure(
-        many, tmp / 'out', args.budgets.split(','), f'{args.leaves}x{args.leaf_mib}MiB x2', args.repeat
-    )
+        many, tmp / 'out', args.budgets.split(','), f'{args.leaves}x{args.leaf_mib}MiB x2',
+        args.repeat, env)
     if args.big_leaf_mib:
       one = write_checkpoint(tmp / 'one', 1, args.big_leaf_mib, optimizer=False)
-      rows += measure(one, tmp / 'out', ['64M'], f'1x{args.big_leaf_mib}MiB', args.repeat)
+      rows += measure(one, tmp / 'out', ['64M'], f'1x{args.big_leaf_mib}MiB', args.repeat, env)
   if args.json:
     print(json.dumps(rows, indent=1))
     return
+  print(harness.commands_line(args.devices))
   columns = list(rows[0])
   widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
   print('  '.join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))

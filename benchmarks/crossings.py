@@ -10,6 +10,9 @@ runs once to warm up, then once counted.
                                                                  # handler wrote: TunixPyTreeHandler,
                                                                  # StandardRestore()
   PYTHONPATH=<other tree> python benchmarks/crossings.py ...   # another revision's package
+
+The restores run on the first `--devices N` of JAX's devices (8 simulated CPU devices
+by default; `harness.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import tempfile
 import threading
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+import harness  # sibling module; the script's directory is on sys.path
 
 
 def _side(frame) -> str | None:
@@ -38,7 +41,9 @@ def main(argv=None) -> None:
   parser.add_argument('path', nargs='?', help='a step to restore whole')
   parser.add_argument('--plain-item', action='store_true',
                       help='instead, an item written here by Orbax\'s StandardCheckpointHandler')
+  harness.add_flags(parser, cpu_default=8)
   args = parser.parse_args(argv)
+  devices = harness.use_devices(args.devices, cpu_default=8)
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
@@ -80,7 +85,8 @@ def main(argv=None) -> None:
   finally:
     sys.setprofile(None)
     threading.setprofile(None)
-  print(f'package: {os.path.dirname(orbax_tunix.__file__)}')
+  print(f'package: {os.path.dirname(orbax_tunix.__file__)}; devices:'
+        f' {harness.describe_line(harness.describe(devices))}')
   for name, n in sorted(counts.items()):
     print(f'  {n:4d}  {name}')
   into_ours = sum(n for k, n in counts.items() if k.startswith('orbax -> '))

@@ -13,8 +13,11 @@ fresh processes with the order alternating:
 PYTHONPATH), e.g. a worktree of the revision before a change.
 
 Each child's wall time is the whole process (imports included: both import JAX and
-Orbax). The floor child also reports its read and its write alone. Reported: the medians
-and export / floor.
+Orbax): a command is one call per process, its first, which is what its user pays. The
+floor child also reports its read and its write alone. Reported: the medians and
+export / floor. Both work on the host; `--devices N` sets how many CPU devices their JAX
+simulates, and JAX_PLATFORMS passes through (on an accelerator host, each process opens
+the accelerator unless it is `cpu`, as the user's command does).
 
 Needs the `bench` extra (`pip install -e '.[bench]'`: the safetensors package).
 
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import time
 
+import harness  # pylint: disable=g-import-not-at-top  (sibling modules)
 from before_after import _env  # pylint: disable=g-import-not-at-top
 from export_memory import write_checkpoint  # pylint: disable=g-import-not-at-top
 
@@ -62,9 +66,10 @@ def floor(step: pathlib.Path, out: pathlib.Path) -> dict:
           'bytes': sum(v.nbytes for v in flat.values())}
 
 
-def _child(argv: list[str], out: pathlib.Path, tree: str | None) -> tuple[float, dict]:
+def _child(argv: list[str], out: pathlib.Path, tree: str | None,
+           devices: int | None) -> tuple[float, dict]:
   shutil.rmtree(out, ignore_errors=True)
-  env = _env(pathlib.Path(tree)) if tree else None
+  env = harness.child_env(devices, _env(pathlib.Path(tree)) if tree else None)
   start = time.monotonic()
   done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
   seconds = time.monotonic() - start
@@ -83,10 +88,12 @@ def main(argv=None) -> None:
   parser.add_argument('--workdir')
   parser.add_argument('--before', help='another checkout of this package: its export too')
   parser.add_argument('--child', nargs=2, metavar=('STEP', 'OUT'), help=argparse.SUPPRESS)
+  harness.add_flags(parser, cpu_default=None)
   args = parser.parse_args(argv)
   if args.child:
     print(json.dumps(floor(*map(pathlib.Path, args.child))))
     return
+  harness.keep_off_devices()  # The writer's JAX: an accelerator stays free for the children.
   work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='export-floor-'))
   step = work / f'src-{args.layers}x{args.dim}' / '1'
   if not step.exists():
@@ -105,7 +112,7 @@ def main(argv=None) -> None:
   phases: list[dict] = []
   for i in range(args.rounds):
     for name in (list(contenders) if i % 2 == 0 else list(reversed(contenders))):
-      seconds, report = _child(contenders[name], work / 'out', trees[name])
+      seconds, report = _child(contenders[name], work / 'out', trees[name], args.devices)
       times[name].append(seconds)
       if report:
         phases.append(report)
@@ -114,7 +121,9 @@ def main(argv=None) -> None:
   read = statistics.median(p['read_s'] for p in phases)
   write = statistics.median(p['write_s'] for p in phases)
   print(f'\nCommand: `python benchmarks/export_floor.py --layers {args.layers} --dim {args.dim}'
-        f' --rounds {args.rounds}' + (f' --before {args.before}`' if args.before else '`'))
+        f' --rounds {args.rounds}' + (f' --before {args.before}' if args.before else '')
+        + (f' --devices {args.devices}`' if args.devices else '`'))
+  print(harness.commands_line(args.devices))
   print(f'Qwen3-shaped step, {size / MIB:.0f} MiB on disk ({phases[0]["bytes"] / MIB:.0f} MiB'
         ' float32)\n')
   print('| contender | wall (median) | / floor |')

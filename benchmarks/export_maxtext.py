@@ -14,12 +14,14 @@ each run a fresh process:
           `_transform_weights_to_full_model`, then its writer `save_model_files` (config.json
           and safetensors shards; no tokenizer: that is the one step needing the Hub).
 
-Peak RSS is sampled every few ms (convert_memory.peak_rss, the house way); each side's baseline
+Peak RSS is sampled every few ms (harness.sampled_peak_rss, the house way); each side's baseline
 is its own no-array run: `orbax-tunix inspect --json` for ours (interpreter, JAX, Orbax, the
 metadata), and for theirs the same child up to the metadata read (MaxText imported, its config
 built, Orbax's metadata of the step read; no array). The bound ours must keep: baseline +
 `--memory-budget` + the largest tensor. Both outputs are checked equal, tensor by tensor
-(MaxText's float32 values are ours bit for bit).
+(MaxText's float32 values are ours bit for bit). Both work on the host: `--devices N` sets how
+many CPU devices their JAX simulates; ours honours JAX_PLATFORMS, theirs runs on the CPU (the
+MaxText venv's jaxlib is the CPU one, and its conversion says `hardware=cpu`).
 
   python benchmarks/export_maxtext.py [--layers 16 --dim 1024 --budgets 256M --reps 2]
 """
@@ -186,12 +188,22 @@ def main(argv=None) -> None:
   parser.add_argument('--src', help=argparse.SUPPRESS)
   parser.add_argument('--out', help=argparse.SUPPRESS)
   parser.add_argument('--arrays', default='yes', help=argparse.SUPPRESS)
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  import harness  # pylint: disable=g-import-not-at-top  (a sibling module)
+
+  harness.add_flags(parser, cpu_default=None)
   args = parser.parse_args(argv)
   if args.theirs_child:
     return theirs_child(args)
+  harness.keep_off_devices()  # The writer's JAX: an accelerator stays free for the commands.
+  env_ours = harness.child_env(args.devices)
+  env_theirs = {**env_ours, 'JAX_PLATFORMS': 'cpu'}
 
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-  from convert_memory import peak_rss  # pylint: disable=g-import-not-at-top
+  def peak_rss(argv):
+    return harness.sampled_peak_rss(argv, env_theirs if argv[0] == py_mt else env_ours)
+
+  def shown(n):
+    return harness.mib(n)
 
   work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='export-maxtext-bench-'))
   root = work / 'src'
@@ -210,7 +222,6 @@ def main(argv=None) -> None:
   py_mt = maxtext_python()
   cli = [sys.executable, '-m', 'orbax_tunix.cli']
   me = str(pathlib.Path(__file__).resolve())
-  os.environ['JAX_PLATFORMS'] = 'cpu'
 
   def ours(out, budget):
     return cli + ['export', str(root), str(out), '--model', 'llama3', '--memory-budget', budget]
@@ -237,7 +248,7 @@ def main(argv=None) -> None:
       peak, seconds, status = peak_rss(argv_c)
       assert status == 0, f'{c} failed: {" ".join(argv_c)}'
       runs[c].append((peak, seconds))
-      print(c, f'peak {peak / MIB:.0f} MiB, {seconds:.1f} s', flush=True)
+      print(c, f'peak {shown(peak)} MiB, {seconds:.1f} s', flush=True)
     if not checked:  # both outputs hold the same tensors, bit for bit (or says which not)
       import numpy as np  # pylint: disable=g-import-not-at-top
       a = read_export(work / f'out-ours-{budgets[0]}')
@@ -251,19 +262,24 @@ def main(argv=None) -> None:
       print(equality, flush=True)
 
   print(f'\nCommand: `python benchmarks/export_maxtext.py --layers {args.layers} --dim {args.dim}'
-        f' --budgets {args.budgets} --reps {args.reps} --chunks {args.chunks}`')
+        f' --budgets {args.budgets} --reps {args.reps} --chunks {args.chunks}'
+        + (f' --devices {args.devices}`' if args.devices else '`'))
+  print(f'{harness.commands_line(args.devices)} (theirs: cpu)')
   print(f'MaxText step: {MODEL_NAME}-shaped, scanned, float32, {model / MIB:.0f} MiB'
         f' ({args.layers} layers, emb {D}, mlp {f}, vocab {v}); largest tensor'
         f' {largest / MIB:.0f} MiB ({largest_name}), largest HF tensor {largest_hf / MIB:.0f}'
-        f' MiB; baselines (no arrays): ours {base_ours / MIB:.0f} MiB, theirs'
-        f' {base_theirs / MIB:.0f} MiB; outputs: {equality}\n')
+        f' MiB; baselines (no arrays): ours {shown(base_ours)} MiB, theirs'
+        f' {shown(base_theirs)} MiB; outputs: {equality}\n')
   print('| contender | peak RSS (median) | above its baseline | bound (budget + largest) |'
         ' wall (median) |')
   print('|---|---|---|---|---|')
   from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
   for c in contenders:
-    peak = statistics.median(p for p, _ in runs[c])
     wall = statistics.median(s for _, s in runs[c])
+    if None in (base_ours, base_theirs) or any(p is None for p, _ in runs[c]):  # no RSS here
+      print(f'| {c} | n/a | n/a | n/a | {wall:.1f} s |')
+      continue
+    peak = statistics.median(p for p, _ in runs[c])
     if c.startswith('ours'):
       b = c.split(':', 1)[1]
       bound = parse_size(b) + largest

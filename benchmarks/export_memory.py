@@ -7,7 +7,9 @@ memory budget (sampling its resident memory every few ms, as
 `convert_memory.py` does) with shards of `--max-shard-size`. The baseline is
 the peak RSS of `orbax-tunix inspect --json` on the same checkpoint (the
 interpreter, JAX, Orbax, TensorStore, the metadata read; no array). The bound
-the export must keep: baseline + budget + the largest tensor.
+the export must keep: baseline + budget + the largest tensor. The commands work on
+the host: `--devices N` sets how many CPU devices their JAX simulates; JAX_PLATFORMS
+passes through to them (`harness.py`).
 
   python benchmarks/export_memory.py [--layers 8 --dim 1024 --budgets 128M,512M --repeat 3]
 """
@@ -20,7 +22,9 @@ import statistics
 import sys
 import tempfile
 
-from convert_memory import MIB, peak_rss  # pylint: disable=g-import-not-at-top
+import harness  # sibling module; the script's directory is on sys.path
+
+MIB = harness.MIB
 
 
 def write_checkpoint(root: pathlib.Path, layers: int, dim: int) -> pathlib.Path:
@@ -58,7 +62,14 @@ def main(argv=None) -> None:
   parser.add_argument('--max-shard-size', default='500MB')
   parser.add_argument('--repeat', type=int, default=3)
   parser.add_argument('--workdir')
+  harness.add_flags(parser, cpu_default=None)
   args = parser.parse_args(argv)
+  harness.keep_off_devices()  # The writer's JAX: an accelerator stays free for the commands.
+  env = harness.child_env(args.devices)
+
+  def peak_rss(argv):
+    return harness.sampled_peak_rss(argv, env)
+
   work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='export-bench-'))
   step = work / 'src' / '1'
   if not step.exists():
@@ -73,9 +84,11 @@ def main(argv=None) -> None:
   baseline, _, status = peak_rss(cli + ['inspect', str(step), '--json'])
   assert status == 0, 'inspect failed'
   print(f'\nCommand: `python benchmarks/export_memory.py --layers {args.layers} --dim {args.dim}'
-        f' --budgets {args.budgets} --max-shard-size {args.max_shard_size} --repeat {args.repeat}`')
+        f' --budgets {args.budgets} --max-shard-size {args.max_shard_size} --repeat {args.repeat}'
+        + (f' --devices {args.devices}`' if args.devices else '`'))
+  print(harness.commands_line(args.devices))
   print(f'model {model / MIB:.0f} MiB float32 ({len(leaves)} tensors, the largest'
-        f' {largest / MIB:.0f} MiB); baseline (inspect --json) {baseline / MIB:.0f} MiB\n')
+        f' {largest / MIB:.0f} MiB); baseline (inspect --json) {harness.mib(baseline)} MiB\n')
   print('| --memory-budget | peak RSS (median of runs) | above baseline | bound: budget +'
         ' largest tensor | peak / model | wall (median) |')
   print('|---|---|---|---|---|---|')
@@ -93,8 +106,12 @@ def main(argv=None) -> None:
       for p in out.iterdir():
         p.unlink()
       out.rmdir()
-    peak = statistics.median(peaks)
     bound = parse_size(budget) + largest
+    if baseline is None or None in peaks:  # RSS unreadable here
+      print(f'| {budget} | n/a | n/a | {bound / MIB:.0f} MiB | n/a |'
+            f' {statistics.median(times):.1f} s |')
+      continue
+    peak = statistics.median(peaks)
     verdict = 'MET' if peak - baseline <= bound else 'MISSED'
     print(f'| {budget} | {peak / MIB:.0f} MiB | {(peak - baseline) / MIB:.0f} MiB |'
           f' {bound / MIB:.0f} MiB {verdict} | {peak / model:.2f} | {statistics.median(times):.1f} s |')

@@ -5,7 +5,8 @@ every leaf under nnx's `value` level) is saved by Orbax straight into a bucket
 of a local fake-gcs-server; then the requests it serves are counted for
 `detect`, `orbax-tunix inspect`, the planning of a full restore into a target
 (everything before Orbax's read of the arrays), the whole restore, and plain
-Orbax's restore of the same step for comparison.
+Orbax's restore of the same step for comparison. The restores go to the first of
+`--devices N` of JAX's devices (the backend JAX_PLATFORMS picks; `harness.py`).
 
   python benchmarks/gcs_requests.py [--leaves 100,1000,10000]
 """
@@ -20,6 +21,9 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / 'benchmarks'))
+
+import harness  # noqa: E402  (a sibling module)
 
 from tests import gcs as gcs_lib  # noqa: E402
 
@@ -110,7 +114,9 @@ def measure(emulator: gcs_lib.Emulator, bucket: epath.Path, leaves: int) -> dict
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--leaves', default='100,1000,10000')
+  harness.add_flags(parser, cpu_default=1)
   args = parser.parse_args(argv)
+  devices = harness.use_devices(args.devices, cpu_default=1)
   emulator = gcs_lib.Emulator(URL)
   emulator.start()
   rows = []
@@ -127,7 +133,9 @@ def main(argv=None) -> None:
   finally:
     emulator.stop()
   keys = list(rows[0])
-  print(f'\nCommand: `python benchmarks/gcs_requests.py --leaves {args.leaves}`\n')
+  print(f'\nCommand: `python benchmarks/gcs_requests.py --leaves {args.leaves}'
+        + (f' --devices {args.devices}`' if args.devices else '`')
+        + f' on {harness.describe_line(harness.describe(devices))}\n')
   print('| ' + ' | '.join(keys) + ' |')
   print('|' + '---|' * len(keys))
   for row in rows:

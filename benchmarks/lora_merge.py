@@ -3,7 +3,10 @@
 Writes a Tunix-layout full save of a qwix-style LoRA model (incompressible
 float32 weights under nnx's `value` level, `<w>_lora_a`/`<w>_lora_b` beside
 each adapted one) and a canonical copy of its base weights; then, each in a
-fresh process on 8 simulated CPU devices, restores the same sharded target:
+fresh process, restores the same target, sharded over a (data, model) mesh of
+the first `--devices N` of JAX's devices (8 simulated CPU devices by default;
+`harness.py`), once (the first call, what a fresh process pays) and `--warm K`
+more times in the same process:
 
   plain     plain Orbax `PyTreeCheckpointHandler` restore of the canonical base
   unmerged  plain Orbax restore of what the merge reads from the LoRA save: the
@@ -11,25 +14,25 @@ fresh process on 8 simulated CPU devices, restores the same sharded target:
   merge     `orbax_tunix.restore_merged_lora` from the LoRA save
 
 Repetitions rotate the order; the page cache is left warm (both read the
-same bytes of weights; the merge also reads the adapters). Reported: wall
-time (median), and peak RSS above the process's RSS just before the call
-(/proc's VmHWM after resetting it), against the bound the merge must keep:
-what the plain restore of the merged target peaks at (the target and Orbax's
-in-flight reads), plus the largest single weight and its adapters in float32.
+same bytes of weights; the merge also reads the adapters). Reported, for first
+and warm calls apart: wall time (median), peak RSS above the process's RSS just
+before the call (VmHWM after resetting it), against the bound the merge must
+keep: what the plain restore of the merged target peaks at (the target and
+Orbax's in-flight reads), plus the largest single weight and its adapters in
+float32; and the devices' peak memory where the backend reports it.
 
   python benchmarks/lora_merge.py [--layers 12 --dim 1024 --rank 16 --reps 5 --dtype float32]
+      [--devices N] [--warm K]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pathlib
 import statistics
 import tempfile
 
-import peak  # sibling module; the script's directory is on sys.path
+import harness  # sibling module; the script's directory is on sys.path
 
 MIB = 2**20
 ADAPTED = ('q', 'k', 'v', 'o')  # adapted per layer; 'up' and 'down' are not
@@ -63,19 +66,17 @@ def write(root: pathlib.Path, layers: int, dim: int, rank: int) -> None:
 
 
 def child(args) -> None:
-  """One measured restore, in this fresh process; prints a JSON line."""
-  os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  """The measured restores, in this fresh process; prints a JSON line."""
+  devices = harness.use_devices(args.devices, cpu_default=8)
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   import orbax_tunix  # pylint: disable=g-import-not-at-top
 
-  mesh = jax.make_mesh((4, 2), ('data', 'model'))
+  mesh = harness.make_mesh(devices)
   dtype = jnp.dtype(args.dtype)
-  sharding = NamedSharding(mesh, P('data', 'model'))
+  sharding = harness.sharding(mesh, (args.dim, args.dim), ('data', 'model'))
   leaf = jax.ShapeDtypeStruct((args.dim, args.dim), dtype, sharding=sharding)
   target = {'layers': {str(i): {p: {'kernel': leaf} for p in PROJECTIONS}
                        for i in range(args.layers)}}
@@ -116,9 +117,9 @@ def child(args) -> None:
     def call():
       return orbax_tunix.restore_merged_lora(root / 'lora', target, scale=0.5)
 
-  out, result = peak.measure(lambda: jax.block_until_ready(call()))
-  print(json.dumps({'contender': args.child, **result, 'leaves': len(jax.tree.leaves(out))}),
-        flush=True)
+  measured = harness.calls(lambda: jax.block_until_ready(call()), args.warm, devices,
+                           describe_out=lambda out: {'leaves': len(jax.tree.leaves(out))})
+  harness.emit(harness.child_result(args.child, measured, devices, mesh))
 
 
 def main(argv=None) -> None:
@@ -130,42 +131,69 @@ def main(argv=None) -> None:
   parser.add_argument('--dtype', default='float32')
   parser.add_argument('--workdir')
   parser.add_argument('--child', choices=CONTENDERS, help=argparse.SUPPRESS)
+  harness.add_flags(parser, cpu_default=8, warm=True)
   args = parser.parse_args(argv)
   if args.child:
     return child(args)
+  harness.keep_off_devices()  # The writer's JAX: the accelerator stays free for the children.
   workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix='lora-bench-'))
   if not (workdir / 'lora').exists():
     write(workdir, args.layers, args.dim, args.rank)
-  results = peak.rounds(__file__, CONTENDERS, args.reps, [
-      '--workdir', str(workdir), '--layers', str(args.layers), '--dim', str(args.dim),
-      '--dtype', args.dtype])
+  flags = ['--workdir', str(workdir), '--layers', str(args.layers), '--dim', str(args.dim),
+           '--dtype', args.dtype, '--warm', str(args.warm)]
+  if args.devices:
+    flags += ['--devices', str(args.devices)]
+  results = harness.rounds(CONTENDERS, args.reps,
+                           lambda name, _: harness.run_child([__file__, '--child', name, *flags]))
+  failed = {k: v[0]['error'] for k, v in results.items() if not harness.ok(v)}
+  if failed:
+    raise SystemExit(f'contenders failed: {failed}')
   itemsize = {'float32': 4, 'bfloat16': 2}[args.dtype]
   weight = args.dim * args.dim
   target_mib = args.layers * len(PROJECTIONS) * weight * itemsize / MIB
   extra_mib = (weight * 4 + 2 * args.dim * args.rank * 4) / MIB
-  wall = {k: statistics.median(r['wall_s'] for r in v) for k, v in results.items()}
-  most = {k: max(r['peak_above_kb'] for r in v) / 1024 for k, v in results.items()}
-  # Orbax's in-flight reads move the peak by up to ~100 MiB from run to run:
-  # the medians are the comparison, the maxima are shown beside them.
-  mid = {k: statistics.median(r['peak_above_kb'] for r in v) / 1024 for k, v in results.items()}
-  print(f'\nCommand: `python benchmarks/lora_merge.py --layers {args.layers} --dim {args.dim}'
-        f' --rank {args.rank} --reps {args.reps} --dtype {args.dtype}`')
+  shown = ' '.join(f'--{k} {getattr(args, k)}' for k in ('layers', 'dim', 'rank', 'reps', 'dtype',
+                                                          'warm'))
+  print(f'\nCommand: `python benchmarks/lora_merge.py {shown}'
+        + (f' --devices {args.devices}`' if args.devices else '`'))
   print(f'{args.layers * len(PROJECTIONS)} weights of {args.dim}x{args.dim},'
         f' {args.layers * len(ADAPTED)} adapted (rank {args.rank}); target {args.dtype},'
-        f' {target_mib:.0f} MiB over 8 devices\n')
-  print('| | plain: the base | unmerged: the same arrays the merge reads | merge |'
-        ' merge / plain | merge / unmerged | target |')
-  print('|---|---|---|---|---|---|---|')
-  print(f'| wall, median of {args.reps} | {wall["plain"]:.2f} s | {wall["unmerged"]:.2f} s |'
-        f' {wall["merge"]:.2f} s | {wall["merge"] / wall["plain"]:.2f} |'
-        f' {wall["merge"] / wall["unmerged"]:.2f} | merge / plain <= 1.2 |')
-  print(f'| peak RSS above start, median of {args.reps} | {mid["plain"]:.0f} MiB |'
-        f' {mid["unmerged"]:.0f} MiB | {mid["merge"]:.0f} MiB | {mid["merge"] / mid["plain"]:.2f} |'
-        f' {mid["merge"] / mid["unmerged"]:.2f} | merge <= plain + {extra_mib:.0f} MiB (the largest'
-        f' weight and its adapters in float32) = {mid["plain"] + extra_mib:.0f} MiB |')
-  print(f'| peak RSS above start, max | {most["plain"]:.0f} MiB | {most["unmerged"]:.0f} MiB |'
-        f' {most["merge"]:.0f} MiB | {most["merge"] / most["plain"]:.2f} |'
-        f' {most["merge"] / most["unmerged"]:.2f} | |')
+        f' {target_mib:.0f} MiB over {harness.describe_line(harness.first_device_info(results))}')
+  calls = {'first': lambda r: [r], 'warm': lambda r: r['warm']}
+  for kind, pick in calls.items():
+    runs = {k: [x for r in harness.ok(v) for x in pick(r)] for k, v in results.items()}
+    if not all(runs.values()):
+      continue
+    wall = {k: statistics.median(r['wall_s'] for r in v) for k, v in runs.items()}
+    label = (f'First calls (fresh processes), median of {args.reps}' if kind == 'first' else
+             f'Warm calls ({args.warm} after each first), median of {len(runs["plain"])}')
+    print(f'\n{label}:\n')
+    print('| | plain: the base | unmerged: the same arrays the merge reads | merge |'
+          ' merge / plain | merge / unmerged | target |')
+    print('|---|---|---|---|---|---|---|')
+    print(f'| wall | {wall["plain"]:.2f} s | {wall["unmerged"]:.2f} s |'
+          f' {wall["merge"]:.2f} s | {wall["merge"] / wall["plain"]:.2f} |'
+          f' {wall["merge"] / wall["unmerged"]:.2f} | merge / plain <= 1.2 |')
+    mid = {k: harness.med_of(v, 'peak_rss_bytes') for k, v in runs.items()}
+    if all(x is not None for x in mid.values()):
+      # Orbax's in-flight reads move the peak by up to ~100 MiB from run to run:
+      # the medians are the comparison, the maxima are shown beside them.
+      mid = {k: x / MIB for k, x in mid.items()}
+      most = {k: max(r['peak_rss_bytes'] for r in v) / MIB for k, v in runs.items()}
+      print(f'| peak RSS above start, median | {mid["plain"]:.0f} MiB |'
+            f' {mid["unmerged"]:.0f} MiB | {mid["merge"]:.0f} MiB |'
+            f' {mid["merge"] / mid["plain"]:.2f} | {mid["merge"] / mid["unmerged"]:.2f} |'
+            f' merge <= plain + {extra_mib:.0f} MiB (the largest weight and its adapters in'
+            f' float32) = {mid["plain"] + extra_mib:.0f} MiB |')
+      print(f'| peak RSS above start, max | {most["plain"]:.0f} MiB | {most["unmerged"]:.0f} MiB |'
+            f' {most["merge"]:.0f} MiB | {most["merge"] / most["plain"]:.2f} |'
+            f' {most["merge"] / most["unmerged"]:.2f} | |')
+    dev = {k: harness.med_of(v, 'device_peak_bytes') for k, v in runs.items()}
+    if kind == 'first' and all(x is not None for x in dev.values()):
+      print(f'| device peak (all devices), median | {dev["plain"] / MIB:.0f} MiB |'
+            f' {dev["unmerged"] / MIB:.0f} MiB | {dev["merge"] / MIB:.0f} MiB |'
+            f' {dev["merge"] / dev["plain"]:.2f} | {dev["merge"] / dev["unmerged"]:.2f} |'
+            f' target {target_mib:.0f} MiB |')
 
 
 if __name__ == '__main__':

@@ -6,7 +6,8 @@ Writes a step whose `model_params` item records LEAVES arrays under nnx's
 checkpoint whose writer died after the metadata does). Then, each in a fresh
 process: `orbax_tunix.detect(step)` and `orbax-tunix inspect --json step`
 (which, without array data, must end in its error, exit 2). Reported: wall
-time and peak RSS of each process.
+time and peak RSS of each process (sampled; n/a where it cannot be read). `--devices N`
+sets how many CPU devices their JAX simulates; JAX_PLATFORMS passes through (`harness.py`).
 
   python benchmarks/metadata_scale.py [--leaves 1000000]
 """
@@ -17,12 +18,10 @@ import argparse
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 
-import psutil
+import harness  # sibling module; the script's directory is on sys.path
 
 PYTREE = 'orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler'
 
@@ -47,24 +46,12 @@ def write(step: pathlib.Path, leaves: int) -> int:
   return len(text)
 
 
-def measure(argv: list[str]) -> tuple[float, int, int]:
-  start = time.monotonic()
-  proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  ps, peak = psutil.Process(proc.pid), 0
-  while proc.poll() is None:
-    try:
-      peak = max(peak, ps.memory_info().rss)
-    except psutil.NoSuchProcess:
-      break
-    time.sleep(0.01)
-  proc.communicate()
-  return time.monotonic() - start, peak, proc.returncode
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--leaves', type=int, default=1_000_000)
+  harness.add_flags(parser, cpu_default=None)
   args = parser.parse_args(argv)
+  env = harness.child_env(args.devices)
   work = pathlib.Path(tempfile.mkdtemp(prefix='metadata-scale-'))
   try:
     size = write(work / '1', args.leaves)
@@ -75,15 +62,18 @@ def main(argv=None) -> None:
         ('inspect --json', [sys.executable, '-m', 'orbax_tunix.cli', 'inspect', '--json',
                             str(work / '1')]),
     ):
-      seconds, peak, status = measure(command)
+      peak, seconds, status = harness.sampled_peak_rss(command, env, interval=0.01)
       rows.append((name, seconds, peak, status))
       print(rows[-1], flush=True)
-    print(f'\nCommand: `python benchmarks/metadata_scale.py --leaves {args.leaves}`'
-          f' (_METADATA of {size / 2**20:.0f} MiB, no array data)\n')
+    print(f'\nCommand: `python benchmarks/metadata_scale.py --leaves {args.leaves}'
+          + (f' --devices {args.devices}`' if args.devices else '`')
+          + f' (_METADATA of {size / 2**20:.0f} MiB, no array data);'
+          f' {harness.commands_line(args.devices)}\n')
     print('| | wall s | peak RSS | exit |')
     print('|---|---|---|---|')
     for name, seconds, peak, status in rows:
-      print(f'| {name} | {seconds:.1f} | {peak / 2**30:.2f} GiB | {status} |')
+      shown = 'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'
+      print(f'| {name} | {seconds:.1f} | {shown} | {status} |')
   finally:
     shutil.rmtree(work, ignore_errors=True)
 

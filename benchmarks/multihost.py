@@ -4,7 +4,7 @@ For each process count (1 and 2 by default), runs `orbax-tunix convert` (a
 synthetic Tunix full state, sharded on disk as a pod writes it) and
 `orbax-tunix export` (a Qwen3-shaped Tunix model, several safetensors
 shards) as that many processes of one `jax.distributed` job over localhost,
-4 simulated CPU devices each, and reports per process the bytes it passed
+`--devices` (4) CPU devices each, and reports per process the bytes it passed
 through read()/write() (`/proc/self/io` rchar and wchar, page cache
 included) and from/to storage (read_bytes, write_bytes), its peak memory
 above start-up (VmHWM reset to the RSS once the process has joined the job,
@@ -17,7 +17,10 @@ commands: the budget holds per process.
   python benchmarks/multihost.py --size-mb 1024 --processes 1 2 4 --memory-budget 256M
 
 Each process of a job runs `python benchmarks/multihost.py child OUT -- ARGV`,
-which imports the command, takes the counters, runs it, and writes OUT.
+which imports the command, takes the counters, runs it, and writes OUT. A counter
+the host lacks (`/proc/self/io`, VmHWM) reads n/a (`harness.py`). The job's
+processes share one host: JAX_PLATFORMS defaults to cpu in them (they would
+contend for one accelerator), and an explicit one passes through.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import gc
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import socket
@@ -38,25 +40,21 @@ from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import harness  # noqa: E402  (a sibling module)
+
 LOCAL_DEVICES = 4
-COUNTERS = ('rchar', 'wchar', 'read_bytes', 'write_bytes')
+COUNTERS = harness.IO_KEYS
 # The Qwen3 fixture's dims (tests/data/tunix/README.md: vocab 96, embed 40,
 # mlp 56, head dim 12, all distinct), scaled for the export.
 QWEN3_DIMS = (96, 40, 56, 12)
 
 
-def io_counters() -> dict[str, int]:
-  text = pathlib.Path('/proc/self/io').read_text()
-  return {k: int(re.search(rf'^{k}:\s*(\d+)', text, re.M).group(1)) for k in COUNTERS}
-
-
 def child(out: pathlib.Path, argv: list[str]) -> None:
   """One process of a job: the command, measured."""
-  os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={LOCAL_DEVICES}'
-  os.environ['JAX_PLATFORMS'] = 'cpu'
+  os.environ.setdefault('JAX_NUM_CPU_DEVICES', str(LOCAL_DEVICES))
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   sys.path.insert(0, str(ROOT))
-  sys.path.insert(0, str(HERE))
-  import peak  # pylint: disable=g-import-not-at-top
 
   from orbax_tunix.cli import commands  # pylint: disable=g-import-not-at-top
 
@@ -68,18 +66,16 @@ def child(out: pathlib.Path, argv: list[str]) -> None:
   def join_then_reset(args):
     join(args)
     gc.collect()
-    joined['rss_kb'] = peak.status_kb('VmRSS')
-    if not peak.reset_peak():
-      raise OSError('cannot reset VmHWM (/proc/self/clear_refs): no peak to measure')
+    joined['rss'] = harness.RssPeak()
 
   commands._join = join_then_reset  # pylint: disable=protected-access
-  before, t0 = io_counters(), time.monotonic()
+  before, t0 = harness.io_counters(), time.monotonic()
   code = commands.main(argv)
-  after = io_counters()
+  after = harness.io_counters()
+  peak, _ = joined['rss'].stop() if 'rss' in joined else (None, False)
   out.write_text(json.dumps({
-      'code': code, 'seconds': time.monotonic() - t0,
-      'peak_kb': peak.status_kb('VmHWM') - joined['rss_kb'],
-      **{k: after[k] - before[k] for k in COUNTERS},
+      'code': code, 'seconds': time.monotonic() - t0, 'peak_bytes': peak,
+      **harness.io_delta(before, after),
   }))
   sys.stdout.flush()
 
@@ -90,7 +86,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def job(argv: list[str], n: int, work: pathlib.Path, timeout: float) -> dict[str, Any]:
+def job(argv: list[str], n: int, work: pathlib.Path, timeout: float,
+        env: dict[str, str]) -> dict[str, Any]:
   """Runs the command as `n` processes; returns the wall time and each process's counters."""
   port = free_port()
   procs = []
@@ -101,7 +98,7 @@ def job(argv: list[str], n: int, work: pathlib.Path, timeout: float) -> dict[str
     log = (work / f'p{i}.log').open('w')
     procs.append(subprocess.Popen(
         [sys.executable, __file__, 'child', str(work / f'p{i}.json'), '--', *argv, *flags],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=work))
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=work, env=env))
   try:
     for p in procs:
       p.wait(timeout=max(1.0, t0 + timeout - time.monotonic()))
@@ -164,8 +161,8 @@ def data_bytes(step: pathlib.Path) -> int:
   return sum(p.stat().st_size for p in step.rglob('*') if p.is_file())
 
 
-def fmt(n: float) -> str:
-  return f'{n / 2**20:8.1f} MiB'
+def fmt(n: float | None) -> str:
+  return 'n/a' if n is None else f'{n / 2**20:8.1f} MiB'
 
 
 def report(name: str, source_bytes: int, runs: list[dict[str, Any]]) -> list[str]:
@@ -177,7 +174,7 @@ def report(name: str, source_bytes: int, runs: list[dict[str, Any]]) -> list[str
     for i, p in enumerate(run['per_process']):
       wall = f'{run["wall_s"]:.1f} s' if i == 0 else ''
       n = run['processes'] if i == 0 else ''
-      lines.append(f'| {n} | {wall} | {i} | {p["seconds"]:.1f} s | {fmt(p["peak_kb"] << 10).strip()} | '
+      lines.append(f'| {n} | {wall} | {i} | {p["seconds"]:.1f} s | {fmt(p["peak_bytes"]).strip()} | '
                    + ' | '.join(fmt(p[k]).strip() for k in COUNTERS) + ' |')
   return lines + ['']
 
@@ -195,12 +192,17 @@ def main(argv: list[str]) -> None:
   parser.add_argument('--processes', type=int, nargs='+', default=[1, 2])
   parser.add_argument('--timeout', type=float, default=1800)
   parser.add_argument('--memory-budget', default='1G', help='each command\'s --memory-budget')
+  parser.add_argument('--devices', type=int, default=LOCAL_DEVICES, metavar='N',
+                      help='CPU devices each process of a job simulates (default 4)')
   args = parser.parse_args(argv)
+  env = harness.child_env(args.devices)
   work = args.workdir
   work.mkdir(parents=True, exist_ok=True)
   convert_src = write_convert_source(work / 'convert_src', args.size_mb)
   export_src = write_export_source(work / 'export_src', args.export_scale)
-  out = [f'`python benchmarks/multihost.py {" ".join(argv)}`', '']
+  out = [f'`python benchmarks/multihost.py {" ".join(argv)}`', '',
+         f'{harness.commands_line(args.devices)}, per process (where unset, the job\'s'
+         ' processes take cpu)', '']
   for name, src, command in (
       ('convert (canonical, full state)', convert_src, ['convert', str(convert_src)]),
       ('export (qwen3, 8 MB shards)', export_src,
@@ -213,7 +215,7 @@ def main(argv: list[str]) -> None:
       run_dir.mkdir()
       dst = run_dir / ('out/1' if command[0] == 'convert' else 'out')
       runs.append(job([*command[:2], str(dst), *command[2:], '--memory-budget', args.memory_budget],
-                      n, run_dir, args.timeout))
+                      n, run_dir, args.timeout, env))
       shutil.rmtree(run_dir / 'out', ignore_errors=True)
     out += report(name, data_bytes(src), runs)
   print('\n'.join(out))

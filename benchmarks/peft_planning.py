@@ -1,15 +1,16 @@
 """Peak memory and time of planning one adapter's PEFT factors (`mapping/peft.py`), at Llama-3-8B's
 shapes, one case per process (the peak is the process's):
 
-    python benchmarks/peft_planning.py mlp|q|llama
+    python benchmarks/peft_planning.py mlp|q|llama [--devices N]
 
 mlp: an MLP kernel (D, F) transposed; q: an attention kernel (D, N, H) as `IN_PROJ`; llama:
-MaxText's llama query (deinterleaved head_dim, then `IN_PROJ`). No array is read.
+MaxText's llama query (deinterleaved head_dim, then `IN_PROJ`). No array is read. The peak
+is above the RSS before the planning (`harness.measure`; n/a where the host has no counter).
 """
 
-import resource
-import sys
-import time
+import argparse
+
+import harness  # sibling module; the script's directory is on sys.path
 
 from orbax_tunix.mapping import huggingface as hf
 from orbax_tunix.mapping import lora, peft
@@ -24,15 +25,19 @@ CASES = {
 }
 
 
-def main(name: str) -> None:
-  contraction, transform, a, b = CASES[name]
-  before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  start = time.perf_counter()
-  found = peft.Factors.of(contraction, transform, a, b)
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('case', choices=CASES)
+  harness.add_flags(parser, cpu_default=1)
+  args = parser.parse_args(argv)
+  devices = harness.use_devices(args.devices, cpu_default=1)
+  contraction, transform, a, b = CASES[args.case]
+  found, figures = harness.measure(lambda: peft.Factors.of(contraction, transform, a, b), devices)
   assert not isinstance(found, str), found
-  peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-  print(f'{name}: {time.perf_counter() - start:.2f} s, peak RSS +{peak:.0f} MiB')
+  print(f'{args.case}: {figures["wall_s"]:.2f} s, peak RSS +{harness.mib(figures["peak_rss_bytes"])}'
+        f' MiB, device peak {harness.mib(figures["device_peak_bytes"])} MiB'
+        f' ({harness.describe_line(harness.describe(devices))})')
 
 
 if __name__ == '__main__':
-  main(sys.argv[1])
+  main()

@@ -18,9 +18,13 @@ order rotating every round:
   h  plain Orbax, the same weight from the Tunix step by its on-disk path
 
 and reports medians and spread, the time ratios b/a, c/a, d/b, e/a, f/g, the bytes
-each read (/proc/self/io), peak resident memory against the target's bytes,
-and, over a scan of leaf counts, the planning time of b (everything before
-Orbax's first array read) against its restore time.
+each read (/proc/self/io), peak resident memory and the devices' peak memory
+against the target's bytes, and, over a scan of leaf counts, the planning time
+of b (everything before Orbax's first array read) against its restore time.
+First calls (each a fresh process) and warm calls (`--warm K` more in the same
+process) are reported apart. The target is sharded over the first
+`--devices N` of JAX's devices (JAX_PLATFORMS picks the backend; 8 simulated
+CPU devices by default); the checkpoints are always written on 8 CPU devices.
 
 Only the project's own dependencies are needed. Figures go to stdout as
 Markdown tables (and to `--json`); `BENCHMARKS.md` holds a full run.
@@ -29,22 +33,20 @@ Markdown tables (and to `--json`); `BENCHMARKS.md` holds a full run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.metadata
 import importlib.util
 import json
 import os
 import pathlib
-import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import harness
 import synthetic
+from harness import med, mib, spread, table
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHILD = HERE / 'contenders.py'
@@ -67,137 +69,31 @@ TARGET_PLAN_50K_S = 2.0
 TARGET_F_OVER_G = 1.3
 
 
-# --- the machine -------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-  """What the figures depend on: CPUs, memory, versions, load."""
-  cpu = 'unknown'
-  with open('/proc/cpuinfo') as f:
-    for line in f:
-      if line.startswith('model name'):
-        cpu = line.split(':', 1)[1].strip()
-        break
-  with open('/proc/meminfo') as f:
-    mem_kb = int(next(line for line in f if line.startswith('MemTotal')).split()[1])
-  versions = {}
-  for dist in ('jax', 'jaxlib', 'orbax-checkpoint', 'tensorstore', 'numpy', 'orbax-tunix'):
-    try:
-      versions[dist] = importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-      versions[dist] = 'not installed'
-  commit = subprocess.run(
-      ['git', '-C', str(HERE.parent), 'describe', '--always', '--dirty'],
-      capture_output=True, text=True, check=False,
-  ).stdout.strip()
-  return {
-      'nproc': os.cpu_count(),
-      'usable_cpus': len(os.sched_getaffinity(0)),
-      'memory_gib': round(mem_kb / 2**20, 1),
-      'cpu': cpu,
-      'kernel': platform.release(),
-      'python': platform.python_version(),
-      'versions': versions,
-      'commit': commit or 'unknown',
-      'loadavg_start': os.getloadavg(),
-  }
-
-
-# --- the page cache ----------------------------------------------------------
-
-
-def _files(dirs: Iterable[pathlib.Path]) -> list[pathlib.Path]:
-  return [p for d in dirs for p in synthetic.files(d)]
-
-
-def drop_all_caches() -> bool:
-  """The kernel's own drop (root only); False when not permitted."""
-  os.sync()
-  try:
-    with open('/proc/sys/vm/drop_caches', 'w') as f:
-      f.write('3\n')
-    return True
-  except OSError:
-    return False
-
-
-def evict(dirs: Iterable[pathlib.Path]) -> None:
-  """Drops the checkpoints' pages from the page cache, and nothing else's.
-
-  `posix_fadvise(DONTNEED)` needs no privilege and leaves the interpreter's and
-  libraries' pages cached, so child start-up stays the same for everyone.
-  """
-  os.sync()  # dirty pages are not dropped
-  for path in _files(dirs):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-      os.close(fd)
-
-
-def warm(dirs: Iterable[pathlib.Path]) -> None:
-  """Reads every checkpoint file once, so the contenders read from memory."""
-  for path in _files(dirs):
-    with open(path, 'rb') as f:
-      while f.read(16 * MiB):
-        pass
-
-
-@dataclasses.dataclass(frozen=True)
-class CachePolicy:
-  """What happens to the page cache before every repetition (same for all)."""
-
-  mode: str  # 'cold' or 'warm'
-  drop_all: bool  # cold via /proc/sys/vm/drop_caches rather than fadvise
-
-  def prepare(self, dirs: Sequence[pathlib.Path]) -> None:
-    if self.mode == 'warm':
-      warm(dirs)
-    elif self.drop_all:
-      drop_all_caches()
-    else:
-      evict(dirs)
-
-  def describe(self) -> str:
-    if self.mode == 'warm':
-      return 'warm: every checkpoint file read into the page cache before each repetition'
-    if self.drop_all:
-      return ('cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before each repetition'
-              ' (permitted here)')
-    return ('cold: the checkpoint files evicted from the page cache with'
-            ' posix_fadvise(DONTNEED) before each repetition (other pages stay cached)')
-
-
 # --- running the children ----------------------------------------------------
 
 
 def run_child(
     contender: str,
     workdir: pathlib.Path,
-    timeout: float,
+    args: argparse.Namespace,
     extra: Sequence[str] = (),
     concurrent_gb: float | None = None,
+    warm: int = 0,
 ) -> dict[str, Any]:
   """Runs one repetition in a fresh interpreter; returns its RESULT (or the error)."""
-  cmd = [sys.executable, str(CHILD), contender, str(workdir), *extra]
+  cmd = [str(CHILD), contender, str(workdir), *extra, '--warm', str(warm),
+         '--cache', args.cache]
+  if args.drop_caches:
+    cmd.append('--drop-caches')
+  if args.devices:
+    cmd += ['--devices', str(args.devices)]
   env = dict(os.environ)
   env.pop('BENCH_RESTORE_CONCURRENT_GB', None)
   if concurrent_gb:
     env['BENCH_RESTORE_CONCURRENT_GB'] = str(concurrent_gb)
-  start = time.perf_counter()
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                          env=env)
-  except subprocess.TimeoutExpired:
-    return {'contender': contender, 'error': f'timed out after {timeout:.0f} s'}
-  for line in proc.stdout.splitlines():
-    if line.startswith('RESULT '):
-      result = json.loads(line[len('RESULT '):])
-      result['process_s'] = time.perf_counter() - start
-      return result
-  tail = '\n'.join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-  return {'contender': contender, 'error': f'exit {proc.returncode}:\n{tail}'}
+  result = harness.run_child(cmd, args.timeout, env)
+  result.setdefault('contender', contender)
+  return result
 
 
 def write(workdir: pathlib.Path, shape: synthetic.Shape,
@@ -221,25 +117,6 @@ def cli_available() -> bool:
 # --- statistics and tables -----------------------------------------------------
 
 
-def med(xs: Sequence[float]) -> float:
-  return statistics.median(xs) if xs else float('nan')
-
-
-def spread(xs: Sequence[float]) -> str:
-  """min-max around the median, as percentages: '-4% +7%'."""
-  if len(xs) < 2:
-    return 'n/a'
-  m = med(xs)
-  return f'-{(m - min(xs)) / m:.0%} +{(max(xs) - m) / m:.0%}'
-
-
-def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-  rows = [[str(c) for c in r] for r in rows]
-  out = ['| ' + ' | '.join(header) + ' |', '|' + '|'.join('---' for _ in header) + '|']
-  out += ['| ' + ' | '.join(r) + ' |' for r in rows]
-  return '\n'.join(out)
-
-
 def verdict(ok: bool) -> str:
   return 'MET' if ok else 'MISSED'
 
@@ -247,7 +124,7 @@ def verdict(ok: bool) -> str:
 # --- the main comparison ------------------------------------------------------
 
 
-def compare(args, policy: CachePolicy, info: dict[str, Any]) -> dict[str, Any]:
+def compare(args, policy: harness.CachePolicy) -> dict[str, Any]:
   shape = synthetic.shape_for(args.size_mb, args.leaves, args.param_dtype)
   t = time.perf_counter()
   dirs = write(args.workdir / 'main', shape)
@@ -270,65 +147,66 @@ def compare(args, policy: CachePolicy, info: dict[str, Any]) -> dict[str, Any]:
       'notes': notes,
   }
   if args.verify:
-    check = run_child('verify', args.workdir / 'main', args.timeout)
+    check = run_child('verify', args.workdir / 'main', args)
     out['verify'] = check
     print(f'verify: {check}', flush=True)
-  results: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
-  for r in range(args.reps):
-    k = r % len(contenders)
-    order = contenders[k:] + contenders[:k]
-    for c in order:
-      policy.prepare(list(dirs.values()))
-      res = run_child(c, args.workdir / 'main', args.timeout,
-                      concurrent_gb=args.restore_concurrent_gb)
-      res['round'] = r
-      results[c].append(res)
-      if 'error' in res:
-        print(f'round {r} {c}: FAILED {res["error"]}', flush=True)
-      else:
-        print(f'round {r} {c}: {res["wall_s"]:.2f} s wall, {res["cpu_s"]:.2f} s cpu,'
-              f' peak +{res["peak_rss_delta"] / MiB:.0f} MiB', flush=True)
+  results = harness.rounds(
+      contenders, args.reps,
+      lambda c, _: run_child(c, args.workdir / 'main', args,
+                             concurrent_gb=args.restore_concurrent_gb, warm=args.warm),
+      prepare=lambda: policy.prepare(list(dirs.values())))
   out['results'] = results
+  out['devices'] = harness.first_device_info(results)
   out['report'] = report_compare(shape, disk, results, contenders, notes)
   if args.memory_check_gb and args.memory_reps:
-    out['memory'] = memory_check(args, policy, dirs, shape)
+    out['memory'] = memory_check(args, policy, dirs)
   return out
 
 
-def memory_check(args, policy: CachePolicy, dirs, shape) -> dict[str, Any]:
+def memory_check(args, policy: harness.CachePolicy, dirs) -> dict[str, Any]:
   """a and b again, with Orbax's in-flight read budget (`restore_concurrent_gb`) set."""
-  runs: dict[str, list[dict[str, Any]]] = {'a': [], 'b': []}
-  for r in range(args.memory_reps):
-    for c in (('a', 'b') if r % 2 == 0 else ('b', 'a')):
-      policy.prepare(list(dirs.values()))
-      res = run_child(c, args.workdir / 'main', args.timeout, concurrent_gb=args.memory_check_gb)
-      res['round'] = r
-      runs[c].append(res)
-      print(f'memory check {c} (restore_concurrent_gb={args.memory_check_gb}):'
-            f' {res.get("wall_s", float("nan")):.2f} s,'
-            f' peak +{res.get("peak_rss_delta", 0) / MiB:.0f} MiB', flush=True)
+  runs = harness.rounds(
+      ['a', 'b'], args.memory_reps,
+      lambda c, _: run_child(c, args.workdir / 'main', args, concurrent_gb=args.memory_check_gb),
+      prepare=lambda: policy.prepare(list(dirs.values())))
   rows = []
   for c, rs in runs.items():
-    rs = _ok(rs)
+    rs = harness.ok(rs)
     if not rs:
       continue
-    x = [r['peak_rss_delta'] / r['target_bytes'] for r in rs]
+    x = _per_target(rs, 'peak_rss_bytes', 'target_bytes')
     rows.append([c, len(rs), f'{med([r["wall_s"] for r in rs]):.2f}',
-                 f'{med([r["peak_rss_delta"] for r in rs]) / MiB:.0f}', f'{med(x):.2f}',
-                 f'{max(x):.2f}',
-                 verdict(med(x) <= TARGET_PEAK) if c == 'b' else ''])
+                 mib(harness.med_of(rs, 'peak_rss_bytes')),
+                 f'{med(x):.2f}' if x else 'n/a', f'{max(x):.2f}' if x else 'n/a',
+                 verdict(med(x) <= TARGET_PEAK) if c == 'b' and x else ''])
   report = table(['', 'n', 'wall s', 'peak RSS MiB', 'x target (median)', 'x target (max)',
                   f'b <= {TARGET_PEAK}'], rows)
   return {'budget_gb': args.memory_check_gb, 'runs': runs, 'report': report}
 
 
-def _ok(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  return [r for r in rs if 'error' not in r]
+def _per_target(rs: Sequence[dict[str, Any]], key: str, per: str) -> list[float]:
+  """Each run's `key` over its `per` (a peak over the target's bytes); [] when a counter is missing."""
+  if any(r.get(key) is None for r in rs):
+    return []
+  return [r[key] / r[per] for r in rs]
 
 
-def _paired(results, num: str, den: str, key: str) -> list[float]:
-  by_round = {r['round']: r[key] for r in _ok(results[den])}
-  return [r[key] / by_round[r['round']] for r in _ok(results[num]) if r['round'] in by_round]
+def _value(r: dict[str, Any], key: str, calls: str) -> float | None:
+  """A run's figure: its first call's, or the median of its warm calls'."""
+  if calls == 'first':
+    return r.get(key)
+  warm = [w[key] for w in r.get('warm', ()) if w.get(key) is not None]
+  return med(warm) if warm else None
+
+
+def _runs(results, c: str, key: str, calls: str) -> dict[int, float]:
+  """{round: figure} of a contender's successful runs that have it."""
+  out = {}
+  for r in harness.ok(results[c]):
+    v = _value(r, key, calls)
+    if v is not None:
+      out[r['round']] = v
+  return out
 
 
 def report_compare(shape, disk, results, contenders, notes) -> str:
@@ -339,86 +217,87 @@ def report_compare(shape, disk, results, contenders, notes) -> str:
   }
   rows = []
   for c in contenders:
-    rs = _ok(results[c])
+    rs = harness.ok(results[c])
     if not rs:
-      rows.append([c, CONTENDER_NAMES[c], 'FAILED'] + [''] * 8)
+      rows.append([c, CONTENDER_NAMES[c], 'FAILED'] + [''] * 9)
       continue
     wall = [r['wall_s'] for r in rs]
     cpu = [r['cpu_s'] for r in rs]
-    peak = [r['peak_rss_delta'] / r['target_bytes'] for r in rs] if c != 'e' else []
-    plan = [r['plan_s'] for r in rs]
-    pre = [r['pre_read_s'] for r in rs]
+    peak = _per_target(rs, 'peak_rss_bytes', 'target_bytes') if c != 'e' else []
+    dev = _per_target(rs, 'device_peak_bytes', 'target_held_bytes') if c != 'e' else []
+    rchar = harness.med_of(rs, 'rchar')
     rows.append([
         c, CONTENDER_NAMES[c], len(rs),
         f'{med(wall):.2f}', spread(wall), f'{med(cpu):.2f}',
-        f'{med(plan):.3f}' if c in 'bc' else '-',
-        f'{med(pre):.3f}' if c != 'e' else '-',
-        f'{med([r["rchar"] for r in rs]) / MiB:.0f} / {expected[c] / MiB:.0f}',
-        f'{med([r["read_bytes"] for r in rs]) / MiB:.0f}',
-        (f'{med([r["peak_rss_delta"] for r in rs]) / MiB:.0f}'
-         f' ({med(peak):.2f}x)' if peak else
-         f'{med([r["peak_rss_delta"] for r in rs]) / MiB:.0f}'),
+        f'{med([r["plan_s"] for r in rs]):.3f}' if c in 'bc' else '-',
+        f'{med([r["pre_read_s"] for r in rs]):.3f}' if c != 'e' else '-',
+        f'{mib(rchar)} / {expected[c] / MiB:.0f}',
+        mib(harness.med_of(rs, 'read_bytes')),
+        mib(harness.med_of(rs, 'peak_rss_bytes')) + (f' ({med(peak):.2f}x)' if peak else ''),
+        mib(harness.med_of(rs, 'device_peak_bytes')) + (f' ({med(dev):.2f}x)' if dev else ''),
     ])
+  lines.append('First calls, each in a fresh process:\n')
   lines.append(table(
       ['', 'contender', 'n', 'wall s (median)', 'spread (min/max)', 'cpu s',
        'planning s', 'before 1st read s', 'read MiB (rchar) / on disk',
-       'read MiB (storage)', 'peak RSS MiB (x target)'],
+       'read MiB (storage)', 'peak RSS MiB (x target)', 'device peak MiB (x target held)'],
       rows,
   ))
   lines.append('')
-  have = {c for c in contenders if _ok(results[c])}
+  have = {c for c in contenders if harness.ok(results[c])}
 
-  def ratio(num, den, key='wall_s'):
-    a = med([r[key] for r in _ok(results[num])])
-    b = med([r[key] for r in _ok(results[den])])
-    paired = _paired(results, num, den, key)
-    return a / b, paired
+  def ratio(num, den, calls, key='wall_s'):
+    """(ratio of medians, per-round ratios) of `num` over `den`; None when either has none."""
+    n, d = _runs(results, num, key, calls), _runs(results, den, key, calls)
+    if not n or not d:
+      return None, []
+    return med(list(n.values())) / med(list(d.values())), [n[r] / d[r] for r in n if r in d]
 
   share = shape.params_bytes / shape.total_bytes
+  targets = {
+      ('b', 'a'): (f'<= {TARGET_B_OVER_A}', lambda w: w <= TARGET_B_OVER_A),
+      ('c', 'a'): (f'<= {share + TARGET_C_SLACK:.2f} (params {share:.2f} of the bytes)',
+                   lambda w: w <= share + TARGET_C_SLACK),
+      ('d', 'b'): ('(naive vs orbax_tunix)', None),
+      ('e', 'a'): ('(convert: reads and writes)', None),
+  }
   rrows = []
-  checks = []
-  if {'a', 'b'} <= have:
-    w, pw = ratio('b', 'a')
-    cp, _ = ratio('b', 'a', 'cpu_s')
-    rrows.append(['b/a', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
-                  f'{cp:.3f}', f'<= {TARGET_B_OVER_A}', verdict(w <= TARGET_B_OVER_A)])
-    checks.append(('b/a', w <= TARGET_B_OVER_A))
-  if {'a', 'c'} <= have:
-    w, pw = ratio('c', 'a')
-    cp, _ = ratio('c', 'a', 'cpu_s')
-    bound = share + TARGET_C_SLACK
-    rrows.append(['c/a', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
-                  f'{cp:.3f}', f'<= {bound:.2f} (params {share:.2f} of the bytes)',
-                  verdict(w <= bound)])
-  if {'b', 'd'} <= have:
-    w, pw = ratio('d', 'b')
-    cp, _ = ratio('d', 'b', 'cpu_s')
-    rrows.append(['d/b', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
-                  f'{cp:.3f}', '(naive vs orbax_tunix)', ''])
-  if {'a', 'e'} <= have:
-    w, pw = ratio('e', 'a')
-    cp, _ = ratio('e', 'a', 'cpu_s')
-    rrows.append(['e/a', f'{w:.3f}', f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]',
-                  f'{cp:.3f}', '(convert: reads and writes)', ''])
+  for (num, den), (target, met) in targets.items():
+    if not {num, den} <= have:
+      continue
+    for calls in ('first', 'warm'):
+      w, pw = ratio(num, den, calls)
+      if w is None:
+        continue
+      cp, _ = ratio(num, den, calls, 'cpu_s')
+      rrows.append([f'{num}/{den}', calls, f'{w:.3f}',
+                    f'{med(pw):.3f} [{min(pw):.2f}-{max(pw):.2f}]' if pw else '-',
+                    f'{cp:.3f}', target, verdict(met(w)) if met else ''])
   lines.append(table(
-      ['ratio', 'wall, of medians', 'wall, paired per round: median [min-max]',
+      ['ratio', 'calls', 'wall, of medians', 'wall, paired per round: median [min-max]',
        'cpu, of medians', 'target', ''],
       rrows,
   ))
   lines.append('')
   prow = []
   for c in [c for c in 'abcd' if c in have]:
-    rs = _ok(results[c])
-    m = med([r['peak_rss_delta'] / r['target_bytes'] for r in rs])
-    mx = max(r['peak_rss_delta'] / r['target_bytes'] for r in rs)
+    rs = harness.ok(results[c])
+    x = _per_target(rs, 'peak_rss_bytes', 'target_bytes')
+    dev = _per_target(rs, 'device_peak_bytes', 'target_held_bytes')
     target = f'<= {TARGET_PEAK}' if c == 'b' else ''
-    prow.append([c, f'{rs[0]["target_bytes"] / MiB:.0f}', f'{m:.2f}', f'{mx:.2f}', target,
-                 verdict(m <= TARGET_PEAK) if c == 'b' else ''])
+    prow.append([c, f'{rs[0]["target_bytes"] / MiB:.0f}',
+                 f'{med(x):.2f}' if x else 'n/a', f'{max(x):.2f}' if x else 'n/a',
+                 f'{med(dev):.2f}' if dev else 'n/a', target,
+                 verdict(med(x) <= TARGET_PEAK) if c == 'b' and x else ''])
   lines.append(table(
-      ['peak RSS above baseline', 'target MiB', 'x target (median)', 'x target (max)',
-       'target', ''],
+      ['peak above baseline (first calls)', 'target MiB', 'RSS x target (median)',
+       'RSS x target (max)', 'device peak x target held (median)', 'target', ''],
       prow,
   ))
+  if any(r.get('warm') for c in have for r in harness.ok(results[c])):
+    lines.append('\nFirst calls (fresh processes) against warm calls (the same process,'
+                 ' page cache as before the first):\n')
+    lines.append(harness.first_and_warm({c: results[c] for c in contenders}, CONTENDER_NAMES))
   for note in notes:
     lines.append(f'\nNote: {note}')
   return '\n'.join(lines)
@@ -427,7 +306,7 @@ def report_compare(shape, disk, results, contenders, notes) -> str:
 # --- the planning scan ---------------------------------------------------------
 
 
-def scan(args, policy: CachePolicy) -> dict[str, Any]:
+def scan(args, policy: harness.CachePolicy) -> dict[str, Any]:
   out: dict[str, Any] = {'points': []}
   for n in args.scan_leaves:
     shape = synthetic.shape_for(args.scan_size_mb, n, args.param_dtype)
@@ -442,7 +321,7 @@ def scan(args, policy: CachePolicy) -> dict[str, Any]:
     for i in range(args.scan_reps):
       policy.prepare(list(dirs.values()))
       extra = ['--with-orbax'] if i == 0 and n <= args.orbax_metadata_max else []
-      plans.append(run_child('plan', workdir, args.timeout, extra))
+      plans.append(run_child('plan', workdir, args, extra))
     point['plan'] = plans
     for c in args.scan_contenders:
       if restore or c in 'fgh':
@@ -451,7 +330,7 @@ def scan(args, policy: CachePolicy) -> dict[str, Any]:
       for _ in range(args.scan_reps):
         for c in point['runs']:
           policy.prepare(list(dirs.values()))
-          res = run_child(c, workdir, args.timeout, concurrent_gb=args.restore_concurrent_gb)
+          res = run_child(c, workdir, args, concurrent_gb=args.restore_concurrent_gb)
           point['runs'][c].append(res)
           print(f'scan {shape.disk_leaves} {c}: {res.get("wall_s", float("nan")):.2f} s,'
                 f' planning {res.get("plan_s", float("nan")):.3f} s'
@@ -467,13 +346,13 @@ def report_scan(points) -> str:
            'restore_args', 'skeleton')
   srows = []
   for p in points:
-    plans = _ok(p['plan'])
+    plans = harness.ok(p['plan'])
     direct = med([x['steps_s']['total'] for x in plans]) if plans else float('nan')
-    b = _ok(p['runs'].get('b', []))
-    a = _ok(p['runs'].get('a', []))
-    f = _ok(p['runs'].get('f', []))
-    g = _ok(p['runs'].get('g', []))
-    h = _ok(p['runs'].get('h', []))
+    b = harness.ok(p['runs'].get('b', []))
+    a = harness.ok(p['runs'].get('a', []))
+    f = harness.ok(p['runs'].get('f', []))
+    g = harness.ok(p['runs'].get('g', []))
+    h = harness.ok(p['runs'].get('h', []))
     fg = med([r['wall_s'] for r in f]) / med([r['wall_s'] for r in g]) if f and g else None
     fh = med([r['wall_s'] for r in f]) / med([r['wall_s'] for r in h]) if f and h else None
     plan_b = med([r['plan_s'] for r in b]) if b else float('nan')
@@ -516,7 +395,7 @@ def report_scan(points) -> str:
     def total(p, skip=()):
       return med([sum(v for k, v in x['steps_s'].items()
                       if k not in ('total', 'orbax_metadata') + skip)
-                  for x in _ok(p['plan'])])
+                  for x in harness.ok(p['plan'])])
     lines.append(
         f'\nGrowth {first["leaves"]} -> {last["leaves"]} leaves'
         f' ({last["leaves"] / first["leaves"]:.1f}x): planning {total(last) / total(first):.1f}x;'
@@ -549,7 +428,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--workdir', type=pathlib.Path, default=pathlib.Path('/tmp/orbax_tunix_bench'),
                  help='checkpoints are written here once and reused')
   p.add_argument('--cache', choices=('cold', 'warm'), default='cold',
-                 help='page cache state before each repetition')
+                 help='page cache state before each call, first or warm')
   p.add_argument('--drop-caches', action='store_true',
                  help='cold via /proc/sys/vm/drop_caches (root) instead of fadvise')
   p.add_argument('--no-verify', dest='verify', action='store_false',
@@ -573,6 +452,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--json', type=pathlib.Path, help='also write every figure here')
   p.add_argument('--quick', action='store_true',
                  help='smoke run: 64 MB, 2 rounds, scan 300/1000/3000 leaves at 16 MB')
+  harness.add_flags(p, cpu_default=8, warm=True)
   args = p.parse_args(argv)
   for key, value in (QUICK if args.quick else FULL).items():
     if getattr(args, key) is None:  # flags given explicitly win over the preset
@@ -585,9 +465,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str]) -> None:
   args = parse_args(argv)
-  drop_ok = drop_all_caches() if args.drop_caches else False
-  policy = CachePolicy(args.cache, drop_ok)
-  info = machine()
+  drop_ok = harness.drop_all_caches() if args.drop_caches else False
+  policy = harness.CachePolicy(args.cache, drop_ok)
+  info = harness.host()
   command = 'python ' + ' '.join(shlex.quote(a) for a in [
       os.path.relpath(__file__, HERE.parent)] + list(argv))
   print(f'command: {command}\nmachine: {json.dumps(info)}\ncache: {policy.describe()}', flush=True)
@@ -596,7 +476,7 @@ def main(argv: Sequence[str]) -> None:
   t0 = time.perf_counter()
   out = {'command': command, 'machine': info, 'cache': policy.describe()}
   if args.reps > 0:
-    out['compare'] = compare(args, policy, info)
+    out['compare'] = compare(args, policy)
   if args.scan_leaves:
     out['scan'] = scan(args, policy)
   info['loadavg_end'] = os.getloadavg()
@@ -605,6 +485,10 @@ def main(argv: Sequence[str]) -> None:
   print(f'Command: `{command}`  ')
   print(f'Machine: {info["nproc"]} CPUs ({info["cpu"]}), {info["memory_gib"]} GiB,'
         f' Linux {info["kernel"]}, Python {info["python"]}  ')
+  devices = out.get('compare', {}).get('devices')
+  print(f'Devices: {harness.describe_line(devices)}; JAX_PLATFORMS {info["jax_platforms"]}'
+        + (f'; counters switched off: {info["counters_off"]}' if info['counters_off'] else '')
+        + '  ')
   print('Versions: ' + ', '.join(f'{k} {v}' for k, v in info['versions'].items())
         + f' (orbax-tunix at {info["commit"]})  ')
   print(f'Load average at start / end: {info["loadavg_start"][0]:.1f} /'
@@ -616,7 +500,8 @@ def main(argv: Sequence[str]) -> None:
     print(f'### Restore: {c["disk_leaves"]} leaves on disk, {c["logical_bytes"] / MiB:.0f} MiB'
           f' of state ({s["layers"]} layers, d_model {s["d_model"]}, params {s["param_dtype"]},'
           f' mu/nu float32; on disk: Tunix {c["disk_bytes"]["tunix"] / MiB:.0f} MiB,'
-          f' canonical {c["disk_bytes"]["canonical"] / MiB:.0f} MiB), {args.reps} rounds\n')
+          f' canonical {c["disk_bytes"]["canonical"] / MiB:.0f} MiB), {args.reps} rounds,'
+          f' {args.warm} warm call(s) after each first\n')
     if 'verify' in c:
       v = c['verify']
       print(f'Correctness (b, c, d against a, every leaf, values and shardings):'

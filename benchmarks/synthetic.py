@@ -25,6 +25,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+import harness  # sibling module; the script's directory is on sys.path
 import numpy as np
 
 Path = tuple[str, ...]
@@ -37,8 +38,8 @@ LAYOUTS = ('tunix', 'canonical')
 # Leaves of the inject shell and the step, outside the weight mirrors.
 SIDE_LEAVES = 9  # count, 6 hyperparams, hyperparams_states count, step
 HYPERPARAMS = ('learning_rate', 'b1', 'b2', 'eps', 'eps_root', 'weight_decay')
-MESH_SHAPE = (4, 2)
-MESH_AXES = ('data', 'model')
+# The writer's devices: 8 simulated CPU devices, a (4, 2) mesh, whatever the reader's are.
+WRITER_DEVICES = 8
 # Column- and row-parallel layouts over the (data, model) mesh.
 COL = ('data', 'model')
 ROW = ('model', 'data')
@@ -193,21 +194,13 @@ def tunix_layout(canonical: dict[str, Any], scalar) -> dict[str, Any]:
   return {MODEL_ITEM: model, OPT_ITEM: opt}
 
 
-def make_mesh():
-  import jax  # pylint: disable=g-import-not-at-top
-
-  return jax.make_mesh(MESH_SHAPE, MESH_AXES)
-
-
 def target(shape: Shape, mesh) -> dict[str, Any]:
-  """The canonical restore target: ShapeDtypeStructs sharded over `mesh`."""
+  """The canonical restore target: ShapeDtypeStructs sharded over `mesh` (any (data, model)
+  mesh: a mesh axis is left off a dimension it does not divide)."""
   import jax  # pylint: disable=g-import-not-at-top
-
-  P = jax.sharding.PartitionSpec
 
   def leaf(_, s, dtype, spec):
-    sharding = jax.sharding.NamedSharding(mesh, P(*spec))
-    return jax.ShapeDtypeStruct(s, dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(s, dtype, sharding=harness.sharding(mesh, s, spec))
 
   return canonical_structure(shape, leaf)
 
@@ -246,12 +239,12 @@ def write(
   workdir.mkdir(parents=True, exist_ok=True)
   for k in todo:
     shutil.rmtree(workdir / k, ignore_errors=True)  # a run that died half way
-  mesh = make_mesh()
+  mesh = harness.make_mesh(jax.devices())
   rng = np.random.default_rng(seed)
   P = jax.sharding.PartitionSpec
 
   def leaf(path, s, dtype, spec):
-    sharding = jax.sharding.NamedSharding(mesh, P(*spec))
+    sharding = harness.sharding(mesh, s, spec)
     if path is None:
       host = np.asarray(7, dtype)
     else:
@@ -301,7 +294,8 @@ def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(
       prog='synthetic.py',
       description='Writes the synthetic decoder checkpoints restore_cost.py measures, with'
-      ' Orbax alone (no orbax_tunix code), on 8 simulated CPU devices.',
+      ' Orbax alone (no orbax_tunix code), on 8 simulated CPU devices (whatever'
+      ' JAX_PLATFORMS says: the writer\'s topology is the same for every reader).',
   )
   parser.add_argument('workdir', type=pathlib.Path, help='where the checkpoints go')
   parser.add_argument('layers', type=int, help='decoder layers (27 leaves each)')
@@ -309,10 +303,9 @@ def main(argv: list[str]) -> None:
   parser.add_argument('dtype', help='the weights\' dtype, e.g. bfloat16')
   parser.add_argument('layouts', nargs='+', choices=LAYOUTS, help='layouts to write')
   args = parser.parse_args(argv)
-  os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-  ).strip()
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  # Before jax is imported: the CPU alone (an accelerator stays free for the readers).
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  os.environ['JAX_NUM_CPU_DEVICES'] = str(WRITER_DEVICES)
   write(args.workdir, Shape(args.layers, args.d_model, args.dtype), tuple(args.layouts))
 
 

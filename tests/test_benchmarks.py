@@ -1,0 +1,70 @@
+"""The benchmarks keep running where CI runs them, on the CPU, as on any JAX backend.
+
+`restore_cost.py` end to end on one device of a host without I/O counters (the
+counters switched off as `harness.py` lets one): the checkpoints are written on
+8 devices, so the naive contender restores onto another topology, as on a
+one-chip TPU; and the harness's meshes and shardings on device counts that the
+synthetic model's dimensions do not divide.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / 'benchmarks'
+sys.path.insert(0, str(BENCHMARKS))
+
+import harness  # noqa: E402
+import synthetic  # noqa: E402
+
+
+def test_restore_cost_reaches_its_ratio_table_on_one_device_without_io_counters(tmp_path):
+  # The smallest run that still writes both checkpoints (on 8 devices) and restores a, b
+  # and d in fresh processes on one, each with a warm call after its first.
+  env = {**os.environ, 'BENCH_NO_COUNTERS': 'io',
+         'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
+  out = tmp_path / 'figures.json'
+  done = subprocess.run(
+      [sys.executable, str(BENCHMARKS / 'restore_cost.py'), '--quick', '--devices', '1',
+       '--contenders', 'abd', '--reps', '1', '--warm', '1', '--no-verify', '--scan-leaves', '',
+       '--memory-check-gb', '0', '--size-mb', '2', '--leaves', '40',
+       '--workdir', str(tmp_path / 'work'), '--json', str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+  for ratio in ('b/a', 'd/b'):
+    for calls in ('first', 'warm'):
+      assert f'| {ratio} | {calls} |' in done.stdout, done.stdout[-3000:]
+  results = json.loads(out.read_text())['compare']['results']
+  for name in 'abd':
+    (run,) = results[name]
+    assert 'error' not in run, run
+    assert run['devices'] == {**run['devices'], 'backend': 'cpu', 'devices': 1,
+                              'mesh': {'data': 1, 'model': 1}}
+    assert run['rchar'] is None and run['read_bytes'] is None  # switched off: n/a, no KeyError
+    assert len(run['warm']) == 1 and run['warm'][0]['wall_s'] > 0
+    assert run['device_peak_bytes'] is None  # the CPU backend reports no memory_stats()
+  assert '| a | plain Orbax, canonical copy (floor) | 1 |' in done.stdout
+  assert 'n/a / ' in done.stdout  # the bytes read: n/a against the bytes on disk
+
+
+@pytest.mark.parametrize('count', [1, 3, 5, 6, 8])
+def test_synthetic_target_shards_over_any_device_count(count):
+  mesh = harness.make_mesh(jax.devices()[:count])
+  assert mesh.devices.size == count
+  shape = synthetic.Shape(layers=1, d_model=16)  # dims 16, 64, 128: 3 and 5 divide none
+  target = synthetic.target(shape, mesh)
+  for leaf in jax.tree.leaves(target):
+    leaf.sharding.shard_shape(leaf.shape)  # JAX's own check: raises on an uneven split
+    assert leaf.sharding.mesh.devices.size == count
+  if count == 8:  # (4, 2) divides every dimension: the specs as the model writes them
+    for path, _, spec in shape.weights():
+      leaf = target[synthetic.MODEL_ITEM]
+      for key in path:
+        leaf = leaf[key]
+      assert leaf.sharding.spec == jax.sharding.PartitionSpec(*spec), path
