@@ -143,6 +143,12 @@ def test_lora_merge_example(tunix_data, tmp_path):
   assert "bfloat16 (8, 8) P(None, 'model')" in q
 
 
+def test_qlora_example_reads_a_qlora_run_dequantized_and_merged(tmp_path):
+  out = _run_example('qlora.py', tmp_path)
+  assert 'dequantized layers/0/mlp/up_proj/kernel: bfloat16 (40, 56)' in out
+  assert '74 weights of the plain model' in out
+
+
 def test_saves_are_ordinary_checkpoints(tmp_path):
   """Saved through our registry or composite, a step restores without orbax_tunix."""
 
