@@ -535,5 +535,10 @@ def plan_restore(
         ' plain Orbax; `ItemsHandler` does so by itself.'
     )
   shapes = _target_shapes(flatten(abstract_state)[0])  # Before the view: its errors first.
-  return make_plan(read_view(detection), shapes, params_only=params_only, notes=detection.notes,
-                   param_scan_axis=param_scan_axis)
+  model = detection.maps.get(conventions.MODEL_ITEM)
+  composed = {} if model is None else model.composed
+  quantized = [f'{len(composed)} weights saved quantized (a QLoRA run\'s frozen base, e.g.'
+               f' {fmt(min(composed))}) are read dequantized: MaxText\'s model takes float'
+               ' kernels'] if composed else []
+  return make_plan(read_view(detection), shapes, params_only=params_only,
+                   notes=(*detection.notes, *quantized), param_scan_axis=param_scan_axis)
