@@ -817,8 +817,9 @@ def _with_state(dst: epath.Path, exc: BaseException, state: str) -> BaseExceptio
 
 def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
                   ) -> errors.InvalidDestinationError | None:
-  """What a failed write to `dst` says, when it is the destination's (its disk full,
-  its permissions), whichever writer failed: Python's file writes or TensorStore's.
+  """What a failed write to `dst` says, when it is the destination's (its disk full, a
+  file-size limit, its permissions), whichever writer failed: Python's file writes or
+  TensorStore's: one message per cause, whichever command wrote.
 
   Returns:
     The error to raise (its clean-up done: nothing is left behind), or None
@@ -828,8 +829,17 @@ def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
   if full is not None:
     return errors.InvalidDestinationError(
         f'{dst}: writing failed: no space left on the device'
-        f' ({storage_errors.failure_text(full)}); nothing was left behind. Expected room for'
+        f' ({storage_errors.os_words(full)}); nothing was left behind. Expected room for'
         f' about {nbytes} bytes. Free space or choose another destination.'
+    )
+  big = storage_errors.too_large(exc)
+  if big is not None:
+    return errors.InvalidDestinationError(
+        f'{dst}: writing failed: a file grew past the largest file size allowed'
+        f' ({storage_errors.os_words(big)}: {_size_limit()}); nothing was left behind.'
+        f' Expected to write about {nbytes} bytes.'
+        ' Raise the limit (`ulimit -f unlimited` in the shell that runs this) or choose'
+        ' another destination.'
     )
   if isinstance(exc, OSError):
     return errors.InvalidDestinationError(
@@ -838,6 +848,18 @@ def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
         ' another destination.'
     )
   return None
+
+def _size_limit() -> str:
+  """Which file-size limit a write met, for the message: this process's own (`ulimit -f`)
+  when it has one, else the file system's."""
+  with contextlib.suppress(ImportError, OSError, ValueError):
+    import resource  # pylint: disable=g-import-not-at-top  # Unix only.
+
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY:
+      return f'this process may write files of at most {limit} bytes, `ulimit -f`'
+  return "the file system's largest file"
+
 
 def _remove_empty(directories: Sequence[epath.Path]) -> None:
   """Removes directories, deepest first, if they are empty."""
