@@ -204,6 +204,12 @@ class Options:
     lora.check_scaling(alpha, scale, names[:2])
     return cls(alpha, scale, base, names[:2]) if merging else None
 
+  def asked(self) -> dict[str, Any]:
+    """The options given, by the caller's names (`names`, then `base`); those not given
+    left out."""
+    values = zip((*self.names, 'base'), (self.alpha, self.scale, self.base), strict=True)
+    return {name: value for name, value in values if value is not None}
+
   def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
     """The merge of `source`'s adapters with these options (`plan_merge`)."""
     return plan_merge(source, self)

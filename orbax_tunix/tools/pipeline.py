@@ -76,6 +76,9 @@ class Plan:
     files: a folder's safetensors files and what each holds (a step: none).
     other_files: a folder's other files: (name, a path to copy or a text).
     summary: what the layout tells of its output (a family's model, architecture).
+    options: the options the caller gave, by its own names (`lora_alpha`, `max_shard_size`;
+      those not given left out), as given: a job's processes compare them by value
+      (`agreement`), so a difference names the option, not only what it makes.
   """
 
   source: reader.CanonicalCheckpoint
@@ -92,6 +95,7 @@ class Plan:
   files: tuple[writer.Shard, ...] = ()
   other_files: tuple[tuple[str, epath.Path | str], ...] = ()
   summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def outputs(self) -> tuple[Output, ...]:
@@ -172,7 +176,7 @@ def _agreed(make: Callable[..., Plan]) -> Callable[..., Plan]:
     except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
       distributed.agree_on('plan', None, e)
       raise
-    distributed.agree_on('plan', fields)
+    distributed.agree_on('plan', fields, given=agreement.asked(made))
     return made
 
   return agreed
@@ -230,6 +234,7 @@ def plan(
            if value != known[name].unset}
   params_only = params_only or merge_options is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
+  items = None if items is None else tuple(items)  # Read twice: the source, and `options`.
   source = open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = merge_options.plan(source) if merge_options is not None else None
@@ -271,7 +276,21 @@ def plan(
       memory_budget=memory_budget, force=force, items=tuple(written), notes=tuple(notes),
       merge=merged, custom_metadata=dict(laid.custom_metadata), files=tuple(files),
       other_files=laid.files, summary=dict(laid.summary),
+      options=_asked(given, merge_options, items),
   )
+
+
+def _asked(given: Mapping[str, Any], merge_options: merge_lib.Options | None,
+           items: Iterable[str] | None) -> dict[str, Any]:
+  """The options a caller gave, by its own names: the layout's (a merge's options among them:
+  by their own names), the merge's, and the items chosen."""
+  asked: dict[str, Any] = {}
+  for name, value in given.items():
+    asked.update(value.asked() if isinstance(value, merge_lib.Options) else {name: value})
+  asked.update(merge_options.asked() if merge_options is not None else {})
+  if items is not None:
+    asked['items'] = sorted(items)
+  return asked
 
 
 def open_source(

@@ -37,7 +37,7 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -341,12 +341,15 @@ def agree(name: str, failure: str | None) -> None:
 
 
 def agree_on(name: str, fields: Mapping[str, str] | None,
-             failure: BaseException | None = None) -> None:
+             failure: BaseException | None = None, *, given: Collection[str] = ()) -> None:
   """Every process's account of its work compared, before any is done (collective).
 
   Each process passes its `fields` (what it was asked to do, field by field),
   or, when it could not even work that out, its `failure`; every process
   reaches this round either way, so none waits for a process that failed.
+  `given` names the fields that are what the caller was given (its options):
+  where one of those differs, the message lists those (the others follow from
+  them, and are only named).
 
   Raises:
     DistributedError: on every process whose own `failure` is None: naming
@@ -358,7 +361,7 @@ def agree_on(name: str, fields: Mapping[str, str] | None,
     return
   reports = [json.loads(t) for t in exchange(name, json.dumps(
       {'fields': None if failure is not None else dict(fields or {}),
-       'failure': None if failure is None else _failure(failure)}))]
+       'failure': None if failure is None else _failure(failure), 'given': sorted(given)}))]
   failed = [(i, r['failure']) for i, r in enumerate(reports) if r['failure'] is not None]
   if failure is not None:
     return
@@ -371,12 +374,18 @@ def agree_on(name: str, fields: Mapping[str, str] | None,
   differ = [key for key in dict.fromkeys(k for v in values for k in v)
             if len({v.get(key) for v in values}) > 1]
   if differ:
-    lines = '\n'.join(f'  {key}: ' + '; '.join(f'process {i}: {v.get(key)}'
-                                              for i, v in enumerate(values)) for key in differ)
+    given = {key for r in reports for key in r['given']}  # An option one process alone got.
+    options = [key for key in differ if key in given]
+    shown = options or differ
+    made = [key for key in differ if key not in shown]
+    lines = '\n'.join(f'  {key}: ' + '; '.join(f'process {i}: {v.get(key, "(not given)")}'
+                                              for i, v in enumerate(values)) for key in shown)
+    what = 'options' if options else 'work'
+    follows = f', and so {", ".join(made)}' if made else ''
     raise errors.DistributedError(
-        f'the processes were given different work ({", ".join(differ)} differ): give every'
-        ' process the same source, step, destination and options (a path: the same absolute'
-        f' path or bucket URL on every host). Nothing was written:\n{lines}')
+        f'the processes were given different {what} ({", ".join(shown)}{follows} differ):'
+        ' give every process the same source, step, destination and options (a path: the'
+        f' same absolute path or bucket URL on every host). Nothing was written:\n{lines}')
 
 
 def _failure(e: BaseException) -> str:
