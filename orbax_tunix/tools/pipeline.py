@@ -397,7 +397,8 @@ def run(plan: Plan, progress: reader.Progress | None = None) -> Result:
   sink = SINKS[layouts.get(plan.layout).sink]
   mine = sink.share(plan)
   with writer.streamed(plan.dst, plan.force, sink.kind, plan.bytes_written, plan.sources,
-                       progress, f'{sink.doing} {plan.dst}', writer.bytes_read(mine)) as staging:
+                       progress, f'{sink.doing} {plan.dst}', writer.bytes_read(mine),
+                       sink.entries(plan)) as staging:
     record = sink.write(plan, mine, staging.work, progress)
   return Result(
       dst=plan.dst, items={item.name: len(item.outputs) for item in plan.items},
@@ -430,6 +431,11 @@ def _write_step(plan: Plan, mine: Sequence[Output], work: epath.Path,
   if distributed.is_primary():
     _write_step_metadata(work, plan, init_ns, sums)
   return {}
+
+
+def _step_entries(plan: Plan) -> list[str]:
+  """What `_write_step` makes at the top of a step: its items and its metadata."""
+  return [*(item.name for item in plan.items), CHECKPOINT_METADATA]
 
 
 def _provenance(plan: Plan, sums: dict[str, dict[str, str]]) -> dict[str, Any]:
@@ -579,6 +585,8 @@ class SinkKind:
     share: plan -> the outputs this process reads (across hosts).
     write: (plan, this process's outputs, the staging directory, progress) ->
       what to record of it (a folder: its files and bytes).
+    entries: plan -> every entry `write` makes at the top of the destination (a bucket's
+      claim names them: `commit.staged`).
     read_folders: options naming folders that are read (the destination must
       be neither one nor inside one).
   """
@@ -591,6 +599,7 @@ class SinkKind:
                   tuple[Sequence[ItemOutput], Sequence[writer.Shard]]]
   share: Callable[[Plan], Sequence[Output]]
   write: Callable[[Plan, Sequence[Output], epath.Path, reader.Progress], dict[str, Any]]
+  entries: Callable[[Plan], Sequence[str]]
   read_folders: tuple[str, ...] = ()
 
 
@@ -618,15 +627,15 @@ SINKS: dict[layouts.Destination, SinkKind] = {
     layouts.Destination.STEP: SinkKind(
         kind=commit.STEP, unit='array', run='conversion', doing='converting to',
         shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs,
-        write=_write_step,
+        write=_write_step, entries=_step_entries,
     ),
     layouts.Destination.FOLDER: SinkKind(
         kind=EXPORT, unit='tensor', run='export', doing='exporting to',
-        shard=_shard_folder, share=_share_folder, write=_write_folder,
+        shard=_shard_folder, share=_share_folder, write=_write_folder, entries=_folder_files,
         read_folders=('hf_config',),
     ),
     layouts.Destination.ADAPTER: SinkKind(
         kind=ADAPTER_EXPORT, unit='tensor', run='export', doing='exporting the adapter to',
-        shard=_adapter_file, share=_share_folder, write=_write_folder,
+        shard=_adapter_file, share=_share_folder, write=_write_folder, entries=_folder_files,
     ),
 }

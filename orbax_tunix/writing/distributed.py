@@ -412,7 +412,7 @@ class SharedStaging:
 
 @contextlib.contextmanager
 def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes: int = 0,
-           sources: Sequence[epath.Path] = ()) -> Iterator[Any]:
+           sources: Sequence[epath.Path] = (), entries: Collection[str] = ()) -> Iterator[Any]:
   """`commit.staged` for one or several processes.
 
   One process: exactly `commit.staged`. Several: process 0 opens the staging
@@ -427,7 +427,7 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
       A process's own failure is raised there as itself.
   """
   if not active():
-    with commit.staged(dst, force, kind, nbytes, sources) as staging:
+    with commit.staged(dst, force, kind, nbytes, sources, entries) as staging:
       yield staging
     return
   global _run
@@ -436,7 +436,7 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
   opened, own = None, None
   if is_primary():
     try:
-      opened = stack.enter_context(commit.staged(dst, force, kind, nbytes, sources))
+      opened = stack.enter_context(commit.staged(dst, force, kind, nbytes, sources, entries))
     except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
       own = e
   first = json.loads(broadcast('open', json.dumps(
