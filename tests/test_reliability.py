@@ -317,10 +317,17 @@ WRITERS = {
 }
 
 
+# The CLI in a process whose files may not grow past argv[1] bytes (`ulimit -f`: RLIMIT_FSIZE,
+# set by the child itself: a `preexec_fn` would fork this multithreaded process).
+_LIMITED_CLI = ('import resource, runpy, sys; n = int(sys.argv[1]);'
+                ' resource.setrlimit(resource.RLIMIT_FSIZE, (n, n));'
+                " sys.argv = ['orbax-tunix', *sys.argv[2:]];"
+                " runpy.run_module('orbax_tunix.cli', run_name='__main__')")
+
+
 def _write_limited(tunix_data, dst, writer: str, limit: int):
   """A command of `WRITERS` run as the real CLI in a subprocess whose files may not grow past
-  `limit` bytes (`ulimit -f`: RLIMIT_FSIZE, set in the child only)."""
-  import resource  # noqa: PLC0415  (Unix: where the limit exists)
+  `limit` bytes."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
 
@@ -328,9 +335,8 @@ def _write_limited(tunix_data, dst, writer: str, limit: int):
 
   fixture, command, flags = WRITERS[writer]
   return subprocess.run(
-      [sys.executable, '-m', 'orbax_tunix.cli', command, str(tunix_data / fixture), str(dst),
-       *flags], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300,
-      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+      [sys.executable, '-c', _LIMITED_CLI, str(limit), command, str(tunix_data / fixture),
+       str(dst), *flags], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
 
 
 @pytest.mark.parametrize('writer', list(WRITERS))
