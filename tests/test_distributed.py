@@ -581,6 +581,26 @@ def test_a_source_is_told_by_its_metadata_not_only_its_path(tmp_path):
   assert planned() == second  # The same work: the same fingerprint.
 
 
+def test_options_are_told_by_name_and_value_a_path_as_what_it_is(tmp_path, monkeypatch):
+  """Each option the caller gave is a field of its own, by the caller's name (a merge's alpha
+  as `lora_alpha`): a difference names it. A path option is told as what it is (the same
+  base through a relative path from another directory agrees)."""
+  from orbax_tunix.tools import agreement, convert  # pylint: disable=g-import-not-at-top
+
+  def planned(base, alpha=4.0) -> dict[str, str]:
+    return agreement.fingerprint(convert.plan_convert(
+        TUNIX / 'lora_qwix', tmp_path / 'out' / '1', merge_lora=True, lora_alpha=alpha,
+        base=base, items=['model_params']))
+
+  absolute = planned(TUNIX / 'lora_base')
+  assert absolute['`lora_alpha`'] == '4.0' and absolute['`items`'] == 'model_params'
+  assert absolute['`base`'] == os.path.realpath(TUNIX / 'lora_base'), absolute
+  monkeypatch.chdir(TUNIX / 'lora_qwix')
+  assert planned(os.path.join('..', 'lora_base')) == absolute
+  other = planned(TUNIX / 'lora_base', alpha=8.0)
+  assert [k for k in absolute if absolute[k] != other[k]][0] == '`lora_alpha`'
+
+
 def test_hf_config_files_are_told_by_their_contents(tmp_path):
   # The base model's folder at one path, another tokenizer in it: only `other_files` differs.
   from orbax_tunix.tools import agreement, export  # pylint: disable=g-import-not-at-top

@@ -29,6 +29,7 @@ from orbax_tunix.mapping import device, lora, transforms
 from orbax_tunix.mapping.outputs import Input, Output, copied
 from orbax_tunix.mapping.transforms import Transform
 from orbax_tunix.reading import reader
+from orbax_tunix.store import fileio
 
 PyTree = Any
 
@@ -205,9 +206,10 @@ class Options:
     return cls(alpha, scale, base, names[:2]) if merging else None
 
   def asked(self) -> dict[str, Any]:
-    """The options given, by the caller's names (`names`, then `base`); those not given
-    left out."""
-    values = zip((*self.names, 'base'), (self.alpha, self.scale, self.base), strict=True)
+    """The options given, by the caller's names (`names`, then `base`: a path, as what it
+    is, not as it was written); those not given left out."""
+    base = None if self.base is None else fileio.as_path(self.base)
+    values = zip((*self.names, 'base'), (self.alpha, self.scale, base), strict=True)
     return {name: value for name, value in values if value is not None}
 
   def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
