@@ -532,3 +532,32 @@ def test_force_interrupted_after_the_commit_says_it_is_committed(tunix_data, tmp
           ' before the interruption).') in done.stderr, done.stderr
   assert sorted(p.name for p in dst.parent.iterdir()) == ['1']
   assert cli('diff', tunix_data / 'sft_full' / '2', dst).returncode == 0  # The new one, whole.
+
+
+@pytest.mark.parametrize('marker', ['', '{"run": "r", "host": "h", "pid": 1}'])
+def test_a_local_folder_holding_the_writing_marker_is_refused_as_without_it(
+    tunix_data, tmp_path, capsys, marker):
+  """`.orbax-tunix-writing` (empty, or text copied from a bucket) in a local folder of one's
+  own: no command takes it for an interrupted run's (none claims a local destination: it is
+  written beside and renamed onto it), so each refuses the folder as it would without the
+  marker, `--force` or not, and nothing in it is touched."""
+  from orbax_tunix.cli import commands  # noqa: PLC0415
+  from orbax_tunix.writing import commit  # noqa: PLC0415
+
+  mine = tmp_path / 'mine'
+  (mine / 'eval').mkdir(parents=True)
+  (mine / 'NOTES.md').write_text('my notes')
+  (mine / 'eval' / 'score.json').write_text('{"score": 1}')
+  (mine / commit.MARKER).write_text(marker)
+  before = snapshot(mine)
+  for argv in (['convert', tunix_data / 'hf_qwen3', mine],
+               ['export', tunix_data / 'hf_qwen3', mine, '--model', 'qwen3'],
+               ['export', tunix_data / 'hf_qwen3_lora', mine, '--model', 'qwen3', '--peft',
+                '--lora-alpha', '3']):
+    for flags in ([], ['--force']):
+      status = commands.main([str(a) for a in [*argv, *flags]])
+      err = capsys.readouterr().err
+      assert status == 2 and f'{mine}: expected a new (or empty) directory' in err, err
+      assert 'NOTES.md' in err and 'never claims a local destination' in err, err
+      assert snapshot(mine) == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['mine']  # Nothing beside it either.

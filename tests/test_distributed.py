@@ -509,6 +509,15 @@ def differing_work(tmp_path: pathlib.Path, case: str) -> tuple[list[list[str]], 
     return [['convert', str(one), str(dst)], ['convert', str(two), str(dst)]], dst
   if case == 'dtype':
     return [qwen, [*qwen, '--dtype', 'bfloat16']], tmp_path / 'out'
+  if case == 'peft_alpha':  # An option whose value only shapes digests (a config, tensors).
+    peft = ['export', str(TUNIX / 'hf_qwen3_lora'), str(tmp_path / 'out'), '--model', 'qwen3',
+            '--peft']
+    return [[*peft, '--lora-alpha', '3'], [*peft, '--lora-alpha', '4']], tmp_path / 'out'
+  if case == 'merge_scaling':  # One process given the alpha, the other the scale.
+    merge = ['convert', str(TUNIX / 'lora_qwix_full'), str(tmp_path / 'out' / '1'),
+             '--merge-lora']
+    return [[*merge, '--lora-alpha', '4'], [*merge, '--lora-scale', '0.5']], \
+        tmp_path / 'out' / '1'
   assert case == 'max_shard_size'
   return [[*qwen, '--max-shard-size', '20KB'], [*qwen, '--max-shard-size', '40KB']], \
       tmp_path / 'out'
@@ -518,19 +527,29 @@ def differing_work(tmp_path: pathlib.Path, case: str) -> tuple[list[list[str]], 
     ('step', ['source'], ['sft_full/1 (step 1, metadata', 'sft_full/2 (step 2, metadata']),
     ('source', ['source'], ['run_a/1 (step', 'run_b/1 (step']),
     ('dtype', ['dtype', 'items'], ['dtype: process 0: None; process 1: bfloat16']),
-    ('max_shard_size', ['files'], ['files: process 0: ']),
+    # An option given differently: named with each process's value, what it makes only named.
+    ('max_shard_size', ['--max-shard-size'], ['--max-shard-size: process 0: 20000; process 1:'
+                                              ' 40000', 'different options (--max-shard-size,'
+                                              ' and so files differ)']),
+    ('peft_alpha', ['--lora-alpha'], ['--lora-alpha: process 0: 3.0; process 1: 4.0\n',
+                                      'different options (--lora-alpha, and so ']),
+    ('merge_scaling', ['--lora-alpha', '--lora-scale'], [
+        '--lora-alpha: process 0: 4.0; process 1: (not given)\n',
+        '--lora-scale: process 0: (not given); process 1: 0.5']),
 ])
 def test_processes_given_different_work_are_refused_naming_what_differs(
     case, fields, shown, tmp_path):
   argvs, dst = differing_work(tmp_path, case)
   done = run_two(argvs, tmp_path)
-  assert_refused(done, ['the processes were given different work'] * 2, within=TIMEOUT_S)
+  assert_refused(done, ['the processes were given different '] * 2, within=TIMEOUT_S)
   for output in done.outputs:
     said = output[output.index('orbax-tunix: error:'):]
     for field in fields:
       assert f'\n  {field}: process 0: ' in said, done.show()
     for text in shown:
       assert text in said, done.show()
+    if fields[0].startswith('--'):  # Options: their values, no digest of what they make.
+      assert 'digest' not in said, done.show()
   assert not dst.exists(), done.show()
   assert not [p for p in tmp_path.rglob('*') if 'tmp' in p.name or 'orbax-tunix' in p.name], \
       done.show()
@@ -560,6 +579,26 @@ def test_a_source_is_told_by_its_metadata_not_only_its_path(tmp_path):
   second = planned()
   assert [k for k in first if first[k] != second[k]] == ['source'], (first, second)
   assert planned() == second  # The same work: the same fingerprint.
+
+
+def test_options_are_told_by_name_and_value_a_path_as_what_it_is(tmp_path, monkeypatch):
+  """Each option the caller gave is a field of its own, by the caller's name (a merge's alpha
+  as `lora_alpha`): a difference names it. A path option is told as what it is (the same
+  base through a relative path from another directory agrees)."""
+  from orbax_tunix.tools import agreement, convert  # pylint: disable=g-import-not-at-top
+
+  def planned(base, alpha=4.0) -> dict[str, str]:
+    return agreement.fingerprint(convert.plan_convert(
+        TUNIX / 'lora_qwix', tmp_path / 'out' / '1', merge_lora=True, lora_alpha=alpha,
+        base=base, items=['model_params']))
+
+  absolute = planned(TUNIX / 'lora_base')
+  assert absolute['`lora_alpha`'] == '4.0' and absolute['`items`'] == 'model_params'
+  assert absolute['`base`'] == os.path.realpath(TUNIX / 'lora_base'), absolute
+  monkeypatch.chdir(TUNIX / 'lora_qwix')
+  assert planned(os.path.join('..', 'lora_base')) == absolute
+  other = planned(TUNIX / 'lora_base', alpha=8.0)
+  assert [k for k in absolute if absolute[k] != other[k]][0] == '`lora_alpha`'
 
 
 def test_hf_config_files_are_told_by_their_contents(tmp_path):

@@ -399,23 +399,122 @@ def test_a_second_run_into_a_step_another_run_writes_is_refused(bucket, tmp_path
   assert _cli('convert', src, dst, check=2).stderr.count('already exists') == 1  # Committed.
 
 
-@pytest.mark.parametrize('age, refused', [(5, True), (commit.LEASE_SECONDS + 60, False)])
-def test_a_claim_from_another_host_holds_until_it_lapses(bucket, tunix_data, age, refused):
-  """An unfinished step claimed by a run on another host (whose process cannot be looked
-  up): refused while its claim is fresh, replaced as a leftover once it has lapsed."""
-  root = bucket / 'out'
-  dst = root / '3'
-  (dst / 'model_params').mkdir(parents=True)
-  (dst / 'model_params' / 'partial').write_text('half written')
-  (dst / commit.MARKER).write_text(json.dumps(
-      {'run': 'r-elsewhere', 'host': 'elsewhere', 'pid': 4242, 'renewed': time.time() - age}))
-  done = _cli('convert', tunix_data / 'sft_full', dst, check=2 if refused else 0)
-  if refused:
-    assert re.search(r'being written by another run \(run r-elsewhere, process 4242 on host'
-                     r' elsewhere, its claim renewed \d+ s ago\)', done.stderr), done.stderr
-    assert (dst / 'model_params' / 'partial').exists()
-  else:
-    assert orbax_steps(root) == [3] and not (dst / 'model_params' / 'partial').exists()
+def _small_step(tmp_path) -> tuple[pathlib.Path, dict[str, np.ndarray]]:
+  """A step of six small arrays (a conversion of it makes six saves at 64 KiB a batch)."""
+  big = {f'w{i}': np.full((64, 64), i, np.float32) for i in range(6)}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'src' / '1', args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeSave({k: {'value': v} for k, v in big.items()})))
+  return tmp_path / 'src' / '1', big
+
+
+def _paused_convert(src, dst, go, *, elsewhere: bool) -> subprocess.Popen:
+  """A convert into `dst` (on this host, or as on another host: `as_another_host.py`),
+  paused once its first array save has started writing in place, until `go` exists."""
+  another = [str(REPO / 'tests' / 'as_another_host.py')] if elsewhere else []
+  writer = subprocess.Popen(
+      [sys.executable, *another, str(REPO / 'tests' / 'pause_mid_write.py'), str(go), '1',
+       'convert', str(src), str(dst), '--memory-budget', '64KiB'],
+      cwd=REPO, env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 300
+  while not pathlib.Path(f'{go}.paused').exists():
+    assert writer.poll() is None, writer.communicate()
+    assert time.monotonic() < deadline, 'the convert never started writing'
+    time.sleep(0.1)
+  return writer
+
+
+_REAL_TIME, _REAL_TIME_NS = time.time, time.time_ns
+
+
+def _clock(monkeypatch, offset: float) -> None:
+  """This host's clock, `offset` seconds off (for every reader of it in this process)."""
+  monkeypatch.setattr(time, 'time', lambda: _REAL_TIME() + offset)
+  monkeypatch.setattr(time, 'time_ns', lambda: _REAL_TIME_NS() + int(offset * 1e9))
+
+
+def test_a_claim_from_another_host_is_judged_by_the_stores_clock(bucket, tmp_path, capsys,
+                                                                 monkeypatch):
+  """A run on another host (its process cannot be looked up from here) writes a step in
+  place, paused mid-write. With this host's clock an hour ahead, a second run still finds
+  its claim live, `--force` or not, and deletes nothing: a claim's age is the store's (its
+  modification time against an object written now), never two hosts' clocks compared.
+  Killed, its claim lapses after `LEASE_SECONDS` of the store's time, with this host's
+  clock an hour behind too; then the rerun replaces what it left."""
+  src, big = _small_step(tmp_path)
+  root = bucket / 'converted'
+  dst = root / '1'
+  go = tmp_path / 'go'
+  writer = _paused_convert(src, dst, go, elsewhere=True)
+  try:
+    _clock(monkeypatch, +3600)
+    for flags in ((), ('--force',)):
+      status, _, err = run(capsys, 'convert', src, dst, *flags)
+      assert status == 2 and re.search(
+          r'being written by another run \(run \S+, process \d+ on host elsewhere, its claim'
+          r" last renewed \d+ s ago by the store's clock\); a run never deletes", err), err
+      assert (dst / commit.MARKER).exists() and (dst / 'model_params').exists()
+    writer.kill()  # Its host dies: nothing removes its claim.
+    writer.wait()
+    status, _, err = run(capsys, 'convert', src, dst)  # Dead, but only just, by the store.
+    assert status == 2 and 'being written by another run' in err, err
+    _clock(monkeypatch, -3600)
+    monkeypatch.setattr(commit, 'LEASE_SECONDS', 2.0)
+    time.sleep(2.5)  # Of the store's time too: the emulator runs on this host's real clock.
+    status, _, err = run(capsys, 'convert', src, dst)
+    assert status == 0, err
+  finally:
+    go.write_text('go')
+    if writer.poll() is None:
+      writer.kill()
+    writer.communicate()
+  assert orbax_steps(root) == [1] and commit.leftovers(dst) == []
+  restored = _model_params(dst)
+  for name, value in big.items():
+    np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
+
+
+def test_a_folder_holding_the_writing_marker_is_refused_unless_its_claim_proves_it(
+    bucket, tmp_path, tunix_data, capsys):
+  """`.orbax-tunix-writing` in a folder is a leftover to replace only where it holds this
+  package's claim for that very folder naming every entry there: a marker copied from a real
+  leftover into a folder of one's own, an empty one, or a real leftover one has added to, is
+  refused by every command as the folder would be without it (`--force` too), deleting
+  nothing; the real leftover alone is replaced."""
+  src, big = _small_step(tmp_path)
+  leftover = bucket / 'converted' / '1'
+  go = tmp_path / 'go'
+  writer = _paused_convert(src, leftover, go, elsewhere=False)
+  writer.kill()  # An interrupted run: its claim and a partial item are left.
+  writer.communicate()
+  claim = (leftover / commit.MARKER).read_text()
+  mine = bucket / 'mine'
+  notes = {'NOTES.md': 'my notes', 'eval/score.json': '{"score": 1}'}
+  for name, text in notes.items():
+    (mine / name).parent.mkdir(parents=True, exist_ok=True)
+    (mine / name).write_text(text)
+  commands = [('convert', src, mine), ('export', tunix_data / 'hf_qwen3', mine, '--model', 'qwen3'),
+              ('export', tunix_data / 'hf_qwen3_lora', mine, '--model', 'qwen3', '--peft',
+               '--lora-alpha', '3')]
+  for marker, why in ((claim, 'its claim is for another location (gs://'),
+                      ('', 'it holds no claim of this package')):
+    (mine / commit.MARKER).write_text(marker)
+    for argv in commands:
+      for flags in ((), ('--force',)):
+        status, _, err = run(capsys, *argv, *flags)
+        assert status == 2, err
+        assert f'{commit.MARKER} is no sign of an interrupted run of this package ({why}' in err
+        assert 'NOTES.md' in err and 'Traceback' not in err, err
+        assert {name: (mine / name).read_text() for name in notes} == notes
+  (leftover / 'NOTES.md').write_text('added to a leftover')
+  status, _, err = run(capsys, 'convert', src, leftover)
+  assert status == 2 and 'its claim does not name NOTES.md' in err, err
+  assert (leftover / 'NOTES.md').read_text() == 'added to a leftover'
+  (leftover / 'NOTES.md').unlink()
+  assert run(capsys, 'convert', src, leftover)[0] == 0  # What the run left, and only that.
+  restored = _model_params(leftover)
+  for name, value in big.items():
+    np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
 
 
 # --- storage requests ----------------------------------------------------------

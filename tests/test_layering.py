@@ -1,10 +1,15 @@
 """The package's layers (README, "How the package is laid out"): each sub-package imports only
-the ones before it in `LAYERS`, and no module imports itself back through others."""
+the ones before it in `LAYERS`, and no module imports itself back through others; and every
+other package it imports is declared in pyproject.toml."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import pathlib
+import re
+import sys
+import tomllib
 
 import pytest
 
@@ -74,3 +79,64 @@ def test_no_import_cycles():
   for m in sorted(graph):
     if m not in seen:
       visit(m, [m])
+
+
+# --- what the package imports from others is declared -----------------------------------
+
+
+def _normal(name: str) -> str:
+  """A distribution name as PEP 503 compares them."""
+  return re.sub(r'[-_.]+', '-', name).lower()
+
+
+def _third_party_imports() -> dict[str, bool]:
+  """Every top-level module of another package the package imports, at any depth of its
+  code -> whether every such import is optional (inside a `try` that catches ImportError)."""
+  found: dict[str, bool] = {}
+
+  def visit(node: ast.AST, optional: bool) -> None:
+    if isinstance(node, ast.Try):
+      catches = any(h.type is None or 'ImportError' in ast.unparse(h.type) for h in node.handlers)
+      for child in node.body:
+        visit(child, optional or catches)
+      for child in [*node.handlers, *node.orelse, *node.finalbody]:
+        visit(child, optional)
+      return
+    names = []
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names = [node.module]
+    for name in names:
+      top = name.split('.')[0]
+      if top not in sys.stdlib_module_names and top not in ('orbax_tunix', '__future__'):
+        found[top] = found.get(top, True) and optional
+    for child in ast.iter_child_nodes(node):
+      visit(child, optional)
+
+  for path in MODULES.values():
+    visit(ast.parse(path.read_text()), False)
+  return found
+
+
+def test_every_package_imported_is_declared():
+  """Each other package the code imports is a declared dependency (an optional import, one
+  inside `try: ... except ImportError`, may be an extra's instead): none may arrive only
+  because another package happens to depend on it today."""
+  project = tomllib.loads((PACKAGE.parent / 'pyproject.toml').read_text())['project']
+
+  def names(requirements: list[str]) -> set[str]:
+    return {_normal(re.match(r'[A-Za-z0-9._-]+', r).group(0)) for r in requirements}
+
+  core = names(project['dependencies'])
+  extras = names([r for e in project['optional-dependencies'].values() for r in e])
+  provided = importlib.metadata.packages_distributions()
+  imported = _third_party_imports()
+  assert {'jax', 'orbax', 'rich'} <= set(imported)  # The scan sees imports (rich: optional).
+  missing = []
+  for module, optional in sorted(imported.items()):
+    dists = {_normal(d) for d in provided.get(module, [module])}
+    if not dists & (core | (extras if optional else set())):
+      missing.append(f'{module} (from {", ".join(sorted(dists))}'
+                     f'{", optional" if optional else ""})')
+  assert missing == [], f'imported but not declared in pyproject.toml: {missing}'

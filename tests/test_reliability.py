@@ -307,6 +307,108 @@ def test_convert_onto_a_full_disk_says_so_and_leaves_nothing(tmp_path, full_disk
   assert list(full_disk.iterdir()) == []
 
 
+# Every command that writes, on tiny real runs (a few hundred KB of arrays): argv after DST.
+WRITERS = {
+    'convert': ('hf_qwen3', 'convert', ()),
+    'convert --merge-lora': ('lora_qwix_full', 'convert', ('--merge-lora', '--lora-alpha', '4')),
+    'export': ('hf_qwen3', 'export', ('--model', 'qwen3')),
+    'export --peft': ('hf_qwen3_lora', 'export', ('--model', 'qwen3', '--peft',
+                                                  '--lora-alpha', '3')),
+}
+
+
+# The CLI in a process whose files may not grow past argv[1] bytes (`ulimit -f`: RLIMIT_FSIZE,
+# set by the child itself: a `preexec_fn` would fork this multithreaded process).
+_LIMITED_CLI = ('import resource, runpy, sys; n = int(sys.argv[1]);'
+                ' resource.setrlimit(resource.RLIMIT_FSIZE, (n, n));'
+                " sys.argv = ['orbax-tunix', *sys.argv[2:]];"
+                " runpy.run_module('orbax_tunix.cli', run_name='__main__')")
+
+
+def _write_limited(tunix_data, dst, writer: str, limit: int):
+  """A command of `WRITERS` run as the real CLI in a subprocess whose files may not grow past
+  `limit` bytes."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  from tests.test_cli_inputs import ENV, REPO  # noqa: PLC0415
+
+  fixture, command, flags = WRITERS[writer]
+  return subprocess.run(
+      [sys.executable, '-c', _LIMITED_CLI, str(limit), command, str(tunix_data / fixture),
+       str(dst), *flags], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+
+
+@pytest.mark.parametrize('writer', list(WRITERS))
+def test_a_file_size_limit_says_so_in_every_command_and_leaves_nothing(tunix_data, tmp_path,
+                                                                      writer):
+  """`ulimit -f`: TensorStore's OUT_OF_RANGE (convert's arrays) and Python's EFBIG (export's
+  files, a step's metadata) are the destination's limit, told as one message by every command,
+  not a bug to report; nothing is left half-written."""
+  out = tmp_path / 'out'
+  dst = out / ('1' if WRITERS[writer][1] == 'convert' else 'folder')
+  limit = 4096  # Below every run's largest file, above its smallest.
+  done = _write_limited(tunix_data, dst, writer, limit)
+  err = done.stderr
+  assert done.returncode == 2, err
+  errors = [line for line in err.splitlines() if line.startswith('orbax-tunix: error:')]
+  assert len(errors) == 1 and errors[0].startswith(
+      f'orbax-tunix: error: {dst}: writing failed: a file grew past the largest file size'
+      f' allowed (File too large: this process may write files of at most {limit} bytes,'
+      ' `ulimit -f`); nothing was left behind. Expected to write about'), err
+  assert 'Raise the limit (`ulimit -f unlimited`' in errors[0], err
+  assert not [t for t in ('Traceback', 'OUT_OF_RANGE', 'report it', 'Free space') if t in err], err
+  assert not out.exists(), list(out.iterdir())  # Nothing, not even the parent it created.
+
+
+@pytest.mark.parametrize('writer', list(WRITERS))
+def test_a_full_disk_says_so_in_every_command_and_leaves_nothing(tunix_data, tmp_path, writer):
+  """A disk with room for one page (4 KiB): every command says the same, in the OS's words
+  (not TensorStore's RESOURCE_EXHAUSTED naming a staging path that is gone), and leaves the
+  disk empty."""
+  disk = tmp_path / 'disk'
+  disk.mkdir()
+  if os.system(f'mount -t tmpfs -o size=4k tmpfs {disk} 2>/dev/null') != 0:
+    pytest.skip('no tmpfs mounts here')
+  try:
+    dst = disk / ('1' if WRITERS[writer][1] == 'convert' else 'folder')
+    done = _write_limited(tunix_data, dst, writer, limit=1 << 40)  # No size limit: the disk's.
+    err = done.stderr
+    assert done.returncode == 2, err
+    errors = [line for line in err.splitlines() if line.startswith('orbax-tunix: error:')]
+    assert len(errors) == 1 and errors[0].startswith(
+        f'orbax-tunix: error: {dst}: writing failed: no space left on the device (No space left'
+        ' on device); nothing was left behind. Expected room for about'), err
+    assert 'Free space or choose another destination' in errors[0], err
+    assert not [t for t in ('Traceback', 'RESOURCE_EXHAUSTED', 'report it') if t in err], err
+    assert list(disk.iterdir()) == []
+  finally:
+    os.system(f'umount {disk}')
+
+
+def test_a_failed_save_leaves_no_unretrieved_write_in_its_commit_thread(
+    tmp_path, full_disk, caplog, monkeypatch):
+  """Orbax's save writes its arrays in a commit thread, on an event loop of its own: inside
+  `tidy_failures` that loop is drained too when the writes fail, so Python has nothing to
+  report later, after the message ("Task exception was never retrieved", "Exception ignored
+  in: ... Event loop is closed", with tracebacks)."""
+  import gc  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  from orbax_tunix.store import _orbax  # noqa: PLC0415
+
+  reported = []
+  monkeypatch.setattr(sys, 'unraisablehook', lambda u: reported.append(repr(u.exc_value)))
+  rng = np.random.default_rng(0)
+  tree = {f'w{i}': rng.standard_normal((256, 256)).astype(np.float32) for i in range(16)}
+  with caplog.at_level('ERROR', logger='asyncio'):
+    with pytest.raises(Exception, match='No space left on device'), _orbax.tidy_failures():  # noqa: B017
+      ocp.PyTreeCheckpointHandler().save(full_disk / 'item', args=ocp.args.PyTreeSave(tree))
+    gc.collect()
+  reported += [r.getMessage() for r in caplog.records if r.name == 'asyncio']
+  assert reported == []
+
+
 @pytest.mark.parametrize('mount', ['-t tmpfs -o size=8m tmpfs', '--bind {other}'])
 @pytest.mark.parametrize('command', ['convert', 'export'])
 def test_an_empty_mount_point_as_destination_is_refused_at_once(tunix_data, tmp_path, mount,

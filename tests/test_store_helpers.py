@@ -48,6 +48,20 @@ def test_a_full_disk_is_told_by_errno_or_tensorstore_text():
   said = ValueError("RESOURCE_EXHAUSTED: Error writing: No space left on device [os_error_code='28']")
   assert storage_errors.out_of_space(said) is said
   assert storage_errors.out_of_space(PermissionError(errno.EACCES, 'denied')) is None
+  assert storage_errors.os_words(said) == 'No space left on device'  # Not TensorStore's text.
+
+
+def test_a_file_size_limit_is_told_by_errno_or_tensorstore_text():
+  big = OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+  wrapped = RuntimeError('save failed')
+  wrapped.__cause__ = big
+  assert storage_errors.too_large(wrapped) is big and storage_errors.out_of_space(wrapped) is None
+  # TensorStore's own words for it (convert under `ulimit -f`), as Orbax raises them.
+  said = ValueError('OUT_OF_RANGE: Error writing "w/0" in OCDBT database at local file "/d/":'
+                    ' Failed to write 88785 bytes to file 7: File too large'
+                    " [os_error_code='27']")
+  assert storage_errors.too_large(said) is said and storage_errors.os_words(said) == 'File too large'
+  assert storage_errors.too_large(ValueError('OUT_OF_RANGE: index 9 is outside [0, 4)')) is None
 
 
 @pytest.mark.parametrize('driver, written', [

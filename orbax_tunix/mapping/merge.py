@@ -29,6 +29,7 @@ from orbax_tunix.mapping import device, lora, transforms
 from orbax_tunix.mapping.outputs import Input, Output, copied
 from orbax_tunix.mapping.transforms import Transform
 from orbax_tunix.reading import quantized, reader
+from orbax_tunix.store import fileio
 
 PyTree = Any
 
@@ -235,6 +236,17 @@ class Options:
     lora.check_scaling(alpha, scale, names[:2])
     recipe = _recipe(base, base_qtype, base_tile_size, base_calibration, names)
     return cls(alpha, scale, base, names[:2], recipe, names[2:]) if merging else None
+
+  def asked(self) -> dict[str, Any]:
+    """The options given, by the caller's names (`names`, then `base_names`: `base` a path,
+    as what it is, not as it was written); those not given left out."""
+    base = None if self.base is None else fileio.as_path(self.base)
+    recipe = self.base_quantized
+    values = zip((*self.names, *self.base_names), (
+        self.alpha, self.scale, base, *((None,) * 3 if recipe is None else
+                                        (recipe.qtype, recipe.tile_size, recipe.calibration))),
+        strict=True)
+    return {name: value for name, value in values if value is not None}
 
   def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
     """The merge of `source`'s adapters with these options (`plan_merge`)."""

@@ -360,8 +360,11 @@ def commits_with_file(path: epath.Path) -> bool:
 # _read_array_index_and_device_put>", with tracebacks), at a time that depends
 # on the garbage collector. Within `tidy_failures`, the loop of a call that
 # fails is drained first: what is left is cancelled and awaited, and every
-# exception retrieved, before the loop closes.
-_TIDY: contextvars.ContextVar[bool] = contextvars.ContextVar('orbax_tunix_tidy', default=False)
+# exception retrieved, before the loop closes. That holds in the threads the call starts too
+# (an Orbax save writes its arrays in a commit thread, on a new loop of its own; a context
+# variable is not seen there): `_TIDY` counts the contexts open in the process, in any thread.
+_TIDY = [0]
+_TIDY_LOCK = threading.Lock()
 _ORBAX_RUN_ON_NEW_LOOP = getattr(_asyncio_utils, '_run_sync_via_new_loop', None)
 
 
@@ -369,7 +372,7 @@ def _run_on_new_loop(coro: Any) -> Any:
   """Orbax's `_run_sync_via_new_loop` outside `tidy_failures` (exactly Orbax's own
   function); inside it, `loops.run_tidily`: the loop drained when the call fails,
   its tasks let finish when it is interrupted."""
-  if not _TIDY.get():
+  if not _TIDY[0]:
     return _ORBAX_RUN_ON_NEW_LOOP(coro)
   return loops.run_tidily(coro)
 
@@ -384,16 +387,18 @@ def tidy_failures() -> Iterator[None]:
   directory after the caller removed it (a temporary step reappears, and at
   exit Python reports "cannot schedule new futures after shutdown"). Installs
   the drain on first use (where Orbax has the function it wraps); Orbax calls
-  outside the context are untouched.
+  made while no such context is open are untouched.
   """
   if _ORBAX_RUN_ON_NEW_LOOP is not None and _asyncio_utils._run_sync_via_new_loop is not _run_on_new_loop:  # pylint: disable=protected-access
     _asyncio_utils._run_sync_via_new_loop = _run_on_new_loop  # pylint: disable=protected-access
   before = set(threading.enumerate())
-  token = _TIDY.set(True)
+  with _TIDY_LOCK:
+    _TIDY[0] += 1
   try:
     yield
   except BaseException:
     loops.wait_for_threads(before)
     raise
   finally:
-    _TIDY.reset(token)
+    with _TIDY_LOCK:
+      _TIDY[0] -= 1

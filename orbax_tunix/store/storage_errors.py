@@ -1,4 +1,5 @@
-"""Telling a storage failure (missing or damaged data, a full disk) from the caller's error.
+"""Telling a storage failure (missing or damaged data, a full disk, a file-size limit) from
+the caller's error.
 
 Pure functions on exception chains: TensorStore reports storage failures as
 `ValueError`s whose text starts with a status code (`NOT_FOUND: ...`), Python
@@ -9,6 +10,7 @@ whose `__cause__` is TensorStore's). No Orbax API is used here.
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator
 
 # TensorStore's status codes that say stored data is missing or damaged, or the
@@ -19,10 +21,12 @@ _STORAGE_CODES = (
     'FAILED_PRECONDITION:', 'ABORTED:', 'INTERNAL:', 'UNKNOWN:',
 )
 
-# Errors a full disk (or quota) gives: errno, and the words TensorStore's
-# RESOURCE_EXHAUSTED write failures carry (it reports `os_error_code='28'`).
+# Errors a destination without room gives, by errno: a full disk (or quota), and a file-size
+# limit (the process's `ulimit -f`, or the file system's largest file). Python raises them as
+# `OSError`s; TensorStore's write failures (RESOURCE_EXHAUSTED, OUT_OF_RANGE) carry the same
+# words, the OS's own (`os.strerror`), and `os_error_code='28'`.
 _NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_NO_SPACE_TEXT = ('No space left on device', 'Disk quota exceeded')
+_TOO_LARGE_ERRNOS = frozenset({errno.EFBIG})
 
 
 def storage_failure(exc: BaseException) -> BaseException | None:
@@ -42,8 +46,34 @@ def out_of_space(exc: BaseException) -> BaseException | None:
   a `ValueError('RESOURCE_EXHAUSTED: ... No space left on device ...')`, which
   Orbax may wrap.
   """
-  return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS
-               or any(text in str(e) for text in _NO_SPACE_TEXT)), None)
+  return _failing(exc, _NO_SPACE_ERRNOS)
+
+
+def too_large(exc: BaseException) -> BaseException | None:
+  """The exception in `exc`'s chain that says a file outgrew a size limit, or None.
+
+  Python's file writes raise `OSError(EFBIG)`; TensorStore's a
+  `ValueError('OUT_OF_RANGE: ... File too large ...')`, which Orbax may wrap.
+  """
+  return _failing(exc, _TOO_LARGE_ERRNOS)
+
+
+def _failing(exc: BaseException, codes: frozenset[int]) -> BaseException | None:
+  return next((e for e in _chain(exc) if _words(e, codes) is not None), None)
+
+
+def _words(exc: BaseException, codes: frozenset[int]) -> str | None:
+  """The OS's words for the first of `codes` that `exc` is (or names), or None."""
+  for code in sorted(codes):
+    if (isinstance(exc, OSError) and exc.errno == code) or os.strerror(code) in str(exc):
+      return os.strerror(code)
+  return None
+
+
+def os_words(exc: BaseException) -> str:
+  """A destination failure (`out_of_space`, `too_large`) as the OS words it ('No space left
+  on device'), without the paths and codes TensorStore adds (its staging paths are gone)."""
+  return _words(exc, _NO_SPACE_ERRNOS | _TOO_LARGE_ERRNOS) or failure_text(exc)
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:

@@ -5,8 +5,9 @@ its own flags; given another step, source or option, one process would write
 its part of another output (a step that fails its own checksums, an index
 naming files no process wrote). So every process describes its plan, field
 by field (`fingerprint`: every field of the plan, so a new option is compared
-too), and the processes compare them (`distributed.agree_on`) before anything
-is written.
+too, and every option as the caller gave it, by its name and value), and the
+processes compare them (`distributed.agree_on`) before anything is written: a
+difference names the options that differ and each process's value.
 
 A source is told by its resolved path, its step and a digest of its metadata
 files (`_CHECKPOINT_METADATA`, each item's `_METADATA`: they record the save's
@@ -33,6 +34,10 @@ from orbax_tunix.store._orbax import CHECKPOINT_METADATA, PYTREE_METADATA
 # Plan fields that differ between processes by design: only process 0 tells what an
 # interrupted run left beside the destination.
 PER_PROCESS = ('notes',)
+# The plan field holding the options as the caller gave them: told one field per option (by
+# the caller's name, in backquotes as messages name parameters: the CLI shows its flag).
+OPTIONS = 'options'
+
 # A metadata file larger than this is told by its size alone (a 1M-leaf `_METADATA`).
 HASHED_BYTES = 64 << 20
 
@@ -48,8 +53,29 @@ def fingerprint(plan: Any) -> dict[str, str]:
     field name -> its value as people read it (large values: a summary and a digest).
   """
   seen: dict[str, str] = {}
-  return {f.name: _DESCRIBE.get(f.name, _value)(getattr(plan, f.name), seen)
-          for f in dataclasses.fields(plan) if f.name not in PER_PROCESS}
+  told = {f.name: _DESCRIBE.get(f.name, _value)(getattr(plan, f.name), seen)
+          for f in dataclasses.fields(plan) if f.name not in (*PER_PROCESS, OPTIONS)}
+  return {**{_option(name): _asked(value) for name, value in plan.options.items()}, **told}
+
+
+def asked(plan: Any) -> frozenset[str]:
+  """The fields of `fingerprint` that are options as the caller gave them (the others:
+  what the plan made of them)."""
+  return frozenset(_option(name) for name in plan.options)
+
+
+def _option(name: str) -> str:
+  return f'`{name}`'
+
+
+def _asked(value: Any) -> str:
+  """An option's value as the caller gave it (a path resolved, as `dst` is; a list of names
+  as names)."""
+  if isinstance(value, (epath.Path, os.PathLike)):
+    return _where(epath.Path(value))
+  if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+    return ', '.join(value)
+  return _value(value, {})
 
 
 def _digest(value: Any) -> str:

@@ -76,6 +76,9 @@ class Plan:
     files: a folder's safetensors files and what each holds (a step: none).
     other_files: a folder's other files: (name, a path to copy or a text).
     summary: what the layout tells of its output (a family's model, architecture).
+    options: the options the caller gave, by its own names (`lora_alpha`, `max_shard_size`;
+      those not given left out), as given: a job's processes compare them by value
+      (`agreement`), so a difference names the option, not only what it makes.
   """
 
   source: reader.CanonicalCheckpoint
@@ -92,6 +95,7 @@ class Plan:
   files: tuple[writer.Shard, ...] = ()
   other_files: tuple[tuple[str, epath.Path | str], ...] = ()
   summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def outputs(self) -> tuple[Output, ...]:
@@ -172,7 +176,7 @@ def _agreed(make: Callable[..., Plan]) -> Callable[..., Plan]:
     except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
       distributed.agree_on('plan', None, e)
       raise
-    distributed.agree_on('plan', fields)
+    distributed.agree_on('plan', fields, given=agreement.asked(made))
     return made
 
   return agreed
@@ -230,6 +234,7 @@ def plan(
            if value != known[name].unset}
   params_only = params_only or merge_options is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
+  items = None if items is None else tuple(items)  # Read twice: the source, and `options`.
   source = open_source(src, step, items, params_only)
   dst = as_path(dst)
   merged = merge_options.plan(source) if merge_options is not None else None
@@ -273,6 +278,7 @@ def plan(
       memory_budget=memory_budget, force=force, items=tuple(written), notes=tuple(notes),
       merge=merged, custom_metadata=dict(laid.custom_metadata), files=tuple(files),
       other_files=laid.files, summary=dict(laid.summary),
+      options=_asked(given, merge_options, items),
   )
 
 
@@ -291,6 +297,19 @@ def _dequantized_notes(written: Iterable[ItemOutput], merged: merge_lib.MergePla
           f' {fmt(leaves[0].path)}; a QLoRA run\'s frozen base) are written dequantized (qwix\'s'
           ' dequantize, in float): the weights the quantized base stands for'
           for how, leaves in sorted(found.items())]
+
+
+def _asked(given: Mapping[str, Any], merge_options: merge_lib.Options | None,
+           items: Iterable[str] | None) -> dict[str, Any]:
+  """The options a caller gave, by its own names: the layout's (a merge's options among them:
+  by their own names), the merge's, and the items chosen."""
+  asked: dict[str, Any] = {}
+  for name, value in given.items():
+    asked.update(value.asked() if isinstance(value, merge_lib.Options) else {name: value})
+  asked.update(merge_options.asked() if merge_options is not None else {})
+  if items is not None:
+    asked['items'] = sorted(items)
+  return asked
 
 
 def open_source(
@@ -397,7 +416,8 @@ def run(plan: Plan, progress: reader.Progress | None = None) -> Result:
   sink = SINKS[layouts.get(plan.layout).sink]
   mine = sink.share(plan)
   with writer.streamed(plan.dst, plan.force, sink.kind, plan.bytes_written, plan.sources,
-                       progress, f'{sink.doing} {plan.dst}', writer.bytes_read(mine)) as staging:
+                       progress, f'{sink.doing} {plan.dst}', writer.bytes_read(mine),
+                       sink.entries(plan)) as staging:
     record = sink.write(plan, mine, staging.work, progress)
   return Result(
       dst=plan.dst, items={item.name: len(item.outputs) for item in plan.items},
@@ -430,6 +450,11 @@ def _write_step(plan: Plan, mine: Sequence[Output], work: epath.Path,
   if distributed.is_primary():
     _write_step_metadata(work, plan, init_ns, sums)
   return {}
+
+
+def _step_entries(plan: Plan) -> list[str]:
+  """What `_write_step` makes at the top of a step: its items and its metadata."""
+  return [*(item.name for item in plan.items), CHECKPOINT_METADATA]
 
 
 def _provenance(plan: Plan, sums: dict[str, dict[str, str]]) -> dict[str, Any]:
@@ -579,6 +604,8 @@ class SinkKind:
     share: plan -> the outputs this process reads (across hosts).
     write: (plan, this process's outputs, the staging directory, progress) ->
       what to record of it (a folder: its files and bytes).
+    entries: plan -> every entry `write` makes at the top of the destination (a bucket's
+      claim names them: `commit.staged`).
     read_folders: options naming folders that are read (the destination must
       be neither one nor inside one).
   """
@@ -591,6 +618,7 @@ class SinkKind:
                   tuple[Sequence[ItemOutput], Sequence[writer.Shard]]]
   share: Callable[[Plan], Sequence[Output]]
   write: Callable[[Plan, Sequence[Output], epath.Path, reader.Progress], dict[str, Any]]
+  entries: Callable[[Plan], Sequence[str]]
   read_folders: tuple[str, ...] = ()
 
 
@@ -618,15 +646,15 @@ SINKS: dict[layouts.Destination, SinkKind] = {
     layouts.Destination.STEP: SinkKind(
         kind=commit.STEP, unit='array', run='conversion', doing='converting to',
         shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs,
-        write=_write_step,
+        write=_write_step, entries=_step_entries,
     ),
     layouts.Destination.FOLDER: SinkKind(
         kind=EXPORT, unit='tensor', run='export', doing='exporting to',
-        shard=_shard_folder, share=_share_folder, write=_write_folder,
+        shard=_shard_folder, share=_share_folder, write=_write_folder, entries=_folder_files,
         read_folders=('hf_config',),
     ),
     layouts.Destination.ADAPTER: SinkKind(
         kind=ADAPTER_EXPORT, unit='tensor', run='export', doing='exporting the adapter to',
-        shard=_adapter_file, share=_share_folder, write=_write_folder,
+        shard=_adapter_file, share=_share_folder, write=_write_folder, entries=_folder_files,
     ),
 }

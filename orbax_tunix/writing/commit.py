@@ -7,9 +7,12 @@ written in place and `commit_success.txt`, written last, makes it final. A
 `Staging` follows the same rule, and replaces an existing step only once the
 new one is complete (on a bucket: complete beside it first, kept until it is
 committed in place). What a run writes in a bucket holds `MARKER`, its claim
-(`Claim`), until it is committed: a rerun replaces what an interrupted run
-left, never what a live one writes. Only what this package's own record names
-(`Kind.record`) is ever replaced.
+(`Claim`: the run, the location, every entry it may write there), until it is
+committed: a rerun replaces what an interrupted run left, never what a live one
+writes; a run on another host is taken as gone only once its claim has not been
+renewed for `LEASE_SECONDS` by the store's own clock. Only what this package's
+own record names is ever replaced: a finished one's (`Kind.record`), or an
+unfinished one's claim; a `MARKER` that proves nothing counts for nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import fsspec
 from etils import epath
@@ -194,7 +197,8 @@ def check_step_name(dst: epath.Path) -> None:
   Raises:
     InvalidDestinationError: naming the marker and what to do.
   """
-  marker = next((m for m in (TMP_MARKER, NEW_MARKER, OLD_MARKER) if m in dst.name), None)
+  marker = next((m for m in (TMP_MARKER, NEW_MARKER, OLD_MARKER, CLOCK_MARKER)
+                 if m in dst.name), None)
   if marker is not None:
     raise errors.InvalidDestinationError(
         f'{dst}: the destination is named like an unfinished step ({marker!r} in its'
@@ -250,15 +254,25 @@ def check_not_mount_point(dst: epath.Path, kind: Kind) -> None:
 #
 # A run claims what it writes into on a bucket by creating `MARKER` there
 # exclusively (a create that fails when the object exists), and renews the claim
-# while it writes. A second run never deletes what a live run claims; a claim
-# whose run is gone (its process on this host has ended, or it was not renewed
-# for `LEASE_SECONDS`) is an interrupted run's leftover, which a rerun replaces.
+# while it writes. The claim is the run's record of that location: the location
+# itself and every entry the run may write there (`Claim`). A second run never
+# deletes what a live run claims. What an interrupted run left is only what such a
+# claim proves: the claim is this package's, made for that very location, and names
+# every entry there; its run is gone: its process on this host has ended, or, for a
+# run on another host, the claim was not renewed for `LEASE_SECONDS` by the store's
+# own clock (the claim's modification time against that of an object written now:
+# `_age`), never by comparing two hosts' clocks. Anything else holding `MARKER` (a
+# marker copied or made by hand, a claim of another location, entries it does not
+# name) is no leftover, and is refused as it would be without the marker. A local
+# destination is never claimed (it is written beside and renamed onto it).
 
 # A claim lapses this long after its last renewal (a run on another host, whose
-# process cannot be looked up, is taken as gone only then).
+# process cannot be looked up, is taken as gone only then), by the store's clock.
 LEASE_SECONDS = 120.0
 # How often a run renews its claims.
 RENEW_SECONDS = 15.0
+# An object written beside a claimed location for a moment, to read the store's time now.
+CLOCK_MARKER = '.orbax-tunix-clock-'
 
 
 def _host() -> str:
@@ -278,35 +292,58 @@ _RUNS_HERE: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-  """Who writes a location: the content of its `MARKER`."""
+  """Who writes a location, and what it may leave there: the content of its `MARKER`.
+
+  Attributes:
+    run: the run (unique across hosts).
+    host: the host of its process (`_host`).
+    pid: its process.
+    where: the location claimed (`what_it_is`): a claim copied elsewhere claims nothing.
+    entries: every entry the run may write at the location (besides `MARKER`).
+    age: seconds since the claim was last written, by the store's clock (`_age`); None
+      when not asked (a claim of this host's, judged by its process) or not told by the
+      store. Not part of the marker.
+  """
 
   run: str
   host: str
   pid: int
-  renewed: float
+  where: str
+  entries: tuple[str, ...]
+  age: float | None = dataclasses.field(default=None, compare=False)
 
   @classmethod
-  def mine(cls, run: str) -> Claim:
-    return cls(run, _host(), os.getpid(), time.time())
+  def mine(cls, run: str, location: epath.Path, entries: Iterable[str]) -> Claim:
+    return cls(run, _host(), os.getpid(), what_it_is(location), tuple(sorted(set(entries))))
 
   def text(self) -> str:
-    return json.dumps(dataclasses.asdict(self))
+    return json.dumps({'run': self.run, 'host': self.host, 'pid': self.pid,
+                       'where': self.where, 'entries': list(self.entries)})
 
   @classmethod
   def read(cls, marker: epath.Path) -> Claim | None:
-    """The claim a marker holds; None when there is none, or one an earlier version
-    of this package wrote (plain text: a leftover, its run long gone)."""
+    """The claim a marker holds; None when it holds none of this package's (any other
+    text: an empty file, a claim an earlier version wrote, which named no entries)."""
     try:
       found = json.loads(marker.read_text())
+      entries = found['entries']
+      if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        return None
       return cls(str(found['run']), str(found['host']), int(found['pid']),
-                 float(found['renewed']))
+                 str(found['where']), tuple(entries))
     except (OSError, ValueError, KeyError, TypeError):
       return None
 
+  @property
+  def here(self) -> bool:
+    """Whether its process runs (or ran) on this host: told by its process, not a clock."""
+    return self.host == _host()
+
   def live(self) -> bool:
-    """Whether its run may still be writing: its process is running (on this host),
-    or its claim was renewed within `LEASE_SECONDS` (another host)."""
-    if self.host == _host():
+    """Whether its run may still be writing: its process is running (on this host), or
+    its claim was written within `LEASE_SECONDS` by the store's clock (another host;
+    an age the store does not tell counts as live)."""
+    if self.here:
       if self.pid == os.getpid():
         return self.run in _RUNS_HERE
       try:
@@ -316,26 +353,75 @@ class Claim:
       except OSError:
         return True  # Running, as another user.
       return True
-    return time.time() - self.renewed < LEASE_SECONDS
+    return self.age is None or self.age < LEASE_SECONDS
 
   def describe(self) -> str:
-    if self.host == _host():
+    if self.here:
       return f'run {self.run}, process {self.pid} on this host'
-    age = max(time.time() - self.renewed, 0.0)
-    return (f'run {self.run}, process {self.pid} on host {self.host.split("/")[0]}, its claim'
-            f' renewed {age:.0f} s ago')
+    age = ('its claim\'s age unknown (the store tells no modification times)'
+           if self.age is None else
+           f'its claim last renewed {max(self.age, 0.0):.0f} s ago by the store\'s clock')
+    return f'run {self.run}, process {self.pid} on host {self.host.split("/")[0]}, {age}'
+
+
+def _age(marker: epath.Path) -> float | None:
+  """Seconds since `marker` was last written, by the store's own clock: its modification
+  time against that of an object written beside its location now (and removed at once),
+  both the store's; None where the store tells no modification times."""
+  fs, where = fsspec.core.url_to_fs(os.fspath(marker))
+  location = marker.parent
+  probe = location.parent / f'{_stem(location)}{CLOCK_MARKER}{secrets.token_hex(6)}'
+  _, probe_where = fsspec.core.url_to_fs(os.fspath(probe))
+  try:
+    fs.invalidate_cache(where)  # A listing read earlier holds an older time.
+    written = fs.modified(where)  # First: the time read after it is no earlier than now.
+    fs.pipe_file(probe_where, b'')
+    try:
+      fs.invalidate_cache(probe_where)
+      now = fs.modified(probe_where)
+    finally:
+      with contextlib.suppress(OSError):
+        fs.rm_file(probe_where)
+    return (now - written).total_seconds()
+  except (NotImplementedError, OSError, KeyError, TypeError, ValueError):
+    return None
+
+
+def _entries(path: epath.Path) -> set[str]:
+  return {entry.name for entry in path.iterdir()}
+
+
+def _claim_at(path: epath.Path, kind: Kind) -> tuple[Claim | None, str | None]:
+  """(the claim proving `path` unfinished work of this package's, None) or (None, why
+  its `MARKER` proves nothing), or (None, None) where there is no marker or it is left
+  from a commit (see `unfinished_claim`)."""
+  marker = path / MARKER
+  if not marker.exists():
+    return None, None
+  if kind.commit_file is not None and (path / kind.commit_file).exists():
+    return None, None  # Committed: the marker is left from the commit's last step.
+  if not _orbax.commits_with_file(path):
+    return None, ('this package never claims a local destination (it writes one beside it'
+                  ' and renames it onto it)')
+  claim = Claim.read(marker)
+  if claim is None:
+    return None, 'it holds no claim of this package (a claim names the run and all it writes)'
+  if claim.where != what_it_is(path):
+    return None, f'its claim is for another location ({claim.where})'
+  foreign = sorted(_entries(path) - set(claim.entries) - {MARKER})
+  if foreign:
+    return None, f'its claim does not name {_listed(foreign)}'
+  if not claim.here:
+    claim = dataclasses.replace(claim, age=_age(marker))
+  return claim, None
 
 
 def unfinished_claim(path: epath.Path, kind: Kind) -> Claim | None:
-  """The claim on `path` when it is unfinished work of this package (it holds `MARKER`
-  and is not committed); None otherwise. An unreadable claim (an earlier version's)
-  counts as a run long gone."""
-  marker = path / MARKER
-  if not marker.exists():
-    return None
-  if kind.commit_file is not None and (path / kind.commit_file).exists():
-    return None  # Committed: the marker is left from the commit's last step.
-  return Claim.read(marker) or Claim('(unknown)', '(unknown)', 0, 0.0)
+  """The claim on `path` when it is unfinished work of this package: it holds `MARKER`
+  with a claim of this package's for this very location that names every entry there,
+  and is not committed; None otherwise (a marker copied or made by hand proves nothing,
+  whatever it holds). A claim from another host carries its age by the store's clock."""
+  return _claim_at(path, kind)[0]
 
 
 def _being_written(dst: epath.Path, claim: Claim, kind: Kind) -> errors.InvalidDestinationError:
@@ -344,7 +430,7 @@ def _being_written(dst: epath.Path, claim: Claim, kind: Kind) -> errors.InvalidD
       f' another run ({claim.describe()}); a run never deletes what another is writing.'
       ' Wait for it to finish (then pass `force=True` to replace what it wrote), or, if'
       f' that run is dead, run again once its claim lapses ({LEASE_SECONDS:.0f} s after'
-      ' its last renewal; at once on the same host).'
+      ' its last renewal, by the store\'s clock; at once on the same host).'
   )
 
 
@@ -362,19 +448,23 @@ def _create(path: epath.Path, text: str) -> bool:
 
 
 class _Lease:
-  """The claims one run holds, renewed every `RENEW_SECONDS` until `stop`."""
+  """The claims one run holds, renewed every `RENEW_SECONDS` until `stop` (each renewal
+  writes the claim again: the store's time of it is what ages)."""
 
   def __init__(self, run: str):
     self.run = run
-    self.markers: list[epath.Path] = []
+    self.claims: dict[epath.Path, Claim] = {}
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
-  def claim(self, marker: epath.Path) -> bool:
-    """Claims a location (creates its marker); False when another run holds it."""
-    if not _create(marker, Claim.mine(self.run).text()):
+  def claim(self, location: epath.Path, entries: Iterable[str]) -> bool:
+    """Claims a location for these entries (creates its marker); False when another
+    run holds it."""
+    marker = location / MARKER
+    claim = Claim.mine(self.run, location, entries)
+    if not _create(marker, claim.text()):
       return False
-    self.markers.append(marker)
+    self.claims[marker] = claim
     if self._thread is None:
       self._thread = threading.Thread(target=self._renew, name='orbax-tunix-claim', daemon=True)
       self._thread.start()
@@ -386,10 +476,10 @@ class _Lease:
 
   def _renew(self) -> None:
     while not self._stop.wait(RENEW_SECONDS):
-      for marker in list(self.markers):
+      for marker, claim in list(self.claims.items()):
         with contextlib.suppress(OSError):
           if self.holds(marker):  # Never over another run's (one that took over).
-            marker.write_text(Claim.mine(self.run).text())
+            marker.write_text(claim.text())
 
   def stop(self) -> None:
     self._stop.set()
@@ -450,14 +540,20 @@ def _is_empty_dir(path: epath.Path) -> bool:
 
 
 def _some_entries(path: epath.Path) -> str:
-  names = sorted(p.name for p in path.iterdir())
+  return _listed(sorted(p.name for p in path.iterdir()))
+
+
+def _listed(names: Sequence[str]) -> str:
+  """Names for a message: the first five, and how many more."""
   return ', '.join(names[:5]) + (f' and {len(names) - 5} more' if len(names) > 5 else '')
 
 
 def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
   """Says whether `dst` may be written: absent, an empty directory, what an
-  interrupted run left (`unfinished_claim`, its run gone), or (force) one of
-  `kind` this package wrote, holding only what its record names (`Kind.record`).
+  interrupted run left (`unfinished_claim`: a claim of this package's proving it, its
+  run gone), or (force) one of `kind` this package wrote, holding only what its record
+  names (`Kind.record`). A `MARKER` that proves nothing counts for nothing: the rest
+  is judged as if it were not there (it is one more entry no record names).
 
   Raises:
     DestinationExistsError: it is one of `kind` and `force` was not given.
@@ -468,34 +564,35 @@ def check_replaceable(dst: epath.Path, force: bool, kind: Kind = STEP) -> None:
   """
   if not dst.exists() or _is_empty_dir(dst):
     return
-  claim = unfinished_claim(dst, kind)
+  claim, unproven = _claim_at(dst, kind) if dst.is_dir() else (None, None)
   if claim is not None:
     if claim.live():
       raise _being_written(dst, claim, kind)
     return  # What an interrupted run left: unfinished, never a committed one.
+  marker = '' if unproven is None else (
+      f' Its {MARKER} is no sign of an interrupted run of this package ({unproven}), so'
+      ' it counts for nothing.')
   if not kind.is_one(dst):
     found = 'a file' if not dst.is_dir() else f'a directory holding {_some_entries(dst)}'
     raise errors.InvalidDestinationError(
         f'{dst}: expected a new (or empty) directory, found {found}: not {kind.what}'
         f' (a directory holding {" or ".join(kind.holds)}), so it is never written over.'
-        ' Choose another dst, or move it away yourself.'
+        f'{marker} Choose another dst, or move it away yourself.'
     )
   recorded = kind.record(dst)
   if recorded is None:
     raise errors.InvalidDestinationError(
         f'{dst}: holds {kind.what} that this package did not write ({_some_entries(dst)},'
         ' and no record of this package naming what it wrote), so it is never written'
-        ' over: replacing it would delete what its owner wrote. Choose another dst, or'
-        ' move it away yourself.'
+        f' over: replacing it would delete what its owner wrote.{marker} Choose another'
+        ' dst, or move it away yourself.'
     )
   foreign = sorted(entry.name for entry in dst.iterdir() if entry.name not in recorded)
   if foreign:
     raise errors.InvalidDestinationError(
-        f'{dst}: holds {kind.what} and also {", ".join(foreign[:5])}'
-        f'{f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""}, which this'
-        ' package did not write (its record there does not name them); replacing the'
-        ' folder would delete them. Choose another dst, or move those entries away'
-        ' yourself.'
+        f'{dst}: holds {kind.what} and also {_listed(foreign)}, which this package did not'
+        ' write (its record there does not name them); replacing the folder would delete'
+        f' them.{marker} Choose another dst, or move those entries away yourself.'
     )
   if not force:
     raise errors.DestinationExistsError(
@@ -542,10 +639,13 @@ class Staging:
   one is complete in the sibling.
   """
 
-  def __init__(self, dst: epath.Path, force: bool, kind: Kind = STEP):
+  def __init__(self, dst: epath.Path, force: bool, kind: Kind = STEP,
+               entries: Iterable[str] = ()):
     self.dst = dst
     self.force = force
     self.kind = kind
+    # What the new one holds at its top (a claim on a bucket names them: `Claim`).
+    self.entries = frozenset(entries) | ({kind.commit_file} if kind.commit_file else set())
     self.in_place = _orbax.commits_with_file(dst)  # A bucket.
     self.work: epath.Path = None  # type: ignore[assignment]  # Set by `open`.
     self.replaced = False  # Set by `staged` once committed.
@@ -587,19 +687,24 @@ class Staging:
         raise _being_written(dst, claim, kind)
       remove_tree(dst)  # An interrupted run's: nobody's step.
     if kind.in_place and (not dst.exists() or _is_empty_dir(dst)):
-      self._claim_dst()
+      self._claim_dst(self.entries)
       self.work = dst
       return dst
     if dst.exists():
       check_replaceable(dst, self.force, kind)
     self.work = dst.parent / f'{_stem(dst)}{NEW_MARKER}{self.run}'
-    self._lease.claim(self.work / MARKER)
+    self._lease.claim(self.work, self.entries | {COMPLETE})
     return self.work
 
-  def _claim_dst(self) -> None:
+  def _claim_dst(self, entries: Iterable[str]) -> None:
+    """Claims `dst` for `entries` (all that may be there until the commit).
+
+    Raises:
+      InvalidDestinationError: another run claimed it just now.
+    """
     self._claiming_dst = True
-    if not self._lease.claim(self.dst / MARKER):  # Another run claimed it just now.
-      claim = Claim.read(self.dst / MARKER) or Claim('?', '?', 0, 0.0)
+    if not self._lease.claim(self.dst, entries):
+      claim = Claim.read(self.dst / MARKER) or Claim('?', '?', 0, '?', ())
       raise _being_written(self.dst, claim, self.kind)
 
   def commit(self) -> bool:
@@ -652,7 +757,9 @@ class Staging:
       check_replaceable(dst, self.force, kind)
     # Complete: a step Orbax reads where it is (should the copy-in be interrupted).
     (work / (kind.commit_file or COMPLETE)).write_text(self._commit_text())
-    self._claim_dst()
+    # Until the commit `dst` holds some of the old entries and some of the new ones.
+    old = _entries(dst) if replaced else set()
+    self._claim_dst(old | (_entries(work) - {COMPLETE, MARKER}) | self.entries)
     if kind.commit_file:
       (dst / kind.commit_file).unlink(missing_ok=True)  # From here: unfinished.
     for entry in list(dst.iterdir()):
@@ -749,7 +856,8 @@ def _bare(what: str) -> str:
 
 @contextlib.contextmanager
 def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
-           sources: Sequence[epath.Path] = ()) -> Iterator[Staging]:
+           sources: Sequence[epath.Path] = (), entries: Iterable[str] = ()
+           ) -> Iterator[Staging]:
   """A new `kind` at `dst`: its work directory for the block, committed when
   the block ends, removed when it fails.
 
@@ -764,6 +872,9 @@ def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
     sources: step directories that must stay untouched, checked again just
       before the first write (links may have changed since planning; see
       `check_outside_source`).
+    entries: what the new one holds at its top (files, item directories): a
+      bucket's claim names them, so that what an interrupted run leaves is
+      told from anything else (`unfinished_claim`).
 
   Raises:
     InvalidDestinationError: `dst` overlaps a source, or cannot be created or
@@ -777,7 +888,7 @@ def staged(dst: epath.Path, force: bool, kind: Kind = STEP, nbytes: int = 0,
   """
   for source in sources:
     check_outside_source(source, dst)
-  staging = Staging(dst, force, kind)
+  staging = Staging(dst, force, kind, entries)
   try:
     staging.open()
   except BaseException as e:
@@ -817,8 +928,9 @@ def _with_state(dst: epath.Path, exc: BaseException, state: str) -> BaseExceptio
 
 def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
                   ) -> errors.InvalidDestinationError | None:
-  """What a failed write to `dst` says, when it is the destination's (its disk full,
-  its permissions), whichever writer failed: Python's file writes or TensorStore's.
+  """What a failed write to `dst` says, when it is the destination's (its disk full, a
+  file-size limit, its permissions), whichever writer failed: Python's file writes or
+  TensorStore's: one message per cause, whichever command wrote.
 
   Returns:
     The error to raise (its clean-up done: nothing is left behind), or None
@@ -828,8 +940,17 @@ def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
   if full is not None:
     return errors.InvalidDestinationError(
         f'{dst}: writing failed: no space left on the device'
-        f' ({storage_errors.failure_text(full)}); nothing was left behind. Expected room for'
+        f' ({storage_errors.os_words(full)}); nothing was left behind. Expected room for'
         f' about {nbytes} bytes. Free space or choose another destination.'
+    )
+  big = storage_errors.too_large(exc)
+  if big is not None:
+    return errors.InvalidDestinationError(
+        f'{dst}: writing failed: a file grew past the largest file size allowed'
+        f' ({storage_errors.os_words(big)}: {_size_limit()}); nothing was left behind.'
+        f' Expected to write about {nbytes} bytes.'
+        ' Raise the limit (`ulimit -f unlimited` in the shell that runs this) or choose'
+        ' another destination.'
     )
   if isinstance(exc, OSError):
     return errors.InvalidDestinationError(
@@ -838,6 +959,18 @@ def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
         ' another destination.'
     )
   return None
+
+def _size_limit() -> str:
+  """Which file-size limit a write met, for the message: this process's own (`ulimit -f`)
+  when it has one, else the file system's."""
+  with contextlib.suppress(ImportError, OSError, ValueError):
+    import resource  # pylint: disable=g-import-not-at-top  # Unix only.
+
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY:
+      return f'this process may write files of at most {limit} bytes, `ulimit -f`'
+  return "the file system's largest file"
+
 
 def _remove_empty(directories: Sequence[epath.Path]) -> None:
   """Removes directories, deepest first, if they are empty."""
@@ -850,7 +983,8 @@ def _remove_empty(directories: Sequence[epath.Path]) -> None:
 def leftovers(dst: epath.Path) -> list[epath.Path]:
   """What interrupted writes to `dst` left beside it (temporaries, replacements,
   an old one moved aside), found by the names `Staging` gives them."""
-  prefixes = tuple(f'{_stem(dst)}{m}' for m in (f'{TMP_MARKER}-', NEW_MARKER, OLD_MARKER))
+  prefixes = tuple(f'{_stem(dst)}{m}'
+                   for m in (f'{TMP_MARKER}-', NEW_MARKER, OLD_MARKER, CLOCK_MARKER))
   try:
     return sorted(p for p in dst.parent.iterdir() if p.name.startswith(prefixes))
   except OSError:

@@ -37,7 +37,7 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -341,12 +341,15 @@ def agree(name: str, failure: str | None) -> None:
 
 
 def agree_on(name: str, fields: Mapping[str, str] | None,
-             failure: BaseException | None = None) -> None:
+             failure: BaseException | None = None, *, given: Collection[str] = ()) -> None:
   """Every process's account of its work compared, before any is done (collective).
 
   Each process passes its `fields` (what it was asked to do, field by field),
   or, when it could not even work that out, its `failure`; every process
   reaches this round either way, so none waits for a process that failed.
+  `given` names the fields that are what the caller was given (its options):
+  where one of those differs, the message lists those (the others follow from
+  them, and are only named).
 
   Raises:
     DistributedError: on every process whose own `failure` is None: naming
@@ -358,7 +361,7 @@ def agree_on(name: str, fields: Mapping[str, str] | None,
     return
   reports = [json.loads(t) for t in exchange(name, json.dumps(
       {'fields': None if failure is not None else dict(fields or {}),
-       'failure': None if failure is None else _failure(failure)}))]
+       'failure': None if failure is None else _failure(failure), 'given': sorted(given)}))]
   failed = [(i, r['failure']) for i, r in enumerate(reports) if r['failure'] is not None]
   if failure is not None:
     return
@@ -371,12 +374,18 @@ def agree_on(name: str, fields: Mapping[str, str] | None,
   differ = [key for key in dict.fromkeys(k for v in values for k in v)
             if len({v.get(key) for v in values}) > 1]
   if differ:
-    lines = '\n'.join(f'  {key}: ' + '; '.join(f'process {i}: {v.get(key)}'
-                                              for i, v in enumerate(values)) for key in differ)
+    given = {key for r in reports for key in r['given']}  # An option one process alone got.
+    options = [key for key in differ if key in given]
+    shown = options or differ
+    made = [key for key in differ if key not in shown]
+    lines = '\n'.join(f'  {key}: ' + '; '.join(f'process {i}: {v.get(key, "(not given)")}'
+                                              for i, v in enumerate(values)) for key in shown)
+    what = 'options' if options else 'work'
+    follows = f', and so {", ".join(made)}' if made else ''
     raise errors.DistributedError(
-        f'the processes were given different work ({", ".join(differ)} differ): give every'
-        ' process the same source, step, destination and options (a path: the same absolute'
-        f' path or bucket URL on every host). Nothing was written:\n{lines}')
+        f'the processes were given different {what} ({", ".join(shown)}{follows} differ):'
+        ' give every process the same source, step, destination and options (a path: the'
+        f' same absolute path or bucket URL on every host). Nothing was written:\n{lines}')
 
 
 def _failure(e: BaseException) -> str:
@@ -403,7 +412,7 @@ class SharedStaging:
 
 @contextlib.contextmanager
 def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes: int = 0,
-           sources: Sequence[epath.Path] = ()) -> Iterator[Any]:
+           sources: Sequence[epath.Path] = (), entries: Collection[str] = ()) -> Iterator[Any]:
   """`commit.staged` for one or several processes.
 
   One process: exactly `commit.staged`. Several: process 0 opens the staging
@@ -418,7 +427,7 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
       A process's own failure is raised there as itself.
   """
   if not active():
-    with commit.staged(dst, force, kind, nbytes, sources) as staging:
+    with commit.staged(dst, force, kind, nbytes, sources, entries) as staging:
       yield staging
     return
   global _run
@@ -427,7 +436,7 @@ def staged(dst: epath.Path, force: bool, kind: commit.Kind = commit.STEP, nbytes
   opened, own = None, None
   if is_primary():
     try:
-      opened = stack.enter_context(commit.staged(dst, force, kind, nbytes, sources))
+      opened = stack.enter_context(commit.staged(dst, force, kind, nbytes, sources, entries))
     except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
       own = e
   first = json.loads(broadcast('open', json.dumps(

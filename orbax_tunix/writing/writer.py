@@ -44,18 +44,20 @@ from orbax_tunix.writing import checksums, commit, distributed
 @contextlib.contextmanager
 def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
              sources: Sequence[epath.Path], progress: reader.Progress,
-             description: str, progress_bytes: int | None = None) -> Iterator[Any]:
+             description: str, progress_bytes: int | None = None,
+             entries: Sequence[str] = ()) -> Iterator[Any]:
   """A destination written in a stage and committed once when the block succeeds
   (`distributed.staged`: one process or several), progress started and finished
   around it; the one frame of `convert` and `export`. Yields the staging.
 
   Args: the destination, whether it may replace one of `kind`, the bytes it will
   hold (its free space is checked), the step directories read, the progress, its
-  line, and the bytes this process reads (default `total_bytes`).
+  line, the bytes this process reads (default `total_bytes`), and the entries the
+  destination will hold at its top (`commit.staged`).
   """
   progress.start(total_bytes if progress_bytes is None else progress_bytes, description)
   try:
-    with distributed.staged(dst, force, kind, total_bytes, sources) as staging:
+    with distributed.staged(dst, force, kind, total_bytes, sources, entries) as staging:
       yield staging
   finally:
     progress.finish()
