@@ -260,6 +260,23 @@ def _embedding_adapted(root: pathlib.Path) -> pathlib.Path:
       'embedder/input_embedding_lora_b': rng.normal(size=(2, 96)).astype(np.float32)}, root)
 
 
+def _flax_adapted(root: pathlib.Path) -> pathlib.Path:
+  """hf_qwen3 with flax's adapters (no alpha): an `nnx.LoRALinear` on layer 0's gate_proj
+  (`<m>/lora/lora_a`) and an `nnx.LoRA(base_module=...)` on layer 1's down_proj (its kernel
+  under `base_module`)."""
+  rng = np.random.default_rng(3)
+  weights = raw_weights('hf_qwen3')
+  weights['layers/1/mlp/down_proj/base_module/kernel'] = weights.pop(
+      'layers/1/mlp/down_proj/kernel')
+  _save_model_params(root / '1', {
+      **weights,
+      'layers/0/mlp/gate_proj/lora/lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/mlp/gate_proj/lora/lora_b': rng.normal(size=(2, 56)).astype(np.float32),
+      'layers/1/mlp/down_proj/lora_a': rng.normal(size=(56, 2)).astype(np.float32),
+      'layers/1/mlp/down_proj/lora_b': rng.normal(size=(2, 40)).astype(np.float32)})
+  return root
+
+
 PEFT = ('--peft', '--lora-alpha', '3')
 REFUSED = {  # case -> (source, model, flags, words the message holds (one of each tuple))
     'no_adapters': ('hf_qwen3', 'qwen3', PEFT, [('no LoRA run', 'found none'), ('--peft',)]),
@@ -278,6 +295,11 @@ REFUSED = {  # case -> (source, model, flags, words the message holds (one of ea
                 [('experts',), ('layers/0/mlp/gate_proj',), ('--merge-lora',)]),
     'embedding': (_embedding_adapted, 'qwen3', PEFT,
                   [('embedding',), ('embedder/input_embedding',), ('--merge-lora',)]),
+    # flax's LoRA has no alpha: refused as the merge refuses it (served, PEFT would scale it).
+    'flax_alpha': (_flax_adapted, 'qwen3', ('--peft', '--lora-alpha', '16'),
+                   [("flax's",), ('no alpha',), ('--lora-alpha',)]),
+    'flax_scale': (_flax_adapted, 'qwen3', ('--peft', '--lora-scale', '2'),
+                   [("flax's",), ('no alpha',), ('--lora-scale',)]),
 }
 
 
@@ -295,6 +317,25 @@ def test_cli_refusals(tmp_path, case):
   assert not (tmp_path / 'out').exists()
   assert [x.name for x in tmp_path.iterdir()] == (['run'] if callable(source) else [])
   assert snapshot(src) == before
+
+
+def test_flax_adapters_are_an_adapter_of_scale_one(tmp_path):
+  """flax adds a·b unscaled: the adapter's lora_alpha is r, and on the base it is the merged
+  export (nnx.LoRALinear and nnx.LoRA(base_module=...) alike)."""
+  run = _flax_adapted(tmp_path / 'run')
+  ot.export_to_hf(run, tmp_path / 'base', model='qwen3', base_only=True)
+  ot.export_to_hf(run, tmp_path / 'merged', model='qwen3', merge_lora=True)
+  ot.export_peft_adapter(run, tmp_path / 'a', model='qwen3')
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['lora_alpha'] == config['r'] == 2, config
+  base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
+  adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert changed == {'model.layers.0.mlp.gate_proj', 'model.layers.1.mlp.down_proj'}, changed
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + b.astype(np.float64) @ a
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=1e-5, err_msg=m)
 
 
 def test_refusal_names_every_module_at_once(tmp_path):

@@ -232,7 +232,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
 
   Raises:
     LoraError: no adapters; a merge asked for; no alpha or scale for qwix
-      adapters; adapters no PEFT adapter expresses (each named).
+      adapters, or one for flax's alone (which have none); adapters no PEFT adapter
+      expresses (each named).
     UnsupportedLayoutError: adapted weights that are not the family's.
   """
   source = request.source
@@ -250,6 +251,9 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         f'{where}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or lora_a/lora_b'
         ' from flax), found none among its weights: the run is no LoRA run. Export its'
         ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
+  # The merge's rules (`plan_merge`): flax's adapters have no alpha (an alpha or scale given
+  # for them would be served, by PEFT's lora_alpha / r, where the run added a·b unscaled).
+  lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
   scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
             for w, a in adapters.items()}
   naming = family.naming(list(leaves), where)
