@@ -813,3 +813,31 @@ def test_maxtext_axes_are_the_dims_read_the_other_way(model):
         assert fields[axis] == field, (pattern, axis, fields)
         checked += 1
   assert checked >= 3, naming.dims  # heads and head_dim (query), kv heads (key)
+
+
+@pytest.mark.parametrize(('source', 'axis', 'said'), [
+    ('scanned', '0', ('stacked along axis 1', 'param_scan_axis=0', '--param-scan-axis 1')),
+    ('scanned_alone', '0', ('stacked along axis 1', 'param_scan_axis=0', '--param-scan-axis 1')),
+    ('hf_qwen3_lora', '1', ('--param-scan-axis 1', 'no stacked layers')),
+])
+def test_peft_resolves_the_layer_axis_as_the_model_export(tmp_path, source, axis, said):
+  """--param-scan-axis is resolved by the model export's own function: an axis along which the
+  layers are not stacked, or one given for weights that stack none, is refused with the model
+  export's message (not 'pick the family', not accepted silently)."""
+  from tests import test_export_maxtext as mt
+  if source.startswith('scanned'):
+    run, _ = _maxtext_lora_run('qwen3', 'scanned')
+    alone = source == 'scanned_alone'
+    src = mt.save_tunix_run(tmp_path / 'run', {k: v for k, v in run.items()
+                                               if '_lora_' in k or not alone})
+    base = ('--base-model', mt.hf_config(tmp_path / 'base', 'qwen3')) if alone else ()
+  else:
+    src, base = DATA / source, ()
+  p = cli(src, tmp_path / 'out', '--model', 'qwen3', *PEFT, *base, '--param-scan-axis', axis)
+  assert p.returncode == 2, p.stderr
+  assert all(w in p.stderr for w in said) and '--model' not in p.stderr, p.stderr
+  if source != 'scanned_alone':  # The model export of the same weights says the same.
+    m = cli(src, tmp_path / 'out', '--model', 'qwen3', '--base-only', '--param-scan-axis', axis)
+    assert m.returncode == 2 and m.stderr.splitlines()[0] == p.stderr.splitlines()[0], (
+        m.stderr, p.stderr)
+  assert not (tmp_path / 'out').exists()

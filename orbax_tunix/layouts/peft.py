@@ -258,7 +258,11 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
             for w, a in adapters.items()}
   naming = family.naming(list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
-  axis = stacks.DEFAULT_AXIS if request.param_scan_axis is None else request.param_scan_axis
+  # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
+  # refused where it does not fit, or where nothing is stacked), from the model's weights (a
+  # save of adapters alone: the adapters, stacked as their weights are).
+  axis = hf_layouts._scan_axis(
+      request, {p: leaf.shape for p, leaf in (base or leaves).items()}, where)
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
