@@ -219,9 +219,9 @@ def test_base_only_is_the_base_fixtures_export(exports, tmp_path, name):
 # --------------------------------------------------------------------------- #
 # The command line, and what it refuses
 # --------------------------------------------------------------------------- #
-def cli(*argv: str) -> subprocess.CompletedProcess:
+def cli(*argv: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', 'export', *map(str, argv)],
-                        capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
+                        capture_output=True, text=True, cwd=cwd, env=subprocess_env(),
                         timeout=300, check=False)
 
 
@@ -408,6 +408,86 @@ def test_base_model_folder_config_is_checked(exports, tmp_path, name):
     assert p.returncode == 2, p.stderr
     assert field in p.stderr and str(value) in p.stderr and '--base-model' in p.stderr, p.stderr
     assert not (tmp_path / 'out').exists()
+
+
+def _refused(run: pathlib.Path, out: pathlib.Path, error=ot.TunixCheckpointError, **kwargs
+             ) -> str:
+  """The planning error of an adapter export of `run`, as the command prints it (its
+  parameters named as flags)."""
+  from orbax_tunix.cli.commands import as_flags
+  with pytest.raises(error) as e:
+    export_lib.plan_peft_export(run, out, model='qwen3', alpha=3, **kwargs)
+  return as_flags(str(e.value))
+
+
+def test_base_model_given_as_its_config_json_is_that_folder(exports, tmp_path, monkeypatch):
+  """`--base-model DIR/config.json` is DIR: its config is read and checked, and DIR (absolute)
+  is what adapter_config.json names; a relative folder is named absolute too."""
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  bad = _folder(tmp_path / 'bad', {**QWEN3_CONFIG, 'num_attention_heads': 8})
+  monkeypatch.chdir(tmp_path)
+  for given in (good / 'config.json', 'good/config.json', 'good', './good/'):
+    plan = export_lib.plan_peft_export(DATA / 'hf_qwen3_lora', tmp_path / 'a', model='qwen3',
+                                       alpha=3, base_model=given)
+    config = json.loads(dict(plan.other_files)[peft.CONFIG_FILE])
+    assert config['base_model_name_or_path'] == str(good), (given, config)
+  p = cli(DATA / 'hf_qwen3_lora', tmp_path / 'a', '--model', 'qwen3', *PEFT, '--base-model',
+          'good/config.json', cwd=tmp_path)
+  assert p.returncode == 0, p.stderr
+  assert json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())[
+      'base_model_name_or_path'] == str(good)
+  assert (tmp_path / 'a' / peft.ADAPTER_FILE).read_bytes() == (
+      exports['hf_qwen3_lora']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  said = _refused(DATA / 'hf_qwen3_lora', tmp_path / 'out', base_model=bad / 'config.json')
+  assert 'num_attention_heads' in said and str(bad / 'config.json') in said, said
+
+
+def test_base_model_path_to_anything_else_is_refused(tmp_path, monkeypatch):
+  """A path (one no Hub name looks like) to nothing, or to a file other than config.json, is
+  refused naming what is there; a Hub name is written as it is, unchecked (a note says so)."""
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  (good / 'generation_config.json').write_text('{}')
+  monkeypatch.chdir(tmp_path)
+  for given in ('./nowhere', 'nowhere/at/all', '/nowhere', 'nowhere/config.json',
+                'good/generation_config.json'):
+    said = _refused(DATA / 'hf_qwen3_lora', tmp_path / 'out', ot.InvalidOptionError,
+                    base_model=given)
+    assert said.startswith(f'--base-model {given}:') and 'found ' in said, said
+    assert 'Hub name' in said, said
+  plan = export_lib.plan_peft_export(DATA / 'hf_qwen3_lora', tmp_path / 'out', model='qwen3',
+                                     alpha=3, base_model='org/no-such-folder')
+  assert any('is no folder here' in n for n in plan.notes), plan.notes
+  config = json.loads(dict(plan.other_files)[peft.CONFIG_FILE])
+  assert config['base_model_name_or_path'] == 'org/no-such-folder'
+
+
+def _config_cases(root: pathlib.Path) -> dict[str, pathlib.Path]:
+  """A base model folder per way its config.json can be wrong."""
+  cases = {}
+  for name, text in (('not_json', '{"hidden_size": 40,'), ('a_list', '[1, 2]'),
+                     ('text_config', json.dumps({**QWEN3_CONFIG, 'text_config': [1],
+                                                 'architectures': ['X']})),
+                     ('field', json.dumps({**QWEN3_CONFIG, 'num_attention_heads': 8})),
+                     ('model_type', json.dumps({**QWEN3_CONFIG, 'model_type': 'llama'}))):
+    (root / name).mkdir(parents=True)
+    (root / name / 'config.json').write_text(text)
+    cases[name] = root / name
+  (root / 'no_config').mkdir()
+  cases['no_config'] = root / 'no_config'
+  return cases
+
+
+def test_every_base_model_config_error_names_base_model(tmp_path):
+  """--peft refuses --hf-config: its config errors say --base-model, the flag that gave it."""
+  for case, folder in _config_cases(tmp_path / 'bases').items():
+    said = _refused(DATA / 'hf_qwen3_lora', tmp_path / 'out', base_model=folder)
+    assert '--base-model' in said and '--hf-config' not in said, (case, said)
+    assert str(folder) in said, (case, said)
+  p = cli(DATA / 'hf_qwen3_lora_only', tmp_path / 'out', '--model', 'qwen3', *PEFT,
+          '--base-model', tmp_path / 'bases' / 'field')
+  assert p.returncode == 2 and '--base-model' in p.stderr, p.stderr
+  assert '--hf-config' not in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()
 
 
 def _gemma3_with_adapters(root: pathlib.Path) -> pathlib.Path:

@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 
 from etils import epath
@@ -123,11 +124,11 @@ def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
 
 def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
   """The `base_model` folder and its config.json as read (once for the whole layout), or
-  None: no base model, or a Hub name (as transformers takes it: a folder if there is one)."""
+  None: no base model, or a Hub name (`_name_or_path` told them apart)."""
   if base_model is None:
     return None
   folder = fileio.as_path(base_model)
-  return (folder, hf_layouts._base_config(folder)) if folder.is_dir() else None
+  return (folder, hf_layouts._base_config(folder, BASE_MODEL.name)) if folder.is_dir() else None
 
 
 def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
@@ -203,11 +204,8 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
     return same, [f'base model {base_model!r} is no folder here: its config is not checked']
   folder, values = base_folder
   config = str(folder / 'config.json')
-  try:
-    huggingface.check_config(family, values, shapes, config, skip=() if full else _UNTOLD)
-  except errors.UnsupportedLayoutError as e:
-    raise errors.UnsupportedLayoutError(
-        f'{e}\n(The config is that of `base_model` {base_model}.)') from e
+  huggingface.check_config(family, values, shapes, config, skip=() if full else _UNTOLD,
+                           option=BASE_MODEL.name)
   text = values.get('text_config', values) if isinstance(values, dict) else {}
   layers = [int(i) for i in naming.layers(shapes)]
   count = text.get('num_hidden_layers') if isinstance(text, dict) else None
@@ -381,13 +379,40 @@ def _scaling(value: object) -> merge_lib.Options:
 # qwix's LoRA alpha (PEFT's `lora_alpha`), or the scale itself (alpha / rank).
 ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
                          coerce=_scaling)
+# A Hugging Face Hub repository id as huggingface_hub validates one: `name` or `org/name`, of
+# letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', without
+# '--' or '..', at most 96 characters.
+_HUB_NAME = re.compile(r'(?!.*(--|\.\.))[A-Za-z0-9_]([\w.-]*\w)?(/[A-Za-z0-9_]([\w.-]*\w)?)?')
+
+
 def _name_or_path(value: object) -> str:
-  """A base model's Hub name or folder (a path-like's text), as the config names it."""
-  if isinstance(value, str | os.PathLike):
-    return os.fspath(value)
-  raise errors.InvalidOptionError(
-      f'`base_model` {value!r}: expected a Hugging Face Hub name or a folder (a string or a'
-      ' path).')
+  """A base model as its adapter_config.json names it: a folder here (a path to one, or to
+  its config.json: the folder, absolute), else a Hub name (as transformers takes it: a folder
+  first).
+
+  Raises:
+    InvalidOptionError: not a string or path; a path to anything but such a folder or its
+      config.json, or to nothing when it cannot be a Hub name (`./x`, `/x`, `a/b/c`,
+      `x/config.json`).
+  """
+  if not isinstance(value, str | os.PathLike):
+    raise errors.InvalidOptionError(
+        f'`base_model` {value!r}: expected a Hugging Face Hub name or a folder (a string or a'
+        ' path).')
+  text = os.fspath(value)
+  path = fileio.as_path(text)
+  found = fileio.what_is_at(path)
+  if (found == 'nothing' and fileio.is_local(path) and len(text) <= 96
+      and _HUB_NAME.fullmatch(text) and path.name != hf_layouts.CONFIG_FILES[0]):
+    return text
+  if found == 'a file' and path.name == hf_layouts.CONFIG_FILES[0]:
+    path, found = path.parent, 'a directory'
+  if found != 'a directory':
+    raise errors.InvalidOptionError(
+        f'`base_model` {text}: expected the base model\'s folder holding config.json (or that'
+        f' config.json), or a Hugging Face Hub name (org/name), found {found} at {path}. Pass'
+        ' the folder of the model the run was trained from, or its Hub name.')
+  return os.fspath(path)
 
 
 BASE_MODEL = Option('base_model', str, 'NAME_OR_PATH',

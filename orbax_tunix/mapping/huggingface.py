@@ -1023,15 +1023,20 @@ _JSON_TYPES = {list: 'array', str: 'string', int: 'number', float: 'number', boo
                type(None): 'null'}
 
 
-def _bad_config(where: str, found: str) -> errors.InvalidOptionError:
+# The option a base model's config.json comes from, by default (a model export's); a PEFT
+# adapter's is `base_model`. Messages name it, so that each command names its own flag.
+CONFIG_OPTION = 'hf_config'
+
+
+def _bad_config(where: str, found: str, option: str) -> errors.InvalidOptionError:
   return errors.InvalidOptionError(
       f'{where}: expected a Hugging Face config.json (a JSON object with the model\'s'
-      f' fields), found {found}. Pass as `hf_config` the folder of the model this run was'
+      f' fields), found {found}. Pass as `{option}` the folder of the model this run was'
       ' trained from.'
   )
 
 
-def _split(target: tuple[str, str], config: Mapping[str, object], where: str
+def _split(target: tuple[str, str], config: Mapping[str, object], where: str, option: str
            ) -> tuple[dict[str, object], dict[str, object] | None, list[str]]:
   """(the config's top level, the text model's fields when they stay in its `text_config`,
   notes). A config with a `text_config` and of another architecture than the family's (a
@@ -1043,7 +1048,7 @@ def _split(target: tuple[str, str], config: Mapping[str, object], where: str
     return dict(config), None, []
   if not isinstance(text, Mapping):
     raise _bad_config(where, f'"text_config": {json.dumps(text)[:60]} (expected an object: the'
-                             ' text model\'s fields)')
+                             ' text model\'s fields)', option)
   architecture, model_type = target
   if config.get('architectures') == [architecture] or config.get('model_type') == model_type:
     return dict(config), dict(text), []
@@ -1079,7 +1084,7 @@ def markdown(source: str = TUNIX_MODEL) -> str:
 
 def check_config(
     family: Family, config: object, shapes: Mapping[Path, Shape], where: str,
-    skip: Collection[str] = (),
+    skip: Collection[str] = (), option: str = CONFIG_OPTION,
 ) -> Config:
   """Checks a Hugging Face config.json against the weights; returns the one to write.
 
@@ -1100,6 +1105,8 @@ def check_config(
     config: config.json as parsed.
     shapes: the weights' shapes (Tunix paths).
     where: the file, for messages.
+    skip: fields the weights cannot tell (a LoRA save's adapted weights alone).
+    option: the option the config came from (`hf_config`, `base_model`), for messages.
 
   Returns:
     The `Config` to write.
@@ -1111,10 +1118,10 @@ def check_config(
   """
   if not isinstance(config, Mapping):
     raise _bad_config(where, f'a JSON {_JSON_TYPES.get(type(config), "value")}'
-                             f' ({json.dumps(config)[:60]})')
+                             f' ({json.dumps(config)[:60]})', option)
   naming = family.naming(shapes)
   architecture, model_type = family.target_of(naming)
-  top, inner, notes = _split((architecture, model_type), config, where)
+  top, inner, notes = _split((architecture, model_type), config, where, option)
   fields = top if inner is None else inner
   wrong = []
   archs = top.get('architectures')
@@ -1147,8 +1154,8 @@ def check_config(
   if wrong:
     raise errors.UnsupportedLayoutError(
         f'{where}: config.json does not describe these weights ({family.name}):\n'
-        f'{errors.list_paths(wrong)}\nPass the --hf-config of the model this run was'
-        ' trained from.'
+        f'{errors.list_paths(wrong)}\nPass as `{option}` the folder of the model this run'
+        ' was trained from.'
     )
   named = {f: v for f, v in (('architectures', [architecture]),
                              ('model_type', model_type)) if top.get(f) is None}
@@ -1223,7 +1230,7 @@ def cut_vocab(
       raise errors.UnsupportedLayoutError(
           f'{where}: vocab_size {vocab_size} is larger than the weights\' vocabulary'
           f' ({fmt(path)} {m.shape} has {rows} along axis {axis}): the config is not this'
-          ' model\'s. Pass the --hf-config of the model this run was trained from.'
+          ' model\'s. Pass as `hf_config` the folder of the model this run was trained from.'
       )
     if vocab_size < rows and not naming.vocab_padding.allows(rows, vocab_size):
       raise errors.UnsupportedLayoutError(
