@@ -93,7 +93,7 @@ def test_adapter_folder_and_config(exports, name):
   modules = changed_modules(e)
   assert e['config'] == {
       **CONFIG_FIXED, 'r': spec['rank'], 'lora_alpha': spec['alpha'],
-      'target_modules': sorted({m.rsplit('.', 1)[-1] for m in modules}),
+      'target_modules': sorted(modules),  # each by its full name: those, and no other
       'base_model_name_or_path': None, 'rank_pattern': {}, 'alpha_pattern': {}}
   assert sorted(e['adapter']) == sorted(
       f'{PREFIX}{m}.lora_{x}.weight' for m in modules for x in 'AB')
@@ -609,24 +609,78 @@ def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, mo
   assert result.bytes_read == sum(v.nbytes for k, v in lora_flat.items() if '_lora_' in k)
 
 
-def test_config_states_ranks_and_alphas_that_differ_per_module():
-  """PEFT scales a module by its lora_alpha / r: where modules differ, rank_pattern and
-  alpha_pattern state them (keys: the modules' full names)."""
+def test_one_r_and_lora_alpha_serve_every_modules_own_scale():
+  """vLLM reads r and lora_alpha alone: r is the largest rank, lora_alpha the alpha given
+  (qwix's alpha / rank is then the largest-rank modules' scale), and B carries the ratio of
+  each other module's scale to lora_alpha / r."""
   modules = {'model.layers.0.self_attn.q_proj': (4, 0.5),
              'model.layers.1.self_attn.q_proj': (4, 0.5),
              'model.layers.0.mlp.up_proj': (8, 0.25)}  # qwix: alpha 2 over ranks 4 and 8.
-  config = peft.config(modules, 2.0, None)
-  assert (config['r'], config['lora_alpha']) == (4, 2)
-  assert config['rank_pattern'] == {'model.layers.0.mlp.up_proj': 8}
-  assert config['alpha_pattern'] == {}  # 2 / 8 is the module's scale already.
-  config = peft.config(modules, None, None)  # --lora-scale 0.5 on the rank-4 modules
-  assert (config['r'], config['lora_alpha']) == (4, 2)
-  scaled = {**modules, 'model.layers.0.mlp.up_proj': (8, 0.5)}  # --lora-scale 0.5 everywhere
-  config = peft.config(scaled, None, None)
-  assert config['alpha_pattern'] == {'model.layers.0.mlp.up_proj': 4}
-  for name, (rank, scale) in scaled.items():
-    assert config['rank_pattern'].get(name, config['r']) == rank
-    assert config['alpha_pattern'].get(name, config['lora_alpha']) / rank == scale
+  one = peft.Scaling.of(modules, 2.0)
+  assert (one.r, one.alpha) == (8, 2.0)
+  for name, (_, scale) in modules.items():
+    assert one.folds[name] * one.alpha / one.r == scale, name
+  assert one.folds['model.layers.0.mlp.up_proj'] == 1.0
+  scaled = {n: (rank, 0.5) for n, (rank, _) in modules.items()}  # --lora-scale 0.5
+  one = peft.Scaling.of(scaled, None)
+  assert (one.r, one.alpha, set(one.folds.values())) == (8, 4.0, {1.0})
+  config = peft.config(modules, one, None)
+  assert (config['r'], config['lora_alpha']) == (8, 4)
+  assert config['rank_pattern'] == config['alpha_pattern'] == {}
+  assert config['target_modules'] == sorted(modules)
+  assert peft.Scaling.of({'m': (2, 0.0)}, 0.0) == peft.Scaling(2, 0.0, {'m': 1.0})
+
+
+def _mixed_ranks(root: pathlib.Path) -> pathlib.Path:
+  """hf_qwen3 (saved in full) with qwix's adapters of three ranks on some layers only: q_proj
+  of layer 0 (rank 4), up_proj of both layers (rank 2), o_proj of layer 1 (rank 8)."""
+  rng = np.random.default_rng(5)
+  shapes = {'layers/0/attn/q_proj/w': ((40, 4), (4, 4, 12)),
+            'layers/0/mlp/up_proj/kernel': ((40, 2), (2, 56)),
+            'layers/1/mlp/up_proj/kernel': ((40, 2), (2, 56)),
+            'layers/1/attn/o_proj/w': ((4, 12, 8), (8, 40))}
+  extra = {}
+  for weight, (a, b) in shapes.items():
+    extra[weight + '_lora_a'] = (rng.normal(size=a) / 4).astype(np.float32)
+    extra[weight + '_lora_b'] = (rng.normal(size=b) / 4).astype(np.float32)
+  return _with('hf_qwen3', extra, root)
+
+
+MIXED_RANKS = {'model.layers.0.self_attn.q_proj': 4, 'model.layers.0.mlp.up_proj': 2,
+               'model.layers.1.mlp.up_proj': 2, 'model.layers.1.self_attn.o_proj': 8}
+
+
+@pytest.mark.parametrize('scaling', [{'alpha': 6}, {'scale': 0.5}])
+def test_mixed_ranks_are_served_at_their_own_scale_under_one_r(tmp_path, scaling):
+  """Ranks 2, 4 and 8 under one alpha (scales 3, 1.5, 0.75): one r (8: lower ranks padded with
+  zeros), one lora_alpha, no rank_pattern or alpha_pattern (vLLM reads neither), and
+  W + (lora_alpha / r)·B·A, as vLLM computes it, is the merged export for every module; the
+  adapter targets exactly the adapted modules (layer 1's q_proj is not one)."""
+  run = _mixed_ranks(tmp_path / 'run')
+  ot.export_to_hf(run, tmp_path / 'base', model='qwen3', base_only=True)
+  merge = {'lora_alpha': scaling['alpha']} if 'alpha' in scaling else {
+      'lora_scale': scaling['scale']}
+  ot.export_to_hf(run, tmp_path / 'merged', model='qwen3', merge_lora=True, **merge)
+  plan = export_lib.plan_peft_export(run, tmp_path / 'a', model='qwen3', **scaling)
+  export_lib.run_export(plan)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['r'] == 8 and config['rank_pattern'] == config['alpha_pattern'] == {}, config
+  assert config['lora_alpha'] == (6 if 'alpha' in scaling else 4), config
+  assert config['target_modules'] == sorted(MIXED_RANKS), config
+  base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
+  adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert changed == set(MIXED_RANKS), changed
+  scale = config['lora_alpha'] / config['r']
+  for m, rank in MIXED_RANKS.items():
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    assert a.shape[0] == b.shape[1] == 8, (m, a.shape, b.shape)
+    assert not a[rank:].any() and not b[:, rank:].any(), m  # padding: zeros
+    got = base[f'{m}.weight'] + scale * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=2e-6, err_msg=m)
+  said = '\n'.join(plan.notes)
+  assert 'ranks differ (2, 4 and 8)' in said and '--max-lora-rank' in said, said
+  assert ('lora_B carries' in said) == ('alpha' in scaling), said
 
 
 # qwix's adapters of Tunix Gemma's einsums, as `_parse_einsum_str_for_lora` shapes them: `a` the

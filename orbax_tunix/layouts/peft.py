@@ -298,7 +298,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   # else as far as the base model's config says.
   has = ((lambda p: p in model_shapes) if base else
          None if text is None else functools.partial(naming.has, config=text))
-  outputs: list[Output] = []
+  planned: dict[str, tuple[peft.Factors, lora.Adapter]] = {}
   modules: dict[str, tuple[int, float]] = {}
   said: dict[str, list[str]] = {}
   for dest, m in sorted(mapped.outputs.items()):
@@ -307,20 +307,31 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     (weight,) = layer.sources
     adapter = adapters[weight]
     name = dest[0]
-    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
     factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
-        arranged[weight], chain(layer.transform, m.transform), a_leaf.shape, b_leaf.shape)
+        arranged[weight], chain(layer.transform, m.transform), leaves[adapter.a].shape,
+        leaves[adapter.b].shape)
     if isinstance(factors, str):
       problems.append(f'{fmt(weight)} -> {name}: {factors}')
       continue
     module = rename(name[:-len(peft.WEIGHT)])
+    planned[module] = (factors, adapter)
     modules[module] = (adapter.rank, scales[weight])
     note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
     if note:
       said.setdefault(note, []).append(module)
+  if problems:
+    raise errors.LoraError(
+        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
+        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
+        ' than the run trained. Export the weights with the adapters merged instead:'
+        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
+  one = peft.Scaling.of(modules, scaling.alpha)
+  outputs: list[Output] = []
+  for module, (factors, adapter) in planned.items():
+    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
     a_name, b_name = peft.tensor_names(module)
-    a_transform = peft.lora_a(factors, adapter.rank)
-    b_transform = peft.lora_b(factors, adapter.rank)
+    a_transform = peft.lora_a(factors, adapter.rank, one.r)
+    b_transform = peft.lora_b(factors, adapter.rank, one.r, one.folds[module])
     outputs += [
         Output((a_name,), (Input(source, a_leaf),), a_transform,
                a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
@@ -329,22 +340,18 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                # Scaled: read as stored, the product in float32, one cast after it.
                read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
     ]
-  if problems:
-    raise errors.LoraError(
-        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
-        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
-        ' than the run trained. Export the weights with the adapters merged instead:'
-        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
-  alpha = scaling.alpha
-  config = peft.config(modules, None if alpha is None else float(alpha), request.base_model)
+  config = peft.config(modules, one, request.base_model)
   stored = {p: leaf.shape for p, leaf in leaves.items()}
+  kinds = sorted({m.rsplit('.', 1)[-1] for m in modules})
   notes = [
       *left_out,
       *config_notes,
       *(note.format(module=', '.join(names)) for note, names in said.items()),
+      *_scaling_notes(modules, one),
       f'adapters of {len(arranged)} weights as {len(modules)} PEFT modules'
-      f' ({", ".join(config["target_modules"])}; r={config["r"]},'
-      f' lora_alpha={config["lora_alpha"]}); read: {2 * len(adapters)} adapter arrays,'
+      f' ({", ".join(kinds)}; r={config["r"]}, lora_alpha={config["lora_alpha"]};'
+      ' target_modules names each module in full: PEFT adapts those alone); read:'
+      f' {2 * len(adapters)} adapter arrays,'
       f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
       ' base weight',
       f'weights: {huggingface.describe_source(stored)}',
@@ -361,6 +368,33 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                            'target_modules': config['target_modules'],
                            'modules': len(modules)}},
   )
+
+
+def _scaling_notes(modules: Mapping[str, tuple[int, float]], one: peft.Scaling) -> list[str]:
+  """What `peft.Scaling` did, where it did anything: lower ranks padded to `r`, trained
+  scales carried by `B` (every module's, by module count)."""
+  notes = []
+  low = sorted({rank for rank, _ in modules.values() if rank < one.r})
+  if low:
+    count = sum(rank < one.r for rank, _ in modules.values())
+    notes.append(
+        f'ranks differ ({", ".join(map(str, low))} and {one.r}): every module is written at'
+        f' r={one.r}, the {count} of lower rank with zeros appended to lora_A and lora_B (B·A'
+        ' unchanged; zero rows and columns stay zero if trained on), so that vLLM, which'
+        ' reads r alone (not rank_pattern), checks --max-lora-rank against the largest')
+  folded: dict[float, list[str]] = {}
+  for module, fold in one.folds.items():
+    if fold != 1.0:
+      folded.setdefault(fold, []).append(module)
+  if folded:
+    scale = one.alpha / one.r
+    notes.append(
+        f'trained scales differ: every module is served at lora_alpha / r = {scale:g} (vLLM'
+        ' reads no alpha_pattern), so lora_B carries the rest: '
+        + '; '.join(f'x{fold:g} in {len(names)} modules (scale {fold * scale:g}; e.g.'
+                    f' {names[0]})' for fold, names in sorted(folded.items()))
+        + ': peft and vLLM serve each module the update the run trained')
+  return notes
 
 
 def _not_text(text: str) -> None:
