@@ -31,6 +31,9 @@ from tests.clients import subprocess_env
 from tests.test_export_hf import (
   DATA,
   FAMILY_FIXTURES,
+  HF_CONFIG_DIMS,
+  HF_CONFIG_EXTRA,
+  HF_CONFIG_FULL,
   LORA_FIXTURES,
   ROOT,
   manifest,
@@ -410,13 +413,13 @@ def test_base_model_folder_config_is_checked(exports, tmp_path, name):
     assert not (tmp_path / 'out').exists()
 
 
-def _refused(run: pathlib.Path, out: pathlib.Path, error=ot.TunixCheckpointError, **kwargs
-             ) -> str:
+def _refused(run: pathlib.Path, out: pathlib.Path, error=ot.TunixCheckpointError, *,
+             model: str = 'qwen3', **kwargs) -> str:
   """The planning error of an adapter export of `run`, as the command prints it (its
   parameters named as flags)."""
   from orbax_tunix.cli.commands import as_flags
   with pytest.raises(error) as e:
-    export_lib.plan_peft_export(run, out, model='qwen3', alpha=3, **kwargs)
+    export_lib.plan_peft_export(run, out, model=model, alpha=3, **kwargs)
   return as_flags(str(e.value))
 
 
@@ -488,6 +491,104 @@ def test_every_base_model_config_error_names_base_model(tmp_path):
   assert p.returncode == 2 and '--base-model' in p.stderr, p.stderr
   assert '--hf-config' not in p.stderr, p.stderr
   assert not (tmp_path / 'out').exists()
+
+
+def _hub_config(name: str) -> dict:
+  """The config.json of a LoRA fixture's base, as the family's Hub repos write it."""
+  base = manifest(name)['lora']['base']
+  return json.loads(json.dumps(HF_CONFIG_FULL.get(base) or {**HF_CONFIG_DIMS[base],
+                                                            **HF_CONFIG_EXTRA.get(base, {})}))
+
+
+def _alone(name: str, root: pathlib.Path) -> pathlib.Path:
+  """A LoRA fixture's adapters saved alone (as the run's adapters-only save holds them)."""
+  if name.endswith('_only'):
+    return DATA / name
+  _save_model_params(root / '3', {p: v for p, v in raw_weights(name).items()
+                                   if lora.is_adapter(p.split('/'))})
+  return root
+
+
+_ATTENTION = ('hidden_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim')
+# The config fields each LoRA fixture's adapted weights have an axis of (MANIFEST's targets:
+# attention and MLP; qwen3_moe's experts are not adapted; gemma4's global layers read
+# global_head_dim, its MoE model's global keys num_global_key_value_heads) and, as (field,
+# value, the field the message names), use_double_wide_mlp off: gemma4's kv-shared layers'
+# MLP is then intermediate_size wide, not twice that.
+IMPLIED = {
+    'hf_qwen3_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_qwen3_lora_only': (*_ATTENTION, 'intermediate_size'),
+    'hf_qwen2_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_qwen3_moe_lora': _ATTENTION,
+    'hf_gemma2_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_gemma_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_gemma4_lora': (*_ATTENTION, 'intermediate_size', 'global_head_dim',
+                       ('use_double_wide_mlp', False, 'intermediate_size')),
+    'hf_gemma4_moe_lora': (*_ATTENTION, 'intermediate_size', 'global_head_dim',
+                           'num_global_key_value_heads'),
+}
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_adapters_alone_are_checked_against_every_size_of_the_base_config(exports, tmp_path,
+                                                                          name):
+  """A save of adapters alone with --base-model FOLDER: the Hub's config gives the full save's
+  adapter; a config that differs in any size the adapters imply (each field, one at a time)
+  or holds fewer layers is refused, naming the field and both values."""
+  src = _alone(name, tmp_path / 'run')
+  config = _hub_config(name)
+  folder = _folder(tmp_path / 'hub', config)
+  ot.export_peft_adapter(src, tmp_path / 'a', model=family_of(name), alpha=3, base_model=folder)
+  got = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  assert sorted(got) == sorted(exports[name]['adapter'])
+  text = config.get('text_config', config)
+  changes = [(f, {f: text[f] + 1}, f, text[f] + 1) for f in IMPLIED[name]
+             if isinstance(f, str)]
+  changes += [(c[0], {c[0]: c[1]}, c[2], text[c[2]]) for c in IMPLIED[name]
+              if not isinstance(c, str)]
+  layers = text['num_hidden_layers'] - 1  # (and one entry per layer: a consistent config)
+  changes.append(('num_hidden_layers', {'num_hidden_layers': layers, **(
+      {'layer_types': text['layer_types'][:layers]} if 'layer_types' in text else {})},
+      'num_hidden_layers', layers))
+  for i, (field, change, said, shown) in enumerate(changes):
+    changed = {**text, **change}
+    bad = _folder(tmp_path / f'bad{i}', {**config, 'text_config': changed}
+                  if 'text_config' in config else changed)
+    message = _refused(src, tmp_path / 'out', model=family_of(name), base_model=bad)
+    assert any(f'{said}: config.json {verb} {shown},' in message for verb in ('has', 'gives')), (
+        field, message)
+    assert str(bad / 'config.json') in message and '--base-model' in message, message
+
+
+def _lm_head_adapted(root: pathlib.Path, alone: bool) -> pathlib.Path:
+  """hf_qwen3_lora (its own lm_head, untied) with adapters on lm_head too, saved in full or
+  its adapters alone."""
+  rng = np.random.default_rng(4)
+  weights = {**raw_weights('hf_qwen3_lora'),
+             'lm_head/w_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+             'lm_head/w_lora_b': rng.normal(size=(2, 96)).astype(np.float32)}
+  _save_model_params(root / '3', {p: v for p, v in weights.items()
+                                   if not alone or lora.is_adapter(p.split('/'))})
+  return root
+
+
+@pytest.mark.parametrize('alone', [False, True])
+def test_adapters_on_lm_head_refuse_a_tied_base_saved_in_full_or_alone(tmp_path, alone):
+  """An adapted lm_head is the model's own: a base config that ties it to the embedding is
+  refused, whether the run saved its base weights or its adapters alone (the same rule); its
+  vocabulary is checked too."""
+  src = _lm_head_adapted(tmp_path / 'run', alone)
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  plan = export_lib.plan_peft_export(src, tmp_path / 'a', model='qwen3', alpha=3,
+                                     base_model=good)
+  assert 'lm_head' in ' '.join(json.loads(dict(plan.other_files)[peft.CONFIG_FILE])[
+      'target_modules'])
+  tied = _folder(tmp_path / 'tied', {**QWEN3_CONFIG, 'tie_word_embeddings': True})
+  said = _refused(src, tmp_path / 'out', base_model=tied)
+  assert 'tie_word_embeddings: config.json has True, the weights have False' in said, said
+  vocab = _folder(tmp_path / 'vocab', {**QWEN3_CONFIG, 'vocab_size': 100})
+  said = _refused(src, tmp_path / 'out', base_model=vocab)
+  assert 'vocab_size: config.json' in said and '100' in said and '96' in said, said
 
 
 def _gemma3_with_adapters(root: pathlib.Path) -> pathlib.Path:

@@ -131,24 +131,31 @@ def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
   return (folder, hf_layouts._base_config(folder, BASE_MODEL.name)) if folder.is_dir() else None
 
 
+def _text_config(base_folder: tuple[epath.Path, object] | None) -> Mapping[str, object] | None:
+  """The text model's config fields of the `base_model` folder's config.json (a multimodal
+  one's `text_config`), or None: no folder, or no JSON object (`_names_for_base` refuses it,
+  naming what it is)."""
+  values = None if base_folder is None else base_folder[1]
+  text = values.get('text_config', values) if isinstance(values, dict) else None
+  return text if isinstance(text, dict) else None
+
+
 def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
                  adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
                  base_folder: tuple[epath.Path, object] | None, axis: int, where: str
-                 ) -> tuple[dict[Path, tuple[int, ...]], Mapping[str, object] | None]:
-  """For a save of adapters alone: each adapted weight's stored shape, as the `base_model`
-  folder's config.json gives it (the naming's `axes`), and the text model's config fields
-  it read; ({}, None) without a folder or `axes`.
+                 ) -> dict[Path, tuple[int, ...]]:
+  """For a save of adapters alone whose adapters do not tell their weights' shapes (qwix
+  flattened them: `Naming.lora_flattened`): each adapted weight's stored shape, as the
+  `base_model` folder's config.json gives it (the naming's `axes`); {} without a folder.
 
   Raises:
     UnsupportedLayoutError: a config whose fields do not fit the adapters (every weight
       named, with the field, what the adapters expect and what the config has).
   """
-  if not naming.axes or base_folder is None:
-    return {}, None
-  folder, values = base_folder
-  text = values.get('text_config', values) if isinstance(values, dict) else None
-  if not isinstance(text, dict):
-    return {}, None  # _names_for_base refuses it, naming what it is.
+  text = _text_config(base_folder)
+  if not naming.lora_flattened or text is None:
+    return {}
+  folder = base_folder[0]
   found = {w: _told_shape(naming, w, leaves[a.a].shape, leaves[a.b].shape, text, axis, where)
            for w, a in sorted(adapters.items())}
   problems = [f for f in found.values() if isinstance(f, str)]
@@ -159,7 +166,7 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
         f' ({family.name}; the save holds no base weight, so their shapes come from it):\n'
         f'{errors.list_paths(problems)}\nPass as `base_model` the folder of the model this run'
         ' was trained from.')
-  return told, text
+  return told
 
 
 def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: Path, name: str
@@ -176,10 +183,6 @@ def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: 
   return None
 
 
-# What a save of adapters alone cannot tell of the model (its other layers, its lm_head).
-_UNTOLD = ('num_hidden_layers', 'tie_word_embeddings')
-
-
 def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
                     base_model: str | None, base_folder: tuple[epath.Path, object] | None,
                     shapes: Mapping[Path, tuple[int, ...]], full: bool, where: str
@@ -187,9 +190,11 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
   """The modules' names as the base model's class holds them, and notes.
 
   A `base_model` folder's config.json is checked against the weights as a model export
-  checks it (a save of adapters alone: the dimensions they tell, and a layer count that
-  holds them); a multimodal class (Gemma3ForConditionalGeneration) holds the text model's
-  modules deeper (`Family.text_prefixes`). A Hub name is not checked.
+  checks it; a save of adapters alone by the same rules, for what its adapters tell: every
+  size of every adapted weight (`huggingface.check_sizes`), a layer count that holds them,
+  and an lm_head of its own (an adapted lm_head: a tied base is refused, as for the full
+  save). A multimodal class (Gemma3ForConditionalGeneration) holds the text model's modules
+  deeper (`Family.text_prefixes`). A Hub name is not checked.
 
   Raises:
     InvalidOptionError, UnsupportedLayoutError: a folder whose config.json is not one, or
@@ -204,16 +209,23 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
     return same, [f'base model {base_model!r} is no folder here: its config is not checked']
   folder, values = base_folder
   config = str(folder / 'config.json')
-  huggingface.check_config(family, values, shapes, config, skip=() if full else _UNTOLD,
-                           option=BASE_MODEL.name)
-  text = values.get('text_config', values) if isinstance(values, dict) else {}
+  # What adapters alone cannot tell: the layer count; whether the model ties its lm_head to
+  # the embedding, unless they adapt an lm_head of its own (the model then has one).
+  untold = () if full else ('num_hidden_layers',) + (
+      () if naming.tied is not None and not naming.tied(shapes) else ('tie_word_embeddings',))
+  huggingface.check_config(family, values, shapes, config, skip=untold, option=BASE_MODEL.name)
+  text = _text_config(base_folder) or {}
   layers = [int(i) for i in naming.layers(shapes)]
-  count = text.get('num_hidden_layers') if isinstance(text, dict) else None
+  count = text.get('num_hidden_layers')
+  wrong = [] if full else huggingface.check_sizes(naming, shapes, text)
   if not full and isinstance(count, int) and layers and max(layers) >= count:
+    wrong.append(f'num_hidden_layers: config.json has {count}, the adapters are on layer'
+                 f' {max(layers)}')
+  if wrong:
     raise errors.UnsupportedLayoutError(
-        f'{config}: config.json does not describe these weights ({family.name}):'
-        f' num_hidden_layers {count}, the adapters are on layer {max(layers)}. Pass as'
-        ' `base_model` the model this run was trained from.')
+        f'{config}: config.json does not describe these adapters ({family.name}; the save'
+        f' holds no base weight, the adapters tell these sizes):\n{errors.list_paths(wrong)}'
+        '\nPass as `base_model` the folder of the model this run was trained from.')
   archs = values.get('architectures') if isinstance(values, dict) else None
   own = family.target_of(naming)[0]
   have, want = family.text_prefixes.get(own), family.text_prefixes.get(
@@ -266,8 +278,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
     hf_layouts._family_rules(family, naming, model_shapes, where)
   base_folder = _base_folder(request.base_model)
-  told, text = ({}, None) if base else _told_shapes(
-      family, naming, adapters, leaves, base_folder, axis, where)
+  text = _text_config(base_folder)
+  told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
   found = {w: _arrangement(naming, w, a, leaves, base, told)
            for w, a in sorted(adapters.items())}
   problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
