@@ -31,10 +31,14 @@ Jobs:
          `adapter_config` (the PeftConfig as peft parsed it), the logits with the adapters live;
          then `merge_and_unload()`: its logits, and the merged model as `save_pretrained`
          writes it (the Hub's names) in `merged_dir`. router_reads_normed as for `load`.
+         With as_vllm=true the adapter config is read as vLLM reads it (`VLLM_FIELDS`: its
+         PEFTHelper keeps those fields alone, so one `lora_alpha / r` scales every module and
+         `rank_pattern`/`alpha_pattern` are dropped).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -128,10 +132,27 @@ def job_load(job, out_dir):
           'patched_routers': patched, 'npz': npz}
 
 
+# What vLLM's PEFTHelper (vllm/lora/peft_helper.py) keeps of adapter_config.json (it drops
+# every other field; its long-context `context_length` PEFT has not, and no export writes),
+# and what PEFT needs to build the LoRA model from them.
+VLLM_FIELDS = ('r', 'lora_alpha', 'target_modules', 'bias', 'modules_to_save', 'use_rslora',
+               'use_dora')
+PEFT_FIELDS = ('peft_type', 'task_type', 'base_model_name_or_path')
+
+
+def vllm_config(adapter: str) -> PeftConfig:
+  """The adapter's config with only the fields vLLM reads (and PEFT's type fields)."""
+  with open(os.path.join(adapter, 'adapter_config.json')) as f:
+    values = json.load(f)
+  kept = {k: v for k, v in values.items() if k in VLLM_FIELDS + PEFT_FIELDS}
+  return peft.LoraConfig(**{k: v for k, v in kept.items() if k != 'peft_type'})
+
+
 def job_peft(job, out_dir):
   base, info, caught = load_model(job['base'])
   patched = router_reads_normed(base) if job.get('router_reads_normed') else 0
-  config = PeftConfig.from_pretrained(job['adapter'])
+  config = (vllm_config(job['adapter']) if job.get('as_vllm')
+            else PeftConfig.from_pretrained(job['adapter']))
   cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)
   model = cls(base, config, 'default')
   result = model.load_adapter(job['adapter'], 'default')

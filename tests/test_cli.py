@@ -161,6 +161,17 @@ def test_inspect_lora(capsys, tunix_data):
   assert 'export --peft --lora-alpha A' in out and '--base-only' in out
 
 
+def test_inspect_of_flax_adapters_suggests_no_alpha(capsys, tunix_data, tmp_path):
+  """flax's nnx.LoRA has no alpha: the merge and --peft refuse --lora-alpha for it, so
+  inspect suggests the merge without it, and that suggestion runs."""
+  _, out, _ = run(capsys, 'inspect', tunix_data / 'lora_flax')
+  assert 'style         flax' in out, out
+  assert '--merge-lora (the merged model)' in out and '--lora-alpha' not in out, out
+  status, _, err = run(capsys, 'convert', tunix_data / 'lora_flax', tmp_path / 'm' / '1',
+                       '--merge-lora')
+  assert status == 0, err
+
+
 def test_inspect_collapses_layers_on_request(capsys, tunix_data):
   _, full, _ = run(capsys, 'inspect', tunix_data / 'sft_full')
   assert 'layers/1/attn/q_proj/w' in full  # Piped: every leaf.

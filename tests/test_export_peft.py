@@ -31,6 +31,9 @@ from tests.clients import subprocess_env
 from tests.test_export_hf import (
   DATA,
   FAMILY_FIXTURES,
+  HF_CONFIG_DIMS,
+  HF_CONFIG_EXTRA,
+  HF_CONFIG_FULL,
   LORA_FIXTURES,
   ROOT,
   manifest,
@@ -93,7 +96,7 @@ def test_adapter_folder_and_config(exports, name):
   modules = changed_modules(e)
   assert e['config'] == {
       **CONFIG_FIXED, 'r': spec['rank'], 'lora_alpha': spec['alpha'],
-      'target_modules': sorted({m.rsplit('.', 1)[-1] for m in modules}),
+      'target_modules': sorted(modules),  # each by its full name: those, and no other
       'base_model_name_or_path': None, 'rank_pattern': {}, 'alpha_pattern': {}}
   assert sorted(e['adapter']) == sorted(
       f'{PREFIX}{m}.lora_{x}.weight' for m in modules for x in 'AB')
@@ -219,9 +222,9 @@ def test_base_only_is_the_base_fixtures_export(exports, tmp_path, name):
 # --------------------------------------------------------------------------- #
 # The command line, and what it refuses
 # --------------------------------------------------------------------------- #
-def cli(*argv: str) -> subprocess.CompletedProcess:
+def cli(*argv: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', 'export', *map(str, argv)],
-                        capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
+                        capture_output=True, text=True, cwd=cwd, env=subprocess_env(),
                         timeout=300, check=False)
 
 
@@ -260,6 +263,23 @@ def _embedding_adapted(root: pathlib.Path) -> pathlib.Path:
       'embedder/input_embedding_lora_b': rng.normal(size=(2, 96)).astype(np.float32)}, root)
 
 
+def _flax_adapted(root: pathlib.Path) -> pathlib.Path:
+  """hf_qwen3 with flax's adapters (no alpha): an `nnx.LoRALinear` on layer 0's gate_proj
+  (`<m>/lora/lora_a`) and an `nnx.LoRA(base_module=...)` on layer 1's down_proj (its kernel
+  under `base_module`)."""
+  rng = np.random.default_rng(3)
+  weights = raw_weights('hf_qwen3')
+  weights['layers/1/mlp/down_proj/base_module/kernel'] = weights.pop(
+      'layers/1/mlp/down_proj/kernel')
+  _save_model_params(root / '1', {
+      **weights,
+      'layers/0/mlp/gate_proj/lora/lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+      'layers/0/mlp/gate_proj/lora/lora_b': rng.normal(size=(2, 56)).astype(np.float32),
+      'layers/1/mlp/down_proj/lora_a': rng.normal(size=(56, 2)).astype(np.float32),
+      'layers/1/mlp/down_proj/lora_b': rng.normal(size=(2, 40)).astype(np.float32)})
+  return root
+
+
 PEFT = ('--peft', '--lora-alpha', '3')
 REFUSED = {  # case -> (source, model, flags, words the message holds (one of each tuple))
     'no_adapters': ('hf_qwen3', 'qwen3', PEFT, [('no LoRA run', 'found none'), ('--peft',)]),
@@ -278,6 +298,11 @@ REFUSED = {  # case -> (source, model, flags, words the message holds (one of ea
                 [('experts',), ('layers/0/mlp/gate_proj',), ('--merge-lora',)]),
     'embedding': (_embedding_adapted, 'qwen3', PEFT,
                   [('embedding',), ('embedder/input_embedding',), ('--merge-lora',)]),
+    # flax's LoRA has no alpha: refused as the merge refuses it (served, PEFT would scale it).
+    'flax_alpha': (_flax_adapted, 'qwen3', ('--peft', '--lora-alpha', '16'),
+                   [("flax's",), ('no alpha',), ('--lora-alpha',)]),
+    'flax_scale': (_flax_adapted, 'qwen3', ('--peft', '--lora-scale', '2'),
+                   [("flax's",), ('no alpha',), ('--lora-scale',)]),
 }
 
 
@@ -295,6 +320,25 @@ def test_cli_refusals(tmp_path, case):
   assert not (tmp_path / 'out').exists()
   assert [x.name for x in tmp_path.iterdir()] == (['run'] if callable(source) else [])
   assert snapshot(src) == before
+
+
+def test_flax_adapters_are_an_adapter_of_scale_one(tmp_path):
+  """flax adds a·b unscaled: the adapter's lora_alpha is r, and on the base it is the merged
+  export (nnx.LoRALinear and nnx.LoRA(base_module=...) alike)."""
+  run = _flax_adapted(tmp_path / 'run')
+  ot.export_to_hf(run, tmp_path / 'base', model='qwen3', base_only=True)
+  ot.export_to_hf(run, tmp_path / 'merged', model='qwen3', merge_lora=True)
+  ot.export_peft_adapter(run, tmp_path / 'a', model='qwen3')
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['lora_alpha'] == config['r'] == 2, config
+  base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
+  adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert changed == {'model.layers.0.mlp.gate_proj', 'model.layers.1.mlp.down_proj'}, changed
+  for m in changed:
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    got = base[f'{m}.weight'] + b.astype(np.float64) @ a
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=1e-5, err_msg=m)
 
 
 def test_refusal_names_every_module_at_once(tmp_path):
@@ -367,6 +411,184 @@ def test_base_model_folder_config_is_checked(exports, tmp_path, name):
     assert p.returncode == 2, p.stderr
     assert field in p.stderr and str(value) in p.stderr and '--base-model' in p.stderr, p.stderr
     assert not (tmp_path / 'out').exists()
+
+
+def _refused(run: pathlib.Path, out: pathlib.Path, error=ot.TunixCheckpointError, *,
+             model: str = 'qwen3', **kwargs) -> str:
+  """The planning error of an adapter export of `run`, as the command prints it (its
+  parameters named as flags)."""
+  from orbax_tunix.cli.commands import as_flags
+  with pytest.raises(error) as e:
+    export_lib.plan_peft_export(run, out, model=model, alpha=3, **kwargs)
+  return as_flags(str(e.value))
+
+
+def test_base_model_given_as_its_config_json_is_that_folder(exports, tmp_path, monkeypatch):
+  """`--base-model DIR/config.json` is DIR: its config is read and checked, and DIR (absolute)
+  is what adapter_config.json names; a relative folder is named absolute too."""
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  bad = _folder(tmp_path / 'bad', {**QWEN3_CONFIG, 'num_attention_heads': 8})
+  monkeypatch.chdir(tmp_path)
+  for given in (good / 'config.json', 'good/config.json', 'good', './good/'):
+    plan = export_lib.plan_peft_export(DATA / 'hf_qwen3_lora', tmp_path / 'a', model='qwen3',
+                                       alpha=3, base_model=given)
+    config = json.loads(dict(plan.other_files)[peft.CONFIG_FILE])
+    assert config['base_model_name_or_path'] == str(good), (given, config)
+  p = cli(DATA / 'hf_qwen3_lora', tmp_path / 'a', '--model', 'qwen3', *PEFT, '--base-model',
+          'good/config.json', cwd=tmp_path)
+  assert p.returncode == 0, p.stderr
+  assert json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())[
+      'base_model_name_or_path'] == str(good)
+  assert (tmp_path / 'a' / peft.ADAPTER_FILE).read_bytes() == (
+      exports['hf_qwen3_lora']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
+  said = _refused(DATA / 'hf_qwen3_lora', tmp_path / 'out', base_model=bad / 'config.json')
+  assert 'num_attention_heads' in said and str(bad / 'config.json') in said, said
+
+
+def test_base_model_path_to_anything_else_is_refused(tmp_path, monkeypatch):
+  """A path (one no Hub name looks like) to nothing, or to a file other than config.json, is
+  refused naming what is there; a Hub name is written as it is, unchecked (a note says so)."""
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  (good / 'generation_config.json').write_text('{}')
+  monkeypatch.chdir(tmp_path)
+  for given in ('./nowhere', 'nowhere/at/all', '/nowhere', 'nowhere/config.json',
+                'good/generation_config.json'):
+    said = _refused(DATA / 'hf_qwen3_lora', tmp_path / 'out', ot.InvalidOptionError,
+                    base_model=given)
+    assert said.startswith(f'--base-model {given}:') and 'found ' in said, said
+    assert 'Hub name' in said, said
+  plan = export_lib.plan_peft_export(DATA / 'hf_qwen3_lora', tmp_path / 'out', model='qwen3',
+                                     alpha=3, base_model='org/no-such-folder')
+  assert any('is no folder here' in n for n in plan.notes), plan.notes
+  config = json.loads(dict(plan.other_files)[peft.CONFIG_FILE])
+  assert config['base_model_name_or_path'] == 'org/no-such-folder'
+
+
+def _config_cases(root: pathlib.Path) -> dict[str, pathlib.Path]:
+  """A base model folder per way its config.json can be wrong."""
+  cases = {}
+  for name, text in (('not_json', '{"hidden_size": 40,'), ('a_list', '[1, 2]'),
+                     ('text_config', json.dumps({**QWEN3_CONFIG, 'text_config': [1],
+                                                 'architectures': ['X']})),
+                     ('field', json.dumps({**QWEN3_CONFIG, 'num_attention_heads': 8})),
+                     ('model_type', json.dumps({**QWEN3_CONFIG, 'model_type': 'llama'}))):
+    (root / name).mkdir(parents=True)
+    (root / name / 'config.json').write_text(text)
+    cases[name] = root / name
+  (root / 'no_config').mkdir()
+  cases['no_config'] = root / 'no_config'
+  return cases
+
+
+def test_every_base_model_config_error_names_base_model(tmp_path):
+  """--peft refuses --hf-config: its config errors say --base-model, the flag that gave it."""
+  for case, folder in _config_cases(tmp_path / 'bases').items():
+    said = _refused(DATA / 'hf_qwen3_lora', tmp_path / 'out', base_model=folder)
+    assert '--base-model' in said and '--hf-config' not in said, (case, said)
+    assert str(folder) in said, (case, said)
+  p = cli(DATA / 'hf_qwen3_lora_only', tmp_path / 'out', '--model', 'qwen3', *PEFT,
+          '--base-model', tmp_path / 'bases' / 'field')
+  assert p.returncode == 2 and '--base-model' in p.stderr, p.stderr
+  assert '--hf-config' not in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()
+
+
+def _hub_config(name: str) -> dict:
+  """The config.json of a LoRA fixture's base, as the family's Hub repos write it."""
+  base = manifest(name)['lora']['base']
+  return json.loads(json.dumps(HF_CONFIG_FULL.get(base) or {**HF_CONFIG_DIMS[base],
+                                                            **HF_CONFIG_EXTRA.get(base, {})}))
+
+
+def _alone(name: str, root: pathlib.Path) -> pathlib.Path:
+  """A LoRA fixture's adapters saved alone (as the run's adapters-only save holds them)."""
+  if name.endswith('_only'):
+    return DATA / name
+  _save_model_params(root / '3', {p: v for p, v in raw_weights(name).items()
+                                   if lora.is_adapter(p.split('/'))})
+  return root
+
+
+_ATTENTION = ('hidden_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim')
+# The config fields each LoRA fixture's adapted weights have an axis of (MANIFEST's targets:
+# attention and MLP; qwen3_moe's experts are not adapted; gemma4's global layers read
+# global_head_dim, its MoE model's global keys num_global_key_value_heads) and, as (field,
+# value, the field the message names), use_double_wide_mlp off: gemma4's kv-shared layers'
+# MLP is then intermediate_size wide, not twice that.
+IMPLIED = {
+    'hf_qwen3_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_qwen3_lora_only': (*_ATTENTION, 'intermediate_size'),
+    'hf_qwen2_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_qwen3_moe_lora': _ATTENTION,
+    'hf_gemma2_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_gemma_lora': (*_ATTENTION, 'intermediate_size'),
+    'hf_gemma4_lora': (*_ATTENTION, 'intermediate_size', 'global_head_dim',
+                       ('use_double_wide_mlp', False, 'intermediate_size')),
+    'hf_gemma4_moe_lora': (*_ATTENTION, 'intermediate_size', 'global_head_dim',
+                           'num_global_key_value_heads'),
+}
+
+
+@pytest.mark.parametrize('name', LORA_FIXTURES)
+def test_adapters_alone_are_checked_against_every_size_of_the_base_config(exports, tmp_path,
+                                                                          name):
+  """A save of adapters alone with --base-model FOLDER: the Hub's config gives the full save's
+  adapter; a config that differs in any size the adapters imply (each field, one at a time)
+  or holds fewer layers is refused, naming the field and both values."""
+  src = _alone(name, tmp_path / 'run')
+  config = _hub_config(name)
+  folder = _folder(tmp_path / 'hub', config)
+  ot.export_peft_adapter(src, tmp_path / 'a', model=family_of(name), alpha=3, base_model=folder)
+  got = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  assert sorted(got) == sorted(exports[name]['adapter'])
+  text = config.get('text_config', config)
+  changes = [(f, {f: text[f] + 1}, f, text[f] + 1) for f in IMPLIED[name]
+             if isinstance(f, str)]
+  changes += [(c[0], {c[0]: c[1]}, c[2], text[c[2]]) for c in IMPLIED[name]
+              if not isinstance(c, str)]
+  layers = text['num_hidden_layers'] - 1  # (and one entry per layer: a consistent config)
+  changes.append(('num_hidden_layers', {'num_hidden_layers': layers, **(
+      {'layer_types': text['layer_types'][:layers]} if 'layer_types' in text else {})},
+      'num_hidden_layers', layers))
+  for i, (field, change, said, shown) in enumerate(changes):
+    changed = {**text, **change}
+    bad = _folder(tmp_path / f'bad{i}', {**config, 'text_config': changed}
+                  if 'text_config' in config else changed)
+    message = _refused(src, tmp_path / 'out', model=family_of(name), base_model=bad)
+    assert any(f'{said}: config.json {verb} {shown},' in message for verb in ('has', 'gives')), (
+        field, message)
+    assert str(bad / 'config.json') in message and '--base-model' in message, message
+
+
+def _lm_head_adapted(root: pathlib.Path, alone: bool) -> pathlib.Path:
+  """hf_qwen3_lora (its own lm_head, untied) with adapters on lm_head too, saved in full or
+  its adapters alone."""
+  rng = np.random.default_rng(4)
+  weights = {**raw_weights('hf_qwen3_lora'),
+             'lm_head/w_lora_a': rng.normal(size=(40, 2)).astype(np.float32),
+             'lm_head/w_lora_b': rng.normal(size=(2, 96)).astype(np.float32)}
+  _save_model_params(root / '3', {p: v for p, v in weights.items()
+                                   if not alone or lora.is_adapter(p.split('/'))})
+  return root
+
+
+@pytest.mark.parametrize('alone', [False, True])
+def test_adapters_on_lm_head_refuse_a_tied_base_saved_in_full_or_alone(tmp_path, alone):
+  """An adapted lm_head is the model's own: a base config that ties it to the embedding is
+  refused, whether the run saved its base weights or its adapters alone (the same rule); its
+  vocabulary is checked too."""
+  src = _lm_head_adapted(tmp_path / 'run', alone)
+  good = _folder(tmp_path / 'good', QWEN3_CONFIG)
+  plan = export_lib.plan_peft_export(src, tmp_path / 'a', model='qwen3', alpha=3,
+                                     base_model=good)
+  assert 'lm_head' in ' '.join(json.loads(dict(plan.other_files)[peft.CONFIG_FILE])[
+      'target_modules'])
+  tied = _folder(tmp_path / 'tied', {**QWEN3_CONFIG, 'tie_word_embeddings': True})
+  said = _refused(src, tmp_path / 'out', base_model=tied)
+  assert 'tie_word_embeddings: config.json has True, the weights have False' in said, said
+  vocab = _folder(tmp_path / 'vocab', {**QWEN3_CONFIG, 'vocab_size': 100})
+  said = _refused(src, tmp_path / 'out', base_model=vocab)
+  assert 'vocab_size: config.json' in said and '100' in said and '96' in said, said
 
 
 def _gemma3_with_adapters(root: pathlib.Path) -> pathlib.Path:
@@ -488,24 +710,78 @@ def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, mo
   assert result.bytes_read == sum(v.nbytes for k, v in lora_flat.items() if '_lora_' in k)
 
 
-def test_config_states_ranks_and_alphas_that_differ_per_module():
-  """PEFT scales a module by its lora_alpha / r: where modules differ, rank_pattern and
-  alpha_pattern state them (keys: the modules' full names)."""
+def test_one_r_and_lora_alpha_serve_every_modules_own_scale():
+  """vLLM reads r and lora_alpha alone: r is the largest rank, lora_alpha the alpha given
+  (qwix's alpha / rank is then the largest-rank modules' scale), and B carries the ratio of
+  each other module's scale to lora_alpha / r."""
   modules = {'model.layers.0.self_attn.q_proj': (4, 0.5),
              'model.layers.1.self_attn.q_proj': (4, 0.5),
              'model.layers.0.mlp.up_proj': (8, 0.25)}  # qwix: alpha 2 over ranks 4 and 8.
-  config = peft.config(modules, 2.0, None)
-  assert (config['r'], config['lora_alpha']) == (4, 2)
-  assert config['rank_pattern'] == {'model.layers.0.mlp.up_proj': 8}
-  assert config['alpha_pattern'] == {}  # 2 / 8 is the module's scale already.
-  config = peft.config(modules, None, None)  # --lora-scale 0.5 on the rank-4 modules
-  assert (config['r'], config['lora_alpha']) == (4, 2)
-  scaled = {**modules, 'model.layers.0.mlp.up_proj': (8, 0.5)}  # --lora-scale 0.5 everywhere
-  config = peft.config(scaled, None, None)
-  assert config['alpha_pattern'] == {'model.layers.0.mlp.up_proj': 4}
-  for name, (rank, scale) in scaled.items():
-    assert config['rank_pattern'].get(name, config['r']) == rank
-    assert config['alpha_pattern'].get(name, config['lora_alpha']) / rank == scale
+  one = peft.Scaling.of(modules, 2.0)
+  assert (one.r, one.alpha) == (8, 2.0)
+  for name, (_, scale) in modules.items():
+    assert one.folds[name] * one.alpha / one.r == scale, name
+  assert one.folds['model.layers.0.mlp.up_proj'] == 1.0
+  scaled = {n: (rank, 0.5) for n, (rank, _) in modules.items()}  # --lora-scale 0.5
+  one = peft.Scaling.of(scaled, None)
+  assert (one.r, one.alpha, set(one.folds.values())) == (8, 4.0, {1.0})
+  config = peft.config(modules, one, None)
+  assert (config['r'], config['lora_alpha']) == (8, 4)
+  assert config['rank_pattern'] == config['alpha_pattern'] == {}
+  assert config['target_modules'] == sorted(modules)
+  assert peft.Scaling.of({'m': (2, 0.0)}, 0.0) == peft.Scaling(2, 0.0, {'m': 1.0})
+
+
+def _mixed_ranks(root: pathlib.Path) -> pathlib.Path:
+  """hf_qwen3 (saved in full) with qwix's adapters of three ranks on some layers only: q_proj
+  of layer 0 (rank 4), up_proj of both layers (rank 2), o_proj of layer 1 (rank 8)."""
+  rng = np.random.default_rng(5)
+  shapes = {'layers/0/attn/q_proj/w': ((40, 4), (4, 4, 12)),
+            'layers/0/mlp/up_proj/kernel': ((40, 2), (2, 56)),
+            'layers/1/mlp/up_proj/kernel': ((40, 2), (2, 56)),
+            'layers/1/attn/o_proj/w': ((4, 12, 8), (8, 40))}
+  extra = {}
+  for weight, (a, b) in shapes.items():
+    extra[weight + '_lora_a'] = (rng.normal(size=a) / 4).astype(np.float32)
+    extra[weight + '_lora_b'] = (rng.normal(size=b) / 4).astype(np.float32)
+  return _with('hf_qwen3', extra, root)
+
+
+MIXED_RANKS = {'model.layers.0.self_attn.q_proj': 4, 'model.layers.0.mlp.up_proj': 2,
+               'model.layers.1.mlp.up_proj': 2, 'model.layers.1.self_attn.o_proj': 8}
+
+
+@pytest.mark.parametrize('scaling', [{'alpha': 6}, {'scale': 0.5}])
+def test_mixed_ranks_are_served_at_their_own_scale_under_one_r(tmp_path, scaling):
+  """Ranks 2, 4 and 8 under one alpha (scales 3, 1.5, 0.75): one r (8: lower ranks padded with
+  zeros), one lora_alpha, no rank_pattern or alpha_pattern (vLLM reads neither), and
+  W + (lora_alpha / r)·B·A, as vLLM computes it, is the merged export for every module; the
+  adapter targets exactly the adapted modules (layer 1's q_proj is not one)."""
+  run = _mixed_ranks(tmp_path / 'run')
+  ot.export_to_hf(run, tmp_path / 'base', model='qwen3', base_only=True)
+  merge = {'lora_alpha': scaling['alpha']} if 'alpha' in scaling else {
+      'lora_scale': scaling['scale']}
+  ot.export_to_hf(run, tmp_path / 'merged', model='qwen3', merge_lora=True, **merge)
+  plan = export_lib.plan_peft_export(run, tmp_path / 'a', model='qwen3', **scaling)
+  export_lib.run_export(plan)
+  config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
+  assert config['r'] == 8 and config['rank_pattern'] == config['alpha_pattern'] == {}, config
+  assert config['lora_alpha'] == (6 if 'alpha' in scaling else 4), config
+  assert config['target_modules'] == sorted(MIXED_RANKS), config
+  base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
+  adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
+  changed = {k[:-len('.weight')] for k, w in merged.items() if not np.array_equal(w, base[k])}
+  assert changed == set(MIXED_RANKS), changed
+  scale = config['lora_alpha'] / config['r']
+  for m, rank in MIXED_RANKS.items():
+    a, b = adapter[f'{PREFIX}{m}.lora_A.weight'], adapter[f'{PREFIX}{m}.lora_B.weight']
+    assert a.shape[0] == b.shape[1] == 8, (m, a.shape, b.shape)
+    assert not a[rank:].any() and not b[:, rank:].any(), m  # padding: zeros
+    got = base[f'{m}.weight'] + scale * (b.astype(np.float64) @ a)
+    np.testing.assert_allclose(got, merged[f'{m}.weight'], rtol=0, atol=2e-6, err_msg=m)
+  said = '\n'.join(plan.notes)
+  assert 'ranks differ (2, 4 and 8)' in said and '--max-lora-rank' in said, said
+  assert ('lora_B carries' in said) == ('alpha' in scaling), said
 
 
 # qwix's adapters of Tunix Gemma's einsums, as `_parse_einsum_str_for_lora` shapes them: `a` the
@@ -772,3 +1048,31 @@ def test_maxtext_axes_are_the_dims_read_the_other_way(model):
         assert fields[axis] == field, (pattern, axis, fields)
         checked += 1
   assert checked >= 3, naming.dims  # heads and head_dim (query), kv heads (key)
+
+
+@pytest.mark.parametrize(('source', 'axis', 'said'), [
+    ('scanned', '0', ('stacked along axis 1', 'param_scan_axis=0', '--param-scan-axis 1')),
+    ('scanned_alone', '0', ('stacked along axis 1', 'param_scan_axis=0', '--param-scan-axis 1')),
+    ('hf_qwen3_lora', '1', ('--param-scan-axis 1', 'no stacked layers')),
+])
+def test_peft_resolves_the_layer_axis_as_the_model_export(tmp_path, source, axis, said):
+  """--param-scan-axis is resolved by the model export's own function: an axis along which the
+  layers are not stacked, or one given for weights that stack none, is refused with the model
+  export's message (not 'pick the family', not accepted silently)."""
+  from tests import test_export_maxtext as mt
+  if source.startswith('scanned'):
+    run, _ = _maxtext_lora_run('qwen3', 'scanned')
+    alone = source == 'scanned_alone'
+    src = mt.save_tunix_run(tmp_path / 'run', {k: v for k, v in run.items()
+                                               if '_lora_' in k or not alone})
+    base = ('--base-model', mt.hf_config(tmp_path / 'base', 'qwen3')) if alone else ()
+  else:
+    src, base = DATA / source, ()
+  p = cli(src, tmp_path / 'out', '--model', 'qwen3', *PEFT, *base, '--param-scan-axis', axis)
+  assert p.returncode == 2, p.stderr
+  assert all(w in p.stderr for w in said) and '--model' not in p.stderr, p.stderr
+  if source != 'scanned_alone':  # The model export of the same weights says the same.
+    m = cli(src, tmp_path / 'out', '--model', 'qwen3', '--base-only', '--param-scan-axis', axis)
+    assert m.returncode == 2 and m.stderr.splitlines()[0] == p.stderr.splitlines()[0], (
+        m.stderr, p.stderr)
+  assert not (tmp_path / 'out').exists()

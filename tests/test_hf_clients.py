@@ -104,6 +104,21 @@ HUB_CONFIGS = {
     'hf_gemma3': {**HF_CONFIG_DIMS['hf_gemma3'], **_GEMMA3},
     'hf_gemma3_fused': {**HF_CONFIG_DIMS['hf_gemma3_fused'], **_GEMMA3},
 }
+# Gemma 4 as the Hub's are, with its vision and audio towers (tiny): their linear layers are
+# Gemma4ClippableLinear modules named as the text model's (q_proj, gate_proj, ...), which PEFT
+# cannot adapt: an adapter must name the text model's modules alone.
+GEMMA4_TOWERS = {
+    'vision_config': {'model_type': 'gemma4_vision', 'hidden_size': 16, 'intermediate_size': 24,
+                      'num_hidden_layers': 1, 'num_attention_heads': 2,
+                      'num_key_value_heads': 2, 'head_dim': 8, 'patch_size': 4,
+                      'position_embedding_size': 64, 'pooling_kernel_size': 2},
+    'audio_config': {'model_type': 'gemma4_audio', 'hidden_size': 16, 'num_hidden_layers': 1,
+                     'num_attention_heads': 2, 'subsampling_conv_channels': [8, 4],
+                     'output_proj_dims': 16, 'conv_kernel_size': 3},
+}
+# A LoRA run (tests/test_export_peft.py `_mixed_ranks`: hf_qwen3's weights, adapters of ranks 2,
+# 4 and 8, some layers only) and its qwix alpha.
+MIXED_ALPHA = 6
 HF_CLASSES = {  # fixture -> the class AutoModelForCausalLM must build
     'hf_qwen3': 'Qwen3ForCausalLM', 'hf_llama3': 'LlamaForCausalLM',
     'hf_gemma3': 'Gemma3ForCausalLM', 'hf_gemma3_fused': 'Gemma3ForCausalLM',
@@ -214,6 +229,19 @@ def hf(hf_python, tmp_path_factory):
          str(lora['alpha']), '--hf-config', config,
          *(['--base', str(DATA / lora['base'])] if only else []))
 
+  # Issue 46: mixed ranks and some layers only (served as vLLM reads the config), and
+  # Gemma 4's adapter on a base with its vision and audio towers.
+  from tests.test_export_peft import _mixed_ranks
+  mixed = _mixed_ranks(work / 'mixed_run')
+  plan('peft_mixed', mixed, '--model', 'qwen3', '--peft', '--lora-alpha', str(MIXED_ALPHA),
+       '--base-model', 'tiny/hf_qwen3')
+  plan('merged_mixed', mixed, '--model', 'qwen3', '--merge-lora', '--lora-alpha',
+       str(MIXED_ALPHA), '--hf-config', str(configs / 'hf_qwen3'))
+  towers = _write_config(configs / 'hf_gemma4_towers', {**HUB_CONFIGS['hf_gemma4'],
+                                                        **GEMMA4_TOWERS})
+  plan('towers_hf_gemma4_lora', 'hf_gemma4_lora', '--model', 'gemma4', '--base-only',
+       '--hf-config', str(towers))
+
   after: dict[str | None, list[tuple[clients.Worker, dict]]] = {}
 
   def job(worker, needs, **kw):
@@ -249,6 +277,15 @@ def hf(hf_python, tmp_path_factory):
       job(hf_worker, (base,), id=f'load_base_{name}', job='load', dir=dir_of(base), tokens=tokens)
     job(hf_worker, (f'merged_{name}',), id=f'load_merged_{name}', job='load',
         dir=dir_of(f'merged_{name}'), tokens=tokens)
+
+  job(hf_worker, ('full_hf_qwen3', 'peft_mixed'), id='peft_mixed', job='peft',
+      base=dir_of('full_hf_qwen3'), adapter=dir_of('peft_mixed'),
+      tokens=manifest('hf_qwen3')['tokens'], as_vllm=True)
+  job(hf_worker, ('merged_mixed',), id='load_merged_mixed', job='load',
+      dir=dir_of('merged_mixed'), tokens=manifest('hf_qwen3')['tokens'])
+  job(hf_worker, ('towers_hf_gemma4_lora', 'peft_hf_gemma4_lora'), id='peft_towers', job='peft',
+      base=dir_of('towers_hf_gemma4_lora'), adapter=dir_of('peft_hf_gemma4_lora'),
+      tokens=manifest('hf_gemma4_lora')['tokens'])
 
   def send(key):
     for worker, kw in after.pop(key, []):
@@ -472,9 +509,10 @@ def test_b_adapter_meets_vllm_rules(hf, name):
   adapter = safetensors_names(folder)
   r = cfg['r']
   targets = cfg['target_modules']
-  targets = [targets] if isinstance(targets, str) else targets
-  for t in targets:  # a suffix of some base module's name
-    assert any(n.removesuffix('.weight').split('.')[-1] == t for n in base), (t, sorted(base))
+  assert isinstance(targets, list), targets
+  assert not cfg.get('rank_pattern') and not cfg.get('alpha_pattern'), cfg  # vLLM reads neither
+  for t in targets:  # a module of the base, by its full name
+    assert f'{t}.weight' in base, (t, sorted(base))
   modules = {}
   for n, shape in adapter.items():
     assert n.startswith('base_model.model.'), n
@@ -486,7 +524,46 @@ def test_b_adapter_meets_vllm_rules(hf, name):
     assert f'{module}.weight' in base, f'{module}: no such module in the base'
     out_dim, in_dim = base[f'{module}.weight']
     assert parts['A'] == (r, in_dim) and parts['B'] == (out_dim, r), (module, parts)
-    assert module.split('.')[-1] in targets, (module, targets)
+  assert sorted(modules) == sorted(targets), sorted(set(modules) ^ set(targets))
+
+
+def test_b_mixed_ranks_on_some_layers_are_served_as_trained(hf):
+  """Ranks 2, 4 and 8 on some layers only, the config read as vLLM reads it (r and lora_alpha
+  alone): every module, and no other, is wrapped (layer 1's q_proj is not), no adapter key is
+  missing or left over, and the PeftModel's logits are the --merge-lora export's."""
+  from tests.test_export_peft import MIXED_RANKS
+  r = hf.hf_result('peft_mixed', 'peft_mixed', 'full_hf_qwen3')
+  assert_clean_load(r, 'full_hf_qwen3')
+  assert r['adapter_missing_keys'] == [] and r['adapter_unexpected_keys'] == [], r
+  wrapped = {n.removeprefix('base_model.model.') for n in r['lora_modules']}
+  assert wrapped == set(MIXED_RANKS), sorted(wrapped ^ set(MIXED_RANKS))
+  cfg = r['adapter_config']
+  assert (cfg['r'], cfg['lora_alpha']) == (8, MIXED_ALPHA), cfg
+  assert not cfg.get('rank_pattern') and not cfg.get('alpha_pattern'), cfg
+  assert_clean_load(hf.hf_result('load_merged_mixed', 'merged_mixed'), 'merged_mixed')
+  want = hf.arrays(hf.hf, 'load_merged_mixed')['logits']
+  got = hf.arrays(hf.hf, 'peft_mixed')
+  assert max_diff(want, hf.arrays(hf.hf, 'load_full_hf_qwen3')['logits']) > 0.1, (
+      'the adapters hardly move the logits')
+  assert_logits_close(got['logits'], want, 'PeftModel of the mixed ranks, as vLLM reads it')
+  assert_logits_close(got['merged_logits'], want, 'merge_and_unload of the mixed ranks')
+
+
+def test_b_gemma4_adapter_loads_onto_a_gemma4_with_vision_and_audio_towers(hf):
+  """The towers' linear layers share the text model's module names (q_proj, gate_proj, ...)
+  and are Gemma4ClippableLinear, which PEFT refuses to adapt: the adapter names the text
+  model's modules in full, so PEFT wraps exactly those, and computes the Tunix LoRA model."""
+  r = hf.hf_result('peft_towers', 'towers_hf_gemma4_lora', 'peft_hf_gemma4_lora')
+  missing = r['loading_info']['missing_keys']
+  assert missing and all('vision' in k or 'audio' in k for k in missing), missing  # towers
+  assert r['adapter_missing_keys'] == [] and r['adapter_unexpected_keys'] == [], r
+  wrapped = {n.removeprefix('base_model.model.') for n in r['lora_modules']}
+  in_file = {n.removeprefix('base_model.model.').rsplit('.lora_', 1)[0]
+             for n in safetensors_names(hf.exported('peft_hf_gemma4_lora'))}
+  assert wrapped == in_file, sorted(wrapped ^ in_file)
+  assert all(n.startswith('model.language_model.') for n in wrapped), sorted(wrapped)
+  got = hf.arrays(hf.hf, 'peft_towers')
+  assert_logits_close(got['logits'], hf.reference('hf_gemma4_lora'), 'PeftModel with towers')
 
 
 # --------------------------------------------------------------------------- #

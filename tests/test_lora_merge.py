@@ -475,7 +475,31 @@ def test_adapters_are_not_merged_twice(runs, mesh, tmp_path, capsys, monkeypatch
     assert f'records the adapters of {root / "only" / "1"} merged into already' in err, err
     assert 'add them twice' in err and '--base' in err, err
     assert not dst.exists()
+  # The same adapters, however their path is spelled: through a link, with `..`.
+  (tmp_path / 'link').symlink_to(root / 'only')
+  for spelled in (tmp_path / 'link', root / 'base' / '..' / 'only'):
+    dst = tmp_path / 'twice_again' / '1'
+    status, _, err = run(capsys, 'convert', spelled, dst, '--merge-lora', '--lora-alpha',
+                         str(lm.ALPHA), '--base', merged)
+    assert status == 2, err
+    assert f'records the adapters of {root / "only" / "1"} (here {spelled / "1"})' in err, err
+    assert not dst.exists()
   forbid_reads(monkeypatch)
   with pytest.raises(ot.LoraError, match='add them twice'):
     ot.restore_merged_lora(root / 'only', abstract_weights('qwix', mesh), alpha=lm.ALPHA,
                            base=relaid)
+
+
+def test_a_place_is_one_however_it_is_spelled(tmp_path):
+  """What the merged-twice check compares: links followed, `.` and `..` taken out, a bucket's
+  URL normalized; other places differ."""
+  from orbax_tunix.store import fileio
+  (tmp_path / 'a' / 'b').mkdir(parents=True)
+  (tmp_path / 'l').symlink_to(tmp_path / 'a')
+  for same in (tmp_path / 'l' / 'b', f'{tmp_path}/a/./b/', tmp_path / 'a' / 'x' / '..' / 'b'):
+    assert fileio.same_place(same, tmp_path / 'a' / 'b'), same
+  assert not fileio.same_place(tmp_path / 'a', tmp_path / 'a' / 'b')
+  for same in ('gs://bkt/runs//lora/./1/', 'gs://bkt/runs/x/../lora/1'):
+    assert fileio.same_place(same, 'gs://bkt/runs/lora/1'), same
+  assert not fileio.same_place('gs://bkt/runs/lora/1', 'gs://other/runs/lora/1')
+  assert not fileio.same_place('gs://bkt/runs/lora/1', tmp_path / 'runs' / 'lora' / '1')

@@ -18,6 +18,7 @@ import numpy as np
 
 from orbax_tunix.keypaths import Path, fmt, natural_key, nest
 from orbax_tunix.mapping import huggingface
+from orbax_tunix.mapping import lora as lora_lib
 from orbax_tunix.reading import reader
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import inspection
@@ -383,7 +384,7 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
             ('rank', ', '.join(str(r) for r in lora.ranks) or '-'),
             ('adapted', f'{len(lora.targets)} weights ({lora.num_leaves} leaves, {format_bytes(lora.nbytes)})'),
             ('base weights', 'saved too' if lora.base_weights else 'not saved (adapters only)'),
-            ('export', _lora_uses(lora.base_weights, lora.targets)),
+            ('export', _lora_uses(lora)),
         ]
     )
     for target, rank in _fold_targets(lora.targets, lora.target_ranks, collapse):
@@ -429,24 +430,28 @@ def _scalar_text(value: Any) -> str:
   return str(value)
 
 
-# What a LoRA save is good for, by whether its base weights are saved too (`inspect`).
+# What a LoRA save is good for, by whether its base weights are saved too (`inspect`); `{alpha}`
+# is the scaling flag qwix's adapters need (flax's have no alpha: none).
 LORA_USES = {
-    True: 'export --peft --lora-alpha A (a PEFT adapter) and --base-only (its base model), or'
-          ' export/convert --merge-lora --lora-alpha A (the merged model)',
-    False: 'export --peft --lora-alpha A (a PEFT adapter of the base the run started from), or'
-           ' export/convert --merge-lora --lora-alpha A --base BASE (the merged model)',
+    True: 'export --peft{alpha} (a PEFT adapter) and --base-only (its base model), or'
+          ' export/convert --merge-lora{alpha} (the merged model)',
+    False: 'export --peft{alpha} (a PEFT adapter of the base the run started from), or'
+           ' export/convert --merge-lora{alpha} --base BASE (the merged model)',
 }
 
 
-def _lora_uses(base_weights: bool, targets: Sequence[str]) -> str:
-  """`LORA_USES`: a MaxText model's adapters alone take their kernels' shapes from the base
-  model's config (qwix flattened them), so --peft needs --base-model FOLDER there."""
-  uses = LORA_USES[base_weights]
-  maxtext = huggingface.source_kind([tuple(t.split('/')) for t in targets]) == huggingface.MAXTEXT_MODEL
-  if base_weights or not maxtext:
+def _lora_uses(lora: inspection.LoraReport) -> str:
+  """`LORA_USES` for these adapters: `--lora-alpha A` unless every one is flax's (which
+  have no alpha: the merge and --peft refuse one); a MaxText model's adapters alone take
+  their kernels' shapes from the base model's config (qwix flattened them), so --peft needs
+  --base-model FOLDER there."""
+  alpha = '' if lora.style == lora_lib.FLAX else ' --lora-alpha A'
+  uses = LORA_USES[lora.base_weights].format(alpha=alpha)
+  targets = [tuple(t.split('/')) for t in lora.targets]
+  if lora.base_weights or huggingface.source_kind(targets) != huggingface.MAXTEXT_MODEL:
     return uses
-  return uses.replace('--lora-alpha A (a PEFT adapter',
-                      '--lora-alpha A --base-model FOLDER (a PEFT adapter', 1)
+  return uses.replace(f'--peft{alpha} (a PEFT adapter', f'--peft{alpha} --base-model FOLDER'
+                      ' (a PEFT adapter', 1)
 
 
 def _fold_targets(targets: Sequence[str], ranks: Sequence[int], collapse: bool

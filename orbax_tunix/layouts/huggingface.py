@@ -257,12 +257,13 @@ def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
   )
 
 
-_CONFIG_REMEDY = ('Fix the file, or pass as `hf_config` the folder of the model this run was'
-                  ' trained from.')
+def _base_config(hf_config: epath.Path | None,
+                 option: str = huggingface.CONFIG_OPTION) -> object:
+  """The base model folder's config.json, parsed (read once per export); None without one.
 
-
-def _base_config(hf_config: epath.Path | None) -> object:
-  """The `hf_config` folder's config.json, parsed (read once per export); None without one.
+  Args:
+    hf_config: the folder (`hf_config`, or a PEFT adapter's `base_model`).
+    option: the option that gave it, for messages.
 
   Raises:
     InvalidOptionError: not a folder holding a config.json file, or one that does not parse.
@@ -274,10 +275,12 @@ def _base_config(hf_config: epath.Path | None) -> object:
                   else (hf_config, fileio.what_is_at(hf_config)))
   if found != 'a file' or where != config:
     raise errors.InvalidOptionError(
-        f'{where}: `hf_config` must be a Hugging Face model folder holding config.json (a'
+        f'{where}: `{option}` must be a Hugging Face model folder holding config.json (a'
         f' file), or that config.json, found {found}. Pass the base model\'s folder.'
     )
-  return fileio.read_json(config, 'a Hugging Face config.json', _CONFIG_REMEDY)
+  return fileio.read_json(config, 'a Hugging Face config.json',
+                          f'Fix the file, or pass as `{option}` the folder of the model this'
+                          ' run was trained from.')
 
 
 def _config_files(

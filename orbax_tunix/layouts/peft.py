@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 
 from etils import epath
@@ -123,31 +124,38 @@ def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
 
 def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
   """The `base_model` folder and its config.json as read (once for the whole layout), or
-  None: no base model, or a Hub name (as transformers takes it: a folder if there is one)."""
+  None: no base model, or a Hub name (`_name_or_path` told them apart)."""
   if base_model is None:
     return None
   folder = fileio.as_path(base_model)
-  return (folder, hf_layouts._base_config(folder)) if folder.is_dir() else None
+  return (folder, hf_layouts._base_config(folder, BASE_MODEL.name)) if folder.is_dir() else None
+
+
+def _text_config(base_folder: tuple[epath.Path, object] | None) -> Mapping[str, object] | None:
+  """The text model's config fields of the `base_model` folder's config.json (a multimodal
+  one's `text_config`), or None: no folder, or no JSON object (`_names_for_base` refuses it,
+  naming what it is)."""
+  values = None if base_folder is None else base_folder[1]
+  text = values.get('text_config', values) if isinstance(values, dict) else None
+  return text if isinstance(text, dict) else None
 
 
 def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
                  adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
                  base_folder: tuple[epath.Path, object] | None, axis: int, where: str
-                 ) -> tuple[dict[Path, tuple[int, ...]], Mapping[str, object] | None]:
-  """For a save of adapters alone: each adapted weight's stored shape, as the `base_model`
-  folder's config.json gives it (the naming's `axes`), and the text model's config fields
-  it read; ({}, None) without a folder or `axes`.
+                 ) -> dict[Path, tuple[int, ...]]:
+  """For a save of adapters alone whose adapters do not tell their weights' shapes (qwix
+  flattened them: `Naming.lora_flattened`): each adapted weight's stored shape, as the
+  `base_model` folder's config.json gives it (the naming's `axes`); {} without a folder.
 
   Raises:
     UnsupportedLayoutError: a config whose fields do not fit the adapters (every weight
       named, with the field, what the adapters expect and what the config has).
   """
-  if not naming.axes or base_folder is None:
-    return {}, None
-  folder, values = base_folder
-  text = values.get('text_config', values) if isinstance(values, dict) else None
-  if not isinstance(text, dict):
-    return {}, None  # _names_for_base refuses it, naming what it is.
+  text = _text_config(base_folder)
+  if not naming.lora_flattened or text is None:
+    return {}
+  folder = base_folder[0]
   found = {w: _told_shape(naming, w, leaves[a.a].shape, leaves[a.b].shape, text, axis, where)
            for w, a in sorted(adapters.items())}
   problems = [f for f in found.values() if isinstance(f, str)]
@@ -158,7 +166,7 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
         f' ({family.name}; the save holds no base weight, so their shapes come from it):\n'
         f'{errors.list_paths(problems)}\nPass as `base_model` the folder of the model this run'
         ' was trained from.')
-  return told, text
+  return told
 
 
 def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: Path, name: str
@@ -175,10 +183,6 @@ def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: 
   return None
 
 
-# What a save of adapters alone cannot tell of the model (its other layers, its lm_head).
-_UNTOLD = ('num_hidden_layers', 'tie_word_embeddings')
-
-
 def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
                     base_model: str | None, base_folder: tuple[epath.Path, object] | None,
                     shapes: Mapping[Path, tuple[int, ...]], full: bool, where: str
@@ -186,9 +190,11 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
   """The modules' names as the base model's class holds them, and notes.
 
   A `base_model` folder's config.json is checked against the weights as a model export
-  checks it (a save of adapters alone: the dimensions they tell, and a layer count that
-  holds them); a multimodal class (Gemma3ForConditionalGeneration) holds the text model's
-  modules deeper (`Family.text_prefixes`). A Hub name is not checked.
+  checks it; a save of adapters alone by the same rules, for what its adapters tell: every
+  size of every adapted weight (`huggingface.check_sizes`), a layer count that holds them,
+  and an lm_head of its own (an adapted lm_head: a tied base is refused, as for the full
+  save). A multimodal class (Gemma3ForConditionalGeneration) holds the text model's modules
+  deeper (`Family.text_prefixes`). A Hub name is not checked.
 
   Raises:
     InvalidOptionError, UnsupportedLayoutError: a folder whose config.json is not one, or
@@ -203,19 +209,23 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
     return same, [f'base model {base_model!r} is no folder here: its config is not checked']
   folder, values = base_folder
   config = str(folder / 'config.json')
-  try:
-    huggingface.check_config(family, values, shapes, config, skip=() if full else _UNTOLD)
-  except errors.UnsupportedLayoutError as e:
-    raise errors.UnsupportedLayoutError(
-        f'{e}\n(The config is that of `base_model` {base_model}.)') from e
-  text = values.get('text_config', values) if isinstance(values, dict) else {}
+  # What adapters alone cannot tell: the layer count; whether the model ties its lm_head to
+  # the embedding, unless they adapt an lm_head of its own (the model then has one).
+  untold = () if full else ('num_hidden_layers',) + (
+      () if naming.tied is not None and not naming.tied(shapes) else ('tie_word_embeddings',))
+  huggingface.check_config(family, values, shapes, config, skip=untold, option=BASE_MODEL.name)
+  text = _text_config(base_folder) or {}
   layers = [int(i) for i in naming.layers(shapes)]
-  count = text.get('num_hidden_layers') if isinstance(text, dict) else None
+  count = text.get('num_hidden_layers')
+  wrong = [] if full else huggingface.check_sizes(naming, shapes, text)
   if not full and isinstance(count, int) and layers and max(layers) >= count:
+    wrong.append(f'num_hidden_layers: config.json has {count}, the adapters are on layer'
+                 f' {max(layers)}')
+  if wrong:
     raise errors.UnsupportedLayoutError(
-        f'{config}: config.json does not describe these weights ({family.name}):'
-        f' num_hidden_layers {count}, the adapters are on layer {max(layers)}. Pass as'
-        ' `base_model` the model this run was trained from.')
+        f'{config}: config.json does not describe these adapters ({family.name}; the save'
+        f' holds no base weight, the adapters tell these sizes):\n{errors.list_paths(wrong)}'
+        '\nPass as `base_model` the folder of the model this run was trained from.')
   archs = values.get('architectures') if isinstance(values, dict) else None
   own = family.target_of(naming)[0]
   have, want = family.text_prefixes.get(own), family.text_prefixes.get(
@@ -232,7 +242,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
 
   Raises:
     LoraError: no adapters; a merge asked for; no alpha or scale for qwix
-      adapters; adapters no PEFT adapter expresses (each named).
+      adapters, or one for flax's alone (which have none); adapters no PEFT adapter
+      expresses (each named).
     UnsupportedLayoutError: adapted weights that are not the family's.
   """
   source = request.source
@@ -250,18 +261,25 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         f'{where}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or lora_a/lora_b'
         ' from flax), found none among its weights: the run is no LoRA run. Export its'
         ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
+  # The merge's rules (`plan_merge`): flax's adapters have no alpha (an alpha or scale given
+  # for them would be served, by PEFT's lora_alpha / r, where the run added a·b unscaled).
+  lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
   scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
             for w, a in adapters.items()}
   naming = family.naming(list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
-  axis = stacks.DEFAULT_AXIS if request.param_scan_axis is None else request.param_scan_axis
+  # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
+  # refused where it does not fit, or where nothing is stacked), from the model's weights (a
+  # save of adapters alone: the adapters, stacked as their weights are).
+  axis = hf_layouts._scan_axis(
+      request, {p: leaf.shape for p, leaf in (base or leaves).items()}, where)
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
     hf_layouts._family_rules(family, naming, model_shapes, where)
   base_folder = _base_folder(request.base_model)
-  told, text = ({}, None) if base else _told_shapes(
-      family, naming, adapters, leaves, base_folder, axis, where)
+  text = _text_config(base_folder)
+  told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
   found = {w: _arrangement(naming, w, a, leaves, base, told)
            for w, a in sorted(adapters.items())}
   problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
@@ -292,7 +310,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   # else as far as the base model's config says.
   has = ((lambda p: p in model_shapes) if base else
          None if text is None else functools.partial(naming.has, config=text))
-  outputs: list[Output] = []
+  planned: dict[str, tuple[peft.Factors, lora.Adapter]] = {}
   modules: dict[str, tuple[int, float]] = {}
   said: dict[str, list[str]] = {}
   for dest, m in sorted(mapped.outputs.items()):
@@ -301,20 +319,31 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     (weight,) = layer.sources
     adapter = adapters[weight]
     name = dest[0]
-    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
     factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
-        arranged[weight], chain(layer.transform, m.transform), a_leaf.shape, b_leaf.shape)
+        arranged[weight], chain(layer.transform, m.transform), leaves[adapter.a].shape,
+        leaves[adapter.b].shape)
     if isinstance(factors, str):
       problems.append(f'{fmt(weight)} -> {name}: {factors}')
       continue
     module = rename(name[:-len(peft.WEIGHT)])
+    planned[module] = (factors, adapter)
     modules[module] = (adapter.rank, scales[weight])
     note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
     if note:
       said.setdefault(note, []).append(module)
+  if problems:
+    raise errors.LoraError(
+        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
+        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
+        ' than the run trained. Export the weights with the adapters merged instead:'
+        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
+  one = peft.Scaling.of(modules, scaling.alpha)
+  outputs: list[Output] = []
+  for module, (factors, adapter) in planned.items():
+    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
     a_name, b_name = peft.tensor_names(module)
-    a_transform = peft.lora_a(factors, adapter.rank)
-    b_transform = peft.lora_b(factors, adapter.rank)
+    a_transform = peft.lora_a(factors, adapter.rank, one.r)
+    b_transform = peft.lora_b(factors, adapter.rank, one.r, one.folds[module])
     outputs += [
         Output((a_name,), (Input(source, a_leaf),), a_transform,
                a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
@@ -323,22 +352,20 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                # Scaled: read as stored, the product in float32, one cast after it.
                read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
     ]
-  if problems:
-    raise errors.LoraError(
-        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
-        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
-        ' than the run trained. Export the weights with the adapters merged instead:'
-        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
-  alpha = scaling.alpha
-  config = peft.config(modules, None if alpha is None else float(alpha), request.base_model)
+  config = peft.config(modules, one, request.base_model)
   stored = {p: leaf.shape for p, leaf in leaves.items()}
+  kinds = sorted({m.rsplit('.', 1)[-1] for m in modules})
+  # What whoever serves the adapter should know: said here and in the folder's README.md.
+  readme = [*_scaling_notes(modules, one), *filter(None, [_qlora_note(adapters, base)])]
   notes = [
       *left_out,
       *config_notes,
       *(note.format(module=', '.join(names)) for note, names in said.items()),
+      *readme,
       f'adapters of {len(arranged)} weights as {len(modules)} PEFT modules'
-      f' ({", ".join(config["target_modules"])}; r={config["r"]},'
-      f' lora_alpha={config["lora_alpha"]}); read: {2 * len(adapters)} adapter arrays,'
+      f' ({", ".join(kinds)}; r={config["r"]}, lora_alpha={config["lora_alpha"]};'
+      ' target_modules names each module in full: PEFT adapts those alone); read:'
+      f' {2 * len(adapters)} adapter arrays,'
       f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
       ' base weight',
       f'weights: {huggingface.describe_source(stored)}',
@@ -346,10 +373,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   if request.base_model is None:
     notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
                  ' (`base_model`) or load the adapter onto it by name')
-  qlora = _qlora_note(adapters, base)
-  readme = [qlora] if qlora else []
   return LaidOut(
-      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes + readme),
+      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
       files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),
              *((peft.README_FILE, peft.readme(readme)),) * bool(readme)),
       summary={'model': family.name, 'architecture': family.target_of(naming)[0],
@@ -373,6 +398,33 @@ def _qlora_note(adapters: Mapping[Path, lora.Adapter], base: Mapping[Path, reade
           ' model; on the dequantized base (`export --base-only` of the run) exactly it.')
 
 
+def _scaling_notes(modules: Mapping[str, tuple[int, float]], one: peft.Scaling) -> list[str]:
+  """What `peft.Scaling` did, where it did anything: lower ranks padded to `r`, trained
+  scales carried by `B` (every module's, by module count)."""
+  notes = []
+  low = sorted({rank for rank, _ in modules.values() if rank < one.r})
+  if low:
+    count = sum(rank < one.r for rank, _ in modules.values())
+    notes.append(
+        f'ranks differ ({", ".join(map(str, low))} and {one.r}): every module is written at'
+        f' r={one.r}, the {count} of lower rank with zeros appended to lora_A and lora_B (B·A'
+        ' unchanged; zero rows and columns stay zero if trained on), so that vLLM, which'
+        ' reads r alone (not rank_pattern), checks --max-lora-rank against the largest')
+  folded: dict[float, list[str]] = {}
+  for module, fold in one.folds.items():
+    if fold != 1.0:
+      folded.setdefault(fold, []).append(module)
+  if folded:
+    scale = one.alpha / one.r
+    notes.append(
+        f'trained scales differ: every module is served at lora_alpha / r = {scale:g} (vLLM'
+        ' reads no alpha_pattern), so lora_B carries the rest: '
+        + '; '.join(f'x{fold:g} in {len(names)} modules (scale {fold * scale:g}; e.g.'
+                    f' {names[0]})' for fold, names in sorted(folded.items()))
+        + ': peft and vLLM serve each module the update the run trained')
+  return notes
+
+
 def _not_text(text: str) -> None:
   raise ValueError(f'{text!r}: no flag gives the scaling as one text')
 
@@ -389,13 +441,40 @@ def _scaling(value: object) -> merge_lib.Options:
 # qwix's LoRA alpha (PEFT's `lora_alpha`), or the scale itself (alpha / rank).
 ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
                          coerce=_scaling)
+# A Hugging Face Hub repository id as huggingface_hub validates one: `name` or `org/name`, of
+# letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', without
+# '--' or '..', at most 96 characters.
+_HUB_NAME = re.compile(r'(?!.*(--|\.\.))[A-Za-z0-9_]([\w.-]*\w)?(/[A-Za-z0-9_]([\w.-]*\w)?)?')
+
+
 def _name_or_path(value: object) -> str:
-  """A base model's Hub name or folder (a path-like's text), as the config names it."""
-  if isinstance(value, str | os.PathLike):
-    return os.fspath(value)
-  raise errors.InvalidOptionError(
-      f'`base_model` {value!r}: expected a Hugging Face Hub name or a folder (a string or a'
-      ' path).')
+  """A base model as its adapter_config.json names it: a folder here (a path to one, or to
+  its config.json: the folder, absolute), else a Hub name (as transformers takes it: a folder
+  first).
+
+  Raises:
+    InvalidOptionError: not a string or path; a path to anything but such a folder or its
+      config.json, or to nothing when it cannot be a Hub name (`./x`, `/x`, `a/b/c`,
+      `x/config.json`).
+  """
+  if not isinstance(value, str | os.PathLike):
+    raise errors.InvalidOptionError(
+        f'`base_model` {value!r}: expected a Hugging Face Hub name or a folder (a string or a'
+        ' path).')
+  text = os.fspath(value)
+  path = fileio.as_path(text)
+  found = fileio.what_is_at(path)
+  if (found == 'nothing' and fileio.is_local(path) and len(text) <= 96
+      and _HUB_NAME.fullmatch(text) and path.name != hf_layouts.CONFIG_FILES[0]):
+    return text
+  if found == 'a file' and path.name == hf_layouts.CONFIG_FILES[0]:
+    path, found = path.parent, 'a directory'
+  if found != 'a directory':
+    raise errors.InvalidOptionError(
+        f'`base_model` {text}: expected the base model\'s folder holding config.json (or that'
+        f' config.json), or a Hugging Face Hub name (org/name), found {found} at {path}. Pass'
+        ' the folder of the model the run was trained from, or its Hub name.')
+  return os.fspath(path)
 
 
 BASE_MODEL = Option('base_model', str, 'NAME_OR_PATH',

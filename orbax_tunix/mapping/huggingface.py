@@ -186,11 +186,13 @@ class LoraWeight:
 
 @dataclasses.dataclass(frozen=True)
 class LayerType:
-  """How a layer of one kind (a config's `layer_types` entry) reads the config otherwise.
+  """How a layer of one kind (a config's `layer_types` entry, or a `Naming.layer_kinds` one)
+  reads the config otherwise.
 
   Attributes:
     fields: config.json field -> the field such a layer reads instead (gemma4's global
-      layers: `head_dim` -> `global_head_dim`).
+      layers: `head_dim` -> `global_head_dim`), or a value the config class computes from
+      others, named as `Naming.config_defaults` computes it (`2 x intermediate_size`).
     without: weight patterns (`{i}`: the layer's number) such a layer has not (MaxText
       gemma4's global layers: no value kernel).
   """
@@ -229,9 +231,17 @@ class Naming:
     layer_types: config `layer_types` entry -> `LayerType`, for layers that read other
       fields (a layer's entry: `layer_types[i]`, else `default_layer_type(i)`).
     default_layer_type: a layer's kind when the config has no `layer_types`.
+    layer_kinds: other kinds a layer may be of besides its `layer_types` entry -> whether
+      layer `i` of a config is (Gemma 4's kv-shared layers with a double-wide MLP); their
+      `layer_types` entries apply too.
     config_defaults: config field -> its value when config.json leaves it out, as the
       `transformers` config class computes it (Llama's `head_dim`: hidden_size //
-      num_attention_heads; the Hub's Llama 3 configs have no `head_dim`).
+      num_attention_heads; the Hub's Llama 3 configs have no `head_dim`); also values
+      computed from fields, under names no config.json has (`2 x intermediate_size`).
+    lora_flattened: qwix flattens this naming's kernels' dimensions into their adapters
+      (MaxText's `dot_general` layers): a save of adapters alone takes the weights' shapes
+      from the base config (`axes`); elsewhere the adapters tell them, and the base config is
+      checked against them (`check_sizes`).
   """
 
   source: str
@@ -249,8 +259,11 @@ class Naming:
   axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   layer_types: Mapping[str, LayerType] = dataclasses.field(default_factory=dict)
   default_layer_type: Callable[[int], str] | None = None
+  layer_kinds: Mapping[str, Callable[[int, Mapping[str, object]], bool]] = dataclasses.field(
+      default_factory=dict)
   config_defaults: Mapping[str, Callable[[Mapping[str, object]], object]] = dataclasses.field(
       default_factory=dict)
+  lora_flattened: bool = False
 
   def config_value(self, config: Mapping[str, object], field: str) -> object:
     """`config[field]`, else the `transformers` default (`config_defaults`), else None."""
@@ -261,14 +274,17 @@ class Naming:
     except (KeyError, TypeError, ZeroDivisionError):
       return None
 
-  def axis_fields(self, path: Path, config: Mapping[str, object]) -> tuple[str, ...] | None:
+  def axis_fields(self, path: Path, config: Mapping[str, object]
+                  ) -> tuple[str | None, ...] | None:
     """The config.json field giving each axis of the weight at `path` (per-layer form) in a
-    model of this `config` (its text model's fields), or None: `axes` does not say."""
+    model of this `config` (its text model's fields; None for an axis no field gives), or
+    None: `axes` does not say."""
     fields = next((fields for pattern, fields in self.axes.items()
                    if Pattern.parse(pattern.split('/')).match(path) is not None), None)
     if fields is None:
       return None
-    return tuple(self.layer_type(path, config).fields.get(f, f) for f in fields)
+    kind = self.layer_type(path, config).fields
+    return tuple(None if f is None else kind.get(f, f) for f in fields)
 
   def layer_number(self, path: Path) -> int | None:
     """The number of the layer the weight at `path` (per-layer form) is in, or None."""
@@ -276,13 +292,22 @@ class Naming:
     return int(match[0]['i']) if match else None
 
   def layer_type(self, path: Path, config: Mapping[str, object]) -> LayerType:
-    """How the layer of the weight at `path` reads `config` (its `layer_types` entry)."""
+    """How the layer of the weight at `path` reads `config`: its `layer_types` entry's
+    `LayerType`, with those of the `layer_kinds` it is of."""
     i, kinds, kind = self.layer_number(path), config.get('layer_types'), None
-    if i is not None and isinstance(kinds, list) and i < len(kinds):
+    if i is None:
+      return _ANY_LAYER
+    if isinstance(kinds, list) and i < len(kinds):
       kind = kinds[i]
-    elif i is not None and self.default_layer_type is not None:
+    elif self.default_layer_type is not None:
       kind = self.default_layer_type(i)
-    return self.layer_types.get(kind, _ANY_LAYER) if isinstance(kind, str) else _ANY_LAYER
+    found = [self.layer_types[k] for k in (kind, *self.layer_kinds)
+             if isinstance(k, str) and k in self.layer_types
+             and (k == kind or self.layer_kinds[k](i, config))]
+    if len(found) <= 1:
+      return found[0] if found else _ANY_LAYER
+    return LayerType({f: v for t in found for f, v in t.fields.items()},
+                     tuple(w for t in found for w in t.without))
 
   def has(self, path: Path, config: Mapping[str, object]) -> bool:
     """Whether a model of `config` has the weight at `path` as far as its layer's kind says
@@ -362,6 +387,8 @@ class Family:
     embeddings: the Hugging Face modules whose weight is 2-D but that are no linear layer
       (PEFT adapts an embedding as a lookup, with lora_embedding_A/B; qwix adapts a product
       with its weight, e.g. a tied output projection).
+    axes, layer_types, default_layer_type, layer_kinds, config_defaults: see `Naming`
+      (Tunix's naming: the base config a save of adapters alone is checked against).
   """
 
   name: str
@@ -381,12 +408,21 @@ class Family:
   text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   aliases: tuple[str, ...] = ()
   embeddings: tuple[str, ...] = ('embed_tokens',)
+  axes: Mapping[str, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
+  layer_types: Mapping[str, LayerType] = dataclasses.field(default_factory=dict)
+  default_layer_type: Callable[[int], str] | None = None
+  layer_kinds: Mapping[str, Callable[[int, Mapping[str, object]], bool]] = dataclasses.field(
+      default_factory=dict)
+  config_defaults: Mapping[str, Callable[[Mapping[str, object]], object]] = dataclasses.field(
+      default_factory=dict)
 
   @property
   def tunix(self) -> Naming:
     """The naming of Tunix's own model class (the family's own fields)."""
     return Naming(TUNIX_MODEL, self.rules, self.required, self.dims, self.tied, vocab=self.vocab,
-                  vocab_padding=self.vocab_padding, lora=self.lora)
+                  vocab_padding=self.vocab_padding, lora=self.lora, axes=self.axes,
+                  layer_types=self.layer_types, default_layer_type=self.default_layer_type,
+                  layer_kinds=self.layer_kinds, config_defaults=self.config_defaults)
 
   @property
   def namings(self) -> tuple[Naming, ...]:
@@ -502,6 +538,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_default
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
       layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
       stacks=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
+      lora_flattened=True,
   )
 
 
@@ -516,8 +553,28 @@ ROPE_BASE_1E6 = AsTrained(
     brief='rotate with base 1000000 whatever the config says')
 
 
+# The config.json field of each axis of Tunix's weights (`dims` read the other way, for every
+# axis; None: an axis no field gives, a fused einsum's parts): what a base config is checked
+# against for a save of adapters alone (the adapters tell the weights' shapes).
+_LINEAR_AXES = {
+    'embedder/input_embedding': ('vocab_size', 'hidden_size'),
+    'lm_head/w': ('hidden_size', 'vocab_size'),
+    'layers/{i}/mlp/{p:gate|up}_proj/kernel': ('hidden_size', 'intermediate_size'),
+    'layers/{i}/mlp/down_proj/kernel': ('intermediate_size', 'hidden_size'),
+}
+_QWEN3_AXES = {
+    **_LINEAR_AXES,
+    'layers/{i}/attn/q_proj/w': ('hidden_size', 'num_attention_heads', 'head_dim'),
+    'layers/{i}/attn/{p:k|v}_proj/w': ('hidden_size', 'num_key_value_heads', 'head_dim'),
+    'layers/{i}/attn/o_proj/w': ('num_attention_heads', 'head_dim', 'hidden_size'),
+}
+# LlamaConfig and Qwen2's attention without `head_dim` (the Hub's Llama 3 and Qwen2 configs).
+_HEAD_DIM_OF_HIDDEN = {'head_dim': lambda c: c['hidden_size'] // c['num_attention_heads']}
+
+
 def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
-                 maxtext: Naming, aliases: tuple[str, ...] = ()) -> Family:
+                 maxtext: Naming, aliases: tuple[str, ...] = (),
+                 config_defaults: Mapping[str, Callable] | None = None) -> Family:
   """Qwen3 and Llama3 share Tunix's layout; Qwen3 adds q/k norms."""
   rules = [
       _rule('embedder/input_embedding', 'model.embed_tokens.weight'),
@@ -555,6 +612,8 @@ def _qwen3_style(name: str, architecture: str, model_type: str, norms: bool,
       maxtext=maxtext,
       as_trained=(ROPE_BASE_1E6,),
       aliases=aliases,
+      axes=_QWEN3_AXES,
+      config_defaults=config_defaults or {},
   )
 
 
@@ -563,9 +622,9 @@ QWEN3 = _qwen3_style('qwen3', 'Qwen3ForCausalLM', 'qwen3', norms=True,
 LLAMA3 = _qwen3_style('llama3', 'LlamaForCausalLM', 'llama', norms=False,
                       maxtext=_maxtext_qwen3_style(
                           norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY,
-                          config_defaults={'head_dim': lambda c: c['hidden_size']
-                                           // c['num_attention_heads']}),
-                      aliases=('llama3.1', 'llama2'))  # MaxText's names of the model.
+                          config_defaults=_HEAD_DIM_OF_HIDDEN),
+                      aliases=('llama3.1', 'llama2'),  # MaxText's names of the model.
+                      config_defaults=_HEAD_DIM_OF_HIDDEN)
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
 # which transformers takes as the exact GELU and vLLM refuses (maxtext#2867).
@@ -601,6 +660,15 @@ GEMMA_LORA = {
     'layers/{i}/attn/q_einsum/w': LoraWeight('dr,rnh->ndh'),
     'layers/{i}/attn/kv_einsum/w': LoraWeight('dr,rckh->ckdh'),
     'layers/{i}/attn/qkv_einsum/w': LoraWeight('dr,rcnh->cndh'),
+}
+
+
+_GEMMA_AXES = {  # (N, D, H), (2, K, D, H), (3, N, D, H), (N, H, D): see `_LINEAR_AXES`.
+    **_LINEAR_AXES,
+    'layers/{i}/attn/q_einsum/w': ('num_attention_heads', 'hidden_size', 'head_dim'),
+    'layers/{i}/attn/kv_einsum/w': (None, 'num_key_value_heads', 'hidden_size', 'head_dim'),
+    'layers/{i}/attn/qkv_einsum/w': (None, 'num_attention_heads', 'hidden_size', 'head_dim'),
+    'layers/{i}/attn/attn_vec_einsum/w': ('num_attention_heads', 'head_dim', 'hidden_size'),
 }
 
 
@@ -648,6 +716,7 @@ def _gemma(name: str, architecture: str, model_type: str, norms: Mapping[str, st
       fixed=fixed,
       lora=GEMMA_LORA,
       vocab_padding=vocab_padding,
+      axes=_GEMMA_AXES,
       **fields,
   )
 
@@ -690,7 +759,7 @@ def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
   )
   return Naming(MAXTEXT_MODEL, rules, ((required,),), _mt_dims(),
                 layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-                stacks=stacks_lib.blocks(6), axes=_MT_AXES)
+                stacks=stacks_lib.blocks(6), axes=_MT_AXES, lora_flattened=True)
 
 
 GEMMA3 = _gemma(
@@ -778,13 +847,13 @@ def _maxtext_qwen3_moe() -> Naming:
 
 def _extended(base: Family, name: str, architecture: str, model_type: str, rules=(), required=(),
               dims=None, optional=(), maxtext: Naming | None = None,
-              as_trained: tuple[AsTrained, ...] = ()) -> Family:
-  """`base` plus some weights, the patterns in `optional` no longer required (and only
-  `as_trained`'s facts: the model class is another one; none of `base`'s aliases: they name
-  `base`)."""
+              as_trained: tuple[AsTrained, ...] = (), axes=None) -> Family:
+  """`base` plus some weights (and their `axes`), the patterns in `optional` no longer
+  required (and only `as_trained`'s facts: the model class is another one; none of `base`'s
+  aliases: they name `base`)."""
   return dataclasses.replace(
       base, name=name, architecture=architecture, model_type=model_type, maxtext=maxtext,
-      as_trained=as_trained, aliases=(),
+      as_trained=as_trained, aliases=(), axes={**base.axes, **(axes or {})},
       rules=base.rules + tuple(rules),
       required=tuple(tuple(tuple(p for p in alt if p not in optional) for alt in alts)
                      for alts in base.required) + tuple(required),
@@ -820,6 +889,7 @@ QWEN3_MOE = _extended(
     optional=('layers/{i}/mlp/{p:gate|up|down}_proj/kernel',),
     maxtext=_maxtext_qwen3_moe(),
     as_trained=QWEN3.as_trained,  # Tunix's Qwen3 class, with experts.
+    axes={'layers/{i}/mlp/router/kernel': ('hidden_size', 'num_experts')},
 )
 
 
@@ -865,6 +935,17 @@ K_EQ_V_NOTE = (
     ' k_proj adapter to K alone, so served by vLLM the values of these layers stay the'
     " base's"
 )
+# A kv-shared layer's MLP width with `use_double_wide_mlp` (transformers' Gemma4TextMLP).
+_DOUBLE_MLP = '2 x intermediate_size'
+
+
+def _double_wide_mlp(i: int, config: Mapping[str, object]) -> bool:
+  """Whether Gemma 4's layer `i` has a double-wide MLP: with `use_double_wide_mlp`, the last
+  `num_kv_shared_layers` layers (those that reuse an earlier layer's keys and values)."""
+  layers, shared = config.get('num_hidden_layers'), config.get('num_kv_shared_layers') or 0
+  return (bool(config.get('use_double_wide_mlp')) and isinstance(layers, int)
+          and isinstance(shared, int) and i >= layers - shared)
+
 GEMMA4 = Family(
     name='gemma4',
     architecture='Gemma4ForConditionalGeneration',
@@ -923,6 +1004,18 @@ GEMMA4 = Family(
     text_prefixes={'Gemma4ForCausalLM': 'model.', 'Gemma4ForConditionalGeneration':
                    'model.language_model.'},
     embeddings=('embed_tokens', 'embed_tokens_per_layer'),
+    # transformers' Gemma4TextConfig: a global layer's head_dim (512 when the config has
+    # none), its kv heads where its keys are its values (k_einsum: num_global_key_value_heads),
+    # and a kv-shared layer's MLP twice as wide with use_double_wide_mlp.
+    axes={**{p: f for p, f in _GEMMA_AXES.items() if 'qkv_einsum' not in p},
+          'layers/{i}/attn/k_einsum/w': ('num_global_key_value_heads', 'hidden_size',
+                                         'head_dim')},
+    layer_types={'full_attention': LayerType({'head_dim': 'global_head_dim'}),
+                 'double_wide_mlp': LayerType({'intermediate_size': _DOUBLE_MLP})},
+    default_layer_type=lambda i: 'full_attention' if (i + 1) % 6 == 0 else 'sliding_attention',
+    layer_kinds={'double_wide_mlp': _double_wide_mlp},
+    config_defaults={'global_head_dim': lambda c: 512,
+                     _DOUBLE_MLP: lambda c: 2 * c['intermediate_size']},
     maxtext=_maxtext_gemma4(),
     # Measured with `transformers` (tests/test_hf_clients.py): fed what Tunix's is, its router
     # gives the Tunix model back.
@@ -1023,15 +1116,20 @@ _JSON_TYPES = {list: 'array', str: 'string', int: 'number', float: 'number', boo
                type(None): 'null'}
 
 
-def _bad_config(where: str, found: str) -> errors.InvalidOptionError:
+# The option a base model's config.json comes from, by default (a model export's); a PEFT
+# adapter's is `base_model`. Messages name it, so that each command names its own flag.
+CONFIG_OPTION = 'hf_config'
+
+
+def _bad_config(where: str, found: str, option: str) -> errors.InvalidOptionError:
   return errors.InvalidOptionError(
       f'{where}: expected a Hugging Face config.json (a JSON object with the model\'s'
-      f' fields), found {found}. Pass as `hf_config` the folder of the model this run was'
+      f' fields), found {found}. Pass as `{option}` the folder of the model this run was'
       ' trained from.'
   )
 
 
-def _split(target: tuple[str, str], config: Mapping[str, object], where: str
+def _split(target: tuple[str, str], config: Mapping[str, object], where: str, option: str
            ) -> tuple[dict[str, object], dict[str, object] | None, list[str]]:
   """(the config's top level, the text model's fields when they stay in its `text_config`,
   notes). A config with a `text_config` and of another architecture than the family's (a
@@ -1043,7 +1141,7 @@ def _split(target: tuple[str, str], config: Mapping[str, object], where: str
     return dict(config), None, []
   if not isinstance(text, Mapping):
     raise _bad_config(where, f'"text_config": {json.dumps(text)[:60]} (expected an object: the'
-                             ' text model\'s fields)')
+                             ' text model\'s fields)', option)
   architecture, model_type = target
   if config.get('architectures') == [architecture] or config.get('model_type') == model_type:
     return dict(config), dict(text), []
@@ -1079,7 +1177,7 @@ def markdown(source: str = TUNIX_MODEL) -> str:
 
 def check_config(
     family: Family, config: object, shapes: Mapping[Path, Shape], where: str,
-    skip: Collection[str] = (),
+    skip: Collection[str] = (), option: str = CONFIG_OPTION,
 ) -> Config:
   """Checks a Hugging Face config.json against the weights; returns the one to write.
 
@@ -1100,6 +1198,8 @@ def check_config(
     config: config.json as parsed.
     shapes: the weights' shapes (Tunix paths).
     where: the file, for messages.
+    skip: fields the weights cannot tell (a LoRA save's adapted weights alone).
+    option: the option the config came from (`hf_config`, `base_model`), for messages.
 
   Returns:
     The `Config` to write.
@@ -1111,10 +1211,10 @@ def check_config(
   """
   if not isinstance(config, Mapping):
     raise _bad_config(where, f'a JSON {_JSON_TYPES.get(type(config), "value")}'
-                             f' ({json.dumps(config)[:60]})')
+                             f' ({json.dumps(config)[:60]})', option)
   naming = family.naming(shapes)
   architecture, model_type = family.target_of(naming)
-  top, inner, notes = _split((architecture, model_type), config, where)
+  top, inner, notes = _split((architecture, model_type), config, where, option)
   fields = top if inner is None else inner
   wrong = []
   archs = top.get('architectures')
@@ -1147,8 +1247,8 @@ def check_config(
   if wrong:
     raise errors.UnsupportedLayoutError(
         f'{where}: config.json does not describe these weights ({family.name}):\n'
-        f'{errors.list_paths(wrong)}\nPass the --hf-config of the model this run was'
-        ' trained from.'
+        f'{errors.list_paths(wrong)}\nPass as `{option}` the folder of the model this run'
+        ' was trained from.'
     )
   named = {f: v for f, v in (('architectures', [architecture]),
                              ('model_type', model_type)) if top.get(f) is None}
@@ -1167,6 +1267,36 @@ def check_config(
   out = {**top, **fields} if inner is None else {**top, 'text_config': fields}
   # `named` first, and over the base's nulls (a text_config's `architectures: null`).
   return Config({**named, **{k: v for k, v in out.items() if k not in named}}, tuple(notes))
+
+
+def check_sizes(naming: Naming, shapes: Mapping[Path, Shape], config: Mapping[str, object]
+                ) -> list[str]:
+  """Every axis of the weights against the config field that gives it (`Naming.axes`, per
+  layer as its kind reads the config): where the adapters of a save without its base
+  weights tell the weights' shapes, every size they imply is checked, not only those
+  `check_config` reads off layer 0 and the embedding.
+
+  Args:
+    naming: the weights' naming.
+    shapes: the weights (per-layer form) -> shapes.
+    config: the text model's config fields.
+
+  Returns:
+    One line per field and pair of values that differ, with the first weight that shows it
+    (a field the config leaves to its class's default is not checked).
+  """
+  found: dict[tuple[str, int, int], tuple[Path, Shape]] = {}
+  for path, shape in sorted(shapes.items()):
+    fields = naming.axis_fields(path, config)
+    if fields is None or len(fields) != len(shape):
+      continue
+    for field, size in zip(fields, shape, strict=True):
+      value = None if field is None else naming.config_value(config, field)
+      if isinstance(value, int) and not isinstance(value, bool) and value != size:
+        found.setdefault((field, value, size), (path, tuple(shape)))
+  return [f'{field}: config.json {"has" if field in config else "gives"} {value}, the weights'
+          f' have {size} ({fmt(path)} {shape})'
+          for (field, value, size), (path, shape) in found.items()]
 
 
 def fits(family: Family, shapes: Mapping[Path, Shape], unmatched: Sequence[Path], where: str) -> None:
@@ -1223,7 +1353,7 @@ def cut_vocab(
       raise errors.UnsupportedLayoutError(
           f'{where}: vocab_size {vocab_size} is larger than the weights\' vocabulary'
           f' ({fmt(path)} {m.shape} has {rows} along axis {axis}): the config is not this'
-          ' model\'s. Pass the --hf-config of the model this run was trained from.'
+          ' model\'s. Pass as `hf_config` the folder of the model this run was trained from.'
       )
     if vocab_size < rows and not naming.vocab_padding.allows(rows, vocab_size):
       raise errors.UnsupportedLayoutError(

@@ -289,7 +289,8 @@ def check_scaling_applies(adapters: Mapping[Path, Adapter], alpha: float | None,
   raise errors.LoraError(
       f'{" and ".join(given)} given, but these adapters are flax\'s (nnx.LoRA or'
       f' nnx.LoRALinear: e.g. {fmt(first.a)}), which have no alpha: flax adds a·b unscaled,'
-      f' and so does the merge. Drop {" and ".join(given)} (they apply to qwix\'s adapters).'
+      ' and so do the merge and a PEFT adapter of them (lora_alpha = r). Drop'
+      f' {" and ".join(given)} (they apply to qwix\'s adapters).'
   )
 
 

@@ -155,17 +155,20 @@ def record(plan: MergePlan) -> dict[str, Any]:
 
 def _refuse_merged_twice(lora_ckpt: reader.CanonicalCheckpoint,
                          base_ckpt: reader.CanonicalCheckpoint) -> None:
-  """A base whose metadata records these adapters merged into it already.
+  """A base whose metadata records these adapters merged into it already: the same step,
+  however either path spells it (links, `..`; a bucket's URL normalized: `fileio.same_place`).
 
   Raises:
     LoraError: they would be added a second time.
   """
   adapters = os.fspath(lora_ckpt.step_dir)
   for done in recorded_merges(base_ckpt.detection.source.custom_metadata):
-    if done.get('adapters') == adapters:
+    recorded = done.get('adapters')
+    if isinstance(recorded, str) and fileio.same_place(recorded, adapters):
+      named = adapters if recorded == adapters else f'{recorded} (here {adapters})'
       raise errors.LoraError(
           f'{base_ckpt.step_dir}: expected the base weights the LoRA run started from, found'
-          f' weights its metadata records the adapters of {adapters} merged into already (from'
+          f' weights its metadata records the adapters of {named} merged into already (from'
           f' the base {done.get("base")}): merging them again would add them twice. Pass as'
           ' `base` the checkpoint the run started from, or use this one as it is.'
       )

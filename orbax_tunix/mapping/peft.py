@@ -13,7 +13,9 @@ expressible when every column of the Hugging Face weight takes one row of `a`
 weight (Gemma's `kv_einsum`) then gives each part the shared `a` and its own
 slice of `b`. A transform that scales the weight (MaxText llama's query) scales
 `B`. What does not factor so (a column of the weight mixing rows of `a`) is
-not a PEFT adapter (`Factors.of` says why). Nothing here reads an array.
+not a PEFT adapter (`Factors.of` says why). The adapter has one `r` and one
+`lora_alpha` (`Scaling`: what vLLM reads), lower ranks padded with zeros and a
+module's own scale carried by its `B`. Nothing here reads an array.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
 from orbax_tunix.mapping import lora
-from orbax_tunix.mapping.transforms import Shape, Transform, TransformError, leading_takes
+from orbax_tunix.mapping.transforms import Shape, Transform, TransformError, leading_takes, xp
 
 # PEFT's names: the adapter file (vLLM reads this name only), its config, and the tensors'.
 ADAPTER_FILE = 'adapter_model.safetensors'
@@ -211,68 +213,116 @@ def _digest(*arrays: np.ndarray) -> str:
   return h.hexdigest()[:12]
 
 
-def lora_a(factors: Factors, rank: int) -> Transform:
-  """`a` -> PEFT's `lora_A` (rank, in)."""
+def _padded(x, r: int, axis: int):
+  """`x` with zeros appended along `axis` up to `r` (a lower-rank module at the adapter's r)."""
+  missing = r - x.shape[axis]
+  if missing == 0:
+    return x
+  ops = xp(x)
+  shape = list(x.shape)
+  shape[axis] = missing
+  return ops.concatenate([x, ops.zeros(shape, x.dtype)], axis=axis)
+
+
+def lora_a(factors: Factors, rank: int, r: int | None = None) -> Transform:
+  """`a` -> PEFT's `lora_A` (r, in): its `rank` rows, then zeros up to the adapter's `r`."""
   rows = factors.a_rows
+  r = rank if r is None else r
 
   def shape(shapes: Sequence[Shape]) -> Shape:
     (a,) = shapes
-    if not a or a[-1] != rank or math.prod(a[:-1]) <= int(rows.max(initial=0)):
-      raise TransformError(f'lora_A: {a} is not the adapter planned (rank {rank})')
-    return (rank, len(rows))
+    if not a or a[-1] != rank or math.prod(a[:-1]) <= int(rows.max(initial=0)) or r < rank:
+      raise TransformError(f'lora_A: {a} is not the adapter planned (rank {rank}, r {r})')
+    return (r, len(rows))
 
   def apply(xs):
     (a,) = xs
-    return a.reshape(-1, rank)[rows].T
+    return _padded(a.reshape(-1, rank)[rows].T, r, 0)
 
-  return Transform(f'peft_lora_A(rank={rank}, in={len(rows)}, {_digest(rows)})', shape, apply)
+  return Transform(f'peft_lora_A(rank={rank}, r={r}, in={len(rows)}, {_digest(rows)})', shape,
+                   apply)
 
 
-def lora_b(factors: Factors, rank: int) -> Transform:
-  """`b` -> PEFT's `lora_B` (out, rank), times the family transform's factor."""
-  columns, factor = factors.b_columns, factors.factor
+def lora_b(factors: Factors, rank: int, r: int | None = None, fold: float = 1.0) -> Transform:
+  """`b` -> PEFT's `lora_B` (out, r): times the family transform's factor and `fold` (the
+  module's scale over the adapter's one `lora_alpha / r`), then zero columns up to `r`."""
+  columns, factor = factors.b_columns, factors.factor * fold
+  r = rank if r is None else r
 
   def shape(shapes: Sequence[Shape]) -> Shape:
     (b,) = shapes
-    if not b or b[0] != rank or math.prod(b[1:]) <= int(columns.max(initial=0)):
-      raise TransformError(f'lora_B: {b} is not the adapter planned (rank {rank})')
-    return (len(columns), rank)
+    if not b or b[0] != rank or math.prod(b[1:]) <= int(columns.max(initial=0)) or r < rank:
+      raise TransformError(f'lora_B: {b} is not the adapter planned (rank {rank}, r {r})')
+    return (len(columns), r)
 
   def apply(xs):
     (b,) = xs
     out = b.reshape(rank, -1)[:, columns].T
-    if factor == 1.0:
-      return out
-    return (out.astype(np.float32) * np.float32(factor)).astype(b.dtype)
+    if factor != 1.0:
+      out = (out.astype(np.float32) * np.float32(factor)).astype(b.dtype)
+    return _padded(out, r, 1)
 
-  return Transform(f'peft_lora_B(rank={rank}, out={len(columns)}, factor={factor!r},'
+  return Transform(f'peft_lora_B(rank={rank}, r={r}, out={len(columns)}, factor={factor!r},'
                    f' {_digest(columns)})', shape, apply, moves_only=factor == 1.0)
 
 
-def config(modules: dict[str, tuple[int, float]], alpha: float | None,
-           base_model: str | None) -> dict[str, object]:
-  """PEFT's adapter_config.json for modules {name: (rank, scale)}.
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+  """One `r` and `lora_alpha` for every module of an adapter, and what each module's `B`
+  carries so that `lora_alpha / r` serves its own scale.
 
-  PEFT scales a module by `lora_alpha / r` (`alpha_pattern`, `rank_pattern` per
-  module where they differ from the top-level ones): `r` is the rank most
-  modules have, `lora_alpha` the alpha given, else `scale * r`.
+  vLLM reads `r` and `lora_alpha` alone (its PEFTHelper drops `rank_pattern` and
+  `alpha_pattern`): it scales every module by `lora_alpha / r` and checks `r` against
+  `--max-lora-rank`. So the adapter has one `r`, the largest rank (lower-rank modules are
+  padded with zeros: `B A` unchanged, and zero rows and columns get zero gradients, so they
+  stay zero if trained on), and a module whose trained scale `s` differs from
+  `lora_alpha / r` has `B` times `s / (lora_alpha / r)` (`folds`): PEFT, vLLM and any reader
+  of `r` and `lora_alpha` serve `s B A`, the update the run trained.
+
+  Attributes:
+    r: the adapter's rank (every module's `lora_A` has `r` rows).
+    alpha: its `lora_alpha`.
+    folds: module -> the factor its `B` carries (1: none).
   """
-  ranks = [r for r, _ in modules.values()]
-  r = max(sorted(set(ranks)), key=ranks.count)
-  alphas = {name: s * rank for name, (rank, s) in modules.items()}
-  if alpha is None:
-    values = [alphas[n] for n, (rank, _) in modules.items() if rank == r]
-    alpha = max(sorted(set(values)), key=values.count)
+
+  r: int
+  alpha: float
+  folds: Mapping[str, float]
+
+  @staticmethod
+  def of(modules: Mapping[str, tuple[int, float]], alpha: float | None) -> Scaling:
+    """For modules {name: (rank, scale)}: `r` the largest rank; `lora_alpha` the alpha given
+    where it is the largest-rank modules' (qwix's alpha / rank), else their scale times `r`
+    (the commonest, nonzero where one is)."""
+    r = max(rank for rank, _ in modules.values())
+    top = [s for rank, s in modules.values() if rank == r]
+    candidates = ([s for s in top if s != 0] or [s for _, s in modules.values() if s != 0]
+                  or [0.0])
+    one = max(sorted(set(candidates)), key=candidates.count)
+    if alpha is None or not math.isclose(float(alpha) / r, one, rel_tol=1e-12):
+      alpha = one * r
+    return Scaling(r, float(alpha), {
+        name: 1.0 if s == one or one == 0 else s / one for name, (_, s) in modules.items()})
+
+
+def config(modules: Collection[str], scaling: Scaling, base_model: str | None
+           ) -> dict[str, object]:
+  """PEFT's adapter_config.json for these modules (full names, e.g.
+  'model.layers.0.self_attn.q_proj').
+
+  `target_modules` lists each module by its full name: PEFT then adapts exactly these
+  (bare names would match every layer's, and any other tower's, module of that name). One
+  `r` and `lora_alpha` (`Scaling`): no `rank_pattern` or `alpha_pattern`, which vLLM ignores.
+  """
   return {
       'peft_type': 'LORA',
       'task_type': 'CAUSAL_LM',
       'base_model_name_or_path': base_model,
-      'r': r,
-      'lora_alpha': _number(alpha),
-      'target_modules': sorted({name.rsplit('.', 1)[-1] for name in modules}),
-      'rank_pattern': {n: rank for n, (rank, _) in sorted(modules.items()) if rank != r},
-      'alpha_pattern': {n: _number(v) for n, v in sorted(alphas.items())
-                        if not math.isclose(v, alpha, rel_tol=1e-12)},
+      'r': scaling.r,
+      'lora_alpha': _number(scaling.alpha),
+      'target_modules': sorted(modules),
+      'rank_pattern': {},
+      'alpha_pattern': {},
       'bias': 'none',
       'lora_dropout': 0.0,
       'use_rslora': False,

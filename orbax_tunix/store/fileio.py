@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import os
+import posixpath
 import stat
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,32 @@ def as_path(path: epath.PathLike) -> epath.Path:
 def is_local(path: epath.Path) -> bool:
   """Whether a path is on a local disk (not a bucket)."""
   return '://' not in os.fspath(path)
+
+
+def identity(path: epath.PathLike) -> str:
+  """What a path names, as one text however it is spelled: a local path absolute, its links
+  followed and its `.` and `..` taken out (`os.path.realpath`); a bucket's URL normalized
+  (`gs://b//x/./y/../z/` is `gs://b/x/z`: an object store has no links)."""
+  text = os.fspath(path)
+  if '://' not in text:
+    return os.path.realpath(text)
+  scheme, rest = text.split('://', 1)
+  bucket, _, key = rest.partition('/')
+  key = posixpath.normpath('/' + key).lstrip('/')
+  return f'{scheme}://{bucket}' + (f'/{key}' if key else '')
+
+
+def same_place(a: epath.PathLike, b: epath.PathLike) -> bool:
+  """Whether two paths name one file or folder: one `identity`, or (local, both there) one
+  file on one device (a bind mount, another name `realpath` cannot see through)."""
+  if identity(a) == identity(b):
+    return True
+  if '://' in os.fspath(a) or '://' in os.fspath(b):
+    return False
+  try:
+    return os.path.samefile(a, b)
+  except OSError:  # Either is not there (any more): nothing to compare.
+    return False
 
 
 # What to do about a damaged metadata file of a checkpoint (the default remedy).

@@ -205,8 +205,9 @@ def plan_peft_export(
     An `ExportPlan`.
 
   Raises:
-    LoraError: no adapters; no alpha or scale; both; adapters a PEFT adapter
-      cannot express (every one named: export them merged instead).
+    LoraError: no adapters; no alpha or scale for qwix's adapters; both; one for
+      flax's alone (they have none); adapters a PEFT adapter cannot express (every one
+      named: export them merged instead).
     UnsupportedLayoutError, InvalidDestinationError, DestinationExistsError,
     TunixCheckpointError subclasses: as `plan_export`.
   """
