@@ -21,7 +21,7 @@ def console() -> None:
 
   What the command made is frozen out of the cyclic GC first (`gc.freeze`): the interpreter's
   shutdown then does not walk every object JAX, Orbax and the command made (about 0.2 s of a
-  2.5 s export, BENCHMARKS issue 48). Everything the command writes is closed and committed
+  2.5 s export; BENCHMARKS.md, issue 48). Everything the command writes is closed and committed
   before `main` returns; objects are still released as their references go.
   """
   code = main()

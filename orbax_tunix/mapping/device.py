@@ -22,7 +22,7 @@ to) is donated: the output reuses its buffer.
 
 Every group's program is known, by shapes, dtypes and shardings, before any
 byte is read: `Compiler` compiles them on a thread while the sources are read,
-so that a first call does not compile after its reads (BENCHMARKS §18: XLA
+so that a first call does not compile after its reads (BENCHMARKS.md, issue 48: XLA
 compiles partly outside the GIL; on a TPU the first compile in a process takes
 longer than the merges).
 """
