@@ -371,6 +371,8 @@ def calls(call: Callable[[], Any], warm: int, devices: Sequence[Any] = (),
   """
   out = []
   for i in range(1 + warm):
+    if i and os.environ.get('BENCH_GC_BETWEEN'):
+      gc.collect()  # What the last call left in reference cycles, freed before the next.
     if i and between is not None:
       between()
     result, figures = measure(call, devices)
