@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -187,8 +188,25 @@ Signature = tuple[bool, bool, np.dtype, Any, tuple[tuple[Shape, np.dtype, Any], 
 _AHEAD_KEPT = 256  # Signatures remembered (the oldest go first); jit keeps the programs.
 _ahead: collections.OrderedDict[Signature, concurrent.futures.Future] = collections.OrderedDict()
 _ahead_lock = threading.Lock()
-_compiler = concurrent.futures.ThreadPoolExecutor(
-    max_workers=2, thread_name_prefix='orbax_tunix.dequantize')
+_compiler: concurrent.futures.ThreadPoolExecutor | None = None  # Started on first use.
+
+
+def _forget_threads() -> None:
+  """In a forked child: none of the parent's threads exist there; start afresh."""
+  global _compiler, _ahead_lock
+  _compiler, _ahead_lock = None, threading.Lock()
+  _ahead.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  global _compiler
+  if _compiler is None:
+    _compiler = concurrent.futures.ThreadPoolExecutor(
+        max_workers=2, thread_name_prefix='orbax_tunix.dequantize')
+  return _compiler
 
 
 def _signature(nf4: bool, zero_point: bool, dtype: Any, sharding: Any,
@@ -218,7 +236,7 @@ def compile_ahead(request: ReadRequest, parts: Mapping[str, ReadRequest], qschem
     if signature in _ahead:
       _ahead.move_to_end(signature)
       return
-    _ahead[signature] = _compiler.submit(_compile, signature)
+    _ahead[signature] = _pool().submit(_compile, signature)
     while len(_ahead) > _AHEAD_KEPT:
       _ahead.popitem(last=False)
 
