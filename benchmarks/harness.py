@@ -20,6 +20,9 @@ process pays: compilations, TensorStore's context, caches) and then `--warm K`
 more times in the same process (what each further call of an evaluation loop
 pays), each measured on its own; the parent runs the children in rounds, the
 order rotating, so that drift on a shared machine falls on all alike.
+`BENCH_GC_BETWEEN=1` runs Python's cyclic collection before each warm call (unmeasured): a
+warm call slower than the first with it off and not with it on pays for the last call's
+reference cycles.
 """
 
 from __future__ import annotations
