@@ -736,8 +736,11 @@ def test_progress_lines(monkeypatch):
 
 
 def test_console_script_is_declared():
-  scripts = importlib.metadata.entry_points(group='console_scripts')
-  assert any(s.name == 'orbax-tunix' and s.value == 'orbax_tunix.cli:main' for s in scripts)
+  # The installed metadata, not pyproject.toml: what `pip install` made must start the command.
+  scripts = [s for s in importlib.metadata.entry_points(group='console_scripts') if s.name == 'orbax-tunix']
+  assert [s.value for s in scripts] == ['orbax_tunix.cli:console']
+  from orbax_tunix import cli
+  assert scripts[0].load() is cli.console
 
 
 def test_batches_fit_the_budget():
