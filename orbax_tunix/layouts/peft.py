@@ -90,8 +90,8 @@ def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
   `weight`: per layer the naming's `axes`, with the layer axes its adapters hold (a scanned
   layer's adapters are stacked as its weight is). A str: why the config does not fit the
   adapters; None: `axes` does not name the weight."""
-  layer_axes = stacks.layer_axes(weight, naming.stacks, axis)
-  per_layer = stacks.unstack({weight: a}, naming.stacks, axis, where=where)
+  layer_axes = naming.form.layer_axes(weight, axis)
+  per_layer = naming.form.unstack({weight: a}, axis, where=where)
   shapes: dict[tuple[int, ...], tuple[Path, tuple[str, ...]]] = {}
   for path in per_layer:
     fields = naming.axis_fields(path, text)
@@ -271,11 +271,12 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
   # refused where it does not fit, or where nothing is stacked), from the model's weights (a
   # save of adapters alone: the adapters, stacked as their weights are).
-  axis = hf_layouts._scan_axis(
-      request, {p: leaf.shape for p, leaf in (base or leaves).items()}, where)
+  axis = naming.form.axis({p: leaf.shape for p, leaf in (base or leaves).items()},
+                          request.param_scan_axis, where=where,
+                          recorded=stacks.recorded_axis(source.detection.source.custom_metadata))
   if base:  # A full save: the family must take the whole model, as a model export checks.
-    model_shapes = {p: m.shape for p, m in stacks.unstack(
-        {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
+    model_shapes = {p: m.shape for p, m in naming.form.unstack(
+        {p: leaf.shape for p, leaf in base.items()}, axis, where=where).items()}
     hf_layouts._family_rules(family, naming, model_shapes, where)
   base_folder = _base_folder(request.base_model)
   text = _text_config(base_folder)
@@ -284,8 +285,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
            for w, a in sorted(adapters.items())}
   problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
   arranged = {w: f for w, f in found.items() if not isinstance(f, str)}
-  per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
-                             where=where)
+  per_layer = naming.form.unstack({w: c.weight for w, c in arranged.items()}, axis,
+                                  where=where)
   layer_shapes = {p: m.shape for p, m in per_layer.items()}
   try:
     mapped = hf_layouts._family_rules(family, naming, layer_shapes, where, whole=False)

@@ -1,19 +1,22 @@
 """Checking the target's weights against the checkpoint's, before any read.
 
 Besides listing weights found on one side only, it recognises the two cases that
-explain a whole set of them at once: scanned vs unscanned layers (inferred from
-paths and shapes: `mapping.stacks.stackings`) and a LoRA-only checkpoint.
+explain a whole set of them at once: a LoRA-only checkpoint, and scanned vs
+unscanned layers of a naming no layer form knows (MaxText's are re-laid:
+`maxtext/layers.py`), inferred from paths and shapes for the message.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 
 from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import lora, stacks
+from orbax_tunix.mapping import lora
+from orbax_tunix.mapping.patterns import Mapped
 from orbax_tunix.maxtext.view import CheckpointView, Shape
 
 
@@ -21,6 +24,7 @@ def check_weights(
     view: CheckpointView,
     target: Mapping[Path, Path],
     target_shapes: Mapping[Path, Shape | None],
+    relaid: Mapping[Path, Mapped],
     aux: Collection[Path],
 ) -> list[str]:
   """Checks the target's weights against the checkpoint's.
@@ -29,6 +33,7 @@ def check_weights(
     view: the checkpoint.
     target: canonical weight path -> target leaf path.
     target_shapes: target leaf path -> shape.
+    relaid: the checkpoint's weights in the target's layer form (`layers.relayout`).
     aux: canonical paths of non-weight variables (never required).
 
   Returns:
@@ -38,8 +43,9 @@ def check_weights(
     LoraOnlyCheckpointError, LayerScanMismatchError: those two cases, which
       explain a whole set of missing leaves at once.
   """
-  missing = [w for w in target if w not in view.model]
-  extra = sorted(w for w in view.model if w not in target and w not in aux) if target else []
+  used = {s for w in target if w in relaid for s in relaid[w].sources}
+  missing = [w for w in target if w not in relaid and w not in view.model]
+  extra = sorted(w for w in view.model if w not in used and w not in aux) if target else []
   sections = []
   if missing or extra:
     disk_weights = sorted(w for w in view.model if w not in aux)
@@ -59,8 +65,8 @@ def check_weights(
     extra_shapes = view.shapes(conventions.MODEL_ITEM, extra)
     disk_only = {w: (fmt(w), extra_shapes.get(w)) for w in extra}
     target_only = {w: (fmt(target[w]), target_shapes[target[w]]) for w in missing}
-    scanned_target = stacks.stackings(disk_only, target_only)
-    scanned_disk = stacks.stackings(target_only, disk_only)
+    scanned_target = _stackings(disk_only, target_only)
+    scanned_disk = _stackings(target_only, disk_only)
     if scanned_target or scanned_disk:
       raise errors.LayerScanMismatchError(
           _scan_message(view.step_dir, scanned_target, scanned_disk, len(missing), len(extra))
@@ -92,8 +98,8 @@ def check_weights(
 
 def _scan_message(
     step_dir: epath.Path,
-    scanned_target: Sequence[stacks.Stacking],
-    scanned_disk: Sequence[stacks.Stacking],
+    scanned_target: Sequence[str],
+    scanned_disk: Sequence[str],
     n_missing: int,
     n_extra: int,
 ) -> str:
@@ -111,7 +117,7 @@ def _scan_message(
           f'The {scanned} is SCANNED (one array per weight holding every layer) and'
           f' the {unscanned} UNSCANNED (one array per layer): {len(stackings)}'
           f' {scanned} weights ({scanned} <-> {unscanned}):\n'
-          + errors.list_paths([str(s) for s in stackings])
+          + errors.list_paths(list(stackings))
       )
   parts.append(
       f'In all, {n_missing} target weights are not in the checkpoint and'
@@ -121,3 +127,39 @@ def _scan_message(
       ' checkpoint first.'
   )
   return '\n'.join(parts)
+
+
+# A layer index as a key of its own ('layers/0/...', nnx.List) or a name suffix
+# ('layers_0/...', Linen's unscanned layers).
+_INDEXED_NAME = re.compile(r'(.+)_(\d+)')
+
+
+def _unindexed(path: Path) -> tuple[Path, int] | None:
+  """The path without its first layer index, and that index ('layers/0' or 'layers_0')."""
+  for i, key in enumerate(path):
+    if key.isdigit():
+      return path[:i] + path[i + 1:], int(key)
+    if m := _INDEXED_NAME.fullmatch(key):
+      return path[:i] + (m.group(1),) + path[i + 1:], int(m.group(2))
+  return None
+
+
+def _stackings(per_layer: Mapping[Path, tuple[str, Shape | None]],
+               stacked: Mapping[Path, tuple[str, Shape | None]]) -> list[str]:
+  """Each stacked leaf with the per-layer leaves that would make it, for people: its
+  shape, theirs, and the axis holding them (path -> (name, shape) on each side)."""
+  groups: dict[Path, list[tuple[int, Path]]] = {}
+  for path in per_layer:
+    if (found := _unindexed(path)) is not None:
+      groups.setdefault(found[0], []).append((found[1], path))
+  pairs = []
+  for path, (name, shape) in sorted(stacked.items()):
+    layers = sorted(groups.get(path, ()))
+    if layers:
+      one = per_layer[layers[0][1]][1]
+      axis = next((a for a, size in enumerate(shape or ()) if size == len(layers)
+                   and one is not None and shape[:a] + shape[a + 1:] == one), None)
+      pairs.append(f'{name} {shape} <-> {len(layers)} per-layer leaves'
+                   f' {per_layer[layers[0][1]][0]}, ... {one} ('
+                   + ('no layer axis fits' if axis is None else f'layer axis {axis}') + ')')
+  return pairs
