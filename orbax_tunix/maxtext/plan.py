@@ -243,7 +243,7 @@ def make_plan(view: CheckpointView, target: Mapping[Path, Any], *, params_only: 
   weights = {p[2:]: p for p in wanted if p[0] == PARAMS}
   relaid, stored = layers.relayout(view, {w: wanted[p] for w, p in weights.items()}, aux,
                                    param_scan_axis)
-  problems = check_weights(view, weights, wanted, relaid, aux)
+  problems = check_weights(view, weights, relaid, aux)
   targets = [p for p in wanted if p[0] == OPT_STATE]
   if targets and view.optimizer is None:
     problems.append(
