@@ -41,13 +41,18 @@ pyconfig `k=v` strings):
                   _CHECKPOINT_METADATA.
   logits          path, scan[, loader=params|full|pretrained]: a forward pass (dtype=float32)
                   on fixed tokens with weights from that loader; npz key 'logits'.
-  restore_train_state  path, scan[, params_only]: orbax_tunix.maxtext.restore_train_state(path,
-                  train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...);
-                  `notes` = the orbax_tunix log messages.
+  restore_train_state  path, scan[, params_only, model_name, dims]:
+                  orbax_tunix.maxtext.restore_train_state(path,
+                  train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...)
+                  (the tiny llama2's, or with model_name and dims a family's as family_case
+                  builds it); `notes` = the orbax_tunix log messages.
   family_case     model_name, dims, scan[, seed, step=3], out: a tiny random MaxText model
                   of one family saved as a Tunix run and a MaxText step under `out`, MaxText
                   0.2.5's own HF conversion of it, the fitted HF config and its logits (see
                   job_family_case).
+  layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
+                  from the same weights, saved as MaxText saves each and as Tunix runs (see
+                  job_layer_forms).
   read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
   auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
@@ -407,7 +412,8 @@ def job_logits(job, out_dir):
 def job_restore_train_state(job, out_dir):
   import orbax_tunix.maxtext  # here, not at the top: see the imports above
 
-  cfg = config(job['scan'], *job.get('overrides', ()))
+  cfg = (family_config(job['model_name'], job['scan'], job['dims']) if 'model_name' in job
+         else config(job['scan'], *job.get('overrides', ())))
   target = train_state_nnx.to_checkpoint_dict(abstract_train_state(cfg))
   capture = Capture()
   lib_logger = logging.getLogger('orbax_tunix')

@@ -22,7 +22,9 @@ step must hold exactly the leaves of MaxText's own step of that form: the same k
 and, for each, the same shape, dtype and values, read here by plain Orbax; the full state's
 `_METADATA` (key types, value types, the `None` of adamw's empty state) alike. `nnx_aux`
 (MaxText's RNG state) is left out on purpose by the converter (tests/test_maxtext_client.py)
-and of the comparison. Nothing expected comes from orbax_tunix.
+and of the comparison. And MaxText's own abstract state of the other form is restored from the
+Tunix run by `maxtext.restore_train_state` in the MaxText venv (gemma3, gemma4): the same
+values. Nothing expected comes from orbax_tunix.
 
 ~2.5 min: MaxText's imports and four families' models in both forms, saved three ways
 (the conversions run here meanwhile).
@@ -69,6 +71,7 @@ SOURCES = {
 # What each conversion is compared with: MaxText's own step of the other form.
 EXPECTED = {'tunix_params': ('maxtext_params', STEP), 'tunix_full': ('maxtext_full', STEP - 1),
             'maxtext_params': ('maxtext_params', STEP)}
+RESTORED = ('gemma3', 'gemma4')  # restored by restore_train_state into the other form too
 LOGITS_ATOL = 1e-5  # scanned and unrolled forward passes of the same float32 weights
 CASES = [(family, form, source) for family in FAMILIES for form in OTHER for source in SOURCES]
 
@@ -120,6 +123,12 @@ def run(tmp_path_factory):
         converts[family, form, source] = convert(
             work / family / form / kind, work / 'conv' / '_'.join((family, form, source))
             / str(STEP), '--scan-layers', scan, *flags)
+    if family in RESTORED:  # MaxText's abstract state of the other form, restored
+      model, dims = FAMILIES[family]
+      for form, (_, other) in OTHER.items():
+        worker.send({'id': f'restore_{family}_{form}', 'job': 'restore_train_state',
+                     'path': str(work / family / form / 'tunix'), 'scan': other == 'scan',
+                     'model_name': model, 'dims': [*DIMS, *dims]})
   worker.finish(max(60.0, deadline - time.time()))
   return Run(worker, converts)
 
@@ -176,3 +185,23 @@ def test_b_the_other_form_is_maxtexts_own_step_of_it(run, family, form, source):
     assert _tree(got_dir) == _tree(want_dir)
   meta = json.loads((got_dir / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
   assert meta['scan_layers'] is (other == 'scan')
+
+
+@pytest.mark.parametrize('family', RESTORED)
+@pytest.mark.parametrize('form', OTHER)
+def test_c_restore_train_state_restores_maxtexts_abstract_state_of_the_other_form(
+    run, family, form):
+  """`maxtext.restore_train_state(tunix run, MaxText's abstract state of the other form)`:
+  every params, opt_state and step leaf the value MaxText's own full step of that form holds."""
+  r = run.family(family)
+  other = OTHER[form][1]
+  want = _leaves(pathlib.Path(r['out']) / other / 'maxtext_full' / str(STEP - 1))
+  job = run.worker.results.get(f'restore_{family}_{form}')
+  assert job is not None and job['ok'], (job or {}).get('traceback', run.worker.log())[-3000:]
+  assert job['structure_equal']
+  with np.load(job['npz']) as z:
+    got = {k: z[k] for k in z.files if not k.startswith('nnx_aux/')}
+  assert sorted(got) == sorted(want)
+  for path, value in want.items():
+    assert (got[path].shape, got[path].dtype) == (value.shape, value.dtype), path
+    np.testing.assert_array_equal(got[path], value, err_msg=path)
