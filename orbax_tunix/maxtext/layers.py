@@ -51,7 +51,7 @@ def relayout(view: CheckpointView, target: Mapping[Path, Shape | None], aux: Col
   if have.scanned:
     axis = have.axis(stored, axis, count=want.count(wanted), where=where)
   elif axis is None:
-    axis = want.axis(wanted, count=len(have.layers(stored, where)), where=where)
+    axis = want.axis(wanted, count=len(want.layers(stored, where)), where=where)
   try:
     relaid = stacks.relay({w: stored.get(w) for w in weights}, have, want, axis, where=where)
   except errors.UnsupportedLayoutError as e:
