@@ -41,13 +41,18 @@ pyconfig `k=v` strings):
                   _CHECKPOINT_METADATA.
   logits          path, scan[, loader=params|full|pretrained]: a forward pass (dtype=float32)
                   on fixed tokens with weights from that loader; npz key 'logits'.
-  restore_train_state  path, scan[, params_only]: orbax_tunix.maxtext.restore_train_state(path,
-                  train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...);
-                  `notes` = the orbax_tunix log messages.
+  restore_train_state  path, scan[, params_only, model_name, dims]:
+                  orbax_tunix.maxtext.restore_train_state(path,
+                  train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...)
+                  (the tiny llama2's, or with model_name and dims a family's as family_case
+                  builds it); `notes` = the orbax_tunix log messages.
   family_case     model_name, dims, scan[, seed, step=3], out: a tiny random MaxText model
                   of one family saved as a Tunix run and a MaxText step under `out`, MaxText
                   0.2.5's own HF conversion of it, the fitted HF config and its logits (see
                   job_family_case).
+  layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
+                  from the same weights, saved as MaxText saves each and as Tunix runs (see
+                  job_layer_forms).
   read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
   auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
@@ -57,6 +62,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -406,7 +412,8 @@ def job_logits(job, out_dir):
 def job_restore_train_state(job, out_dir):
   import orbax_tunix.maxtext  # here, not at the top: see the imports above
 
-  cfg = config(job['scan'], *job.get('overrides', ()))
+  cfg = (family_config(job['model_name'], job['scan'], job['dims']) if 'model_name' in job
+         else config(job['scan'], *job.get('overrides', ())))
   target = train_state_nnx.to_checkpoint_dict(abstract_train_state(cfg))
   capture = Capture()
   lib_logger = logging.getLogger('orbax_tunix')
@@ -483,19 +490,24 @@ def random_model(cfg, seed: int):
   return nnx.merge(graphdef, params, rest), drawn
 
 
-def save_tunix_run(root: Path, step: int, model) -> None:
+def save_tunix_run(root: Path, step: int, model, optimizer=None) -> None:
   """A Tunix run: `nnx.state(TunixMaxTextAdapter(model))` saved exactly as google-tunix 0.1.7's
   `tunix.sft.checkpoint_manager.CheckpointManager.save` saves it (Orbax v0 CheckpointManager,
-  item `model_params`, PyTreeSave of the whole nnx.State: `base/<path>/value`, RNG state too)."""
+  item `model_params`, PyTreeSave of the whole nnx.State: `base/<path>/value`, RNG state too;
+  with an `nnx.Optimizer` of the adapter, item `optimizer_state`: its `OptState`s)."""
   import orbax.checkpoint as ocp  # noqa: PLC0415 - v0 API, as Tunix 0.1.7 uses it
   from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter  # noqa: PLC0415
 
-  params = nnx.state(TunixMaxTextAdapter(base_model=model))
+  adapter = model if optimizer is not None else TunixMaxTextAdapter(base_model=model)
+  items = {'model_params': nnx.state(adapter)}
+  if optimizer is not None:
+    items['optimizer_state'] = nnx.state(optimizer, nnx.optimizer.OptState)
   mngr = ocp.CheckpointManager(
-      str(root), item_handlers={'model_params': ocp.PyTreeCheckpointHandler()},
+      str(root), item_handlers={name: ocp.PyTreeCheckpointHandler() for name in items},
       options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
-  mngr.save(step, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(
-      item=params, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), params))))
+  mngr.save(step, args=ocp.args.Composite(**{
+      name: ocp.args.PyTreeSave(item=tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), tree))
+      for name, tree in items.items()}))
   mngr.wait_until_finished()
   mngr.close()
 
@@ -628,6 +640,150 @@ def job_family_case(job, out_dir):
           'mt': {k: list(v.shape) for k, v in drawn.items()}}
 
 
+# --------------------------------------------------------------------------- #
+# One family's steps in both layer forms, from the same weights
+# --------------------------------------------------------------------------- #
+GEMMA_PERIOD = 6  # gemma3's and gemma4's attention pattern: the layers of a scanned block
+
+
+def stacked(paths: dict[str, tuple], per_layer: dict[str, np.ndarray], axis: int,
+            layers: int) -> dict[str, np.ndarray]:
+  """The scanned model's leaves (`paths`: path -> shape) from the unscanned one's
+  (`decoder/layers_<i>/<w>`), stacked as CLIENTS.md says MaxText 0.2.5 stacks them on
+  `param_scan_axis` (`axis`): written here by hand, and proven by the forward pass."""
+  full = layers // GEMMA_PERIOD * GEMMA_PERIOD
+
+  def layer(i, w):
+    return per_layer[f'decoder/layers_{i}/{w}']
+
+  out = {}
+  for path, shape in paths.items():
+    blocks = shape[axis] if len(shape) > axis else 0
+    if m := re.fullmatch(r'decoder/layers/layers_(\d+)/(.+)', path):  # gemma3's blocks
+      value = np.stack([layer(GEMMA_PERIOD * a + int(m[1]), m[2]) for a in range(blocks)], axis)
+    elif m := re.fullmatch(r'decoder/layers_remainder/layers_(\d+)/(.+)', path):  # ... the rest
+      value = layer(full + int(m[1]), m[2])
+    elif m := re.fullmatch(r'decoder/scanned_blocks/local_layers/(.+)', path):  # gemma4's
+      value = np.stack([np.stack([layer(GEMMA_PERIOD * a + k, m[1])
+                                  for k in range(GEMMA_PERIOD - 1)], axis)
+                        for a in range(blocks)], axis)
+    elif m := re.fullmatch(r'decoder/scanned_blocks/global_layer/(.+)', path):
+      value = np.stack([layer(GEMMA_PERIOD * a + GEMMA_PERIOD - 1, m[1])
+                        for a in range(blocks)], axis)
+    elif m := re.fullmatch(r'decoder/layers_remainder/local_layers/(.+)', path):
+      value = np.stack([layer(full + r, m[1]) for r in range(blocks)], axis)
+    elif m := re.fullmatch(r'decoder/layers/(.+)', path):  # every other model
+      value = np.stack([layer(i, m[1]) for i in range(blocks)], axis)
+    else:
+      value = per_layer[path]
+    assert value.shape == tuple(shape), (path, value.shape, shape)
+    out[path] = value
+  return out
+
+
+def _filled(tree, values) -> dict:
+  """A pure dict's leaves replaced by `values(path, leaf)` (None: kept)."""
+  def fill(node, prefix):
+    if isinstance(node, dict):
+      return {k: fill(v, f'{prefix}{k}/') for k, v in node.items()}
+    found = values(prefix[:-1], node)
+    return node if found is None else jnp.asarray(found, node.dtype)
+  return fill(tree, '')
+
+
+def _optimizer_values(weights: dict, mu: dict, nu: dict, step: int, prefix: str):
+  """The leaves of a model's state and its adamw optimizer's: the model's weights, adam's mu
+  and nu (under `opt_state/<i>/{mu,nu}/<prefix>`), every count and the step `step`."""
+  def values(path, leaf):
+    if m := re.fullmatch(rf'(?:.*/)?opt_state/\d+/(mu|nu)/{prefix}(.+)', path):
+      return (mu if m[1] == 'mu' else nu)[m[2]]
+    if path.endswith('count') and 'rngs' not in path or path.endswith('step'):
+      return np.asarray(step)
+    return weights.get(path.split('/', 1)[1] if path.startswith(('model/', 'base/')) else path)
+  return values
+
+
+def job_layer_forms(job, out_dir):
+  """One family's model in both of MaxText's layer forms, from the same weights: MaxText's
+  own steps of each form, and Tunix runs of each.
+
+  Arguments: model_name, dims, seed, step, out. The unscanned model's nnx.Param leaves, and
+  adam's mu and nu for them, are drawn as `random_model` draws; the scanned model's are the
+  same stacked (`stacked`), which its forward pass proves: its logits are the unscanned
+  one's. Writes under `<out>/<form>` (form: scan, unscan): `maxtext_params` (a params-only
+  step, `save_maxtext_step`), `maxtext_full` (the full train state as MaxText's train loop
+  saves it: its TrainStateNNX with adamw, by `checkpointing.save_checkpoint`, at directory
+  step-1), `tunix` (a Tunix run of the TunixMaxTextAdapter with an adamw(schedule)
+  nnx.Optimizer, both items, as Tunix 0.1.7 saves them).
+  """
+  import optax  # noqa: PLC0415
+  from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter  # noqa: PLC0415
+
+  out, step, seed = Path(job['out']).resolve(), int(job.get('step', 3)), int(job.get('seed', 0))
+  cfgs = {form: family_config(job['model_name'], form == 'scan', job['dims'])
+          for form in ('unscan', 'scan')}
+  model, weights = {}, {}
+  model['unscan'], weights['unscan'] = random_model(cfgs['unscan'], seed)
+  rng = np.random.default_rng(seed + 1)
+  moments = {f: {p: rng.normal(0, 0.3, v.shape).astype(jnp.bfloat16).astype(np.float32)
+                 for p, v in weights['unscan'].items()} for f in ('mu', 'nu')}
+  cfg = cfgs['scan']
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  create_model, _ = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
+  with nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    made = create_model()
+  graphdef, params, rest = nnx.split(made, nnx.Param, ...)
+  shapes = {p: tuple(v.shape) for p, v in flat(params.to_pure_dict()).items()}
+  weights['scan'] = stacked(shapes, weights['unscan'], cfg.param_scan_axis,
+                            cfg.num_decoder_layers)
+  moments = {'unscan': moments, 'scan': {f: stacked(shapes, m, cfg.param_scan_axis,
+                                                    cfg.num_decoder_layers)
+                                         for f, m in moments.items()}}
+  nnx.replace_by_pure_dict(params, _filled(params.to_pure_dict(),
+                                           lambda p, _: weights['scan'][p]))
+  model['scan'] = nnx.merge(graphdef, params, rest)
+  for form, cfg in cfgs.items():
+    root = out / form
+    save_maxtext_step(root / 'maxtext_params', step, model[form])
+    mesh = maxtext_utils.get_mesh_from_config(cfg)
+    _, tx = train_utils.create_training_optimizer(cfg, model[form], mesh=mesh)
+    values = _optimizer_values(weights[form], moments[form]['mu'], moments[form]['nu'], step, '')
+    with nn_partitioning.axis_rules(cfg.logical_axis_rules):
+      state = train_state_nnx.TrainStateNNX(model[form], nnx.Optimizer(model[form], tx,
+                                                                        wrt=nnx.Param))
+    full = nnx.state(state)
+    nnx.replace_by_pure_dict(full, _filled(full.to_pure_dict(), values))
+    manager = checkpointing.create_orbax_checkpoint_manager(
+        str(root / 'maxtext_full'), True, False, 1, use_ocdbt=cfg.checkpoint_storage_use_ocdbt,
+        use_zarr3=cfg.checkpoint_storage_use_zarr3)
+    checkpointing.save_checkpoint(manager, step - 1, full, cfg)
+    checkpointing.wait_until_finished(manager)
+    adapter = TunixMaxTextAdapter(base_model=model[form])
+    optimizer = nnx.Optimizer(adapter, optax.adamw(optax.linear_schedule(1e-3, 1e-4, 10)),
+                              wrt=nnx.Param)
+    opt = nnx.state(optimizer, nnx.optimizer.OptState)
+    moved = _optimizer_values(weights[form], moments[form]['mu'], moments[form]['nu'], step,
+                              'base/')
+    nnx.replace_by_pure_dict(opt, _filled(opt.to_pure_dict(), moved))
+    nnx.update(optimizer, opt)
+    save_tunix_run(root / 'tunix', step, adapter, optimizer)
+  # Last: a forward pass adds state to some models (an MoE block's overflow flags).
+  tokens = fixed_tokens(cfgs['scan'])
+  logits = {form: forward_logits(model[form], tokens) for form in model}
+  # The same check fails for weights stacked otherwise: the first two layers swapped.
+  first, second = (f'decoder/layers_{i}/' for i in (0, 1))
+  swapped = {p.replace(first, '@').replace(second, first).replace('@', second): v
+             for p, v in weights['unscan'].items()}
+  logits['swapped'] = forward_logits(model_with(cfgs['unscan'], _filled(
+      nnx.state(model['unscan'], nnx.Param).to_pure_dict(), lambda p, _: swapped[p])), tokens)
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, **{f'logits_{form}': v for form, v in logits.items()})
+  return {'npz': npz, 'out': str(out), 'step': step,
+          'layers': cfgs['scan'].num_decoder_layers,
+          'param_scan_axis': cfgs['scan'].param_scan_axis,
+          'scanned': sorted(shapes)}
+
+
 def text_name(name: str) -> str:
   """A multimodal checkpoint's text-model name as the text model names it."""
   return name.replace('model.language_model.', 'model.', 1)
@@ -675,6 +831,7 @@ JOBS = {
     'logits': job_logits,
     'restore_train_state': job_restore_train_state,
     'family_case': job_family_case,
+    'layer_forms': job_layer_forms,
     'auto_config': job_auto_config,
     'read_hf': job_read_hf,
 }

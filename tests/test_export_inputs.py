@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 import orbax_tunix as ot
-from orbax_tunix.mapping import huggingface, stacks
+from orbax_tunix.mapping import huggingface
 from orbax_tunix.tools import export as export_lib
 from tests.clients import client_env, subprocess_env
 from tests.test_cli import run
@@ -99,7 +99,7 @@ def test_smaller_vocab_size_of_a_tunix_model_is_refused(tmp_path, capsys, fixtur
 def test_only_known_padding_is_cut_from_a_tunix_model(family, rows, vocab_size, cut):
   naming = huggingface.get(family).tunix
   shapes = {('embedder', 'input_embedding'): (rows, 8)}
-  weights = stacks.unstack(shapes, naming.stacks)
+  weights = naming.form.unstack(shapes)
   if not cut:
     with pytest.raises(ot.UnsupportedLayoutError, match=f'vocab_size {vocab_size} is smaller'):
       huggingface.cut_vocab(naming, weights, vocab_size, 'config.json')

@@ -1050,6 +1050,30 @@ def test_maxtext_axes_are_the_dims_read_the_other_way(model):
   assert checked >= 3, naming.dims  # heads and head_dim (query), kv heads (key)
 
 
+def test_peft_honours_the_axis_the_step_records(tmp_path):
+  """A LoRA run of MaxText's gemma3, converted to MaxText's scanned blocks (adapters stacked as
+  their kernels), records its layer axis: `--peft` of the converted step takes the layers apart
+  along it, giving the adapter of the unscanned run itself byte for byte; another axis is
+  refused naming the recorded one (the model export alike), before anything is written."""
+  from orbax_tunix.tools import convert
+  from tests import test_export_maxtext as mt
+  run, _ = _maxtext_lora_run('gemma3', 'unscanned')
+  src = mt.save_tunix_run(tmp_path / 'run', run)
+  step = tmp_path / 'scanned' / '1'
+  convert.run_convert(convert.plan_convert(src, step, layout='maxtext', params_only=True,
+                                           scan_layers=True))
+  meta = json.loads((step / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
+  assert (meta['scan_layers'], meta['param_scan_axis']) == (True, 1)
+  for source, out in ((src, 'a_run'), (step, 'a_step')):
+    ot.export_peft_adapter(source, tmp_path / out, model='gemma3', alpha=mt.ALPHA)
+  for name in (peft.ADAPTER_FILE, peft.CONFIG_FILE):
+    assert (tmp_path / 'a_step' / name).read_bytes() == (tmp_path / 'a_run' / name).read_bytes()
+  for flags in (PEFT, ('--base-only',)):
+    p = cli(step, tmp_path / 'out', '--model', 'gemma3', *flags, '--param-scan-axis', '0')
+    assert p.returncode == 2 and 'records its layers stacked along axis 1' in p.stderr, p.stderr
+  assert not (tmp_path / 'out').exists()
+
+
 @pytest.mark.parametrize(('source', 'axis', 'said'), [
     ('scanned', '0', ('stacked along axis 1', 'param_scan_axis=0', '--param-scan-axis 1')),
     ('scanned_alone', '0', ('stacked along axis 1', 'param_scan_axis=0', '--param-scan-axis 1')),

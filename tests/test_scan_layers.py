@@ -408,10 +408,20 @@ def test_param_scan_axis_names_the_scanned_side_and_must_fit_it(tmp_path, capsys
     rest = k[len('decoder/layers/'):]
     for i in range(3):
       np.testing.assert_array_equal(got[f'decoder/layers_{i}/{rest}'], v[:, i], err_msg=k)
-  # The optimizer state is not re-laid onto another axis: refused, nothing written.
+  # The full state: adam's mu and nu, which mirror the weights, moved onto axis 0 with them.
   status, _, err = run(capsys, 'convert', LLAMA, out / 'e' / '0', '--layout', 'maxtext',
                        '--scan-layers', 'true', '--param-scan-axis', '0')
-  assert status == 2 and '--params-only' in err and not (out / 'e').exists()
+  assert status == 0, err
+  opt = builders.raw_leaves(LLAMA / '2' / 'optimizer_state')
+  got = builders.raw_leaves(out / 'e' / '0' / 'items')
+  checked = 0
+  for field in ('mu', 'nu'):
+    for k in weights:
+      want = opt[f'opt_state/0/{field}/base/{k}/value']
+      np.testing.assert_array_equal(got[f'opt_state/0/{field}/params/{k}'],
+                                    np.moveaxis(want, 1, 0) if k in stacked else want, err_msg=k)
+      checked += 1
+  assert checked == 2 * len(weights) and got['step'] == opt['step/value']
   # An axis with nothing scanned on either side.
   status, _, err = run(capsys, 'convert', LLAMA, out / 'f' / '0', '--layout', 'maxtext',
                        '--params-only', '--scan-layers', 'false', '--param-scan-axis', '1')

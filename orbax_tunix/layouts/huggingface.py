@@ -73,9 +73,12 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   model, left_out = _model_weights(found)
   naming = family.naming(model, where)
   stored = {p: o.shape for p, o in model.items()}
-  axis = _scan_axis(request, stored, where)
+  # The layer axis as every layout resolves it: as given, else as the step records it (a
+  # converted step), else the one the shapes tell; refused where it does not fit.
+  axis = naming.form.axis(stored, request.param_scan_axis, where=where,
+                          recorded=stacks.recorded_axis(source.detection.source.custom_metadata))
   # MaxText's stacked layers taken apart first, then the family's names.
-  per_layer = stacks.unstack(stored, naming.stacks, axis, where=where)
+  per_layer = naming.form.unstack(stored, axis, where=where)
   base_config = _base_config(request.hf_config)
   per_layer, vocab_notes = huggingface.cut_vocab(
       naming, per_layer, _config_vocab(base_config), f'{request.hf_config}/config.json')
@@ -156,35 +159,6 @@ def base_weights(request: Request) -> dict:
   return {path: copied(Input(source, leaf), path, request.dtype) for path, leaf in plain.items()}
 
 
-def _scan_axis(request: Request, shapes: Mapping, where: str) -> int:
-  """The layer axis of stacked weights (`param_scan_axis`): as given, else as the step
-  records it (a converted step), else the one the shapes tell (MaxText's default where
-  several do), checked against the stored weights as `convert` checks it.
-
-  Raises:
-    InvalidOptionError: a negative axis; an axis given for weights that hold no
-      stacked layers.
-    LayerScanMismatchError: an axis along which the stacked weights do not hold
-      one layer count (the message names the axis that fits).
-  """
-  given = request.param_scan_axis
-  stacks.check_axis(given)
-  if stacks.describe(shapes)[0] != stacks.SCANNED:
-    if given is not None:
-      raise errors.InvalidOptionError(
-          f'{where}: `param_scan_axis` {given}: the weights hold no stacked layers'
-          f' ({huggingface.describe_source(shapes)}); leave `param_scan_axis` out.')
-    return stacks.DEFAULT_AXIS
-  recorded = request.source.detection.source.custom_metadata.get(stacks.SCAN_AXIS_KEY)
-  axis = given if given is not None else recorded if isinstance(recorded, int) else None
-  fit = stacks.stacked_axes(shapes)
-  if not fit:  # Stacks outside decoder/layers (gemma4's blocks).
-    return stacks.DEFAULT_AXIS if axis is None else axis
-  if axis is None and stacks.DEFAULT_AXIS in fit:
-    axis = stacks.DEFAULT_AXIS  # Where the shapes allow several, MaxText's default.
-  return stacks.check_stacked(shapes, axis, where)
-
-
 def _model_weights(found: dict) -> tuple[dict, list[str]]:
   """The weights without AQT's quantization state (no tensor of the model), and a note."""
   aqt = [p for p in found if conventions.is_quantization_state(p)]
@@ -205,7 +179,7 @@ def _merged_per_layer(merged, model, per_layer, naming, axis: int) -> dict:
   """
   adapters = {path: leaf.shape for m in merged.merges.values()
               for path, leaf in ((m.adapter.a, m.a), (m.adapter.b, m.b))}
-  layers = stacks.unstack(adapters, naming.stacks, axis)
+  layers = naming.form.unstack(adapters, axis)
   out = {}
   for dest, m in per_layer.items():
     (source,) = m.sources

@@ -5,19 +5,18 @@ One item, `items`, as MaxText 0.2.5 saves its train state (zarr3 arrays):
 optimizer and `step` as MaxText's adamw chain saves them (`maxtext.train_state`).
 `nnx_aux` is left out: MaxText keeps its own initial values for it
 (a Tunix run's RNG keys are of another kind). The custom metadata records
-`scan_layers`, which MaxText's `from_pretrained` checks.
+`scan_layers`, which MaxText's `from_pretrained` checks, and the layer axis.
 
-The mapping is the MaxText view's (`maxtext.plan.make_plan`), the one that
-restores a Tunix step into an abstract state a caller gives: here the target
-is MaxText's own train state for these weights (`maxtext.train_state`),
-optionally with the decoder's layers in the other form (`mapping.stacks`).
+The leaves are MaxText's rules applied to the run (`maxtext.plan.made`, as a restore
+applies them), its optimizer matched to MaxText's adamw chain; the decoder's layers in
+the form asked for (`scan_layers`): the family's scanned form or one array per layer
+(`mapping.stacks.LayerForm`, the families' forms: `huggingface.layer_form`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from orbax_tunix import conventions, errors
@@ -25,11 +24,11 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, register
 from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
-from orbax_tunix.mapping import lora, patterns, stacks
+from orbax_tunix.mapping import huggingface, lora, patterns, stacks
 from orbax_tunix.mapping import outputs as outputs_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
-from orbax_tunix.maxtext import train_state
-from orbax_tunix.maxtext.plan import RestorePlan, make_plan
+from orbax_tunix.mapping.transforms import IDENTITY
+from orbax_tunix.maxtext import plan, train_state
 from orbax_tunix.maxtext.view import read_view
 from orbax_tunix.reading import reader
 
@@ -38,32 +37,32 @@ ITEM = conventions.MAXTEXT_ITEM
 
 @dataclasses.dataclass(frozen=True)
 class _Layers:
-  """How the decoder's layers are written.
+  """How the decoder's layers are stored and written.
 
   Attributes:
-    rules: the layout rules from the stored weights to the written ones.
-    form: the form written (None: no MaxText decoder layers).
-    axis: the layer axis written when scanned (else None).
-    relaid: the layers are written in another form or axis than stored.
-    scan_axis: the layer axis of the scanned side, stored or written (None:
-      neither is scanned).
+    have: the stored form (None: no MaxText decoder layers).
+    want: the form written (None: no MaxText decoder layers).
+    axis: the stored layer axis (None: unscanned, or not told by the shapes).
+    to_axis: the written one (None: unscanned, or not told).
   """
 
-  rules: tuple[patterns.LayoutRule, ...]
-  form: str | None
-  axis: int | None
-  relaid: bool
-  scan_axis: int | None = None
+  have: stacks.LayerForm | None = None
+  want: stacks.LayerForm | None = None
+  axis: int | None = None
+  to_axis: int | None = None
+
+  @property
+  def relaid(self) -> bool:
+    return self.have != self.want or self.axis != self.to_axis
 
 
 def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
-  """The layers' form and axis to write, from the request and the stored shapes.
+  """The layers' form and axis, stored and written, from the request and the stored shapes.
 
-  `param_scan_axis` names the layer axis of the scanned side: the written one
-  when writing scanned, else the stored one. A stored scanned step's own axis
-  is the one its custom metadata records (a converted step), else the one its
-  shapes allow (`stacks.check_stacked`); a given axis that does not fit it is
-  refused, naming the weights.
+  `param_scan_axis` names the layer axis of the scanned side: the written one when writing
+  scanned, else the stored one (its own is the step's recorded one, else the one its shapes
+  tell: `LayerForm.axis`, which refuses one that does not fit). Unscanned layers are written
+  scanned in their family's form (`huggingface.scanned_form`).
 
   Raises:
     InvalidOptionError: a negative `param_scan_axis`, or one no side of the
@@ -72,92 +71,57 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
     LayerScanMismatchError: the stored layers are not one decoder (a weight
       with another layer count or shape), or the axis does not fit them.
   """
-  given = request.param_scan_axis
+  given, scan, where = request.param_scan_axis, request.scan_layers, str(request.source.step_dir)
   stacks.check_axis(given)
-  where = str(request.source.step_dir)
-  stored = stacks.form_of(shapes)
-  want = None if request.scan_layers is None else (
-      stacks.SCANNED if request.scan_layers else stacks.UNSCANNED)
-  if stored is None and want is not None:
+  have = huggingface.layer_form(shapes)
+  if have is None and scan is not None:
     raise errors.UnsupportedLayoutError(
-        f'{where}: `scan_layers` asks for MaxText\'s {want} layers, but the weights hold'
+        f'{where}: `scan_layers` asks for MaxText\'s'
+        f' {stacks.SCANNED if scan else stacks.UNSCANNED_NAME} layers, but the weights hold'
         ' no MaxText decoder layers (decoder/layers/... or decoder/layers_<i>/...).'
         ' Leave `scan_layers` out.'
     )
-  if given is not None and stacks.SCANNED not in (stored, want):
+  want = have if scan is None or have is None else (
+      stacks.UNSCANNED if not scan else have if have.scanned
+      else huggingface.scanned_form(shapes, where))
+  if given is not None and not (have and have.scanned) and not (want and want.scanned):
     raise errors.InvalidOptionError(
         f'`param_scan_axis` {given}: '
         + ('the layers are written as stored (no `scan_layers`), and the weights hold no'
-           ' scanned layers' if want is None else 'neither the stored nor the written layers'
+           ' scanned layers' if scan is None else 'neither the stored nor the written layers'
            ' are scanned')
         + ', so no layer axis is used. Leave `param_scan_axis` out'
-        + (', or pass `scan_layers` too.' if want is None else '.')
+        + (', or pass `scan_layers` too.' if scan is None else '.')
     )
-  if stored is None:
-    return _Layers((stacks.AS_STORED,), None, None, False)
-  if stored == stacks.UNSCANNED:
-    if want != stacks.SCANNED:
-      return _Layers((stacks.AS_STORED,), stored, None, False)
-    stacks.check_unscanned(shapes, where)
-    axis = stacks.DEFAULT_AXIS if given is None else given
-    return _Layers(stacks.rules(stacks.SCANNED, axis), want, axis, True, axis)
-  recorded = request.source.detection.source.custom_metadata.get(stacks.SCAN_AXIS_KEY)
-  recorded = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
-  names_stored = want != stacks.SCANNED  # The axis given names the stored layers.
-  if names_stored and given is not None and recorded is not None and given != recorded:
-    raise errors.LayerScanMismatchError(
-        f'{where}: `param_scan_axis` {given}, but the step records its layers stacked along'
-        f' axis {recorded} (custom metadata {stacks.SCAN_AXIS_KEY!r}). Pass'
-        f' `param_scan_axis={recorded}`, or leave it out.'
-    )
-  named = given if names_stored and given is not None else recorded
-  if want is None and named is None:
+  if have is None or not (have.scanned or want.scanned):
+    return _Layers(have, want)
+  recorded = stacks.recorded_axis(request.source.detection.source.custom_metadata)
+  named = None if scan else given  # Writing scanned, `given` names the written axis.
+  axis = None
+  if have.scanned and scan is None and named is None and recorded is None:
     try:  # As stored: the axis is only recorded, when the shapes tell it.
-      axis = stacks.check_stacked(shapes, None, where)
+      axis = have.axis(shapes, where=where)
     except errors.LayerScanMismatchError:
-      axis = None
-    return _Layers((stacks.AS_STORED,), stored, axis, False, axis)
-  source_axis = stacks.check_stacked(shapes, named, where)
-  if want == stacks.UNSCANNED:
-    return _Layers(stacks.rules(stacks.UNSCANNED, source_axis), want, None, True, source_axis)
-  axis = source_axis if want is None or given is None else given
-  if axis != source_axis and not request.params_only:
-    raise errors.UnsupportedLayoutError(
-        f'{where}: the layers are stacked along axis {source_axis}; moving them to'
-        f' param_scan_axis={axis} is done for the weights only (the optimizer state is not'
-        ' re-laid so). Add `params_only` (MaxText then starts its optimizer afresh), or'
-        f' pass `param_scan_axis={source_axis}`.'
-    )
-  return _Layers(stacks.rules(stacks.SCANNED, axis, source_axis), stacks.SCANNED, axis,
-                 axis != source_axis, axis)
+      pass
+  elif have.scanned:
+    axis = have.axis(shapes, named, recorded=recorded, where=where)
+  to_axis = None if not want.scanned else given if scan and given is not None else (
+      stacks.DEFAULT_AXIS if axis is None and not have.scanned else axis)
+  return _Layers(have, want, axis, to_axis)
 
 
-def _relaid(request: Request, weights, laid: _Layers) -> dict[Path, patterns.Mapped]:
+def _relaid(request: Request, shapes, laid: _Layers) -> dict[Path, patterns.Mapped]:
   """The weights as MaxText holds them in the form `laid` says."""
-  shapes = {w: leaf.shape for w, leaf in weights.items()}
+  if laid.have is None or not laid.relaid:
+    return {w: patterns.Mapped((w,), IDENTITY, s) for w, s in shapes.items()}
   try:
-    return patterns.map_paths(shapes, laid.rules, where=str(request.source.step_dir)).outputs
+    return stacks.relay(shapes, laid.have, laid.want, stacks.DEFAULT_AXIS
+                        if laid.axis is None else laid.axis, laid.to_axis,
+                        where=str(request.source.step_dir))
   except errors.UnsupportedLayoutError as e:
     raise errors.LayerScanMismatchError(
         f'{e}\nThe decoder\'s layers cannot be re-laid so: check how the step was written.'
     ) from e
-
-
-def _outputs(request: Request, plan: RestorePlan, target: dict) -> tuple[Output, ...]:
-  """Every target leaf of a MaxText plan as an output of the writer."""
-  source = request.source
-  leaves = {(leaf.item, leaf.path): leaf for leaf in source.leaves}
-
-  def input_of(s):
-    return Input(source, leaves[(s[0], s[1:])])
-
-  def made_as(path, m):  # Counts and step as MaxText has them; the rest as stored (cast).
-    fixed = target[path].dtype
-    dtype = fixed if not m.sources or np.issubdtype(fixed, np.integer) else reader.cast_dtype(
-        input_of(m.sources[0]).leaf, request.dtype)
-    return jax.ShapeDtypeStruct(target[path].shape, dtype)
-
-  return plan.outputs(input_of, {p: made_as(p, m) for p, m in plan.leaves.items()})
 
 
 def lay_out(request: Request) -> LaidOut:
@@ -166,48 +130,55 @@ def lay_out(request: Request) -> LaidOut:
   if request.merge is not None:
     # The merged model's weights (the plain model's paths), the layers as stored.
     weights = {p: s.leaf for p, s in request.merge.weights.items()}
-  laid = _layers(request, {w: tuple(leaf.shape) for w, leaf in weights.items()})
+  shapes = {w: tuple(leaf.shape) for w, leaf in weights.items()}
+  laid = _layers(request, shapes)
   first = tuple(rng_note(source)) + tuple(_not_maxtext_note(weights))
   if laid.relaid:
-    first += (f'decoder layers written {laid.form}'
-              + (f' (param_scan_axis={laid.axis})' if laid.axis is not None else ''),)
+    first += (f'decoder layers written {laid.want.kind}'
+              + (f' (param_scan_axis={laid.to_axis})' if laid.to_axis is not None else ''),)
+  relaid = _relaid(request, shapes, laid)  # A layer refusal before any output is made.
   if request.params_only:  # params/params/<weights> (merged for a LoRA merge)
-    mapped = _relaid(request, weights, laid)  # A layer refusal before any output is made.
-    made = outputs_lib.relay(layout_weights(request), mapped, conventions.MAXTEXT_PARAMS)
+    made = outputs_lib.relay(layout_weights(request), relaid, conventions.MAXTEXT_PARAMS)
     return LaidOut((ItemOutput(ITEM, tuple(made), zarr3=True),), first, _scan_record(laid))
   _refuse_what_maxtext_cannot_continue(source, weights)
-  shapes = {w: jax.ShapeDtypeStruct(m.shape, reader.cast_dtype(weights[m.sources[0]], request.dtype))
-            for w, m in _relaid(request, weights, laid).items()}
-  target = train_state.template(shapes)
-  view = read_view(source.detection)
-  try:
-    plan = make_plan(view, {p: tuple(s.shape) for p, s in target.items()},
-                     param_scan_axis=laid.scan_axis)
-  except errors.TargetMismatchError as e:
-    if isinstance(e, errors.LayerScanMismatchError):
-      raise
+  state = plan.made(read_view(source.detection), relaid, train_state.adamw(), every_weight=True)
+  if state.problems:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: the Tunix optimizer state cannot be laid out as MaxText\'s'
-        f' adamw (what MaxText 0.2.5 trains with):\n{e}\nConvert the weights only'
-        ' (`params_only=True`): MaxText then starts its optimizer afresh.'
-    ) from e
+        ' adamw (what MaxText 0.2.5 trains with):\n' + '\n'.join(state.problems)
+        + '\nConvert the weights only (`params_only=True`): MaxText then starts its'
+        ' optimizer afresh.')
   sequences, empty = train_state.containers()
-  item = ItemOutput(ITEM, _outputs(request, plan, target), sequences=sequences, empty=empty,
+  item = ItemOutput(ITEM, _outputs(request, state), sequences=sequences, empty=empty,
                     zarr3=True)
-  notes = list(first) + [f'{fmt(p)}: filled from {f}'
-                         for p, f in sorted(plan.fills.items())]
-  notes += [n for n in plan.left_out if 'RNG' not in n]
+  notes = list(first) + [f'{fmt(p)}: filled from {f}' for p, f in sorted(state.fills.items())]
+  notes += [n for n in state.left_out if 'RNG' not in n]
   return LaidOut((item,), tuple(notes), _scan_record(laid))
+
+
+def _outputs(request: Request, state: plan.Made) -> tuple[Output, ...]:
+  """Every leaf of the state as an output of the writer: counts and step as MaxText has
+  them (int32), the rest as stored (cast)."""
+  leaves = {(leaf.item, *leaf.path): leaf for leaf in request.source.leaves}
+  out = []
+  for path, m in sorted(state.leaves.items()):
+    inputs = tuple(Input(request.source, leaves[s]) for s in m.sources)
+    counter = not inputs or np.issubdtype(inputs[0].leaf.dtype, np.integer)
+    dtype = train_state.COUNT_DTYPE if counter else reader.cast_dtype(inputs[0].leaf,
+                                                                      request.dtype)
+    out.append(Output(path, inputs, m.transform,
+                      inputs[0].leaf.shape if m.shape is None else m.shape, dtype))
+  return tuple(out)
 
 
 def _scan_record(laid: _Layers) -> dict[str, bool | int]:
   """The step's custom metadata: whether its decoder layers are scanned (MaxText's own
   key, which its `from_pretrained` checks) and, when they are, along which axis."""
-  if laid.form is None:
+  if laid.want is None:
     return {}
-  record: dict[str, bool | int] = {stacks.SCAN_LAYERS_KEY: laid.form == stacks.SCANNED}
-  if laid.axis is not None:
-    record[stacks.SCAN_AXIS_KEY] = laid.axis
+  record: dict[str, bool | int] = {stacks.SCAN_LAYERS_KEY: laid.want.scanned}
+  if laid.to_axis is not None:
+    record[stacks.SCAN_AXIS_KEY] = laid.to_axis
   return record
 
 

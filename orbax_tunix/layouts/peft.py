@@ -28,7 +28,7 @@ from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts.base import Destination, LaidOut, Layout, Option, Request, register
-from orbax_tunix.mapping import huggingface, lora, peft, stacks
+from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
@@ -90,8 +90,8 @@ def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
   `weight`: per layer the naming's `axes`, with the layer axes its adapters hold (a scanned
   layer's adapters are stacked as its weight is). A str: why the config does not fit the
   adapters; None: `axes` does not name the weight."""
-  layer_axes = stacks.layer_axes(weight, naming.stacks, axis)
-  per_layer = stacks.unstack({weight: a}, naming.stacks, axis, where=where)
+  layer_axes = naming.form.layer_axes(weight, axis)
+  per_layer = naming.form.unstack({weight: a}, axis, where=where)
   shapes: dict[tuple[int, ...], tuple[Path, tuple[str, ...]]] = {}
   for path in per_layer:
     fields = naming.axis_fields(path, text)
@@ -253,29 +253,18 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
   scaling = request.adapter_scaling or merge_lib.Options()
-  lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
-  leaves, left_out = hf_layouts._model_weights({p: leaf for leaf, p in reader.weights(source)})
-  adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
-  if not adapters:
-    raise errors.LoraError(
-        f'{where}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or lora_a/lora_b'
-        ' from flax), found none among its weights: the run is no LoRA run. Export its'
-        ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
-  # The merge's rules (`plan_merge`): flax's adapters have no alpha (an alpha or scale given
-  # for them would be served, by PEFT's lora_alpha / r, where the run added a·b unscaled).
-  lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
-  scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
-            for w, a in adapters.items()}
+  leaves, left_out, adapters, scales = _adapters(source, scaling)
   naming = family.naming(list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
   # refused where it does not fit, or where nothing is stacked), from the model's weights (a
   # save of adapters alone: the adapters, stacked as their weights are).
-  axis = hf_layouts._scan_axis(
-      request, {p: leaf.shape for p, leaf in (base or leaves).items()}, where)
+  axis = naming.form.axis({p: leaf.shape for p, leaf in (base or leaves).items()},
+                          request.param_scan_axis, where=where,
+                          recorded=stacks.recorded_axis(source.detection.source.custom_metadata))
   if base:  # A full save: the family must take the whole model, as a model export checks.
-    model_shapes = {p: m.shape for p, m in stacks.unstack(
-        {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
+    model_shapes = {p: m.shape for p, m in naming.form.unstack(
+        {p: leaf.shape for p, leaf in base.items()}, axis, where=where).items()}
     hf_layouts._family_rules(family, naming, model_shapes, where)
   base_folder = _base_folder(request.base_model)
   text = _text_config(base_folder)
@@ -284,23 +273,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
            for w, a in sorted(adapters.items())}
   problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
   arranged = {w: f for w, f in found.items() if not isinstance(f, str)}
-  per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
-                             where=where)
+  per_layer = naming.form.unstack({w: c.weight for w, c in arranged.items()}, axis,
+                                  where=where)
   layer_shapes = {p: m.shape for p, m in per_layer.items()}
-  try:
-    mapped = hf_layouts._family_rules(family, naming, layer_shapes, where, whole=False)
-  except errors.UnsupportedLayoutError as e:
-    if base:
-      raise
-    given = '' if request.base_model is None else (
-        f' (`base_model` {request.base_model} is no folder here, or its config does not'
-        ' give their shapes)')
-    raise errors.LoraError(
-        f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
-        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
-        f' `base_model` the base model\'s folder, whose config.json gives them{given}; or'
-        ' export the adapter from a save with the base weights beside them, or the merged'
-        ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
+  mapped = _adapted_rules(family, naming, layer_shapes, bool(base), request.base_model, where)
   rename, config_notes = _names_for_base(
       family, naming, request.base_model, base_folder,
       model_shapes if base else layer_shapes, bool(base), where)
@@ -310,27 +286,10 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   # else as far as the base model's config says.
   has = ((lambda p: p in model_shapes) if base else
          None if text is None else functools.partial(naming.has, config=text))
-  planned: dict[str, tuple[peft.Factors, lora.Adapter]] = {}
-  modules: dict[str, tuple[int, float]] = {}
-  said: dict[str, list[str]] = {}
-  for dest, m in sorted(mapped.outputs.items()):
-    (layer_path,) = m.sources
-    layer = per_layer[layer_path]
-    (weight,) = layer.sources
-    adapter = adapters[weight]
-    name = dest[0]
-    factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
-        arranged[weight], chain(layer.transform, m.transform), leaves[adapter.a].shape,
-        leaves[adapter.b].shape)
-    if isinstance(factors, str):
-      problems.append(f'{fmt(weight)} -> {name}: {factors}')
-      continue
-    module = rename(name[:-len(peft.WEIGHT)])
-    planned[module] = (factors, adapter)
-    modules[module] = (adapter.rank, scales[weight])
-    note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
-    if note:
-      said.setdefault(note, []).append(module)
+  planned, said = _modules(family, naming, mapped.outputs, per_layer, arranged,
+                           {w: (adapters[w], leaves, scales[w]) for w in adapters}, rename, has,
+                           problems)
+  modules = {module: (adapter.rank, scale) for module, (_, adapter, scale) in planned.items()}
   if problems:
     raise errors.LoraError(
         f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
@@ -338,23 +297,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         ' than the run trained. Export the weights with the adapters merged instead:'
         ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
   one = peft.Scaling.of(modules, scaling.alpha)
-  outputs: list[Output] = []
-  for module, (factors, adapter) in planned.items():
-    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
-    a_name, b_name = peft.tensor_names(module)
-    a_transform = peft.lora_a(factors, adapter.rank, one.r)
-    b_transform = peft.lora_b(factors, adapter.rank, one.r, one.folds[module])
-    outputs += [
-        Output((a_name,), (Input(source, a_leaf),), a_transform,
-               a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
-        Output((b_name,), (Input(source, b_leaf),), b_transform,
-               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, request.dtype),
-               # Scaled: read as stored, the product in float32, one cast after it.
-               read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
-    ]
+  outputs = _tensors(source, leaves, planned, one, request.dtype)
   config = peft.config(modules, one, request.base_model)
-  stored = {p: leaf.shape for p, leaf in leaves.items()}
-  kinds = sorted({m.rsplit('.', 1)[-1] for m in modules})
   # What whoever serves the adapter should know: said here and in the folder's README.md.
   readme = [*_scaling_notes(modules, one), *filter(None, [_qlora_note(adapters, base)])]
   notes = [
@@ -362,17 +306,8 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       *config_notes,
       *(note.format(module=', '.join(names)) for note, names in said.items()),
       *readme,
-      f'adapters of {len(arranged)} weights as {len(modules)} PEFT modules'
-      f' ({", ".join(kinds)}; r={config["r"]}, lora_alpha={config["lora_alpha"]};'
-      ' target_modules names each module in full: PEFT adapts those alone); read:'
-      f' {2 * len(adapters)} adapter arrays,'
-      f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
-      ' base weight',
-      f'weights: {huggingface.describe_source(stored)}',
+      *_read_notes(config, len(arranged), adapters, leaves, request.base_model),
   ]
-  if request.base_model is None:
-    notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
-                 ' (`base_model`) or load the adapter onto it by name')
   return LaidOut(
       items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
       files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),
@@ -383,6 +318,128 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                            'target_modules': config['target_modules'],
                            'modules': len(modules)}},
   )
+
+
+def _adapters(source: reader.CanonicalCheckpoint, scaling: merge_lib.Options) -> tuple:
+  """(the save's weights, notes of what is left out, its adapters, each adapted weight's
+  scale), the scaling checked as a merge checks it.
+
+  Raises:
+    LoraError: no adapters; no alpha or scale for qwix adapters, or one for flax's alone.
+  """
+  lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
+  leaves, left_out = hf_layouts._model_weights({p: leaf for leaf, p in reader.weights(source)})
+  adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
+  if not adapters:
+    raise errors.LoraError(
+        f'{source.step_dir}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or'
+        ' lora_a/lora_b from flax), found none among its weights: the run is no LoRA run.'
+        ' Export its weights as a model instead (export_to_hf, not `export_peft_adapter`).')
+  # The merge's rules (`plan_merge`): flax's adapters have no alpha (an alpha or scale given
+  # for them would be served, by PEFT's lora_alpha / r, where the run added a·b unscaled).
+  lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
+  scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
+            for w, a in adapters.items()}
+  return leaves, left_out, adapters, scales
+
+
+def _adapted_rules(family: huggingface.Family, naming: huggingface.Naming,
+                   shapes: Mapping[Path, tuple[int, ...]], full: bool, base_model: str | None,
+                   where: str) -> patterns.PathMap:
+  """The family's rules applied to the adapted weights (`shapes`: per layer).
+
+  Raises:
+    UnsupportedLayoutError: none is one of the family's modules (a full save).
+    LoraError: so, for a save of adapters alone (their shapes may not tell the weights').
+  """
+  try:
+    return hf_layouts._family_rules(family, naming, shapes, where, whole=False)
+  except errors.UnsupportedLayoutError as e:
+    if full:
+      raise
+    given = '' if base_model is None else (
+        f' (`base_model` {base_model} is no folder here, or its config does not give their'
+        ' shapes)')
+    raise errors.LoraError(
+        f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
+        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
+        f' `base_model` the base model\'s folder, whose config.json gives them{given}; or'
+        ' export the adapter from a save with the base weights beside them, or the merged'
+        ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
+
+
+def _modules(family: huggingface.Family, naming: huggingface.Naming,
+             mapped: Mapping[Path, patterns.Mapped], per_layer: Mapping[Path, patterns.Mapped],
+             arranged: Mapping[Path, lora.Contraction],
+             adapted: Mapping[Path, tuple[lora.Adapter, Mapping, float]],
+             rename: Callable[[str], str], has, problems: list[str]
+             ) -> tuple[dict[str, tuple], dict[str, list[str]]]:
+  """Each Hugging Face module an adapted weight makes: its factors, adapter and scale; and
+  the family's notes on them (note -> modules). What no PEFT module expresses is appended to
+  `problems`, named.
+
+  Args:
+    adapted: weight -> (its adapter, the save's leaves, its scale).
+  """
+  planned: dict[str, tuple[peft.Factors, lora.Adapter, float]] = {}
+  said: dict[str, list[str]] = {}
+  for dest, m in sorted(mapped.items()):
+    (layer_path,) = m.sources
+    layer = per_layer[layer_path]
+    (weight,) = layer.sources
+    adapter, leaves, scale = adapted[weight]
+    name = dest[0]
+    factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
+        arranged[weight], chain(layer.transform, m.transform), leaves[adapter.a].shape,
+        leaves[adapter.b].shape)
+    if isinstance(factors, str):
+      problems.append(f'{fmt(weight)} -> {name}: {factors}')
+      continue
+    module = rename(name[:-len(peft.WEIGHT)])
+    planned[module] = (factors, adapter, scale)
+    note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
+    if note:
+      said.setdefault(note, []).append(module)
+  return planned, said
+
+
+def _tensors(source: reader.CanonicalCheckpoint, leaves: Mapping[Path, reader.LeafInfo],
+             planned: Mapping[str, tuple], one: peft.Scaling, dtype) -> list[Output]:
+  """Each module's `lora_A` and `lora_B`, from its adapter's `a` and `b` alone."""
+  outputs: list[Output] = []
+  for module, (factors, adapter, _) in planned.items():
+    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
+    a_name, b_name = peft.tensor_names(module)
+    a_transform = peft.lora_a(factors, adapter.rank, one.r)
+    b_transform = peft.lora_b(factors, adapter.rank, one.r, one.folds[module])
+    outputs += [
+        Output((a_name,), (Input(source, a_leaf),), a_transform,
+               a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, dtype)),
+        Output((b_name,), (Input(source, b_leaf),), b_transform,
+               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, dtype),
+               # Scaled: read as stored, the product in float32, one cast after it.
+               read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
+    ]
+  return outputs
+
+
+def _read_notes(config: Mapping, weights: int, adapters: Mapping[Path, lora.Adapter],
+                leaves: Mapping[Path, reader.LeafInfo], base_model: str | None) -> list[str]:
+  """What the adapter holds and what was read, and where its config names no base model."""
+  kinds = sorted({m.rsplit('.', 1)[-1] for m in config['target_modules']})
+  notes = [
+      f'adapters of {weights} weights as {len(config["target_modules"])} PEFT modules'
+      f' ({", ".join(kinds)}; r={config["r"]}, lora_alpha={config["lora_alpha"]};'
+      ' target_modules names each module in full: PEFT adapts those alone); read:'
+      f' {2 * len(adapters)} adapter arrays,'
+      f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
+      ' base weight',
+      f'weights: {huggingface.describe_source({p: leaf.shape for p, leaf in leaves.items()})}',
+  ]
+  if base_model is None:
+    notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
+                 ' (`base_model`) or load the adapter onto it by name')
+  return notes
 
 
 def _qlora_note(adapters: Mapping[Path, lora.Adapter], base: Mapping[Path, reader.LeafInfo]

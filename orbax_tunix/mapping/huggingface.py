@@ -19,8 +19,8 @@ classes (`tunix.models`: `rules`, `required`, `dims`, `tied` on the family
 itself) and, where MaxText has the model, MaxText's (`maxtext`: a Tunix run
 of a MaxText model, or MaxText's own step). Which one applies comes from the
 weights' names (`source_kind`). MaxText's naming is on the per-layer form
-`decoder/layers_{i}/<w>`: its stacked forms are first taken apart by
-`mapping.stacks.unstack` (the family's `stacks`); then the rules apply what
+`decoder/layers_{i}/<w>`: its stacked layers are first taken apart by its layer
+form (`Naming.form`, a `mapping.stacks.LayerForm`); then the rules apply what
 MaxText's own converter applies (checkpoint_conversion/utils/param_mapping.py):
 kernels (in, heads, head_dim) merged and transposed to (out, in); gemma norms
 `w - 1` (MaxText stores `1 + w`); gemma3's embedding divided by sqrt(hidden)
@@ -148,9 +148,10 @@ def describe_source(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib.
     tunix = [f.tunix for f in map(get, names()) if f.rules]
     known = any(n.layers(paths) and not n.missing(paths) for n in tunix)
     return SOURCE_NAMES[kind] if known else NO_MODEL
-  form, layers = stacks_lib.describe(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
-  count = '?' if axis is None and form == 'scanned' else layers
-  return f'{SOURCE_NAMES[kind]} ({form}, {count} layers)'
+  form = layer_form(shapes) or stacks_lib.UNSCANNED
+  count = form.count(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
+  shown = '?' if (axis is None and form.scanned) or count is None else count
+  return f'{SOURCE_NAMES[kind]} ({form.kind}, {shown} layers)'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +218,8 @@ class Naming:
     vocab: weight pattern -> its vocabulary axis (cut to the config's
       `vocab_size` when the checkpoint's is padded).
     vocab_padding: which cuts of those axes are padding (`VocabPadding`).
-    stacks: the stacked forms MaxText stores the family's layers in.
+    form: the layer form MaxText stores the family's layers in, scanned
+      (`stacks.LayerForm`; unscanned, they are the per-layer form its rules name).
     architecture: the `transformers` class the names are, when not the
       family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
       `model.*`, where the Hub's and Tunix's are Gemma4ForConditionalGeneration's
@@ -252,7 +254,7 @@ class Naming:
   layer: tuple[str, ...] = ('layers', '{i}')
   vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
   vocab_padding: VocabPadding = NO_PADDING
-  stacks: tuple[stacks_lib.Stack, ...] = ()
+  form: stacks_lib.LayerForm = stacks_lib.UNSCANNED
   architecture: str | None = None
   model_type: str | None = None
   lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
@@ -537,7 +539,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_default
       MAXTEXT_MODEL, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
       layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-      stacks=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
+      form=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
       lora_flattened=True,
   )
 
@@ -759,7 +761,7 @@ def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
   )
   return Naming(MAXTEXT_MODEL, rules, ((required,),), _mt_dims(),
                 layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
-                stacks=stacks_lib.blocks(6), axes=_MT_AXES, lora_flattened=True)
+                form=stacks_lib.blocks(6), axes=_MT_AXES, lora_flattened=True)
 
 
 GEMMA3 = _gemma(
@@ -797,7 +799,7 @@ def _maxtext_gemma4() -> Naming:
   return dataclasses.replace(
       _maxtext_gemma(divide('sqrt(hidden) as float32', _f32_sqrt, axis=1), IDENTITY,
                      'query|key|out', 'layer_scalar'),
-      dims=dims, stacks=stacks_lib.local_global(6),
+      dims=dims, form=stacks_lib.local_global(6),
       architecture='Gemma4ForCausalLM', model_type='gemma4_text',
       lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
           note=K_EQ_V_NOTE, without=_MT_VALUE)},
@@ -1073,6 +1075,40 @@ def choices() -> tuple[str, ...]:
   return (*names(), *aliases())
 
 
+# --- layer forms: the families' ---------------------------------------------------------
+
+
+def layer_forms() -> tuple[stacks_lib.LayerForm, ...]:
+  """Every stacked form a family's naming holds its layers in, each once, in the order the
+  families are registered."""
+  return tuple(dict.fromkeys(
+      n.form for f in map(FAMILIES.get, names()) for n in f.namings if n.form.scanned))
+
+
+def layer_form(paths: Collection[Path]) -> stacks_lib.LayerForm | None:
+  """The layer form of MaxText weights (`stacks.form_of` among the families' forms):
+  stacked, UNSCANNED, or None (no decoder layers)."""
+  return stacks_lib.form_of(paths, layer_forms())
+
+
+def scanned_form(paths: Collection[Path], where: str = '') -> stacks_lib.LayerForm:
+  """The stacked form of per-layer MaxText weights: that of the families whose MaxText
+  naming they meet (every weight it requires), else MaxText's plain scanned form.
+
+  Raises:
+    UnsupportedLayoutError: they meet families of different forms.
+  """
+  found = {n.form: f.name for f in map(FAMILIES.get, names()) for n in f.namings
+           if n.form.scanned and n.source == MAXTEXT_MODEL and n.layers(paths)
+           and not n.missing(paths)}
+  if len(found) > 1:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: the weights are those of {" and ".join(sorted(found.values()))}, whose'
+        f' layers MaxText stacks otherwise ({", ".join(f.name for f in found)}): expected'
+        ' one. Convert the layers as they are stored.')
+  return next(iter(found), stacks_lib.SCANNED_FORM)
+
+
 def table(family: Family, source: str = TUNIX_MODEL) -> list[tuple[str, str, str]]:
   """(source path, Hugging Face name, transform) per rule of one naming, as the README
   shows them."""
@@ -1329,7 +1365,7 @@ def cut_vocab(
 
   Args:
     naming: the weights' naming (its `vocab` axes).
-    mapped: weight -> how it is made (`mapping.stacks.unstack`).
+    mapped: weight -> how it is made (`LayerForm.unstack`).
     vocab_size: the config's, or None (no config: nothing is cut).
     where: the config.json, for messages.
 

@@ -162,9 +162,9 @@ class Contraction:
   stacked: tuple[int, ...] = ()
 
 
-# How many stacked axes a scanned layer's adapters may have: as many as the deepest of
-# MaxText's stacked forms holds layers on (`stacks.FORMS`; e.g. a scan within a scan: two).
-MAX_STACKED = max(len(stack.axes) for form in stacks.FORMS for stack in form)
+# How many stacked axes a scanned layer's adapters may have: as many as a layer form's
+# stack holds layers on (`stacks.MAX_DEPTH`: a scan within a scan).
+MAX_STACKED = stacks.MAX_DEPTH
 
 
 def contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:

@@ -1,8 +1,8 @@
-"""MaxText's stacked decoder layers, as data: every form, onto one per-layer naming.
+"""A decoder's layers, as data: `LayerForm`, the one model of how they are stored.
 
 MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
-`nnx.state` of tiny models built with MaxText itself; `A` is
-`param_scan_axis`, 1 by default):
+`nnx.state` of tiny models built with MaxText itself; `A` is `param_scan_axis`,
+1 by default):
 
   form                      arrays                                          layer
   unscanned                 decoder/layers_{i}/<w>                          i
@@ -14,48 +14,71 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                             decoder/scanned_blocks/global_layer/<w>, on A   6a + 5
                             decoder/layers_remainder/local_layers/<w>, on A 6·blocks + a
 
-A `Stack` names one such group of arrays and where its layers go; a form is a
-tuple of stacks (`SCANNED_FORM`, `blocks`, `local_global`). `unstack` makes
-every layer's weights, named `decoder/layers_{i}/<w>` (the unscanned form),
-from any of them: the rest of a model (embedding, final norm) is passed
-through. Planning only: the result says which source array and which `take`s
-make each per-layer weight.
+(MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
+weight holds its experts on axis 0 and its layers on A.)
 
-SCANNED and UNSCANNED (the plain decoder's forms) are told apart by paths
-(`form_of`) and turned into each other by layout rules (`rules`).
-`param_scan_axis` names the layer axis of the scanned side; a stored step's is
-its custom metadata's (`SCAN_AXIS_KEY`) or the one along which every stacked
-weight has one size (`stacked_axes`); one that does not fit, or layer counts
-that differ, are refused naming the weights (`check_stacked`,
-`check_unscanned`). `stackings` pairs a model's leaves in one form with those
-of the other under any layer naming (`layers_0`, `layers/0`), for messages.
+A `LayerForm` is one of them: per layer (`UNSCANNED`), or blocks of `period` layers
+and a remainder, held by its `Stack`s (the arrays under one prefix, holding layers
+on `depth` axes from A on, at some positions of each block). Everything about layer
+forms is asked of it, by every layout:
+
+  unstack(shapes, axis)    every layer's weights as `decoder/layers_{i}/<w>` (the rest
+                           as it is)
+  restack(shapes, axis)    per-layer weights into the form's stacks, layers on `axis`
+  axes(shapes)             the axes along which the stacked weights may hold their layers
+  axis(shapes, ...)        the layer axis: the one given, the one the step records, or
+                           the one the shapes (and a target's layer count) tell; one that
+                           does not fit is refused, naming the weights
+  count(shapes, axis)      how many layers the weights hold
+
+`relay` puts weights from one form (and axis) into another. Planning only: each
+result says which source arrays and which transform make each weight. A family's
+naming carries its form (`mapping/huggingface.py`); the forms a step may be in are
+the families' (`huggingface.layer_forms`), and `form_of` says which holds weights.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from orbax_tunix import errors
 from orbax_tunix.errors import LayerScanMismatchError
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping.patterns import LayoutRule, Mapped, Pattern
-from orbax_tunix.mapping.transforms import IDENTITY, Shape, chain, move_axis, stack, take
+from orbax_tunix.mapping.patterns import Mapped, Pattern
+from orbax_tunix.mapping.transforms import (
+  IDENTITY,
+  Shape,
+  Transform,
+  TransformError,
+  chain,
+  move_axis,
+  split_axis,
+  stack,
+  take,
+)
 
 # MaxText's `param_scan_axis` default.
 DEFAULT_AXIS = 1
 SCANNED = 'scanned'
-UNSCANNED = 'unscanned'
+UNSCANNED_NAME = 'unscanned'
 # Custom metadata keys of a converted step: the form (MaxText's own key) and the axis.
 SCAN_LAYERS_KEY = 'scan_layers'
 SCAN_AXIS_KEY = 'param_scan_axis'
-# The plain decoder's forms, as path patterns.
-_KEYS = {SCANNED: ('decoder', 'layers', '...'), UNSCANNED: ('decoder', 'layers_{i}', '...')}
-_MATCH = {form: Pattern.parse(keys) for form, keys in _KEYS.items()}
-AS_STORED = LayoutRule.of(('...',), ('...',))
+# The most axes a stack holds layers on (a scan within a scan: gemma4's local layers).
+MAX_DEPTH = 2
+# One layer's weights, in every form taken apart.
+LAYER = ('decoder', 'layers_{i}')
+# Where a layer is: (its stack's number, the stack's `{j}` or None, its index on the axes).
+Place = tuple[int, int | None, tuple[int, ...]]
+
+
+@functools.cache
+def _pattern(keys: tuple[str, ...]) -> Pattern:
+  return Pattern.parse((*keys, '...'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,129 +86,372 @@ class Stack:
   """Layers stacked in arrays under one prefix.
 
   Attributes:
-    prefix: the arrays' path up to the weight's own name (`{j}`: a number in
-      the path, e.g. gemma3's position in the block).
-    axes: the array axes holding layers, as offsets from `param_scan_axis`,
-      outermost first: (0,) scanned; (0, 1) a scan within a scan; () none
-      (layers numbered in the path only).
-    layer: (the path's numbers and the axes' indices by name: `j`, `a0`,
-      `a1`, ..., and `scanned`: how many layers the non-remainder stacks
-      hold) -> the layer's number.
-    remainder: numbered after the other stacks' layers (uses `scanned`).
+    prefix: the arrays' path up to the weight's own name (`{j}`: a number in the
+      path, e.g. gemma3's position in the block).
+    depth: how many axes hold layers, from `param_scan_axis` on: 1 scanned, 2 a
+      scan within a scan, 0 none (one layer, numbered in the path only).
+    positions: the positions in each block of the layers it holds (its `{j}`, or its
+      second layer axis, numbers them from the first).
+    remainder: it holds the layers after the last whole block instead (numbered by
+      its `{j}` or its layer axis).
   """
 
   prefix: tuple[str, ...]
-  axes: tuple[int, ...]
-  layer: Callable[[Mapping[str, int]], int]
+  depth: int = 1
+  positions: tuple[int, ...] = (0,)
   remainder: bool = False
 
+  def __post_init__(self):
+    if not 0 <= self.depth <= MAX_DEPTH:
+      raise ValueError(f'{self.prefix}: depth {self.depth}, expected 0 .. {MAX_DEPTH}')
+
   @property
-  def pattern(self) -> Pattern:
-    return Pattern.parse((*self.prefix, '...'))
+  def numbered(self) -> bool:
+    return any('{j}' in k for k in self.prefix)
+
+  def path(self, j: int | None) -> Path:
+    return tuple(k.replace('{j}', str(j)) for k in self.prefix)
 
 
-SCANNED_FORM = (Stack(_KEYS[SCANNED][:-1], (0,), lambda n: n['a0']),)
+@dataclasses.dataclass(frozen=True)
+class LayerForm:
+  """One way a decoder stores its layers (see the module docstring).
 
-
-def blocks(period: int) -> tuple[Stack, ...]:
-  """Gemma3's scanned form: blocks of `period` layers `layers_{j}`, then a remainder."""
-  return (
-      Stack(('decoder', 'layers', 'layers_{j}'), (0,), lambda n: period * n['a0'] + n['j']),
-      Stack(('decoder', 'layers_remainder', 'layers_{j}'), (), lambda n: n['scanned'] + n['j'],
-            remainder=True),
-  )
-
-
-def local_global(period: int) -> tuple[Stack, ...]:
-  """Gemma4's scanned form: per block, `period - 1` local layers (an inner scan), a global one."""
-  return (
-      Stack(('decoder', 'scanned_blocks', 'local_layers'), (0, 1),
-            lambda n: period * n['a0'] + n['a1']),
-      Stack(('decoder', 'scanned_blocks', 'global_layer'), (0,),
-            lambda n: period * n['a0'] + period - 1),
-      Stack(('decoder', 'layers_remainder', 'local_layers'), (0,),
-            lambda n: n['scanned'] + n['a0'], remainder=True),
-  )
-
-
-# Every stacked form, the most specific first (gemma3's `decoder/layers/layers_{j}`
-# is also under plain `decoder/layers`).
-FORMS: tuple[tuple[Stack, ...], ...] = (local_global(6), blocks(6), SCANNED_FORM)
-
-
-def describe(shapes: Mapping[Path, Shape], axis: int = DEFAULT_AXIS) -> tuple[str, int]:
-  """(SCANNED or UNSCANNED, how many layers) of a MaxText model's weights."""
-  form = next((f for f in FORMS if any(f[0].pattern.match(p) for p in shapes)), ())
-  try:
-    return (SCANNED if form else UNSCANNED), len(_numbers(unstack(shapes, form, axis)))
-  except errors.UnsupportedLayoutError:
-    return SCANNED, 0
-
-
-def unstack(
-    shapes: Mapping[Path, Shape], stacks: Sequence[Stack], axis: int = DEFAULT_AXIS,
-    *, where: str = '',
-) -> dict[Path, Mapped]:
-  """Every weight per layer (`decoder/layers_{i}/<w>`), from stacked arrays or as stored.
-
-  Args:
-    shapes: the model's weights (canonical paths) -> shapes.
-    stacks: the form the family stores layers in (e.g. `SCANNED_FORM`).
-    axis: MaxText's `param_scan_axis`.
-    where: the checkpoint, for messages.
-
-  Returns:
-    path -> `Mapped` (one source, `take`s or identity), for every weight.
-
-  Raises:
-    UnsupportedLayoutError: a stacked array without the layer axes, or two
-      arrays making one layer's weight.
+  Attributes:
+    name: for people ('scanned', "gemma3's scanned blocks of 6", ...).
+    stacks: the arrays holding layers; none: one array per layer (`LAYER`).
+    period: the layers of a block (1: each layer a block of its own).
   """
-  out: dict[Path, Mapped] = {}
-  problems: list[str] = []
-  pending = []
-  for path, shape in shapes.items():
-    found = next(((s, m) for s in stacks if (m := s.pattern.match(path))), None)
-    if found is None:
-      _put(out, path, Mapped((path,), IDENTITY, tuple(shape)), problems)
-      continue
-    stack, (bound, rest) = found
-    axes = [axis + a for a in stack.axes]
-    if axes and max(axes) >= len(shape):
-      problems.append(f'{fmt(path)} {tuple(shape)}: expected layers on axes {axes}'
-                      f' (param_scan_axis={axis})')
-      continue
-    pending.append((stack, path, tuple(shape), {k: int(v) for k, v in bound.items()}, rest, axes))
-  # The remainder's layers come after every layer the other stacks hold.
-  scanned: set[int] = set()
-  for remainder in (False, True):
-    made = set()
-    for stack, path, shape, bound, rest, axes in pending:
-      if stack.remainder != remainder:
+
+  name: str
+  stacks: tuple[Stack, ...] = ()
+  period: int = 1
+
+  def place(self, i: int, n: int) -> Place:
+    """Where layer `i` of `n` is."""
+    last = next((k for k, s in enumerate(self.stacks) if s.remainder), None)
+    full = n if last is None else n // self.period * self.period
+    if i >= full:
+      s, at = self.stacks[last], i - full
+      return last, at if s.numbered else None, () if s.numbered else (at,)
+    block, at = divmod(i, self.period)
+    k, s = next((k, s) for k, s in enumerate(self.stacks)
+                if not s.remainder and at in s.positions)
+    return k, at if s.numbered else None, (block, at - s.positions[0])[:s.depth]
+
+  def layer(self, place: Place, blocks: int) -> int:
+    """The number of the layer at `place`, in a decoder of `blocks` whole blocks."""
+    k, j, index = place
+    s = self.stacks[k]
+    at = j if s.numbered else index[-1] if s.remainder or s.depth > 1 else s.positions[0]
+    if s.remainder:
+      return self.period * blocks + at
+    return self.period * index[0] + at + (s.positions[0] if s.depth > 1 else 0)
+
+  @property
+  def scanned(self) -> bool:
+    return bool(self.stacks)
+
+  @property
+  def kind(self) -> str:
+    """SCANNED or UNSCANNED_NAME, as the step's custom metadata and `inspect` say."""
+    return SCANNED if self.stacks else UNSCANNED_NAME
+
+  def _find(self, path: Path) -> tuple[int, int | None, Path] | None:
+    """(stack, its `{j}`, the weight's own path) of an array in one of the stacks."""
+    for k, s in enumerate(self.stacks):
+      if (m := _pattern(s.prefix).match(path)) is not None:
+        return k, int(m[0]['j']) if 'j' in m[0] else None, tuple(m[1])
+    return None
+
+  def holds(self, path: Path) -> bool:
+    return self._find(path) is not None
+
+  def layer_axes(self, path: Path, axis: int = DEFAULT_AXIS) -> tuple[int, ...]:
+    """The axes of the array at `path` that hold layers, outermost first (none: a weight
+    of one layer, or no layer's)."""
+    hit = self._find(path)
+    return () if hit is None else tuple(range(axis, axis + self.stacks[hit[0]].depth))
+
+  def _stacked(self, shapes: Mapping[Path, Shape | None]) -> list[tuple[int, int | None, Path, Path, Shape]]:
+    """(stack, j, weight, path, shape) of each array of `shapes` in a stack (known shapes)."""
+    return [(*hit, p, tuple(s)) for p, s in sorted(shapes.items())
+            if s is not None and (hit := self._find(p)) is not None]
+
+  def _on_axes(self, shapes, axis: int) -> dict[Path, tuple[int, ...] | None]:
+    """Each stacked array (on layer axes) -> its sizes on the layer axes from `axis` on
+    (None: it lacks them)."""
+    out = {}
+    for k, _, _, p, s in self._stacked(shapes):
+      depth = self.stacks[k].depth
+      if depth:
+        out[p] = s[axis:axis + depth] if axis + depth <= len(s) else None
+    return out
+
+  def _per_stack(self, shapes, axis: int) -> dict[Path, list[Path]]:
+    """Each stack's prefix -> its arrays (those on layer axes)."""
+    out: dict[Path, list[Path]] = {}
+    for k, _, _, p, _ in self._stacked(shapes):
+      if self.stacks[k].depth:
+        out.setdefault(self.stacks[k].prefix, []).append(p)
+    return out
+
+  def axes(self, shapes: Mapping[Path, Shape | None]) -> tuple[int, ...]:
+    """The axes along which each stack's arrays all hold one number of layers (the
+    axes where the layers can be); () when no array holds layers on an axis."""
+    per_stack = self._per_stack(shapes, 0)
+    if not per_stack:
+      return ()
+    rank = max(len(s) for s in shapes.values() if s is not None)
+    fits = []
+    for axis in range(rank):
+      sizes = self._on_axes(shapes, axis)
+      held = {prefix: {sizes[p] for p in ps} for prefix, ps in per_stack.items()}
+      if any(None in h or len(h) != 1 for h in held.values()):
         continue
-      for index in itertools.product(*(range(shape[a]) for a in axes)):
-        names = {**bound, **{f'a{n}': i for n, i in enumerate(index)}, 'scanned': len(scanned)}
-        i = stack.layer(names)
-        made.add(i)
-        # Taken innermost first: an outer take would move the inner axis.
-        transform = chain(*(take(a, k) for a, k in sorted(zip(axes, index, strict=True),
+      # The block stacks hold as many blocks each, a scan within a scan its positions.
+      whole = [(s, *held[s.prefix]) for s in self.stacks if s.prefix in held and not s.remainder]
+      if len({n[0] for _, n in whole}) <= 1 and all(
+          s.depth < 2 or n[1] == len(s.positions) for s, n in whole):
+        fits.append(axis)
+    return tuple(fits)
+
+  def _slots(self, shapes, axis: int) -> set[Place] | None:
+    """Every (stack, j, index) some array holds a layer at (None: a stack's arrays
+    disagree along the layer axes)."""
+    sizes = self._on_axes(shapes, axis)
+    if any(len({sizes[p] for p in ps}) != 1 for ps in self._per_stack(shapes, axis).values()):
+      return None
+    if None in sizes.values():
+      return None
+    return {(k, j, index) for k, j, _, p, s in self._stacked(shapes)
+            for index in itertools.product(*(range(n) for n in sizes.get(p, ())))}
+
+  def count(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS) -> int | None:
+    """How many layers the weights hold: the stacked ones' (None where a stack's arrays
+    disagree along `axis`), else the per-layer ones numbered."""
+    if not self._stacked(shapes):
+      return len({i for p in shapes if (i := layer_of(p)) is not None})
+    slots = self._slots(shapes, axis)
+    return None if slots is None else len(slots)
+
+  def unstack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
+              where: str = '') -> dict[Path, Mapped]:
+    """Every weight per layer (`decoder/layers_{i}/<w>`), from the stacks or as stored.
+
+    Args:
+      shapes: the weights (canonical paths) -> shapes (None: not known, only for
+        weights outside the stacks).
+      axis: `param_scan_axis`.
+      where: the checkpoint, for messages.
+
+    Returns:
+      path -> `Mapped` (one source, `take`s or identity), for every weight.
+
+    Raises:
+      UnsupportedLayoutError: a stacked array without the layer axes, or two arrays
+        making one layer's weight.
+    """
+    out: dict[Path, Mapped] = {}
+    problems: list[str] = []
+    parts = []
+    for path, shape in shapes.items():
+      hit = self._find(path) if shape is not None else None
+      if hit is None:
+        _put(out, path, Mapped((path,), IDENTITY, None if shape is None else tuple(shape)),
+             problems)
+        continue
+      k, j, rest = hit
+      axes = tuple(range(axis, axis + self.stacks[k].depth))
+      if axes and axes[-1] >= len(shape):
+        problems.append(f'{fmt(path)} {tuple(shape)}: expected layers on axes {list(axes)}'
+                        f' (param_scan_axis={axis})')
+        continue
+      parts += [(k, j, rest, path, tuple(shape), axes, index)
+                for index in itertools.product(*(range(shape[a]) for a in axes))]
+    # Whole blocks: how many a block's stacks hold (none given: the remainder's alone).
+    blocks = max((index[0] + 1 for k, *_, index in parts if not self.stacks[k].remainder),
+                 default=0)
+    for k, j, rest, path, shape, axes, index in parts:
+      i = self.layer((k, j, index), blocks)
+      # Taken innermost first: an outer take would move the inner axis.
+      transform = chain(*(take(a, at) for a, at in sorted(zip(axes, index, strict=True),
                                                           reverse=True)))
-        kept = tuple(n for d, n in enumerate(shape) if d not in axes)
-        _put(out, ('decoder', f'layers_{i}', *rest), Mapped((path,), transform, kept), problems)
-    scanned |= made
-  if problems:
-    raise errors.UnsupportedLayoutError(
-        f'{where}: the decoder\'s stacked layers do not fit MaxText\'s forms:\n'
-        f'{errors.list_paths(problems)}\nPass the param_scan_axis the model was built with.'
+      kept = tuple(size for d, size in enumerate(shape) if d not in axes)
+      _put(out, (*layer_path(i), *rest), Mapped((path,), transform, kept), problems)
+    if problems:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: the decoder\'s stacked layers do not fit MaxText\'s forms:\n'
+          f'{errors.list_paths(problems)}\nPass the param_scan_axis the model was built with.'
+      )
+    return out
+
+  def restack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
+              where: str = '') -> dict[Path, Mapped]:
+    """Per-layer weights (`decoder/layers_{i}/<w>`) into the form's stacks, the layers
+    along `axis` (the rest as it is).
+
+    Raises:
+      LayerScanMismatchError: the layers are not one decoder of this form (`layers`).
+      UnsupportedLayoutError: `axis` does not fit the weights.
+    """
+    layers = self.layers(shapes, where)
+    out = {p: Mapped((p,), IDENTITY, None if s is None else tuple(s))
+           for p, s in shapes.items() if not self.stacks or layer_of(p) is None}
+    if not self.stacks:
+      return out
+    groups: dict[tuple[int, Path], dict[tuple[int, ...], Path]] = {}
+    for i, weights in layers.items():
+      k, j, index = self.place(i, len(layers))
+      for w in weights:
+        groups.setdefault((k, (*self.stacks[k].path(j), *w)), {})[index] = (*layer_path(i), *w)
+    problems = []
+    for (k, dest), parts in sorted(groups.items()):
+      order = sorted(parts)
+      sizes = tuple(max(index[d] for index in order) + 1 for d in range(self.stacks[k].depth))
+      transform = _stacking(axis, sizes)
+      sources = tuple(parts[index] for index in order)
+      try:
+        out[dest] = Mapped(sources, transform, transform.check([shapes[p] for p in sources]))
+      except TransformError as e:
+        problems.append(f'{fmt(dest)}: {e}')
+    if problems:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: the layers cannot be stacked as {self.name}, along param_scan_axis={axis}:'
+          f'\n{errors.list_paths(problems)}')
+    return out
+
+  def layers(self, shapes: Mapping[Path, Shape | None], where: str = ''
+             ) -> dict[int, dict[Path, Shape]]:
+    """The per-layer weights, layer by layer: layers 0 .. n-1, the layers of one stack
+    (one `place` stack and `j`) holding the same weights, of one shape a weight.
+
+    Raises:
+      LayerScanMismatchError: a layer missing, lacking a weight the others of its stack
+        hold, or holding one of another shape (naming them).
+    """
+    per: dict[int, dict[Path, Shape]] = collections.defaultdict(dict)
+    for p, s in shapes.items():
+      if s is not None and (i := layer_of(p)) is not None:
+        per[i][p[len(LAYER):]] = tuple(s)
+    if not per:
+      return {}
+    n = max(per) + 1
+    problems = [f'layers_{i}: missing' for i in range(n) if i not in per]
+    groups: dict[object, list[int]] = collections.defaultdict(list)
+    for i in sorted(per):
+      groups[self.place(i, n)[:2] if self.stacks and not problems else None].append(i)
+    for members in groups.values():
+      names = set().union(*(per[i] for i in members))
+      problems += [f'layers_{i}: lacks {", ".join(fmt(w) for w in sorted(names - set(per[i])))}'
+                   for i in members if set(per[i]) != names]
+      for w in sorted(names):
+        held = {i: per[i][w] for i in members if w in per[i]}
+        common = collections.Counter(held.values()).most_common(1)[0][0]
+        problems += [f'layers_{i}/{fmt(w)}: {s}, the other layers {common}'
+                     for i, s in sorted(held.items()) if s != common]
+    if problems:
+      alike = ('of each stack of ' + self.name) if len(groups) > 1 else 'each'
+      raise LayerScanMismatchError(
+          f'{where}: expected the unscanned layers decoder/layers_0 .. layers_{n - 1} to hold'
+          f' the same weights {alike}, of one shape a weight, found:\n'
+          f'{errors.list_paths(problems)}\nThese weights are not one unscanned MaxText decoder:'
+          ' check how the step was written.'
+      )
+    return dict(sorted(per.items()))
+
+  def axis(self, shapes: Mapping[Path, Shape | None], given: int | None = None, *,
+           recorded: int | None = None, count: int | None = None, where: str = '') -> int:
+    """The layer axis of stored stacked weights: `given`, else `recorded`, else the one
+    their shapes allow (MaxText's default where several do, or the one holding `count`
+    layers), checked against the shapes.
+
+    Args:
+      shapes: the stored weights -> shapes (those outside the stacks ignored).
+      given: the axis the caller names (None: not named).
+      recorded: the step's custom metadata `param_scan_axis` (`recorded_axis`).
+      count: the layer count wanted (a target's), to choose between axes.
+      where: the checkpoint, for messages.
+
+    Raises:
+      InvalidOptionError: a `given` axis that is not a non-negative int, or one given for
+        weights that hold none of the form's stacks.
+      LayerScanMismatchError: `given` other than `recorded`; several axes fit and none
+        is MaxText's default; the weights do not hold one number of layers along the
+        axis (naming each such weight and its shape; another axis is suggested only
+        when every weight agrees on it).
+    """
+    check_axis(given)
+    if given is not None and recorded is not None and given != recorded:
+      raise LayerScanMismatchError(
+          f'{where}: `param_scan_axis` {given}, but the step records its layers stacked along'
+          f' axis {recorded} (custom metadata {SCAN_AXIS_KEY!r}). Pass'
+          f' `param_scan_axis={recorded}`, or leave it out.'
+      )
+    axis = recorded if given is None else given
+    if given is not None and not any(map(self.holds, shapes)):
+      raise errors.InvalidOptionError(
+          f'{where}: `param_scan_axis` {given}: the weights hold no stacked layers (none'
+          f' stacked as {self.name}: they are unscanned, or no MaxText model\'s); leave'
+          ' `param_scan_axis` out.')
+    if not self._on_axes(shapes, 0):  # Nothing holds layers on an axis to tell it.
+      return DEFAULT_AXIS if axis is None else axis
+    axes = self.axes(shapes)
+    if axis is None:
+      fits = [a for a in axes if count is None or self.count(shapes, a) == count]
+      # No axis holds the target's count: refused by the caller, which names both counts.
+      fits = fits or [DEFAULT_AXIS if DEFAULT_AXIS in axes else a for a in axes[:1]]
+      if len(fits) > 1 and DEFAULT_AXIS not in fits:
+        raise LayerScanMismatchError(
+            f'{where}: the scanned layers could be stacked along any of axes {fits} (every'
+            ' stacked weight has one size along each). Pass `param_scan_axis`.'
+        )
+      axis = DEFAULT_AXIS if DEFAULT_AXIS in fits else fits[0] if fits else None
+    if axis is not None and axis in axes:
+      return axis
+    raise LayerScanMismatchError(self._misfit(shapes, axis, axes, where))
+
+  def _misfit(self, shapes, axis: int | None, axes: Sequence[int], where: str) -> str:
+    """Why the stacked weights do not hold their layers along `axis`."""
+    stacked = {p: s for _, _, _, p, s in self._stacked(shapes) if p in self._on_axes(shapes, 0)}
+    if axis is not None and axes:
+      sizes = ', '.join(f'{fmt(p)} {s}' for p, s in sorted(stacked.items())[:6])
+      held = self._on_axes(shapes, axes[0])[min(stacked)]
+      return (
+          f'{where}: the scanned layers are stacked along axis {" or ".join(map(str, axes))}'
+          f' (every stacked weight has {_sizes(held)} there), not along'
+          f' param_scan_axis={axis}, where the weights differ: {sizes}'
+          f'{", ..." if len(stacked) > 6 else ""}\nPass `param_scan_axis={axes[0]}`, or leave'
+          ' it out.'
+      )
+    axis = DEFAULT_AXIS if axis is None else axis
+    along = self._on_axes(shapes, axis)
+    odd = []
+    for paths in self._per_stack(shapes, axis).values():
+      common = collections.Counter(along[p] for p in paths if along[p]).most_common(1)
+      odd += [f'{fmt(p)} {stacked[p]}: ' + (f'no axis {axis}' if along[p] is None
+                                            else f'{_sizes(along[p])} along it')
+              for p in paths if not common or along[p] != common[0][0]]
+    return (
+        f'{where}: expected every scanned weight of a stack ({self._prefixes()}) to hold the'
+        f' same number of layers along param_scan_axis={axis}; {len(odd)} of {len(stacked)}'
+        f' do not:\n{errors.list_paths(odd)}\nThese weights are not one scanned MaxText'
+        ' decoder: check how the step was written.'
     )
-  return out
+
+  def _prefixes(self) -> str:
+    return ', '.join(f'{fmt(s.prefix)}/...' for s in self.stacks if s.depth)
 
 
-def layer_axes(path: Path, stacks: Sequence[Stack], axis: int = DEFAULT_AXIS) -> tuple[int, ...]:
-  """The axes of the array at `path` that hold layers, outermost first (none: a weight of
-  one layer, or no layer's)."""
-  stack = next((s for s in stacks if s.pattern.match(path)), None)
-  return () if stack is None else tuple(axis + a for a in stack.axes)
+def _sizes(held: tuple[int, ...]) -> str:
+  return str(held[0]) if len(held) == 1 else str(held)
+
+
+def _stacking(axis: int, sizes: tuple[int, ...]) -> Transform:
+  """Layers into a stack holding them on `len(sizes)` axes from `axis` on (in C order)."""
+  if not sizes:
+    return IDENTITY
+  return stack(axis) if len(sizes) == 1 else chain(stack(axis), split_axis(axis, sizes))
 
 
 def _put(out: dict[Path, Mapped], dest: Path, mapped: Mapped, problems: list[str]) -> None:
@@ -194,6 +460,94 @@ def _put(out: dict[Path, Mapped], dest: Path, mapped: Mapped, problems: list[str
                     f' {fmt(mapped.sources[0])}')
   else:
     out[dest] = mapped
+
+
+def layer_path(i: int) -> Path:
+  return tuple(k.replace('{i}', str(i)) for k in LAYER)
+
+
+def layer_of(path: Path) -> int | None:
+  """The layer number of a per-layer weight (`decoder/layers_{i}/...`), else None."""
+  m = _pattern(LAYER).match(path)
+  return None if m is None else int(m[0]['i'])
+
+
+UNSCANNED = LayerForm(UNSCANNED_NAME)
+SCANNED_FORM = LayerForm(SCANNED, (Stack(('decoder', 'layers')),))
+
+
+def blocks(period: int) -> LayerForm:
+  """Gemma3's scanned form: blocks of `period` layers `layers_{j}`, then a remainder."""
+  return LayerForm(f"gemma3's scanned blocks of {period}", (
+      Stack(('decoder', 'layers', 'layers_{j}'), positions=tuple(range(period))),
+      Stack(('decoder', 'layers_remainder', 'layers_{j}'), 0, remainder=True)), period)
+
+
+def local_global(period: int) -> LayerForm:
+  """Gemma4's scanned form: per block, `period - 1` local layers (an inner scan), a global
+  one; then a remainder of local layers."""
+  return LayerForm(f"gemma4's scanned blocks of {period}", (
+      Stack(('decoder', 'scanned_blocks', 'local_layers'), 2, tuple(range(period - 1))),
+      Stack(('decoder', 'scanned_blocks', 'global_layer'), positions=(period - 1,)),
+      Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
+
+
+def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
+  """The form of a decoder's layers among `forms`: the stacked one that holds the most of
+  the paths (the first of those), else UNSCANNED when they hold per-layer weights, else
+  None (no decoder layers)."""
+  paths = list(paths)
+  held = [(sum(map(f.holds, paths)), -k) for k, f in enumerate(forms)]
+  best = max(held, default=(0, 0))
+  if best[0]:
+    return forms[-best[1]]
+  return UNSCANNED if any(layer_of(p) is not None for p in paths) else None
+
+
+def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm, axis: int,
+          to_axis: int | None = None, *, where: str = '') -> dict[Path, Mapped]:
+  """The weights in form `want` (its layers on `to_axis`, default `axis`), from form `have`
+  (its layers on `axis`), each with its sources and transform (the rest as it is).
+
+  Raises:
+    UnsupportedLayoutError: two stacked forms that differ (no weight is made from layers
+      that are themselves taken apart), or weights that do not fit the axis.
+    LayerScanMismatchError: per-layer weights that are not one decoder (`LayerForm.layers`).
+  """
+  to_axis = axis if to_axis is None else to_axis
+  if have != want:
+    if not want.scanned:
+      return have.unstack(shapes, axis, where=where)
+    if not have.scanned:
+      return want.restack(shapes, to_axis, where=where)
+    raise errors.UnsupportedLayoutError(
+        f'{where}: the layers are stacked as {have.name}; expected them per layer or as'
+        f' {want.name}, to be stacked so.')
+  out, problems = {}, []
+  for p, s in shapes.items():
+    hit = have._find(p) if s is not None and axis != to_axis else None
+    moved = IDENTITY if hit is None else _move(axis, to_axis, have.stacks[hit[0]].depth)
+    try:
+      out[p] = Mapped((p,), moved, None if s is None else moved.check([s]))
+    except TransformError as e:
+      problems.append(f'{fmt(p)}: {e}')
+  if problems:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: the layers cannot be moved from param_scan_axis={axis} to {to_axis}:\n'
+        f'{errors.list_paths(problems)}')
+  return out
+
+
+def _move(axis: int, to: int, depth: int) -> Transform:
+  """The `depth` layer axes from `axis` on moved to `to` on (in their order)."""
+  pairs = [(axis + d, to + d) for d in range(depth)]
+  return chain(*(move_axis(a, b) for a, b in (pairs if to < axis else reversed(pairs))))
+
+
+def recorded_axis(custom_metadata: Mapping[str, object]) -> int | None:
+  """The layer axis a converted step records (its custom metadata), if any."""
+  found = custom_metadata.get(SCAN_AXIS_KEY)
+  return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def check_axis(axis: int | None) -> None:
@@ -211,252 +565,3 @@ def check_axis(axis: int | None) -> None:
         f' as MaxText counts it ({DEFAULT_AXIS} by default: query/kernel is (emb, layers,'
         ' heads, head_dim)).'
     )
-
-
-def rules(to: str, axis: int = DEFAULT_AXIS, source_axis: int | None = None,
-          ) -> tuple[LayoutRule, ...]:
-  """The layout rules that put the decoder's layers in form `to` (the rest as it is).
-
-  Args:
-    to: SCANNED or UNSCANNED.
-    axis: the layer axis of the scanned side (the written one when `to` is
-      SCANNED, else the stored one).
-    source_axis: for SCANNED from scanned weights, their stored layer axis
-      (moved to `axis`); None: the stored weights are unscanned.
-  """
-  if to == SCANNED and source_axis is not None:
-    if source_axis == axis:
-      return (AS_STORED,)
-    relaid = LayoutRule.of(_KEYS[SCANNED], _KEYS[SCANNED], move_axis(source_axis, axis))
-  elif to == SCANNED:
-    relaid = LayoutRule.of(_KEYS[UNSCANNED], _KEYS[SCANNED], stack(axis))
-  elif to == UNSCANNED:
-    relaid = LayoutRule.of(_KEYS[SCANNED], _KEYS[UNSCANNED], fan_out=('i', axis),
-                           transform_for=lambda i: take(axis, i))
-  else:
-    raise ValueError(f'form {to!r}: expected {SCANNED!r} or {UNSCANNED!r}')
-  return (relaid, AS_STORED)
-
-
-def form_of(paths: Iterable[Path]) -> str | None:
-  """SCANNED, UNSCANNED, or None when the paths hold no MaxText decoder layers."""
-  found = {form for p in paths for form, pattern in _MATCH.items() if pattern.match(p)}
-  return found.pop() if len(found) == 1 else None
-
-
-def stacked_axes(shapes: Mapping[Path, Shape | None]) -> tuple[int, ...]:
-  """The axes along which every scanned weight has one size: where the layers can be."""
-  stacked = in_form(shapes, SCANNED)
-  if not stacked:
-    return ()
-  rank = min(len(s) for s in stacked.values())
-  return tuple(a for a in range(rank) if len({s[a] for s in stacked.values()}) == 1)
-
-
-def scan_axis(shapes: Mapping[Path, Shape | None], recorded: int | None = None) -> int | None:
-  """The layer axis of scanned weights: as recorded, else the one their shapes allow.
-
-  Args:
-    shapes: weights (canonical paths) -> shapes.
-    recorded: the step's custom metadata `param_scan_axis`, if any.
-
-  Returns:
-    The axis, or None when the shapes allow none, or several and none of them
-    is recorded (nothing is guessed that the shapes do not determine).
-  """
-  axes = stacked_axes(shapes)
-  if recorded in axes:
-    return recorded
-  return axes[0] if len(axes) == 1 else None
-
-
-def layer_count(shapes: Mapping[Path, Shape | None], axis: int | None = None) -> int | None:
-  """How many layers the weights hold: layers_<i> counted, or the size of the layer
-  axis of the stacked ones (`axis`, or `scan_axis`); None when they do not agree."""
-  form = form_of(shapes)
-  if form == UNSCANNED:
-    return len(_numbers(shapes))
-  if form == SCANNED:
-    axis = scan_axis(shapes) if axis is None else axis
-    if axis is None:
-      return None
-    sizes = {s[axis] if len(s) > axis else None for s in in_form(shapes, SCANNED).values()}
-    return sizes.pop() if len(sizes) == 1 else None
-  return None
-
-
-def check_stacked(shapes: Mapping[Path, Shape | None], axis: int | None, where: str,
-                  count: int | None = None) -> int:
-  """The layer axis of stored scanned weights, checked against the axis given.
-
-  Args:
-    shapes: the stored weights -> shapes (those outside decoder/layers ignored).
-    axis: the axis the caller names (None: the one the shapes allow).
-    where: the checkpoint, for messages.
-    count: the layer count wanted (a target's), to choose between axes the
-      shapes allow alike when `axis` is None.
-
-  Returns:
-    The axis: `axis`, or the one found.
-
-  Raises:
-    LayerScanMismatchError: a weight lacks the axis or holds another number of
-      layers along it than the rest (naming each such weight and its shape);
-      the message suggests another axis only when every weight agrees on it.
-  """
-  stacked = in_form(shapes, SCANNED)
-  axes = stacked_axes(stacked)
-  if axis is None:
-    fits = [a for a in axes if count is None or stacked[next(iter(stacked))][a] == count]
-    if count is not None and not fits and axes:
-      # No axis holds the target's count: refused by the caller, which names both counts.
-      fits = [DEFAULT_AXIS if DEFAULT_AXIS in axes else axes[0]]
-    if len(fits) > 1:
-      raise LayerScanMismatchError(
-          f'{where}: the scanned layers could be stacked along any of axes {fits} (every'
-          ' stacked weight has one size along each). Pass `param_scan_axis`.'
-      )
-    axis = fits[0] if fits else None
-  if axis is not None and axis in axes:
-    return axis
-  if axis is not None and axes:
-    sizes = ', '.join(f'{fmt(p)} {s}' for p, s in sorted(stacked.items())[:6])
-    raise LayerScanMismatchError(
-        f'{where}: the scanned layers are stacked along axis {" or ".join(map(str, axes))}'
-        f' (every stacked weight has {stacked[next(iter(stacked))][axes[0]]} there), not along'
-        f' param_scan_axis={axis}, where the weights differ: {sizes}'
-        f'{", ..." if len(stacked) > 6 else ""}\nPass `param_scan_axis={axes[0]}`, or leave it'
-        ' out.'
-    )
-  axis = DEFAULT_AXIS if axis is None else axis
-  along = {p: s[axis] if len(s) > axis else None for p, s in stacked.items()}
-  counted = collections.Counter(v for v in along.values() if v is not None)
-  common, held = (counted.most_common(1) or [(None, 0)])[0]
-  odd = [f'{fmt(p)} {s}: ' + (f'no axis {axis}' if along[p] is None else f'{along[p]} along it')
-         for p, s in sorted(stacked.items()) if along[p] != common]
-  raise LayerScanMismatchError(
-      f'{where}: expected every scanned weight (decoder/layers/...) to hold the same number'
-      f' of layers along param_scan_axis={axis}; {held} of {len(stacked)} hold {common},'
-      f' {len(odd)} do not:\n{errors.list_paths(odd)}\nThese weights are not one scanned'
-      ' MaxText decoder: check how the step was written.'
-  )
-
-
-def check_unscanned(shapes: Mapping[Path, Shape | None], where: str) -> int:
-  """The layer count of unscanned weights, checked: layers 0..n-1, each with the same weights.
-
-  Returns:
-    The number of layers.
-
-  Raises:
-    LayerScanMismatchError: a layer number missing, or a layer lacking a
-      weight the others hold (naming them).
-  """
-  per_layer: dict[int, set[Path]] = collections.defaultdict(set)
-  per_weight: dict[Path, dict[int, Shape]] = collections.defaultdict(dict)
-  for p, s in shapes.items():
-    found = _MATCH[UNSCANNED].match(p)
-    if found is not None and s is not None:
-      i, w = int(found[0]['i']), tuple(found[1])
-      per_layer[i].add(w)
-      per_weight[w][i] = tuple(s)
-  if not per_layer:
-    return 0
-  names = set().union(*per_layer.values())
-  problems = [f'layers_{i}: missing' for i in range(max(per_layer) + 1) if i not in per_layer]
-  problems += [f'layers_{i}: lacks {", ".join(fmt(w) for w in sorted(names - held))}'
-               for i, held in sorted(per_layer.items()) if held != names]
-  for w, by_layer in sorted(per_weight.items()):
-    common = collections.Counter(by_layer.values()).most_common(1)[0][0]
-    problems += [f'layers_{i}/{fmt(w)}: {s}, the other layers {common}'
-                 for i, s in sorted(by_layer.items()) if s != common]
-  if problems:
-    raise LayerScanMismatchError(
-        f'{where}: expected the unscanned layers decoder/layers_0 .. layers_{max(per_layer)}'
-        f' to hold the same {len(names)} weights each, of one shape a weight, found:\n{errors.list_paths(problems)}\n'
-        'These weights are not one unscanned MaxText decoder: check how the step was written.'
-    )
-  return len(per_layer)
-
-
-def in_form(shapes: Mapping[Path, Shape | None], form: str) -> dict[Path, Shape]:
-  """The weights of `shapes` in `form` (those of unknown shape left out)."""
-  return {p: tuple(s) for p, s in shapes.items() if s is not None and _MATCH[form].match(p)}
-
-
-def _numbers(paths: Iterable[Path]) -> set[str]:
-  """The layer numbers `i` of the paths `decoder/layers_{i}/...` among `paths`."""
-  return {m[0]['i'] for p in paths if (m := _MATCH[UNSCANNED].match(p))}
-
-
-# A layer index as a key of its own ('layers/0/...', nnx.List) or a name
-# suffix ('layers_0/...', Linen's unscanned layers).
-_INDEXED_NAME = re.compile(r'(.+)_(\d+)')
-
-
-def _unindexed(path: Path) -> tuple[Path, int] | None:
-  """The path without its first layer index, and that index ('layers/0' or 'layers_0')."""
-  for i, key in enumerate(path):
-    if key.isdigit():
-      return path[:i] + path[i + 1 :], int(key)
-    if m := _INDEXED_NAME.fullmatch(key):
-      return path[:i] + (m.group(1),) + path[i + 1 :], int(m.group(2))
-  return None
-
-
-def _layer_axis(stacked: Shape | None, per_layer: Shape | None, n: int) -> int | None:
-  """The axis of `stacked` that holds `n` layers of shape `per_layer`, if any."""
-  if stacked is None or per_layer is None:
-    return None
-  return next((axis for axis, size in enumerate(stacked)
-               if size == n and stacked[:axis] + stacked[axis + 1 :] == per_layer), None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Stacking:
-  """Evidence of scanned vs unscanned: one stacked leaf and its per-layer leaves."""
-
-  stacked: str
-  stacked_shape: Shape | None
-  per_layer: tuple[str, ...]
-  per_layer_shape: Shape | None
-  axis: int | None
-
-  def __str__(self) -> str:
-    axis = f'layer axis {self.axis}' if self.axis is not None else 'no layer axis fits'
-    return (
-        f'{self.stacked} {self.stacked_shape} <-> {len(self.per_layer)} per-layer leaves'
-        f' {self.per_layer[0]}, ... {self.per_layer_shape} ({axis})'
-    )
-
-
-def stackings(
-    per_layer: Mapping[Path, tuple[str, Shape | None]],
-    stacked: Mapping[Path, tuple[str, Shape | None]],
-) -> list[Stacking]:
-  """Pairs each stacked leaf with the per-layer leaves that would make it.
-
-  Args:
-    per_layer: path -> (name for messages, shape) on the per-layer side.
-    stacked: path -> (name for messages, shape) on the other side.
-  """
-  groups: dict[Path, list[tuple[int, Path]]] = {}
-  for path in per_layer:
-    if (unindexed := _unindexed(path)) is not None:
-      groups.setdefault(unindexed[0], []).append((unindexed[1], path))
-  found = []
-  for path, (name, shape) in sorted(stacked.items()):
-    layers = sorted(groups.get(path, ()))
-    if not layers:
-      continue
-    per_shape = per_layer[layers[0][1]][1]
-    found.append(
-        Stacking(
-            stacked=name,
-            stacked_shape=shape,
-            per_layer=tuple(per_layer[p][0] for _, p in layers),
-            per_layer_shape=per_shape,
-            axis=_layer_axis(shape, per_shape, len(layers)),
-        )
-    )
-  return found

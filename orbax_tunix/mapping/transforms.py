@@ -184,6 +184,25 @@ def merge_axes(start: int, stop: int) -> Transform:
   )
 
 
+def split_axis(axis: int, sizes: Sequence[int]) -> Transform:
+  """Axis `axis` split into axes of `sizes` (a reshape, C order: `merge_axes` undone)."""
+  sizes = tuple(sizes)
+
+  def shape(s: Shape) -> Shape:
+    if not 0 <= axis < len(s) or math.prod(sizes) != s[axis]:
+      raise TransformError(f'split_axis({axis}, {sizes}): does not fit a {len(s)}-d array {s}')
+    return (*s[:axis], *sizes, *s[axis + 1:])
+
+  return Transform(
+      f'split_axis({axis}, {sizes})', _one(shape),
+      lambda xs: xp(*xs).reshape(xs[0], shape(xs[0].shape)),
+      # The split axis unpartitioned, as `merge_axes` leaves its merged axes.
+      source_spec=lambda spec: (*spec[:axis], None, *spec[axis + len(sizes):]),
+      source_axis=lambda d, shapes: (
+          d if d < axis else None if d < axis + len(sizes) else d - len(sizes) + 1),
+  )
+
+
 def take(axis: int, index: int) -> Transform:
   """Slice `index` along `axis`, the axis dropped (`jnp.take`, as MaxText unrolls layers)."""
 

@@ -7,8 +7,9 @@ and, for NNX models, `nnx_aux` (RNGs and other non-weight variables). Tunix
 writes `model_params` and `optimizer_state` in nnx's layout instead.
 
 Nothing here knows an optimizer: optax states are matched by their fields in
-chain order. A `RestorePlan` is worked out from metadata alone, every mismatch
-reported before any array is read; executing it reads each needed array once.
+chain order. MaxText's state is made by rules from a Tunix step's leaves (`plan.made`),
+from metadata alone, every mismatch reported before any array is read; a restore's plan
+(`RestorePlan`) is the executor's outputs, each needed array read once.
 
   restore_train_state(path, abstract_state)    the function
   ItemsHandler, ItemsRestore                   the same as an Orbax handler
@@ -16,10 +17,11 @@ reported before any array is read; executing it reads each needed array once.
   execute_plan(plan, abstract_state)           ... and to run
   LayerScanMismatchError, LoraOnlyCheckpointError
 
-The flow, a module each: train_state (MaxText's key paths) -> view (the
-checkpoint's canonical leaves) -> optimizer, weights (matching and checking
-each side) -> plan -> execute -> handler; layers re-lays the decoder's layers in
-the other form, with `mapping/stacks.py`'s model of them. Its two errors are
+The flow, a module each: train_state (MaxText's key paths and rules) -> view (the
+checkpoint's canonical leaves) -> optimizer, weights (matching and checking each side)
+-> plan -> execute -> handler; layers re-lays the decoder's layers in the target's form,
+with their `mapping.stacks.LayerForm`. The `maxtext` layout (`layouts/maxtext.py`)
+applies the same rules to write MaxText's own step. Its two errors are
 `orbax_tunix.errors`'.
 """
 

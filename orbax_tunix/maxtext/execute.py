@@ -12,9 +12,8 @@ import numpy as np
 from etils import epath
 
 from orbax_tunix import conventions, errors
-from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.keypaths import flatten, fmt
 from orbax_tunix.mapping import device, merge
-from orbax_tunix.mapping.outputs import Input
 from orbax_tunix.maxtext.plan import RestorePlan, plan_restore, require_target
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.read_requests import args_by_path
@@ -30,8 +29,7 @@ def execute_plan(
 ) -> PyTree:
   """Reads what a plan says, once per array, into the target's shardings and dtypes.
 
-  The plan's outputs (`RestorePlan.outputs`) run on the device executor
-  (`mapping.device`), as a LoRA merge's do.
+  The plan's outputs run on the device executor (`mapping.device`), as a LoRA merge's do.
 
   Args:
     plan: from `plan_restore` for this `abstract_state`.
@@ -44,18 +42,9 @@ def execute_plan(
   """
   pairs, treedef = flatten(abstract_state)
   given = args_by_path(restore_args)
-  targets = {p: device.Target.of(leaf, given.get(p)) for p, leaf in pairs if p in plan.leaves}
-  # The plan checked every path and shape: the sources' shapes are its (no metadata
-  # read again).
-  step = reader.CanonicalCheckpoint(plan.detection, {}, {})
-
-  def input_of(source: Path) -> Input:
-    item, path = source[0], source[1:]
-    disk = plan.detection.maps[item].canonical_to_disk[path]
-    return Input(step, reader.LeafInfo(item, path, disk, plan.shapes.get(source, ()), None))
-
-  values = device.execute(plan.outputs(input_of, {p: t.abstract for p, t in targets.items()}),
-                          targets)
+  planned = {o.path for o in plan.outputs}
+  targets = {p: device.Target.of(leaf, given.get(p)) for p, leaf in pairs if p in planned}
+  values = device.execute(plan.outputs, targets)
   for path, fill in sorted(plan.fills.items() if logger.isEnabledFor(logging.INFO) else ()):
     # A count is replicated: any local shard holds it (multi-process too).
     number = np.asarray(values[path].addressable_data(0)).item()

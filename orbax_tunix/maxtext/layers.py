@@ -1,95 +1,94 @@
-"""A MaxText restore target whose decoder layers are in the other form than the step's.
+"""A restore target whose decoder layers are in another form than the step's.
 
-The forms (scanned, unscanned), their layer axis and the rules between them are
-`mapping/stacks.py`'s; here a target asking for the other form is matched to
-the stored weights, every mismatch refused before any read.
+The forms, their layer axis and the re-laying are `mapping/stacks.py`'s `LayerForm`s (the
+families' forms: `huggingface.layer_form`); here the target's form is matched to the stored
+weights, every mismatch refused before any read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
-from orbax_tunix import errors
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import patterns, stacks
+from orbax_tunix.mapping import huggingface, stacks
 from orbax_tunix.mapping.patterns import Mapped
-from orbax_tunix.mapping.transforms import Shape
+from orbax_tunix.mapping.transforms import IDENTITY, Shape
+from orbax_tunix.maxtext.view import CheckpointView
 
 
-def relayout(
-    source: Mapping[Path, Shape],
-    target: Mapping[Path, Shape | None],
-    axis: int | None = None,
-    *,
-    where: str = '',
-) -> tuple[tuple[patterns.LayoutRule, ...], dict[Path, Mapped]]:
-  """The rules laying the source's decoder layers out as the target's, and the target
-  weights the source holds in the other form, each with how it is made.
+def relayout(view: CheckpointView, target: Mapping[Path, Shape | None], aux: Collection[Path],
+             axis: int | None = None) -> tuple[dict[Path, Mapped], dict[Path, Shape]]:
+  """The checkpoint's weights in the target's layer form, and the stored shapes read for it.
 
   Args:
-    source: the checkpoint's weights (canonical paths) -> shapes.
-    target: the target's weights (same naming, no `params` level) -> shapes.
+    view: the checkpoint.
+    target: the target's weights (canonical paths, no `params` level) -> shapes.
+    aux: the checkpoint's non-weight variables (not laid out).
     axis: MaxText's `param_scan_axis`, of whichever side is scanned (None: the
       stored weights' own when they are scanned, else the target's).
-    where: the checkpoint, for messages.
 
   Returns:
-    (the layer rules, `stacks.rules`, or `stacks.AS_STORED` alone when the two
-    sides are in one form; target weight -> `Mapped` (its sources and
-    transform) for each target weight that is the other form of some).
+    (weight in the target's form -> its stored weights and transform, for every
+    weight: as stored where the forms agree; stored weight -> shape, read for the
+    weights re-laid).
 
   Raises:
-    LayerScanMismatchError: the forms differ, but a layer count differs
-      between the sides or between weights, or the layer axis does not fit
-      the shapes (naming the weights, before any read).
+    LayerScanMismatchError: the forms differ, but a layer count differs between the
+      sides or between weights, or the layer axis does not fit the shapes (naming the
+      weights, before any read).
   """
   stacks.check_axis(axis)
-  missing = [t for t in target if t not in source]
-  want, have = stacks.form_of(missing), stacks.form_of(p for p in source if p not in target)
-  if not missing or want is None or have is None or want == have:
-    return (stacks.AS_STORED,), {}
-  stored = {p: s for p, s in source.items() if stacks.form_of([p]) == have}
-  if have == stacks.SCANNED:
-    axis = stacks.check_stacked(stored, axis, where,
-                                stacks.layer_count(stacks.in_form(target, want)))
+  weights = [w for w in view.model if w not in aux]
+  missing = [w for w in target if w not in view.model]
+  have = huggingface.layer_form([w for w in weights if w not in target])
+  want = huggingface.layer_form(missing)
+  if not missing or None in (have, want) or have == want:
+    return {w: Mapped((w,), IDENTITY, None) for w in weights}, {}
+  where = str(view.step_dir)
+  stored = view.shapes(conventions.MODEL_ITEM, [w for w in weights if w not in target])
+  wanted = {w: s for w, s in target.items() if want.holds(w) or stacks.layer_of(w) is not None}
+  if have.scanned:
+    axis = have.axis(stored, axis, count=want.count(wanted), where=where)
   elif axis is None:
-    count = stacks.check_unscanned(stored, where)
-    wanted = stacks.in_form(target, stacks.SCANNED)
-    fits = [a for a in stacks.stacked_axes(wanted) if next(iter(wanted.values()))[a] == count]
-    axis = stacks.DEFAULT_AXIS if stacks.DEFAULT_AXIS in fits or len(fits) != 1 else fits[0]
-  else:
-    stacks.check_unscanned(stored, where)
-  rules = stacks.rules(want, axis)
+    axis = want.axis(wanted, count=len(want.layers(stored, where)), where=where)
   try:
-    mapped = patterns.map_paths(stored, rules, where=where).outputs
+    relaid = stacks.relay({w: stored.get(w) for w in weights}, have, want, axis, where=where)
   except errors.UnsupportedLayoutError as e:
     raise errors.LayerScanMismatchError(
-        f'{where}: the checkpoint is {have.upper()} and the target {want.upper()}, but the'
-        f' layers cannot be re-laid along param_scan_axis={axis}:\n{e}\nPass the'
+        f'{where}: the checkpoint is {have.kind.upper()} and the target {want.kind.upper()},'
+        f' but the layers cannot be re-laid along param_scan_axis={axis}:\n{e}\nPass the'
         ' param_scan_axis the model was built with.'
     ) from e
-  found = {t: m for t, m in mapped.items() if t in target}
+  _check(relaid, stored, wanted, (have, want), axis, where)
+  return relaid, stored
+
+
+def _check(relaid: Mapping[Path, Mapped], stored: Mapping[Path, Shape],
+           wanted: Mapping[Path, Shape | None], forms: tuple[stacks.LayerForm, ...], axis: int,
+           where: str) -> None:
+  """Refuses re-laid weights whose shape is not the target's, and target layers no stored
+  layer makes (with both sides' layer counts)."""
   problems = [
-      f'{fmt(t)}: target {target[t]}, from {", ".join(fmt(s) for s in m.sources[:2])}'
-      f'{", ..." if len(m.sources) > 2 else ""} {source[m.sources[0]]} by {m.transform} gives'
-      f' {m.shape}'
-      for t, m in sorted(found.items()) if target[t] is not None and tuple(target[t]) != m.shape
+      f'{fmt(w)}: target {s}, from {", ".join(fmt(p) for p in m.sources[:2])}'
+      f'{", ..." if len(m.sources) > 2 else ""} {stored[m.sources[0]]} by {m.transform}'
+      f' gives {m.shape}'
+      for w, s in sorted(wanted.items()) if (m := relaid.get(w)) is not None and s is not None
+      and m.shape is not None and tuple(s) != m.shape]
+  unmade = sorted(fmt(w) for w in wanted if w not in relaid)
+  if not (problems or unmade):
+    return
+  (have, want), counts = forms, (forms[0].count(stored, axis), forms[1].count(wanted, axis))
+  parts = [
+      f'{where}: the checkpoint is {have.kind.upper()} ({counts[0]} layers) and the target'
+      f' {want.kind.upper()} ({counts[1]} layers), re-laid along param_scan_axis={axis}, but'
+      ' they do not fit:'
   ]
-  unmade = sorted(t for t in missing if t not in found and stacks.form_of([t]) == want)
-  if problems or unmade:
-    counts = [stacks.layer_count(stored, axis),
-              stacks.layer_count(stacks.in_form(target, want), axis)]
-    parts = [
-        f'{where}: the checkpoint is {have.upper()} ({counts[0]} layers) and the target'
-        f' {want.upper()} ({counts[1]} layers), re-laid along param_scan_axis={axis}, but they'
-        ' do not fit:'
-    ]
-    if problems:
-      parts.append(f'{len(problems)} weights differ in shape:\n{errors.list_paths(problems)}')
-    if unmade:
-      parts.append(f'{len(unmade)} target weights have no layer in the checkpoint:\n'
-                   + errors.list_paths([fmt(t) for t in unmade]))
-    parts.append('Build the target with the number of layers and the param_scan_axis the run'
-                 ' trained with.')
-    raise errors.LayerScanMismatchError('\n'.join(parts))
-  return rules, found
+  if problems:
+    parts.append(f'{len(problems)} weights differ in shape:\n{errors.list_paths(problems)}')
+  if unmade:
+    parts.append(f'{len(unmade)} target weights have no layer in the checkpoint:\n'
+                 + errors.list_paths(unmade))
+  parts.append('Build the target with the number of layers and the param_scan_axis the run'
+               ' trained with.')
+  raise errors.LayerScanMismatchError('\n'.join(parts))

@@ -8,7 +8,7 @@ optimizer by name.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from orbax_tunix.conventions import MAXTEXT_OPT_STATE as OPT_STATE
 from orbax_tunix.keypaths import Path, fmt, natural_order
@@ -70,6 +70,32 @@ def opt_states(splits: Iterable[tuple[Path, str, Path | None]]) -> list[OptState
       OptState(node, tuple(sorted(fields[node].items())))
       for node in sorted(fields, key=natural_order)  # '2' before '10'
   ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """An optimizer as a MaxText state holds it: its states and where their fields go.
+
+  Attributes:
+    states: its states, in chain order (empty states left out).
+    nodes: (state node, field) -> the field's path in the state (a mirroring field's
+      with the level, e.g. MaxText's `params`, its weights are under).
+  """
+
+  states: tuple[OptState, ...] = ()
+  nodes: Mapping[tuple[Path, str], Path] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(cls, paths: Iterable[Path], weights: Collection[Path], collection: str | None = None
+         ) -> Chain:
+    """The chain of some `opt_state/...` leaves (`split_opt_path`'s arguments); where one
+    field is under two paths, the first in chain order is where it goes."""
+    paths = sorted(paths, key=natural_order)
+    splits = [split_opt_path(p, weights, collection) for p in paths]
+    nodes: dict[tuple[Path, str], Path] = {}
+    for p, (node, field, weight) in zip(paths, splits, strict=True):
+      nodes.setdefault((node, field), p[:len(p) - len(weight or ())])
+    return cls(tuple(opt_states(splits)), nodes)
 
 
 def _worth(state: OptState) -> int:

@@ -1,32 +1,36 @@
-"""MaxText's train state as it saves it, as data: what a converted step must hold.
+"""MaxText's train state as it saves it, as data, and the rules that make it from a Tunix step.
 
-MaxText 0.2.5 (`opt_type=adamw`, its default) trains with
+MaxText keeps one item, `items`, holding a Linen `TrainState`: `params/params/<weights>`
+(the Linen `params` collection), `opt_state` (the optax chain's states in chain order,
+`None` where a state is empty), `step` and, for NNX models, `nnx_aux` (RNGs and other
+non-weight variables). MaxText 0.2.5 (`opt_type=adamw`, its default) trains with
 `optax.adamw(schedule)`: `chain(scale_by_adam, add_decayed_weights,
-scale_by_learning_rate)`, saved as the list
-`[{count, mu: {params: <weights>}, nu: {params: <weights>}}, None, {count}]`;
-`step` is int32. `template` builds that train state's leaves for a given set
-of weights; the MaxText view (`plan.make_plan`) maps a Tunix step onto it, as
-it maps one onto an abstract state a caller gives, by the rules below: layout
-rules (`mapping.patterns`) over the step's canonical leaves, each named
-`(item, *canonical path)`.
+scale_by_learning_rate)`, saved as the list `[{count, mu: {params: <weights>}, nu:
+{params: <weights>}}, None, {count}]`; `step` is int32.
+
+The rules name each leaf's sources as `(item, *canonical path)` of the Tunix step:
+`params/params/<w>` <- `model_params:<w>` (the decoder's layers in the state's form:
+`mapping.stacks`), a matched optimizer field `opt_state/<s>/<field>[/params]/<w>` <-
+`optimizer_state:opt_state/<s'>/<field>/<w>` (laid out as its weight), `nnx_aux[/model]/<v>`
+<- `model_params:<v>`, `step` <- `optimizer_state:step`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-import jax
 import numpy as np
 
 from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path
-from orbax_tunix.mapping import patterns, stacks
-from orbax_tunix.mapping.patterns import LayoutRule
+from orbax_tunix.mapping.patterns import Mapped
+from orbax_tunix.maxtext.optimizer import Chain, OptState
 
 # The names the MaxText view uses (defined once, in `conventions`).
 PARAMS, COLLECTION = conventions.MAXTEXT_PARAMS
 OPT_STATE = conventions.MAXTEXT_OPT_STATE
 STEP = conventions.MAXTEXT_STEP
+MODEL, OPTIMIZER = conventions.MODEL_ITEM, conventions.OPTIMIZER_ITEM
 
 # MaxText's adamw chain as saved: per position, its fields (those mirroring the
 # weights marked), or None for an empty state.
@@ -39,26 +43,12 @@ COUNT_DTYPE = np.dtype(np.int32)
 STEP_DTYPE = np.dtype(np.int32)
 
 
-def template(weights: Mapping[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.ShapeDtypeStruct]:
-  """MaxText's train state for these weights, leaf by leaf (no `nnx_aux`); `ADAMW`'s
-  mirroring fields take each weight's shape and dtype.
-
-  Args:
-    weights: weight path (no `params` level) -> its shape and dtype.
-
-  Returns:
-    leaf path -> `jax.ShapeDtypeStruct`.
-  """
-  out = {conventions.MAXTEXT_PARAMS + w: leaf for w, leaf in weights.items()}
-  for position, fields in enumerate(ADAMW):
-    for field, mirrored in fields or ():
-      node = (OPT_STATE, str(position), field)
-      if mirrored:
-        out.update(((*node, COLLECTION) + w, leaf) for w, leaf in weights.items())
-      else:
-        out[node] = jax.ShapeDtypeStruct((), COUNT_DTYPE)
-  out[(STEP,)] = jax.ShapeDtypeStruct((), STEP_DTYPE)
-  return out
+def adamw() -> Chain:
+  """MaxText's adamw chain (`ADAMW`) as the planner matches a Tunix optimizer to it."""
+  states = [OptState((str(i),), fields) for i, fields in enumerate(ADAMW) if fields]
+  return Chain(tuple(states), {
+      (s.node, field): (OPT_STATE, *s.node, field, *((COLLECTION,) if mirrored else ()))
+      for s in states for field, mirrored in s.fields})
 
 
 def containers() -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], str], ...]]:
@@ -72,30 +62,9 @@ def containers() -> tuple[frozenset[Path], tuple[tuple[Path, tuple[int, ...], st
   return frozenset({(OPT_STATE,)}), empty
 
 
-# --- the rules from a Tunix step ------------------------------------------------
-
-
-def weight_rules(layers: Sequence[LayoutRule] = (stacks.AS_STORED,)) -> tuple[LayoutRule, ...]:
-  """params/params/<w> <- model_params:<w>, the decoder's layers laid out by `layers`
-  (`stacks.rules`: in the other form than stored, or as stored)."""
-  return patterns.nested(layers, (conventions.MODEL_ITEM,), conventions.MAXTEXT_PARAMS)
-
-
-def aux_rules(node: Path) -> tuple[LayoutRule, ...]:
-  """<node>/<v> <- model_params:<v>: RNG and other non-weight variables (`nnx_aux[/model]`)."""
-  return patterns.nested((stacks.AS_STORED,), (conventions.MODEL_ITEM,), node)
-
-
-def state_rules(
-    fields: Mapping[Path, Path], layers: Sequence[LayoutRule] = (stacks.AS_STORED,)
-) -> tuple[LayoutRule, ...]:
-  """opt_state/<state>/<field>[/params]/<w> <- optimizer_state:opt_state/<state'>/<field>/<w>:
-  the fields of the optimizer states matched between the two sides, the weights
-  they mirror (`mu`, `nu`) laid out by the weights' own `layers`.
-
-  Args:
-    fields: a field's node in the checkpoint (canonical, from `opt_state`) -> its
-      node in the target (with MaxText's `params` level where the target has it).
-  """
-  return tuple(rule for source, dest in fields.items()
-               for rule in patterns.nested(layers, (conventions.OPTIMIZER_ITEM, *source), dest))
+def under(mapped: Mapping[Path, Mapped], source: Path, dest: Path) -> dict[Path, Mapped]:
+  """Leaves made below one node from leaves below another (a model's weights inside
+  `params`, or inside an optimizer's `mu`): each destination under `dest`, each
+  source under `source`."""
+  return {(*dest, *p): Mapped(tuple((*source, *s) for s in m.sources), m.transform, m.shape)
+          for p, m in mapped.items()}

@@ -41,6 +41,12 @@ class CheckpointView:
   optimizer: frozenset[Path] | None
   side_paths: tuple[Path, ...] = ()
 
+  @property
+  def step_leaf(self) -> Path | None:
+    """The optimizer's step, `(item, *canonical path)`, where the step holds one."""
+    found = (conventions.OPTIMIZER_ITEM, *conventions.OPTIMIZER_STEP)
+    return found if self.optimizer is not None and found[1:] in self.optimizer else None
+
   def stored(self, item: str, path: Path) -> str:
     """A canonical leaf as the checkpoint holds it: 'item/path/on/disk'."""
     return fmt((item, *self.detection.maps[item].canonical_to_disk[path]))

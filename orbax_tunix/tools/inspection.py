@@ -176,7 +176,7 @@ class LayerReport:
   """MaxText's decoder layers in a step.
 
   Attributes:
-    form: `mapping.stacks.SCANNED` or `UNSCANNED`.
+    form: `mapping.stacks.SCANNED` or `UNSCANNED_NAME` (`LayerForm.kind`).
     count: how many layers (None: the weights do not agree on one).
     axis: the layer axis of scanned weights (None: unscanned, or not told by
       the shapes nor recorded).
@@ -449,14 +449,18 @@ def _source(shapes: Mapping[Path, tuple[int, ...] | None], layers: LayerReport |
 def _layer_form(
     shapes: Mapping[Path, tuple[int, ...] | None], custom: Mapping[str, Any]
 ) -> LayerReport | None:
-  """MaxText's form of the decoder's layers, their count and (scanned) their axis: the
-  axis the step records (a converted step), else the one the shapes tell."""
-  form = stacks.form_of(shapes)
+  """MaxText's form of the decoder's layers (the families' forms), their count and (scanned)
+  their axis: the one the step records (a converted step), else the one the shapes tell
+  (`LayerForm.axis`, as every layout finds it; None where none fits)."""
+  known = {p: s for p, s in shapes.items() if s is not None}
+  form = huggingface.layer_form(known)
   if form is None:
     return None
-  known = {p: s for p, s in shapes.items() if s is not None}
   axis = None
-  if form == stacks.SCANNED:
-    recorded = custom.get(stacks.SCAN_AXIS_KEY)
-    axis = stacks.scan_axis(known, recorded if isinstance(recorded, int) else None)
-  return LayerReport(form, stacks.layer_count(known, axis), axis)
+  if form.scanned:
+    try:
+      axis = form.axis(known, recorded=stacks.recorded_axis(custom))
+    except errors.LayerScanMismatchError:
+      return LayerReport(form.kind, None, None)
+  return LayerReport(form.kind, form.count(known, stacks.DEFAULT_AXIS if axis is None else axis),
+                     axis)
