@@ -448,7 +448,7 @@ def _lora_uses(lora: inspection.LoraReport) -> str:
   alpha = '' if lora.style == lora_lib.FLAX else ' --lora-alpha A'
   uses = LORA_USES[lora.base_weights].format(alpha=alpha)
   targets = [tuple(t.split('/')) for t in lora.targets]
-  if lora.base_weights or huggingface.source_kind(targets) != huggingface.MAXTEXT_MODEL:
+  if lora.base_weights or not huggingface.adapters_need_config(targets):
     return uses
   return uses.replace(f'--peft{alpha} (a PEFT adapter', f'--peft{alpha} --base-model FOLDER'
                       ' (a PEFT adapter', 1)

@@ -28,8 +28,10 @@ from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts.base import Destination, LaidOut, Layout, Option, Request, register
+from orbax_tunix.mapping import hf_config as config_lib
 from orbax_tunix.mapping import huggingface, lora, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.hf_naming import Family, Naming
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
 from orbax_tunix.reading import reader
@@ -43,7 +45,7 @@ def layout_name(family: str) -> str:
   return family + SUFFIX
 
 
-def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter,
+def _arrangement(naming: Naming, weight: Path, adapter: lora.Adapter,
                  leaves: Mapping[Path, reader.LeafInfo], base: Mapping[Path, reader.LeafInfo],
                  told: Mapping[Path, tuple[int, ...]]) -> lora.Contraction | str:
   """How `a ⊗ b` makes the weight: from the weight's shape where the save holds it or the
@@ -83,7 +85,7 @@ def _config_fix(shape: tuple[int, ...], fields: tuple[str, ...], rows: int, colu
   return sorted(set(fixes))
 
 
-def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
+def _told_shape(naming: Naming, weight: Path, a: tuple[int, ...],
                 b: tuple[int, ...], text: Mapping[str, object], axis: int, where: str
                 ) -> tuple[int, ...] | str | None:
   """The stored shape the config's fields (`text`, the text model's) give the weight at
@@ -128,7 +130,7 @@ def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
   if base_model is None:
     return None
   folder = fileio.as_path(base_model)
-  return (folder, hf_layouts._base_config(folder, BASE_MODEL.name)) if folder.is_dir() else None
+  return (folder, config_lib.read(folder, BASE_MODEL.name)) if folder.is_dir() else None
 
 
 def _text_config(base_folder: tuple[epath.Path, object] | None) -> Mapping[str, object] | None:
@@ -140,7 +142,7 @@ def _text_config(base_folder: tuple[epath.Path, object] | None) -> Mapping[str, 
   return text if isinstance(text, dict) else None
 
 
-def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
+def _told_shapes(family: Family, naming: Naming,
                  adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
                  base_folder: tuple[epath.Path, object] | None, axis: int, where: str
                  ) -> dict[Path, tuple[int, ...]]:
@@ -169,7 +171,7 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
   return told
 
 
-def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: Path, name: str
+def _not_a_module(family: Family, naming: Naming, path: Path, name: str
                   ) -> str | None:
   """Why the Hugging Face tensor `name` made from the weight at `path` is no module PEFT
   adapts as a linear layer, or None."""
@@ -183,7 +185,7 @@ def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: 
   return None
 
 
-def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
+def _names_for_base(family: Family, naming: Naming,
                     base_model: str | None, base_folder: tuple[epath.Path, object] | None,
                     shapes: Mapping[Path, tuple[int, ...]], full: bool, where: str
                     ) -> tuple[Callable[[str], str], list[str]]:
@@ -191,7 +193,7 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
 
   A `base_model` folder's config.json is checked against the weights as a model export
   checks it; a save of adapters alone by the same rules, for what its adapters tell: every
-  size of every adapted weight (`huggingface.check_sizes`), a layer count that holds them,
+  size of every adapted weight (`hf_config.check_sizes`), a layer count that holds them,
   and an lm_head of its own (an adapted lm_head: a tied base is refused, as for the full
   save). A multimodal class (Gemma3ForConditionalGeneration) holds the text model's modules
   deeper (`Family.text_prefixes`). A Hub name is not checked.
@@ -213,11 +215,11 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
   # the embedding, unless they adapt an lm_head of its own (the model then has one).
   untold = () if full else ('num_hidden_layers',) + (
       () if naming.tied is not None and not naming.tied(shapes) else ('tie_word_embeddings',))
-  huggingface.check_config(family, values, shapes, config, skip=untold, option=BASE_MODEL.name)
+  config_lib.check_config(family, values, shapes, config, skip=untold, option=BASE_MODEL.name)
   text = _text_config(base_folder) or {}
   layers = [int(i) for i in naming.layers(shapes)]
   count = text.get('num_hidden_layers')
-  wrong = [] if full else huggingface.check_sizes(naming, shapes, text)
+  wrong = [] if full else config_lib.check_sizes(naming, shapes, text)
   if not full and isinstance(count, int) and layers and max(layers) >= count:
     wrong.append(f'num_hidden_layers: config.json has {count}, the adapters are on layer'
                  f' {max(layers)}')
@@ -237,7 +239,7 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
       f' holds them ({want}...)']
 
 
-def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
+def lay_out(family: Family, request: Request) -> LaidOut:
   """A LoRA run's adapters as `family`'s PEFT adapter: the tensors and adapter_config.json.
 
   Raises:
@@ -254,7 +256,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
   scaling = request.adapter_scaling or merge_lib.Options()
   lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
-  leaves, left_out = hf_layouts._model_weights({p: leaf for leaf, p in reader.weights(source)})
+  leaves, left_out = huggingface.model_weights({p: leaf for leaf, p in reader.weights(source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
   if not adapters:
     raise errors.LoraError(
@@ -266,7 +268,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
   scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
             for w, a in adapters.items()}
-  naming = family.naming(list(leaves), where)
+  naming = huggingface.naming(family, list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
   # refused where it does not fit, or where nothing is stacked), from the model's weights (a
@@ -276,7 +278,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
-    hf_layouts._family_rules(family, naming, model_shapes, where)
+    huggingface.map_weights(family, naming, model_shapes, where)
   base_folder = _base_folder(request.base_model)
   text = _text_config(base_folder)
   told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
@@ -288,7 +290,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
                              where=where)
   layer_shapes = {p: m.shape for p, m in per_layer.items()}
   try:
-    mapped = hf_layouts._family_rules(family, naming, layer_shapes, where, whole=False)
+    mapped = huggingface.map_weights(family, naming, layer_shapes, where, whole=False)
   except errors.UnsupportedLayoutError as e:
     if base:
       raise
@@ -368,7 +370,7 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
       f' {2 * len(adapters)} adapter arrays,'
       f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
       ' base weight',
-      f'weights: {huggingface.describe_source(stored)}',
+      f'weights: {huggingface.describe_weights(stored)}',
   ]
   if request.base_model is None:
     notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
