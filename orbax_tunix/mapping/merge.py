@@ -351,7 +351,7 @@ def plan_merge(
   alpha, scale, base, names = options.alpha, options.scale, options.base, options.names
   lora.check_scaling(alpha, scale, names)
   lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
-               else reader.open_weights(path, step))
+               else reader.open_source(path, step, weights_only=True))
   lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in lora_weights.items()})
   if not adapters:
@@ -370,7 +370,7 @@ def plan_merge(
         f' {fmt(saved_quantized[0])}); merging onto the float weights of `{options.base_names[0]}`'
         ' would give another model than the one trained. Drop `'
         f'{options.base_names[0]}`: the merge then uses the saved base, dequantized.')
-  base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
+  base_ckpt = lora_ckpt if base is None else reader.open_source(base, base_step, weights_only=True)
   _refuse_merged_twice(lora_ckpt, base_ckpt)
   base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
   missing, bad, merges = [], [], {}

@@ -27,7 +27,6 @@ from etils import epath
 from orbax_tunix import errors, sizes
 from orbax_tunix.keypaths import fmt, natural_key
 from orbax_tunix.reading import hyperparams, memory, reader
-from orbax_tunix.tools import pipeline
 from orbax_tunix.writing import checksums
 
 # Elements compared at once, so that the float64 working copies stay small.
@@ -495,7 +494,8 @@ def diff_checkpoints(
   progress = progress or reader.NullProgress()
   items = None if items is None else tuple(items)  # read for both sides
   ckpt_a, ckpt_b = (side if isinstance(side, reader.CanonicalCheckpoint)
-                    else pipeline.open_source(side, None, items, params_only) for side in (a, b))
+                    else reader.open_source(side, None, items, weights_only=params_only)
+                    for side in (a, b))
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
   shape, dtype, pairs = [], [], []
   for path in sorted(set(view_a) & set(view_b)):

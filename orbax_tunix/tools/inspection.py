@@ -388,7 +388,7 @@ def inspect_checkpoint(
   Raises:
     TunixCheckpointError subclasses: the path is not a readable checkpoint.
   """
-  ckpt = reader.open_checkpoint(path, step, items)
+  ckpt = reader.open_source(path, step, items, whole=False)
   detection = ckpt.detection
   reports = [
       ItemReport(

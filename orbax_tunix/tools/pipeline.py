@@ -1,7 +1,7 @@
 """The one plan and run of every output: a layout applied to a source, streamed into its sink.
 
 `plan` decides everything from metadata before any array is read: the source
-(opened as far as the layout needs it), the LoRA merge, the destination checks
+(opened once, as far as the layout needs it: `reader.open_source`), the LoRA merge, the destination checks
 (`commit.check_destination`, by the sink's kind), the layout's outputs
 (`layouts`: an Orbax step, or a Hugging Face folder per family), the files a
 folder is sharded into, and the notes. `run` streams the outputs through the
@@ -235,7 +235,7 @@ def plan(
   params_only = params_only or merge_options is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   items = None if items is None else tuple(items)  # Read twice: the source, and `options`.
-  source = open_source(src, step, items, params_only)
+  source = reader.open_source(src, step, items, weights_only=params_only)
   dst = as_path(dst)
   merged = merge_options.plan(source) if merge_options is not None else None
   sink = SINKS[chosen.sink]
@@ -310,22 +310,6 @@ def _asked(given: Mapping[str, Any], merge_options: merge_lib.Options | None,
   if items is not None:
     asked['items'] = sorted(items)
   return asked
-
-
-def open_source(
-    src: epath.PathLike, step: int | None, items: Iterable[str] | None, params_only: bool
-) -> reader.CanonicalCheckpoint:
-  """A source (a plan's, a side of a diff), opened as far as it is needed.
-
-  Weights only: just the weights' item (the others are not read, and may be
-  absent). A whole step (no `items`): every item it records must be there.
-  """
-  if params_only and items is None:
-    return reader.open_weights(src, step)
-  source = reader.open_checkpoint(src, step, items)
-  if items is None:
-    source.detection.require()
-  return source
 
 
 def _refuse_adapters_only(source: reader.CanonicalCheckpoint, layout: str) -> None:
