@@ -1,5 +1,6 @@
-"""The layout catalog: sink kinds are `layouts.Destination` values, every kind a layout names is
-one the pipeline writes, and the families are named only by their own values."""
+"""The layout catalog: a layout's destination is a `layouts.Destination` value (its kind, its
+writing, its command and flag in one place), and the families are named only by their own
+values."""
 
 from __future__ import annotations
 
@@ -9,32 +10,48 @@ import re
 
 import pytest
 
+import orbax_tunix as ot
 from orbax_tunix import layouts
 from orbax_tunix.mapping import huggingface
-from orbax_tunix.tools import pipeline
 
 
-def test_every_layout_names_a_sink_the_pipeline_writes():
-  kinds = {layouts.get(n).sink for n in layouts.names()}
-  assert kinds == set(layouts.Destination)
-  assert set(pipeline.SINKS) == set(layouts.Destination)
+def test_every_layout_names_a_destination_value():
+  found = {layouts.get(n).destination.name for n in layouts.names()}
+  assert found == {'step', 'folder', 'adapter'}
+  assert all(isinstance(layouts.get(n).destination, layouts.Destination) for n in layouts.names())
+  # Each command's destinations: exactly one chosen without a switch (its default).
+  for command in ('convert', 'export'):
+    assert [d.name for d in layouts.destinations(command) if d.switch is None] == [
+        {'convert': 'step', 'export': 'folder'}[command]]
 
 
 @pytest.mark.parametrize('call', [layouts.named, layouts.options])
-def test_a_bare_string_is_refused_as_a_sink_kind(call):
+def test_a_bare_string_is_refused_as_a_destination(call):
   # 'step' was the kind's spelling before it was a value: it would match no layout, silently.
-  with pytest.raises(TypeError, match=r"sink 'step': expected a layouts.Destination"):
+  with pytest.raises(TypeError, match=r"destination 'step': expected a layouts.Destination"):
     call('step')
 
 
-def test_a_layout_of_a_bare_string_sink_is_refused():
-  with pytest.raises(TypeError, match="sink 'folder'"):
-    layouts.Layout('x', 'x', lambda request: None, sink='folder')
+def test_a_layout_of_a_bare_string_destination_is_refused():
+  with pytest.raises(TypeError, match="destination 'folder'"):
+    layouts.Layout('x', 'x', lambda request: None, destination='folder')
 
 
 def test_the_step_layouts_are_canonical_and_maxtext():
   # Independent of the catalog's code: the two Orbax step outputs README documents.
-  assert set(layouts.named(layouts.Destination.STEP)) == {'canonical', 'maxtext'}
+  (step,) = layouts.destinations('convert')
+  assert set(layouts.named(step)) == {'canonical', 'maxtext'}
+
+
+def test_a_familys_layout_of_each_export_destination():
+  # README: `export --model F` writes F's folder, `--peft` F's PEFT adapter.
+  folder, adapter = layouts.destinations('export')
+  assert adapter.switch.option.flag == '--peft'
+  for family in huggingface.names():
+    assert layouts.find(folder, family).name == family
+    assert layouts.find(adapter, family).name == f'{family}.peft'
+  with pytest.raises(ot.UnsupportedLayoutError, match='`model` .nope.'):
+    layouts.find(folder, 'nope')
 
 
 PACKAGE = pathlib.Path(layouts.__file__).resolve().parents[1]

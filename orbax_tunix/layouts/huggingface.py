@@ -24,7 +24,6 @@ from etils import epath
 from orbax_tunix import errors
 from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.base import (
-  Destination,
   LaidOut,
   Layout,
   Option,
@@ -33,6 +32,7 @@ from orbax_tunix.layouts.base import (
   weights,
 )
 from orbax_tunix.layouts.canonical import rng_note
+from orbax_tunix.layouts.folder import FOLDER
 from orbax_tunix.mapping import as_trained, huggingface, lora, stacks
 from orbax_tunix.mapping import hf_config as config_lib
 from orbax_tunix.mapping import merge as merge_lib
@@ -45,8 +45,6 @@ from orbax_tunix.store import fileio
 
 # The one item a folder layout lays out: its outputs are the folder's tensors.
 ITEM = 'model'
-# transformers' default `max_shard_size`.
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 # What `hf_config` copies from the base model's folder (never its weights).
 CONFIG_FILES = ('config.json', 'generation_config.json')
 TOKENIZER_FILES = (
@@ -65,7 +63,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
     InvalidOptionError: an `hf_config` that is not a readable model folder.
   """
   source, merged = request.source, request.merge
-  if request.base_only:
+  if request.option(BASE_ONLY):
     found = base_weights(request)
   else:
     if merged is None:
@@ -78,9 +76,10 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   axis = _scan_axis(request, stored, where)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = stacks.unstack(stored, naming.stacks, axis, where=where)
-  base_config = config_lib.read(request.hf_config)
+  hf_config = request.option(HF_CONFIG)
+  base_config = config_lib.read(hf_config)
   per_layer, vocab_notes = config_lib.cut_vocab(
-      naming, per_layer, _config_vocab(base_config), f'{request.hf_config}/config.json')
+      naming, per_layer, _config_vocab(base_config), f'{hf_config}/config.json')
   shapes = {p: m.shape for p, m in per_layer.items()}
   mapped = huggingface.map_weights(family, naming, shapes, where)
   staged = {o.path: o for o in relay(model, per_layer)}
@@ -90,16 +89,15 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
   trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes, naming.layers(shapes),
-                              write=request.config_as_trained)
-  files, notes = _config_files(family, request.hf_config, base_config, shapes,
+                              write=request.option(CONFIG_AS_TRAINED))
+  files, notes = _config_files(family, hf_config, base_config, shapes,
                                {o.dtype.name for o in outputs if o.dtype is not None}, trained)
   notes = [*rng_note(source), *left_out, *vocab_notes, *notes,
            f'weights: {huggingface.describe_weights(stored, axis)}']
   return LaidOut(
       items=(ItemOutput(ITEM, outputs),), notes=tuple(notes), files=files,
       summary={'model': family.name, 'architecture': family.target_of(naming)[0],
-               'config': None if request.hf_config is None
-               else os.fspath(request.hf_config / 'config.json')},
+               'config': None if hf_config is None else os.fspath(hf_config / 'config.json')},
   )
 
 
@@ -334,7 +332,7 @@ HF_CONFIG = Option(
     'hf_config', _hf_folder, 'DIR',
     "the base model's Hugging Face folder (or its config.json): its config.json (checked"
     ' against the weights), generation_config.json and tokenizer files are copied; without it'
-    ' the export has no config.json', coerce=_hf_folder)
+    ' the export has no config.json', coerce=_hf_folder, folder=True)
 MAX_SHARD_SIZE = Option(
     'max_shard_size', parse_size_text, 'SIZE',
     "bytes per file, e.g. 500MB or 5GB (powers of 1000, as transformers' max_shard_size;"
@@ -362,7 +360,8 @@ for _family in map(huggingface.get, huggingface.names()):
       description=f'a Hugging Face safetensors folder of {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
       options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG, BASE_ONLY, CONFIG_AS_TRAINED),
-      sink=Destination.FOLDER,
+      destination=FOLDER,
       weights_only=True,
       adapters=True,  # `lay_out` refuses them unmerged itself, saying what to do.
+      family=_family.name,
   ))

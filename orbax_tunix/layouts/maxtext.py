@@ -25,6 +25,7 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, register
 from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
+from orbax_tunix.layouts.step import STEP
 from orbax_tunix.mapping import lora, patterns, stacks
 from orbax_tunix.mapping import outputs as outputs_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
@@ -278,5 +279,6 @@ LAYOUT = register(Layout(
     description="MaxText's own step: item 'items', params/params/<weights> and, unless"
                 ' weights only, opt_state as its adamw chain and step',
     lay_out=lay_out,
+    destination=STEP,
     options=(SCAN_LAYERS, PARAM_SCAN_AXIS),
 ))

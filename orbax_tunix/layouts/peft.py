@@ -15,19 +15,30 @@ weight is not `B·A`) is refused, every one named, before anything is read.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.layouts import folder
 from orbax_tunix.layouts import huggingface as hf_layouts
-from orbax_tunix.layouts.base import Destination, LaidOut, Layout, Option, Request, register
+from orbax_tunix.layouts.base import (
+  Destination,
+  LaidOut,
+  Layout,
+  Option,
+  Request,
+  Switch,
+  register,
+)
 from orbax_tunix.mapping import hf_config as config_lib
 from orbax_tunix.mapping import huggingface, lora, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
@@ -36,6 +47,7 @@ from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
 from orbax_tunix.reading import reader
 from orbax_tunix.store import fileio
+from orbax_tunix.writing import commit, writer
 
 SUFFIX = '.peft'
 
@@ -254,7 +266,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
     raise errors.LoraError(
         f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
-  scaling = request.adapter_scaling or merge_lib.Options()
+  scaling = request.option(ADAPTER_SCALING) or merge_lib.Options()
   lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
   leaves, left_out = huggingface.model_weights({p: leaf for leaf, p in reader.weights(source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
@@ -279,7 +291,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
     model_shapes = {p: m.shape for p, m in stacks.unstack(
         {p: leaf.shape for p, leaf in base.items()}, naming.stacks, axis, where=where).items()}
     huggingface.map_weights(family, naming, model_shapes, where)
-  base_folder = _base_folder(request.base_model)
+  base_model = request.option(BASE_MODEL)
+  base_folder = _base_folder(base_model)
   text = _text_config(base_folder)
   told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
   found = {w: _arrangement(naming, w, a, leaves, base, told)
@@ -294,8 +307,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   except errors.UnsupportedLayoutError as e:
     if base:
       raise
-    given = '' if request.base_model is None else (
-        f' (`base_model` {request.base_model} is no folder here, or its config does not'
+    given = '' if base_model is None else (
+        f' (`base_model` {base_model} is no folder here, or its config does not'
         ' give their shapes)')
     raise errors.LoraError(
         f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
@@ -304,7 +317,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
         ' export the adapter from a save with the base weights beside them, or the merged'
         ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
   rename, config_notes = _names_for_base(
-      family, naming, request.base_model, base_folder,
+      family, naming, base_model, base_folder,
       model_shapes if base else layer_shapes, bool(base), where)
   problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
                for p in mapped.unmatched]
@@ -354,7 +367,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
                # Scaled: read as stored, the product in float32, one cast after it.
                read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
     ]
-  config = peft.config(modules, one, request.base_model)
+  config = peft.config(modules, one, base_model)
   stored = {p: leaf.shape for p, leaf in leaves.items()}
   kinds = sorted({m.rsplit('.', 1)[-1] for m in modules})
   # What whoever serves the adapter should know: said here and in the folder's README.md.
@@ -372,7 +385,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
       ' base weight',
       f'weights: {huggingface.describe_weights(stored)}',
   ]
-  if request.base_model is None:
+  if base_model is None:
     notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
                  ' (`base_model`) or load the adapter onto it by name')
   return LaidOut(
@@ -441,8 +454,10 @@ def _scaling(value: object) -> merge_lib.Options:
 
 
 # qwix's LoRA alpha (PEFT's `lora_alpha`), or the scale itself (alpha / rank).
+# On the command line: --lora-alpha or --lora-scale (the merge's flags).
 ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
-                         coerce=_scaling)
+                         coerce=_scaling, flags=('lora_alpha', 'lora_scale'),
+                         combine=lambda alpha, scale: merge_lib.Options(alpha, scale))
 # A Hugging Face Hub repository id as huggingface_hub validates one: `name` or `org/name`, of
 # letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', without
 # '--' or '..', at most 96 characters.
@@ -480,8 +495,56 @@ def _name_or_path(value: object) -> str:
 
 
 BASE_MODEL = Option('base_model', str, 'NAME_OR_PATH',
-                    "the base model, as adapter_config.json's base_model_name_or_path names it",
-                    coerce=_name_or_path)
+                    "the base model (a Hub name or a folder), the adapter config's"
+                    ' base_model_name_or_path', coerce=_name_or_path,
+                    alone='it names the base model of a PEFT adapter; add --peft (with'
+                          ' --lora-alpha)')
+
+# An exported PEFT adapter (what `force` may replace): its tensors, whose header records
+# the files the export wrote (the tensors and adapter_config.json), as a model export's do.
+ADAPTER_EXPORT = commit.Kind(
+    'a PEFT adapter export', (peft.ADAPTER_FILE,),
+    record=lambda path: writer.recorded_files(path, peft.ADAPTER_FILE), commit_file=None,
+    in_place=False,
+)
+
+
+def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
+                  ) -> tuple[list[ItemOutput], list[writer.Shard]]:
+  """The adapter's tensors in write order, all in the one file vLLM reads
+  (`adapter_model.safetensors`: it reads no other name, and no index)."""
+  del given
+  (item,) = items
+  outputs = tuple(writer.in_write_order(item.outputs))
+  return [dataclasses.replace(item, outputs=outputs)], [writer.Shard(
+      peft.ADAPTER_FILE, tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in outputs))]
+
+
+# `export --peft`: the model export's flags that an adapter export does not take, and why.
+PEFT = Switch(
+    Option('peft', bool, '', "export a LoRA run's adapters as a PEFT adapter folder"
+           ' (adapter_config.json, adapter_model.safetensors), with --lora-alpha or'
+           ' --lora-scale; reads the adapters only (a save with or without its base)',
+           switch=True),
+    refuses={
+        'merge_lora': 'the adapter holds the adapters unmerged; --merge-lora writes a model',
+        'base': 'the adapter is read from SRC alone (--base is the base weights of a merge)',
+        'hf_config': 'an adapter folder holds no config.json or tokenizer of the model',
+        'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
+        'base_only': 'the adapter holds the adapters; --base-only writes the base model',
+        'config_as_trained': 'an adapter folder holds no config.json of the model',
+        **dict.fromkeys(('base_qtype', 'base_tile_size', 'base_calibration'),
+                        'it says how a merge\'s --base was quantized (the adapter is read from'
+                        ' SRC alone)'),
+    },
+    instead='export a model without --peft',
+)
+ADAPTER = Destination(
+    name='adapter', kind=ADAPTER_EXPORT, unit='tensor', run='export',
+    doing='exporting the adapter to', shard=_adapter_file, share=folder.share,
+    write=folder.write, entries=folder.entries, dtype=folder.hf_dtype, command='export',
+    switch=PEFT, merges=False,
+)
 
 for _family in map(huggingface.get, huggingface.names()):
   register(Layout(
@@ -489,7 +552,8 @@ for _family in map(huggingface.get, huggingface.names()):
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
       options=(hf_layouts.PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
-      sink=Destination.ADAPTER,
+      destination=ADAPTER,
       weights_only=True,
       adapters=True,
+      family=_family.name,
   ))

@@ -93,7 +93,7 @@ def plan_convert(
     TunixCheckpointError subclasses: the source is not readable, or cannot be
       laid out as asked.
   """
-  steps = layouts.named(layouts.Destination.STEP)
+  steps = [n for d in layouts.destinations('convert') for n in layouts.named(d)]
   if layout not in steps:
     folder = (f'; {layout} is a Hugging Face folder: export it (`export_to_hf`,'
               f' orbax-tunix export --model {layout})' if layout in layouts.names() else '')
