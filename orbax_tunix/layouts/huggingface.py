@@ -141,7 +141,7 @@ def _scan_axis(request: Request, shapes: Mapping, where: str) -> int:
     LayerScanMismatchError: an axis along which the stacked weights do not hold
       one layer count (the message names the axis that fits).
   """
-  given = request.param_scan_axis
+  given = request.option(PARAM_SCAN_AXIS)
   stacks.check_axis(given)
   if stacks.describe(shapes)[0] != stacks.SCANNED:
     if given is not None:

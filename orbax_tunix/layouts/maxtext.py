@@ -73,12 +73,12 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
     LayerScanMismatchError: the stored layers are not one decoder (a weight
       with another layer count or shape), or the axis does not fit them.
   """
-  given = request.param_scan_axis
+  given = request.option(PARAM_SCAN_AXIS)
   stacks.check_axis(given)
   where = str(request.source.step_dir)
   stored = stacks.form_of(shapes)
-  want = None if request.scan_layers is None else (
-      stacks.SCANNED if request.scan_layers else stacks.UNSCANNED)
+  scan_layers = request.option(SCAN_LAYERS)
+  want = None if scan_layers is None else stacks.SCANNED if scan_layers else stacks.UNSCANNED
   if stored is None and want is not None:
     raise errors.UnsupportedLayoutError(
         f'{where}: `scan_layers` asks for MaxText\'s {want} layers, but the weights hold'
