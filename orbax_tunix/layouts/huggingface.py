@@ -73,7 +73,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   model, left_out = huggingface.model_weights(found)
   naming = huggingface.naming(family, model, where)
   stored = {p: o.shape for p, o in model.items()}
-  axis = _scan_axis(request, stored, where)
+  axis = scan_axis(request, stored, where)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = stacks.unstack(stored, naming.stacks, axis, where=where)
   hf_config = request.option(HF_CONFIG)
@@ -130,7 +130,7 @@ def base_weights(request: Request) -> dict:
   return {path: copied(Input(source, leaf), path, request.dtype) for path, leaf in plain.items()}
 
 
-def _scan_axis(request: Request, shapes: Mapping, where: str) -> int:
+def scan_axis(request: Request, shapes: Mapping, where: str) -> int:
   """The layer axis of stacked weights (`param_scan_axis`): as given, else as the step
   records it (a converted step), else the one the shapes tell (MaxText's default where
   several do), checked against the stored weights as `convert` checks it.

@@ -285,7 +285,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
   # refused where it does not fit, or where nothing is stacked), from the model's weights (a
   # save of adapters alone: the adapters, stacked as their weights are).
-  axis = hf_layouts._scan_axis(
+  axis = hf_layouts.scan_axis(
       request, {p: leaf.shape for p, leaf in (base or leaves).items()}, where)
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in stacks.unstack(
