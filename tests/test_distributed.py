@@ -707,7 +707,7 @@ def test_deal_balances_bytes_and_is_deterministic():
 
 
 def test_one_process_is_untouched():
-  assert not distributed.initialize(distributed.Options())  # No flags, no cluster here.
+  assert not distributed.initialize(distributed.JobOptions())  # No flags, no cluster here.
   assert not distributed.active() and distributed.is_primary()
   assert distributed.exchange('x', 'text') == ['text']
   assert distributed.mine([3, 2, 1]) == [0, 1, 2]

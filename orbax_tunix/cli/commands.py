@@ -36,7 +36,7 @@ import numpy as np
 from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
-from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
+from orbax_tunix.cli.display import Printer, format_bytes, format_duration, is_tty
 from orbax_tunix.mapping import huggingface
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.reading import memory, quantized
@@ -92,7 +92,7 @@ def parse_dtype(name: str) -> np.dtype:
 # --- the commands -------------------------------------------------------------
 
 
-def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
+def cmd_inspect(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix inspect`: draws the report (or prints its JSON).
 
   Returns 0; with --verify, 1 when some array does not match its checksum.
@@ -125,7 +125,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
 
 
 def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
-            args: argparse.Namespace, out: Output) -> Any:
+            args: argparse.Namespace, out: Printer) -> Any:
   """Prints a plan's notes, then `run(plan, progress)` with progress on stderr.
 
   SIGINT and SIGTERM stop it between batches (what was written is removed);
@@ -145,7 +145,7 @@ def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
       raise
 
 
-def cmd_convert(args: argparse.Namespace, out: Output) -> int:
+def cmd_convert(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix convert`: plans, streams with progress, prints the summary; returns 0."""
   _join(args)
   plan = convert_lib.plan_convert(
@@ -237,7 +237,7 @@ def _check_switches(args: argparse.Namespace, command: str) -> layouts.Destinati
   return destination
 
 
-def cmd_export(args: argparse.Namespace, out: Output) -> int:
+def cmd_export(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix export`: plans, streams with progress, prints the summary; returns 0."""
   destination = _check_switches(args, 'export')
   _join(args)
@@ -269,20 +269,20 @@ def _layout_options(args: argparse.Namespace, destination: layouts.Destination
           for name, option in layouts.options(destination).items()}
 
 
-def _merge_options(args: argparse.Namespace) -> merge_lib.Options | None:
+def _merge_options(args: argparse.Namespace) -> merge_lib.MergeOptions | None:
   """The LoRA merge the merge flags ask for (None: no merge)."""
-  return merge_lib.Options.given(args.merge_lora, args.lora_alpha, args.lora_scale, args.base,
+  return merge_lib.MergeOptions.given(args.merge_lora, args.lora_alpha, args.lora_scale, args.base,
                                  **_base_quantized(args))
 
 
 def _join(args: argparse.Namespace) -> None:
   """Joins the multi-process job the flags (or JAX's cluster detection) describe, if any."""
-  distributed.initialize(distributed.Options(
+  distributed.initialize(distributed.JobOptions(
       coordinator_address=args.coordinator_address, num_processes=args.num_processes,
       process_id=args.process_id, initialization_timeout=args.initialization_timeout))
 
 
-def cmd_diff(args: argparse.Namespace, out: Output) -> int:
+def cmd_diff(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix diff`: compares with progress; returns 0 on a match, else 1."""
   progress = progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress)
   result = diff_lib.diff_checkpoints(
@@ -459,7 +459,7 @@ class _Parents:
 
   Attributes:
     common: every command's (--debug, --plain).
-    hosts: a writing command's multi-process flags (`distributed.Options`).
+    hosts: a writing command's multi-process flags (`distributed.JobOptions`).
   """
 
   common: argparse.ArgumentParser
@@ -481,7 +481,7 @@ def _common_flags() -> argparse.ArgumentParser:
 
 
 def _host_flags() -> argparse.ArgumentParser:
-  """The 'across hosts' group (`distributed.Options`) of the commands that write."""
+  """The 'across hosts' group (`distributed.JobOptions`) of the commands that write."""
   hosts = argparse.ArgumentParser(add_help=False)
   group = hosts.add_argument_group(
       'across hosts', 'run the same command once per host (JAX\'s multi-controller runtime);'
@@ -848,7 +848,7 @@ def _main(argv: Sequence[str] | None) -> int:
     return e.code if isinstance(e.code, int) else EXIT_ERROR
   debug = getattr(args, 'debug', False)
   plain = getattr(args, 'plain', False)
-  out = Output(sys.stdout, fancy=not plain and is_tty(sys.stdout))
+  out = Printer(sys.stdout, fancy=not plain and is_tty(sys.stdout))
   args.fancy_progress = not plain
   if args.command == 'inspect' and args.collapse is None:
     args.collapse = out.fancy or is_tty(sys.stdout)

@@ -266,7 +266,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
     raise errors.LoraError(
         f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
-  scaling = request.option(ADAPTER_SCALING) or merge_lib.Options()
+  scaling = request.option(ADAPTER_SCALING) or merge_lib.MergeOptions()
   lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
   leaves, left_out = huggingface.model_weights({p: leaf for leaf, p in reader.weights(source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
@@ -444,12 +444,12 @@ def _not_text(text: str) -> None:
   raise ValueError(f'{text!r}: no flag gives the scaling as one text')
 
 
-def _scaling(value: object) -> merge_lib.Options:
-  """The scaling as a merge's options spell it (`merge.Options`), without a base."""
-  if isinstance(value, merge_lib.Options) and value.base is None:
+def _scaling(value: object) -> merge_lib.MergeOptions:
+  """The scaling as a merge's options spell it (`merge.MergeOptions`), without a base."""
+  if isinstance(value, merge_lib.MergeOptions) and value.base is None:
     return value
   raise errors.InvalidOptionError(
-      f'`adapter_scaling` {value!r}: expected `merge.Options(alpha, scale)` without a `base`'
+      f'`adapter_scaling` {value!r}: expected `merge.MergeOptions(alpha, scale)` without a `base`'
       ' (pass `alpha` or `scale` to `export_peft_adapter`).')
 
 
@@ -457,7 +457,7 @@ def _scaling(value: object) -> merge_lib.Options:
 # On the command line: --lora-alpha or --lora-scale (the merge's flags).
 ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
                          coerce=_scaling, flags=('lora_alpha', 'lora_scale'),
-                         combine=lambda alpha, scale: merge_lib.Options(alpha, scale))
+                         combine=lambda alpha, scale: merge_lib.MergeOptions(alpha, scale))
 # A Hugging Face Hub repository id as huggingface_hub validates one: `name` or `org/name`, of
 # letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', without
 # '--' or '..', at most 96 characters.

@@ -182,7 +182,7 @@ def checkpoints_read(
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class MergeOptions:
   """A LoRA merge's options as one value, checked once (`given`): the one spelling
   every caller carries them in, from its own keywords down to `plan_merge`.
 
@@ -210,7 +210,7 @@ class Options:
             base: epath.PathLike | None = None, base_qtype: str | None = None,
             base_tile_size: int | None = None, base_calibration: str | None = None,
             names: tuple[str, ...] = ('lora_alpha', 'lora_scale', 'base', 'base_qtype',
-                                      'base_tile_size', 'base_calibration')) -> Options | None:
+                                      'base_tile_size', 'base_calibration')) -> MergeOptions | None:
     """The options of a merge, or None without one; nothing is read.
 
     Args:
@@ -288,7 +288,7 @@ def _recipe(base: Any, qtype: str | None, tile_size: int | None, calibration: st
 
 
 def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.CanonicalCheckpoint,
-                     merges: Mapping[Path, Merge], options: Options, adapters_only: bool
+                     merges: Mapping[Path, Merge], options: MergeOptions, adapters_only: bool
                      ) -> list[str]:
   """What a merge says of quantized bases: stored (and dequantized), re-quantized, or unknown."""
   stored: dict[str, list[Path]] = {}
@@ -319,7 +319,7 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
 
 def plan_merge(
     path: epath.PathLike | reader.CanonicalCheckpoint,
-    options: Options = Options(),
+    options: MergeOptions = MergeOptions(),
     *,
     step: int | None = None,
     base_step: int | None = None,
@@ -330,7 +330,7 @@ def plan_merge(
     path: the LoRA run's checkpoint (a root, step or model item, or the
       checkpoint already opened): a full save (base weights beside the
       adapters) or adapters only.
-    options: the merge's `Options` (qwix's alpha is not stored in checkpoints: `alpha`
+    options: the merge's `MergeOptions` (qwix's alpha is not stored in checkpoints: `alpha`
       or `scale` must be given for qwix adapters; `base` may be a Tunix save, a
       MaxText `items` step, or any Orbax checkpoint of canonical weights).
     step: the step under `path` (None: the latest committed).
@@ -602,11 +602,11 @@ def restore_merged_lora(
       or arrays with shardings (a single local device when they have none);
       any subset of the weights (only that is read); `ocp.PLACEHOLDER` leaves
       are returned as they are.
-    alpha, scale, base: the merge's `Options`; step, base_step: see `plan_merge`.
+    alpha, scale, base: the merge's `MergeOptions`; step, base_step: see `plan_merge`.
     base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
       `base` before training (qwix's `weight_qtype`: int8, int4, nf4,
       float8_e4m3fn; `tile_size`; `weight_calibration_method`: absmax or
-      minmax), for an adapters-only save; see `Options.given`.
+      minmax), for an adapters-only save; see `MergeOptions.given`.
 
   Returns:
     A tree of `target`'s structure holding `jax.Array`s.
@@ -615,7 +615,7 @@ def restore_merged_lora(
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
-  options = Options.given(True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
+  options = MergeOptions.given(True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
                           names=('alpha', 'scale', 'base', 'base_qtype', 'base_tile_size',
                                  'base_calibration'))
   plan = plan_merge(path, options, step=step, base_step=base_step)

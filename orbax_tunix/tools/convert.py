@@ -102,7 +102,7 @@ def plan_convert(
   return pipeline.plan(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
       memory_budget=memory_budget, force=force, items=items,
-      merge_options=merge_lib.Options.given(
+      merge_options=merge_lib.MergeOptions.given(
           merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
           base_calibration),
       scan_layers=scan_layers, param_scan_axis=param_scan_axis,

@@ -126,7 +126,7 @@ def plan_export(
   """
   return plan_to(
       FOLDER, src, out_dir, model=model, step=step, dtype=dtype, memory_budget=memory_budget,
-      force=force, merge_options=merge_lib.Options.given(
+      force=force, merge_options=merge_lib.MergeOptions.given(
           merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
           base_calibration),
       max_shard_size=max_shard_size, hf_config=hf_config,
@@ -222,7 +222,7 @@ def plan_peft_export(
   """
   return plan_to(
       ADAPTER, src, out_dir, model=model, step=step, dtype=dtype, memory_budget=memory_budget,
-      force=force, adapter_scaling=merge_lib.Options(alpha, scale), base_model=base_model,
+      force=force, adapter_scaling=merge_lib.MergeOptions(alpha, scale), base_model=base_model,
       param_scan_axis=param_scan_axis,
   )
 

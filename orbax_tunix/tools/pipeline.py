@@ -110,7 +110,7 @@ def plan(
     memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
-    merge_options: merge_lib.Options | None = None,
+    merge_options: merge_lib.MergeOptions | None = None,
     **options: Any,
 ) -> Plan:
   """Plans a layout's output from metadata only; nothing is read or written.
@@ -123,7 +123,7 @@ def plan(
     dtype: cast floating leaves to this dtype, as the layout's destination takes it
       (`Destination.dtype`); None: kept.
     force: replace an existing destination (only one of the destination's kind).
-    merge_options: the LoRA merge's options (`merge.Options.given`, from the
+    merge_options: the LoRA merge's options (`merge.MergeOptions.given`, from the
       caller's own keywords); None: no merge.
     **options: the layout's options (`layouts.options()`: `scan_layers`,
       `param_scan_axis`, `hf_config`, `max_shard_size`, ...); another layout's
@@ -239,13 +239,13 @@ def _dequantized_notes(written: Iterable[ItemOutput], merged: merge_lib.MergePla
           for how, leaves in sorted(found.items())]
 
 
-def _asked(given: Mapping[str, Any], merge_options: merge_lib.Options | None,
+def _asked(given: Mapping[str, Any], merge_options: merge_lib.MergeOptions | None,
            items: Iterable[str] | None) -> dict[str, Any]:
   """The options a caller gave, by its own names: the layout's (a merge's options among them:
   by their own names), the merge's, and the items chosen."""
   asked: dict[str, Any] = {}
   for name, value in given.items():
-    asked.update(value.asked() if isinstance(value, merge_lib.Options) else {name: value})
+    asked.update(value.asked() if isinstance(value, merge_lib.MergeOptions) else {name: value})
   asked.update(merge_options.asked() if merge_options is not None else {})
   if items is not None:
     asked['items'] = sorted(items)

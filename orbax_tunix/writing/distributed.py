@@ -74,7 +74,7 @@ LEAVE_LAST_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class JobOptions:
   """How to join a multi-process job (JAX's `jax.distributed.initialize` names).
 
   Attributes:
@@ -116,7 +116,7 @@ def cluster_detected() -> str | None:
   return None
 
 
-def check(options: Options) -> rendezvous.Address | None:
+def check(options: JobOptions) -> rendezvous.Address | None:
   """The options' values, checked before anything waits on them.
 
   Returns:
@@ -145,7 +145,7 @@ def check(options: Options) -> rendezvous.Address | None:
   return rendezvous.parse_address(options.coordinator_address)
 
 
-def initialize(options: Options = Options()) -> bool:
+def initialize(options: JobOptions = JobOptions()) -> bool:
   """Joins the job the options (or the cluster's environment) describe.
 
   Nothing happens when the process already joined one (an API caller did),
