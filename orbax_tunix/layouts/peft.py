@@ -40,7 +40,7 @@ from orbax_tunix.layouts.base import (
   register,
 )
 from orbax_tunix.mapping import hf_config as config_lib
-from orbax_tunix.mapping import huggingface, lora, peft, stacks
+from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.hf_naming import Family, Naming
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
@@ -251,24 +251,24 @@ def _names_for_base(family: Family, naming: Naming,
       f' holds them ({want}...)']
 
 
-def lay_out(family: Family, request: Request) -> LaidOut:
-  """A LoRA run's adapters as `family`'s PEFT adapter: the tensors and adapter_config.json.
+def _adapters(request: Request, where: str
+              ) -> tuple[dict[Path, reader.LeafInfo], list[str], dict[Path, lora.Adapter],
+                         merge_lib.MergeOptions, dict[Path, float]]:
+  """The save's weights (no AQT state; notes of what was left out), their adapters, the
+  scaling the caller gave and each adapter's scale.
 
   Raises:
-    LoraError: no adapters; a merge asked for; no alpha or scale for qwix
-      adapters, or one for flax's alone (which have none); adapters no PEFT adapter
-      expresses (each named).
-    UnsupportedLayoutError: adapted weights that are not the family's.
+    LoraError: a merge asked for; no adapters; no alpha or scale for qwix adapters, or one
+      for flax's alone (which have none).
   """
-  source = request.source
-  where = str(source.step_dir)
   if request.merge is not None:
     raise errors.LoraError(
         f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
   scaling = request.option(ADAPTER_SCALING) or merge_lib.MergeOptions()
   lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
-  leaves, left_out = huggingface.model_weights({p: leaf for leaf, p in reader.weights(source)})
+  leaves, left_out = huggingface.model_weights(
+      {p: leaf for leaf, p in reader.weights(request.source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
   if not adapters:
     raise errors.LoraError(
@@ -280,6 +280,109 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
   scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
             for w, a in adapters.items()}
+  return leaves, left_out, adapters, scaling, scales
+
+
+def _mapped(family: Family, naming: Naming, shapes: Mapping[Path, tuple[int, ...]],
+            full: bool, base_model: str | None, where: str) -> patterns.PathMap:
+  """The family's rules applied to the adapted weights (per layer).
+
+  Raises:
+    UnsupportedLayoutError: a full save's weights that are none of the family's modules.
+    LoraError: the same for a save of adapters alone, saying where their shapes come from.
+  """
+  try:
+    return huggingface.map_weights(family, naming, shapes, where, whole=False)
+  except errors.UnsupportedLayoutError as e:
+    if full:
+      raise
+    given = '' if base_model is None else (
+        f' (`base_model` {base_model} is no folder here, or its config does not'
+        ' give their shapes)')
+    raise errors.LoraError(
+        f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
+        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
+        f' `base_model` the base model\'s folder, whose config.json gives them{given}; or'
+        ' export the adapter from a save with the base weights beside them, or the merged'
+        ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
+
+
+@dataclasses.dataclass
+class _Modules:
+  """The PEFT modules made so far (`_modules`).
+
+  Attributes:
+    planned: module -> its factors and the adapter they come from.
+    ranks: module -> (its rank, its trained scale).
+    said: a note -> the modules it holds for.
+    problems: what cannot be written, one line each.
+  """
+
+  planned: dict[str, tuple[peft.Factors, lora.Adapter]] = dataclasses.field(default_factory=dict)
+  ranks: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+  said: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  problems: list[str] = dataclasses.field(default_factory=list)
+
+
+def _modules(family: Family, naming: Naming, mapped: patterns.PathMap, per_layer: Mapping,
+             arranged: Mapping[Path, lora.Contraction], adapters: Mapping[Path, lora.Adapter],
+             leaves: Mapping[Path, reader.LeafInfo], scales: Mapping[Path, float],
+             rename: Callable[[str], str], has: Callable[[Path], bool] | None) -> _Modules:
+  """Each Hugging Face module the adapted weights make: its `lora_A`/`lora_B` factors, its
+  rank and scale, the notes that hold for it; or why it cannot be one."""
+  out = _Modules()
+  for dest, m in sorted(mapped.outputs.items()):
+    (layer_path,) = m.sources
+    layer = per_layer[layer_path]
+    (weight,) = layer.sources
+    adapter = adapters[weight]
+    name = dest[0]
+    factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
+        arranged[weight], chain(layer.transform, m.transform), leaves[adapter.a].shape,
+        leaves[adapter.b].shape)
+    if isinstance(factors, str):
+      out.problems.append(f'{fmt(weight)} -> {name}: {factors}')
+      continue
+    module = rename(name[:-len(peft.WEIGHT)])
+    out.planned[module] = (factors, adapter)
+    out.ranks[module] = (adapter.rank, scales[weight])
+    note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
+    if note:
+      out.said.setdefault(note, []).append(module)
+  return out
+
+
+def _outputs(made: _Modules, one: peft.Scaling, leaves: Mapping[Path, reader.LeafInfo],
+             request: Request) -> list[Output]:
+  """Each module's `lora_A` and `lora_B` tensors, from its adapter's arrays alone."""
+  outputs: list[Output] = []
+  for module, (factors, adapter) in made.planned.items():
+    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
+    a_name, b_name = peft.tensor_names(module)
+    a_transform = peft.lora_a(factors, adapter.rank, one.r)
+    b_transform = peft.lora_b(factors, adapter.rank, one.r, one.folds[module])
+    outputs += [
+        Output((a_name,), (Input(request.source, a_leaf),), a_transform,
+               a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
+        Output((b_name,), (Input(request.source, b_leaf),), b_transform,
+               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, request.dtype),
+               # Scaled: read as stored, the product in float32, one cast after it.
+               read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
+    ]
+  return outputs
+
+
+def lay_out(family: Family, request: Request) -> LaidOut:
+  """A LoRA run's adapters as `family`'s PEFT adapter: the tensors and adapter_config.json.
+
+  Raises:
+    LoraError: no adapters; a merge asked for; no alpha or scale for qwix
+      adapters, or one for flax's alone (which have none); adapters no PEFT adapter
+      expresses (each named).
+    UnsupportedLayoutError: adapted weights that are not the family's.
+  """
+  where = str(request.source.step_dir)
+  leaves, left_out, adapters, scaling, scales = _adapters(request, where)
   naming = huggingface.naming(family, list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
@@ -297,107 +400,68 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
   found = {w: _arrangement(naming, w, a, leaves, base, told)
            for w, a in sorted(adapters.items())}
-  problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
   arranged = {w: f for w, f in found.items() if not isinstance(f, str)}
   per_layer = stacks.unstack({w: c.weight for w, c in arranged.items()}, naming.stacks, axis,
                              where=where)
   layer_shapes = {p: m.shape for p, m in per_layer.items()}
-  try:
-    mapped = huggingface.map_weights(family, naming, layer_shapes, where, whole=False)
-  except errors.UnsupportedLayoutError as e:
-    if base:
-      raise
-    given = '' if base_model is None else (
-        f' (`base_model` {base_model} is no folder here, or its config does not'
-        ' give their shapes)')
-    raise errors.LoraError(
-        f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
-        ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
-        f' `base_model` the base model\'s folder, whose config.json gives them{given}; or'
-        ' export the adapter from a save with the base weights beside them, or the merged'
-        ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
+  mapped = _mapped(family, naming, layer_shapes, bool(base), base_model, where)
   rename, config_notes = _names_for_base(
       family, naming, base_model, base_folder,
       model_shapes if base else layer_shapes, bool(base), where)
-  problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
-               for p in mapped.unmatched]
   # Which weights the model has, for notes that hold in some layers only: a full save's own,
   # else as far as the base model's config says.
   has = ((lambda p: p in model_shapes) if base else
          None if text is None else functools.partial(naming.has, config=text))
-  planned: dict[str, tuple[peft.Factors, lora.Adapter]] = {}
-  modules: dict[str, tuple[int, float]] = {}
-  said: dict[str, list[str]] = {}
-  for dest, m in sorted(mapped.outputs.items()):
-    (layer_path,) = m.sources
-    layer = per_layer[layer_path]
-    (weight,) = layer.sources
-    adapter = adapters[weight]
-    name = dest[0]
-    factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
-        arranged[weight], chain(layer.transform, m.transform), leaves[adapter.a].shape,
-        leaves[adapter.b].shape)
-    if isinstance(factors, str):
-      problems.append(f'{fmt(weight)} -> {name}: {factors}')
-      continue
-    module = rename(name[:-len(peft.WEIGHT)])
-    planned[module] = (factors, adapter)
-    modules[module] = (adapter.rank, scales[weight])
-    note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
-    if note:
-      said.setdefault(note, []).append(module)
+  made = _modules(family, naming, mapped, per_layer, arranged, adapters, leaves, scales, rename,
+                  has)
+  problems = [*(f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)),
+              *(f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
+                for p in mapped.unmatched), *made.problems]
   if problems:
     raise errors.LoraError(
         f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
         f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
         ' than the run trained. Export the weights with the adapters merged instead:'
         ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
-  one = peft.Scaling.of(modules, scaling.alpha)
-  outputs: list[Output] = []
-  for module, (factors, adapter) in planned.items():
-    a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
-    a_name, b_name = peft.tensor_names(module)
-    a_transform = peft.lora_a(factors, adapter.rank, one.r)
-    b_transform = peft.lora_b(factors, adapter.rank, one.r, one.folds[module])
-    outputs += [
-        Output((a_name,), (Input(source, a_leaf),), a_transform,
-               a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
-        Output((b_name,), (Input(source, b_leaf),), b_transform,
-               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, request.dtype),
-               # Scaled: read as stored, the product in float32, one cast after it.
-               read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
-    ]
-  config = peft.config(modules, one, base_model)
-  stored = {p: leaf.shape for p, leaf in leaves.items()}
-  kinds = sorted({m.rsplit('.', 1)[-1] for m in modules})
+  one = peft.Scaling.of(made.ranks, scaling.alpha)
+  config = peft.config(made.ranks, one, base_model)
   # What whoever serves the adapter should know: said here and in the folder's README.md.
-  readme = [*_scaling_notes(modules, one), *filter(None, [_qlora_note(adapters, base)])]
-  notes = [
-      *left_out,
-      *config_notes,
-      *(note.format(module=', '.join(names)) for note, names in said.items()),
-      *readme,
-      f'adapters of {len(arranged)} weights as {len(modules)} PEFT modules'
-      f' ({", ".join(kinds)}; r={config["r"]}, lora_alpha={config["lora_alpha"]};'
-      ' target_modules names each module in full: PEFT adapts those alone); read:'
-      f' {2 * len(adapters)} adapter arrays,'
-      f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
-      ' base weight',
-      f'weights: {huggingface.describe_weights(stored)}',
-  ]
-  if base_model is None:
-    notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
-                 ' (`base_model`) or load the adapter onto it by name')
+  readme = [*_scaling_notes(made.ranks, one), *filter(None, [_qlora_note(adapters, base)])]
+  notes = [*left_out, *config_notes,
+           *(note.format(module=', '.join(names)) for note, names in made.said.items()),
+           *readme, *_summary_notes(config, made, arranged, adapters, leaves, base_model)]
   return LaidOut(
-      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
+      items=(ItemOutput(hf_layouts.ITEM, tuple(_outputs(made, one, leaves, request))),),
+      notes=tuple(notes),
       files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),
              *((peft.README_FILE, peft.readme(readme)),) * bool(readme)),
       summary={'model': family.name, 'architecture': family.target_of(naming)[0],
                'config': None,
                'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
                            'target_modules': config['target_modules'],
-                           'modules': len(modules)}},
+                           'modules': len(made.ranks)}},
   )
+
+
+def _summary_notes(config: Mapping[str, Any], made: _Modules,
+                   arranged: Mapping[Path, lora.Contraction],
+                   adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
+                   base_model: str | None) -> list[str]:
+  """What the adapter holds and what was read; the weights' kind; a missing base model."""
+  kinds = sorted({m.rsplit('.', 1)[-1] for m in made.ranks})
+  notes = [
+      f'adapters of {len(arranged)} weights as {len(made.ranks)} PEFT modules'
+      f' ({", ".join(kinds)}; r={config["r"]}, lora_alpha={config["lora_alpha"]};'
+      ' target_modules names each module in full: PEFT adapts those alone); read:'
+      f' {2 * len(adapters)} adapter arrays,'
+      f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
+      ' base weight',
+      f'weights: {huggingface.describe_weights({p: leaf.shape for p, leaf in leaves.items()})}',
+  ]
+  if base_model is None:
+    notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
+                 ' (`base_model`) or load the adapter onto it by name')
+  return notes
 
 
 def _qlora_note(adapters: Mapping[Path, lora.Adapter], base: Mapping[Path, reader.LeafInfo]

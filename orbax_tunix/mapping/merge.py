@@ -317,6 +317,45 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
   return notes
 
 
+def _merges(adapters: Mapping[Path, lora.Adapter], lora_weights: Mapping[Path, reader.LeafInfo],
+            base_weights: Mapping[Path, reader.LeafInfo], base_ckpt: reader.CanonicalCheckpoint,
+            options: MergeOptions) -> tuple[dict[Path, Merge], list[str], list[str]]:
+  """Each adapted weight's merge, from metadata: (merges, the weights the base lacks, the
+  adapters that do not reproduce their weight's shape or cannot be re-quantized), one line
+  per problem."""
+  missing, bad, merges = [], [], {}
+  for weight, adapter in sorted(adapters.items()):
+    found = base_weights.get(weight)
+    a, b = lora_weights[adapter.a], lora_weights[adapter.b]
+    if found is None:
+      looked = fmt(weight) if adapter.saved_base == weight else (
+          f'{fmt(weight)} or {fmt(adapter.saved_base)}')
+      missing.append(f'{fmt(weight)} (adapted by {fmt(adapter.a)}): no {looked} in the base;'
+                     f' the adapter is {a.stored}')
+      continue
+    arranged = lora.contraction(found.shape, a.shape, b.shape)
+    if arranged is None:
+      bad.append(f'{fmt(weight)} {found.shape}: the base holds {found.stored} {found.shape};'
+                 f' {a.stored} {a.shape} ⊗ {b.stored} {b.shape}')
+      continue
+    requantize = None
+    if options.base_quantized is not None:
+      if found.quantized is not None:
+        bad.append(f'{fmt(weight)}: the base holds it quantized already ({found.stored},'
+                   f' {found.quantized.describe()}); drop `{options.base_names[1]}`')
+        continue
+      axes = lora.contracting_axes(arranged, a.shape)
+      try:
+        options.base_quantized.tiled_axes(found.shape, axes)
+      except ValueError as e:
+        bad.append(f'{fmt(weight)}: `{options.base_names[2]}`: {e}')
+        continue
+      requantize = (options.base_quantized, axes)
+    scale = lora.scale_of(adapter, options.alpha, options.scale, options.names)
+    merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b, scale, arranged, requantize)
+  return merges, missing, bad
+
+
 def plan_merge(
     path: epath.PathLike | reader.CanonicalCheckpoint,
     options: MergeOptions = MergeOptions(),
@@ -373,36 +412,7 @@ def plan_merge(
   base_ckpt = lora_ckpt if base is None else reader.open_source(base, base_step, weights_only=True)
   _refuse_merged_twice(lora_ckpt, base_ckpt)
   base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
-  missing, bad, merges = [], [], {}
-  for weight, adapter in sorted(adapters.items()):
-    found = base_weights.get(weight)
-    a, b = lora_weights[adapter.a], lora_weights[adapter.b]
-    if found is None:
-      looked = fmt(weight) if adapter.saved_base == weight else (
-          f'{fmt(weight)} or {fmt(adapter.saved_base)}')
-      missing.append(f'{fmt(weight)} (adapted by {fmt(adapter.a)}): no {looked} in the base;'
-                     f' the adapter is {a.stored}')
-      continue
-    arranged = lora.contraction(found.shape, a.shape, b.shape)
-    if arranged is None:
-      bad.append(f'{fmt(weight)} {found.shape}: the base holds {found.stored} {found.shape};'
-                 f' {a.stored} {a.shape} ⊗ {b.stored} {b.shape}')
-      continue
-    requantize = None
-    if options.base_quantized is not None:
-      if found.quantized is not None:
-        bad.append(f'{fmt(weight)}: the base holds it quantized already ({found.stored},'
-                   f' {found.quantized.describe()}); drop `{options.base_names[1]}`')
-        continue
-      axes = lora.contracting_axes(arranged, a.shape)
-      try:
-        options.base_quantized.tiled_axes(found.shape, axes)
-      except ValueError as e:
-        bad.append(f'{fmt(weight)}: `{options.base_names[2]}`: {e}')
-        continue
-      requantize = (options.base_quantized, axes)
-    merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b,
-                           lora.scale_of(adapter, alpha, scale, names), arranged, requantize)
+  merges, missing, bad = _merges(adapters, lora_weights, base_weights, base_ckpt, options)
   where = base_ckpt.step_dir
   if missing:
     fix = ('Pass `base`: the checkpoint the LoRA run started from (a Tunix save, a MaxText'
