@@ -86,7 +86,7 @@ def plan_convert(
       `param_scan_axis` for a layout that does not take them, or
       `param_scan_axis` without `scan_layers`.
     InvalidDestinationError: DST overlaps the source's run (symlinks
-      resolved; see `commit.overlap`) or is named like an unfinished step.
+      resolved; see `places.overlap`) or is named like an unfinished step.
     LoraError: `lora_alpha`, `lora_scale` or `base` without `merge_lora`,
       or a scaling that is not a finite number (before anything is read).
     DestinationExistsError: DST exists and not `force`.

@@ -34,7 +34,7 @@ from orbax_tunix.mapping.outputs import ItemOutput
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.store.fileio import as_path
 from orbax_tunix.tools import agreement
-from orbax_tunix.writing import commit, distributed, writer
+from orbax_tunix.writing import commit, distributed, places, writer
 
 # A plan is the layouts' (`layouts.Plan`: its layout's destination writes it).
 Plan = layouts.Plan
@@ -154,7 +154,7 @@ def plan(
   merged = merge_options.plan(source) if merge_options is not None else None
   for option in (o for o in chosen.options if o.folder and o.name in given):
     # First: the more specific refusal.
-    commit.check_not_over(dst, given[option.name], f'the `{option.name}` folder')
+    places.check_not_over(dst, given[option.name], f'the `{option.name}` folder')
   commit.check_destination(
       [c.step_dir for c in merge_lib.checkpoints_read(source, merged)], dst, force,
       destination.kind)
