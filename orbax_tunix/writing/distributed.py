@@ -590,11 +590,6 @@ def _local_runs(value: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
       yield from _block_runs(shard.index, np.asarray(shard.data), value.shape)
 
 
-def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
-  """(byte offset, byte length, crc32) of each run of this process's primary shards."""
-  return [(offset, raw.size, zlib.crc32(raw)) for offset, raw in _local_runs(value)]
-
-
 def _process_block(value: jax.Array) -> tuple[tuple[slice, ...], np.ndarray] | None:
   """This process's primary shards as one block (index, data), when they tile a box."""
   shards = [s for s in value.addressable_shards if s.replica_id == 0]
