@@ -91,3 +91,41 @@ def test_aliases_are_the_family_values_own():
   assert huggingface.get('llama3.1') is huggingface.get('llama2') is huggingface.get('llama3')
   assert huggingface.choices()[-2:] == ('llama3.1', 'llama2')
   assert huggingface.get('qwen2').aliases == ()  # Built from llama3's value, not its names.
+
+
+def test_a_new_output_format_is_one_module(tmp_path):
+  """README: a new output format is one module (tests/npz_output.py: its destination, its
+  sink and its layouts) and its registration (here its import): `export --npz` is in the
+  command's help, refuses what it does not take, and writes the tensors the family's folder
+  holds, read back by numpy."""
+  import json
+  import subprocess
+  import sys
+
+  import numpy as np
+
+  from tests.test_export_hf import DATA, ROOT, read_safetensors
+
+  def cli(*argv):
+    code = ('import sys, tests.npz_output; from orbax_tunix.cli import commands;'
+            f' sys.exit(commands.main({[str(a) for a in argv]!r}))')
+    return subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+  help_text = cli('export', '--help').stdout
+  assert '--npz' in help_text and 'write one model.npz of the tensors' in help_text
+  refused = cli('export', DATA / 'hf_qwen3', tmp_path / 'x', '--model', 'qwen3', '--npz',
+                '--hf-config', tmp_path)
+  assert refused.returncode == 2 and '--npz with --hf-config: an npz holds no config.json.' \
+      ' Leave --hf-config out, or export a folder.' in refused.stderr, refused.stderr
+  done = cli('export', DATA / 'hf_qwen3', tmp_path / 'npz', '--model', 'qwen3', '--npz',
+             '--json')
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout)['model'] == 'qwen3'
+  folder = cli('export', DATA / 'hf_qwen3', tmp_path / 'folder', '--model', 'qwen3')
+  assert folder.returncode == 0, folder.stderr
+  _, _, want = read_safetensors(tmp_path / 'folder' / 'model.safetensors')
+  with np.load(tmp_path / 'npz' / 'model.npz') as got:
+    assert sorted(got.files) == sorted(want)
+    for name, array in want.items():
+      np.testing.assert_array_equal(got[name], array, err_msg=name)
