@@ -1,4 +1,5 @@
-"""The Hugging Face layouts: one per family (`mapping/huggingface.py`), each a safetensors folder.
+"""The Hugging Face layouts: one per family (`mapping/huggingface.py`), each a safetensors folder
+(the folder destination: `layouts/folder.py`).
 
 A family's layout lays out the model's weights (merged for a LoRA merge) under
 the family's tensor names and layouts: MaxText's stacked layers taken apart
@@ -7,7 +8,7 @@ cast once after its arithmetic. With `hf_config` it also checks the base
 model's config.json against the weights and names the files the folder gets
 (config, generation config, tokenizer), every one a regular file decided
 before any read. The family is the only thing that differs between them:
-a new family is one value in `mapping/huggingface.py`, registered here by the
+a new family is one value in `mapping/hf_families.py`, registered here by the
 loop at the end.
 """
 

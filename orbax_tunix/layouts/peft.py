@@ -4,13 +4,17 @@ A family's adapter layout writes `adapter_model.safetensors` (PEFT's names:
 `base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight`
 (out, r)) and `adapter_config.json`, from the adapter arrays alone (the base
 weights are never read, and need not be saved). Each adapted weight's Hugging
-Face modules are the family's own rules (`mapping/huggingface.py`) applied to
+Face modules are the family's own naming's rules (`mapping/huggingface.py`) applied to
 it; how `a` and `b` become each module's `lora_A` and `lora_B` is that rule's
 transform applied to the weight's positions (`mapping/peft.py`), and where a
 save without the weight cannot say how qwix arranged `a ⊗ b`, the family's
 `lora` data says it. Whatever an adapter cannot express (a weight with no
 Hugging Face module, MoE experts held as bare parameters, a module whose
 weight is not `B·A`) is refused, every one named, before anything is read.
+
+Its destination (`ADAPTER`, chosen by `export --peft`) is a folder of one
+`adapter_model.safetensors` (vLLM reads no other name, and no index), written as the folder
+destination writes its files (`layouts/folder.py`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 What is written (DST is a step directory) is a step layout's (`layouts/`:
 `canonical`, the canonical view; `maxtext`, the step MaxText 0.2.5 itself
-writes), through the one pipeline's step sink (`pipeline.py`: what the step
-records) into items plain Orbax (v0 and v1) restores without this package,
+writes), through the one pipeline into the step destination (`layouts/step.py`: what the
+step records) as items plain Orbax (v0 and v1) restores without this package,
 committed as Orbax commits (`commit.Staging`: a failure or interrupt removes
 what was written; an existing DST is replaced, with `force`, only once the new
 one is complete).
