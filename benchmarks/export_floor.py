@@ -14,21 +14,28 @@ PYTHONPATH), e.g. a worktree of the revision before a change.
 
 Each child's wall time is the whole process (imports included: both import JAX and
 Orbax): a command is one call per process, its first, which is what its user pays. The
-floor child also reports its read and its write alone. Reported: the medians and
-export / floor. Both work on the host; `--devices N` sets how many CPU devices their JAX
-simulates, and JAX_PLATFORMS passes through (on an accelerator host, each process opens
-the accelerator unless it is `cpu`, as the user's command does).
+floor child also reports its read and its write alone. Before each child the output is
+removed and `sync` flushes what the previous one wrote, so that no contender pays for
+another's writeback. Reported: the medians with their min-max spread, export / floor of the
+medians, and the per-round ratios (median and range). Both work on the host; `--devices N`
+sets how many CPU devices their JAX simulates, and JAX_PLATFORMS passes through (on an
+accelerator host, each process opens the accelerator unless it is `cpu`, as the user's
+command does).
 
 Needs the `bench` extra (`pip install -e '.[bench]'`: the safetensors package).
 
   python benchmarks/export_floor.py --layers 36 --dim 1024 --rounds 5 --workdir /tmp/floor \\
-      [--before /tmp/main-worktree]
+      [--before /tmp/main-worktree] [--out /dev/shm/floor-out]
+
+`--out` puts the outputs elsewhere than `--workdir` (another disk: e.g. /dev/shm for a
+fast one); the source stays where it was written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shutil
 import statistics
@@ -69,6 +76,7 @@ def floor(step: pathlib.Path, out: pathlib.Path) -> dict:
 def _child(argv: list[str], out: pathlib.Path, tree: str | None,
            devices: int | None) -> tuple[float, dict]:
   shutil.rmtree(out, ignore_errors=True)
+  os.sync()  # The previous child's writes reach the disk before this one starts.
   env = harness.child_env(devices, _env(pathlib.Path(tree)) if tree else None)
   start = time.monotonic()
   done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
@@ -87,6 +95,7 @@ def main(argv=None) -> None:
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--workdir')
   parser.add_argument('--before', help='another checkout of this package: its export too')
+  parser.add_argument('--out', help='where the outputs go (default: WORKDIR/out)')
   parser.add_argument('--child', nargs=2, metavar=('STEP', 'OUT'), help=argparse.SUPPRESS)
   harness.add_flags(parser, cpu_default=None)
   args = parser.parse_args(argv)
@@ -99,10 +108,11 @@ def main(argv=None) -> None:
   if not step.exists():
     write_checkpoint(step.parent, args.layers, args.dim)
   size = sum(f.stat().st_size for f in (step / 'model_params').rglob('*') if f.is_file())
+  out = pathlib.Path(args.out) if args.out else work / 'out'
   contenders = {
-      'export': [sys.executable, '-m', 'orbax_tunix.cli', 'export', str(step), str(work / 'out'),
+      'export': [sys.executable, '-m', 'orbax_tunix.cli', 'export', str(step), str(out),
                  '--model', 'qwen3'],
-      'floor': [sys.executable, __file__, '--child', str(step), str(work / 'out')],
+      'floor': [sys.executable, __file__, '--child', str(step), str(out)],
   }
   trees = {'export': None, 'floor': None}
   if args.before:
@@ -112,7 +122,7 @@ def main(argv=None) -> None:
   phases: list[dict] = []
   for i in range(args.rounds):
     for name in (list(contenders) if i % 2 == 0 else list(reversed(contenders))):
-      seconds, report = _child(contenders[name], work / 'out', trees[name], args.devices)
+      seconds, report = _child(contenders[name], out, trees[name], args.devices)
       times[name].append(seconds)
       if report:
         phases.append(report)
@@ -122,14 +132,18 @@ def main(argv=None) -> None:
   write = statistics.median(p['write_s'] for p in phases)
   print(f'\nCommand: `python benchmarks/export_floor.py --layers {args.layers} --dim {args.dim}'
         f' --rounds {args.rounds}' + (f' --before {args.before}' if args.before else '')
+        + (f' --out {args.out}' if args.out else '')
         + (f' --devices {args.devices}`' if args.devices else '`'))
   print(harness.commands_line(args.devices))
   print(f'Qwen3-shaped step, {size / MIB:.0f} MiB on disk ({phases[0]["bytes"] / MIB:.0f} MiB'
-        ' float32)\n')
-  print('| contender | wall (median) | / floor |')
-  print('|---|---|---|')
+        f' float32); outputs to {out.parent}\n')
+  print('| contender | wall (median) | min - max | / floor | per round / floor: median (min - max) |')
+  print('|---|---|---|---|---|')
   for name in contenders:
-    print(f'| {name} | {med[name]:.2f} s | {med[name] / med["floor"]:.2f} |')
+    ratios = sorted(t / f for t, f in zip(times[name], times['floor'], strict=True))
+    print(f'| {name} | {med[name]:.2f} s | {min(times[name]):.2f} - {max(times[name]):.2f} s |'
+          f' {med[name] / med["floor"]:.2f} | {statistics.median(ratios):.2f}'
+          f' ({ratios[0]:.2f} - {ratios[-1]:.2f}) |')
   print(f'\nInside the floor (median): read {read:.2f} s, write {write:.2f} s;'
         f' the rest of its wall is start-up (imports).')
 

@@ -20,6 +20,9 @@ process pays: compilations, TensorStore's context, caches) and then `--warm K`
 more times in the same process (what each further call of an evaluation loop
 pays), each measured on its own; the parent runs the children in rounds, the
 order rotating, so that drift on a shared machine falls on all alike.
+`BENCH_GC_BETWEEN=1` runs Python's cyclic collection before each warm call (unmeasured): a
+warm call slower than the first with it off and not with it on pays for the last call's
+reference cycles.
 """
 
 from __future__ import annotations
@@ -371,6 +374,8 @@ def calls(call: Callable[[], Any], warm: int, devices: Sequence[Any] = (),
   """
   out = []
   for i in range(1 + warm):
+    if i and os.environ.get('BENCH_GC_BETWEEN'):
+      gc.collect()  # What the last call left in reference cycles, freed before the next.
     if i and between is not None:
       between()
     result, figures = measure(call, devices)

@@ -680,6 +680,23 @@ def test_usage_errors_exit_2(capsys):
   assert 'expected a positive size' in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('argv, status', [
+    (['inspect', '{data}/sft_full', '--json'], 0), (['inspect', '{data}/nowhere'], 2)])
+def test_the_command_exits_with_mains_status_its_objects_frozen(tunix_data, argv, status):
+  """`python -m orbax_tunix.cli` exits with `main`'s status, after freezing what it made out
+  of the cyclic GC (the interpreter's shutdown then skips walking it): the freeze is seen by
+  the exit hooks, which run after it."""
+  script = ('import atexit, gc, runpy, sys\n'
+            'atexit.register(lambda: print("frozen", gc.get_freeze_count(), file=sys.stderr))\n'
+            f'sys.argv = ["orbax-tunix", *{[a.format(data=tunix_data) for a in argv]!r}]\n'
+            'runpy.run_module("orbax_tunix.cli", run_name="__main__")\n')
+  done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                        env=SUBPROCESS_ENV, cwd=REPO, timeout=120)
+  assert done.returncode == status, done.stderr
+  frozen = int(done.stderr.rsplit('frozen', 1)[1].split()[0])
+  assert frozen > 10_000, done.stderr[-500:]
+
+
 def test_parse_size():
   # One rule for every size option: XB decimal (as transformers' max_shard_size), XiB and a
   # bare X binary (as `ls -h`), no unit bytes.

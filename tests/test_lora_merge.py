@@ -30,6 +30,7 @@ from tests import builders
 from tests import lora_models as lm
 from tests import tunix_models as tm
 from tests.test_cli import run
+from tests.test_scan_layers import compiled_on_threads
 
 # float32: the merged path computes x·(W + s·a·b) where the LoRA model
 # computes x·W + s·(x·a)·b, the same math in another order.
@@ -134,6 +135,20 @@ def test_each_weight_is_the_formula(runs, mesh):
                              raw[f'{v}/value'] + scale * delta, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(merged[('layers', '0', 'up', 'bias')]),
                                 raw['layers/0/up/bias/value'])
+
+
+def test_the_merges_compile_while_the_weights_are_read(runs, mesh, monkeypatch):
+  """The merges' programs (one per kind of adapted weight) are known from the plan: they
+  compile on the executor's compile thread during the read, none on the caller's after it
+  (on an accelerator a compile costs more than the merges)."""
+  root = runs['qwix']['root']
+  target = abstract_weights('qwix', mesh)
+  merged, threads = compiled_on_threads(
+      monkeypatch, lambda: ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA))
+  kinds = {m.contraction for m in merge.plan_merge(root / 'full', merge.Options(lm.ALPHA)).merges.values()}
+  assert len(threads) >= len(kinds) > 1
+  assert all(t.startswith('orbax_tunix-compile') for t in threads), threads
+  np.testing.assert_allclose(forward('qwix', merged), runs['qwix']['logits'], atol=F32_ATOL, rtol=0)
 
 
 def test_scale_instead_of_alpha_and_partial_target(runs, mesh, monkeypatch):

@@ -8,7 +8,9 @@ read by plain Orbax, `qwix.quantize` of the float base, and the QLoRA model's ow
 
 from __future__ import annotations
 
+import collections
 import itertools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +125,72 @@ def test_sharded_target_is_dequantized_into_its_sharding_and_dtype(runs, mesh, n
     assert value.sharding == want_leaf.sharding and value.dtype == dtype
     want = qwix.dequantize(_qarray(raw, f'layers/1/{weight}')).astype(dtype)
     np.testing.assert_array_equal(np.asarray(value), np.asarray(want))
+
+
+def _float_target(mesh, dtype=jnp.float32):
+  """Both layers' v_proj (tiled on D) and up weights, sharded."""
+  return {'layers': {layer: {
+      'v_proj': {'w': jax.ShapeDtypeStruct((lm.N, lm.D, lm.H), dtype,
+                                            sharding=NamedSharding(mesh, P('model', None, 'data')))},
+      'up': {'kernel': jax.ShapeDtypeStruct((lm.D, lm.F), dtype,
+                                            sharding=NamedSharding(mesh, P('model', 'data')))},
+  } for layer in ('0', '1')}}
+
+
+def _restore_params(step, target):
+  return ocp.Checkpointer(ot.TunixAwareHandler()).restore(step, args=ocp.args.Composite(
+      model_params=ocp.args.PyTreeRestore(item=target)))['model_params']
+
+
+def test_each_weights_parts_are_freed_once_it_is_made(runs, mesh, monkeypatch):
+  """Not every weight's parts held until the last weight is dequantized: a restore into a
+  float target peaks at the target and the parts not yet used, not the target beside all
+  the parts (benchmarks/qlora.py)."""
+  run = runs['int8_minmax_tile4']  # qvalue and zero point int8: two int8 arrays a weight.
+  alive, combine = [], quantized.combine
+
+  def counting(request, values, qscheme):
+    alive.append(sum(1 for a in jax.live_arrays() if a.dtype == jnp.int8))
+    return combine(request, values, qscheme)
+
+  monkeypatch.setattr(quantized, 'combine', counting)
+  got = _restore_params(run['root'] / 'full' / '1', _float_target(mesh))
+  assert len(alive) == 4 and len(jax.tree.leaves(got)) == 4, alive
+  # As each weight is made, the weights made before it hold no parts any more.
+  assert np.diff(alive).tolist() == [-2, -2, -2], alive
+
+
+def test_the_dequantize_programs_compile_while_the_parts_are_read(runs, mesh, monkeypatch,
+                                                                  caplog):
+  """A fresh process's first restore: each dequantize program is compiled on a worker thread,
+  started before Orbax reads the parts, not one by one in the caller's thread after the read."""
+  quantized._on_devices.cache_clear()  # New programs, as in a fresh process.
+  monkeypatch.setattr(quantized, '_ahead', collections.OrderedDict())
+  events, orbax_read, ahead = [], PlannedItem._orbax_read, quantized.compile_ahead
+
+  def reading(self, *args, **kwargs):
+    events.append('read')
+    return orbax_read(self, *args, **kwargs)
+
+  def compiling_ahead(*args):
+    events.append('ahead')
+    return ahead(*args)
+
+  monkeypatch.setattr(PlannedItem, '_orbax_read', reading)
+  monkeypatch.setattr(quantized, 'compile_ahead', compiling_ahead)
+  caplog.set_level(logging.DEBUG, logger='jax._src.interpreters.pxla')
+  run = runs['int8_minmax_tile4']
+  got = _restore_params(run['root'] / 'full' / '1', _float_target(mesh, jnp.bfloat16))
+  raw = _raw(run)
+  for layer, weight in itertools.product(('0', '1'), ('v_proj/w', 'up/kernel')):
+    want = qwix.dequantize(_qarray(raw, f'layers/{layer}/{weight}')).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(flat_dict(got)[('layers', layer, *weight.split('/'))]),
+                                  np.asarray(want))
+  threads = [r.threadName for r in caplog.records
+             if r.getMessage().startswith('Compiling jit(dequantize_weight) ')]
+  # Asked for before the read; two shapes, two programs, compiled off the caller's thread.
+  assert events == ['ahead'] * 4 + ['read'], events
+  assert len(threads) == 2 and all(t.startswith('orbax_tunix.dequantize') for t in threads), threads
 
 
 def test_a_target_of_the_stored_parts_reads_them_as_stored(runs, mesh):

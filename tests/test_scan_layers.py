@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from orbax_tunix import maxtext
 from orbax_tunix.keypaths import flatten, fmt
+from orbax_tunix.mapping import device, transforms
 from orbax_tunix.reading import memory
 from tests import builders
 from tests.test_cli import run
@@ -191,6 +193,50 @@ def test_the_device_executor_reads_groups_alone_or_together_alike(
     np.testing.assert_array_equal(
         np.asarray(leaf), np.asarray(_expected(raw, path, True, 1)).astype(leaf.dtype),
         err_msg=fmt(path))
+
+
+def compiled_on_threads(monkeypatch, call):
+  """`call()`, and the threads XLA compiled on meanwhile (programs no earlier test compiled)."""
+  monkeypatch.setattr(transforms, '_COMPILED', {})
+  threads = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == '/jax/core/compile/backend_compile_duration':
+      threads.append(threading.current_thread().name)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    return call(), threads
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_the_device_executor_compiles_its_programs_while_it_reads(saved, mesh, monkeypatch):
+  """Every program the executor runs (here: a layer taken from each stacked weight) is known
+  before any read, and compiled on its compile thread meanwhile: none after the read, on the
+  caller's thread."""
+  abstract = _abstract(mesh, scanned=False)
+  got, threads = compiled_on_threads(
+      monkeypatch, lambda: maxtext.restore_train_state(saved['scanned'], abstract))
+  assert threads and all(t.startswith('orbax_tunix-compile') for t in threads), threads
+  raw = _raw(saved['scanned'])
+  for path, leaf in flatten(got)[0]:
+    np.testing.assert_array_equal(
+        np.asarray(leaf), np.asarray(_expected(raw, path, True, 1)).astype(leaf.dtype),
+        err_msg=fmt(path))
+
+
+def test_a_program_that_fails_to_compile_ahead_fails_in_its_own_call():
+  """A compile ahead that fails is not the caller's error: the program's own call raises its
+  own (here: a reshape that does not fit)."""
+  program = jax.jit(lambda x: x.reshape(7))
+  abstract = [jax.ShapeDtypeStruct((3,), np.float32)]
+  with device.compiling() as compiler:
+    compiler.submit(program, abstract)
+    compiler.ready(program, abstract)  # Waits, and does not raise.
+    with pytest.raises(TypeError, match='reshape'):
+      program(np.zeros(3, np.float32))
 
 
 def test_a_layer_sharded_target_axis(saved, mesh):

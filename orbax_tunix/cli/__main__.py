@@ -1,7 +1,5 @@
 """`python -m orbax_tunix.cli`: the same as the `orbax-tunix` command."""
 
-import sys
+from orbax_tunix.cli import console
 
-from orbax_tunix.cli.commands import main
-
-sys.exit(main())
+console()

@@ -19,14 +19,23 @@ to `memory.DEVICE_GROUP_BYTES` of sources held beside what they make, and releas
 before the next batch: many small merges are one read, a large stacked weight is
 read alone. A source read exactly as its one output (a weight a merge adds
 to) is donated: the output reuses its buffer.
+
+Every group's program is known, by shapes, dtypes and shardings, before any
+byte is read: `Compiler` compiles them on a thread while the sources are read,
+so that a first call does not compile after its reads (BENCHMARKS.md, issue 48: XLA
+compiles partly outside the GIL; on a TPU the first compile in a process takes
+longer than the merges).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -140,6 +149,14 @@ class _Group:
     return tuple(zip(self.inputs, self.requests, strict=True))
 
   @property
+  def abstract_sources(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What its program is called with, as shapes: an array read onto the devices (in its
+    sharding), or a numpy array read to the host (no sharding: the program places it)."""
+    return tuple(target if isinstance(target, jax.ShapeDtypeStruct) else
+                 jax.ShapeDtypeStruct(tuple(i.leaf.shape), arg.dtype or i.leaf.dtype)
+                 for i, (target, arg) in self.reads)
+
+  @property
   def held_bytes(self) -> int:
     """Bytes of its sources that are not its outputs' buffers."""
     return sum(math.prod(i.leaf.shape) * np.dtype(getattr(r[1], 'dtype', None) or r[0].dtype
@@ -201,12 +218,60 @@ def _got(reads: Reads, source: Input) -> Any:
   return reads.got(source.ckpt.detection, source.leaf.item, source.leaf.path)
 
 
+class Compiler:
+  """Programs compiled on a thread, ahead of their first call: `submit` each, `ready`
+  before calling it (a program's own call then runs what was compiled, from jit's cache).
+
+  A compile that fails is left to the program's own call to raise (it compiles again).
+  """
+
+  def __init__(self):
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='orbax_tunix-compile')
+    self._compiling: dict[Hashable, concurrent.futures.Future] = {}
+
+  def submit(self, program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> None:
+    """Compiles jitted `program` for arguments like `abstract` into jit's cache (once)."""
+    key = (program, tuple((s.shape, s.dtype, s.sharding) for s in abstract))
+    if key not in self._compiling:
+      # The caller's context (e.g. Orbax's served metadata) is the thread's.
+      run = contextvars.copy_context().run
+      self._compiling[key] = self._pool.submit(run, lambda: program.lower(*abstract).compile())
+
+  def ready(self, program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> None:
+    """Waits until `program`'s compile for `abstract` (if submitted) is done."""
+    key = (program, tuple((s.shape, s.dtype, s.sharding) for s in abstract))
+    found = self._compiling.get(key)
+    if found is not None:
+      concurrent.futures.wait([found])
+
+  def close(self) -> None:
+    """Stops compiling what has not started; waits for what has."""
+    self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[Compiler]:
+  """A `Compiler` for one restore, closed after it."""
+  compiler = Compiler()
+  try:
+    yield compiler
+  finally:
+    compiler.close()
+
+
 @dataclasses.dataclass(frozen=True)
 class OnDevices:
   """The placement of outputs made on the devices, into their targets (`executor.Placement`;
-  its units are the module's three kinds)."""
+  its units are the module's three kinds).
+
+  Attributes:
+    targets: output path -> its `Target`.
+    compiler: where the groups' programs are compiled ahead while the sources are read
+      (`units` submits them); None: each at its first call.
+  """
 
   targets: Mapping[Path, Target]
+  compiler: Compiler | None = None
 
   def units(self, outputs: Sequence[Output]) -> list[_Unit]:
     direct: dict[tuple, list[Output]] = {}
@@ -221,8 +286,18 @@ class OnDevices:
                     direct.values()), key=lambda u: (_source(u).leaf.item, _source(u).leaf.path))
     constants = [_Constant(tuple(g)) for g in made.values() if not g[0].inputs]
     groups = [_group(g, self.targets, uses) for g in made.values() if g[0].inputs]
+    if self.compiler is not None:
+      for unit in groups:  # In the order they are made.
+        self.compiler.submit(self._program(unit), unit.abstract_sources)
     # In this order, so that the first batch reads every direct source with the first groups.
     return [*reads, *constants, *groups]
+
+  def _program(self, unit: _Group) -> Any:
+    """A group's outputs as one jitted function of its sources (`transforms.on_devices`)."""
+    return transforms.on_devices(
+        [o.transform for o in unit.outputs],
+        [self.targets[o.path].abstract.sharding for o in unit.outputs],
+        [self.targets[o.path].abstract.dtype for o in unit.outputs], unit.donate, unit.placed)
 
   def held_bytes(self, unit: _Unit) -> int:
     return unit.held_bytes
@@ -247,10 +322,9 @@ class OnDevices:
       first, *others = unit.outputs
       return [(first, self.targets[first.path].as_target(value)),
               *((o, self.targets[o.path].converted(value)) for o in others)]
-    make = transforms.on_devices(
-        [o.transform for o in unit.outputs],
-        [self.targets[o.path].abstract.sharding for o in unit.outputs],
-        [self.targets[o.path].abstract.dtype for o in unit.outputs], unit.donate, unit.placed)
+    make = self._program(unit)
+    if self.compiler is not None:
+      self.compiler.ready(make, unit.abstract_sources)
     made = make(*(_got(reads, s) for s in unit.inputs))
     return list(zip(unit.outputs, jax.block_until_ready(made), strict=True))
 
@@ -274,4 +348,6 @@ def execute(
     CorruptMetadataError: stored data is missing or damaged.
   """
   budget = memory.DEVICE_GROUP_BYTES if group_bytes is None else group_bytes
-  return executor.run(outputs, OnDevices(targets), executor.Collect(), budget)['values']
+  with compiling() as compiler:
+    return executor.run(outputs, OnDevices(targets, compiler), executor.Collect(),
+                        budget)['values']

@@ -227,8 +227,10 @@ class PlannedItem:
     composed = {} if on_disk else {c: self._parts(c) for c in wanted if c in cmap.composed}
     with fileio.no_gc():
       by_disk = {disk_path(c): request for c, request in wanted.items() if c not in composed}
-      for c, (parts, _) in composed.items():  # A quantized weight: read its parts.
-        for name, request in quantized.part_requests(wanted[c], parts).items():
+      for c, (parts, qscheme) in composed.items():  # A quantized weight: read its parts.
+        part_reads = quantized.part_requests(wanted[c], parts)
+        quantized.compile_ahead(wanted[c], part_reads, qscheme)  # Compiles during the read.
+        for name, request in part_reads.items():
           by_disk.setdefault(cmap.composed[c][name], request)
       if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
         # Most of the tree, or lists in it: the whole tree, placeholders for the
@@ -246,8 +248,11 @@ class PlannedItem:
     restored = flat_dict(self._orbax_read(via or through(), args, served))
     out = {c: restored[disk_path(c)] for c in wanted if c not in composed}
     for c, (_, qscheme) in composed.items():
-      parts = {name: restored[d] for name, d in cmap.composed[c].items()}
+      # Taken out of `restored`: each weight's parts are freed once it is made, rather than
+      # all of them held until the last weight is.
+      parts = {name: restored.pop(d) for name, d in cmap.composed[c].items()}
       out[c] = quantized.combine(wanted[c], parts, qscheme)
+      del parts
     return {c: out[c] for c in wanted}
 
   def _parts(self, path: Path) -> tuple[dict[str, tuple[tuple[int, ...], Any]], quantized.Scheme]:

@@ -19,8 +19,12 @@ lines up with it (an axis they hold whole where they are 1 or tiled).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -161,14 +165,89 @@ def dequantize(qvalue: Any, scale: Any, zero_point: Any = None, *, nf4: bool = F
   return value if dtype is None else value.astype(dtype)
 
 
+# --- compiled on the devices ---------------------------------------------------------
+
+
 @functools.lru_cache(maxsize=256)
 def _on_devices(nf4: bool, zero_point: bool, dtype: np.dtype, sharding: Any) -> Any:
   """`dequantize` compiled into `sharding` and `dtype` (jit's cache keeps one per shape)."""
 
-  def fn(qvalue, scale, *rest):
+  def dequantize_weight(qvalue, scale, *rest):  # The name jax's compile logs give.
     return dequantize(qvalue, scale, rest[0] if zero_point else None, nf4=nf4, dtype=dtype)
 
-  return jax.jit(fn, out_shardings=sharding)
+  return jax.jit(dequantize_weight, out_shardings=sharding)
+
+
+# Compiled ahead: a read names the programs it will run before Orbax reads the parts
+# (`compile_ahead`), and worker threads lower and compile them meanwhile (XLA's compile
+# leaves the interpreter free), into jit's own caches, so that a fresh process's first
+# restore does not wait for each compile after the read (BENCHMARKS, "QLoRA: dequantize and
+# merge during the read"). Keyed by (nf4, zero point, dtype, output sharding, each part's
+# (shape, dtype, sharding)).
+Signature = tuple[bool, bool, np.dtype, Any, tuple[tuple[Shape, np.dtype, Any], ...]]
+_AHEAD_KEPT = 256  # Signatures remembered (the oldest go first); jit keeps the programs.
+_ahead: collections.OrderedDict[Signature, concurrent.futures.Future] = collections.OrderedDict()
+_ahead_lock = threading.Lock()
+_compiler: concurrent.futures.ThreadPoolExecutor | None = None  # Started on first use.
+
+
+def _forget_threads() -> None:
+  """In a forked child: none of the parent's threads exist there; start afresh."""
+  global _compiler, _ahead_lock
+  _compiler, _ahead_lock = None, threading.Lock()
+  _ahead.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  global _compiler
+  if _compiler is None:
+    _compiler = concurrent.futures.ThreadPoolExecutor(
+        max_workers=2, thread_name_prefix='orbax_tunix.dequantize')
+  return _compiler
+
+
+def _signature(nf4: bool, zero_point: bool, dtype: Any, sharding: Any,
+               operands: Sequence[Any]) -> Signature:
+  return (nf4, zero_point, np.dtype(dtype), sharding,
+          tuple((tuple(o.shape), np.dtype(o.dtype), o.sharding) for o in operands))
+
+
+def _compile(signature: Signature) -> None:
+  nf4, zero_point, dtype, sharding, operands = signature
+  abstract = [jax.ShapeDtypeStruct(s, d, sharding=h) for s, d, h in operands]
+  _on_devices(nf4, zero_point, dtype, sharding).lower(*abstract).compile()
+
+
+def compile_ahead(request: ReadRequest, parts: Mapping[str, ReadRequest], qscheme: Scheme
+                  ) -> None:
+  """Starts compiling, on a worker thread, what `combine` will run for a weight whose parts
+  are read as `parts` (`part_requests`) for `request`: call it before the read, so that the
+  compile overlaps it. Nothing for host reads or reads as saved."""
+  operands = [parts[name][0] for name in (QVALUE, SCALE, ZERO_POINT) if name in parts]
+  sharding = _sharding_of(request)
+  if sharding is None or not all(isinstance(o, jax.ShapeDtypeStruct) for o in operands):
+    return
+  signature = _signature(qscheme.qtype == NF4, ZERO_POINT in parts,
+                         _dtype_of(request) or qscheme.dtype, sharding, operands)
+  with _ahead_lock:
+    if signature in _ahead:
+      _ahead.move_to_end(signature)
+      return
+    _ahead[signature] = _pool().submit(_compile, signature)
+    while len(_ahead) > _AHEAD_KEPT:
+      _ahead.popitem(last=False)
+
+
+def _wait_for_ahead(signature: Signature) -> None:
+  """Waits for a compile of `signature` started ahead, if any (its failure, if any, is the
+  call's to raise), rather than compiling it a second time."""
+  with _ahead_lock:
+    future = _ahead.get(signature)
+  if future is not None:
+    concurrent.futures.wait([future])
 
 
 # --- reading the parts -------------------------------------------------------------
@@ -245,6 +324,7 @@ def combine(request: ReadRequest, values: Mapping[str, Any], qscheme: Scheme) ->
                       np.asarray(zero_point), nf4=nf4, dtype=dtype)
   sharding = _sharding_of(request) or qvalue.sharding
   operands = (qvalue, scale) + (() if zero_point is None else (zero_point,))
+  _wait_for_ahead(_signature(nf4, zero_point is not None, dtype, sharding, operands))
   return _on_devices(nf4, zero_point is not None, np.dtype(dtype), sharding)(*operands)
 
 
