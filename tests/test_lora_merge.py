@@ -145,7 +145,7 @@ def test_the_merges_compile_while_the_weights_are_read(runs, mesh, monkeypatch):
   target = abstract_weights('qwix', mesh)
   merged, threads = compiled_on_threads(
       monkeypatch, lambda: ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA))
-  kinds = {m.contraction for m in merge.plan_merge(root / 'full', merge.Options(lm.ALPHA)).merges.values()}
+  kinds = {m.contraction for m in merge.plan_merge(root / 'full', merge.MergeOptions(lm.ALPHA)).merges.values()}
   assert len(threads) >= len(kinds) > 1
   assert all(t.startswith('orbax_tunix-compile') for t in threads), threads
   np.testing.assert_allclose(forward('qwix', merged), runs['qwix']['logits'], atol=F32_ATOL, rtol=0)
