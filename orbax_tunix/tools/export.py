@@ -102,7 +102,7 @@ def plan_export(
       `param_scan_axis`); None: the one the step records (a converted step),
       else the one its shapes tell (1, MaxText's default, where several do).
       Checked against the stored weights; refused for weights that hold no
-      stacked layers. The source kind and layer form come from the weights'
+      stacked layers. The trainer (`mapping.trainers`) and layer form come from the weights'
       names.
     base_only: a full LoRA save's base weights alone (the adapters left out,
       not merged): the model a PEFT adapter of the run applies to, where the
