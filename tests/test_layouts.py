@@ -96,8 +96,8 @@ def test_aliases_are_the_family_values_own():
 def test_a_new_output_format_is_one_module(tmp_path):
   """README: a new output format is one module (tests/npz_output.py: its destination, its
   sink and its layouts) and its registration (here its import): `export --npz` is in the
-  command's help, refuses what it does not take, and writes the tensors the family's folder
-  holds, read back by numpy."""
+  command's help, refuses what it does not take (and another switch beside it), and writes
+  the tensors the family's folder holds, read back by numpy."""
   import json
   import subprocess
   import sys
@@ -118,6 +118,9 @@ def test_a_new_output_format_is_one_module(tmp_path):
                 '--hf-config', tmp_path)
   assert refused.returncode == 2 and '--npz with --hf-config: an npz holds no config.json.' \
       ' Leave --hf-config out, or export a folder.' in refused.stderr, refused.stderr
+  both = cli('export', DATA / 'hf_qwen3', tmp_path / 'x', '--model', 'qwen3', '--npz', '--peft')
+  assert both.returncode == 2 and '--peft and --npz: each writes another kind of output; pass' \
+      ' one.' in both.stderr, both.stderr
   done = cli('export', DATA / 'hf_qwen3', tmp_path / 'npz', '--model', 'qwen3', '--npz',
              '--json')
   assert done.returncode == 0, done.stderr

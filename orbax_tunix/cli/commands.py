@@ -201,9 +201,16 @@ def cmd_convert(args: argparse.Namespace, out: Printer) -> int:
 
 def _destination(args: argparse.Namespace, command: str) -> layouts.Destination:
   """The destination a command writes: the one whose switch was given (`export --peft`),
-  else the command's default (`_default`)."""
+  else the command's default (`_default`).
+
+  Raises:
+    InvalidOptionError: two switches given.
+  """
   chosen = [d for d in layouts.destinations(command)
             if d.switch is not None and getattr(args, d.switch.option.name)]
+  if len(chosen) > 1:
+    flags = ' and '.join(d.switch.option.flag for d in chosen)
+    raise errors.InvalidOptionError(f'{flags}: each writes another kind of output; pass one.')
   return chosen[0] if chosen else _default(command)
 
 
