@@ -132,3 +132,18 @@ def test_a_new_output_format_is_one_module(tmp_path):
     assert sorted(got.files) == sorted(want)
     for name, array in want.items():
       np.testing.assert_array_equal(got[name], array, err_msg=name)
+
+
+def test_a_family_names_each_trainer_once():
+  # One shape for any trainer: a family's namings are keyed by their trainer.
+  from orbax_tunix.mapping import trainers
+  from orbax_tunix.mapping.hf_naming import Family
+
+  qwen3 = huggingface.get('qwen3')
+  assert [n.trainer for n in qwen3.namings] == [trainers.TUNIX, trainers.MAXTEXT]
+  assert huggingface.get('qwen2').naming_of(trainers.MAXTEXT) is None
+  with pytest.raises(ValueError, match='two namings of one trainer'):
+    Family('x', 'X', 'x', (qwen3.namings[0], qwen3.namings[0]))
+  # Which trainer's names weights carry: their top-level keys (MaxText's decoder), else Tunix's.
+  assert trainers.of([('decoder', 'layers', 'w')]) is trainers.MAXTEXT
+  assert trainers.of([('layers', '0', 'attn', 'q_proj', 'w')]) is trainers.TUNIX
