@@ -118,6 +118,11 @@ def test_a_new_output_format_is_one_module(tmp_path):
                 '--hf-config', tmp_path)
   assert refused.returncode == 2 and '--npz with --hf-config: an npz holds no config.json.' \
       ' Leave --hf-config out, or export a folder.' in refused.stderr, refused.stderr
+  # A flag of the other destinations' layouts that its data does not name: refused plainly.
+  plain = cli('export', DATA / 'hf_qwen3', tmp_path / 'x', '--model', 'qwen3', '--npz',
+              '--max-shard-size', '1GB')
+  assert plain.returncode == 2 and '--npz with --max-shard-size: the npz layouts do not take' \
+      ' it. Leave --max-shard-size out, or export a folder.' in plain.stderr, plain.stderr
   both = cli('export', DATA / 'hf_qwen3', tmp_path / 'x', '--model', 'qwen3', '--npz', '--peft')
   assert both.returncode == 2 and '--peft and --npz: each writes another kind of output; pass' \
       ' one.' in both.stderr, both.stderr

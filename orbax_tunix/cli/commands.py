@@ -224,15 +224,20 @@ def _check_switches(args: argparse.Namespace, command: str) -> layouts.Destinati
   """
   destination = _destination(args, command)
   switch = destination.switch
+  mine = layouts.options(destination)
   if switch is not None:
-    given = [name for name in switch.refuses if getattr(args, name, None) not in (None, False)]
+    # Its refusals say why; another layout option it does not take is refused plainly.
+    others = {n: f'the {destination.name} layouts do not take it'
+              for d in layouts.destinations(command) for n in layouts.options(d)
+              if n not in mine and layouts.options(d)[n].combine is None}
+    reasons = {**switch.refuses, **{n: why for n, why in others.items() if n not in switch.refuses}}
+    given = [name for name in reasons if getattr(args, name, None) not in (None, False)]
     if given:
-      flag = _FLAGS[given[0]]
+      flag = _flag(given[0])
       raise errors.InvalidOptionError(
-          f'{switch.option.flag} with {flag}: {switch.refuses[given[0]]}. Leave {flag} out, or'
+          f'{switch.option.flag} with {flag}: {reasons[given[0]]}. Leave {flag} out, or'
           f' {switch.instead}.')
     return destination
-  mine = layouts.options(destination)
   for other in (d for d in layouts.destinations(command) if d.switch is not None):
     for name, option in layouts.options(other).items():
       value = getattr(args, name, None)
@@ -332,6 +337,11 @@ _FLAGS = {
     'export_peft_adapter': 'export --peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
+
+
+def _flag(name: str) -> str:
+  """The flag that sets the library parameter `name` (`_FLAGS`, else its own spelling)."""
+  return _FLAGS.get(name, '--' + name.replace('_', '-'))
 
 
 def as_flags(message: str) -> str:
