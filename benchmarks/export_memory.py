@@ -77,7 +77,7 @@ def main(argv=None) -> None:
   from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
   from orbax_tunix.reading import reader
 
-  leaves = reader.open_weights(step).items['model_params']
+  leaves = reader.open_source(step, weights_only=True).items['model_params']
   model = sum(leaf.nbytes for leaf in leaves)
   largest = max(leaf.nbytes for leaf in leaves)
   cli = [sys.executable, '-m', 'orbax_tunix.cli']

@@ -712,13 +712,13 @@ def test_parse_size():
 def test_rich_tables_and_plain_fallback(monkeypatch, tunix_data):
   report = inspection.inspect_checkpoint(tunix_data / 'lora_qwix')
   stream = io.StringIO()
-  display.show_inspect(display.Output(stream, fancy=True), report, collapse=True)
+  display.show_inspect(display.Printer(stream, fancy=True), report, collapse=True)
   drawn = stream.getvalue()
   # Brackets in folded paths are text, not rich markup.
   assert 'layers/[0-1]/attn/q_proj/w_lora_a' in drawn
   monkeypatch.setattr(display, 'rich', None)  # As if rich were not installed.
   stream = io.StringIO()
-  output = display.Output(stream, fancy=True)
+  output = display.Printer(stream, fancy=True)
   assert not output.fancy
   display.show_inspect(output, report, collapse=True)
   assert 'layers/[0-1]/attn/q_proj/w_lora_a' in stream.getvalue()

@@ -999,7 +999,7 @@ def test_d_adapters_only_merge_equals_the_full_merge(client):
 # --------------------------------------------------------------------------- #
 # e. --hf-config: copied after the check; a mismatch is refused, naming the field
 # --------------------------------------------------------------------------- #
-# What an export may write over the base's config.json (see `huggingface.check_config`).
+# What an export may write over the base's config.json (see `hf_config.check_config`).
 CONFIG_WRITTEN = frozenset({'architectures', 'model_type', 'tie_word_embeddings', 'torch_dtype',
                             'dtype', 'hidden_activation', 'hidden_act'})
 
@@ -1388,9 +1388,9 @@ def test_g_check_config_keeps_a_text_config_of_the_familys_own_architecture():
   import dataclasses  # pylint: disable=g-import-not-at-top
 
   from orbax_tunix import errors
-  from orbax_tunix.mapping import huggingface
+  from orbax_tunix.mapping import hf_config, huggingface
 
-  family = dataclasses.replace(huggingface.GEMMA3, architecture='Gemma3ForConditionalGeneration',
+  family = dataclasses.replace(huggingface.get('gemma3'), architecture='Gemma3ForConditionalGeneration',
                                model_type='gemma3')
   shapes = {('embedder', 'input_embedding'): (96, 40), ('final_norm', 'scale'): (40,)}
   for i in range(2):
@@ -1402,14 +1402,14 @@ def test_g_check_config_keeps_a_text_config_of_the_familys_own_architecture():
           'head_dim': 12, 'hidden_activation': 'gelu_pytorch_tanh'}
   base = {'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
           'text_config': text, 'vision_config': {'model_type': 'siglip_vision_model'}}
-  got = huggingface.check_config(family, base, shapes, 'config.json')
+  got = hf_config.check_config(family, base, shapes, 'config.json')
   assert got.values == {**base, 'text_config': {**text, 'vocab_size': 96,
                                                 'tie_word_embeddings': True}}
   with pytest.raises(errors.UnsupportedLayoutError, match=r'num_hidden_layers: config'):
-    huggingface.check_config(family, {**base, 'text_config': {**text, 'num_hidden_layers': 3}},
-                             shapes, 'config.json')
+    hf_config.check_config(family, {**base, 'text_config': {**text, 'num_hidden_layers': 3}},
+                           shapes, 'config.json')
   # The text family on the same config: unwrapped, the text model's.
-  got = huggingface.check_config(huggingface.GEMMA3, base, shapes, 'config.json')
+  got = hf_config.check_config(huggingface.get('gemma3'), base, shapes, 'config.json')
   assert got.values == {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
                         **text, 'vocab_size': 96, 'tie_word_embeddings': True}
 

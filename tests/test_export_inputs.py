@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 import orbax_tunix as ot
-from orbax_tunix.mapping import huggingface
+from orbax_tunix.mapping import hf_config, huggingface, trainers
 from orbax_tunix.tools import export as export_lib
 from tests.clients import client_env, subprocess_env
 from tests.test_cli import run
@@ -97,14 +97,14 @@ def test_smaller_vocab_size_of_a_tunix_model_is_refused(tmp_path, capsys, fixtur
     ('qwen3', 151936, 151669, False),   # Qwen3's tokenizer size: its rows are still the model's
 ])
 def test_only_known_padding_is_cut_from_a_tunix_model(family, rows, vocab_size, cut):
-  naming = huggingface.get(family).tunix
+  naming = huggingface.get(family).naming_of(trainers.TUNIX)
   shapes = {('embedder', 'input_embedding'): (rows, 8)}
   weights = naming.form.unstack(shapes)
   if not cut:
     with pytest.raises(ot.UnsupportedLayoutError, match=f'vocab_size {vocab_size} is smaller'):
-      huggingface.cut_vocab(naming, weights, vocab_size, 'config.json')
+      hf_config.cut_vocab(naming, weights, vocab_size, 'config.json')
     return
-  out, notes = huggingface.cut_vocab(naming, weights, vocab_size, 'config.json')
+  out, notes = hf_config.cut_vocab(naming, weights, vocab_size, 'config.json')
   assert out[('embedder', 'input_embedding')].shape == (vocab_size, 8)
   assert notes == [f'embedder/input_embedding: vocabulary padding cut, {rows} -> {vocab_size}'
                    " (the config's vocab_size; Gemma's checkpoints pad 256000 tokens to 256128"

@@ -22,8 +22,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_tunix as ot
+from orbax_tunix.mapping import hf_naming, lora, peft, trainers
 from orbax_tunix.mapping import huggingface as hf
-from orbax_tunix.mapping import lora, peft
 from orbax_tunix.mapping.transforms import chain, take
 from orbax_tunix.tools import export as export_lib
 from tests import builders
@@ -362,7 +362,7 @@ def test_factors_refuse_a_module_feature_mixing_rows_of_a():
   # a holds (D, N): an output feature (n, h) of HF's (N·H, D) would take a row of `a` per n.
   contraction = lora.contraction((40, 4, 12), (40, 4, 2), (2, 12))
   assert contraction is not None
-  found = peft.Factors.of(contraction, hf.IN_PROJ, (40, 4, 2), (2, 12))
+  found = peft.Factors.of(contraction, hf_naming.IN_PROJ, (40, 4, 2), (2, 12))
   assert isinstance(found, str) and 'not B·A' in found
 
 
@@ -372,7 +372,7 @@ def test_factors_of_a_fused_kv_einsum_share_a_and_split_b():
   w = np.einsum('dr,rckh->ckdh', a, b)  # Tunix's kv_einsum (C, K, D, H), as qwix adds it
   contraction = lora.contraction(w.shape, a.shape, b.shape)
   for c, name in enumerate('kv'):
-    transform = chain(take(0, c), hf.HEADS_FIRST)
+    transform = chain(take(0, c), hf_naming.HEADS_FIRST)
     f = peft.Factors.of(contraction, transform, a.shape, b.shape)
     big_a = peft.lora_a(f, 2).apply([a])
     big_b = peft.lora_b(f, 2).apply([b])
@@ -967,11 +967,11 @@ def test_a_llama_config_without_head_dim_reads_it_as_transformers_does(tmp_path)
   num_attention_heads, and so do the kernels' shapes of a save of adapters alone (here 16 // 4
   = 4, where the run's head_dim is 8: refused, naming the value it read)."""
   from tests import test_export_maxtext as mt
-  llama = hf.get('llama3').maxtext
+  llama = hf.get('llama3').naming_of(trainers.MAXTEXT)
   assert llama.config_value({'hidden_size': 4096, 'num_attention_heads': 32}, 'head_dim') == 128
   assert llama.config_value({'hidden_size': 4096, 'num_attention_heads': 32,
                              'head_dim': 64}, 'head_dim') == 64
-  assert hf.get('qwen3').maxtext.config_value({'hidden_size': 4096}, 'head_dim') is None
+  assert hf.get('qwen3').naming_of(trainers.MAXTEXT).config_value({'hidden_size': 4096}, 'head_dim') is None
   run, _ = _maxtext_lora_run('llama3', 'unscanned')
   alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
   folder = mt.hf_config(tmp_path / 'base', 'llama3')
@@ -1039,7 +1039,7 @@ def test_inspect_says_maxtext_adapters_alone_need_the_base_models_folder(tmp_pat
 def test_maxtext_axes_are_the_dims_read_the_other_way(model):
   """Every config field `dims` reads off a MaxText kernel's axis is the one `axes` names for
   that axis (layer 5: gemma4's first global layer, as transformers' default layer_types)."""
-  naming = hf.get(model).maxtext
+  naming = hf.get(model).naming_of(trainers.MAXTEXT)
   checked = 0
   for field, alternatives in naming.dims.items():
     for pattern, axis in alternatives:

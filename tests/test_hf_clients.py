@@ -570,8 +570,9 @@ def test_b_gemma4_adapter_loads_onto_a_gemma4_with_vision_and_audio_towers(hf):
 # c. the facts' config handling, in process (no client)
 # --------------------------------------------------------------------------- #
 def _llama_paths():
-  from orbax_tunix.mapping import huggingface
-  return huggingface.get('llama3'), [('layers', '0', 'attn', 'q_proj', 'w')], ['0']
+  from orbax_tunix.mapping import huggingface, trainers
+  family = huggingface.get('llama3').naming_of(trainers.TUNIX)  # Tunix's class: its facts.
+  return family, [('layers', '0', 'attn', 'q_proj', 'w')], ['0']
 
 
 @pytest.mark.parametrize('config, want', [
@@ -605,10 +606,14 @@ def test_c_config_as_trained_is_refused_without_hf_config():
 
 def test_c_facts_are_tunix_models_only():
   """Qwen2's Tunix class passes its config's RoPE base (no fact); MaxText's models are not
-  Tunix's classes (the facts hold for Tunix's naming only: `layouts/huggingface.py`)."""
-  from orbax_tunix.mapping import huggingface
-  assert [f.field for f in huggingface.get('qwen2').as_trained] == []
+  Tunix's classes (the facts are Tunix's namings': `Naming.as_trained`)."""
+  from orbax_tunix.mapping import huggingface, trainers
+
+  def facts(name, trainer=trainers.TUNIX):
+    return huggingface.get(name).naming_of(trainer).as_trained
+
+  assert [f.field for f in facts('qwen2')] == []
   for name in ('llama3', 'qwen3', 'qwen3_moe'):
-    assert [(f.field, f.value) for f in huggingface.get(name).as_trained] == [
-        ('rope_theta', 1_000_000)]
-  assert [f.what for f in huggingface.get('gemma4').as_trained] == ['router']
+    assert [(f.field, f.value) for f in facts(name)] == [('rope_theta', 1_000_000)]
+    assert facts(name, trainers.MAXTEXT) == ()
+  assert [f.what for f in facts('gemma4')] == ['router']

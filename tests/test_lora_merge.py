@@ -145,7 +145,7 @@ def test_the_merges_compile_while_the_weights_are_read(runs, mesh, monkeypatch):
   target = abstract_weights('qwix', mesh)
   merged, threads = compiled_on_threads(
       monkeypatch, lambda: ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA))
-  kinds = {m.contraction for m in merge.plan_merge(root / 'full', merge.Options(lm.ALPHA)).merges.values()}
+  kinds = {m.contraction for m in merge.plan_merge(root / 'full', merge.MergeOptions(lm.ALPHA)).merges.values()}
   assert len(threads) >= len(kinds) > 1
   assert all(t.startswith('orbax_tunix-compile') for t in threads), threads
   np.testing.assert_allclose(forward('qwix', merged), runs['qwix']['logits'], atol=F32_ATOL, rtol=0)
@@ -241,7 +241,7 @@ def test_errors_before_any_read(runs, mesh, tmp_path, monkeypatch):
     with pytest.raises(ot.LoraError, match='finite number|not both'):
       ot.restore_merged_lora(tmp_path / 'nothing here', target, **given)
     with pytest.raises(ot.LoraError, match='finite number|not both'):
-      merge.plan_merge(tmp_path / 'nothing here', merge.Options(**given))
+      merge.plan_merge(tmp_path / 'nothing here', merge.MergeOptions(**given))
   with pytest.raises(ot.LoraError, match='finite number'):
     maxtext.restore_train_state(tmp_path / 'nothing here', {}, params_only=True, merge_lora=True,
                                 lora_alpha=float('nan'))
@@ -257,7 +257,7 @@ def test_errors_before_any_read(runs, mesh, tmp_path, monkeypatch):
     ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA, base=tmp_path / 'other')
   assert 'layers/0/up/kernel (16, 16)' in str(e.value)
   with pytest.raises(ot.LoraError, match='ranks disagree'):
-    merge.plan_merge(tmp_path / 'ranks', merge.Options(alpha=1.0))
+    merge.plan_merge(tmp_path / 'ranks', merge.MergeOptions(alpha=1.0))
   # A target that is not the plain model: an adapter leaf in it.
   with pytest.raises(ot.TargetMismatchError, match='an adapter'):
     ot.restore_merged_lora(root / 'full', {'layers': {'0': {'up': {'kernel_lora_a': target[
@@ -383,7 +383,7 @@ def test_errors_name_paths_as_each_checkpoint_holds_them(runs, tmp_path, monkeyp
   _save_model_params(tmp_path / 'wider' / '1', wider)
   forbid_reads(monkeypatch)
   with pytest.raises(ot.LoraError, match='do not reproduce') as e:
-    merge.plan_merge(runs['flax']['root'] / 'only', merge.Options(base=tmp_path / 'wider'))
+    merge.plan_merge(runs['flax']['root'] / 'only', merge.MergeOptions(base=tmp_path / 'wider'))
   msg = str(e.value)
   assert 'fc2/kernel (32, 8): the base holds model_params/fc2/base_module/kernel/value' in msg, msg
   assert 'model_params/fc2/lora_a/value' in msg

@@ -208,3 +208,21 @@ def test_tidy_failures_drains_what_a_failed_call_left():
     asyncio_utils.run_sync(failing_call(untidy))
   assert not untidy[0].done()
   untidy[0]._log_destroy_pending = False  # pylint: disable=protected-access
+
+
+def test_jax_cluster_registry_is_what_initialize_walks():
+  """`_orbax.jax_cluster_types`: JAX's cluster environments, each telling whether it is
+  present and whether it is opt-in (mpi4py is: `distributed.cluster_detected` skips it)."""
+  envs = _orbax.jax_cluster_types()
+  names = {env.__name__ for env in envs}
+  assert {'SlurmCluster', 'OmpiCluster', 'Mpi4pyCluster'} <= names, names
+  assert all(callable(env.is_env_present) and isinstance(env.opt_in_only_method, bool)
+             for env in envs)
+  assert [env.opt_in_only_method for env in envs if env.__name__ == 'Mpi4pyCluster'] == [True]
+
+
+def test_jax_process_claim_is_one_process_before_initialize():
+  """`_orbax.jax_process_claim`: JAX's record of the process's id and count, (0, 1) in a
+  process that joined no job (inside a job, processes given other counts are told apart by
+  it: tests/test_distributed.py)."""
+  assert _orbax.jax_process_claim() == (0, 1)

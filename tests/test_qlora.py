@@ -298,7 +298,7 @@ def test_full_save_merges_onto_its_dequantized_base(runs, mesh, name):
   the merged weights computes the QLoRA model's logits."""
   run = runs[name]
   target = abstract_weights('qwix', mesh, jnp.float32)
-  plan = merge.plan_merge(run['root'] / 'full', merge.Options(alpha=lm.ALPHA))
+  plan = merge.plan_merge(run['root'] / 'full', merge.MergeOptions(alpha=lm.ALPHA))
   assert any('saved quantized' in n for n in plan.notes), plan.notes
   merged = ot.restore_merged_lora(run['root'] / 'full', target, alpha=lm.ALPHA)
   right = np.abs(forward('qwix', merged) - run['logits']).max()
@@ -316,7 +316,7 @@ def test_full_save_merges_onto_its_dequantized_base(runs, mesh, name):
 def test_full_save_with_a_base_is_refused_naming_quantization(runs):
   run = runs['int4_absmax']
   with pytest.raises(errors.LoraError, match='QLoRA save.*quantized.*int4'):
-    merge.plan_merge(run['root'] / 'full', merge.Options(
+    merge.plan_merge(run['root'] / 'full', merge.MergeOptions(
         alpha=lm.ALPHA, base=run['root'] / 'base'))
 
 
@@ -353,7 +353,7 @@ def test_adapters_only_with_the_recipe_merges_onto_the_requantized_base(runs, me
 
 def test_adapters_only_without_the_recipe_says_it_cannot_tell(runs):
   run = runs['int8_minmax_tile4']
-  plan = merge.plan_merge(run['root'] / 'only', merge.Options(
+  plan = merge.plan_merge(run['root'] / 'only', merge.MergeOptions(
       alpha=lm.ALPHA, base=run['root'] / 'base'))
   assert any('cannot tell whether' in n and 'base_qtype' in n for n in plan.notes), plan.notes
 

@@ -240,10 +240,10 @@ def test_convert_to_read_only_destination(run, tmp_path):
 
 
 def test_overlap_compares_what_paths_are(tunix_data, tmp_path):
-  """commit.overlap: the one decision of whether a new step may go at a path."""
+  """places.overlap: the one decision of whether a new step may go at a path."""
   from etils import epath  # pylint: disable=g-import-not-at-top
 
-  from orbax_tunix.writing import commit
+  from orbax_tunix.writing import places
 
   run = tmp_path / 'run'
   shutil.copytree(tunix_data / 'sft_full', run)
@@ -258,21 +258,21 @@ def test_overlap_compares_what_paths_are(tunix_data, tmp_path):
       tmp_path: 'holding', tmp_path / 'out' / '2': None, tmp_path / 'runs' / '2': None,
   }
   for dst, want in cases.items():
-    how = commit.overlap(step, epath.Path(dst))
+    how = places.overlap(step, epath.Path(dst))
     assert (how is None) if want is None else (want in how), (dst, how)
-    how = commit.overlap(epath.Path(tmp_path / 'link' / '2'), epath.Path(dst))
+    how = places.overlap(epath.Path(tmp_path / 'link' / '2'), epath.Path(dst))
     assert (how is None) if want is None else (want in how), ('via link', dst, how)
   buckets = {'gs://b/run/3': 'inside', 'gs://B//run/./x/../3/': 'inside', 'gs://b/run/': 'the',
              'gs://b/': 'holding', 'gs://b/runs/3': None, 'gs://c/run/3': None}
   for dst, want in buckets.items():
-    how = commit.overlap(epath.Path('gs://b/run/2'), epath.Path(dst))
+    how = places.overlap(epath.Path('gs://b/run/2'), epath.Path(dst))
     assert (how is None) if want is None else (want in how), (dst, how)
-  assert commit.overlap(step, epath.Path('gs://b/run/3')) is None  # Another kind of path.
+  assert places.overlap(step, epath.Path('gs://b/run/3')) is None  # Another kind of path.
   bind = tmp_path / 'bind'
   bind.mkdir()
   if os.system(f'mount --bind {run} {bind} 2>/dev/null') == 0:
     try:  # The same directory under another name, which no path text shows.
-      assert 'another name' in commit.overlap(step, epath.Path(bind / '5'))
+      assert 'another name' in places.overlap(step, epath.Path(bind / '5'))
     finally:
       os.system(f'umount {bind}')
 

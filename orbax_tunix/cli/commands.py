@@ -36,8 +36,9 @@ import numpy as np
 from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.cli import display
 from orbax_tunix.cli import progress as progress_lib
-from orbax_tunix.cli.display import Output, format_bytes, format_duration, is_tty
+from orbax_tunix.cli.display import Printer, format_bytes, format_duration, is_tty
 from orbax_tunix.mapping import huggingface
+from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.reading import memory, quantized
 from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
@@ -91,7 +92,7 @@ def parse_dtype(name: str) -> np.dtype:
 # --- the commands -------------------------------------------------------------
 
 
-def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
+def cmd_inspect(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix inspect`: draws the report (or prints its JSON).
 
   Returns 0; with --verify, 1 when some array does not match its checksum.
@@ -124,7 +125,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
 
 
 def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
-            args: argparse.Namespace, out: Output) -> Any:
+            args: argparse.Namespace, out: Printer) -> Any:
   """Prints a plan's notes, then `run(plan, progress)` with progress on stderr.
 
   SIGINT and SIGTERM stop it between batches (what was written is removed);
@@ -144,7 +145,7 @@ def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
       raise
 
 
-def cmd_convert(args: argparse.Namespace, out: Output) -> int:
+def cmd_convert(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix convert`: plans, streams with progress, prints the summary; returns 0."""
   _join(args)
   plan = convert_lib.plan_convert(
@@ -162,7 +163,7 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
       lora_scale=args.lora_scale,
       base=args.base,
       **_base_quantized(args),
-      **_layout_options(args, layouts.Destination.STEP),
+      **_layout_options(args, _destination(args, 'convert')),
   )
   result = _stream(convert_lib.run_convert, plan, plan.notes, args, out)
   source = plan.source.detection
@@ -198,65 +199,65 @@ def cmd_convert(args: argparse.Namespace, out: Output) -> int:
   return EXIT_OK
 
 
-# Flags of a model export that an adapter export (`--peft`) does not take, and why.
-_NOT_WITH_PEFT = {
-    'merge_lora': 'the adapter holds the adapters unmerged; --merge-lora writes a model',
-    'base': 'the adapter is read from SRC alone (--base is the base weights of a merge)',
-    'hf_config': 'an adapter folder holds no config.json or tokenizer of the model',
-    'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
-    'base_only': 'the adapter holds the adapters; --base-only writes the base model',
-    'config_as_trained': 'an adapter folder holds no config.json of the model',
-    **dict.fromkeys(('base_qtype', 'base_tile_size', 'base_calibration'),
-                    'it says how a merge\'s --base was quantized (the adapter is read from SRC'
-                    ' alone)'),
-}
+def _destination(args: argparse.Namespace, command: str) -> layouts.Destination:
+  """The destination a command writes: the one whose switch was given (`export --peft`),
+  else the command's default (`_default`).
+
+  Raises:
+    InvalidOptionError: two switches given.
+  """
+  chosen = [d for d in layouts.destinations(command)
+            if d.switch is not None and getattr(args, d.switch.option.name)]
+  if len(chosen) > 1:
+    flags = ' and '.join(d.switch.option.flag for d in chosen)
+    raise errors.InvalidOptionError(f'{flags}: each writes another kind of output; pass one.')
+  return chosen[0] if chosen else _default(command)
 
 
-def _check_peft_flags(args: argparse.Namespace) -> None:
-  """Refuses the flags that do not go with `--peft` (or need it); nothing is read.
+def _check_switches(args: argparse.Namespace, command: str) -> layouts.Destination:
+  """The destination the flags choose, refusing those that do not go with it: a switch's
+  refused flags (`Switch.refuses`), or an option of a switch's layouts without the switch.
+  Nothing is read.
 
   Raises:
     InvalidOptionError: naming the flag and why.
   """
-  if not args.peft:
-    if args.base_model is not None:
+  destination = _destination(args, command)
+  switch = destination.switch
+  mine = layouts.options(destination)
+  if switch is not None:
+    # Its refusals say why; another layout option it does not take is refused plainly.
+    others = {n: f'the {destination.name} layouts do not take it'
+              for d in layouts.destinations(command) for n in layouts.options(d)
+              if n not in mine and layouts.options(d)[n].combine is None}
+    reasons = {**switch.refuses, **{n: why for n, why in others.items() if n not in switch.refuses}}
+    given = [name for name in reasons if getattr(args, name, None) not in (None, False)]
+    if given:
+      flag = _flag(given[0])
       raise errors.InvalidOptionError(
-          f'--base-model {args.base_model}: it names the base model of a PEFT adapter; add'
-          ' --peft (with --lora-alpha), or leave --base-model out.')
-    return
-  given = [name for name in _NOT_WITH_PEFT if getattr(args, name, None) not in (None, False)]
-  if given:
-    raise errors.InvalidOptionError(
-        f'--peft with {_FLAGS[given[0]]}: {_NOT_WITH_PEFT[given[0]]}. Leave'
-        f' {_FLAGS[given[0]]} out, or export a model without --peft.')
+          f'{switch.option.flag} with {flag}: {reasons[given[0]]}. Leave {flag} out, or'
+          f' {switch.instead}.')
+    return destination
+  for other in (d for d in layouts.destinations(command) if d.switch is not None):
+    for name, option in layouts.options(other).items():
+      value = getattr(args, name, None)
+      if name not in mine and option.combine is None and value not in (None, False):
+        alone = option.alone or (f'it is an option of {other.switch.option.flag}; add'
+                                 f' {other.switch.option.flag}')
+        raise errors.InvalidOptionError(f'{option.flag} {value}: {alone}, or leave'
+                                        f' {option.flag} out.')
+  return destination
 
 
-def cmd_export(args: argparse.Namespace, out: Output) -> int:
+def cmd_export(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix export`: plans, streams with progress, prints the summary; returns 0."""
-  _check_peft_flags(args)
+  destination = _check_switches(args, 'export')
   _join(args)
-  if args.peft:
-    plan = export_lib.plan_peft_export(
-        args.src, args.out_dir, model=args.model, alpha=args.lora_alpha, scale=args.lora_scale,
-        base_model=args.base_model, step=args.step, dtype=args.dtype,
-        memory_budget=args.memory_budget, force=args.force,
-        param_scan_axis=args.param_scan_axis)
-  else:
-    plan = export_lib.plan_export(
-        args.src,
-        args.out_dir,
-        model=args.model,
-        step=args.step,
-        dtype=args.dtype,
-        merge_lora=args.merge_lora,
-        lora_alpha=args.lora_alpha,
-        lora_scale=args.lora_scale,
-        base=args.base,
-        **_base_quantized(args),
-        memory_budget=args.memory_budget,
-        force=args.force,
-        **_layout_options(args, layouts.Destination.FOLDER),
-    )
+  plan = export_lib.plan_to(
+      destination, args.src, args.out_dir, model=args.model, step=args.step, dtype=args.dtype,
+      memory_budget=args.memory_budget, force=args.force,
+      merge_options=_merge_options(args) if destination.merges else None,
+      **_layout_options(args, destination))
   result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
     print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
@@ -271,19 +272,29 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
   return EXIT_OK
 
 
-def _layout_options(args: argparse.Namespace, sink: layouts.Destination) -> dict[str, Any]:
-  """The layout options' flags as given (unset: their `layouts.Option.unset`)."""
-  return {name: getattr(args, name) for name in layouts.options(sink)}
+def _layout_options(args: argparse.Namespace, destination: layouts.Destination
+                    ) -> dict[str, Any]:
+  """The layout options' flags as given (unset: their `layouts.Option.default`); an option
+  made of other flags (`Option.combine`) made from them."""
+  return {name: option.combine(*(getattr(args, f) for f in option.flags))
+          if option.combine is not None else getattr(args, name)
+          for name, option in layouts.options(destination).items()}
+
+
+def _merge_options(args: argparse.Namespace) -> merge_lib.MergeOptions | None:
+  """The LoRA merge the merge flags ask for (None: no merge)."""
+  return merge_lib.MergeOptions.given(args.merge_lora, args.lora_alpha, args.lora_scale, args.base,
+                                 **_base_quantized(args))
 
 
 def _join(args: argparse.Namespace) -> None:
   """Joins the multi-process job the flags (or JAX's cluster detection) describe, if any."""
-  distributed.initialize(distributed.Options(
+  distributed.initialize(distributed.JobOptions(
       coordinator_address=args.coordinator_address, num_processes=args.num_processes,
       process_id=args.process_id, initialization_timeout=args.initialization_timeout))
 
 
-def cmd_diff(args: argparse.Namespace, out: Output) -> int:
+def cmd_diff(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix diff`: compares with progress; returns 0 on a match, else 1."""
   progress = progress_lib.make_progress(sys.stderr, out.fancy or args.fancy_progress)
   result = diff_lib.diff_checkpoints(
@@ -308,13 +319,15 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
 
 # The library's parameters, as its messages name them (in backquotes), and the
 # flags that set them here: `memory_budget` is --memory-budget, the others as listed.
+# The layouts' options and switches name their own flags (`layouts.Option.flag`).
 _FLAGS = {
     **{name: '--' + name.replace('_', '-') for name in (
         'force', 'params_only', 'layout', 'dtype', 'memory_budget', 'step', 'atol',
-        'ignore_dtype', 'merge_lora', 'lora_alpha', 'lora_scale', 'base', 'scan_layers',
-        'param_scan_axis', 'model', 'max_shard_size', 'hf_config', 'config_as_trained',
+        'ignore_dtype', 'merge_lora', 'lora_alpha', 'lora_scale', 'base', 'model',
         'coordinator_address', 'num_processes', 'process_id', 'initialization_timeout',
-        'base_model', 'base_only', 'base_qtype', 'base_tile_size', 'base_calibration')},
+        'base_qtype', 'base_tile_size', 'base_calibration')},
+    **{name: o.flag for name, o in layouts.options().items() if o.combine is None},
+    **{d.switch.option.name: d.switch.option.flag for d in layouts.destinations() if d.switch},
     'dst': 'DST',
     'src': 'SRC',
     'out_dir': 'OUT_DIR',
@@ -324,6 +337,11 @@ _FLAGS = {
     'export_peft_adapter': 'export --peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
+
+
+def _flag(name: str) -> str:
+  """The flag that sets the library parameter `name` (`_FLAGS`, else its own spelling)."""
+  return _FLAGS.get(name, '--' + name.replace('_', '-'))
 
 
 def as_flags(message: str) -> str:
@@ -369,17 +387,35 @@ _atol = _number(float, 'a number', lambda value: value >= 0, 'the tolerance must
 _tile = _number(int, 'a tile size', lambda value: value >= 1, 'a tile size is at least 1.')
 
 
-def _add_layout_options(p: argparse.ArgumentParser, sink: layouts.Destination) -> None:
-  """The flags of the options a command's layouts take (`layouts.Option`s, their data)."""
-  every = layouts.named(sink)
-  for option in layouts.options(sink).values():
-    takers = [n for n in every if layouts.get(n).takes(option.name)]
-    said = '' if takers == list(every) else f'{" and ".join(takers)}: '
-    if option.switch:
-      p.add_argument(option.flag, action='store_true', help=said + option.help)
-      continue
+def _add_option(p: argparse.ArgumentParser, option: layouts.Option, said: str = '') -> None:
+  """One option's flag (`layouts.Option`, its data), its help after `said`."""
+  if option.switch:
+    p.add_argument(option.flag, action='store_true', help=said + option.help)
+  else:
     p.add_argument(option.flag, type=_parsed(option.parse), metavar=option.metavar,
                    help=said + option.help)
+
+
+def _add_layout_options(p: argparse.ArgumentParser, destination: layouts.Destination) -> None:
+  """The flags of the options a destination's layouts take (`layouts.Option`s, their data);
+  one some of them take says which."""
+  every = layouts.named(destination)
+  for option in layouts.options(destination).values():
+    takers = [n for n in every if layouts.get(n).takes(option.name)]
+    _add_option(p, option, '' if takers == list(every) else f'{" and ".join(takers)}: ')
+
+
+def _add_switches(p: argparse.ArgumentParser, command: str) -> None:
+  """The flags that choose a command's other destinations (`layouts.Switch`: `export
+  --peft`), each with the flags of the options only its layouts take."""
+  default = next(d for d in layouts.destinations(command) if d.switch is None)
+  for destination in layouts.destinations(command):
+    if destination.switch is None:
+      continue
+    _add_option(p, destination.switch.option)
+    for name, option in layouts.options(destination).items():
+      if name not in layouts.options(default) and option.combine is None:
+        _add_option(p, option, f'{destination.switch.option.flag}: ')
 
 
 def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
@@ -440,7 +476,7 @@ class _Parents:
 
   Attributes:
     common: every command's (--debug, --plain).
-    hosts: a writing command's multi-process flags (`distributed.Options`).
+    hosts: a writing command's multi-process flags (`distributed.JobOptions`).
   """
 
   common: argparse.ArgumentParser
@@ -462,7 +498,7 @@ def _common_flags() -> argparse.ArgumentParser:
 
 
 def _host_flags() -> argparse.ArgumentParser:
-  """The 'across hosts' group (`distributed.Options`) of the commands that write."""
+  """The 'across hosts' group (`distributed.JobOptions`) of the commands that write."""
   hosts = argparse.ArgumentParser(add_help=False)
   group = hosts.add_argument_group(
       'across hosts', 'run the same command once per host (JAX\'s multi-controller runtime);'
@@ -508,6 +544,16 @@ def _add_inspect(sub: Any, parents: _Parents) -> None:
   p.set_defaults(handler=cmd_inspect)
 
 
+def _default(command: str) -> layouts.Destination:
+  """The destination a command writes unless a switch chooses another."""
+  return next(d for d in layouts.destinations(command) if d.switch is None)
+
+
+def _convert_layouts() -> tuple[str, ...]:
+  """The layouts `convert --layout` takes: every one of its destinations'."""
+  return tuple(n for d in layouts.destinations('convert') for n in layouts.named(d))
+
+
 def _add_convert(sub: Any, parents: _Parents) -> None:
   """`orbax-tunix convert SRC DST`: its layouts and their flags are the step layouts'."""
   p = sub.add_parser(
@@ -519,7 +565,7 @@ def _add_convert(sub: Any, parents: _Parents) -> None:
           ' its step number (out/1000) to make its parent a root that'
           ' ocp.CheckpointManager reads. Layouts (--layout): '
           + '; '.join(f'{n}: {layouts.get(n).description}'
-                      for n in layouts.named(layouts.Destination.STEP))
+                      for n in _convert_layouts())
           + '. Streams in batches within --memory-budget;'
           ' written beside DST and renamed at the end, so a failure leaves no DST.'
           ' Check the result with: orbax-tunix diff SRC DST.'
@@ -530,10 +576,11 @@ def _add_convert(sub: Any, parents: _Parents) -> None:
   p.add_argument('--step', type=_step, help='the source step (default: the latest committed)')
   p.add_argument('--params-only', action='store_true',
                  help='write the model weights only (no optimizer state, no RNG state)')
-  p.add_argument('--layout', choices=layouts.named(layouts.Destination.STEP),
+  p.add_argument('--layout', choices=_convert_layouts(),
                  default=convert_lib.DEFAULT_LAYOUT,
                  help=f'the layout to write (default {convert_lib.DEFAULT_LAYOUT}; see above)')
-  _add_layout_options(p, layouts.Destination.STEP)
+  for destination in layouts.destinations('convert'):
+    _add_layout_options(p, destination)
   p.add_argument('--dtype', type=parse_dtype,
                  help='cast floating leaves to this dtype (e.g. bfloat16); '
                  'integer and RNG leaves keep theirs')
@@ -585,7 +632,7 @@ def _add_export(sub: Any, parents: _Parents) -> None:
   p = sub.add_parser(
       'export', parents=[parents.common, parents.hosts],
       help='write a Hugging Face safetensors folder ('
-      + ', '.join(layouts.named(layouts.Destination.FOLDER)) + ')',
+      + ', '.join(layouts.named(_default('export'))) + ')',
       description=(
           'Write the weights of SRC (a Tunix run of a tunix.models family or of a MaxText'
           ' model, or MaxText\'s own step) as a'
@@ -609,14 +656,8 @@ def _add_export(sub: Any, parents: _Parents) -> None:
                  help='cast the weights to this dtype (bfloat16, float16, float32); default: as'
                  ' stored')
   _add_merge_options(p, 'export the LoRA adapters merged into the weights (no adapter tensors)')
-  p.add_argument('--peft', action='store_true',
-                 help="export a LoRA run's adapters as a PEFT adapter folder"
-                 ' (adapter_config.json, adapter_model.safetensors), with --lora-alpha or'
-                 ' --lora-scale; reads the adapters only (a save with or without its base)')
-  p.add_argument('--base-model', metavar='NAME_OR_PATH',
-                 help="--peft: the base model (a Hub name or a folder), the adapter config's"
-                 ' base_model_name_or_path')
-  _add_layout_options(p, layouts.Destination.FOLDER)
+  _add_switches(p, 'export')
+  _add_layout_options(p, _default('export'))
   p.add_argument('--memory-budget', type=parse_size, default=memory.DEFAULT_MEMORY_BUDGET,
                  metavar='SIZE', help='memory the streaming may use above start-up (default 1G ='
                  ' 1GiB)')
@@ -824,7 +865,7 @@ def _main(argv: Sequence[str] | None) -> int:
     return e.code if isinstance(e.code, int) else EXIT_ERROR
   debug = getattr(args, 'debug', False)
   plain = getattr(args, 'plain', False)
-  out = Output(sys.stdout, fancy=not plain and is_tty(sys.stdout))
+  out = Printer(sys.stdout, fancy=not plain and is_tty(sys.stdout))
   args.fancy_progress = not plain
   if args.command == 'inspect' and args.collapse is None:
     args.collapse = out.fancy or is_tty(sys.stdout)

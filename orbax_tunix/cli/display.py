@@ -1,6 +1,6 @@
 """Drawing results for people: tables on a terminal, aligned text in a log, JSON.
 
-`Output` writes to a stream: with `rich` on a terminal (`pip install
+`Printer` writes to a stream: with `rich` on a terminal (`pip install
 'orbax-tunix[cli]'`), plain aligned text otherwise. The `show_*` functions draw
 the library's results (`inspection.Report`, `diff.DiffResult`, ...); the
 `*_json` functions give the same as one JSON document.
@@ -236,7 +236,7 @@ def inspect_json(report: inspection.Report) -> dict[str, Any]:
 # --- output ---------------------------------------------------------------
 
 
-class Output:
+class Printer:
   """Where results go: rich tables on a terminal, aligned plain text otherwise.
 
   Args:
@@ -316,7 +316,7 @@ def _steps_text(report: inspection.Report) -> str:
   return text
 
 
-def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None:
+def show_inspect(out: Printer, report: inspection.Report, collapse: bool) -> None:
   """Draws an inspect report."""
   d = report.detection
   out.fields(
@@ -406,7 +406,7 @@ def show_inspect(out: Output, report: inspection.Report, collapse: bool) -> None
     out.table(['shell', 'name', 'value'], rows)
 
 
-def show_quantized(out: Output, quantized: inspection.QuantizedReport, collapse: bool) -> None:
+def show_quantized(out: Printer, quantized: inspection.QuantizedReport, collapse: bool) -> None:
   """The weights saved quantized: how, which, and the bytes it saves."""
   count = sum(len(paths) for paths in quantized.schemes.values())
   saved = quantized.dequantized_bytes - quantized.stored_bytes
@@ -448,7 +448,7 @@ def _lora_uses(lora: inspection.LoraReport) -> str:
   alpha = '' if lora.style == lora_lib.FLAX else ' --lora-alpha A'
   uses = LORA_USES[lora.base_weights].format(alpha=alpha)
   targets = [tuple(t.split('/')) for t in lora.targets]
-  if lora.base_weights or huggingface.source_kind(targets) != huggingface.MAXTEXT_MODEL:
+  if lora.base_weights or not huggingface.adapters_need_config(targets):
     return uses
   return uses.replace(f'--peft{alpha} (a PEFT adapter', f'--peft{alpha} --base-model FOLDER'
                       ' (a PEFT adapter', 1)
@@ -470,7 +470,7 @@ def _fold_targets(targets: Sequence[str], ranks: Sequence[int], collapse: bool
   ]
 
 
-def show_verification(out: Output, verification: checksums.Verification) -> None:
+def show_verification(out: Printer, verification: checksums.Verification) -> None:
   """Draws what `inspect --verify` found."""
   out.title('Verify (checksums recorded by orbax-tunix convert)')
   for title, paths in (
@@ -532,7 +532,7 @@ def diff_json(result: diff_lib.DiffResult) -> dict[str, Any]:
   }
 
 
-def show_diff(out: Output, result: diff_lib.DiffResult, limit: int | None, hint: str | None) -> None:
+def show_diff(out: Printer, result: diff_lib.DiffResult, limit: int | None, hint: str | None) -> None:
   """Draws a diff result, then its one-line verdict."""
   pair = ['path', 'A', 'B']
 

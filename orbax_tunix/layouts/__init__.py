@@ -1,19 +1,24 @@
-"""Output layouts, found by name: what a converted step (or an export) holds.
+"""Output layouts, found by name: what a converted step (or an export) holds, and where it goes.
 
-A `Layout` is a value: its name, a line for people, `lay_out(request)` (a
-pure function of the source checkpoint's metadata that says every destination
-item and leaf, `outputs.ItemOutput`, and how each is made from source leaves),
-the kind of destination it fills (`sink`, a `Destination`: an Orbax step, a Hugging
-Face folder or a PEFT adapter folder) and its options as data. The one pipeline (`tools/pipeline.py`) looks
-layouts up here and hands the result to the one writer (`writer.py`); a new
-output format is one more registered layout.
+A `Layout` is a value: its name, a line for people, `lay_out(request)` (a pure function of
+the source checkpoint's metadata that says every destination item and leaf,
+`outputs.ItemOutput`, and how each is made from source leaves), its options as data, and its
+`destination`: one `Destination` value holding the kind of destination (what may be
+replaced, how it is committed), how it is sharded and written through the one writer
+(`writing/writer.py`), and the command and flag that choose it. The one pipeline
+(`tools/pipeline.py`) looks layouts up here. A new output format is one module here (its
+layouts, and its destination if it is a new kind) imported below.
 
-  canonical   an ordinary Orbax step in the canonical view (`layouts/canonical.py`)
-  maxtext     MaxText's own step: weights, or the full train state (`layouts/maxtext.py`)
+  step        an Orbax step plain Orbax restores (`layouts/step.py`)
+  folder      a Hugging Face safetensors folder (`layouts/folder.py`)
+  adapter     a PEFT adapter folder (`layouts/peft.py`)
+
+  canonical   step: an ordinary Orbax step in the canonical view (`layouts/canonical.py`)
+  maxtext     step: MaxText's own step, weights or the full train state (`layouts/maxtext.py`)
   qwen3, llama3, gemma3, ...
-              a Hugging Face safetensors folder, one per family (`layouts/huggingface.py`)
+              folder: one per family (`layouts/huggingface.py`)
   qwen3.peft, llama3.peft, ...
-              a LoRA run's adapters as a PEFT adapter folder, one per family (`layouts/peft.py`)
+              adapter: a LoRA run's adapters, one per family (`layouts/peft.py`)
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ from orbax_tunix.layouts.base import (
     LaidOut,
     Layout,
     Option,
+    Plan,
     Request,
+    Switch,
     check_options,
+    destinations,
+    find,
     get,
     named,
     names,
@@ -35,5 +44,6 @@ from orbax_tunix.layouts.base import (
     weights,
 )
 
-__all__ = ['LAYOUTS', 'LaidOut', 'Layout', 'Option', 'Request', 'Destination', 'check_options',
-           'get', 'named', 'names', 'options', 'register', 'weights']
+__all__ = ['LAYOUTS', 'Destination', 'LaidOut', 'Layout', 'Option', 'Plan', 'Request', 'Switch',
+           'check_options', 'destinations', 'find', 'get', 'named', 'names', 'options',
+           'register', 'weights']

@@ -1,18 +1,23 @@
-"""What every layout is and takes: `Request`, `Layout`, `LaidOut`, and the catalog they register in.
+"""What every output is: a `Destination` (a kind of destination, and how it is written), a
+`Layout` (what one holds), the `Option`s each layout declares, the `Plan` the pipeline makes of
+them, and the catalog they register in.
 
-Every output is a layout: an Orbax step (canonical, MaxText) or a Hugging Face
-safetensors folder (one layout per family). Its `sink` (a `Destination`) says which kind
-of destination it fills; its `options` are data the CLI builds flags from.
+Every output is a layout: an Orbax step (canonical, MaxText), a Hugging Face safetensors
+folder (one layout per family) or a PEFT adapter folder. Its `destination` is one value: the
+kind of destination (`commit.Kind`: what may be replaced, how it is committed), how its
+outputs are sharded into files and written (through the one writer, `writing/writer.py`),
+the dtypes it takes, and which command's flag chooses it. Its `options` are data the library
+takes by name and the command line builds its flags from. A new output format is one module
+(its destination, if it is a new kind, and its layouts) registered in `layouts/__init__.py`.
 
-Its own module so that the layouts (`canonical`, `maxtext`) import it, and the package
+Its own module so that the layouts (`canonical`, `maxtext`, ...) import it, and the package
 (`layouts/__init__.py`) imports them: no cycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +27,47 @@ from orbax_tunix import catalog, errors
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied
 from orbax_tunix.reading import reader
+from orbax_tunix.writing import commit, writer
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """An option a layout takes, as data: the library's keyword, and what the CLI's flag is.
+
+  Attributes:
+    name: the library keyword (the flag: `--scan-layers`); a layout reads its value with
+      `Request.option`.
+    parse: the flag's text -> the value (raises ValueError for text that is none).
+    metavar: how the flag's value is shown.
+    help: what it does, for people.
+    default: its value when not asked for (left out of what a plan records as asked).
+    coerce: a value the library was given -> the layout's (a size's text to bytes, a path's
+      text to a path); raises `InvalidOptionError`.
+    switch: the flag takes no value (it sets True).
+    folder: it names a folder that is read (the destination must be neither it nor inside
+      it).
+    flags: the command's other flags it is made from (by their library names), for an
+      option without a flag of its own (`combine` makes it from their values).
+    combine: those flags' values -> the option's value.
+    alone: what the command says when the option is given without the switch that chooses
+      its layouts' destination (`Destination.switch`); None: a plain refusal.
+  """
+
+  name: str
+  parse: Callable[[str], Any] = dataclasses.field(repr=False)
+  metavar: str
+  help: str
+  default: Any = None
+  coerce: Callable[[Any], Any] = dataclasses.field(default=lambda value: value, repr=False)
+  switch: bool = False
+  folder: bool = False
+  flags: tuple[str, ...] = ()
+  combine: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+  alone: str | None = None
+
+  @property
+  def flag(self) -> str:
+    return '--' + self.name.replace('_', '-')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,36 +79,19 @@ class Request:
     params_only: the model weights only.
     dtype: floating leaves cast to this dtype (None: kept).
     merge: a LoRA merge whose merged weights are written (implies params_only).
-    scan_layers: MaxText's layer form to write (None: as stored).
-    param_scan_axis: MaxText's layer axis of the scanned side (None: found; see `convert`).
-    hf_config: a Hugging Face folder whose config and tokenizer a folder
-      layout checks and copies (None: none).
-    max_shard_size: bytes per safetensors file of a folder layout (None:
-      `transformers`' default).
-    base_only: a folder layout writes a LoRA save's base weights alone (the
-      adapters left out, not merged).
-    adapter_scaling: an adapter layout's LoRA scaling, as a merge's options
-      spell it (`merge.Options`: qwix's `alpha`, or alpha / rank itself,
-      `scale`; no `base`). None: neither given.
-    base_model: an adapter layout's base model (a Hub name or a folder), as its
-      config names it.
-    config_as_trained: a folder layout writes into config.json the values the
-      trainer computed with where they differ from the base config's
-      (`mapping/as_trained.py`).
+    options: the layout's options (`Layout.options`) by name, as given (coerced), the
+      others at their default.
   """
 
   source: reader.CanonicalCheckpoint
   params_only: bool = False
   dtype: np.dtype | None = None
   merge: merge_lib.MergePlan | None = None
-  scan_layers: bool | None = None
-  param_scan_axis: int | None = None
-  hf_config: epath.Path | None = None
-  max_shard_size: int | None = None
-  base_only: bool = False
-  adapter_scaling: merge_lib.Options | None = None
-  base_model: str | None = None
-  config_as_trained: bool = False
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def option(self, option: Option) -> Any:
+    """The value of one of the layout's options (its default when not given)."""
+    return self.options.get(option.name, option.default)
 
 
 def weights(request: Request) -> dict[tuple[str, ...], Output]:
@@ -101,50 +130,141 @@ class LaidOut:
 
 
 @dataclasses.dataclass(frozen=True)
-class Option:
-  """An option a layout takes, as data: a `Request` field, and what the CLI's flag is.
+class Plan:
+  """Everything a conversion or an export does, decided from metadata before any write
+  (`tools/pipeline.py` makes it, its layout's destination writes it).
 
   Attributes:
-    name: the `Request` field and library keyword (the flag: `--scan-layers`).
-    parse: the flag's text -> the value (raises ValueError for text that is none).
-    metavar: how the flag's value is shown.
-    help: what it does, for people.
-    coerce: a value the library was given -> the `Request`'s (a size's text to
-      bytes, a path's text to a path); raises `InvalidOptionError`.
-    switch: the flag takes no value (it sets True).
+    source: the source step, canonical.
+    dst: the destination (a step directory, an export folder).
+    layout: the layout's name (`names()`).
+    params_only: weights only (no optimizer state, no RNG state).
+    dtype: floating leaves are cast to this dtype (None: kept).
+    memory_budget: bytes of memory the streaming may use.
+    force: replace an existing destination of the destination's kind.
+    items: the items to write (a folder: one, its tensors).
+    notes: things a person should know.
+    merge: the LoRA merge whose weights are written (None: leaves are copied).
+    custom_metadata: what the layout adds to a step's custom metadata.
+    files: a folder's safetensors files and what each holds (a step: none).
+    other_files: a folder's other files: (name, a path to copy or a text).
+    summary: what the layout tells of its output (a family's model, architecture).
+    options: the options the caller gave, by its own names (`lora_alpha`, `max_shard_size`;
+      those not given left out), as given: a job's processes compare them by value
+      (`agreement`), so a difference names the option, not only what it makes.
+  """
+
+  source: reader.CanonicalCheckpoint
+  dst: epath.Path
+  layout: str
+  params_only: bool
+  dtype: np.dtype | None
+  memory_budget: int
+  force: bool
+  items: tuple[ItemOutput, ...]
+  notes: tuple[str, ...] = ()
+  merge: merge_lib.MergePlan | None = None
+  custom_metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  files: tuple[writer.Shard, ...] = ()
+  other_files: tuple[tuple[str, epath.Path | str], ...] = ()
+  summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def outputs(self) -> tuple[Output, ...]:
+    """Every output, item after item (a folder's: its tensors in write order)."""
+    return tuple(o for item in self.items for o in item.outputs)
+
+  @property
+  def bytes_written(self) -> int:
+    return sum(o.nbytes for o in self.outputs)
+
+  @property
+  def batch_bytes(self) -> int:
+    return writer.batch_bytes(self.memory_budget)
+
+  @property
+  def reads_ahead(self) -> bool:
+    return writer.reads_ahead(self.memory_budget)
+
+  @property
+  def sources(self) -> list[epath.Path]:
+    """The step directories read (the source, and a merge's base)."""
+    return [c.step_dir for c in merge_lib.checkpoints_read(self.source, self.merge)]
+
+  @property
+  def architecture(self) -> str | None:
+    return self.summary.get('architecture')
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+  """A command's flag that chooses a destination other than the command's default
+  (`export --peft`), and the command's flags that do not go with it.
+
+  Attributes:
+    option: the flag (a switch: `Option.switch`).
+    refuses: the command's flags (by their library names) that do not go with it -> why.
+    instead: what to do instead of such a flag, besides leaving it out.
+  """
+
+  option: Option
+  refuses: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  instead: str = ''
+
+
+def _any_dtype(dtype: Any) -> np.dtype | None:
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+  """A kind of destination, as one value: what it is, how it is planned, shared and written,
+  and which command writes it.
+
+  Attributes:
+    name: what it is called ('step', 'folder', 'adapter').
+    kind: what it is, for the destination checks and the commit (`commit.Kind`).
+    unit: what one output is, for messages ('array', 'tensor').
+    run: what writing one is called ('conversion', 'export').
+    doing: the progress line's verb.
+    shard: (items, the options given) -> the items in write order and a folder's files.
+    share: plan -> the outputs this process reads (across hosts).
+    write: (plan, this process's outputs, the staging directory, progress) -> what to
+      record of it (a folder: its files and bytes).
+    entries: plan -> every entry `write` makes at the top of the destination (a bucket's
+      claim names them: `commit.staged`).
+    dtype: the `dtype` the caller gave -> the dtype written (None: as stored); raises
+      `InvalidOptionError` for one the destination's readers do not take.
+    command: the command that writes it (`orbax-tunix convert`, `export`).
+    switch: the command's flag that chooses it (None: the command's default).
+    merges: its layouts take a LoRA merge (the command's merge flags make one).
   """
 
   name: str
-  parse: Callable[[str], Any] = dataclasses.field(repr=False)
-  metavar: str
-  help: str
-  coerce: Callable[[Any], Any] = dataclasses.field(default=lambda value: value, repr=False)
-  switch: bool = False
-
-  @property
-  def unset(self) -> Any:
-    """Its value when not asked for (the `Request` field's default)."""
-    return {f.name: f.default for f in dataclasses.fields(Request)}[self.name]
-
-  @property
-  def flag(self) -> str:
-    return '--' + self.name.replace('_', '-')
-
-
-class Destination(enum.Enum):
-  """The kinds of destination a layout fills (`Layout.sink`); `tools/pipeline.py` writes
-  each (`pipeline.SINKS`, keyed by them)."""
-
-  STEP = 'step'  # An Orbax step: one PyTree (or JSON) item per `ItemOutput`.
-  FOLDER = 'folder'  # A Hugging Face folder: one item's outputs as safetensors tensors.
-  ADAPTER = 'adapter'  # A PEFT adapter folder: one item's outputs in adapter_model.safetensors.
+  kind: commit.Kind
+  unit: str
+  run: str
+  doing: str
+  shard: Callable[[Sequence[ItemOutput], Mapping[str, Any]],
+                  tuple[Sequence[ItemOutput], Sequence[writer.Shard]]] = dataclasses.field(
+                      repr=False)
+  share: Callable[[Plan], Sequence[Output]] = dataclasses.field(repr=False)
+  write: Callable[[Plan, Sequence[Output], epath.Path, reader.Progress],
+                  dict[str, Any]] = dataclasses.field(repr=False)
+  entries: Callable[[Plan], Sequence[str]] = dataclasses.field(repr=False)
+  dtype: Callable[[Any], np.dtype | None] = dataclasses.field(default=_any_dtype, repr=False)
+  command: str = 'convert'
+  switch: Switch | None = None
+  merges: bool = True
 
 
-def _check_kind(sink: object) -> None:
-  """Refuses a sink kind that is not a `Destination` (a bare string would match no layout)."""
-  if not isinstance(sink, Destination):
-    raise TypeError(f'sink {sink!r}: expected a layouts.Destination'
-                    f' ({", ".join(k.name for k in Destination)}), found a {type(sink).__name__}.')
+def _check_destination(destination: object) -> None:
+  """Refuses a destination that is not a `Destination` (a bare string would match no
+  layout)."""
+  if not isinstance(destination, Destination):
+    raise TypeError(f'destination {destination!r}: expected a layouts.Destination, found a'
+                    f' {type(destination).__name__}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,27 +272,31 @@ class Layout:
   """One output layout.
 
   Attributes:
-    name: what `--layout` (a folder layout: `--model`) calls it.
+    name: what `--layout` (a family's layout: `--model`, with its destination's switch)
+      calls it.
     description: one line for people.
     lay_out: `Request -> LaidOut`, from metadata only.
-    options: the options it reads (`Option`s: `Request` fields); the other
-      layouts' options must keep their unset value (`check_options`).
-    sink: the kind of destination it fills (a `Destination`).
+    destination: the kind of destination it fills (a `Destination`).
+    options: the options it reads (`Option`s); the other layouts' options must keep their
+      default (`check_options`).
     weights_only: it writes the model's weights alone (a `params_only` request).
     adapters: it takes LoRA adapters as they are (an adapters-only save is a
       valid source); else the pipeline refuses an adapters-only save unmerged.
+    family: the Hugging Face family it writes (`mapping.huggingface`), for a family's
+      layouts (found by `find`); None for the others.
   """
 
   name: str
   description: str
   lay_out: Callable[[Request], LaidOut]
+  destination: Destination
   options: tuple[Option, ...] = ()
-  sink: Destination = Destination.STEP
   weights_only: bool = False
   adapters: bool = False
+  family: str | None = None
 
   def __post_init__(self):
-    _check_kind(self.sink)
+    _check_destination(self.destination)
 
   def takes(self, option: str) -> bool:
     return any(o.name == option for o in self.options)
@@ -182,26 +306,49 @@ LAYOUTS: catalog.Catalog[Layout] = catalog.Catalog('layout')
 register, get, names = LAYOUTS.register, LAYOUTS.get, LAYOUTS.names
 
 
-def options(sink: Destination | None = None) -> dict[str, Option]:
-  """Every option some layout (of `sink`, else any) takes, by name: a command's layout flags.
+def destinations(command: str | None = None) -> tuple[Destination, ...]:
+  """The destinations the registered layouts fill (those `command` writes, else all), in
+  the order their first layouts were registered: a command's default first."""
+  found = {id(get(n).destination): get(n).destination for n in names()}
+  return tuple(d for d in found.values() if command is None or d.command == command)
+
+
+def options(destination: Destination | None = None) -> dict[str, Option]:
+  """Every option some layout (filling `destination`, else any) takes, by name: a command's
+  layout flags.
 
   Raises:
-    TypeError: `sink` is neither None nor a `Destination`.
+    TypeError: `destination` is neither None nor a `Destination`.
   """
-  if sink is not None:
-    _check_kind(sink)
+  if destination is not None:
+    _check_destination(destination)
   return {o.name: o for n in names() for o in get(n).options
-          if sink is None or get(n).sink == sink}
+          if destination is None or get(n).destination is destination}
 
 
-def named(sink: Destination) -> tuple[str, ...]:
-  """The layouts that fill `sink` (a command's choices).
+def named(destination: Destination) -> tuple[str, ...]:
+  """The layouts that fill `destination` (a command's choices).
 
   Raises:
-    TypeError: `sink` is not a `Destination`.
+    TypeError: `destination` is not a `Destination`.
   """
-  _check_kind(sink)
-  return tuple(n for n in names() if get(n).sink == sink)
+  _check_destination(destination)
+  return tuple(n for n in names() if get(n).destination is destination)
+
+
+def find(destination: Destination, family: str) -> Layout:
+  """The layout that writes a Hugging Face family (by name) into `destination`.
+
+  Raises:
+    UnsupportedLayoutError: no such layout (the message names the families it has).
+  """
+  found = [get(n) for n in named(destination) if get(n).family == family]
+  if not found:
+    have = [get(n).family for n in named(destination) if get(n).family is not None]
+    raise errors.UnsupportedLayoutError(
+        f'`model` {family!r}: expected a family the {destination.name} layouts write'
+        f' ({", ".join(have)}).')
+  return found[0]
 
 
 def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
@@ -212,16 +359,15 @@ def check_options(layout: Layout, given: Mapping[str, Any]) -> None:
     given: layout options (`options()`) as the caller passed them.
 
   Raises:
-    InvalidOptionError: one set (not its unset value) that `layout` does not
-      read; the message names the layouts that do.
+    InvalidOptionError: one set (not its default) that `layout` does not read; the message
+      names the layouts that do.
   """
-  for option, known in options(layout.sink).items():
-    value = given.get(option, known.unset)
-    if not layout.takes(option) and value != known.unset:
-      takers = [n for n in named(layout.sink) if get(n).takes(option)]
+  for option, known in options(layout.destination).items():
+    value = given.get(option, known.default)
+    if not layout.takes(option) and value != known.default:
+      takers = [n for n in named(layout.destination) if get(n).takes(option)]
       raise errors.InvalidOptionError(
           f'`{option}` {value!r}: the {layout.name} layout does not take it (only'
           f' {", ".join(takers)} does). Leave `{option}` out, or pass `layout`'
           f' {" or ".join(takers)}.'
       )
-

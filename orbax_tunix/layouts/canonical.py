@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.layouts.base import LaidOut, Layout, Request, register, weights
+from orbax_tunix.layouts.step import STEP
 from orbax_tunix.mapping.outputs import Input, ItemOutput, copied
 from orbax_tunix.reading import reader
 
@@ -63,6 +64,7 @@ LAYOUT = register(Layout(
     name='canonical',
     description='an ordinary Orbax step: each item in the canonical view (weights only: model_params)',
     lay_out=lay_out,
+    destination=STEP,
     # It re-lays what was saved and claims no model: an adapters-only save converts as it is.
     adapters=True,
 ))

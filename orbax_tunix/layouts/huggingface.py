@@ -1,4 +1,5 @@
-"""The Hugging Face layouts: one per family (`mapping/huggingface.py`), each a safetensors folder.
+"""The Hugging Face layouts: one per family (`mapping/huggingface.py`), each a safetensors folder
+(the folder destination: `layouts/folder.py`).
 
 A family's layout lays out the model's weights (merged for a LoRA merge) under
 the family's tensor names and layouts: MaxText's stacked layers taken apart
@@ -7,7 +8,7 @@ cast once after its arithmetic. With `hf_config` it also checks the base
 model's config.json against the weights and names the files the folder gets
 (config, generation config, tokenizer), every one a regular file decided
 before any read. The family is the only thing that differs between them:
-a new family is one value in `mapping/huggingface.py`, registered here by the
+a new family is one value in `mapping/hf_families.py`, registered here by the
 loop at the end.
 """
 
@@ -21,10 +22,9 @@ from collections.abc import Mapping
 
 from etils import epath
 
-from orbax_tunix import conventions, errors
-from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix import errors
+from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.base import (
-  Destination,
   LaidOut,
   Layout,
   Option,
@@ -33,8 +33,11 @@ from orbax_tunix.layouts.base import (
   weights,
 )
 from orbax_tunix.layouts.canonical import rng_note
-from orbax_tunix.mapping import as_trained, huggingface, lora, patterns, stacks
+from orbax_tunix.layouts.folder import FOLDER
+from orbax_tunix.mapping import as_trained, huggingface, lora, stacks
+from orbax_tunix.mapping import hf_config as config_lib
 from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.hf_naming import Family, Naming
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied, read_sliced, relay
 from orbax_tunix.mapping.transforms import per_input
 from orbax_tunix.reading import reader
@@ -43,8 +46,6 @@ from orbax_tunix.store import fileio
 
 # The one item a folder layout lays out: its outputs are the folder's tensors.
 ITEM = 'model'
-# transformers' default `max_shard_size`.
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 # What `hf_config` copies from the base model's folder (never its weights).
 CONFIG_FILES = ('config.json', 'generation_config.json')
 TOKENIZER_FILES = (
@@ -53,7 +54,7 @@ TOKENIZER_FILES = (
 )
 
 
-def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
+def lay_out(family: Family, request: Request) -> LaidOut:
   """The weights of `request.source` as `family`'s tensors, and the folder's other files.
 
   Raises:
@@ -63,71 +64,42 @@ def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
     InvalidOptionError: an `hf_config` that is not a readable model folder.
   """
   source, merged = request.source, request.merge
-  if request.base_only:
+  if request.option(BASE_ONLY):
     found = base_weights(request)
   else:
     if merged is None:
       _refuse_adapters(source)
     found = weights(request)
   where = str(source.step_dir)
-  model, left_out = _model_weights(found)
-  naming = family.naming(model, where)
+  model, left_out = huggingface.model_weights(found)
+  naming = huggingface.naming(family, model, where)
   stored = {p: o.shape for p, o in model.items()}
-  # The layer axis as every layout resolves it: as given, else as the step records it (a
-  # converted step), else the one the shapes tell; refused where it does not fit.
-  axis = naming.form.axis(stored, request.param_scan_axis, where=where,
-                          recorded=stacks.recorded_axis(source.detection.source.custom_metadata))
+  axis = scan_axis(request, naming, stored, where)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = naming.form.unstack(stored, axis, where=where)
-  base_config = _base_config(request.hf_config)
-  per_layer, vocab_notes = huggingface.cut_vocab(
-      naming, per_layer, _config_vocab(base_config), f'{request.hf_config}/config.json')
+  hf_config = request.option(HF_CONFIG)
+  base_config = config_lib.read(hf_config)
+  per_layer, vocab_notes = config_lib.cut_vocab(
+      naming, per_layer, _config_vocab(base_config), f'{hf_config}/config.json')
   shapes = {p: m.shape for p, m in per_layer.items()}
-  mapped = _family_rules(family, naming, shapes, where)
+  mapped = huggingface.map_weights(family, naming, shapes, where)
   staged = {o.path: o for o in relay(model, per_layer)}
   if merged is not None:
     staged.update(_merged_per_layer(merged, model, per_layer, naming, axis))
   # A stacked weight's layers (and a fused weight's parts) are read one by one,
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
-  facts = family.as_trained if naming.source == huggingface.TUNIX_MODEL else ()
-  trained = functools.partial(as_trained.apply, facts, family.name, shapes, naming.layers(shapes),
-                              write=request.config_as_trained)
-  files, notes = _config_files(family, request.hf_config, base_config, shapes,
+  trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes, naming.layers(shapes),
+                              write=request.option(CONFIG_AS_TRAINED))
+  files, notes = _config_files(family, hf_config, base_config, shapes,
                                {o.dtype.name for o in outputs if o.dtype is not None}, trained)
   notes = [*rng_note(source), *left_out, *vocab_notes, *notes,
-           f'weights: {huggingface.describe_source(stored, axis)}']
+           f'weights: {huggingface.describe_weights(stored, axis)}']
   return LaidOut(
       items=(ItemOutput(ITEM, outputs),), notes=tuple(notes), files=files,
       summary={'model': family.name, 'architecture': family.target_of(naming)[0],
-               'config': None if request.hf_config is None
-               else os.fspath(request.hf_config / 'config.json')},
+               'config': None if hf_config is None else os.fspath(hf_config / 'config.json')},
   )
-
-
-def _family_rules(family: huggingface.Family, naming: huggingface.Naming,
-                  shapes: Mapping[Path, tuple[int, ...]], where: str, whole: bool = True
-                  ) -> patterns.PathMap:
-  """The family's rules applied to weights (a full save's whole model, or the adapted weights).
-
-  Raises:
-    UnsupportedLayoutError: the weights are not the family's (a whole model: as a model
-      export refuses it; adapted weights: none of them is one of its modules).
-  """
-  try:
-    mapped = patterns.map_paths(shapes, naming.rules, where=where)
-  except errors.UnsupportedLayoutError as e:
-    raise errors.UnsupportedLayoutError(
-        f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the"
-        f' family the model is (`model`: {", ".join(huggingface.names())}).') from e
-  if whole:
-    huggingface.fits(family, shapes, mapped.unmatched, where)
-  elif shapes and not mapped.outputs:
-    raise errors.UnsupportedLayoutError(
-        f'{where}: none of the adapted weights is a {family.name} module\'s (e.g.'
-        f' {fmt(min(shapes))}). Pick the family the model is (`model`:'
-        f' {", ".join(huggingface.names())}).')
-  return mapped
 
 
 def base_weights(request: Request) -> dict:
@@ -159,14 +131,17 @@ def base_weights(request: Request) -> dict:
   return {path: copied(Input(source, leaf), path, request.dtype) for path, leaf in plain.items()}
 
 
-def _model_weights(found: dict) -> tuple[dict, list[str]]:
-  """The weights without AQT's quantization state (no tensor of the model), and a note."""
-  aqt = [p for p in found if conventions.is_quantization_state(p)]
-  if not aqt:
-    return found, []
-  kept = {p: o for p, o in found.items() if p not in set(aqt)}
-  return kept, [f'left out {len(aqt)} AQT quantization leaves (e.g. {fmt(aqt[0])}): not'
-                ' weights of the model']
+def scan_axis(request: Request, naming: Naming, shapes: Mapping, where: str) -> int:
+  """The layer axis of the weights' stacked layers, as every layout resolves it
+  (`LayerForm.axis`): `param_scan_axis` as given, else as the step records it (a converted
+  step), else the one the shapes tell.
+
+  Raises:
+    InvalidOptionError, LayerScanMismatchError: as `LayerForm.axis`.
+  """
+  recorded = stacks.recorded_axis(request.source.detection.source.custom_metadata)
+  return naming.form.axis(shapes, request.option(PARAM_SCAN_AXIS), where=where,
+                          recorded=recorded)
 
 
 def _merged_per_layer(merged, model, per_layer, naming, axis: int) -> dict:
@@ -231,34 +206,8 @@ def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
   )
 
 
-def _base_config(hf_config: epath.Path | None,
-                 option: str = huggingface.CONFIG_OPTION) -> object:
-  """The base model folder's config.json, parsed (read once per export); None without one.
-
-  Args:
-    hf_config: the folder (`hf_config`, or a PEFT adapter's `base_model`).
-    option: the option that gave it, for messages.
-
-  Raises:
-    InvalidOptionError: not a folder holding a config.json file, or one that does not parse.
-  """
-  if hf_config is None:
-    return None
-  config = hf_config / 'config.json'
-  where, found = ((config, fileio.what_is_at(config)) if hf_config.is_dir()
-                  else (hf_config, fileio.what_is_at(hf_config)))
-  if found != 'a file' or where != config:
-    raise errors.InvalidOptionError(
-        f'{where}: `{option}` must be a Hugging Face model folder holding config.json (a'
-        f' file), or that config.json, found {found}. Pass the base model\'s folder.'
-    )
-  return fileio.read_json(config, 'a Hugging Face config.json',
-                          f'Fix the file, or pass as `{option}` the folder of the model this'
-                          ' run was trained from.')
-
-
 def _config_files(
-    family: huggingface.Family, hf_config: epath.Path | None, values: object, shapes,
+    family: Family, hf_config: epath.Path | None, values: object, shapes,
     dtypes: set[str], trained,
 ) -> tuple[tuple[tuple[str, epath.Path | str], ...], list[str]]:
   """The folder's other files: the base model's config (`values`, as `_base_config` read it;
@@ -281,7 +230,7 @@ def _config_files(
         *trained(None)[1],
     ]
   config = hf_config / 'config.json'
-  checked = huggingface.check_config(family, values, shapes, str(config))
+  checked = config_lib.check_config(family, values, shapes, str(config))
   checked = _with_dtype(checked, dtypes)
   written, trained_notes = trained(dict(checked.values))
   files: list[tuple[str, epath.Path | str]] = [
@@ -302,7 +251,7 @@ def _config_files(
 _DTYPE_FIELDS = ('torch_dtype', 'dtype')
 
 
-def _with_dtype(checked: huggingface.Config, dtypes: set[str]) -> huggingface.Config:
+def _with_dtype(checked: config_lib.Config, dtypes: set[str]) -> config_lib.Config:
   """The config with the dtype it names set to the one the export writes, when they differ
   (a loader's `dtype='auto'` takes the config's: float32 weights would be loaded as bfloat16)."""
   if len(dtypes) != 1:
@@ -321,7 +270,7 @@ def _with_dtype(checked: huggingface.Config, dtypes: set[str]) -> huggingface.Co
     values['text_config'] = texts[1]
   note = ('config.json: ' + ', '.join(f'{f}={written!r} (the base config has {old!r})'
                                       for _, f, old in changed) + ': the dtype the weights are')
-  return huggingface.Config(values, (*checked.notes, note))
+  return config_lib.Config(values, (*checked.notes, note))
 
 
 def _copyable(path: epath.Path) -> tuple[bool, str | None]:
@@ -368,7 +317,7 @@ HF_CONFIG = Option(
     'hf_config', _hf_folder, 'DIR',
     "the base model's Hugging Face folder (or its config.json): its config.json (checked"
     ' against the weights), generation_config.json and tokenizer files are copied; without it'
-    ' the export has no config.json', coerce=_hf_folder)
+    ' the export has no config.json', coerce=_hf_folder, folder=True)
 MAX_SHARD_SIZE = Option(
     'max_shard_size', parse_size_text, 'SIZE',
     "bytes per file, e.g. 500MB or 5GB (powers of 1000, as transformers' max_shard_size;"
@@ -396,7 +345,8 @@ for _family in map(huggingface.get, huggingface.names()):
       description=f'a Hugging Face safetensors folder of {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
       options=(PARAM_SCAN_AXIS, MAX_SHARD_SIZE, HF_CONFIG, BASE_ONLY, CONFIG_AS_TRAINED),
-      sink=Destination.FOLDER,
+      destination=FOLDER,
       weights_only=True,
       adapters=True,  # `lay_out` refuses them unmerged itself, saying what to do.
+      family=_family.name,
   ))

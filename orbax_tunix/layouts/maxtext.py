@@ -24,6 +24,7 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, register
 from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
+from orbax_tunix.layouts.step import STEP
 from orbax_tunix.mapping import huggingface, lora, patterns, stacks
 from orbax_tunix.mapping import outputs as outputs_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
@@ -71,7 +72,8 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
     LayerScanMismatchError: the stored layers are not one decoder (a weight
       with another layer count or shape), or the axis does not fit them.
   """
-  given, scan, where = request.param_scan_axis, request.scan_layers, str(request.source.step_dir)
+  given, scan = request.option(PARAM_SCAN_AXIS), request.option(SCAN_LAYERS)
+  where = str(request.source.step_dir)
   stacks.check_axis(given)
   have = huggingface.layer_form(shapes)
   if have is None and scan is not None:
@@ -249,5 +251,6 @@ LAYOUT = register(Layout(
     description="MaxText's own step: item 'items', params/params/<weights> and, unless"
                 ' weights only, opt_state as its adamw chain and step',
     lay_out=lay_out,
+    destination=STEP,
     options=(SCAN_LAYERS, PARAM_SCAN_AXIS),
 ))

@@ -4,36 +4,54 @@ A family's adapter layout writes `adapter_model.safetensors` (PEFT's names:
 `base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight`
 (out, r)) and `adapter_config.json`, from the adapter arrays alone (the base
 weights are never read, and need not be saved). Each adapted weight's Hugging
-Face modules are the family's own rules (`mapping/huggingface.py`) applied to
+Face modules are the family's own naming's rules (`mapping/huggingface.py`) applied to
 it; how `a` and `b` become each module's `lora_A` and `lora_B` is that rule's
 transform applied to the weight's positions (`mapping/peft.py`), and where a
 save without the weight cannot say how qwix arranged `a ⊗ b`, the family's
 `lora` data says it. Whatever an adapter cannot express (a weight with no
 Hugging Face module, MoE experts held as bare parameters, a module whose
 weight is not `B·A`) is refused, every one named, before anything is read.
+
+Its destination (`ADAPTER`, chosen by `export --peft`) is a folder of one
+`adapter_model.safetensors` (vLLM reads no other name, and no index), written as the folder
+destination writes its files (`layouts/folder.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.layouts import folder
 from orbax_tunix.layouts import huggingface as hf_layouts
-from orbax_tunix.layouts.base import Destination, LaidOut, Layout, Option, Request, register
-from orbax_tunix.mapping import huggingface, lora, patterns, peft, stacks
+from orbax_tunix.layouts.base import (
+  Destination,
+  LaidOut,
+  Layout,
+  Option,
+  Request,
+  Switch,
+  register,
+)
+from orbax_tunix.mapping import hf_config as config_lib
+from orbax_tunix.mapping import huggingface, lora, patterns, peft
 from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping.hf_naming import Family, Naming
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
 from orbax_tunix.reading import reader
 from orbax_tunix.store import fileio
+from orbax_tunix.writing import commit, writer
 
 SUFFIX = '.peft'
 
@@ -43,7 +61,7 @@ def layout_name(family: str) -> str:
   return family + SUFFIX
 
 
-def _arrangement(naming: huggingface.Naming, weight: Path, adapter: lora.Adapter,
+def _arrangement(naming: Naming, weight: Path, adapter: lora.Adapter,
                  leaves: Mapping[Path, reader.LeafInfo], base: Mapping[Path, reader.LeafInfo],
                  told: Mapping[Path, tuple[int, ...]]) -> lora.Contraction | str:
   """How `a ⊗ b` makes the weight: from the weight's shape where the save holds it or the
@@ -83,7 +101,7 @@ def _config_fix(shape: tuple[int, ...], fields: tuple[str, ...], rows: int, colu
   return sorted(set(fixes))
 
 
-def _told_shape(naming: huggingface.Naming, weight: Path, a: tuple[int, ...],
+def _told_shape(naming: Naming, weight: Path, a: tuple[int, ...],
                 b: tuple[int, ...], text: Mapping[str, object], axis: int, where: str
                 ) -> tuple[int, ...] | str | None:
   """The stored shape the config's fields (`text`, the text model's) give the weight at
@@ -128,7 +146,7 @@ def _base_folder(base_model: str | None) -> tuple[epath.Path, object] | None:
   if base_model is None:
     return None
   folder = fileio.as_path(base_model)
-  return (folder, hf_layouts._base_config(folder, BASE_MODEL.name)) if folder.is_dir() else None
+  return (folder, config_lib.read(folder, BASE_MODEL.name)) if folder.is_dir() else None
 
 
 def _text_config(base_folder: tuple[epath.Path, object] | None) -> Mapping[str, object] | None:
@@ -140,7 +158,7 @@ def _text_config(base_folder: tuple[epath.Path, object] | None) -> Mapping[str, 
   return text if isinstance(text, dict) else None
 
 
-def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
+def _told_shapes(family: Family, naming: Naming,
                  adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
                  base_folder: tuple[epath.Path, object] | None, axis: int, where: str
                  ) -> dict[Path, tuple[int, ...]]:
@@ -169,7 +187,7 @@ def _told_shapes(family: huggingface.Family, naming: huggingface.Naming,
   return told
 
 
-def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: Path, name: str
+def _not_a_module(family: Family, naming: Naming, path: Path, name: str
                   ) -> str | None:
   """Why the Hugging Face tensor `name` made from the weight at `path` is no module PEFT
   adapts as a linear layer, or None."""
@@ -183,7 +201,7 @@ def _not_a_module(family: huggingface.Family, naming: huggingface.Naming, path: 
   return None
 
 
-def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
+def _names_for_base(family: Family, naming: Naming,
                     base_model: str | None, base_folder: tuple[epath.Path, object] | None,
                     shapes: Mapping[Path, tuple[int, ...]], full: bool, where: str
                     ) -> tuple[Callable[[str], str], list[str]]:
@@ -191,7 +209,7 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
 
   A `base_model` folder's config.json is checked against the weights as a model export
   checks it; a save of adapters alone by the same rules, for what its adapters tell: every
-  size of every adapted weight (`huggingface.check_sizes`), a layer count that holds them,
+  size of every adapted weight (`hf_config.check_sizes`), a layer count that holds them,
   and an lm_head of its own (an adapted lm_head: a tied base is refused, as for the full
   save). A multimodal class (Gemma3ForConditionalGeneration) holds the text model's modules
   deeper (`Family.text_prefixes`). A Hub name is not checked.
@@ -213,11 +231,11 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
   # the embedding, unless they adapt an lm_head of its own (the model then has one).
   untold = () if full else ('num_hidden_layers',) + (
       () if naming.tied is not None and not naming.tied(shapes) else ('tie_word_embeddings',))
-  huggingface.check_config(family, values, shapes, config, skip=untold, option=BASE_MODEL.name)
+  config_lib.check_config(family, values, shapes, config, skip=untold, option=BASE_MODEL.name)
   text = _text_config(base_folder) or {}
   layers = [int(i) for i in naming.layers(shapes)]
   count = text.get('num_hidden_layers')
-  wrong = [] if full else huggingface.check_sizes(naming, shapes, text)
+  wrong = [] if full else config_lib.check_sizes(naming, shapes, text)
   if not full and isinstance(count, int) and layers and max(layers) >= count:
     wrong.append(f'num_hidden_layers: config.json has {count}, the adapters are on layer'
                  f' {max(layers)}')
@@ -237,129 +255,54 @@ def _names_for_base(family: huggingface.Family, naming: huggingface.Naming,
       f' holds them ({want}...)']
 
 
-def lay_out(family: huggingface.Family, request: Request) -> LaidOut:
-  """A LoRA run's adapters as `family`'s PEFT adapter: the tensors and adapter_config.json.
+def _adapters(request: Request, where: str
+              ) -> tuple[dict[Path, reader.LeafInfo], list[str], dict[Path, lora.Adapter],
+                         merge_lib.MergeOptions, dict[Path, float]]:
+  """The save's weights (no AQT state; notes of what was left out), their adapters, the
+  scaling the caller gave and each adapter's scale.
 
   Raises:
-    LoraError: no adapters; a merge asked for; no alpha or scale for qwix
-      adapters, or one for flax's alone (which have none); adapters no PEFT adapter
-      expresses (each named).
-    UnsupportedLayoutError: adapted weights that are not the family's.
+    LoraError: a merge asked for; no adapters; no alpha or scale for qwix adapters, or one
+      for flax's alone (which have none).
   """
-  source = request.source
-  where = str(source.step_dir)
   if request.merge is not None:
     raise errors.LoraError(
         f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
         ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
-  scaling = request.adapter_scaling or merge_lib.Options()
-  leaves, left_out, adapters, scales = _adapters(source, scaling)
-  naming = family.naming(list(leaves), where)
-  base = merge_lib.plain_weights(leaves, adapters)
-  # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
-  # refused where it does not fit, or where nothing is stacked), from the model's weights (a
-  # save of adapters alone: the adapters, stacked as their weights are).
-  axis = naming.form.axis({p: leaf.shape for p, leaf in (base or leaves).items()},
-                          request.param_scan_axis, where=where,
-                          recorded=stacks.recorded_axis(source.detection.source.custom_metadata))
-  if base:  # A full save: the family must take the whole model, as a model export checks.
-    model_shapes = {p: m.shape for p, m in naming.form.unstack(
-        {p: leaf.shape for p, leaf in base.items()}, axis, where=where).items()}
-    hf_layouts._family_rules(family, naming, model_shapes, where)
-  base_folder = _base_folder(request.base_model)
-  text = _text_config(base_folder)
-  told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
-  found = {w: _arrangement(naming, w, a, leaves, base, told)
-           for w, a in sorted(adapters.items())}
-  problems = [f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)]
-  arranged = {w: f for w, f in found.items() if not isinstance(f, str)}
-  per_layer = naming.form.unstack({w: c.weight for w, c in arranged.items()}, axis,
-                                  where=where)
-  layer_shapes = {p: m.shape for p, m in per_layer.items()}
-  mapped = _adapted_rules(family, naming, layer_shapes, bool(base), request.base_model, where)
-  rename, config_notes = _names_for_base(
-      family, naming, request.base_model, base_folder,
-      model_shapes if base else layer_shapes, bool(base), where)
-  problems += [f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
-               for p in mapped.unmatched]
-  # Which weights the model has, for notes that hold in some layers only: a full save's own,
-  # else as far as the base model's config says.
-  has = ((lambda p: p in model_shapes) if base else
-         None if text is None else functools.partial(naming.has, config=text))
-  planned, said = _modules(family, naming, mapped.outputs, per_layer, arranged,
-                           {w: (adapters[w], leaves, scales[w]) for w in adapters}, rename, has,
-                           problems)
-  modules = {module: (adapter.rank, scale) for module, (_, adapter, scale) in planned.items()}
-  if problems:
-    raise errors.LoraError(
-        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
-        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
-        ' than the run trained. Export the weights with the adapters merged instead:'
-        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
-  one = peft.Scaling.of(modules, scaling.alpha)
-  outputs = _tensors(source, leaves, planned, one, request.dtype)
-  config = peft.config(modules, one, request.base_model)
-  # What whoever serves the adapter should know: said here and in the folder's README.md.
-  readme = [*_scaling_notes(modules, one), *filter(None, [_qlora_note(adapters, base)])]
-  notes = [
-      *left_out,
-      *config_notes,
-      *(note.format(module=', '.join(names)) for note, names in said.items()),
-      *readme,
-      *_read_notes(config, len(arranged), adapters, leaves, request.base_model),
-  ]
-  return LaidOut(
-      items=(ItemOutput(hf_layouts.ITEM, tuple(outputs)),), notes=tuple(notes),
-      files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),
-             *((peft.README_FILE, peft.readme(readme)),) * bool(readme)),
-      summary={'model': family.name, 'architecture': family.target_of(naming)[0],
-               'config': None,
-               'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
-                           'target_modules': config['target_modules'],
-                           'modules': len(modules)}},
-  )
-
-
-def _adapters(source: reader.CanonicalCheckpoint, scaling: merge_lib.Options) -> tuple:
-  """(the save's weights, notes of what is left out, its adapters, each adapted weight's
-  scale), the scaling checked as a merge checks it.
-
-  Raises:
-    LoraError: no adapters; no alpha or scale for qwix adapters, or one for flax's alone.
-  """
+  scaling = request.option(ADAPTER_SCALING) or merge_lib.MergeOptions()
   lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
-  leaves, left_out = hf_layouts._model_weights({p: leaf for leaf, p in reader.weights(source)})
+  leaves, left_out = huggingface.model_weights(
+      {p: leaf for leaf, p in reader.weights(request.source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
   if not adapters:
     raise errors.LoraError(
-        f'{source.step_dir}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or'
-        ' lora_a/lora_b from flax), found none among its weights: the run is no LoRA run.'
-        ' Export its weights as a model instead (export_to_hf, not `export_peft_adapter`).')
+        f'{where}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix, or lora_a/lora_b'
+        ' from flax), found none among its weights: the run is no LoRA run. Export its'
+        ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
   # The merge's rules (`plan_merge`): flax's adapters have no alpha (an alpha or scale given
   # for them would be served, by PEFT's lora_alpha / r, where the run added a·b unscaled).
   lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
   scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
             for w, a in adapters.items()}
-  return leaves, left_out, adapters, scales
+  return leaves, left_out, adapters, scaling, scales
 
 
-def _adapted_rules(family: huggingface.Family, naming: huggingface.Naming,
-                   shapes: Mapping[Path, tuple[int, ...]], full: bool, base_model: str | None,
-                   where: str) -> patterns.PathMap:
-  """The family's rules applied to the adapted weights (`shapes`: per layer).
+def _mapped(family: Family, naming: Naming, shapes: Mapping[Path, tuple[int, ...]],
+            full: bool, base_model: str | None, where: str) -> patterns.PathMap:
+  """The family's rules applied to the adapted weights (per layer).
 
   Raises:
-    UnsupportedLayoutError: none is one of the family's modules (a full save).
-    LoraError: so, for a save of adapters alone (their shapes may not tell the weights').
+    UnsupportedLayoutError: a full save's weights that are none of the family's modules.
+    LoraError: the same for a save of adapters alone, saying where their shapes come from.
   """
   try:
-    return hf_layouts._family_rules(family, naming, shapes, where, whole=False)
+    return huggingface.map_weights(family, naming, shapes, where, whole=False)
   except errors.UnsupportedLayoutError as e:
     if full:
       raise
     given = '' if base_model is None else (
-        f' (`base_model` {base_model} is no folder here, or its config does not give their'
-        ' shapes)')
+        f' (`base_model` {base_model} is no folder here, or its config does not'
+        ' give their shapes)')
     raise errors.LoraError(
         f'{e}\nThe save holds the adapters alone, and their shapes do not tell these weights\''
         ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
@@ -368,73 +311,156 @@ def _adapted_rules(family: huggingface.Family, naming: huggingface.Naming,
         ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
 
 
-def _modules(family: huggingface.Family, naming: huggingface.Naming,
-             mapped: Mapping[Path, patterns.Mapped], per_layer: Mapping[Path, patterns.Mapped],
-             arranged: Mapping[Path, lora.Contraction],
-             adapted: Mapping[Path, tuple[lora.Adapter, Mapping, float]],
-             rename: Callable[[str], str], has, problems: list[str]
-             ) -> tuple[dict[str, tuple], dict[str, list[str]]]:
-  """Each Hugging Face module an adapted weight makes: its factors, adapter and scale; and
-  the family's notes on them (note -> modules). What no PEFT module expresses is appended to
-  `problems`, named.
+@dataclasses.dataclass
+class _Modules:
+  """The PEFT modules made so far (`_modules`).
 
-  Args:
-    adapted: weight -> (its adapter, the save's leaves, its scale).
+  Attributes:
+    planned: module -> its factors and the adapter they come from.
+    ranks: module -> (its rank, its trained scale).
+    said: a note -> the modules it holds for.
+    problems: what cannot be written, one line each.
   """
-  planned: dict[str, tuple[peft.Factors, lora.Adapter, float]] = {}
-  said: dict[str, list[str]] = {}
-  for dest, m in sorted(mapped.items()):
+
+  planned: dict[str, tuple[peft.Factors, lora.Adapter]] = dataclasses.field(default_factory=dict)
+  ranks: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+  said: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  problems: list[str] = dataclasses.field(default_factory=list)
+
+
+def _modules(family: Family, naming: Naming, mapped: patterns.PathMap, per_layer: Mapping,
+             arranged: Mapping[Path, lora.Contraction], adapters: Mapping[Path, lora.Adapter],
+             leaves: Mapping[Path, reader.LeafInfo], scales: Mapping[Path, float],
+             rename: Callable[[str], str], has: Callable[[Path], bool] | None) -> _Modules:
+  """Each Hugging Face module the adapted weights make: its `lora_A`/`lora_B` factors, its
+  rank and scale, the notes that hold for it; or why it cannot be one."""
+  out = _Modules()
+  for dest, m in sorted(mapped.outputs.items()):
     (layer_path,) = m.sources
     layer = per_layer[layer_path]
     (weight,) = layer.sources
-    adapter, leaves, scale = adapted[weight]
+    adapter = adapters[weight]
     name = dest[0]
     factors = _not_a_module(family, naming, layer_path, name) or peft.Factors.of(
         arranged[weight], chain(layer.transform, m.transform), leaves[adapter.a].shape,
         leaves[adapter.b].shape)
     if isinstance(factors, str):
-      problems.append(f'{fmt(weight)} -> {name}: {factors}')
+      out.problems.append(f'{fmt(weight)} -> {name}: {factors}')
       continue
     module = rename(name[:-len(peft.WEIGHT)])
-    planned[module] = (factors, adapter, scale)
+    out.planned[module] = (factors, adapter)
+    out.ranks[module] = (adapter.rank, scales[weight])
     note = naming.lora_weight(layer_path).note_for(naming.layer_number(layer_path), has)
     if note:
-      said.setdefault(note, []).append(module)
-  return planned, said
+      out.said.setdefault(note, []).append(module)
+  return out
 
 
-def _tensors(source: reader.CanonicalCheckpoint, leaves: Mapping[Path, reader.LeafInfo],
-             planned: Mapping[str, tuple], one: peft.Scaling, dtype) -> list[Output]:
-  """Each module's `lora_A` and `lora_B`, from its adapter's `a` and `b` alone."""
+def _outputs(made: _Modules, one: peft.Scaling, leaves: Mapping[Path, reader.LeafInfo],
+             request: Request) -> list[Output]:
+  """Each module's `lora_A` and `lora_B` tensors, from its adapter's arrays alone."""
   outputs: list[Output] = []
-  for module, (factors, adapter, _) in planned.items():
+  for module, (factors, adapter) in made.planned.items():
     a_leaf, b_leaf = leaves[adapter.a], leaves[adapter.b]
     a_name, b_name = peft.tensor_names(module)
     a_transform = peft.lora_a(factors, adapter.rank, one.r)
     b_transform = peft.lora_b(factors, adapter.rank, one.r, one.folds[module])
     outputs += [
-        Output((a_name,), (Input(source, a_leaf),), a_transform,
-               a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, dtype)),
-        Output((b_name,), (Input(source, b_leaf),), b_transform,
-               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, dtype),
+        Output((a_name,), (Input(request.source, a_leaf),), a_transform,
+               a_transform.check([a_leaf.shape]), reader.cast_dtype(a_leaf, request.dtype)),
+        Output((b_name,), (Input(request.source, b_leaf),), b_transform,
+               b_transform.check([b_leaf.shape]), reader.cast_dtype(b_leaf, request.dtype),
                # Scaled: read as stored, the product in float32, one cast after it.
                read_dtypes=None if b_transform.moves_only else (b_leaf.dtype,)),
     ]
   return outputs
 
 
-def _read_notes(config: Mapping, weights: int, adapters: Mapping[Path, lora.Adapter],
-                leaves: Mapping[Path, reader.LeafInfo], base_model: str | None) -> list[str]:
-  """What the adapter holds and what was read, and where its config names no base model."""
-  kinds = sorted({m.rsplit('.', 1)[-1] for m in config['target_modules']})
+def lay_out(family: Family, request: Request) -> LaidOut:
+  """A LoRA run's adapters as `family`'s PEFT adapter: the tensors and adapter_config.json.
+
+  Raises:
+    LoraError: no adapters; a merge asked for; no alpha or scale for qwix
+      adapters, or one for flax's alone (which have none); adapters no PEFT adapter
+      expresses (each named).
+    UnsupportedLayoutError: adapted weights that are not the family's.
+  """
+  where = str(request.source.step_dir)
+  leaves, left_out, adapters, scaling, scales = _adapters(request, where)
+  naming = huggingface.naming(family, list(leaves), where)
+  base = merge_lib.plain_weights(leaves, adapters)
+  # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
+  # refused where it does not fit, or where nothing is stacked), from the model's weights (a
+  # save of adapters alone: the adapters, stacked as their weights are).
+  axis = hf_layouts.scan_axis(
+      request, naming, {p: leaf.shape for p, leaf in (base or leaves).items()}, where)
+  if base:  # A full save: the family must take the whole model, as a model export checks.
+    model_shapes = {p: m.shape for p, m in naming.form.unstack(
+        {p: leaf.shape for p, leaf in base.items()}, axis, where=where).items()}
+    huggingface.map_weights(family, naming, model_shapes, where)
+  base_model = request.option(BASE_MODEL)
+  base_folder = _base_folder(base_model)
+  text = _text_config(base_folder)
+  told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
+  found = {w: _arrangement(naming, w, a, leaves, base, told)
+           for w, a in sorted(adapters.items())}
+  arranged = {w: f for w, f in found.items() if not isinstance(f, str)}
+  per_layer = naming.form.unstack({w: c.weight for w, c in arranged.items()}, axis,
+                                  where=where)
+  layer_shapes = {p: m.shape for p, m in per_layer.items()}
+  mapped = _mapped(family, naming, layer_shapes, bool(base), base_model, where)
+  rename, config_notes = _names_for_base(
+      family, naming, base_model, base_folder,
+      model_shapes if base else layer_shapes, bool(base), where)
+  # Which weights the model has, for notes that hold in some layers only: a full save's own,
+  # else as far as the base model's config says.
+  has = ((lambda p: p in model_shapes) if base else
+         None if text is None else functools.partial(naming.has, config=text))
+  made = _modules(family, naming, mapped, per_layer, arranged, adapters, leaves, scales, rename,
+                  has)
+  problems = [*(f'{fmt(w)}: {f}' for w, f in found.items() if isinstance(f, str)),
+              *(f'{fmt(p)}: no {family.name} module (no Hugging Face tensor is made from it)'
+                for p in mapped.unmatched), *made.problems]
+  if problems:
+    raise errors.LoraError(
+        f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
+        f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
+        ' than the run trained. Export the weights with the adapters merged instead:'
+        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
+  one = peft.Scaling.of(made.ranks, scaling.alpha)
+  config = peft.config(made.ranks, one, base_model)
+  # What whoever serves the adapter should know: said here and in the folder's README.md.
+  readme = [*_scaling_notes(made.ranks, one), *filter(None, [_qlora_note(adapters, base)])]
+  notes = [*left_out, *config_notes,
+           *(note.format(module=', '.join(names)) for note, names in made.said.items()),
+           *readme, *_summary_notes(config, made, arranged, adapters, leaves, base_model)]
+  return LaidOut(
+      items=(ItemOutput(hf_layouts.ITEM, tuple(_outputs(made, one, leaves, request))),),
+      notes=tuple(notes),
+      files=((peft.CONFIG_FILE, json.dumps(config, indent=2) + '\n'),
+             *((peft.README_FILE, peft.readme(readme)),) * bool(readme)),
+      summary={'model': family.name, 'architecture': family.target_of(naming)[0],
+               'config': None,
+               'adapter': {'r': config['r'], 'lora_alpha': config['lora_alpha'],
+                           'target_modules': config['target_modules'],
+                           'modules': len(made.ranks)}},
+  )
+
+
+def _summary_notes(config: Mapping[str, Any], made: _Modules,
+                   arranged: Mapping[Path, lora.Contraction],
+                   adapters: Mapping[Path, lora.Adapter], leaves: Mapping[Path, reader.LeafInfo],
+                   base_model: str | None) -> list[str]:
+  """What the adapter holds and what was read; the weights' kind; a missing base model."""
+  kinds = sorted({m.rsplit('.', 1)[-1] for m in made.ranks})
   notes = [
-      f'adapters of {weights} weights as {len(config["target_modules"])} PEFT modules'
+      f'adapters of {len(arranged)} weights as {len(made.ranks)} PEFT modules'
       f' ({", ".join(kinds)}; r={config["r"]}, lora_alpha={config["lora_alpha"]};'
       ' target_modules names each module in full: PEFT adapts those alone); read:'
       f' {2 * len(adapters)} adapter arrays,'
       f' {sum(leaves[x].nbytes for a in adapters.values() for x in (a.a, a.b))} bytes, no'
       ' base weight',
-      f'weights: {huggingface.describe_source({p: leaf.shape for p, leaf in leaves.items()})}',
+      f'weights: {huggingface.describe_weights({p: leaf.shape for p, leaf in leaves.items()})}',
   ]
   if base_model is None:
     notes.append('no base_model_name_or_path in adapter_config.json: pass the base model'
@@ -486,18 +512,20 @@ def _not_text(text: str) -> None:
   raise ValueError(f'{text!r}: no flag gives the scaling as one text')
 
 
-def _scaling(value: object) -> merge_lib.Options:
-  """The scaling as a merge's options spell it (`merge.Options`), without a base."""
-  if isinstance(value, merge_lib.Options) and value.base is None:
+def _scaling(value: object) -> merge_lib.MergeOptions:
+  """The scaling as a merge's options spell it (`merge.MergeOptions`), without a base."""
+  if isinstance(value, merge_lib.MergeOptions) and value.base is None:
     return value
   raise errors.InvalidOptionError(
-      f'`adapter_scaling` {value!r}: expected `merge.Options(alpha, scale)` without a `base`'
+      f'`adapter_scaling` {value!r}: expected `merge.MergeOptions(alpha, scale)` without a `base`'
       ' (pass `alpha` or `scale` to `export_peft_adapter`).')
 
 
 # qwix's LoRA alpha (PEFT's `lora_alpha`), or the scale itself (alpha / rank).
+# On the command line: --lora-alpha or --lora-scale (the merge's flags).
 ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
-                         coerce=_scaling)
+                         coerce=_scaling, flags=('lora_alpha', 'lora_scale'),
+                         combine=lambda alpha, scale: merge_lib.MergeOptions(alpha, scale))
 # A Hugging Face Hub repository id as huggingface_hub validates one: `name` or `org/name`, of
 # letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', without
 # '--' or '..', at most 96 characters.
@@ -535,8 +563,56 @@ def _name_or_path(value: object) -> str:
 
 
 BASE_MODEL = Option('base_model', str, 'NAME_OR_PATH',
-                    "the base model, as adapter_config.json's base_model_name_or_path names it",
-                    coerce=_name_or_path)
+                    "the base model (a Hub name or a folder), the adapter config's"
+                    ' base_model_name_or_path', coerce=_name_or_path,
+                    alone='it names the base model of a PEFT adapter; add --peft (with'
+                          ' --lora-alpha)')
+
+# An exported PEFT adapter (what `force` may replace): its tensors, whose header records
+# the files the export wrote (the tensors and adapter_config.json), as a model export's do.
+ADAPTER_EXPORT = commit.Kind(
+    'a PEFT adapter export', (peft.ADAPTER_FILE,),
+    record=lambda path: writer.recorded_files(path, peft.ADAPTER_FILE), commit_file=None,
+    in_place=False,
+)
+
+
+def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
+                  ) -> tuple[list[ItemOutput], list[writer.Shard]]:
+  """The adapter's tensors in write order, all in the one file vLLM reads
+  (`adapter_model.safetensors`: it reads no other name, and no index)."""
+  del given
+  (item,) = items
+  outputs = tuple(writer.in_write_order(item.outputs))
+  return [dataclasses.replace(item, outputs=outputs)], [writer.Shard(
+      peft.ADAPTER_FILE, tuple((o.path[0], o.dtype.name, tuple(o.shape)) for o in outputs))]
+
+
+# `export --peft`: the model export's flags that an adapter export does not take, and why.
+PEFT = Switch(
+    Option('peft', bool, '', "export a LoRA run's adapters as a PEFT adapter folder"
+           ' (adapter_config.json, adapter_model.safetensors), with --lora-alpha or'
+           ' --lora-scale; reads the adapters only (a save with or without its base)',
+           switch=True),
+    refuses={
+        'merge_lora': 'the adapter holds the adapters unmerged; --merge-lora writes a model',
+        'base': 'the adapter is read from SRC alone (--base is the base weights of a merge)',
+        'hf_config': 'an adapter folder holds no config.json or tokenizer of the model',
+        'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
+        'base_only': 'the adapter holds the adapters; --base-only writes the base model',
+        'config_as_trained': 'an adapter folder holds no config.json of the model',
+        **dict.fromkeys(('base_qtype', 'base_tile_size', 'base_calibration'),
+                        'it says how a merge\'s --base was quantized (the adapter is read from'
+                        ' SRC alone)'),
+    },
+    instead='export a model without --peft',
+)
+ADAPTER = Destination(
+    name='adapter', kind=ADAPTER_EXPORT, unit='tensor', run='export',
+    doing='exporting the adapter to', shard=_adapter_file, share=folder.share,
+    write=folder.write, entries=folder.entries, dtype=folder.hf_dtype, command='export',
+    switch=PEFT, merges=False,
+)
 
 for _family in map(huggingface.get, huggingface.names()):
   register(Layout(
@@ -544,7 +620,8 @@ for _family in map(huggingface.get, huggingface.names()):
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
       options=(hf_layouts.PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
-      sink=Destination.ADAPTER,
+      destination=ADAPTER,
       weights_only=True,
       adapters=True,
+      family=_family.name,
   ))

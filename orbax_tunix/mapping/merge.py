@@ -182,7 +182,7 @@ def checkpoints_read(
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class MergeOptions:
   """A LoRA merge's options as one value, checked once (`given`): the one spelling
   every caller carries them in, from its own keywords down to `plan_merge`.
 
@@ -210,7 +210,7 @@ class Options:
             base: epath.PathLike | None = None, base_qtype: str | None = None,
             base_tile_size: int | None = None, base_calibration: str | None = None,
             names: tuple[str, ...] = ('lora_alpha', 'lora_scale', 'base', 'base_qtype',
-                                      'base_tile_size', 'base_calibration')) -> Options | None:
+                                      'base_tile_size', 'base_calibration')) -> MergeOptions | None:
     """The options of a merge, or None without one; nothing is read.
 
     Args:
@@ -288,7 +288,7 @@ def _recipe(base: Any, qtype: str | None, tile_size: int | None, calibration: st
 
 
 def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.CanonicalCheckpoint,
-                     merges: Mapping[Path, Merge], options: Options, adapters_only: bool
+                     merges: Mapping[Path, Merge], options: MergeOptions, adapters_only: bool
                      ) -> list[str]:
   """What a merge says of quantized bases: stored (and dequantized), re-quantized, or unknown."""
   stored: dict[str, list[Path]] = {}
@@ -317,62 +317,12 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
   return notes
 
 
-def plan_merge(
-    path: epath.PathLike | reader.CanonicalCheckpoint,
-    options: Options = Options(),
-    *,
-    step: int | None = None,
-    base_step: int | None = None,
-) -> MergePlan:
-  """Plans a merge from metadata only; nothing is read.
-
-  Args:
-    path: the LoRA run's checkpoint (a root, step or model item, or the
-      checkpoint already opened): a full save (base weights beside the
-      adapters) or adapters only.
-    options: the merge's `Options` (qwix's alpha is not stored in checkpoints: `alpha`
-      or `scale` must be given for qwix adapters; `base` may be a Tunix save, a
-      MaxText `items` step, or any Orbax checkpoint of canonical weights).
-    step: the step under `path` (None: the latest committed).
-    base_step: the step under `options.base`.
-
-  Returns:
-    A `MergePlan`.
-
-  Raises:
-    LoraError: no adapters; adapters without their pair or base weight; a
-      base whose metadata records these adapters merged into it already;
-      ranks or shapes that the contraction cannot reproduce; no alpha; an
-      alpha or scale that is not a finite number, or whose scale float32
-      cannot hold; an alpha or scale for flax adapters, which have none
-      (before anything is read).
-    TunixCheckpointError subclasses: a checkpoint is not readable.
-  """
-  alpha, scale, base, names = options.alpha, options.scale, options.base, options.names
-  lora.check_scaling(alpha, scale, names)
-  lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
-               else reader.open_weights(path, step))
-  lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
-  adapters = lora.find_adapters({p: leaf.shape for p, leaf in lora_weights.items()})
-  if not adapters:
-    raise errors.LoraError(
-        f'{lora_ckpt.step_dir}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix,'
-        ' or lora_a/lora_b from flax), found none among its weights. Restore it'
-        ' without merging.'
-    )
-  lora.check_scaling_applies(adapters, alpha, scale, names)
-  saved_quantized = sorted(p for p in adapters if getattr(lora_weights.get(p), 'quantized', None))
-  if saved_quantized and base is not None:
-    how = lora_weights[saved_quantized[0]].quantized.describe()
-    raise errors.LoraError(
-        f'{lora_ckpt.step_dir}: a QLoRA save: it holds the base weights its adapters were'
-        f' trained on, quantized ({how}: {len(saved_quantized)} adapted weights, e.g.'
-        f' {fmt(saved_quantized[0])}); merging onto the float weights of `{options.base_names[0]}`'
-        ' would give another model than the one trained. Drop `'
-        f'{options.base_names[0]}`: the merge then uses the saved base, dequantized.')
-  base_ckpt = lora_ckpt if base is None else reader.open_weights(base, base_step)
-  _refuse_merged_twice(lora_ckpt, base_ckpt)
-  base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
+def _merges(adapters: Mapping[Path, lora.Adapter], lora_weights: Mapping[Path, reader.LeafInfo],
+            base_weights: Mapping[Path, reader.LeafInfo], base_ckpt: reader.CanonicalCheckpoint,
+            options: MergeOptions) -> tuple[dict[Path, Merge], list[str], list[str]]:
+  """Each adapted weight's merge, from metadata: (merges, the weights the base lacks, the
+  adapters that do not reproduce their weight's shape or cannot be re-quantized), one line
+  per problem."""
   missing, bad, merges = [], [], {}
   for weight, adapter in sorted(adapters.items()):
     found = base_weights.get(weight)
@@ -401,8 +351,68 @@ def plan_merge(
         bad.append(f'{fmt(weight)}: `{options.base_names[2]}`: {e}')
         continue
       requantize = (options.base_quantized, axes)
-    merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b,
-                           lora.scale_of(adapter, alpha, scale, names), arranged, requantize)
+    scale = lora.scale_of(adapter, options.alpha, options.scale, options.names)
+    merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b, scale, arranged, requantize)
+  return merges, missing, bad
+
+
+def plan_merge(
+    path: epath.PathLike | reader.CanonicalCheckpoint,
+    options: MergeOptions = MergeOptions(),
+    *,
+    step: int | None = None,
+    base_step: int | None = None,
+) -> MergePlan:
+  """Plans a merge from metadata only; nothing is read.
+
+  Args:
+    path: the LoRA run's checkpoint (a root, step or model item, or the
+      checkpoint already opened): a full save (base weights beside the
+      adapters) or adapters only.
+    options: the merge's `MergeOptions` (qwix's alpha is not stored in checkpoints: `alpha`
+      or `scale` must be given for qwix adapters; `base` may be a Tunix save, a
+      MaxText `items` step, or any Orbax checkpoint of canonical weights).
+    step: the step under `path` (None: the latest committed).
+    base_step: the step under `options.base`.
+
+  Returns:
+    A `MergePlan`.
+
+  Raises:
+    LoraError: no adapters; adapters without their pair or base weight; a
+      base whose metadata records these adapters merged into it already;
+      ranks or shapes that the contraction cannot reproduce; no alpha; an
+      alpha or scale that is not a finite number, or whose scale float32
+      cannot hold; an alpha or scale for flax adapters, which have none
+      (before anything is read).
+    TunixCheckpointError subclasses: a checkpoint is not readable.
+  """
+  alpha, scale, base, names = options.alpha, options.scale, options.base, options.names
+  lora.check_scaling(alpha, scale, names)
+  lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
+               else reader.open_source(path, step, weights_only=True))
+  lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
+  adapters = lora.find_adapters({p: leaf.shape for p, leaf in lora_weights.items()})
+  if not adapters:
+    raise errors.LoraError(
+        f'{lora_ckpt.step_dir}: expected LoRA adapters (<w>_lora_a/<w>_lora_b from qwix,'
+        ' or lora_a/lora_b from flax), found none among its weights. Restore it'
+        ' without merging.'
+    )
+  lora.check_scaling_applies(adapters, alpha, scale, names)
+  saved_quantized = sorted(p for p in adapters if getattr(lora_weights.get(p), 'quantized', None))
+  if saved_quantized and base is not None:
+    how = lora_weights[saved_quantized[0]].quantized.describe()
+    raise errors.LoraError(
+        f'{lora_ckpt.step_dir}: a QLoRA save: it holds the base weights its adapters were'
+        f' trained on, quantized ({how}: {len(saved_quantized)} adapted weights, e.g.'
+        f' {fmt(saved_quantized[0])}); merging onto the float weights of `{options.base_names[0]}`'
+        ' would give another model than the one trained. Drop `'
+        f'{options.base_names[0]}`: the merge then uses the saved base, dequantized.')
+  base_ckpt = lora_ckpt if base is None else reader.open_source(base, base_step, weights_only=True)
+  _refuse_merged_twice(lora_ckpt, base_ckpt)
+  base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
+  merges, missing, bad = _merges(adapters, lora_weights, base_weights, base_ckpt, options)
   where = base_ckpt.step_dir
   if missing:
     fix = ('Pass `base`: the checkpoint the LoRA run started from (a Tunix save, a MaxText'
@@ -602,11 +612,11 @@ def restore_merged_lora(
       or arrays with shardings (a single local device when they have none);
       any subset of the weights (only that is read); `ocp.PLACEHOLDER` leaves
       are returned as they are.
-    alpha, scale, base: the merge's `Options`; step, base_step: see `plan_merge`.
+    alpha, scale, base: the merge's `MergeOptions`; step, base_step: see `plan_merge`.
     base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
       `base` before training (qwix's `weight_qtype`: int8, int4, nf4,
       float8_e4m3fn; `tile_size`; `weight_calibration_method`: absmax or
-      minmax), for an adapters-only save; see `Options.given`.
+      minmax), for an adapters-only save; see `MergeOptions.given`.
 
   Returns:
     A tree of `target`'s structure holding `jax.Array`s.
@@ -615,7 +625,7 @@ def restore_merged_lora(
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
-  options = Options.given(True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
+  options = MergeOptions.given(True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
                           names=('alpha', 'scale', 'base', 'base_qtype', 'base_tile_size',
                                  'base_calibration'))
   plan = plan_merge(path, options, step=step, base_step=base_step)

@@ -122,7 +122,7 @@ def restore_train_state(
       without a merge, or one that is not a finite number (before any read).
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  merging = merge.Options.given(
+  merging = merge.MergeOptions.given(
       merge_lora or lora_base is not None, lora_alpha, lora_scale, lora_base, lora_base_qtype,
       lora_base_tile_size, lora_base_calibration,
       names=('lora_alpha', 'lora_scale', 'lora_base', 'lora_base_qtype', 'lora_base_tile_size',
@@ -136,7 +136,7 @@ def restore_train_state(
   return execute_plan(plan, abstract_state, restore_args=restore_args)
 
 
-def _restore_merged(path, abstract_state, params_only, restore_args, options: merge.Options):
+def _restore_merged(path, abstract_state, params_only, restore_args, options: merge.MergeOptions):
   """`params/params/<weights>` merged from a LoRA run; the rest as given."""
   where = path.step_dir if isinstance(path, Detection) else path
   if not params_only:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -109,6 +110,12 @@ class CanonicalCheckpoint:
   def leaves(self) -> tuple[LeafInfo, ...]:
     return tuple(leaf for item in sorted(self.items) for leaf in self.items[item])
 
+  @functools.cached_property
+  def model_weights(self) -> tuple[tuple[LeafInfo, Path], ...]:
+    """The model weights (`weights`), found once: every reader of the opened step shares
+    them."""
+    return _find_weights(self)
+
 
 def _kind(leaf: item_store.Leaf) -> str | None:
   kinds = {'string': STRING, 'scalar': SCALAR}
@@ -168,24 +175,15 @@ def _item_leaves(
   return tuple(sorted(leaves, key=lambda leaf: leaf.path)), tuple(sorted(side))
 
 
-def open_checkpoint(
-    path: epath.PathLike | Detection,
-    step: int | None = None,
-    items: Iterable[str] | None = None,
-) -> CanonicalCheckpoint:
-  """Opens a checkpoint's step in canonical form, from metadata only.
+def open_checkpoint(detection: Detection) -> CanonicalCheckpoint:
+  """A detected step in canonical form, from metadata only (its location is not resolved
+  again: `open_source` opens a path).
 
   Every item looked at is covered (see `detect`): a PyTree item is listed
   leaf by leaf, a JSON item by name; anything else is an error, unless
-  `items` leaves it out. Items the step records but lacks are left out
+  the detection's `items` left it out. Items the step records but lacks are left out
   (`detection.absent`); callers that need the whole step check
   `detection.require()`.
-
-  Args:
-    path: a root, a step or an item directory (an item directory limits the
-      view to that item), or a step already detected (not read again).
-    step: the step wanted under a root (None: the latest committed one).
-    items: the items to open (default: every item the step records).
 
   Returns:
     A `CanonicalCheckpoint`.
@@ -194,7 +192,6 @@ def open_checkpoint(
     TunixCheckpointError subclasses: a recorded item is missing, damaged, or
       of a kind the tools cannot read; the message says which.
   """
-  detection = path if isinstance(path, Detection) else detect(path, step=step, items=items)
   leaves, side = {}, {}
   for name in detection.maps:
     leaves[name], side[name] = _item_leaves(detection, name)
@@ -210,22 +207,48 @@ def open_checkpoint(
   return CanonicalCheckpoint(detection, leaves, side, json_items)
 
 
-def open_weights(path: epath.PathLike, step: int | None = None) -> CanonicalCheckpoint:
-  """Opens only the item of a step that holds the model weights (see `weights`).
+def open_source(
+    path: epath.PathLike,
+    step: int | None = None,
+    items: Iterable[str] | None = None,
+    *,
+    weights_only: bool = False,
+    whole: bool = True,
+) -> CanonicalCheckpoint:
+  """Opens a checkpoint's step once, as far as it is needed: the path resolved
+  (`step_store.resolve`), the step detected (`detect`) and its items listed
+  (`open_checkpoint`), each once, from metadata only. What is opened is handed down: the
+  tools read, lay out and merge it without opening the path again.
 
-  The other items (the optimizer state) are not read, and may be absent.
+  Args:
+    path: a root, a step or an item directory (an item directory limits the view to that
+      item).
+    step: the step wanted under a root (None: the latest committed one).
+    items: the items to open (default: every item the step records).
+    weights_only: just the item holding the model weights (`weights`), when `items` is
+      None: the others are not read, and may be absent.
+    whole: with neither `items` nor `weights_only`, every item the step records must be
+      on disk (`Detection.require`); else those it lacks are left out, with a note.
+
+  Returns:
+    A `CanonicalCheckpoint`.
 
   Raises:
-    MissingItemError: the weights' item is recorded but not on disk.
-    TunixCheckpointError subclasses: as `open_checkpoint`.
+    MissingItemError: an item asked for (or, `whole`, recorded) is not on disk.
+    TunixCheckpointError subclasses: as `detect` and `open_checkpoint`.
   """
   location = step_store.resolve(path, step)
-  wanted = wanted_items(location, (conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM))
-  return open_checkpoint(detect(location, items=wanted))
+  if weights_only and items is None:
+    wanted = wanted_items(location, (conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM))
+    return open_checkpoint(detect(location, items=wanted))
+  source = open_checkpoint(detect(location, items=items))
+  if items is None and whole:
+    source.detection.require()
+  return source
 
 
 def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
-  """The model weights of a checkpoint, without RNG state.
+  """The model weights of a checkpoint, without RNG state (found once per opened step).
 
   The weights are the model item (Tunix's `model_params`, or a canonical
   conversion) or, in a MaxText checkpoint, `items` below `params/params`.
@@ -234,8 +257,14 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
     (leaf, path within the weight tree) pairs, sorted by path.
 
   Raises:
+    MissingItemError: the weights' item is recorded but not on disk.
     UnsupportedLayoutError: neither place holds anything.
   """
+  return list(ckpt.model_weights)
+
+
+def _find_weights(ckpt: CanonicalCheckpoint) -> tuple[tuple[LeafInfo, Path], ...]:
+  """`weights`, found."""
   ckpt.detection.require([conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM])
   item, prefix = ckpt.detection.source_kind.weights
   item = item if item in ckpt.items else _model_item(ckpt)
@@ -250,7 +279,7 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
         f' found items {sorted(ckpt.items) or "none"} without them. Pass the step'
         ' (or root) of a model checkpoint, not an optimizer item.'
     )
-  return sorted(found, key=lambda pair: pair[1])
+  return tuple(sorted(found, key=lambda pair: pair[1]))
 
 
 def _model_item(ckpt: CanonicalCheckpoint) -> str | None:

@@ -1,7 +1,8 @@
-"""Every use of Orbax's private API, in one place.
+"""Every use of Orbax's (and JAX's) private API, in one place.
 
-Orbax's public surface does not cover everything a plugin handler needs. Each
-function here leans on one private detail of orbax-checkpoint 0.12.x, and
+Orbax's public surface does not cover everything a plugin handler needs, nor JAX's what a
+multi-process job checks before its backends start. Each function here leans on one private
+detail of orbax-checkpoint 0.12.x (or JAX 0.10's multi-controller runtime), and
 `tests/test_orbax_assumptions.py` pins each one, so that an Orbax upgrade that
 moves it fails there, loudly, and nowhere else. What merely sits near Orbax
 without being its API lives beside this module: `storage_errors` (telling a
@@ -402,3 +403,25 @@ def tidy_failures() -> Iterator[None]:
   finally:
     with _TIDY_LOCK:
       _TIDY[0] -= 1
+
+
+# --- JAX's private API: its multi-controller runtime's own records --------------------------
+
+
+def jax_cluster_types() -> tuple[type, ...]:
+  """JAX's registry of cluster environments (`ClusterEnv._cluster_types`, private): the list
+  its own `jax.distributed.initialize()` walks, each with `is_env_present()` and
+  `opt_in_only_method`."""
+  from jax._src.clusters import ClusterEnv  # pylint: disable=g-import-not-at-top
+
+  return tuple(ClusterEnv._cluster_types)  # pylint: disable=protected-access
+
+
+def jax_process_claim() -> tuple[int, int]:
+  """(process id, process count) as this process gave them to `jax.distributed.initialize`
+  (JAX's private `global_state`): readable before the backends start, and when they never
+  do (a peer gone)."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+
+  state = jax_distributed.global_state
+  return state.process_id, state.num_processes

@@ -2,8 +2,8 @@
 
 What is written (DST is a step directory) is a step layout's (`layouts/`:
 `canonical`, the canonical view; `maxtext`, the step MaxText 0.2.5 itself
-writes), through the one pipeline's step sink (`pipeline.py`: what the step
-records) into items plain Orbax (v0 and v1) restores without this package,
+writes), through the one pipeline into the step destination (`layouts/step.py`: what the
+step records) as items plain Orbax (v0 and v1) restores without this package,
 committed as Orbax commits (`commit.Staging`: a failure or interrupt removes
 what was written; an existing DST is replaced, with `force`, only once the new
 one is complete).
@@ -86,14 +86,14 @@ def plan_convert(
       `param_scan_axis` for a layout that does not take them, or
       `param_scan_axis` without `scan_layers`.
     InvalidDestinationError: DST overlaps the source's run (symlinks
-      resolved; see `commit.overlap`) or is named like an unfinished step.
+      resolved; see `places.overlap`) or is named like an unfinished step.
     LoraError: `lora_alpha`, `lora_scale` or `base` without `merge_lora`,
       or a scaling that is not a finite number (before anything is read).
     DestinationExistsError: DST exists and not `force`.
     TunixCheckpointError subclasses: the source is not readable, or cannot be
       laid out as asked.
   """
-  steps = layouts.named(layouts.Destination.STEP)
+  steps = [n for d in layouts.destinations('convert') for n in layouts.named(d)]
   if layout not in steps:
     folder = (f'; {layout} is a Hugging Face folder: export it (`export_to_hf`,'
               f' orbax-tunix export --model {layout})' if layout in layouts.names() else '')
@@ -102,7 +102,7 @@ def plan_convert(
   return pipeline.plan(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
       memory_budget=memory_budget, force=force, items=items,
-      merge_options=merge_lib.Options.given(
+      merge_options=merge_lib.MergeOptions.given(
           merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
           base_calibration),
       scan_layers=scan_layers, param_scan_axis=param_scan_axis,

@@ -27,7 +27,6 @@ from etils import epath
 from orbax_tunix import errors, sizes
 from orbax_tunix.keypaths import fmt, natural_key
 from orbax_tunix.reading import hyperparams, memory, reader
-from orbax_tunix.tools import pipeline
 from orbax_tunix.writing import checksums
 
 # Elements compared at once, so that the float64 working copies stay small.
@@ -454,6 +453,45 @@ def _compare_sides(
   return _compare_side(side_a, side_b, atol), []
 
 
+def _compare_leaves(
+    ckpt_a: reader.CanonicalCheckpoint, ckpt_b: reader.CanonicalCheckpoint,
+    pairs: Sequence[tuple[str, reader.LeafInfo, reader.LeafInfo]], atol: float, budget: int,
+    progress: reader.Progress,
+) -> tuple[list[ValueDiff], float, int, list[str], list[str]]:
+  """The values of paired leaves compared, streamed in batches of `budget` bytes: (the
+  leaves that differ, the largest difference, the bytes compared, the leaves of A and of B
+  whose stored data is missing, unreadable or fails its recorded checksum)."""
+  values, worst, compared_bytes = [], 0.0, 0
+  sums_a = checksums.recorded(ckpt_a.detection.source.custom_metadata)
+  sums_b = checksums.recorded(ckpt_b.detection.source.custom_metadata)
+  damaged_a: list[str] = []
+  damaged_b: list[str] = []
+  progress.start(sum(la.nbytes for _, la, _ in pairs), 'comparing')
+  try:
+    for batch, (got_a, got_b) in reader.stream(
+        memory.batches(pairs, budget, size=lambda p: p[1].nbytes + p[2].nbytes),
+        lambda batch: (_read_side(ckpt_a, [la for _, la, _ in batch]),
+                       _read_side(ckpt_b, [lb for _, _, lb in batch])),
+        progress, lambda batch: sum(la.nbytes for _, la, _ in batch)):
+      for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):
+        unreadable = x is reader.UNREADABLE or y is reader.UNREADABLE
+        if x is reader.UNREADABLE or (not unreadable and _damaged(sums_a, la, x)):
+          damaged_a.append(path)
+        if y is reader.UNREADABLE or (not unreadable and _damaged(sums_b, lb, y)):
+          damaged_b.append(path)
+        if unreadable:  # Stored data missing or damaged: nothing to compare.
+          continue
+        max_diff, differing = compare_values(x, y, atol)
+        worst = max(worst, max_diff)
+        if differing:
+          values.append(ValueDiff(path, max_diff, differing, max(1, int(np.size(x)))))
+        compared_bytes += la.nbytes
+      del got_a, got_b
+  finally:
+    progress.finish()
+  return values, worst, compared_bytes, damaged_a, damaged_b
+
+
 def diff_checkpoints(
     a: epath.PathLike | reader.CanonicalCheckpoint,
     b: epath.PathLike | reader.CanonicalCheckpoint,
@@ -495,7 +533,8 @@ def diff_checkpoints(
   progress = progress or reader.NullProgress()
   items = None if items is None else tuple(items)  # read for both sides
   ckpt_a, ckpt_b = (side if isinstance(side, reader.CanonicalCheckpoint)
-                    else pipeline.open_source(side, None, items, params_only) for side in (a, b))
+                    else reader.open_source(side, None, items, weights_only=params_only)
+                    for side in (a, b))
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)
   shape, dtype, pairs = [], [], []
   for path in sorted(set(view_a) & set(view_b)):
@@ -510,35 +549,9 @@ def diff_checkpoints(
   json_compared = 0 if params_only else _compare_json_items(ckpt_a, ckpt_b, found)
   side, notes = ([], []) if params_only else _compare_sides(
       ckpt_a, ckpt_b, atol, None if items is None else list(items))
-  values, worst, compared_bytes = [], 0.0, 0
-  sums_a = checksums.recorded(ckpt_a.detection.source.custom_metadata)
-  sums_b = checksums.recorded(ckpt_b.detection.source.custom_metadata)
-  damaged_a: list[str] = []
-  damaged_b: list[str] = []
-  budget = memory.batch_bytes(memory_budget, memory.READ_COPIES)
-  progress.start(sum(la.nbytes for _, la, _ in pairs), 'comparing')
-  try:
-    for batch, (got_a, got_b) in reader.stream(
-        memory.batches(pairs, budget, size=lambda p: p[1].nbytes + p[2].nbytes),
-        lambda batch: (_read_side(ckpt_a, [la for _, la, _ in batch]),
-                       _read_side(ckpt_b, [lb for _, _, lb in batch])),
-        progress, lambda batch: sum(la.nbytes for _, la, _ in batch)):
-      for (path, la, lb), x, y in zip(batch, got_a, got_b, strict=True):
-        unreadable = x is reader.UNREADABLE or y is reader.UNREADABLE
-        if x is reader.UNREADABLE or (not unreadable and _damaged(sums_a, la, x)):
-          damaged_a.append(path)
-        if y is reader.UNREADABLE or (not unreadable and _damaged(sums_b, lb, y)):
-          damaged_b.append(path)
-        if unreadable:  # Stored data missing or damaged: nothing to compare.
-          continue
-        max_diff, differing = compare_values(x, y, atol)
-        worst = max(worst, max_diff)
-        if differing:
-          values.append(ValueDiff(path, max_diff, differing, max(1, int(np.size(x)))))
-        compared_bytes += la.nbytes
-      del got_a, got_b
-  finally:
-    progress.finish()
+  values, worst, compared_bytes, damaged_a, damaged_b = _compare_leaves(
+      ckpt_a, ckpt_b, pairs, atol, memory.batch_bytes(memory_budget, memory.READ_COPIES),
+      progress)
   if not pairs and not json_compared and not (found.only_a or found.only_b or shape):
     notes.append('nothing was compared: neither side holds a leaf or JSON item')
   return DiffResult(

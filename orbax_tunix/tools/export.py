@@ -13,33 +13,43 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 from etils import epath
 
-from orbax_tunix import errors
-from orbax_tunix.layouts import huggingface as hf_layouts
-from orbax_tunix.layouts import peft as peft_layouts
+from orbax_tunix import layouts
+from orbax_tunix.layouts.folder import DEFAULT_MAX_SHARD_SIZE, FOLDER
+from orbax_tunix.layouts.peft import ADAPTER
 from orbax_tunix.mapping import huggingface
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
-DEFAULT_MAX_SHARD_SIZE = hf_layouts.DEFAULT_MAX_SHARD_SIZE
 # An export's plan and result are the pipeline's.
 ExportPlan = pipeline.Plan
 ExportResult = pipeline.Result
 
 
-def _dtype(dtype: Any) -> np.dtype | None:
-  if dtype is None:
-    return None
-  dtype = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
-  if dtype.name not in ('bfloat16', 'float32', 'float16'):
-    raise errors.InvalidOptionError(
-        f'`dtype` {dtype.name}: expected bfloat16, float16 or float32 (the floating'
-        ' dtypes Hugging Face loaders take).'
-    )
-  return dtype
+def plan_to(
+    destination: layouts.Destination, src: epath.PathLike, out_dir: epath.PathLike, *,
+    model: str, **kwargs: Any,
+) -> ExportPlan:
+  """Plans a family's output into one kind of destination (`layouts.destinations('export')`:
+  a Hugging Face folder, a PEFT adapter folder, ...) from metadata only: `pipeline.plan` with
+  the family's layout of it (`layouts.find`).
+
+  Args:
+    destination: the kind of destination.
+    src, out_dir: the source and the folder to create.
+    model: the Hugging Face family, by name or alias (`huggingface.choices()`).
+    **kwargs: `pipeline.plan`'s (`step`, `dtype`, `memory_budget`, `force`,
+      `merge_options`) and the layout's options.
+
+  Raises:
+    UnsupportedLayoutError: an unknown family, or one the destination has no layout of;
+      and as `pipeline.plan`.
+  """
+  family = huggingface.get(model)
+  return pipeline.plan(src, out_dir, layout=layouts.find(destination, family.name).name,
+                       **kwargs)
 
 
 def plan_export(
@@ -92,7 +102,7 @@ def plan_export(
       `param_scan_axis`); None: the one the step records (a converted step),
       else the one its shapes tell (1, MaxText's default, where several do).
       Checked against the stored weights; refused for weights that hold no
-      stacked layers. The source kind and layer form come from the weights'
+      stacked layers. The trainer (`mapping.trainers`) and layer form come from the weights'
       names.
     base_only: a full LoRA save's base weights alone (the adapters left out,
       not merged): the model a PEFT adapter of the run applies to, where the
@@ -114,10 +124,9 @@ def plan_export(
     LoraError, DestinationExistsError, TunixCheckpointError subclasses: see
       their docstrings.
   """
-  family = huggingface.get(model)
-  return pipeline.plan(
-      src, out_dir, layout=family.name, step=step, dtype=_dtype(dtype), memory_budget=memory_budget,
-      force=force, merge_options=merge_lib.Options.given(
+  return plan_to(
+      FOLDER, src, out_dir, model=model, step=step, dtype=dtype, memory_budget=memory_budget,
+      force=force, merge_options=merge_lib.MergeOptions.given(
           merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
           base_calibration),
       max_shard_size=max_shard_size, hf_config=hf_config,
@@ -211,11 +220,10 @@ def plan_peft_export(
     UnsupportedLayoutError, InvalidDestinationError, DestinationExistsError,
     TunixCheckpointError subclasses: as `plan_export`.
   """
-  family = huggingface.get(model)
-  return pipeline.plan(
-      src, out_dir, layout=peft_layouts.layout_name(family.name), step=step, dtype=_dtype(dtype),
-      memory_budget=memory_budget, force=force, adapter_scaling=merge_lib.Options(alpha, scale),
-      base_model=base_model, param_scan_axis=param_scan_axis,
+  return plan_to(
+      ADAPTER, src, out_dir, model=model, step=step, dtype=dtype, memory_budget=memory_budget,
+      force=force, adapter_scaling=merge_lib.MergeOptions(alpha, scale), base_model=base_model,
+      param_scan_axis=param_scan_axis,
   )
 
 

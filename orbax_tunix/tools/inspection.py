@@ -207,7 +207,7 @@ class Report:
     notes: things a person should know.
     checkpoint: the step as opened (to read it further, e.g. to verify).
     source: what kind of model the weights are, as export takes them
-      (`huggingface.describe_source`), when there are weights.
+      (`huggingface.describe_weights`), when there are weights.
     quantized: the weights saved quantized (a QLoRA run's base), if any.
   """
 
@@ -388,7 +388,7 @@ def inspect_checkpoint(
   Raises:
     TunixCheckpointError subclasses: the path is not a readable checkpoint.
   """
-  ckpt = reader.open_checkpoint(path, step, items)
+  ckpt = reader.open_source(path, step, items, whole=False)
   detection = ckpt.detection
   reports = [
       ItemReport(
@@ -443,7 +443,7 @@ def _source(shapes: Mapping[Path, tuple[int, ...] | None], layers: LayerReport |
   axis = stacks.DEFAULT_AXIS
   if layers is not None and layers.form == stacks.SCANNED:
     axis = layers.axis if layers.count is not None else None
-  return huggingface.describe_source({p: s for p, s in shapes.items() if s is not None}, axis)
+  return huggingface.describe_weights({p: s for p, s in shapes.items() if s is not None}, axis)
 
 
 def _layer_form(

@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
+from orbax_tunix.store import _orbax
 from orbax_tunix.writing import checksums, commit, rendezvous
 
 # How long a process waits for the others to report an outcome (ms). Long:
@@ -74,7 +75,7 @@ LEAVE_LAST_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class JobOptions:
   """How to join a multi-process job (JAX's `jax.distributed.initialize` names).
 
   Attributes:
@@ -104,19 +105,17 @@ def is_initialized() -> bool:
 def cluster_detected() -> str | None:
   """The cluster JAX's auto-detection finds (TPU pod, Slurm, Open MPI, ...), or None.
 
-  Leans on JAX's private `ClusterEnv` registry, the list its own
-  `initialize()` walks; opt-in methods (mpi4py) are not probed.
+  Leans on JAX's private `ClusterEnv` registry (`_orbax.jax_cluster_types`), the list its
+  own `initialize()` walks; opt-in methods (mpi4py) are not probed.
   """
-  from jax._src.clusters import ClusterEnv  # pylint: disable=g-import-not-at-top
-
-  for env in ClusterEnv._cluster_types:  # pylint: disable=protected-access
+  for env in _orbax.jax_cluster_types():
     with contextlib.suppress(Exception):
       if not env.opt_in_only_method and env.is_env_present():
         return env.__name__
   return None
 
 
-def check(options: Options) -> rendezvous.Address | None:
+def check(options: JobOptions) -> rendezvous.Address | None:
   """The options' values, checked before anything waits on them.
 
   Returns:
@@ -145,7 +144,7 @@ def check(options: Options) -> rendezvous.Address | None:
   return rendezvous.parse_address(options.coordinator_address)
 
 
-def initialize(options: Options = Options()) -> bool:
+def initialize(options: JobOptions = JobOptions()) -> bool:
   """Joins the job the options (or the cluster's environment) describe.
 
   Nothing happens when the process already joined one (an API caller did),
@@ -200,17 +199,14 @@ def _check_agreement(timeout_s: int) -> None:
 
   JAX forms the job with the coordinator's count; a process given another
   would otherwise fail alone, or wait, leaving the others waiting for it.
-  Read from JAX's own record of this process's arguments (private
-  `global_state`), through the key-value store, before the backends start.
+  Read from JAX's own record of this process's arguments (`_orbax.jax_process_claim`),
+  through the key-value store, before the backends start.
 
   Raises:
     DistributedError: on every process, naming each process that disagrees;
       or some process did not join within `timeout_s`.
   """
-  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-
-  state = jax_distributed.global_state
-  me, claimed = state.process_id, state.num_processes
+  me, claimed = _orbax.jax_process_claim()
   client = _client()
   client.key_value_set(f'{KEY_PREFIX}/join/{me}', str(claimed))
   for _ in range(max(1, timeout_s * 1000 // POLL_MS)):
@@ -594,11 +590,6 @@ def _local_runs(value: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
       yield from _block_runs(shard.index, np.asarray(shard.data), value.shape)
 
 
-def _local_parts(value: jax.Array) -> list[tuple[int, int, int]]:
-  """(byte offset, byte length, crc32) of each run of this process's primary shards."""
-  return [(offset, raw.size, zlib.crc32(raw)) for offset, raw in _local_runs(value)]
-
-
 def _process_block(value: jax.Array) -> tuple[tuple[slice, ...], np.ndarray] | None:
   """This process's primary shards as one block (index, data), when they tile a box."""
   shards = [s for s in value.addressable_shards if s.replica_id == 0]
@@ -768,16 +759,14 @@ def leave(code: int) -> None:
   # little for the others to get here too.
   with contextlib.suppress(Exception):
     client = _client()
-    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-
-    state = jax_distributed.global_state  # Not the backends: they may never have started.
-    client.key_value_set(f'{KEY_PREFIX}/leaving/{state.process_id}', str(code),
-                         allow_overwrite=True)
+    # JAX's record of this process, not the backends: they may never have started.
+    me, processes = _orbax.jax_process_claim()
+    client.key_value_set(f'{KEY_PREFIX}/leaving/{me}', str(code), allow_overwrite=True)
     for _ in range(LEAVE_WAIT_MS // POLL_MS):
-      if len(client.key_value_dir_get(f'{KEY_PREFIX}/leaving/')) >= state.num_processes:
+      if len(client.key_value_dir_get(f'{KEY_PREFIX}/leaving/')) >= processes:
         break
       time.sleep(POLL_MS / 1000)
-    if state.process_id == 0:
+    if me == 0:
       time.sleep(LEAVE_LAST_S)  # The coordinator goes last: its exit ends the others.
   for stream in (sys.stdout, sys.stderr):
     with contextlib.suppress(Exception):

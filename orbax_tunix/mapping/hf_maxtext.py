@@ -1,0 +1,269 @@
+"""MaxText's namings of the Hugging Face families: its decoders' weights (a Tunix run of a
+MaxText model, or MaxText's own step) onto `transformers` tensor names, as data
+(`hf_naming.Naming`).
+
+MaxText's naming is on the per-layer form `decoder/layers_{i}/<w>`: its stacked forms are
+first taken apart by its layer form (`Naming.form`, a `mapping.stacks.LayerForm`); then the rules apply
+what MaxText's own converter applies (checkpoint_conversion/utils/param_mapping.py): kernels
+(in, heads, head_dim) merged and transposed to (out, in); gemma norms `w - 1` (MaxText stores
+`1 + w`); gemma3's embedding divided by sqrt(hidden) rounded to bfloat16 (gemma4: in float32),
+as MaxText stores it scaled.
+
+MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
+
+  llama3.1, qwen3   token_embedder/embedding (V, D); decoder/decoder_norm/scale (D,);
+                    decoder/logits_dense/kernel (D, V) (untied only: qwen3-0.6b has none);
+                    per layer: self_attention/{query,key,value}/kernel (D, N, H),
+                    self_attention/out/kernel (N, H, D), mlp/{wi_0,wi_1}/kernel (D, F),
+                    mlp/wo/kernel (F, D), {pre,post}_self_attention_layer_norm/scale (D,);
+                    qwen3 also self_attention/{query,key}_norm/scale (H,)
+  gemma3            as above without logits_dense, norms {pre,post}_self_attention_norm,
+                    {pre,post}_ffw_norm, query_norm, key_norm; scanned in blocks of six
+  gemma4            gemma3's names plus layer_scalar (1,); global layers (every sixth)
+                    have their own head_dim and no value kernel (k = v shared)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+from orbax_tunix.mapping import stacks as stacks_lib
+from orbax_tunix.mapping import trainers
+from orbax_tunix.mapping.hf_naming import (
+  HEAD_DIM_OF_HIDDEN,
+  IN_PROJ,
+  K_EQ_V_NOTE,
+  LAYER,
+  OUT_PROJ,
+  LayerType,
+  LoraWeight,
+  Naming,
+  VocabPadding,
+  per_expert,
+  rule,
+)
+from orbax_tunix.mapping.patterns import LayoutRule
+from orbax_tunix.mapping.transforms import (
+  IDENTITY,
+  chain,
+  deinterleave,
+  divide,
+  multiply,
+  shift,
+  transpose,
+)
+
+MAXTEXT_PADDING = VocabPadding(any=True, why='MaxText pads the vocabulary for sharding')
+
+MT_LAYER = 'decoder/layers_{i}'
+_MT_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
+
+
+def _mt_attention(norm=None, query=IN_PROJ, key=IN_PROJ) -> list[LayoutRule]:
+  """MaxText's attention (D, N, H) / (N, H, D) kernels, and its q/k norms through `norm`."""
+  rules = [
+      rule(f'{MT_LAYER}/self_attention/{mt}/kernel', f'{LAYER}.self_attn.{hf}_proj.weight', t)
+      for mt, hf, t in (('query', 'q', query), ('key', 'k', key), ('value', 'v', IN_PROJ))
+  ]
+  rules.append(rule(f'{MT_LAYER}/self_attention/out/kernel', f'{LAYER}.self_attn.o_proj.weight',
+                     OUT_PROJ))
+  if norm is not None:
+    rules += [rule(f'{MT_LAYER}/self_attention/{mt}_norm/scale',
+                    f'{LAYER}.self_attn.{hf}_norm.weight', norm)
+              for mt, hf in (('query', 'q'), ('key', 'k'))]
+  return rules
+
+
+def _mt_mlp() -> list[LayoutRule]:
+  return [rule(f'{MT_LAYER}/mlp/{mt}/kernel', f'{LAYER}.mlp.{hf}_proj.weight', transpose())
+          for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))]
+
+
+def _mt_dims() -> dict[str, tuple[tuple[str, int], ...]]:
+  first = MT_LAYER.replace('{i}', '0')
+  return {
+      'vocab_size': (('token_embedder/embedding', 0),),
+      'hidden_size': (('token_embedder/embedding', 1),),
+      'num_attention_heads': ((f'{first}/self_attention/query/kernel', 1),),
+      'head_dim': ((f'{first}/self_attention/query/kernel', 2),),
+      'num_key_value_heads': ((f'{first}/self_attention/key/kernel', 1),),
+      'intermediate_size': ((f'{first}/mlp/wi_0/kernel', 1),),
+  }
+
+
+# The config.json field of each axis of MaxText's per-layer kernels (`_mt_dims` read the other
+# way, for every axis): (D, N, H), (D, K, H), (N, H, D); the MLP's (D, F), (F, D).
+_MT_AXES = {
+    f'{MT_LAYER}/self_attention/query/kernel': ('hidden_size', 'num_attention_heads', 'head_dim'),
+    **{f'{MT_LAYER}/self_attention/{p}/kernel': ('hidden_size', 'num_key_value_heads', 'head_dim')
+       for p in ('key', 'value')},
+    f'{MT_LAYER}/self_attention/out/kernel': ('num_attention_heads', 'head_dim', 'hidden_size'),
+    **{f'{MT_LAYER}/mlp/{p}/kernel': ('hidden_size', 'intermediate_size')
+       for p in ('wi_0', 'wi_1')},
+    f'{MT_LAYER}/mlp/wo/kernel': ('intermediate_size', 'hidden_size'),
+}
+
+
+# MaxText's llama (llama2, llama3.1) keeps the query kernel divided by sqrt(head_dim)
+# (no scaling in its attention) and q/k's rotary pairs interleaved; Hugging Face's Llama
+# scales in attention and rotates halves. As MaxText's converter (`scale_query_layer`,
+# `adjust_rope`): the product in float32, rounded once.
+_LLAMA_QUERY = chain(multiply('sqrt(head_dim)', math.sqrt, axis=2), deinterleave(-1),
+                     IN_PROJ)
+_LLAMA_KEY = chain(deinterleave(-1), IN_PROJ)
+
+
+def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_defaults=None
+                         ) -> Naming:
+  """MaxText's llama3.1 and qwen3 (dense) decoders: qwen3 adds q/k norms, llama's q/k
+  are laid out as `_LLAMA_QUERY` / `_LLAMA_KEY` undo."""
+  rules = [
+      rule('token_embedder/embedding', 'model.embed_tokens.weight'),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),  # Only when not tied.
+      *_mt_attention(norm=IDENTITY if norms else None, query=query, key=key),
+      *_mt_mlp(),
+      rule(f'{MT_LAYER}/pre_self_attention_layer_norm/scale', f'{LAYER}.input_layernorm.weight'),
+      rule(f'{MT_LAYER}/post_self_attention_layer_norm/scale',
+            f'{LAYER}.post_attention_layernorm.weight'),
+  ]
+  required = [(
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  )]
+  if norms:
+    required.append((f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',))
+  return Naming(
+      trainers.MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
+      tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
+      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      form=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
+      lora_flattened=True,
+  )
+
+
+QWEN3 = _maxtext_qwen3_style(norms=True)
+LLAMA3 = _maxtext_qwen3_style(norms=False, query=_LLAMA_QUERY, key=_LLAMA_KEY,
+                              config_defaults=HEAD_DIM_OF_HIDDEN)
+
+
+# MaxText stores gemma's norms as `1 + w` (HF: `w`), and gemma's embedding
+# multiplied by sqrt(hidden): gemma3's converter divides by that number rounded
+# to bfloat16 (`np.dtype('bfloat16').type(hidden ** 0.5)`), gemma4's by it in float32.
+GEMMA_NORM = shift(-1)
+_MT_GEMMA_NORMS = {
+    'pre_self_attention_norm': 'input_layernorm',
+    'post_self_attention_norm': 'post_attention_layernorm',
+    'pre_ffw_norm': 'pre_feedforward_layernorm',
+    'post_ffw_norm': 'post_feedforward_layernorm',
+}
+
+
+def _bf16_sqrt(hidden: int) -> float:
+  return float(np.asarray(math.sqrt(hidden), dtype=ml_dtypes.bfloat16))
+
+
+def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
+  """MaxText's gemma3 text decoder, and gemma4's base (tied embedding; in blocks of six): the
+  embedding through `embedding`, every norm through `norm`; each layer holds the attention
+  `kernels` and `own`, weights Hugging Face names as MaxText does (gemma4's layer_scalar)."""
+  rules = (
+      rule('token_embedder/embedding', 'model.embed_tokens.weight', embedding),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight', norm),
+      *_mt_attention(norm=norm),
+      *_mt_mlp(),
+      *(rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', norm)
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+      *(rule(f'{MT_LAYER}/{w}', f'{LAYER}.{w}') for w in own),
+  )
+  required = (
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:{kernels}}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', *(f'{MT_LAYER}/{w}' for w in own),
+      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
+  )
+  return Naming(trainers.MAXTEXT, rules, ((required,),), _mt_dims(),
+                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                form=stacks_lib.blocks(6), axes=_MT_AXES, lora_flattened=True)
+
+
+GEMMA3 = _maxtext_gemma(divide('sqrt(hidden) as bfloat16', _bf16_sqrt, axis=1), GEMMA_NORM,
+                        'query|key|value|out')
+
+
+def _f32_sqrt(hidden: int) -> float:
+  return float(np.float32(math.sqrt(hidden)))
+
+
+# Gemma 4's global layers (transformers' `per_layer_config`): their own head_dim and kv heads,
+# and no value kernel (their keys are their values: the k_eq_v note holds there only).
+_MT_VALUE = f'{MT_LAYER}/self_attention/value/kernel'
+_GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
+                            'num_key_value_heads': 'num_global_key_value_heads'},
+                           without=(_MT_VALUE,))
+
+
+def _maxtext_gemma4() -> Naming:
+  """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are;
+  a global layer (every sixth: `_GEMMA4_GLOBAL`) has no value kernel (`share_kv_projections`;
+  Hugging Face's `attention_k_eq_v`), so `value` is not required of every layer."""
+  dims = {
+      **_mt_dims(),
+      # Layer 5 is the first global one (five local, one global).
+      'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
+      'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
+  }
+  return dataclasses.replace(
+      _maxtext_gemma(divide('sqrt(hidden) as float32', _f32_sqrt, axis=1), IDENTITY,
+                     'query|key|out', 'layer_scalar'),
+      dims=dims, form=stacks_lib.local_global(6),
+      architecture='Gemma4ForCausalLM', model_type='gemma4_text',
+      lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
+          note=K_EQ_V_NOTE, without=_MT_VALUE)},
+      layer_types={'full_attention': _GEMMA4_GLOBAL},
+      # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
+      # (it also makes the last layer global; MaxText's remainder layers are local).
+      default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
+                                    else 'sliding_attention'))
+
+
+def _maxtext_qwen3_moe() -> Naming:
+  """MaxText's qwen3 MoE decoder (qwen3-30b-a3b): the MLP is `moe_block`.
+
+  The router `gate/kernel` (D, E) is Hugging Face's `mlp.gate.weight` (E, D);
+  the experts `wi_0`, `wi_1` (E, D, F) and `wo` (E, F, D), one array each
+  for all experts, become one (out, in) tensor per expert.
+  """
+  dense = _maxtext_qwen3_style(norms=True)
+  rules = (
+      *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
+      rule(f'{MT_LAYER}/moe_block/gate/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
+      *(per_expert(f'{MT_LAYER}/moe_block/{mt}', f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight',
+                    0, transpose())
+        for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/self_attention/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/moe_block/{{p:wi_0|wi_1|wo}}', f'{MT_LAYER}/moe_block/gate/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
+  dims['moe_intermediate_size'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 2),)
+  dims['num_experts'] = ((f'{MT_LAYER.replace("{i}", "0")}/moe_block/wi_0', 0),)
+  axes = {p: f for p, f in _MT_AXES.items() if '/mlp/' not in p}
+  axes[f'{MT_LAYER}/moe_block/gate/kernel'] = ('hidden_size', 'num_experts')
+  return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
+                             dims=dims, axes=axes)
+
+
+GEMMA4 = _maxtext_gemma4()
+QWEN3_MOE = _maxtext_qwen3_moe()

@@ -1,0 +1,351 @@
+"""What a Hugging Face model family is, as values: a family, and its naming by each trainer.
+
+A `Family` is the Hugging Face side of a model (its `transformers` architecture, the config
+fields every model of it has, where a multimodal class holds the text model) and one `Naming`
+per trainer whose model code it is (`trainers`: Tunix's own model classes, MaxText's models):
+layout rules from that trainer's weight paths to the tensor names and layouts Hugging Face
+uses, the weights every checkpoint of it holds, where each `config.json` dimension is read from
+the shapes, its adapters' arrangement, its stacked forms. Which naming applies comes from the
+weights' names (`trainers.of`). The values live here; the families' data in `hf_tunix.py`,
+`hf_maxtext.py` (each trainer's namings) and `hf_families.py` (the families), the catalog and
+what reads it in `huggingface.py`, the config checks in `hf_config.py`. Nothing here reads an
+array.
+
+Tunix lays attention weights out as einsums: q/k/v (D, heads, H), the output
+(heads, H, D); Hugging Face as linear layers (out, in): q/k/v (heads·H, D),
+o (D, heads·H), so the heads axes are merged and the result transposed; MLP
+kernels (in, out) are transposed; norms and embeddings are copied. The transforms every
+trainer's naming shares to make Hugging Face's linear weights are here (`IN_PROJ`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+
+from orbax_tunix.keypaths import Path, fmt
+from orbax_tunix.mapping import stacks as stacks_lib
+from orbax_tunix.mapping import trainers
+from orbax_tunix.mapping.as_trained import AsTrained
+from orbax_tunix.mapping.patterns import LayoutRule, Pattern
+from orbax_tunix.mapping.transforms import Shape, chain, merge_axes, take, transpose
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabPadding:
+  """Which rows past a config's `vocab_size` a naming's weights hold as padding (never
+  trained), so that an export may cut them; rows of any other naming are the model's own.
+
+  Attributes:
+    any: every cut is padding (MaxText pads the vocabulary to a multiple of its sharding).
+    known: (stored rows, real vocabulary) pairs that are padding.
+    why: who pads, for notes.
+  """
+
+  any: bool = False
+  known: tuple[tuple[int, int], ...] = ()
+  why: str = ''
+
+  def allows(self, rows: int, vocab_size: int) -> bool:
+    return self.any or (rows, vocab_size) in self.known
+
+
+NO_PADDING = VocabPadding()
+
+# --- Hugging Face's side, shared by every trainer's namings ---------------------------------
+
+LAYER = 'model.layers.{i}'
+# (D, X, H) -> (X·H, D): an input projection as Hugging Face's linear weight.
+IN_PROJ = chain(merge_axes(1, 3), transpose())
+# (N, H, D) -> (D, N·H): the output projection.
+OUT_PROJ = chain(merge_axes(0, 2), transpose())
+# Gemma's (X, D, H) einsums -> (X·H, D).
+HEADS_FIRST = chain(transpose((1, 0, 2)), IN_PROJ)
+
+# LlamaConfig and Qwen2's attention without `head_dim` (the Hub's Llama 3 and Qwen2 configs).
+HEAD_DIM_OF_HIDDEN = {'head_dim': lambda c: c['hidden_size'] // c['num_attention_heads']}
+
+
+def rule(source: str, dest: str, transform=None) -> LayoutRule:
+  """One weight pattern (`/`-separated, `{i}` the layer) onto one tensor name, through
+  `transform` (None: copied)."""
+  return LayoutRule.of(tuple(source.split('/')), (dest,), *(() if transform is None else (transform,)))
+
+
+def per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
+  """One stacked expert weight (experts along `axis`) onto one tensor per expert `{e}`."""
+  return LayoutRule.of(tuple(source.split('/')), (dest,), fan_out=('e', axis),
+                       transform_for=lambda e: chain(take(axis, e), then))
+
+
+# What a person serving an adapter of a Gemma 4 layer whose keys are its values should know
+# (a `LoraWeight.note` of every trainer's naming of gemma4).
+K_EQ_V_NOTE = (
+    "{module}: Gemma 4's layer reuses its keys as values (k_eq_v): transformers and peft have"
+    ' no v_proj there and apply this adapter to the keys, which are the values too (as the'
+    ' run computed); vLLM loads the key weights into separate K and V slots and applies a'
+    ' k_proj adapter to K alone, so served by vLLM the values of these layers stay the'
+    " base's"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraWeight:
+  """How qwix lays out the LoRA adapter of one weight: data beside the weight's rule (a PEFT
+  adapter export reads it; `mapping/peft.py`).
+
+  Attributes:
+    einsum: `a, b -> weight` as qwix arranges them (e.g. 'dr,rnh->ndh': `a` (D, r), `b`
+      (r, N, H), the weight (N, D, H)): where `a`'s dimensions sit among the weight's, for
+      a save without the weight (adapters only). None: `a`'s dimensions then `b`'s, in order
+      (qwix's `dot_general` adapters, and every einsum whose contracted dimensions lead).
+    note: what a person serving the adapter should know, said when the weight is adapted.
+    without: a weight pattern (`{i}`: the layer's number): the note holds only in layers
+      without that weight (MaxText gemma4's global layers have no value kernel: their keys
+      are the values).
+  """
+
+  einsum: str | None = None
+  note: str | None = None
+  without: str | None = None
+
+  def note_for(self, number: int | None, has: Callable[[Path], bool] | None) -> str | None:
+    """The note, where it holds for a weight of layer `number` (None: of no layer) of a model
+    that `has` the weights it has (None: not known, and a conditional note is not said)."""
+    if self.without is None or self.note is None:
+      return self.note
+    if has is None or number is None:
+      return None
+    without = Pattern.parse(self.without.split('/')).expand({'i': [str(number)]})
+    return None if any(has(p) for p in without) else self.note
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerType:
+  """How a layer of one kind (a config's `layer_types` entry, or a `Naming.layer_kinds` one)
+  reads the config otherwise.
+
+  Attributes:
+    fields: config.json field -> the field such a layer reads instead (gemma4's global
+      layers: `head_dim` -> `global_head_dim`), or a value the config class computes from
+      others, named as `Naming.config_defaults` computes it (`2 x intermediate_size`).
+    without: weight patterns (`{i}`: the layer's number) such a layer has not (MaxText
+      gemma4's global layers: no value kernel).
+  """
+
+  fields: Mapping[str, str]
+  without: tuple[str, ...] = ()
+
+
+_ANY_LAYER = LayerType({})
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+  """One trainer's names for a family: its weights onto the family's tensors.
+
+  Attributes:
+    trainer: the trainer whose model code the names are (`trainers`).
+    rules: weight pattern -> tensor name and transform (a trainer that stacks layers: on
+      the per-layer form).
+    required: what every checkpoint of the family holds: per requirement,
+      alternatives, each a set of weight patterns (`{i}` over every layer).
+    dims: config.json field -> (weight pattern, axis) alternatives its value
+      is read from (`num_hidden_layers` is the layer count).
+    tied: config.json's `tie_word_embeddings` from the weights' paths (None:
+      always tied).
+    layer: the pattern of one layer's prefix (`{i}` its number).
+    vocab: weight pattern -> its vocabulary axis (cut to the config's
+      `vocab_size` when the checkpoint's is padded).
+    vocab_padding: which cuts of those axes are padding (`VocabPadding`).
+    form: the layer form the trainer stores the family's layers in, scanned
+      (`stacks.LayerForm`; unscanned, they are the per-layer form its rules name).
+    architecture: the `transformers` class the names are, when not the
+      family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
+      `model.*`, where the Hub's and Tunix's are Gemma4ForConditionalGeneration's
+      `model.language_model.*`).
+    model_type: that architecture's config `model_type`, with `architecture`.
+    lora: weight pattern -> `LoraWeight`, for weights whose adapters are not laid out as
+      `a`'s dimensions then `b`'s, or that a person should know of.
+    axes: weight pattern -> the config.json field giving each of its axes (`dims` read the
+      other way): the shape a base model's config gives a weight that a save of adapters
+      alone lacks (qwix flattens a MaxText kernel's dimensions into its adapters).
+    layer_types: config `layer_types` entry -> `LayerType`, for layers that read other
+      fields (a layer's entry: `layer_types[i]`, else `default_layer_type(i)`).
+    default_layer_type: a layer's kind when the config has no `layer_types`.
+    layer_kinds: other kinds a layer may be of besides its `layer_types` entry -> whether
+      layer `i` of a config is (Gemma 4's kv-shared layers with a double-wide MLP); their
+      `layer_types` entries apply too.
+    config_defaults: config field -> its value when config.json leaves it out, as the
+      `transformers` config class computes it (Llama's `head_dim`: hidden_size //
+      num_attention_heads; the Hub's Llama 3 configs have no `head_dim`); also values
+      computed from fields, under names no config.json has (`2 x intermediate_size`).
+    lora_flattened: qwix flattens this naming's kernels' dimensions into their adapters
+      (MaxText's `dot_general` layers): a save of adapters alone takes the weights' shapes
+      from the base config (`axes`); elsewhere the adapters tell them, and the base config is
+      checked against them (`check_sizes`).
+    as_trained: where the trainer's model class computes otherwise than `transformers` does
+      from the family's config.json (`mapping/as_trained.py`).
+  """
+
+  trainer: trainers.Trainer
+  rules: tuple[LayoutRule, ...]
+  required: tuple[tuple[tuple[str, ...], ...], ...]
+  dims: Mapping[str, tuple[tuple[str, int], ...]]
+  tied: Callable[[Collection[Path]], bool] | None = None
+  layer: tuple[str, ...] = ('layers', '{i}')
+  vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  vocab_padding: VocabPadding = NO_PADDING
+  form: stacks_lib.LayerForm = stacks_lib.UNSCANNED
+  architecture: str | None = None
+  model_type: str | None = None
+  lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
+  axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  layer_types: Mapping[str, LayerType] = dataclasses.field(default_factory=dict)
+  default_layer_type: Callable[[int], str] | None = None
+  layer_kinds: Mapping[str, Callable[[int, Mapping[str, object]], bool]] = dataclasses.field(
+      default_factory=dict)
+  config_defaults: Mapping[str, Callable[[Mapping[str, object]], object]] = dataclasses.field(
+      default_factory=dict)
+  lora_flattened: bool = False
+  as_trained: tuple[AsTrained, ...] = ()
+
+  def config_value(self, config: Mapping[str, object], field: str) -> object:
+    """`config[field]`, else the `transformers` default (`config_defaults`), else None."""
+    if field in config or field not in self.config_defaults:
+      return config.get(field)
+    try:
+      return self.config_defaults[field](config)
+    except (KeyError, TypeError, ZeroDivisionError):
+      return None
+
+  def axis_fields(self, path: Path, config: Mapping[str, object]
+                  ) -> tuple[str | None, ...] | None:
+    """The config.json field giving each axis of the weight at `path` (per-layer form) in a
+    model of this `config` (its text model's fields; None for an axis no field gives), or
+    None: `axes` does not say."""
+    fields = next((fields for pattern, fields in self.axes.items()
+                   if Pattern.parse(pattern.split('/')).match(path) is not None), None)
+    if fields is None:
+      return None
+    kind = self.layer_type(path, config).fields
+    return tuple(None if f is None else kind.get(f, f) for f in fields)
+
+  def layer_number(self, path: Path) -> int | None:
+    """The number of the layer the weight at `path` (per-layer form) is in, or None."""
+    match = Pattern.parse((*self.layer, '...')).match(path)
+    return int(match[0]['i']) if match else None
+
+  def layer_type(self, path: Path, config: Mapping[str, object]) -> LayerType:
+    """How the layer of the weight at `path` reads `config`: its `layer_types` entry's
+    `LayerType`, with those of the `layer_kinds` it is of."""
+    i, kinds, kind = self.layer_number(path), config.get('layer_types'), None
+    if i is None:
+      return _ANY_LAYER
+    if isinstance(kinds, list) and i < len(kinds):
+      kind = kinds[i]
+    elif self.default_layer_type is not None:
+      kind = self.default_layer_type(i)
+    found = [self.layer_types[k] for k in (kind, *self.layer_kinds)
+             if isinstance(k, str) and k in self.layer_types
+             and (k == kind or self.layer_kinds[k](i, config))]
+    if len(found) <= 1:
+      return found[0] if found else _ANY_LAYER
+    return LayerType({f: v for t in found for f, v in t.fields.items()},
+                     tuple(w for t in found for w in t.without))
+
+  def has(self, path: Path, config: Mapping[str, object]) -> bool:
+    """Whether a model of `config` has the weight at `path` as far as its layer's kind says
+    (a save of adapters alone tells no other weight)."""
+    number = self.layer_number(path)  # None: in no layer, whose type lacks nothing.
+    return not any(path in Pattern.parse(w.split('/')).expand({'i': [str(number)]})
+                   for w in self.layer_type(path, config).without)
+
+  def lora_weight(self, path: Path) -> LoraWeight:
+    """How the adapter of the weight at `path` is laid out (see `LoraWeight`)."""
+    return next((value for pattern, value in self.lora.items()
+                 if Pattern.parse(pattern.split('/')).match(path) is not None), LoraWeight())
+
+  def layers(self, paths) -> list[str]:
+    pattern = Pattern.parse((*self.layer, '...'))
+    return sorted({m[0]['i'] for p in paths if (m := pattern.match(p))}, key=int)
+
+  def missing(self, paths) -> list[str]:
+    """The first alternative of each requirement the weights do not meet, as paths."""
+    have, layers = set(paths), self.layers(paths)
+    out = []
+    for alternatives in self.required:
+      # Alternatives over layers are met layer by layer (a layer may hold one alternative,
+      # another layer another: gemma4's global and local layers).
+      per_layer = len(alternatives) > 1 and all('{i}' in p for alt in alternatives for p in alt)
+      for numbers in ([{'i': [n]} for n in layers] if per_layer else [{'i': layers}]):
+        gaps = [
+            [fmt(p) for pattern in alt for p in Pattern.parse(pattern.split('/')).expand(numbers)
+             if p not in have]
+            for alt in alternatives
+        ]
+        if all(gaps):
+          out += gaps[0]
+    return out
+
+  def config(self, shapes: Mapping[Path, Shape]) -> dict[str, object]:
+    """The config.json dimensions these weights imply."""
+    out: dict[str, object] = {'num_hidden_layers': len(self.layers(shapes))}
+    for field, alternatives in self.dims.items():
+      for pattern, axis in alternatives:
+        path = tuple(pattern.split('/'))
+        if path in shapes:
+          out[field] = shapes[path][axis]
+          break
+    out['tie_word_embeddings'] = True if self.tied is None else self.tied(shapes)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One Hugging Face model family, named by each trainer that has the model.
+
+  Attributes:
+    name: what `--model` calls it.
+    architecture: the `transformers` class of the text model these weights
+      are (config.json's `architectures`).
+    model_type: its config's `model_type` (`transformers`' config class).
+    namings: one per trainer whose model code the family is (`Naming.trainer`), the
+      names its weights have there.
+    fixed: config.json fields every model of the family has, whatever the
+      base config says (e.g. Gemma's tanh-approximated GELU).
+    text_prefixes: `transformers` class -> where it holds the text model's modules, for
+      the classes a base model of the family may be (a multimodal one holds them deeper).
+    aliases: other names `model` takes for it: MaxText's model names whose Hugging Face
+      names and layouts are this family's (llama2 and llama3.1 are LlamaForCausalLM).
+    embeddings: the Hugging Face modules whose weight is 2-D but that are no linear layer
+      (PEFT adapts an embedding as a lookup, with lora_embedding_A/B; qwix adapts a product
+      with its weight, e.g. a tied output projection).
+
+  Raises:
+    ValueError: two namings of one trainer.
+  """
+
+  name: str
+  architecture: str
+  model_type: str
+  namings: tuple[Naming, ...]
+  fixed: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  aliases: tuple[str, ...] = ()
+  embeddings: tuple[str, ...] = ('embed_tokens',)
+
+  def __post_init__(self):
+    named = [n.trainer.name for n in self.namings]
+    if len(set(named)) != len(named):
+      raise ValueError(f'the {self.name} family has two namings of one trainer ({named});'
+                       ' give each trainer one.')
+
+  def naming_of(self, trainer: trainers.Trainer) -> Naming | None:
+    """The trainer's naming of the family (None: the trainer has no such model)."""
+    return next((n for n in self.namings if n.trainer == trainer), None)
+
+  def target_of(self, naming: Naming) -> tuple[str, str]:
+    """(architecture, model_type) of the model a naming's tensor names are: the naming's own
+    where it has one (see `Naming.architecture`), else the family's."""
+    return (naming.architecture or self.architecture, naming.model_type or self.model_type)
