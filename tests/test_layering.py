@@ -148,9 +148,6 @@ def test_every_package_imported_is_declared():
 # `MODULE_LINES`: past them a reader loses the one job.
 FUNCTION_LINES = 90
 MODULE_LINES = 1000
-# Owed: MaxText's restore plan, reworked by issue 47's first items (the layer forms, MaxText
-# as rules and a layout); empty this once they land.
-OWED = {('orbax_tunix.maxtext.plan', '_plan_optimizer'), ('orbax_tunix.maxtext.plan', 'make_plan')}
 # The one module that may use other libraries' private API (`jax._src`, `orbax.checkpoint._src`).
 SEAM = 'orbax_tunix.store._orbax'
 
@@ -163,15 +160,8 @@ def test_no_function_is_longer_than_the_limit():
   long = [f'{m}.{n.name}: {n.end_lineno - n.lineno + 1} lines'
           for m, tree in _trees().items() for n in ast.walk(tree)
           if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-          and n.end_lineno - n.lineno + 1 > FUNCTION_LINES and (m, n.name) not in OWED]
+          and n.end_lineno - n.lineno + 1 > FUNCTION_LINES]
   assert long == [], f'functions over {FUNCTION_LINES} lines: {long}'
-
-
-def test_the_owed_functions_are_still_there():
-  # An entry of OWED that no longer names a long function is stale: the limit holds for it.
-  found = {(m, n.name) for m, tree in _trees().items() for n in ast.walk(tree)
-           if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > FUNCTION_LINES}
-  assert OWED <= found, f'remove from OWED: {sorted(OWED - found)}'
 
 
 def test_no_module_is_longer_than_the_limit():
