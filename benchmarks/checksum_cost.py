@@ -76,9 +76,7 @@ def main(argv=None) -> None:
                                env=env)
 
     results = harness.rounds(MODES, args.reps, run)
-    failed = {k: v[0]['error'] for k, v in results.items() if not harness.ok(v)}
-    if failed:
-      raise SystemExit(f'contenders failed: {failed}')
+    harness.exit_if_failed(results)
     total = 2 * args.leaves * args.leaf_mib
     print(f'\nCommand: `python benchmarks/checksum_cost.py --leaves {args.leaves} --leaf-mib'
           f' {args.leaf_mib} --reps {args.reps} --warm {args.warm}'

@@ -449,6 +449,17 @@ def ok(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
   return [r for r in results if 'error' not in r]
 
 
+def exit_if_failed(results: dict[str, list[dict[str, Any]]]) -> None:
+  """Stops the run, naming each contender none of whose children succeeded (its first error).
+
+  Raises:
+    SystemExit: when some contender has no successful child.
+  """
+  failed = {k: v[0]['error'] for k, v in results.items() if not ok(v)}
+  if failed:
+    raise SystemExit(f'contenders failed: {failed}')
+
+
 def first_device_info(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
   """The devices the first successful child reported."""
   for rs in results.values():

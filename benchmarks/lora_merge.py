@@ -145,9 +145,7 @@ def main(argv=None) -> None:
     flags += ['--devices', str(args.devices)]
   results = harness.rounds(CONTENDERS, args.reps,
                            lambda name, _: harness.run_child([__file__, '--child', name, *flags]))
-  failed = {k: v[0]['error'] for k, v in results.items() if not harness.ok(v)}
-  if failed:
-    raise SystemExit(f'contenders failed: {failed}')
+  harness.exit_if_failed(results)
   itemsize = {'float32': 4, 'bfloat16': 2}[args.dtype]
   weight = args.dim * args.dim
   target_mib = args.layers * len(PROJECTIONS) * weight * itemsize / MIB

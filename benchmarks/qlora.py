@@ -532,9 +532,7 @@ def main(argv=None) -> None:
     print(f'check: {checked}', flush=True)
   results = harness.rounds(contenders, args.reps,
                            lambda name, _: harness.run_child([__file__, '--child', name, *flags]))
-  failed = {k: v[0]['error'] for k, v in results.items() if not harness.ok(v)}
-  if failed:
-    raise SystemExit(f'contenders failed: {failed}')
+  harness.exit_if_failed(results)
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(
         {'host': harness.host(), 'model': dataclasses.asdict(model), 'sizes': sizes,

@@ -104,9 +104,7 @@ def main(argv=None) -> None:
     flags += ['--devices', str(args.devices)]
   results = harness.rounds(CONTENDERS, args.reps,
                            lambda name, _: harness.run_child([__file__, '--child', name, *flags]))
-  failed = {k: v[0]['error'] for k, v in results.items() if not harness.ok(v)}
-  if failed:
-    raise SystemExit(f'contenders failed: {failed}')
+  harness.exit_if_failed(results)
   stacked_mib = args.dim * args.layers * args.ffn * 4 / MIB
   shown = ' '.join(f'--{k} {getattr(args, k)}' for k in ('layers', 'dim', 'ffn', 'weights', 'reps',
                                                           'warm'))
