@@ -226,11 +226,14 @@ def status_kb(field: str) -> int | None:
 
 def reset_peak() -> bool:
   """Resets VmHWM to the current RSS; False where not allowed (or switched off)."""
-  if counter_off('rss'):
-    return False
+  return not counter_off('rss') and _write_proc('/proc/self/clear_refs', '5')
+
+
+def _write_proc(path: str, text: str) -> bool:
+  """Writes `text` to a /proc control file; False where the kernel or our rights refuse."""
   try:
-    with open('/proc/self/clear_refs', 'w') as f:
-      f.write('5')
+    with open(path, 'w') as f:
+      f.write(text)
     return True
   except OSError:
     return False
@@ -479,12 +482,7 @@ def files(dirs: Iterable[pathlib.Path]) -> list[pathlib.Path]:
 def drop_all_caches() -> bool:
   """The kernel's own drop (root only); False when not permitted."""
   os.sync()
-  try:
-    with open('/proc/sys/vm/drop_caches', 'w') as f:
-      f.write('3\n')
-    return True
-  except OSError:
-    return False
+  return _write_proc('/proc/sys/vm/drop_caches', '3\n')
 
 
 def evict(dirs: Iterable[pathlib.Path]) -> None:
