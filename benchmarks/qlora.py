@@ -52,6 +52,7 @@ import tempfile
 from typing import Any
 
 import harness  # sibling module; the script's directory is on sys.path
+import synthetic  # sibling module
 
 MIB = 2**20
 CONTENDERS = ('raw', 'qwix', 'dequant', 'merge')
@@ -147,14 +148,8 @@ def model_of(args) -> Model:
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for path, value in flat.items():
-    node = out
-    *parents, last = path.split('/')
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[last] = value
-  return out
+  """Nested dicts from '/'-joined paths."""
+  return synthetic.nest((tuple(path.split('/')), value) for path, value in flat.items())
 
 
 def write(step: pathlib.Path, model: Model) -> dict[str, int]:
