@@ -194,6 +194,33 @@ def _write_config(d: pathlib.Path, config: dict) -> pathlib.Path:
   return d
 
 
+def export_then_send(planned: dict[str, tuple[pathlib.Path, list[str]]],
+                     after: dict[tuple[str, ...] | None, list[tuple[clients.Worker, dict]]]
+                     ) -> dict[str, dict]:
+  """Runs the planned CLI exports (name -> (output, argv)) side by side, and sends each
+  worker job of `after` (the exports it needs, sorted, or None -> [(worker, job)]) as soon
+  as every export it needs exited 0: the jobs needing none first.
+
+  Returns:
+    name -> the CLI run (`run_cli`'s, with 'out' its output).
+  """
+  def send(key):
+    for worker, kw in after.pop(key, []):
+      worker.send(kw)
+
+  send(None)
+  runs: dict[str, dict] = {}
+  with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+    futures = {pool.submit(run_cli, argv): name for name, (_, argv) in planned.items()}
+    for f in concurrent.futures.as_completed(futures):
+      name = futures[f]
+      runs[name] = {**f.result(), 'out': planned[name][0]}
+      done = {n for n, r in runs.items() if r['rc'] == 0}
+      for key in [k for k in after if k and set(k) <= done]:
+        send(key)
+  return runs
+
+
 @pytest.fixture(scope='module')
 def hf(hf_python, tmp_path_factory):
   t0 = time.time()
@@ -287,20 +314,7 @@ def hf(hf_python, tmp_path_factory):
       base=dir_of('towers_hf_gemma4_lora'), adapter=dir_of('peft_hf_gemma4_lora'),
       tokens=manifest('hf_gemma4_lora')['tokens'])
 
-  def send(key):
-    for worker, kw in after.pop(key, []):
-      worker.send(kw)
-
-  send(None)
-  runs: dict[str, dict] = {}
-  with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-    futures = {pool.submit(run_cli, argv): name for name, (_, argv) in planned.items()}
-    for f in concurrent.futures.as_completed(futures):
-      name = futures[f]
-      runs[name] = {**f.result(), 'out': planned[name][0]}
-      done = {n for n, r in runs.items() if r['rc'] == 0}
-      for key in [k for k in after if k and set(k) <= done]:
-        send(key)
+  runs = export_then_send(planned, after)
   export_seconds = time.time() - t0
   for worker in (tunix_worker, hf_worker):
     worker.finish(WORKER_TIMEOUT)

@@ -306,7 +306,6 @@ def test_full_save_merges_onto_its_dequantized_base(runs, mesh, name):
   floats = ot.restore_merged_lora(run['root'] / 'only', target, alpha=lm.ALPHA,
                                   base=run['root'] / 'base')
   wrong = np.abs(forward('qwix', floats) - run['logits']).max()
-  print(name, right, wrong)
   if run['dtype'] == jnp.float32:
     assert right <= F32_ATOL and wrong > 5 * F32_ATOL, (right, wrong)
   else:  # bfloat16 through the network blurs both; the quantized base is still the nearer.

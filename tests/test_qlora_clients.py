@@ -17,9 +17,7 @@ folder with no missing, unexpected or mismatched key; peft loads each adapter.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import os
 import sys
 
 import numpy as np
@@ -27,7 +25,7 @@ import pytest
 
 from tests import clients
 from tests.clients import subprocess_env
-from tests.test_export_hf import DATA, MANIFEST, _job, export_argv, manifest, run_cli
+from tests.test_export_hf import DATA, MANIFEST, _job, export_argv, manifest
 from tests.test_hf_clients import (
     HF_CLIENT,
     HUB_CONFIGS,
@@ -37,6 +35,7 @@ from tests.test_hf_clients import (
     Runs,
     _write_config,
     assert_clean_load,
+    export_then_send,
     max_diff,
 )
 
@@ -118,20 +117,7 @@ def hf(hf_python, tmp_path_factory):
     job(hf_worker, (base, f'peft_{name}'), id=f'peft_{name}', job='peft', base=str(out / base),
         adapter=str(out / f'peft_{name}'), tokens=tokens)
 
-  def send(key):
-    for worker, kw in after.pop(key, []):
-      worker.send(kw)
-
-  send(None)
-  runs = {}
-  with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-    futures = {pool.submit(run_cli, argv): key for key, (_, argv) in planned.items()}
-    for f in concurrent.futures.as_completed(futures):
-      key = futures[f]
-      runs[key] = {**f.result(), 'out': planned[key][0]}
-      done = {n for n, r in runs.items() if r['rc'] == 0}
-      for needs in [k for k in after if k and set(k) <= done]:
-        send(needs)
+  runs = export_then_send(planned, after)
   for worker in (tunix_worker, hf_worker):
     worker.finish(WORKER_TIMEOUT)
   return Runs(runs, hf_worker, tunix_worker)

@@ -408,7 +408,7 @@ def _add_layout_options(p: argparse.ArgumentParser, destination: layouts.Destina
 def _add_switches(p: argparse.ArgumentParser, command: str) -> None:
   """The flags that choose a command's other destinations (`layouts.Switch`: `export
   --peft`), each with the flags of the options only its layouts take."""
-  default = next(d for d in layouts.destinations(command) if d.switch is None)
+  default = _default(command)
   for destination in layouts.destinations(command):
     if destination.switch is None:
       continue

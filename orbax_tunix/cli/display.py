@@ -431,12 +431,13 @@ def _scalar_text(value: Any) -> str:
 
 
 # What a LoRA save is good for, by whether its base weights are saved too (`inspect`); `{alpha}`
-# is the scaling flag qwix's adapters need (flax's have no alpha: none).
+# is the scaling flag qwix's adapters need (flax's have no alpha: none), `{base_model}` the
+# flag adapters saved alone may need (`_lora_uses`).
 LORA_USES = {
     True: 'export --peft{alpha} (a PEFT adapter) and --base-only (its base model), or'
           ' export/convert --merge-lora{alpha} (the merged model)',
-    False: 'export --peft{alpha} (a PEFT adapter of the base the run started from), or'
-           ' export/convert --merge-lora{alpha} --base BASE (the merged model)',
+    False: 'export --peft{alpha}{base_model} (a PEFT adapter of the base the run started from),'
+           ' or export/convert --merge-lora{alpha} --base BASE (the merged model)',
 }
 
 
@@ -446,12 +447,10 @@ def _lora_uses(lora: inspection.LoraReport) -> str:
   their kernels' shapes from the base model's config (qwix flattened them), so --peft needs
   --base-model FOLDER there."""
   alpha = '' if lora.style == lora_lib.FLAX else ' --lora-alpha A'
-  uses = LORA_USES[lora.base_weights].format(alpha=alpha)
-  targets = [tuple(t.split('/')) for t in lora.targets]
-  if lora.base_weights or not huggingface.adapters_need_config(targets):
-    return uses
-  return uses.replace(f'--peft{alpha} (a PEFT adapter', f'--peft{alpha} --base-model FOLDER'
-                      ' (a PEFT adapter', 1)
+  needs_config = not lora.base_weights and huggingface.adapters_need_config(
+      [tuple(t.split('/')) for t in lora.targets])
+  return LORA_USES[lora.base_weights].format(
+      alpha=alpha, base_model=' --base-model FOLDER' if needs_config else '')
 
 
 def _fold_targets(targets: Sequence[str], ranks: Sequence[int], collapse: bool
