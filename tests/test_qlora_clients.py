@@ -171,4 +171,14 @@ def test_adapter_loads_in_peft(hf, name):
     assert 'trained against a quantized base' in hf.note(f'peft_{name}')
     assert 'written dequantized' in hf.note(f'base_{name}')
   else:
+    # On the float base the adapter computes W_float + s·A·B: the float-base merge whose
+    # distance from the QLoRA model the fixture measured with Tunix's own model classes. Equal
+    # distances within the bound (a max-abs distance moves by at most the logits' difference);
+    # a zeroed or mis-scaled adapter lands at the bare float base's distance, far from it.
+    q = qlora(name)
     assert diff > 5 * bound(name, want)
+    assert abs(q['logits_max_abs_diff_float_base'] - q['logits_max_abs_diff_float_base_merge']) \
+        > 2 * bound(name, want), name  # the check below can tell the adapter's absence
+    assert abs(diff - q['logits_max_abs_diff_float_base_merge']) <= bound(name, want), (
+        f'{name}: {diff} from the QLoRA model, the float-base merge'
+        f' {q["logits_max_abs_diff_float_base_merge"]}')
