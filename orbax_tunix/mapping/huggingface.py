@@ -137,7 +137,7 @@ def model_weights(found: Mapping[Path, T]) -> tuple[dict[Path, T], list[str]]:
   aqt = [p for p in found if conventions.is_quantization_state(p)]
   if not aqt:
     return dict(found), []
-  kept = {p: o for p, o in found.items() if p not in set(aqt)}
+  kept = {p: o for p, o in found.items() if not conventions.is_quantization_state(p)}
   return kept, [f'left out {len(aqt)} AQT quantization leaves (e.g. {fmt(aqt[0])}): not'
                 ' weights of the model']
 
