@@ -183,8 +183,7 @@ def _read_as_stored(output: Output) -> Output:
 
 def _config_vocab(values: object) -> int | None:
   """The `vocab_size` of a parsed config.json (its text model's), if it names one."""
-  values = values.get('text_config', values) if isinstance(values, dict) else {}
-  vocab = values.get('vocab_size') if isinstance(values, dict) else None
+  vocab = (config_lib.text_fields(values) or {}).get('vocab_size')
   return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
