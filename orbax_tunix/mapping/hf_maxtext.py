@@ -59,7 +59,8 @@ from orbax_tunix.mapping.transforms import (
 
 MAXTEXT_PADDING = VocabPadding(any=True, why='MaxText pads the vocabulary for sharding')
 
-MT_LAYER = 'decoder/layers_{i}'
+# The per-layer form the layer forms take stacked layers apart into (`LayerForm.unstack`).
+MT_LAYER = '/'.join(stacks_lib.LAYER)
 _MT_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
 
 
@@ -142,7 +143,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_default
   return Naming(
       trainers.MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
       form=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
       lora_flattened=True,
   )
@@ -190,7 +191,7 @@ def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   )
   return Naming(trainers.MAXTEXT, rules, ((required,),), _mt_dims(),
-                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 form=stacks_lib.blocks(6), axes=_MT_AXES, lora_flattened=True)
 
 
