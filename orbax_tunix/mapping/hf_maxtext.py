@@ -43,6 +43,7 @@ from orbax_tunix.mapping.hf_naming import (
   LoraWeight,
   Naming,
   VocabPadding,
+  gemma4_layer_type,
   per_expert,
   rule,
 )
@@ -231,8 +232,7 @@ def _maxtext_gemma4() -> Naming:
       layer_types={'full_attention': _GEMMA4_GLOBAL},
       # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
       # (it also makes the last layer global; MaxText's remainder layers are local).
-      default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
-                                    else 'sliding_attention'))
+      default_layer_type=gemma4_layer_type)
 
 
 def _maxtext_qwen3_moe() -> Naming:
