@@ -89,8 +89,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   # A stacked weight's layers (and a fused weight's parts) are read one by one,
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
-  trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes, naming.layers(shapes),
-                              write=request.option(CONFIG_AS_TRAINED))
+  trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes,
+                              naming.layers(shapes), write=request.option(CONFIG_AS_TRAINED))
   files, notes = _config_files(family, hf_config, base_config, shapes,
                                {o.dtype.name for o in outputs if o.dtype is not None}, trained)
   notes = [*rng_note(source), *left_out, *vocab_notes, *notes,

@@ -3,11 +3,11 @@ MaxText model, or MaxText's own step) onto `transformers` tensor names, as data
 (`hf_naming.Naming`).
 
 MaxText's naming is on the per-layer form `decoder/layers_{i}/<w>`: its stacked forms are
-first taken apart by its layer form (`Naming.form`, a `mapping.stacks.LayerForm`); then the rules apply
-what MaxText's own converter applies (checkpoint_conversion/utils/param_mapping.py): kernels
-(in, heads, head_dim) merged and transposed to (out, in); gemma norms `w - 1` (MaxText stores
-`1 + w`); gemma3's embedding divided by sqrt(hidden) rounded to bfloat16 (gemma4: in float32),
-as MaxText stores it scaled.
+first taken apart by its layer form (`Naming.form`, a `mapping.stacks.LayerForm`); then the
+rules apply what MaxText's own converter applies (checkpoint_conversion/utils/
+param_mapping.py): kernels (in, heads, head_dim) merged and transposed to (out, in); gemma
+norms `w - 1` (MaxText stores `1 + w`); gemma3's embedding divided by sqrt(hidden) rounded
+to bfloat16 (gemma4: in float32), as MaxText stores it scaled.
 
 MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
 

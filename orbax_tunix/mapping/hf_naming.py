@@ -75,7 +75,8 @@ def gemma4_layer_type(i: int) -> str:
 def rule(source: str, dest: str, transform=None) -> LayoutRule:
   """One weight pattern (`/`-separated, `{i}` the layer) onto one tensor name, through
   `transform` (None: copied)."""
-  return LayoutRule.of(tuple(source.split('/')), (dest,), *(() if transform is None else (transform,)))
+  return LayoutRule.of(tuple(source.split('/')), (dest,),
+                       *(() if transform is None else (transform,)))
 
 
 def per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:

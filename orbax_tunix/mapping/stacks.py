@@ -173,7 +173,8 @@ class LayerForm:
     hit = self._find(path)
     return () if hit is None else tuple(range(axis, axis + self.stacks[hit[0]].depth))
 
-  def _stacked(self, shapes: Mapping[Path, Shape | None]) -> list[tuple[int, int | None, Path, Path, Shape]]:
+  def _stacked(self, shapes: Mapping[Path, Shape | None]
+               ) -> list[tuple[int, int | None, Path, Path, Shape]]:
     """(stack, j, weight, path, shape) of each array of `shapes` in a stack (known shapes)."""
     return [(*hit, p, tuple(s)) for p, s in sorted(shapes.items())
             if s is not None and (hit := self._find(p)) is not None]
