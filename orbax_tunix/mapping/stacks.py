@@ -406,7 +406,8 @@ class LayerForm:
 
   def _misfit(self, shapes, axis: int | None, axes: Sequence[int], where: str) -> str:
     """Why the stacked weights do not hold their layers along `axis`."""
-    stacked = {p: s for _, _, _, p, s in self._stacked(shapes) if p in self._on_axes(shapes, 0)}
+    on_axes = self._on_axes(shapes, 0)
+    stacked = {p: s for _, _, _, p, s in self._stacked(shapes) if p in on_axes}
     if axis is not None and axes:
       sizes = ', '.join(f'{fmt(p)} {s}' for p, s in sorted(stacked.items())[:6])
       held = self._on_axes(shapes, axes[0])[min(stacked)]
