@@ -89,8 +89,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   # A stacked weight's layers (and a fused weight's parts) are read one by one,
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
-  trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes, naming.layers(shapes),
-                              write=request.option(CONFIG_AS_TRAINED))
+  trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes,
+                              naming.layers(shapes), write=request.option(CONFIG_AS_TRAINED))
   files, notes = _config_files(family, hf_config, base_config, shapes,
                                {o.dtype.name for o in outputs if o.dtype is not None}, trained)
   notes = [*rng_note(source), *left_out, *vocab_notes, *notes,
@@ -183,8 +183,7 @@ def _read_as_stored(output: Output) -> Output:
 
 def _config_vocab(values: object) -> int | None:
   """The `vocab_size` of a parsed config.json (its text model's), if it names one."""
-  values = values.get('text_config', values) if isinstance(values, dict) else {}
-  vocab = values.get('vocab_size') if isinstance(values, dict) else None
+  vocab = (config_lib.text_fields(values) or {}).get('vocab_size')
   return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 

@@ -153,9 +153,7 @@ def _text_config(base_folder: tuple[epath.Path, object] | None) -> Mapping[str, 
   """The text model's config fields of the `base_model` folder's config.json (a multimodal
   one's `text_config`), or None: no folder, or no JSON object (`_names_for_base` refuses it,
   naming what it is)."""
-  values = None if base_folder is None else base_folder[1]
-  text = values.get('text_config', values) if isinstance(values, dict) else None
-  return text if isinstance(text, dict) else None
+  return None if base_folder is None else config_lib.text_fields(base_folder[1])
 
 
 def _told_shapes(family: Family, naming: Naming,

@@ -80,6 +80,13 @@ def read(folder: epath.Path | None, option: str = CONFIG_OPTION) -> object:
                           ' run was trained from.')
 
 
+def text_fields(values: object) -> dict | None:
+  """The text model's fields of a parsed config.json (a multimodal one's `text_config`), or
+  None where they are no JSON object."""
+  text = values.get('text_config', values) if isinstance(values, dict) else None
+  return text if isinstance(text, dict) else None
+
+
 def _bad_config(where: str, found: str, option: str) -> errors.InvalidOptionError:
   return errors.InvalidOptionError(
       f'{where}: expected a Hugging Face config.json (a JSON object with the model\'s'

@@ -3,11 +3,11 @@ MaxText model, or MaxText's own step) onto `transformers` tensor names, as data
 (`hf_naming.Naming`).
 
 MaxText's naming is on the per-layer form `decoder/layers_{i}/<w>`: its stacked forms are
-first taken apart by its layer form (`Naming.form`, a `mapping.stacks.LayerForm`); then the rules apply
-what MaxText's own converter applies (checkpoint_conversion/utils/param_mapping.py): kernels
-(in, heads, head_dim) merged and transposed to (out, in); gemma norms `w - 1` (MaxText stores
-`1 + w`); gemma3's embedding divided by sqrt(hidden) rounded to bfloat16 (gemma4: in float32),
-as MaxText stores it scaled.
+first taken apart by its layer form (`Naming.form`, a `mapping.stacks.LayerForm`); then the
+rules apply what MaxText's own converter applies (checkpoint_conversion/utils/
+param_mapping.py): kernels (in, heads, head_dim) merged and transposed to (out, in); gemma
+norms `w - 1` (MaxText stores `1 + w`); gemma3's embedding divided by sqrt(hidden) rounded
+to bfloat16 (gemma4: in float32), as MaxText stores it scaled.
 
 MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
 
@@ -43,6 +43,7 @@ from orbax_tunix.mapping.hf_naming import (
   LoraWeight,
   Naming,
   VocabPadding,
+  gemma4_layer_type,
   per_expert,
   rule,
 )
@@ -59,7 +60,8 @@ from orbax_tunix.mapping.transforms import (
 
 MAXTEXT_PADDING = VocabPadding(any=True, why='MaxText pads the vocabulary for sharding')
 
-MT_LAYER = 'decoder/layers_{i}'
+# The per-layer form the layer forms take stacked layers apart into (`LayerForm.unstack`).
+MT_LAYER = '/'.join(stacks_lib.LAYER)
 _MT_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
 
 
@@ -142,7 +144,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_default
   return Naming(
       trainers.MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
       form=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
       lora_flattened=True,
   )
@@ -190,7 +192,7 @@ def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   )
   return Naming(trainers.MAXTEXT, rules, ((required,),), _mt_dims(),
-                layer=tuple(MT_LAYER.split('/')), vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
                 form=stacks_lib.blocks(6), axes=_MT_AXES, lora_flattened=True)
 
 
@@ -230,8 +232,7 @@ def _maxtext_gemma4() -> Naming:
       layer_types={'full_attention': _GEMMA4_GLOBAL},
       # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
       # (it also makes the last layer global; MaxText's remainder layers are local).
-      default_layer_type=lambda i: ('full_attention' if (i + 1) % 6 == 0
-                                    else 'sliding_attention'))
+      default_layer_type=gemma4_layer_type)
 
 
 def _maxtext_qwen3_moe() -> Naming:

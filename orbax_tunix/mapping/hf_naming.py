@@ -66,10 +66,17 @@ HEADS_FIRST = chain(transpose((1, 0, 2)), IN_PROJ)
 HEAD_DIM_OF_HIDDEN = {'head_dim': lambda c: c['hidden_size'] // c['num_attention_heads']}
 
 
+def gemma4_layer_type(i: int) -> str:
+  """Gemma 4's layer `i` as transformers' Gemma4TextConfig types it without `layer_types`:
+  every sixth global (`full_attention`), the rest local."""
+  return 'full_attention' if (i + 1) % 6 == 0 else 'sliding_attention'
+
+
 def rule(source: str, dest: str, transform=None) -> LayoutRule:
   """One weight pattern (`/`-separated, `{i}` the layer) onto one tensor name, through
   `transform` (None: copied)."""
-  return LayoutRule.of(tuple(source.split('/')), (dest,), *(() if transform is None else (transform,)))
+  return LayoutRule.of(tuple(source.split('/')), (dest,),
+                       *(() if transform is None else (transform,)))
 
 
 def per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:

@@ -26,6 +26,7 @@ from orbax_tunix.mapping.hf_naming import (
   LoraWeight,
   Naming,
   VocabPadding,
+  gemma4_layer_type,
   per_expert,
   rule,
 )
@@ -354,7 +355,7 @@ GEMMA4 = Naming(
                                          'head_dim')},
     layer_types={'full_attention': LayerType({'head_dim': 'global_head_dim'}),
                  'double_wide_mlp': LayerType({'intermediate_size': _DOUBLE_MLP})},
-    default_layer_type=lambda i: 'full_attention' if (i + 1) % 6 == 0 else 'sliding_attention',
+    default_layer_type=gemma4_layer_type,
     layer_kinds={'double_wide_mlp': _double_wide_mlp},
     config_defaults={'global_head_dim': lambda c: 512,
                      _DOUBLE_MLP: lambda c: 2 * c['intermediate_size']},

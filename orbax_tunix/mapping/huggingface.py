@@ -76,6 +76,12 @@ def choices() -> tuple[str, ...]:
   return (*names(), *aliases())
 
 
+def _namings_by(trainer: trainers.Trainer) -> dict[str, Naming]:
+  """Each family's naming by `trainer` (family name -> naming), for the families that have
+  one, in the order registered."""
+  return {f.name: n for f in map(FAMILIES.get, names()) if (n := f.naming_of(trainer)) is not None}
+
+
 def naming(family: Family, paths: Collection[Path], where: str = '') -> Naming:
   """The family's naming by the trainer whose names the weights at `paths` carry
   (`trainers.of`).
@@ -87,7 +93,7 @@ def naming(family: Family, paths: Collection[Path], where: str = '') -> Naming:
   trainer = trainers.of(paths)
   found = family.naming_of(trainer)
   if found is None:
-    takers = [f.name for f in map(get, names()) if f.naming_of(trainer) is not None]
+    takers = list(_namings_by(trainer))
     kinds = ' or a '.join(n.trainer.title for n in family.namings)
     raise errors.UnsupportedLayoutError(
         f'{where}: these weights are a {trainer.title}\'s; the {family.name} family'
@@ -102,7 +108,7 @@ def adapters_need_config(paths: Collection[Path]) -> bool:
   base model's config: every family's naming by their trainer flattens its kernels into the
   adapters (`Naming.lora_flattened`: MaxText's)."""
   trainer = trainers.of(paths)
-  found = [n for f in map(get, names()) if (n := f.naming_of(trainer)) is not None]
+  found = _namings_by(trainer).values()
   return bool(found) and all(n.lora_flattened for n in found)
 
 
@@ -123,8 +129,7 @@ def describe_weights(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib
     paths = [p for p in shapes if not lora.is_adapter(p)]
     if not paths and shapes:
       return ADAPTERS_ONLY
-    namings = [n for f in map(get, names()) if (n := f.naming_of(trainer)) is not None]
-    known = any(n.layers(paths) and not n.missing(paths) for n in namings)
+    known = any(n.layers(paths) and not n.missing(paths) for n in _namings_by(trainer).values())
     return trainer.title if known else NO_MODEL
   form = layer_form(shapes) or stacks_lib.UNSCANNED
   count = form.count(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
@@ -137,7 +142,7 @@ def model_weights(found: Mapping[Path, T]) -> tuple[dict[Path, T], list[str]]:
   aqt = [p for p in found if conventions.is_quantization_state(p)]
   if not aqt:
     return dict(found), []
-  kept = {p: o for p, o in found.items() if p not in set(aqt)}
+  kept = {p: o for p, o in found.items() if not conventions.is_quantization_state(p)}
   return kept, [f'left out {len(aqt)} AQT quantization leaves (e.g. {fmt(aqt[0])}): not'
                 ' weights of the model']
 

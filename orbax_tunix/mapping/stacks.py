@@ -173,7 +173,8 @@ class LayerForm:
     hit = self._find(path)
     return () if hit is None else tuple(range(axis, axis + self.stacks[hit[0]].depth))
 
-  def _stacked(self, shapes: Mapping[Path, Shape | None]) -> list[tuple[int, int | None, Path, Path, Shape]]:
+  def _stacked(self, shapes: Mapping[Path, Shape | None]
+               ) -> list[tuple[int, int | None, Path, Path, Shape]]:
     """(stack, j, weight, path, shape) of each array of `shapes` in a stack (known shapes)."""
     return [(*hit, p, tuple(s)) for p, s in sorted(shapes.items())
             if s is not None and (hit := self._find(p)) is not None]
@@ -296,30 +297,22 @@ class LayerForm:
       UnsupportedLayoutError: `axis` does not fit the weights.
     """
     layers = self.layers(shapes, where)
-    out = {p: Mapped((p,), IDENTITY, None if s is None else tuple(s))
-           for p, s in shapes.items() if not self.stacks or layer_of(p) is None}
+    kept = [(p, (p,), IDENTITY) for p in shapes if not self.stacks or layer_of(p) is None]
     if not self.stacks:
-      return out
+      return _made(kept, shapes)
     groups: dict[tuple[int, Path], dict[tuple[int, ...], Path]] = {}
     for i, weights in layers.items():
       k, j, index = self.place(i, len(layers))
       for w in weights:
         groups.setdefault((k, (*self.stacks[k].path(j), *w)), {})[index] = (*layer_path(i), *w)
-    problems = []
+    stacked = []
     for (k, dest), parts in sorted(groups.items()):
       order = sorted(parts)
       sizes = tuple(max(index[d] for index in order) + 1 for d in range(self.stacks[k].depth))
-      transform = _stacking(axis, sizes)
-      sources = tuple(parts[index] for index in order)
-      try:
-        out[dest] = Mapped(sources, transform, transform.check([shapes[p] for p in sources]))
-      except TransformError as e:
-        problems.append(f'{fmt(dest)}: {e}')
-    if problems:
-      raise errors.UnsupportedLayoutError(
-          f'{where}: the layers cannot be stacked as {self.name}, along param_scan_axis={axis}:'
-          f'\n{errors.list_paths(problems)}')
-    return out
+      stacked.append((dest, tuple(parts[index] for index in order), _stacking(axis, sizes)))
+    return _made(kept + stacked, shapes,
+                 f'{where}: the layers cannot be stacked as {self.name}, along'
+                 f' param_scan_axis={axis}')
 
   def layers(self, shapes: Mapping[Path, Shape | None], where: str = ''
              ) -> dict[int, dict[Path, Shape]]:
@@ -413,7 +406,8 @@ class LayerForm:
 
   def _misfit(self, shapes, axis: int | None, axes: Sequence[int], where: str) -> str:
     """Why the stacked weights do not hold their layers along `axis`."""
-    stacked = {p: s for _, _, _, p, s in self._stacked(shapes) if p in self._on_axes(shapes, 0)}
+    on_axes = self._on_axes(shapes, 0)
+    stacked = {p: s for _, _, _, p, s in self._stacked(shapes) if p in on_axes}
     if axis is not None and axes:
       sizes = ', '.join(f'{fmt(p)} {s}' for p, s in sorted(stacked.items())[:6])
       held = self._on_axes(shapes, axes[0])[min(stacked)]
@@ -452,6 +446,28 @@ def _stacking(axis: int, sizes: tuple[int, ...]) -> Transform:
   if not sizes:
     return IDENTITY
   return stack(axis) if len(sizes) == 1 else chain(stack(axis), split_axis(axis, sizes))
+
+
+def _made(made: Sequence[tuple[Path, tuple[Path, ...], Transform]],
+          shapes: Mapping[Path, Shape | None], why: str = '') -> dict[Path, Mapped]:
+  """Each (destination, its sources, the transform joining them) as a `Mapped`, its shape
+  checked (None where a source's is not known).
+
+  Raises:
+    UnsupportedLayoutError: `why`, then each destination whose sources the transform
+      does not take.
+  """
+  out, problems = {}, []
+  for dest, sources, transform in made:
+    known = [shapes[p] for p in sources]
+    try:
+      out[dest] = Mapped(sources, transform,
+                         None if any(s is None for s in known) else transform.check(known))
+    except TransformError as e:
+      problems.append(f'{fmt(dest)}: {e}')
+  if problems:
+    raise errors.UnsupportedLayoutError(f'{why}:\n{errors.list_paths(problems)}')
+  return out
 
 
 def _put(out: dict[Path, Mapped], dest: Path, mapped: Mapped, problems: list[str]) -> None:
@@ -523,19 +539,12 @@ def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm,
     raise errors.UnsupportedLayoutError(
         f'{where}: the layers are stacked as {have.name}; expected them per layer or as'
         f' {want.name}, to be stacked so.')
-  out, problems = {}, []
-  for p, s in shapes.items():
+  def moved(p: Path, s: Shape | None) -> Transform:
     hit = have._find(p) if s is not None and axis != to_axis else None
-    moved = IDENTITY if hit is None else _move(axis, to_axis, have.stacks[hit[0]].depth)
-    try:
-      out[p] = Mapped((p,), moved, None if s is None else moved.check([s]))
-    except TransformError as e:
-      problems.append(f'{fmt(p)}: {e}')
-  if problems:
-    raise errors.UnsupportedLayoutError(
-        f'{where}: the layers cannot be moved from param_scan_axis={axis} to {to_axis}:\n'
-        f'{errors.list_paths(problems)}')
-  return out
+    return IDENTITY if hit is None else _move(axis, to_axis, have.stacks[hit[0]].depth)
+
+  return _made([(p, (p,), moved(p, s)) for p, s in shapes.items()], shapes,
+               f'{where}: the layers cannot be moved from param_scan_axis={axis} to {to_axis}')
 
 
 def _move(axis: int, to: int, depth: int) -> Transform:

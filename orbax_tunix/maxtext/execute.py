@@ -115,8 +115,8 @@ def restore_train_state(
   Raises:
     TargetMismatchError: the target does not fit the checkpoint (weights on
       one side only, shapes, optimizer states), or has no leaves (None, {});
-      raised before any array is read. `LayerScanMismatchError` (scanned vs unscanned with layer counts
-      or an axis that do not fit) and `LoraOnlyCheckpointError` are two cases.
+      raised before any array is read. `LayerScanMismatchError` (scanned vs unscanned with
+      layer counts or an axis that do not fit) and `LoraOnlyCheckpointError` are two cases.
     UnsupportedLayoutError: not a Tunix checkpoint.
     LoraError: a merge without `params_only`, `lora_alpha` or `lora_scale`
       without a merge, or one that is not a finite number (before any read).

@@ -41,12 +41,12 @@ def relayout(view: CheckpointView, target: Mapping[Path, Shape | None], aux: Col
   stacks.check_axis(axis)
   weights = [w for w in view.model if w not in aux]
   missing = [w for w in target if w not in view.model]
-  have = huggingface.layer_form([w for w in weights if w not in target])
-  want = huggingface.layer_form(missing)
+  unwanted = [w for w in weights if w not in target]
+  have, want = huggingface.layer_form(unwanted), huggingface.layer_form(missing)
   if not missing or None in (have, want) or have == want:
     return {w: Mapped((w,), IDENTITY, None) for w in weights}, {}
   where = str(view.step_dir)
-  stored = view.shapes(conventions.MODEL_ITEM, [w for w in weights if w not in target])
+  stored = view.shapes(conventions.MODEL_ITEM, unwanted)
   wanted = {w: s for w, s in target.items() if want.holds(w) or stacks.layer_of(w) is not None}
   if have.scanned:
     axis = have.axis(stored, axis, count=want.count(wanted), where=where)

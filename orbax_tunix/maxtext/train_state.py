@@ -40,7 +40,6 @@ ADAMW: tuple[tuple[tuple[str, bool], ...] | None, ...] = (
     (('count', False),),
 )
 COUNT_DTYPE = np.dtype(np.int32)
-STEP_DTYPE = np.dtype(np.int32)
 
 
 def adamw() -> Chain:
