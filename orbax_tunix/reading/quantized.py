@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 
 from orbax_tunix.conventions import QVALUE, SCALE, ZERO_POINT
 from orbax_tunix.keypaths import Path
+from orbax_tunix.reading import read_requests
 from orbax_tunix.reading.read_requests import ReadRequest
 
 Shape = tuple[int, ...]
@@ -303,13 +304,9 @@ def part_requests(request: ReadRequest, parts: Mapping[str, tuple[Shape, np.dtyp
   if sharding is None:
     return {name: (0, ocp.RestoreArgs()) for name in parts}  # As saved, as Orbax does.
   weight = tuple(parts[QVALUE][0])
-  out = {}
-  for name, (shape, dtype) in parts.items():
-    shape = tuple(shape)
-    s = sharding if name == QVALUE else _lined_up(sharding, shape, weight)
-    out[name] = (jax.ShapeDtypeStruct(shape, dtype, sharding=s), ocp.ArrayRestoreArgs(
-        restore_type=jax.Array, sharding=s, global_shape=shape, dtype=dtype))
-  return out
+  return {name: read_requests.into(shape, dtype, sharding if name == QVALUE else
+                                   _lined_up(sharding, tuple(shape), weight))
+          for name, (shape, dtype) in parts.items()}
 
 
 def combine(request: ReadRequest, values: Mapping[str, Any], qscheme: Scheme) -> Any:
