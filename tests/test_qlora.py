@@ -26,10 +26,11 @@ from qwix._src.core import numerics, qarray
 
 import orbax_tunix as ot
 from orbax_tunix import errors
-from orbax_tunix.keypaths import flat_dict, nest
+from orbax_tunix.keypaths import flat_dict, fmt, nest
 from orbax_tunix.mapping import merge
 from orbax_tunix.reading import quantized
 from orbax_tunix.reading.planned_item import PlannedItem
+from orbax_tunix.store import item_store
 from tests import builders
 from tests import lora_models as lm
 from tests.test_lora_merge import F32_ATOL, abstract_weights, forward
@@ -158,6 +159,24 @@ def test_each_weights_parts_are_freed_once_it_is_made(runs, mesh, monkeypatch):
   assert len(alive) == 4 and len(jax.tree.leaves(got)) == 4, alive
   # As each weight is made, the weights made before it hold no parts any more.
   assert np.diff(alive).tolist() == [-2, -2, -2], alive
+
+
+def test_the_parts_headers_are_read_in_one_batch(runs, mesh, monkeypatch):
+  """A restore of several quantized weights reads their scales' and zero points' headers
+  together, not one round trip per weight (a bucket's latency each)."""
+  batches, read_headers = [], item_store.Item._read_headers
+
+  def reading(self, paths):
+    batches.append([fmt(p) for p in paths])
+    return read_headers(self, paths)
+
+  monkeypatch.setattr(item_store.Item, '_read_headers', reading)
+  run = runs['int8_minmax_tile4']
+  got = _restore_params(run['root'] / 'full' / '1', _float_target(mesh))
+  assert len(jax.tree.leaves(got)) == 4
+  with_scales = [b for b in batches if any('/array/scale' in p for p in b)]
+  assert len(with_scales) == 1, batches
+  assert sum('/array/scale' in p or '/array/zero_point' in p for p in with_scales[0]) == 8, batches
 
 
 def test_the_dequantize_programs_compile_while_the_parts_are_read(runs, mesh, monkeypatch,

@@ -625,9 +625,9 @@ def restore_merged_lora(
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
-  options = MergeOptions.given(True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
-                          names=('alpha', 'scale', 'base', 'base_qtype', 'base_tile_size',
-                                 'base_calibration'))
+  options = MergeOptions.given(
+      True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
+      names=('alpha', 'scale', 'base', 'base_qtype', 'base_tile_size', 'base_calibration'))
   plan = plan_merge(path, options, step=step, base_step=base_step)
   pairs, treedef = flatten(target)
   wanted = {p: leaf for p, leaf in pairs if leaf is not ocp.PLACEHOLDER}

@@ -34,8 +34,9 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-from orbax_tunix.conventions import QVALUE, SCALE, ZERO_POINT
+from orbax_tunix.conventions import QARRAY_PARTS, QVALUE, SCALE, ZERO_POINT
 from orbax_tunix.keypaths import Path
+from orbax_tunix.reading import read_requests
 from orbax_tunix.reading.read_requests import ReadRequest
 
 Shape = tuple[int, ...]
@@ -226,7 +227,7 @@ def compile_ahead(request: ReadRequest, parts: Mapping[str, ReadRequest], qschem
   """Starts compiling, on a worker thread, what `combine` will run for a weight whose parts
   are read as `parts` (`part_requests`) for `request`: call it before the read, so that the
   compile overlaps it. Nothing for host reads or reads as saved."""
-  operands = [parts[name][0] for name in (QVALUE, SCALE, ZERO_POINT) if name in parts]
+  operands = [parts[name][0] for name in QARRAY_PARTS if name in parts]
   sharding = _sharding_of(request)
   if sharding is None or not all(isinstance(o, jax.ShapeDtypeStruct) for o in operands):
     return
@@ -303,13 +304,9 @@ def part_requests(request: ReadRequest, parts: Mapping[str, tuple[Shape, np.dtyp
   if sharding is None:
     return {name: (0, ocp.RestoreArgs()) for name in parts}  # As saved, as Orbax does.
   weight = tuple(parts[QVALUE][0])
-  out = {}
-  for name, (shape, dtype) in parts.items():
-    shape = tuple(shape)
-    s = sharding if name == QVALUE else _lined_up(sharding, shape, weight)
-    out[name] = (jax.ShapeDtypeStruct(shape, dtype, sharding=s), ocp.ArrayRestoreArgs(
-        restore_type=jax.Array, sharding=s, global_shape=shape, dtype=dtype))
-  return out
+  return {name: read_requests.into(shape, dtype, sharding if name == QVALUE else
+                                   _lined_up(sharding, tuple(shape), weight))
+          for name, (shape, dtype) in parts.items()}
 
 
 def combine(request: ReadRequest, values: Mapping[str, Any], qscheme: Scheme) -> Any:
@@ -375,7 +372,7 @@ def dequantize_region(values: Mapping[str, np.ndarray], index: Sequence[Any], qs
 
 def disk_parts(composed: Mapping[str, Path]) -> dict[str, Path]:
   """A composed leaf's parts, in qwix's order (qvalue, scale, zero point)."""
-  return {name: composed[name] for name in (QVALUE, SCALE, ZERO_POINT) if name in composed}
+  return {name: composed[name] for name in QARRAY_PARTS if name in composed}
 
 
 # --- quantizing a float base as the run did (an adapters-only QLoRA save) -------------
