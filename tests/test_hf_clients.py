@@ -194,6 +194,17 @@ def _write_config(d: pathlib.Path, config: dict) -> pathlib.Path:
   return d
 
 
+def start_workers(hf_python: str, work: pathlib.Path) -> tuple[clients.Worker, clients.Worker]:
+  """The two reference workers: transformers (+ peft) in the hf venv, and Tunix's own model
+  classes (google-tunix 0.1.7 from scripts/tunix_pkgs.sh) in this interpreter."""
+  tunix_pkgs = clients.client_env('tunix_pkgs.sh', PYTHON=sys.executable)
+  hf_worker = clients.Worker('transformers', hf_python, HF_CLIENT, work / 'hf_out',
+                             work / 'hf.log', env=subprocess_env())
+  tunix_worker = clients.Worker('Tunix', sys.executable, TUNIX_CLIENT, work / 'tunix_out',
+                                work / 'tunix.log', env=subprocess_env(PYTHONPATH=tunix_pkgs))
+  return hf_worker, tunix_worker
+
+
 def export_then_send(planned: dict[str, tuple[pathlib.Path, list[str]]],
                      after: dict[tuple[str, ...] | None, list[tuple[clients.Worker, dict]]]
                      ) -> dict[str, dict]:
@@ -225,11 +236,7 @@ def export_then_send(planned: dict[str, tuple[pathlib.Path, list[str]]],
 def hf(hf_python, tmp_path_factory):
   t0 = time.time()
   work = tmp_path_factory.mktemp('hf_clients')
-  tunix_pkgs = clients.client_env('tunix_pkgs.sh', PYTHON=sys.executable)
-  hf_worker = clients.Worker('transformers', hf_python, HF_CLIENT, work / 'hf_out',
-                             work / 'hf.log', env=subprocess_env())
-  tunix_worker = clients.Worker('Tunix', sys.executable, TUNIX_CLIENT, work / 'tunix_out',
-                                work / 'tunix.log', env=subprocess_env(PYTHONPATH=tunix_pkgs))
+  hf_worker, tunix_worker = start_workers(hf_python, work)
   out, configs = work / 'out', work / 'configs'
   planned: dict[str, tuple[pathlib.Path, list[str]]] = {}
 

@@ -18,25 +18,21 @@ folder with no missing, unexpected or mismatched key; peft loads each adapter.
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
 
-from tests import clients
-from tests.clients import subprocess_env
 from tests.test_export_hf import DATA, MANIFEST, _job, export_argv, manifest
 from tests.test_hf_clients import (
-    HF_CLIENT,
-    HUB_CONFIGS,
-    LOGITS_RTOL,
-    TUNIX_CLIENT,
-    WORKER_TIMEOUT,
-    Runs,
-    _write_config,
-    assert_clean_load,
-    export_then_send,
-    max_diff,
+  HUB_CONFIGS,
+  LOGITS_RTOL,
+  WORKER_TIMEOUT,
+  Runs,
+  _write_config,
+  assert_clean_load,
+  export_then_send,
+  max_diff,
+  start_workers,
 )
 
 QLORA_FIXTURES = tuple(sorted(n for n, e in MANIFEST.items() if 'qlora' in e))
@@ -83,11 +79,7 @@ def lora_spec(name: str) -> dict:
 @pytest.fixture(scope='module')
 def hf(hf_python, tmp_path_factory):
   work = tmp_path_factory.mktemp('qlora_clients')
-  tunix_pkgs = clients.client_env('tunix_pkgs.sh', PYTHON=sys.executable)
-  hf_worker = clients.Worker('transformers', hf_python, HF_CLIENT, work / 'hf_out',
-                             work / 'hf.log', env=subprocess_env())
-  tunix_worker = clients.Worker('Tunix', sys.executable, TUNIX_CLIENT, work / 'tunix_out',
-                                work / 'tunix.log', env=subprocess_env(PYTHONPATH=tunix_pkgs))
+  hf_worker, tunix_worker = start_workers(hf_python, work)
   out, configs = work / 'out', work / 'configs'
   planned, after = {}, {}
 
