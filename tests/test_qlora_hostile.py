@@ -104,6 +104,8 @@ def test_damaged_parts_are_refused_before_any_read(damaged, case, tmp_path, monk
           model_params=ocp.args.PyTreeRestore(item=_weight_target()['model_params']))),
       'metadata': lambda: ckptr.metadata(step).item_metadata['model_params'],
       'v1': lambda: ocp.v1.load_checkpointables(step),
+      'maxtext': lambda: ot.maxtext.plan_restore(root, {'step': jax.ShapeDtypeStruct(
+          (), np.int32)}, params_only=True),
   }
   for what, attempt in attempts.items():
     with pytest.raises(errors.CorruptMetadataError) as raised:

@@ -263,6 +263,16 @@ class PlannedItem:
       del parts
     return {c: out[c] for c in wanted}
 
+  def check_parts(self, paths: Iterable[Path] | None = None) -> None:
+    """Checks the parts of the weights saved quantized (all, or those among `paths`) from
+    their headers, read in one batch (`quantized.scheme`).
+
+    Raises:
+      CorruptMetadataError: parts that are not one quantized weight's, naming it.
+    """
+    composed = self.cmap.composed
+    self._parts([p for p in (composed if paths is None else paths) if p in composed])
+
   def _parts(self, paths: Sequence[Path]
              ) -> dict[Path, tuple[dict[str, tuple[tuple[int, ...], Any]], quantized.Scheme]]:
     """Composed leaves' parts, name -> (shape, dtype) as stored, and their `Scheme`, by path:
@@ -358,7 +368,7 @@ class PlannedItem:
       chosen = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
       disk = [self.cmap.disk_path(c) for c, _ in chosen]
       # A quantized weight's parts checked first: its leaf is read at one of them.
-      self._parts([c for c, _ in chosen if c in self.cmap.composed])
+      self.check_parts(c for c, _ in chosen)
       validate_target(self.meta, [c for c, _ in chosen], disk, [leaf for _, leaf in chosen])
       wanted = {c: (leaf, given.get(c) or read_requests.restore_arg_for(leaf)) for c, leaf in chosen}
     values = self.read(wanted, via)
