@@ -36,6 +36,8 @@ ADAPTER_KEY = 'base'
 QARRAY_KEY = 'array'
 QVALUE, SCALE, ZERO_POINT = 'qvalue', 'scale', 'zero_point'
 QARRAY_PARTS = (QVALUE, SCALE, ZERO_POINT)
+# qwix names a weight `<w>`'s LoRA adapters `<w>_lora_a` and `<w>_lora_b`, beside it.
+QWIX_LORA_A = '_lora_a'
 
 # MaxText keeps one item, a Linen TrainState (MaxText 0.2.5 writes its NNX state
 # in that layout): `params/params/<weights>` (the Linen `params` collection),

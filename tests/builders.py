@@ -111,6 +111,20 @@ def raw_leaves(item_dir: pathlib.Path) -> dict[str, np.ndarray]:
   }
 
 
+def edited_copy(step: pathlib.Path, root: pathlib.Path, edit) -> dict[str, np.ndarray]:
+  """A step's model item read by plain Orbax (`raw_leaves`), changed by `edit` (in place,
+  on {'a/b/c': array}), and saved by plain Orbax as Tunix saves it (one Composite item) at
+  `root/<the step's name>`: a hostile copy of a real run. Returns the leaves saved."""
+  from orbax_tunix.keypaths import nest  # pylint: disable=g-import-not-at-top
+
+  raw = raw_leaves(pathlib.Path(step) / 'model_params')
+  edit(raw)
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(pathlib.Path(root) / pathlib.Path(step).name, args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeSave(nest((tuple(k.split('/')), v) for k, v in raw.items()))))
+  return raw
+
+
 def _numpy(value) -> np.ndarray:
   if jax.dtypes.issubdtype(getattr(value, 'dtype', np.float32), jax.dtypes.prng_key):
     value = jax.random.key_data(value)  # RNG keys are stored as their uint32 data.

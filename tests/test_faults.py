@@ -316,6 +316,35 @@ def _out_of_float16(src, data):
   return {'run': src / 'run'}
 
 
+def _qlora_inputs(src, data):
+  """QLoRA runs made hostile: a quantized weight's scale that does not tile it, one with no
+  scale (edited copies of a real run, by plain Orbax); a plain-LoRA full save and a QLoRA
+  adapters-only save with their bases; a pre-quantized Hub copy's config.json."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from tests import builders  # pylint: disable=g-import-not-at-top
+
+  part = 'layers/0/mlp/down_proj/kernel/array/{}/value'
+  edits = {'untiled': lambda raw: raw.__setitem__(part.format('scale'),
+                                                  np.ones((3, 40), np.float32)),
+           'no_scale': lambda raw: raw.pop(part.format('scale'))}
+  paths = {}
+  for name, edit in edits.items():
+    builders.edited_copy(data / 'hf_gemma3_qlora_int8' / '3', src / name, edit)
+    paths[name] = src / name
+  for name in ('lora_qwix_full', 'lora_base', 'hf_qwen3_qlora_int4_only', 'hf_qwen3'):
+    shutil.copytree(data / name, src / name)
+    paths[name] = src / name
+  config = {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3', 'vocab_size': 96,
+            'hidden_size': 40, 'intermediate_size': 56, 'num_hidden_layers': 2,
+            'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 12,
+            'tie_word_embeddings': False,
+            'quantization_config': {'quant_method': 'bitsandbytes', 'load_in_4bit': True}}
+  (src / 'hub_4bit').mkdir()
+  (src / 'hub_4bit' / 'config.json').write_text(json.dumps(config))
+  return {**paths, 'hub_4bit': src / 'hub_4bit'}
+
+
 def _hf_configs(src, data):
   """Two runs (qwen3 with an lm_head, llama3 tied) and Hugging Face folders for --hf-config,
   each hostile in one way; the folders are under `src`, so never written to."""
@@ -479,6 +508,23 @@ HOSTILE = [
             '--lora-alpha is an option of a LoRA merge'),
         Run(('convert', '{run}', '{out}/1', '--lora-scale', '2'), 2, '--lora-scale is an option'),
         Run(('convert', '{run}', '{out}/1', '--base', '{run}'), 2, '--base is an option'),
+    )),
+    Hostile('QLoRA parts damaged, recipes where no QLoRA run could be', _qlora_inputs, (
+        Run(('inspect', '{untiled}'), 2, r"layers/0/mlp/down_proj/kernel: saved quantized by qwix"
+            r".*scale \(3, 40\) float32.*scale's axis 0 \(3\) does not tile qvalue's \(56\)"),
+        Run(('convert', '{no_scale}', '{out}/1'), 2,
+            r'found parts that are not one weight\'s: qvalue \(56, 40\) int8, zero_point'
+            r' \(14, 40\) int8: no scale'),
+        Run(('export', '{untiled}', '{out}/2', '--model', 'gemma3', '--merge-lora',
+             '--lora-alpha', '3'), 2, "does not tile"),
+        Run(('convert', '{lora_qwix_full}', '{out}/3', '--merge-lora', '--lora-alpha', '3',
+             '--base', '{lora_base}', '--base-qtype', 'int8'), 2,
+            r'--base-qtype int8 given, but the save holds the base of 4 adapted weights in float'),
+        Run(('convert', '{hf_qwen3_qlora_int4_only}', '{out}/4', '--merge-lora', '--lora-alpha',
+             '3', '--base', '{hf_qwen3}', '--base-qtype', 'int4', '--base-tile-size', '16'), 2,
+            r'--base-tile-size 16 does not fit 6 adapted weights', 'reproduce'),
+        Run(('export', '{hf_qwen3}', '{out}/5', '--model', 'qwen3', '--hf-config', '{hub_4bit}'),
+            0, r"note: config.json: dropped quantization_config \(quant_method 'bitsandbytes'\)"),
     )),
     Hostile('layer options a layout would ignore', _copy('sft_full'), (
         Run(('convert', '{run}', '{out}/1', '--scan-layers', 'true'), 2,

@@ -144,7 +144,7 @@ def test_merged_export_loads_in_transformers_as_the_tunix_qlora_model(hf, name):
   # The float base merged instead (what `--base` used to write with exit 0) is not within it.
   assert qlora(name)['logits_max_abs_diff_float_base_merge'] > 5 * bound(name, want)
   notes = hf.note(f'merged_{name}')
-  assert ('saved quantized' if is_full(name) else 're-quantized as the run did') in notes
+  assert ('saved quantized' if is_full(name) else 're-quantized with the recipe given') in notes
 
 
 @pytest.mark.parametrize('name', QLORA_FIXTURES)

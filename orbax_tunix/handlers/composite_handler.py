@@ -185,7 +185,7 @@ class TunixAwareHandler(ocp.CompositeCheckpointHandler):
       if found[name] is None:  # The arrays' metadata, with the plan just made.
         found[name] = planned_item.PlannedItem(item, cmap).metadata()
       else:
-        found[name] = planned_item.canonical_metadata(found[name], cmap)
+        found[name] = planned_item.canonical_metadata(found[name], cmap, str(item.directory))
     return dataclasses.replace(meta, item_metadata=type(meta.item_metadata)(**found))
 
 

@@ -431,7 +431,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   readme = [*_scaling_notes(made.ranks, one), *filter(None, [_qlora_note(adapters, base)])]
   notes = [*left_out, *config_notes,
            *(note.format(module=', '.join(names)) for note, names in made.said.items()),
-           *readme, *_summary_notes(config, made, arranged, adapters, leaves, base_model)]
+           *readme, *filter(None, [_cannot_tell_note(adapters, base)]),
+           *_summary_notes(config, made, arranged, adapters, leaves, base_model)]
   return LaidOut(
       items=(ItemOutput(hf_layouts.ITEM, tuple(_outputs(made, one, leaves, request))),),
       notes=tuple(notes),
@@ -468,15 +469,36 @@ def _summary_notes(config: Mapping[str, Any], made: _Modules,
 
 def _qlora_note(adapters: Mapping[Path, lora.Adapter], base: Mapping[Path, reader.LeafInfo]
                 ) -> str | None:
-  """What a QLoRA run's adapter is (trained on a quantized base), where its save says so."""
-  how = sorted({base[w].quantized.describe() for w in adapters
-                if w in base and base[w].quantized is not None})
-  if not how:
+  """What a QLoRA run's adapter is (trained on a quantized base), weight by weight, where its
+  save says so (a full save's bases)."""
+  quantized = sorted(w for w in adapters if w in base and base[w].quantized is not None)
+  if not quantized:
     return None
-  return ('QLoRA: these adapters were trained against a quantized base ('
-          + '; '.join(how) + '), the run\'s frozen base. Served on the original full-precision'
-          ' model, as QLoRA adapters are, they compute close to but not exactly the trained'
-          ' model; on the dequantized base (`export --base-only` of the run) exactly it.')
+  how = '; '.join(sorted({base[w].quantized.describe() for w in quantized}))
+  floats = sorted(w for w in adapters if w in base and base[w].quantized is None)
+  which = 'these adapters were' if not floats else (
+      f'{len(quantized)} of these {len(adapters)} adapters (e.g. {fmt(quantized[0])}) were')
+  others = '' if not floats else (
+      f'; the other {len(floats)} (plain LoRA, e.g. {fmt(floats[0])}) against its float base,'
+      ' as saved, which the original model holds')
+  return (f'QLoRA: {which} trained against a quantized base ({how}), the run\'s frozen base'
+          f'{others}. Served on the original full-precision model, as QLoRA adapters are,'
+          f' {"they" if not floats else "the quantized ones"} compute close to but not exactly'
+          ' the trained model; on the dequantized base (`export --base-only` of the run)'
+          ' exactly it.')
+
+
+def _cannot_tell_note(adapters: Mapping[Path, lora.Adapter], base: Mapping[Path, reader.LeafInfo]
+                      ) -> str | None:
+  """What an adapters-only save cannot tell (as the merge and `inspect` say): whether the run
+  quantized its base, which would make the adapter a QLoRA one (flax's: no qwix run)."""
+  if base or all(a.style == lora.FLAX for a in adapters.values()):
+    return None
+  return ('adapters only: a save cannot tell whether the run trained them on a quantized base'
+          ' (QLoRA: qwix\'s weight_qtype). If it did, served on the original full-precision'
+          ' model they compute close to but not exactly the trained model, as QLoRA adapters'
+          ' do; the merge with the run\'s recipe (`merge_lora`, `base`, `base_qtype`) gives'
+          ' the trained model.')
 
 
 def _scaling_notes(modules: Mapping[str, tuple[int, float]], one: peft.Scaling) -> list[str]:

@@ -177,7 +177,9 @@ def check_config(
       config omits are written (the config class's default may differ);
     * the family's `fixed` fields are written;
     * a per-layer list (`PER_LAYER_FIELDS`: `layer_types`) must have one
-      entry per layer of the weights (transformers refuses the folder else).
+      entry per layer of the weights (transformers refuses the folder else);
+    * a `quantization_config` (a pre-quantized copy's) is dropped: the tensors
+      written are not quantized.
 
   Args:
     family: the family.
@@ -211,6 +213,7 @@ def check_config(
         f'{errors.list_paths(wrong)}\nPass as `{option}` the folder of the model this run'
         ' was trained from.'
     )
+  notes += _drop_quantization(top, inner, where)
   named = {f: v for f, v in (('architectures', [architecture]),
                              ('model_type', model_type)) if top.get(f) is None}
   added = {f: v for f, v in implied.items() if fields.get(f) is None}
@@ -228,6 +231,25 @@ def check_config(
   out = {**top, **fields} if inner is None else {**top, 'text_config': fields}
   # `named` first, and over the base's nulls (a text_config's `architectures: null`).
   return Config({**named, **{k: v for k, v in out.items() if k not in named}}, tuple(notes))
+
+
+# What says a Hugging Face config's weights are stored quantized (a pre-quantized Hub copy:
+# bitsandbytes, GPTQ, AWQ...); transformers and vLLM then read the tensors as such.
+QUANTIZATION_FIELD = 'quantization_config'
+
+
+def _drop_quantization(top: dict[str, object], inner: dict[str, object] | None, where: str
+                       ) -> list[str]:
+  """Drops a pre-quantized copy's `quantization_config` (in place): the tensors an export
+  writes are float, and a loader told otherwise reads them as quantized ones. A note if so."""
+  found = [d.pop(QUANTIZATION_FIELD) for d in (top, inner) if d and QUANTIZATION_FIELD in d]
+  if not found:
+    return []
+  how = next((q.get('quant_method') for q in found if isinstance(q, Mapping)), None)
+  return [f'config.json: dropped {QUANTIZATION_FIELD}'
+          f'{"" if how is None else f" (quant_method {how!r})"}: {where} describes a'
+          ' pre-quantized copy, and the tensors written are not quantized (transformers and'
+          ' vLLM would load them as if they were)']
 
 
 def check_sizes(naming: Naming, shapes: Mapping[Path, Shape], config: Mapping[str, object]

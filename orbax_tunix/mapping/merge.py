@@ -93,7 +93,7 @@ class MergePlan:
       if stored is not None:
         how += f'; base stored quantized ({stored.describe()}), dequantized'
       elif m.requantize is not None:
-        how += f'; base re-quantized as the run did ({m.requantize[0].describe()})'
+        how += f'; base re-quantized with the recipe given ({m.requantize[0].describe()})'
       lines.append(f'  {fmt(path)}: {m.adapter.style}, rank {m.adapter.rank},'
                    f' scale {m.scale:g}, {how}')
     lines += [f'note: {n}' for n in self.notes]
@@ -290,24 +290,51 @@ def _recipe(base: Any, qtype: str | None, tile_size: int | None, calibration: st
 def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.CanonicalCheckpoint,
                      merges: Mapping[Path, Merge], options: MergeOptions, adapters_only: bool
                      ) -> list[str]:
-  """What a merge says of quantized bases: stored (and dequantized), re-quantized, or unknown."""
+  """What a merge says of its bases, weight by weight: saved quantized (and on whose word they
+  are the run's: the save's own, or a base named for adapters that cannot tell), re-quantized
+  with a recipe given (which the adapters cannot confirm), or as stored where the run may have
+  quantized them."""
   stored: dict[str, list[Path]] = {}
   for path, m in merges.items():
     if m.base.leaf.quantized is not None:
       stored.setdefault(m.base.leaf.quantized.describe(), []).append(path)
-  notes = [f'{len(paths)} adapted weights have their base saved quantized ({how}, e.g.'
-           f' {fmt(paths[0])}): merged onto it dequantized, the weights the run trained with'
-           for how, paths in sorted(stored.items())]
+  requantized = sorted(p for p, m in merges.items() if m.requantize is not None)
+  floats = sorted(p for p, m in merges.items()
+                  if m.base.leaf.quantized is None and m.requantize is None)
+  notes = []
+  if lora_ckpt is base_ckpt:  # A full save: its own bases, as the run trained on them.
+    notes += [f'{len(paths)} adapted weights have their base saved quantized ({how}, e.g.'
+              f' {fmt(paths[0])}): merged onto it dequantized, the weights the run trained with'
+              for how, paths in sorted(stored.items())]
+    if stored and floats:
+      notes.append(f'the other {len(floats)} adapted weights have their base saved in float'
+                   f' (adapted by plain LoRA, e.g. {fmt(floats[0])}): merged onto it as stored')
+    return notes
+  notes += [f'the base {base_ckpt.step_dir} holds {len(paths)} adapted weights saved quantized'
+            f' ({how}, e.g. {fmt(paths[0])}): merged onto them dequantized. {lora_ckpt.step_dir}'
+            ' holds adapters only, which cannot tell the base they were trained on: these are'
+            ' the weights the run trained with only if that base is the run\'s own save (not'
+            ' another run\'s)' for how, paths in sorted(stored.items())]
   recipe = options.base_quantized
-  if recipe is not None:
-    notes.append(f'the base {base_ckpt.step_dir} re-quantized as the run did ({recipe.describe()})'
-                 ' before the merge: the weights a QLoRA run trained with')
-    odd = sorted({(str(m.base.leaf.dtype), str(m.a.dtype)) for m in merges.values()
-                  if m.base.leaf.dtype != m.a.dtype})
+  if requantized:
+    names = options.base_names[1:]
+    notes.append(
+        f'{len(requantized)} adapted weights (e.g. {fmt(requantized[0])}) have their base from'
+        f' {base_ckpt.step_dir} re-quantized with the recipe given ({recipe.describe()}:'
+        f' `{names[0]}`, `{names[1]}`, `{names[2]}`) before the merge. {lora_ckpt.step_dir}'
+        ' holds adapters only, which record no recipe and cannot confirm it: with the run\'s'
+        ' own recipe and the float base it started from these are the weights it trained with;'
+        ' another recipe (int8 for an int4 run) or base gives another model, with no error')
+    odd = sorted({(str(merges[p].base.leaf.dtype), str(merges[p].a.dtype)) for p in requantized
+                  if merges[p].base.leaf.dtype != merges[p].a.dtype})
     notes += [f'the base is stored in {b} and the adapters in {a}: quantized in {a}, the dtype'
               ' qwix gives the adapters (the scale\'s, which the run quantized in)'
               for b, a in odd]
-  elif adapters_only and not stored:
+    if floats:
+      notes.append(f'the other {len(floats)} adapted weights (flax\'s adapters, which no qwix'
+                   f' run quantized: e.g. {fmt(floats[0])}) are merged onto the base as stored')
+  elif (adapters_only and not stored
+        and any(merges[p].adapter.style != lora.FLAX for p in floats)):
     names = options.base_names[1:]
     notes.append(
         f'{lora_ckpt.step_dir} holds adapters only, which cannot tell whether the run trained'
@@ -319,11 +346,14 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
 
 def _merges(adapters: Mapping[Path, lora.Adapter], lora_weights: Mapping[Path, reader.LeafInfo],
             base_weights: Mapping[Path, reader.LeafInfo], base_ckpt: reader.CanonicalCheckpoint,
-            options: MergeOptions) -> tuple[dict[Path, Merge], list[str], list[str]]:
+            options: MergeOptions
+            ) -> tuple[dict[Path, Merge], list[str], list[str], dict[str, list[str]]]:
   """Each adapted weight's merge, from metadata: (merges, the weights the base lacks, the
-  adapters that do not reproduce their weight's shape or cannot be re-quantized), one line
-  per problem."""
+  adapters that do not reproduce their weight's shape, the weights the recipe given does not
+  fit: by the option at fault), one line per problem."""
   missing, bad, merges = [], [], {}
+  unfit: dict[str, list[str]] = {}
+  recipe = options.base_quantized
   for weight, adapter in sorted(adapters.items()):
     found = base_weights.get(weight)
     a, b = lora_weights[adapter.a], lora_weights[adapter.b]
@@ -339,21 +369,81 @@ def _merges(adapters: Mapping[Path, lora.Adapter], lora_weights: Mapping[Path, r
                  f' {a.stored} {a.shape} ⊗ {b.stored} {b.shape}')
       continue
     requantize = None
-    if options.base_quantized is not None:
+    if recipe is not None and adapter.style != lora.FLAX:  # flax's: no qwix run quantized.
       if found.quantized is not None:
-        bad.append(f'{fmt(weight)}: the base holds it quantized already ({found.stored},'
-                   f' {found.quantized.describe()}); drop `{options.base_names[1]}`')
+        unfit.setdefault(options.base_names[1], []).append(
+            f'{fmt(weight)}: {found.quantized.describe()}')
         continue
       axes = lora.contracting_axes(arranged, a.shape)
       try:
-        options.base_quantized.tiled_axes(found.shape, axes)
+        recipe.tiled_axes(found.shape, axes)
       except ValueError as e:
-        bad.append(f'{fmt(weight)}: `{options.base_names[2]}`: {e}')
+        unfit.setdefault(options.base_names[2], []).append(f'{fmt(weight)}: {e}')
         continue
-      requantize = (options.base_quantized, axes)
+      requantize = (recipe, axes)
     scale = lora.scale_of(adapter, options.alpha, options.scale, options.names)
     merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b, scale, arranged, requantize)
-  return merges, missing, bad
+  return merges, missing, bad, unfit
+
+
+def _recipe_applies(lora_ckpt: reader.CanonicalCheckpoint, adapters: Mapping[Path, lora.Adapter],
+                    lora_weights: Mapping[Path, reader.LeafInfo], options: MergeOptions) -> None:
+  """Refuses a QLoRA recipe (`base_qtype`...) where no QLoRA run could have trained the
+  adapters: flax's (`nnx.LoRA`: no qwix run), or a save holding its base weights in float (a
+  QLoRA run saves them quantized: its own base shows the run did not quantize them).
+
+  Raises:
+    LoraError: naming the options given and the adapters or bases that show it.
+  """
+  recipe = options.base_quantized
+  if recipe is None:
+    return
+  qtype, tile, calibration = options.base_names[1:]
+  given = f'`{qtype}={recipe.qtype}`'
+  drop = f'Drop `{qtype}` (and `{tile}`, `{calibration}`)'
+  if all(a.style == lora.FLAX for a in adapters.values()):
+    first = next(iter(adapters.values()))
+    raise errors.LoraError(
+        f'{given} given, but these adapters are flax\'s (nnx.LoRA or nnx.LoRALinear: e.g.'
+        f' {fmt(first.a)}), which no QLoRA run trained: the recipe says how qwix\'s'
+        ' LoraProvider(weight_qtype=...) quantized a base, and flax\'s LoRA quantizes none.'
+        f' {drop}: the merge adds a·b to `{options.base_names[0]}` as stored.')
+  saved = sorted((w, lora_weights[a.saved_base]) for w, a in adapters.items()
+                 if a.style != lora.FLAX and a.saved_base in lora_weights)
+  if saved:
+    weight, leaf = saved[0]
+    raise errors.LoraError(
+        f'{lora_ckpt.step_dir}: {given} given, but the save holds the base of {len(saved)}'
+        f' adapted weights in float (e.g. {fmt(weight)} {leaf.shape} {leaf.dtype}): a QLoRA'
+        ' run saves its base quantized, so this run did not quantize it, and no recipe'
+        f' re-quantizes it. {drop}: the merge adds a·b to `{options.base_names[0]}` as stored'
+        f' (or, without `{options.base_names[0]}`, to the save\'s own base).')
+
+
+def _refuse_unfit(where: epath.Path, unfit: Mapping[str, list[str]], options: MergeOptions
+                  ) -> None:
+  """One message about the recipe's option that does not fit the base (`_merges`).
+
+  Raises:
+    LoraError: a base saved quantized already (`base_qtype`), or a tile size that does not
+      divide a weight's last contracting axis (`base_tile_size`).
+  """
+  qtype, tile = options.base_names[1:3]
+  if unfit.get(qtype):
+    found = unfit[qtype]
+    raise errors.LoraError(
+        f'{where}: `{qtype}` given, but the base holds {len(found)} adapted weights quantized'
+        f' already (a QLoRA save):\n{errors.list_paths(found)}\nIts quantization is read from'
+        f' it, not re-done: drop `{qtype}` (and the recipe\'s other options) to merge onto it'
+        ' dequantized (the weights the run trained with if this is the run\'s own save), or'
+        f' pass as `{options.base_names[0]}` the float base the run started from.')
+  if unfit.get(tile):
+    found = unfit[tile]
+    raise errors.LoraError(
+        f'{where}: `{tile}={options.base_quantized.tile_size}` does not fit {len(found)}'
+        f' adapted weights:\n{errors.list_paths(found)}\nqwix tiles a weight\'s last'
+        ' contracting axis and takes no tile that does not divide it, so the run did not use'
+        f' this one. Pass the run\'s tile_size, or leave `{tile}` out (one scale per channel).')
 
 
 def plan_merge(
@@ -409,10 +499,11 @@ def plan_merge(
         f' {fmt(saved_quantized[0])}); merging onto the float weights of `{options.base_names[0]}`'
         ' would give another model than the one trained. Drop `'
         f'{options.base_names[0]}`: the merge then uses the saved base, dequantized.')
+  _recipe_applies(lora_ckpt, adapters, lora_weights, options)
   base_ckpt = lora_ckpt if base is None else reader.open_source(base, base_step, weights_only=True)
   _refuse_merged_twice(lora_ckpt, base_ckpt)
   base_weights = plain_weights({p: leaf for leaf, p in reader.weights(base_ckpt)}, adapters)
-  merges, missing, bad = _merges(adapters, lora_weights, base_weights, base_ckpt, options)
+  merges, missing, bad, unfit = _merges(adapters, lora_weights, base_weights, base_ckpt, options)
   where = base_ckpt.step_dir
   if missing:
     fix = ('Pass `base`: the checkpoint the LoRA run started from (a Tunix save, a MaxText'
@@ -429,6 +520,7 @@ def plan_merge(
         ' checkpoint is not the one these adapters were trained on, or the layer'
         ' arranges its weight in a way the shapes alone do not determine.'
     )
+  _refuse_unfit(where, unfit, options)
   sources = {p: Input(base_ckpt, leaf) for p, leaf in base_weights.items()}
   notes = _quantized_notes(lora_ckpt, base_ckpt, merges, options,
                            lora.adapters_only(lora_weights))

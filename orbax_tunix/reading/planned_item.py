@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
-from orbax_tunix.conventions import QARRAY_PARTS, QVALUE, SCALE
+from orbax_tunix.conventions import QARRAY_PARTS, QVALUE
 from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, nest
 from orbax_tunix.reading import quantized, read_requests
 from orbax_tunix.store import _orbax, fileio, item_store, storage_errors
@@ -140,16 +140,24 @@ def _skeleton(
   return as_lists(target, item.sequence_nodes), as_lists(args, item.sequence_nodes)
 
 
-def canonical_metadata(meta: Any, cmap: canonical_map.CanonicalMap) -> Any:
+def canonical_metadata(meta: Any, cmap: canonical_map.CanonicalMap, where: str = '') -> Any:
   """An on-disk item's metadata tree in canonical form (no store is read): a quantized
-  weight is described as its qvalue's shape in its scale's dtype (what a read gives)."""
+  weight is described as its qvalue's shape in its scale's dtype (what a read gives).
+
+  Raises:
+    CorruptMetadataError: a quantized weight's parts are not one weight's
+      (`quantized.scheme`); `where` (the item) names it.
+  """
   tree = canonical_map.to_canonical_tree(meta.tree, cmap)
   if cmap.composed:
     stored = flat_dict(meta.tree)
     weights = flat_dict(tree)
     for path, parts in cmap.composed.items():
-      dtype = getattr(stored.get(parts[SCALE]), 'dtype', None)
-      if path in weights and dtype is not None and dataclasses.is_dataclass(weights[path]):
+      infos = {name: (tuple(m.shape), m.dtype) if getattr(m, 'shape', None) is not None
+               and getattr(m, 'dtype', None) is not None else None
+               for name, m in ((name, stored.get(d)) for name, d in parts.items())}
+      dtype = quantized.scheme(infos, f'{where}: {fmt(path)}').dtype
+      if path in weights and dataclasses.is_dataclass(weights[path]):
         weights[path] = dataclasses.replace(weights[path], dtype=dtype)
     tree = nest(weights.items())
   return _orbax.tree_metadata_like(meta, tree)
@@ -255,6 +263,16 @@ class PlannedItem:
       del parts
     return {c: out[c] for c in wanted}
 
+  def check_parts(self, paths: Iterable[Path] | None = None) -> None:
+    """Checks the parts of the weights saved quantized (all, or those among `paths`) from
+    their headers, read in one batch (`quantized.scheme`).
+
+    Raises:
+      CorruptMetadataError: parts that are not one quantized weight's, naming it.
+    """
+    composed = self.cmap.composed
+    self._parts([p for p in (composed if paths is None else paths) if p in composed])
+
   def _parts(self, paths: Sequence[Path]
              ) -> dict[Path, tuple[dict[str, tuple[tuple[int, ...], Any]], quantized.Scheme]]:
     """Composed leaves' parts, name -> (shape, dtype) as stored, and their `Scheme`, by path:
@@ -264,8 +282,9 @@ class PlannedItem:
     infos = self.meta.arrays([d for p in paths for d in composed[p].values()])
     out = {}
     for path in paths:
-      stored = {name: (infos[d].shape, infos[d].dtype) for name, d in composed[path].items()}
-      out[path] = stored, quantized.scheme(stored)
+      stored = {name: (infos[d].shape, infos[d].dtype) if d in infos else None
+                for name, d in composed[path].items()}
+      out[path] = stored, quantized.scheme(stored, f'{self.directory}: {fmt(path)}')
     return out
 
   def read_parts(
@@ -348,6 +367,8 @@ class PlannedItem:
       pairs, treedef = flatten(args.item)
       chosen = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
       disk = [self.cmap.disk_path(c) for c, _ in chosen]
+      # A quantized weight's parts checked first: its leaf is read at one of them.
+      self.check_parts(c for c, _ in chosen)
       validate_target(self.meta, [c for c, _ in chosen], disk, [leaf for _, leaf in chosen])
       wanted = {c: (leaf, given.get(c) or read_requests.restore_arg_for(leaf)) for c, leaf in chosen}
     values = self.read(wanted, via)
@@ -377,7 +398,7 @@ class PlannedItem:
         ' step (`step`)'
     ), self._serving(via, self.meta.tree_json_of()), _orbax.tidy_failures():
       meta = via.metadata(self.directory)
-    return canonical_metadata(meta, self.cmap) if self.is_tunix else meta
+    return canonical_metadata(meta, self.cmap, str(self.directory)) if self.is_tunix else meta
 
   def _serving(self, via: OrbaxReads, served: Mapping[str, Any] | None) -> Any:
     """Orbax's read of this item's `_METADATA` answered from `served` (parsed once)."""

@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
+from orbax_tunix import errors
 from orbax_tunix.conventions import QARRAY_PARTS, QVALUE, SCALE, ZERO_POINT
 from orbax_tunix.keypaths import Path
 from orbax_tunix.reading import read_requests
@@ -114,12 +115,80 @@ class Scheme:
     return int(np.prod(self.shape)) * self.dtype.itemsize
 
 
-def scheme(parts: Mapping[str, tuple[Shape, np.dtype]]) -> Scheme:
-  """The `Scheme` of a weight from its parts' (shape, dtype), by part name."""
+# A part as its metadata gives it: (shape, dtype); None where it is no array.
+PartInfo = tuple[Shape, np.dtype] | None
+
+
+def scheme(parts: Mapping[str, PartInfo], where: str = 'a weight saved quantized') -> Scheme:
+  """The `Scheme` of a weight from its parts' (shape, dtype), by part name, checked: the
+  parts qwix saves and nothing else, a scale of qvalue's rank that tiles it, a zero point
+  of the scale's shape in qvalue's dtype (`damage`).
+
+  Args:
+    parts: part name -> (stored shape, stored dtype), None for a part that is no array.
+    where: the weight, for messages (its item directory and path).
+
+  Raises:
+    CorruptMetadataError: the parts are not one quantized weight's; naming `where`, each
+      part's shape and dtype, and what is wrong.
+  """
+  problems = damage(parts)
+  if problems:
+    found = ', '.join(f'{name} {_shown(info)}' for name, info in sorted(parts.items(),
+                                                                     key=_part_order))
+    raise errors.CorruptMetadataError(
+        f'{where}: saved quantized by qwix (a QLoRA run\'s base), found parts that are not'
+        f' one weight\'s: {found}: {"; ".join(problems)}. Expected {QVALUE}, a {SCALE} of its'
+        ' rank in a float type whose every axis is 1, qvalue\'s size, or a divisor of it'
+        f' (one scale a tile), and with minmax calibration a {ZERO_POINT} of the scale\'s'
+        ' shape in qvalue\'s dtype; nothing else. The step is damaged (or its metadata was'
+        ' edited): the weight cannot be read; use another step (`step`).')
   qshape, qdtype = parts[QVALUE]
   sshape, sdtype = parts[SCALE]
   return Scheme(tuple(qshape), np.dtype(qdtype), tuple(sshape), np.dtype(sdtype),
                 ZERO_POINT in parts)
+
+
+def _shown(info: PartInfo) -> str:
+  return '(no array)' if info is None else f'{tuple(info[0])} {np.dtype(info[1]).name}'
+
+
+def _part_order(item: tuple[str, Any]) -> tuple[int, str]:
+  name = item[0]
+  return (QARRAY_PARTS.index(name) if name in QARRAY_PARTS else len(QARRAY_PARTS), name)
+
+
+def damage(parts: Mapping[str, PartInfo]) -> list[str]:
+  """What makes `parts` not one quantized weight's (`scheme`), one text each; [] if nothing.
+
+  qwix's `QArray` is a qvalue, a scale and, with minmax calibration, a zero point; its scale
+  has qvalue's rank, and on each axis one entry (reduced), qvalue's size (per channel), or
+  qvalue's size over a tile (tiled: a divisor of it); its zero point is the scale's shape in
+  qvalue's type."""
+  problems = [f'no {name}' for name in (QVALUE, SCALE) if name not in parts]
+  problems += [f'{name} is no part of qwix\'s quantized weight ({", ".join(QARRAY_PARTS)})'
+               for name in sorted(set(parts) - set(QARRAY_PARTS))]
+  problems += [f'{name} is no array' for name, info in sorted(parts.items(), key=_part_order)
+               if info is None and name in QARRAY_PARTS]
+  if problems:
+    return problems
+  (qshape, qdtype), (sshape, sdtype) = parts[QVALUE], parts[SCALE]
+  qshape, sshape = tuple(qshape), tuple(sshape)
+  if not jnp.issubdtype(np.dtype(sdtype), jnp.floating):
+    problems.append(f'scale is {np.dtype(sdtype).name}, not a float type')
+  if len(sshape) != len(qshape):
+    problems.append(f'scale has rank {len(sshape)}, qvalue {len(qshape)}')
+  else:
+    problems += [f'scale\'s axis {a} ({s}) does not tile qvalue\'s ({n})'
+                 for a, (n, s) in enumerate(zip(qshape, sshape, strict=True))
+                 if s not in (1, n) and not (0 < s < n and n % s == 0)]
+  if ZERO_POINT in parts:
+    zshape, zdtype = parts[ZERO_POINT]
+    if tuple(zshape) != sshape:
+      problems.append(f'zero_point {tuple(zshape)} is not the scale\'s shape {sshape}')
+    if np.dtype(zdtype) != np.dtype(qdtype):
+      problems.append(f'zero_point is {np.dtype(zdtype).name}, qvalue {np.dtype(qdtype).name}')
+  return problems
 
 
 # --- the arithmetic ------------------------------------------------------------------

@@ -152,16 +152,17 @@ def _item_leaves(
     if canon is None:
       if leaf.path not in parts_of_composed:
         side.append(leaf.path)
+    elif canon in cmap.composed:  # A weight saved quantized: its parts make it.
+      parts = cmap.composed[canon]
+      qscheme = quantized_lib.scheme(
+          {n: (arrays[d].shape, arrays[d].dtype) if d in arrays else None
+           for n, d in parts.items()}, f'{meta.directory}: {fmt(canon)}')
+      leaves.append(LeafInfo(name, canon, leaf.path, qscheme.shape, qscheme.dtype, ARRAY,
+                             leaf.value_type == 'np.ndarray', qscheme))
     elif kind is None:
       odd.append(f'{fmt(leaf.path)} ({leaf.value_type})')
     elif kind == STRING:
       leaves.append(LeafInfo(name, canon, leaf.path, None, None, STRING))
-    elif canon in cmap.composed:  # A weight saved quantized: its parts make it.
-      parts = cmap.composed[canon]
-      qscheme = quantized_lib.scheme({n: (arrays[d].shape, arrays[d].dtype)
-                                      for n, d in parts.items()})
-      leaves.append(LeafInfo(name, canon, leaf.path, qscheme.shape, qscheme.dtype, kind,
-                             leaf.value_type == 'np.ndarray', qscheme))
     else:
       info = arrays[leaf.path]
       numpy = leaf.value_type == 'np.ndarray'

@@ -21,6 +21,9 @@ from orbax_tunix.conventions import (
   QARRAY_KEY,
   QARRAY_PARTS,
   QVALUE,
+  QWIX_LORA_A,
+  SCALE,
+  ZERO_POINT,
 )
 from orbax_tunix.keypaths import Path
 
@@ -30,14 +33,18 @@ class Anchors(frozenset):
 
   The path functions check a path's prefixes only at these depths: a rule
   runs on every leaf of a 50k-leaf item, so a check at every depth would
-  dominate planning.
+  dominate planning. `marks` is what a rule noted at some anchors for its
+  path functions (a quantized weight's first stored part).
   """
 
   depths: tuple[int, ...]
+  marks: Mapping[Path, str]
 
-  def __new__(cls, nodes: Iterable[Path] = ()) -> Anchors:
+  def __new__(cls, nodes: Iterable[Path] = (), marks: Mapping[Path, str] | None = None
+              ) -> Anchors:
     self = super().__new__(cls, nodes)
     self.depths = tuple(sorted({len(n) for n in self}))
+    self.marks = {} if marks is None else dict(marks)
     return self
 
 # The paths of every item of one step, as seen by the rule being planned.
@@ -251,20 +258,28 @@ ADAPTER_BASE = Rule(
 
 
 def _find_qarrays(item: str, step: StepPaths) -> Anchors:
-  """Weights saved as qwix `QArray`s (a QLoRA run's frozen base): a node whose one
-  child `array` holds the leaves `qvalue` and `scale` (and `zero_point`), nothing else."""
+  """Weights saved as qwix `QArray`s (a QLoRA run's frozen base): a node whose one child
+  `array` holds leaves alone, among them one only qwix names (`qvalue`, `zero_point`), or
+  `scale` beside the node's qwix adapter (`<w>_lora_a`). Damaged ones too (a part missing,
+  another beside them): their parts are composed all the same, so that reading them, or
+  listing them, refuses them with their shapes (`quantized.scheme`), rather than reading
+  an int8 qvalue as a weight. Each anchor is marked with its first part (qvalue, else the
+  first there), the one its leaf is read at."""
   paths = step[item]
-  nodes = {p[:-2] for p in paths if len(p) > 2 and p[-1] == QVALUE and p[-2] == QARRAY_KEY}
-  if not nodes:
+  found: dict[Path, set[str]] = {}
+  for p in paths:
+    if len(p) > 2 and p[-2] == QARRAY_KEY:
+      found.setdefault(p[:-2], set()).add(p[-1])
+  if not found:
     return Anchors()
-  arrays = {n + (QARRAY_KEY,) for n in nodes}
-  kids = _children_of(paths, nodes | arrays)
-  leaves = {p for p in paths if p[:-1] in arrays}
-  return Anchors(
-      n for n in nodes
-      if kids[n] == {QARRAY_KEY} and set(QARRAY_PARTS[:2]) <= kids[n + (QARRAY_KEY,)]
-      <= set(QARRAY_PARTS) and all(n + (QARRAY_KEY, k) in leaves for k in kids[n + (QARRAY_KEY,)])
-  )
+  kids = _children_of(paths, set(found) | {n + (QARRAY_KEY,) for n in found})
+  marks = {}
+  for node, parts in found.items():
+    qwix_only = bool(parts & {QVALUE, ZERO_POINT}) or (
+        SCALE in parts and node[:-1] + (node[-1] + QWIX_LORA_A,) in paths)
+    if qwix_only and kids[node] == {QARRAY_KEY} and kids[node + (QARRAY_KEY,)] == parts:
+      marks[node] = next((k for k in QARRAY_PARTS if k in parts), min(parts))
+  return Anchors(marks, marks)
 
 
 def _qarray_part(path: Path, anchors: Anchors) -> tuple[Path, str] | None:
@@ -278,7 +293,7 @@ def _qarray_to_canonical(path: Path, anchors: Anchors) -> Path | None:
   part = _qarray_part(path, anchors)
   if part is None:
     return path
-  return part[0] if part[1] == QVALUE else None
+  return part[0] if part[1] == anchors.marks[part[0]] else None
 
 
 QUANTIZED = Rule(
@@ -290,7 +305,8 @@ QUANTIZED = Rule(
     find=_find_qarrays,
     to_canonical=_qarray_to_canonical,
     to_disk=lambda path, anchors: (
-        path + (QARRAY_KEY, QVALUE) if len(path) in anchors.depths and path in anchors else path),
+        path + (QARRAY_KEY, anchors.marks[path]) if len(path) in anchors.depths
+        and path in anchors else path),
     part_of=_qarray_part,
 )
 
