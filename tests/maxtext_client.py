@@ -53,6 +53,9 @@ pyconfig `k=v` strings):
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
+  lora_case       model_name, dims, scan, seed, step, out, rank, alpha: a family's tiny model
+                  with MaxText's own LoRA (qwix) saved as a Tunix run, and its logits (see
+                  job_lora_case).
   read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
   auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
@@ -640,6 +643,43 @@ def job_family_case(job, out_dir):
           'mt': {k: list(v.shape) for k, v in drawn.items()}}
 
 
+def job_lora_case(job, out_dir):
+  """A tiny MaxText model of one family with LoRA as MaxText applies it, saved as a Tunix run.
+
+  Arguments: model_name, dims, scan, seed, step, out, rank, alpha. The base weights are drawn
+  as `random_model` draws them; MaxText's own `lora_utils.apply_lora_to_model` (qwix, on the
+  modules of the family's `lora_module_path`) adds the adapters, and every adapter leaf is
+  drawn too (qwix starts `b` at zero: a merge would change nothing). Writes
+  `<out>/tunix/<step>/model_params` (the TunixMaxTextAdapter of the LoRA model, as
+  save_tunix_run writes it: `base/<path>/<w>_lora_{a,b}/value` beside each adapted kernel) and
+  to `<id>.npz`: the LoRA model's logits on fixed tokens ('logits', as qwix computes
+  `x·W + (alpha / rank)·(x·a)·b`), the tokens, and the adapters ('lora/<path>').
+  """
+  from maxtext.utils import lora_utils  # noqa: PLC0415
+
+  out, step = Path(job['out']).resolve(), int(job.get('step', 3))
+  cfg = family_config(job['model_name'], job['scan'], job['dims'], 'lora.enable_lora=True',
+                      f"lora.lora_rank={int(job['rank'])}", f"lora.lora_alpha={job['alpha']}")
+  model, _ = random_model(cfg, int(job.get('seed', 0)))
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    model = lora_utils.apply_lora_to_model(model, mesh, cfg)
+  rng = np.random.default_rng(int(job.get('seed', 0)) + 100)
+  adapters = {}
+  for path, variable in nnx.iter_graph(model):
+    if isinstance(variable, nnx.LoRAParam):
+      value = rng.normal(0.0, 0.3, variable.get_value().shape).astype(np.float32)
+      variable.set_value(jnp.asarray(value, variable.get_value().dtype))
+      adapters['/'.join(map(str, path))] = value
+  save_tunix_run(out / 'tunix', step, model)
+  tokens = fixed_tokens(cfg)
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, logits=forward_logits(model, tokens), tokens=tokens,
+           **{f'lora/{k}': v for k, v in adapters.items()})
+  return {'npz': npz, 'tunix': str(out / 'tunix'), 'step': step,
+          'lora': {k: list(v.shape) for k, v in adapters.items()}}
+
+
 # --------------------------------------------------------------------------- #
 # One family's steps in both layer forms, from the same weights
 # --------------------------------------------------------------------------- #
@@ -832,6 +872,7 @@ JOBS = {
     'restore_train_state': job_restore_train_state,
     'family_case': job_family_case,
     'layer_forms': job_layer_forms,
+    'lora_case': job_lora_case,
     'auto_config': job_auto_config,
     'read_hf': job_read_hf,
 }

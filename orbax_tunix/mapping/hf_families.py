@@ -35,4 +35,9 @@ GEMMA4 = Family(
                    'model.language_model.'},
     embeddings=('embed_tokens', 'embed_tokens_per_layer'))
 
-FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4)
+# gpt-oss: MaxText's model only (Tunix trains it through TunixMaxTextAdapter). Its biases are
+# weights of every MaxText gpt-oss: the config must build them.
+GPT_OSS = Family('gpt_oss', 'GptOssForCausalLM', 'gpt_oss', (hf_maxtext.GPT_OSS,),
+                 fixed={'attention_bias': True}, aliases=('gpt-oss',))
+
+FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, GPT_OSS)

@@ -21,6 +21,13 @@ MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
                     {pre,post}_ffw_norm, query_norm, key_norm; scanned in blocks of six
   gemma4            gemma3's names plus layer_scalar (1,); global layers (every sixth)
                     have their own head_dim and no value kernel (k = v shared)
+  gpt-oss           token_embedder/embedding, decoder/decoder_norm/scale,
+                    decoder/logits_dense/kernel; per layer: GptOssAttention/{query,key,value}/
+                    {kernel (D, N|K, H), bias (N|K, H)}, GptOssAttention/out/{kernel (N, H, D),
+                    bias (D,)}, GptOssAttention/sinks (N,), GptOssMlp/gate/{kernel (D, E),
+                    bias (E,)}, GptOssMlp/{wi_0,wi_1} (E, D, F), GptOssMlp/{wi_0,wi_1}_bias
+                    (E, F), GptOssMlp/wo (E, F, D), GptOssMlp/wo_bias (E, D), the llama norms;
+                    scanned in blocks of two (sliding, full): decoder/layers/layers_{0,1}/<w>
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ from orbax_tunix.mapping.transforms import (
   chain,
   deinterleave,
   divide,
+  interleave,
+  merge_axes,
   multiply,
   shift,
   transpose,
@@ -268,3 +277,76 @@ def _maxtext_qwen3_moe() -> Naming:
 
 GEMMA4 = _maxtext_gemma4()
 QWEN3_MOE = _maxtext_qwen3_moe()
+
+
+# MaxText's gpt-oss attention and MLP modules (models/gpt_oss.py), and Hugging Face's.
+_GPT_OSS_ATTN = f'{MT_LAYER}/GptOssAttention'
+_GPT_OSS_MLP = f'{MT_LAYER}/GptOssMlp'
+
+
+def _maxtext_gpt_oss() -> Naming:
+  """MaxText's gpt-oss decoder (gpt-oss-20b, -120b): biased attention with a sink per head,
+  a biased router, and experts kept stacked as Hugging Face's GptOssExperts holds them.
+
+  As MaxText's converter (`GPT_OSS_TO_HF_PARAM_HOOK_FN`): q/k/v/o kernels as every MaxText
+  attention's, their (heads, head_dim) biases flattened; the router kernel transposed; the
+  experts' `wi_0` (gate) and `wi_1` (up) (E, D, F) interleaved along F into `gate_up_proj`
+  (E, D, 2F) (transformers' GptOssExperts reads the gate at `::2`, the up at `1::2`), their
+  biases likewise; `wo` (E, F, D) is `down_proj` as it is. The gather `wi_{k}` takes the two
+  in MaxText's order (0: gate, 1: up).
+  """
+  attn, mlp = _GPT_OSS_ATTN, _GPT_OSS_MLP
+  hf = f'{LAYER}.self_attn'
+  rules = [
+      rule('token_embedder/embedding', 'model.embed_tokens.weight'),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),
+      *(rule(f'{attn}/{mt}/kernel', f'{hf}.{p}_proj.weight', IN_PROJ)
+        for mt, p in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
+      *(rule(f'{attn}/{mt}/bias', f'{hf}.{p}_proj.bias', merge_axes(0, 2))
+        for mt, p in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
+      rule(f'{attn}/out/kernel', f'{hf}.o_proj.weight', OUT_PROJ),
+      rule(f'{attn}/out/bias', f'{hf}.o_proj.bias'),
+      rule(f'{attn}/sinks', f'{hf}.sinks'),
+      rule(f'{mlp}/gate/kernel', f'{LAYER}.mlp.router.weight', transpose()),
+      rule(f'{mlp}/gate/bias', f'{LAYER}.mlp.router.bias'),
+      rule(f'{mlp}/wi_{{k}}', f'{LAYER}.mlp.experts.gate_up_proj', interleave(-1)),
+      rule(f'{mlp}/wi_{{k}}_bias', f'{LAYER}.mlp.experts.gate_up_proj_bias', interleave(-1)),
+      rule(f'{mlp}/wo', f'{LAYER}.mlp.experts.down_proj'),
+      rule(f'{mlp}/wo_bias', f'{LAYER}.mlp.experts.down_proj_bias'),
+      rule(f'{MT_LAYER}/pre_self_attention_layer_norm/scale', f'{LAYER}.input_layernorm.weight'),
+      rule(f'{MT_LAYER}/post_self_attention_layer_norm/scale',
+            f'{LAYER}.post_attention_layernorm.weight'),
+  ]
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{attn}/{{p:query|key|value|out}}/{{w:kernel|bias}}', f'{attn}/sinks',
+      f'{mlp}/gate/{{w:kernel|bias}}', f'{mlp}/{{p:wi_0|wi_1|wo}}',
+      f'{mlp}/{{p:wi_0|wi_1|wo}}_bias',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  first = MT_LAYER.replace('{i}', '0')
+  dims = {
+      'vocab_size': (('token_embedder/embedding', 0),),
+      'hidden_size': (('token_embedder/embedding', 1),),
+      'num_attention_heads': ((f'{first}/GptOssAttention/query/kernel', 1),),
+      'head_dim': ((f'{first}/GptOssAttention/query/kernel', 2),),
+      'num_key_value_heads': ((f'{first}/GptOssAttention/key/kernel', 1),),
+      'intermediate_size': ((f'{first}/GptOssMlp/wi_0', 2),),
+      'num_local_experts': ((f'{first}/GptOssMlp/wi_0', 0),),
+  }
+  axes = {
+      f'{attn}/query/kernel': ('hidden_size', 'num_attention_heads', 'head_dim'),
+      **{f'{attn}/{p}/kernel': ('hidden_size', 'num_key_value_heads', 'head_dim')
+         for p in ('key', 'value')},
+      f'{attn}/out/kernel': ('num_attention_heads', 'head_dim', 'hidden_size'),
+  }
+  return Naming(
+      trainers.MAXTEXT, tuple(rules), tuple((r,) for r in required), dims,
+      tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
+      layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      form=stacks_lib.cycles(2, 'gpt-oss'), axes=axes, lora_flattened=True)
+
+
+GPT_OSS = _maxtext_gpt_oss()
+

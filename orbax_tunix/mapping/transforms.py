@@ -18,6 +18,7 @@ each with a transform; nothing else here knows a layout.
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
+  interleave(axis)              two sources' entries alternating along an axis
   per_input((t1, t2, ...), t)   each source through its own transform, then t on them all
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
 
@@ -348,6 +349,30 @@ def deinterleave(axis: int = -1) -> Transform:
 
   return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=_whole(axis),
                    source_axis=lambda d, shapes: None if d == axis % len(shapes[0]) else d)
+
+
+def interleave(axis: int = -1) -> Transform:
+  """Two sources of one shape, their entries alternating along `axis`: the first's at the even
+  positions, the second's at the odd (`deinterleave` of the result gives them back, one after
+  the other). gpt-oss's gate and up projections (MaxText's `wi_0`, `wi_1`) fused as Hugging
+  Face's `gate_up_proj`, which reads the gate at `[..., ::2]` and the up at `[..., 1::2]`."""
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    first, second = shapes
+    if first != second or not -len(first) <= axis < len(first):
+      raise TransformError(f'interleave(axis={axis}): expected two sources of one shape with an'
+                           f' axis {axis}, found {first} and {second}')
+    at = axis % len(first)
+    return (*first[:at], 2 * first[at], *first[at + 1:])
+
+  def apply(xs: Sequence[Any]) -> Any:
+    first, second = xs
+    np_or_jnp = xp(first, second)
+    at = axis % first.ndim
+    pairs = np_or_jnp.stack([first, second], axis=at + 1)  # (..., n, 2, ...): pairs in order.
+    return np_or_jnp.reshape(pairs, shape([first.shape, second.shape]))
+
+  return Transform(f'interleave(axis={axis})', shape, apply, arity=2, source_spec=_whole(axis))
 
 
 def head(axis: int, size: int) -> Transform:
