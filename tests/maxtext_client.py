@@ -530,6 +530,40 @@ def save_maxtext_step(root: Path, step: int, model) -> None:
   mngr.close()
 
 
+# MaxText's Qwen3-VL entries are bare PreTrainedConfigs holding their text_config and
+# vision_config as dicts: _validate_or_update_architecture reads them with getattr and fits
+# nothing. `fit_raw` fits them as it fits the others: the text model's dims from the tiny
+# MaxText config, the vision tower's from its `*_for_vit` keys, mrope's sections.
+RAW_TEXT_FIELDS = (('hidden_size', 'emb_dim'), ('intermediate_size', 'mlp_dim'),
+                   ('num_hidden_layers', 'num_decoder_layers'), ('vocab_size', 'vocab_size'),
+                   ('moe_intermediate_size', 'moe_mlp_dim'), ('num_experts', 'num_experts'),
+                   ('num_local_experts', 'num_experts'),
+                   ('num_experts_per_tok', 'num_experts_per_tok'))
+RAW_VISION_FIELDS = (('depth', 'num_hidden_layers_for_vit'), ('hidden_size', 'hidden_size_for_vit'),
+                     ('intermediate_size', 'intermediate_size_for_vit'),
+                     ('num_heads', 'num_attention_heads_for_vit'),
+                     ('out_hidden_size', 'out_hidden_size_for_vit'),
+                     ('num_position_embeddings', 'num_position_embeddings_for_vit'),
+                     ('patch_size', 'patch_size_for_vit'),
+                     ('spatial_merge_size', 'spatial_merge_size_for_vit'),
+                     ('temporal_patch_size', 'temporal_patch_size_for_vit'),
+                     ('deepstack_visual_indexes', 'deepstack_visual_indexes_for_vit'),
+                     ('in_channels', 'num_channels_for_vit'))
+
+
+def fit_raw(hf_dict: dict, cfg) -> None:
+  """Fits a raw config's `text_config` and `vision_config` (dicts) to the tiny model."""
+  text, vision = hf_dict.get('text_config') or {}, hf_dict.get('vision_config') or {}
+  for fields, into in ((RAW_TEXT_FIELDS, text), (RAW_VISION_FIELDS, vision)):
+    for hf_attr, mt_attr in fields:
+      value = getattr(cfg, mt_attr, None)
+      if hf_attr in into and value is not None:
+        into[hf_attr] = list(value) if isinstance(value, (list, tuple)) else value
+  rope = text.get('rope_parameters')
+  if isinstance(rope, dict) and 'mrope_section' in rope:
+    rope['mrope_section'] = list(cfg.mrope_section)
+
+
 def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   """MaxText 0.2.5's own to_huggingface.main, up to the dict it hands save_model_files.
 
@@ -571,11 +605,15 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
     text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
+  if isinstance(getattr(hf_config, 'text_config', None), dict):
+    fit_raw(hf_dict, cfg)
   try:
     maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
     state = conv.detect_and_extract_checkpoint(checkpoint)
     keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
-    keys = [k for k in keys if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
+    if not cfg.use_multimodal:  # to_huggingface.main's filter: the text model alone
+      keys = [k for k in keys
+              if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
     # Its loop calls gc.collect() after every weight (~1 s each in a process holding MaxText):
     # that frees memory and changes no value, so it is skipped here to keep the suite short.
     collect, th.gc.collect = th.gc.collect, lambda *a: 0

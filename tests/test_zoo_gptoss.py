@@ -219,3 +219,152 @@ def test_a_scanned_gpt_oss_relays_unscanned_and_back(tmp_path, kind):
   for j in range(2):
     np.testing.assert_array_equal(rescanned['layers'][f'layers_{j}'][MLP]['wo'],
                                   flat[f'decoder/layers/layers_{j}/{MLP}/wo'])
+
+
+# --------------------------------------------------------------------------- #
+# Qwen3-VL (issue 51): the text model under model.language_model., the vision tower carried
+# --------------------------------------------------------------------------- #
+VIT, VD, VH, VF = 'vision_encoder/Qwen3VLVisionEncoder_0', 8, 2, 32  # width, heads, MLP
+VISION = {  # MaxText 0.2.5's tiny Qwen3-VL tower (2 blocks, one deepstack merger), by nnx.state
+    f'{VIT}/patch_embed/proj/kernel': (2, 16, 16, 3, VD), f'{VIT}/patch_embed/proj/bias': (VD,),
+    f'{VIT}/pos_embed_interpolate/pos_embed': (16, VD),
+    **{f'{VIT}/blocks_{b}/{k}': s for b in range(2) for k, s in {
+        'ln1/scale': (VD,), 'ln1/bias': (VD,), 'ln2/scale': (VD,), 'ln2/bias': (VD,),
+        **{f'attn/attn/{p}/kernel': (VD, VH, VD // VH) for p in ('query', 'key', 'value')},
+        **{f'attn/attn/{p}/bias': (VH, VD // VH) for p in ('query', 'key', 'value')},
+        'attn/attn/out/kernel': (VH, VD // VH, VD), 'attn/attn/out/bias': (VD,),
+        'mlp/kernel': (VD, VF), 'mlp/bias': (VF,), 'mlp_out/kernel': (VF, VD),
+        'mlp_out/bias': (VD,)}.items()},
+    **{f'{m}/{k}': s for m in (f'{VIT}/merger_0', 'vision_encoder/Qwen3VLVisionProjector_0/merger')
+       for k, s in {'ln_q/scale': (4 * VD,), 'ln_q/bias': (4 * VD,), 'mlp_0/kernel': (4 * VD, 4 * VD),
+                    'mlp_0/bias': (4 * VD,), 'mlp_2/kernel': (4 * VD, D), 'mlp_2/bias': (D,)}.items()},
+}
+
+
+def vision_tree(seed: int = 4) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return {k: rng.normal(size=s).astype(np.float32) for k, s in VISION.items()}
+
+
+def vision_expected(tower: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Hugging Face's tower, by the formulas of MaxText's converter's hooks (transpose(4, 3, 0,
+  1, 2) of the patch convolution; q, k, v `reshape(D, D).T` then concatenated)."""
+  out = {'model.visual.patch_embed.proj.weight':
+         tower[f'{VIT}/patch_embed/proj/kernel'].transpose(4, 3, 0, 1, 2),
+         'model.visual.patch_embed.proj.bias': tower[f'{VIT}/patch_embed/proj/bias'],
+         'model.visual.pos_embed.weight': tower[f'{VIT}/pos_embed_interpolate/pos_embed']}
+  for b in range(2):
+    src, hf = f'{VIT}/blocks_{b}', f'model.visual.blocks.{b}'
+    for n in '12':
+      out[f'{hf}.norm{n}.weight'] = tower[f'{src}/ln{n}/scale']
+      out[f'{hf}.norm{n}.bias'] = tower[f'{src}/ln{n}/bias']
+    qkv = ('query', 'key', 'value')
+    out[f'{hf}.attn.qkv.weight'] = np.concatenate(
+        [tower[f'{src}/attn/attn/{p}/kernel'].reshape(VD, VD).T for p in qkv])
+    out[f'{hf}.attn.qkv.bias'] = np.concatenate(
+        [tower[f'{src}/attn/attn/{p}/bias'].reshape(VD) for p in qkv])
+    out[f'{hf}.attn.proj.weight'] = tower[f'{src}/attn/attn/out/kernel'].reshape(VD, VD).T
+    out[f'{hf}.attn.proj.bias'] = tower[f'{src}/attn/attn/out/bias']
+    out[f'{hf}.mlp.linear_fc1.weight'] = tower[f'{src}/mlp/kernel'].T
+    out[f'{hf}.mlp.linear_fc1.bias'] = tower[f'{src}/mlp/bias']
+    out[f'{hf}.mlp.linear_fc2.weight'] = tower[f'{src}/mlp_out/kernel'].T
+    out[f'{hf}.mlp.linear_fc2.bias'] = tower[f'{src}/mlp_out/bias']
+  for src, hf in ((f'{VIT}/merger_0', 'model.visual.deepstack_merger_list.0'),
+                  ('vision_encoder/Qwen3VLVisionProjector_0/merger', 'model.visual.merger')):
+    out[f'{hf}.norm.weight'], out[f'{hf}.norm.bias'] = (tower[f'{src}/ln_q/scale'],
+                                                        tower[f'{src}/ln_q/bias'])
+    for mt_name, fc in (('mlp_0', 'linear_fc1'), ('mlp_2', 'linear_fc2')):
+      out[f'{hf}.{fc}.weight'] = tower[f'{src}/{mt_name}/kernel'].T
+      out[f'{hf}.{fc}.bias'] = tower[f'{src}/{mt_name}/bias']
+  return out
+
+
+def multimodal(text: dict[str, np.ndarray], moe: bool = False) -> dict[str, np.ndarray]:
+  """The text model's expected tensors as Qwen3VL(Moe)ForConditionalGeneration names them:
+  under `model.language_model.` (lm_head at the top); experts fused gate then up."""
+  out = {}
+  for name, value in text.items():
+    if name.startswith('model.'):
+      name = 'model.language_model.' + name[len('model.'):]
+    out[name] = value
+  if not moe:
+    return out
+  for i in range(mt.MODELS['qwen3_moe'][1]):
+    p = f'model.language_model.layers.{i}.mlp.experts'
+    gate = np.stack([out.pop(f'{p}.{e}.gate_proj.weight').T for e in range(E)])
+    up = np.stack([out.pop(f'{p}.{e}.up_proj.weight').T for e in range(E)])
+    out[f'{p}.gate_up_proj'] = np.concatenate([gate, up], axis=-1)  # (E, D, 2F)
+    out[f'{p}.down_proj'] = np.stack([out.pop(f'{p}.{e}.down_proj.weight').T
+                                      for e in range(E)])  # (E, F, D): MaxText's wo
+  return out
+
+
+@pytest.mark.parametrize('kind', ['tunix', 'maxtext'])
+@pytest.mark.parametrize('model', ['qwen3_vl', 'qwen3_vl_moe'])
+def test_qwen3_vl_exports_its_text_model_and_vision_tower(tmp_path, model, kind):
+  text_model = 'qwen3_moe' if model == 'qwen3_vl_moe' else 'qwen3'
+  tower = vision_tree()
+  flat = {**mt.maxtext_tree(text_model, 'unscanned'), **tower}
+  save = mt.save_tunix_run if kind == 'tunix' else mt.save_maxtext_step
+  src = save(tmp_path / 'run', flat)
+  orbax_tunix.export_to_hf(src, tmp_path / 'out', model=model)
+  got = mt.read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = {**multimodal(mt.expected(text_model), moe=model == 'qwen3_vl_moe'),
+          **vision_expected(tower)}
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def qwen3_vl_config(folder, **text) -> str:
+  """Qwen/Qwen3-VL-2B-Instruct's config.json as the Hub has it (its text model in
+  `text_config`), fitted to the tiny text model."""
+  _, n, untied = mt.MODELS['qwen3_tied']
+  config = {'architectures': ['Qwen3VLForConditionalGeneration'], 'model_type': 'qwen3_vl',
+            'tie_word_embeddings': True, 'image_token_id': 151655,
+            'text_config': {'model_type': 'qwen3_vl_text', 'hidden_size': D, 'vocab_size': V,
+                            'num_hidden_layers': n, 'num_attention_heads': N,
+                            'num_key_value_heads': K, 'head_dim': H, 'intermediate_size': mt.F,
+                            'tie_word_embeddings': not untied, 'rope_parameters': {
+                                'rope_type': 'default', 'rope_theta': 5000000,
+                                'mrope_section': [2, 1, 1], 'mrope_interleaved': True},
+                            **text},
+            'vision_config': {'model_type': 'qwen3_vl', 'depth': 2, 'hidden_size': VD}}
+  folder.mkdir()
+  (folder / 'config.json').write_text(json.dumps(config))
+  return str(folder)
+
+
+def test_a_qwen3_vl_trained_on_text_alone_is_its_qwen3(tmp_path):
+  """MaxText's Qwen3-VL without its tower (`use_multimodal=False`) is its qwen3 decoder:
+  `--model qwen3_vl` refuses it naming the tower it lacks; `--model qwen3` exports it as
+  Qwen3ForCausalLM, the Qwen3-VL config's text_config written as a qwen3 config."""
+  src = mt.save_maxtext_step(tmp_path / 'run', mt.maxtext_tree('qwen3_tied', 'unscanned'))
+  hub = qwen3_vl_config(tmp_path / 'hub')
+  with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError,
+                     match='Qwen3VLVisionEncoder_0/patch_embed/proj/kernel'):
+    orbax_tunix.tools.export.plan_export(src, tmp_path / 'vl', model='qwen3_vl', hf_config=hub)
+  orbax_tunix.export_to_hf(src, tmp_path / 'out', model='qwen3', hf_config=hub)
+  written = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert (written['model_type'], written['architectures']) == ('qwen3', ['Qwen3ForCausalLM'])
+  assert written['hidden_size'] == D and 'text_config' not in written
+  got = mt.read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  assert sorted(got) == sorted(mt.expected('qwen3_tied'))
+
+
+def test_concat_and_a_gather_over_words_keep_the_words_order():
+  from orbax_tunix.mapping import patterns  # noqa: PLC0415
+  from orbax_tunix.mapping.transforms import concat  # noqa: PLC0415
+
+  rule = patterns.LayoutRule.of(('a', '{p:query|key|value}'), ('qkv',), concat(0))
+  shapes = {('a', 'value'): (3, 2), ('a', 'query'): (1, 2), ('a', 'key'): (2, 2)}
+  mapped = patterns.map_paths(shapes, [rule]).outputs[('qkv',)]
+  assert mapped.sources == (('a', 'query'), ('a', 'key'), ('a', 'value'))
+  assert mapped.shape == (6, 2)
+  parts = [np.full((n, 2), n, np.float32) for n in (1, 2, 3)]
+  np.testing.assert_array_equal(concat(0).apply(parts), np.concatenate(parts))
+  with pytest.raises(TransformError, match='differ off axis'):
+    concat(0).check([(1, 2), (1, 3)])
+  with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match='without gaps'):
+    patterns.map_paths({('a', 'query'): (1, 2), ('a', 'value'): (3, 2)}, [rule])
+

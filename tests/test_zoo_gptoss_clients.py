@@ -20,6 +20,16 @@ Its LoRA (a `lora_case`: MaxText's own `lora_utils.apply_lora_to_model`, qwix on
 `lora_module_path`, which adapts the attention's query, key, value and out kernels and no
 expert) exports merged (`--merge-lora`), and as a PEFT adapter on the `--base-only` export,
 which peft loads: both compute the LoRA model's logits, which the base alone does not.
+
+Qwen3-VL (qwen3-vl-2b's config, tiny, with a tiny vision tower: MaxText's `use_multimodal`):
+unscanned, MaxText's only form with its tower (deepstack refuses scan_layers); the export is
+Qwen3VLForConditionalGeneration, text model, tower and lm_head as MaxText's converter writes
+them, which transformers loads (AutoModelForImageTextToText) with no missing key and runs on
+text tokens. Its LoRA (qwen3's `lora_module_path`: the text model's attention and MLP) exports
+as gpt-oss's does. Trained on text alone (`use_multimodal=False`), it is exported by
+`--model qwen3` as Qwen3ForCausalLM and compared with MaxText's tensors under the text model's
+names. qwen3-vl-30b-a3b (`qwen3_vl_moe`): MaxText's converter fails on it (the test says with
+what), so transformers computing the MaxText model's logits is the proof.
 """
 
 from __future__ import annotations
@@ -56,13 +66,29 @@ GPT_OSS = ['base_mlp_dim=20', 'base_moe_mlp_dim=20', 'num_experts=4', 'num_exper
            'sliding_window_size=6']
 
 
+# Qwen3-VL's vision tower, tiny (MaxText's `*_for_vit` keys): 2 blocks of width 16 (2 heads),
+# MLP 64 (4 x 16: MaxText's converter sizes the mergers by it, transformers by 4 x width), one
+# deepstack merger, 16 positions (a 4 x 4 grid); mrope's sections for head_dim 8.
+VIT = ['hidden_size_for_vit=16', 'intermediate_size_for_vit=64', 'num_attention_heads_for_vit=2',
+       'num_hidden_layers_for_vit=2', 'deepstack_visual_indexes_for_vit=[0]',
+       'out_hidden_size_for_vit=36', 'num_position_embeddings_for_vit=16',
+       'image_size_for_vit=64', 'mrope_section=[2,1,1]']
+MOE = ['base_moe_mlp_dim=20', 'num_experts=4', 'num_experts_per_tok=2']
+VISION_CLASSES = 'AutoModelForImageTextToText'  # transformers' auto class of the VL models
+
+
 class Case:
-  """One MaxText model: its name, its family (`--model`), its pyconfig keys, its form."""
+  """One MaxText model: its name, its family (`--model`), its pyconfig keys, its form, the
+  class transformers builds (with `auto`), what MaxText's converter is known to fail with
+  (`converter_fails`), and whether the export names the text model (`text_names`: MaxText's
+  converter writes the multimodal class's `model.language_model.`)."""
 
   def __init__(self, model_name: str, family: str, scan: bool, dims: list[str],
-               hf_class: str):
+               hf_class: str, auto: str = 'AutoModelForCausalLM',
+               converter_fails: str | None = None, text_names: bool = False):
     self.model_name, self.family, self.scan = model_name, family, scan
-    self.dims, self.hf_class = [*DIMS, *dims], hf_class
+    self.dims, self.hf_class, self.auto = [*DIMS, *dims], hf_class, auto
+    self.converter_fails, self.text_names = converter_fails, text_names
 
 
 CASES = {
@@ -70,11 +96,28 @@ CASES = {
                          [*GPT_OSS, 'base_num_decoder_layers=4'], 'GptOssForCausalLM'),
     'gpt_oss_unscan': Case('gpt-oss-20b', 'gpt-oss', False,
                            [*GPT_OSS, 'base_num_decoder_layers=2'], 'GptOssForCausalLM'),
+    # With its vision tower (use_multimodal): unscanned only (MaxText refuses scan_layers with
+    # deepstack's visual injection); trained on text alone: a qwen3.
+    'qwen3_vl_unscan': Case('qwen3-vl-2b', 'qwen3_vl', False,
+                            [*VIT, 'base_mlp_dim=40', 'base_num_decoder_layers=2'],
+                            'Qwen3VLForConditionalGeneration', auto=VISION_CLASSES),
+    'qwen3_vl_text_unscan': Case('qwen3-vl-2b', 'qwen3', False,
+                                 [*VIT, 'base_mlp_dim=40', 'base_num_decoder_layers=2',
+                                  'use_multimodal=False'], 'Qwen3ForCausalLM', text_names=True),
+    'qwen3_vl_moe_unscan': Case('qwen3-vl-30b-a3b', 'qwen3_vl_moe', False,
+                                [*VIT, *MOE, 'base_mlp_dim=20', 'base_num_decoder_layers=2'],
+                                'Qwen3VLMoeForConditionalGeneration', auto=VISION_CLASSES,
+                                converter_fails="HF path 'model.language_model.layers.0.mlp."
+                                                "experts.down_proj' not found in hf_shape_map"),
 }
 SOURCES = ('tunix', 'maxtext')
 EXPORTS = [f'{case}_{src}' for case in CASES for src in SOURCES]
 # LoRA runs (`lora_case`): case -> the case whose HF config and dims it shares.
-LORA = {'gpt_oss_lora_scan': 'gpt_oss_scan'}
+LORA = {'gpt_oss_lora_scan': 'gpt_oss_scan', 'qwen3_vl_lora_unscan': 'qwen3_vl_unscan'}
+# The weights MaxText's `lora_module_path` adapts (its configs/post_train/lora_module_path.yml:
+# gpt-oss's attention alone; qwen3's, which Qwen3-VL's name starts with, attention and MLP).
+LORA_TARGETS = {'gpt_oss': {'query', 'key', 'value', 'out'},
+                'qwen3_vl': {'query', 'key', 'value', 'out', 'wi_0', 'wi_1', 'wo'}}
 LORA_RANK, LORA_ALPHA = 2, 4.0
 
 # The Hub's openai/gpt-oss-20b config.json (the MXFP4 checkpoint) where MaxText's HF config
@@ -87,17 +130,35 @@ TINY_FIELDS = {
             'model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens',
             'lm_head']},
         'pad_token_id': c['vocab_size'] - 1, 'eos_token_id': c['vocab_size'] - 2},
+    # MaxText's Qwen3-VL entries are bare PreTrainedConfigs: the config.json its converter
+    # writes has model_type "" (AutoConfig cannot read it); the Hub's says qwen3_vl.
+    'qwen3_vl': lambda c: {'model_type': 'qwen3_vl'},
+    'qwen3_vl_text': lambda c: {'model_type': 'qwen3_vl'},
+    # ... and its 30b-a3b entry says tied where the model (and the Hub's) has an lm_head.
+    'qwen3_vl_moe': lambda c: {'model_type': 'qwen3_vl_moe', 'tie_word_embeddings': False,
+                               'text_config': {'tie_word_embeddings': False}},
 }
 
 
 def family_of(case: str) -> str:
-  return case.split('_lora')[0].rsplit('_', 1)[0]
+  """A case's family part (`gpt_oss_scan` -> `gpt_oss`)."""
+  return case.rsplit('_', 1)[0]
+
+
+def _merged(into: dict, changes: dict) -> dict:
+  """`into` with `changes` set, a nested config's fields (`text_config`) field by field."""
+  for field, value in changes.items():
+    if isinstance(value, dict) and isinstance(into.get(field), dict) and field != (
+        'rope_parameters'):
+      _merged(into[field], value)
+    else:
+      into[field] = value
+  return into
 
 
 def tiny_hf_config(case: str, hf_config: dict, cfg: dict) -> dict:
-  out = copy.deepcopy(hf_config)
-  out.update(TINY_FIELDS[family_of(case)](cfg))
-  return out
+  """MaxText's HF config fitted to the tiny model, with TINY_FIELDS."""
+  return _merged(copy.deepcopy(hf_config), TINY_FIELDS[family_of(case)](cfg))
 
 
 def export(src: pathlib.Path, out: pathlib.Path, model: str, hf_config: str | None,
@@ -130,8 +191,8 @@ def _make_cases(maxtext: clients.Worker, work: pathlib.Path) -> None:
 
 
 def _lora_exports(pool, work: pathlib.Path, lora: str, src: pathlib.Path, hf_config: str):
-  """The LoRA run merged, its base alone, and its adapter as PEFT's (on the base's folder)."""
-  cli = 'gpt-oss'
+  """The LoRA run merged, and its base alone (its PEFT adapter names the base's folder)."""
+  cli = CASES[LORA[lora]].family
   merged = pool.submit(export, src, work / f'{lora}_merged_hf', cli, hf_config,
                        '--merge-lora', '--lora-alpha', str(LORA_ALPHA))
   base = pool.submit(export, src, work / f'{lora}_base_hf', cli, hf_config, '--base-only')
@@ -175,7 +236,7 @@ def run(maxtext_python, tmp_path_factory):
       r = maxtext.results.get(f'case_{lora}')
       if base and base['rc'] == 0:
         exports[f'{lora}_peft'] = export(pathlib.Path(r['tunix']), work / f'{lora}_peft',
-                                         'gpt-oss', None, '--peft', '--lora-alpha',
+                                         CASES[LORA[lora]].family, None, '--peft', '--lora-alpha',
                                          str(LORA_ALPHA), '--base-model', str(base['out']))
   for name in EXPORTS:
     e = exports.get(name)
@@ -201,19 +262,20 @@ def hf(run, hf_python) -> clients.Worker:
   for name in EXPORTS:
     e = run.exports.get(name)
     if e and e['rc'] == 0 and run.maxtext.results.get(f"case_{name.rsplit('_', 1)[0]}"):
+      case = name.rsplit('_', 1)[0]
       worker.send({'id': f'load_{name}', 'job': 'load', 'dir': str(e['out']),
-                   'tokens': _tokens(run, name.rsplit('_', 1)[0])})
+                   'tokens': _tokens(run, case), 'auto': CASES[case].auto})
   for lora in LORA:
     merged, base, adapter = (run.exports.get(f'{lora}_{k}') for k in ('merged', 'base', 'peft'))
     if not all(e and e['rc'] == 0 for e in (merged, base, adapter)):
       continue
-    tokens = _tokens(run, lora)
+    tokens, auto = _tokens(run, lora), CASES[LORA[lora]].auto
     worker.send({'id': f'load_{lora}_merged', 'job': 'load', 'dir': str(merged['out']),
-                 'tokens': tokens},
+                 'tokens': tokens, 'auto': auto},
                 {'id': f'load_{lora}_base', 'job': 'load', 'dir': str(base['out']),
-                 'tokens': tokens},
+                 'tokens': tokens, 'auto': auto},
                 {'id': f'peft_{lora}', 'job': 'peft', 'base': str(base['out']),
-                 'adapter': str(adapter['out']), 'tokens': tokens})
+                 'adapter': str(adapter['out']), 'tokens': tokens, 'auto': auto})
   worker.finish(WORKER_TIMEOUT)
   return worker
 
@@ -233,7 +295,10 @@ def test_a_sources_are_maxtexts_layouts(run, case):
     assert sinks == [4, layers // 2], sinks  # (heads, blocks)
     assert not any(n.startswith('decoder/layers/layers_2/') for n in names), names
   else:
-    assert f'decoder/layers_{layers - 1}/GptOssMlp/wi_0' in names, names
+    assert any(n.startswith(f'decoder/layers_{layers - 1}/') for n in names), names
+  # The vision tower is the model's where MaxText builds it (use_multimodal), else none.
+  vision = any(n.startswith('vision_encoder/') for n in names)
+  assert vision == (CASES[case].auto == VISION_CLASSES), sorted(names)[-5:]
   meta = json.loads((pathlib.Path(r['tunix']) / str(STEP) / 'model_params' / '_METADATA')
                     .read_text())['tree_metadata']
   keys = [tuple(k['key'] for k in e['key_metadata']) for e in meta.values()]
@@ -249,9 +314,15 @@ def test_b_export_equals_maxtexts_own_conversion(run, name):
   """Every tensor MaxText's converter writes, by name, shape, dtype and value; nothing else."""
   case = name.rsplit('_', 1)[0]
   out = run.exported(name)
-  assert run.case(case)['convert_error'] is None, run.case(case)['convert_error']
+  err, fails = run.case(case)['convert_error'], CASES[case].converter_fails
+  if fails:  # No expected values: transformers computing MaxText's logits proves the export.
+    assert err and fails in err, f"MaxText's converter was expected to fail ({fails}): {err}"
+    return
+  assert err is None, err
   want = {k[len('hf/'):]: v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
           if k.startswith('hf/')}
+  if CASES[case].text_names:  # MaxText's text-only Qwen3-VL as the text model names it
+    want = {k.replace('model.language_model.', 'model.', 1): v for k, v in want.items()}
   got_meta = run.result(run.maxtext, f'read_{name}')['tensors']
   got = {k[len('hf/'):]: v for k, v in run.arrays(run.maxtext, f'read_{name}').items()}
   assert sorted(got) == sorted(want), (
@@ -310,7 +381,7 @@ def test_e_lora_merged_and_as_peft_compute_the_lora_models_logits(run, hf, lora)
   merged by peft); the base alone computes others (the adapters matter)."""
   want = run.arrays(run.maxtext, f'case_{lora}')['logits']
   adapted = {k.split('/')[-2] for k in run.case(lora)['lora']}
-  assert adapted == {'query', 'key', 'value', 'out'}, adapted  # gpt-oss's lora_module_path
+  assert adapted == LORA_TARGETS[family_of(LORA[lora])], adapted
   _, merged = _logits_of(run, hf, f'load_{lora}_merged')
   np.testing.assert_allclose(merged, want, rtol=0, atol=HF_LOGITS_ATOL, err_msg='merged')
   _, base = _logits_of(run, hf, f'load_{lora}_base')
@@ -318,7 +389,7 @@ def test_e_lora_merged_and_as_peft_compute_the_lora_models_logits(run, hf, lora)
   r = run.result(hf, f'peft_{lora}')
   assert not r['adapter_missing_keys'] and not r['adapter_unexpected_keys'], r
   layers = run.case(LORA[lora])['config']['num_decoder_layers']
-  assert len(r['lora_modules']) == 4 * layers, r['lora_modules']
+  assert len(r['lora_modules']) == len(adapted) * layers, r['lora_modules']
   peft = run.arrays(hf, f'peft_{lora}')
   np.testing.assert_allclose(peft['logits'], want, rtol=0, atol=HF_LOGITS_ATOL, err_msg='peft')
   np.testing.assert_allclose(peft['merged_logits'], want, rtol=0, atol=HF_LOGITS_ATOL,

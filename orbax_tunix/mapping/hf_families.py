@@ -14,7 +14,11 @@ from orbax_tunix.mapping.hf_naming import Family
 # which transformers takes as the exact GELU and vLLM refuses (maxtext#2867).
 GEMMA_GELU = {'hidden_activation': 'gelu_pytorch_tanh'}
 
-QWEN3 = Family('qwen3', 'Qwen3ForCausalLM', 'qwen3', (hf_tunix.QWEN3, hf_maxtext.QWEN3))
+# MaxText trains Qwen3-VL's text model as its qwen3 (`use_multimodal=False`: no vision tower):
+# that is Qwen3ForCausalLM (transformers has no causal-LM class of Qwen3-VL's text model, and
+# its mrope rotates text tokens as Qwen3's rope does).
+QWEN3 = Family('qwen3', 'Qwen3ForCausalLM', 'qwen3', (hf_tunix.QWEN3, hf_maxtext.QWEN3),
+               text_of=('qwen3_vl_text',))
 LLAMA3 = Family('llama3', 'LlamaForCausalLM', 'llama', (hf_tunix.LLAMA3, hf_maxtext.LLAMA3),
                 aliases=('llama3.1', 'llama2'))  # MaxText's names of the model.
 GEMMA3 = Family(
@@ -40,4 +44,12 @@ GEMMA4 = Family(
 GPT_OSS = Family('gpt_oss', 'GptOssForCausalLM', 'gpt_oss', (hf_maxtext.GPT_OSS,),
                  fixed={'attention_bias': True}, aliases=('gpt-oss',))
 
-FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, GPT_OSS)
+# Qwen3-VL with its vision tower (MaxText's `use_multimodal`): the multimodal class, which holds
+# the text model under `model.language_model.` (MaxText's text-only Qwen3-VL is a qwen3's).
+QWEN3_VL = Family('qwen3_vl', 'Qwen3VLForConditionalGeneration', 'qwen3_vl',
+                  (hf_maxtext.QWEN3_VL,), aliases=('qwen3-vl',))
+QWEN3_VL_MOE = Family('qwen3_vl_moe', 'Qwen3VLMoeForConditionalGeneration', 'qwen3_vl_moe',
+                      (hf_maxtext.QWEN3_VL_MOE,), aliases=('qwen3-vl-moe',))
+
+FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, GPT_OSS, QWEN3_VL,
+            QWEN3_VL_MOE)

@@ -14,6 +14,7 @@ each with a transform; nothing else here knows a layout.
   take(axis, index)             one slice along an axis, the axis dropped
   move_axis(source, dest)       one axis moved to another position (`jnp.moveaxis`)
   stack(axis)                   several sources stacked along a new axis
+  concat(axis)                  several sources one after another along an axis
   constant(value)               no source: a known value
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
@@ -286,6 +287,27 @@ def stack(axis: int) -> Transform:
 
   return Transform(f'stack(axis={axis})', shape, lambda xs: xp(*xs).stack(list(xs), axis=axis),
                    arity=None, source_spec=lambda spec: (*spec[:axis], *spec[axis + 1:]))
+
+
+def concat(axis: int = 0) -> Transform:
+  """The sources one after another along `axis` (`jnp.concatenate`, in their order), of one
+  shape but along it: Qwen3-VL's vision query, key and value (D, D) as its fused `qkv`
+  (3D, D)."""
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    first = shapes[0]
+    if not -len(first) <= axis < len(first):
+      raise TransformError(f'concat(axis={axis}): does not fit {len(first)}-d sources {first}')
+    at = axis % len(first)
+    rest = {(*s[:at], *s[at + 1:]) for s in shapes}
+    if len(rest) != 1 or any(len(s) != len(first) for s in shapes):
+      raise TransformError(f'concat(axis={axis}): sources differ off axis {axis}:'
+                           f' {sorted(set(shapes))}')
+    return (*first[:at], sum(s[at] for s in shapes), *first[at + 1:])
+
+  return Transform(f'concat(axis={axis})', shape,
+                   lambda xs: xp(*xs).concatenate(list(xs), axis=axis), arity=None,
+                   source_spec=_whole(axis))
 
 
 def constant(value: Any) -> Transform:
