@@ -368,3 +368,31 @@ def test_concat_and_a_gather_over_words_keep_the_words_order():
   with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match='without gaps'):
     patterns.map_paths({('a', 'query'): (1, 2), ('a', 'value'): (3, 2)}, [rule])
 
+
+def test_a_qwen3_omni_thinkers_text_model_is_its_qwen3_moe(tmp_path):
+  """Qwen3-Omni's config holds its text model in its thinker's (`thinker_config.text_config`,
+  beside the talker's): `--model qwen3_moe` writes that as the Qwen3MoeForCausalLM config of
+  MaxText's Omni trained on text alone (its qwen3 MoE decoder)."""
+  src = mt.save_maxtext_step(tmp_path / 'run', mt.maxtext_tree('qwen3_moe', 'unscanned'))
+  text = {'model_type': 'qwen3_omni_moe_text', 'hidden_size': D, 'vocab_size': V,
+          'num_hidden_layers': mt.MODELS['qwen3_moe'][1], 'num_attention_heads': N,
+          'num_key_value_heads': K, 'head_dim': H, 'moe_intermediate_size': F,
+          'num_experts': E}
+  config = {'architectures': ['Qwen3OmniMoeForConditionalGeneration'],
+            'model_type': 'qwen3_omni_moe', 'enable_audio_output': True,
+            'thinker_config': {'model_type': 'qwen3_omni_moe_thinker', 'text_config': text,
+                               'vision_config': {'depth': 27}},
+            'talker_config': {'text_config': {'hidden_size': 1024}}}
+  (tmp_path / 'hub').mkdir()
+  (tmp_path / 'hub' / 'config.json').write_text(json.dumps(config))
+  plan = orbax_tunix.tools.export.plan_export(src, tmp_path / 'out', model='qwen3_moe',
+                                              hf_config=str(tmp_path / 'hub'))
+  assert any('thinker_config.text_config as a Qwen3MoeForCausalLM config' in n
+             for n in plan.notes), plan.notes
+  orbax_tunix.tools.export.run_export(plan)
+  written = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert (written['model_type'], written['architectures']) == ('qwen3_moe',
+                                                              ['Qwen3MoeForCausalLM'])
+  assert {k: written[k] for k in text if k != 'model_type'} == {
+      k: v for k, v in text.items() if k != 'model_type'}
+  assert 'thinker_config' not in written and 'talker_config' not in written

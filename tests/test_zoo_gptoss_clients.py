@@ -30,6 +30,12 @@ as gpt-oss's does. Trained on text alone (`use_multimodal=False`), it is exporte
 `--model qwen3` as Qwen3ForCausalLM and compared with MaxText's tensors under the text model's
 names. qwen3-vl-30b-a3b (`qwen3_vl_moe`): MaxText's converter fails on it (the test says with
 what), so transformers computing the MaxText model's logits is the proof.
+
+Qwen3-Omni trained on text alone (`use_multimodal=False`, `use_audio=False`): transformers has
+no causal-LM class of its thinker's text model (the thinker's class needs the towers), which is
+MaxText's qwen3 MoE decoder; `--model qwen3_moe` exports it as Qwen3MoeForCausalLM from the
+Omni config (its `thinker_config.text_config`), and transformers computes the MaxText model's
+logits (MaxText's converter has no shape map for Qwen3-Omni: no reference tensors).
 """
 
 from __future__ import annotations
@@ -109,6 +115,13 @@ CASES = {
                                 'Qwen3VLMoeForConditionalGeneration', auto=VISION_CLASSES,
                                 converter_fails="HF path 'model.language_model.layers.0.mlp."
                                                 "experts.down_proj' not found in hf_shape_map"),
+    # Qwen3-Omni trained on text alone (no vision or audio tower): its thinker's text model is
+    # MaxText's qwen3 MoE decoder; MaxText's converter has no shape map for the model at all.
+    'qwen3_omni_text_unscan': Case(
+        'qwen3-omni-30b-a3b', 'qwen3_moe', False,
+        [*MOE, 'base_mlp_dim=20', 'base_num_decoder_layers=2', 'mrope_section=[2,1,1]',
+         'use_multimodal=False', 'use_audio=False', 'deepstack_visual_indexes_for_vit=[]'],
+        'Qwen3MoeForCausalLM', converter_fails='Mappings not found for model: qwen3-omni-30b-a3b'),
 }
 SOURCES = ('tunix', 'maxtext')
 EXPORTS = [f'{case}_{src}' for case in CASES for src in SOURCES]
@@ -137,6 +150,16 @@ TINY_FIELDS = {
     # ... and its 30b-a3b entry says tied where the model (and the Hub's) has an lm_head.
     'qwen3_vl_moe': lambda c: {'model_type': 'qwen3_vl_moe', 'tie_word_embeddings': False,
                                'text_config': {'tie_word_embeddings': False}},
+    # MaxText's Qwen3-Omni entry is "pure text, to fill in" (transformers' defaults: 28 heads,
+    # vocab 3584): the thinker's text model as the Hub's Qwen3-Omni-30B-A3B has it, tiny.
+    'qwen3_omni_text': lambda c: {'thinker_config': {'text_config': {
+        'hidden_size': c['emb_dim'], 'vocab_size': c['vocab_size'],
+        'num_hidden_layers': c['num_decoder_layers'], 'num_attention_heads': c['num_query_heads'],
+        'num_key_value_heads': c['num_kv_heads'], 'head_dim': c['head_dim'],
+        'moe_intermediate_size': c['moe_mlp_dim'], 'num_experts': c['num_experts'],
+        'num_experts_per_tok': c['num_experts_per_tok'], 'norm_topk_prob': c['norm_topk_prob'],
+        'rope_parameters': {'rope_type': 'default', 'rope_theta': c['rope_max_timescale'],
+                            'mrope_section': [2, 1, 1], 'interleaved': True}}}},
 }
 
 

@@ -86,8 +86,9 @@ def read(folder: epath.Path | None, option: str = CONFIG_OPTION) -> object:
                           ' run was trained from.')
 
 
-# Where a multimodal config.json holds its text model's fields.
-TEXT_CONFIG_AT = (('text_config',),)
+# Where a multimodal config.json holds its text model's fields: its `text_config`, or its
+# thinker's (Qwen3-Omni: `thinker_config.text_config`, beside the talker's).
+TEXT_CONFIG_AT = (('text_config',), ('thinker_config', 'text_config'))
 
 
 def _text_config(values: Mapping[str, object]) -> tuple[tuple[str, ...], object]:
@@ -103,8 +104,8 @@ def _text_config(values: Mapping[str, object]) -> tuple[tuple[str, ...], object]
 
 
 def text_fields(values: object) -> dict | None:
-  """The text model's fields of a parsed config.json (a multimodal one's `text_config`), or
-  None where they are no JSON object."""
+  """The text model's fields of a parsed config.json (a multimodal one's `text_config`, or
+  its thinker's), or None where they are no JSON object."""
   if not isinstance(values, dict):
     return None
   text = _text_config(values)[1]

@@ -27,8 +27,10 @@ GEMMA3 = Family(
     text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
                    'model.language_model.'})
 QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2,))
+# ... and Qwen3-Omni's thinker's text model as its qwen3 MoE (transformers has no causal-LM
+# class of it either: its thinker class needs the audio and vision towers).
 QWEN3_MOE = Family('qwen3_moe', 'Qwen3MoeForCausalLM', 'qwen3_moe',
-                   (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE))
+                   (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE), text_of=('qwen3_omni_moe_text',))
 GEMMA = Family('gemma', 'GemmaForCausalLM', 'gemma', (hf_tunix.GEMMA,),
                fixed={'hidden_act': 'gelu_pytorch_tanh'})
 GEMMA2 = Family('gemma2', 'Gemma2ForCausalLM', 'gemma2', (hf_tunix.GEMMA2,), fixed=GEMMA_GELU)
