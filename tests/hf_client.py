@@ -22,6 +22,8 @@ Jobs:
          strings), `warnings` (the python warnings and transformers' WARNING logs while loading)
          and the logits. With router_reads_normed=true: Gemma 4's MoE routers fed what
          google-tunix 0.1.7's are (see `router_reads_normed`), `patched_routers` says how many.
+         With auto=<transformers auto class>: loaded by that class instead (a multimodal model's
+         AutoModelForImageTextToText; also for `peft`).
   peft   base, adapter, tokens: the base loaded as in `load`, then the adapter folder with what
          `PeftModel.from_pretrained` does (peft 0.21.2: the task type's PeftModel class on the
          base, then `load_adapter`), keeping the load result it drops (its missing keys are the
@@ -73,15 +75,17 @@ class Capture(logging.Handler):
     self.messages.append(f'{record.levelname}: {record.getMessage()}')
 
 
-def load_model(path: str) -> tuple[Any, dict[str, list[str]], list[str]]:
-  """(model in float32, eval mode; its loading info as lists of strings; warnings)."""
+def load_model(path: str, auto: str = 'AutoModelForCausalLM'
+               ) -> tuple[Any, dict[str, list[str]], list[str]]:
+  """(model in float32, eval mode; its loading info as lists of strings; warnings), loaded by
+  the transformers auto class `auto` (a multimodal model: AutoModelForImageTextToText)."""
   capture = Capture()
   log = logging.getLogger('transformers')
   log.addHandler(capture)
   try:
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter('always')
-      model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      model, info = getattr(transformers, auto).from_pretrained(
           path, dtype=torch.float32, attn_implementation='eager', output_loading_info=True)
   finally:
     log.removeHandler(capture)
@@ -124,7 +128,7 @@ def router_reads_normed(model) -> int:
 
 
 def job_load(job, out_dir):
-  model, info, caught = load_model(job['dir'])
+  model, info, caught = load_model(job['dir'], job.get('auto', 'AutoModelForCausalLM'))
   patched = router_reads_normed(model) if job.get('router_reads_normed') else 0
   npz = os.path.join(out_dir, f"{job['id']}.npz")
   np.savez(npz, logits=logits(model, job['tokens']))
@@ -149,7 +153,7 @@ def vllm_config(adapter: str) -> PeftConfig:
 
 
 def job_peft(job, out_dir):
-  base, info, caught = load_model(job['base'])
+  base, info, caught = load_model(job['base'], job.get('auto', 'AutoModelForCausalLM'))
   patched = router_reads_normed(base) if job.get('router_reads_normed') else 0
   config = (vllm_config(job['adapter']) if job.get('as_vllm')
             else PeftConfig.from_pretrained(job['adapter']))

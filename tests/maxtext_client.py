@@ -53,6 +53,9 @@ pyconfig `k=v` strings):
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
+  lora_case       model_name, dims, scan, seed, step, out, rank, alpha: a family's tiny model
+                  with MaxText's own LoRA (qwix) saved as a Tunix run, and its logits (see
+                  job_lora_case).
   read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
   auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
@@ -527,6 +530,40 @@ def save_maxtext_step(root: Path, step: int, model) -> None:
   mngr.close()
 
 
+# MaxText's Qwen3-VL entries are bare PreTrainedConfigs holding their text_config and
+# vision_config as dicts: _validate_or_update_architecture reads them with getattr and fits
+# nothing. `fit_raw` fits them as it fits the others: the text model's dims from the tiny
+# MaxText config, the vision tower's from its `*_for_vit` keys, mrope's sections.
+RAW_TEXT_FIELDS = (('hidden_size', 'emb_dim'), ('intermediate_size', 'mlp_dim'),
+                   ('num_hidden_layers', 'num_decoder_layers'), ('vocab_size', 'vocab_size'),
+                   ('moe_intermediate_size', 'moe_mlp_dim'), ('num_experts', 'num_experts'),
+                   ('num_local_experts', 'num_experts'),
+                   ('num_experts_per_tok', 'num_experts_per_tok'))
+RAW_VISION_FIELDS = (('depth', 'num_hidden_layers_for_vit'), ('hidden_size', 'hidden_size_for_vit'),
+                     ('intermediate_size', 'intermediate_size_for_vit'),
+                     ('num_heads', 'num_attention_heads_for_vit'),
+                     ('out_hidden_size', 'out_hidden_size_for_vit'),
+                     ('num_position_embeddings', 'num_position_embeddings_for_vit'),
+                     ('patch_size', 'patch_size_for_vit'),
+                     ('spatial_merge_size', 'spatial_merge_size_for_vit'),
+                     ('temporal_patch_size', 'temporal_patch_size_for_vit'),
+                     ('deepstack_visual_indexes', 'deepstack_visual_indexes_for_vit'),
+                     ('in_channels', 'num_channels_for_vit'))
+
+
+def fit_raw(hf_dict: dict, cfg) -> None:
+  """Fits a raw config's `text_config` and `vision_config` (dicts) to the tiny model."""
+  text, vision = hf_dict.get('text_config') or {}, hf_dict.get('vision_config') or {}
+  for fields, into in ((RAW_TEXT_FIELDS, text), (RAW_VISION_FIELDS, vision)):
+    for hf_attr, mt_attr in fields:
+      value = getattr(cfg, mt_attr, None)
+      if hf_attr in into and value is not None:
+        into[hf_attr] = list(value) if isinstance(value, (list, tuple)) else value
+  rope = text.get('rope_parameters')
+  if isinstance(rope, dict) and 'mrope_section' in rope:
+    rope['mrope_section'] = list(cfg.mrope_section)
+
+
 def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   """MaxText 0.2.5's own to_huggingface.main, up to the dict it hands save_model_files.
 
@@ -568,11 +605,15 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
     text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
+  if isinstance(getattr(hf_config, 'text_config', None), dict):
+    fit_raw(hf_dict, cfg)
   try:
     maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
     state = conv.detect_and_extract_checkpoint(checkpoint)
     keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
-    keys = [k for k in keys if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
+    if not cfg.use_multimodal:  # to_huggingface.main's filter: the text model alone
+      keys = [k for k in keys
+              if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
     # Its loop calls gc.collect() after every weight (~1 s each in a process holding MaxText):
     # that frees memory and changes no value, so it is skipped here to keep the suite short.
     collect, th.gc.collect = th.gc.collect, lambda *a: 0
@@ -638,6 +679,43 @@ def job_family_case(job, out_dir):
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
           'convert_error': convert_error,
           'mt': {k: list(v.shape) for k, v in drawn.items()}}
+
+
+def job_lora_case(job, out_dir):
+  """A tiny MaxText model of one family with LoRA as MaxText applies it, saved as a Tunix run.
+
+  Arguments: model_name, dims, scan, seed, step, out, rank, alpha. The base weights are drawn
+  as `random_model` draws them; MaxText's own `lora_utils.apply_lora_to_model` (qwix, on the
+  modules of the family's `lora_module_path`) adds the adapters, and every adapter leaf is
+  drawn too (qwix starts `b` at zero: a merge would change nothing). Writes
+  `<out>/tunix/<step>/model_params` (the TunixMaxTextAdapter of the LoRA model, as
+  save_tunix_run writes it: `base/<path>/<w>_lora_{a,b}/value` beside each adapted kernel) and
+  to `<id>.npz`: the LoRA model's logits on fixed tokens ('logits', as qwix computes
+  `x·W + (alpha / rank)·(x·a)·b`), the tokens, and the adapters ('lora/<path>').
+  """
+  from maxtext.utils import lora_utils  # noqa: PLC0415
+
+  out, step = Path(job['out']).resolve(), int(job.get('step', 3))
+  cfg = family_config(job['model_name'], job['scan'], job['dims'], 'lora.enable_lora=True',
+                      f"lora.lora_rank={int(job['rank'])}", f"lora.lora_alpha={job['alpha']}")
+  model, _ = random_model(cfg, int(job.get('seed', 0)))
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    model = lora_utils.apply_lora_to_model(model, mesh, cfg)
+  rng = np.random.default_rng(int(job.get('seed', 0)) + 100)
+  adapters = {}
+  for path, variable in nnx.iter_graph(model):
+    if isinstance(variable, nnx.LoRAParam):
+      value = rng.normal(0.0, 0.3, variable.get_value().shape).astype(np.float32)
+      variable.set_value(jnp.asarray(value, variable.get_value().dtype))
+      adapters['/'.join(map(str, path))] = value
+  save_tunix_run(out / 'tunix', step, model)
+  tokens = fixed_tokens(cfg)
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, logits=forward_logits(model, tokens), tokens=tokens,
+           **{f'lora/{k}': v for k, v in adapters.items()})
+  return {'npz': npz, 'tunix': str(out / 'tunix'), 'step': step,
+          'lora': {k: list(v.shape) for k, v in adapters.items()}}
 
 
 # --------------------------------------------------------------------------- #
@@ -832,6 +910,7 @@ JOBS = {
     'restore_train_state': job_restore_train_state,
     'family_case': job_family_case,
     'layer_forms': job_layer_forms,
+    'lora_case': job_lora_case,
     'auto_config': job_auto_config,
     'read_hf': job_read_hf,
 }

@@ -155,9 +155,11 @@ def _save_args(tree: dict, per_layer: bool) -> dict | None:
 
 
 def save_tunix_run(root: pathlib.Path, flat: dict[str, np.ndarray], step: int = 2,
-                   per_layer_chunks: bool = False) -> pathlib.Path:
-  """A Tunix run of a MaxText model: `model_params/base/<path>/value`, RNG and AQT leaves too."""
+                   per_layer_chunks: bool = False, extra: dict | None = None) -> pathlib.Path:
+  """A Tunix run of a MaxText model: `model_params/base/<path>/value`, RNG and AQT leaves too
+  (and `extra` leaves, by their full paths)."""
   leaves = {f'base/{p}/value': v for p, v in flat.items()}
+  leaves.update(extra or {})
   leaves['base/decoder/rngs/params/count/value'] = np.uint32(3)
   leaves['base/decoder/rngs/params/key/value'] = np.array([0, 7], np.uint32)
   leaves['base/decoder/rngs/dropout/count/value'] = np.uint32(1)

@@ -41,6 +41,12 @@ class Config:
   notes: tuple[str, ...] = ()
 
 
+# config.json fields that describe weights quantized on the Hub (gpt-oss's MXFP4 experts,
+# DeepSeek's FP8 blocks): an export writes the weights unquantized, so these are left out (as
+# MaxText's converter leaves them out): transformers would otherwise look for the quantized
+# tensors (`*_blocks`, `*_scales`) and load none of the ones written.
+QUANTIZATION_FIELDS = ('quantization_config',)
+
 # config.json fields holding one entry per layer: transformers (`PreTrainedConfig.
 # validate_layer_type`) refuses a config whose list has another length than its layers, and a
 # loader builds each layer as its entry says (Gemma's sliding or full attention).
@@ -80,10 +86,30 @@ def read(folder: epath.Path | None, option: str = CONFIG_OPTION) -> object:
                           ' run was trained from.')
 
 
+# Where a multimodal config.json holds its text model's fields: its `text_config`, or its
+# thinker's (Qwen3-Omni: `thinker_config.text_config`, beside the talker's).
+TEXT_CONFIG_AT = (('text_config',), ('thinker_config', 'text_config'))
+
+
+def _text_config(values: Mapping[str, object]) -> tuple[tuple[str, ...], object]:
+  """(where, the text model's config) of a multimodal config (`TEXT_CONFIG_AT`), else
+  ((), None)."""
+  for at in TEXT_CONFIG_AT:
+    node: object = values
+    for key in at:
+      node = node.get(key) if isinstance(node, Mapping) else None
+    if node is not None:
+      return at, node
+  return (), None
+
+
 def text_fields(values: object) -> dict | None:
-  """The text model's fields of a parsed config.json (a multimodal one's `text_config`), or
-  None where they are no JSON object."""
-  text = values.get('text_config', values) if isinstance(values, dict) else None
+  """The text model's fields of a parsed config.json (a multimodal one's `text_config`, or
+  its thinker's), or None where they are no JSON object."""
+  if not isinstance(values, dict):
+    return None
+  text = _text_config(values)[1]
+  text = values if text is None else text
   return text if isinstance(text, dict) else None
 
 
@@ -95,28 +121,33 @@ def _bad_config(where: str, found: str, option: str) -> errors.InvalidOptionErro
   )
 
 
-def _split(target: tuple[str, str], config: Mapping[str, object], where: str, option: str
+def _split(target: tuple[str, str], config: Mapping[str, object], where: str, option: str,
+           text_of: tuple[str, ...] = ()
            ) -> tuple[dict[str, object], dict[str, object] | None, list[str]]:
   """(the config's top level, the text model's fields when they stay in its `text_config`,
-  notes). A config with a `text_config` and of another architecture than the family's (a
-  multimodal model whose text model the export holds) becomes its text model's: the
-  `text_config` at the top with the outer fields it lacks (`CARRIED_TO_TEXT`). A config of the
+  notes). A config with a `text_config` (`TEXT_CONFIG_AT`) and of another architecture than the
+  family's (a multimodal model whose text model the export holds) becomes its text model's: the
+  `text_config` at the top with the outer fields it lacks (`CARRIED_TO_TEXT`), and the family's
+  model type where the text model's is one the family takes (`text_of`). A config of the
   family's own architecture keeps its `text_config` (the family names the multimodal model)."""
-  text = config.get('text_config')
+  at, text = _text_config(config)
   if text is None:
     return dict(config), None, []
   if not isinstance(text, Mapping):
-    raise _bad_config(where, f'"text_config": {json.dumps(text)[:60]} (expected an object: the'
-                             ' text model\'s fields)', option)
+    raise _bad_config(where, f'"{".".join(at)}": {json.dumps(text)[:60]} (expected an object:'
+                             ' the text model\'s fields)', option)
   architecture, model_type = target
-  if config.get('architectures') == [architecture] or config.get('model_type') == model_type:
+  if len(at) == 1 and (config.get('architectures') == [architecture]
+                       or config.get('model_type') == model_type):
     return dict(config), dict(text), []
   top = {k: config[k] for k in CARRIED_TO_TEXT if k in config and config[k] is not None}
   top.update(text)
+  if text.get('model_type') in text_of:  # A text model the family's (`Family.text_of`).
+    top['model_type'] = model_type
   return top, None, [
       f'config.json is {config.get("architectures") or config.get("model_type")!r}, a'
       ' multimodal model; the export holds its text model\'s weights only: wrote its'
-      f' text_config as a {architecture} config (model_type {model_type})'
+      f' {".".join(at)} as a {architecture} config (model_type {model_type})'
   ]
 
 
@@ -202,7 +233,7 @@ def check_config(
                              f' ({json.dumps(config)[:60]})', option)
   naming = huggingface.naming(family, shapes)
   architecture, model_type = family.target_of(naming)
-  top, inner, notes = _split((architecture, model_type), config, where, option)
+  top, inner, notes = _split((architecture, model_type), config, where, option, family.text_of)
   fields = top if inner is None else inner
   # `skip`: fields these weights cannot tell (a LoRA save's adapted weights alone).
   implied = {f: v for f, v in naming.config(shapes).items() if f not in skip}
@@ -225,9 +256,14 @@ def check_config(
     notes.append(f'config.json: {family.name} has '
                  + ', '.join(f'{f}={v!r} (the base config has {_shown(fields.get(f))})'
                              for f, v in fixed.items()))
+  dropped = [f for f in QUANTIZATION_FIELDS if f in top or f in fields]
+  if dropped:
+    notes.append(f'config.json: left out {", ".join(dropped)}: the export writes the weights'
+                 ' unquantized (as stored, or merged, in float)')
   if not notes:
     return Config(top)
-  fields = {**fields, **added, **fixed}
+  fields = {f: v for f, v in {**fields, **added, **fixed}.items() if f not in dropped}
+  top = {f: v for f, v in top.items() if f not in dropped}
   out = {**top, **fields} if inner is None else {**top, 'text_config': fields}
   # `named` first, and over the base's nulls (a text_config's `architectures: null`).
   return Config({**named, **{k: v for k, v in out.items() if k not in named}}, tuple(notes))

@@ -14,7 +14,11 @@ from orbax_tunix.mapping.hf_naming import Family
 # which transformers takes as the exact GELU and vLLM refuses (maxtext#2867).
 GEMMA_GELU = {'hidden_activation': 'gelu_pytorch_tanh'}
 
-QWEN3 = Family('qwen3', 'Qwen3ForCausalLM', 'qwen3', (hf_tunix.QWEN3, hf_maxtext.QWEN3))
+# MaxText trains Qwen3-VL's text model as its qwen3 (`use_multimodal=False`: no vision tower):
+# that is Qwen3ForCausalLM (transformers has no causal-LM class of Qwen3-VL's text model, and
+# its mrope rotates text tokens as Qwen3's rope does).
+QWEN3 = Family('qwen3', 'Qwen3ForCausalLM', 'qwen3', (hf_tunix.QWEN3, hf_maxtext.QWEN3),
+               text_of=('qwen3_vl_text',))
 LLAMA3 = Family('llama3', 'LlamaForCausalLM', 'llama', (hf_tunix.LLAMA3, hf_maxtext.LLAMA3),
                 aliases=('llama3.1', 'llama2'))  # MaxText's names of the model.
 GEMMA3 = Family(
@@ -23,8 +27,10 @@ GEMMA3 = Family(
     text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
                    'model.language_model.'})
 QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2,))
+# ... and Qwen3-Omni's thinker's text model as its qwen3 MoE (transformers has no causal-LM
+# class of it either: its thinker class needs the audio and vision towers).
 QWEN3_MOE = Family('qwen3_moe', 'Qwen3MoeForCausalLM', 'qwen3_moe',
-                   (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE))
+                   (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE), text_of=('qwen3_omni_moe_text',))
 GEMMA = Family('gemma', 'GemmaForCausalLM', 'gemma', (hf_tunix.GEMMA,),
                fixed={'hidden_act': 'gelu_pytorch_tanh'})
 GEMMA2 = Family('gemma2', 'Gemma2ForCausalLM', 'gemma2', (hf_tunix.GEMMA2,), fixed=GEMMA_GELU)
@@ -35,4 +41,17 @@ GEMMA4 = Family(
                    'model.language_model.'},
     embeddings=('embed_tokens', 'embed_tokens_per_layer'))
 
-FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4)
+# gpt-oss: MaxText's model only (Tunix trains it through TunixMaxTextAdapter). Its biases are
+# weights of every MaxText gpt-oss: the config must build them.
+GPT_OSS = Family('gpt_oss', 'GptOssForCausalLM', 'gpt_oss', (hf_maxtext.GPT_OSS,),
+                 fixed={'attention_bias': True}, aliases=('gpt-oss',))
+
+# Qwen3-VL with its vision tower (MaxText's `use_multimodal`): the multimodal class, which holds
+# the text model under `model.language_model.` (MaxText's text-only Qwen3-VL is a qwen3's).
+QWEN3_VL = Family('qwen3_vl', 'Qwen3VLForConditionalGeneration', 'qwen3_vl',
+                  (hf_maxtext.QWEN3_VL,), aliases=('qwen3-vl',))
+QWEN3_VL_MOE = Family('qwen3_vl_moe', 'Qwen3VLMoeForConditionalGeneration', 'qwen3_vl_moe',
+                      (hf_maxtext.QWEN3_VL_MOE,), aliases=('qwen3-vl-moe',))
+
+FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, GPT_OSS, QWEN3_VL,
+            QWEN3_VL_MOE)

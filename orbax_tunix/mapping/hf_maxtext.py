@@ -21,6 +21,20 @@ MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
                     {pre,post}_ffw_norm, query_norm, key_norm; scanned in blocks of six
   gemma4            gemma3's names plus layer_scalar (1,); global layers (every sixth)
                     have their own head_dim and no value kernel (k = v shared)
+  gpt-oss           token_embedder/embedding, decoder/decoder_norm/scale,
+                    decoder/logits_dense/kernel; per layer: GptOssAttention/{query,key,value}/
+                    {kernel (D, N|K, H), bias (N|K, H)}, GptOssAttention/out/{kernel (N, H, D),
+                    bias (D,)}, GptOssAttention/sinks (N,), GptOssMlp/gate/{kernel (D, E),
+                    bias (E,)}, GptOssMlp/{wi_0,wi_1} (E, D, F), GptOssMlp/{wi_0,wi_1}_bias
+                    (E, F), GptOssMlp/wo (E, F, D), GptOssMlp/wo_bias (E, D), the llama norms;
+                    scanned in blocks of two (sliding, full): decoder/layers/layers_{0,1}/<w>
+  qwen3-vl          qwen3's (or qwen3 MoE's) decoder, and with `use_multimodal` its tower:
+                    vision_encoder/Qwen3VLVisionEncoder_0/{patch_embed/proj/{kernel
+                    (T, P, P, C, D), bias}, pos_embed_interpolate/pos_embed, blocks_{b}/{ln1,
+                    ln2}/{scale,bias}, blocks_{b}/attn/attn/{query,key,value}/{kernel (D, h, d),
+                    bias (h, d)}, .../out/{kernel, bias}, blocks_{b}/{mlp,mlp_out}/{kernel,bias},
+                    merger_{m}/...}, vision_encoder/Qwen3VLVisionProjector_0/merger/{ln_q,mlp_0,
+                    mlp_2}/...; unscanned only (deepstack refuses scan_layers)
 """
 
 from __future__ import annotations
@@ -47,13 +61,17 @@ from orbax_tunix.mapping.hf_naming import (
   per_expert,
   rule,
 )
-from orbax_tunix.mapping.patterns import LayoutRule
+from orbax_tunix.mapping.patterns import LayoutRule, Pattern
 from orbax_tunix.mapping.transforms import (
   IDENTITY,
   chain,
+  concat,
   deinterleave,
   divide,
+  interleave,
+  merge_axes,
   multiply,
+  per_input,
   shift,
   transpose,
 )
@@ -268,3 +286,170 @@ def _maxtext_qwen3_moe() -> Naming:
 
 GEMMA4 = _maxtext_gemma4()
 QWEN3_MOE = _maxtext_qwen3_moe()
+
+
+# MaxText's gpt-oss attention and MLP modules (models/gpt_oss.py), and Hugging Face's.
+_GPT_OSS_ATTN = f'{MT_LAYER}/GptOssAttention'
+_GPT_OSS_MLP = f'{MT_LAYER}/GptOssMlp'
+
+
+def _maxtext_gpt_oss() -> Naming:
+  """MaxText's gpt-oss decoder (gpt-oss-20b, -120b): biased attention with a sink per head,
+  a biased router, and experts kept stacked as Hugging Face's GptOssExperts holds them.
+
+  As MaxText's converter (`GPT_OSS_TO_HF_PARAM_HOOK_FN`): q/k/v/o kernels as every MaxText
+  attention's, their (heads, head_dim) biases flattened; the router kernel transposed; the
+  experts' `wi_0` (gate) and `wi_1` (up) (E, D, F) interleaved along F into `gate_up_proj`
+  (E, D, 2F) (transformers' GptOssExperts reads the gate at `::2`, the up at `1::2`), their
+  biases likewise; `wo` (E, F, D) is `down_proj` as it is. The gather `wi_{k}` takes the two
+  in MaxText's order (0: gate, 1: up).
+  """
+  attn, mlp = _GPT_OSS_ATTN, _GPT_OSS_MLP
+  hf = f'{LAYER}.self_attn'
+  rules = [
+      rule('token_embedder/embedding', 'model.embed_tokens.weight'),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),
+      *(rule(f'{attn}/{mt}/kernel', f'{hf}.{p}_proj.weight', IN_PROJ)
+        for mt, p in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
+      *(rule(f'{attn}/{mt}/bias', f'{hf}.{p}_proj.bias', merge_axes(0, 2))
+        for mt, p in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
+      rule(f'{attn}/out/kernel', f'{hf}.o_proj.weight', OUT_PROJ),
+      rule(f'{attn}/out/bias', f'{hf}.o_proj.bias'),
+      rule(f'{attn}/sinks', f'{hf}.sinks'),
+      rule(f'{mlp}/gate/kernel', f'{LAYER}.mlp.router.weight', transpose()),
+      rule(f'{mlp}/gate/bias', f'{LAYER}.mlp.router.bias'),
+      rule(f'{mlp}/wi_{{k}}', f'{LAYER}.mlp.experts.gate_up_proj', interleave(-1)),
+      rule(f'{mlp}/wi_{{k}}_bias', f'{LAYER}.mlp.experts.gate_up_proj_bias', interleave(-1)),
+      rule(f'{mlp}/wo', f'{LAYER}.mlp.experts.down_proj'),
+      rule(f'{mlp}/wo_bias', f'{LAYER}.mlp.experts.down_proj_bias'),
+      rule(f'{MT_LAYER}/pre_self_attention_layer_norm/scale', f'{LAYER}.input_layernorm.weight'),
+      rule(f'{MT_LAYER}/post_self_attention_layer_norm/scale',
+            f'{LAYER}.post_attention_layernorm.weight'),
+  ]
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{attn}/{{p:query|key|value|out}}/{{w:kernel|bias}}', f'{attn}/sinks',
+      f'{mlp}/gate/{{w:kernel|bias}}', f'{mlp}/{{p:wi_0|wi_1|wo}}',
+      f'{mlp}/{{p:wi_0|wi_1|wo}}_bias',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  first = MT_LAYER.replace('{i}', '0')
+  dims = {
+      'vocab_size': (('token_embedder/embedding', 0),),
+      'hidden_size': (('token_embedder/embedding', 1),),
+      'num_attention_heads': ((f'{first}/GptOssAttention/query/kernel', 1),),
+      'head_dim': ((f'{first}/GptOssAttention/query/kernel', 2),),
+      'num_key_value_heads': ((f'{first}/GptOssAttention/key/kernel', 1),),
+      'intermediate_size': ((f'{first}/GptOssMlp/wi_0', 2),),
+      'num_local_experts': ((f'{first}/GptOssMlp/wi_0', 0),),
+  }
+  axes = {
+      f'{attn}/query/kernel': ('hidden_size', 'num_attention_heads', 'head_dim'),
+      **{f'{attn}/{p}/kernel': ('hidden_size', 'num_key_value_heads', 'head_dim')
+         for p in ('key', 'value')},
+      f'{attn}/out/kernel': ('num_attention_heads', 'head_dim', 'hidden_size'),
+  }
+  return Naming(
+      trainers.MAXTEXT, tuple(rules), tuple((r,) for r in required), dims,
+      tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
+      layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      form=stacks_lib.cycles(2, 'gpt-oss'), axes=axes, lora_flattened=True)
+
+
+GPT_OSS = _maxtext_gpt_oss()
+
+
+def _under(rules, into: str) -> tuple[LayoutRule, ...]:
+  """The rules with every destination's `model.` put under `into` (a multimodal class holds its
+  text model deeper: Qwen3-VL's `model.language_model.`); `lm_head` stays where it is."""
+  def moved(dest: Pattern) -> Pattern:
+    (key,) = dest.keys
+    spec = key.spec
+    return Pattern.parse((into + spec[len('model.'):] if spec.startswith('model.') else spec,))
+
+  return tuple(dataclasses.replace(r, dests=tuple((moved(d), t) for d, t in r.dests))
+               for r in rules)
+
+
+# MaxText's Qwen3-VL vision tower (models/qwen3_vl_vision.py; `use_multimodal`) and its
+# projector, as MaxText's converter names and lays them out (QWEN3_VL_MAXTEXT_TO_HF_PARAM_HOOK_FN):
+# the patch embedding's 3-d convolution (T, P, P, C, D) -> (D, C, T, P, P); each block's query,
+# key and value (D, heads, head_dim) as one `qkv` (3D, D), their biases as one (3D,); the rest
+# Hugging Face's linear (out, in) layers and LayerNorms.
+_VIT = 'vision_encoder/Qwen3VLVisionEncoder_0'
+_VIT_PROJECTOR = 'vision_encoder/Qwen3VLVisionProjector_0'
+_QKV = per_input((IN_PROJ,) * 3, concat(0))
+_QKV_BIAS = per_input((merge_axes(0, 2),) * 3, concat(0))
+
+
+def _merger(source: str, dest: str) -> list[LayoutRule]:
+  """A patch merger: its LayerNorm (`ln_q`), then two linear layers (`mlp_0`, `mlp_2`)."""
+  return [
+      *(rule(f'{source}/ln_q/{w}', f'{dest}.norm.{hf}') for w, hf in (('scale', 'weight'),
+                                                                     ('bias', 'bias'))),
+      *(rule(f'{source}/mlp_{mt}/kernel', f'{dest}.linear_fc{hf}.weight', transpose())
+        for mt, hf in (('0', '1'), ('2', '2'))),
+      *(rule(f'{source}/mlp_{mt}/bias', f'{dest}.linear_fc{hf}.bias')
+        for mt, hf in (('0', '1'), ('2', '2'))),
+  ]
+
+
+def _qwen3_vl_vision(into: str) -> list[LayoutRule]:
+  """Qwen3-VL's vision tower onto Hugging Face's `<into>.*` (`model.visual.`)."""
+  block, hf = f'{_VIT}/blocks_{{b}}', f'{into}blocks.{{b}}'
+  return [
+      rule(f'{_VIT}/patch_embed/proj/kernel', f'{into}patch_embed.proj.weight',
+           transpose((4, 3, 0, 1, 2))),
+      rule(f'{_VIT}/patch_embed/proj/bias', f'{into}patch_embed.proj.bias'),
+      rule(f'{_VIT}/pos_embed_interpolate/pos_embed', f'{into}pos_embed.weight'),
+      rule(f'{block}/ln{{n:1|2}}/scale', f'{hf}.norm{{n}}.weight'),
+      rule(f'{block}/ln{{n:1|2}}/bias', f'{hf}.norm{{n}}.bias'),
+      # A gather over the words, in the order listed: query, key, value.
+      rule(f'{block}/attn/attn/{{p:query|key|value}}/kernel', f'{hf}.attn.qkv.weight', _QKV),
+      rule(f'{block}/attn/attn/{{p:query|key|value}}/bias', f'{hf}.attn.qkv.bias', _QKV_BIAS),
+      rule(f'{block}/attn/attn/out/kernel', f'{hf}.attn.proj.weight', OUT_PROJ),
+      rule(f'{block}/attn/attn/out/bias', f'{hf}.attn.proj.bias'),
+      rule(f'{block}/mlp/kernel', f'{hf}.mlp.linear_fc1.weight', transpose()),
+      rule(f'{block}/mlp/bias', f'{hf}.mlp.linear_fc1.bias'),
+      rule(f'{block}/mlp_out/kernel', f'{hf}.mlp.linear_fc2.weight', transpose()),
+      rule(f'{block}/mlp_out/bias', f'{hf}.mlp.linear_fc2.bias'),
+      *_merger(f'{_VIT}/merger_{{m}}', f'{into}deepstack_merger_list.{{m}}'),
+      *_merger(f'{_VIT_PROJECTOR}/merger', f'{into}merger'),
+  ]
+
+
+# What every Qwen3-VL with its vision tower holds of it (its blocks are numbered: not listed).
+_QWEN3_VL_VISION_REQUIRED = (
+    f'{_VIT}/patch_embed/proj/{{w:kernel|bias}}', f'{_VIT}/pos_embed_interpolate/pos_embed',
+    f'{_VIT_PROJECTOR}/merger/mlp_{{k:0|2}}/kernel')
+
+
+def _maxtext_qwen3_vl(text: Naming, experts=()) -> Naming:
+  """MaxText's Qwen3-VL (qwen3-vl-2b, -4b: its qwen3 decoder; `experts`: the 30b-a3b's MoE
+  rules) with its vision tower, as Qwen3VL(Moe)ForConditionalGeneration holds them: the text
+  model under `model.language_model.`, the tower under `model.visual.`, `lm_head` (when untied)
+  at the top, as MaxText's converter writes them. The tower is required: a MaxText Qwen3-VL
+  trained on text alone (`use_multimodal=False`) has none, and its text model is a qwen3
+  (`--model qwen3`, `qwen3_moe`)."""
+  rules = (*_under(experts or text.rules, 'model.language_model.'),
+           *_qwen3_vl_vision('model.visual.'))
+  return dataclasses.replace(text, rules=rules,
+                             required=(*text.required, (_QWEN3_VL_VISION_REQUIRED,)))
+
+
+QWEN3_VL = _maxtext_qwen3_vl(QWEN3)
+
+
+def _qwen3_vl_moe_text() -> tuple[LayoutRule, ...]:
+  """MaxText's qwen3 MoE decoder as Qwen3-VL-MoE's text model holds it: the experts fused, as
+  the Hub's checkpoints store them and MaxText's converter writes them
+  (`process_wi_0_wi_1_fused`): `gate_up_proj` (E, D, 2F) the gate then the up (not
+  interleaved: transformers splits it in halves), `down_proj` (E, F, D) as MaxText's `wo`."""
+  moe = f'{MT_LAYER}/moe_block'
+  return (*(r for r in QWEN3_MOE.rules if r.fan_out is None),
+          rule(f'{moe}/wi_{{k}}', f'{LAYER}.mlp.experts.gate_up_proj', concat(-1)),
+          rule(f'{moe}/wo', f'{LAYER}.mlp.experts.down_proj'))
+
+
+QWEN3_VL_MOE = _maxtext_qwen3_vl(QWEN3_MOE, _qwen3_vl_moe_text())

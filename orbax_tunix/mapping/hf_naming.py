@@ -328,6 +328,9 @@ class Family:
     embeddings: the Hugging Face modules whose weight is 2-D but that are no linear layer
       (PEFT adapts an embedding as a lookup, with lora_embedding_A/B; qwix adapts a product
       with its weight, e.g. a tied output projection).
+    text_of: the model types of multimodal models' text configs that describe this family's
+      model (Qwen3-VL's `qwen3_vl_text` is a qwen3's: MaxText's text-only Qwen3-VL is its qwen3
+      decoder): such a config's `text_config` is written as the family's.
 
   Raises:
     ValueError: two namings of one trainer.
@@ -341,6 +344,7 @@ class Family:
   text_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   aliases: tuple[str, ...] = ()
   embeddings: tuple[str, ...] = ('embed_tokens',)
+  text_of: tuple[str, ...] = ()
 
   def __post_init__(self):
     named = [n.trainer.name for n in self.namings]

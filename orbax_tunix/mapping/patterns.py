@@ -13,8 +13,9 @@ no rule takes. Nothing here reads a checkpoint.
 Three kinds of rule, told apart by their placeholders:
   one to one   both sides bind the same placeholders;
   gather       a placeholder only the source has: every source that differs
-               only in it makes one destination, in its numeric order
-               (`transform` takes them all, e.g. `stack`);
+               only in it makes one destination, in its numeric order (or the
+               order of the words a `{p:a|b}` lists) (`transform` takes them all,
+               e.g. `stack`);
   fan out      a placeholder only the destination has: it ranges over one axis
                of the source (`fan_out=('i', axis)`), and `transform_for(i)`
                makes each destination (e.g. `take(axis, i)`).
@@ -250,7 +251,7 @@ def map_paths(
       continue
     for pattern, transform in rule.dests:
       gathered = sorted(rule.gathered(pattern))
-      order = int(bound[gathered[0]]) if gathered else 0
+      order = _order(rule.source, gathered[0], bound) if gathered else 0
       dest = pattern.fill(bound, rest)
       _add(made, dest, transform, gathered[0] if gathered else None, order, path, problems)
   outputs = {}
@@ -277,6 +278,13 @@ def map_paths(
         f'{where}: the layout rules do not fit these leaves:\n{errors.list_paths(problems)}'
     )
   return PathMap(outputs, tuple(sorted(unmatched)))
+
+
+def _order(source: Pattern, name: str, bound: Bindings) -> int:
+  """A gathered source's place among the others: its number, or its word's position among
+  the words the pattern lists (`{p:query|key|value}`: the query first)."""
+  words = next((k.words[name] for k in source.keys if name in k.words), None)
+  return int(bound[name]) if words is None else words.index(bound[name])
 
 
 def _add(made, dest, transform, gathered, order, path, problems) -> None:

@@ -9,6 +9,7 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
   scanned                   decoder/layers/<w>, layers on A                 a
   gemma3 scanned            decoder/layers/layers_{j}/<w>, blocks on A      6a + j
                             decoder/layers_remainder/layers_{j}/<w>         6·blocks + j
+  gpt-oss scanned           decoder/layers/layers_{j}/<w>, blocks on A      2a + j
   gemma4 scanned            decoder/scanned_blocks/local_layers/<w>,        6a + k
                               blocks on A, the 5 local layers on A+1
                             decoder/scanned_blocks/global_layer/<w>, on A   6a + 5
@@ -508,15 +509,36 @@ def local_global(period: int) -> LayerForm:
       Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
 
 
+def cycles(period: int, model: str) -> LayerForm:
+  """MaxText's scanned blocks of `inhomogeneous_layer_cycle_interval` layers without a
+  remainder (`_init_scanned_generic`: gpt-oss's sliding and full attention layers in blocks of
+  2): `decoder/layers/layers_{j}/<w>`, blocks on A, layer `period·a + j`."""
+  return LayerForm(f"{model}'s scanned blocks of {period}", (
+      Stack(('decoder', 'layers', 'layers_{j}'), positions=tuple(range(period))),), period)
+
+
+def _numbers_fit(form: LayerForm, paths: Sequence[Path]) -> bool:
+  """Whether the block positions the paths number (`layers_{j}` of a block's stack) are the
+  form's own: gemma3's blocks of 6 and gpt-oss's of 2 hold the same paths, told apart so."""
+  held = {form._find(p) for p in paths}
+  seen = {(hit[0], hit[1]) for hit in held if hit is not None and hit[1] is not None
+          and not form.stacks[hit[0]].remainder}
+  want = {(k, j) for k, s in enumerate(form.stacks) if s.numbered and not s.remainder
+          for j in s.positions}
+  return bool(seen) and seen == want
+
+
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
-  the paths (the first of those), else UNSCANNED when they hold per-layer weights, else
+  the paths (among those, one whose numbered block positions are all the paths number: see
+  `_numbers_fit`; then the first), else UNSCANNED when they hold per-layer weights, else
   None (no decoder layers)."""
   paths = list(paths)
-  held = [(sum(map(f.holds, paths)), -k) for k, f in enumerate(forms)]
-  best = max(held, default=(0, 0))
+  held = [(n := sum(map(f.holds, paths)), n > 0 and _numbers_fit(f, paths), -k)
+          for k, f in enumerate(forms)]
+  best = max(held, default=(0, False, 0))
   if best[0]:
-    return forms[-best[1]]
+    return forms[-best[2]]
   return UNSCANNED if any(layer_of(p) is not None for p in paths) else None
 
 

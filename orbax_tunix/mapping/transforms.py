@@ -14,10 +14,12 @@ each with a transform; nothing else here knows a layout.
   take(axis, index)             one slice along an axis, the axis dropped
   move_axis(source, dest)       one axis moved to another position (`jnp.moveaxis`)
   stack(axis)                   several sources stacked along a new axis
+  concat(axis)                  several sources one after another along an axis
   constant(value)               no source: a known value
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
+  interleave(axis)              two sources' entries alternating along an axis
   per_input((t1, t2, ...), t)   each source through its own transform, then t on them all
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
 
@@ -287,6 +289,27 @@ def stack(axis: int) -> Transform:
                    arity=None, source_spec=lambda spec: (*spec[:axis], *spec[axis + 1:]))
 
 
+def concat(axis: int = 0) -> Transform:
+  """The sources one after another along `axis` (`jnp.concatenate`, in their order), of one
+  shape but along it: Qwen3-VL's vision query, key and value (D, D) as its fused `qkv`
+  (3D, D)."""
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    first = shapes[0]
+    if not -len(first) <= axis < len(first):
+      raise TransformError(f'concat(axis={axis}): does not fit {len(first)}-d sources {first}')
+    at = axis % len(first)
+    rest = {(*s[:at], *s[at + 1:]) for s in shapes}
+    if len(rest) != 1 or any(len(s) != len(first) for s in shapes):
+      raise TransformError(f'concat(axis={axis}): sources differ off axis {axis}:'
+                           f' {sorted(set(shapes))}')
+    return (*first[:at], sum(s[at] for s in shapes), *first[at + 1:])
+
+  return Transform(f'concat(axis={axis})', shape,
+                   lambda xs: xp(*xs).concatenate(list(xs), axis=axis), arity=None,
+                   source_spec=_whole(axis))
+
+
 def constant(value: Any) -> Transform:
   """No source: the value itself (a count Tunix never wrote, filled from a known number)."""
   return Transform(f'constant({value})', lambda shapes: (), lambda xs: np.asarray(value),
@@ -348,6 +371,30 @@ def deinterleave(axis: int = -1) -> Transform:
 
   return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=_whole(axis),
                    source_axis=lambda d, shapes: None if d == axis % len(shapes[0]) else d)
+
+
+def interleave(axis: int = -1) -> Transform:
+  """Two sources of one shape, their entries alternating along `axis`: the first's at the even
+  positions, the second's at the odd (`deinterleave` of the result gives them back, one after
+  the other). gpt-oss's gate and up projections (MaxText's `wi_0`, `wi_1`) fused as Hugging
+  Face's `gate_up_proj`, which reads the gate at `[..., ::2]` and the up at `[..., 1::2]`."""
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    first, second = shapes
+    if first != second or not -len(first) <= axis < len(first):
+      raise TransformError(f'interleave(axis={axis}): expected two sources of one shape with an'
+                           f' axis {axis}, found {first} and {second}')
+    at = axis % len(first)
+    return (*first[:at], 2 * first[at], *first[at + 1:])
+
+  def apply(xs: Sequence[Any]) -> Any:
+    first, second = xs
+    np_or_jnp = xp(first, second)
+    at = axis % first.ndim
+    pairs = np_or_jnp.stack([first, second], axis=at + 1)  # (..., n, 2, ...): pairs in order.
+    return np_or_jnp.reshape(pairs, shape([first.shape, second.shape]))
+
+  return Transform(f'interleave(axis={axis})', shape, apply, arity=2, source_spec=_whole(axis))
 
 
 def head(axis: int, size: int) -> Transform:

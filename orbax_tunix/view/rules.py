@@ -107,18 +107,28 @@ class Rewrite:
 # --- the nnx `value` level -------------------------------------------------
 
 
+def _sown(path: Path) -> bool:
+  """An entry of a value nnx's `sow` kept (an `nnx.Intermediate` holds a tuple: `value/<k>`):
+  what a forward pass recorded, no weight. MaxText's MoE layers sow `moe_has_overflow` on every
+  call, and a Tunix run saves `nnx.state(model)` whole, so a run of a MaxText MoE model that
+  has run (qwix's LoRA runs it once to place its adapters) holds such leaves."""
+  return len(path) >= 3 and path[-2] == NNX_VALUE and path[-1].isdigit()
+
+
 def _find_value(item: str, step: StepPaths) -> Anchors:
   paths = step[item]
-  if paths and all(len(p) >= 2 and p[-1] == NNX_VALUE for p in paths):
+  if paths and all(len(p) >= 2 and (p[-1] == NNX_VALUE or _sown(p)) for p in paths) and any(
+      p[-1] == NNX_VALUE for p in paths):
     return Anchors({()})
   return Anchors()
 
 
 NNX_VALUE_LEVEL = Rule(
     name='nnx_value',
-    description="every leaf is an nnx Variable saved under its 'value' attribute",
+    description=("every leaf is an nnx Variable saved under its 'value' attribute (what `sow`"
+                 ' recorded left out)'),
     find=_find_value,
-    to_canonical=lambda path, _: path[:-1],
+    to_canonical=lambda path, _: None if _sown(path) else path[:-1],
     to_disk=lambda path, _: path + (NNX_VALUE,),
     identifies=True,
 )
