@@ -41,12 +41,6 @@ class Config:
   notes: tuple[str, ...] = ()
 
 
-# config.json fields that describe weights quantized on the Hub (gpt-oss's MXFP4 experts,
-# DeepSeek's FP8 blocks): an export writes the weights unquantized, so these are left out (as
-# MaxText's converter leaves them out): transformers would otherwise look for the quantized
-# tensors (`*_blocks`, `*_scales`) and load none of the ones written.
-QUANTIZATION_FIELDS = ('quantization_config',)
-
 # config.json fields holding one entry per layer: transformers (`PreTrainedConfig.
 # validate_layer_type`) refuses a config whose list has another length than its layers, and a
 # loader builds each layer as its entry says (Gemma's sliding or full attention).
@@ -256,21 +250,17 @@ def check_config(
     notes.append(f'config.json: {family.name} has '
                  + ', '.join(f'{f}={v!r} (the base config has {_shown(fields.get(f))})'
                              for f, v in fixed.items()))
-  dropped = [f for f in QUANTIZATION_FIELDS if f in top or f in fields]
-  if dropped:
-    notes.append(f'config.json: left out {", ".join(dropped)}: the export writes the weights'
-                 ' unquantized (as stored, or merged, in float)')
   if not notes:
     return Config(top)
-  fields = {f: v for f, v in {**fields, **added, **fixed}.items() if f not in dropped}
-  top = {f: v for f, v in top.items() if f not in dropped}
+  fields = {**fields, **added, **fixed}
   out = {**top, **fields} if inner is None else {**top, 'text_config': fields}
   # `named` first, and over the base's nulls (a text_config's `architectures: null`).
   return Config({**named, **{k: v for k, v in out.items() if k not in named}}, tuple(notes))
 
 
 # What says a Hugging Face config's weights are stored quantized (a pre-quantized Hub copy:
-# bitsandbytes, GPTQ, AWQ...); transformers and vLLM then read the tensors as such.
+# bitsandbytes, GPTQ, AWQ; gpt-oss's MXFP4 experts, DeepSeek's FP8 blocks); transformers and
+# vLLM then read the tensors as such (or look for `*_blocks`, `*_scales` and load none).
 QUANTIZATION_FIELD = 'quantization_config'
 
 
