@@ -21,7 +21,7 @@ from orbax_tunix.layouts.base import Destination, Plan
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Output
 from orbax_tunix.reading import hyperparams, reader
-from orbax_tunix.store import _orbax
+from orbax_tunix.store import _orbax, names
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA
 from orbax_tunix.version import __version__
 from orbax_tunix.writing import checksums, commit, distributed, writer
@@ -35,6 +35,8 @@ def _write(plan: Plan, mine: Sequence[Output], work: epath.Path,
   del mine  # Every process writes its shards of every output.
   init_ns = time.time_ns()
   sums: dict[str, dict[str, str]] = {}
+  for item in plan.items:  # Each a directory of the new step (a source's names were checked).
+    names.check_plain(item.name, work, 'an item would be written as')
   for item in plan.items:
     if item.json:
       if distributed.is_primary():

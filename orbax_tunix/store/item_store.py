@@ -22,7 +22,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.store import _orbax, storage_errors, zarr_format
+from orbax_tunix.store import _orbax, names, storage_errors, zarr_format
 from orbax_tunix.store._orbax import (
   AGGREGATE_FILE,
   ARRAY_METADATAS,
@@ -361,6 +361,20 @@ def _leaves_of(entries: Mapping[str, Any]) -> tuple[Leaf, ...]:
   return tuple(leaves)
 
 
+def _check_array_names(leaves: Iterable[Leaf], where: epath.Path) -> None:
+  """Without OCDBT each array is a directory of the item named after its keys (joined by
+  '.'): every such name must stay inside the item (`names.check_relative`).
+
+  Raises:
+    UnsafeNameError: naming the leaf's key path.
+  """
+  for leaf in leaves:
+    if not leaf.path:
+      continue  # A tree that is one leaf: the item's own directory.
+    names.check_relative(_orbax.array_name(leaf.path), where,
+                         f'the leaf {fmt(leaf.path)} is stored without OCDBT in the directory')
+
+
 def has_tree(directory: epath.Path) -> bool:
   """Whether a directory holds PyTree metadata (`_METADATA` or the older msgpack)."""
   return (directory / PYTREE_METADATA).exists() or (directory / AGGREGATE_FILE).exists()
@@ -380,7 +394,9 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
   name = directory.name if name is None else name
   meta_file = directory / PYTREE_METADATA
   if not meta_file.exists() and (directory / AGGREGATE_FILE).exists():
-    return Item(name, directory, _tree_from_aggregate(directory / AGGREGATE_FILE), legacy=True)
+    leaves = _tree_from_aggregate(directory / AGGREGATE_FILE)
+    _check_array_names(leaves, directory / AGGREGATE_FILE)  # Releases before OCDBT.
+    return Item(name, directory, leaves, legacy=True)
   if not directory.is_dir():
     raise errors.CorruptMetadataError(
         f'{directory}: expected an item directory holding {PYTREE_METADATA}, found'
@@ -397,11 +413,14 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
           ' The file is damaged or was not written by a PyTree handler; use'
           ' another step (`step`).'
       ) from e
+  use_ocdbt = bool(meta.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory)
+  if not use_ocdbt:
+    _check_array_names([leaf for leaf in leaves if leaf.has_zarr], meta_file)
   return Item(
       name=name,
       directory=directory,
       leaves=leaves,
-      use_ocdbt=bool(meta.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory),
+      use_ocdbt=use_ocdbt,
       use_zarr3=bool(meta.get('use_zarr3', False)),
       stores_fill_chunks=bool(meta.get('store_array_data_equal_to_fill_value', False)),
       tree_json=meta,

@@ -37,7 +37,7 @@ from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, row_blocks
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import is_key
-from orbax_tunix.store import _orbax, fileio
+from orbax_tunix.store import _orbax, fileio, names
 from orbax_tunix.writing import checksums, commit, distributed
 
 
@@ -507,6 +507,8 @@ def recorded_files(folder: epath.Path, single: str = SINGLE_FILE) -> frozenset[s
     if index.exists():
       weight_map = json.loads(index.read_text()).get('weight_map')
       first = min(weight_map.values())
+    if names.why_not_plain(first) is not None:
+      return None  # A file of another folder: no record of this one.
     with (folder / first).open('rb') as f:
       (size,) = struct.unpack('<Q', f.read(8))
       if size > _MAX_HEADER:
