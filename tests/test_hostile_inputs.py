@@ -27,6 +27,7 @@ from etils import epath
 
 import orbax_tunix as ot
 from orbax_tunix import maxtext
+from orbax_tunix.store import _orbax
 from tests import gcs as gcs_lib
 from tests.test_cli import run
 from tests.test_faults import snapshot
@@ -208,4 +209,128 @@ def test_an_index_naming_a_file_outside_the_export_proves_nothing(tmp_path, caps
   before = snapshot(tmp_path)
   status, _, err = run(capsys, 'export', DATA / 'hf_qwen3', out, '--model', 'qwen3', '--force')
   assert status == 2 and 'did not write' in err, err
+  assert snapshot(tmp_path) == before
+
+
+# --- item 2: sizes a checkpoint claims ------------------------------------------------
+
+EMBEDDING = 'embedder.input_embedding.value'  # Its array's name in hf_qwen3's model_params.
+
+
+def _edit_header(item: pathlib.Path, array: str, **changes) -> dict:
+  """An array's zarr header rewritten inside the item's OCDBT store, as an attacker would;
+  returns the header as it was."""
+  store = _orbax.open_kvstore(epath.Path(item), use_ocdbt=True)
+  header = json.loads(store.read(f'{array}/.zarray').result().value)
+  store.write(f'{array}/.zarray', json.dumps({**header, **changes}).encode()).result()
+  return header
+
+
+def _every_chunk_stored(item: pathlib.Path, stored: bool) -> None:
+  """`_METADATA`'s record of whether Orbax stored every chunk (an attacker may flip it)."""
+  meta = json.loads((item / '_METADATA').read_text())
+  meta['store_array_data_equal_to_fill_value'] = stored
+  (item / '_METADATA').write_text(json.dumps(meta))
+
+
+def _sized_victim(tmp_path: pathlib.Path, shape: list[int], every_chunk: bool = True
+                  ) -> pathlib.Path:
+  step = tmp_path / 'run' / '1'
+  shutil.copytree(DATA / 'hf_qwen3' / '1', step)
+  original = _edit_header(step / 'model_params', EMBEDDING, shape=shape)
+  assert original['shape'] == [96, 40] and original['chunks'] == [96, 40]
+  _every_chunk_stored(step / 'model_params', every_chunk)
+  (tmp_path / 'out').mkdir()
+  return step
+
+
+COMMANDS = (('convert', 'out/1'), ('export', 'out/hf', '--model', 'qwen3'), ('diff', None),
+            ('inspect',))
+
+
+def _run_all(capsys, tmp_path: pathlib.Path, step: pathlib.Path, commands=COMMANDS):
+  for command, *rest in commands:
+    argv = [command, step]
+    if rest and rest[0] is None:
+      argv.append(step)
+    elif rest:
+      argv += [tmp_path / rest[0], *rest[1:]]
+    yield argv, run(capsys, *argv)
+
+
+def test_headers_claiming_more_than_the_files_hold_are_refused(tmp_path, capsys):
+  """(200000, 200000) float32, 160 GB, over an item of ~0.2 MB: Orbax stores every chunk,
+  zstd-compressed, so the files cannot hold it (today: std::bad_alloc, SIGABRT)."""
+  step = _sized_victim(tmp_path, [200000, 200000])
+  before = snapshot(tmp_path)
+  for argv, (status, out, err) in _run_all(capsys, tmp_path, step):
+    assert status == 2, (argv, out, err)
+    assert err.startswith(f'orbax-tunix: error: {step / "model_params"}: the arrays\' headers'
+                          ' claim'), err
+    assert 'embedder/input_embedding/value: shape (200000, 200000) float32' in err
+  assert snapshot(tmp_path) == before  # No tmp folder, nothing at DST, the source as it was.
+  with pytest.raises(ot.CorruptMetadataError, match='headers claim'):
+    ot.export_to_hf(step, tmp_path / 'out' / 'hf', model='qwen3')
+
+
+def test_sizes_beyond_the_machine_are_refused_before_any_write(tmp_path, capsys):
+  """An item that says some chunks may be missing (older Orbax left out chunks equal to the
+  fill value, so its files bound nothing): the claim is then checked against what must be
+  held at once (the machine's memory) and, for files written as they are, the disk."""
+  rows = 96 * 10**12  # 15 PB of float32 rows: beyond any machine and any disk.
+  step = _sized_victim(tmp_path, [rows, 40], every_chunk=False)
+  before = snapshot(tmp_path)
+  expected = {
+      'convert': 'model_params/embedder/input_embedding (shape (96000000000000, 40) float32),'
+                 ' written as',
+      'diff': 'read whole on each side to be compared, must be held at once',
+      'export': 'expected room for a Hugging Face',
+  }
+  for argv, (status, out, err) in _run_all(capsys, tmp_path, step, COMMANDS[:3]):
+    assert status == 2, (argv, out, err)
+    assert expected[argv[0]] in err, err
+    assert 'nothing was' in err and len(err.splitlines()) == 1
+  status, out, _ = run(capsys, 'inspect', step, '--json')  # Metadata only: it says what is claimed.
+  assert status == 0
+  assert json.loads(out)['items']['model_params']['leaves']['embedder/input_embedding'][
+      'shape'] == [rows, 40]
+  assert snapshot(tmp_path) == before
+
+
+def test_arrays_of_zero_size_are_refused_by_convert_alone(tmp_path, capsys):
+  """Orbax refuses to save an array of zero size (today: a raw ValueError asking to report
+  it); `inspect` and `diff` read such an array as the empty array it is."""
+  step = _sized_victim(tmp_path, [0, 40])
+  before = snapshot(tmp_path)
+  status, _, err = run(capsys, 'convert', step, tmp_path / 'out' / '1')
+  assert status == 2
+  assert err.startswith(f'orbax-tunix: error: {step}: expected arrays Orbax can save, found'
+                        ' arrays of zero size:\n  model_params/embedder/input_embedding: shape'
+                        ' (0, 40)\n'), err
+  assert snapshot(tmp_path) == before
+  assert run(capsys, 'inspect', step)[0] == 0
+  status, out, _ = run(capsys, 'diff', step, step)
+  assert status == 0 and 'match' in out
+
+
+@pytest.mark.parametrize('changes, says', [
+    ({'shape': 'big'}, "its shape 'big' is not a list of whole numbers >= 0"),
+    ({'shape': [-96, 40]}, 'its shape [-96, 40] is not a list of whole numbers >= 0'),
+    ({'shape': [96.5, 40]}, 'its shape [96.5, 40] is not'),
+    ({'chunks': [0, 40]}, 'its chunk shape [0, 40] is not a list of whole numbers >= 1'),
+    ({'chunks': [96]}, "its chunk shape [96] is not one of the shape's rank 2"),
+    ({'dtype': '<q9'}, 'not a zarr header (TypeError'),
+])
+def test_headers_that_describe_no_array_are_damage(tmp_path, capsys, changes, says):
+  step = tmp_path / 'run' / '1'
+  shutil.copytree(DATA / 'hf_qwen3' / '1', step)
+  _edit_header(step / 'model_params', EMBEDDING, **changes)
+  before = snapshot(tmp_path)
+  for argv in (('inspect', step), ('convert', step, tmp_path / 'out' / '1')):
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    assert err.startswith(f'orbax-tunix: error: {step / "model_params"}: the zarr headers of 1'
+                          ' arrays do not describe an array:\n  embedder/input_embedding/value: '
+                          ), err
+    assert says in err.splitlines()[1], err
   assert snapshot(tmp_path) == before

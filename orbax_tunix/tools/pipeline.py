@@ -174,6 +174,12 @@ def plan(
     item.check()
   _check_representable(written)
   written, files = destination.shard(written, given)
+  # Sizes are the source's claims, checked before anything is written: what must be held at
+  # once against the machine's memory, and (uncompressed files) the bytes against the disk.
+  writer.check_machine((o for item in written for o in item.outputs), destination.safetensors)
+  if destination.safetensors:
+    places.check_room(dst, sum(o.nbytes for item in written for o in item.outputs),
+                      destination.kind.what)
   notes += _leftover_notes(dst, destination)
   largest = max((o.nbytes for item in written for o in item.outputs), default=0)
   notes.extend(filter(None, [writer.budget_note(memory_budget, largest, destination.unit)]))
