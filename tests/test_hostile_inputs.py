@@ -26,8 +26,10 @@ import tensorstore as ts
 from etils import epath
 
 import orbax_tunix as ot
-from orbax_tunix import maxtext
+from orbax_tunix import cli, maxtext
+from orbax_tunix.mapping import patterns, transforms
 from orbax_tunix.store import _orbax
+from orbax_tunix.writing import commit
 from tests import gcs as gcs_lib
 from tests.test_cli import run
 from tests.test_faults import snapshot
@@ -334,3 +336,124 @@ def test_headers_that_describe_no_array_are_damage(tmp_path, capsys, changes, sa
                           ), err
     assert says in err.splitlines()[1], err
   assert snapshot(tmp_path) == before
+
+
+# --- item 10: a destination that is a link to nothing ---------------------------------
+
+
+@pytest.mark.parametrize('dst', ['latest', 'up/run/1'])
+def test_a_link_to_nothing_as_dst_is_refused_naming_it(tmp_path, capsys, dst):
+  """`latest -> exports/run-7`, the target absent: refused up front (today everything was
+  written, then "Not a directory"), the link left as it is."""
+  (tmp_path / 'latest').symlink_to('exports/run-7')
+  (tmp_path / 'up').symlink_to('nowhere')
+  before = snapshot(tmp_path)
+  link = tmp_path / dst.split('/')[0]
+  for argv in (('convert', DATA / 'hf_qwen3', tmp_path / dst),
+               ('export', DATA / 'hf_qwen3', tmp_path / dst, '--model', 'qwen3')):
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    assert err.startswith(f'orbax-tunix: error: {link}: ') and 'is a symbolic link to' in err
+    assert f'{os.readlink(link)}, which does not exist' in err and 'nothing was written' in err
+  assert snapshot(tmp_path) == before
+
+
+# --- item 11: stdout that cannot be written once the work is done ---------------------
+
+
+def test_a_summary_that_cannot_be_printed_leaves_the_status_the_works(tmp_path, capsys,
+                                                                     monkeypatch):
+  """stdout on a full disk (`> /dev/full`): convert commits DST complete and exits 0 with a
+  note on stderr (today: exit 2, "No space left on device"); inspect, whose result is its
+  output, exits 2."""
+  with open('/dev/full', 'w') as full:
+    monkeypatch.setattr('sys.stdout', full)
+    status = cli.main(['convert', os.fspath(DATA / 'hf_qwen3'), os.fspath(tmp_path / 'out')])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert err.splitlines()[-1] == ('orbax-tunix: note: the summary could not be written to'
+                                    ' stdout (No space left on device); the work itself is'
+                                    ' done: DST is complete.')
+  with open('/dev/full', 'w') as full:  # Anew: a failed stream is pointed at /dev/null.
+    monkeypatch.setattr('sys.stdout', full)
+    status = cli.main(['inspect', os.fspath(DATA / 'hf_qwen3'), '--json'])
+    assert status == 2
+    assert 'could not be written to stdout (No space left on device)' in capsys.readouterr().err
+  monkeypatch.undo()
+  restored = ocp.PyTreeCheckpointHandler().restore(epath.Path(tmp_path / 'out' / 'model_params'))
+  expected = ocp.PyTreeCheckpointHandler().restore(epath.Path(DATA / 'hf_qwen3' / '1' /
+                                                              'model_params'))
+  np.testing.assert_array_equal(restored['lm_head']['w'], expected['lm_head']['w']['value'])
+
+
+# --- item 12: layer numbers as no writer spells them; two `--force` runs at once ------
+
+
+def test_layer_numbers_no_writer_spells_match_no_rule(tmp_path, capsys):
+  """`layers/01` (or a digit of another script) is not layer 1: a rule would name it
+  `model.layers.01.*`, or stack it as layer 1 beside a `layers/1`. Such a key matches no
+  rule, and a model holding it is refused naming it."""
+  rule = patterns.LayoutRule.of(('layers', '{i}', 'w'), ('model.layers.{i}.weight',))
+  shapes = {('layers', key, 'w'): (2,) for key in ('0', '01', '\u0663', '1')}
+  mapped = patterns.map_paths(shapes, [rule])
+  assert set(mapped.outputs) == {('model.layers.0.weight',), ('model.layers.1.weight',)}
+  assert mapped.unmatched == (('layers', '01', 'w'), ('layers', '\u0663', 'w'))
+  stack = patterns.LayoutRule.of(('layers', '{i}', 'w'), ('w',), transforms.stack(0))
+  assert patterns.map_paths({('layers', k, 'w'): (2,) for k in ('0', '01')}, [stack]
+                            ).outputs[('w',)].sources == (('layers', '0', 'w'),)
+  # A real Tunix qwen3 tree (plain Orbax wrote it) whose layer 1 is keyed '01'.
+  tree = ocp.PyTreeCheckpointHandler().restore(epath.Path(DATA / 'hf_qwen3' / '1' /
+                                                          'model_params'))
+  tree['layers'] = {'0': tree['layers']['0'], '01': tree['layers']['1']}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(epath.Path(tmp_path / 'run' / '1'),
+               args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(tree)))
+  status, _, err = run(capsys, 'export', tmp_path / 'run', tmp_path / 'hf', '--model', 'qwen3')
+  assert status == 2 and 'weights have no qwen3 tensor:\n  layers/01/attn/k_norm/w' in err, err
+  assert not (tmp_path / 'hf').exists()
+
+
+def test_two_force_runs_committing_at_once_leave_one_step_and_nothing_beside(tmp_path,
+                                                                            monkeypatch):
+  """Run B commits in the instant between run A moving the old step aside and renaming its
+  own in (today: A fails saying nothing was left, and the old step stays beside DST as
+  `*.orbax-tunix-old-*`). A replaces B's step as a later run would: both succeed, DST holds
+  A's step, and nothing is left beside it."""
+  dst = tmp_path / 'out' / '1'
+  assert run_convert(dst) == 0  # The old step, this package's: `force` may replace it.
+  stagings = {}
+  for name in 'AB':
+    staging = stagings[name] = commit.Staging(epath.Path(dst), force=True)
+    shutil.copytree(dst, staging.open(), dirs_exist_ok=True)
+    (staging.work / commit.COMMIT_SUCCESS).unlink()
+  made_by_a = os.stat(stagings['A'].work).st_ino
+  rename = type(stagings['A'].dst).rename
+
+  def rename_then_b_commits(self, target):
+    moved = rename(self, target)
+    if commit.OLD_MARKER in os.fspath(target) and not b_done:
+      b_done.append(stagings['B'].commit())  # DST was not there: B replaced nothing.
+    return moved
+
+  b_done = []
+
+  monkeypatch.setattr(type(stagings['A'].dst), 'rename', rename_then_b_commits)
+  assert stagings['A'].commit() is True
+  monkeypatch.undo()
+  assert b_done == [False]
+  assert os.stat(dst).st_ino == made_by_a
+  assert sorted(p.name for p in dst.parent.iterdir()) == ['1']
+  assert commit.leftovers(epath.Path(dst)) == []
+  for staging in stagings.values():
+    assert staging.abort() is not None  # Each says DST holds its new step, complete.
+  assert sorted(p.name for p in dst.parent.iterdir()) == ['1']
+  assert builders_restore(dst)['model_params']['lm_head']['w'].shape == (40, 96)
+
+
+def run_convert(dst: pathlib.Path) -> int:
+  return cli.main(['convert', os.fspath(DATA / 'hf_qwen3'), os.fspath(dst)])
+
+
+def builders_restore(step: pathlib.Path) -> dict:
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    return ckptr.restore(epath.Path(step))
