@@ -286,7 +286,7 @@ def test_sizes_beyond_the_machine_are_refused_before_any_write(tmp_path, capsys)
       'convert': 'model_params/embedder/input_embedding (shape (96000000000000, 40) float32),'
                  ' written as',
       'diff': 'read whole on each side to be compared, must be held at once',
-      'export': 'expected room for a Hugging Face',
+      'export': 'writing failed: no space left on the device (No space left on device); nothing'
   }
   for argv, (status, out, err) in _run_all(capsys, tmp_path, step, COMMANDS[:3]):
     assert status == 2, (argv, out, err)

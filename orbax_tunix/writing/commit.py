@@ -813,6 +813,31 @@ def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
     )
   return None
 
+def check_room(dst: epath.Path, nbytes: int) -> None:
+  """Refuses a local DST whose file system has less room than `nbytes`, the bytes a write
+  of uncompressed files makes there (an old one replaced is removed only once the new one is
+  complete, so all of them), with the message a full disk gives (`write_failure`), before
+  anything is written. Buckets, and file systems that tell no capacity (some FUSE mounts),
+  are not checked.
+
+  Raises:
+    InvalidDestinationError: as `write_failure` for a full disk.
+  """
+  if not fileio.is_local(dst):
+    return
+  where = os.path.abspath(os.fspath(dst))
+  while not os.path.isdir(where) and os.path.dirname(where) != where:
+    where = os.path.dirname(where)
+  try:
+    info = os.statvfs(where)
+  except OSError:
+    return
+  if info.f_blocks == 0 or nbytes <= info.f_bavail * info.f_frsize:
+    return
+  full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+  raise write_failure(dst, full, nbytes) from full
+
+
 def _size_limit() -> str:
   """Which file-size limit a write met, for the message: this process's own (`ulimit -f`)
   when it has one, else the file system's."""

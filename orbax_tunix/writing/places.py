@@ -226,31 +226,3 @@ def check_no_broken_link(dst: epath.Path, what: str) -> None:
       return
     path = os.path.dirname(path)
 
-
-def check_room(dst: epath.Path, nbytes: int, what: str) -> None:
-  """Refuses a local destination whose file system has less room than `nbytes`, the bytes
-  a write of uncompressed files makes there (an old one replaced is removed only once the
-  new one is complete, so all of them). Buckets, and file systems that tell no capacity
-  (some FUSE mounts), are not checked.
-
-  Raises:
-    InvalidDestinationError: naming both sizes; before anything is written.
-  """
-  if not fileio.is_local(dst):
-    return
-  where = os.fspath(dst)
-  while not os.path.isdir(where) and os.path.dirname(where) != where:
-    where = os.path.dirname(where)
-  try:
-    info = os.statvfs(where)
-  except OSError:
-    return
-  free = info.f_bavail * info.f_frsize
-  if info.f_blocks == 0 or nbytes <= free:
-    return
-  raise errors.InvalidDestinationError(
-      f'{dst}: expected room for {what} of {nbytes} bytes (its tensors, uncompressed), found'
-      f' {free} bytes free on the file system of {where}; nothing was written. Free space,'
-      ' or choose another destination (or, if the source should not hold tensors this'
-      ' large, its metadata is damaged or was edited).'
-  )
