@@ -15,7 +15,7 @@ The whole public API (`__all__`, and the README's table)::
   CanonicalMap                           ... step's planned map
   TunixCheckpointError                   the base of every error raised:
     NotACheckpointError, UncommittedStepError, CorruptMetadataError,
-    TargetMismatchError, MissingItemError, LoraOnlyCheckpointError,
+    UnsafeNameError, TargetMismatchError, MissingItemError, LoraOnlyCheckpointError,
     LoraError, UnsupportedLayoutError, InvalidOptionError,
     DestinationExistsError, InvalidDestinationError, DistributedError
   maxtext                                a Tunix step as MaxText's TrainState
@@ -35,6 +35,7 @@ from orbax_tunix.errors import (
     TargetMismatchError,
     TunixCheckpointError,
     UncommittedStepError,
+    UnsafeNameError,
     UnsupportedLayoutError,
 )
 from orbax_tunix.handlers.composite_handler import TunixAwareHandler
@@ -64,6 +65,7 @@ __all__ = [
     'TunixCheckpointError',
     'TunixPyTreeHandler',
     'UncommittedStepError',
+    'UnsafeNameError',
     'UnsupportedLayoutError',
     'detect',
     'export_peft_adapter',

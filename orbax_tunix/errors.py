@@ -30,6 +30,15 @@ class CorruptMetadataError(TunixCheckpointError):
   """A metadata file or an array's store is missing, truncated or unreadable."""
 
 
+class UnsafeNameError(CorruptMetadataError):
+  """A name read from a checkpoint (an item, a key, a file) would lead outside its folder.
+
+  A checkpoint is a stranger's download: every name in it that becomes a path
+  must be one plain name inside its folder. Raised before anything is read
+  through the name or written with it.
+  """
+
+
 class TargetMismatchError(TunixCheckpointError):
   """The restore target disagrees with the checkpoint (paths, shapes, dtypes)."""
 

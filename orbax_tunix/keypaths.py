@@ -93,7 +93,7 @@ def flat_dict(tree: Mapping[str, Any] | Any) -> dict[Path, Any]:
 
 def natural_key(key: str) -> tuple[int, int, str]:
   """Sorts '2' before '10', and numbers (chain positions, layers) before names."""
-  return (0, int(key), '') if key.isdigit() else (1, 0, key)
+  return (0, int(key), '') if key.isascii() and key.isdigit() else (1, 0, key)
 
 
 def natural_order(path: Path) -> tuple[tuple[int, int, str], ...]:

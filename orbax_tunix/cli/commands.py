@@ -752,36 +752,40 @@ def _silence_shutdown_noise() -> None:
 
 
 class ClosedPipeGuard:
-  """A text stream whose reader may go away (`orbax-tunix diff A B | head -1`).
+  """A text stream whose reader may go away (`orbax-tunix diff A B | head -1`), or whose
+  file may fail (a log on a full disk: `> /dev/full`).
 
-  A write or flush that finds the pipe closed points the stream's file
-  descriptor at /dev/null (so that Python's own flush at exit succeeds too)
-  and drops that output and all that follows; the command itself goes on,
-  and its exit status is its result's (see `main`). Everything else is the
-  wrapped stream's.
+  A write or flush that fails points the stream's file descriptor at /dev/null
+  (so that Python's own flush at exit succeeds too) and drops that output and
+  all that follows; the command itself goes on, and its exit status is its
+  result's (see `main`). A failure other than a closed pipe is kept in
+  `failed`, for `main` to tell. Everything else is the wrapped stream's.
   """
 
   def __init__(self, stream: Any):
     self._stream = stream
     self.closed_pipe = False
+    self.failed: OSError | None = None
 
   def write(self, text: str) -> int:
     if not self.closed_pipe:
       try:
         return self._stream.write(text)
-      except BrokenPipeError:
-        self._drop()
+      except OSError as e:
+        self._drop(e)
     return len(text)
 
   def flush(self) -> None:
     if not self.closed_pipe:
       try:
         self._stream.flush()
-      except BrokenPipeError:
-        self._drop()
+      except OSError as e:
+        self._drop(e)
 
-  def _drop(self) -> None:
+  def _drop(self, error: OSError) -> None:
     self.closed_pipe = True
+    if not isinstance(error, BrokenPipeError):
+      self.failed = error
     with contextlib.suppress(OSError, ValueError, AttributeError):
       devnull = os.open(os.devnull, os.O_WRONLY)
       try:
@@ -794,17 +798,38 @@ class ClosedPipeGuard:
 
 
 @contextlib.contextmanager
-def _guarded_output() -> Iterator[None]:
+def _guarded_output() -> Iterator[ClosedPipeGuard]:
   """stdout and stderr wrapped in `ClosedPipeGuard`s for the command, then flushed
-  (a closed pipe found then is dropped too) and put back."""
+  (a closed pipe found then is dropped too) and put back; yields stdout's guard."""
   saved = sys.stdout, sys.stderr
   sys.stdout, sys.stderr = ClosedPipeGuard(sys.stdout), ClosedPipeGuard(sys.stderr)
+  guard = sys.stdout
   try:
-    yield
+    yield guard
   finally:
-    for guard in (sys.stdout, sys.stderr):
-      guard.flush()
+    for each in (sys.stdout, sys.stderr):
+      each.flush()
     sys.stdout, sys.stderr = saved
+
+
+# Commands whose work is what they write at DST: their status is the work's, and a
+# summary that could not be printed is a note. The others' result is their output.
+_WRITERS = ('convert', 'export')
+
+
+def _output_failed(command: str | None, failed: OSError, code: int) -> int:
+  """Tells (on stderr) that stdout could not be written, and returns the status: the
+  work's for a command that writes DST; else an error where the result was all fine."""
+  words = failed.strerror or str(failed) or type(failed).__name__
+  if command in _WRITERS and code == EXIT_OK:
+    message = (f'orbax-tunix: note: the summary could not be written to stdout ({words});'
+               ' the work itself is done: DST is complete.')
+  else:
+    message = f'orbax-tunix: error: the output could not be written to stdout ({words}).'
+    code = EXIT_ERROR if code == EXIT_OK else code
+  with contextlib.suppress(OSError, ValueError):
+    print(message, file=sys.stderr, flush=True)
+  return code
 
 
 def _use_cpu() -> None:
@@ -850,19 +875,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     dropped and the command still finishes, so `diff` still exits 1 when the
     checkpoints differ and `inspect --verify` 1 when an array is damaged.
   """
-  with _guarded_output():
-    code = _main(argv)
+  ran: list[str] = []  # The command, once parsed.
+  with _guarded_output() as stdout:
+    code = _main(argv, ran)
+  if stdout.failed is not None:
+    code = _output_failed(ran[0] if ran else None, stdout.failed, code)
   if code == EXIT_ERROR and distributed.is_initialized():
     distributed.leave(code)  # Not JAX's shutdown barrier: peers may be gone or late.
   return code
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, ran: list[str]) -> int:
   parser = build_parser()
   try:
     args = parser.parse_args(argv)
   except SystemExit as e:  # Usage errors (argparse printed them), --help.
     return e.code if isinstance(e.code, int) else EXIT_ERROR
+  ran.append(args.command)
   debug = getattr(args, 'debug', False)
   plain = getattr(args, 'plain', False)
   out = Printer(sys.stdout, fancy=not plain and is_tty(sys.stdout))

@@ -205,11 +205,15 @@ def _whole_step(directory: epath.Path) -> tuple[step_store.Step | None, Detectio
     return None, None
   try:
     found = detect(directory)
+  except errors.UnsafeNameError:
+    raise  # Never handed to Orbax, which would follow the name.
   except errors.TunixCheckpointError:
     if any((directory / n).is_dir() for n in conventions.TUNIX_ITEMS):
       raise
     try:
       return step_store.open_step(directory), None
+    except errors.UnsafeNameError:
+      raise
     except errors.TunixCheckpointError:
       return None, None
   return found.source, found
@@ -225,6 +229,8 @@ def _planned_items(directory: epath.Path, names: list[str]) -> Detection | None:
     return None
   try:
     return detect(directory, items=names)
+  except errors.UnsafeNameError:
+    raise  # Never handed to Orbax, which would follow the name.
   except errors.TunixCheckpointError:
     return None
 

@@ -239,6 +239,9 @@ class Destination:
     command: the command that writes it (`orbax-tunix convert`, `export`).
     switch: the command's flag that chooses it (None: the command's default).
     merges: its layouts take a LoRA merge (the command's merge flags make one).
+    safetensors: `write` writes safetensors files on the host (`writer.write(on_host=True)`):
+      each tensor's bytes as they are (uncompressed), a tensor larger than a batch in
+      blocks of its rows; else an Orbax step, each array held whole while written.
   """
 
   name: str
@@ -257,6 +260,7 @@ class Destination:
   command: str = 'convert'
   switch: Switch | None = None
   merges: bool = True
+  safetensors: bool = False
 
 
 def _check_destination(destination: object) -> None:

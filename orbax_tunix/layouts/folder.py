@@ -126,4 +126,5 @@ def _copy(path: epath.Path, dest: epath.Path) -> None:
 FOLDER = Destination(
     name='folder', kind=EXPORT, unit='tensor', run='export', doing='exporting to',
     shard=_shard, share=share, write=write, entries=entries, dtype=hf_dtype, command='export',
+    safetensors=True,
 )

@@ -17,11 +17,13 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from orbax_tunix import errors
+from orbax_tunix.keypaths import fmt
 from orbax_tunix.layouts.base import Destination, Plan
 from orbax_tunix.mapping import merge as merge_lib
-from orbax_tunix.mapping.outputs import Output
+from orbax_tunix.mapping.outputs import ItemOutput, Output
 from orbax_tunix.reading import hyperparams, reader
-from orbax_tunix.store import _orbax
+from orbax_tunix.store import _orbax, names
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA
 from orbax_tunix.version import __version__
 from orbax_tunix.writing import checksums, commit, distributed, writer
@@ -35,6 +37,8 @@ def _write(plan: Plan, mine: Sequence[Output], work: epath.Path,
   del mine  # Every process writes its shards of every output.
   init_ns = time.time_ns()
   sums: dict[str, dict[str, str]] = {}
+  for item in plan.items:  # Each a directory of the new step (a source's names were checked).
+    names.check_plain(item.name, work, 'an item would be written as')
   for item in plan.items:
     if item.json:
       if distributed.is_primary():
@@ -109,8 +113,30 @@ def _write_metadata(work: epath.Path, plan: Plan, init_ns: int,
   store.write(file_path=work / CHECKPOINT_METADATA, metadata=_orbax.serialize_step_metadata(meta))
 
 
+def _shard(items: Sequence[ItemOutput], given: Any) -> tuple[Sequence[ItemOutput], tuple]:
+  """The items as they are (a step is no set of files), once every array is one Orbax saves.
+
+  Raises:
+    UnsupportedLayoutError: an array of no elements (Orbax refuses to save one), naming
+      them; before anything is written.
+  """
+  del given
+  empty = [o for item in items for o in item.outputs if o.shape and 0 in o.shape]
+  if empty:
+    where = empty[0].inputs[0].ckpt.step_dir if empty[0].inputs else 'the step to write'
+    listed = [f'{", ".join(i.leaf.name for i in o.inputs) or fmt(o.path)}: shape'
+              f' {tuple(o.shape)}' for o in empty]
+    raise errors.UnsupportedLayoutError(
+        f'{where}: expected arrays Orbax can save, found arrays of zero size:\n'
+        f'{errors.list_paths(listed)}\nOrbax refuses to save an array with no elements, so'
+        ' no step can hold them (a header claiming such a shape may also be damaged or'
+        ' edited). Leave their item out (`items`); nothing was written.'
+    )
+  return items, ()
+
+
 STEP = Destination(
     name='step', kind=commit.STEP, unit='array', run='conversion', doing='converting to',
-    shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs,
+    shard=_shard, share=lambda plan: plan.outputs,
     write=_write, entries=_entries, command='convert',
 )

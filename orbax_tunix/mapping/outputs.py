@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -248,31 +248,38 @@ def row_blocks(output: Output, budget: int) -> list[Output]:
   a deinterleave of the rows, a merge of them) or the output has several
   sources or one row, it stays whole.
   """
+  return list(iter_row_blocks(output, budget))
+
+
+def iter_row_blocks(output: Output, budget: int) -> Iterator[Output]:
+  """`row_blocks`, one block at a time (the first alone is what the smallest batch holds)."""
   if output.nbytes <= budget or len(output.inputs) != 1 or not output.shape:
-    return [output]
+    yield output
+    return
   (source,) = output.inputs
   if source.leaf.kind != reader.ARRAY or source.rows is not None or source.leaf.dtype is None:
-    return [output]
+    yield output
+    return
   axis = output.transform.source_axis(0, [source.shape])
   n = output.shape[0]
   if axis is None or n < 2 or source.shape[axis] < n:
-    return [output]
+    yield output
+    return
   # Blocks of whole stored chunks (a store decodes whole chunks): none where the
   # rows are one chunk (the tensor is then read whole, once).
   chunk = source.chunk_shape
   rows_per_chunk = chunk[source.stored_axis(axis)] if chunk is not None else source.shape[axis]
   if rows_per_chunk >= n:
-    return [output]
+    yield output
+    return
   # A block holds its source rows and the rows made: both within the budget.
   per_row = max(output.nbytes, source.nbytes * n // source.shape[axis]) // n
   step = max(1, budget // max(2 * per_row, 1))
   step = max(rows_per_chunk, step // rows_per_chunk * rows_per_chunk)
-  return [
-      dataclasses.replace(
-          output, inputs=(dataclasses.replace(source, rows=(axis, start, min(start + step, n))),),
-          shape=(min(start + step, n) - start, *output.shape[1:]), rows=(start, min(start + step, n)))
-      for start in range(0, n, step)
-  ]
+  for start in range(0, n, step):
+    yield dataclasses.replace(
+        output, inputs=(dataclasses.replace(source, rows=(axis, start, min(start + step, n))),),
+        shape=(min(start + step, n) - start, *output.shape[1:]), rows=(start, min(start + step, n)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,10 @@ from orbax_tunix.mapping.transforms import IDENTITY, Shape, Transform, Transform
 REST = '...'
 # `{i}`: a number (layers, experts); `{name:a|b|c}`: one of the words given.
 _PLACEHOLDER = re.compile(r'\{(\w+)(?::([\w|]+))?\}')
+# A number as every writer spells an index (`str(i)`): ASCII digits, no leading zero. A key
+# spelled otherwise (`01`, `٣`) matches no rule: written as it is it would name another
+# tensor (`model.layers.01`), and read as a number it could collide with `1`.
+_NUMBER = '0|[1-9][0-9]*'
 Bindings = dict[str, str]
 
 
@@ -63,7 +67,7 @@ class Key:
     for m in _PLACEHOLDER.finditer(text):
       regex.append(re.escape(text[at:m.start()]))
       name, words = m.group(1), m.group(2)
-      regex.append(f'(?P<{name}>\\d+)' if words is None else f'(?P<{name}>{words})')
+      regex.append(f'(?P<{name}>{_NUMBER})' if words is None else f'(?P<{name}>{words})')
       at = m.end()
     regex.append(re.escape(text[at:]))
     return cls(_PLACEHOLDER.sub(r'{\1}', text), tuple(n for n, _ in found),

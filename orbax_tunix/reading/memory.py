@@ -11,8 +11,12 @@ multi-process job, the job's own overhead once. All measured with
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from orbax_tunix import errors
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 # Held whatever the batch size: TensorStore's thread pools and caches, allocator slack.
@@ -67,6 +71,54 @@ def shortfall(memory_budget: int, largest: int, what: str, copies: int, *,
           f' {needed} ({fixed >> 20} MiB whatever the batch, and'
           f' {copies}x the largest {what}, {largest} bytes, in flight); each'
           f' {what} is copied alone, and the peak will be about that')
+
+
+# Where a container's memory limit is (cgroup v2, then v1; "max" or a huge number: none).
+_CGROUP_LIMITS = ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes')
+
+
+def machine_bytes() -> int | None:
+  """The memory this process may ever have: the machine's, or its container's limit where
+  lower; None where neither can be told."""
+  found = []
+  with contextlib.suppress(ValueError, OSError, AttributeError):
+    found.append(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+  for path in _CGROUP_LIMITS:
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+      text = f.read().strip()
+      if text != 'max':
+        found.append(int(text))
+  return min((n for n in found if n > 0), default=None)
+
+
+def check_machine(held: int, where: object, what: str) -> None:
+  """Refuses work that must hold `held` bytes at once where the machine has less memory.
+
+  A lower bound is passed (what any batch size holds: the array itself where it is held
+  whole, else the stored chunks one read decodes), so that nothing that could run is
+  refused; a size beyond the machine is either a checkpoint for a larger machine or
+  metadata claiming what its data is not (an edited header).
+
+  Args:
+    held: bytes that must be held at once.
+    where: the checkpoint (its step directory), for messages.
+    what: what holds them, for messages (e.g. "model_params/w (shape (4, 4) float32),
+      written whole").
+
+  Raises:
+    TunixCheckpointError: naming `what`, both sizes and what to do; before anything is
+      read or written.
+  """
+  machine = machine_bytes()
+  if machine is None or held <= machine:
+    return
+  raise errors.TunixCheckpointError(
+      f'{where}: {what} must be held at once, {held} bytes, and this machine has {machine}'
+      " bytes of memory (its RAM, or its container's limit): no batch size fits it, and"
+      ' nothing was read or written. Run it on a machine with more memory; or, if the'
+      ' checkpoint should not hold an array this large, its metadata is damaged or was'
+      ' edited (use another step, or a trusted copy).'
+  )
 
 
 def batches(items: Sequence[Any], budget: int, size: Callable[[Any], int] | None = None

@@ -128,7 +128,8 @@ def _item_leaves(
   """One item's leaves in canonical form: `_METADATA`, one store listing, the headers.
 
   Raises:
-    CorruptMetadataError: a leaf has no array data or its header is damaged.
+    CorruptMetadataError: a leaf has no array data or its header is damaged, or the
+      headers claim more bytes than the item's files hold (`Item.check_claims`).
     UnsupportedLayoutError: the item predates `_METADATA`, or holds leaves of
       a kind the tools do not read.
   """
@@ -142,6 +143,7 @@ def _item_leaves(
     )
   cmap = detection.maps[name]
   arrays = meta.arrays([leaf.path for leaf in meta.leaves if _kind(leaf) != STRING])
+  meta.check_claims(arrays)  # Before any tool sizes a read by them.
   leaves, side, odd = [], [], []
   parts_of_composed = set(cmap.parts.values())
   for leaf in meta.leaves:

@@ -15,6 +15,7 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
+import fsspec
 from etils import epath
 
 from orbax_tunix import errors
@@ -183,3 +184,31 @@ def read_json(path: epath.Path, what: str = 'an Orbax metadata file',
         f'{path}: expected {what} as JSON, found {len(data)} bytes that do not'
         f' parse ({e}). {remedy}'
     ) from e
+
+
+def folder_bytes(folder: epath.Path) -> int | None:
+  """The bytes of every file under `folder` (links followed, each directory once), as the
+  file system or the bucket's listing tells them; None where they cannot be told."""
+  text = os.fspath(folder)
+  if not is_local(folder):
+    try:
+      fs, where = fsspec.core.url_to_fs(text)
+      return int(fs.du(where, total=True))
+    except Exception:  # pylint: disable=broad-except  # A client's own errors: not told.
+      return None
+  total, seen = 0, set()
+  try:
+    for top, dirs, files in os.walk(text, followlinks=True, onerror=_raise):
+      info = os.stat(top)
+      if (info.st_dev, info.st_ino) in seen:
+        dirs[:] = []  # A link back up: counted once, not entered again.
+        continue
+      seen.add((info.st_dev, info.st_ino))
+      total += sum(os.stat(os.path.join(top, f)).st_size for f in files)
+  except OSError:
+    return None
+  return total
+
+
+def _raise(error: OSError) -> None:
+  raise error

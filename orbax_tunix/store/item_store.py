@@ -22,7 +22,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.store import _orbax, storage_errors, zarr_format
+from orbax_tunix.store import _orbax, fileio, names, storage_errors, zarr_format
 from orbax_tunix.store._orbax import (
   AGGREGATE_FILE,
   ARRAY_METADATAS,
@@ -35,6 +35,12 @@ from orbax_tunix.store.fileio import as_path, found_at, no_gc, read_bytes, read_
 # Below this many leaves, shapes are checked against each array's zarr header;
 # above it, against one listing of the item's store (`Item.mismatched_shapes`).
 HEADER_READS_UP_TO = 256
+# The most bytes one stored byte decodes to. Orbax compresses with zstd, whose blocks hold
+# at most 128 KiB and take at least 4 bytes (an RLE block): 2**15; twice that is kept. (A
+# 64 MiB array of zeros measured 13000x, metadata files included.)
+MAX_EXPANSION = 1 << 16
+# Claims this small are not checked against the stored bytes: holding them harms nothing.
+CHECKED_ABOVE = 1 << 30
 
 
 # --- an item's leaves ---------------------------------------------------------
@@ -239,8 +245,52 @@ class Item:
           f'{self.directory}: the zarr headers of {len(absent)} arrays are empty:\n'
           f'{errors.list_paths(absent)}\nThe item is damaged; use another step (`step`).'
       )
-    return {p: ArrayInfo(*zarr_format.parse_header(value, self.use_zarr3))
-            for p, value in found.items()}
+    infos, damaged = {}, []
+    for p, value in found.items():
+      try:
+        infos[p] = ArrayInfo(*zarr_format.parse_header(value, self.use_zarr3))
+      except ValueError as e:
+        damaged.append(f'{fmt(p)}: {e}')
+    if damaged:
+      raise errors.CorruptMetadataError(
+          f'{self.directory}: the zarr headers of {len(damaged)} arrays do not describe an'
+          f' array:\n{errors.list_paths(damaged)}\nThe item is damaged (or its metadata was'
+          ' edited); use another step (`step`).'
+      )
+    return infos
+
+  def check_claims(self, infos: Mapping[Path, ArrayInfo]) -> None:
+    """Refuses headers claiming more bytes than the item's files can hold.
+
+    Where Orbax stored every chunk (`stores_fill_chunks`, every Orbax release since
+    2024), the item's arrays decode from its files: at most `MAX_EXPANSION` bytes per
+    stored byte. Older items may omit chunks equal to the fill value, so no bound
+    holds for them (the tools' memory checks still do: `memory.check_machine`).
+    Nothing is read but the item's listing (one request on a bucket).
+
+    Args:
+      infos: the arrays' headers (`arrays`).
+
+    Raises:
+      CorruptMetadataError: naming the largest claims, their total and the bytes stored.
+    """
+    claimed = {p: math.prod(i.shape) * i.dtype.itemsize for p, i in infos.items()}
+    total = sum(claimed.values())
+    if total <= CHECKED_ABOVE or not self.stores_fill_chunks:
+      return
+    stored = fileio.folder_bytes(self.directory)
+    if stored is None or total <= stored * MAX_EXPANSION:
+      return
+    largest = sorted(claimed, key=claimed.get, reverse=True)[:5]
+    shown = [f'{fmt(p)}: shape {infos[p].shape} {infos[p].dtype}, {claimed[p]} bytes'
+             for p in largest]
+    raise errors.CorruptMetadataError(
+        f'{self.directory}: the arrays\' headers claim {total} bytes, and the item\'s files'
+        f' hold {stored} bytes, which decode to at most {stored * MAX_EXPANSION} (Orbax stores'
+        f' every chunk, zstd-compressed):\n{errors.list_paths(shown)}\nThe headers are damaged'
+        ' or were edited; nothing was read or written. Use another step (`step`), or a'
+        ' trusted copy of the checkpoint.'
+    )
 
   def shapes(self, paths: Iterable[Path]) -> dict[Path, tuple[int, ...]]:
     """Global shapes of the zarr leaves in `paths` (from their headers)."""
@@ -319,7 +369,10 @@ class Item:
       try:
         for entry in read_json(path, "Orbax's array metadata")[ARRAY_METADATAS]:
           meta = entry['array_metadata']
-          out[meta['param_name']] = tuple(meta['chunk_shape'])
+          chunk = tuple(meta['chunk_shape'])
+          if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in chunk):
+            return {}  # Not a chunk shape (sizes here are a stranger's, checked).
+          out[meta['param_name']] = chunk
       except (errors.CorruptMetadataError, KeyError, TypeError):
         return {}  # Shapes then come from the headers.
     return out
@@ -361,6 +414,20 @@ def _leaves_of(entries: Mapping[str, Any]) -> tuple[Leaf, ...]:
   return tuple(leaves)
 
 
+def _check_array_names(leaves: Iterable[Leaf], where: epath.Path) -> None:
+  """Without OCDBT each array is a directory of the item named after its keys (joined by
+  '.'): every such name must stay inside the item (`names.check_relative`).
+
+  Raises:
+    UnsafeNameError: naming the leaf's key path.
+  """
+  for leaf in leaves:
+    if not leaf.path:
+      continue  # A tree that is one leaf: the item's own directory.
+    names.check_relative(_orbax.array_name(leaf.path), where,
+                         f'the leaf {fmt(leaf.path)} is stored without OCDBT in the directory')
+
+
 def has_tree(directory: epath.Path) -> bool:
   """Whether a directory holds PyTree metadata (`_METADATA` or the older msgpack)."""
   return (directory / PYTREE_METADATA).exists() or (directory / AGGREGATE_FILE).exists()
@@ -380,7 +447,9 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
   name = directory.name if name is None else name
   meta_file = directory / PYTREE_METADATA
   if not meta_file.exists() and (directory / AGGREGATE_FILE).exists():
-    return Item(name, directory, _tree_from_aggregate(directory / AGGREGATE_FILE), legacy=True)
+    leaves = _tree_from_aggregate(directory / AGGREGATE_FILE)
+    _check_array_names(leaves, directory / AGGREGATE_FILE)  # Releases before OCDBT.
+    return Item(name, directory, leaves, legacy=True)
   if not directory.is_dir():
     raise errors.CorruptMetadataError(
         f'{directory}: expected an item directory holding {PYTREE_METADATA}, found'
@@ -397,11 +466,14 @@ def open_item(directory: epath.PathLike, name: str | None = None) -> Item:
           ' The file is damaged or was not written by a PyTree handler; use'
           ' another step (`step`).'
       ) from e
+  use_ocdbt = bool(meta.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory)
+  if not use_ocdbt:
+    _check_array_names([leaf for leaf in leaves if leaf.has_zarr], meta_file)
   return Item(
       name=name,
       directory=directory,
       leaves=leaves,
-      use_ocdbt=bool(meta.get('use_ocdbt', True)) and _orbax.is_ocdbt(directory),
+      use_ocdbt=use_ocdbt,
       use_zarr3=bool(meta.get('use_zarr3', False)),
       stores_fill_chunks=bool(meta.get('store_array_data_equal_to_fill_value', False)),
       tree_json=meta,

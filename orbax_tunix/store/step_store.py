@@ -24,6 +24,7 @@ from orbax_tunix.conventions import RL_ROLES
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA, PYTREE_METADATA, TMP_MARKER
 from orbax_tunix.store.fileio import as_path, is_local, read_json
 from orbax_tunix.store.item_store import Item, has_tree, open_item
+from orbax_tunix.store.names import check_plain
 from orbax_tunix.store.netprobe import unreachable
 
 # --- steps under a root -----------------------------------------------------
@@ -208,7 +209,9 @@ class Step:
       children = list(self.directory.iterdir())
     except OSError as e:
       raise errors.CorruptMetadataError(f'{self.directory}: cannot list it ({e}).') from e
-    return tuple(sorted(c.name for c in children if _is_item_dir(c)))
+    # A bucket's listing may hold any object name ('a//b', '..'): each is checked.
+    return tuple(sorted(check_plain(c.name, self.directory, 'holds the entry')
+                        for c in children if _is_item_dir(c)))
 
   @property
   def item_name(self) -> str:
@@ -222,7 +225,14 @@ class Step:
     return self.present
 
   def item_dir(self, name: str) -> epath.Path:
-    return self.directory if self.single_item else self.directory / name
+    """The item's directory.
+
+    Raises:
+      UnsafeNameError: `name` is not one plain name (`names.check_plain`).
+    """
+    if self.single_item:
+      return self.directory
+    return self.directory / check_plain(name, self.directory, 'an item was asked for as')
 
   def handler(self, name: str) -> str | None:
     return None if self.recorded is None else self.recorded.get(name)
@@ -253,6 +263,8 @@ def open_step(directory: epath.PathLike) -> Step:
 
   Raises:
     CorruptMetadataError: the file is damaged or not a JSON object.
+    UnsafeNameError: it names an item that is not one plain directory name
+      (`../../x`, `/abs`, `a/b`): checked before any item is looked at.
   """
   directory = as_path(directory)
   meta_file = directory / CHECKPOINT_METADATA
@@ -270,7 +282,8 @@ def open_step(directory: epath.PathLike) -> Step:
   if single:
     recorded = {directory.name: handlers if isinstance(handlers, str) else None}
   elif isinstance(handlers, dict):
-    recorded = {str(k): v if isinstance(v, str) else None for k, v in handlers.items()}
+    recorded = {check_plain(k, meta_file, 'item_handlers names the item'):
+                v if isinstance(v, str) else None for k, v in handlers.items()}
   custom = meta.get('custom_metadata')
   return Step(
       directory=directory,

@@ -545,6 +545,10 @@ def diff_checkpoints(
     if la.dtype != lb.dtype:
       dtype.append(Mismatch(path, _describe(la), _describe(lb)))
     pairs.append((path, la, lb))
+  if pairs:  # Each pair is read whole on both sides to be compared: before any read.
+    path, la, lb = max(pairs, key=lambda p: p[1].nbytes + p[2].nbytes)
+    memory.check_machine(la.nbytes + lb.nbytes, ckpt_a.step_dir, f'{path} (A: {_describe(la)},'
+                         f' B: {_describe(lb)}), read whole on each side to be compared,')
   found = _Found(sorted(set(view_a) - set(view_b)), sorted(set(view_b) - set(view_a)))
   json_compared = 0 if params_only else _compare_json_items(ckpt_a, ckpt_b, found)
   side, notes = ([], []) if params_only else _compare_sides(

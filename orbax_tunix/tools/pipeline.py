@@ -174,6 +174,7 @@ def plan(
     item.check()
   _check_representable(written)
   written, files = destination.shard(written, given)
+  _check_sizes(written, destination, dst)
   notes += _leftover_notes(dst, destination)
   largest = max((o.nbytes for item in written for o in item.outputs), default=0)
   notes.extend(filter(None, [writer.budget_note(memory_budget, largest, destination.unit)]))
@@ -184,6 +185,21 @@ def plan(
       other_files=laid.files, summary=dict(laid.summary),
       options=_asked(given, merge_options, items),
   )
+
+
+def _check_sizes(written: Sequence[ItemOutput], destination: layouts.Destination,
+                 dst: epath.Path) -> None:
+  """The sizes the source claims, checked before anything is written: what must be held at
+  once against the machine's memory, and (uncompressed files) the bytes against the disk.
+
+  Raises:
+    TunixCheckpointError: beyond the machine (`writer.check_machine`).
+    InvalidDestinationError: beyond the disk's free space (`commit.check_room`).
+  """
+  outputs = [o for item in written for o in item.outputs]
+  writer.check_machine(outputs, destination.safetensors)
+  if destination.safetensors:
+    commit.check_room(dst, sum(o.nbytes for o in outputs))
 
 
 def _given(layout: layouts.Layout, options: Mapping[str, Any]) -> dict[str, Any]:

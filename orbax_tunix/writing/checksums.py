@@ -121,6 +121,10 @@ def verify(
   every = [leaf for item in sorted(ckpt.items) for leaf in ckpt.items[item]]
   todo = [leaf for leaf in every if key(leaf.path) in sums.get(leaf.item, {})]
   unrecorded = [leaf.name for leaf in every if key(leaf.path) not in sums.get(leaf.item, {})]
+  if todo:  # Each is read whole to be checked.
+    largest = max(todo, key=lambda leaf: leaf.nbytes)
+    memory.check_machine(largest.nbytes, ckpt.step_dir, f'{largest.name} (shape'
+                         f' {largest.shape} {largest.dtype}), read whole to be checked,')
   progress.start(sum(leaf.nbytes for leaf in todo), 'verifying')
   try:
     for item in sorted(ckpt.items):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -436,6 +437,12 @@ def remove_tree(path: epath.Path) -> None:
     time.sleep(0.05)
 
 
+# How often a local commit is tried when another run changes DST under it, and the errors
+# that tell so (DST taken again: not empty, exists; DST moved aside: gone; etils raises
+# FileExistsError without an errno).
+_COMMIT_TRIES = 5
+_RACED = frozenset({errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR})
+
 # In a bucket copy-in's staging folder once it is complete, when its kind has no commit
 # file (a step's staging gets its commit file: Orbax reads it there); never copied over.
 COMPLETE = '.orbax-tunix-complete'
@@ -475,7 +482,8 @@ class Staging:
     self._claiming_dst = False
     self._finishing = False
     self._replacing = False
-    self._old: epath.Path | None = None
+    self._old: epath.Path | None = None  # The old one moved aside, while it may go back.
+    self._superseded: list[epath.Path] = []  # Moved aside, then replaced by another run.
 
   def open(self) -> epath.Path:
     """Creates the directory the new one is written into, and returns it.
@@ -538,19 +546,43 @@ class Staging:
     if self.kind.commit_file:
       (self.work / self.kind.commit_file).write_text(
           f'Checkpoint commit was successful to {self.dst}')
+    # Another run (two `force` runs at once) may commit DST, or move it aside, between any
+    # two renames here: a rename that finds DST so changed is tried anew on what is there.
+    for attempt in range(_COMMIT_TRIES):
+      try:
+        return self._rename_in()
+      except OSError as e:
+        raced = isinstance(e, FileExistsError | FileNotFoundError) or e.errno in _RACED
+        if attempt + 1 == _COMMIT_TRIES or not raced or not self.work.exists():
+          raise
+    raise AssertionError('unreachable')
+
+  def _rename_in(self) -> bool:
+    """One try of a local commit: the new one renamed onto DST (an old one moved aside
+    first, and removed once the new one is in: with those another run's commit put
+    there meanwhile, each replaced in turn)."""
     if not self.dst.exists():
       self.work.rename(self.dst)
-      return False
+      return self._remove_olds()
     if fileio.is_local(self.dst) and _is_empty_dir(self.dst) and not os.path.islink(self.dst):
       os.replace(self.work, self.dst)  # rename(2) replaces an empty directory at once.
-      return False
+      return self._remove_olds()
     check_replaceable(self.dst, self.force, self.kind)
+    if self._old is not None:
+      self._superseded.append(self._old)  # Replaced by another run's commit meanwhile.
+    # Named before the rename: whatever happens next, `abort` knows where it went.
     self._old = self.dst.parent / f'{_stem(self.dst)}{OLD_MARKER}{time.time_ns()}'
     self.dst.rename(self._old)
     self.work.rename(self.dst)  # If this fails, `abort` puts the old one back.
+    return self._remove_olds()
+
+  def _remove_olds(self) -> bool:
+    """Removes what was moved aside; returns whether anything was (an old one replaced)."""
+    moved = [p for p in (*self._superseded, self._old) if p is not None and os.path.lexists(p)]
     with contextlib.suppress(Exception):  # Committed: what is left is named by `abort`.
-      remove_tree(self._old)
-    return True
+      for old in moved:
+        remove_tree(old)
+    return bool(moved)
 
   def _commit_text(self) -> str:
     return f'Checkpoint commit was successful to {self.dst} (orbax-tunix run {self.run})'
@@ -636,9 +668,9 @@ class Staging:
           (dst / MARKER).unlink(missing_ok=True)
           if work != dst:
             remove_tree(work)
-        elif self._old is not None:
-          remove_tree(self._old)
-      left = [p for p in (self._old, None if work == dst else work)
+        else:
+          self._remove_olds()
+      left = [p for p in (*self._superseded, self._old, None if work == dst else work)
               if p is not None and p.exists()]
       return (f'{dst} holds the new {_bare(what)}, complete (committed before the'
               ' interruption)' + (f'; {left[0]}, left beside it, is not read by Orbax or'
@@ -646,6 +678,9 @@ class Staging:
     if not self.in_place:
       if self._old is not None and os.path.lexists(self._old) and not os.path.lexists(dst):
         self._old.rename(dst)  # The new one never went in: the old one goes back.
+        self._old = None
+      # What is left moved aside was replaced by another run's commit at DST meanwhile.
+      self._remove_olds()
       remove_tree(work)
       _remove_empty(self._created)
       return None
@@ -778,6 +813,31 @@ def write_failure(dst: epath.Path, exc: BaseException, nbytes: int,
     )
   return None
 
+def check_room(dst: epath.Path, nbytes: int) -> None:
+  """Refuses a local DST whose file system has less room than `nbytes`, the bytes a write
+  of uncompressed files makes there (an old one replaced is removed only once the new one is
+  complete, so all of them), with the message a full disk gives (`write_failure`), before
+  anything is written. Buckets, and file systems that tell no capacity (some FUSE mounts),
+  are not checked.
+
+  Raises:
+    InvalidDestinationError: as `write_failure` for a full disk.
+  """
+  if not fileio.is_local(dst):
+    return
+  where = os.path.abspath(os.fspath(dst))
+  while not os.path.isdir(where) and os.path.dirname(where) != where:
+    where = os.path.dirname(where)
+  try:
+    info = os.statvfs(where)
+  except OSError:
+    return
+  if info.f_blocks == 0 or nbytes <= info.f_bavail * info.f_frsize:
+    return
+  full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+  raise write_failure(dst, full, nbytes) from full
+
+
 def _size_limit() -> str:
   """Which file-size limit a write met, for the message: this process's own (`ulimit -f`)
   when it has one, else the file system's."""
@@ -841,10 +901,12 @@ def check_destination(
 
   Raises:
     InvalidDestinationError: DST overlaps a source (symlinks resolved; see
-      `overlap`), is named like an unfinished step, or cannot be reached.
+      `overlap`), is named like an unfinished step, is (or lies under) a link to
+      nothing, or cannot be reached.
     DestinationExistsError: DST exists and not `force` (or is not one of `kind`).
   """
   check_step_name(dst)
+  places.check_no_broken_link(dst, kind.what)
   for src in sources:
     places.check_outside_source(src, dst)
   places.check_not_mount_point(dst, kind.what)

@@ -197,3 +197,32 @@ def check_not_mount_point(dst: epath.Path, what: str) -> None:
         ' replaced.'
         f' Choose a new directory inside it instead (e.g. {os.path.join(os.fspath(dst), "out")}).'
     )
+
+
+def check_no_broken_link(dst: epath.Path, what: str) -> None:
+  """Refuses a local DST that is, or lies under, a symbolic link to nothing, before anything
+  is written. A link to something is replaced itself (`commit.Staging`); a link to nothing
+  (`latest -> exports/run-7`, not there) might be meant either way, to be replaced or to be
+  written through, so neither is guessed at.
+
+  Raises:
+    InvalidDestinationError: naming the link, where it points and what to do.
+  """
+  if not fileio.is_local(dst):
+    return
+  path = os.path.abspath(os.fspath(dst))
+  while not os.path.exists(path):
+    if os.path.islink(path):
+      target = os.readlink(path)
+      whose = 'the destination' if path == os.path.abspath(os.fspath(dst)) else (
+          f'a folder above the destination {dst}')
+      raise errors.InvalidDestinationError(
+          f'{path}: {whose} is a symbolic link to {target}, which does not exist. A link to'
+          f' nothing is not guessed at: pass the path {what} should be'
+          f' written to ({os.path.join(os.path.dirname(path), target)} to write where the'
+          ' link points), or remove the link; nothing was written.'
+      )
+    if os.path.dirname(path) == path:
+      return
+    path = os.path.dirname(path)
+

@@ -30,14 +30,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
-from orbax_tunix.keypaths import nest
+from orbax_tunix.keypaths import fmt, nest
 from orbax_tunix.mapping import executor
 from orbax_tunix.mapping import merge as merge_lib
-from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, row_blocks
+from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, iter_row_blocks, row_blocks
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import is_key
-from orbax_tunix.store import _orbax, fileio
+from orbax_tunix.store import _orbax, fileio, names
 from orbax_tunix.writing import checksums, commit, distributed
 
 
@@ -81,6 +81,29 @@ def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
   """A note when `memory_budget` cannot hold the largest `what` (each is written alone)."""
   return memory.shortfall(memory_budget, largest, what, memory.WRITE_COPIES,
                           job=distributed.active())
+
+
+def check_machine(outputs: Iterable[Output], rows: bool) -> None:
+  """Refuses, before anything is read or written, an output that no batch size lets this
+  machine hold (`memory.check_machine`): what the writer holds of it at least (its
+  smallest block of rows where `rows`, else all of it) and the stored chunks its sources'
+  reads decode.
+
+  Raises:
+    TunixCheckpointError: naming the output, its source and both sizes.
+  """
+  machine = memory.machine_bytes()
+  for output in outputs:
+    biggest = max([output.nbytes, *(i.leaf.nbytes for i in output.inputs)])
+    if machine is None or biggest <= machine:
+      continue  # Fits whatever is read (the common case: nothing more is asked).
+    unit = next(iter_row_blocks(output, 1)) if rows else output
+    held = max([unit.nbytes, *(i.touched_bytes for i in unit.inputs)])
+    sources = ', '.join(f'{i.leaf.name} (shape {i.leaf.shape} {i.leaf.dtype})'
+                        for i in unit.inputs)
+    where = output.inputs[0].ckpt.step_dir if output.inputs else 'the source'
+    memory.check_machine(held, where, f'{sources or fmt(output.path)}, written as'
+                         f' {fmt(output.path)}{" (its smallest block of rows)" if rows else ""},')
 
 
 def units(outputs: Sequence[Output]) -> list[list[Output]]:
@@ -507,6 +530,8 @@ def recorded_files(folder: epath.Path, single: str = SINGLE_FILE) -> frozenset[s
     if index.exists():
       weight_map = json.loads(index.read_text()).get('weight_map')
       first = min(weight_map.values())
+    if names.why_not_plain(first) is not None:
+      return None  # A file of another folder: no record of this one.
     with (folder / first).open('rb') as f:
       (size,) = struct.unpack('<Q', f.read(8))
       if size > _MAX_HEADER:
