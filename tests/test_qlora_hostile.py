@@ -258,3 +258,30 @@ def test_a_pre_quantized_base_config_loses_its_quantization_config(tmp_path):
   assert {k: v for k, v in written.items() if k in base} == base
   assert (out / 'generation_config.json').read_text() == '{"do_sample": false}'
   shutil.rmtree(out)
+
+
+# --- item 12: inspect's description of a scale ----------------------------------------------
+
+
+@pytest.mark.parametrize(('shape', 'scale', 'want'), [
+    # Gemma 3's attn_vec_einsum (N, H, D) tiled on H, N reduced whole: both said.
+    ((4, 12, 40), (1, 3, 40), 'int8, tiles of 4 on axis 1, axis 0 reduced, absmax'),
+    ((56, 40), (14, 40), 'int8, tiles of 4 on axis 0, absmax'),
+    ((4, 40, 12), (4, 1, 12), 'int8, per channel, axis 1 reduced, absmax'),
+    ((4, 12, 40), (1, 1, 40), 'int8, per channel, axes 0 and 1 reduced, absmax'),
+    # A scale of qvalue's own shape reduces nothing: no empty list of axes.
+    ((56, 40), (56, 40), 'int8, per element, absmax'),
+])
+def test_a_scheme_is_described_by_every_axis_it_reduces_or_tiles(shape, scale, want):
+  from orbax_tunix.reading import quantized
+  s = quantized.Scheme(shape, np.dtype('int8'), scale, np.dtype('float32'), False)
+  assert s.describe() == want
+
+
+def test_inspect_says_the_reduced_axis_beside_the_tiles():
+  """The committed QLoRA run's attn_vec_einsum (MANIFEST: qvalue (4, 12, 40), scale (1, 3, 40))
+  is described with its reduced axis 0, not as tiles on axis 1 alone."""
+  report = inspection.inspect_checkpoint(DATA / FULL)
+  schemes = report.quantized.schemes
+  assert 'int8, tiles of 4 on axis 1, axis 0 reduced, minmax' in schemes, sorted(schemes)
+  assert not [s for s in schemes if 'axes  reduced' in s], sorted(schemes)

@@ -94,13 +94,14 @@ class Scheme:
                  if s == 1 and n != 1)
 
   def describe(self) -> str:
-    """E.g. 'int8, tiles of 4 on axis 1, minmax' or 'int4, per channel, axis 0 reduced, absmax'."""
-    tiles = self.tiles
-    reduced = ', '.join(map(str, self.reduced))
-    how = ', '.join(f'tiles of {t} on axis {a}' for a, t in tiles.items()) if tiles else (
-        f'per channel, axis {reduced} reduced' if len(self.reduced) == 1 else
-        f'per channel, axes {reduced} reduced')
-    return f'{self.qtype}, {how}, {self.calibration}'
+    """E.g. 'int8, tiles of 4 on axis 1, axis 0 reduced, minmax', 'int4, per channel, axis 0
+    reduced, absmax', or 'int8, per element, absmax' (a scale of qvalue's own shape)."""
+    parts = [f'tiles of {t} on axis {a}' for a, t in self.tiles.items()]
+    if not parts:
+      parts.append('per channel' if self.reduced else 'per element')
+    if self.reduced:
+      parts.append(f'{_axes(self.reduced)} reduced')
+    return ', '.join([self.qtype, *parts, self.calibration])
 
   @property
   def stored_bytes(self) -> int:
@@ -113,6 +114,11 @@ class Scheme:
   @property
   def dequantized_bytes(self) -> int:
     return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def _axes(axes: Sequence[int]) -> str:
+  return (f'axis {axes[0]}' if len(axes) == 1 else
+          'axes ' + ', '.join(map(str, axes[:-1])) + f' and {axes[-1]}')
 
 
 # A part as its metadata gives it: (shape, dtype); None where it is no array.
