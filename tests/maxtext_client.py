@@ -46,10 +46,10 @@ pyconfig `k=v` strings):
                   train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...)
                   (the tiny llama2's, or with model_name and dims a family's as family_case
                   builds it); `notes` = the orbax_tunix log messages.
-  family_case     model_name, dims, scan[, seed, step=3], out: a tiny random MaxText model
-                  of one family saved as a Tunix run and a MaxText step under `out`, MaxText
-                  0.2.5's own HF conversion of it, the fitted HF config and its logits (see
-                  job_family_case).
+  family_case     model_name, dims, scan[, seed, step=3, jit_logits=false], out: a tiny random
+                  MaxText model of one family saved as a Tunix run and a MaxText step under
+                  `out`, MaxText 0.2.5's own HF conversion of it, the fitted HF config and its
+                  logits (see job_family_case).
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
@@ -269,13 +269,22 @@ def fixed_tokens(cfg) -> np.ndarray:
   return rng.integers(0, cfg.vocab_size, size=(1, cfg.max_target_length), dtype=np.int32)
 
 
-def forward_logits(model, tokens) -> np.ndarray:
-  tokens = jnp.asarray(tokens, jnp.int32)
+def _call(model, tokens):
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return model(tokens, positions, decoder_segment_ids=jnp.ones_like(tokens),
+               enable_dropout=False, model_mode=MODEL_MODE_TRAIN)
+
+
+_JITTED_CALL = nnx.jit(_call)
+
+
+def forward_logits(model, tokens, jit: bool = False) -> np.ndarray:
+  """The model's logits on `tokens`, run op by op (`jit`: compiled once per model structure,
+  several times faster for MoE models on a CPU; the same computation)."""
+  tokens = jnp.asarray(tokens, jnp.int32)
   cfg = model.config
   with jax.set_mesh(model.mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
-    logits = model(tokens, positions, decoder_segment_ids=jnp.ones_like(tokens),
-                   enable_dropout=False, model_mode=MODEL_MODE_TRAIN)
+    logits = (_JITTED_CALL if jit else _call)(model, tokens)
   return np.asarray(jax.device_get(logits), np.float32)
 
 
@@ -460,9 +469,19 @@ def family_config(model_name: str, scan: bool, dims, *extra: str):
                               *FAMILY_BASE, *dims, f'scan_layers={bool(scan)}', *extra])
 
 
+def drawn_variables():
+  """The variable types `random_model` draws: nnx.Param, and the weights MaxText keeps in
+  other variables (DeepSeek's routing bias, a `moe.MoEBiasVar`: Tunix saves it with the rest of
+  `nnx.state`, MaxText's params-only step leaves it out)."""
+  from maxtext.layers import moe  # noqa: PLC0415
+
+  return (nnx.Param, moe.MoEBiasVar)
+
+
 def random_model(cfg, seed: int):
-  """MaxText's own model for `cfg`, every nnx.Param leaf (norms too) drawn from N(0, 0.3²),
-  rounded to values bfloat16 holds exactly.
+  """MaxText's own model for `cfg`, every nnx.Param leaf (norms too), and every other weight
+  variable (`drawn_variables`), drawn from N(0, 0.3²), rounded to values bfloat16 holds
+  exactly.
 
   MaxText initialises norms to ones (or zeros) and some kernels alike: a fixture with such
   leaves cannot tell `scale - 1` from `scale`, or one layer from another.
@@ -471,7 +490,7 @@ def random_model(cfg, seed: int):
   create_model, _ = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
   with nn_partitioning.axis_rules(cfg.logical_axis_rules):
     model = create_model()
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, drawn_variables(), ...)
   pure = params.to_pure_dict()
   rng = np.random.default_rng(seed)
   leaves = flat(pure)
@@ -548,6 +567,8 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   checkpoint = conv.load_orbax_checkpoint(cfg)
   hf_config = copy.deepcopy(HF_MODEL_CONFIGS[cfg.model_name])
   th._validate_or_update_architecture(hf_config, cfg, override=True)
+  if getattr(cfg, 'rope_type', None) == 'yarn':  # as to_huggingface.main does next
+    th._apply_yarn_rope_config(hf_config, cfg)
   # What _validate_or_update_architecture leaves at the full model's values and a tiny model
   # needs, fitted in the dict the mappings are built from and config.json is written from: the
   # per-layer attention kinds (truncated to the tiny model's layers: the pattern starts at layer
@@ -568,6 +589,10 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
     text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
+  if 'first_k_dense_replace' in text:  # DeepSeek's dense layers (its mappings read it), its
+    text['first_k_dense_replace'] = cfg.first_num_dense_layers  # query's width (its shapes)
+    text['qk_head_dim'] = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    text['head_dim'] = cfg.qk_rope_head_dim  # and the rotary width (transformers' rope reads it)
   try:
     maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
     state = conv.detect_and_extract_checkpoint(checkpoint)
@@ -607,7 +632,14 @@ def job_family_case(job, out_dir):
   save_maxtext_step(out / 'maxtext', step, model)
   times['save'] = time.time() - t - sum(times.values())
   tokens = fixed_tokens(cfg)
-  logits = forward_logits(model, tokens)
+  jit = bool(job.get('jit_logits', False))
+  logits = forward_logits(model, tokens, jit)
+  more = {}
+  params = flat(nnx.state(model, nnx.Param).to_pure_dict())
+  if set(drawn) - set(params):  # weights outside nnx.Param, which the params-only step lacks
+    # The model MaxText makes of that step: its nnx.Param leaves, the rest at their init.
+    more['logits_params_only'] = forward_logits(model_with(cfg, nnx.state(model, nnx.Param)),
+                                                tokens, jit)
   times['logits'] = time.time() - t - sum(times.values())
   hf, hf_config, convert_error = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
   times['convert'] = time.time() - t - sum(times.values())
@@ -620,7 +652,7 @@ def job_family_case(job, out_dir):
   (out / 'reference_hf').mkdir(exist_ok=True)
   save_file({text_name(k): np.ascontiguousarray(v) for k, v in (hf or {}).items()},
             str(out / 'reference_hf' / 'model.safetensors'), metadata={'format': 'pt'})
-  arrays = {'logits': logits, 'tokens': tokens,
+  arrays = {'logits': logits, 'tokens': tokens, **more,
             **{f'hf/{k}': v for k, v in (hf or {}).items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
   npz = os.path.join(out_dir, f"{job['id']}.npz")
   np.savez(npz, **arrays)
@@ -632,7 +664,14 @@ def job_family_case(job, out_dir):
       'num_experts_per_tok', 'moe_mlp_dim', 'norm_topk_prob', 'use_qk_norm',
       'final_logits_soft_cap', 'query_pre_attn_scalar', 'global_head_dim',
       'global_num_kv_heads', 'rope_use_scale', 'global_rope_max_timescale',
-      'global_rope_proportion', 'local_rope_proportion') if hasattr(cfg, k)}
+      'global_rope_proportion', 'local_rope_proportion',
+      # DeepSeek's
+      'first_num_dense_layers', 'shared_experts', 'routed_scaling_factor', 'routed_score_func',
+      'routed_bias', 'n_routing_groups', 'topk_routing_group', 'q_lora_rank', 'kv_lora_rank',
+      'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim', 'rope_type', 'rope_factor',
+      'max_position_embeddings', 'original_max_position_embeddings', 'mscale', 'beta_fast',
+      'beta_slow', 'rope_truncate', 'rope_interleave', 'use_indexer', 'indexer_topk',
+      'indexer_n_heads', 'indexer_head_dim') if hasattr(cfg, k)}
   return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},

@@ -7,7 +7,7 @@ model; a new trainer's naming of a family is one more entry of that family's `na
 
 from __future__ import annotations
 
-from orbax_tunix.mapping import hf_maxtext, hf_tunix
+from orbax_tunix.mapping import hf_deepseek, hf_maxtext, hf_tunix
 from orbax_tunix.mapping.hf_naming import Family
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
@@ -36,3 +36,12 @@ GEMMA4 = Family(
     embeddings=('embed_tokens', 'embed_tokens_per_layer'))
 
 FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4)
+
+# DeepSeek (mapping/hf_deepseek.py): MaxText's model only (Tunix 0.1.7 has no DeepSeek).
+DEEPSEEK_V2 = Family('deepseek_v2', 'DeepseekV2ForCausalLM', 'deepseek_v2',
+                     (hf_deepseek.DEEPSEEK_V2,), aliases=('deepseek2',))
+DEEPSEEK_V3 = Family('deepseek_v3', 'DeepseekV3ForCausalLM', 'deepseek_v3',
+                     (hf_deepseek.DEEPSEEK_V3,), aliases=('deepseek3',))
+DEEPSEEK_V32 = Family('deepseek_v32', 'DeepseekV32ForCausalLM', 'deepseek_v32',
+                      (hf_deepseek.DEEPSEEK_V32,), aliases=('deepseek3.2',))
+FAMILIES += (DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32)

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from orbax_tunix import catalog, conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import hf_families, lora, patterns, trainers
+from orbax_tunix.mapping import hf_families, lora, patterns, trainers, transforms
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping.as_trained import AsTrained
 from orbax_tunix.mapping.hf_naming import Family, Naming
@@ -134,7 +134,7 @@ def describe_weights(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib
   form = layer_form(shapes) or stacks_lib.UNSCANNED
   count = form.count(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
   shown = '?' if (axis is None and form.scanned) or count is None else count
-  return f'{trainer.title} ({form.kind}, {shown} layers)'
+  return f'{trainer.title} ({form.kind_of(shapes)}, {shown} layers)'
 
 
 def model_weights(found: Mapping[Path, T]) -> tuple[dict[Path, T], list[str]]:
@@ -198,6 +198,38 @@ def _fits(family: Family, naming: Naming, shapes: Mapping[Path, Shape],
                    + errors.list_paths(missing))
     parts.append(f'Pick the family the model is (`model`: {", ".join(names())}).')
     raise errors.UnsupportedLayoutError('\n'.join(parts))
+
+
+def fill_absent(naming: Naming, per_layer: Mapping[Path, patterns.Mapped]
+                ) -> tuple[dict[Path, patterns.Mapped], list[str]]:
+  """The weights (per-layer form) with those the naming's `fills` make where a layer lacks
+  them but holds their source, and one note per fill used (naming the layers).
+
+  Raises:
+    UnsupportedLayoutError: a fill's transform does not take its source's shape.
+  """
+  out, notes = dict(per_layer), []
+  numbers = naming.layers(per_layer)
+  for weight, fill in naming.fills.items():
+    made = []
+    for i in numbers:
+      (path,) = patterns.Pattern.parse(weight.split('/')).expand({'i': [i]})
+      (source,) = patterns.Pattern.parse(fill.source.split('/')).expand({'i': [i]})
+      if path in out or source not in out:
+        continue
+      m = out[source]
+      try:
+        shape = fill.transform.check([m.shape])
+      except transforms.TransformError as e:
+        raise errors.UnsupportedLayoutError(f'{fmt(source)} {m.shape}: {e}') from e
+      out[path] = patterns.Mapped(m.sources, transforms.chain(m.transform, fill.transform),
+                                  shape)
+      made.append(i)
+    if made:
+      notes.append(f'{weight.replace("{i}", "<i>")}: absent in layers {", ".join(made)}; wrote'
+                   f' {fill.transform} of {fill.source.replace("{i}", "<i>")} instead:'
+                   f' {fill.why}')
+  return out, notes
 
 
 # --- layer forms: the families' ---------------------------------------------------------

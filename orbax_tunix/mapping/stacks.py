@@ -13,6 +13,11 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                               blocks on A, the 5 local layers on A+1
                             decoder/scanned_blocks/global_layer/<w>, on A   6a + 5
                             decoder/layers_remainder/local_layers/<w>, on A 6·blocks + a
+  deepseek scanned          decoder/dense_layers/<w>, on A                  a
+                            decoder/moe_layers/<w>, on A (the routing bias  dense + a
+                              gate/bias, no nnx.Param: on axis 0)
+  deepseek unscanned        decoder/dense_layers_{j}/<w>                    j
+                            decoder/moe_layers_{j}/<w>                      dense + j
 
 (MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
 weight holds its experts on axis 0 and its layers on A.)
@@ -81,6 +86,11 @@ def _pattern(keys: tuple[str, ...]) -> Pattern:
   return Pattern.parse((*keys, '...'))
 
 
+@functools.cache
+def _exact(text: str) -> Pattern:
+  return Pattern.parse(tuple(text.split('/')))
+
+
 @dataclasses.dataclass(frozen=True)
 class Stack:
   """Layers stacked in arrays under one prefix.
@@ -94,12 +104,16 @@ class Stack:
       second layer axis, numbers them from the first).
     remainder: it holds the layers after the last whole block instead (numbered by
       its `{j}` or its layer axis).
+    per_layer: one array per layer, as MaxText writes the form unscanned (`scan_layers=False`:
+      DeepSeek's `dense_layers_{j}`, numbered by its `{j}`; depth 0): weights held only by
+      such stacks are an unscanned decoder (`LayerForm.kind_of`).
   """
 
   prefix: tuple[str, ...]
   depth: int = 1
   positions: tuple[int, ...] = (0,)
   remainder: bool = False
+  per_layer: bool = False
 
   def __post_init__(self):
     if not 0 <= self.depth <= MAX_DEPTH:
@@ -121,11 +135,20 @@ class LayerForm:
     name: for people ('scanned', "gemma3's scanned blocks of 6", ...).
     stacks: the arrays holding layers; none: one array per layer (`LAYER`).
     period: the layers of a block (1: each layer a block of its own).
+    axis_zero: weights (their path within a layer, `/`-joined patterns) that nnx.scan stacks
+      on axis 0 whatever `param_scan_axis`: MaxText's variables that are not an nnx.Param
+      (DeepSeek's routing bias, an `MoEBiasVar`: its `_build_linen_params` says so).
+    leading: the blocks are a model's first layers, as many as the arrays hold (DeepSeek's
+      `first_num_dense_layers`, each layer a block), the remainder the rest: the arrays tell
+      where the leading layers end, per-layer weights and a layer count do not (`place`
+      cannot say, and `restack` refuses).
   """
 
   name: str
   stacks: tuple[Stack, ...] = ()
   period: int = 1
+  axis_zero: tuple[str, ...] = ()
+  leading: bool = False
 
   def place(self, i: int, n: int) -> Place:
     """Where layer `i` of `n` is."""
@@ -146,6 +169,8 @@ class LayerForm:
     at = j if s.numbered else index[-1] if s.remainder or s.depth > 1 else s.positions[0]
     if s.remainder:
       return self.period * blocks + at
+    if not index:  # One array per block, numbered by its `{j}` (a `per_layer` stack).
+      return self.period * j + s.positions[0]
     return self.period * index[0] + at + (s.positions[0] if s.depth > 1 else 0)
 
   @property
@@ -156,6 +181,19 @@ class LayerForm:
   def kind(self) -> str:
     """SCANNED or UNSCANNED_NAME, as the step's custom metadata and `inspect` say."""
     return SCANNED if self.stacks else UNSCANNED_NAME
+
+  def kind_of(self, paths: Iterable[Path]) -> str:
+    """The kind of the decoder these weights are: UNSCANNED_NAME where the form's stacks that
+    hold them are all `per_layer` ones (DeepSeek's unscanned layers), else `kind`."""
+    held = {hit[0] for p in paths if (hit := self._find(p)) is not None}
+    if held and all(self.stacks[k].per_layer for k in held):
+      return UNSCANNED_NAME
+    return self.kind
+
+  def _axis(self, weight: Path, axis: int) -> int:
+    """The first layer axis of a stacked weight (its path within a layer): 0 for the
+    `axis_zero` weights, else `axis` (`param_scan_axis`)."""
+    return 0 if any(_exact(w).match(weight) is not None for w in self.axis_zero) else axis
 
   def _find(self, path: Path) -> tuple[int, int | None, Path] | None:
     """(stack, its `{j}`, the weight's own path) of an array in one of the stacks."""
@@ -171,7 +209,10 @@ class LayerForm:
     """The axes of the array at `path` that hold layers, outermost first (none: a weight
     of one layer, or no layer's)."""
     hit = self._find(path)
-    return () if hit is None else tuple(range(axis, axis + self.stacks[hit[0]].depth))
+    if hit is None:
+      return ()
+    first = self._axis(hit[2], axis)
+    return tuple(range(first, first + self.stacks[hit[0]].depth))
 
   def _stacked(self, shapes: Mapping[Path, Shape | None]
                ) -> list[tuple[int, int | None, Path, Path, Shape]]:
@@ -181,12 +222,12 @@ class LayerForm:
 
   def _on_axes(self, shapes, axis: int) -> dict[Path, tuple[int, ...] | None]:
     """Each stacked array (on layer axes) -> its sizes on the layer axes from `axis` on
-    (None: it lacks them)."""
+    (None: it lacks them); an `axis_zero` weight's from axis 0 on."""
     out = {}
-    for k, _, _, p, s in self._stacked(shapes):
-      depth = self.stacks[k].depth
+    for k, _, w, p, s in self._stacked(shapes):
+      depth, at = self.stacks[k].depth, self._axis(w, axis)
       if depth:
-        out[p] = s[axis:axis + depth] if axis + depth <= len(s) else None
+        out[p] = s[at:at + depth] if at + depth <= len(s) else None
     return out
 
   def _per_stack(self, shapes, axis: int) -> dict[Path, list[Path]]:
@@ -263,7 +304,8 @@ class LayerForm:
              problems)
         continue
       k, j, rest = hit
-      axes = tuple(range(axis, axis + self.stacks[k].depth))
+      first = self._axis(rest, axis)
+      axes = tuple(range(first, first + self.stacks[k].depth))
       if axes and axes[-1] >= len(shape):
         problems.append(f'{fmt(path)} {tuple(shape)}: expected layers on axes {list(axes)}'
                         f' (param_scan_axis={axis})')
@@ -271,8 +313,9 @@ class LayerForm:
       parts += [(k, j, rest, path, tuple(shape), axes, index)
                 for index in itertools.product(*(range(shape[a]) for a in axes))]
     # Whole blocks: how many a block's stacks hold (none given: the remainder's alone).
-    blocks = max((index[0] + 1 for k, *_, index in parts if not self.stacks[k].remainder),
-                 default=0)
+    # (A `per_layer` stack's array is one block, numbered by its `{j}`.)
+    blocks = max(((index[0] if index else j) + 1 for k, j, *_, index in parts
+                  if not self.stacks[k].remainder), default=0)
     for k, j, rest, path, shape, axes, index in parts:
       i = self.layer((k, j, index), blocks)
       # Taken innermost first: an outer take would move the inner axis.
@@ -296,6 +339,12 @@ class LayerForm:
       LayerScanMismatchError: the layers are not one decoder of this form (`layers`).
       UnsupportedLayoutError: `axis` does not fit the weights.
     """
+    if self.leading:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: per-layer weights (decoder/layers_<i>) do not say how many of their layers'
+          f' {self.name} stacks first (a model\'s own count, e.g. DeepSeek\'s'
+          ' first_num_dense_layers): they cannot be stacked so. Convert the layers as they are'
+          ' stored.')
     layers = self.layers(shapes, where)
     kept = [(p, (p,), IDENTITY) for p in shapes if not self.stacks or layer_of(p) is None]
     if not self.stacks:
@@ -309,7 +358,8 @@ class LayerForm:
     for (k, dest), parts in sorted(groups.items()):
       order = sorted(parts)
       sizes = tuple(max(index[d] for index in order) + 1 for d in range(self.stacks[k].depth))
-      stacked.append((dest, tuple(parts[index] for index in order), _stacking(axis, sizes)))
+      stacked.append((dest, tuple(parts[index] for index in order),
+                      _stacking(self._axis(dest[len(self.stacks[k].prefix):], axis), sizes)))
     return _made(kept + stacked, shapes,
                  f'{where}: the layers cannot be stacked as {self.name}, along'
                  f' param_scan_axis={axis}')
@@ -508,6 +558,20 @@ def local_global(period: int) -> LayerForm:
       Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
 
 
+def leading(name: str, first: str, rest: str, axis_zero: tuple[str, ...] = ()) -> LayerForm:
+  """A decoder whose first layers (as many as the arrays hold) are of one kind and the rest of
+  another (DeepSeek's dense, then MoE, layers): scanned, `decoder/<first>/<w>` and
+  `decoder/<rest>/<w>` (layers on `param_scan_axis`; `axis_zero` weights on axis 0);
+  unscanned, `decoder/<first>_{j}/<w>` (layer j) and `decoder/<rest>_{j}/<w>` (layer
+  leading + j), one array per layer."""
+  return LayerForm(name, (
+      Stack(('decoder', first)),
+      Stack(('decoder', rest), remainder=True),
+      Stack(('decoder', f'{first}_{{j}}'), 0, per_layer=True),
+      Stack(('decoder', f'{rest}_{{j}}'), 0, remainder=True, per_layer=True),
+  ), axis_zero=axis_zero, leading=True)
+
+
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
   the paths (the first of those), else UNSCANNED when they hold per-layer weights, else
@@ -541,7 +605,9 @@ def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm,
         f' {want.name}, to be stacked so.')
   def moved(p: Path, s: Shape | None) -> Transform:
     hit = have._find(p) if s is not None and axis != to_axis else None
-    return IDENTITY if hit is None else _move(axis, to_axis, have.stacks[hit[0]].depth)
+    if hit is None or have._axis(hit[2], axis) != axis:  # An `axis_zero` weight stays.
+      return IDENTITY
+    return _move(axis, to_axis, have.stacks[hit[0]].depth)
 
   return _made([(p, (p,), moved(p, s)) for p, s in shapes.items()], shapes,
                f'{where}: the layers cannot be moved from param_scan_axis={axis} to {to_axis}')

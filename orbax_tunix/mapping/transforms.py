@@ -15,6 +15,7 @@ each with a transform; nothing else here knows a layout.
   move_axis(source, dest)       one axis moved to another position (`jnp.moveaxis`)
   stack(axis)                   several sources stacked along a new axis
   constant(value)               no source: a known value
+  filled(value, axis)           a vector of `value`, as long as the source's axis
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
@@ -291,6 +292,24 @@ def constant(value: Any) -> Transform:
   """No source: the value itself (a count Tunix never wrote, filled from a known number)."""
   return Transform(f'constant({value})', lambda shapes: (), lambda xs: np.asarray(value),
                    arity=0)
+
+
+def filled(value: float, axis: int) -> Transform:
+  """A vector of `value` as long as the source's axis `axis`, in the source's dtype (a weight
+  a checkpoint lacks, made in the shape a sibling weight gives: DeepSeek's routing bias, one
+  entry per expert of its router's kernel). The source's values are not read into it."""
+
+  def shape(s: Shape) -> Shape:
+    if not -len(s) <= axis < len(s):
+      raise TransformError(f'filled(axis={axis}): a {len(s)}-d array {s} has no such axis')
+    return (s[axis],)
+
+  def apply(xs: Sequence[Any]) -> Any:
+    x = xs[0]
+    return xp(x).full((x.shape[axis],), value, dtype=x.dtype)
+
+  return Transform(f'filled({value:g}, axis={axis})', _one(shape), apply, moves_only=False,
+                   source_spec=lambda spec: (None,) * len(spec))
 
 
 def _in_float32(name: str, fn: Callable[[Any, Shape], Any], reads: int | None = None,
