@@ -46,13 +46,16 @@ pyconfig `k=v` strings):
                   train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...)
                   (the tiny llama2's, or with model_name and dims a family's as family_case
                   builds it); `notes` = the orbax_tunix log messages.
-  family_case     model_name, dims, scan[, seed, step=3, jit_logits=false], out: a tiny random
-                  MaxText model of one family saved as a Tunix run and a MaxText step under
-                  `out`, MaxText 0.2.5's own HF conversion of it, the fitted HF config and its
-                  logits (see job_family_case).
+  family_case     model_name, dims, scan[, seed, step=3, jit_logits=false,
+                  convert_tunix=false], out: a tiny random MaxText model of one family saved as a
+                  Tunix run and a MaxText step under `out`, MaxText 0.2.5's own HF conversion of
+                  it (with convert_tunix, of the Tunix run too: npz 'hf_tunix/<name>'), the
+                  fitted HF config and its logits (see job_family_case).
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
+  lora_case       model_name, dims, scan, seed, step, out: a family's tiny model with qwix LoRA
+                  as MaxText applies it, saved as a Tunix run (see job_lora_case).
   read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
   auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
@@ -620,6 +623,9 @@ def job_family_case(job, out_dir):
   (MaxText's HF_MODEL_CONFIGS entry fitted to the tiny model), and to `<id>.npz`: the HF
   weights MaxText's converter makes from the MaxText step ('hf/<name>'), the model's logits
   on fixed tokens ('logits'), the tokens ('tokens'), and the drawn weights ('mt/<path>').
+  A model with weights outside nnx.Param (DeepSeek's routing bias) also gets the logits of the
+  model MaxText makes of its params-only step, those weights at their init
+  ('logits_params_only').
   """
   out = Path(job['out']).resolve()
   step = int(job.get('step', 3))
@@ -642,6 +648,10 @@ def job_family_case(job, out_dir):
                                                 tokens, jit)
   times['logits'] = time.time() - t - sum(times.values())
   hf, hf_config, convert_error = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
+  if job.get('convert_tunix'):  # MaxText's converter reads Tunix's runs too (its 'base' level)
+    hf_tunix, _, tunix_error = maxtext_to_hf(
+        job, str(out / 'tunix' / str(step) / 'model_params'))
+    more.update({f'hf_tunix/{k}': v for k, v in (hf_tunix or {}).items()})
   times['convert'] = time.time() - t - sum(times.values())
   (out / 'hf_config').mkdir(parents=True, exist_ok=True)
   (out / 'hf_config' / 'config.json').write_text(json.dumps(hf_config, indent=2, default=str) + '\n')
@@ -676,6 +686,7 @@ def job_family_case(job, out_dir):
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
           'convert_error': convert_error,
+          'convert_tunix_error': tunix_error if job.get('convert_tunix') else None,
           'mt': {k: list(v.shape) for k, v in drawn.items()}}
 
 
@@ -823,6 +834,47 @@ def job_layer_forms(job, out_dir):
           'scanned': sorted(shapes)}
 
 
+def job_lora_case(job, out_dir):
+  """A tiny random MaxText model of one family with qwix LoRA applied as MaxText applies it
+  (`lora_utils.apply_lora_to_model`: `enable_lora`, `lora_rank`, `lora_alpha`,
+  `lora_module_path` among the pyconfig keys), saved as a Tunix run (the adapter's whole
+  `nnx.State`: `<w>_lora_a`/`<w>_lora_b` beside each adapted weight).
+
+  Arguments: model_name, dims (with the LoRA keys), scan, seed, step, out, jit_logits. The base
+  is drawn as `random_model` draws it, every LoRA leaf likewise (qwix starts `b` at zeros). npz:
+  the logits of the model with its adapters ('logits') and without them ('base_logits'), the
+  tokens. Result: `tunix` (the run), `adapted` (the adapted modules' paths), `config` keys.
+  """
+  from maxtext.utils import lora_utils  # noqa: PLC0415
+
+  out, step = Path(job['out']).resolve(), int(job.get('step', 3))
+  cfg = family_config(job['model_name'], job['scan'], job['dims'])
+  jit = bool(job.get('jit_logits', False))
+  model, _ = random_model(cfg, int(job.get('seed', 0)))
+  tokens = fixed_tokens(cfg)
+  base_logits = forward_logits(model, tokens, jit)
+  nnx.pop(model, nnx.Intermediate)  # what the forward pass sowed (an MoE block's overflow flag)
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    lora_model = lora_utils.apply_lora_to_model(model, mesh, cfg)
+  graphdef, adapters, rest = nnx.split(lora_model, nnx.LoRAParam, ...)
+  rng = np.random.default_rng(int(job.get('seed', 0)) + 100)
+  pure = adapters.to_pure_dict()
+  drawn = {p: rng.normal(0.0, 0.3, np.shape(v)).astype(jnp.bfloat16).astype(np.float32)
+           for p, v in sorted(flat(pure).items())}
+  nnx.replace_by_pure_dict(adapters, _filled(pure, lambda p, _: drawn[p]))
+  lora_model = nnx.merge(graphdef, adapters, rest)
+  nnx.pop(lora_model, nnx.Intermediate)  # qwix traced the model once: its sown flags again
+  save_tunix_run(out / 'tunix', step, lora_model)
+  logits = forward_logits(lora_model, tokens, jit)
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, logits=logits, base_logits=base_logits, tokens=tokens)
+  return {'npz': npz, 'tunix': str(out / 'tunix'), 'step': step,
+          'adapted': sorted({p.rsplit('/', 1)[0] for p in drawn}),
+          'config': {'lora_rank': cfg.lora.lora_rank, 'lora_alpha': cfg.lora.lora_alpha,
+                     'num_decoder_layers': cfg.num_decoder_layers}}
+
+
 def text_name(name: str) -> str:
   """A multimodal checkpoint's text-model name as the text model names it."""
   return name.replace('model.language_model.', 'model.', 1)
@@ -871,6 +923,7 @@ JOBS = {
     'restore_train_state': job_restore_train_state,
     'family_case': job_family_case,
     'layer_forms': job_layer_forms,
+    'lora_case': job_lora_case,
     'auto_config': job_auto_config,
     'read_hf': job_read_hf,
 }

@@ -591,10 +591,17 @@ def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm,
 
   Raises:
     UnsupportedLayoutError: two stacked forms that differ (no weight is made from layers
-      that are themselves taken apart), or weights that do not fit the axis.
+      that are themselves taken apart), a `leading` form and another, or weights that do
+      not fit the axis.
     LayerScanMismatchError: per-layer weights that are not one decoder (`LayerForm.layers`).
   """
   to_axis = axis if to_axis is None else to_axis
+  if have != want and (have.leading or want.leading):
+    raise errors.UnsupportedLayoutError(
+        f'{where}: the layers are stored as {have.name}; expected {want.name}: re-laying'
+        f' {(have if have.leading else want).name} into another form is not supported (its'
+        ' per-layer arrays are named by the kind of layer, not MaxText\'s layers_<i>).'
+        ' Convert the layers as they are stored.')
   if have != want:
     if not want.scanned:
       return have.unstack(shapes, axis, where=where)
