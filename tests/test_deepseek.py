@@ -22,6 +22,7 @@ from orbax_tunix import errors
 from orbax_tunix.mapping import hf_deepseek, huggingface, stacks
 from orbax_tunix.mapping.transforms import TransformError, filled
 from orbax_tunix.tools import export
+from tests.test_cli import run
 from tests.test_export_maxtext import read_safetensors, save_maxtext_step, save_tunix_run
 
 D, N, Q, C, NOPE, ROPE, VH, F, FE, E, V = 16, 4, 12, 10, 8, 4, 6, 40, 20, 4, 64
@@ -100,10 +101,10 @@ def test_the_layer_form_takes_dense_then_moe_layers_apart(form):
       got = m.transform.apply([flat['/'.join(source)]])
       np.testing.assert_array_equal(got, x, err_msg=f'layer {i} {w}')
   assert hf_deepseek.DEEPSEEK_FORM.count(shapes) == DENSE_LAYERS + MOE_LAYERS
-  assert hf_deepseek.DEEPSEEK_FORM.kind_of(shapes) == (
-      stacks.SCANNED if form == 'scanned' else stacks.UNSCANNED_NAME)
-  assert huggingface.describe_weights(shapes) == (
-      f'MaxText model ({hf_deepseek.DEEPSEEK_FORM.kind_of(shapes)}, 3 layers)')
+  held = huggingface.layer_form(shapes)  # the form MaxText's conversions see
+  assert (held.scanned, held.leading) == (form == 'scanned', True), held
+  assert huggingface.describe_weights(shapes) == f'MaxText model ({form}, 3 layers)'
+  assert held.count(shapes) == DENSE_LAYERS + MOE_LAYERS
 
 
 def test_the_bias_on_axis_zero_leaves_the_layer_axis_told_by_the_shapes():
@@ -172,3 +173,22 @@ def test_the_config_must_say_how_many_layers_are_dense(tmp_path):
                      match='first_k_dense_replace: config.json has 3, the weights have 1'):
     ot.export_to_hf(src, tmp_path / 'out', model='deepseek_v3',
                     hf_config=config(tmp_path / 'base', first_k_dense_replace=3))
+
+
+@pytest.mark.parametrize('form', ['unscanned', 'scanned'])
+def test_a_maxtext_convert_keeps_the_form_and_records_it(tmp_path, capsys, form):
+  """`convert --layout maxtext` writes DeepSeek's layers as they are stored, recording whether
+  they are scanned (MaxText's from_pretrained checks it: unscanned `dense_layers_{j}` are not
+  scanned); re-laying them into the other form is refused (exit 2, no step written)."""
+  src = save_tunix_run(tmp_path / 'run', tree(form))
+  out = tmp_path / 'out'
+  status, _, err = run(capsys, 'convert', src, out / 'a' / '0', '--layout', 'maxtext',
+                       '--params-only')
+  assert status == 0, err
+  meta = json.loads((out / 'a' / '0' / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
+  assert meta['scan_layers'] is (form == 'scanned'), meta
+  other = 'false' if form == 'scanned' else 'true'
+  status, _, err = run(capsys, 'convert', src, out / 'b' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', other)
+  assert status == 2 and 'not supported' in err and "DeepSeek's dense then MoE" in err, err
+  assert not (out / 'b').exists()

@@ -96,17 +96,18 @@ def _attention(indexer: bool) -> list[LayoutRule]:
   return rules
 
 
-def _mlps() -> list[LayoutRule]:
-  """A dense layer's MLP, or an MoE layer's shared experts, router (and its bias) and
-  experts, one tensor per expert."""
+def _mlps(bias: bool) -> list[LayoutRule]:
+  """A dense layer's MLP, or an MoE layer's shared experts, router (and, with `bias`, its
+  score-correction bias) and experts, one tensor per expert."""
   moe = f'{MT_LAYER}/{MOE}'
+  bias_rules = [rule(f'{MT_LAYER}/{ROUTER_BIAS}', f'{LAYER}.mlp.gate.e_score_correction_bias')]
   return [
       *(rule(f'{MT_LAYER}/mlp/{mt}/kernel', f'{LAYER}.mlp.{hf}_proj.weight', transpose())
         for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
       *(rule(f'{moe}/shared_experts/{mt}/kernel', f'{LAYER}.mlp.shared_experts.{hf}_proj.weight',
              transpose()) for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
       rule(f'{moe}/MoeBlock_0/gate/kernel', f'{LAYER}.mlp.gate.weight', transpose()),
-      rule(f'{MT_LAYER}/{ROUTER_BIAS}', f'{LAYER}.mlp.gate.e_score_correction_bias'),
+      *(bias_rules if bias else []),
       *(per_expert(f'{moe}/MoeBlock_0/{mt}', f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight', 0,
                    transpose())
         for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
@@ -162,7 +163,8 @@ def _axes(indexer: bool) -> dict[str, tuple[str, ...]]:
 
 def maxtext_deepseek(indexer: bool = False, bias: bool = True) -> Naming:
   """MaxText's DeepSeek decoder (V2, V3; with `indexer`, V3.2's); `bias`: the family's class
-  holds the router's score-correction bias (V3, V3.2: made when absent, `BIAS_FILL`).
+  holds the router's score-correction bias (V3, V3.2: made when absent, `BIAS_FILL`; V2's has
+  none, and a checkpoint holding one is no V2 model).
 
   Requirements per layer: one of the query's forms (plain, or its LoRA) and one of the MLPs
   (dense, or MoE: its router bias is not required, see the module docstring).
@@ -175,7 +177,7 @@ def maxtext_deepseek(indexer: bool = False, bias: bool = True) -> Naming:
       rule(f'{MT_LAYER}/post_self_attention_layer_norm/scale',
            f'{LAYER}.post_attention_layernorm.weight'),
       *_attention(indexer),
-      *_mlps(),
+      *_mlps(bias),
   )
   moe = f'{MT_LAYER}/{MOE}'
   required = (

@@ -134,7 +134,7 @@ def describe_weights(shapes: Mapping[Path, Shape], axis: int | None = stacks_lib
   form = layer_form(shapes) or stacks_lib.UNSCANNED
   count = form.count(shapes, stacks_lib.DEFAULT_AXIS if axis is None else axis)
   shown = '?' if (axis is None and form.scanned) or count is None else count
-  return f'{trainer.title} ({form.kind_of(shapes)}, {shown} layers)'
+  return f'{trainer.title} ({form.kind}, {shown} layers)'
 
 
 def model_weights(found: Mapping[Path, T]) -> tuple[dict[Path, T], list[str]]:

@@ -106,7 +106,7 @@ class Stack:
       its `{j}` or its layer axis).
     per_layer: one array per layer, as MaxText writes the form unscanned (`scan_layers=False`:
       DeepSeek's `dense_layers_{j}`, numbered by its `{j}`; depth 0): weights held only by
-      such stacks are an unscanned decoder (`LayerForm.kind_of`).
+      such stacks are an unscanned decoder (`LayerForm.held_by`).
   """
 
   prefix: tuple[str, ...]
@@ -175,20 +175,22 @@ class LayerForm:
 
   @property
   def scanned(self) -> bool:
-    return bool(self.stacks)
+    """Some of its stacks hold layers stacked (`per_layer` ones do not: MaxText's unscanned
+    DeepSeek layers are a form of their own, unscanned)."""
+    return any(not s.per_layer for s in self.stacks)
 
   @property
   def kind(self) -> str:
     """SCANNED or UNSCANNED_NAME, as the step's custom metadata and `inspect` say."""
-    return SCANNED if self.stacks else UNSCANNED_NAME
+    return SCANNED if self.scanned else UNSCANNED_NAME
 
-  def kind_of(self, paths: Iterable[Path]) -> str:
-    """The kind of the decoder these weights are: UNSCANNED_NAME where the form's stacks that
-    hold them are all `per_layer` ones (DeepSeek's unscanned layers), else `kind`."""
+  def held_by(self, paths: Iterable[Path]) -> LayerForm:
+    """The form these weights are in: itself, or where only its `per_layer` stacks hold them,
+    the form of those alone (unscanned: DeepSeek's `dense_layers_{j}`, `moe_layers_{j}`)."""
     held = {hit[0] for p in paths if (hit := self._find(p)) is not None}
-    if held and all(self.stacks[k].per_layer for k in held):
-      return UNSCANNED_NAME
-    return self.kind
+    if not held or not all(self.stacks[k].per_layer for k in held):
+      return self
+    return dataclasses.replace(self, stacks=tuple(s for s in self.stacks if s.per_layer))
 
   def _axis(self, weight: Path, axis: int) -> int:
     """The first layer axis of a stacked weight (its path within a layer): 0 for the
@@ -574,13 +576,13 @@ def leading(name: str, first: str, rest: str, axis_zero: tuple[str, ...] = ()) -
 
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
-  the paths (the first of those), else UNSCANNED when they hold per-layer weights, else
-  None (no decoder layers)."""
+  the paths (the first of those; `LayerForm.held_by` them), else UNSCANNED when they hold
+  per-layer weights, else None (no decoder layers)."""
   paths = list(paths)
   held = [(sum(map(f.holds, paths)), -k) for k, f in enumerate(forms)]
   best = max(held, default=(0, 0))
   if best[0]:
-    return forms[-best[1]]
+    return forms[-best[1]].held_by(paths)
   return UNSCANNED if any(layer_of(p) is not None for p in paths) else None
 
 

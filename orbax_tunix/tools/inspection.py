@@ -456,11 +456,11 @@ def _layer_form(
   form = huggingface.layer_form(known)
   if form is None:
     return None
-  axis, kind = None, form.kind_of(known)
-  if kind == stacks.SCANNED:
+  axis = None
+  if form.scanned:
     try:
       axis = form.axis(known, recorded=stacks.recorded_axis(custom))
     except errors.LayerScanMismatchError:
-      return LayerReport(kind, None, None)
-  return LayerReport(kind, form.count(known, stacks.DEFAULT_AXIS if axis is None else axis),
+      return LayerReport(form.kind, None, None)
+  return LayerReport(form.kind, form.count(known, stacks.DEFAULT_AXIS if axis is None else axis),
                      axis)
