@@ -46,11 +46,11 @@ pyconfig `k=v` strings):
                   train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...)
                   (the tiny llama2's, or with model_name and dims a family's as family_case
                   builds it); `notes` = the orbax_tunix log messages.
-  family_case     model_name, dims, scan[, seed, step=3, jit_logits=false,
-                  convert_tunix=false], out: a tiny random MaxText model of one family saved as a
-                  Tunix run and a MaxText step under `out`, MaxText 0.2.5's own HF conversion of
-                  it (with convert_tunix, of the Tunix run too: npz 'hf_tunix/<name>'), the
-                  fitted HF config and its logits (see job_family_case).
+  family_case     model_name, dims, scan[, seed, step=3, jit_logits=false, convert_tunix=false,
+                  params_only_logits=true], out: a tiny random MaxText model of one family
+                  saved as a Tunix run and a MaxText step under `out`, MaxText 0.2.5's own HF
+                  conversion of it (with convert_tunix, of the Tunix run too: npz
+                  'hf_tunix/<name>'), the fitted HF config and its logits (see job_family_case).
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
@@ -474,11 +474,12 @@ def family_config(model_name: str, scan: bool, dims, *extra: str):
 
 def drawn_variables():
   """The variable types `random_model` draws: nnx.Param, and the weights MaxText keeps in
-  other variables (DeepSeek's routing bias, a `moe.MoEBiasVar`: Tunix saves it with the rest of
-  `nnx.state`, MaxText's params-only step leaves it out)."""
+  other variables (DeepSeek's routing bias, a `moe.MoEBiasVar`, and V4's hash routing table, a
+  `moe.Tid2EidVar`: Tunix saves them with the rest of `nnx.state`, MaxText's params-only step
+  leaves them out)."""
   from maxtext.layers import moe  # noqa: PLC0415
 
-  return (nnx.Param, moe.MoEBiasVar)
+  return (nnx.Param, moe.MoEBiasVar, moe.Tid2EidVar)
 
 
 def random_model(cfg, seed: int):
@@ -502,6 +503,9 @@ def random_model(cfg, seed: int):
   # not round them.
   drawn = {path: rng.normal(0.0, 0.3, np.shape(leaf)).astype(jnp.bfloat16).astype(np.float32)
            for path, leaf in sorted(leaves.items())}
+  for path in drawn:  # a hash routing table holds expert ids (as float32, as MaxText keeps it)
+    if path.endswith('/tid2eid'):
+      drawn[path] = rng.integers(0, cfg.num_experts, drawn[path].shape).astype(np.float32)
 
   def fill(tree, prefix=''):
     if isinstance(tree, dict):
@@ -642,7 +646,8 @@ def job_family_case(job, out_dir):
   logits = forward_logits(model, tokens, jit)
   more = {}
   params = flat(nnx.state(model, nnx.Param).to_pure_dict())
-  if set(drawn) - set(params):  # weights outside nnx.Param, which the params-only step lacks
+  # Weights outside nnx.Param, which the params-only step lacks (unless told not to look).
+  if set(drawn) - set(params) and job.get('params_only_logits', True):
     # The model MaxText makes of that step: its nnx.Param leaves, the rest at their init.
     more['logits_params_only'] = forward_logits(model_with(cfg, nnx.state(model, nnx.Param)),
                                                 tokens, jit)
@@ -681,7 +686,9 @@ def job_family_case(job, out_dir):
       'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim', 'rope_type', 'rope_factor',
       'max_position_embeddings', 'original_max_position_embeddings', 'mscale', 'beta_fast',
       'beta_slow', 'rope_truncate', 'rope_interleave', 'use_indexer', 'indexer_topk',
-      'indexer_n_heads', 'indexer_head_dim') if hasattr(cfg, k)}
+      'indexer_n_heads', 'indexer_head_dim', 'first_num_hash_layers', 'compress_ratios',
+      'compressed_rope_max_timescale', 'mhc_expansion_rate', 'o_groups',
+      'o_lora_rank') if hasattr(cfg, k)}
   return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},

@@ -19,8 +19,8 @@ import pytest
 
 import orbax_tunix as ot
 from orbax_tunix import errors
-from orbax_tunix.mapping import hf_deepseek, huggingface, stacks
-from orbax_tunix.mapping.transforms import TransformError, filled
+from orbax_tunix.mapping import hf_deepseek, hf_deepseek4, huggingface, stacks
+from orbax_tunix.mapping.transforms import TransformError, concat, filled
 from orbax_tunix.tools import export
 from tests.test_cli import run
 from tests.test_export_maxtext import read_safetensors, save_maxtext_step, save_tunix_run
@@ -28,6 +28,7 @@ from tests.test_export_maxtext import read_safetensors, save_maxtext_step, save_
 D, N, Q, C, NOPE, ROPE, VH, F, FE, E, V = 16, 4, 12, 10, 8, 4, 6, 40, 20, 4, 64
 MOE = 'DeepSeekMoeBlock_0'
 BIAS = f'{MOE}/MoeBlock_0/gate/bias'
+BIAS4 = hf_deepseek4.ROUTER_BIAS  # V4's, in `mlp/`
 ATTENTION = {
     'self_attention/wq_a/kernel': (D, Q), 'self_attention/q_norm/scale': (Q,),
     'self_attention/wq_b/kernel': (Q, N, NOPE + ROPE),
@@ -192,3 +193,44 @@ def test_a_maxtext_convert_keeps_the_form_and_records_it(tmp_path, capsys, form)
                        '--params-only', '--scan-layers', other)
   assert status == 2 and 'not supported' in err and "DeepSeek's dense then MoE" in err, err
   assert not (out / 'b').exists()
+
+
+def test_concat_joins_parts_and_folds_a_scale_into_their_rows():
+  """concat(axis) joins; with `scaled`, the last source multiplies each row, in float32: for
+  a norm's scale s before a projection W, `(x * s) @ W == x @ (s[:, None] * W)`."""
+  rng = np.random.default_rng(0)
+  a, b, s = (rng.normal(size=shape).astype(np.float32) for shape in ((6, 2), (6, 4), (6,)))
+  np.testing.assert_array_equal(concat(-1).apply([a, b]), np.concatenate([a, b], -1))
+  folded = concat(-1, scaled=True)
+  assert folded.check([(6, 2), (6, 4), (6,)]) == (6, 6)
+  np.testing.assert_array_equal(folded.apply([a, b, s]), np.concatenate([a, b], -1) * s[:, None])
+  x = rng.normal(size=(3, 6)).astype(np.float32)
+  np.testing.assert_allclose(x @ folded.apply([a, b, s]), (x * s) @ np.concatenate([a, b], -1),
+                             rtol=1e-5)
+  with pytest.raises(TransformError, match='a scale'):
+    folded.check([(6, 2), (6, 4), (5,)])
+  with pytest.raises(TransformError, match='differ off that axis'):
+    concat(-1).check([(6, 2), (5, 4)])
+
+
+def test_v4_scanned_form_numbers_its_blocks_after_the_hash_layers():
+  """DeepSeek V4 scanned: decoder/layers_{0,1,2} (its hash layers) as they are, then blocks of
+  two, `scanned_blocks/layers_{k}` (blocks on axis 1, the bias on axis 0): layer 3 + 2a + k."""
+  hash_layers, blocks = 3, 2
+  shapes = {('decoder', f'layers_{i}', 'mlp', 'w'): (4, 5) for i in range(hash_layers)}
+  for k in range(2):
+    shapes[('decoder', 'scanned_blocks', f'layers_{k}', 'mlp', 'w')] = (4, blocks, 5)
+    shapes[('decoder', 'scanned_blocks', f'layers_{k}', *BIAS4.split('/'))] = (blocks, 4)
+  form = hf_deepseek4.DEEPSEEK4_FORM
+  per_layer = form.unstack(shapes, stacks.DEFAULT_AXIS)
+  assert form.count(shapes) == hash_layers + 2 * blocks
+  for i in range(hash_layers + 2 * blocks):
+    m = per_layer[('decoder', f'layers_{i}', 'mlp', 'w')]
+    if i < hash_layers:
+      assert m.sources == (('decoder', f'layers_{i}', 'mlp', 'w'),), m
+      continue
+    a, k = divmod(i - hash_layers, 2)
+    assert m.sources == (('decoder', 'scanned_blocks', f'layers_{k}', 'mlp', 'w'),), (i, m)
+    assert m.transform.takes == ((1, a),) and m.shape == (4, 5), (i, m.transform)
+    bias = per_layer[('decoder', f'layers_{i}', *BIAS4.split('/'))]
+    assert bias.transform.takes == ((0, a),) and bias.shape == (4,), (i, bias.transform)

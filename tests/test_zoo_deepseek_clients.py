@@ -1,5 +1,5 @@
-"""`orbax-tunix export` of MaxText's DeepSeek V2, V3 and V3.2, checked against MaxText 0.2.5 and
-transformers 5.
+"""`orbax-tunix export` of MaxText's DeepSeek V2, V3, V3.2 and V4, checked against MaxText 0.2.5
+and transformers 5.
 
 Tiny models written by MaxText itself (tests/maxtext_client.py's `family_case`, as
 tests/test_export_maxtext_clients.py makes the other families; every dim distinct, every
@@ -20,6 +20,13 @@ Expected values, none from orbax_tunix:
   * LoRA (`lora_case`): qwix LoRA applied as MaxText applies it (`lora_utils`), on the attention
     (wq_a, wq_b, wkv_a, wkv_b, out), the dense MLP and the shared experts; the logits of that
     model with and without its adapters.
+
+V4 (MaxText's deepseek4-284b configured tiny: 3 hash layers, then a block of a heavily
+compressed and a compressed layer): MaxText's converter drops the hyper-connections' norm scale,
+which the export folds into `hc_*_fn` (checked against numpy on the drawn arrays, and by
+transformers computing MaxText's logits); it cannot read the Tunix run (its V4 map names the
+non-Param variables by Linen collection) nor convert the scanned step (both asserted); MaxText's
+params-only step lacks the hash layers' routing tables (`tid2eid`): its export is refused.
 
 The export's config.json comes from MaxText's HF_MODEL_CONFIGS entry fitted to the tiny model
 (tests/maxtext_client.py: dims, `first_k_dense_replace`, the YaRN rope as `to_huggingface`
@@ -63,6 +70,14 @@ STEP = 3
 DIMS = ['base_emb_dim=36', 'base_num_query_heads=4', 'base_num_kv_heads=4', 'base_mlp_dim=40',
         'vocab_size=72', 'first_num_dense_layers=1', 'num_experts=4', 'num_experts_per_tok=2',
         'kv_lora_rank=10', 'qk_nope_head_dim=8', 'qk_rope_head_dim=4', 'v_head_dim=6']
+# V4: hidden 32, 4 heads of 16 (rope 8), one kv head, q LoRA 12, output LoRA 2 groups of 10,
+# expert MLP 24, 2 streams; 3 hash layers, then a block (ratios 128, 4).
+V4_DIMS = ['base_emb_dim=32', 'base_num_query_heads=4', 'base_num_kv_heads=1', 'head_dim=16',
+           'qk_rope_head_dim=8', 'base_mlp_dim=24', 'base_moe_mlp_dim=24', 'vocab_size=72',
+           'base_num_decoder_layers=5', 'compress_ratios=[0,0,4,128,4]', 'num_experts=4',
+           'num_experts_per_tok=2', 'q_lora_rank=12', 'o_groups=2', 'o_lora_rank=10',
+           'indexer_n_heads=2', 'indexer_head_dim=16', 'indexer_topk=4', 'sliding_window_size=8',
+           'mhc_expansion_rate=2']
 # family -> (MaxText model, --model, its extra keys, whether MaxText's converter is run on the
 # Tunix run too: only where that run holds more than the MaxText step, the routing bias).
 FAMILIES = {
@@ -78,13 +93,19 @@ FAMILIES = {
     'v32': ('deepseek3.2-671b', 'deepseek_v32',
             ['base_num_decoder_layers=2', 'q_lora_rank=12', 'base_moe_mlp_dim=20',
              'indexer_n_heads=8', 'indexer_head_dim=16', 'indexer_topk=4'], True),
+    'v4': ('deepseek4-284b', 'deepseek_v4', V4_DIMS, True),
 }
 FORMS = {'scan': True, 'unscan': False}
 SOURCES = ('tunix', 'maxtext')
 CASES = [f'{fam}_{form}' for fam in FAMILIES for form in FORMS]
 EXPORTS = [f'{case}_{src}' for case in CASES for src in SOURCES]
+# MaxText's params-only step of V4 lacks the hash layers' routing tables: refused (test_j).
+REFUSED = [f'v4_{form}_maxtext' for form in FORMS]
+LOADED = [e for e in EXPORTS if e not in REFUSED]
+V3_STYLE = [e for e in LOADED if not e.startswith('v4_')]
 HF_CLASSES = {'v3': 'DeepseekV3ForCausalLM', 'v2': 'DeepseekV2ForCausalLM',
-              'v32': 'DeepseekV32ForCausalLM'}
+              'v32': 'DeepseekV32ForCausalLM', 'v4': 'DeepseekV4ForCausalLM'}
+V4_HASH_LAYERS = 3
 BIAS = 'mlp.gate.e_score_correction_bias'
 # MaxText's module path regex for qwix LoRA (its `lora.lora_module_path`): MLA's projections,
 # the dense MLP and the shared experts, in both stacks.
@@ -99,8 +120,17 @@ PEFT_REMAPPED = ('gate_proj', 'up_proj', 'down_proj')
 
 def tiny_hf_config(case: str, hf_config: dict, cfg: dict) -> dict:
   """MaxText's fitted HF config with what describes the tiny MaxText model otherwise
-  (`cfg`: its MaxText config keys): no group-limited routing, V3.2's indexer top-k."""
+  (`cfg`: its MaxText config keys): no group-limited routing, the indexers' top-k; V4: no fp8
+  quantization (the weights are float32), MaxText's plain RoPE (deepseek4-284b's
+  `rope_type: default`, where the entry says YaRN), its compression ratios for these layers."""
   out = copy.deepcopy(hf_config)
+  if case.startswith('v4_'):
+    out.pop('quantization_config', None)
+    n = cfg['num_decoder_layers']
+    out.update(rope_parameters=None, rope_scaling=None, rope_theta=cfg['rope_max_timescale'],
+               compress_rope_theta=cfg['compressed_rope_max_timescale'],
+               compress_ratios=list(cfg['compress_ratios'])[:n], index_topk=cfg['indexer_topk'])
+    return out
   assert cfg['n_routing_groups'] == -1, cfg  # MaxText routes over all experts at once
   out.update(n_group=1, topk_group=1)
   if cfg.get('use_indexer'):
@@ -123,9 +153,12 @@ def _case_jobs(work: pathlib.Path) -> list[dict]:
   for i, case in enumerate(CASES):
     fam, form = case.rsplit('_', 1)
     model_name, _, extra, convert_tunix = FAMILIES[fam]
+    v4 = fam == 'v4'  # its own dims; its params-only step is refused, not run
     jobs.append({'id': f'case_{case}', 'job': 'family_case', 'model_name': model_name,
-                 'scan': FORMS[form], 'dims': [*DIMS, *extra], 'seed': 20 + i, 'step': STEP,
-                 'jit_logits': True, 'convert_tunix': convert_tunix, 'out': str(work / case)})
+                 'scan': FORMS[form], 'dims': extra if v4 else [*DIMS, *extra], 'seed': 20 + i,
+                 'step': STEP, 'jit_logits': True, 'params_only_logits': not v4,
+                 'convert_tunix': convert_tunix and not (v4 and form == 'scan'),
+                 'out': str(work / case)})
   fam, form = LORA_CASE.rsplit('_', 1)
   jobs.append({'id': 'lora', 'job': 'lora_case', 'model_name': FAMILIES[fam][0],
                'scan': FORMS[form], 'seed': 40, 'step': STEP, 'jit_logits': True,
@@ -233,7 +266,7 @@ def _drawn_bias(arrays: dict[str, np.ndarray], case: str, i: int) -> np.ndarray:
 # --------------------------------------------------------------------------- #
 # Tests
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('case', [c for c in CASES if not c.startswith('v4_')])
 def test_a_sources_are_maxtexts_deepseek_layouts(run, case):
   """MaxText keeps the dense and MoE layers apart (two stacks scanned, dense_layers_{j} and
   moe_layers_{j} unscanned); the bias, no nnx.Param, is stacked on axis 0 and only the Tunix
@@ -257,7 +290,7 @@ def test_a_sources_are_maxtexts_deepseek_layouts(run, case):
     assert len(held) == (len(bias) if src == 'tunix' else 0), (src, held)
 
 
-@pytest.mark.parametrize('name', EXPORTS)
+@pytest.mark.parametrize('name', V3_STYLE)
 def test_b_export_equals_maxtexts_own_conversion(run, name):
   """Every tensor MaxText's converter writes from the same source, by name, shape, dtype and
   value; and the routing bias: the Tunix run's as MaxText converts it (unscanned), as the model
@@ -286,7 +319,7 @@ def test_b_export_equals_maxtexts_own_conversion(run, name):
         run.exports[name]['stderr'])
 
 
-@pytest.mark.parametrize('case', [c for c in CASES if FAMILIES[c.split('_')[0]][3]])
+@pytest.mark.parametrize('case', [c for c in CASES if c.split('_')[0] in ('v3', 'v32')])
 def test_c_maxtexts_converter_slices_the_scanned_bias_on_the_wrong_axis(run, case):
   """MaxText's converter on the Tunix run (which holds the bias): unscanned it converts the
   bias; scanned it slices the (layers, experts) stack along param_scan_axis=1, taking a layer's
@@ -300,7 +333,7 @@ def test_c_maxtexts_converter_slices_the_scanned_bias_on_the_wrong_axis(run, cas
                                       ' shape (4,)'), r['convert_tunix_error']
 
 
-@pytest.mark.parametrize('name', EXPORTS)
+@pytest.mark.parametrize('name', LOADED)
 def test_d_autoconfig_loads_the_written_config(run, name):
   case = name.rsplit('_', 1)[0]
   run.exported(name)
@@ -309,6 +342,11 @@ def test_d_autoconfig_loads_the_written_config(run, name):
   cfg, text = run.case(case)['config'], r['config']
   assert (text['hidden_size'], text['num_hidden_layers'], text['vocab_size']) == (
       cfg['emb_dim'], cfg['num_decoder_layers'], cfg['vocab_size']), text
+  if case.startswith('v4_'):  # transformers' own layer kinds from the config written
+    assert (text['hc_mult'], text['o_groups'], text['o_lora_rank']) == (
+        cfg['mhc_expansion_rate'], cfg['o_groups'], cfg['o_lora_rank']), text
+    assert text['mlp_layer_types'] == ['hash_moe'] * V4_HASH_LAYERS + ['moe'] * 2, text
+    return
   assert text['first_k_dense_replace'] == cfg['first_num_dense_layers'], text
   assert (text['q_lora_rank'] or 0, text['kv_lora_rank']) == (cfg['q_lora_rank'],
                                                               cfg['kv_lora_rank']), text
@@ -317,7 +355,7 @@ def test_d_autoconfig_loads_the_written_config(run, name):
       'yarn', cfg['rope_factor'], cfg['rope_truncate']), rope
 
 
-@pytest.mark.parametrize('name', EXPORTS)
+@pytest.mark.parametrize('name', LOADED)
 def test_e_transformers_loads_the_export_and_computes_maxtexts_logits(run, hf, name):
   """AutoModelForCausalLM loads every export (no missing, unexpected or mismatched key) as the
   family's class and computes MaxText's logits, MoE routing included: of the trained model
@@ -401,3 +439,72 @@ def test_i_peft_loads_the_adapter_and_applies_its_attention_modules(run, hf):
   ours = _tensors(run.exported('lora_merged'))
   for k in {k.removeprefix('base_model.model.').rsplit('.', 2)[0] + '.weight' for k in attention}:
     np.testing.assert_allclose(merged[k], ours[k], rtol=0, atol=2e-5, err_msg=k)
+
+
+def _v4_drawn(arrays: dict[str, np.ndarray], case: str, i: int, w: str) -> np.ndarray:
+  """Layer i's weight `w` as MaxText's V4 model held it (drawn): scanned, the hash layers are
+  `decoder/layers_{i}`, then block a = (i - 3) // 2 at position k of `scanned_blocks/layers_{k}`
+  (on axis 1; the routing bias, no nnx.Param, on axis 0)."""
+  if case.endswith('_unscan') or i < V4_HASH_LAYERS:
+    return arrays[f'mt/decoder/layers_{i}/{w}']
+  a, k = divmod(i - V4_HASH_LAYERS, 2)
+  stacked = arrays[f'mt/decoder/scanned_blocks/layers_{k}/{w}']
+  return stacked[a] if w.endswith('gate/bias') else np.take(stacked, a, axis=1)
+
+
+@pytest.mark.parametrize('name', [e for e in LOADED if e.startswith('v4_')])
+def test_k_v4_export_equals_maxtexts_conversion_but_the_hyper_connections_norm(run, name):
+  """V4 from the Tunix run: every tensor MaxText's converter writes from the params-only step
+  (unscanned; scanned it fails, test_l), the same; the routing tables and biases the run holds;
+  each hyper-connection's `hc_*_fn` is its alphas scaled by the norm before them (numpy on the
+  drawn arrays), where MaxText's drops that scale."""
+  case = name.rsplit('_', 1)[0]
+  arrays = run.arrays(run.maxtext, f'case_{case}')
+  got = _hf(run.arrays(run.maxtext, f'read_{name}'), 'hf/')
+  want = _hf(arrays, 'hf/')
+  n = run.case(case)['config']['num_decoder_layers']
+  routing = {f'layers.{i}.ffn.gate.{"tid2eid" if i < V4_HASH_LAYERS else "bias"}'
+             for i in range(n)}
+  if case.endswith('_unscan'):
+    assert sorted(got) == sorted(set(want) | routing), sorted(set(got) ^ set(want) ^ routing)
+    for k, w in want.items():
+      if '.hc_' not in k or not k.endswith('_fn'):
+        np.testing.assert_array_equal(got[k], w, err_msg=k)
+  for i in range(n):
+    table, w = ('tid2eid', 'mlp/MoeBlock_0/tid2eid') if i < V4_HASH_LAYERS else (
+        'bias', 'mlp/MoeBlock_0/gate/bias')
+    np.testing.assert_array_equal(got[f'layers.{i}.ffn.gate.{table}'],
+                                  _v4_drawn(arrays, case, i, w))
+    for mt, hf_name in (('mhc_attention', 'hc_attn'), ('mhc_mlp', 'hc_ffn')):
+      part = {p: _v4_drawn(arrays, case, i, f'{mt}/{p}') for p in (
+          'pre_alpha', 'post_alpha', 'res_alpha', 'mhc_norm/scale', 'pre_beta', 'post_beta',
+          'res_beta', 'pre_alpha_scale', 'post_alpha_scale', 'res_alpha_scale')}
+      alphas = np.concatenate([part['pre_alpha'], part['post_alpha'], part['res_alpha']], -1)
+      fn = got[f'layers.{i}.{hf_name}_fn']
+      np.testing.assert_array_equal(fn, (alphas * part['mhc_norm/scale'][:, None]).T)
+      if case.endswith('_unscan'):  # MaxText's: the alphas alone, the trained scale dropped
+        np.testing.assert_array_equal(want[f'layers.{i}.{hf_name}_fn'], alphas.T)
+        assert not np.array_equal(fn, alphas.T)
+      np.testing.assert_array_equal(got[f'layers.{i}.{hf_name}_base'], np.concatenate(
+          [part['pre_beta'], part['post_beta'], part['res_beta'].reshape(-1)]))
+      np.testing.assert_array_equal(got[f'layers.{i}.{hf_name}_scale'], np.concatenate(
+          [part['pre_alpha_scale'], part['post_alpha_scale'], part['res_alpha_scale']]))
+
+
+def test_l_maxtexts_converter_cannot_read_v4_tunix_runs_nor_scanned_steps(run):
+  """MaxText's V4 map names the non-Param variables by their Linen collection
+  (`Tid2EidVar-decoder-...`), which a Tunix run (nnx.state) does not hold them under; and it
+  slices the scanned step's stacked experts as if their layers led."""
+  assert run.case('v4_unscan')['convert_tunix_error'].startswith(
+      'ValueError: maxtext_state_dict must be a subset of flattened param_map')
+  error = run.case('v4_scan')['convert_error']
+  assert error.startswith('TypeError: cannot reshape array of shape'), error
+
+
+@pytest.mark.parametrize('name', REFUSED)
+def test_j_a_v4_params_only_step_is_refused(run, name):
+  """The hash layers route by a table (`tid2eid`, no nnx.Param) MaxText's params-only step
+  leaves out: the base config's hash layers are not in the weights, refused (exit 2)."""
+  e = run.exports[name]
+  assert e['rc'] == 2 and 'num_hash_layers: config.json has 3, the weights have 0' in (
+      e['stderr']), e['stderr'][-2000:]

@@ -77,7 +77,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   axis = scan_axis(request, naming, stored, where)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = naming.form.unstack(stored, axis, where=where)
-  per_layer, fill_notes = huggingface.fill_absent(naming, per_layer)
+  per_layer, fill_notes = huggingface.fill_absent(naming, huggingface.derive(naming, per_layer))
   hf_config = request.option(HF_CONFIG)
   base_config = config_lib.read(hf_config)
   per_layer, vocab_notes = config_lib.cut_vocab(

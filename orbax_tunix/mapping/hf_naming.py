@@ -146,6 +146,21 @@ class Fill:
 
 
 @dataclasses.dataclass(frozen=True)
+class Derived:
+  """A weight the family's class holds as one tensor that the trainer keeps as several: made
+  from them (each layer's, `{i}`), which it replaces (DeepSeek V4's hyper-connections: MaxText's
+  pre/post/res alphas and the norm scale before them are one `hc_*_fn`).
+
+  Attributes:
+    sources: the weights (per-layer patterns) it is made of, in the transform's order.
+    transform: how (several sources: e.g. `concat(-1, scaled=True)`).
+  """
+
+  sources: tuple[str, ...]
+  transform: Transform
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerType:
   """How a layer of one kind (a config's `layer_types` entry, or a `Naming.layer_kinds` one)
   reads the config otherwise.
@@ -216,6 +231,8 @@ class Naming:
       with a dense MLP, which come first).
     fills: weight pattern (per layer) -> the `Fill` that makes it in a layer that lacks it but
       holds its `source` (`huggingface.fill_absent`).
+    derived: weight pattern (per layer, a name the trainer has not) -> the `Derived` that makes
+      it of the weights it replaces, in each layer holding them all (`huggingface.derive`).
   """
 
   trainer: trainers.Trainer
@@ -241,6 +258,7 @@ class Naming:
   as_trained: tuple[AsTrained, ...] = ()
   layer_counts: Mapping[str, str] = dataclasses.field(default_factory=dict)
   fills: Mapping[str, Fill] = dataclasses.field(default_factory=dict)
+  derived: Mapping[str, Derived] = dataclasses.field(default_factory=dict)
 
   def config_value(self, config: Mapping[str, object], field: str) -> object:
     """`config[field]`, else the `transformers` default (`config_defaults`), else None."""

@@ -232,6 +232,33 @@ def fill_absent(naming: Naming, per_layer: Mapping[Path, patterns.Mapped]
   return out, notes
 
 
+def derive(naming: Naming, per_layer: Mapping[Path, patterns.Mapped]
+           ) -> dict[Path, patterns.Mapped]:
+  """The weights (per-layer form) with the naming's `derived` weights made of the weights they
+  replace, in every layer holding them all (from the stored arrays: each source's own transform,
+  a layer's slice, then the derived one's).
+
+  Raises:
+    UnsupportedLayoutError: the sources' shapes do not fit the transform (naming them).
+  """
+  out = dict(per_layer)
+  for weight, made in naming.derived.items():
+    for i in naming.layers(per_layer):
+      path, *sources = (patterns.Pattern.parse(p.split('/')).expand({'i': [i]})[0]
+                        for p in (weight, *made.sources))
+      if not all(p in out for p in sources):
+        continue
+      parts = [out.pop(p) for p in sources]
+      transform = transforms.per_input([m.transform for m in parts], made.transform)
+      try:
+        shape = made.transform.check([m.shape for m in parts])
+      except transforms.TransformError as e:
+        raise errors.UnsupportedLayoutError(
+            f'{", ".join(fmt(p) for p in sources)}: {e}') from e
+      out[path] = patterns.Mapped(tuple(s for m in parts for s in m.sources), transform, shape)
+  return out
+
+
 # --- layer forms: the families' ---------------------------------------------------------
 
 

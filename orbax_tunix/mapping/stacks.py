@@ -18,6 +18,8 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                               gate/bias, no nnx.Param: on axis 0)
   deepseek unscanned        decoder/dense_layers_{j}/<w>                    j
                             decoder/moe_layers_{j}/<w>                      dense + j
+  deepseek V4 scanned       decoder/layers_{i}/<w> (its hash layers)        i
+                            decoder/scanned_blocks/layers_{k}/<w>, on A     hash + 2a + k
 
 (MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
 weight holds its experts on axis 0 and its layers on A.)
@@ -142,6 +144,9 @@ class LayerForm:
       `first_num_dense_layers`, each layer a block), the remainder the rest: the arrays tell
       where the leading layers end, per-layer weights and a layer count do not (`place`
       cannot say, and `restack` refuses).
+    after_layers: the stacks' layers come after the per-layer ones (`decoder/layers_{i}`) the
+      weights hold besides (DeepSeek V4's hash layers, kept unscanned before its scanned
+      blocks), numbered on from them (`restack` refuses: their count is the model's own).
   """
 
   name: str
@@ -149,6 +154,7 @@ class LayerForm:
   period: int = 1
   axis_zero: tuple[str, ...] = ()
   leading: bool = False
+  after_layers: bool = False
 
   def place(self, i: int, n: int) -> Place:
     """Where layer `i` of `n` is."""
@@ -273,11 +279,18 @@ class LayerForm:
 
   def count(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS) -> int | None:
     """How many layers the weights hold: the stacked ones' (None where a stack's arrays
-    disagree along `axis`), else the per-layer ones numbered."""
+    disagree along `axis`; with the per-layer ones before them: `after_layers`), else the
+    per-layer ones numbered."""
     if not self._stacked(shapes):
       return len({i for p in shapes if (i := layer_of(p)) is not None})
     slots = self._slots(shapes, axis)
-    return None if slots is None else len(slots)
+    return None if slots is None else len(slots) + self._before(shapes)
+
+  def _before(self, shapes: Mapping[Path, Shape | None]) -> int:
+    """How many per-layer layers come before the stacks' (`after_layers`; else none)."""
+    if not self.after_layers:
+      return 0
+    return len({i for p in shapes if not self.holds(p) and (i := layer_of(p)) is not None})
 
   def unstack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
               where: str = '') -> dict[Path, Mapped]:
@@ -318,8 +331,9 @@ class LayerForm:
     # (A `per_layer` stack's array is one block, numbered by its `{j}`.)
     blocks = max(((index[0] if index else j) + 1 for k, j, *_, index in parts
                   if not self.stacks[k].remainder), default=0)
+    before = self._before(shapes)
     for k, j, rest, path, shape, axes, index in parts:
-      i = self.layer((k, j, index), blocks)
+      i = before + self.layer((k, j, index), blocks)
       # Taken innermost first: an outer take would move the inner axis.
       transform = chain(*(take(a, at) for a, at in sorted(zip(axes, index, strict=True),
                                                           reverse=True)))
@@ -341,12 +355,12 @@ class LayerForm:
       LayerScanMismatchError: the layers are not one decoder of this form (`layers`).
       UnsupportedLayoutError: `axis` does not fit the weights.
     """
-    if self.leading:
+    if self.leading or self.after_layers:
       raise errors.UnsupportedLayoutError(
           f'{where}: per-layer weights (decoder/layers_<i>) do not say how many of their layers'
-          f' {self.name} stacks first (a model\'s own count, e.g. DeepSeek\'s'
-          ' first_num_dense_layers): they cannot be stacked so. Convert the layers as they are'
-          ' stored.')
+          f' {self.name} keeps apart (a model\'s own count: DeepSeek\'s first_num_dense_layers,'
+          ' V4\'s first_num_hash_layers): they cannot be stacked so. Convert the layers as they'
+          ' are stored.')
     layers = self.layers(shapes, where)
     kept = [(p, (p,), IDENTITY) for p in shapes if not self.stacks or layer_of(p) is None]
     if not self.stacks:
@@ -574,6 +588,15 @@ def leading(name: str, first: str, rest: str, axis_zero: tuple[str, ...] = ()) -
   ), axis_zero=axis_zero, leading=True)
 
 
+def after_per_layer(name: str, prefix: tuple[str, ...], period: int,
+                    axis_zero: tuple[str, ...] = ()) -> LayerForm:
+  """A decoder whose first layers are kept one array per layer (`decoder/layers_{i}`) and the
+  rest stacked in blocks of `period`, `<prefix>/layers_{j}/<w>` (position j of each block,
+  blocks on `param_scan_axis`), numbered on from them (DeepSeek V4's scanned form)."""
+  return LayerForm(name, (Stack((*prefix, 'layers_{j}'), positions=tuple(range(period))),),
+                   period, axis_zero=axis_zero, after_layers=True)
+
+
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
   the paths (the first of those; `LayerForm.held_by` them), else UNSCANNED when they hold
@@ -598,12 +621,13 @@ def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm,
     LayerScanMismatchError: per-layer weights that are not one decoder (`LayerForm.layers`).
   """
   to_axis = axis if to_axis is None else to_axis
-  if have != want and (have.leading or want.leading):
+  own = [f for f in (have, want) if f.leading or f.after_layers]
+  if have != want and own:
     raise errors.UnsupportedLayoutError(
         f'{where}: the layers are stored as {have.name}; expected {want.name}: re-laying'
-        f' {(have if have.leading else want).name} into another form is not supported (its'
-        ' per-layer arrays are named by the kind of layer, not MaxText\'s layers_<i>).'
-        ' Convert the layers as they are stored.')
+        f' {own[0].name} into another form is not supported (how many layers it keeps apart'
+        ' is the model\'s own, not told by the other form). Convert the layers as they are'
+        ' stored.')
   if have != want:
     if not want.scanned:
       return have.unstack(shapes, axis, where=where)

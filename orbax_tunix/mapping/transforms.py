@@ -16,6 +16,8 @@ each with a transform; nothing else here knows a layout.
   stack(axis)                   several sources stacked along a new axis
   constant(value)               no source: a known value
   filled(value, axis)           a vector of `value`, as long as the source's axis
+  concat(axis[, scaled])        several sources joined along an axis (with `scaled`, the last
+                                source a vector each row is multiplied by)   (computed)
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
@@ -310,6 +312,43 @@ def filled(value: float, axis: int) -> Transform:
 
   return Transform(f'filled({value:g}, axis={axis})', _one(shape), apply, moves_only=False,
                    source_spec=lambda spec: (None,) * len(spec))
+
+
+def concat(axis: int, scaled: bool = False) -> Transform:
+  """The sources joined along `axis` (`jnp.concatenate`). With `scaled`, the last source is no
+  part: a vector as long as the parts' axis 0, each row of the joined array multiplied by its
+  entry, in float32 (a norm's scale folded into the projection that reads the norm's output:
+  DeepSeek V4's hyper-connections, `(x * s) @ W == x @ (s[:, None] * W)`)."""
+
+  def parts(shapes: Sequence[Shape]) -> Sequence[Shape]:
+    return shapes[:-1] if scaled else shapes
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    joined = parts(shapes)
+    if not joined:
+      raise TransformError(f'concat(axis={axis}): no part to join')
+    first = joined[0]
+    at = axis % len(first) if -len(first) <= axis < len(first) else None
+    if at is None or any(len(s) != len(first) or s[:at] + s[at + 1:] != first[:at] + first[at + 1:]
+                         for s in joined):
+      raise TransformError(f'concat(axis={axis}): parts {list(joined)} differ off that axis')
+    out = (*first[:at], sum(s[at] for s in joined), *first[at + 1:])
+    if scaled and tuple(shapes[-1]) != out[:1]:
+      raise TransformError(f'concat(axis={axis}, scaled): a scale {shapes[-1]} for rows'
+                           f' {out[:1]}')
+    return out
+
+  def apply(xs: Sequence[Any]) -> Any:
+    np_ = xp(*xs)
+    if not scaled:
+      return np_.concatenate(list(xs), axis=axis)
+    joined = np_.concatenate([x.astype(np.float32) for x in xs[:-1]], axis=axis)
+    return (joined * xs[-1].astype(np.float32)[:, None]).astype(xs[0].dtype)
+
+  name = f'concat(axis={axis}{", scaled" if scaled else ""})'
+  # Each source read whole (parts of other shapes than the destination's: a scale vector).
+  return Transform(name, shape, apply, arity=None, moves_only=not scaled,
+                   source_specs=lambda spec, n: (None,) * n)
 
 
 def _in_float32(name: str, fn: Callable[[Any, Shape], Any], reads: int | None = None,
