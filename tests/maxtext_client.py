@@ -46,16 +46,17 @@ pyconfig `k=v` strings):
                   train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...)
                   (the tiny llama2's, or with model_name and dims a family's as family_case
                   builds it); `notes` = the orbax_tunix log messages.
-  family_case     model_name, dims, scan[, seed, step=3], out: a tiny random MaxText model
-                  of one family saved as a Tunix run and a MaxText step under `out`, MaxText
-                  0.2.5's own HF conversion of it, the fitted HF config and its logits (see
-                  job_family_case).
+  family_case     model_name, dims, scan[, seed, step=3, jit_logits=false, convert_tunix=false,
+                  params_only_logits=true], out: a tiny random MaxText model of one family
+                  saved as a Tunix run and a MaxText step under `out`, MaxText 0.2.5's own HF
+                  conversion of it (with convert_tunix, of the Tunix run too: npz
+                  'hf_tunix/<name>'), the fitted HF config and its logits (see job_family_case).
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
-  lora_case       model_name, dims, scan, seed, step, out, rank, alpha: a family's tiny model
-                  with MaxText's own LoRA (qwix) saved as a Tunix run, and its logits (see
-                  job_lora_case).
+  lora_case       model_name, dims, scan, seed, step, out[, rank, alpha]: a family's tiny model
+                  with qwix LoRA as MaxText applies it, saved as a Tunix run, and its logits
+                  with and without the adapters (see job_lora_case).
   read_hf         path: every tensor of a Hugging Face folder, read with `safetensors`.
   auto_config     path: transformers.AutoConfig.from_pretrained(path).
 """
@@ -272,13 +273,22 @@ def fixed_tokens(cfg) -> np.ndarray:
   return rng.integers(0, cfg.vocab_size, size=(1, cfg.max_target_length), dtype=np.int32)
 
 
-def forward_logits(model, tokens) -> np.ndarray:
-  tokens = jnp.asarray(tokens, jnp.int32)
+def _call(model, tokens):
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return model(tokens, positions, decoder_segment_ids=jnp.ones_like(tokens),
+               enable_dropout=False, model_mode=MODEL_MODE_TRAIN)
+
+
+_JITTED_CALL = nnx.jit(_call)
+
+
+def forward_logits(model, tokens, jit: bool = False) -> np.ndarray:
+  """The model's logits on `tokens`, run op by op (`jit`: compiled once per model structure,
+  several times faster for MoE models on a CPU; the same computation)."""
+  tokens = jnp.asarray(tokens, jnp.int32)
   cfg = model.config
   with jax.set_mesh(model.mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
-    logits = model(tokens, positions, decoder_segment_ids=jnp.ones_like(tokens),
-                   enable_dropout=False, model_mode=MODEL_MODE_TRAIN)
+    logits = (_JITTED_CALL if jit else _call)(model, tokens)
   return np.asarray(jax.device_get(logits), np.float32)
 
 
@@ -463,9 +473,20 @@ def family_config(model_name: str, scan: bool, dims, *extra: str):
                               *FAMILY_BASE, *dims, f'scan_layers={bool(scan)}', *extra])
 
 
+def drawn_variables():
+  """The variable types `random_model` draws: nnx.Param, and the weights MaxText keeps in
+  other variables (DeepSeek's routing bias, a `moe.MoEBiasVar`, and V4's hash routing table, a
+  `moe.Tid2EidVar`: Tunix saves them with the rest of `nnx.state`, MaxText's params-only step
+  leaves them out)."""
+  from maxtext.layers import moe  # noqa: PLC0415
+
+  return (nnx.Param, moe.MoEBiasVar, moe.Tid2EidVar)
+
+
 def random_model(cfg, seed: int):
-  """MaxText's own model for `cfg`, every nnx.Param leaf (norms too) drawn from N(0, 0.3²),
-  rounded to values bfloat16 holds exactly.
+  """MaxText's own model for `cfg`, every nnx.Param leaf (norms too), and every other weight
+  variable (`drawn_variables`), drawn from N(0, 0.3²), rounded to values bfloat16 holds
+  exactly.
 
   MaxText initialises norms to ones (or zeros) and some kernels alike: a fixture with such
   leaves cannot tell `scale - 1` from `scale`, or one layer from another.
@@ -474,7 +495,7 @@ def random_model(cfg, seed: int):
   create_model, _ = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
   with nn_partitioning.axis_rules(cfg.logical_axis_rules):
     model = create_model()
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, drawn_variables(), ...)
   pure = params.to_pure_dict()
   rng = np.random.default_rng(seed)
   leaves = flat(pure)
@@ -483,6 +504,9 @@ def random_model(cfg, seed: int):
   # not round them.
   drawn = {path: rng.normal(0.0, 0.3, np.shape(leaf)).astype(jnp.bfloat16).astype(np.float32)
            for path, leaf in sorted(leaves.items())}
+  for path in drawn:  # a hash routing table holds expert ids (as float32, as MaxText keeps it)
+    if path.endswith('/tid2eid'):
+      drawn[path] = rng.integers(0, cfg.num_experts, drawn[path].shape).astype(np.float32)
 
   def fill(tree, prefix=''):
     if isinstance(tree, dict):
@@ -585,6 +609,8 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   checkpoint = conv.load_orbax_checkpoint(cfg)
   hf_config = copy.deepcopy(HF_MODEL_CONFIGS[cfg.model_name])
   th._validate_or_update_architecture(hf_config, cfg, override=True)
+  if getattr(cfg, 'rope_type', None) == 'yarn':  # as to_huggingface.main does next
+    th._apply_yarn_rope_config(hf_config, cfg)
   # What _validate_or_update_architecture leaves at the full model's values and a tiny model
   # needs, fitted in the dict the mappings are built from and config.json is written from: the
   # per-layer attention kinds (truncated to the tiny model's layers: the pattern starts at layer
@@ -607,6 +633,10 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
     text['sliding_window'] = cfg.sliding_window_size
   if isinstance(getattr(hf_config, 'text_config', None), dict):
     fit_raw(hf_dict, cfg)
+  if 'first_k_dense_replace' in text:  # DeepSeek's dense layers (its mappings read it), its
+    text['first_k_dense_replace'] = cfg.first_num_dense_layers  # query's width (its shapes)
+    text['qk_head_dim'] = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    text['head_dim'] = cfg.qk_rope_head_dim  # and the rotary width (transformers' rope reads it)
   try:
     maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
     state = conv.detect_and_extract_checkpoint(checkpoint)
@@ -636,6 +666,9 @@ def job_family_case(job, out_dir):
   (MaxText's HF_MODEL_CONFIGS entry fitted to the tiny model), and to `<id>.npz`: the HF
   weights MaxText's converter makes from the MaxText step ('hf/<name>'), the model's logits
   on fixed tokens ('logits'), the tokens ('tokens'), and the drawn weights ('mt/<path>').
+  A model with weights outside nnx.Param (DeepSeek's routing bias) also gets the logits of the
+  model MaxText makes of its params-only step, those weights at their init
+  ('logits_params_only').
   """
   out = Path(job['out']).resolve()
   step = int(job.get('step', 3))
@@ -648,9 +681,21 @@ def job_family_case(job, out_dir):
   save_maxtext_step(out / 'maxtext', step, model)
   times['save'] = time.time() - t - sum(times.values())
   tokens = fixed_tokens(cfg)
-  logits = forward_logits(model, tokens)
+  jit = bool(job.get('jit_logits', False))
+  logits = forward_logits(model, tokens, jit)
+  more = {}
+  params = flat(nnx.state(model, nnx.Param).to_pure_dict())
+  # Weights outside nnx.Param, which the params-only step lacks (unless told not to look).
+  if set(drawn) - set(params) and job.get('params_only_logits', True):
+    # The model MaxText makes of that step: its nnx.Param leaves, the rest at their init.
+    more['logits_params_only'] = forward_logits(model_with(cfg, nnx.state(model, nnx.Param)),
+                                                tokens, jit)
   times['logits'] = time.time() - t - sum(times.values())
   hf, hf_config, convert_error = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
+  if job.get('convert_tunix'):  # MaxText's converter reads Tunix's runs too (its 'base' level)
+    hf_tunix, _, tunix_error = maxtext_to_hf(
+        job, str(out / 'tunix' / str(step) / 'model_params'))
+    more.update({f'hf_tunix/{k}': v for k, v in (hf_tunix or {}).items()})
   times['convert'] = time.time() - t - sum(times.values())
   (out / 'hf_config').mkdir(parents=True, exist_ok=True)
   (out / 'hf_config' / 'config.json').write_text(json.dumps(hf_config, indent=2, default=str) + '\n')
@@ -661,7 +706,7 @@ def job_family_case(job, out_dir):
   (out / 'reference_hf').mkdir(exist_ok=True)
   save_file({text_name(k): np.ascontiguousarray(v) for k, v in (hf or {}).items()},
             str(out / 'reference_hf' / 'model.safetensors'), metadata={'format': 'pt'})
-  arrays = {'logits': logits, 'tokens': tokens,
+  arrays = {'logits': logits, 'tokens': tokens, **more,
             **{f'hf/{k}': v for k, v in (hf or {}).items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
   npz = os.path.join(out_dir, f"{job['id']}.npz")
   np.savez(npz, **arrays)
@@ -673,49 +718,22 @@ def job_family_case(job, out_dir):
       'num_experts_per_tok', 'moe_mlp_dim', 'norm_topk_prob', 'use_qk_norm',
       'final_logits_soft_cap', 'query_pre_attn_scalar', 'global_head_dim',
       'global_num_kv_heads', 'rope_use_scale', 'global_rope_max_timescale',
-      'global_rope_proportion', 'local_rope_proportion') if hasattr(cfg, k)}
+      'global_rope_proportion', 'local_rope_proportion',
+      # DeepSeek's
+      'first_num_dense_layers', 'shared_experts', 'routed_scaling_factor', 'routed_score_func',
+      'routed_bias', 'n_routing_groups', 'topk_routing_group', 'q_lora_rank', 'kv_lora_rank',
+      'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim', 'rope_type', 'rope_factor',
+      'max_position_embeddings', 'original_max_position_embeddings', 'mscale', 'beta_fast',
+      'beta_slow', 'rope_truncate', 'rope_interleave', 'use_indexer', 'indexer_topk',
+      'indexer_n_heads', 'indexer_head_dim', 'first_num_hash_layers', 'compress_ratios',
+      'compressed_rope_max_timescale', 'mhc_expansion_rate', 'o_groups',
+      'o_lora_rank') if hasattr(cfg, k)}
   return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
           'convert_error': convert_error,
+          'convert_tunix_error': tunix_error if job.get('convert_tunix') else None,
           'mt': {k: list(v.shape) for k, v in drawn.items()}}
-
-
-def job_lora_case(job, out_dir):
-  """A tiny MaxText model of one family with LoRA as MaxText applies it, saved as a Tunix run.
-
-  Arguments: model_name, dims, scan, seed, step, out, rank, alpha. The base weights are drawn
-  as `random_model` draws them; MaxText's own `lora_utils.apply_lora_to_model` (qwix, on the
-  modules of the family's `lora_module_path`) adds the adapters, and every adapter leaf is
-  drawn too (qwix starts `b` at zero: a merge would change nothing). Writes
-  `<out>/tunix/<step>/model_params` (the TunixMaxTextAdapter of the LoRA model, as
-  save_tunix_run writes it: `base/<path>/<w>_lora_{a,b}/value` beside each adapted kernel) and
-  to `<id>.npz`: the LoRA model's logits on fixed tokens ('logits', as qwix computes
-  `x·W + (alpha / rank)·(x·a)·b`), the tokens, and the adapters ('lora/<path>').
-  """
-  from maxtext.utils import lora_utils  # noqa: PLC0415
-
-  out, step = Path(job['out']).resolve(), int(job.get('step', 3))
-  cfg = family_config(job['model_name'], job['scan'], job['dims'], 'lora.enable_lora=True',
-                      f"lora.lora_rank={int(job['rank'])}", f"lora.lora_alpha={job['alpha']}")
-  model, _ = random_model(cfg, int(job.get('seed', 0)))
-  mesh = maxtext_utils.get_mesh_from_config(cfg)
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
-    model = lora_utils.apply_lora_to_model(model, mesh, cfg)
-  rng = np.random.default_rng(int(job.get('seed', 0)) + 100)
-  adapters = {}
-  for path, variable in nnx.iter_graph(model):
-    if isinstance(variable, nnx.LoRAParam):
-      value = rng.normal(0.0, 0.3, variable.get_value().shape).astype(np.float32)
-      variable.set_value(jnp.asarray(value, variable.get_value().dtype))
-      adapters['/'.join(map(str, path))] = value
-  save_tunix_run(out / 'tunix', step, model)
-  tokens = fixed_tokens(cfg)
-  npz = os.path.join(out_dir, f"{job['id']}.npz")
-  np.savez(npz, logits=forward_logits(model, tokens), tokens=tokens,
-           **{f'lora/{k}': v for k, v in adapters.items()})
-  return {'npz': npz, 'tunix': str(out / 'tunix'), 'step': step,
-          'lora': {k: list(v.shape) for k, v in adapters.items()}}
 
 
 # --------------------------------------------------------------------------- #
@@ -860,6 +878,54 @@ def job_layer_forms(job, out_dir):
           'layers': cfgs['scan'].num_decoder_layers,
           'param_scan_axis': cfgs['scan'].param_scan_axis,
           'scanned': sorted(shapes)}
+
+
+def job_lora_case(job, out_dir):
+  """A tiny random MaxText model of one family with qwix LoRA applied as MaxText applies it
+  (`lora_utils.apply_lora_to_model`: `enable_lora`, `lora_rank`, `lora_alpha`,
+  `lora_module_path` among the pyconfig keys, or `rank` and `alpha` given), saved as a Tunix run
+  (the adapter's whole `nnx.State`: `<w>_lora_a`/`<w>_lora_b` beside each adapted weight).
+
+  Arguments: model_name, dims, scan, seed, step, out, and optionally rank, alpha (added as
+  `lora.*` keys) and jit_logits. The base is drawn as `random_model` draws it, every LoRA leaf
+  likewise (qwix starts `b` at zeros: a merge would change nothing). npz: the logits of the
+  model with its adapters ('logits', as qwix computes `x·W + (alpha / rank)·(x·a)·b`) and
+  without them ('base_logits'), the tokens, the adapters ('lora/<path>'). Result: `tunix` (the
+  run), `lora` (adapter path -> shape), `adapted` (the adapted modules' paths), `config` keys.
+  """
+  from maxtext.utils import lora_utils  # noqa: PLC0415
+
+  out, step = Path(job['out']).resolve(), int(job.get('step', 3))
+  keys = ([] if job.get('rank') is None else
+          ['lora.enable_lora=True', f"lora.lora_rank={int(job['rank'])}",
+           f"lora.lora_alpha={job['alpha']}"])
+  cfg = family_config(job['model_name'], job['scan'], job['dims'], *keys)
+  jit = bool(job.get('jit_logits', False))
+  model, _ = random_model(cfg, int(job.get('seed', 0)))
+  tokens = fixed_tokens(cfg)
+  base_logits = forward_logits(model, tokens, jit)
+  nnx.pop(model, nnx.Intermediate)  # what the forward pass sowed (an MoE block's overflow flag)
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    lora_model = lora_utils.apply_lora_to_model(model, mesh, cfg)
+  graphdef, adapters, rest = nnx.split(lora_model, nnx.LoRAParam, ...)
+  rng = np.random.default_rng(int(job.get('seed', 0)) + 100)
+  pure = adapters.to_pure_dict()
+  drawn = {p: rng.normal(0.0, 0.3, np.shape(v)).astype(jnp.bfloat16).astype(np.float32)
+           for p, v in sorted(flat(pure).items())}
+  nnx.replace_by_pure_dict(adapters, _filled(pure, lambda p, _: drawn[p]))
+  lora_model = nnx.merge(graphdef, adapters, rest)
+  nnx.pop(lora_model, nnx.Intermediate)  # qwix traced the model once: its sown flags again
+  save_tunix_run(out / 'tunix', step, lora_model)
+  logits = forward_logits(lora_model, tokens, jit)
+  npz = os.path.join(out_dir, f"{job['id']}.npz")
+  np.savez(npz, logits=logits, base_logits=base_logits, tokens=tokens,
+           **{f'lora/{k}': v for k, v in drawn.items()})
+  return {'npz': npz, 'tunix': str(out / 'tunix'), 'step': step,
+          'lora': {k: list(v.shape) for k, v in drawn.items()},
+          'adapted': sorted({p.rsplit('/', 1)[0] for p in drawn}),
+          'config': {'lora_rank': cfg.lora.lora_rank, 'lora_alpha': cfg.lora.lora_alpha,
+                     'num_decoder_layers': cfg.num_decoder_layers}}
 
 
 def text_name(name: str) -> str:

@@ -367,11 +367,14 @@ def safetensors_names(folder: pathlib.Path) -> dict[str, tuple[int, ...]]:
 # a. full exports in transformers
 # --------------------------------------------------------------------------- #
 def test_a_every_family_has_a_full_export_loaded():
-  """Each registered Hugging Face family has a Tunix fixture whose full export transformers
-  loads below (MaxText models: tests/test_export_maxtext_clients.py)."""
-  from orbax_tunix.mapping import huggingface
-  assert set(huggingface.names()) <= set(FAMILY_FIXTURES.values()), (
-      sorted(set(huggingface.names()) - set(FAMILY_FIXTURES.values())))
+  """Each Hugging Face family with a Tunix naming has a Tunix fixture whose full export
+  transformers loads below (MaxText-only families: tests/test_export_maxtext_clients.py and the
+  tests/test_zoo_*_clients.py modules)."""
+  from orbax_tunix.mapping import huggingface, trainers
+  tunix = {n for n in huggingface.names()
+           if huggingface.get(n).naming_of(trainers.TUNIX) is not None}
+  assert tunix, 'no family has a Tunix naming'
+  assert tunix <= set(FAMILY_FIXTURES.values()), sorted(tunix - set(FAMILY_FIXTURES.values()))
 
 
 @pytest.mark.parametrize('name', FAMILY_FIXTURES)

@@ -77,6 +77,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   axis = scan_axis(request, naming, stored, where)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = naming.form.unstack(stored, axis, where=where)
+  per_layer, fill_notes = huggingface.fill_absent(naming, huggingface.derive(naming, per_layer))
   hf_config = request.option(HF_CONFIG)
   base_config = config_lib.read(hf_config)
   per_layer, vocab_notes = config_lib.cut_vocab(
@@ -93,7 +94,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
                               naming.layers(shapes), write=request.option(CONFIG_AS_TRAINED))
   files, notes = _config_files(family, hf_config, base_config, shapes,
                                {o.dtype.name for o in outputs if o.dtype is not None}, trained)
-  notes = [*rng_note(source), *left_out, *vocab_notes, *notes,
+  notes = [*rng_note(source), *left_out, *fill_notes, *vocab_notes, *notes,
            f'weights: {huggingface.describe_weights(stored, axis)}']
   return LaidOut(
       items=(ItemOutput(ITEM, outputs),), notes=tuple(notes), files=files,

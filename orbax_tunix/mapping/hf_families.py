@@ -7,7 +7,7 @@ model; a new trainer's naming of a family is one more entry of that family's `na
 
 from __future__ import annotations
 
-from orbax_tunix.mapping import hf_maxtext, hf_tunix
+from orbax_tunix.mapping import hf_deepseek, hf_deepseek4, hf_maxtext, hf_tunix
 from orbax_tunix.mapping.hf_naming import Family
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
@@ -53,5 +53,16 @@ QWEN3_VL = Family('qwen3_vl', 'Qwen3VLForConditionalGeneration', 'qwen3_vl',
 QWEN3_VL_MOE = Family('qwen3_vl_moe', 'Qwen3VLMoeForConditionalGeneration', 'qwen3_vl_moe',
                       (hf_maxtext.QWEN3_VL_MOE,), aliases=('qwen3-vl-moe',))
 
+# DeepSeek (mapping/hf_deepseek.py): MaxText's model only (Tunix 0.1.7 has no DeepSeek).
+DEEPSEEK_V2 = Family('deepseek_v2', 'DeepseekV2ForCausalLM', 'deepseek_v2',
+                     (hf_deepseek.DEEPSEEK_V2,), aliases=('deepseek2',))
+DEEPSEEK_V3 = Family('deepseek_v3', 'DeepseekV3ForCausalLM', 'deepseek_v3',
+                     (hf_deepseek.DEEPSEEK_V3,), aliases=('deepseek3',))
+DEEPSEEK_V32 = Family('deepseek_v32', 'DeepseekV32ForCausalLM', 'deepseek_v32',
+                      (hf_deepseek.DEEPSEEK_V32,), aliases=('deepseek3.2',))
+# DeepSeek's own tensor names (`layers.{i}.attn.wq_a.weight`), which transformers renames on load.
+DEEPSEEK_V4 = Family('deepseek_v4', 'DeepseekV4ForCausalLM', 'deepseek_v4',
+                     (hf_deepseek4.DEEPSEEK4,), aliases=('deepseek4',))
+
 FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, GPT_OSS, QWEN3_VL,
-            QWEN3_VL_MOE)
+            QWEN3_VL_MOE, DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4)

@@ -28,7 +28,7 @@ from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping import trainers
 from orbax_tunix.mapping.as_trained import AsTrained
 from orbax_tunix.mapping.patterns import LayoutRule, Pattern
-from orbax_tunix.mapping.transforms import Shape, chain, merge_axes, take, transpose
+from orbax_tunix.mapping.transforms import Shape, Transform, chain, merge_axes, take, transpose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +128,39 @@ class LoraWeight:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fill:
+  """A weight a checkpoint of the family may lack though the family's class holds its tensor:
+  made from a sibling weight of its layer instead, said in a note (DeepSeek's routing bias, an
+  `MoEBiasVar` MaxText's params-only step leaves out, where the class's serving code reads
+  uninitialised memory without it).
+
+  Attributes:
+    source: the weight (per-layer pattern, `{i}` the layer) it is made from.
+    transform: how (e.g. `filled(0, axis)`: zeros as long as one of its axes).
+    why: for the note: why the weight may be absent, and what the value made means.
+  """
+
+  source: str
+  transform: Transform
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+  """A weight the family's class holds as one tensor that the trainer keeps as several: made
+  from them (each layer's, `{i}`), which it replaces (DeepSeek V4's hyper-connections: MaxText's
+  pre/post/res alphas and the norm scale before them are one `hc_*_fn`).
+
+  Attributes:
+    sources: the weights (per-layer patterns) it is made of, in the transform's order.
+    transform: how (several sources: e.g. `concat(-1, scaled=True)`).
+  """
+
+  sources: tuple[str, ...]
+  transform: Transform
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerType:
   """How a layer of one kind (a config's `layer_types` entry, or a `Naming.layer_kinds` one)
   reads the config otherwise.
@@ -193,6 +226,13 @@ class Naming:
       checked against them (`check_sizes`).
     as_trained: where the trainer's model class computes otherwise than `transformers` does
       from the family's config.json (`mapping/as_trained.py`).
+    layer_counts: config.json field -> a weight pattern (`{i}`: the layer): the field is the
+      number of layers holding that weight (DeepSeek's `first_k_dense_replace`: the layers
+      with a dense MLP, which come first).
+    fills: weight pattern (per layer) -> the `Fill` that makes it in a layer that lacks it but
+      holds its `source` (`huggingface.fill_absent`).
+    derived: weight pattern (per layer, a name the trainer has not) -> the `Derived` that makes
+      it of the weights it replaces, in each layer holding them all (`huggingface.derive`).
   """
 
   trainer: trainers.Trainer
@@ -216,6 +256,9 @@ class Naming:
       default_factory=dict)
   lora_flattened: bool = False
   as_trained: tuple[AsTrained, ...] = ()
+  layer_counts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  fills: Mapping[str, Fill] = dataclasses.field(default_factory=dict)
+  derived: Mapping[str, Derived] = dataclasses.field(default_factory=dict)
 
   def config_value(self, config: Mapping[str, object], field: str) -> object:
     """`config[field]`, else the `transformers` default (`config_defaults`), else None."""
@@ -304,6 +347,9 @@ class Naming:
         if path in shapes:
           out[field] = shapes[path][axis]
           break
+    for field, pattern in self.layer_counts.items():
+      held = Pattern.parse(pattern.split('/')).expand({'i': self.layers(shapes)})
+      out[field] = sum(p in shapes for p in held)
     out['tie_word_embeddings'] = True if self.tied is None else self.tied(shapes)
     return out
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from orbax_tunix import catalog, conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import hf_families, lora, patterns, trainers
+from orbax_tunix.mapping import hf_families, lora, patterns, trainers, transforms
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping.as_trained import AsTrained
 from orbax_tunix.mapping.hf_naming import Family, Naming
@@ -198,6 +198,65 @@ def _fits(family: Family, naming: Naming, shapes: Mapping[Path, Shape],
                    + errors.list_paths(missing))
     parts.append(f'Pick the family the model is (`model`: {", ".join(names())}).')
     raise errors.UnsupportedLayoutError('\n'.join(parts))
+
+
+def fill_absent(naming: Naming, per_layer: Mapping[Path, patterns.Mapped]
+                ) -> tuple[dict[Path, patterns.Mapped], list[str]]:
+  """The weights (per-layer form) with those the naming's `fills` make where a layer lacks
+  them but holds their source, and one note per fill used (naming the layers).
+
+  Raises:
+    UnsupportedLayoutError: a fill's transform does not take its source's shape.
+  """
+  out, notes = dict(per_layer), []
+  numbers = naming.layers(per_layer)
+  for weight, fill in naming.fills.items():
+    made = []
+    for i in numbers:
+      (path,) = patterns.Pattern.parse(weight.split('/')).expand({'i': [i]})
+      (source,) = patterns.Pattern.parse(fill.source.split('/')).expand({'i': [i]})
+      if path in out or source not in out:
+        continue
+      m = out[source]
+      try:
+        shape = fill.transform.check([m.shape])
+      except transforms.TransformError as e:
+        raise errors.UnsupportedLayoutError(f'{fmt(source)} {m.shape}: {e}') from e
+      out[path] = patterns.Mapped(m.sources, transforms.chain(m.transform, fill.transform),
+                                  shape)
+      made.append(i)
+    if made:
+      notes.append(f'{weight.replace("{i}", "<i>")}: absent in layers {", ".join(made)}; wrote'
+                   f' {fill.transform} of {fill.source.replace("{i}", "<i>")} instead:'
+                   f' {fill.why}')
+  return out, notes
+
+
+def derive(naming: Naming, per_layer: Mapping[Path, patterns.Mapped]
+           ) -> dict[Path, patterns.Mapped]:
+  """The weights (per-layer form) with the naming's `derived` weights made of the weights they
+  replace, in every layer holding them all (from the stored arrays: each source's own transform,
+  a layer's slice, then the derived one's).
+
+  Raises:
+    UnsupportedLayoutError: the sources' shapes do not fit the transform (naming them).
+  """
+  out = dict(per_layer)
+  for weight, made in naming.derived.items():
+    for i in naming.layers(per_layer):
+      path, *sources = (patterns.Pattern.parse(p.split('/')).expand({'i': [i]})[0]
+                        for p in (weight, *made.sources))
+      if not all(p in out for p in sources):
+        continue
+      parts = [out.pop(p) for p in sources]
+      transform = transforms.per_input([m.transform for m in parts], made.transform)
+      try:
+        shape = made.transform.check([m.shape for m in parts])
+      except transforms.TransformError as e:
+        raise errors.UnsupportedLayoutError(
+            f'{", ".join(fmt(p) for p in sources)}: {e}') from e
+      out[path] = patterns.Mapped(tuple(s for m in parts for s in m.sources), transform, shape)
+  return out
 
 
 # --- layer forms: the families' ---------------------------------------------------------

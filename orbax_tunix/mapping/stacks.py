@@ -14,6 +14,13 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                               blocks on A, the 5 local layers on A+1
                             decoder/scanned_blocks/global_layer/<w>, on A   6a + 5
                             decoder/layers_remainder/local_layers/<w>, on A 6·blocks + a
+  deepseek scanned          decoder/dense_layers/<w>, on A                  a
+                            decoder/moe_layers/<w>, on A (the routing bias  dense + a
+                              gate/bias, no nnx.Param: on axis 0)
+  deepseek unscanned        decoder/dense_layers_{j}/<w>                    j
+                            decoder/moe_layers_{j}/<w>                      dense + j
+  deepseek V4 scanned       decoder/layers_{i}/<w> (its hash layers)        i
+                            decoder/scanned_blocks/layers_{k}/<w>, on A     hash + 2a + k
 
 (MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
 weight holds its experts on axis 0 and its layers on A.)
@@ -82,6 +89,11 @@ def _pattern(keys: tuple[str, ...]) -> Pattern:
   return Pattern.parse((*keys, '...'))
 
 
+@functools.cache
+def _exact(text: str) -> Pattern:
+  return Pattern.parse(tuple(text.split('/')))
+
+
 @dataclasses.dataclass(frozen=True)
 class Stack:
   """Layers stacked in arrays under one prefix.
@@ -95,12 +107,16 @@ class Stack:
       second layer axis, numbers them from the first).
     remainder: it holds the layers after the last whole block instead (numbered by
       its `{j}` or its layer axis).
+    per_layer: one array per layer, as MaxText writes the form unscanned (`scan_layers=False`:
+      DeepSeek's `dense_layers_{j}`, numbered by its `{j}`; depth 0): weights held only by
+      such stacks are an unscanned decoder (`LayerForm.held_by`).
   """
 
   prefix: tuple[str, ...]
   depth: int = 1
   positions: tuple[int, ...] = (0,)
   remainder: bool = False
+  per_layer: bool = False
 
   def __post_init__(self):
     if not 0 <= self.depth <= MAX_DEPTH:
@@ -122,11 +138,24 @@ class LayerForm:
     name: for people ('scanned', "gemma3's scanned blocks of 6", ...).
     stacks: the arrays holding layers; none: one array per layer (`LAYER`).
     period: the layers of a block (1: each layer a block of its own).
+    axis_zero: weights (their path within a layer, `/`-joined patterns) that nnx.scan stacks
+      on axis 0 whatever `param_scan_axis`: MaxText's variables that are not an nnx.Param
+      (DeepSeek's routing bias, an `MoEBiasVar`: its `_build_linen_params` says so).
+    leading: the blocks are a model's first layers, as many as the arrays hold (DeepSeek's
+      `first_num_dense_layers`, each layer a block), the remainder the rest: the arrays tell
+      where the leading layers end, per-layer weights and a layer count do not (`place`
+      cannot say, and `restack` refuses).
+    after_layers: the stacks' layers come after the per-layer ones (`decoder/layers_{i}`) the
+      weights hold besides (DeepSeek V4's hash layers, kept unscanned before its scanned
+      blocks), numbered on from them (`restack` refuses: their count is the model's own).
   """
 
   name: str
   stacks: tuple[Stack, ...] = ()
   period: int = 1
+  axis_zero: tuple[str, ...] = ()
+  leading: bool = False
+  after_layers: bool = False
 
   def place(self, i: int, n: int) -> Place:
     """Where layer `i` of `n` is."""
@@ -147,16 +176,33 @@ class LayerForm:
     at = j if s.numbered else index[-1] if s.remainder or s.depth > 1 else s.positions[0]
     if s.remainder:
       return self.period * blocks + at
+    if not index:  # One array per block, numbered by its `{j}` (a `per_layer` stack).
+      return self.period * j + s.positions[0]
     return self.period * index[0] + at + (s.positions[0] if s.depth > 1 else 0)
 
   @property
   def scanned(self) -> bool:
-    return bool(self.stacks)
+    """Some of its stacks hold layers stacked (`per_layer` ones do not: MaxText's unscanned
+    DeepSeek layers are a form of their own, unscanned)."""
+    return any(not s.per_layer for s in self.stacks)
 
   @property
   def kind(self) -> str:
     """SCANNED or UNSCANNED_NAME, as the step's custom metadata and `inspect` say."""
-    return SCANNED if self.stacks else UNSCANNED_NAME
+    return SCANNED if self.scanned else UNSCANNED_NAME
+
+  def held_by(self, paths: Iterable[Path]) -> LayerForm:
+    """The form these weights are in: itself, or where only its `per_layer` stacks hold them,
+    the form of those alone (unscanned: DeepSeek's `dense_layers_{j}`, `moe_layers_{j}`)."""
+    held = {hit[0] for p in paths if (hit := self._find(p)) is not None}
+    if not held or not all(self.stacks[k].per_layer for k in held):
+      return self
+    return dataclasses.replace(self, stacks=tuple(s for s in self.stacks if s.per_layer))
+
+  def _axis(self, weight: Path, axis: int) -> int:
+    """The first layer axis of a stacked weight (its path within a layer): 0 for the
+    `axis_zero` weights, else `axis` (`param_scan_axis`)."""
+    return 0 if any(_exact(w).match(weight) is not None for w in self.axis_zero) else axis
 
   def _find(self, path: Path) -> tuple[int, int | None, Path] | None:
     """(stack, its `{j}`, the weight's own path) of an array in one of the stacks."""
@@ -172,7 +218,10 @@ class LayerForm:
     """The axes of the array at `path` that hold layers, outermost first (none: a weight
     of one layer, or no layer's)."""
     hit = self._find(path)
-    return () if hit is None else tuple(range(axis, axis + self.stacks[hit[0]].depth))
+    if hit is None:
+      return ()
+    first = self._axis(hit[2], axis)
+    return tuple(range(first, first + self.stacks[hit[0]].depth))
 
   def _stacked(self, shapes: Mapping[Path, Shape | None]
                ) -> list[tuple[int, int | None, Path, Path, Shape]]:
@@ -182,12 +231,12 @@ class LayerForm:
 
   def _on_axes(self, shapes, axis: int) -> dict[Path, tuple[int, ...] | None]:
     """Each stacked array (on layer axes) -> its sizes on the layer axes from `axis` on
-    (None: it lacks them)."""
+    (None: it lacks them); an `axis_zero` weight's from axis 0 on."""
     out = {}
-    for k, _, _, p, s in self._stacked(shapes):
-      depth = self.stacks[k].depth
+    for k, _, w, p, s in self._stacked(shapes):
+      depth, at = self.stacks[k].depth, self._axis(w, axis)
       if depth:
-        out[p] = s[axis:axis + depth] if axis + depth <= len(s) else None
+        out[p] = s[at:at + depth] if at + depth <= len(s) else None
     return out
 
   def _per_stack(self, shapes, axis: int) -> dict[Path, list[Path]]:
@@ -231,11 +280,18 @@ class LayerForm:
 
   def count(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS) -> int | None:
     """How many layers the weights hold: the stacked ones' (None where a stack's arrays
-    disagree along `axis`), else the per-layer ones numbered."""
+    disagree along `axis`; with the per-layer ones before them: `after_layers`), else the
+    per-layer ones numbered."""
     if not self._stacked(shapes):
       return len({i for p in shapes if (i := layer_of(p)) is not None})
     slots = self._slots(shapes, axis)
-    return None if slots is None else len(slots)
+    return None if slots is None else len(slots) + self._before(shapes)
+
+  def _before(self, shapes: Mapping[Path, Shape | None]) -> int:
+    """How many per-layer layers come before the stacks' (`after_layers`; else none)."""
+    if not self.after_layers:
+      return 0
+    return len({i for p in shapes if not self.holds(p) and (i := layer_of(p)) is not None})
 
   def unstack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
               where: str = '') -> dict[Path, Mapped]:
@@ -264,7 +320,8 @@ class LayerForm:
              problems)
         continue
       k, j, rest = hit
-      axes = tuple(range(axis, axis + self.stacks[k].depth))
+      first = self._axis(rest, axis)
+      axes = tuple(range(first, first + self.stacks[k].depth))
       if axes and axes[-1] >= len(shape):
         problems.append(f'{fmt(path)} {tuple(shape)}: expected layers on axes {list(axes)}'
                         f' (param_scan_axis={axis})')
@@ -272,10 +329,12 @@ class LayerForm:
       parts += [(k, j, rest, path, tuple(shape), axes, index)
                 for index in itertools.product(*(range(shape[a]) for a in axes))]
     # Whole blocks: how many a block's stacks hold (none given: the remainder's alone).
-    blocks = max((index[0] + 1 for k, *_, index in parts if not self.stacks[k].remainder),
-                 default=0)
+    # (A `per_layer` stack's array is one block, numbered by its `{j}`.)
+    blocks = max(((index[0] if index else j) + 1 for k, j, *_, index in parts
+                  if not self.stacks[k].remainder), default=0)
+    before = self._before(shapes)
     for k, j, rest, path, shape, axes, index in parts:
-      i = self.layer((k, j, index), blocks)
+      i = before + self.layer((k, j, index), blocks)
       # Taken innermost first: an outer take would move the inner axis.
       transform = chain(*(take(a, at) for a, at in sorted(zip(axes, index, strict=True),
                                                           reverse=True)))
@@ -297,6 +356,12 @@ class LayerForm:
       LayerScanMismatchError: the layers are not one decoder of this form (`layers`).
       UnsupportedLayoutError: `axis` does not fit the weights.
     """
+    if self.leading or self.after_layers:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: per-layer weights (decoder/layers_<i>) do not say how many of their layers'
+          f' {self.name} keeps apart (a model\'s own count: DeepSeek\'s first_num_dense_layers,'
+          ' V4\'s first_num_hash_layers): they cannot be stacked so. Convert the layers as they'
+          ' are stored.')
     layers = self.layers(shapes, where)
     kept = [(p, (p,), IDENTITY) for p in shapes if not self.stacks or layer_of(p) is None]
     if not self.stacks:
@@ -310,7 +375,8 @@ class LayerForm:
     for (k, dest), parts in sorted(groups.items()):
       order = sorted(parts)
       sizes = tuple(max(index[d] for index in order) + 1 for d in range(self.stacks[k].depth))
-      stacked.append((dest, tuple(parts[index] for index in order), _stacking(axis, sizes)))
+      stacked.append((dest, tuple(parts[index] for index in order),
+                      _stacking(self._axis(dest[len(self.stacks[k].prefix):], axis), sizes)))
     return _made(kept + stacked, shapes,
                  f'{where}: the layers cannot be stacked as {self.name}, along'
                  f' param_scan_axis={axis}')
@@ -528,17 +594,40 @@ def _numbers_fit(form: LayerForm, paths: Sequence[Path]) -> bool:
   return bool(seen) and seen == want
 
 
+def leading(name: str, first: str, rest: str, axis_zero: tuple[str, ...] = ()) -> LayerForm:
+  """A decoder whose first layers (as many as the arrays hold) are of one kind and the rest of
+  another (DeepSeek's dense, then MoE, layers): scanned, `decoder/<first>/<w>` and
+  `decoder/<rest>/<w>` (layers on `param_scan_axis`; `axis_zero` weights on axis 0);
+  unscanned, `decoder/<first>_{j}/<w>` (layer j) and `decoder/<rest>_{j}/<w>` (layer
+  leading + j), one array per layer."""
+  return LayerForm(name, (
+      Stack(('decoder', first)),
+      Stack(('decoder', rest), remainder=True),
+      Stack(('decoder', f'{first}_{{j}}'), 0, per_layer=True),
+      Stack(('decoder', f'{rest}_{{j}}'), 0, remainder=True, per_layer=True),
+  ), axis_zero=axis_zero, leading=True)
+
+
+def after_per_layer(name: str, prefix: tuple[str, ...], period: int,
+                    axis_zero: tuple[str, ...] = ()) -> LayerForm:
+  """A decoder whose first layers are kept one array per layer (`decoder/layers_{i}`) and the
+  rest stacked in blocks of `period`, `<prefix>/layers_{j}/<w>` (position j of each block,
+  blocks on `param_scan_axis`), numbered on from them (DeepSeek V4's scanned form)."""
+  return LayerForm(name, (Stack((*prefix, 'layers_{j}'), positions=tuple(range(period))),),
+                   period, axis_zero=axis_zero, after_layers=True)
+
+
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
   the paths (among those, one whose numbered block positions are all the paths number: see
-  `_numbers_fit`; then the first), else UNSCANNED when they hold per-layer weights, else
-  None (no decoder layers)."""
+  `_numbers_fit`; then the first; `LayerForm.held_by` them), else UNSCANNED when they hold
+  per-layer weights, else None (no decoder layers)."""
   paths = list(paths)
   held = [(n := sum(map(f.holds, paths)), n > 0 and _numbers_fit(f, paths), -k)
           for k, f in enumerate(forms)]
   best = max(held, default=(0, False, 0))
   if best[0]:
-    return forms[-best[2]]
+    return forms[-best[2]].held_by(paths)
   return UNSCANNED if any(layer_of(p) is not None for p in paths) else None
 
 
@@ -549,10 +638,18 @@ def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm,
 
   Raises:
     UnsupportedLayoutError: two stacked forms that differ (no weight is made from layers
-      that are themselves taken apart), or weights that do not fit the axis.
+      that are themselves taken apart), a `leading` form and another, or weights that do
+      not fit the axis.
     LayerScanMismatchError: per-layer weights that are not one decoder (`LayerForm.layers`).
   """
   to_axis = axis if to_axis is None else to_axis
+  own = [f for f in (have, want) if f.leading or f.after_layers]
+  if have != want and own:
+    raise errors.UnsupportedLayoutError(
+        f'{where}: the layers are stored as {have.name}; expected {want.name}: re-laying'
+        f' {own[0].name} into another form is not supported (how many layers it keeps apart'
+        ' is the model\'s own, not told by the other form). Convert the layers as they are'
+        ' stored.')
   if have != want:
     if not want.scanned:
       return have.unstack(shapes, axis, where=where)
@@ -563,7 +660,9 @@ def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm,
         f' {want.name}, to be stacked so.')
   def moved(p: Path, s: Shape | None) -> Transform:
     hit = have._find(p) if s is not None and axis != to_axis else None
-    return IDENTITY if hit is None else _move(axis, to_axis, have.stacks[hit[0]].depth)
+    if hit is None or have._axis(hit[2], axis) != axis:  # An `axis_zero` weight stays.
+      return IDENTITY
+    return _move(axis, to_axis, have.stacks[hit[0]].depth)
 
   return _made([(p, (p,), moved(p, s)) for p, s in shapes.items()], shapes,
                f'{where}: the layers cannot be moved from param_scan_axis={axis} to {to_axis}')

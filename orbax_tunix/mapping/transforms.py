@@ -14,8 +14,10 @@ each with a transform; nothing else here knows a layout.
   take(axis, index)             one slice along an axis, the axis dropped
   move_axis(source, dest)       one axis moved to another position (`jnp.moveaxis`)
   stack(axis)                   several sources stacked along a new axis
-  concat(axis)                  several sources one after another along an axis
   constant(value)               no source: a known value
+  filled(value, axis)           a vector of `value`, as long as the source's axis
+  concat(axis[, scaled])        several sources one after another along an axis (with
+                                `scaled`, the last a vector each row is multiplied by: computed)
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
@@ -289,31 +291,72 @@ def stack(axis: int) -> Transform:
                    arity=None, source_spec=lambda spec: (*spec[:axis], *spec[axis + 1:]))
 
 
-def concat(axis: int = 0) -> Transform:
-  """The sources one after another along `axis` (`jnp.concatenate`, in their order), of one
-  shape but along it: Qwen3-VL's vision query, key and value (D, D) as its fused `qkv`
-  (3D, D)."""
-
-  def shape(shapes: Sequence[Shape]) -> Shape:
-    first = shapes[0]
-    if not -len(first) <= axis < len(first):
-      raise TransformError(f'concat(axis={axis}): does not fit {len(first)}-d sources {first}')
-    at = axis % len(first)
-    rest = {(*s[:at], *s[at + 1:]) for s in shapes}
-    if len(rest) != 1 or any(len(s) != len(first) for s in shapes):
-      raise TransformError(f'concat(axis={axis}): sources differ off axis {axis}:'
-                           f' {sorted(set(shapes))}')
-    return (*first[:at], sum(s[at] for s in shapes), *first[at + 1:])
-
-  return Transform(f'concat(axis={axis})', shape,
-                   lambda xs: xp(*xs).concatenate(list(xs), axis=axis), arity=None,
-                   source_spec=_whole(axis))
-
-
 def constant(value: Any) -> Transform:
   """No source: the value itself (a count Tunix never wrote, filled from a known number)."""
   return Transform(f'constant({value})', lambda shapes: (), lambda xs: np.asarray(value),
                    arity=0)
+
+
+def filled(value: float, axis: int) -> Transform:
+  """A vector of `value` as long as the source's axis `axis`, in the source's dtype (a weight
+  a checkpoint lacks, made in the shape a sibling weight gives: DeepSeek's routing bias, one
+  entry per expert of its router's kernel). The source's values are not read into it."""
+
+  def shape(s: Shape) -> Shape:
+    if not -len(s) <= axis < len(s):
+      raise TransformError(f'filled(axis={axis}): a {len(s)}-d array {s} has no such axis')
+    return (s[axis],)
+
+  def apply(xs: Sequence[Any]) -> Any:
+    x = xs[0]
+    return xp(x).full((x.shape[axis],), value, dtype=x.dtype)
+
+  return Transform(f'filled({value:g}, axis={axis})', _one(shape), apply, moves_only=False,
+                   source_spec=lambda spec: (None,) * len(spec))
+
+
+def concat(axis: int = 0, scaled: bool = False) -> Transform:
+  """The sources one after another along `axis` (`jnp.concatenate`, in their order), of one
+  shape but along it: Qwen3-VL's vision query, key and value (D, D) as its fused `qkv`
+  (3D, D). With `scaled`, the last source is no part: a vector as long as the parts' axis 0,
+  each row of the joined array multiplied by its entry, in float32 (a norm's scale folded into
+  the projection that reads the norm's output: DeepSeek V4's hyper-connections,
+  `(x * s) @ W == x @ (s[:, None] * W)`)."""
+
+  def parts(shapes: Sequence[Shape]) -> Sequence[Shape]:
+    return shapes[:-1] if scaled else shapes
+
+  def shape(shapes: Sequence[Shape]) -> Shape:
+    joined = parts(shapes)
+    if not joined:
+      raise TransformError(f'concat(axis={axis}): no part to join')
+    first = joined[0]
+    if not -len(first) <= axis < len(first):
+      raise TransformError(f'concat(axis={axis}): does not fit {len(first)}-d sources {first}')
+    at = axis % len(first)
+    if any(len(s) != len(first) or s[:at] + s[at + 1:] != first[:at] + first[at + 1:]
+           for s in joined):
+      raise TransformError(f'concat(axis={axis}): sources differ off axis {axis}:'
+                           f' {sorted(set(map(tuple, joined)))}')
+    out = (*first[:at], sum(s[at] for s in joined), *first[at + 1:])
+    if scaled and tuple(shapes[-1]) != out[:1]:
+      raise TransformError(f'concat(axis={axis}, scaled): a scale {shapes[-1]} for rows'
+                           f' {out[:1]}')
+    return out
+
+  def apply(xs: Sequence[Any]) -> Any:
+    np_ = xp(*xs)
+    if not scaled:
+      return np_.concatenate(list(xs), axis=axis)
+    joined = np_.concatenate([x.astype(np.float32) for x in xs[:-1]], axis=axis)
+    return (joined * xs[-1].astype(np.float32)[:, None]).astype(xs[0].dtype)
+
+  if not scaled:  # Each source read whole along the axis, in the destination's other blocks.
+    return Transform(f'concat(axis={axis})', shape, apply, arity=None,
+                     source_spec=_whole(axis))
+  # A scale vector is of another shape than the destination: every source read whole.
+  return Transform(f'concat(axis={axis}, scaled)', shape, apply, arity=None, moves_only=False,
+                   source_specs=lambda spec, n: (None,) * n)
 
 
 def _in_float32(name: str, fn: Callable[[Any, Shape], Any], reads: int | None = None,
