@@ -13,6 +13,11 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                               blocks on A, the 5 local layers on A+1
                             decoder/scanned_blocks/global_layer/<w>, on A   6a + 5
                             decoder/layers_remainder/local_layers/<w>, on A 6·blocks + a
+  qwen3-next scanned        decoder/layers/local_layers/<w>, blocks on A,   4a + k
+                              the 3 linear-attention layers on A+1
+                            decoder/layers/global_layer/<w>, on A           4a + 3
+                            decoder/layers_remainder/local_layers/<w>, on A 4·blocks + a
+  qwen3.5 scanned           decoder/layers/layer_{j}/<w>, blocks on A       4a + j
 
 (MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
 weight holds its experts on axis 0 and its layers on A.)
@@ -510,14 +515,20 @@ def local_global(period: int) -> LayerForm:
 
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
-  the paths (the first of those), else UNSCANNED when they hold per-layer weights, else
-  None (no decoder layers)."""
+  the paths (of those, the one whose stacks name them most closely: qwen3.5's
+  `decoder/layers/layer_{j}` rather than the plain `decoder/layers`; then the first), else
+  UNSCANNED when they hold per-layer weights, else None (no decoder layers)."""
   paths = list(paths)
-  held = [(sum(map(f.holds, paths)), -k) for k, f in enumerate(forms)]
-  best = max(held, default=(0, 0))
+  held = [(sum(map(f.holds, paths)), _closeness(f, paths), -k) for k, f in enumerate(forms)]
+  best = max(held, default=(0, 0, 0))
   if best[0]:
-    return forms[-best[1]]
+    return forms[-best[2]]
   return UNSCANNED if any(layer_of(p) is not None for p in paths) else None
+
+
+def _closeness(form: LayerForm, paths: Sequence[Path]) -> int:
+  """How closely a form's stacks name the paths it holds: their prefixes' keys, summed."""
+  return sum(len(form.stacks[hit[0]].prefix) for p in paths if (hit := form._find(p)))
 
 
 def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm, axis: int,
@@ -574,3 +585,22 @@ def check_axis(axis: int | None) -> None:
         f' as MaxText counts it ({DEFAULT_AXIS} by default: query/kernel is (emb, layers,'
         ' heads, head_dim)).'
     )
+
+
+def linear_full(period: int) -> LayerForm:
+  """Qwen3-Next's scanned form (`Qwen3NextScannableBlock`): per block of `period` layers
+  under `decoder/layers`, `period - 1` linear-attention layers (an inner scan), then a
+  full-attention one; the layers past the last whole block are linear ones, a remainder."""
+  return LayerForm(f"qwen3-next's scanned cycles of {period}", (
+      Stack(('decoder', 'layers', 'local_layers'), 2, tuple(range(period - 1))),
+      Stack(('decoder', 'layers', 'global_layer'), positions=(period - 1,)),
+      Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
+
+
+def layer_cycles(period: int) -> LayerForm:
+  """Qwen3.5's scanned form (`Qwen3_5ScannableBlock`): blocks of `period` layers, the j-th
+  of each block under `decoder/layers/layer_{j}`, blocks on the layer axis. MaxText 0.2.5
+  builds no remainder: a layer count that is not a multiple of `period` loses its last
+  layers (`int(layers / period)` blocks)."""
+  return LayerForm(f"qwen3.5's scanned cycles of {period}", (
+      Stack(('decoder', 'layers', 'layer_{j}'), positions=tuple(range(period))),), period)
