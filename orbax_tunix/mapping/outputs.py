@@ -163,7 +163,9 @@ def relay(
 
   Each destination takes its sources' inputs and applies, after theirs, the
   rule's transform (e.g. a LoRA merge, then a family's transpose). A gather
-  (several sources) takes only copied sources.
+  (several sources) takes copied sources, or sources made from one leaf each
+  (one layer of each of two stacked weights: each source's own transform, then
+  the rule's, `per_input`).
 
   Args:
     sources: source path -> the output that makes it (copied or merged leaf).
@@ -171,7 +173,7 @@ def relay(
     prefix: put before each destination path.
 
   Raises:
-    UnsupportedLayoutError: a gather over sources that are themselves made.
+    UnsupportedLayoutError: a gather over sources made from several leaves each.
   """
   out = []
   for dest, m in sorted(mapped.items()):
@@ -182,6 +184,12 @@ def relay(
           one, path=prefix + dest, transform=chain(one.transform, m.transform), shape=m.shape))
       continue
     made = [fmt(p) for p, o in zip(m.sources, parts, strict=True) if not o.transform.is_identity]
+    if made and all(len(o.inputs) == 1 and o.read_dtypes is None for o in parts):
+      out.append(Output(
+          prefix + dest, tuple(o.inputs[0] for o in parts),
+          per_input([o.transform for o in parts], m.transform), m.shape, parts[0].dtype,
+          parts[0].kind, parts[0].numpy))
+      continue
     if made:
       raise errors.UnsupportedLayoutError(
           f'{fmt(dest)}: made from {len(parts)} leaves that are themselves made'
