@@ -100,18 +100,27 @@ class Rewrite:
 # --- the nnx `value` level -------------------------------------------------
 
 
+def _sown(path: Path) -> bool:
+  """An entry of a tuple an nnx Variable holds (`<var>/value/<n>`): what `Module.sow` keeps
+  (an `nnx.Intermediate`, e.g. MaxText's MoE `moe_has_overflow` flags after a forward pass,
+  which a Tunix run of the model saves with its weights); no weight's value is a tuple."""
+  return len(path) >= 3 and path[-2] == NNX_VALUE and path[-1].isdigit()
+
+
 def _find_value(item: str, step: StepPaths) -> Anchors:
   paths = step[item]
-  if paths and all(len(p) >= 2 and p[-1] == NNX_VALUE for p in paths):
+  if paths and any(p[-1] == NNX_VALUE for p in paths) and all(
+      (len(p) >= 2 and p[-1] == NNX_VALUE) or _sown(p) for p in paths):
     return Anchors({()})
   return Anchors()
 
 
 NNX_VALUE_LEVEL = Rule(
     name='nnx_value',
-    description="every leaf is an nnx Variable saved under its 'value' attribute",
+    description=("every leaf is an nnx Variable saved under its 'value' attribute (a sown"
+                 " intermediate's tuple, 'value/<n>', leaves the view: no weight)"),
     find=_find_value,
-    to_canonical=lambda path, _: path[:-1],
+    to_canonical=lambda path, _: None if _sown(path) else path[:-1],
     to_disk=lambda path, _: path + (NNX_VALUE,),
     identifies=True,
 )
