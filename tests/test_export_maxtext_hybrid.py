@@ -16,17 +16,21 @@ are in tests/test_zoo_qwen_clients.py.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import orbax_tunix
 from orbax_tunix.mapping import huggingface as hf
 from orbax_tunix.mapping import stacks
+from orbax_tunix.mapping.peft import ADAPTER_FILE
 from orbax_tunix.mapping.transforms import TransformError, concatenate, regroup
 from tests.test_export_maxtext import (
   assert_refused,
+  nest,
   read_safetensors,
   run_cli,
   save_maxtext_step,
@@ -114,8 +118,10 @@ def per_key_head(w: np.ndarray, parts: tuple[int, ...], take: tuple[int, ...]) -
   return np.concatenate(cols, axis=1).T
 
 
-def expected(family: str, seed: int = 0) -> dict[str, np.ndarray]:
-  top, per = layers(MODELS[family], seed)
+def expected(family: str, seed: int = 0, per: list[dict] | None = None) -> dict[str, np.ndarray]:
+  """The Hugging Face tensors of the model (`per`: its layers' weights, else `layers`')."""
+  top, drawn = layers(MODELS[family], seed)
+  per = drawn if per is None else per
   out = {'model.embed_tokens.weight': top['token_embedder/embedding'],
          'model.norm.weight': top['decoder/decoder_norm/scale'],
          'lm_head.weight': top['decoder/logits_dense/kernel'].T}
@@ -252,3 +258,82 @@ def test_scanned_forms_place_every_layer(family):
     np.testing.assert_array_equal(value, unscanned['/'.join(path)], err_msg=str(path))
   back = form.restack({p: m.shape for p, m in per_layer.items()})
   assert sorted(back) == sorted(shapes)
+
+
+RANK, ALPHA = 3, 6.0
+# What the LoRA runs adapt (MaxText's lora_module_path in tests/test_zoo_qwen_clients.py).
+LORA_TARGETS = ('attention/in_proj_qkvz/kernel', 'attention/in_proj_ba/kernel',
+                'attention/out_proj/kernel', 'attention/attention/query/kernel',
+                'attention/attention/out/kernel', 'mlp/shared_expert/wo/kernel')
+
+
+def lora_tree(family: str, form: str) -> tuple[dict, list[dict]]:
+  """A LoRA run's weights (qwix's adapters as MaxText's LoRA writes them on these layers,
+  printed from lora_utils.apply_lora_to_model on tiny MaxText models: a kernel's input
+  dimension then the rank in `kernel_lora_a`, the rank then its other dimensions flattened in
+  `kernel_lora_b`; stacked on axis 1 as the kernel's layers are), and each layer's weights
+  merged by hand (W + alpha / rank · a·b)."""
+  rng = np.random.default_rng(5)
+  top, per = layers(MODELS[family])
+  merged, adapters = [], []
+  for w in per:
+    merged.append(dict(w))
+    adapters.append({})
+    for k in LORA_TARGETS:
+      if k in w:
+        a = rng.normal(size=(w[k].shape[0], RANK)).astype(np.float32)
+        b = rng.normal(size=(RANK, math.prod(w[k].shape[1:]))).astype(np.float32)
+        adapters[-1].update({f'{k}_lora_a': a, f'{k}_lora_b': b})
+        merged[-1][k] = (w[k] + np.float32(ALPHA / RANK) * (a @ b).reshape(w[k].shape))
+  if form == 'unscanned':
+    flat = dict(top)
+    for i, (w, ad) in enumerate(zip(per, adapters, strict=True)):
+      flat.update({f'decoder/layers_{i}/{k}': v for k, v in {**w, **ad}.items()})
+    return flat, merged
+  flat = tree(family, 'scanned')  # qwen3.5's layer_{j}: adapters stacked as their kernels
+  for j in range(4):
+    for k in adapters[j]:
+      flat[f'decoder/layers/layer_{j}/{k}'] = np.stack(
+          [adapters[4 * b + j][k] for b in range(len(per) // 4)], axis=1)
+  return flat, merged
+
+
+@pytest.mark.parametrize('form', ['scanned', 'unscanned'])
+def test_qwen3_5_lora_run_merged_and_as_peft_adapter(tmp_path, form):
+  """A Qwen3.5 LoRA run: `--merge-lora` is the hand merge laid out as the class expects; the
+  PEFT adapter on the `--base-only` export is that merge (in_proj_qkvz's adapter as
+  in_proj_qkv's and in_proj_z's: one A, B regrouped per key head); the save of the adapters
+  alone, onto the base export's config (the key heads), gives the same adapter."""
+  flat, merged = lora_tree('qwen3_5_moe', form)
+  src = save_tunix_run(tmp_path / 'run', flat)
+  cfg = config(tmp_path / 'cfg', 'qwen3_5_moe')
+  orbax_tunix.export_to_hf(src, tmp_path / 'merged', model='qwen3_5_moe', hf_config=cfg,
+                           merge_lora=True, lora_alpha=ALPHA)
+  got = read_safetensors(tmp_path / 'merged' / 'model.safetensors')
+  for name, value in expected('qwen3_5_moe', per=merged).items():
+    np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-5, err_msg=name)
+  orbax_tunix.export_to_hf(src, tmp_path / 'base', model='qwen3_5_moe', hf_config=cfg,
+                           base_only=True)
+  orbax_tunix.export_peft_adapter(src, tmp_path / 'a', model='qwen3_5_moe', alpha=ALPHA,
+                                  base_model=str(tmp_path / 'base'))
+  base = read_safetensors(tmp_path / 'base' / 'model.safetensors')
+  adapter = read_safetensors(tmp_path / 'a' / ADAPTER_FILE)
+  modules = {k.removeprefix('base_model.model.').rsplit('.lora_', 1)[0] for k in adapter}
+  assert {m.rsplit('.', 1)[-1] for m in modules} == {
+      'in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'out_proj', 'q_proj', 'o_proj',
+      'down_proj'}, modules
+  for m in modules:
+    a = adapter[f'base_model.model.{m}.lora_A.weight']
+    b = adapter[f'base_model.model.{m}.lora_B.weight']
+    np.testing.assert_allclose(base[f'{m}.weight'] + ALPHA / RANK * (b @ a),
+                               got[f'{m}.weight'], rtol=0, atol=2e-5, err_msg=m)
+  only = {f'model_params/base/{p}/value': v for p, v in flat.items() if '_lora_' in p}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'only' / '2', args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(
+        nest(only)['model_params'])))
+  orbax_tunix.export_peft_adapter(tmp_path / 'only', tmp_path / 'a2', model='qwen3_5_moe',
+                                  alpha=ALPHA, base_model=str(tmp_path / 'base'))
+  alone = read_safetensors(tmp_path / 'a2' / ADAPTER_FILE)
+  assert sorted(alone) == sorted(adapter)
+  for k, v in adapter.items():
+    np.testing.assert_array_equal(alone[k], v, err_msg=k)
