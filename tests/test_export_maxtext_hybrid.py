@@ -267,7 +267,7 @@ LORA_TARGETS = ('attention/in_proj_qkvz/kernel', 'attention/in_proj_ba/kernel',
                 'attention/attention/out/kernel', 'mlp/shared_expert/wo/kernel')
 
 
-def lora_tree(family: str, form: str) -> tuple[dict, list[dict]]:
+def lora_tree(family: str, form: str, targets=LORA_TARGETS) -> tuple[dict, list[dict]]:
   """A LoRA run's weights (qwix's adapters as MaxText's LoRA writes them on these layers,
   printed from lora_utils.apply_lora_to_model on tiny MaxText models: a kernel's input
   dimension then the rank in `kernel_lora_a`, the rank then its other dimensions flattened in
@@ -279,7 +279,7 @@ def lora_tree(family: str, form: str) -> tuple[dict, list[dict]]:
   for w in per:
     merged.append(dict(w))
     adapters.append({})
-    for k in LORA_TARGETS:
+    for k in targets:
       if k in w:
         a = rng.normal(size=(w[k].shape[0], RANK)).astype(np.float32)
         b = rng.normal(size=(RANK, math.prod(w[k].shape[1:]))).astype(np.float32)
@@ -337,3 +337,21 @@ def test_qwen3_5_lora_run_merged_and_as_peft_adapter(tmp_path, form):
   assert sorted(alone) == sorted(adapter)
   for k, v in adapter.items():
     np.testing.assert_array_equal(alone[k], v, err_msg=k)
+
+
+def test_qwen3_next_shared_expert_adapter_says_what_peft_does(tmp_path):
+  """Qwen3-Next's adapter of a shared expert's kernel is written as it is and says that
+  peft 0.21 loads it onto the routed experts instead (tests/test_zoo_qwen_clients.py's LoRA
+  run adapts the attention alone, which peft loads as written)."""
+  flat, _ = lora_tree('qwen3_next', 'unscanned')
+  src = save_tunix_run(tmp_path / 'run', flat)
+  plan = orbax_tunix.tools.export.plan_peft_export(src, tmp_path / 'a', model='qwen3_next',
+                                                   alpha=ALPHA)
+  said = [n for n in plan.notes if 'peft 0.21' in n]
+  assert len(said) == 1 and 'mlp.experts' in said[0], plan.notes
+  assert 'model.layers.0.mlp.shared_expert.down_proj' in said[0], said
+  flat, _ = lora_tree('qwen3_next', 'unscanned', LORA_TARGETS[:5])
+  src = save_tunix_run(tmp_path / 'run2', flat)
+  plan = orbax_tunix.tools.export.plan_peft_export(src, tmp_path / 'a2', model='qwen3_next',
+                                                   alpha=ALPHA)
+  assert not [n for n in plan.notes if 'peft 0.21' in n], plan.notes

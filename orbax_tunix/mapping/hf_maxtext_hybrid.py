@@ -45,7 +45,15 @@ from __future__ import annotations
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping import trainers
 from orbax_tunix.mapping.hf_maxtext import MAXTEXT_PADDING, MT_LAYER
-from orbax_tunix.mapping.hf_naming import IN_PROJ, LAYER, Naming, Sized, per_expert, rule
+from orbax_tunix.mapping.hf_naming import (
+  IN_PROJ,
+  LAYER,
+  LoraWeight,
+  Naming,
+  Sized,
+  per_expert,
+  rule,
+)
 from orbax_tunix.mapping.patterns import LayoutRule
 from orbax_tunix.mapping.transforms import chain, concatenate, regroup, transpose
 
@@ -189,6 +197,20 @@ def _hybrid(rules, sized=(), form=stacks_lib.UNSCANNED, **kwargs) -> Naming:
       lora_flattened=True, sized=tuple(sized), typed_by=_TYPED_BY, **kwargs)
 
 
+# peft 0.21.2 on transformers 5 converts a Qwen3-Next adapter's config as if trained on
+# transformers 4's per-expert modules (`convert_peft_config_for_transformers`, qwen2_moe's
+# map): every target named gate_proj, up_proj or down_proj becomes the routed experts' fused
+# parameter, the shared expert's too (measured: it wraps `mlp.experts`, target_parameters
+# {'down_proj'}, and reports the shared expert's tensors unexpected).
+_PEFT_SHARED_EXPERT_NOTE = (
+    '{module}: peft 0.21 with transformers 5 loads a Qwen3-Next adapter\'s gate_proj, up_proj'
+    ' and down_proj targets as the routed experts\' fused weights (its conversion of adapters'
+    ' trained on transformers 4), so it adapts mlp.experts instead of these shared-expert'
+    ' modules and leaves their tensors unused; vLLM, and any reader of the adapter as written,'
+    ' apply them where they are. To serve them with peft, export the merged model'
+    ' (`merge_lora`)')
+
+
 def _maxtext_qwen3_next() -> Naming:
   """MaxText's qwen3-next: Hugging Face's Qwen3NextForCausalLM keeps the fused projections
   and (as its Hub checkpoints) one tensor per expert."""
@@ -198,7 +220,9 @@ def _maxtext_qwen3_next() -> Naming:
         for p in ('in_proj_qkvz', 'in_proj_ba')),
       *(per_expert(f'{MT_LAYER}/mlp/routed_experts/{mt}',
                    f'{LAYER}.mlp.experts.{{e}}.{hf}_proj.weight', 0, _T) for mt, hf in _EXPERTS),
-  ], form=stacks_lib.linear_full(CYCLE))
+  ], form=stacks_lib.linear_full(CYCLE), lora={
+      f'{MT_LAYER}/mlp/shared_expert/{{p:wi_0|wi_1|wo}}/kernel': LoraWeight(
+          note=_PEFT_SHARED_EXPERT_NOTE)})
 
 
 def _split_per_key_head(sizes) -> tuple[LayoutRule, ...]:
