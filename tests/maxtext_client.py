@@ -46,10 +46,12 @@ pyconfig `k=v` strings):
                   train_state_nnx.to_checkpoint_dict(<MaxText's abstract state>), params_only=...)
                   (the tiny llama2's, or with model_name and dims a family's as family_case
                   builds it); `notes` = the orbax_tunix log messages.
-  family_case     model_name, dims, scan[, seed, step=3], out: a tiny random MaxText model
-                  of one family saved as a Tunix run and a MaxText step under `out`, MaxText
-                  0.2.5's own HF conversion of it, the fitted HF config and its logits (see
-                  job_family_case).
+  family_case     model_name, dims, scan[, seed, step=3, lora, repair_shape_map, jit_logits],
+                  out: a tiny random MaxText model of one family saved as a Tunix run and a
+                  MaxText step under `out`, MaxText 0.2.5's own HF conversion of it, the fitted
+                  HF config and its logits (see job_family_case; jit_logits: computed by
+                  `forward_logits_jit`); with `lora`, also a LoRA run of it as MaxText applies
+                  LoRA, and its logits (see family_extras).
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
@@ -267,6 +269,24 @@ def model_with(cfg, weights):
 def fixed_tokens(cfg) -> np.ndarray:
   rng = np.random.default_rng(0)
   return rng.integers(0, cfg.vocab_size, size=(1, cfg.max_target_length), dtype=np.int32)
+
+
+def forward_logits_jit(model, tokens) -> np.ndarray:
+  """`forward_logits` compiled as one program (`nnx.jit`): the same forward pass, which an
+  unscanned hybrid decoder (its gated delta net's chunked rule per layer) runs op by op
+  several times slower."""
+  tokens = jnp.asarray(tokens, jnp.int32)
+
+  @nnx.jit
+  def run(m, toks):
+    positions = jnp.broadcast_to(jnp.arange(toks.shape[1], dtype=jnp.int32), toks.shape)
+    return m(toks, positions, decoder_segment_ids=jnp.ones_like(toks), enable_dropout=False,
+             model_mode=MODEL_MODE_TRAIN)
+
+  cfg = model.config
+  with jax.set_mesh(model.mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    logits = run(model, tokens)
+  return np.asarray(jax.device_get(logits), np.float32)
 
 
 def forward_logits(model, tokens) -> np.ndarray:
@@ -527,7 +547,18 @@ def save_maxtext_step(root: Path, step: int, model) -> None:
   mngr.close()
 
 
-def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
+# What _validate_or_update_architecture also leaves at the full model's values in the hybrid
+# decoders' configs (Qwen3-Next, Qwen3.5): the linear attention's and the shared expert's
+# sizes (HF attribute, MaxText attribute), fitted as the heads are.
+HYBRID_FITTED = (('linear_num_key_heads', 'gdn_num_key_heads'),
+                 ('linear_num_value_heads', 'gdn_num_value_heads'),
+                 ('linear_key_head_dim', 'gdn_key_head_dim'),
+                 ('linear_value_head_dim', 'gdn_value_head_dim'),
+                 ('linear_conv_kernel_dim', 'gdn_conv_kernel_dim'),
+                 ('shared_expert_intermediate_size', 'moe_mlp_dim'))
+
+
+def maxtext_to_hf(job, params_path: str, shape_map=None) -> tuple[dict[str, np.ndarray], Any]:
   """MaxText 0.2.5's own to_huggingface.main, up to the dict it hands save_model_files.
 
   The same calls in the same order (load_orbax_checkpoint, HF_MODEL_CONFIGS fitted with
@@ -536,6 +567,8 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   _transform_weights_to_full_model), without the Hub (no tokenizer) and without writing.
   Returns the HF weights by name (None when MaxText's converter fails on the model), the fitted
   HF config (a dict, as config.json holds it), and the converter's error or None.
+  `shape_map`: (fitted HF config dict) -> the HF shape map the converter uses instead of its
+  own `HF_SHAPE` entry (`repaired_shape_map`).
   """
   import copy  # noqa: PLC0415
 
@@ -558,7 +591,8 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
   for hf_attr, mt_attr in (('num_attention_heads', 'num_query_heads'),
                            ('num_key_value_heads', 'num_kv_heads'), ('head_dim', 'head_dim'),
                            ('global_head_dim', 'global_head_dim'),
-                           ('num_global_key_value_heads', 'global_num_kv_heads')):
+                           ('num_global_key_value_heads', 'global_num_kv_heads'),
+                           *HYBRID_FITTED):
     value = getattr(cfg, mt_attr, None)
     if value and value > 0 and hf_attr in text:
       text[hf_attr] = value
@@ -568,7 +602,10 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
     text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
+  own = th.HF_SHAPE[cfg.model_name]
   try:
+    if shape_map is not None:
+      th.HF_SHAPE[cfg.model_name] = shape_map
     maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
     state = conv.detect_and_extract_checkpoint(checkpoint)
     keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
@@ -583,7 +620,77 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
       th.gc.collect = collect
   except Exception as e:  # noqa: BLE001 - MaxText's converter cannot take this model: said
     return None, hf_dict, f'{type(e).__name__}: {e}'.splitlines()[0]
+  finally:
+    th.HF_SHAPE[cfg.model_name] = own
   return {k: np.asarray(v) for k, v in out.items()}, hf_dict, None
+
+
+def repaired_shape_map(model_name: str, cycle: int) -> tuple[dict[str, Any], Any]:
+  """What MaxText 0.2.5's HF shape map of `model_name` does with a fitted HF config, and the
+  map its own body builds when given what it lacks.
+
+  Qwen3-Next's (`QWEN3_NEXT_HF_WEIGHTS_TO_SHAPE`) reads `full_attention_interval`, which
+  transformers 5's Qwen3NextConfig no longer keeps (it turns it into `layer_types`), and
+  ends without `return`. Returns ({'as_given': the call's error or what it returned,
+  'with_interval': what it returns given `full_attention_interval` = `cycle`, 'built': how
+  many shapes its local `mapping` then holds}, a shape map returning that `mapping`,
+  captured as the function returns: MaxText's own shapes, for `maxtext_to_hf`).
+  """
+  from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE  # noqa: PLC0415
+
+  fn = HF_SHAPE[model_name]
+
+  def built(hf_dict):
+    found = {}
+
+    def grab(frame, event, arg):
+      if event == 'return' and frame.f_code is fn.__code__:
+        found.update(frame.f_locals.get('mapping') or {})
+
+    given = {**hf_dict, 'full_attention_interval': cycle}
+    sys.setprofile(grab)
+    try:
+      returned = fn(given)
+    finally:
+      sys.setprofile(None)
+    return returned, found
+
+  def shape_map(hf_dict):
+    return built(hf_dict)[1]
+
+  def evidence(hf_dict):
+    try:
+      as_given = repr(fn(hf_dict))
+    except Exception as e:  # noqa: BLE001 - the point: what MaxText's map does
+      as_given = f'{type(e).__name__}: {e}'
+    returned, found = built(hf_dict)
+    return {'as_given': as_given, 'with_interval': repr(returned), 'built': len(found)}
+
+  return evidence, shape_map
+
+
+def lora_model(job, model):
+  """`model` with LoRA applied as MaxText 0.2.5 applies it (lora_utils.apply_lora_to_model:
+  qwix's LoraProvider on the modules `job['lora']['module_path']` names, rank and alpha
+  given), its adapters drawn from N(0, 0.3²) (qwix starts lora_b at zeros)."""
+  from maxtext.utils import lora_utils  # noqa: PLC0415
+
+  lora = job['lora']
+  cfg = family_config(job['model_name'], job['scan'], job['dims'], 'lora.enable_lora=True',
+                      f"lora.lora_rank={lora['rank']}", f"lora.lora_alpha={lora['alpha']}",
+                      f"lora.lora_module_path={lora['module_path']}")
+  with jax.set_mesh(model.mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    made = lora_utils.apply_lora_to_model(model, model.mesh, cfg)
+  graphdef, adapters, rest = nnx.split(made, nnx.LoRAParam, ...)
+  rng = np.random.default_rng(int(job.get('seed', 0)) + 7)
+
+  def fill(tree):
+    if isinstance(tree, dict):
+      return {k: fill(v) for k, v in tree.items()}
+    return jnp.asarray(rng.normal(0.0, 0.3, np.shape(tree)), tree.dtype)
+
+  nnx.replace_by_pure_dict(adapters, fill(adapters.to_pure_dict()))
+  return nnx.merge(graphdef, adapters, rest)
 
 
 def job_family_case(job, out_dir):
@@ -607,7 +714,7 @@ def job_family_case(job, out_dir):
   save_maxtext_step(out / 'maxtext', step, model)
   times['save'] = time.time() - t - sum(times.values())
   tokens = fixed_tokens(cfg)
-  logits = forward_logits(model, tokens)
+  logits = (forward_logits_jit if job.get('jit_logits') else forward_logits)(model, tokens)
   times['logits'] = time.time() - t - sum(times.values())
   hf, hf_config, convert_error = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
   times['convert'] = time.time() - t - sum(times.values())
@@ -622,6 +729,8 @@ def job_family_case(job, out_dir):
             str(out / 'reference_hf' / 'model.safetensors'), metadata={'format': 'pt'})
   arrays = {'logits': logits, 'tokens': tokens,
             **{f'hf/{k}': v for k, v in (hf or {}).items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
+  extras = family_extras(job, model, tokens, out, step, times, hf_config)
+  arrays.update(extras.pop('arrays'))
   npz = os.path.join(out_dir, f"{job['id']}.npz")
   np.savez(npz, **arrays)
   keys = {k: getattr(cfg, k) for k in (
@@ -632,12 +741,48 @@ def job_family_case(job, out_dir):
       'num_experts_per_tok', 'moe_mlp_dim', 'norm_topk_prob', 'use_qk_norm',
       'final_logits_soft_cap', 'query_pre_attn_scalar', 'global_head_dim',
       'global_num_kv_heads', 'rope_use_scale', 'global_rope_max_timescale',
-      'global_rope_proportion', 'local_rope_proportion') if hasattr(cfg, k)}
+      'global_rope_proportion', 'local_rope_proportion', *HYBRID_KEYS) if hasattr(cfg, k)}
   return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
           'convert_error': convert_error,
-          'mt': {k: list(v.shape) for k, v in drawn.items()}}
+          'mt': {k: list(v.shape) for k, v in drawn.items()}, **extras}
+
+
+# The hybrid decoders' config keys a family_case result reports too.
+HYBRID_KEYS = ('inhomogeneous_layer_cycle_interval', 'gdn_num_key_heads', 'gdn_num_value_heads',
+               'gdn_key_head_dim', 'gdn_value_head_dim', 'gdn_conv_kernel_dim', 'gdn_chunk_size',
+               'partial_rotary_factor', 'use_mrope', 'mrope_section', 'shared_experts')
+
+
+def family_extras(job, model, tokens, out: Path, step: int, times: dict, hf_dict: dict) -> dict:
+  """family_case's optional parts (`arrays` for its npz, the rest for its result):
+
+  repair_shape_map (true): `repaired_shape_map`'s evidence ('shape_map') and MaxText's
+    converter run with the map its shape function builds ('hf_repaired/<name>' arrays,
+    'repaired_error');
+  lora ({module_path, rank, alpha}): the model with LoRA as MaxText applies it
+    (`lora_model`), saved as a Tunix run at `<out>/tunix_lora` ('tunix_lora'), its logits
+    ('logits_lora') and its adapters' shapes ('lora').
+  """
+  arrays, result, t = {}, {}, time.time()
+  if job.get('repair_shape_map'):
+    params = str(out / 'maxtext' / str(step) / 'items')
+    evidence, shape_map = repaired_shape_map(job['model_name'], model.config
+                                             .inhomogeneous_layer_cycle_interval)
+    hf, _, error = maxtext_to_hf(job, params, shape_map=shape_map)
+    arrays.update({f'hf_repaired/{k}': v for k, v in (hf or {}).items()})
+    result.update(shape_map=evidence(hf_dict), repaired_error=error)
+  if job.get('lora'):
+    made = lora_model(job, model)
+    save_tunix_run(out / 'tunix_lora', step, made)
+    arrays['logits_lora'] = (forward_logits_jit if job.get('jit_logits') else forward_logits)(
+        made, tokens)
+    result['tunix_lora'] = str(out / 'tunix_lora')
+    result['lora'] = {k: list(np.shape(v)) for k, v in flat(
+        nnx.state(made, nnx.LoRAParam).to_pure_dict()).items()}
+  times['extras'] = time.time() - t
+  return {'arrays': arrays, **result}
 
 
 # --------------------------------------------------------------------------- #
