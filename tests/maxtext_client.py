@@ -602,7 +602,7 @@ def maxtext_to_hf(job, params_path: str, shape_map=None) -> tuple[dict[str, np.n
     text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
-  own = th.HF_SHAPE[cfg.model_name]
+  own = th.HF_SHAPE.get(cfg.model_name)  # None: MaxText has no shape map (its error, below)
   try:
     if shape_map is not None:
       th.HF_SHAPE[cfg.model_name] = shape_map
@@ -621,7 +621,8 @@ def maxtext_to_hf(job, params_path: str, shape_map=None) -> tuple[dict[str, np.n
   except Exception as e:  # noqa: BLE001 - MaxText's converter cannot take this model: said
     return None, hf_dict, f'{type(e).__name__}: {e}'.splitlines()[0]
   finally:
-    th.HF_SHAPE[cfg.model_name] = own
+    if own is not None:
+      th.HF_SHAPE[cfg.model_name] = own
   return {k: np.asarray(v) for k, v in out.items()}, hf_dict, None
 
 

@@ -144,11 +144,11 @@ _DIMS = {
     'shared_expert_intermediate_size': ((f'{_FIRST}/mlp/shared_expert/wi_0/kernel', 1),),
 }
 # Derived sizes no config.json names (`Naming.config_defaults`), for `axes`.
-_QKVZ = '2 x (linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x' \
-    ' linear_value_head_dim)'
+_QKVZ = ('2 x (linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x'
+         ' linear_value_head_dim)')
 _BA = '2 x linear_num_value_heads'
 _LINEAR_V = 'linear_num_value_heads x linear_value_head_dim'
-_Q_GATED = 'num_attention_heads x 2 x head_dim'
+_Q_GATED = '2 x head_dim'  # the query kernel's last axis: query and gate
 _Q_OUT = 'num_attention_heads x head_dim'
 
 
@@ -187,7 +187,8 @@ _CONFIG_DEFAULTS = {
 
 
 def _hybrid(rules, sized=(), form=stacks_lib.UNSCANNED, **kwargs) -> Naming:
-  """A hybrid decoder's naming: `rules` beside the shared ones, stored in `form`."""
+  """A hybrid decoder's naming: its `rules` (and `sized` ones), its layers stored in `form`;
+  what both families share (requirements, dims, axes, layer kinds) as they are."""
   return Naming(
       trainers.MAXTEXT, tuple(rules), ((_COMMON_REQUIRED,), _KINDS_REQUIRED), _DIMS,
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
