@@ -621,7 +621,9 @@ def maxtext_to_hf(job, params_path: str, shape_map=None) -> tuple[dict[str, np.n
   except Exception as e:  # noqa: BLE001 - MaxText's converter cannot take this model: said
     return None, hf_dict, f'{type(e).__name__}: {e}'.splitlines()[0]
   finally:
-    if own is not None:
+    if own is None:
+      th.HF_SHAPE.pop(cfg.model_name, None)
+    else:
       th.HF_SHAPE[cfg.model_name] = own
   return {k: np.asarray(v) for k, v in out.items()}, hf_dict, None
 
