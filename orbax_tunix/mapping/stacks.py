@@ -591,7 +591,7 @@ def linear_full(period: int) -> LayerForm:
   """Qwen3-Next's scanned form (`Qwen3NextScannableBlock`): per block of `period` layers
   under `decoder/layers`, `period - 1` linear-attention layers (an inner scan), then a
   full-attention one; the layers past the last whole block are linear ones, a remainder."""
-  return LayerForm(f"qwen3-next's scanned cycles of {period}", (
+  return LayerForm(f"Qwen3-Next's scanned cycles of {period}", (
       Stack(('decoder', 'layers', 'local_layers'), 2, tuple(range(period - 1))),
       Stack(('decoder', 'layers', 'global_layer'), positions=(period - 1,)),
       Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
@@ -602,5 +602,5 @@ def layer_cycles(period: int) -> LayerForm:
   of each block under `decoder/layers/layer_{j}`, blocks on the layer axis. MaxText 0.2.5
   builds no remainder: a layer count that is not a multiple of `period` loses its last
   layers (`int(layers / period)` blocks)."""
-  return LayerForm(f"qwen3.5's scanned cycles of {period}", (
+  return LayerForm(f"Qwen3.5's scanned cycles of {period}", (
       Stack(('decoder', 'layers', 'layer_{j}'), positions=tuple(range(period))),), period)
