@@ -355,3 +355,19 @@ def test_qwen3_next_shared_expert_adapter_says_what_peft_does(tmp_path):
   plan = orbax_tunix.tools.export.plan_peft_export(src, tmp_path / 'a2', model='qwen3_next',
                                                    alpha=ALPHA)
   assert not [n for n in plan.notes if 'peft 0.21' in n], plan.notes
+
+
+def test_adapters_alone_of_one_layer_kind_take_the_kinds_from_the_config(tmp_path):
+  """A save of adapters on the linear-attention layers alone tells neither the layer count nor
+  the layers' kinds (layer_types), so the base model's config gives them, unchecked."""
+  flat, _ = lora_tree('qwen3_5_moe', 'unscanned', ('attention/in_proj_qkvz/kernel',))
+  only = {f'base/{p}/value': v for p, v in flat.items() if '_lora_' in p}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'only' / '2', args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeSave(nest(only))))
+  cfg = config(tmp_path / 'cfg', 'qwen3_5_moe')
+  orbax_tunix.export_peft_adapter(tmp_path / 'only', tmp_path / 'a', model='qwen3_5_moe',
+                                  alpha=ALPHA, base_model=str(cfg))
+  adapter = read_safetensors(tmp_path / 'a' / ADAPTER_FILE)
+  # The six linear layers' in_proj_qkv and in_proj_z: A and B each.
+  assert len(adapter) == 2 * 2 * 6, sorted(adapter)
