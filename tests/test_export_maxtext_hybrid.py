@@ -27,7 +27,7 @@ import orbax_tunix
 from orbax_tunix.mapping import huggingface as hf
 from orbax_tunix.mapping import stacks
 from orbax_tunix.mapping.peft import ADAPTER_FILE
-from orbax_tunix.mapping.transforms import TransformError, concatenate, regroup
+from orbax_tunix.mapping.transforms import TransformError, concat, regroup
 from tests.test_export_maxtext import (
   assert_refused,
   nest,
@@ -228,7 +228,7 @@ def test_qwen3_5_without_the_config_sizes_is_refused(tmp_path):
                          '--hf-config', str(cfg)), out, 'layer_types')
 
 
-def test_regroup_and_concatenate():
+def test_regroup_and_concat():
   """`regroup` against a loop over the blocks; both refuse shapes that do not fit."""
   x = np.arange(2 * 3 * 10).reshape(3, 20).T.copy()  # (20, 3): two blocks of (1, 4, 5)
   t = regroup(0, 2, (1, 4, 5), (2, 0))
@@ -237,9 +237,9 @@ def test_regroup_and_concatenate():
   np.testing.assert_array_equal(t.apply([x]), want)
   with pytest.raises(TransformError, match='2 groups of 10'):
     t.check([(21, 3)])
-  c = concatenate(-1)
+  c = concat(-1)
   assert c.check([(2, 3, 4), (2, 3, 5)]) == (2, 3, 9)
-  with pytest.raises(TransformError, match='equal but along axis -1'):
+  with pytest.raises(TransformError, match=r'concat\(axis=-1\)'):
     c.check([(2, 3, 4), (2, 4, 5)])
 
 

@@ -55,7 +55,7 @@ from orbax_tunix.mapping.hf_naming import (
   rule,
 )
 from orbax_tunix.mapping.patterns import LayoutRule
-from orbax_tunix.mapping.transforms import chain, concatenate, regroup, transpose
+from orbax_tunix.mapping.transforms import chain, concat, regroup, transpose
 
 # The cycle of MaxText's `inhomogeneous_layer_cycle_interval` (4 in every released model):
 # layer i is full attention when (i + 1) % 4 == 0.
@@ -262,7 +262,7 @@ def _maxtext_qwen3_5_moe() -> Naming:
       *_common(), *_full_attention(), *_linear_attention(),
       # wi_0 then wi_1 (gathered in the order of their number): (E, D, 2F) -> (E, 2F, D).
       rule(f'{experts}/wi_{{k}}', f'{LAYER}.mlp.experts.gate_up_proj',
-           chain(concatenate(-1), transpose((0, 2, 1)))),
+           chain(concat(-1), transpose((0, 2, 1)))),
       rule(f'{experts}/wo', f'{LAYER}.mlp.experts.down_proj', transpose((0, 2, 1))),
   ], sized=(_PER_KEY_HEAD,), form=stacks_lib.layer_cycles(CYCLE))
 

@@ -18,7 +18,7 @@ each with a transform; nothing else here knows a layout.
   shift(delta)                  x + delta                (computed)
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
-  concatenate(axis)             several sources joined along an axis
+  concat(axis)                  several sources joined along an axis
   regroup(axis, groups, sizes, take)  per-block parts gathered part by part
   per_input((t1, t2, ...), t)   each source through its own transform, then t on them all
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
@@ -502,7 +502,7 @@ def on_devices(
   return _COMPILED[key]
 
 
-def concatenate(axis: int) -> Transform:
+def concat(axis: int) -> Transform:
   """The sources joined along their axis `axis`, in their order (the other axes equal):
   e.g. two experts' kernels fused into one, gate then up."""
 
@@ -511,11 +511,11 @@ def concatenate(axis: int) -> Transform:
     at = axis % len(first) if first else 0
     if not first or any(len(s) != len(first) or s[:at] + s[at + 1:] != first[:at] + first[at + 1:]
                         for s in shapes):
-      raise TransformError(f'concatenate(axis={axis}): expected sources equal but along axis'
+      raise TransformError(f'concat(axis={axis}): expected sources equal but along axis'
                            f' {axis}, found {list(shapes)}')
     return (*first[:at], sum(s[at] for s in shapes), *first[at + 1:])
 
-  return Transform(f'concatenate(axis={axis})', shape,
+  return Transform(f'concat(axis={axis})', shape,
                    lambda xs: xp(*xs).concatenate(list(xs), axis=axis), arity=None,
                    source_spec=_whole(axis))
 
