@@ -47,10 +47,12 @@ pyconfig `k=v` strings):
                   (the tiny llama2's, or with model_name and dims a family's as family_case
                   builds it); `notes` = the orbax_tunix log messages.
   family_case     model_name, dims, scan[, seed, step=3, jit_logits=false, convert_tunix=false,
-                  params_only_logits=true], out: a tiny random MaxText model of one family
-                  saved as a Tunix run and a MaxText step under `out`, MaxText 0.2.5's own HF
-                  conversion of it (with convert_tunix, of the Tunix run too: npz
-                  'hf_tunix/<name>'), the fitted HF config and its logits (see job_family_case).
+                  params_only_logits=true, lora, repair_shape_map], out: a tiny random MaxText
+                  model of one family saved as a Tunix run and a MaxText step under `out`,
+                  MaxText 0.2.5's own HF conversion of it (with convert_tunix, of the Tunix run
+                  too: npz 'hf_tunix/<name>'), the fitted HF config and its logits (see
+                  job_family_case); with `lora`, also a LoRA run of it as MaxText applies LoRA,
+                  and its logits (see family_extras).
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
@@ -96,6 +98,7 @@ from maxtext.common.common_types import MODEL_MODE_TRAIN  # noqa: E402
 from maxtext.configs import pyconfig  # noqa: E402
 from maxtext.trainers.pre_train import train as mt_train  # noqa: E402
 from maxtext.utils import maxtext_utils, model_creation_utils, train_utils  # noqa: E402
+from maxtext_convert import maxtext_to_hf, repaired_shape_map  # noqa: E402  (a sibling)
 from orbax.checkpoint import v1 as ocp_v1  # noqa: E402
 
 # orbax_tunix (installed editable in this venv) is imported by the one job that calls it, so a
@@ -554,107 +557,31 @@ def save_maxtext_step(root: Path, step: int, model) -> None:
   mngr.close()
 
 
-# MaxText's Qwen3-VL entries are bare PreTrainedConfigs holding their text_config and
-# vision_config as dicts: _validate_or_update_architecture reads them with getattr and fits
-# nothing. `fit_raw` fits them as it fits the others: the text model's dims from the tiny
-# MaxText config, the vision tower's from its `*_for_vit` keys, mrope's sections.
-RAW_TEXT_FIELDS = (('hidden_size', 'emb_dim'), ('intermediate_size', 'mlp_dim'),
-                   ('num_hidden_layers', 'num_decoder_layers'), ('vocab_size', 'vocab_size'),
-                   ('moe_intermediate_size', 'moe_mlp_dim'), ('num_experts', 'num_experts'),
-                   ('num_local_experts', 'num_experts'),
-                   ('num_experts_per_tok', 'num_experts_per_tok'))
-RAW_VISION_FIELDS = (('depth', 'num_hidden_layers_for_vit'), ('hidden_size', 'hidden_size_for_vit'),
-                     ('intermediate_size', 'intermediate_size_for_vit'),
-                     ('num_heads', 'num_attention_heads_for_vit'),
-                     ('out_hidden_size', 'out_hidden_size_for_vit'),
-                     ('num_position_embeddings', 'num_position_embeddings_for_vit'),
-                     ('patch_size', 'patch_size_for_vit'),
-                     ('spatial_merge_size', 'spatial_merge_size_for_vit'),
-                     ('temporal_patch_size', 'temporal_patch_size_for_vit'),
-                     ('deepstack_visual_indexes', 'deepstack_visual_indexes_for_vit'),
-                     ('in_channels', 'num_channels_for_vit'))
+def converting(job, params: Path):
+  """The pyconfig MaxText's converter runs with on the params item at `params`."""
+  return family_config(job['model_name'], job['scan'], job['dims'],
+                       f'load_parameters_path={params}')
 
 
-def fit_raw(hf_dict: dict, cfg) -> None:
-  """Fits a raw config's `text_config` and `vision_config` (dicts) to the tiny model."""
-  text, vision = hf_dict.get('text_config') or {}, hf_dict.get('vision_config') or {}
-  for fields, into in ((RAW_TEXT_FIELDS, text), (RAW_VISION_FIELDS, vision)):
-    for hf_attr, mt_attr in fields:
-      value = getattr(cfg, mt_attr, None)
-      if hf_attr in into and value is not None:
-        into[hf_attr] = list(value) if isinstance(value, (list, tuple)) else value
-  rope = text.get('rope_parameters')
-  if isinstance(rope, dict) and 'mrope_section' in rope:
-    rope['mrope_section'] = list(cfg.mrope_section)
+def with_lora(model, cfg, seed: int) -> tuple[Any, dict[str, np.ndarray]]:
+  """`model` with LoRA applied as MaxText 0.2.5 applies it (lora_utils.apply_lora_to_model:
+  qwix's LoraProvider on the modules cfg's `lora_module_path` names, its rank and alpha), and
+  its adapters drawn from N(0, 0.3²) rounded to bfloat16 (qwix starts lora_b at zeros: a merge
+  would change nothing); the drawn values by adapter path."""
+  from maxtext.utils import lora_utils  # noqa: PLC0415
 
-
-def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
-  """MaxText 0.2.5's own to_huggingface.main, up to the dict it hands save_model_files.
-
-  The same calls in the same order (load_orbax_checkpoint, HF_MODEL_CONFIGS fitted with
-  _validate_or_update_architecture(override=True), _get_model_mappings,
-  detect_and_extract_checkpoint, validate_and_filter_param_map_keys, the vision filter,
-  _transform_weights_to_full_model), without the Hub (no tokenizer) and without writing.
-  Returns the HF weights by name (None when MaxText's converter fails on the model), the fitted
-  HF config (a dict, as config.json holds it), and the converter's error or None.
-  """
-  import copy  # noqa: PLC0415
-
-  from maxtext.checkpoint_conversion import to_huggingface as th  # noqa: PLC0415
-  from maxtext.checkpoint_conversion.utils import utils as conv  # noqa: PLC0415
-  from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS  # noqa: PLC0415
-
-  cfg = family_config(job['model_name'], job['scan'], job['dims'],
-                      f'load_parameters_path={params_path}')
-  checkpoint = conv.load_orbax_checkpoint(cfg)
-  hf_config = copy.deepcopy(HF_MODEL_CONFIGS[cfg.model_name])
-  th._validate_or_update_architecture(hf_config, cfg, override=True)
-  if getattr(cfg, 'rope_type', None) == 'yarn':  # as to_huggingface.main does next
-    th._apply_yarn_rope_config(hf_config, cfg)
-  # What _validate_or_update_architecture leaves at the full model's values and a tiny model
-  # needs, fitted in the dict the mappings are built from and config.json is written from: the
-  # per-layer attention kinds (truncated to the tiny model's layers: the pattern starts at layer
-  # 0), the sliding window, and the head attributes gemma4's text config answers only per layer
-  # (its getattr raises, so _validate_or_update_architecture skips them).
-  hf_dict = hf_config.to_dict()
-  text = hf_dict.get('text_config') or hf_dict
-  for hf_attr, mt_attr in (('num_attention_heads', 'num_query_heads'),
-                           ('num_key_value_heads', 'num_kv_heads'), ('head_dim', 'head_dim'),
-                           ('global_head_dim', 'global_head_dim'),
-                           ('num_global_key_value_heads', 'global_num_kv_heads')):
-    value = getattr(cfg, mt_attr, None)
-    if value and value > 0 and hf_attr in text:
-      text[hf_attr] = value
-  if text.get('per_layer_config'):  # gemma4: the full model's heads per layer, derived again
-    text['per_layer_config'] = None  # from the fitted attributes above when None
-  if text.get('layer_types'):
-    text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
-  if text.get('sliding_window') and cfg.sliding_window_size:
-    text['sliding_window'] = cfg.sliding_window_size
-  if isinstance(getattr(hf_config, 'text_config', None), dict):
-    fit_raw(hf_dict, cfg)
-  if 'first_k_dense_replace' in text:  # DeepSeek's dense layers (its mappings read it), its
-    text['first_k_dense_replace'] = cfg.first_num_dense_layers  # query's width (its shapes)
-    text['qk_head_dim'] = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    text['head_dim'] = cfg.qk_rope_head_dim  # and the rotary width (transformers' rope reads it)
-  try:
-    maps = th._get_model_mappings(cfg.model_name, cfg.scan_layers, hf_dict, cfg)
-    state = conv.detect_and_extract_checkpoint(checkpoint)
-    keys = conv.validate_and_filter_param_map_keys(maps['param_mapping'], set(state))
-    if not cfg.use_multimodal:  # to_huggingface.main's filter: the text model alone
-      keys = [k for k in keys
-              if 'vision_encoder' not in (k if isinstance(k, str) else ' '.join(k))]
-    # Its loop calls gc.collect() after every weight (~1 s each in a process holding MaxText):
-    # that frees memory and changes no value, so it is skipped here to keep the suite short.
-    collect, th.gc.collect = th.gc.collect, lambda *a: 0
-    try:
-      out = th._transform_weights_to_full_model(cfg, keys, state, maps['param_mapping'],
-                                                maps['hook_fn_mapping'], maps['shape_mapping'])
-    finally:
-      th.gc.collect = collect
-  except Exception as e:  # noqa: BLE001 - MaxText's converter cannot take this model: said
-    return None, hf_dict, f'{type(e).__name__}: {e}'.splitlines()[0]
-  return {k: np.asarray(v) for k, v in out.items()}, hf_dict, None
+  nnx.pop(model, nnx.Intermediate)  # what a forward pass sowed (an MoE block's overflow flag)
+  with jax.set_mesh(model.mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    made = lora_utils.apply_lora_to_model(model, model.mesh, cfg)
+  graphdef, adapters, rest = nnx.split(made, nnx.LoRAParam, ...)
+  rng = np.random.default_rng(seed + 100)
+  pure = adapters.to_pure_dict()
+  drawn = {p: rng.normal(0.0, 0.3, np.shape(v)).astype(jnp.bfloat16).astype(np.float32)
+           for p, v in sorted(flat(pure).items())}
+  nnx.replace_by_pure_dict(adapters, _filled(pure, lambda p, v: jnp.asarray(drawn[p], v.dtype)))
+  made = nnx.merge(graphdef, adapters, rest)
+  nnx.pop(made, nnx.Intermediate)  # qwix traced the model once: its sown flags again
+  return made, drawn
 
 
 def job_family_case(job, out_dir):
@@ -691,10 +618,10 @@ def job_family_case(job, out_dir):
     more['logits_params_only'] = forward_logits(model_with(cfg, nnx.state(model, nnx.Param)),
                                                 tokens, jit)
   times['logits'] = time.time() - t - sum(times.values())
-  hf, hf_config, convert_error = maxtext_to_hf(job, str(out / 'maxtext' / str(step) / 'items'))
+  hf, hf_config, convert_error = maxtext_to_hf(converting(job, out / 'maxtext' / str(step) / 'items'))
   if job.get('convert_tunix'):  # MaxText's converter reads Tunix's runs too (its 'base' level)
     hf_tunix, _, tunix_error = maxtext_to_hf(
-        job, str(out / 'tunix' / str(step) / 'model_params'))
+        converting(job, out / 'tunix' / str(step) / 'model_params'))
     more.update({f'hf_tunix/{k}': v for k, v in (hf_tunix or {}).items()})
   times['convert'] = time.time() - t - sum(times.values())
   (out / 'hf_config').mkdir(parents=True, exist_ok=True)
@@ -708,6 +635,8 @@ def job_family_case(job, out_dir):
             str(out / 'reference_hf' / 'model.safetensors'), metadata={'format': 'pt'})
   arrays = {'logits': logits, 'tokens': tokens, **more,
             **{f'hf/{k}': v for k, v in (hf or {}).items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
+  extras = family_extras(job, model, tokens, out, step, times, hf_config)
+  arrays.update(extras.pop('arrays'))
   npz = os.path.join(out_dir, f"{job['id']}.npz")
   np.savez(npz, **arrays)
   keys = {k: getattr(cfg, k) for k in (
@@ -727,13 +656,52 @@ def job_family_case(job, out_dir):
       'beta_slow', 'rope_truncate', 'rope_interleave', 'use_indexer', 'indexer_topk',
       'indexer_n_heads', 'indexer_head_dim', 'first_num_hash_layers', 'compress_ratios',
       'compressed_rope_max_timescale', 'mhc_expansion_rate', 'o_groups',
-      'o_lora_rank') if hasattr(cfg, k)}
+      'o_lora_rank', *HYBRID_KEYS) if hasattr(cfg, k)}
   return {'npz': npz, 'tunix': str(out / 'tunix'), 'maxtext': str(out / 'maxtext'),
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
           'convert_error': convert_error,
           'convert_tunix_error': tunix_error if job.get('convert_tunix') else None,
-          'mt': {k: list(v.shape) for k, v in drawn.items()}}
+          'mt': {k: list(v.shape) for k, v in drawn.items()}, **extras}
+
+
+# The hybrid decoders' config keys a family_case result reports too.
+HYBRID_KEYS = ('inhomogeneous_layer_cycle_interval', 'gdn_num_key_heads', 'gdn_num_value_heads',
+               'gdn_key_head_dim', 'gdn_value_head_dim', 'gdn_conv_kernel_dim', 'gdn_chunk_size',
+               'partial_rotary_factor', 'use_mrope', 'mrope_section', 'shared_experts')
+
+
+def family_extras(job, model, tokens, out: Path, step: int, times: dict, hf_dict: dict) -> dict:
+  """family_case's optional parts (`arrays` for its npz, the rest for its result):
+
+  repair_shape_map (true): `repaired_shape_map`'s evidence ('shape_map') and MaxText's
+    converter run with the map its shape function builds ('hf_repaired/<name>' arrays,
+    'repaired_error');
+  lora ({module_path, rank, alpha}): the model with LoRA as MaxText applies it
+    (`with_lora`), saved as a Tunix run at `<out>/tunix_lora` ('tunix_lora'), its logits
+    ('logits_lora') and its adapters' shapes ('lora').
+  """
+  arrays, result, t = {}, {}, time.time()
+  if job.get('repair_shape_map'):
+    evidence, shape_map = repaired_shape_map(job['model_name'], model.config
+                                             .inhomogeneous_layer_cycle_interval)
+    hf, _, error = maxtext_to_hf(converting(job, out / 'maxtext' / str(step) / 'items'),
+                                 shape_map=shape_map)
+    arrays.update({f'hf_repaired/{k}': v for k, v in (hf or {}).items()})
+    result.update(shape_map=evidence(hf_dict), repaired_error=error)
+  if job.get('lora'):
+    lora = job['lora']
+    made, _ = with_lora(model, family_config(
+        job['model_name'], job['scan'], job['dims'], 'lora.enable_lora=True',
+        f"lora.lora_rank={lora['rank']}", f"lora.lora_alpha={lora['alpha']}",
+        f"lora.lora_module_path={lora['module_path']}"), int(job.get('seed', 0)))
+    save_tunix_run(out / 'tunix_lora', step, made)
+    arrays['logits_lora'] = forward_logits(made, tokens, bool(job.get('jit_logits')))
+    result['tunix_lora'] = str(out / 'tunix_lora')
+    result['lora'] = {k: list(np.shape(v)) for k, v in flat(
+        nnx.state(made, nnx.LoRAParam).to_pure_dict()).items()}
+  times['extras'] = time.time() - t
+  return {'arrays': arrays, **result}
 
 
 # --------------------------------------------------------------------------- #
@@ -893,8 +861,6 @@ def job_lora_case(job, out_dir):
   without them ('base_logits'), the tokens, the adapters ('lora/<path>'). Result: `tunix` (the
   run), `lora` (adapter path -> shape), `adapted` (the adapted modules' paths), `config` keys.
   """
-  from maxtext.utils import lora_utils  # noqa: PLC0415
-
   out, step = Path(job['out']).resolve(), int(job.get('step', 3))
   keys = ([] if job.get('rank') is None else
           ['lora.enable_lora=True', f"lora.lora_rank={int(job['rank'])}",
@@ -904,18 +870,7 @@ def job_lora_case(job, out_dir):
   model, _ = random_model(cfg, int(job.get('seed', 0)))
   tokens = fixed_tokens(cfg)
   base_logits = forward_logits(model, tokens, jit)
-  nnx.pop(model, nnx.Intermediate)  # what the forward pass sowed (an MoE block's overflow flag)
-  mesh = maxtext_utils.get_mesh_from_config(cfg)
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
-    lora_model = lora_utils.apply_lora_to_model(model, mesh, cfg)
-  graphdef, adapters, rest = nnx.split(lora_model, nnx.LoRAParam, ...)
-  rng = np.random.default_rng(int(job.get('seed', 0)) + 100)
-  pure = adapters.to_pure_dict()
-  drawn = {p: rng.normal(0.0, 0.3, np.shape(v)).astype(jnp.bfloat16).astype(np.float32)
-           for p, v in sorted(flat(pure).items())}
-  nnx.replace_by_pure_dict(adapters, _filled(pure, lambda p, _: drawn[p]))
-  lora_model = nnx.merge(graphdef, adapters, rest)
-  nnx.pop(lora_model, nnx.Intermediate)  # qwix traced the model once: its sown flags again
+  lora_model, drawn = with_lora(model, cfg, int(job.get('seed', 0)))
   save_tunix_run(out / 'tunix', step, lora_model)
   logits = forward_logits(lora_model, tokens, jit)
   npz = os.path.join(out_dir, f"{job['id']}.npz")

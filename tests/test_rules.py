@@ -124,3 +124,15 @@ def test_wrappers_at_several_depths_and_keys_repeated_below_them():
   assert o.to_canonical_path(_p('hyperparams/lr/value')) is None
   assert o.to_disk_path(_p('0/x/nu/enc/base/w')) == _p('inner_state/0/x/nu/base/enc/base/w/value')
   assert o.to_disk_path(_p('0/mu/head')) == _p('inner_state/0/mu/base/head/value')
+
+
+def test_sown_intermediates_leave_the_view():
+  """A Tunix run of a MaxText MoE model saved after a forward pass holds the MoE block's sown
+  `moe_has_overflow` (an nnx.Intermediate: a tuple, `value/0`, `value/1`): the weights keep
+  their canonical names and the intermediates, no weights, leave the view."""
+  model = ['base/l/0/w/value', 'base/l/0/moe/moe_has_overflow/value/0',
+           'base/l/0/moe/moe_has_overflow/value/1', 'base/emb/value']
+  lay = _plan(model)['model_params']
+  assert lay.rule_names == ('nnx_value', 'adapter_base')
+  assert lay.canonical_to_disk == {_p('l/0/w'): _p('base/l/0/w/value'),
+                                   _p('emb'): _p('base/emb/value')}

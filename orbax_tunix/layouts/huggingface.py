@@ -83,7 +83,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   per_layer, vocab_notes = config_lib.cut_vocab(
       naming, per_layer, _config_vocab(base_config), f'{hf_config}/config.json')
   shapes = {p: m.shape for p, m in per_layer.items()}
-  mapped = huggingface.map_weights(family, naming, shapes, where)
+  mapped = huggingface.map_weights(family, naming, shapes, where,
+                                   config=config_lib.text_fields(base_config))
   staged = {o.path: o for o in relay(model, per_layer)}
   if merged is not None:
     staged.update(_merged_per_layer(merged, model, per_layer, naming, axis))

@@ -225,9 +225,9 @@ def _names_for_base(family: Family, naming: Naming,
     return same, [f'base model {base_model!r} is no folder here: its config is not checked']
   folder, values = base_folder
   config = str(folder / 'config.json')
-  # What adapters alone cannot tell: the layer count; whether the model ties its lm_head to
-  # the embedding, unless they adapt an lm_head of its own (the model then has one).
-  untold = () if full else ('num_hidden_layers',) + (
+  # What adapters alone cannot tell: the layer count and kinds; whether the model ties its
+  # lm_head to the embedding, unless they adapt an lm_head of its own (the model has one).
+  untold = () if full else ('num_hidden_layers', 'layer_types') + (
       () if naming.tied is not None and not naming.tied(shapes) else ('tie_word_embeddings',))
   config_lib.check_config(family, values, shapes, config, skip=untold, option=BASE_MODEL.name)
   text = _text_config(base_folder) or {}
@@ -286,15 +286,18 @@ def _adapters(request: Request, where: str
 
 
 def _mapped(family: Family, naming: Naming, shapes: Mapping[Path, tuple[int, ...]],
-            full: bool, base_model: str | None, where: str) -> patterns.PathMap:
-  """The family's rules applied to the adapted weights (per layer).
+            full: bool, base_model: str | None, where: str,
+            text: Mapping[str, object] | None = None) -> patterns.PathMap:
+  """The family's rules applied to the adapted weights (per layer); `text`: the base model's
+  config fields (its text model's), for the naming's `sized` rules.
 
   Raises:
     UnsupportedLayoutError: a full save's weights that are none of the family's modules.
     LoraError: the same for a save of adapters alone, saying where their shapes come from.
   """
   try:
-    return huggingface.map_weights(family, naming, shapes, where, whole=False)
+    return huggingface.map_weights(family, naming, shapes, where, whole=False, config=text,
+                                   option=BASE_MODEL.name)
   except errors.UnsupportedLayoutError as e:
     if full:
       raise
@@ -395,10 +398,12 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in naming.form.unstack(
         {p: leaf.shape for p, leaf in base.items()}, axis, where=where).items()}
-    huggingface.map_weights(family, naming, model_shapes, where)
   base_model = request.option(BASE_MODEL)
   base_folder = _base_folder(base_model)
   text = _text_config(base_folder)
+  if base:
+    huggingface.map_weights(family, naming, model_shapes, where, config=text,
+                            option=BASE_MODEL.name)
   told = {} if base else _told_shapes(family, naming, adapters, leaves, base_folder, axis, where)
   found = {w: _arrangement(naming, w, a, leaves, base, told)
            for w, a in sorted(adapters.items())}
@@ -406,7 +411,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   per_layer = naming.form.unstack({w: c.weight for w, c in arranged.items()}, axis,
                                   where=where)
   layer_shapes = {p: m.shape for p, m in per_layer.items()}
-  mapped = _mapped(family, naming, layer_shapes, bool(base), base_model, where)
+  mapped = _mapped(family, naming, layer_shapes, bool(base), base_model, where, text)
   rename, config_notes = _names_for_base(
       family, naming, base_model, base_folder,
       model_shapes if base else layer_shapes, bool(base), where)

@@ -7,7 +7,13 @@ model; a new trainer's naming of a family is one more entry of that family's `na
 
 from __future__ import annotations
 
-from orbax_tunix.mapping import hf_deepseek, hf_deepseek4, hf_maxtext, hf_tunix
+from orbax_tunix.mapping import (
+    hf_deepseek,
+    hf_deepseek4,
+    hf_maxtext,
+    hf_maxtext_hybrid,
+    hf_tunix,
+)
 from orbax_tunix.mapping.hf_naming import Family
 
 # Gemma's MLP uses the tanh approximation of GELU; MaxText's converter writes "gelu",
@@ -64,5 +70,17 @@ DEEPSEEK_V32 = Family('deepseek_v32', 'DeepseekV32ForCausalLM', 'deepseek_v32',
 DEEPSEEK_V4 = Family('deepseek_v4', 'DeepseekV4ForCausalLM', 'deepseek_v4',
                      (hf_deepseek4.DEEPSEEK4,), aliases=('deepseek4',))
 
+# MaxText's hybrid decoders (linear attention interleaved with full attention): MaxText's
+# models only (Tunix takes them as MaxText checkpoints). Qwen3.5's text model is exported as
+# its text class; a multimodal base config's text_config becomes its config.
+QWEN3_NEXT = Family('qwen3_next', 'Qwen3NextForCausalLM', 'qwen3_next',
+                    (hf_maxtext_hybrid.QWEN3_NEXT,), aliases=('qwen3-next',))
+QWEN3_5_MOE = Family(
+    'qwen3_5_moe', 'Qwen3_5MoeForCausalLM', 'qwen3_5_moe_text', (hf_maxtext_hybrid.QWEN3_5_MOE,),
+    aliases=('qwen3.5',),
+    text_prefixes={'Qwen3_5MoeForCausalLM': 'model.', 'Qwen3_5MoeForConditionalGeneration':
+                   'model.language_model.'})
+
 FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, GPT_OSS, QWEN3_VL,
-            QWEN3_VL_MOE, DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4)
+            QWEN3_VL_MOE, DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4, QWEN3_NEXT,
+            QWEN3_5_MOE)

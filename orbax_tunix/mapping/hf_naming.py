@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Mapping
 
+from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping import trainers
@@ -181,6 +182,33 @@ _ANY_LAYER = LayerType({})
 
 
 @dataclasses.dataclass(frozen=True)
+class Sized:
+  """Rules whose transforms need sizes the weights' shapes do not tell, taken from the base
+  model's config.json (Qwen3.5's fused linear-attention kernel holds its rows per key head,
+  and no shape says how many key heads there are).
+
+  Attributes:
+    sources: the weight patterns (per-layer form) the rules take: weights holding one of
+      them need the fields.
+    fields: the config.json fields (the text model's) the rules read, positive integers.
+    rules: the fields' values, by name -> the rules.
+    why: what the sizes are for, for messages.
+    example: values of the fields for the README's table (the family's released model's).
+  """
+
+  sources: tuple[str, ...]
+  fields: tuple[str, ...]
+  rules: Callable[[Mapping[str, int]], tuple[LayoutRule, ...]]
+  why: str
+  example: Mapping[str, int]
+
+  def needed(self, paths: Collection[Path]) -> Path | None:
+    """A weight among `paths` the rules take (None: none, and no field is needed)."""
+    patterns = [Pattern.parse(s.split('/')) for s in self.sources]
+    return next((p for p in sorted(paths) if any(x.match(p) for x in patterns)), None)
+
+
+@dataclasses.dataclass(frozen=True)
 class Naming:
   """One trainer's names for a family: its weights onto the family's tensors.
 
@@ -233,6 +261,10 @@ class Naming:
       holds its `source` (`huggingface.fill_absent`).
     derived: weight pattern (per layer, a name the trainer has not) -> the `Derived` that makes
       it of the weights it replaces, in each layer holding them all (`huggingface.derive`).
+    sized: rules made from config.json's sizes (`Sized`), beside `rules`: see `rules_for`.
+    typed_by: config `layer_types` entry -> a weight pattern (`{i}` the layer) only a layer
+      of that kind holds: the weights then imply `layer_types` (every layer holding one),
+      which a config.json must agree with (a hybrid decoder's linear and full attention).
   """
 
   trainer: trainers.Trainer
@@ -259,6 +291,35 @@ class Naming:
   layer_counts: Mapping[str, str] = dataclasses.field(default_factory=dict)
   fills: Mapping[str, Fill] = dataclasses.field(default_factory=dict)
   derived: Mapping[str, Derived] = dataclasses.field(default_factory=dict)
+  sized: tuple[Sized, ...] = ()
+  typed_by: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def rules_for(self, config: Mapping[str, object] | None, paths: Collection[Path],
+                where: str = '', option: str = 'hf_config') -> tuple[LayoutRule, ...]:
+    """The rules, with the `sized` ones the weights at `paths` need made from `config` (the
+    text model's fields of the base model's config.json; None: no config given).
+
+    Raises:
+      InvalidOptionError: the weights need sizes the config does not give (naming the
+        fields, and `option`, the parameter the config comes from).
+    """
+    made: list[LayoutRule] = []
+    for sized in self.sized:
+      weight = sized.needed(paths)
+      if weight is None:
+        continue
+      values = {f: (config or {}).get(f) for f in sized.fields}
+      bad = [f for f, v in values.items()
+             if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+      if bad:
+        given = (f'`{option}` is not given' if config is None else
+                 'config.json has ' + ', '.join(f'{f}={values[f]!r}' for f in bad))
+        raise errors.InvalidOptionError(
+            f'{where}: {fmt(weight)}: {sized.why}; these sizes come from the base model\'s'
+            f' config.json ({", ".join(sized.fields)}: positive integers), and {given}. Pass'
+            f' as `{option}` the folder of the model this run was trained from.')
+      made += sized.rules(values)
+    return self.rules + tuple(made)
 
   def config_value(self, config: Mapping[str, object], field: str) -> object:
     """`config[field]`, else the `transformers` default (`config_defaults`), else None."""
@@ -351,6 +412,12 @@ class Naming:
       held = Pattern.parse(pattern.split('/')).expand({'i': self.layers(shapes)})
       out[field] = sum(p in shapes for p in held)
     out['tie_word_embeddings'] = True if self.tied is None else self.tied(shapes)
+    if self.typed_by:
+      kinds = [[kind for kind, pattern in self.typed_by.items()
+                if tuple(pattern.replace('{i}', i).split('/')) in shapes]
+               for i in self.layers(shapes)]
+      if kinds and all(len(k) == 1 for k in kinds):
+        out['layer_types'] = [k[0] for k in kinds]
     return out
 
 

@@ -148,9 +148,11 @@ def model_weights(found: Mapping[Path, T]) -> tuple[dict[Path, T], list[str]]:
 
 
 def map_weights(family: Family, naming: Naming, shapes: Mapping[Path, Shape], where: str,
-                whole: bool = True) -> patterns.PathMap:
+                whole: bool = True, config: Mapping[str, object] | None = None,
+                option: str = 'hf_config') -> patterns.PathMap:
   """The naming's rules applied to weights (a full save's whole model, or the adapted
-  weights): each weight's tensors, from shapes alone.
+  weights): each weight's tensors, from shapes alone (and, for a naming's `sized` rules, the
+  sizes `config` gives).
 
   Args:
     family, naming: the family, and its naming the weights carry (`naming`).
@@ -158,13 +160,17 @@ def map_weights(family: Family, naming: Naming, shapes: Mapping[Path, Shape], wh
     where: the source, for messages.
     whole: the weights are the whole model (every one must be the family's, none missing);
       else some of it (the adapted weights: one at least must be the family's).
+    config: the base model's config.json fields (its text model's), or None.
+    option: the parameter `config` comes from, for messages.
 
   Raises:
     UnsupportedLayoutError: the weights are not the family's (a whole model: naming the
       unmapped and the missing; adapted weights: none of them is one of its modules).
+    InvalidOptionError: sizes the naming's `sized` rules need that `config` does not give.
   """
+  rules = naming.rules_for(config, shapes, where, option)
   try:
-    mapped = patterns.map_paths(shapes, naming.rules, where=where)
+    mapped = patterns.map_paths(shapes, rules, where=where)
   except errors.UnsupportedLayoutError as e:
     raise errors.UnsupportedLayoutError(
         f"{e}\nThe weights have {family.name}'s names but not its shapes. Pick the"
@@ -297,8 +303,10 @@ def table(family: Family, trainer: str = trainers.TUNIX.name) -> list[tuple[str,
   """(source path, Hugging Face name, transform) per rule of the family's naming by one
   trainer (by name), as the README shows them."""
   naming = family.naming_of(trainers.get(trainer))
+  rules = () if naming is None else naming.rules + tuple(
+      r for sized in naming.sized for r in sized.rules(sized.example))
   rows = []
-  for rule in naming.rules if naming is not None else ():
+  for rule in rules:
     source = '/'.join(k.spec for k in rule.source.keys)
     for dest, transform in rule.dests:
       shown = transform.name

@@ -21,6 +21,11 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                             decoder/moe_layers_{j}/<w>                      dense + j
   deepseek V4 scanned       decoder/layers_{i}/<w> (its hash layers)        i
                             decoder/scanned_blocks/layers_{k}/<w>, on A     hash + 2a + k
+  qwen3-next scanned        decoder/layers/local_layers/<w>, blocks on A,   4a + k
+                              the 3 linear-attention layers on A+1
+                            decoder/layers/global_layer/<w>, on A           4a + 3
+                            decoder/layers_remainder/local_layers/<w>, on A 4·blocks + a
+  qwen3.5 scanned           decoder/layers/layer_{j}/<w>, blocks on A       4a + j
 
 (MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
 weight holds its experts on axis 0 and its layers on A.)
@@ -620,15 +625,22 @@ def after_per_layer(name: str, prefix: tuple[str, ...], period: int,
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
   the paths (among those, one whose numbered block positions are all the paths number: see
-  `_numbers_fit`; then the first; `LayerForm.held_by` them), else UNSCANNED when they hold
-  per-layer weights, else None (no decoder layers)."""
+  `_numbers_fit`; then the one whose stacks name them most closely, qwen3.5's
+  `decoder/layers/layer_{j}` rather than the plain `decoder/layers`; then the first;
+  `LayerForm.held_by` them), else UNSCANNED when they hold per-layer weights, else None (no
+  decoder layers)."""
   paths = list(paths)
-  held = [(n := sum(map(f.holds, paths)), n > 0 and _numbers_fit(f, paths), -k)
-          for k, f in enumerate(forms)]
-  best = max(held, default=(0, False, 0))
+  held = [(n := sum(map(f.holds, paths)), n > 0 and _numbers_fit(f, paths),
+           _closeness(f, paths), -k) for k, f in enumerate(forms)]
+  best = max(held, default=(0, False, 0, 0))
   if best[0]:
-    return forms[-best[2]].held_by(paths)
+    return forms[-best[3]].held_by(paths)
   return UNSCANNED if any(layer_of(p) is not None for p in paths) else None
+
+
+def _closeness(form: LayerForm, paths: Sequence[Path]) -> int:
+  """How closely a form's stacks name the paths it holds: their prefixes' keys, summed."""
+  return sum(len(form.stacks[hit[0]].prefix) for p in paths if (hit := form._find(p)))
 
 
 def relay(shapes: Mapping[Path, Shape | None], have: LayerForm, want: LayerForm, axis: int,
@@ -695,3 +707,22 @@ def check_axis(axis: int | None) -> None:
         f' as MaxText counts it ({DEFAULT_AXIS} by default: query/kernel is (emb, layers,'
         ' heads, head_dim)).'
     )
+
+
+def linear_full(period: int) -> LayerForm:
+  """Qwen3-Next's scanned form (`Qwen3NextScannableBlock`): per block of `period` layers
+  under `decoder/layers`, `period - 1` linear-attention layers (an inner scan), then a
+  full-attention one; the layers past the last whole block are linear ones, a remainder."""
+  return LayerForm(f"Qwen3-Next's scanned cycles of {period}", (
+      Stack(('decoder', 'layers', 'local_layers'), 2, tuple(range(period - 1))),
+      Stack(('decoder', 'layers', 'global_layer'), positions=(period - 1,)),
+      Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
+
+
+def layer_cycles(period: int) -> LayerForm:
+  """Qwen3.5's scanned form (`Qwen3_5ScannableBlock`): blocks of `period` layers, the j-th
+  of each block under `decoder/layers/layer_{j}`, blocks on the layer axis. MaxText 0.2.5
+  builds no remainder: a layer count that is not a multiple of `period` loses its last
+  layers (`int(layers / period)` blocks)."""
+  return LayerForm(f"Qwen3.5's scanned cycles of {period}", (
+      Stack(('decoder', 'layers', 'layer_{j}'), positions=tuple(range(period))),), period)

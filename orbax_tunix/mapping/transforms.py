@@ -22,6 +22,7 @@ each with a transform; nothing else here knows a layout.
   divide(name, divisor)         x / divisor(x's shape)   (computed)
   head(axis, size)              the first `size` entries along an axis
   interleave(axis)              two sources' entries alternating along an axis
+  regroup(axis, groups, sizes, take)  per-block parts gathered part by part
   per_input((t1, t2, ...), t)   each source through its own transform, then t on them all
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
 
@@ -588,3 +589,40 @@ def on_devices(
         lambda *xs: tuple(t.apply(xs).astype(d) for t, d in zip(ts, ds, strict=True)),
         out_shardings=tuple(shardings), donate_argnums=tuple(donate), **placed)
   return _COMPILED[key]
+
+
+def regroup(axis: int, groups: int, sizes: Sequence[int], take: Sequence[int]) -> Transform:
+  """Along `axis`, `groups` blocks one after another, each of parts of `sizes`: the parts
+  `take` names, one after another, each of them as every block holds it (in block order).
+
+  E.g. Qwen3.5's fused linear-attention projection holds, per key head, [q k v z]: taking
+  (0, 1, 2) gives [q of every head, k of every head, v of every head], (3,) every head's z.
+  """
+  sizes, take = tuple(sizes), tuple(take)
+  block = sum(sizes)
+  starts = [sum(sizes[:t]) for t in range(len(sizes))]
+  if groups < 1 or any(n < 1 for n in sizes) or not take or any(
+      not 0 <= t < len(sizes) for t in take):
+    raise ValueError(f'regroup: {groups} groups of parts {sizes}, taking {take}: expected'
+                     ' positive sizes and parts among them')
+
+  def shape(s: Shape) -> Shape:
+    if not -len(s) <= axis < len(s) or s[axis] != groups * block:
+      raise TransformError(
+          f'regroup(axis={axis}): expected {groups} groups of {block} ({" + ".join(map(str, sizes))})'
+          f' = {groups * block} along axis {axis}, found {s}')
+    at = axis % len(s)
+    return (*s[:at], groups * sum(sizes[t] for t in take), *s[at + 1:])
+
+  def apply(xs: Sequence[Any]) -> Any:
+    x = xs[0]
+    ops, at = xp(x), axis % x.ndim
+    blocks = ops.reshape(x, (*x.shape[:at], groups, block, *x.shape[at + 1:]))
+    parts = [ops.reshape(
+        ops.take(blocks, np.arange(starts[t], starts[t] + sizes[t]), axis=at + 1),
+        (*x.shape[:at], groups * sizes[t], *x.shape[at + 1:])) for t in take]
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=at)
+
+  return Transform(f'regroup(axis={axis}, groups={groups}, sizes={sizes}, take={take})',
+                   _one(shape), apply, source_spec=_whole(axis),
+                   source_axis=lambda d, shapes: None if d == axis % len(shapes[0]) else d)
