@@ -485,3 +485,53 @@ def test_scanned_blocks_that_are_not_whole_are_refused_naming_the_position(
     maxtext.restore_train_state(run_dir, sharded({'params': {'params': mt.nest(unscanned)}}, mesh),
                                 params_only=True)
   assert named in str(e.value)
+
+
+def test_a_record_the_arrays_contradict_is_named_and_the_axis_they_fit_taken(tmp_path, capsys):
+  """A converted step recording `param_scan_axis` 1 over layers stacked on axis 0: the
+  contradiction is named (what the step records, what the arrays fit), the axis the arrays fit
+  is taken when given (and recorded by a convert of the step), the recorded one refused."""
+  step = tmp_path / 'ax0' / '0'
+  status, _, err = run(capsys, 'convert', LLAMA, step, '--layout', 'maxtext', '--params-only',
+                       '--scan-layers', 'true', '--param-scan-axis', '0')
+  assert status == 0, err
+  meta_file = step / '_CHECKPOINT_METADATA'
+  meta = json.loads(meta_file.read_text())
+  meta['custom_metadata']['param_scan_axis'] = 1  # The arrays hold their layers on axis 0.
+  meta_file.write_text(json.dumps(meta))
+  said = ('records its layers stacked along axis 1', 'hold them along axis 0',
+          'the record contradicts the arrays', 'Pass --param-scan-axis 0')
+  out = tmp_path / 'out'
+  for flags in ((), ('--param-scan-axis', '1')):
+    status, _, err = run(capsys, 'convert', step, out / 'a' / '0', '--layout', 'maxtext',
+                         '--params-only', '--scan-layers', 'false', *flags)
+    assert status == 2 and all(s in err for s in said), err
+    status, _, err = run(capsys, 'export', step, out / 'hf', '--model', 'llama3', *flags)
+    assert status == 2 and all(s in err for s in said), err
+  assert not out.exists()
+  status, report, _ = run(capsys, 'inspect', step, '--json')
+  shown = json.loads(report)
+  assert status == 0 and shown['layers'] == {'form': 'scanned', 'count': 3, 'axis': 0}
+  assert any('the record contradicts the arrays' in n for n in shown['notes']), shown['notes']
+  # Given the axis the arrays fit: taken apart along it, as the step was written.
+  status, _, err = run(capsys, 'convert', step, out / 'b' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false', '--param-scan-axis', '0')
+  assert status == 0, err
+  src = builders.raw_leaves(LLAMA / '2' / 'model_params')
+  got = _stored(out / 'b' / '0')
+  stacked = [k for k in src if k.startswith('base/decoder/layers/') and 'rngs' not in k]
+  for k in stacked:
+    rest = k[len('base/decoder/layers/'):-len('/value')]
+    for i in range(3):
+      np.testing.assert_array_equal(got[f'decoder/layers_{i}/{rest}'], src[k][:, i], err_msg=k)
+  status, _, err = run(capsys, 'export', step, out / 'hf', '--model', 'llama3',
+                       '--param-scan-axis', '0')
+  assert status == 0 and 'MaxText model (scanned, 3 layers)' in err, err
+  # Re-written scanned (as stored, or scanned asked for) along it: the record is the arrays'.
+  for name, flags in (('c', ()), ('d', ('--scan-layers', 'true'))):
+    status, _, err = run(capsys, 'convert', step, out / name / '0', '--layout', 'maxtext',
+                         '--params-only', *flags, '--param-scan-axis', '0')
+    assert status == 0, err
+    written = json.loads((out / name / '0' / '_CHECKPOINT_METADATA').read_text())
+    assert written['custom_metadata']['param_scan_axis'] == 0
+    assert _stored(out / name / '0').keys() == _stored(step).keys()
