@@ -68,3 +68,33 @@ def test_synthetic_target_shards_over_any_device_count(count):
       for key in path:
         leaf = leaf[key]
       assert leaf.sharding.spec == jax.sharding.PartitionSpec(*spec), path
+
+
+@pytest.mark.parametrize('chunks', ['whole', 'layer', 'expert'])
+def test_export_maxtext_writes_a_moe_step_the_export_takes(tmp_path, chunks):
+  """`export_maxtext.py --model qwen3_moe` (its MaxText side runs in the MaxText venv, not
+  here): the step it writes is a scanned qwen3 MoE the export takes whole, one tensor per
+  expert, layer and projection; its sizes (model, largest array, largest chunk) are the
+  arrays' and the chunks' it asked Orbax for."""
+  import math  # noqa: PLC0415
+
+  import export_maxtext  # noqa: PLC0415
+
+  from orbax_tunix.tools import export  # noqa: PLC0415
+
+  layers, dim, experts, moe_mlp = 2, 64, 4, 16
+  step = export_maxtext.write_checkpoint(tmp_path / 'src', layers, dim, chunks, 'qwen3_moe',
+                                         experts, moe_mlp)
+  shapes = export_maxtext.shapes(layers, dim, 'qwen3_moe', experts, moe_mlp)
+  sizes = {p: 4 * math.prod(s) for p, s in shapes.items()}
+  model, largest, chunk = export_maxtext.stored_sizes(step)
+  assert (model, largest) == (sum(sizes.values()), max(sizes.values()))
+  stack = sizes['decoder/layers/moe_block/wi_0']
+  embedding = sizes['token_embedder/embedding']
+  assert chunk == {'whole': largest, 'layer': max(stack // layers, embedding // 8),
+                   'expert': max(sizes['decoder/layers/moe_block/gate/kernel'] // layers,
+                                 embedding // 8, stack // experts)}[chunks]
+  plan = export.plan_export(tmp_path / 'src', tmp_path / 'out', model='qwen3_moe')
+  names = [o.path[0] for o in plan.outputs]
+  assert sum('.mlp.experts.' in n for n in names) == 3 * experts * layers
+  assert f'weights: MaxText model (scanned, {layers} layers)' in plan.notes

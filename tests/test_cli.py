@@ -749,6 +749,32 @@ def test_batches_fit_the_budget():
   assert sizes == [[3, 3], [3], [10], [1]]
 
 
+_FREED = """
+import importlib.util, sys, numpy as np, psutil
+spec = importlib.util.spec_from_file_location('memory', sys.argv[2])  # (Not the package: quick.)
+memory = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(memory)
+if sys.argv[1] == 'set':
+  assert memory.return_freed_memory()
+big = np.ones(16 << 20, np.uint8)
+del big  # glibc's own rule: buffers up to 16 MiB now come from its heap
+rss = psutil.Process().memory_info().rss
+batches = [np.ones(4 << 20, np.uint8) for _ in range(8)]
+del batches[:-1]  # 28 MiB freed below one still held
+print((psutil.Process().memory_info().rss - rss) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason="glibc's allocator")
+def test_the_command_line_gives_back_freed_batches():
+  """With `memory.return_freed_memory` (the command line sets it), freed batches leave the
+  process's memory; by glibc's own rule they stay in its heap below a batch still held."""
+  held = {how: int(subprocess.run([sys.executable, '-c', _FREED, how, memory.__file__],
+                                  check=True, capture_output=True, text=True).stdout)
+          for how in ('set', 'unset')}
+  assert held['set'] <= 8 and held['unset'] >= 24, held
+
+
 def test_plan_is_metadata_only(tunix_data, tmp_path, monkeypatch):
   def no_reads(*args, **kwargs):
     raise AssertionError('planning read an array')

@@ -21,6 +21,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
@@ -349,6 +350,37 @@ def test_a_scanned_export_reads_each_stored_chunk_once(tmp_path, model, kind, ch
   orbax_tunix.tools.export.run_export(plan)
   got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
   for name, value in expected(model).items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_experts_stored_a_chunk_each_are_read_once_each(tmp_path):
+  """A MoE step saved sharded on the expert axis stores each expert's layers in one chunk: an
+  expert is read once, whole, its layers then taken from it (a layer of it read per output
+  would decode the chunk once per layer)."""
+  flat = maxtext_tree('qwen3_moe', 'scanned')
+  tree = {'params': {'params': nest(flat)}}
+
+  def args(path, value):
+    if path[-1] in ('wi_0', 'wi_1', 'wo'):  # (E, L, ...): a chunk per expert
+      return ocp.SaveArgs(chunk_byte_size=value.nbytes // value.shape[0], shard_axes=(0,))
+    return ocp.SaveArgs()
+
+  save_args = jax.tree_util.tree_map_with_path(
+      lambda p, v: args(tuple(k.key for k in p), v), tree)
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'run' / '5', args=ocp.args.Composite(items=ocp.args.PyTreeSave(
+        tree, save_args=save_args)))
+  plan = orbax_tunix.tools.export.plan_export(tmp_path / 'run', tmp_path / 'out',
+                                              model='qwen3_moe')
+  reads = {i.key: i for o in plan.outputs for i in o.inputs}
+  assert sum(i.nbytes for i in reads.values()) == sum(v.nbytes for v in flat.values())
+  experts = [i for i in reads.values() if i.leaf.path[-1] in ('wi_0', 'wi_1', 'wo')]
+  assert sorted(i.takes for i in experts) == sorted([((0, e),) for e in range(E)] * 3)
+  orbax_tunix.tools.export.run_export(plan)
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = expected('qwen3_moe')
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
     np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 

@@ -225,6 +225,94 @@ def test_stream_ahead_stops_reading_when_the_caller_fails():
   assert reads in ([0, 1], [0, 1, 2])
 
 
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(2, 12))
+@settings(max_examples=60, deadline=None)
+def test_stream_reads_ahead_only_batches_that_fit_beside_the_one_held(sizes, limit):
+  """A batch is read while the one before is still held only where the two hold at most
+  `limit` bytes together; otherwise once the caller has released it (a stack larger than a
+  batch is not read beside another)."""
+  import threading  # noqa: PLC0415
+
+  from orbax_tunix.reading import reader  # noqa: PLC0415
+
+  released, reads, lock = [0], {}, threading.Lock()
+
+  def read(batch):
+    with lock:
+      reads[batch[0]] = released[0]  # Batches the caller was done with when this read began.
+    return batch[0]
+
+  batches = [[i] * s for i, s in enumerate(sizes)]
+  handed = []
+  for _, value in reader.stream(batches, read, _Count(), len, ahead=True, size=len,
+                                    limit=limit):
+    handed.append(value)
+    released[0] += 1
+  assert handed == list(range(len(sizes)))
+  for i in range(1, len(sizes)):
+    if sizes[i - 1] + sizes[i] > limit:
+      assert reads[i] >= i, (sizes, limit, reads)
+
+
+def test_nothing_made_outlives_its_batch():
+  """The executor hands a batch's outputs to the sink and keeps none: an output that is a
+  view of what was read (a layer of a stack read whole) would keep the stack alive beside
+  the next batch's read."""
+  import dataclasses  # noqa: PLC0415
+  import weakref  # noqa: PLC0415
+
+  from orbax_tunix.mapping import executor  # noqa: PLC0415
+  from orbax_tunix.mapping.outputs import Output  # noqa: PLC0415
+
+  alive = []
+
+  @dataclasses.dataclass
+  class Views:
+    def units(self, outputs):
+      return [[o] for o in outputs]
+
+    def held_bytes(self, unit):
+      return 10
+
+    def read_bytes(self, batch):
+      return 10
+
+    def read(self, batch):
+      alive.extend(r() is not None for r in refs)  # What earlier batches read, still held?
+      stack = np.ones(10)
+      refs.append(weakref.ref(stack))
+      return stack
+
+    def make(self, unit, stack):
+      yield unit[0], stack[:1]  # A view: it holds the whole stack.
+
+  class Drop:
+    def write(self, batch):
+      pass
+
+    def close(self):
+      return {}
+
+  refs = []
+  outputs = [Output((name,), (), shape=(1,), dtype=np.dtype(np.float64)) for name in 'abc']
+  executor.run(outputs, Views(), Drop(), budget=10)
+  assert len(refs) == 3 and not any(alive), alive
+
+
+def test_a_take_of_a_host_array_is_a_view():
+  """`take` on numpy selects without copying (`np.take` copies): a layer of a stack read
+  whole, then an expert of it, costs no copy of the layer."""
+  x = np.arange(4 * 3 * 5, dtype=np.float32).reshape(4, 3, 5)
+  for axis in range(3):
+    for index in range(x.shape[axis]):
+      got = transforms.take(axis, index).apply([x])
+      np.testing.assert_array_equal(got, np.take(x, index, axis=axis))
+      assert np.shares_memory(got, x)
+  got = transforms.chain(transforms.take(1, 2), transforms.take(0, 3)).apply([x])
+  np.testing.assert_array_equal(got, x[3, 2])
+  assert np.shares_memory(got, x)
+
+
 def test_transforms_that_compute_differently_are_compiled_apart():
   """The device executor's compile cache is keyed by what a transform computes: two divides
   of one name but another axis (or function) are two programs, with their own results."""

@@ -254,12 +254,16 @@ def test_a_layer_sharded_target_axis(saved, mesh):
       [raw[f'base/decoder/layers_{i}/mlp/wi/kernel/value'] for i in range(L)], axis=1))
 
 
-@pytest.fixture
-def no_reads(monkeypatch):
+def _fail_reads(monkeypatch):
   def fail(*args, **kwargs):
     raise AssertionError('an array was read before the error')
 
   monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', fail)
+
+
+@pytest.fixture
+def no_reads(monkeypatch):
+  _fail_reads(monkeypatch)
 
 
 def test_layer_counts_or_axes_that_do_not_fit_are_refused_before_any_read(saved, mesh, no_reads):
@@ -429,3 +433,105 @@ def test_param_scan_axis_names_the_scanned_side_and_must_fit_it(tmp_path, capsys
   status, _, err = run(capsys, 'convert', out / 'f' / '0', out / 'g' / '0', '--layout', 'maxtext',
                        '--params-only', '--param-scan-axis', '1')
   assert status == 2 and 'no layer axis is used' in err
+
+
+# --- scanned blocks that are not whole, records that contradict the arrays -----------------
+
+
+# (model, the weights taken away or reshaped: a path prefix, what the refusal names)
+_DAMAGED = {
+    'gemma3 position': ('gemma3', 'decoder/layers/layers_5/', 'decoder/layers/layers_5/...: missing'),
+    'gemma3 weight': ('gemma3', 'decoder/layers/layers_5/pre_ffw_norm/scale',
+                      'decoder/layers/layers_5: lacks pre_ffw_norm/scale'),
+    'gemma3 shape': ('gemma3', 'decoder/layers/layers_2/mlp/wo/kernel',
+                     'decoder/layers/layers_2/mlp/wo/kernel: (47, 1, 16), the other positions'
+                     ' (48, 1, 16)'),
+    'gemma3 remainder': ('gemma3', 'decoder/layers_remainder/layers_1/post_ffw_norm/scale',
+                         'decoder/layers_remainder/layers_1: lacks post_ffw_norm/scale'),
+    'gemma4 global': ('gemma4', 'decoder/scanned_blocks/global_layer/',
+                      'decoder/scanned_blocks/global_layer/...: missing'),
+}
+
+
+@pytest.mark.parametrize('case', list(_DAMAGED))
+def test_scanned_blocks_that_are_not_whole_are_refused_naming_the_position(
+    case, tmp_path, capsys, mesh, monkeypatch):
+  """MaxText's own scanned gemma step (plain Orbax) lacking a position of its blocks, a
+  position lacking a weight (or holding one of another shape), or gemma4's global stack: refused
+  before any read by export, convert re-laying it, and a restore (of a Tunix run of it) into the
+  unscanned model, naming it; inspect shows no layer count, and says why."""
+  from tests import test_export_maxtext as mt
+  model, spoiled, named = _DAMAGED[case]
+  flat = mt.maxtext_tree(model, 'scanned')
+  if case.endswith('shape'):
+    flat[spoiled] = flat[spoiled][:-1]
+  else:
+    flat = {k: v for k, v in flat.items() if not k.startswith(spoiled)}
+  src = mt.save_maxtext_step(tmp_path / 'run', flat)
+  status, shown, _ = run(capsys, 'inspect', src)
+  assert status == 0 and named in shown and 'layers  ?' in shown, shown
+  run_dir = mt.save_tunix_run(tmp_path / 'tunix', flat)  # What the restore takes.
+  _fail_reads(monkeypatch)
+  out = tmp_path / 'out'
+  status, _, err = run(capsys, 'export', src, out / 'hf', '--model', model)
+  assert status == 2 and named in err and 'whole blocks' in err, err
+  status, _, err = run(capsys, 'convert', src, out / 'mt' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false')
+  assert status == 2 and named in err, err
+  assert not out.exists()
+  unscanned = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+               for k, v in mt.maxtext_tree(model, 'unscanned').items()}
+  with pytest.raises(maxtext.LayerScanMismatchError, match='whole blocks') as e:
+    maxtext.restore_train_state(run_dir, sharded({'params': {'params': mt.nest(unscanned)}}, mesh),
+                                params_only=True)
+  assert named in str(e.value)
+
+
+def test_a_record_the_arrays_contradict_is_named_and_the_axis_they_fit_taken(tmp_path, capsys):
+  """A converted step recording `param_scan_axis` 1 over layers stacked on axis 0: the
+  contradiction is named (what the step records, what the arrays fit), the axis the arrays fit
+  is taken when given (and recorded by a convert of the step), the recorded one refused."""
+  step = tmp_path / 'ax0' / '0'
+  status, _, err = run(capsys, 'convert', LLAMA, step, '--layout', 'maxtext', '--params-only',
+                       '--scan-layers', 'true', '--param-scan-axis', '0')
+  assert status == 0, err
+  meta_file = step / '_CHECKPOINT_METADATA'
+  meta = json.loads(meta_file.read_text())
+  meta['custom_metadata']['param_scan_axis'] = 1  # The arrays hold their layers on axis 0.
+  meta_file.write_text(json.dumps(meta))
+  said = ('records its layers stacked along axis 1', 'hold them along axis 0',
+          'the record contradicts the arrays', 'Pass --param-scan-axis 0')
+  out = tmp_path / 'out'
+  for flags in ((), ('--param-scan-axis', '1')):
+    status, _, err = run(capsys, 'convert', step, out / 'a' / '0', '--layout', 'maxtext',
+                         '--params-only', '--scan-layers', 'false', *flags)
+    assert status == 2 and all(s in err for s in said), err
+    status, _, err = run(capsys, 'export', step, out / 'hf', '--model', 'llama3', *flags)
+    assert status == 2 and all(s in err for s in said), err
+  assert not out.exists()
+  status, report, _ = run(capsys, 'inspect', step, '--json')
+  shown = json.loads(report)
+  assert status == 0 and shown['layers'] == {'form': 'scanned', 'count': 3, 'axis': 0}
+  assert any('the record contradicts the arrays' in n for n in shown['notes']), shown['notes']
+  # Given the axis the arrays fit: taken apart along it, as the step was written.
+  status, _, err = run(capsys, 'convert', step, out / 'b' / '0', '--layout', 'maxtext',
+                       '--params-only', '--scan-layers', 'false', '--param-scan-axis', '0')
+  assert status == 0, err
+  src = builders.raw_leaves(LLAMA / '2' / 'model_params')
+  got = _stored(out / 'b' / '0')
+  stacked = [k for k in src if k.startswith('base/decoder/layers/') and 'rngs' not in k]
+  for k in stacked:
+    rest = k[len('base/decoder/layers/'):-len('/value')]
+    for i in range(3):
+      np.testing.assert_array_equal(got[f'decoder/layers_{i}/{rest}'], src[k][:, i], err_msg=k)
+  status, _, err = run(capsys, 'export', step, out / 'hf', '--model', 'llama3',
+                       '--param-scan-axis', '0')
+  assert status == 0 and 'MaxText model (scanned, 3 layers)' in err, err
+  # Re-written scanned (as stored, or scanned asked for) along it: the record is the arrays'.
+  for name, flags in (('c', ()), ('d', ('--scan-layers', 'true'))):
+    status, _, err = run(capsys, 'convert', step, out / name / '0', '--layout', 'maxtext',
+                         '--params-only', *flags, '--param-scan-axis', '0')
+    assert status == 0, err
+    written = json.loads((out / name / '0' / '_CHECKPOINT_METADATA').read_text())
+    assert written['custom_metadata']['param_scan_axis'] == 0
+    assert _stored(out / name / '0').keys() == _stored(step).keys()

@@ -899,6 +899,7 @@ def _main(argv: Sequence[str] | None, ran: list[str]) -> int:
   if args.command == 'inspect' and args.collapse is None:
     args.collapse = out.fancy or is_tty(sys.stdout)
   _use_cpu()
+  memory.return_freed_memory()
   if not debug:
     _silence_shutdown_noise()
   try:

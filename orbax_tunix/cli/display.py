@@ -373,7 +373,7 @@ def show_inspect(out: Printer, report: inspection.Report, collapse: bool) -> Non
            else 'decoder/layers_<i>/<w> (scan_layers=False)')
     out.title('MaxText layers')
     out.fields([('form', f'{form}: {how}'),
-                ('layers', '? (the stacked weights do not agree on an axis and count)'
+                ('layers', '? (the stacked weights are not one decoder: see the note)'
                  if count is None else str(count))])
   if report.lora is not None:
     lora = report.lora

@@ -98,7 +98,10 @@ def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
   if have is None or not (have.scanned or want.scanned):
     return _Layers(have, want)
   recorded = stacks.recorded_axis(request.source.detection.source.custom_metadata)
-  named = None if scan else given  # Writing scanned, `given` names the written axis.
+  named = None if scan else given  # Writing scanned, `given` names the written axis ...
+  if scan and have.scanned and recorded is not None and given is not None:
+    fit = have.axes(shapes)  # ... and the stored one, where the arrays fit it, not the record.
+    named = given if given in fit and recorded not in fit else None
   axis = None
   if have.scanned and scan is None and named is None and recorded is None:
     try:  # As stored: the axis is only recorded, when the shapes tell it.

@@ -90,18 +90,29 @@ def run(outputs: Sequence[Output], placement: Placement, sink: Sink, budget: int
   """
   units = placement.units(outputs)
   batched = memory.batches(units, budget, size=placement.held_bytes)
+  # Two batches in flight only where they fit the budget of two (a source larger than one
+  # batch is not read beside another).
   for batch, read in reader.stream(batched, placement.read, progress or reader.NullProgress(),
-                                   placement.read_bytes, ahead=ahead):
-    made: list[Made] = []
-    held = 0
-    for unit in batch:
-      for output, value in placement.make(unit, read):
-        made.append((output, value))
-        held += output.nbytes
-        if held >= budget:  # A source made into many outputs is not held beside them all.
-          sink.write(made)
-          made, held = [], 0
-    if made:
-      sink.write(made)
-    del read, made  # Free the batch before the next is read.
+                                   placement.read_bytes, ahead=ahead, limit=2 * budget,
+                                   size=lambda b: sum(map(placement.held_bytes, b))):
+    _make(batch, read, placement, sink, budget)
+    del read  # Free the batch before the next is read.
   return sink.close()
+
+
+def _make(batch: Sequence[Any], read: Any, placement: Placement, sink: Sink, budget: int) -> None:
+  """A batch's outputs into `sink`, handed over once `budget` bytes of them are held (a
+  source made into many outputs is not held beside them all). Nothing made outlives the
+  call: an output may be a view of what was read (a layer of a stack), which it would
+  keep alive beside the next batch."""
+  made: list[Made] = []
+  held = 0
+  for unit in batch:
+    for output, value in placement.make(unit, read):
+      made.append((output, value))
+      held += output.nbytes
+      if held >= budget:
+        sink.write(made)
+        made, held = [], 0
+  if made:
+    sink.write(made)

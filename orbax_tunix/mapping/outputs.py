@@ -11,8 +11,9 @@ containers its tree needs (lists, empty nodes). Nothing here reads anything.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -225,19 +226,38 @@ def read_sliced(output: Output) -> Output:
   inputs, rests = [], []
   for source, t in zip(output.inputs, each, strict=True):
     takes, rest = leading_takes(t)
-    # As many of the takes as each reads fewer chunks (a layer of experts stored
-    # as one chunk is read once, its experts then taken from it).
-    best, n = source, 0
-    for k in range(1, len(takes) + 1):
-      part = dataclasses.replace(source, takes=source.takes + takes[:k])
+    # The takes read that decode the fewest stored bytes, the fewest of them where several
+    # do (the more outputs share the read): a layer of experts stored as one chunk is read
+    # once, its experts then taken from it; an expert stored with all its layers in one
+    # chunk is read once for them all, its layers then taken from it.
+    best, left = source, ()
+    for read, taken_after in _take_splits(len(source.shape), takes):
+      part = dataclasses.replace(source, takes=source.takes + read)
       if part.touched_bytes < best.touched_bytes:
-        best, n = part, k
+        best, left = part, taken_after
     inputs.append(best)
-    rests.append(chain(*(take(a, i) for a, i in takes[n:]), rest) if n else t)
+    rests.append(chain(*(take(a, i) for a, i in left), rest) if best is not source else t)
   if inputs == list(output.inputs):
     return output
   transform = rests[0] if then is None else chain(per_input(rests, then), *after)
   return dataclasses.replace(output, inputs=tuple(inputs), transform=transform)
+
+
+def _take_splits(ndim: int, takes: Sequence[tuple[int, int]]
+                 ) -> Iterator[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
+  """Each way to read some of `takes` (slices of an `ndim`-d array, each axis counted after
+  the ones before are taken) and take the others from what was read, fewest read first:
+  (the takes read, the takes then applied), each counted as `take` counts its axis. The
+  takes select different axes, so any of them may come first."""
+  left = list(range(ndim))
+  stored = [(left.pop(a), i) for a, i in takes]  # Each take's axis of the array as read.
+  for k in range(1, len(stored) + 1):
+    for read in itertools.combinations(stored, k):
+      left, counted = list(range(ndim)), []
+      for a, i in (*read, *(x for x in stored if x not in read)):
+        counted.append((left.index(a), i))
+        left.remove(a)
+      yield tuple(counted[:k]), tuple(counted[k:])
 
 
 def row_blocks(output: Output, budget: int) -> list[Output]:

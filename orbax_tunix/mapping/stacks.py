@@ -109,7 +109,9 @@ class Stack:
     depth: how many axes hold layers, from `param_scan_axis` on: 1 scanned, 2 a
       scan within a scan, 0 none (one layer, numbered in the path only).
     positions: the positions in each block of the layers it holds (its `{j}`, or its
-      second layer axis, numbers them from the first).
+      second layer axis, numbers them from the first). Every layer of a stack holds the
+      same weights, of one shape a weight (a block's layers of other weights are another
+      stack: gemma4's global one).
     remainder: it holds the layers after the last whole block instead (numbered by
       its `{j}` or its layer axis).
     per_layer: one array per layer, as MaxText writes the form unscanned (`scan_layers=False`:
@@ -298,6 +300,34 @@ class LayerForm:
       return 0
     return len({i for p in shapes if not self.holds(p) and (i := layer_of(p)) is not None})
 
+  def damage(self, shapes: Mapping[Path, Shape | None]) -> list[str]:
+    """What keeps the stacked weights from being whole blocks of this form (none: nothing):
+    a stack of the blocks missing where another is held, a position of a block missing from a
+    numbered stack (or one no block has), a gap in a numbered remainder, or a layer of a
+    numbered stack lacking a weight the others hold, or holding one of another shape."""
+    held: dict[int, dict[int | None, dict[Path, Shape]]] = {}
+    for k, j, rest, _, shape in self._stacked(shapes):
+      held.setdefault(k, {}).setdefault(j, {})[rest] = shape
+    blocks = any(not self.stacks[k].remainder for k in held)
+    problems = []
+    for k, s in enumerate(self.stacks):
+      found = held.get(k, {})
+      if s.remainder:  # Any number of layers, or none; numbered from 0.
+        want = range(max(found) + 1) if s.numbered and found else ()
+      else:
+        want = (s.positions if s.numbered else (None,)) if blocks else ()
+      problems += [f'{fmt(s.path(j) if s.numbered else s.prefix)}/...: missing' + (
+          '' if s.numbered else ', though the block\'s other stacks are held')
+          for j in want if j not in found]
+      if s.numbered and not s.remainder:
+        problems += [f'{fmt(s.path(j))}/...: no position of a block of {self.period}'
+                     f' (layers_{s.positions[0]} .. layers_{s.positions[-1]})'
+                     for j in sorted(found) if j not in s.positions]
+      if s.numbered:
+        problems += _unlike({fmt(s.path(j)): found[j] for j in sorted(found)},
+                            'the other positions')
+    return problems
+
   def unstack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
               where: str = '') -> dict[Path, Mapped]:
     """Every weight per layer (`decoder/layers_{i}/<w>`), from the stacks or as stored.
@@ -404,17 +434,10 @@ class LayerForm:
     n = max(per) + 1
     problems = [f'layers_{i}: missing' for i in range(n) if i not in per]
     groups: dict[object, list[int]] = collections.defaultdict(list)
-    for i in sorted(per):
-      groups[self.place(i, n)[:2] if self.stacks and not problems else None].append(i)
+    for i in sorted(per):  # The layers of one stack alike (`Stack`).
+      groups[self.place(i, n)[0] if self.stacks and not problems else None].append(i)
     for members in groups.values():
-      names = set().union(*(per[i] for i in members))
-      problems += [f'layers_{i}: lacks {", ".join(fmt(w) for w in sorted(names - set(per[i])))}'
-                   for i in members if set(per[i]) != names]
-      for w in sorted(names):
-        held = {i: per[i][w] for i in members if w in per[i]}
-        common = collections.Counter(held.values()).most_common(1)[0][0]
-        problems += [f'layers_{i}/{fmt(w)}: {s}, the other layers {common}'
-                     for i, s in sorted(held.items()) if s != common]
+      problems += _unlike({f'layers_{i}': per[i] for i in members}, 'the other layers')
     if problems:
       alike = ('of each stack of ' + self.name) if len(groups) > 1 else 'each'
       raise LayerScanMismatchError(
@@ -441,27 +464,35 @@ class LayerForm:
     Raises:
       InvalidOptionError: a `given` axis that is not a non-negative int, or one given for
         weights that hold none of the form's stacks.
-      LayerScanMismatchError: `given` other than `recorded`; several axes fit and none
-        is MaxText's default; the weights do not hold one number of layers along the
-        axis (naming each such weight and its shape; another axis is suggested only
-        when every weight agrees on it).
+      LayerScanMismatchError: the stacked weights are not whole blocks of the form
+        (`damage`); `recorded` does not fit the shapes and `given` does not name an axis
+        that does (the record contradicts the arrays: a `given` axis they fit is taken);
+        `given` other than a `recorded` axis that fits; several axes fit and none is
+        MaxText's default; the weights do not hold one number of layers along the axis
+        (naming each such weight and its shape; another axis is suggested only when every
+        weight agrees on it).
     """
     check_axis(given)
-    if given is not None and recorded is not None and given != recorded:
-      raise LayerScanMismatchError(
-          f'{where}: `param_scan_axis` {given}, but the step records its layers stacked along'
-          f' axis {recorded} (custom metadata {SCAN_AXIS_KEY!r}). Pass'
-          f' `param_scan_axis={recorded}`, or leave it out.'
-      )
-    axis = recorded if given is None else given
     if given is not None and not any(map(self.holds, shapes)):
       raise errors.InvalidOptionError(
           f'{where}: `param_scan_axis` {given}: the weights hold no stacked layers (none'
           f' stacked as {self.name}: they are unscanned, or no MaxText model\'s); leave'
           ' `param_scan_axis` out.')
-    if not self._on_axes(shapes, 0):  # Nothing holds layers on an axis to tell it.
+    if damage := self.damage(shapes):
+      raise LayerScanMismatchError(
+          f'{where}: expected the scanned layers to be whole blocks of {self.name}'
+          f' ({", ".join(fmt(s.prefix) + "/..." for s in self.stacks)}): every stack and'
+          ' position of a block held, the layers of a stack holding the same weights, of one'
+          f' shape a weight; found:\n{errors.list_paths(damage)}\nThese weights are not one'
+          ' scanned MaxText decoder: check how the step was written.'
+      )
+    axis = recorded if given is None else given
+    axes = self.axes(shapes) if self._on_axes(shapes, 0) else None
+    if recorded is not None and (against := self._against_record(shapes, given, recorded, axes,
+                                                                  where)):
+      raise LayerScanMismatchError(against)
+    if axes is None:  # Nothing holds layers on an axis to tell it.
       return DEFAULT_AXIS if axis is None else axis
-    axes = self.axes(shapes)
     if axis is None:
       fits = [a for a in axes if count is None or self.count(shapes, a) == count]
       # No axis holds the target's count: refused by the caller, which names both counts.
@@ -475,6 +506,36 @@ class LayerForm:
     if axis is not None and axis in axes:
       return axis
     raise LayerScanMismatchError(self._misfit(shapes, axis, axes, where))
+
+  def _against_record(self, shapes, given: int | None, recorded: int,
+                      axes: Sequence[int] | None, where: str) -> str | None:
+    """Why the recorded axis and the given one (if any) cannot both stand, or None: the
+    record is taken where the arrays fit it (or cannot tell), a given axis where the arrays
+    fit it and not the record."""
+    record = f'the step records its layers stacked along axis {recorded} (custom metadata' \
+             f' {SCAN_AXIS_KEY!r})'
+    if axes == ():  # The arrays agree on no axis: `_misfit` says how they differ.
+      return None
+    if given in (None, recorded) and (axes is None or recorded in axes):
+      return None
+    if axes is None or recorded in axes:  # The record stands: the arrays fit it, or say nothing.
+      fit = '' if axes is None else ', and its arrays fit that' + (
+          f' (and axis {given} too: the record decides)' if given in axes else
+          f', not axis {given}')
+      return (f'{where}: `param_scan_axis` {given}, but {record}{fit}. Pass'
+              f' `param_scan_axis={recorded}`, or leave it out.')
+    if given in axes:
+      return None  # The arrays fit the axis given, not the record: the user is right.
+    best = DEFAULT_AXIS if DEFAULT_AXIS in axes else axes[0]
+    held = self._on_axes(shapes, axes[0])[min(self._on_axes(shapes, 0))]
+    return (
+        f'{where}: {record}, but its arrays hold them along axis'
+        f' {" or ".join(map(str, axes))} (every stacked weight has {_sizes(held)} there), not'
+        f' along {recorded}' + ('' if given in (None, recorded) else f' nor along the given'
+                                f' {given}')
+        + f': the record contradicts the arrays. Pass `param_scan_axis={best}` to read the'
+        ' layers along the axis they fit.'
+    )
 
   def _misfit(self, shapes, axis: int | None, axes: Sequence[int], where: str) -> str:
     """Why the stacked weights do not hold their layers along `axis`."""
@@ -507,6 +568,19 @@ class LayerForm:
 
   def _prefixes(self) -> str:
     return ', '.join(f'{fmt(s.prefix)}/...' for s in self.stacks if s.depth)
+
+
+def _unlike(members: Mapping[str, Mapping[Path, Shape]], others: str) -> list[str]:
+  """How layers that should hold the same weights, of one shape a weight, differ: each lacking
+  a weight another holds, each holding one of another shape than most (`others` hold)."""
+  names = set().union(*members.values())
+  problems = [f'{m}: lacks {", ".join(fmt(w) for w in sorted(names - set(held)))}'
+              for m, held in members.items() if set(held) != names]
+  for w in sorted(names):
+    shapes = {m: held[w] for m, held in members.items() if w in held}
+    common = collections.Counter(shapes.values()).most_common(1)[0][0]
+    problems += [f'{m}/{fmt(w)}: {s}, {others} {common}' for m, s in shapes.items() if s != common]
+  return problems
 
 
 def _sizes(held: tuple[int, ...]) -> str:

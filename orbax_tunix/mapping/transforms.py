@@ -222,8 +222,12 @@ def take(axis: int, index: int) -> Transform:
     at = axis if axis >= 0 else len(spec) + 1 + axis
     return (*spec[:at], None, *spec[at:])  # The taken axis whole on each device.
 
-  return Transform(f'take(axis={axis}, index={index})', _one(shape),
-                   lambda xs: xp(*xs).take(xs[0], index, axis=axis), source_spec=source_spec,
+  def run(xs):
+    if xp(*xs) is np:  # A view: a layer of a stack read whole is not copied out (`np.take` would).
+      return xs[0][(slice(None),) * (axis % xs[0].ndim) + (index,)]
+    return jnp.take(xs[0], index, axis=axis)
+
+  return Transform(f'take(axis={axis}, index={index})', _one(shape), run, source_spec=source_spec,
                    takes=((axis, index),),
                    source_axis=lambda d, shapes: d if d < axis % len(shapes[0]) else d + 1)
 

@@ -12,7 +12,9 @@ multi-process job, the job's own overhead once. All measured with
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,6 +36,26 @@ READ_COPIES = 2
 # The device executor (a restore has no budget of its own: the caller's state is the
 # target): sources held at once beside the outputs they make, at least one group.
 DEVICE_GROUP_BYTES = 64 << 20
+
+
+# glibc's `mallopt` parameter, and the size from which it maps each allocation apart.
+_M_MMAP_THRESHOLD = -3
+MMAP_FROM = 1 << 20
+
+
+def return_freed_memory() -> bool:
+  """Has this process's allocator give back each freed batch (glibc: every buffer from
+  `MMAP_FROM` bytes mapped apart, and unmapped when freed), for a process that streams
+  batches (the command line). glibc otherwise raises that size to 32 MiB as large buffers
+  are freed, then keeps freed batches of up to that in its heaps: the process's memory
+  grows by batches it no longer holds (~150 MiB measured exporting a 128-expert MoE,
+  BENCHMARKS §21). Returns whether it was set (False elsewhere than glibc)."""
+  if not sys.platform.startswith('linux'):
+    return False
+  try:
+    return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_FROM))
+  except (OSError, AttributeError):  # Another C library (musl has no mallopt).
+    return False
 
 
 def batch_bytes(memory_budget: int, copies: int, *, job: bool = False,

@@ -402,6 +402,7 @@ V = TypeVar('V')
 def stream(
     batched: Iterable[Sequence[T]], read: Callable[[Sequence[T]], V], progress: Progress,
     done: Callable[[Sequence[T]], int], *, ahead: bool = False,
+    size: Callable[[Sequence[T]], int] | None = None, limit: int = 0,
 ) -> Iterator[tuple[Sequence[T], V]]:
   """The one streaming loop of the host work (`writer.write`, `diff`, `checksums.verify`).
 
@@ -419,6 +420,10 @@ def stream(
       (reading is TensorStore's and the caller's writes are file I/O: both
       release the GIL). The caller sizes its batches for two in flight. Not
       across processes: a job's collectives must run in one order everywhere.
+    size: a batch -> the bytes it holds; with `limit`, the next batch is read
+      ahead only where the two hold at most `limit` bytes together (a batch larger
+      than its share, one source alone, is read after the one before is released).
+    limit: see `size`.
 
   Yields:
     (batch, what `read` gave for it).
@@ -440,10 +445,14 @@ def stream(
       while pending is not None:
         values = pending.result()
         following = next(batches_, None)
-        pending = submit(following) if following is not None else None
+        together = following is not None and (
+            size is None or size(batch) + size(following) <= limit)
+        pending = submit(following) if together else None
         yield batch, values
         del values
         progress.advance(done(batch))
+        if following is not None and pending is None:  # Now that this one is released.
+          pending = submit(following)
         batch = following
     finally:
       if pending is not None:  # Stopped early (an error, Ctrl-C): let the read end first.

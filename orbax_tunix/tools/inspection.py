@@ -414,7 +414,9 @@ def inspect_checkpoint(
   hparams, state_step = _read_scalars(ckpt, opt_item)
   weight_shapes = {path: leaf.shape for leaf, path in weight_pairs}
   outline = optimizer_outline(opt_leaves, weight_shapes, tuple(hparams))
-  layer_form = _layer_form(weight_shapes, detection.source.custom_metadata)
+  layer_form, layer_notes = _layer_form(weight_shapes, detection.source.custom_metadata,
+                                        str(ckpt.step_dir))
+  notes += layer_notes
   return Report(
       detection=detection,
       steps=detection.steps,
@@ -447,20 +449,29 @@ def _source(shapes: Mapping[Path, tuple[int, ...] | None], layers: LayerReport |
 
 
 def _layer_form(
-    shapes: Mapping[Path, tuple[int, ...] | None], custom: Mapping[str, Any]
-) -> LayerReport | None:
+    shapes: Mapping[Path, tuple[int, ...] | None], custom: Mapping[str, Any], where: str
+) -> tuple[LayerReport | None, list[str]]:
   """MaxText's form of the decoder's layers (the families' forms), their count and (scanned)
   their axis: the one the step records (a converted step), else the one the shapes tell
-  (`LayerForm.axis`, as every layout finds it; None where none fits)."""
+  (`LayerForm.axis`, as every layout finds it); and why, in a note, where the stacked
+  weights are not one decoder (no axis nor count), or their arrays contradict the recorded
+  axis (the arrays' is shown)."""
   known = {p: s for p, s in shapes.items() if s is not None}
   form = huggingface.layer_form(known)
   if form is None:
-    return None
-  axis = None
+    return None, []
+  axis, notes = None, []
   if form.scanned:
+    recorded = stacks.recorded_axis(custom)
     try:
-      axis = form.axis(known, recorded=stacks.recorded_axis(custom))
-    except errors.LayerScanMismatchError:
-      return LayerReport(form.kind, None, None)
+      axis = form.axis(known, recorded=recorded, where=where)
+    except errors.LayerScanMismatchError as e:
+      notes.append(str(e))
+      try:  # A record the arrays contradict: what the arrays say.
+        axis = None if recorded is None else form.axis(known, where=where)
+      except errors.LayerScanMismatchError:
+        pass
+      if axis is None:
+        return LayerReport(form.kind, None, None), notes
   return LayerReport(form.kind, form.count(known, stacks.DEFAULT_AXIS if axis is None else axis),
-                     axis)
+                     axis), notes
