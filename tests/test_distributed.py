@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
+from orbax_tunix import errors
 from orbax_tunix.cli import commands
 from orbax_tunix.writing import commit, distributed
 from tests import mp_worker
@@ -711,3 +712,106 @@ def test_one_process_is_untouched():
   assert not distributed.active() and distributed.is_primary()
   assert distributed.exchange('x', 'text') == ['text']
   assert distributed.mine([3, 2, 1]) == [0, 1, 2]
+
+
+# --- on a TPU VM: JAX's cluster detection finds a TPU cluster ---------------------------
+
+# What JAX's GKE TPU cluster reads (jax/_src/clusters/cloud_tpu_cluster.py), cleared first.
+TPU_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES', 'TPU_WORKER_ID',
+                 'TPU_SKIP_MDS_QUERY', 'MEGASCALE_NUM_SLICES', 'MEGASCALE_SLICE_ID',
+                 'MEGASCALE_COORDINATOR_ADDRESS', 'JAX_COORDINATOR_ADDRESS',
+                 'JAX_COORDINATOR_PORT', 'GCE_METADATA_IP', 'KUBERNETES_SERVICE_HOST')
+
+
+def tpu_vm_env(hosts: str, **more: str) -> dict[str, str]:
+  """A TPU VM's variables as the lent v5e set them (issue 53): its worker hostnames, no
+  metadata server (a closed local port: JAX's queries of it fail at once)."""
+  return {'TPU_WORKER_HOSTNAMES': hosts, 'TPU_SKIP_MDS_QUERY': 'true',
+          'GCE_METADATA_IP': f'127.0.0.1:{free_port()}', **more}
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch):
+  """This process told it runs on a Cloud TPU VM. JAX sets `running_in_cloud_tpu_vm` in
+  `cloud_tpu_init` when it is imported on one, and its cluster modules copy the flag as they
+  import it: each copy is patched."""
+  from jax._src import cloud_tpu_init  # pylint: disable=g-import-not-at-top
+  from jax._src.clusters import cloud_tpu_cluster, cluster  # pylint: disable=g-import-not-at-top
+
+  for module in (cloud_tpu_init, cluster, cloud_tpu_cluster):
+    monkeypatch.setattr(module, 'running_in_cloud_tpu_vm', True)
+  for name in TPU_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+
+  def with_env(hosts: str, **more: str) -> None:
+    for name, value in tpu_vm_env(hosts, **more).items():
+      if value:
+        monkeypatch.setenv(name, value)
+      else:
+        monkeypatch.delenv(name, raising=False)
+  return with_env
+
+
+@pytest.mark.parametrize('skip_mds', ['true', ''])
+def test_a_one_host_tpu_vm_is_one_process(tpu_vm, skip_mds):
+  # With TPU_SKIP_MDS_QUERY the metadata server is not asked; without it, it does not answer.
+  tpu_vm('localhost', TPU_SKIP_MDS_QUERY=skip_mds)
+  assert distributed.cluster_detected() == 'GkeTpuCluster'
+  assert not distributed.initialize(distributed.JobOptions())
+  assert not distributed.is_initialized() and not distributed.active()
+
+
+def test_one_process_asked_for_is_one_process_in_any_cluster(tpu_vm):
+  tpu_vm('host0,host1,host2,host3', TPU_WORKER_ID='2')  # A pod of four hosts.
+  assert not distributed.initialize(distributed.JobOptions(num_processes=1))
+  assert not distributed.initialize(distributed.JobOptions(num_processes=1, process_id=0,
+                                                           initialization_timeout=5))
+  assert not distributed.is_initialized()
+
+
+def test_a_pod_whose_job_cannot_be_read_fails_at_once_saying_what_to_do(tpu_vm):
+  tpu_vm('host0,host1', TPU_WORKER_ID='0')  # Its slice count is the metadata server's.
+  t0 = time.monotonic()
+  with pytest.raises(errors.DistributedError) as e:
+    distributed.initialize(distributed.JobOptions())
+  said = str(e.value)
+  assert 'cluster (GkeTpuCluster) but could not read its job' in said, said
+  assert 'Connection refused' in said and 'pass `num_processes=1`' in said, said
+  assert '`coordinator_address`' in said and '`process_id`' in said, said
+  assert time.monotonic() - t0 < distributed.DETECTED_TIMEOUT_S
+  assert not distributed.is_initialized()
+
+
+def test_a_pod_whose_other_hosts_do_not_come_fails_within_the_timeout(tpu_vm):
+  # Every value in the environment (GKE's JobSet sets them so); process 1 never starts.
+  tpu_vm('localhost,localhost', TPU_WORKER_ID='0', MEGASCALE_NUM_SLICES='1',
+         MEGASCALE_SLICE_ID='0', MEGASCALE_COORDINATOR_ADDRESS='localhost',
+         JAX_COORDINATOR_PORT=str(port := free_port()))
+  with pytest.raises(errors.DistributedError) as e:
+    distributed.initialize(distributed.JobOptions(initialization_timeout=2))
+  said = str(e.value)
+  assert 'process 1 did not join within 2 s' in said, said
+  assert f'GkeTpuCluster: coordinator localhost:{port}, 2 processes, process id 0' in said, said
+  assert 'pass `num_processes=1`' in said, said
+  assert not distributed.is_initialized()
+
+
+def test_options_that_leave_the_job_open_outside_a_cluster_are_refused():
+  with pytest.raises(errors.DistributedError, match=r'`num_processes` and `process_id` not'
+                     r' given, and JAX\'s cluster detection .* finds no cluster'):
+    distributed.initialize(distributed.JobOptions(coordinator_address='localhost:1234'))
+
+
+def test_the_command_on_a_one_host_tpu_vm_runs_as_one_process(tmp_path):
+  """The lent TPU v5e's environment (issue 53), JAX itself told it is on a TPU VM
+  (`JAX_FORCE_TPU_INIT`, read by `cloud_tpu_init` before the cluster modules import)."""
+  out = tmp_path / 'out' / '1'
+  found = subprocess.run(
+      [sys.executable, '-m', 'orbax_tunix.cli', 'convert', str(TUNIX / 'sft_full'), str(out)],
+      env={**{k: v for k, v in env().items() if k not in TPU_VARIABLES},
+           **tpu_vm_env('localhost'), 'JAX_FORCE_TPU_INIT': '1'},
+      capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+  assert found.returncode == 0, found.stderr
+  one = tmp_path / 'one' / '1'
+  run_one(['convert', str(TUNIX / 'sft_full'), str(one)])
+  assert_same_step(one, out)

@@ -226,3 +226,17 @@ def test_jax_process_claim_is_one_process_before_initialize():
   process that joined no job (inside a job, processes given other counts are told apart by
   it: tests/test_distributed.py)."""
   assert _orbax.jax_process_claim() == (0, 1)
+
+
+def test_jax_tpu_slice_hosts_are_what_jax_counts(monkeypatch):
+  """`_orbax.jax_tpu_slice_hosts`: JAX's own list of a TPU slice's hosts (GKE's from
+  TPU_WORKER_HOSTNAMES), whose length times the slices is JAX's process count; None for a
+  cluster that is not a TPU slice."""
+  envs = {env.__name__: env for env in _orbax.jax_cluster_types()}
+  monkeypatch.delenv('TPU_PROCESS_ADDRESSES', raising=False)
+  monkeypatch.setenv('TPU_WORKER_HOSTNAMES', 'h0,h1,h2')
+  monkeypatch.setenv('MEGASCALE_NUM_SLICES', '2')
+  gke = envs['GkeTpuCluster']
+  assert _orbax.jax_tpu_slice_hosts(gke) == ['h0', 'h1', 'h2']
+  assert gke.get_process_count() == 6
+  assert _orbax.jax_tpu_slice_hosts(envs['SlurmCluster']) is None

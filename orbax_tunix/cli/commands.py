@@ -503,14 +503,16 @@ def _host_flags() -> argparse.ArgumentParser:
   group = hosts.add_argument_group(
       'across hosts', 'run the same command once per host (JAX\'s multi-controller runtime);'
       ' without these, JAX\'s own cluster detection (TPU pods, Slurm, Open MPI) is used when'
-      ' it finds one, else one process does everything')
+      ' it finds a job of several processes, else one process does everything')
   group.add_argument('--coordinator-address', metavar='HOST:PORT',
                      help="process 0's address and a free port, the same on every process")
-  group.add_argument('--num-processes', type=int, metavar='N', help='how many processes')
+  group.add_argument('--num-processes', type=int, metavar='N',
+                     help='how many processes (1: one process, whatever cluster is detected)')
   group.add_argument('--process-id', type=int, metavar='I', help="this process's index, 0 to N-1")
-  group.add_argument('--initialization-timeout', type=int, default=300, metavar='SECONDS',
+  group.add_argument('--initialization-timeout', type=int, metavar='SECONDS',
                      help='how long to wait (above 0) for every process to join, and for a silent'
-                     ' process before it is taken for dead (default 300)')
+                     ' process before it is taken for dead (default 300 with these flags, 60'
+                     ' for a job JAX\'s cluster detection finds)')
   return hosts
 
 

@@ -417,6 +417,18 @@ def jax_cluster_types() -> tuple[type, ...]:
   return tuple(ClusterEnv._cluster_types)  # pylint: disable=protected-access
 
 
+def jax_tpu_slice_hosts(env: type) -> list[str] | None:
+  """The hosts of the TPU slice JAX's cluster `env` describes, as JAX itself lists them (its
+  TPU clusters' private `_get_worker_list_in_slice`: `TPU_PROCESS_ADDRESSES` or
+  `TPU_WORKER_HOSTNAMES` on GKE, the metadata server on GCE); None for another kind of
+  cluster. JAX's process count is these hosts times the slices (`MEGASCALE_NUM_SLICES`)."""
+  from jax._src.clusters import cloud_tpu_cluster  # pylint: disable=g-import-not-at-top
+
+  if not (isinstance(env, type) and issubclass(env, cloud_tpu_cluster.BaseTpuCluster)):
+    return None
+  return list(env._get_worker_list_in_slice())  # pylint: disable=protected-access
+
+
 def jax_process_claim() -> tuple[int, int]:
   """(process id, process count) as this process gave them to `jax.distributed.initialize`
   (JAX's private `global_state`): readable before the backends start, and when they never
