@@ -8,6 +8,9 @@ os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# The commands keep JAX's persistent compilation cache under the user's cache directory by
+# default (cli/jax_cache.py): not from the tests (theirs set it where they check it).
+os.environ.setdefault('JAX_ENABLE_COMPILATION_CACHE', 'false')
 
 from tests import gcs as gcs_lib  # noqa: E402
 

@@ -852,3 +852,39 @@ def test_inspect_calls_plain_arrays_no_known_model(capsys, tunix_data, tmp_path)
     status, out, err = run(capsys, 'inspect', path, '--json')
     assert status == 0, err
     assert json.loads(out)['weights'] == want, path
+
+
+def test_commands_keep_jax_compilation_cache_for_the_next(tmp_path, tunix_data):
+  """A command's programs are written to JAX's persistent compilation cache under the user's
+  cache directory (whole: no temporary file left), and the next command loads them;
+  `--no-compilation-cache` keeps it off."""
+  env = {k: v for k, v in SUBPROCESS_ENV.items()
+         if not k.startswith(('JAX_COMPILATION_CACHE', 'JAX_PERSISTENT_CACHE',
+                              'JAX_ENABLE_COMPILATION_CACHE'))}
+  env.update(XDG_CACHE_HOME=str(tmp_path / 'xdg'), JAX_LOG_COMPILES='1')
+  cache = tmp_path / 'xdg' / 'orbax-tunix' / 'jax'
+  merge = ['convert', str(tunix_data / 'lora_qwix_full'), '--merge-lora',
+           '--lora-alpha', '4', '--debug']
+
+  def convert_to(out: str, *flags: str) -> str:
+    done = subprocess.run([sys.executable, '-m', 'orbax_tunix.cli', *merge[:2], str(tmp_path / out),
+                           *merge[2:], *flags], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+  said = convert_to('off', '--no-compilation-cache')
+  assert not (tmp_path / 'xdg').exists() and 'Persistent compilation cache' not in said
+  convert_to('cold')
+  written = sorted(p.name for p in cache.iterdir())
+  assert written and all(n.endswith('-cache') for n in written), written
+  assert cache.stat().st_mode & 0o777 == 0o700
+  said = convert_to('warm')
+  # Every program loaded (JAX logs each load as a compilation).
+  hits = said.count('Persistent compilation cache hit')
+  assert hits and hits == said.count('Finished XLA compilation'), said
+  assert sorted(p.name for p in cache.iterdir()) == written
+  read = [ocp.PyTreeCheckpointHandler().restore(tmp_path / name / 'model_params')
+          for name in ('warm', 'off')]
+  for got, want in zip(*(jax.tree.leaves(r) for r in read), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), strict=True)

@@ -240,3 +240,32 @@ def test_jax_tpu_slice_hosts_are_what_jax_counts(monkeypatch):
   assert _orbax.jax_tpu_slice_hosts(gke) == ['h0', 'h1', 'h2']
   assert gke.get_process_count() == 6
   assert _orbax.jax_tpu_slice_hosts(envs['SlurmCluster']) is None
+
+
+def test_jax_cache_entries_appear_whole(tmp_path):
+  """`_orbax.jax_cache_writes_whole`: the file cache JAX makes (its private `get_file_cache`)
+  shows an entry to a reader only once it is whole (JAX 0.10's own writes it in place, where
+  another process sharing the cache may read it half written)."""
+  import threading  # pylint: disable=g-import-not-at-top
+
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+
+  _orbax.jax_cache_writes_whole()
+  cache, _ = compilation_cache.get_file_cache(str(tmp_path))
+  value = np.random.default_rng(0).bytes(32 << 20)
+  seen, stop = [], threading.Event()
+
+  def read() -> None:
+    while not stop.is_set() and not seen:
+      got = cache.get('k')
+      if got is not None:
+        seen.append(len(got))
+
+  reader = threading.Thread(target=read)
+  reader.start()
+  cache.put('k', value)
+  stop.set()
+  reader.join()
+  assert seen in ([], [len(value)]) and cache.get('k') == value
+  cache.put('k', b'other')  # A key already there is kept.
+  assert cache.get('k') == value and [p.name for p in tmp_path.iterdir()] == ['k-cache']

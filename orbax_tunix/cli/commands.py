@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_tunix import errors, layouts, sizes
-from orbax_tunix.cli import display
+from orbax_tunix.cli import display, jax_cache
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Printer, format_bytes, format_duration, is_tty
 from orbax_tunix.mapping import huggingface
@@ -475,7 +475,7 @@ class _Parents:
   """The flag sets commands share (argparse parents).
 
   Attributes:
-    common: every command's (--debug, --plain).
+    common: every command's (--debug, --plain, --no-compilation-cache).
     hosts: a writing command's multi-process flags (`distributed.JobOptions`).
   """
 
@@ -484,7 +484,7 @@ class _Parents:
 
 
 def _common_flags() -> argparse.ArgumentParser:
-  """--debug and --plain, on the top level and every command."""
+  """--debug, --plain and --no-compilation-cache, on the top level and every command."""
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument(
       '--debug', action='store_true', default=argparse.SUPPRESS,
@@ -493,6 +493,12 @@ def _common_flags() -> argparse.ArgumentParser:
   common.add_argument(
       '--plain', action='store_true', default=argparse.SUPPRESS,
       help='plain text even on a terminal (no tables drawn with rich)',
+  )
+  common.add_argument(
+      '--no-compilation-cache', action='store_true', default=argparse.SUPPRESS,
+      help='compile without JAX\'s persistent compilation cache (kept by default in'
+      ' $JAX_COMPILATION_CACHE_DIR, else under the user\'s cache directory; also off with'
+      ' JAX_ENABLE_COMPILATION_CACHE=false)',
   )
   return common
 
@@ -905,7 +911,7 @@ def _main(argv: Sequence[str] | None, ran: list[str]) -> int:
   if not debug:
     _silence_shutdown_noise()
   try:
-    with _quiet(debug), _x64():
+    with _quiet(debug), _x64(), jax_cache.kept(not getattr(args, 'no_compilation_cache', False)):
       return args.handler(args, out)
   except KeyboardInterrupt as e:
     # What the destination holds when the interruption came once it was written to

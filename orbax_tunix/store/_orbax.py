@@ -417,6 +417,60 @@ def jax_cluster_types() -> tuple[type, ...]:
   return tuple(ClusterEnv._cluster_types)  # pylint: disable=protected-access
 
 
+def jax_cache_writes_whole() -> None:
+  """JAX's persistent compilation cache, made safe for processes that share it: each entry
+  written to a temporary file and renamed into place (JAX 0.10's `LRUCache.put` writes the
+  file in place, unlocked unless `jax_compilation_cache_max_size` is set and `filelock`
+  installed: another process could read it half written). Local directories only (a
+  bucket's cache is JAX's own); once per process, before the cache is first used (JAX's
+  private `get_file_cache` makes it then)."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  from jax._src import compilation_cache, lru_cache  # pylint: disable=g-import-not-at-top
+
+  made = compilation_cache.get_file_cache
+  if getattr(made, 'orbax_tunix', False):
+    return
+
+  class WholeWrites(compilation_cache.CacheInterface):
+    """An `LRUCache` without eviction whose entries appear whole, by a rename."""
+
+    def __init__(self, inner: Any):
+      self._inner, self._path = inner, inner._path  # pylint: disable=protected-access
+
+    def get(self, key: str) -> bytes | None:
+      return self._inner.get(key)
+
+    def put(self, key: str, value: bytes) -> None:
+      if not key:
+        raise ValueError('key cannot be empty')
+      final = os.path.join(os.fspath(self._inner.path), key + lru_cache._CACHE_SUFFIX)  # pylint: disable=protected-access
+      if os.path.exists(final):
+        return
+      fd, tmp = tempfile.mkstemp(prefix=f'.{key}.', suffix='.tmp', dir=os.path.dirname(final))
+      try:
+        with os.fdopen(fd, 'wb') as f:
+          f.write(value)
+        os.replace(tmp, final)  # The same key holds the same program: the last one stays.
+      except BaseException:
+        with contextlib.suppress(OSError):
+          os.unlink(tmp)
+        raise
+
+  def get_file_cache(path: str) -> Any:
+    found = made(path)
+    if found is None:
+      return None
+    cache, where = found
+    if (type(cache) is lru_cache.LRUCache and not cache.eviction_enabled
+        and '://' not in str(path)):
+      cache = WholeWrites(cache)
+    return cache, where
+
+  get_file_cache.orbax_tunix = True
+  compilation_cache.get_file_cache = get_file_cache
+
+
 def jax_tpu_slice_hosts(env: type) -> list[str] | None:
   """The hosts of the TPU slice JAX's cluster `env` describes, as JAX itself lists them (its
   TPU clusters' private `_get_worker_list_in_slice`: `TPU_PROCESS_ADDRESSES` or
