@@ -145,8 +145,11 @@ def test_the_merges_compile_while_the_weights_are_read(runs, mesh, monkeypatch):
   target = abstract_weights('qwix', mesh)
   merged, threads = compiled_on_threads(
       monkeypatch, lambda: ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA))
-  kinds = {m.contraction for m in merge.plan_merge(root / 'full', merge.MergeOptions(lm.ALPHA)).merges.values()}
-  assert len(threads) >= len(kinds) > 1
+  merges = merge.plan_merge(root / 'full', merge.MergeOptions(lm.ALPHA)).merges
+  leaves = dict(flatten(target)[0])
+  kinds = {(m.contraction, m.scale, leaves[p].sharding) for p, m in merges.items()}
+  # One program per kind of weight (shape, dtype, sharding, recipe), not one per weight.
+  assert len(merges) > len(kinds) > 1 and len(threads) == len(kinds), (threads, kinds)
   assert all(t.startswith('orbax_tunix-compile') for t in threads), threads
   np.testing.assert_allclose(forward('qwix', merged), runs['qwix']['logits'], atol=F32_ATOL, rtol=0)
 
