@@ -53,14 +53,18 @@ IO_KEYS = ('rchar', 'wchar', 'read_bytes', 'write_bytes')
 # --- devices -------------------------------------------------------------------
 
 
-def add_flags(parser, cpu_default: int | None, warm: bool = False) -> None:
-  """Adds `--devices` (and, with `warm`, `--warm`) to a benchmark's parser.
+def add_flags(parser, cpu_default: int | None, warm: bool = False,
+              compile_cache: bool = False) -> None:
+  """Adds `--devices` (and, with `warm`, `--warm`; with `compile_cache`, `--compile-cache`)
+  to a benchmark's parser.
 
   Args:
     parser: the benchmark's argparse parser.
     cpu_default: devices simulated on the CPU when `--devices` is not given
       (None: JAX's own default, one, in commands that are not harness children).
     warm: whether its children make warm calls after the first.
+    compile_cache: whether its children may run with JAX's persistent compilation cache
+      (`CompileCache`).
   """
   default = ('JAX\'s own (1 CPU device)' if cpu_default is None else
              f'{cpu_default} simulated CPU device{"s" * (cpu_default > 1)}')
@@ -72,6 +76,12 @@ def add_flags(parser, cpu_default: int | None, warm: bool = False) -> None:
     parser.add_argument(
         '--warm', type=int, default=1, metavar='K',
         help='calls after the first in each fresh process, measured apart (default 1)')
+  if compile_cache:
+    parser.add_argument(
+        '--compile-cache', choices=COMPILE_CACHE_MODES, default='off',
+        help="JAX's persistent compilation cache in the children: off (default), cold (each"
+        ' child a fresh empty one: it compiles and writes), warm (one filled by a first,'
+        ' unmeasured child of each contender: each measured child loads its programs)')
 
 
 def use_devices(n: int | None, cpu_default: int) -> list[Any]:
@@ -177,6 +187,74 @@ def commands_line(devices: int | None) -> str:
          "JAX's own CPU devices")
   return (f'commands on the host: {cpu}; JAX_PLATFORMS'
           f' {os.environ.get("JAX_PLATFORMS", "unset (JAX picks)")}')
+
+
+# --- JAX's persistent compilation cache ---------------------------------------------
+
+COMPILE_CACHE_MODES = ('off', 'cold', 'warm')
+# What JAX reads its cache's settings from (the commands honour them too).
+_CACHE_VARIABLES = ('JAX_ENABLE_COMPILATION_CACHE', 'JAX_COMPILATION_CACHE_DIR',
+                    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
+                    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES')
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCache:
+  """How the children find JAX's persistent compilation cache, set through the variables JAX
+  reads at import (so it holds for a child of the library and for a command alike).
+
+  Attributes:
+    mode: off (none: every first call compiles), cold (a fresh empty cache per child: it
+      compiles and writes every program, as the first process ever does), warm (one cache
+      under `root`, filled by `prime` before the rounds: every program is loaded).
+    root: where the caches are made (a cold child's is removed after it).
+  """
+
+  mode: str
+  root: pathlib.Path
+
+  def describe(self) -> str:
+    return {'off': 'no persistent compilation cache',
+            'cold': 'persistent compilation cache cold (each process a fresh, empty one)',
+            'warm': 'persistent compilation cache warm (filled by an earlier process)'}[self.mode]
+
+  def env(self, directory: pathlib.Path | None, base: dict[str, str] | None = None
+          ) -> dict[str, str]:
+    """A child's environment with the cache at `directory` (None: off); every program cached,
+    however short its compile."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in _CACHE_VARIABLES}
+    if directory is None:
+      env['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
+      return env
+    return {**env, 'JAX_ENABLE_COMPILATION_CACHE': 'true',
+            'JAX_COMPILATION_CACHE_DIR': str(directory),
+            'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+            'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
+
+  def run(self, argv: Sequence[str], timeout: float | None = None,
+          base: dict[str, str] | None = None) -> dict[str, Any]:
+    """`run_child(argv)` under this mode's cache."""
+    if self.mode == 'off':
+      return run_child(argv, timeout, self.env(None, base))
+    if self.mode == 'warm':
+      return run_child(argv, timeout, self.env(self.root / 'warm', base))
+    self.root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix='cold-', dir=self.root) as fresh:
+      return run_child(argv, timeout, self.env(pathlib.Path(fresh), base))
+
+  def prime(self, argvs: Iterable[Sequence[str]], timeout: float | None = None) -> None:
+    """Warm: each child once, unmeasured, so that the cache holds every program it compiles.
+
+    Raises:
+      SystemExit: a priming child failed.
+    """
+    if self.mode != 'warm':
+      return
+    for argv in argvs:
+      res = self.run(argv, timeout)
+      if 'error' in res:
+        raise SystemExit(f'priming the compilation cache failed: {res["error"]}')
 
 
 # --- counters --------------------------------------------------------------------

@@ -22,7 +22,11 @@ Orbax's in-flight reads), plus the largest single weight and its adapters in
 float32; and the devices' peak memory where the backend reports it.
 
   python benchmarks/lora_merge.py [--layers 12 --dim 1024 --rank 16 --reps 5 --dtype float32]
-      [--devices N] [--warm K]
+      [--devices N] [--warm K] [--compile-cache off|cold|warm]
+
+`--compile-cache` runs every child (each contender alike) without JAX's persistent compilation
+cache, with a fresh empty one each (cold: it compiles and writes), or with one that earlier
+children filled (warm: it loads every program), as `harness.CompileCache` says.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ def main(argv=None) -> None:
   parser.add_argument('--dtype', default='float32')
   parser.add_argument('--workdir')
   parser.add_argument('--child', choices=CONTENDERS, help=argparse.SUPPRESS)
-  harness.add_flags(parser, cpu_default=8, warm=True)
+  harness.add_flags(parser, cpu_default=8, warm=True, compile_cache=True)
   args = parser.parse_args(argv)
   if args.child:
     return child(args)
@@ -143,17 +147,20 @@ def main(argv=None) -> None:
            '--dtype', args.dtype, '--warm', str(args.warm)]
   if args.devices:
     flags += ['--devices', str(args.devices)]
+  cache = harness.CompileCache(args.compile_cache, workdir / 'jax-cache')
+  cache.prime([__file__, '--child', name, *flags] for name in CONTENDERS)
   results = harness.rounds(CONTENDERS, args.reps,
-                           lambda name, _: harness.run_child([__file__, '--child', name, *flags]))
+                           lambda name, _: cache.run([__file__, '--child', name, *flags]))
   harness.exit_if_failed(results)
   itemsize = {'float32': 4, 'bfloat16': 2}[args.dtype]
   weight = args.dim * args.dim
   target_mib = args.layers * len(PROJECTIONS) * weight * itemsize / MIB
   extra_mib = (weight * 4 + 2 * args.dim * args.rank * 4) / MIB
-  shown = ' '.join(f'--{k} {getattr(args, k)}' for k in ('layers', 'dim', 'rank', 'reps', 'dtype',
-                                                          'warm'))
+  shown = ' '.join(f'--{k.replace("_", "-")} {getattr(args, k)}' for k in (
+      'layers', 'dim', 'rank', 'reps', 'dtype', 'warm', 'compile_cache'))
   print(f'\nCommand: `python benchmarks/lora_merge.py {shown}'
         + (f' --devices {args.devices}`' if args.devices else '`'))
+  print(f'Children: {cache.describe()}.')
   print(f'{args.layers * len(PROJECTIONS)} weights of {args.dim}x{args.dim},'
         f' {args.layers * len(ADAPTED)} adapted (rank {args.rank}); target {args.dtype},'
         f' {target_mib:.0f} MiB over {harness.describe_line(harness.first_device_info(results))}')

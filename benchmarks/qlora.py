@@ -39,6 +39,10 @@ time over raw's.
 
   python benchmarks/qlora.py [--layers 16 --dim 1024 --dtype float32 --qtype int8
       --tile-size T --calibration absmax --reps 5] [--devices N] [--warm K] [--quick]
+      [--compile-cache off|cold|warm]
+
+`--compile-cache` runs every child without JAX's persistent compilation cache, with a fresh
+empty one each (cold), or with one earlier children filled (warm: `harness.CompileCache`).
 """
 
 from __future__ import annotations
@@ -404,7 +408,8 @@ QUICK = dict(layers=2, dim=256, heads=4, kv_heads=2, head_dim=64, vocab=1024, ra
 def shown(args) -> str:
   """The flags that make this run, as a command line."""
   flags = ['layers', 'dim', 'heads', 'kv_heads', 'head_dim', 'ffn', 'vocab', 'rank', 'alpha',
-           'dtype', 'qtype', 'tile_size', 'calibration', 'reps', 'warm', 'devices']
+           'dtype', 'qtype', 'tile_size', 'calibration', 'reps', 'warm', 'devices',
+           'compile_cache']
   out = []
   for k in flags:
     v = getattr(args, k)
@@ -428,7 +433,8 @@ def report(args, model: Model, sizes: dict[str, int], results, checked) -> None:
         f'\nOn disk: parts {sizes["parts"] / MIB:.0f} MiB, adapters {sizes["adapters"] / MIB:.0f}'
         f' MiB, other leaves {sizes["others"] / MIB:.0f} MiB; dequantized projections'
         f' {model.float_bytes() / MIB:.0f} MiB of {model.dtype}.'
-        f'\nDevices: {harness.describe_line(harness.first_device_info(results))}.'
+        f'\nDevices: {harness.describe_line(harness.first_device_info(results))};'
+        f' {harness.CompileCache(args.compile_cache, pathlib.Path()).describe()}.'
         f' Checked once: {checked}')
   print('\n' + harness.first_and_warm(results, NAMES, base='raw' if 'raw' in names else None))
   if 'raw' not in names:
@@ -490,7 +496,7 @@ def main(argv=None) -> None:
   parser.add_argument('--json', help='write every figure, per repetition, here')
   parser.add_argument('--workdir', help='where the checkpoints are kept (reused across runs)')
   parser.add_argument('--child', choices=(*CONTENDERS, 'check'), help=argparse.SUPPRESS)
-  harness.add_flags(parser, cpu_default=8, warm=True)
+  harness.add_flags(parser, cpu_default=8, warm=True, compile_cache=True)
   args = parser.parse_args(argv)
   if args.quick:
     for k, v in QUICK.items():
@@ -525,8 +531,10 @@ def main(argv=None) -> None:
       raise SystemExit(f'the correctness check failed: {res["error"]}')
     checked = ', '.join(f'{v} {k.replace("_", " ")}' for k, v in res['checked'].items()) + ' equal'
     print(f'check: {checked}', flush=True)
+  cache = harness.CompileCache(args.compile_cache, workdir / 'jax-cache')
+  cache.prime([__file__, '--child', name, *flags] for name in contenders)
   results = harness.rounds(contenders, args.reps,
-                           lambda name, _: harness.run_child([__file__, '--child', name, *flags]))
+                           lambda name, _: cache.run([__file__, '--child', name, *flags]))
   harness.exit_if_failed(results)
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(

@@ -1,7 +1,7 @@
 """Does a Tunix restore through orbax_tunix cost what a plain Orbax restore costs?
 
   python benchmarks/restore_cost.py                 # the full run (~1 GB, 5 rounds)
-  python benchmarks/restore_cost.py --quick         # a smoke run (64 MB, 2 rounds)
+  python benchmarks/restore_cost.py --quick         # a smoke run (64 MB, 1 round; < 2 min)
 
 Writes, with Orbax directly, a synthetic transformer state twice (Tunix layout
 and canonical, see `synthetic.py`), then runs the contenders of
@@ -409,10 +409,12 @@ def report_scan(points) -> str:
 
 
 # Defaults of the full run and of `--quick`, for the flags they differ on.
+# The quick run is a smoke run (every contender and every table once, within 2 minutes):
+# each child is a fresh process, which on a TPU host also opens the chip (seconds).
 FULL = {'size_mb': 1024, 'reps': 5, 'scan_leaves': '1000,10000,50000', 'scan_size_mb': 256,
-        'scan_restore_max': 10000, 'memory_reps': 3}
-QUICK = {'size_mb': 64, 'reps': 2, 'scan_leaves': '300,1000,3000', 'scan_size_mb': 16,
-         'scan_restore_max': 3000, 'memory_reps': 2}
+        'scan_restore_max': 10000, 'scan_reps': 2, 'memory_check_gb': 0.1, 'memory_reps': 3}
+QUICK = {'size_mb': 64, 'reps': 1, 'scan_leaves': '300,1000', 'scan_size_mb': 8,
+         'scan_restore_max': 1000, 'scan_reps': 1, 'memory_check_gb': 0.0, 'memory_reps': 1}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -423,7 +425,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--size-mb', type=float, help='state size, params + mu + nu (1024; quick 64)')
   p.add_argument('--leaves', type=int, default=1000, help='leaves on disk (sets the layers)')
   p.add_argument('--param-dtype', default='bfloat16', help='weights dtype (mu, nu: float32)')
-  p.add_argument('--reps', type=int, help='rounds of all contenders (5; quick 2)')
+  p.add_argument('--reps', type=int, help='rounds of all contenders (5; quick 1)')
   p.add_argument('--contenders', default='abcde', help='subset of abcde')
   p.add_argument('--workdir', type=pathlib.Path, default=pathlib.Path('/tmp/orbax_tunix_bench'),
                  help='checkpoints are written here once and reused')
@@ -434,24 +436,26 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--no-verify', dest='verify', action='store_false',
                  help='skip checking b, c, d against a')
   p.add_argument('--scan-leaves',
-                 help='leaf counts of the planning scan, "" for none (1000,10000,50000; quick 300,1000,3000)')
-  p.add_argument('--scan-size-mb', type=float, help='state size in the scan (256; quick 16)')
-  p.add_argument('--scan-reps', type=int, default=2)
+                 help='leaf counts of the planning scan, "" for none (1000,10000,50000; quick 300,1000)')
+  p.add_argument('--scan-size-mb', type=float, help='state size in the scan (256; quick 8)')
+  p.add_argument('--scan-reps', type=int, help='rounds of the scan (2; quick 1)')
   p.add_argument('--scan-restore-max', type=int,
-                 help='restore (not only plan) up to this many leaves (10000; quick 3000)')
+                 help='restore (not only plan) up to this many leaves (10000; quick 1000)')
   p.add_argument('--scan-contenders', default='abfgh',
                  help='restored in the scan: a, b up to --scan-restore-max; f, g at every point')
   p.add_argument('--orbax-metadata-max', type=int, default=50000,
                  help="scan: also time Orbax's own parse of _METADATA up to this many leaves")
   p.add_argument('--restore-concurrent-gb', type=float, default=None,
                  help="Orbax's in-flight read budget for every contender (default: Orbax's)")
-  p.add_argument('--memory-check-gb', type=float, default=0.1,
-                 help='after the rounds, a and b again with this in-flight budget (0: skip)')
-  p.add_argument('--memory-reps', type=int, help='repetitions of the memory check (3; quick 2)')
+  p.add_argument('--memory-check-gb', type=float,
+                 help='after the rounds, a and b again with this in-flight budget (0: skip;'
+                 ' 0.1; quick 0)')
+  p.add_argument('--memory-reps', type=int, help='repetitions of the memory check (3; quick 1)')
   p.add_argument('--timeout', type=float, default=1800, help='per child, seconds')
   p.add_argument('--json', type=pathlib.Path, help='also write every figure here')
   p.add_argument('--quick', action='store_true',
-                 help='smoke run: 64 MB, 2 rounds, scan 300/1000/3000 leaves at 16 MB')
+                 help='smoke run: 64 MB, 1 round, scan 300/1000 leaves at 8 MB once, no memory'
+                 ' check')
   harness.add_flags(p, cpu_default=8, warm=True)
   args = p.parse_args(argv)
   for key, value in (QUICK if args.quick else FULL).items():

@@ -98,3 +98,30 @@ def test_export_maxtext_writes_a_moe_step_the_export_takes(tmp_path, chunks):
   names = [o.path[0] for o in plan.outputs]
   assert sum('.mlp.experts.' in n for n in names) == 3 * experts * layers
   assert f'weights: MaxText model (scanned, {layers} layers)' in plan.notes
+
+
+CACHE_CHILD = """
+import json, os, pathlib
+import jax
+where = os.environ.get('JAX_COMPILATION_CACHE_DIR')
+before = len(list(pathlib.Path(where).glob('*-cache'))) if where else None
+jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(7.0)).block_until_ready()
+print('RESULT ' + json.dumps({'dir': where, 'before': before, 'enabled':
+      jax.config.jax_enable_compilation_cache}))
+"""
+
+
+def test_compile_cache_modes_reach_the_children(tmp_path):
+  """`--compile-cache`: off (JAX's cache disabled, the commands' default too), cold (a fresh
+  empty cache per child, removed after it), warm (one cache, filled by `prime`)."""
+  argv = ['-c', CACHE_CHILD]
+  off = harness.CompileCache('off', tmp_path).run(argv)
+  assert off['enabled'] is False and off['dir'] is None, off
+  cold = harness.CompileCache('cold', tmp_path)
+  first, second = cold.run(argv), cold.run(argv)
+  assert first['before'] == second['before'] == 0 and first['dir'] != second['dir'], first
+  assert not pathlib.Path(first['dir']).exists()
+  warm = harness.CompileCache('warm', tmp_path)
+  warm.prime([argv])
+  loaded = warm.run(argv)
+  assert loaded['dir'] == str(tmp_path / 'warm') and loaded['before'] >= 1, loaded
