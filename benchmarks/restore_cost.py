@@ -413,8 +413,8 @@ def report_scan(points) -> str:
 # each child is a fresh process, which on a TPU host also opens the chip (seconds).
 FULL = {'size_mb': 1024, 'reps': 5, 'scan_leaves': '1000,10000,50000', 'scan_size_mb': 256,
         'scan_restore_max': 10000, 'scan_reps': 2, 'memory_check_gb': 0.1, 'memory_reps': 3}
-QUICK = {'size_mb': 64, 'reps': 1, 'scan_leaves': '300,1000', 'scan_size_mb': 8,
-         'scan_restore_max': 1000, 'scan_reps': 1, 'memory_check_gb': 0.0, 'memory_reps': 1}
+QUICK = {'size_mb': 64, 'reps': 1, 'scan_leaves': '300,600', 'scan_size_mb': 8,
+         'scan_restore_max': 600, 'scan_reps': 1, 'memory_check_gb': 0.0, 'memory_reps': 1}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -436,11 +436,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--no-verify', dest='verify', action='store_false',
                  help='skip checking b, c, d against a')
   p.add_argument('--scan-leaves',
-                 help='leaf counts of the planning scan, "" for none (1000,10000,50000; quick 300,1000)')
+                 help='leaf counts of the planning scan, "" for none (1000,10000,50000; quick 300,600)')
   p.add_argument('--scan-size-mb', type=float, help='state size in the scan (256; quick 8)')
   p.add_argument('--scan-reps', type=int, help='rounds of the scan (2; quick 1)')
   p.add_argument('--scan-restore-max', type=int,
-                 help='restore (not only plan) up to this many leaves (10000; quick 1000)')
+                 help='restore (not only plan) up to this many leaves (10000; quick 600)')
   p.add_argument('--scan-contenders', default='abfgh',
                  help='restored in the scan: a, b up to --scan-restore-max; f, g at every point')
   p.add_argument('--orbax-metadata-max', type=int, default=50000,
@@ -454,7 +454,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--timeout', type=float, default=1800, help='per child, seconds')
   p.add_argument('--json', type=pathlib.Path, help='also write every figure here')
   p.add_argument('--quick', action='store_true',
-                 help='smoke run: 64 MB, 1 round, scan 300/1000 leaves at 8 MB once, no memory'
+                 help='smoke run: 64 MB, 1 round, scan 300/600 leaves at 8 MB once, no memory'
                  ' check')
   harness.add_flags(p, cpu_default=8, warm=True)
   args = p.parse_args(argv)
