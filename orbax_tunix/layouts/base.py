@@ -26,7 +26,7 @@ from etils import epath
 from orbax_tunix import catalog, errors
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.writing import commit, writer
 
 
@@ -180,8 +180,18 @@ class Plan:
     return sum(o.nbytes for o in self.outputs)
 
   @property
+  def write_threads(self) -> int:
+    """Threads that copy and write the files (`memory.write_threads` where the destination
+    writes host files: `Destination.host_files`; else none beside the caller's)."""
+    return memory.write_threads(self.memory_budget) if self._host_files else 0
+
+  @property
   def batch_bytes(self) -> int:
-    return writer.batch_bytes(self.memory_budget)
+    return writer.batch_bytes(self.memory_budget, self._host_files)
+
+  @property
+  def _host_files(self) -> bool:
+    return get(self.layout).destination.host_files
 
   @property
   def reads_ahead(self) -> bool:
@@ -239,6 +249,9 @@ class Destination:
     command: the command that writes it (`orbax-tunix convert`, `export`).
     switch: the command's flag that chooses it (None: the command's default).
     merges: its layouts take a LoRA merge (the command's merge flags make one).
+    host_files: it writes files on the host with `writer.SafetensorsSink`, on
+      `Plan.write_threads` threads (their buffers, and the sink's own copies per byte,
+      `memory.HOST_WRITE_COPIES`, size its batches).
   """
 
   name: str
@@ -257,6 +270,7 @@ class Destination:
   command: str = 'convert'
   switch: Switch | None = None
   merges: bool = True
+  host_files: bool = False
 
 
 def _check_destination(destination: object) -> None:

@@ -631,7 +631,7 @@ ADAPTER = Destination(
     name='adapter', kind=ADAPTER_EXPORT, unit='tensor', run='export',
     doing='exporting the adapter to', shard=_adapter_file, share=folder.share,
     write=folder.write, entries=folder.entries, dtype=folder.hf_dtype, command='export',
-    switch=PEFT, merges=False,
+    switch=PEFT, merges=False, host_files=True,
 )
 
 for _family in map(huggingface.get, huggingface.names()):

@@ -24,7 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from orbax_tunix.keypaths import Path
 from orbax_tunix.mapping.outputs import Output
-from orbax_tunix.reading import memory, reader
+from orbax_tunix.reading import memory, reader, timing
 
 Made = tuple[Output, Any]
 U = TypeVar('U')
@@ -95,13 +95,19 @@ def run(outputs: Sequence[Output], placement: Placement, sink: Sink, budget: int
     made: list[Made] = []
     held = 0
     for unit in batch:
-      for output, value in placement.make(unit, read):
+      for output, value in timing.timed('made', placement.make(unit, read)):
         made.append((output, value))
         held += output.nbytes
         if held >= budget:  # A source made into many outputs is not held beside them all.
-          sink.write(made)
+          _write(sink, made)
           made, held = [], 0
     if made:
-      sink.write(made)
+      _write(sink, made)
     del read, made  # Free the batch before the next is read.
-  return sink.close()
+  with timing.phase('written'):
+    return sink.close()
+
+
+def _write(sink: Sink, made: Sequence[Made]) -> None:
+  with timing.phase('written'):
+    sink.write(made)
