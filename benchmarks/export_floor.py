@@ -45,6 +45,7 @@ import json
 import os
 import pathlib
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -82,7 +83,7 @@ def floor(step: pathlib.Path, out: pathlib.Path) -> dict:
 
 
 # The phases `orbax-tunix export --timings` prints ('read 3.10 s in 22 batches', ...).
-PHASES = ('plan', 'read', 'waited for', 'made', 'written', 'committed')
+PHASES = ('set-up', 'plan', 'read', 'waited for', 'made', 'written', 'committed')
 
 
 def timings(stderr: str) -> dict[str, float]:
@@ -93,6 +94,9 @@ def timings(stderr: str) -> dict[str, float]:
   threads = re.search(r'on (\d+) threads', line)
   if threads:
     found['threads'] = int(threads.group(1))
+  whole = re.search(r'([\d.]+) s in all', line)
+  if whole:
+    found['in all'] = float(whole.group(1))
   return found
 
 
@@ -101,15 +105,18 @@ def _child(argv: list[str], out: pathlib.Path, tree: str | None,
   shutil.rmtree(out, ignore_errors=True)
   os.sync()  # The previous child's writes reach the disk before this one starts.
   env = harness.child_env(devices, _env(pathlib.Path(tree)) if tree else None)
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
   start = time.monotonic()
   done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env,
                         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
   seconds = time.monotonic() - start
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)  # This child's alone: one at a time.
+  cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
   if done.returncode:
     raise SystemExit(f'{" ".join(argv)} failed:\n{done.stderr[-3000:]}')
   lines = [x for x in done.stdout.splitlines() if x.startswith('{')]
   shutil.rmtree(out, ignore_errors=True)
-  return seconds, (json.loads(lines[-1]) if lines else timings(done.stderr))
+  return seconds, {**(json.loads(lines[-1]) if lines else timings(done.stderr)), 'cpu_s': cpu}
 
 
 def main(argv=None) -> None:
@@ -172,22 +179,26 @@ def main(argv=None) -> None:
         + f'; on {len(cores or usable)} of the {os.cpu_count()} CPUs')
   print(f'Qwen3-shaped step, {size / MIB:.0f} MiB on disk ({reports["floor"][0]["bytes"] / MIB:.0f} MiB'
         f' float32); outputs to {out.parent}\n')
-  print('| contender | wall (median) | min - max | / floor | per round / floor: median (min - max) |')
-  print('|---|---|---|---|---|')
+  print('| contender | wall (median) | min - max | / floor | per round / floor: median (min -'
+        ' max) | CPU (median, all threads) |')
+  print('|---|---|---|---|---|---|')
   for name in contenders:
     ratios = sorted(t / f for t, f in zip(times[name], times['floor'], strict=True))
+    cpu = statistics.median(r['cpu_s'] for r in reports[name])
     print(f'| {name} | {med[name]:.2f} s | {min(times[name]):.2f} - {max(times[name]):.2f} s |'
           f' {med[name] / med["floor"]:.2f} | {statistics.median(ratios):.2f}'
-          f' ({ratios[0]:.2f} - {ratios[-1]:.2f}) |')
+          f' ({ratios[0]:.2f} - {ratios[-1]:.2f}) | {cpu:.2f} s |')
   print(f'\nInside the floor (median): read {read:.2f} s, write {write:.2f} s;'
         f' the rest of its wall is start-up (imports).')
   phases = {name: statistics.median(r.get(name, 0.0) for r in reports['export'])
-            for name in (*PHASES, 'threads')}
-  print(f'Inside the export (median of its --timings): plan {phases["plan"]:.2f} s, read'
-        f' {phases["read"]:.2f} s (waited for reads {phases["waited for"]:.2f} s), made'
-        f' {phases["made"]:.2f} s, written {phases["written"]:.2f} s on'
-        f' {phases["threads"]:.0f} threads, committed {phases["committed"]:.2f} s; the rest'
-        ' of its wall is start-up (imports) and exit.')
+            for name in (*PHASES, 'threads', 'in all')}
+  print(f'Inside the export (median of its --timings): set-up {phases["set-up"]:.2f} s, plan'
+        f' {phases["plan"]:.2f} s, read {phases["read"]:.2f} s (waited for reads'
+        f' {phases["waited for"]:.2f} s), made {phases["made"]:.2f} s, written'
+        f' {phases["written"]:.2f} s on {phases["threads"]:.0f} threads, committed'
+        f' {phases["committed"]:.2f} s; {phases["in all"]:.2f} s in all, the rest of its wall'
+        f' ({med["export"] - phases["in all"]:.2f} s) start-up (imports) and exit. The phases'
+        ' overlap: the reads go ahead of the writes.')
 
 
 if __name__ == '__main__':

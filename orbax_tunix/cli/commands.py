@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -148,19 +149,23 @@ def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
 @contextlib.contextmanager
 def _timed(args: argparse.Namespace) -> Iterator[None]:
   """With --timings, the phases of the command inside recorded (`timing`) and printed on
-  stderr once it ended well (after its summary)."""
+  stderr once it ended well (after its summary), with the seconds it took in all (the
+  process's start-up and exit aside)."""
   if not args.timings:
     yield
     return
+  start = time.monotonic()
   with timing.recorded() as timings:
     yield
+  timings.add('in all', time.monotonic() - start)
   print(display.timings_line(timings), file=sys.stderr)
 
 
 def cmd_convert(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix convert`: plans, streams with progress, prints the summary; returns 0."""
-  _join(args)
   with _timed(args):
+    with timing.phase('set-up'):
+      _join(args)
     return _convert(args, out)
 
 
@@ -275,9 +280,10 @@ def _check_switches(args: argparse.Namespace, command: str) -> layouts.Destinati
 
 def cmd_export(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix export`: plans, streams with progress, prints the summary; returns 0."""
-  destination = _check_switches(args, 'export')
-  _join(args)
   with _timed(args):
+    with timing.phase('set-up'):
+      destination = _check_switches(args, 'export')
+      _join(args)
     return _export(args, out, destination)
 
 

@@ -56,11 +56,12 @@ def format_duration(seconds: float) -> str:
 
 
 def timings_line(timings: timing.Timings) -> str:
-  """`--timings`: where a command's time went, in one line ('timings: plan 0.21 s, read 3.10 s
-  in 22 batches (waited for 0.40 s), made 0.01 s, written 2.20 s on 8 threads, committed
-  0.02 s'). The reads go ahead of the writes, so the phases overlap."""
+  """`--timings`: where a command's time went, in one line ('timings: set-up 0.01 s, plan
+  0.21 s, read 3.10 s in 22 batches (waited for 0.40 s), made 0.01 s, written 2.20 s on 8
+  threads, committed 0.02 s; 5.90 s in all'). The reads go ahead of the writes, so the phases
+  overlap; set-up is the flags checked and a job joined (JAX's cluster detection)."""
   seconds, counts = timings.seconds, timings.counts
-  parts = [f'plan {seconds["plan"]:.2f} s'] if 'plan' in seconds else []
+  parts = [f'{name} {seconds[name]:.2f} s' for name in ('set-up', 'plan') if name in seconds]
   if 'read' in seconds:
     waited = f' (waited for {seconds["waited"]:.2f} s)' if 'waited' in seconds else ''
     parts.append(f'read {seconds["read"]:.2f} s in {counts["read"]} batches{waited}')
@@ -72,7 +73,8 @@ def timings_line(timings: timing.Timings) -> str:
                  + (f' on {threads} threads' if threads else ''))
   if 'committed' in seconds:
     parts.append(f'committed {seconds["committed"]:.2f} s')
-  return 'timings: ' + ', '.join(parts)
+  return 'timings: ' + ', '.join(parts) + (
+      f'; {seconds["in all"]:.2f} s in all' if 'in all' in seconds else '')
 
 
 @dataclasses.dataclass(frozen=True)
