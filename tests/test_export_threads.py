@@ -120,6 +120,37 @@ def test_a_failed_piece_is_raised_once_no_thread_writes(tmp_path, pieces, monkey
   assert len(calls) == ended  # Nothing was still writing.
 
 
+def test_the_blocks_written_are_cut_to_the_size_the_budget_gives(tmp_path, monkeypatch):
+  """`piece_bytes` (a small budget's share, `memory.copy_buffer_bytes`) bounds every block a
+  thread copies and writes, a row where one is larger; the files are the same."""
+  sizes = []
+  pwrite = os.pwrite
+  monkeypatch.setattr(writer.os, 'pwrite',
+                      lambda fd, data, at: sizes.append(len(data)) or pwrite(fd, data, at))
+  sink = writer.SafetensorsSink(tmp_path, _files(), metadata={'k': 'v'}, threads=2,
+                                piece_bytes=1000)
+  for batch in _batches():
+    sink.write(batch)
+  sink.close()
+  for shard in _files():
+    assert (tmp_path / shard.name).read_bytes() == _expected(shard), shard.name
+  widest = max(v[0].nbytes for v in TENSORS.values() if v.ndim == 2 and v.size)
+  headers = {8 + len(f.header({'k': 'v'})) for f in _files()}
+  assert max(n for n in sizes if n not in headers) <= max(1000, widest)
+  assert sorted(n for n in sizes if n > 1000) == sorted(  # Only single rows over 1000.
+      [TENSORS['f.weight'][0].nbytes] * 600)
+
+
+def test_a_budget_below_a_threads_buffer_leaves_the_batches_most_of_it():
+  """The threads' buffers take at most their share of any budget (an eighth): a budget
+  smaller than a 4 MiB buffer still gives batches above a row of a small model."""
+  for budget in (20_000, 1 << 20, 16 << 20):
+    assert memory.copy_buffer_bytes(budget) <= budget // memory.THREAD_BUFFER_SHARE
+    held = memory.write_threads(budget) * memory.copy_buffer_bytes(budget)
+    assert held <= budget // memory.THREAD_BUFFER_SHARE
+    assert writer.batch_bytes(budget, host_files=True) >= budget // 16
+
+
 def test_threads_follow_the_affinity_or_the_variable(monkeypatch):
   monkeypatch.delenv(memory.THREADS_VARIABLE, raising=False)
   monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 2, 5})

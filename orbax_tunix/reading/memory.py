@@ -39,7 +39,8 @@ READ_COPIES = 2
 # target): sources held at once beside the outputs they make, at least one group.
 DEVICE_GROUP_BYTES = 64 << 20
 # Held by each thread that writes host files (safetensors), whatever the batch: the block of
-# rows of a transposed tensor it copies into C order before writing it.
+# rows of a transposed tensor it copies into C order before writing it (less under a small
+# budget: `copy_buffer_bytes`).
 COPY_BUFFER_BYTES = 4 << 20
 # At most this share of the budget goes to those threads' buffers (the rest to the batches).
 THREAD_BUFFER_SHARE = 8
@@ -75,6 +76,13 @@ def write_threads(memory_budget: int) -> int:
   (`THREAD_BUFFER_SHARE`) holds buffers for (`COPY_BUFFER_BYTES` each); at least 1."""
   return max(1, min(host_threads(),
                     memory_budget // THREAD_BUFFER_SHARE // COPY_BUFFER_BYTES))
+
+
+def copy_buffer_bytes(memory_budget: int) -> int:
+  """Bytes of the block each writing thread copies and writes at once: `COPY_BUFFER_BYTES`,
+  or less where a budget's share (`THREAD_BUFFER_SHARE`) does not hold one (a block is at
+  least a row, as a batch is); at least 1."""
+  return max(1, min(COPY_BUFFER_BYTES, memory_budget // THREAD_BUFFER_SHARE))
 
 
 def batch_bytes(memory_budget: int, copies: int, *, job: bool = False,

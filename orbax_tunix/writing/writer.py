@@ -76,12 +76,13 @@ def batch_bytes(memory_budget: int, host_files: bool = False) -> int:
   """Bytes of sources per batch so that a write fits `memory_budget` (in each process of a
   multi-process job too); half as much where two batches are in flight (`reads_ahead`).
   Host files (`SafetensorsSink`) hold fewer copies of a batch (`memory.HOST_WRITE_COPIES`)
-  and the buffers of the threads that write them (`memory.write_threads`)."""
+  and the buffers of the threads that write them (`memory.write_threads` of
+  `memory.copy_buffer_bytes` each)."""
   threads = memory.write_threads(memory_budget) if host_files else 0
   return memory.batch_bytes(
       memory_budget, memory.HOST_WRITE_COPIES if host_files else memory.WRITE_COPIES,
       job=distributed.active(), in_flight=2 if reads_ahead(memory_budget) else 1,
-      held=threads * memory.COPY_BUFFER_BYTES)
+      held=threads * memory.copy_buffer_bytes(memory_budget))
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
@@ -596,11 +597,13 @@ class SafetensorsSink:
 
   def __init__(self, directory: epath.Path, files: Sequence[Shard],
                listed: Sequence[Shard] | None = None, write_index: bool = True,
-               metadata: Mapping[str, str] | None = None, threads: int = 1):
+               metadata: Mapping[str, str] | None = None, threads: int = 1,
+               piece_bytes: int | None = None):
     """Args: the folder; the files to write; the whole export's files (default
     `files`; several processes each write some); whether to write their index;
     what every file's header adds to its `__metadata__`; the threads that copy
-    and write (`memory.write_threads`)."""
+    and write (`memory.write_threads`); the bytes of the blocks of rows each copies
+    and writes at once (`memory.copy_buffer_bytes`; default `memory.COPY_BUFFER_BYTES`)."""
     self._dir = directory
     self._metadata = dict(metadata or {})
     self._files = list(files)
@@ -613,6 +616,7 @@ class SafetensorsSink:
     self._pool = (concurrent.futures.ThreadPoolExecutor(threads, 'orbax_tunix-write')
                   if parallel else None)
     self._buffers = threading.local()  # Each thread's buffer for `copy_rows`.
+    self._piece_bytes = memory.COPY_BUFFER_BYTES if piece_bytes is None else piece_bytes
     directory.mkdir(parents=True, exist_ok=True)
 
   def write(self, batch: Sequence[executor.Made]) -> None:
@@ -635,7 +639,7 @@ class SafetensorsSink:
       row_bytes = math.prod(shape[1:]) * array.itemsize if shape else 0
       at = file.offsets[done] + start * row_bytes
       pieces += [(file, at + first * row_bytes, piece)
-                 for first, piece in row_pieces(array, memory.COPY_BUFFER_BYTES)]
+                 for first, piece in row_pieces(array, self._piece_bytes)]
       if shape and stop != shape[0]:
         self._open[shard.name] = (file, done, stop)
       elif done + 1 == len(shard.tensors):
