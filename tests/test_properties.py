@@ -143,13 +143,19 @@ def test_reading_a_region_equals_taking_its_slices(case):
   assert list(peeled) == takes and rest.name == 'transpose'
 
 
+# Element widths the safetensors sink copies as unsigned integers (1, 2, 4, 8 bytes) and one
+# it copies as is (complex128: 16 bytes).
+_DTYPES = ('float32', 'bfloat16', 'int8', 'float64', 'bool', 'complex128')
+
+
 @st.composite
 def strided_views(draw):
   """An array and a strided view of it: transposed, stepped, permuted, or as is."""
   ndim = draw(st.integers(1, 3))
   shape = tuple(draw(st.lists(st.integers(1, 300 if ndim <= 2 else 9), min_size=ndim,
                               max_size=ndim)))
-  x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+  dtype = np.dtype(draw(st.sampled_from(_DTYPES)))
+  x = np.arange(int(np.prod(shape))).reshape(shape).astype(dtype)
   view = draw(st.sampled_from(['T', 'step', 'perm', 'as is']))
   if view == 'T':
     return x.T
@@ -160,16 +166,22 @@ def strided_views(draw):
   return x
 
 
-@given(strided_views())
+@given(strided_views(), st.sampled_from([1, 100, 4096, 1 << 22]))
 @settings(max_examples=100, deadline=None)
-def test_c_order_blocks_are_the_arrays_bytes_in_order(view):
-  """What the safetensors sink writes of a view (its blocks, one after another) is numpy's
-  own C-order copy of it, whatever the strides."""
+def test_row_pieces_copied_are_the_arrays_bytes_in_order(view, piece_bytes):
+  """What the safetensors sink writes of a view (its pieces of rows, each copied into C order,
+  at the bytes where their first row starts) is numpy's own C-order copy of it, whatever the
+  strides, dtype and piece size."""
   from orbax_tunix.writing import writer  # noqa: PLC0415
 
-  blocks = [b.reshape(-1).copy() for b in writer.c_order_blocks(view)]
-  np.testing.assert_array_equal(np.concatenate(blocks), np.ascontiguousarray(view).reshape(-1))
-  assert all(b.flags.c_contiguous for b in writer.c_order_blocks(view))
+  want = np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+  got = np.zeros_like(want)
+  row = view[0].nbytes if view.ndim else view.nbytes
+  for first, piece in writer.row_pieces(view, piece_bytes):
+    out = np.empty(piece.shape, view.dtype)
+    writer.copy_rows(piece, out)
+    got[first * row:first * row + out.nbytes] = out.reshape(-1).view(np.uint8)
+  np.testing.assert_array_equal(got, want)
 
 
 class _Count:

@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +40,7 @@ from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Printer, format_bytes, format_duration, is_tty
 from orbax_tunix.mapping import huggingface
 from orbax_tunix.mapping import merge as merge_lib
-from orbax_tunix.reading import memory, quantized
+from orbax_tunix.reading import memory, quantized, timing
 from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import export as export_lib
@@ -145,10 +146,32 @@ def _stream(run: Callable[[Any, Any], Any], plan: Any, notes: Sequence[str],
       raise
 
 
+@contextlib.contextmanager
+def _timed(args: argparse.Namespace) -> Iterator[None]:
+  """With --timings, the phases of the command inside recorded (`timing`) and printed on
+  stderr once it ended well (after its summary), with the seconds it took in all (the
+  process's start-up and exit aside)."""
+  if not args.timings:
+    yield
+    return
+  start = time.monotonic()
+  with timing.recorded() as timings:
+    yield
+  timings.add('in all', time.monotonic() - start)
+  print(display.timings_line(timings), file=sys.stderr)
+
+
 def cmd_convert(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix convert`: plans, streams with progress, prints the summary; returns 0."""
-  _join(args)
-  plan = convert_lib.plan_convert(
+  with _timed(args):
+    with timing.phase('set-up'):
+      _join(args)
+    return _convert(args, out)
+
+
+def _plan_convert(args: argparse.Namespace) -> convert_lib.ConvertPlan:
+  """The conversion the flags ask for."""
+  return convert_lib.plan_convert(
       args.src,
       args.dst,
       step=args.step,
@@ -165,6 +188,12 @@ def cmd_convert(args: argparse.Namespace, out: Printer) -> int:
       **_base_quantized(args),
       **_layout_options(args, _destination(args, 'convert')),
   )
+
+
+def _convert(args: argparse.Namespace, out: Printer) -> int:
+  """`cmd_convert` once the job is joined."""
+  with timing.phase('plan'):
+    plan = _plan_convert(args)
   result = _stream(convert_lib.run_convert, plan, plan.notes, args, out)
   source = plan.source.detection
   rate = result.bytes_read / max(result.seconds, 1e-9)
@@ -251,13 +280,21 @@ def _check_switches(args: argparse.Namespace, command: str) -> layouts.Destinati
 
 def cmd_export(args: argparse.Namespace, out: Printer) -> int:
   """`orbax-tunix export`: plans, streams with progress, prints the summary; returns 0."""
-  destination = _check_switches(args, 'export')
-  _join(args)
-  plan = export_lib.plan_to(
-      destination, args.src, args.out_dir, model=args.model, step=args.step, dtype=args.dtype,
-      memory_budget=args.memory_budget, force=args.force,
-      merge_options=_merge_options(args) if destination.merges else None,
-      **_layout_options(args, destination))
+  with _timed(args):
+    with timing.phase('set-up'):
+      destination = _check_switches(args, 'export')
+      _join(args)
+    return _export(args, out, destination)
+
+
+def _export(args: argparse.Namespace, out: Printer, destination: layouts.Destination) -> int:
+  """`cmd_export` once the job is joined."""
+  with timing.phase('plan'):
+    plan = export_lib.plan_to(
+        destination, args.src, args.out_dir, model=args.model, step=args.step, dtype=args.dtype,
+        memory_budget=args.memory_budget, force=args.force,
+        merge_options=_merge_options(args) if destination.merges else None,
+        **_layout_options(args, destination))
   result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
     print(display.dumps({**export_lib.describe(plan), 'seconds': round(result.seconds, 3),
@@ -600,6 +637,9 @@ def _add_convert(sub: Any, parents: _Parents) -> None:
   p.add_argument('--force', action='store_true',
                  help='replace an existing DST (only once the new one is complete)')
   p.add_argument('--json', action='store_true', help='print the summary as JSON')
+  p.add_argument('--timings', action='store_true',
+                 help='print on stderr where the time went: planning, reading, making,'
+                 ' writing (on how many threads) and committing')
   p.add_argument('--item', dest='items', action='append', metavar='NAME',
                  help='convert only this source item (repeatable; default: every item)')
   _add_merge_options(p, 'merge the LoRA adapters into the weights (writes weights only)')
@@ -672,6 +712,9 @@ def _add_export(sub: Any, parents: _Parents) -> None:
   p.add_argument('--force', action='store_true',
                  help='replace an existing export folder (only once the new one is complete)')
   p.add_argument('--json', action='store_true', help='print the summary as JSON')
+  p.add_argument('--timings', action='store_true',
+                 help='print on stderr where the time went: planning, reading, making,'
+                 ' writing (on how many threads) and committing')
   p.set_defaults(handler=cmd_export)
 
 

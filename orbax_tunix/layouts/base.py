@@ -26,7 +26,7 @@ from etils import epath
 from orbax_tunix import catalog, errors
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader
 from orbax_tunix.writing import commit, writer
 
 
@@ -180,8 +180,18 @@ class Plan:
     return sum(o.nbytes for o in self.outputs)
 
   @property
+  def write_threads(self) -> int:
+    """Threads that copy and write the files (`memory.write_threads` where the destination
+    writes safetensors on the host: `Destination.safetensors`; else none beside the caller's)."""
+    return memory.write_threads(self.memory_budget) if self._safetensors else 0
+
+  @property
   def batch_bytes(self) -> int:
-    return writer.batch_bytes(self.memory_budget)
+    return writer.batch_bytes(self.memory_budget, self._safetensors)
+
+  @property
+  def _safetensors(self) -> bool:
+    return get(self.layout).destination.safetensors
 
   @property
   def reads_ahead(self) -> bool:
@@ -241,7 +251,9 @@ class Destination:
     merges: its layouts take a LoRA merge (the command's merge flags make one).
     safetensors: `write` writes safetensors files on the host (`writer.write(on_host=True)`):
       each tensor's bytes as they are (uncompressed), a tensor larger than a batch in
-      blocks of its rows; else an Orbax step, each array held whole while written.
+      blocks of its rows; else an Orbax step, each array held whole while written. On the host it
+      writes on `Plan.write_threads` threads (their buffers, and the sink's own copies per
+      byte, `memory.HOST_WRITE_COPIES`, size its batches).
   """
 
   name: str

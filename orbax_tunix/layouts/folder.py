@@ -21,7 +21,7 @@ from etils import epath
 from orbax_tunix import errors
 from orbax_tunix.layouts.base import Destination, Plan
 from orbax_tunix.mapping.outputs import ItemOutput, Output
-from orbax_tunix.reading import reader
+from orbax_tunix.reading import memory, reader, timing
 from orbax_tunix.writing import commit, distributed, writer
 
 # transformers' default `max_shard_size`.
@@ -85,7 +85,10 @@ def write(plan: Plan, mine: Sequence[Output], work: epath.Path,
   """This process's safetensors files into `work`; process 0 the index and other files."""
   sink = writer.SafetensorsSink(work, _my_files(plan), plan.files,
                                 write_index=distributed.is_primary(),
-                                metadata={writer.FILES_RECORD: json.dumps(entries(plan))})
+                                metadata={writer.FILES_RECORD: json.dumps(entries(plan))},
+                                threads=plan.write_threads,
+                                piece_bytes=memory.copy_buffer_bytes(plan.memory_budget))
+  timing.note('threads', plan.write_threads)
   record = writer.write(mine, sink, plan.batch_bytes, progress, on_host=True,
                         ahead=plan.reads_ahead)
   for name, content in plan.other_files if distributed.is_primary() else ():

@@ -24,7 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from orbax_tunix.keypaths import Path
 from orbax_tunix.mapping.outputs import Output
-from orbax_tunix.reading import memory, reader
+from orbax_tunix.reading import memory, reader, timing
 
 Made = tuple[Output, Any]
 U = TypeVar('U')
@@ -97,7 +97,8 @@ def run(outputs: Sequence[Output], placement: Placement, sink: Sink, budget: int
                                    size=lambda b: sum(map(placement.held_bytes, b))):
     _make(batch, read, placement, sink, budget)
     del read  # Free the batch before the next is read.
-  return sink.close()
+  with timing.phase('written'):
+    return sink.close()
 
 
 def _make(batch: Sequence[Any], read: Any, placement: Placement, sink: Sink, budget: int) -> None:
@@ -108,11 +109,16 @@ def _make(batch: Sequence[Any], read: Any, placement: Placement, sink: Sink, bud
   made: list[Made] = []
   held = 0
   for unit in batch:
-    for output, value in placement.make(unit, read):
+    for output, value in timing.timed('made', placement.make(unit, read)):
       made.append((output, value))
       held += output.nbytes
       if held >= budget:
-        sink.write(made)
+        _write(sink, made)
         made, held = [], 0
   if made:
+    _write(sink, made)
+
+
+def _write(sink: Sink, made: Sequence[Made]) -> None:
+  with timing.phase('written'):
     sink.write(made)

@@ -31,11 +31,61 @@ JOB_OVERHEAD = 128 << 20
 # decoded array while reading, the host copy and the compressed bytes while writing, and
 # freed buffers are not all returned at once (2.5 to 4.5 measured; sized for the worst).
 WRITE_COPIES = 5
+# Writing host files (safetensors): TensorStore holds the compressed bytes and the decoded
+# array while reading, the array alone while its file is written (its blocks are copied into
+# C order in the writing threads' own buffers, `COPY_BUFFER_BYTES`); 1.5 to 2 measured per
+# byte of the two batches in flight (BENCHMARKS §23), sized with the same margin as above.
+HOST_WRITE_COPIES = 3
 # Comparing or checksumming: the compressed bytes and the decoded array.
 READ_COPIES = 2
 # The device executor (a restore has no budget of its own: the caller's state is the
 # target): sources held at once beside the outputs they make, at least one group.
 DEVICE_GROUP_BYTES = 64 << 20
+# Held by each thread that writes host files (safetensors), whatever the batch: the block of
+# rows of a transposed tensor it copies into C order before writing it (less under a small
+# budget: `copy_buffer_bytes`).
+COPY_BUFFER_BYTES = 4 << 20
+# At most this share of the budget goes to those threads' buffers (the rest to the batches).
+THREAD_BUFFER_SHARE = 8
+# Overrides `host_threads` (e.g. 4; at least 1).
+THREADS_VARIABLE = 'ORBAX_TUNIX_THREADS'
+
+
+def host_threads() -> int:
+  """The threads the host work may use: the CPUs this process may run on (its affinity, as
+  `taskset` and container limits set it), or `ORBAX_TUNIX_THREADS` where set.
+
+  Raises:
+    InvalidOptionError: `ORBAX_TUNIX_THREADS` is not a whole number of at least 1.
+  """
+  given = os.environ.get(THREADS_VARIABLE)
+  if given is not None:
+    try:
+      threads = int(given)
+    except ValueError:
+      threads = 0
+    if threads < 1:
+      raise errors.InvalidOptionError(
+          f'{THREADS_VARIABLE}={given!r}: expected a whole number of threads, at least 1.'
+          f' Set it to the threads to use (e.g. 8), or unset it to use every CPU this process'
+          ' may run on.')
+    return threads
+  affinity = getattr(os, 'sched_getaffinity', None)
+  return max(1, len(affinity(0)) if affinity is not None else os.cpu_count() or 1)
+
+
+def write_threads(memory_budget: int) -> int:
+  """Threads that copy and write host files (`host_threads`), as many as a share of the budget
+  (`THREAD_BUFFER_SHARE`) holds buffers for (`COPY_BUFFER_BYTES` each); at least 1."""
+  return max(1, min(host_threads(),
+                    memory_budget // THREAD_BUFFER_SHARE // COPY_BUFFER_BYTES))
+
+
+def copy_buffer_bytes(memory_budget: int) -> int:
+  """Bytes of the block each writing thread copies and writes at once: `COPY_BUFFER_BYTES`,
+  or less where a budget's share (`THREAD_BUFFER_SHARE`) does not hold one (a block is at
+  least a row, as a batch is); at least 1."""
+  return max(1, min(COPY_BUFFER_BYTES, memory_budget // THREAD_BUFFER_SHARE))
 
 
 # glibc's `mallopt` parameter, and the size from which it maps each allocation apart.
@@ -49,7 +99,7 @@ def return_freed_memory() -> bool:
   batches (the command line). glibc otherwise raises that size to 32 MiB as large buffers
   are freed, then keeps freed batches of up to that in its heaps: the process's memory
   grows by batches it no longer holds (~150 MiB measured exporting a 128-expert MoE,
-  BENCHMARKS §21). Returns whether it was set (False elsewhere than glibc)."""
+  BENCHMARKS §22). Returns whether it was set (False elsewhere than glibc)."""
   if not sys.platform.startswith('linux'):
     return False
   try:
@@ -59,7 +109,7 @@ def return_freed_memory() -> bool:
 
 
 def batch_bytes(memory_budget: int, copies: int, *, job: bool = False,
-                in_flight: int = 1) -> int:
+                in_flight: int = 1, held: int = 0) -> int:
   """Bytes of array data per batch so that streaming fits `memory_budget`.
 
   Args:
@@ -67,12 +117,14 @@ def batch_bytes(memory_budget: int, copies: int, *, job: bool = False,
     copies: bytes held per byte of a batch while it is read and used.
     job: this process is one of a multi-process job (`JOB_OVERHEAD` is held once).
     in_flight: batches held at once (2 where the next is read while one is written).
+    held: bytes held whatever the batch beside `FIXED_OVERHEAD` (the writing threads'
+      buffers).
 
   Returns:
     (budget - overheads) / copies / in_flight, and at least budget / (4 * copies)
     / in_flight so that small budgets still make progress; at least 1.
   """
-  budget = max(memory_budget - (JOB_OVERHEAD if job else 0), 1)
+  budget = max(memory_budget - (JOB_OVERHEAD if job else 0) - held, 1)
   per = max(budget // (4 * copies), (budget - FIXED_OVERHEAD) // copies, 1)
   return max(per // in_flight, 1)
 

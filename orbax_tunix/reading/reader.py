@@ -27,7 +27,7 @@ from etils import epath
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.reading import quantized as quantized_lib
-from orbax_tunix.reading import read_requests
+from orbax_tunix.reading import read_requests, timing
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.store import _orbax, item_store, step_store
 from orbax_tunix.view.detection import Detection, detect, wanted_items
@@ -428,22 +428,27 @@ def stream(
   Yields:
     (batch, what `read` gave for it).
   """
+  def timed_read(batch: Sequence[T]) -> V:
+    with timing.phase('read'):
+      return read(batch)
+
   if not ahead:
     for batch in batched:
-      values = read(batch)
+      values = timed_read(batch)
       yield batch, values
       del values
       progress.advance(done(batch))
     return
   batches_ = iter(batched)
   # The reading thread sees this thread's context (the parsed metadata Orbax is served).
-  submit = lambda b: pool.submit(contextvars.copy_context().run, read, b)  # noqa: E731
+  submit = lambda b: pool.submit(contextvars.copy_context().run, timed_read, b)  # noqa: E731
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='orbax_tunix-read') as pool:
     batch = next(batches_, None)
     pending = submit(batch) if batch is not None else None
     try:
       while pending is not None:
-        values = pending.result()
+        with timing.phase('waited'):
+          values = pending.result()
         following = next(batches_, None)
         together = following is not None and (
             size is None or size(batch) + size(following) <= limit)

@@ -12,11 +12,11 @@ report (`orbax_tunix.cli.display`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import optax
 from etils import epath
 
 from orbax_tunix import conventions, errors
@@ -31,13 +31,18 @@ from orbax_tunix.view import rules
 from orbax_tunix.view.detection import Detection
 
 _RULE_DESCRIPTIONS = {rule.name: rule.description for rule in rules.RULES}
-# optax's own state NamedTuples, by name: the outline names states with them.
-_OPTAX_STATES = {
-    name: frozenset(obj._fields)
-    for name, obj in vars(optax).items()
-    if isinstance(obj, type) and issubclass(obj, tuple) and getattr(obj, '_fields', ())
-    and name.endswith('State')
-}
+
+
+@functools.cache
+def _optax_states() -> dict[str, frozenset[str]]:
+  """optax's own state NamedTuples, by name: the outline names states with them. Imported
+  when first asked (by `inspect`): optax and the jax.scipy it imports cost every other
+  command 0.1-0.15 s of start-up (BENCHMARKS §23)."""
+  import optax  # noqa: PLC0415
+
+  return {name: frozenset(obj._fields) for name, obj in vars(optax).items()
+          if isinstance(obj, type) and issubclass(obj, tuple) and getattr(obj, '_fields', ())
+          and name.endswith('State')}
 
 
 def optax_state_names(keys: frozenset[str]) -> tuple[str, ...]:
@@ -53,7 +58,7 @@ def optax_state_names(keys: frozenset[str]) -> tuple[str, ...]:
   Returns:
     Sorted type names (e.g. ('ScaleByAdamState', ...)); empty when none fit.
   """
-  fits = {name: len(fields - keys) for name, fields in _OPTAX_STATES.items() if keys <= fields}
+  fits = {name: len(fields - keys) for name, fields in _optax_states().items() if keys <= fields}
   if not keys or not fits:
     return ()
   best = min(fits.values())

@@ -31,7 +31,7 @@ from orbax_tunix.keypaths import fmt
 from orbax_tunix.mapping import lora
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import ItemOutput
-from orbax_tunix.reading import memory, reader
+from orbax_tunix.reading import memory, reader, timing
 from orbax_tunix.store.fileio import as_path
 from orbax_tunix.tools import agreement
 from orbax_tunix.writing import commit, distributed, places, writer
@@ -137,7 +137,8 @@ def plan(
     InvalidOptionError, InvalidDestinationError, DestinationExistsError,
     LoraError, UnsupportedLayoutError and the other `TunixCheckpointError`
     subclasses: see `convert.plan_convert` and `export.plan_export`; every
-    one before any array is read.
+    one before any array is read. InvalidOptionError too for an
+    `ORBAX_TUNIX_THREADS` that is no thread count (`memory.host_threads`).
     DistributedError: in a multi-process job (where every process calls it), the
       processes were given different work (source, step, options), or another
       process failed to plan: on every process, before anything is written.
@@ -148,6 +149,7 @@ def plan(
   given = _given(chosen, options)
   params_only = params_only or merge_options is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
+  memory.host_threads()  # ORBAX_TUNIX_THREADS, where set, checked before anything is read.
   items = None if items is None else tuple(items)  # Read twice: the source, and `options`.
   source = reader.open_source(src, step, items, weights_only=params_only)
   dst = as_path(dst)
@@ -360,6 +362,8 @@ def run(plan: Plan, progress: reader.Progress | None = None) -> Result:
                        plan.sources, progress, f'{destination.doing} {plan.dst}',
                        writer.bytes_read(mine), destination.entries(plan)) as staging:
     record = destination.write(plan, mine, staging.work, progress)
+    written = time.monotonic()
+  timing.add('committed', time.monotonic() - written)
   return Result(
       dst=plan.dst, items={item.name: len(item.outputs) for item in plan.items},
       files=tuple(record.get('files', ())), bytes_read=writer.bytes_read(plan.outputs),

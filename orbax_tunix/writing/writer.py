@@ -19,7 +19,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -70,11 +72,17 @@ def reads_ahead(memory_budget: int) -> bool:
   return not distributed.active() and memory.holds_two_batches(memory_budget)
 
 
-def batch_bytes(memory_budget: int) -> int:
+def batch_bytes(memory_budget: int, safetensors: bool = False) -> int:
   """Bytes of sources per batch so that a write fits `memory_budget` (in each process of a
-  multi-process job too); half as much where two batches are in flight (`reads_ahead`)."""
-  return memory.batch_bytes(memory_budget, memory.WRITE_COPIES, job=distributed.active(),
-                            in_flight=2 if reads_ahead(memory_budget) else 1)
+  multi-process job too); half as much where two batches are in flight (`reads_ahead`).
+  Safetensors written on the host (`SafetensorsSink`) hold fewer copies of a batch (`memory.HOST_WRITE_COPIES`)
+  and the buffers of the threads that write them (`memory.write_threads` of
+  `memory.copy_buffer_bytes` each)."""
+  threads = memory.write_threads(memory_budget) if safetensors else 0
+  return memory.batch_bytes(
+      memory_budget, memory.HOST_WRITE_COPIES if safetensors else memory.WRITE_COPIES,
+      job=distributed.active(), in_flight=2 if reads_ahead(memory_budget) else 1,
+      held=threads * memory.copy_buffer_bytes(memory_budget))
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
@@ -221,11 +229,20 @@ def _all_finite(value: Any) -> bool:
   return bool(np.isfinite(value).all())
 
 
+def _finite(values: np.ndarray) -> bool:
+  """Whether every value of a floating array is finite, checked a block of rows at a time (no
+  temporary the size of the tensor). `isfinite` rather than the extremes: ml_dtypes'
+  bfloat16 min and max are 10x slower, numpy's float16 ones 7x (BENCHMARKS §23)."""
+  if values.ndim == 0:
+    return bool(np.isfinite(values))
+  return all(np.isfinite(part).all() for _, part in row_pieces(values, memory.COPY_BUFFER_BYTES))
+
+
 def check_range(output: Output, value: Any) -> None:
   """Refuses an output whose values left its dtype's range (became inf).
 
   Only where values may leave the range (see `_may_overflow`), and only when
-  the written value holds non-finite elements (its min and max): then the
+  the written value holds non-finite elements (`_finite`): then the
   sources are read again in their own dtypes and compared, so that infs and
   NaNs the source holds itself are kept.
 
@@ -240,9 +257,7 @@ def check_range(output: Output, value: Any) -> None:
     if bool(jnp.isfinite(value).all()):  # Computed where the parts are; agreed by all.
       return
   written = distributed.on_host(value)
-  # Two reductions (no temporary the size of the tensor): NaN propagates, so
-  # finite extremes mean finite values.
-  if written.size == 0 or (np.isfinite(written.min()) and np.isfinite(written.max())):
+  if written.size == 0 or _finite(written):
     return
   finite = np.isfinite(written)
   own = dataclasses.replace(output, dtype=None,
@@ -449,36 +464,45 @@ class Shard:
     return data + b' ' * (-len(data) % 8)
 
 
-# A transposed view is copied out in tiles of TILE x TILE elements, a block of rows
-# (about BLOCK_BYTES) at a time: numpy's own copy of a transposed matrix walks one side
-# a whole row apart per element, 2-3x slower than tiles that stay in the cache, and
-# would hold a second copy of the whole tensor.
-TILE = 128
-BLOCK_BYTES = 4 << 20
+# A transposed view is copied out a block of rows (at most `memory.COPY_BUFFER_BYTES`) at a
+# time, each block in strips of STRIP columns: a strip's rows are read from STRIP rows of the
+# stored matrix, pages the processor keeps at hand (numpy's own copy of a transposed matrix,
+# or square tiles, walks a whole stored row apart per element: 2.5-3.5x slower, measured in
+# BENCHMARKS §23). Each strip is one numpy copy, which releases the GIL, so that several
+# threads copy at once. The bytes are copied as unsigned integers of the same width: numpy's
+# loops for them are faster than for ml_dtypes' bfloat16 (1.6x) and move the same bits.
+STRIP = 8
 
 
-def c_order_blocks(array: np.ndarray) -> Iterator[np.ndarray]:
-  """An array's values in C order, as contiguous arrays of consecutive rows.
+def _raw(array: np.ndarray) -> np.ndarray:
+  """The array's elements as unsigned integers of their width (the same bytes), where there
+  is one."""
+  return array.view(f'u{array.itemsize}') if array.itemsize in (1, 2, 4, 8) else array
 
-  A contiguous array is itself; a strided 2-D one (a transposed view) is copied
-  a block of rows at a time, tile by tile; others are copied a block at a time.
-  The blocks share one buffer: each is valid until the next is asked for.
-  """
-  if array.flags.c_contiguous or array.ndim == 0:
-    yield array
+
+def _transposed(array: np.ndarray) -> bool:
+  """A 2-D view whose columns lie closer together in memory than its rows (`.T` of a matrix)."""
+  return array.ndim == 2 and abs(array.strides[0]) < abs(array.strides[1])
+
+
+def copy_rows(part: np.ndarray, out: np.ndarray) -> None:
+  """`out[...] = part` for `out` C-contiguous: in strips where `part` is transposed."""
+  src, dst = _raw(part), _raw(out)
+  if not _transposed(part):
+    dst[...] = src
     return
-  rows = max(1, BLOCK_BYTES // max(1, array[0].nbytes))
-  buffer = np.empty((min(rows, array.shape[0]), *array.shape[1:]), array.dtype)
-  for start in range(0, array.shape[0], rows):
-    part = array[start:start + rows]
-    out = buffer[:part.shape[0]]
-    if array.ndim == 2:
-      for col in range(0, array.shape[1], TILE):
-        for row in range(0, part.shape[0], TILE):
-          out[row:row + TILE, col:col + TILE] = part[row:row + TILE, col:col + TILE]
-    else:
-      out[...] = part
-    yield out
+  for col in range(0, part.shape[1], STRIP):
+    dst[:, col:col + STRIP] = src[:, col:col + STRIP]
+
+
+def row_pieces(array: np.ndarray, piece_bytes: int) -> list[tuple[int, np.ndarray]]:
+  """An array as consecutive blocks of its rows of about `piece_bytes` each (at least one
+  row), with the row each starts at: the pieces the safetensors sink copies and writes
+  apart. A 0-d or empty array is one piece."""
+  if array.ndim == 0 or array.size == 0:
+    return [(0, array)]
+  rows = max(1, piece_bytes // max(1, array[0].nbytes))
+  return [(start, array[start:start + rows]) for start in range(0, array.shape[0], rows)]
 
 
 def in_write_order(outputs: Sequence[Output]) -> list[Output]:
@@ -544,34 +568,88 @@ def recorded_files(folder: epath.Path, single: str = SINGLE_FILE) -> frozenset[s
   return frozenset(files)
 
 
+class _File:
+  """One safetensors file being written: its header written at its start, its tensors'
+  bytes each at the place the header gives it (`put`, from any thread on a local disk);
+  elsewhere (an object store) in order, as they come."""
+
+  def __init__(self, path: epath.Path, shard: Shard, metadata: Mapping[str, str]):
+    header = shard.header(metadata)
+    self.start = 8 + len(header)
+    # Where each tensor's data starts in the file, in the order of `shard.tensors`.
+    self.offsets = []
+    at = self.start
+    for _, dtype, shape in shard.tensors:
+      self.offsets.append(at)
+      at += math.prod(shape) * jnp.dtype(dtype).itemsize
+    self.local = fileio.is_local(path)
+    # Unbuffered where local: its bytes go straight from the arrays to the file.
+    self._handle = (open(os.fspath(path), 'wb', buffering=0) if self.local  # noqa: SIM115
+                    else path.open('wb'))
+    self._at = 0
+    self.put(0, np.frombuffer(struct.pack('<Q', len(header)) + header, np.uint8))
+
+  def put(self, at: int, data: np.ndarray) -> None:
+    """Writes a contiguous array's bytes at byte `at` of the file."""
+    view = memoryview(data.reshape(-1).view(np.uint8))
+    if not self.local:  # In order: an object store's file is one stream.
+      if at != self._at:
+        raise AssertionError(f'bytes at {at} written after {self._at}')
+      self._handle.write(view)
+      self._at += len(view)
+      return
+    fd = self._handle.fileno()
+    while view:  # A write may take fewer bytes than asked (signals, some file systems).
+      n = os.pwrite(fd, view, at)
+      view, at = view[n:], at + n
+
+  def close(self) -> None:
+    self._handle.close()
+
+
 class SafetensorsSink:
   """Hugging Face safetensors files, written tensor by tensor as batches arrive.
 
   Each file's header is known from the plan (`shards`), so a file is opened,
-  given its header and then its tensors' bytes in order: no file, and no
-  batch beyond the writer's budget, is held whole.
+  given its header and then its tensors' bytes: no file, and no batch beyond
+  the writer's budget, is held whole. On a local disk a batch's tensors are
+  cut into blocks of rows (`row_pieces`), and `threads` threads copy each
+  block into C order (`copy_rows`) and write it at its place in its file at
+  once (`os.pwrite`; both release the GIL); elsewhere (an object store) they
+  are written in order on the caller's thread. `write` returns once its batch
+  is written.
   """
 
   def __init__(self, directory: epath.Path, files: Sequence[Shard],
                listed: Sequence[Shard] | None = None, write_index: bool = True,
-               metadata: Mapping[str, str] | None = None):
+               metadata: Mapping[str, str] | None = None, threads: int = 1,
+               piece_bytes: int | None = None):
     """Args: the folder; the files to write; the whole export's files (default
     `files`; several processes each write some); whether to write their index;
-    what every file's header adds to its `__metadata__`."""
+    what every file's header adds to its `__metadata__`; the threads that copy
+    and write (`memory.write_threads`); the bytes of the blocks of rows each copies
+    and writes at once (`memory.copy_buffer_bytes`; default `memory.COPY_BUFFER_BYTES`)."""
     self._dir = directory
     self._metadata = dict(metadata or {})
     self._files = list(files)
     self._listed = list(files if listed is None else listed)
     self._write_index = write_index
     self._of = {name: f for f in self._files for name, _, _ in f.tensors}
-    # file -> (handle, tensors written, rows written of the next)
-    self._open: dict[str, tuple[Any, int, int]] = {}
+    # file -> (the file, tensors written, rows written of the next)
+    self._open: dict[str, tuple[_File, int, int]] = {}
+    parallel = threads > 1 and fileio.is_local(directory)
+    self._pool = (concurrent.futures.ThreadPoolExecutor(threads, 'orbax_tunix-write')
+                  if parallel else None)
+    self._buffers = threading.local()  # Each thread's buffer for `copy_rows`.
+    self._piece_bytes = memory.COPY_BUFFER_BYTES if piece_bytes is None else piece_bytes
     directory.mkdir(parents=True, exist_ok=True)
 
   def write(self, batch: Sequence[executor.Made]) -> None:
+    pieces: list[tuple[_File, int, np.ndarray]] = []
+    complete: list[_File] = []
     for output, value in batch:
       shard = self._of[output.path[0]]
-      handle, done, row = self._open.get(shard.name) or (self._start(shard), 0, 0)
+      file, done, row = self._open.get(shard.name) or (self._start(shard), 0, 0)
       name, dtype, shape = shard.tensors[done]
       start, stop = output.rows or (0, shape[0] if shape else 0)
       if name != output.path[0] or start != row:
@@ -583,23 +661,58 @@ class SafetensorsSink:
         raise AssertionError(f'{name}: planned {dtype}{list(want)}, made {array.dtype}'
                              f'{list(array.shape)}')
       # A tensor made in blocks of rows is their bytes one after another (C order).
-      for block in c_order_blocks(array):
-        handle.write(memoryview(block.reshape(-1).view(np.uint8)))
+      row_bytes = math.prod(shape[1:]) * array.itemsize if shape else 0
+      at = file.offsets[done] + start * row_bytes
+      pieces += [(file, at + first * row_bytes, piece)
+                 for first, piece in row_pieces(array, self._piece_bytes)]
       if shape and stop != shape[0]:
-        self._open[shard.name] = (handle, done, stop)
+        self._open[shard.name] = (file, done, stop)
       elif done + 1 == len(shard.tensors):
-        handle.close()
+        complete.append(file)
         self._open.pop(shard.name, None)
       else:
-        self._open[shard.name] = (handle, done + 1, 0)
+        self._open[shard.name] = (file, done + 1, 0)
+    self._put_all(pieces)
+    for file in complete:
+      file.close()
 
-  def _start(self, shard: Shard) -> Any:
-    handle = (self._dir / shard.name).open('wb')
-    header = shard.header(self._metadata)
-    handle.write(struct.pack('<Q', len(header)) + header)
-    return handle
+  def _put_all(self, pieces: Sequence[tuple[_File, int, np.ndarray]]) -> None:
+    """Every piece written (on the threads, where there are); the first failure raised once
+    none is being written any more."""
+    if self._pool is None or len(pieces) < 2:
+      for piece in pieces:
+        self._put(*piece)
+      return
+    futures = [self._pool.submit(self._put, *piece) for piece in pieces]
+    try:
+      concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    finally:  # Failed or interrupted: the pieces not started are dropped, the others end.
+      for future in futures:
+        future.cancel()
+      concurrent.futures.wait(futures)
+    for future in futures:
+      if not future.cancelled() and future.exception() is not None:
+        raise future.exception()
+
+  def _put(self, file: _File, at: int, piece: np.ndarray) -> None:
+    """A block of rows written at byte `at`, copied into C order first where it is strided."""
+    if piece.size == 0:
+      return
+    if not piece.flags.c_contiguous:
+      buffer = getattr(self._buffers, 'buffer', None)
+      if buffer is None or buffer.nbytes < piece.nbytes:
+        buffer = self._buffers.buffer = np.empty(piece.nbytes, np.uint8)
+      out = buffer[:piece.nbytes].view(piece.dtype).reshape(piece.shape)
+      copy_rows(piece, out)
+      piece = out
+    file.put(at, piece)
+
+  def _start(self, shard: Shard) -> _File:
+    return _File(self._dir / shard.name, shard, self._metadata)
 
   def close(self) -> dict[str, Any]:
+    if self._pool is not None:
+      self._pool.shutdown()
     if self._open:
       raise AssertionError(f'files not completed: {sorted(self._open)}')
     if len(self._listed) > 1 and self._write_index:
