@@ -50,6 +50,9 @@ pyconfig `k=v` strings):
                   of one family saved as a Tunix run and a MaxText step under `out`, MaxText
                   0.2.5's own HF conversion of it, the fitted HF config and its logits (see
                   job_family_case).
+                  With lora={rank, alpha}: also the model with LoRA as MaxText's SFT applies
+                  it (qwix), random adapters, saved as a Tunix run `<out>/tunix_lora`, and
+                  its logits with the adapters live ('lora_logits'; see lora_run).
   layer_forms     model_name, dims, seed, step, out: one family's model in both layer forms
                   from the same weights, saved as MaxText saves each and as Tunix runs (see
                   job_layer_forms).
@@ -564,8 +567,9 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
       text[hf_attr] = value
   if text.get('per_layer_config'):  # gemma4: the full model's heads per layer, derived again
     text['per_layer_config'] = None  # from the fitted attributes above when None
-  if text.get('layer_types'):
-    text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
+  if text.get('layer_types'):  # (gemma2: two HF layers a MaxText layer, as fitted above)
+    text['layer_types'] = list(text['layer_types'])[:text.get('num_hidden_layers')
+                                                     or cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
   try:
@@ -595,6 +599,8 @@ def job_family_case(job, out_dir):
   (MaxText's HF_MODEL_CONFIGS entry fitted to the tiny model), and to `<id>.npz`: the HF
   weights MaxText's converter makes from the MaxText step ('hf/<name>'), the model's logits
   on fixed tokens ('logits'), the tokens ('tokens'), and the drawn weights ('mt/<path>').
+  With lora={rank, alpha} also a LoRA run of the model (`lora_run`): `<out>/tunix_lora`, its
+  logits 'lora_logits'.
   """
   out = Path(job['out']).resolve()
   step = int(job.get('step', 3))
@@ -620,7 +626,11 @@ def job_family_case(job, out_dir):
   (out / 'reference_hf').mkdir(exist_ok=True)
   save_file({text_name(k): np.ascontiguousarray(v) for k, v in (hf or {}).items()},
             str(out / 'reference_hf' / 'model.safetensors'), metadata={'format': 'pt'})
+  lora = job.get('lora') and lora_run(cfg, model, job['lora'], int(job.get('seed', 0)),
+                                      out / 'tunix_lora', step, tokens)
+  times['lora'] = time.time() - t - sum(times.values())
   arrays = {'logits': logits, 'tokens': tokens,
+            **({'lora_logits': lora['logits']} if lora else {}),
             **{f'hf/{k}': v for k, v in (hf or {}).items()}, **{f'mt/{k}': v for k, v in drawn.items()}}
   npz = os.path.join(out_dir, f"{job['id']}.npz")
   np.savez(npz, **arrays)
@@ -637,7 +647,35 @@ def job_family_case(job, out_dir):
           'step': step, 'hf_config': str(out / 'hf_config'), 'config': keys, 'times': times,
           'hf': {k: [list(v.shape), str(v.dtype)] for k, v in (hf or {}).items()},
           'convert_error': convert_error,
+          **({'tunix_lora': str(out / 'tunix_lora'), 'lora': lora['shapes']} if lora else {}),
           'mt': {k: list(v.shape) for k, v in drawn.items()}}
+
+
+def lora_run(cfg, model, lora: dict, seed: int, root: Path, step: int, tokens) -> dict:
+  """`model` with LoRA as MaxText's SFT applies it for Tunix (`lora_utils.apply_lora_to_model`:
+  qwix on the modules its lora_module_path.yml names for the model; lora = {rank, alpha}),
+  its adapters drawn as `random_model` draws weights (qwix starts `b` at zero: a zero adapter
+  could not be told from none), saved as a Tunix run under `root`. Returns the LoRA model's
+  logits on `tokens` (adapters live) and the adapters' shapes by path."""
+  from maxtext.utils import lora_utils  # noqa: PLC0415
+
+  cfg.lora.enable_lora, cfg.lora.lora_rank = True, int(lora['rank'])
+  cfg.lora.lora_alpha = float(lora['alpha'])
+  mesh = maxtext_utils.get_mesh_from_config(cfg)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    model = lora_utils.apply_lora_to_model(model, mesh, cfg)
+  # As train_sft.setup_trainer_state: the forward passes' sown state (an MoE block's overflow
+  # flags) is no part of the model Tunix saves.
+  nnx.pop(model, nnx.Intermediate)
+  adapters = nnx.state(model, nnx.LoRAParam)
+  rng = np.random.default_rng(seed + 100)
+  drawn = {p: rng.normal(0.0, 0.3, np.shape(v)).astype(jnp.bfloat16).astype(np.float32)
+           for p, v in flat(adapters.to_pure_dict()).items()}
+  nnx.replace_by_pure_dict(adapters, _filled(adapters.to_pure_dict(), lambda p, _: drawn[p]))
+  nnx.update(model, adapters)
+  save_tunix_run(root, step, model)
+  return {'logits': forward_logits(model, tokens),
+          'shapes': {p: list(v.shape) for p, v in drawn.items()}}
 
 
 # --------------------------------------------------------------------------- #
