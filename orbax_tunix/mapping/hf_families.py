@@ -22,7 +22,8 @@ GEMMA3 = Family(
     (hf_tunix.GEMMA3, hf_maxtext.GEMMA3), fixed=GEMMA_GELU,
     text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
                    'model.language_model.'})
-QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2,))
+QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2, hf_maxtext.QWEN2),
+               aliases=('qwen2.5',))  # MaxText's name of the model.
 QWEN3_MOE = Family('qwen3_moe', 'Qwen3MoeForCausalLM', 'qwen3_moe',
                    (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE))
 GEMMA = Family('gemma', 'GemmaForCausalLM', 'gemma', (hf_tunix.GEMMA,),
@@ -35,4 +36,7 @@ GEMMA4 = Family(
                    'model.language_model.'},
     embeddings=('embed_tokens', 'embed_tokens_per_layer'))
 
-FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4)
+# MaxText's Mixtral (no Tunix model): its experts under the Hub's `block_sparse_moe` names.
+MIXTRAL = Family('mixtral', 'MixtralForCausalLM', 'mixtral', (hf_maxtext.MIXTRAL,))
+
+FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, MIXTRAL)

@@ -53,6 +53,7 @@ from orbax_tunix.mapping.transforms import (
   chain,
   deinterleave,
   divide,
+  merge_axes,
   multiply,
   shift,
   transpose,
@@ -268,3 +269,70 @@ def _maxtext_qwen3_moe() -> Naming:
 
 GEMMA4 = _maxtext_gemma4()
 QWEN3_MOE = _maxtext_qwen3_moe()
+
+
+# --- Qwen2.5, Mixtral (issue 51) -----------------------------------------------------------
+
+_MT_BIAS = f'{MT_LAYER}/self_attention/{{p:query|key|value}}/bias'
+
+
+def _maxtext_qwen2() -> Naming:
+  """MaxText's qwen2 decoder (qwen2.5-1.5b/7b/14b): llama3.1's names without its query
+  scaling and interleaved rotary pairs (MaxText's qwen2 scales by head_dim**-0.5 in its
+  attention, and rotates halves), plus q/k/v biases (heads, head_dim), flattened as Hugging
+  Face's (heads·head_dim,)."""
+  base = _maxtext_qwen3_style(norms=False, config_defaults=HEAD_DIM_OF_HIDDEN)
+  biases = tuple(rule(f'{MT_LAYER}/self_attention/{mt}/bias', f'{LAYER}.self_attn.{hf}_proj.bias',
+                      merge_axes(0, 2))
+                 for mt, hf in (('query', 'q'), ('key', 'k'), ('value', 'v')))
+  return dataclasses.replace(
+      base, rules=base.rules + biases, required=base.required + (((_MT_BIAS,),),),
+      axes={**base.axes,
+            f'{MT_LAYER}/self_attention/query/bias': ('num_attention_heads', 'head_dim'),
+            **{f'{MT_LAYER}/self_attention/{p}/bias': ('num_key_value_heads', 'head_dim')
+               for p in ('key', 'value')}})
+
+
+QWEN2 = _maxtext_qwen2()
+
+# MaxText's models whose attention does not scale (no `query_pre_attn_scalar`, no q/k norms)
+# keep the query kernel divided by sqrt(head_dim) (`init_query_w`'s depth scaling, then
+# trained so): Hugging Face's scales in attention. As MaxText's converter (`scale_query_layer`
+# of mixtral and gemma2): times sqrt(head_dim) in float32, rounded once.
+_SCALED_QUERY = chain(multiply('sqrt(head_dim)', math.sqrt, axis=2), IN_PROJ)
+_MIXTRAL_MOE = f'{MT_LAYER}/MoeBlock_0'
+
+
+def _maxtext_mixtral() -> Naming:
+  """MaxText's mixtral decoder (mixtral-8x7b, 8x22b): llama's attention and norms with the
+  query scaled back (`_SCALED_QUERY`; rotary pairs in halves), every layer's MLP a sparse
+  `MoeBlock_0`: the router `gate/kernel` (D, E) is Hugging Face's
+  `block_sparse_moe.gate.weight` (E, D); the stacked experts `wi_0`, `wi_1` (E, D, F) and
+  `wo` (E, F, D) one (out, in) tensor per expert, `w1` (gate), `w3` (up), `w2` (down), the
+  names of the Hub's files (transformers 5 fuses them on load)."""
+  dense = _maxtext_qwen3_style(norms=False, query=_SCALED_QUERY,
+                               config_defaults=HEAD_DIM_OF_HIDDEN)
+  moe = f'{LAYER}.block_sparse_moe'
+  rules = (
+      *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
+      rule(f'{_MIXTRAL_MOE}/gate/kernel', f'{moe}.gate.weight', transpose()),
+      *(per_expert(f'{_MIXTRAL_MOE}/{mt}', f'{moe}.experts.{{e}}.{hf}.weight', 0, transpose())
+        for mt, hf in (('wi_0', 'w1'), ('wi_1', 'w3'), ('wo', 'w2'))),
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{_MIXTRAL_MOE}/{{p:wi_0|wi_1|wo}}', f'{_MIXTRAL_MOE}/gate/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  first = f'{MT_LAYER.replace("{i}", "0")}/MoeBlock_0'
+  dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
+  dims['intermediate_size'] = ((f'{first}/wi_0', 2),)
+  dims['num_local_experts'] = ((f'{first}/wi_0', 0),)
+  axes = {p: f for p, f in _MT_AXES.items() if '/mlp/' not in p}
+  axes[f'{_MIXTRAL_MOE}/gate/kernel'] = ('hidden_size', 'num_local_experts')
+  return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
+                             dims=dims, axes=axes)
+
+
+MIXTRAL = _maxtext_mixtral()
