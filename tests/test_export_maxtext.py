@@ -654,11 +654,11 @@ def test_llama_aliases_name_the_llama3_family(tmp_path):
 
 
 def test_a_family_without_the_sources_naming_is_refused(tmp_path):
-  """A MaxText model as gemma2 (which names only Tunix's own model class)."""
+  """A MaxText model as gemma (Gemma 1, which names only Tunix's own model class)."""
   src = save_maxtext_step(tmp_path / 'run', maxtext_tree('llama3', 'unscanned'))
   out = tmp_path / 'out'
-  p = run_cli('export', str(src), str(out), '--model', 'gemma2')
-  assert_refused(p, out, 'MaxText model', 'gemma2', '--model')
+  p = run_cli('export', str(src), str(out), '--model', 'gemma')
+  assert_refused(p, out, 'MaxText model', 'gemma', '--model')
 
 
 @pytest.mark.parametrize('weight,a,b,stacked', [
@@ -722,8 +722,15 @@ ZOO_LAYERS = {  # model -> (a MaxText layer's weights, MaxText layers, untied lm
     'mixtral': ({**{k: v for k, v in LLAMA_LAYER.items() if not k.startswith('mlp/')},
                  'MoeBlock_0/gate/kernel': (D, E), 'MoeBlock_0/wi_0': (E, D, FE),
                  'MoeBlock_0/wi_1': (E, D, FE), 'MoeBlock_0/wo': (E, FE, D)}, 2, True),
+    # One MaxText layer holds two of Hugging Face's: `<m>_local` and `<m>_global`.
+    'gemma2': ({f'{m}_{kind}/{rest}': shape for kind in ('local', 'global')
+                for m, rest, shape in [
+                    *((k.split('/', 1)[0], k.split('/', 1)[1], v)
+                      for k, v in {**_ATTENTION, **_MLP}.items()),
+                    *((n, 'scale', (D,)) for n in _GEMMA_NORMS)]}, 2, False),
 }
-ZOO_CLASSES = {'qwen2': 'Qwen2ForCausalLM', 'mixtral': 'MixtralForCausalLM'}
+ZOO_CLASSES = {'qwen2': 'Qwen2ForCausalLM', 'mixtral': 'MixtralForCausalLM',
+               'gemma2': 'Gemma2ForCausalLM'}
 
 
 def zoo_tree(model: str, form: str, seed: int = 0) -> tuple[dict, list[dict]]:
@@ -832,7 +839,7 @@ def test_zoo_dense_export_matches_the_hf_layout(tmp_path, model, form, kind):
       np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize('model,layers', [('mixtral', 2)])
+@pytest.mark.parametrize('model,layers', [('gemma2', 4), ('mixtral', 2)])
 def test_zoo_dense_config_holds_the_hugging_face_layer_count(tmp_path, model, layers):
   """config.json's num_hidden_layers is Hugging Face's count (gemma2: twice MaxText's), and
   the fields the weights imply are written (mixtral's experts, their width)."""
@@ -853,3 +860,37 @@ def test_zoo_dense_config_holds_the_hugging_face_layer_count(tmp_path, model, la
   (bad / 'config.json').write_text(json.dumps({**fields, 'num_hidden_layers': layers // 2}))
   with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match='num_hidden_layers'):
     orbax_tunix.tools.export.plan_export(src, tmp_path / 'out2', model=model, hf_config=bad)
+
+
+def test_paired_form_takes_gemma2s_layers_apart_and_back():
+  """`stacks.paired`: MaxText's gemma2 layer i (scanned on axis 1, or not) becomes layers 2i
+  (`_local`) and 2i + 1 (`_global`) of the per-layer form; `restack` makes the stored tree
+  again from them; a module with neither suffix is refused."""
+  from orbax_tunix.keypaths import fmt
+  from orbax_tunix.mapping import stacks
+
+  form = stacks.paired('_local', '_global')
+  for stored in ('scanned', 'unscanned'):
+    flat, layers = zoo_tree('gemma2', stored)
+    shapes = {tuple(p.split('/')): v.shape for p, v in flat.items()}
+    per_layer = form.unstack(shapes)
+    assert form.count(shapes) == 4
+    for path, m in per_layer.items():
+      if path[1].startswith('layers_'):
+        i, module = int(path[1].removeprefix('layers_')), path[2]
+        kind = ('local', 'global')[i % 2]
+        want = layers[i // 2][f'{module}_{kind}/{"/".join(path[3:])}']
+      else:
+        want = flat[fmt(path)]
+      got = m.transform.apply([flat[fmt(m.sources[0])]])
+      np.testing.assert_array_equal(got, want, err_msg=fmt(path))
+    assert len(per_layer) == 2 + 4 * len(ZOO_LAYERS['gemma2'][0]) // 2
+    back = form.restack({p: m.shape for p, m in per_layer.items()}) if stored == 'scanned' else {}
+    for path, m in back.items():
+      parts = [per_layer[s].transform.apply([flat[fmt(per_layer[s].sources[0])]])
+               for s in m.sources]
+      np.testing.assert_array_equal(m.transform.apply(parts), flat[fmt(path)], err_msg=fmt(path))
+    assert sorted(map(fmt, back)) == (sorted(flat) if stored == 'scanned' else [])
+  odd = {('decoder', 'layers_0', 'mlp', 'wi_0', 'kernel'): (D, F)}
+  with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match="'_local', '_global'"):
+    form.unstack(odd)

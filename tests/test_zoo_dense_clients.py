@@ -1,4 +1,4 @@
-"""`orbax-tunix export` of MaxText 0.2.5's Qwen2.5 and Mixtral (issue 51),
+"""`orbax-tunix export` of MaxText 0.2.5's Qwen2.5, Mixtral and Gemma 2 (issue 51),
 checked against MaxText's own converter and against `transformers` and `peft`.
 
 As tests/test_export_maxtext_clients.py (whose machinery this reuses), the sources are made
@@ -15,11 +15,14 @@ and saved as a Tunix run, with the LoRA model's logits (adapters live).
   mixtral  mixtral-8x7b, 3 layers, 4 experts (top 2): query stored divided by sqrt(head_dim),
            a sparse `MoeBlock_0` per layer (no LoRA target there: MaxText's default LoRA path
            adapts the attention alone)
+  gemma2   gemma2-2b, 2 MaxText layers = 4 Hugging Face layers (local, global), query stored
+           divided by sqrt(head_dim), norms `1 + w`, embedding times sqrt(hidden), soft caps
 
-Dims: emb 32, where heads·head_dim must equal the hidden size for
+Dims: emb 32 for qwen2 and mixtral, where heads·head_dim must equal the hidden size for
 MaxText's converter (its qwen shape map takes head_dim = hidden / heads, and its mixtral hook
 reshapes the (heads, head_dim, hidden) output kernel to (hidden, -1) before transposing it:
-right only when the two are equal, as in every Mixtral MaxText configures).
+right only when the two are equal, as in every Mixtral MaxText configures); 36 otherwise
+(every dim distinct).
 
 Checks: every tensor equals MaxText's converter's (name, shape, float32 value; exact),
 `transformers.AutoConfig` loads every config.json, and `transformers`
@@ -68,7 +71,9 @@ def _rope(theta: float) -> dict:
 
 # family -> (MaxText model_name, its dims, the class transformers builds, the text-config
 # fields that describe the tiny MaxText model `c` where MaxText's HF_MODEL_CONFIGS entry,
-# fitted by `_validate_or_update_architecture`, describes another one).
+# fitted by `_validate_or_update_architecture`, describes another one). Gemma 2: MaxText's
+# gemma2 keeps its query kernel divided by sqrt(head_dim), which its converter multiplies
+# back, so transformers must scale by head_dim**-0.5 (query_pre_attn_scalar = head_dim).
 FAMILIES = {
     'qwen2': ('qwen2.5-7b', ['base_emb_dim=32', 'base_num_decoder_layers=3'],
               'Qwen2ForCausalLM', lambda c: {'rope_parameters': _rope(c['rope_max_timescale'])}),
@@ -76,12 +81,16 @@ FAMILIES = {
                                  'base_moe_mlp_dim=40', 'num_experts=4', 'num_experts_per_tok=2'],
                 'MixtralForCausalLM',
                 lambda c: {'rope_parameters': _rope(c['rope_max_timescale'])}),
+    'gemma2': ('gemma2-2b', ['base_emb_dim=36', 'base_num_decoder_layers=2',
+                             'sliding_window_size=6'],
+               'Gemma2ForCausalLM', lambda c: {'query_pre_attn_scalar': c['head_dim']}),
 }
 # MaxText 0.2.5's converter cannot convert these: what it raises (asserted, then the tensors
 # are proven by transformers alone).
 CONVERTER_FAILS: dict[str, str] = {}
-# (family, tensor) compared to 1 ulp, not exactly.
-ONE_ULP: set[tuple[str, str]] = set()
+# gemma2's embedding is one float32 division by sqrt(hidden) = 6: MaxText's converter divides
+# (numpy), the export's XLA may multiply by the reciprocal: 1 ulp, as for gemma3's.
+ONE_ULP = {('gemma2', 'model.embed_tokens.weight')}
 FORMS = {'scan': True, 'unscan': False}
 SOURCES = ('tunix', 'maxtext')
 CASES = [f'{fam}_{form}' for fam in FAMILIES for form in FORMS]

@@ -28,7 +28,8 @@ QWEN3_MOE = Family('qwen3_moe', 'Qwen3MoeForCausalLM', 'qwen3_moe',
                    (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE))
 GEMMA = Family('gemma', 'GemmaForCausalLM', 'gemma', (hf_tunix.GEMMA,),
                fixed={'hidden_act': 'gelu_pytorch_tanh'})
-GEMMA2 = Family('gemma2', 'Gemma2ForCausalLM', 'gemma2', (hf_tunix.GEMMA2,), fixed=GEMMA_GELU)
+GEMMA2 = Family('gemma2', 'Gemma2ForCausalLM', 'gemma2', (hf_tunix.GEMMA2, hf_maxtext.GEMMA2),
+                fixed=GEMMA_GELU)
 GEMMA4 = Family(
     'gemma4', 'Gemma4ForConditionalGeneration', 'gemma4', (hf_tunix.GEMMA4, hf_maxtext.GEMMA4),
     fixed=GEMMA_GELU,

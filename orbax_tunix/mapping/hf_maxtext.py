@@ -336,3 +336,38 @@ def _maxtext_mixtral() -> Naming:
 
 
 MIXTRAL = _maxtext_mixtral()
+
+
+# --- Gemma 2 ---------------------------------------------------------------------------------
+
+
+def _maxtext_gemma2() -> Naming:
+  """MaxText's gemma2 decoder (gemma2-2b/9b/27b): each MaxText layer is two of Hugging Face's,
+  local (sliding) then global, their modules `<m>_local` and `<m>_global` (the form
+  `stacks.paired` takes apart: layers 2i and 2i + 1); per layer gemma3's names without q/k
+  norms. As MaxText's converter: norms `w - 1`, the (tied) embedding divided by sqrt(hidden)
+  in float32, the query kernel times sqrt(head_dim) (`_SCALED_QUERY`: MaxText's gemma2 does
+  not scale in attention; transformers scales by query_pre_attn_scalar**-0.5, so a config of
+  query_pre_attn_scalar = head_dim computes MaxText's model)."""
+  rules = (
+      rule('token_embedder/embedding', 'model.embed_tokens.weight',
+           divide('sqrt(hidden) as float32', _f32_sqrt, axis=1)),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight', GEMMA_NORM),
+      *_mt_attention(query=_SCALED_QUERY),
+      *_mt_mlp(),
+      *(rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', GEMMA_NORM)
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+  )
+  required = (
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
+  )
+  return Naming(trainers.MAXTEXT, rules, ((required,),), _mt_dims(),
+                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                form=stacks_lib.paired('_local', '_global'), axes=_MT_AXES,
+                lora_flattened=True)
+
+
+GEMMA2 = _maxtext_gemma2()

@@ -13,6 +13,9 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                               blocks on A, the 5 local layers on A+1
                             decoder/scanned_blocks/global_layer/<w>, on A   6a + 5
                             decoder/layers_remainder/local_layers/<w>, on A 6·blocks + a
+  gemma2                    as scanned or unscanned, MaxText's layer i      2i + k
+                              holding two: <m>_local/... (k = 0) and
+                              <m>_global/... (k = 1)
 
 (MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
 weight holds its experts on axis 0 and its layers on A.)
@@ -121,11 +124,17 @@ class LayerForm:
     name: for people ('scanned', "gemma3's scanned blocks of 6", ...).
     stacks: the arrays holding layers; none: one array per layer (`LAYER`).
     period: the layers of a block (1: each layer a block of its own).
+    sublayers: where one stored layer holds several of the model's (gemma2: MaxText's layer
+      i is Hugging Face's local layer 2i and global layer 2i + 1), the suffix each one's
+      modules carry, in order (`_local`, `_global`): `unstack` makes stored layer i's module
+      `<m><suffix k>` module `<m>` of layer `len(sublayers)·i + k`, `restack` joins them
+      back, `count` counts the model's layers. Empty: a stored layer is one layer.
   """
 
   name: str
   stacks: tuple[Stack, ...] = ()
   period: int = 1
+  sublayers: tuple[str, ...] = ()
 
   def place(self, i: int, n: int) -> Place:
     """Where layer `i` of `n` is."""
@@ -231,10 +240,11 @@ class LayerForm:
   def count(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS) -> int | None:
     """How many layers the weights hold: the stacked ones' (None where a stack's arrays
     disagree along `axis`), else the per-layer ones numbered."""
+    per = max(1, len(self.sublayers))
     if not self._stacked(shapes):
-      return len({i for p in shapes if (i := layer_of(p)) is not None})
+      return per * len({i for p in shapes if (i := layer_of(p)) is not None})
     slots = self._slots(shapes, axis)
-    return None if slots is None else len(slots)
+    return None if slots is None else per * len(slots)
 
   def unstack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
               where: str = '') -> dict[Path, Mapped]:
@@ -285,7 +295,43 @@ class LayerForm:
           f'{where}: the decoder\'s stacked layers do not fit MaxText\'s forms:\n'
           f'{errors.list_paths(problems)}\nPass the param_scan_axis the model was built with.'
       )
-    return out
+    return self._split(out, where) if self.sublayers else out
+
+  def _sublayer(self, path: Path) -> tuple[int, int, str] | None:
+    """(stored layer, which of its sublayers, the module's own name) of a per-layer weight
+    whose module carries one of `sublayers`' suffixes, else None."""
+    i = layer_of(path)
+    if i is None or len(path) <= len(LAYER) + 1:
+      return None
+    module = path[len(LAYER)]
+    return next(((i, k, module[:-len(s)]) for k, s in enumerate(self.sublayers)
+                 if module.endswith(s) and len(module) > len(s)), None)
+
+  def _split(self, out: dict[Path, Mapped], where: str) -> dict[Path, Mapped]:
+    """The per-layer weights of stored layers that hold several of the model's layers
+    (`sublayers`), each under its own layer.
+
+    Raises:
+      UnsupportedLayoutError: a stored layer's weight whose module carries no suffix.
+    """
+    split: dict[Path, Mapped] = {}
+    problems: list[str] = []
+    for path, mapped in out.items():
+      if layer_of(path) is None:
+        split[path] = mapped
+      elif (found := self._sublayer(path)) is None:
+        problems.append(f'{fmt(path)}: its module carries none of {list(self.sublayers)}')
+      else:
+        i, k, module = found
+        dest = (*layer_path(len(self.sublayers) * i + k), module, *path[len(LAYER) + 1:])
+        _put(split, dest, mapped, problems)
+    if problems:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: expected each decoder layer to hold {len(self.sublayers)} layers, every'
+          f' module named with one of {list(self.sublayers)} ({self.name}), found:\n'
+          f'{errors.list_paths(problems)}\nThese weights are not this family\'s: pick the'
+          ' family the model is.')
+    return split
 
   def restack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
               where: str = '') -> dict[Path, Mapped]:
@@ -296,6 +342,15 @@ class LayerForm:
       LayerScanMismatchError: the layers are not one decoder of this form (`layers`).
       UnsupportedLayoutError: `axis` does not fit the weights.
     """
+    if self.sublayers:  # The model's layers joined into the stored ones first.
+      n = len(self.sublayers)
+      joined = {p if (i := layer_of(p)) is None else
+                (*layer_path(i // n), p[len(LAYER)] + self.sublayers[i % n],
+                 *p[len(LAYER) + 1:]): p for p in shapes}
+      made = dataclasses.replace(self, sublayers=()).restack(
+          {j: shapes[p] for j, p in joined.items()}, axis, where=where)
+      return {d: Mapped(tuple(joined[s] for s in m.sources), m.transform, m.shape)
+              for d, m in made.items()}
     layers = self.layers(shapes, where)
     kept = [(p, (p,), IDENTITY) for p in shapes if not self.stacks or layer_of(p) is None]
     if not self.stacks:
@@ -506,6 +561,15 @@ def local_global(period: int) -> LayerForm:
       Stack(('decoder', 'scanned_blocks', 'local_layers'), 2, tuple(range(period - 1))),
       Stack(('decoder', 'scanned_blocks', 'global_layer'), positions=(period - 1,)),
       Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
+
+
+def paired(*suffixes: str) -> LayerForm:
+  """Gemma2's form: MaxText's plain scanned form (or one array per layer), each MaxText layer
+  holding `len(suffixes)` of the model's, its modules named with the suffixes in order
+  (`sublayers`)."""
+  return dataclasses.replace(
+      SCANNED_FORM, name=f"gemma2's {'/'.join(s.strip('_') for s in suffixes)} layer pairs",
+      sublayers=suffixes)
 
 
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
