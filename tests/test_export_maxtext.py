@@ -728,9 +728,13 @@ ZOO_LAYERS = {  # model -> (a MaxText layer's weights, MaxText layers, untied lm
                     *((k.split('/', 1)[0], k.split('/', 1)[1], v)
                       for k, v in {**_ATTENTION, **_MLP}.items()),
                     *((n, 'scale', (D,)) for n in _GEMMA_NORMS)]}, 2, False),
+    'olmo3': ({**{k.replace('self_attention/', 'attention/'): v for k, v in _ATTENTION.items()},
+               **_MLP, 'attention/query_norm/scale': (N * H,),
+               'attention/key_norm/scale': (K * H,), 'post_self_attention_layer_norm/scale': (D,),
+               'post_mlp_layer_norm/scale': (D,)}, 8, True),
 }
 ZOO_CLASSES = {'qwen2': 'Qwen2ForCausalLM', 'mixtral': 'MixtralForCausalLM',
-               'gemma2': 'Gemma2ForCausalLM'}
+               'gemma2': 'Gemma2ForCausalLM', 'olmo3': 'Olmo3ForCausalLM'}
 
 
 def zoo_tree(model: str, form: str, seed: int = 0) -> tuple[dict, list[dict]]:
@@ -839,7 +843,7 @@ def test_zoo_dense_export_matches_the_hf_layout(tmp_path, model, form, kind):
       np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize('model,layers', [('gemma2', 4), ('mixtral', 2)])
+@pytest.mark.parametrize('model,layers', [('gemma2', 4), ('olmo3', 8), ('mixtral', 2)])
 def test_zoo_dense_config_holds_the_hugging_face_layer_count(tmp_path, model, layers):
   """config.json's num_hidden_layers is Hugging Face's count (gemma2: twice MaxText's), and
   the fields the weights imply are written (mixtral's experts, their width)."""
@@ -894,3 +898,21 @@ def test_paired_form_takes_gemma2s_layers_apart_and_back():
   odd = {('decoder', 'layers_0', 'mlp', 'wi_0', 'kernel'): (D, F)}
   with pytest.raises(orbax_tunix.errors.UnsupportedLayoutError, match="'_local', '_global'"):
     form.unstack(odd)
+
+
+def test_block_forms_are_told_apart_by_their_numbering():
+  """gemma3's blocks of six and olmo3's of four name their stacks alike
+  (`decoder/layers/layers_{j}`), and MaxText's plain scanned form (`decoder/layers/...`)
+  holds them all: the form whose positions the weights' numbers are is found (the convert
+  layout re-lays the layers by it), a remainder or not (gemma3-12b's 48 layers have none)."""
+  from orbax_tunix.mapping import huggingface, stacks
+
+  olmo3 = huggingface.get('olmo3').naming_of(orbax_tunix.mapping.trainers.MAXTEXT).form
+  gemma3 = huggingface.get('gemma3').naming_of(orbax_tunix.mapping.trainers.MAXTEXT).form
+  whole = {p: v for p, v in maxtext_tree('gemma3', 'scanned').items()
+           if 'layers_remainder' not in p}  # one block of six, no remainder
+  for tree, form in ((zoo_tree('olmo3', 'scanned')[0], olmo3),
+                     (maxtext_tree('gemma3', 'scanned'), gemma3), (whole, gemma3)):
+    paths = [tuple(p.split('/')) for p in tree]
+    assert huggingface.layer_form(paths) == form, form.name
+    assert stacks.form_of(paths, (gemma3, olmo3)) == stacks.form_of(paths, (olmo3, gemma3)) == form

@@ -1,4 +1,4 @@
-"""`orbax-tunix export` of MaxText 0.2.5's Qwen2.5, Mixtral and Gemma 2 (issue 51),
+"""`orbax-tunix export` of MaxText 0.2.5's Qwen2.5, Mixtral, Gemma 2 and OLMo 3 (issue 51),
 checked against MaxText's own converter and against `transformers` and `peft`.
 
 As tests/test_export_maxtext_clients.py (whose machinery this reuses), the sources are made
@@ -17,12 +17,15 @@ and saved as a Tunix run, with the LoRA model's logits (adapters live).
            adapts the attention alone)
   gemma2   gemma2-2b, 2 MaxText layers = 4 Hugging Face layers (local, global), query stored
            divided by sqrt(head_dim), norms `1 + w`, embedding times sqrt(hidden), soft caps
+  olmo3    olmo3-7b-pt, 8 layers (two scanned blocks of 4: 3 sliding, 1 global), norms after
+           attention and MLP only, q/k norms over all heads
 
 Dims: emb 32 for qwen2 and mixtral, where heads·head_dim must equal the hidden size for
 MaxText's converter (its qwen shape map takes head_dim = hidden / heads, and its mixtral hook
 reshapes the (heads, head_dim, hidden) output kernel to (hidden, -1) before transposing it:
 right only when the two are equal, as in every Mixtral MaxText configures); 36 otherwise
-(every dim distinct).
+(every dim distinct). MaxText 0.2.5's converter has no shape map for OLMo 3 (`hf_shape.py`):
+its failure is asserted (naming the model) and the export is proven by `transformers` alone.
 
 Checks: every tensor equals MaxText's converter's (name, shape, float32 value; exact),
 `transformers.AutoConfig` loads every config.json, and `transformers`
@@ -84,10 +87,16 @@ FAMILIES = {
     'gemma2': ('gemma2-2b', ['base_emb_dim=36', 'base_num_decoder_layers=2',
                              'sliding_window_size=6'],
                'Gemma2ForCausalLM', lambda c: {'query_pre_attn_scalar': c['head_dim']}),
+    'olmo3': ('olmo3-7b-pt', ['base_emb_dim=36', 'base_num_decoder_layers=8',
+                              'sliding_window_size=6'],
+              'Olmo3ForCausalLM', lambda c: {'rope_parameters': _rope(c['rope_max_timescale']),
+                                             'pad_token_id': None}),  # (100277: no tiny row)
 }
 # MaxText 0.2.5's converter cannot convert these: what it raises (asserted, then the tensors
 # are proven by transformers alone).
-CONVERTER_FAILS: dict[str, str] = {}
+# (olmo3: its PARAM_MAPPING and HOOK_FNS entries are there, its HF_SHAPE entry is not, and
+# `_get_model_mappings` asks for all three.)
+CONVERTER_FAILS = {'olmo3': 'ValueError: Mappings not found for model: olmo3-7b-pt'}
 # gemma2's embedding is one float32 division by sqrt(hidden) = 6: MaxText's converter divides
 # (numpy), the export's XLA may multiply by the reciprocal: 1 ulp, as for gemma3's.
 ONE_ULP = {('gemma2', 'model.embed_tokens.weight')}
@@ -219,6 +228,9 @@ def test_a_sources_are_maxtexts_layouts(run, case):
   form = case.rsplit('_', 1)[1]
   if form == 'unscan':
     assert any(n.startswith('decoder/layers_1/') for n in names), names
+  elif family(case) == 'olmo3':  # blocks of 4: `layers_{j}` stacked by block
+    q = r['mt']['decoder/layers/layers_3/attention/query/kernel']
+    assert q[1] == r['config']['num_decoder_layers'] // 4, q
   else:
     q = next(s for n, s in r['mt'].items() if n.endswith('query/kernel'))
     assert q[1] == r['config']['num_decoder_layers'], (q, sorted(names)[:20])

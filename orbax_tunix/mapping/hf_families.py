@@ -40,4 +40,7 @@ GEMMA4 = Family(
 # MaxText's Mixtral (no Tunix model): its experts under the Hub's `block_sparse_moe` names.
 MIXTRAL = Family('mixtral', 'MixtralForCausalLM', 'mixtral', (hf_maxtext.MIXTRAL,))
 
-FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, MIXTRAL)
+# MaxText's OLMo 3 (no Tunix model).
+OLMO3 = Family('olmo3', 'Olmo3ForCausalLM', 'olmo3', (hf_maxtext.OLMO3,))
+
+FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, MIXTRAL, OLMO3)

@@ -371,3 +371,51 @@ def _maxtext_gemma2() -> Naming:
 
 
 GEMMA2 = _maxtext_gemma2()
+
+
+# --- OLMo 3 ----------------------------------------------------------------------------------
+
+_OLMO3_NORMS = {'post_self_attention_layer_norm': 'post_attention_layernorm',
+                'post_mlp_layer_norm': 'post_feedforward_layernorm'}
+
+
+def _maxtext_olmo3() -> Naming:
+  """MaxText's olmo3 decoder (olmo3-7b, olmo3-32b): its attention under `attention/`, q/k
+  norms over all heads ((heads·head_dim,): Hugging Face's Olmo3 normalises the projections
+  whole), norms after the attention and after the MLP only (no input norm), stored as Hugging
+  Face stores them; untied. Scanned, MaxText stacks it in blocks of four (three sliding-window
+  layers, one global: `inhomogeneous_layer_cycle_interval`), `decoder/layers/layers_{j}`.
+  MaxText 0.2.5's own converter has its parameter map, not its shape map (`hf_shape.py`)."""
+  attention = f'{MT_LAYER}/attention'
+  rules = (
+      rule('token_embedder/embedding', 'model.embed_tokens.weight'),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),  # Only when not tied.
+      *(rule(f'{attention}/{mt}/kernel', f'{LAYER}.self_attn.{hf}_proj.weight', IN_PROJ)
+        for mt, hf in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
+      rule(f'{attention}/out/kernel', f'{LAYER}.self_attn.o_proj.weight', OUT_PROJ),
+      *(rule(f'{attention}/{mt}_norm/scale', f'{LAYER}.self_attn.{hf}_norm.weight')
+        for mt, hf in (('query', 'q'), ('key', 'k'))),
+      *_mt_mlp(),
+      *(rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight') for mt, hf in _OLMO3_NORMS.items()),
+  )
+  required = (
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{attention}/{{p:query|key|value|out}}/kernel', f'{attention}/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', *(f'{MT_LAYER}/{mt}/scale' for mt in _OLMO3_NORMS),
+  )
+  first = f'{MT_LAYER.replace("{i}", "0")}/attention'
+  dims = {**_mt_dims(),
+          'num_attention_heads': ((f'{first}/query/kernel', 1),),
+          'head_dim': ((f'{first}/query/kernel', 2),),
+          'num_key_value_heads': ((f'{first}/key/kernel', 1),)}
+  axes = {p.replace('/self_attention/', '/attention/'): f for p, f in _MT_AXES.items()}
+  return Naming(trainers.MAXTEXT, rules, ((required,),), dims,
+                tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
+                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                form=dataclasses.replace(stacks_lib.blocks(4),
+                                         name="olmo3's scanned blocks of 4"),
+                axes=axes, config_defaults=HEAD_DIM_OF_HIDDEN, lora_flattened=True)
+
+
+OLMO3 = _maxtext_olmo3()

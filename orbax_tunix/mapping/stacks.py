@@ -176,6 +176,21 @@ class LayerForm:
   def holds(self, path: Path) -> bool:
     return self._find(path) is not None
 
+  def numbered(self, paths: Iterable[Path]) -> int | None:
+    """How many of `paths` its numbered block stacks (`{j}`) hold, where each holds them at
+    its positions exactly; None where one holds them at others (gemma3's blocks of 6 and
+    olmo3's of 4 name their stacks alike, and MaxText's plain scanned form holds both)."""
+    found: dict[int, set[int]] = {}
+    held = 0
+    for p in paths:
+      hit = self._find(p)
+      if hit is not None and hit[1] is not None and not self.stacks[hit[0]].remainder:
+        found.setdefault(hit[0], set()).add(hit[1])
+        held += 1
+    if any(js != set(self.stacks[k].positions) for k, js in found.items()):
+      return None
+    return held
+
   def layer_axes(self, path: Path, axis: int = DEFAULT_AXIS) -> tuple[int, ...]:
     """The axes of the array at `path` that hold layers, outermost first (none: a weight
     of one layer, or no layer's)."""
@@ -574,13 +589,15 @@ def paired(*suffixes: str) -> LayerForm:
 
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
   """The form of a decoder's layers among `forms`: the stacked one that holds the most of
-  the paths (the first of those), else UNSCANNED when they hold per-layer weights, else
-  None (no decoder layers)."""
+  the paths (of those, one whose numbered block stacks hold the most of them at their own
+  positions: `numbered`; then the first), else UNSCANNED when they hold per-layer weights,
+  else None (no decoder layers)."""
   paths = list(paths)
-  held = [(sum(map(f.holds, paths)), -k) for k, f in enumerate(forms)]
-  best = max(held, default=(0, 0))
+  held = [(sum(map(f.holds, paths)), (n := f.numbered(paths)) is not None, n or 0, -k)
+          for k, f in enumerate(forms)]
+  best = max(held, default=(0, False, 0, 0))
   if best[0]:
-    return forms[-best[1]]
+    return forms[-best[3]]
   return UNSCANNED if any(layer_of(p) is not None for p in paths) else None
 
 
