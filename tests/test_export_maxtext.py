@@ -916,3 +916,70 @@ def test_block_forms_are_told_apart_by_their_numbering():
     paths = [tuple(p.split('/')) for p in tree]
     assert huggingface.layer_form(paths) == form, form.name
     assert stacks.form_of(paths, (gemma3, olmo3)) == stacks.form_of(paths, (olmo3, gemma3)) == form
+
+
+def _gemma4_moe_weights(seed: int = 0) -> tuple[dict, dict]:
+  """MaxText's gemma4-26b, unscanned (8 layers: 5 local, 1 global, 2 local): gemma4's
+  attention and norms (`maxtext_tree('gemma4')`), every MLP a MoE block: the router, its
+  scales, E experts, a shared expert and three more norms, as nnx.state prints them. Returns
+  (the flat tree, the MoE weights by layer and name)."""
+  flat = {p: v for p, v in maxtext_tree('gemma4', 'unscanned').items() if '/mlp/' not in p}
+  rng = np.random.default_rng(seed + 7)
+  shapes = {'mlp/moe_block/MoeBlock_0/gate/kernel': (D, E),
+            'mlp/moe_block/MoeBlock_0/per_expert_scale': (E,),
+            'mlp/moe_block/MoeBlock_0/wi_0': (E, D, FE), 'mlp/moe_block/MoeBlock_0/wi_1': (E, D, FE),
+            'mlp/moe_block/MoeBlock_0/wo': (E, FE, D),
+            **{f'mlp/moe_block/shared_experts/{w}/kernel': s
+               for w, s in (('wi_0', (D, F)), ('wi_1', (D, F)), ('wo', (F, D)))},
+            'mlp/pre_forward_scale_2': (D,),
+            **{f'mlp/{n}/scale': (D,) for n in ('pre_feedforward_layernorm_2',
+                                                'post_feedforward_layernorm_1',
+                                                'post_feedforward_layernorm_2')}}
+  moe = {(i, w): rng.normal(size=s).astype(np.float32) for i in range(MODELS['gemma4'][1])
+         for w, s in shapes.items()}
+  flat.update({f'decoder/layers_{i}/{w}': v for (i, w), v in moe.items()})
+  return flat, moe
+
+
+@pytest.mark.parametrize('form', ['scanned', 'unscanned'])
+def test_gemma4_moe_exports_the_router_and_fused_experts(tmp_path, form):
+  """gemma4-26b's MoE layers in the gemma4 family's MaxText naming: the router (D, E) as
+  `router.proj` (E, D), its scales copied, wi_0 and wi_1 (E, D, F) fused as MaxText's converter
+  fuses them (`experts.gate_up_proj` = concat on F, then (E, 2F, D)), wo (E, F, D) as
+  `experts.down_proj` (E, D, F), the shared expert as the dense MLP's names; scanned in gemma4's
+  blocks (local layers on axes 1 and 2) as unscanned."""
+  from orbax_tunix.mapping import stacks
+
+  flat, moe = _gemma4_moe_weights()
+  if form == 'scanned':  # restacked as MaxText's gemma4 form, by the form's own restack
+    shapes = {tuple(p.split('/')): v.shape for p, v in flat.items()}
+    made = stacks.local_global(6).restack(shapes)
+    flat = {'/'.join(p): m.transform.apply([flat['/'.join(s)] for s in m.sources])
+            for p, m in made.items()}
+    assert any(p.startswith('decoder/scanned_blocks/local_layers/mlp/moe_block/') for p in flat)
+  # Scanned: stored a chunk per layer, so each layer's wi_0 and wi_1 are read alone and fused.
+  src = save_maxtext_step(tmp_path / 'run', flat, per_layer_chunks=form == 'scanned')
+  plan = orbax_tunix.tools.export.plan_export(src, tmp_path / 'out', model='gemma4')
+  fused = next(o for o in plan.outputs if o.path == ('model.layers.6.experts.gate_up_proj',))
+  assert [i.leaf.path[-1] for i in fused.inputs] == ['wi_0', 'wi_1']
+  assert all(i.takes for i in fused.inputs) == (form == 'scanned'), fused.inputs
+  orbax_tunix.tools.export.run_export(plan)
+  got = read_safetensors(tmp_path / 'out' / 'model.safetensors')
+  want = {k: v for k, v in expected('gemma4').items() if '.mlp.' not in k}
+  for i in range(MODELS['gemma4'][1]):
+    p, w = f'model.layers.{i}', {name: v for (j, name), v in moe.items() if j == i}
+    m = 'mlp/moe_block/MoeBlock_0'
+    want[f'{p}.router.proj.weight'] = w[f'{m}/gate/kernel'].T
+    want[f'{p}.router.per_expert_scale'] = w[f'{m}/per_expert_scale']
+    want[f'{p}.router.scale'] = w['mlp/pre_forward_scale_2']
+    want[f'{p}.experts.gate_up_proj'] = np.concatenate(
+        [w[f'{m}/wi_0'], w[f'{m}/wi_1']], axis=-1).swapaxes(-2, -1)
+    want[f'{p}.experts.down_proj'] = w[f'{m}/wo'].transpose(0, 2, 1)
+    for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down')):
+      want[f'{p}.mlp.{hf}_proj.weight'] = w[f'mlp/moe_block/shared_experts/{mt}/kernel'].T
+    for n in ('pre_feedforward_layernorm_2', 'post_feedforward_layernorm_1',
+              'post_feedforward_layernorm_2'):
+      want[f'{p}.{n}.weight'] = w[f'mlp/{n}/scale']
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)

@@ -1,5 +1,5 @@
-"""`orbax-tunix export` of MaxText 0.2.5's Qwen2.5, Mixtral, Gemma 2 and OLMo 3 (issue 51),
-checked against MaxText's own converter and against `transformers` and `peft`.
+"""`orbax-tunix export` of MaxText 0.2.5's Qwen2.5, Mixtral, Gemma 2, OLMo 3 and gemma4-26b
+(issue 51), checked against MaxText's own converter and against `transformers` and `peft`.
 
 As tests/test_export_maxtext_clients.py (whose machinery this reuses), the sources are made
 by MaxText itself (tests/maxtext_client.py's `family_case` job, MaxText venv): a tiny random
@@ -19,13 +19,16 @@ and saved as a Tunix run, with the LoRA model's logits (adapters live).
            divided by sqrt(head_dim), norms `1 + w`, embedding times sqrt(hidden), soft caps
   olmo3    olmo3-7b-pt, 8 layers (two scanned blocks of 4: 3 sliding, 1 global), norms after
            attention and MLP only, q/k norms over all heads
+  gemma4moe  gemma4-26b as `--model gemma4`, 6 layers (gemma4's block: 5 local, 1 global),
+           4 experts (top 2) and a shared expert a layer; no LoRA run (see LORA)
 
 Dims: emb 32 for qwen2 and mixtral, where heads·head_dim must equal the hidden size for
 MaxText's converter (its qwen shape map takes head_dim = hidden / heads, and its mixtral hook
 reshapes the (heads, head_dim, hidden) output kernel to (hidden, -1) before transposing it:
 right only when the two are equal, as in every Mixtral MaxText configures); 36 otherwise
-(every dim distinct). MaxText 0.2.5's converter has no shape map for OLMo 3 (`hf_shape.py`):
-its failure is asserted (naming the model) and the export is proven by `transformers` alone.
+(every dim distinct). MaxText 0.2.5's converter has no shape map for OLMo 3 (`hf_shape.py`),
+and gives a tiny gemma4's global layers the local head_dim: its failures are asserted (naming
+them) and those exports are proven by `transformers` alone.
 
 Checks: every tensor equals MaxText's converter's (name, shape, float32 value; exact),
 `transformers.AutoConfig` loads every config.json, and `transformers`
@@ -52,12 +55,14 @@ from orbax_tunix import cli
 from tests import clients
 from tests.clients import client_env, subprocess_env
 from tests.test_export_maxtext_clients import (
+  DROP,
   HF_CLIENT,
   HF_LOGITS_ATOL,
   MAXTEXT_CLIENT,
   STEP,
   WORKER_TIMEOUT,
   Run,
+  text_name,
   wait,
 )
 
@@ -89,12 +94,33 @@ FAMILIES = {
                               'sliding_window_size=6'],
               'Olmo3ForCausalLM', lambda c: {'rope_parameters': _rope(c['rope_max_timescale']),
                                              'pad_token_id': None}),  # (100277: no tiny row)
+    # gemma4-26b (`--model gemma4`): one block of six (5 local, 1 global whose keys are its
+    # values), every MLP a MoE block with a shared expert. MaxText's dense matmul for its
+    # experts (sparse_matmul=False): the same model, a forward pass 4x faster on a CPU.
+    # transformers derives the global layers' heads from global_head_dim where the fitted
+    # `per_layer_config` (null: no overrides) is left out, as for gemma4-31b.
+    'gemma4moe': ('gemma4-26b', ['base_emb_dim=36', 'head_dim=8', 'global_head_dim=16',
+                                 'global_num_kv_heads=1', 'base_num_decoder_layers=6',
+                                 'base_moe_mlp_dim=20', 'num_experts=4', 'num_experts_per_tok=2',
+                                 'sliding_window_size=6', 'sparse_matmul=False'],
+                  'Gemma4ForCausalLM', lambda c: {
+                      'per_layer_config': DROP, 'top_k_experts': c['num_experts_per_tok'],
+                      'rope_parameters': {
+                          'full_attention': {**_rope(c['global_rope_max_timescale']),
+                                             'rope_type': 'proportional',
+                                             'partial_rotary_factor': c['global_rope_proportion']},
+                          'sliding_attention': _rope(c['local_rope_max_timescale'])}}),
 }
+# A case family's `--model`, where it is not the family's name (gemma4-26b is gemma4's).
+MODEL = {'gemma4moe': 'gemma4'}
 # MaxText 0.2.5's converter cannot convert these: what it raises (asserted, then the tensors
 # are proven by transformers alone).
 # (olmo3: its PARAM_MAPPING and HOOK_FNS entries are there, its HF_SHAPE entry is not, and
 # `_get_model_mappings` asks for all three.)
-CONVERTER_FAILS = {'olmo3': 'ValueError: Mappings not found for model: olmo3-7b-pt'}
+# (gemma4: its shape map gives the global layers the local head_dim, as for gemma4-31b in
+# tests/test_export_maxtext_clients.py.)
+CONVERTER_FAILS = {'olmo3': 'ValueError: Mappings not found for model: olmo3-7b-pt',
+                   'gemma4moe': 'TypeError: cannot reshape array of shape (36, 4, 16)'}
 # gemma2's embedding is one float32 division by sqrt(hidden) = 6: MaxText's converter divides
 # (numpy), the export's XLA may multiply by the reciprocal: 1 ulp, as for gemma3's.
 ONE_ULP = {('gemma2', 'model.embed_tokens.weight')}
@@ -102,7 +128,9 @@ FORMS = {'scan': True, 'unscan': False}
 SOURCES = ('tunix', 'maxtext')
 CASES = [f'{fam}_{form}' for fam in FAMILIES for form in FORMS]
 EXPORTS = [f'{case}_{src}' for case in CASES for src in SOURCES]
-LORA = [f'{fam}_scan' for fam in FAMILIES]  # the cases with a LoRA run
+# The cases with a LoRA run (gemma4-26b's: MaxText's LoRA path adapts its experts, which
+# Hugging Face fuses as gate_up_proj, a parameter no PEFT LoRA module takes).
+LORA = [f'{fam}_scan' for fam in FAMILIES if fam != 'gemma4moe']
 # the LoRA run's exports: name -> flags
 LORA_EXPORTS = {'merged': ('--merge-lora', '--lora-alpha', str(ALPHA)),
                 'base': ('--base-only',),
@@ -115,9 +143,14 @@ def family(case: str) -> str:
 
 def tiny_hf_config(case: str, hf_config: dict, cfg: dict) -> dict:
   """MaxText's HF config fitted to the tiny model `cfg` (its MaxText config keys), with
-  FAMILIES' fields set."""
+  FAMILIES' fields set in its text config (DROP: removed)."""
   out = copy.deepcopy(hf_config)
-  out.update(FAMILIES[family(case)][3](cfg))
+  text = out.get('text_config') or out
+  for field, value in FAMILIES[family(case)][3](cfg).items():
+    if value is DROP:
+      text.pop(field, None)
+    else:
+      text[field] = value
   return out
 
 
@@ -178,7 +211,8 @@ def run(maxtext_python, tmp_path_factory):
     if not (r and r['ok']):
       continue
     for name, (src, out, flags) in _exports(case, r, work).items():
-      exports[name] = export(pathlib.Path(src), out, family(case), *flags)
+      exports[name] = export(pathlib.Path(src), out, MODEL.get(family(case), family(case)),
+                             *flags)
   for name in EXPORTS:
     e = exports.get(name)
     if e and e['rc'] == 0:
@@ -225,6 +259,9 @@ def test_a_sources_are_maxtexts_layouts(run, case):
   form = case.rsplit('_', 1)[1]
   if form == 'unscan':
     assert any(n.startswith('decoder/layers_1/') for n in names), names
+  elif family(case) == 'gemma4moe':  # gemma4's blocks: 5 local layers, 1 global
+    assert r['mt']['decoder/scanned_blocks/local_layers/mlp/moe_block/MoeBlock_0/wi_0'][1:3] == [
+        1, 5], sorted(names)[:20]
   elif family(case) == 'olmo3':  # blocks of 4: `layers_{j}` stacked by block
     q = r['mt']['decoder/layers/layers_3/attention/query/kernel']
     assert q[1] == r['config']['num_decoder_layers'] // 4, q
@@ -254,7 +291,7 @@ def test_b_export_equals_maxtexts_own_conversion(run, name):
     pytest.xfail(f"MaxText 0.2.5's converter cannot convert {family(case)}:"
                  f" {err.split('. Available')[0]}")
   assert err is None, f"MaxText's converter failed on {case}: {err}"
-  want = {k[len('hf/'):]: v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
+  want = {text_name(k[len('hf/'):]): v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
           if k.startswith('hf/')}
   got_meta = run.result(run.maxtext, f'read_{name}')['tensors']
   got = {k[len('hf/'):]: v for k, v in run.arrays(run.maxtext, f'read_{name}').items()}

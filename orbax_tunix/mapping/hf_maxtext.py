@@ -56,6 +56,7 @@ from orbax_tunix.mapping.transforms import (
   merge_axes,
   multiply,
   shift,
+  stack,
   transpose,
 )
 
@@ -213,17 +214,61 @@ _GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
                            without=(_MT_VALUE,))
 
 
+_MT_MOE = f'{MT_LAYER}/mlp/moe_block'
+# MaxText's gemma4-26b experts, as its converter's `moe_gate_up_hook`: wi_0, wi_1 (E, D, F)
+# side by side on F, then (E, 2F, D): stacked (E, D, 2, F) and merged.
+_GATE_UP = chain(stack(2), merge_axes(2, 4), transpose((0, 2, 1)))
+
+
+def _gemma4_moe_block(dense: Naming) -> Naming:
+  """Gemma 4's dense naming, with the MoE layers of gemma4-26b (Hugging Face's
+  `enable_moe_block`) as the alternative to the dense MLP: under `mlp/`, the router
+  `moe_block/MoeBlock_0/gate/kernel` (D, E) and its scales (`router.proj`, `.scale`,
+  `.per_expert_scale`), the experts fused as `experts.gate_up_proj` (`_GATE_UP`) and
+  `experts.down_proj` (E, D, F), the shared expert as the dense MLP's `mlp.*_proj`, and the
+  block's three norms."""
+  moe = f'{_MT_MOE}/MoeBlock_0'
+  rules = (
+      rule(f'{moe}/gate/kernel', f'{LAYER}.router.proj.weight', transpose()),
+      rule(f'{moe}/per_expert_scale', f'{LAYER}.router.per_expert_scale'),
+      rule(f'{MT_LAYER}/mlp/pre_forward_scale_2', f'{LAYER}.router.scale'),
+      rule(f'{moe}/wi_{{k}}', f'{LAYER}.experts.gate_up_proj', _GATE_UP),
+      rule(f'{moe}/wo', f'{LAYER}.experts.down_proj', transpose((0, 2, 1))),
+      *(rule(f'{_MT_MOE}/shared_experts/{mt}/kernel', f'{LAYER}.mlp.{hf}_proj.weight',
+             transpose()) for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
+      *(rule(f'{MT_LAYER}/mlp/{n}/scale', f'{LAYER}.{n}.weight')
+        for n in ('pre_feedforward_layernorm_2', 'post_feedforward_layernorm_1',
+                  'post_feedforward_layernorm_2')),
+  )
+  dense_mlp = f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel'
+  moe_mlp = (f'{moe}/gate/kernel', f'{moe}/{{p:per_expert_scale|wi_0|wi_1|wo}}',
+             f'{_MT_MOE}/shared_experts/{{p:wi_0|wi_1|wo}}/kernel',
+             f'{MT_LAYER}/mlp/pre_forward_scale_2',
+             f'{MT_LAYER}/mlp/{{n:pre_feedforward_layernorm_2|post_feedforward_layernorm_1|'
+             'post_feedforward_layernorm_2}/scale')
+  required = tuple(tuple(tuple(p for p in alt if p != dense_mlp) for alt in alts)
+                   for alts in dense.required) + (((dense_mlp,), moe_mlp),)
+  first = MT_LAYER.replace('{i}', '0')
+  dims = {**dense.dims,
+          'intermediate_size': (*dense.dims['intermediate_size'],
+                                (f'{first}/mlp/moe_block/shared_experts/wi_0/kernel', 1)),
+          'num_experts': ((f'{first}/mlp/moe_block/MoeBlock_0/gate/kernel', 1),),
+          'moe_intermediate_size': ((f'{first}/mlp/moe_block/MoeBlock_0/wi_0', 2),)}
+  return dataclasses.replace(dense, rules=dense.rules + rules, required=required, dims=dims)
+
+
 def _maxtext_gemma4() -> Naming:
   """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are;
   a global layer (every sixth: `_GEMMA4_GLOBAL`) has no value kernel (`share_kv_projections`;
-  Hugging Face's `attention_k_eq_v`), so `value` is not required of every layer."""
+  Hugging Face's `attention_k_eq_v`), so `value` is not required of every layer. gemma4-26b's
+  MoE layers: `_gemma4_moe_block`."""
   dims = {
       **_mt_dims(),
       # Layer 5 is the first global one (five local, one global).
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return dataclasses.replace(
+  return _gemma4_moe_block(dataclasses.replace(
       _maxtext_gemma(divide('sqrt(hidden) as float32', _f32_sqrt, axis=1), IDENTITY,
                      'query|key|out', 'layer_scalar'),
       dims=dims, form=stacks_lib.local_global(6),
@@ -233,7 +278,7 @@ def _maxtext_gemma4() -> Naming:
       layer_types={'full_attention': _GEMMA4_GLOBAL},
       # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
       # (it also makes the last layer global; MaxText's remainder layers are local).
-      default_layer_type=gemma4_layer_type)
+      default_layer_type=gemma4_layer_type))
 
 
 def _maxtext_qwen3_moe() -> Naming:

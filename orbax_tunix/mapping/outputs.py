@@ -163,7 +163,8 @@ def relay(
 
   Each destination takes its sources' inputs and applies, after theirs, the
   rule's transform (e.g. a LoRA merge, then a family's transpose). A gather
-  (several sources) takes only copied sources.
+  (several sources) takes copied sources, or sources each made from one leaf (a layer
+  taken from a stacked weight: each through its own transform first, `per_input`).
 
   Args:
     sources: source path -> the output that makes it (copied or merged leaf).
@@ -171,7 +172,7 @@ def relay(
     prefix: put before each destination path.
 
   Raises:
-    UnsupportedLayoutError: a gather over sources that are themselves made.
+    UnsupportedLayoutError: a gather over sources made from several leaves each.
   """
   out = []
   for dest, m in sorted(mapped.items()):
@@ -181,14 +182,16 @@ def relay(
       out.append(dataclasses.replace(
           one, path=prefix + dest, transform=chain(one.transform, m.transform), shape=m.shape))
       continue
-    made = [fmt(p) for p, o in zip(m.sources, parts, strict=True) if not o.transform.is_identity]
+    made = [fmt(p) for p, o in zip(m.sources, parts, strict=True) if len(o.inputs) != 1]
     if made:
       raise errors.UnsupportedLayoutError(
-          f'{fmt(dest)}: made from {len(parts)} leaves that are themselves made'
+          f'{fmt(dest)}: made from {len(parts)} leaves that are themselves made from several'
           f' ({made[0]}, ...); write them as stored first, then re-lay them.'
       )
+    transform = (m.transform if all(o.transform.is_identity for o in parts)
+                 else per_input(tuple(o.transform for o in parts), m.transform))
     out.append(Output(
-        prefix + dest, tuple(i for o in parts for i in o.inputs), m.transform, m.shape,
+        prefix + dest, tuple(i for o in parts for i in o.inputs), transform, m.shape,
         parts[0].dtype, parts[0].kind, parts[0].numpy,
     ))
   return out
