@@ -22,8 +22,7 @@ GEMMA3 = Family(
     (hf_tunix.GEMMA3, hf_maxtext.GEMMA3), fixed=GEMMA_GELU,
     text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
                    'model.language_model.'})
-QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2, hf_maxtext.QWEN2),
-               aliases=('qwen2.5',))  # MaxText's name of the model.
+QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2, hf_maxtext.QWEN2))
 QWEN3_MOE = Family('qwen3_moe', 'Qwen3MoeForCausalLM', 'qwen3_moe',
                    (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE))
 GEMMA = Family('gemma', 'GemmaForCausalLM', 'gemma', (hf_tunix.GEMMA,),
