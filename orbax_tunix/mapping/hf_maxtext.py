@@ -20,7 +20,18 @@ MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
   gemma3            as above without logits_dense, norms {pre,post}_self_attention_norm,
                     {pre,post}_ffw_norm, query_norm, key_norm; scanned in blocks of six
   gemma4            gemma3's names plus layer_scalar (1,); global layers (every sixth)
-                    have their own head_dim and no value kernel (k = v shared)
+                    have their own head_dim and no value kernel (k = v shared); gemma4-26b's
+                    MLP is mlp/moe_block/{MoeBlock_0/{gate/kernel (D, E), per_expert_scale
+                    (E,), wi_0, wi_1 (E, D, F), wo (E, F, D)}, shared_experts/...}, with
+                    mlp/pre_forward_scale_2 (D,) and three more norms under mlp/
+  qwen2 (2.5)       llama3.1's names plus self_attention/{query,key,value}/bias (N|K, H)
+  mixtral           llama3.1's attention and norms; MoeBlock_0/{gate/kernel (D, E), wi_0,
+                    wi_1 (E, D, F), wo (E, F, D)} for the MLP
+  gemma2            each layer two: <m>_local/..., <m>_global/... for gemma3's <m> (no q/k
+                    norms); MaxText's layer count is half Hugging Face's
+  olmo3             attention/{query,key,value,out}/kernel, attention/{query,key}_norm/scale
+                    (N·H,), (K·H,); mlp/...; post_self_attention_layer_norm, post_mlp_layer_norm;
+                    scanned in blocks of four (decoder/layers/layers_{0..3})
 """
 
 from __future__ import annotations
