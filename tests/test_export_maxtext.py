@@ -983,3 +983,30 @@ def test_gemma4_moe_exports_the_router_and_fused_experts(tmp_path, form):
   assert sorted(got) == sorted(want)
   for name, value in want.items():
     np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize('model', ['gemma2', 'olmo3', 'gemma3'])
+def test_convert_stacks_per_layer_weights_in_their_familys_form(tmp_path, model):
+  """`convert --layout maxtext --scan-layers true` of an unscanned step: gemma2's per-layer
+  weights stacked as MaxText stores them (its layers, each holding a local and a global
+  one: gemma2's naming is not met by gemma3's weights, whose names hold its per-layer names),
+  olmo3's in blocks of four, gemma3's in blocks of six: each MaxText's own scanned tree."""
+  from orbax_tunix.tools import convert
+
+  if model == 'gemma3':
+    flat, scanned = maxtext_tree(model, 'unscanned'), maxtext_tree(model, 'scanned')
+  else:
+    flat, scanned = zoo_tree(model, 'unscanned')[0], zoo_tree(model, 'scanned')[0]
+  step = tmp_path / 'scanned' / '1'
+  convert.run_convert(convert.plan_convert(save_maxtext_step(tmp_path / 'run', flat), step,
+                                           layout='maxtext', params_only=True, scan_layers=True))
+  got = ocp.PyTreeCheckpointHandler().restore(step / 'items')['params']['params']
+
+  def leaves(tree, prefix=''):
+    for k, v in tree.items():
+      yield from leaves(v, f'{prefix}{k}/') if isinstance(v, dict) else [(f'{prefix}{k}', v)]
+
+  got = dict(leaves(got))
+  assert sorted(got) == sorted(scanned)
+  for path, value in scanned.items():
+    np.testing.assert_array_equal(np.asarray(got[path]), value, err_msg=path)

@@ -162,6 +162,12 @@ class LayerForm:
     return bool(self.stacks)
 
   @property
+  def stored(self) -> LayerForm:
+    """The form as MaxText stores and re-lays its own layers: without `sublayers` (gemma2's
+    MaxText layers stacked as they are, each holding two of the model's)."""
+    return dataclasses.replace(self, sublayers=()) if self.sublayers else self
+
+  @property
   def kind(self) -> str:
     """SCANNED or UNSCANNED_NAME, as the step's custom metadata and `inspect` say."""
     return SCANNED if self.stacks else UNSCANNED_NAME
