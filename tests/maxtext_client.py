@@ -567,6 +567,10 @@ def maxtext_to_hf(job, params_path: str) -> tuple[dict[str, np.ndarray], Any]:
       text[hf_attr] = value
   if text.get('per_layer_config'):  # gemma4: the full model's heads per layer, derived again
     text['per_layer_config'] = None  # from the fitted attributes above when None
+    if job.get('fit_global_heads'):  # transformers 5 pops these into per_layer_config (not in
+      for hf_attr, mt_attr in (('global_head_dim', 'global_head_dim'),  # to_dict): put back
+                               ('num_global_key_value_heads', 'global_num_kv_heads')):
+        text[hf_attr] = getattr(cfg, mt_attr)
   if text.get('layer_types'):  # (gemma2: two HF layers a MaxText layer, as fitted above)
     text['layer_types'] = list(text['layer_types'])[:text.get('num_hidden_layers')
                                                      or cfg.num_decoder_layers]
@@ -601,6 +605,9 @@ def job_family_case(job, out_dir):
   on fixed tokens ('logits'), the tokens ('tokens'), and the drawn weights ('mt/<path>').
   With lora={rank, alpha} also a LoRA run of the model (`lora_run`): `<out>/tunix_lora`, its
   logits 'lora_logits'.
+  With fit_global_heads: gemma4's global head dim and key/value heads fitted too, which MaxText's
+  gemma4 shape map reads once `per_layer_config` is null (without: the local ones, so its
+  converter fails on a tiny gemma4 whose global heads differ).
   """
   out = Path(job['out']).resolve()
   step = int(job.get('step', 3))

@@ -26,9 +26,12 @@ Dims: emb 32 for qwen2 and mixtral, where heads·head_dim must equal the hidden 
 MaxText's converter (its qwen shape map takes head_dim = hidden / heads, and its mixtral hook
 reshapes the (heads, head_dim, hidden) output kernel to (hidden, -1) before transposing it:
 right only when the two are equal, as in every Mixtral MaxText configures); 36 otherwise
-(every dim distinct). MaxText 0.2.5's converter has no shape map for OLMo 3 (`hf_shape.py`),
-and gives a tiny gemma4's global layers the local head_dim: its failures are asserted (naming
-them) and those exports are proven by `transformers` alone.
+(every dim distinct). MaxText 0.2.5's converter has no shape map for OLMo 3 (`hf_shape.py`):
+its failure is asserted (naming it) and those exports are proven by `transformers` alone.
+gemma4's shape map reads the global layers' heads from `global_head_dim` and
+`num_global_key_value_heads` where `per_layer_config` is null (as fitted to a tiny model), and
+transformers 5's config holds them only in `per_layer_config`: the client fits them back
+(`fit_global_heads`), so MaxText's converter converts gemma4-26b's tiny model.
 
 Checks: every tensor equals MaxText's converter's (name, shape, float32 value; exact),
 `transformers.AutoConfig` loads every config.json, and `transformers`
@@ -117,13 +120,15 @@ MODEL = {'gemma4moe': 'gemma4'}
 # are proven by transformers alone).
 # (olmo3: its PARAM_MAPPING and HOOK_FNS entries are there, its HF_SHAPE entry is not, and
 # `_get_model_mappings` asks for all three.)
-# (gemma4: its shape map gives the global layers the local head_dim, as for gemma4-31b in
-# tests/test_export_maxtext_clients.py.)
-CONVERTER_FAILS = {'olmo3': 'ValueError: Mappings not found for model: olmo3-7b-pt',
-                   'gemma4moe': 'TypeError: cannot reshape array of shape (36, 4, 16)'}
-# gemma2's embedding is one float32 division by sqrt(hidden) = 6: MaxText's converter divides
-# (numpy), the export's XLA may multiply by the reciprocal: 1 ulp, as for gemma3's.
-ONE_ULP = {('gemma2', 'model.embed_tokens.weight')}
+# gemma4's shape map reads the global heads from `global_head_dim` and
+# `num_global_key_value_heads` once `per_layer_config` is null (as fitted to a tiny model):
+# transformers 5's config keeps them only in per_layer_config, so the client puts them back.
+FIT = {'gemma4moe': {'fit_global_heads': True}}
+CONVERTER_FAILS = {'olmo3': 'ValueError: Mappings not found for model: olmo3-7b-pt'}
+# gemma2's and gemma4's embedding is one float32 division by sqrt(hidden) = 6: MaxText's
+# converter divides (numpy), the export's XLA may multiply by the reciprocal: 1 ulp, as for
+# gemma3's.
+ONE_ULP = {('gemma2', 'model.embed_tokens.weight'), ('gemma4moe', 'model.embed_tokens.weight')}
 FORMS = {'scan': True, 'unscan': False}
 SOURCES = ('tunix', 'maxtext')
 CASES = [f'{fam}_{form}' for fam in FAMILIES for form in FORMS]
@@ -203,7 +208,7 @@ def run(maxtext_python, tmp_path_factory):
     lora = {'lora': {'rank': RANK, 'alpha': ALPHA}} if case in LORA else {}
     maxtext.send({'id': f'case_{case}', 'job': 'family_case', 'model_name': model_name,
                   'scan': FORMS[case.rsplit('_', 1)[1]], 'dims': [*DIMS, *dims], 'seed': i,
-                  'step': STEP, 'out': str(work / case), **lora})
+                  'step': STEP, 'out': str(work / case), **lora, **FIT.get(family(case), {})})
   exports = {}
   for case in CASES:  # each case's exports while MaxText makes the next
     wait(maxtext, [f'case_{case}'], deadline)
