@@ -47,7 +47,8 @@ pyconfig `k=v` strings):
                   (the tiny llama2's, or with model_name and dims a family's as family_case
                   builds it); `notes` = the orbax_tunix log messages.
   family_case     model_name, dims, scan[, seed, step=3, jit_logits=false, convert_tunix=false,
-                  params_only_logits=true, lora, repair_shape_map], out: a tiny random MaxText
+                  params_only_logits=true, lora, repair_shape_map,
+                  fit_global_heads], out: a tiny random MaxText
                   model of one family saved as a Tunix run and a MaxText step under `out`,
                   MaxText 0.2.5's own HF conversion of it (with convert_tunix, of the Tunix run
                   too: npz 'hf_tunix/<name>'), the fitted HF config and its logits (see
@@ -596,6 +597,9 @@ def job_family_case(job, out_dir):
   A model with weights outside nnx.Param (DeepSeek's routing bias) also gets the logits of the
   model MaxText makes of its params-only step, those weights at their init
   ('logits_params_only').
+  With fit_global_heads: gemma4's global head dim and key/value heads fitted too, which MaxText's
+  gemma4 shape map reads once `per_layer_config` is null (without: the local ones, so its
+  converter fails on a tiny gemma4 whose global heads differ).
   """
   out = Path(job['out']).resolve()
   step = int(job.get('step', 3))
@@ -618,7 +622,8 @@ def job_family_case(job, out_dir):
     more['logits_params_only'] = forward_logits(model_with(cfg, nnx.state(model, nnx.Param)),
                                                 tokens, jit)
   times['logits'] = time.time() - t - sum(times.values())
-  hf, hf_config, convert_error = maxtext_to_hf(converting(job, out / 'maxtext' / str(step) / 'items'))
+  hf, hf_config, convert_error = maxtext_to_hf(
+      converting(job, out / 'maxtext' / str(step) / 'items'), fit_global_heads=bool(job.get('fit_global_heads')))
   if job.get('convert_tunix'):  # MaxText's converter reads Tunix's runs too (its 'base' level)
     hf_tunix, _, tunix_error = maxtext_to_hf(
         converting(job, out / 'tunix' / str(step) / 'model_params'))
@@ -677,7 +682,8 @@ def family_extras(job, model, tokens, out: Path, step: int, times: dict, hf_dict
   repair_shape_map (true): `repaired_shape_map`'s evidence ('shape_map') and MaxText's
     converter run with the map its shape function builds ('hf_repaired/<name>' arrays,
     'repaired_error');
-  lora ({module_path, rank, alpha}): the model with LoRA as MaxText applies it
+  lora ({rank, alpha[, module_path]}: MaxText's lora_module_path for the model unless given):
+    the model with LoRA as MaxText applies it
     (`with_lora`), saved as a Tunix run at `<out>/tunix_lora` ('tunix_lora'), its logits
     ('logits_lora') and its adapters' shapes ('lora').
   """
@@ -691,10 +697,11 @@ def family_extras(job, model, tokens, out: Path, step: int, times: dict, hf_dict
     result.update(shape_map=evidence(hf_dict), repaired_error=error)
   if job.get('lora'):
     lora = job['lora']
+    path = [f"lora.lora_module_path={lora['module_path']}"] if 'module_path' in lora else []
     made, _ = with_lora(model, family_config(
         job['model_name'], job['scan'], job['dims'], 'lora.enable_lora=True',
-        f"lora.lora_rank={lora['rank']}", f"lora.lora_alpha={lora['alpha']}",
-        f"lora.lora_module_path={lora['module_path']}"), int(job.get('seed', 0)))
+        f"lora.lora_rank={lora['rank']}", f"lora.lora_alpha={lora['alpha']}", *path),
+        int(job.get('seed', 0)))
     save_tunix_run(out / 'tunix_lora', step, made)
     arrays['logits_lora'] = forward_logits(made, tokens, bool(job.get('jit_logits')))
     result['tunix_lora'] = str(out / 'tunix_lora')

@@ -54,7 +54,7 @@ HYBRID_FITTED = (('linear_num_key_heads', 'gdn_num_key_heads'),
                  ('shared_expert_intermediate_size', 'moe_mlp_dim'))
 
 
-def maxtext_to_hf(cfg, shape_map=None) -> tuple[dict[str, np.ndarray] | None, dict, str | None]:
+def maxtext_to_hf(cfg, shape_map=None, fit_global_heads: bool = False) -> tuple[dict[str, np.ndarray] | None, dict, str | None]:
   """MaxText 0.2.5's own to_huggingface.main, up to the dict it hands save_model_files.
 
   The same calls in the same order (load_orbax_checkpoint, HF_MODEL_CONFIGS fitted with
@@ -65,7 +65,9 @@ def maxtext_to_hf(cfg, shape_map=None) -> tuple[dict[str, np.ndarray] | None, di
   Returns the HF weights by name (None when MaxText's converter fails on the model), the fitted
   HF config (a dict, as config.json holds it), and the converter's error or None.
   `shape_map`: (fitted HF config dict) -> the HF shape map the converter uses instead of its
-  own `HF_SHAPE` entry (`repaired_shape_map`).
+  own `HF_SHAPE` entry (`repaired_shape_map`). `fit_global_heads`: gemma4's global head dim
+  and key/value heads fitted too (transformers 5 keeps them in `per_layer_config` only, which
+  is nulled below, so MaxText's shape map would read the local ones).
   """
   import copy  # noqa: PLC0415
 
@@ -95,8 +97,13 @@ def maxtext_to_hf(cfg, shape_map=None) -> tuple[dict[str, np.ndarray] | None, di
       text[hf_attr] = value
   if text.get('per_layer_config'):  # gemma4: the full model's heads per layer, derived again
     text['per_layer_config'] = None  # from the fitted attributes above when None
-  if text.get('layer_types'):
-    text['layer_types'] = list(text['layer_types'])[:cfg.num_decoder_layers]
+    if fit_global_heads:
+      for hf_attr, mt_attr in (('global_head_dim', 'global_head_dim'),
+                               ('num_global_key_value_heads', 'global_num_kv_heads')):
+        text[hf_attr] = getattr(cfg, mt_attr)
+  if text.get('layer_types'):  # (gemma2: two HF layers a MaxText layer, as fitted above)
+    text['layer_types'] = list(text['layer_types'])[:text.get('num_hidden_layers')
+                                                     or cfg.num_decoder_layers]
   if text.get('sliding_window') and cfg.sliding_window_size:
     text['sliding_window'] = cfg.sliding_window_size
   if isinstance(getattr(hf_config, 'text_config', None), dict):

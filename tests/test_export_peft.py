@@ -1035,7 +1035,8 @@ def test_inspect_says_maxtext_adapters_alone_need_the_base_models_folder(tmp_pat
   assert 'export --peft --lora-alpha A --base-model FOLDER' in p.stdout, p.stdout
 
 
-@pytest.mark.parametrize('model', ['qwen3', 'llama3', 'gemma3', 'gemma4', 'qwen3_moe'])
+@pytest.mark.parametrize('model', ['qwen3', 'llama3', 'gemma3', 'gemma4', 'qwen3_moe', 'qwen2',
+                                   'mixtral', 'gemma2', 'olmo3'])
 def test_maxtext_axes_are_the_dims_read_the_other_way(model):
   """Every config field `dims` reads off a MaxText kernel's axis is the one `axes` names for
   that axis (layer 5: gemma4's first global layer, as transformers' default layer_types)."""

@@ -146,7 +146,7 @@ def test_a_family_names_each_trainer_once():
 
   qwen3 = huggingface.get('qwen3')
   assert [n.trainer for n in qwen3.namings] == [trainers.TUNIX, trainers.MAXTEXT]
-  assert huggingface.get('qwen2').naming_of(trainers.MAXTEXT) is None
+  assert huggingface.get('gemma').naming_of(trainers.MAXTEXT) is None  # Gemma 1: Tunix's only
   with pytest.raises(ValueError, match='two namings of one trainer'):
     Family('x', 'X', 'x', (qwen3.namings[0], qwen3.namings[0]))
   # Which trainer's names weights carry: their top-level keys (MaxText's decoder), else Tunix's.

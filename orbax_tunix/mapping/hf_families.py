@@ -32,14 +32,15 @@ GEMMA3 = Family(
     (hf_tunix.GEMMA3, hf_maxtext.GEMMA3), fixed=GEMMA_GELU,
     text_prefixes={'Gemma3ForCausalLM': 'model.', 'Gemma3ForConditionalGeneration':
                    'model.language_model.'})
-QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2,))
+QWEN2 = Family('qwen2', 'Qwen2ForCausalLM', 'qwen2', (hf_tunix.QWEN2, hf_maxtext.QWEN2))
 # ... and Qwen3-Omni's thinker's text model as its qwen3 MoE (transformers has no causal-LM
 # class of it either: its thinker class needs the audio and vision towers).
 QWEN3_MOE = Family('qwen3_moe', 'Qwen3MoeForCausalLM', 'qwen3_moe',
                    (hf_tunix.QWEN3_MOE, hf_maxtext.QWEN3_MOE), text_of=('qwen3_omni_moe_text',))
 GEMMA = Family('gemma', 'GemmaForCausalLM', 'gemma', (hf_tunix.GEMMA,),
                fixed={'hidden_act': 'gelu_pytorch_tanh'})
-GEMMA2 = Family('gemma2', 'Gemma2ForCausalLM', 'gemma2', (hf_tunix.GEMMA2,), fixed=GEMMA_GELU)
+GEMMA2 = Family('gemma2', 'Gemma2ForCausalLM', 'gemma2', (hf_tunix.GEMMA2, hf_maxtext.GEMMA2),
+                fixed=GEMMA_GELU)
 GEMMA4 = Family(
     'gemma4', 'Gemma4ForConditionalGeneration', 'gemma4', (hf_tunix.GEMMA4, hf_maxtext.GEMMA4),
     fixed=GEMMA_GELU,
@@ -81,6 +82,12 @@ QWEN3_5_MOE = Family(
     text_prefixes={'Qwen3_5MoeForCausalLM': 'model.', 'Qwen3_5MoeForConditionalGeneration':
                    'model.language_model.'})
 
-FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, GPT_OSS, QWEN3_VL,
-            QWEN3_VL_MOE, DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4, QWEN3_NEXT,
-            QWEN3_5_MOE)
+# MaxText's Mixtral (no Tunix model): its experts under the Hub's `block_sparse_moe` names.
+MIXTRAL = Family('mixtral', 'MixtralForCausalLM', 'mixtral', (hf_maxtext.MIXTRAL,))
+
+# MaxText's OLMo 3 (no Tunix model).
+OLMO3 = Family('olmo3', 'Olmo3ForCausalLM', 'olmo3', (hf_maxtext.OLMO3,))
+
+FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, MIXTRAL, OLMO3,
+            GPT_OSS, QWEN3_VL, QWEN3_VL_MOE, DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4,
+            QWEN3_NEXT, QWEN3_5_MOE)

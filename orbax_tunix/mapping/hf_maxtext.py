@@ -20,7 +20,10 @@ MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
   gemma3            as above without logits_dense, norms {pre,post}_self_attention_norm,
                     {pre,post}_ffw_norm, query_norm, key_norm; scanned in blocks of six
   gemma4            gemma3's names plus layer_scalar (1,); global layers (every sixth)
-                    have their own head_dim and no value kernel (k = v shared)
+                    have their own head_dim and no value kernel (k = v shared); gemma4-26b's
+                    MLP is mlp/moe_block/{MoeBlock_0/{gate/kernel (D, E), per_expert_scale
+                    (E,), wi_0, wi_1 (E, D, F), wo (E, F, D)}, shared_experts/...}, with
+                    mlp/pre_forward_scale_2 (D,) and three more norms under mlp/
   gpt-oss           token_embedder/embedding, decoder/decoder_norm/scale,
                     decoder/logits_dense/kernel; per layer: GptOssAttention/{query,key,value}/
                     {kernel (D, N|K, H), bias (N|K, H)}, GptOssAttention/out/{kernel (N, H, D),
@@ -35,6 +38,14 @@ MaxText 0.2.5's trees (tiny models built with MaxText, `nnx.state`):
                     bias (h, d)}, .../out/{kernel, bias}, blocks_{b}/{mlp,mlp_out}/{kernel,bias},
                     merger_{m}/...}, vision_encoder/Qwen3VLVisionProjector_0/merger/{ln_q,mlp_0,
                     mlp_2}/...; unscanned only (deepstack refuses scan_layers)
+  qwen2 (2.5)       llama3.1's names plus self_attention/{query,key,value}/bias (N|K, H)
+  mixtral           llama3.1's attention and norms; MoeBlock_0/{gate/kernel (D, E), wi_0,
+                    wi_1 (E, D, F), wo (E, F, D)} for the MLP
+  gemma2            each layer two: <m>_local/..., <m>_global/... for gemma3's <m> (no q/k
+                    norms); MaxText's layer count is half Hugging Face's
+  olmo3             attention/{query,key,value,out}/kernel, attention/{query,key}_norm/scale
+                    (N·H,), (K·H,); mlp/...; post_self_attention_layer_norm, post_mlp_layer_norm;
+                    scanned in blocks of four (decoder/layers/layers_{0..3})
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ from orbax_tunix.mapping.transforms import (
   multiply,
   per_input,
   shift,
+  stack,
   transpose,
 )
 
@@ -230,17 +242,61 @@ _GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
                            without=(_MT_VALUE,))
 
 
+_MT_MOE = f'{MT_LAYER}/mlp/moe_block'
+# MaxText's gemma4-26b experts, as its converter's `moe_gate_up_hook`: wi_0, wi_1 (E, D, F)
+# side by side on F, then (E, 2F, D): stacked (E, D, 2, F) and merged.
+_GATE_UP = chain(stack(2), merge_axes(2, 4), transpose((0, 2, 1)))
+
+
+def _gemma4_moe_block(dense: Naming) -> Naming:
+  """Gemma 4's dense naming, with the MoE layers of gemma4-26b (Hugging Face's
+  `enable_moe_block`) as the alternative to the dense MLP: under `mlp/`, the router
+  `moe_block/MoeBlock_0/gate/kernel` (D, E) and its scales (`router.proj`, `.scale`,
+  `.per_expert_scale`), the experts fused as `experts.gate_up_proj` (`_GATE_UP`) and
+  `experts.down_proj` (E, D, F), the shared expert as the dense MLP's `mlp.*_proj`, and the
+  block's three norms."""
+  moe = f'{_MT_MOE}/MoeBlock_0'
+  rules = (
+      rule(f'{moe}/gate/kernel', f'{LAYER}.router.proj.weight', transpose()),
+      rule(f'{moe}/per_expert_scale', f'{LAYER}.router.per_expert_scale'),
+      rule(f'{MT_LAYER}/mlp/pre_forward_scale_2', f'{LAYER}.router.scale'),
+      rule(f'{moe}/wi_{{k}}', f'{LAYER}.experts.gate_up_proj', _GATE_UP),
+      rule(f'{moe}/wo', f'{LAYER}.experts.down_proj', transpose((0, 2, 1))),
+      *(rule(f'{_MT_MOE}/shared_experts/{mt}/kernel', f'{LAYER}.mlp.{hf}_proj.weight',
+             transpose()) for mt, hf in (('wi_0', 'gate'), ('wi_1', 'up'), ('wo', 'down'))),
+      *(rule(f'{MT_LAYER}/mlp/{n}/scale', f'{LAYER}.{n}.weight')
+        for n in ('pre_feedforward_layernorm_2', 'post_feedforward_layernorm_1',
+                  'post_feedforward_layernorm_2')),
+  )
+  dense_mlp = f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel'
+  moe_mlp = (f'{moe}/gate/kernel', f'{moe}/{{p:per_expert_scale|wi_0|wi_1|wo}}',
+             f'{_MT_MOE}/shared_experts/{{p:wi_0|wi_1|wo}}/kernel',
+             f'{MT_LAYER}/mlp/pre_forward_scale_2',
+             f'{MT_LAYER}/mlp/{{n:pre_feedforward_layernorm_2|post_feedforward_layernorm_1|'
+             'post_feedforward_layernorm_2}/scale')
+  required = tuple(tuple(tuple(p for p in alt if p != dense_mlp) for alt in alts)
+                   for alts in dense.required) + (((dense_mlp,), moe_mlp),)
+  first = MT_LAYER.replace('{i}', '0')
+  dims = {**dense.dims,
+          'intermediate_size': (*dense.dims['intermediate_size'],
+                                (f'{first}/mlp/moe_block/shared_experts/wi_0/kernel', 1)),
+          'num_experts': ((f'{first}/mlp/moe_block/MoeBlock_0/gate/kernel', 1),),
+          'moe_intermediate_size': ((f'{first}/mlp/moe_block/MoeBlock_0/wi_0', 2),)}
+  return dataclasses.replace(dense, rules=dense.rules + rules, required=required, dims=dims)
+
+
 def _maxtext_gemma4() -> Naming:
   """MaxText's gemma4 (31b) text decoder: local and global layers, norms stored as they are;
   a global layer (every sixth: `_GEMMA4_GLOBAL`) has no value kernel (`share_kv_projections`;
-  Hugging Face's `attention_k_eq_v`), so `value` is not required of every layer."""
+  Hugging Face's `attention_k_eq_v`), so `value` is not required of every layer. gemma4-26b's
+  MoE layers: `_gemma4_moe_block`."""
   dims = {
       **_mt_dims(),
       # Layer 5 is the first global one (five local, one global).
       'global_head_dim': (('decoder/layers_5/self_attention/query/kernel', 2),),
       'num_global_key_value_heads': (('decoder/layers_5/self_attention/key/kernel', 1),),
   }
-  return dataclasses.replace(
+  return _gemma4_moe_block(dataclasses.replace(
       _maxtext_gemma(divide('sqrt(hidden) as float32', _f32_sqrt, axis=1), IDENTITY,
                      'query|key|out', 'layer_scalar'),
       dims=dims, form=stacks_lib.local_global(6),
@@ -250,7 +306,7 @@ def _maxtext_gemma4() -> Naming:
       layer_types={'full_attention': _GEMMA4_GLOBAL},
       # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
       # (it also makes the last layer global; MaxText's remainder layers are local).
-      default_layer_type=gemma4_layer_type)
+      default_layer_type=gemma4_layer_type))
 
 
 def _maxtext_qwen3_moe() -> Naming:
@@ -453,3 +509,153 @@ def _qwen3_vl_moe_text() -> tuple[LayoutRule, ...]:
 
 
 QWEN3_VL_MOE = _maxtext_qwen3_vl(QWEN3_MOE, _qwen3_vl_moe_text())
+
+
+# --- Qwen2.5, Mixtral (issue 51) -----------------------------------------------------------
+
+_MT_BIAS = f'{MT_LAYER}/self_attention/{{p:query|key|value}}/bias'
+
+
+def _maxtext_qwen2() -> Naming:
+  """MaxText's qwen2 decoder (qwen2.5-1.5b/7b/14b): llama3.1's names without its query
+  scaling and interleaved rotary pairs (MaxText's qwen2 scales by head_dim**-0.5 in its
+  attention, and rotates halves), plus q/k/v biases (heads, head_dim), flattened as Hugging
+  Face's (heads·head_dim,)."""
+  base = _maxtext_qwen3_style(norms=False, config_defaults=HEAD_DIM_OF_HIDDEN)
+  biases = tuple(rule(f'{MT_LAYER}/self_attention/{mt}/bias', f'{LAYER}.self_attn.{hf}_proj.bias',
+                      merge_axes(0, 2))
+                 for mt, hf in (('query', 'q'), ('key', 'k'), ('value', 'v')))
+  return dataclasses.replace(
+      base, rules=base.rules + biases, required=base.required + (((_MT_BIAS,),),),
+      axes={**base.axes,
+            f'{MT_LAYER}/self_attention/query/bias': ('num_attention_heads', 'head_dim'),
+            **{f'{MT_LAYER}/self_attention/{p}/bias': ('num_key_value_heads', 'head_dim')
+               for p in ('key', 'value')}})
+
+
+QWEN2 = _maxtext_qwen2()
+
+# MaxText's models whose attention does not scale (no `query_pre_attn_scalar`, no q/k norms)
+# keep the query kernel divided by sqrt(head_dim) (`init_query_w`'s depth scaling, then
+# trained so): Hugging Face's scales in attention. As MaxText's converter (`scale_query_layer`
+# of mixtral and gemma2): times sqrt(head_dim) in float32, rounded once.
+_SCALED_QUERY = chain(multiply('sqrt(head_dim)', math.sqrt, axis=2), IN_PROJ)
+_MIXTRAL_MOE = f'{MT_LAYER}/MoeBlock_0'
+
+
+def _maxtext_mixtral() -> Naming:
+  """MaxText's mixtral decoder (mixtral-8x7b, 8x22b): llama's attention and norms with the
+  query scaled back (`_SCALED_QUERY`; rotary pairs in halves), every layer's MLP a sparse
+  `MoeBlock_0`: the router `gate/kernel` (D, E) is Hugging Face's
+  `block_sparse_moe.gate.weight` (E, D); the stacked experts `wi_0`, `wi_1` (E, D, F) and
+  `wo` (E, F, D) one (out, in) tensor per expert, `w1` (gate), `w3` (up), `w2` (down), the
+  names of the Hub's files (transformers 5 fuses them on load)."""
+  dense = _maxtext_qwen3_style(norms=False, query=_SCALED_QUERY,
+                               config_defaults=HEAD_DIM_OF_HIDDEN)
+  moe = f'{LAYER}.block_sparse_moe'
+  rules = (
+      *(r for r in dense.rules if 'mlp' not in [k.text for k in r.source.keys]),
+      rule(f'{_MIXTRAL_MOE}/gate/kernel', f'{moe}.gate.weight', transpose()),
+      *(per_expert(f'{_MIXTRAL_MOE}/{mt}', f'{moe}.experts.{{e}}.{hf}.weight', 0, transpose())
+        for mt, hf in (('wi_0', 'w1'), ('wi_1', 'w3'), ('wo', 'w2'))),
+  )
+  required = ((
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{_MIXTRAL_MOE}/{{p:wi_0|wi_1|wo}}', f'{_MIXTRAL_MOE}/gate/kernel',
+      f'{MT_LAYER}/{{n:pre|post}}_self_attention_layer_norm/scale',
+  ),)
+  first = f'{MT_LAYER.replace("{i}", "0")}/MoeBlock_0'
+  dims = {k: v for k, v in _mt_dims().items() if k != 'intermediate_size'}
+  dims['intermediate_size'] = ((f'{first}/wi_0', 2),)
+  dims['num_local_experts'] = ((f'{first}/wi_0', 0),)
+  axes = {p: f for p, f in _MT_AXES.items() if '/mlp/' not in p}
+  axes[f'{_MIXTRAL_MOE}/gate/kernel'] = ('hidden_size', 'num_local_experts')
+  return dataclasses.replace(dense, rules=rules, required=tuple((r,) for r in required),
+                             dims=dims, axes=axes)
+
+
+MIXTRAL = _maxtext_mixtral()
+
+
+# --- Gemma 2 ---------------------------------------------------------------------------------
+
+
+def _maxtext_gemma2() -> Naming:
+  """MaxText's gemma2 decoder (gemma2-2b/9b/27b): each MaxText layer is two of Hugging Face's,
+  local (sliding) then global, their modules `<m>_local` and `<m>_global` (the form
+  `stacks.paired` takes apart: layers 2i and 2i + 1); per layer gemma3's names without q/k
+  norms. As MaxText's converter: norms `w - 1`, the (tied) embedding divided by sqrt(hidden)
+  in float32, the query kernel times sqrt(head_dim) (`_SCALED_QUERY`: MaxText's gemma2 does
+  not scale in attention; transformers scales by query_pre_attn_scalar**-0.5, so a config of
+  query_pre_attn_scalar = head_dim computes MaxText's model)."""
+  rules = (
+      rule('token_embedder/embedding', 'model.embed_tokens.weight',
+           divide('sqrt(hidden) as float32', _f32_sqrt, axis=1)),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight', GEMMA_NORM),
+      *_mt_attention(query=_SCALED_QUERY),
+      *_mt_mlp(),
+      *(rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight', GEMMA_NORM)
+        for mt, hf in _MT_GEMMA_NORMS.items()),
+  )
+  required = (
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{MT_LAYER}/self_attention/{{p:query|key|value|out}}/kernel',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel',
+      *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
+  )
+  return Naming(trainers.MAXTEXT, rules, ((required,),), _mt_dims(),
+                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                form=stacks_lib.paired('_local', '_global'), axes=_MT_AXES,
+                lora_flattened=True)
+
+
+GEMMA2 = _maxtext_gemma2()
+
+
+# --- OLMo 3 ----------------------------------------------------------------------------------
+
+_OLMO3_NORMS = {'post_self_attention_layer_norm': 'post_attention_layernorm',
+                'post_mlp_layer_norm': 'post_feedforward_layernorm'}
+
+
+def _maxtext_olmo3() -> Naming:
+  """MaxText's olmo3 decoder (olmo3-7b, olmo3-32b): its attention under `attention/`, q/k
+  norms over all heads ((heads·head_dim,): Hugging Face's Olmo3 normalises the projections
+  whole), norms after the attention and after the MLP only (no input norm), stored as Hugging
+  Face stores them; untied. Scanned, MaxText stacks it in blocks of four (three sliding-window
+  layers, one global: `inhomogeneous_layer_cycle_interval`), `decoder/layers/layers_{j}`.
+  MaxText 0.2.5's own converter has its parameter map, not its shape map (`hf_shape.py`)."""
+  attention = f'{MT_LAYER}/attention'
+  rules = (
+      rule('token_embedder/embedding', 'model.embed_tokens.weight'),
+      rule('decoder/decoder_norm/scale', 'model.norm.weight'),
+      rule('decoder/logits_dense/kernel', 'lm_head.weight', transpose()),  # Only when not tied.
+      *(rule(f'{attention}/{mt}/kernel', f'{LAYER}.self_attn.{hf}_proj.weight', IN_PROJ)
+        for mt, hf in (('query', 'q'), ('key', 'k'), ('value', 'v'))),
+      rule(f'{attention}/out/kernel', f'{LAYER}.self_attn.o_proj.weight', OUT_PROJ),
+      *(rule(f'{attention}/{mt}_norm/scale', f'{LAYER}.self_attn.{hf}_norm.weight')
+        for mt, hf in (('query', 'q'), ('key', 'k'))),
+      *_mt_mlp(),
+      *(rule(f'{MT_LAYER}/{mt}/scale', f'{LAYER}.{hf}.weight') for mt, hf in _OLMO3_NORMS.items()),
+  )
+  required = (
+      'token_embedder/embedding', 'decoder/decoder_norm/scale',
+      f'{attention}/{{p:query|key|value|out}}/kernel', f'{attention}/{{n:query|key}}_norm/scale',
+      f'{MT_LAYER}/mlp/{{p:wi_0|wi_1|wo}}/kernel', *(f'{MT_LAYER}/{mt}/scale' for mt in _OLMO3_NORMS),
+  )
+  first = f'{MT_LAYER.replace("{i}", "0")}/attention'
+  dims = {**_mt_dims(),
+          'num_attention_heads': ((f'{first}/query/kernel', 1),),
+          'head_dim': ((f'{first}/query/kernel', 2),),
+          'num_key_value_heads': ((f'{first}/key/kernel', 1),)}
+  axes = {p.replace('/self_attention/', '/attention/'): f for p, f in _MT_AXES.items()}
+  return Naming(trainers.MAXTEXT, rules, ((required,),), dims,
+                tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
+                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                form=dataclasses.replace(stacks_lib.blocks(4),
+                                         name="olmo3's scanned blocks of 4"),
+                axes=axes, config_defaults=HEAD_DIM_OF_HIDDEN, lora_flattened=True)
+
+
+OLMO3 = _maxtext_olmo3()

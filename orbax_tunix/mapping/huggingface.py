@@ -281,16 +281,27 @@ def layer_form(paths: Collection[Path]) -> stacks_lib.LayerForm | None:
   return stacks_lib.form_of(paths, layer_forms())
 
 
+def _meets(naming: Naming, paths: Collection[Path]) -> bool:
+  """Whether per-layer MaxText weights are the naming's model: its per-layer view of them (a
+  form whose stored layer holds several of the model's, gemma2's, renames them; weights it
+  cannot take apart are not its) holds layers and every weight it requires."""
+  try:
+    per_layer = list(naming.form.unstack(dict.fromkeys(paths)))
+  except errors.UnsupportedLayoutError:
+    return False
+  return bool(naming.layers(per_layer)) and not naming.missing(per_layer)
+
+
 def scanned_form(paths: Collection[Path], where: str = '') -> stacks_lib.LayerForm:
   """The stacked form of per-layer MaxText weights: that of the families whose MaxText
-  naming they meet (every weight it requires), else MaxText's plain scanned form.
+  naming they meet (every weight it requires), as MaxText stores its layers
+  (`LayerForm.stored`), else MaxText's plain scanned form.
 
   Raises:
     UnsupportedLayoutError: they meet families of different forms.
   """
-  found = {n.form: f.name for f in map(FAMILIES.get, names()) for n in f.namings
-           if n.form.scanned and n.trainer == trainers.MAXTEXT and n.layers(paths)
-           and not n.missing(paths)}
+  found = {n.form.stored: f.name for f in map(FAMILIES.get, names()) for n in f.namings
+           if n.form.scanned and n.trainer == trainers.MAXTEXT and _meets(n, paths)}
   if len(found) > 1:
     raise errors.UnsupportedLayoutError(
         f'{where}: the weights are those of {" and ".join(sorted(found.values()))}, whose'

@@ -26,6 +26,9 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
                             decoder/layers/global_layer/<w>, on A           4a + 3
                             decoder/layers_remainder/local_layers/<w>, on A 4·blocks + a
   qwen3.5 scanned           decoder/layers/layer_{j}/<w>, blocks on A       4a + j
+  gemma2                    as scanned or unscanned, MaxText's layer i      2i + k
+                              holding two: <m>_local/... (k = 0) and
+                              <m>_global/... (k = 1)
 
 (MaxText's MoE decoders, qwen3's, are in the plain scanned form: a stacked expert
 weight holds its experts on axis 0 and its layers on A.)
@@ -155,6 +158,11 @@ class LayerForm:
     after_layers: the stacks' layers come after the per-layer ones (`decoder/layers_{i}`) the
       weights hold besides (DeepSeek V4's hash layers, kept unscanned before its scanned
       blocks), numbered on from them (`restack` refuses: their count is the model's own).
+    sublayers: where one stored layer holds several of the model's (gemma2: MaxText's layer
+      i is Hugging Face's local layer 2i and global layer 2i + 1), the suffix each one's
+      modules carry, in order (`_local`, `_global`): `unstack` makes stored layer i's module
+      `<m><suffix k>` module `<m>` of layer `len(sublayers)·i + k`, `restack` joins them
+      back, `count` counts the model's layers. Empty: a stored layer is one layer.
   """
 
   name: str
@@ -163,6 +171,7 @@ class LayerForm:
   axis_zero: tuple[str, ...] = ()
   leading: bool = False
   after_layers: bool = False
+  sublayers: tuple[str, ...] = ()
 
   def place(self, i: int, n: int) -> Place:
     """Where layer `i` of `n` is."""
@@ -192,6 +201,12 @@ class LayerForm:
     """Some of its stacks hold layers stacked (`per_layer` ones do not: MaxText's unscanned
     DeepSeek layers are a form of their own, unscanned)."""
     return any(not s.per_layer for s in self.stacks)
+
+  @property
+  def stored(self) -> LayerForm:
+    """The form as MaxText stores and re-lays its own layers: without `sublayers` (gemma2's
+    MaxText layers stacked as they are, each holding two of the model's)."""
+    return dataclasses.replace(self, sublayers=()) if self.sublayers else self
 
   @property
   def kind(self) -> str:
@@ -289,10 +304,11 @@ class LayerForm:
     """How many layers the weights hold: the stacked ones' (None where a stack's arrays
     disagree along `axis`; with the per-layer ones before them: `after_layers`), else the
     per-layer ones numbered."""
+    per = max(1, len(self.sublayers))
     if not self._stacked(shapes):
-      return len({i for p in shapes if (i := layer_of(p)) is not None})
+      return per * len({i for p in shapes if (i := layer_of(p)) is not None})
     slots = self._slots(shapes, axis)
-    return None if slots is None else len(slots) + self._before(shapes)
+    return None if slots is None else per * len(slots) + self._before(shapes)
 
   def _before(self, shapes: Mapping[Path, Shape | None]) -> int:
     """How many per-layer layers come before the stacks' (`after_layers`; else none)."""
@@ -380,7 +396,43 @@ class LayerForm:
           f'{where}: the decoder\'s stacked layers do not fit MaxText\'s forms:\n'
           f'{errors.list_paths(problems)}\nPass the param_scan_axis the model was built with.'
       )
-    return out
+    return self._split(out, where) if self.sublayers else out
+
+  def _sublayer(self, path: Path) -> tuple[int, int, str] | None:
+    """(stored layer, which of its sublayers, the module's own name) of a per-layer weight
+    whose module carries one of `sublayers`' suffixes, else None."""
+    i = layer_of(path)
+    if i is None or len(path) <= len(LAYER) + 1:
+      return None
+    module = path[len(LAYER)]
+    return next(((i, k, module[:-len(s)]) for k, s in enumerate(self.sublayers)
+                 if module.endswith(s) and len(module) > len(s)), None)
+
+  def _split(self, out: dict[Path, Mapped], where: str) -> dict[Path, Mapped]:
+    """The per-layer weights of stored layers that hold several of the model's layers
+    (`sublayers`), each under its own layer.
+
+    Raises:
+      UnsupportedLayoutError: a stored layer's weight whose module carries no suffix.
+    """
+    split: dict[Path, Mapped] = {}
+    problems: list[str] = []
+    for path, mapped in out.items():
+      if layer_of(path) is None:
+        split[path] = mapped
+      elif (found := self._sublayer(path)) is None:
+        problems.append(f'{fmt(path)}: its module carries none of {list(self.sublayers)}')
+      else:
+        i, k, module = found
+        dest = (*layer_path(len(self.sublayers) * i + k), module, *path[len(LAYER) + 1:])
+        _put(split, dest, mapped, problems)
+    if problems:
+      raise errors.UnsupportedLayoutError(
+          f'{where}: expected each decoder layer to hold {len(self.sublayers)} layers, every'
+          f' module named with one of {list(self.sublayers)} ({self.name}), found:\n'
+          f'{errors.list_paths(problems)}\nThese weights are not this family\'s: pick the'
+          ' family the model is.')
+    return split
 
   def restack(self, shapes: Mapping[Path, Shape | None], axis: int = DEFAULT_AXIS, *,
               where: str = '') -> dict[Path, Mapped]:
@@ -397,6 +449,15 @@ class LayerForm:
           f' {self.name} keeps apart (a model\'s own count: DeepSeek\'s first_num_dense_layers,'
           ' V4\'s first_num_hash_layers): they cannot be stacked so. Convert the layers as they'
           ' are stored.')
+    if self.sublayers:  # The model's layers joined into the stored ones first.
+      n = len(self.sublayers)
+      joined = {p if (i := layer_of(p)) is None else
+                (*layer_path(i // n), p[len(LAYER)] + self.sublayers[i % n],
+                 *p[len(LAYER) + 1:]): p for p in shapes}
+      made = dataclasses.replace(self, sublayers=()).restack(
+          {j: shapes[p] for j, p in joined.items()}, axis, where=where)
+      return {d: Mapped(tuple(joined[s] for s in m.sources), m.transform, m.shape)
+              for d, m in made.items()}
     layers = self.layers(shapes, where)
     kept = [(p, (p,), IDENTITY) for p in shapes if not self.stacks or layer_of(p) is None]
     if not self.stacks:
@@ -694,6 +755,13 @@ def after_per_layer(name: str, prefix: tuple[str, ...], period: int,
   blocks on `param_scan_axis`), numbered on from them (DeepSeek V4's scanned form)."""
   return LayerForm(name, (Stack((*prefix, 'layers_{j}'), positions=tuple(range(period))),),
                    period, axis_zero=axis_zero, after_layers=True)
+def paired(*suffixes: str) -> LayerForm:
+  """Gemma2's form: MaxText's plain scanned form (or one array per layer), each MaxText layer
+  holding `len(suffixes)` of the model's, its modules named with the suffixes in order
+  (`sublayers`)."""
+  return dataclasses.replace(
+      SCANNED_FORM, name=f"gemma2's {'/'.join(s.strip('_') for s in suffixes)} layer pairs",
+      sublayers=suffixes)
 
 
 def form_of(paths: Iterable[Path], forms: Sequence[LayerForm]) -> LayerForm | None:
