@@ -342,3 +342,19 @@ def markdown(trainer: str = trainers.TUNIX.name) -> str:
   lines = [f'| {first} | Hugging Face | layout | families |', '|---|---|---|---|']
   lines += [f'| {cell(s)} | {cell(d)} | {t} | {", ".join(f)} |' for (s, d, t), f in rows.items()]
   return '\n'.join(lines) + '\n'
+
+
+def families_markdown() -> str:
+  """The README's table of families: per family, its `--model` names, its Hugging Face class,
+  and the trainers' models it takes (MaxText's: the layer forms it reads them in)."""
+  lines = ['| `--model` (aliases) | Hugging Face class | a Tunix model | a MaxText model, layers |',
+           '|---|---|---|---|']
+  for family in map(get, names()):
+    named = ', '.join(f'`{a}`' for a in family.aliases)
+    tunix = family.naming_of(trainers.TUNIX)
+    maxtext = family.naming_of(trainers.MAXTEXT)
+    forms = '-' if maxtext is None else (
+        f'{maxtext.form.name}, unscanned' if maxtext.form.scanned else 'unscanned')
+    lines.append(f'| `{family.name}`{f" ({named})" if named else ""} | `{family.architecture}`'
+                 f' | {"yes" if tunix is not None else "-"} | {forms} |')
+  return '\n'.join(lines) + '\n'
