@@ -182,9 +182,12 @@ def test_a_recipe_given_for_adapters_only_is_noted_as_the_callers_word():
   it, not that it is what the run did."""
   plan = merge.plan_merge(DATA / ONLY, merge.MergeOptions.given(
       True, ALPHA, base=DATA / 'hf_qwen3', base_qtype='int8'))
-  (note,) = [n for n in plan.notes if 're-quantized' in n]
+  (note,) = [n for n in plan.notes if 're-quantized with the recipe given' in n]
   assert 'recipe given (int8, per channel, absmax' in note and 'cannot confirm it' in note
   assert 'as the run did' not in note and 'as the run did' not in plan.describe()
+  # ... and on which kind of device, which decides whether a float32 base is the run's.
+  (device,) = [n for n in plan.notes if n.startswith('re-quantized on ')]
+  assert device.startswith(f're-quantized on {jax.devices()[0].device_kind}:'), device
 
 
 def test_another_runs_qlora_save_as_base_is_not_called_the_runs():
