@@ -325,8 +325,11 @@ class LayerForm:
     for k, j, rest, _, shape in self._stacked(shapes):
       held.setdefault(k, {}).setdefault(j, {})[rest] = shape
     blocks = any(not self.stacks[k].remainder for k in held)
+    per_layer = bool(held) and all(self.stacks[k].per_layer for k in held)
     problems = []
     for k, s in enumerate(self.stacks):
+      if s.per_layer != per_layer:  # The form's other kind (DeepSeek's unscanned stacks beside
+        continue  # its scanned ones): no part of these weights' blocks.
       found = held.get(k, {})
       if s.remainder:  # Any number of layers, or none; numbered from 0.
         want = range(max(found) + 1) if s.numbered and found else ()
