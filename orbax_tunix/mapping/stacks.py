@@ -120,6 +120,9 @@ class Stack:
     per_layer: one array per layer, as MaxText writes the form unscanned (`scan_layers=False`:
       DeepSeek's `dense_layers_{j}`, numbered by its `{j}`; depth 0): weights held only by
       such stacks are an unscanned decoder (`LayerForm.held_by`).
+    mixed: its numbered positions hold layers of different kinds, each its own weights
+      (Qwen3.5's three linear-attention layers then a full one; DeepSeek V4's blocks), so
+      `LayerForm.damage` does not ask every position for the same weights.
   """
 
   prefix: tuple[str, ...]
@@ -127,6 +130,7 @@ class Stack:
   positions: tuple[int, ...] = (0,)
   remainder: bool = False
   per_layer: bool = False
+  mixed: bool = False
 
   def __post_init__(self):
     if not 0 <= self.depth <= MAX_DEPTH:
@@ -342,7 +346,7 @@ class LayerForm:
         problems += [f'{fmt(s.path(j))}/...: no position of a block of {self.period}'
                      f' (layers_{s.positions[0]} .. layers_{s.positions[-1]})'
                      for j in sorted(found) if j not in s.positions]
-      if s.numbered:
+      if s.numbered and not s.mixed:
         problems += _unlike({fmt(s.path(j)): found[j] for j in sorted(found)},
                             'the other positions')
     return problems
@@ -498,8 +502,9 @@ class LayerForm:
     n = max(per) + 1
     problems = [f'layers_{i}: missing' for i in range(n) if i not in per]
     groups: dict[object, list[int]] = collections.defaultdict(list)
-    for i in sorted(per):  # The layers of one stack alike (`Stack`).
-      groups[self.place(i, n)[0] if self.stacks and not problems else None].append(i)
+    for i in sorted(per):  # The layers of one stack alike (`Stack`; of one position: `mixed`).
+      at = self.place(i, n) if self.stacks and not problems else None
+      groups[None if at is None else at[:2] if self.stacks[at[0]].mixed else at[0]].append(i)
     for members in groups.values():
       problems += _unlike({f'layers_{i}': per[i] for i in members}, 'the other layers')
     if problems:
@@ -756,8 +761,8 @@ def after_per_layer(name: str, prefix: tuple[str, ...], period: int,
   """A decoder whose first layers are kept one array per layer (`decoder/layers_{i}`) and the
   rest stacked in blocks of `period`, `<prefix>/layers_{j}/<w>` (position j of each block,
   blocks on `param_scan_axis`), numbered on from them (DeepSeek V4's scanned form)."""
-  return LayerForm(name, (Stack((*prefix, 'layers_{j}'), positions=tuple(range(period))),),
-                   period, axis_zero=axis_zero, after_layers=True)
+  return LayerForm(name, (Stack((*prefix, 'layers_{j}'), positions=tuple(range(period)),
+                               mixed=True),), period, axis_zero=axis_zero, after_layers=True)
 def paired(*suffixes: str) -> LayerForm:
   """Gemma2's form: MaxText's plain scanned form (or one array per layer), each MaxText layer
   holding `len(suffixes)` of the model's, its modules named with the suffixes in order
@@ -870,4 +875,5 @@ def layer_cycles(period: int) -> LayerForm:
   builds no remainder: a layer count that is not a multiple of `period` loses its last
   layers (`int(layers / period)` blocks)."""
   return LayerForm(f"Qwen3.5's scanned cycles of {period}", (
-      Stack(('decoder', 'layers', 'layer_{j}'), positions=tuple(range(period))),), period)
+      Stack(('decoder', 'layers', 'layer_{j}'), positions=tuple(range(period)), mixed=True),),
+      period)
