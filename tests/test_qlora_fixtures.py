@@ -121,6 +121,7 @@ def test_a_full_save_holds_the_quantized_base(name):
 
 
 @pytest.mark.parametrize('name', FULL)
+@builders.REQUANTIZE_ON_NEWER_JAX
 def test_requantizing_the_float_base_gives_the_save_bit_for_bit(name):
   """qwix.quantize of the base fixture's weight with the recorded recipe and axes is the saved
   qvalue, scale and zero point, byte for byte."""
