@@ -75,9 +75,11 @@ MODELS = {  # model -> (layer number -> its weights, layers, untied lm_head)
 }
 
 
-def model_weights(model: str, seed: int = 0) -> tuple[dict, dict]:
-  """(the model's weights outside the layers, [per-layer weights]), random, norms near 1."""
-  layer, n, untied = MODELS[model]
+def model_weights(model: str, seed: int = 0, models=MODELS) -> tuple[dict, dict]:
+  """(the model's weights outside the layers, [per-layer weights]), random, norms near 1;
+  `models[model]` = (layer number -> its weights, or one layer's for all, layers, untied)."""
+  shapes, n, untied = models[model]
+  layer = shapes if callable(shapes) else lambda _: shapes  # noqa: E731 - one for every layer
   rng = np.random.default_rng(seed)
 
   def w(name, shape):
@@ -774,18 +776,9 @@ ZOO_CLASSES = {'qwen2': 'Qwen2ForCausalLM', 'mixtral': 'MixtralForCausalLM',
 def zoo_tree(model: str, form: str, seed: int = 0) -> tuple[dict, list[dict]]:
   """(MaxText's flat weight paths in `form`, the per-MaxText-layer weights): scanned on axis 1,
   olmo3's in blocks of four (`decoder/layers/layers_{j}`, stacked by block)."""
-  layer, n, untied = ZOO_LAYERS[model]
-  rng = np.random.default_rng(seed)
-
-  def w(name, shape):
-    x = rng.normal(size=shape).astype(np.float32)
-    return 1 + 0.1 * x if name.endswith('scale') else x
-
-  flat = {'token_embedder/embedding': w('e', (V, D)), 'decoder/decoder_norm/scale': w('scale', (D,))}
-  if untied:
-    flat['decoder/logits_dense/kernel'] = w('k', (D, V))
-  layers = [{k: w(k, s) for k, s in layer.items()} for _ in range(n)]
-  for k in layer:
+  flat, layers = model_weights(model, seed, ZOO_LAYERS)
+  n = len(layers)
+  for k in layers[0]:
     if form == 'unscanned':
       flat.update({f'decoder/layers_{i}/{k}': weights[k] for i, weights in enumerate(layers)})
     elif model == 'olmo3':
