@@ -90,3 +90,10 @@ class Worker:
 
   def log(self) -> str:
     return self.log_path.read_text()[-6000:]
+
+
+def read_back(name: str, out) -> tuple[dict, dict]:
+  """MaxText's client's jobs on the export `name` at `out`: its safetensors read back
+  (`read_hf`, result `read_{name}`) and its config.json through AutoConfig (`auto_{name}`)."""
+  return ({'id': f'read_{name}', 'job': 'read_hf', 'path': str(out)},
+          {'id': f'auto_{name}', 'job': 'auto_config', 'path': str(out)})

@@ -320,8 +320,7 @@ def run(maxtext_python, tunix_pkgs, tmp_path_factory):
       e = exports.get(f'{case}_{src}')
       if not e or e['rc'] != 0:
         continue
-      maxtext.send({'id': f'read_{case}_{src}', 'job': 'read_hf', 'path': str(e['out'])},
-                   {'id': f'auto_{case}_{src}', 'job': 'auto_config', 'path': str(e['out'])})
+      maxtext.send(*clients.read_back(f'{case}_{src}', e['out']))
       if family:
         tunix.send({'id': f'load_{case}_{src}', 'job': 'load', 'family': family,
                     'config': cfg, 'dir': str(e['out']), 'tokens': tokens})
@@ -390,22 +389,33 @@ def test_a_sources_are_maxtexts_layouts(run, case):
 def test_b_export_equals_maxtexts_own_conversion(run, name):
   """Every tensor MaxText's converter writes, by name, shape, dtype and value; nothing else."""
   case, src = name.rsplit('_', 1)
-  out = run.exported(name)
+  run.exported(name)  # it exited 0
   if err := run.case(case)['convert_error']:
     # Only gemma4's is known to fail (its tiny shapes keep the full model's per-layer heads);
     # for any other family a converter error is a failure, not an expected one.
     assert case.startswith('gemma4_'), f"MaxText's converter failed on {case}: {err}"
     pytest.xfail(f"MaxText 0.2.5's own converter fails on this tiny model, no expected values: {err}")
-  want = {text_name(k[len('hf/'):]): v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
+  assert_equals_maxtexts_conversion(
+      run, case, name, one_ulp=lambda k: case.startswith('gemma3') and k in ONE_ULP)
+
+
+def assert_equals_maxtexts_conversion(run: Run, case: str, name: str,
+                                      one_ulp=lambda name: False, rename=text_name) -> None:
+  """The export `name` (read back by MaxText's client: job `read_{name}`) holds exactly the
+  tensors MaxText's own conversion of `case` made ('hf/<name>' in its npz, named by `rename`),
+  each of its shape in float32 and equal to it; those `one_ulp` names within one ulp (a float32
+  division both sides round)."""
+  want = {rename(k[len('hf/'):]): v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
           if k.startswith('hf/')}
   got_meta = run.result(run.maxtext, f'read_{name}')['tensors']
   got = {k[len('hf/'):]: v for k, v in run.arrays(run.maxtext, f'read_{name}').items()}
   assert sorted(got) == sorted(want), (
-      f'{out}: missing {sorted(set(want) - set(got))[:10]}, extra {sorted(set(got) - set(want))[:10]}')
+      f'{name}: missing {sorted(set(want) - set(got))[:10]},'
+      f' extra {sorted(set(got) - set(want))[:10]}')
   for k, w in want.items():
     shape, dtype, _ = got_meta[k]
     assert (tuple(shape), dtype) == (w.shape, 'float32'), (k, shape, dtype, w.shape)
-    if case.startswith('gemma3') and k in ONE_ULP:
+    if one_ulp(k):
       np.testing.assert_array_max_ulp(got[k], w, maxulp=1)
     else:
       np.testing.assert_array_equal(got[k], w, err_msg=f'{name}: {k}')

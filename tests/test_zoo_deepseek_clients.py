@@ -214,8 +214,7 @@ def run(maxtext_python, tmp_path_factory):  # noqa: F811 - the imported fixture
     exports = {name: f.result() for name, f in futures.items()}
   for name, e in exports.items():
     if e['rc'] == 0 and name != 'lora_peft':
-      maxtext.send({'id': f'read_{name}', 'job': 'read_hf', 'path': str(e['out'])},
-                   {'id': f'auto_{name}', 'job': 'auto_config', 'path': str(e['out'])})
+      maxtext.send(*clients.read_back(name, e['out']))
   maxtext.finish(max(60.0, deadline - time.time()))
   return Run(work, maxtext, None, exports)
 

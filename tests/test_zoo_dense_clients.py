@@ -65,7 +65,7 @@ from tests.test_export_maxtext_clients import (
   STEP,
   WORKER_TIMEOUT,
   Run,
-  text_name,
+  assert_equals_maxtexts_conversion,
   wait,
 )
 
@@ -221,8 +221,7 @@ def run(maxtext_python, tmp_path_factory):
   for name in EXPORTS:
     e = exports.get(name)
     if e and e['rc'] == 0:
-      maxtext.send({'id': f'read_{name}', 'job': 'read_hf', 'path': str(e['out'])},
-                   {'id': f'auto_{name}', 'job': 'auto_config', 'path': str(e['out'])})
+      maxtext.send(*clients.read_back(name, e['out']))
   maxtext.finish(max(60.0, deadline - time.time()))
   return Run(work, maxtext, None, exports)
 
@@ -296,19 +295,8 @@ def test_b_export_equals_maxtexts_own_conversion(run, name):
     pytest.xfail(f"MaxText 0.2.5's converter cannot convert {family(case)}:"
                  f" {err.split('. Available')[0]}")
   assert err is None, f"MaxText's converter failed on {case}: {err}"
-  want = {text_name(k[len('hf/'):]): v for k, v in run.arrays(run.maxtext, f'case_{case}').items()
-          if k.startswith('hf/')}
-  got_meta = run.result(run.maxtext, f'read_{name}')['tensors']
-  got = {k[len('hf/'):]: v for k, v in run.arrays(run.maxtext, f'read_{name}').items()}
-  assert sorted(got) == sorted(want), (
-      f'missing {sorted(set(want) - set(got))[:10]}, extra {sorted(set(got) - set(want))[:10]}')
-  for k, w in want.items():
-    shape, dtype, _ = got_meta[k]
-    assert (tuple(shape), dtype) == (w.shape, 'float32'), (k, shape, dtype, w.shape)
-    if (family(case), k) in ONE_ULP:
-      np.testing.assert_array_max_ulp(got[k], w, maxulp=1)
-    else:
-      np.testing.assert_array_equal(got[k], w, err_msg=f'{name}: {k}')
+  assert_equals_maxtexts_conversion(run, case, name,
+                                    one_ulp=lambda k: (family(case), k) in ONE_ULP)
 
 
 @pytest.mark.parametrize('name', EXPORTS)

@@ -188,8 +188,7 @@ def _checks(name: str, e: dict, tokens) -> list[tuple[str, dict]]:
     return [('hf', {'id': f'peft_{case}', 'job': 'peft', 'adapter': str(e['out']),
                     'base': str(e['out'].parent / f'{case}_base_hf'), 'tokens': tokens})]
   return [('hf', {'id': f'load_{name}', 'job': 'load', 'dir': str(e['out']), 'tokens': tokens}),
-          ('maxtext', {'id': f'read_{name}', 'job': 'read_hf', 'path': str(e['out'])}),
-          ('maxtext', {'id': f'auto_{name}', 'job': 'auto_config', 'path': str(e['out'])})]
+          *(('maxtext', job) for job in clients.read_back(name, e['out']))]
 
 
 @pytest.fixture(scope='module')
