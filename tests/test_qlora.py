@@ -287,7 +287,6 @@ def test_dequantize_is_qwix_dequantize(qtype, scale_dtype):
     ('int8', 'absmax'), ('int8', 'minmax'), ('int4', 'minmax'), ('int4', 'absmax'),
     ('float8_e4m3fn', 'absmax'), ('nf4', 'absmax')])
 @pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16])
-@builders.REQUANTIZE_ON_NEWER_JAX
 def test_requantize_is_qwix_quantize_then_dequantize(qtype, calibration, dtype):
   """Bit for bit, per channel and tiled, einsum weights of 2-4 axes, host and device."""
   rs = np.random.RandomState(2)
@@ -340,7 +339,6 @@ def test_full_save_with_a_base_is_refused_naming_quantization(runs):
 
 
 @pytest.mark.parametrize('name', RECIPES)
-@builders.REQUANTIZE_ON_NEWER_JAX
 def test_adapters_only_with_the_recipe_merges_onto_the_requantized_base(runs, mesh, name):
   run = runs[name]
   recipe = run['recipe']

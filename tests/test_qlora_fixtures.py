@@ -120,8 +120,27 @@ def test_a_full_save_holds_the_quantized_base(name):
     assert err.max() > 0 and (err <= bound).all(), path
 
 
-@pytest.mark.parametrize('name', FULL)
-@builders.REQUANTIZE_ON_NEWER_JAX
+def _eager_divides_truly() -> bool:
+  """Whether this JAX's eager `array / python_float` is a true division (jax 0.12.1) or a
+  product with the reciprocal (0.10.2, which wrote the fixtures): qwix's `absmax / qmax`."""
+  x = np.linspace(1, 2, 257, dtype=np.float32)
+  return bool(np.array_equal(np.asarray(jnp.asarray(x) / 127.5), x / np.float32(127.5)))
+
+
+# qwix on a JAX that divides otherwise than the writer's gives some of a float32 base's scales
+# another last bit (which, depends on the values; bfloat16 rounds both alike, nf4 is exact either
+# way): there qwix's own re-quantization need not be the save's (orbax_tunix follows the running
+# JAX as qwix does: tests/test_qlora.py checks it against qwix on every stack).
+OTHER_DIVISION = pytest.mark.xfail(
+    _eager_divides_truly() != (
+        tuple(int(v) for v in MANIFEST[FULL[0]]['versions']['jax'].split('.')[:2]) >= (0, 12)),
+    strict=False,
+    reason='this JAX divides by the bound otherwise than the fixtures\' jax did')
+
+
+@pytest.mark.parametrize('name', [
+    pytest.param(n, marks=OTHER_DIVISION) if MANIFEST[n]['qlora']['dtype'] == 'float32'
+    and MANIFEST[n]['qlora']['qtype'] != 'nf4' else n for n in FULL])
 def test_requantizing_the_float_base_gives_the_save_bit_for_bit(name):
   """qwix.quantize of the base fixture's weight with the recorded recipe and axes is the saved
   qvalue, scale and zero point, byte for byte."""

@@ -187,7 +187,8 @@ def test_a_recipe_given_for_adapters_only_is_noted_as_the_callers_word():
   assert 'as the run did' not in note and 'as the run did' not in plan.describe()
   # ... and on which kind of device, which decides whether a float32 base is the run's.
   (device,) = [n for n in plan.notes if n.startswith('re-quantized on ')]
-  assert device.startswith(f're-quantized on {jax.devices()[0].device_kind}:'), device
+  assert device.startswith(
+      f're-quantized on {jax.devices()[0].device_kind} with jax {jax.__version__}:'), device
 
 
 def test_another_runs_qlora_save_as_base_is_not_called_the_runs():

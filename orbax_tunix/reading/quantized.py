@@ -582,12 +582,12 @@ def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
     qmin, qmax = qtype.asymmetric
     low = jnp.minimum(x.min(axis=reduce, keepdims=True), 0)
     high = jnp.maximum(x.max(axis=reduce, keepdims=True), 0)
-    scale = rnd(rnd(high - low) / np.float32(qmax - qmin))
+    scale = rnd(_by_bound(rnd(high - low), qmax - qmin, narrower))
     scale = jnp.where(scale < tiny, np.float32(1), scale)
     zero_point = _to_qtype(rnd(np.float32(qmin) - rnd(low / scale)), recipe.qtype)
     zero_point = zero_point.astype(np.float32)
   else:
-    scale = rnd(jnp.abs(x).max(axis=reduce, keepdims=True) / np.float32(qtype.bound))
+    scale = rnd(_by_bound(jnp.abs(x).max(axis=reduce, keepdims=True), qtype.bound, narrower))
     scale = jnp.where(scale < tiny, np.float32(1), scale)
   q = rnd(x / scale)
   if zero_point is not None:
@@ -600,6 +600,29 @@ def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
   # The barrier keeps the product rounded where a caller adds to it in the same compiled
   # function (a LoRA merge): the compiler would fuse the two into one multiply-add.
   return jax.lax.optimization_barrier(rnd(value * scale).reshape(shape))
+
+
+def _by_bound(x: Any, bound: float, narrower: bool) -> Any:
+  """`x / bound` as qwix's eager `calibration / qmax` computes it on this JAX.
+
+  Eagerly, a Python number is a constant to some JAX versions (0.10: XLA multiplies by its
+  reciprocal, as it does in compiled code) and an argument to others (0.12: a true division);
+  a float32 scale differs in its last bit between the two. Compiled code folds a constant, so
+  where qwix's division is a true one the bound is hidden from the compiler. Narrower dtypes
+  are rounded from float32 either way (checked equal on both versions).
+  """
+  bound = np.float32(bound)
+  if narrower or not _eager_divides_truly():
+    return x / bound
+  return x / jax.lax.optimization_barrier(jnp.asarray(bound))
+
+
+@functools.cache
+def _eager_divides_truly() -> bool:
+  """Whether an eager `array / python_float` is a true division on this JAX (and device)."""
+  x = np.linspace(1, 2, 257, dtype=np.float32)
+  with jax.ensure_compile_time_eval():  # Eager even where first asked while tracing.
+    return bool(np.array_equal(np.asarray(jnp.asarray(x) / 127.5), x / np.float32(127.5)))
 
 
 def _to_qtype(x: Any, qtype: str) -> Any:
