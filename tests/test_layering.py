@@ -1,4 +1,4 @@
-"""The package's layers (README, "How the package is laid out"): each sub-package imports only
+"""The package's layers (docs/layout.md): each sub-package imports only
 the ones before it in `LAYERS`, and no module imports itself back through others; and every
 other package it imports is declared in pyproject.toml."""
 

@@ -218,7 +218,7 @@ def test_v1_written_step_through_v0_apis(tunix_data):
 
 
 def test_public_api_is_one_list():
-  """__all__, the package docstring and the README's API table name the same things."""
+  """__all__, the package docstring and docs/api.md's table name the same things."""
   import pkgutil
   import re
 
@@ -228,8 +228,7 @@ def test_public_api_is_one_list():
   assert exported == {n for n in dir(ot) if not n.startswith('_')} - submodules
   doc = {m for m in re.findall(r'\b([A-Za-z_]+)\b', ot.__doc__.split('::')[1]) if m in dir(ot)}
   assert doc | {'Detection'} == exported | {'detect'}  # Detection: what detect returns.
-  readme = (ROOT / 'README.md').read_text()
-  table = readme.split('## Public API')[1].split('\n## ')[0]
+  table = (ROOT / 'docs' / 'api.md').read_text().split('# Public API')[1].split('\n## ')[0]
   rows = [line.split('|')[1] for line in table.splitlines() if line.startswith('| `')]
   named = set(re.findall(r'`([A-Za-z_]+)', ''.join(rows)))
   assert named == exported, named ^ exported
