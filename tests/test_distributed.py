@@ -33,7 +33,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.cli import commands
-from orbax_tunix.writing import commit, distributed
+from orbax_tunix.writing import checksums, commit, consensus, dealing, global_arrays, job
 from tests import mp_worker
 from tests.clients import client_env
 
@@ -650,8 +650,8 @@ def test_crc32_combine_and_zero_extension_match_zlib_over_the_whole():
   rng = np.random.default_rng(1)
   for a_len, b_len in ((0, 5), (5, 0), (1, 1), (1000, 3333), (4096, 65537)):
     a, b = rng.bytes(a_len), rng.bytes(b_len)
-    assert distributed.crc32_combine(zlib.crc32(a), zlib.crc32(b), b_len) == zlib.crc32(a + b)
-    assert distributed.extend_zeros(zlib.crc32(a), b_len) == zlib.crc32(a + bytes(b_len))
+    assert checksums.crc32_combine(zlib.crc32(a), zlib.crc32(b), b_len) == zlib.crc32(a + b)
+    assert checksums.extend_zeros(zlib.crc32(a), b_len) == zlib.crc32(a + bytes(b_len))
 
 
 def test_shares_of_any_split_combine_into_the_crc32():
@@ -661,14 +661,12 @@ def test_shares_of_any_split_combine_into_the_crc32():
   for cuts in ([0, 5000], [0, 1, 5000], [0, 100, 2000, 5000], [0, 7, 8, 4096, 5000]):
     shares = [zlib.crc32(bytes(a) + data[a:b] + bytes(len(data) - b))
               for a, b in zip(cuts, cuts[1:], strict=False)]
-    assert distributed.combine_shares(shares, len(data)) == zlib.crc32(data), cuts
+    assert checksums.combine_shares(shares, len(data)) == zlib.crc32(data), cuts
 
 
 def test_parts_of_a_sharded_array_combine_into_its_checksum(mesh):
   # Shards split on either axis (runs of rows, runs within rows): the parts'
   # checksums, combined in offset order, are the whole array's.
-  from orbax_tunix.writing import checksums
-
   value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
   for spec in (jax.sharding.PartitionSpec('data', 'model'),
                jax.sharding.PartitionSpec('model', 'data'), jax.sharding.PartitionSpec()):
@@ -676,23 +674,23 @@ def test_parts_of_a_sharded_array_combine_into_its_checksum(mesh):
       continue
     arr = jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
     crc, at = 0, 0
-    for offset, raw in sorted(distributed._local_runs(arr), key=lambda run: run[0]):
+    for offset, raw in sorted(global_arrays._local_runs(arr), key=lambda run: run[0]):
       assert offset == at, spec
-      crc, at = distributed.crc32_combine(crc, zlib.crc32(raw), raw.size), at + raw.size
+      crc, at = checksums.crc32_combine(crc, zlib.crc32(raw), raw.size), at + raw.size
     assert at == value.nbytes
     assert f'crc32:{crc:08x}' == checksums.checksum(value), spec
     # One process holding every shard: its share is the whole CRC.
-    assert distributed.combine_shares([distributed._share_crc(arr)], value.nbytes) == crc
+    assert checksums.combine_shares([global_arrays._share_crc(arr)], value.nbytes) == crc
     # Its shards joined into one block (the whole array here).
-    index, block = distributed._process_block(arr)
+    index, block = global_arrays._process_block(arr)
     np.testing.assert_array_equal(block, value)
 
 
 def test_placement_splits_where_the_stored_chunks_split(monkeypatch):
   # Eight devices as two processes of four (this process holds them all).
-  monkeypatch.setattr(distributed, 'process_count', lambda: 2)
+  monkeypatch.setattr(job, 'process_count', lambda: 2)
   P = jax.sharding.PartitionSpec
-  spec = lambda *a: distributed.placement(*a).spec  # noqa: E731
+  spec = lambda *a: global_arrays.placement(*a).spec  # noqa: E731
   assert spec((64, 32)) == P('all')
   assert spec((64, 32), (64, 4)) == P(None, 'all')  # Rows unsplit on disk: split columns.
   assert spec((64, 32), (32, 32)) == P('processes')  # Two chunks of rows: one per process.
@@ -701,17 +699,17 @@ def test_placement_splits_where_the_stored_chunks_split(monkeypatch):
 
 def test_deal_balances_bytes_and_is_deterministic():
   sizes = [50, 10, 40, 30, 20, 25]
-  owner = distributed.deal(sizes, 2)
+  owner = dealing.deal(sizes, 2)
   loads = [sum(s for s, o in zip(sizes, owner, strict=True) if o == p) for p in range(2)]
-  assert sorted(loads) == [85, 90] and owner == distributed.deal(sizes, 2)
-  assert distributed.deal([1, 1], 3) == [0, 1]
+  assert sorted(loads) == [85, 90] and owner == dealing.deal(sizes, 2)
+  assert dealing.deal([1, 1], 3) == [0, 1]
 
 
 def test_one_process_is_untouched():
-  assert not distributed.initialize(distributed.JobOptions())  # No flags, no cluster here.
-  assert not distributed.active() and distributed.is_primary()
-  assert distributed.exchange('x', 'text') == ['text']
-  assert distributed.mine([3, 2, 1]) == [0, 1, 2]
+  assert not job.initialize(job.JobOptions())  # No flags, no cluster here.
+  assert not job.active() and job.is_primary()
+  assert consensus.exchange('x', 'text') == ['text']
+  assert dealing.mine([3, 2, 1]) == [0, 1, 2]
 
 
 # --- on a TPU VM: JAX's cluster detection finds a TPU cluster ---------------------------
@@ -756,30 +754,30 @@ def tpu_vm(monkeypatch):
 def test_a_one_host_tpu_vm_is_one_process(tpu_vm, skip_mds):
   # With TPU_SKIP_MDS_QUERY the metadata server is not asked; without it, it does not answer.
   tpu_vm('localhost', TPU_SKIP_MDS_QUERY=skip_mds)
-  assert distributed.cluster_detected() == 'GkeTpuCluster'
-  assert not distributed.initialize(distributed.JobOptions())
-  assert not distributed.is_initialized() and not distributed.active()
+  assert job.cluster_detected() == 'GkeTpuCluster'
+  assert not job.initialize(job.JobOptions())
+  assert not job.is_initialized() and not job.active()
 
 
 def test_one_process_asked_for_is_one_process_in_any_cluster(tpu_vm):
   tpu_vm('host0,host1,host2,host3', TPU_WORKER_ID='2')  # A pod of four hosts.
-  assert not distributed.initialize(distributed.JobOptions(num_processes=1))
-  assert not distributed.initialize(distributed.JobOptions(num_processes=1, process_id=0,
+  assert not job.initialize(job.JobOptions(num_processes=1))
+  assert not job.initialize(job.JobOptions(num_processes=1, process_id=0,
                                                            initialization_timeout=5))
-  assert not distributed.is_initialized()
+  assert not job.is_initialized()
 
 
 def test_a_pod_whose_job_cannot_be_read_fails_at_once_saying_what_to_do(tpu_vm):
   tpu_vm('host0,host1', TPU_WORKER_ID='0')  # Its slice count is the metadata server's.
   t0 = time.monotonic()
   with pytest.raises(errors.DistributedError) as e:
-    distributed.initialize(distributed.JobOptions())
+    job.initialize(job.JobOptions())
   said = str(e.value)
   assert 'cluster (GkeTpuCluster) but could not read its job' in said, said
   assert 'Connection refused' in said and 'pass `num_processes=1`' in said, said
   assert '`coordinator_address`' in said and '`process_id`' in said, said
-  assert time.monotonic() - t0 < distributed.DETECTED_TIMEOUT_S
-  assert not distributed.is_initialized()
+  assert time.monotonic() - t0 < job.DETECTED_TIMEOUT_S
+  assert not job.is_initialized()
 
 
 def test_a_pod_whose_other_hosts_do_not_come_fails_within_the_timeout(tpu_vm):
@@ -788,18 +786,18 @@ def test_a_pod_whose_other_hosts_do_not_come_fails_within_the_timeout(tpu_vm):
          MEGASCALE_SLICE_ID='0', MEGASCALE_COORDINATOR_ADDRESS='localhost',
          JAX_COORDINATOR_PORT=str(port := free_port()))
   with pytest.raises(errors.DistributedError) as e:
-    distributed.initialize(distributed.JobOptions(initialization_timeout=2))
+    job.initialize(job.JobOptions(initialization_timeout=2))
   said = str(e.value)
   assert 'process 1 did not join within 2 s' in said, said
   assert f'GkeTpuCluster: coordinator localhost:{port}, 2 processes, process id 0' in said, said
   assert 'pass `num_processes=1`' in said, said
-  assert not distributed.is_initialized()
+  assert not job.is_initialized()
 
 
 def test_options_that_leave_the_job_open_outside_a_cluster_are_refused():
   with pytest.raises(errors.DistributedError, match=r'`num_processes` and `process_id` not'
                      r' given, and JAX\'s cluster detection .* finds no cluster'):
-    distributed.initialize(distributed.JobOptions(coordinator_address='localhost:1234'))
+    job.initialize(job.JobOptions(coordinator_address='localhost:1234'))
 
 
 def test_the_command_on_a_one_host_tpu_vm_runs_as_one_process(tmp_path):

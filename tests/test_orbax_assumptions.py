@@ -212,7 +212,7 @@ def test_tidy_failures_drains_what_a_failed_call_left():
 
 def test_jax_cluster_registry_is_what_initialize_walks():
   """`_orbax.jax_cluster_types`: JAX's cluster environments, each telling whether it is
-  present and whether it is opt-in (mpi4py is: `distributed.cluster_detected` skips it)."""
+  present and whether it is opt-in (mpi4py is: `job.cluster_detected` skips it)."""
   envs = _orbax.jax_cluster_types()
   names = {env.__name__ for env in envs}
   assert {'SlurmCluster', 'OmpiCluster', 'Mpi4pyCluster'} <= names, names

@@ -45,7 +45,7 @@ from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import export as export_lib
 from orbax_tunix.tools import inspection
-from orbax_tunix.writing import checksums, distributed
+from orbax_tunix.writing import checksums, job
 
 EXIT_OK = 0
 EXIT_DIFFER = 1
@@ -326,7 +326,7 @@ def _merge_options(args: argparse.Namespace) -> merge_lib.MergeOptions | None:
 
 def _join(args: argparse.Namespace) -> None:
   """Joins the multi-process job the flags (or JAX's cluster detection) describe, if any."""
-  distributed.initialize(distributed.JobOptions(
+  job.initialize(job.JobOptions(
       coordinator_address=args.coordinator_address, num_processes=args.num_processes,
       process_id=args.process_id, initialization_timeout=args.initialization_timeout))
 
@@ -513,7 +513,7 @@ class _Parents:
 
   Attributes:
     common: every command's (--debug, --plain, --no-compilation-cache).
-    hosts: a writing command's multi-process flags (`distributed.JobOptions`).
+    hosts: a writing command's multi-process flags (`job.JobOptions`).
   """
 
   common: argparse.ArgumentParser
@@ -541,7 +541,7 @@ def _common_flags() -> argparse.ArgumentParser:
 
 
 def _host_flags() -> argparse.ArgumentParser:
-  """The 'across hosts' group (`distributed.JobOptions`) of the commands that write."""
+  """The 'across hosts' group (`job.JobOptions`) of the commands that write."""
   hosts = argparse.ArgumentParser(add_help=False)
   group = hosts.add_argument_group(
       'across hosts', 'run the same command once per host (JAX\'s multi-controller runtime);'
@@ -931,8 +931,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = _main(argv, ran)
   if stdout.failed is not None:
     code = _output_failed(ran[0] if ran else None, stdout.failed, code)
-  if code == EXIT_ERROR and distributed.is_initialized():
-    distributed.leave(code)  # Not JAX's shutdown barrier: peers may be gone or late.
+  if code == EXIT_ERROR and job.is_initialized():
+    job.leave(code)  # Not JAX's shutdown barrier: peers may be gone or late.
   return code
 
 

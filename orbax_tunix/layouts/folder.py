@@ -22,7 +22,7 @@ from orbax_tunix import errors
 from orbax_tunix.layouts.base import Destination, Plan
 from orbax_tunix.mapping.outputs import ItemOutput, Output
 from orbax_tunix.reading import memory, reader, timing
-from orbax_tunix.writing import commit, distributed, writer
+from orbax_tunix.writing import commit, dealing, job, writer
 
 # transformers' default `max_shard_size`.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -65,7 +65,7 @@ def _shard(items: Sequence[ItemOutput], given: Mapping[str, Any]
 
 def _my_files(plan: Plan) -> list[writer.Shard]:
   """The files this process writes (all of them on one process)."""
-  return [plan.files[i] for i in distributed.mine([f.nbytes for f in plan.files])]
+  return [plan.files[i] for i in dealing.mine([f.nbytes for f in plan.files])]
 
 
 def share(plan: Plan) -> list[Output]:
@@ -84,14 +84,14 @@ def write(plan: Plan, mine: Sequence[Output], work: epath.Path,
           progress: reader.Progress) -> dict[str, Any]:
   """This process's safetensors files into `work`; process 0 the index and other files."""
   sink = writer.SafetensorsSink(work, _my_files(plan), plan.files,
-                                write_index=distributed.is_primary(),
+                                write_index=job.is_primary(),
                                 metadata={writer.FILES_RECORD: json.dumps(entries(plan))},
                                 threads=plan.write_threads,
                                 piece_bytes=memory.copy_buffer_bytes(plan.memory_budget))
   timing.note('threads', plan.write_threads)
   record = writer.write(mine, sink, plan.batch_bytes, progress, on_host=True,
                         ahead=plan.reads_ahead)
-  for name, content in plan.other_files if distributed.is_primary() else ():
+  for name, content in plan.other_files if job.is_primary() else ():
     if isinstance(content, str):
       (work / name).write_text(content)
     else:

@@ -26,7 +26,7 @@ from orbax_tunix.reading import hyperparams, reader
 from orbax_tunix.store import _orbax, names
 from orbax_tunix.store._orbax import CHECKPOINT_METADATA
 from orbax_tunix.version import __version__
-from orbax_tunix.writing import checksums, commit, distributed, writer
+from orbax_tunix.writing import checksums, commit, job, writer
 
 PYTREE_TYPESTR = ocp.PyTreeCheckpointHandler.typestr()
 
@@ -41,7 +41,7 @@ def _write(plan: Plan, mine: Sequence[Output], work: epath.Path,
     names.check_plain(item.name, work, 'an item would be written as')
   for item in plan.items:
     if item.json:
-      if distributed.is_primary():
+      if job.is_primary():
         ckpt, name = item.json
         (work / item.name).mkdir(parents=True, exist_ok=True)
         ocp.JsonCheckpointHandler().save(
@@ -50,7 +50,7 @@ def _write(plan: Plan, mine: Sequence[Output], work: epath.Path,
     sink = writer.OrbaxItemSink(item, work / item.name)
     sums[item.name] = writer.write(item.outputs, sink, plan.batch_bytes, progress,
                                   ahead=plan.reads_ahead)['checksums']
-  if distributed.is_primary():
+  if job.is_primary():
     _write_metadata(work, plan, init_ns, sums)
   return {}
 

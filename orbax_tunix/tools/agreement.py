@@ -6,7 +6,7 @@ its part of another output (a step that fails its own checksums, an index
 naming files no process wrote). So every process describes its plan, field
 by field (`fingerprint`: every field of the plan, so a new option is compared
 too, and every option as the caller gave it, by its name and value), and the
-processes compare them (`distributed.agree_on`) before anything is written: a
+processes compare them (`consensus.agree_on`) before anything is written: a
 difference names the options that differ and each process's value.
 
 A source is told by its resolved path, its step and a digest of its metadata

@@ -34,7 +34,7 @@ from orbax_tunix.mapping.outputs import ItemOutput
 from orbax_tunix.reading import memory, reader, timing
 from orbax_tunix.store.fileio import as_path
 from orbax_tunix.tools import agreement
-from orbax_tunix.writing import commit, distributed, places, writer
+from orbax_tunix.writing import commit, consensus, job, places, writer
 
 # A plan is the layouts' (`layouts.Plan`: its layout's destination writes it).
 Plan = layouts.Plan
@@ -88,11 +88,11 @@ def _agreed(make: Callable[..., Plan]) -> Callable[..., Plan]:
     try:
       made = make(*args, **kwargs)
       # One process alone has nothing to compare (nor reads anything for it).
-      fields = agreement.fingerprint(made) if distributed.active() else None
+      fields = agreement.fingerprint(made) if job.active() else None
     except BaseException as e:  # noqa: BLE001 - told to every process, then raised.
-      distributed.agree_on('plan', None, e)
+      consensus.agree_on('plan', None, e)
       raise
-    distributed.agree_on('plan', fields, given=agreement.asked(made))
+    consensus.agree_on('plan', fields, given=agreement.asked(made))
     return made
 
   return agreed
@@ -325,7 +325,7 @@ def _check_representable(items: Sequence[ItemOutput]) -> None:
 def _leftover_notes(dst: epath.Path, destination: layouts.Destination) -> list[str]:
   """What an interrupted run to `dst` left beside it (process 0 tells: the others would
   see its own staging)."""
-  if not distributed.is_primary():
+  if not job.is_primary():
     return []
   return [f'{p} is left from an interrupted {destination.run} to {dst} (it was never'
           f' committed there); remove it when no {destination.run} is running'

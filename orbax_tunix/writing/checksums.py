@@ -6,13 +6,17 @@ byte in a data file comes back as a wrong value, silently, from every reader.
 C order, in the dtype written) in the step's custom metadata; `verify` and
 `diff` read the arrays again and compare. A checkpoint this package did not
 write has no such record, and damage to its data cannot be detected.
+
+An array split over the processes of a job is summed from one CRC-32 share per
+process (`combine_shares`, on GF(2) arithmetic: `extend_zeros`, `crc32_combine`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -160,3 +164,65 @@ def as_record(value: Any) -> Any:
     return str(item)
   return {'shape': list(array.shape), 'dtype': str(array.dtype),
           'checksum': checksum(array)}
+
+
+# --- CRC-32 arithmetic: checksums of arrays split over processes, from their parts ------
+
+
+def combine_shares(shares: Sequence[int], nbytes: int) -> int:
+  """The whole array's CRC-32 from every process's share: each the CRC-32 of the array's
+  bytes with that process's parts in place and zeros elsewhere (`global_arrays.checksums_of`).
+
+  CRC-32 is affine over GF(2) for a fixed length, so the array's CRC is the XOR of the
+  shares, one f(0) added back where their count is even.
+  """
+  crc = 0
+  for share in shares:
+    crc ^= share
+  # f(a ^ b) = f(a) ^ f(b) ^ f(0): an even number of shares leaves one f(0) out.
+  return crc ^ extend_zeros(0, nbytes) if len(shares) % 2 == 0 else crc
+
+
+def _gf2_times(matrix: Sequence[int], vector: int) -> int:
+  total, i = 0, 0
+  while vector:
+    if vector & 1:
+      total ^= matrix[i]
+    vector >>= 1
+    i += 1
+  return total
+
+
+def _gf2_square(matrix: Sequence[int]) -> list[int]:
+  return [_gf2_times(matrix, row) for row in matrix]
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+  """The GF(2) matrix that advances a CRC-32 register over `nbytes` zero bytes."""
+  result = [1 << i for i in range(32)]  # Identity.
+  power = [0xEDB88320] + [1 << n for n in range(31)]  # One zero bit.
+  for _ in range(3):
+    power = _gf2_square(power)  # One zero byte.
+  n = nbytes
+  while n:
+    if n & 1:
+      result = [_gf2_times(power, col) for col in result]
+    n >>= 1
+    if n:
+      power = _gf2_square(power)
+  return tuple(result)
+
+
+def extend_zeros(crc: int, nbytes: int) -> int:
+  """crc32(A + bytes(nbytes)) from crc32(A), without the zeros."""
+  if nbytes <= 0:
+    return crc
+  return _gf2_times(_zeros_operator(nbytes), crc ^ 0xFFFFFFFF) ^ 0xFFFFFFFF
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+  """The CRC-32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine)."""
+  if len2 <= 0:
+    return crc1
+  return _gf2_times(_zeros_operator(len2), crc1) ^ crc2

@@ -40,7 +40,7 @@ from orbax_tunix.reading import memory, reader
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.reading.read_requests import is_key
 from orbax_tunix.store import _orbax, fileio, names
-from orbax_tunix.writing import checksums, commit, distributed
+from orbax_tunix.writing import checksums, commit, consensus, global_arrays, job, staging
 
 
 @contextlib.contextmanager
@@ -49,7 +49,7 @@ def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
              description: str, progress_bytes: int | None = None,
              entries: Sequence[str] = ()) -> Iterator[Any]:
   """A destination written in a stage and committed once when the block succeeds
-  (`distributed.staged`: one process or several), progress started and finished
+  (`staging.staged`: one process or several), progress started and finished
   around it; the one frame of `convert` and `export`. Yields the staging.
 
   Args: the destination, whether it may replace one of `kind`, the bytes it will
@@ -59,8 +59,8 @@ def streamed(dst: epath.Path, force: bool, kind: commit.Kind, total_bytes: int,
   """
   progress.start(total_bytes if progress_bytes is None else progress_bytes, description)
   try:
-    with distributed.staged(dst, force, kind, total_bytes, sources, entries) as staging:
-      yield staging
+    with staging.staged(dst, force, kind, total_bytes, sources, entries) as shared:
+      yield shared
   finally:
     progress.finish()
 
@@ -69,7 +69,7 @@ def reads_ahead(memory_budget: int) -> bool:
   """Whether `write` reads the next batch while it writes one (`reader.stream`'s `ahead`):
   in one process (a job's processes keep their collectives in one order), with a budget
   that holds two batches (a smaller one is met as closely as one batch at a time can)."""
-  return not distributed.active() and memory.holds_two_batches(memory_budget)
+  return not job.active() and memory.holds_two_batches(memory_budget)
 
 
 def batch_bytes(memory_budget: int, safetensors: bool = False) -> int:
@@ -81,14 +81,14 @@ def batch_bytes(memory_budget: int, safetensors: bool = False) -> int:
   threads = memory.write_threads(memory_budget) if safetensors else 0
   return memory.batch_bytes(
       memory_budget, memory.HOST_WRITE_COPIES if safetensors else memory.WRITE_COPIES,
-      job=distributed.active(), in_flight=2 if reads_ahead(memory_budget) else 1,
+      job=job.active(), in_flight=2 if reads_ahead(memory_budget) else 1,
       held=threads * memory.copy_buffer_bytes(memory_budget))
 
 
 def budget_note(memory_budget: int, largest: int, what: str) -> str | None:
   """A note when `memory_budget` cannot hold the largest `what` (each is written alone)."""
   return memory.shortfall(memory_budget, largest, what, memory.WRITE_COPIES,
-                          job=distributed.active())
+                          job=job.active())
 
 
 def check_machine(outputs: Iterable[Output], rows: bool) -> None:
@@ -140,14 +140,14 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
 
   Onto one CPU device (leaves saved as jax arrays stay jax arrays), or to the
   host as numpy when `on_host`. Across processes, onto the global mesh: each
-  process reads only its part (`distributed.placement`). Sources read in part
+  process reads only its part (`global_arrays.placement`). Sources read in part
   (`Input.partial`: a layer of a stacked weight, a block of rows) are read to
   the host.
 
   Returns:
     `Input.key` -> the value read.
   """
-  spread = distributed.active() and not on_host
+  spread = job.active() and not on_host
   cpu = None if on_host or spread else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
   reads = Reads()
   read: dict[tuple, tuple[Input, Any]] = {}
@@ -177,25 +177,25 @@ def read_inputs(batch: Sequence[Output], on_host: bool = False) -> dict[tuple, A
 
 def _into(leaf: reader.LeafInfo, meta: Any, cpu: Any, spread: bool) -> Any:
   """Where a leaf is read to: None (numpy), one CPU device, or across processes split
-  where its stored chunks split (`distributed.placement`), so no chunk is read twice."""
+  where its stored chunks split (`global_arrays.placement`), so no chunk is read twice."""
   if leaf.numpy or not (cpu or spread):
     return None
-  return cpu or distributed.placement(leaf.shape, meta.chunk_shape(leaf.disk_path))
+  return cpu or global_arrays.placement(leaf.shape, meta.chunk_shape(leaf.disk_path))
 
 
 def make(output: Output, values: dict[tuple, Any]) -> Any:
   """An output's value from its sources' values (as read)."""
   inputs = [values[i.key] for i in output.inputs]
   if output.transform.is_identity:
-    value = distributed.for_saving(inputs[0])
+    value = global_arrays.for_saving(inputs[0])
   else:
-    value = distributed.settle(output.transform.apply(inputs))
+    value = global_arrays.settle(output.transform.apply(inputs))
   have = getattr(value, 'dtype', None)
   if output.dtype is None or have is None or have == output.dtype or is_key(have):
     return value  # PRNG keys are written as read (their key data is the stored form).
   if output.numpy or isinstance(value, np.ndarray | np.generic):
     return np.asarray(value).astype(output.dtype)
-  return distributed.for_saving(jnp.asarray(value).astype(output.dtype))
+  return global_arrays.for_saving(jnp.asarray(value).astype(output.dtype))
 
 
 def _largest(dtype: Any) -> float:
@@ -223,7 +223,7 @@ def _may_overflow(output: Output) -> bool:
 
 def _all_finite(value: Any) -> bool:
   """Whether a value read holds no inf or NaN (not floating: True)."""
-  value = distributed.on_host(value)
+  value = global_arrays.on_host(value)
   if not jnp.issubdtype(getattr(value, 'dtype', np.float32), jnp.floating):
     return True
   return bool(np.isfinite(value).all())
@@ -256,14 +256,14 @@ def check_range(output: Output, value: Any) -> None:
   if isinstance(value, jax.Array) and not value.is_fully_addressable:
     if bool(jnp.isfinite(value).all()):  # Computed where the parts are; agreed by all.
       return
-  written = distributed.on_host(value)
+  written = global_arrays.on_host(value)
   if written.size == 0 or _finite(written):
     return
   finite = np.isfinite(written)
   own = dataclasses.replace(output, dtype=None,
                             read_dtypes=tuple(i.leaf.dtype for i in output.inputs))
   sources = read_inputs([own])
-  exact = np.asarray(distributed.on_host(make(own, sources)), dtype=np.float64)
+  exact = np.asarray(global_arrays.on_host(make(own, sources)), dtype=np.float64)
   # From finite sources, every value that is not finite left the range; from sources
   # holding infs or NaNs, only those their own arithmetic keeps finite.
   lost = ~finite if all(map(_all_finite, sources.values())) else np.isfinite(exact) & ~finite
@@ -383,22 +383,22 @@ class OrbaxItemSink:
   def write(self, batch: Sequence[executor.Made]) -> None:
     values = [v for _, v in batch]
     # Checksums beside the write (zlib releases the GIL); across processes,
-    # each process's parts combined (`distributed.checksums_of`).
-    summing = self._summer.submit(distributed.checksums_of, values)
+    # each process's parts combined (`global_arrays.checksums_of`).
+    summing = self._summer.submit(global_arrays.checksums_of, values)
     with _orbax.tidy_failures():
       self._writer.save(self._dir, args=ocp.args.PyTreeSave(
           nest((o.path, v) for o, v in batch)))
     self._sums.update(zip((checksums.key(o.path) for o, _ in batch), summing.result(),
                           strict=True))
-    if distributed.is_primary():  # Orbax writes `_METADATA` on the primary process only.
+    if job.is_primary():  # Orbax writes `_METADATA` on the primary process only.
       self._written.append(fileio.read_json(self._dir / _orbax.PYTREE_METADATA))
 
   def close(self) -> dict[str, Any]:
     self._summer.shutdown()
     # Across processes: every process's arrays are written before the
     # primary merges the per-process databases (Orbax's own finalize order).
-    distributed.barrier(f'{self._dir.name} written')
-    if not distributed.is_primary():
+    consensus.barrier(f'{self._dir.name} written')
+    if not job.is_primary():
       return {'checksums': self._sums}
     item = self._item
     key_types = dict(item.key_types or {})
