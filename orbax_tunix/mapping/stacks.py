@@ -526,7 +526,7 @@ class LayerForm:
     Args:
       shapes: the stored weights -> shapes (those outside the stacks ignored).
       given: the axis the caller names (None: not named).
-      recorded: the step's custom metadata `param_scan_axis` (`recorded_axis`).
+      recorded: the step's custom metadata `param_scan_axis` (`step_layers.recorded`).
       count: the layer count wanted (a target's), to choose between axes.
       where: the checkpoint, for messages.
 
@@ -834,12 +834,6 @@ def _move(axis: int, to: int, depth: int) -> Transform:
   """The `depth` layer axes from `axis` on moved to `to` on (in their order)."""
   pairs = [(axis + d, to + d) for d in range(depth)]
   return chain(*(move_axis(a, b) for a, b in (pairs if to < axis else reversed(pairs))))
-
-
-def recorded_axis(custom_metadata: Mapping[str, object]) -> int | None:
-  """The layer axis a converted step records (its custom metadata), if any."""
-  found = custom_metadata.get(SCAN_AXIS_KEY)
-  return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def check_axis(axis: int | None) -> None:
