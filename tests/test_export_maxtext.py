@@ -980,7 +980,7 @@ def test_gemma4_moe_exports_the_router_and_fused_experts(tmp_path, form):
   flat, moe = _gemma4_moe_weights()
   if form == 'scanned':  # restacked as MaxText's gemma4 form, by the form's own restack
     shapes = {tuple(p.split('/')): v.shape for p, v in flat.items()}
-    made = stacks.local_global(6).restack(shapes)
+    made = stacks.local_global(6, 'gemma4').restack(shapes)
     flat = {'/'.join(p): m.transform.apply([flat['/'.join(s)] for s in m.sources])
             for p, m in made.items()}
     assert any(p.startswith('decoder/scanned_blocks/local_layers/mlp/moe_block/') for p in flat)

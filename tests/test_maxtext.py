@@ -29,7 +29,7 @@ from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.keypaths import flatten, fmt
 from orbax_tunix.maxtext import optimizer as maxtext_optimizer
 from orbax_tunix.maxtext import plan as maxtext_plan
-from orbax_tunix.maxtext.view import read_view
+from orbax_tunix.reading import reader
 from tests import builders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -629,9 +629,9 @@ def test_error_target_leaf_no_rule_makes(tunix_data, mesh, no_reads):
   leaves = dict(pairs)
   moved = next(p for p in sorted(leaves) if p[:4] == ('opt_state', '0', 'nu', 'params'))
   leaves[moved[:3] + moved[4:]] = leaves.pop(moved)
-  view = read_view(ot.detect(tunix_data / 'sft_full'))
+  source = reader.open_source(tunix_data / 'sft_full')
   with pytest.raises(ot.TargetMismatchError) as e:
-    maxtext_plan.make_plan(view, leaves)
+    maxtext_plan.make_plan(source, leaves)
   msg = str(e.value)
   # The first leaf (in chain order) sets where the field goes; the other form is refused.
   assert 'target leaves are not made by the MaxText rules' in msg

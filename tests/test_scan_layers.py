@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from orbax_tunix import maxtext
 from orbax_tunix.keypaths import flatten, fmt
-from orbax_tunix.mapping import device, transforms
-from orbax_tunix.reading import memory
+from orbax_tunix.mapping import device, step_layers, transforms
+from orbax_tunix.reading import memory, reader
 from tests import builders
 from tests.test_cli import run
 from tests.test_maxtext import sharded
@@ -512,7 +512,10 @@ def test_a_record_the_arrays_contradict_is_named_and_the_axis_they_fit_taken(tmp
   status, report, _ = run(capsys, 'inspect', step, '--json')
   shown = json.loads(report)
   assert status == 0 and shown['layers'] == {'form': 'scanned', 'count': 3, 'axis': 0}
-  assert any('the record contradicts the arrays' in n for n in shown['notes']), shown['notes']
+  # Named once: the step's layers are resolved once, and what inspect shows is that.
+  assert sum('the record contradicts the arrays' in n for n in shown['notes']) == 1, shown
+  layers = step_layers.of(reader.open_source(step))
+  assert (layers.axis, layers.count) == (0, 3) and layers.problem in shown['notes']
   # Given the axis the arrays fit: taken apart along it, as the step was written.
   status, _, err = run(capsys, 'convert', step, out / 'b' / '0', '--layout', 'maxtext',
                        '--params-only', '--scan-layers', 'false', '--param-scan-axis', '0')
@@ -535,3 +538,50 @@ def test_a_record_the_arrays_contradict_is_named_and_the_axis_they_fit_taken(tmp
     written = json.loads((out / name / '0' / '_CHECKPOINT_METADATA').read_text())
     assert written['custom_metadata']['param_scan_axis'] == 0
     assert _stored(out / name / '0').keys() == _stored(step).keys()
+
+
+def _config(name: str) -> dict[str, str]:
+  """The MaxText config a fixture of tests/data/maxtext was made with (its MANIFEST)."""
+  manifest = json.loads((LLAMA.parent / 'MANIFEST.json').read_text())
+  return dict(a.split('=', 1) for a in manifest['fixtures'][name]['config_argv'])
+
+
+def _params_of(source: reader.Source) -> dict:
+  """A params-only MaxText target holding the step's weights in their own form."""
+  tree: dict = {}
+  for leaf, path in reader.weights(source):
+    node = tree
+    for key in ('params', 'params', *path[:-1]):
+      node = node.setdefault(key, {})
+    node[path[-1]] = jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+  return tree
+
+
+def test_a_step_opened_once_carries_the_layers_inspect_export_and_restore_take(tmp_path, capsys):
+  """A step's decoder layers are resolved once per opened step (`step_layers.of`: form, axis,
+  count), as MaxText made the step (its config: scan_layers, base_num_decoder_layers; MaxText's
+  default param_scan_axis 1): inspect reports them, an export to Hugging Face describes them,
+  and MaxText's restore into the other form takes them apart along that axis (or stacks them)."""
+  names = ('tunix_llama2_scan', 'tunix_llama2_unscan')
+  sources = {n: reader.open_source(LLAMA.parent / n) for n in names}
+  for name, source in sources.items():
+    config = _config(name)
+    scanned, count = config['scan_layers'] == 'True', int(config['base_num_decoder_layers'])
+    layers = step_layers.of(source)
+    assert step_layers.of(source) is layers  # Resolved once, then shared by every plan.
+    shown = {'form': 'scanned' if scanned else 'unscanned', 'count': count,
+             'axis': 1 if scanned else None}
+    assert {'form': layers.form.kind, 'count': layers.count, 'axis': layers.axis} == shown
+    assert layers.problem is None
+    status, report, err = run(capsys, 'inspect', source.step_dir, '--json')
+    assert status == 0 and json.loads(report)['layers'] == shown, err
+    status, _, err = run(capsys, 'export', source.step_dir, tmp_path / name, '--model', 'llama2')
+    assert status == 0 and f'MaxText model ({shown["form"]}, {count} layers)' in err, err
+    other = sources[names[1 - names.index(name)]]
+    plan = maxtext.plan_restore(source.step_dir, _params_of(other), params_only=True)
+    kernels = [o for o in plan.outputs if o.path[-3:] == ('mlp', 'wo', 'kernel')]
+    if scanned:
+      assert [str(o.transform) for o in kernels] == [
+          f'take(axis={layers.axis}, index={i})' for i in range(count)]
+    else:
+      assert [(str(o.transform), len(o.inputs)) for o in kernels] == [('stack(axis=1)', count)]

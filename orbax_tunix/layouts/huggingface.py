@@ -34,10 +34,10 @@ from orbax_tunix.layouts.base import (
 )
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.layouts.folder import FOLDER
-from orbax_tunix.mapping import as_trained, huggingface, lora, stacks
+from orbax_tunix.mapping import as_trained, huggingface, lora, step_layers
 from orbax_tunix.mapping import hf_config as config_lib
 from orbax_tunix.mapping import merge as merge_lib
-from orbax_tunix.mapping.hf_naming import Family, Naming
+from orbax_tunix.mapping.hf_naming import Family
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied, read_sliced, relay
 from orbax_tunix.mapping.transforms import per_input
 from orbax_tunix.reading import reader
@@ -74,7 +74,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   model, left_out = huggingface.model_weights(found)
   naming = huggingface.naming(family, model, where)
   stored = {p: o.shape for p, o in model.items()}
-  axis = scan_axis(request, naming, stored, where)
+  axis = step_layers.resolve(source, naming.form, stored, request.option(PARAM_SCAN_AXIS))
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = naming.form.unstack(stored, axis, where=where)
   per_layer, fill_notes = huggingface.fill_absent(naming, huggingface.derive(naming, per_layer))
@@ -133,19 +133,6 @@ def base_weights(request: Request) -> dict:
   return {path: copied(Input(source, leaf), path, request.dtype) for path, leaf in plain.items()}
 
 
-def scan_axis(request: Request, naming: Naming, shapes: Mapping, where: str) -> int:
-  """The layer axis of the weights' stacked layers, as every layout resolves it
-  (`LayerForm.axis`): `param_scan_axis` as given, else as the step records it (a converted
-  step), else the one the shapes tell.
-
-  Raises:
-    InvalidOptionError, LayerScanMismatchError: as `LayerForm.axis`.
-  """
-  recorded = stacks.recorded_axis(request.source.detection.source.custom_metadata)
-  return naming.form.axis(shapes, request.option(PARAM_SCAN_AXIS), where=where,
-                          recorded=recorded)
-
-
 def _merged_per_layer(merged, model, per_layer, naming, axis: int) -> dict:
   """A scanned layer's LoRA merge, one layer at a time.
 
@@ -189,7 +176,7 @@ def _config_vocab(values: object) -> int | None:
   return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
-def _refuse_adapters(source: reader.CanonicalCheckpoint) -> None:
+def _refuse_adapters(source: reader.Source) -> None:
   found = [path for _, path in reader.weights(source)]
   adapters = [fmt(p) for p in found if lora.is_adapter(p)]
   if not adapters:

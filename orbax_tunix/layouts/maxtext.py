@@ -10,12 +10,10 @@ optimizer and `step` as MaxText's adamw chain saves them (`maxtext.train_state`)
 The leaves are MaxText's rules applied to the run (`maxtext.plan.made`, as a restore
 applies them), its optimizer matched to MaxText's adamw chain; the decoder's layers in
 the form asked for (`scan_layers`): the family's scanned form or one array per layer
-(`mapping.stacks.LayerForm`, the families' forms: `huggingface.layer_form`).
+(`mapping.stacks.LayerForm`; their axis and form: `mapping.step_layers.conversion`).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
@@ -25,97 +23,18 @@ from orbax_tunix.layouts.base import LaidOut, Layout, Option, Request, register
 from orbax_tunix.layouts.base import weights as layout_weights
 from orbax_tunix.layouts.canonical import rng_note
 from orbax_tunix.layouts.step import STEP
-from orbax_tunix.mapping import huggingface, lora, patterns, stacks
+from orbax_tunix.mapping import lora, patterns, stacks, step_layers
 from orbax_tunix.mapping import outputs as outputs_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import IDENTITY
 from orbax_tunix.maxtext import plan, train_state
-from orbax_tunix.maxtext.view import read_view
 from orbax_tunix.reading import reader
 
 ITEM = conventions.MAXTEXT_ITEM
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layers:
-  """How the decoder's layers are stored and written.
-
-  Attributes:
-    have: the stored form (None: no MaxText decoder layers).
-    want: the form written (None: no MaxText decoder layers).
-    axis: the stored layer axis (None: unscanned, or not told by the shapes).
-    to_axis: the written one (None: unscanned, or not told).
-  """
-
-  have: stacks.LayerForm | None = None
-  want: stacks.LayerForm | None = None
-  axis: int | None = None
-  to_axis: int | None = None
-
-  @property
-  def relaid(self) -> bool:
-    return self.have != self.want or self.axis != self.to_axis
-
-
-def _layers(request: Request, shapes: dict[Path, tuple[int, ...]]) -> _Layers:
-  """The layers' form and axis, stored and written, from the request and the stored shapes.
-
-  `param_scan_axis` names the layer axis of the scanned side: the written one when writing
-  scanned, else the stored one (its own is the step's recorded one, else the one its shapes
-  tell: `LayerForm.axis`, which refuses one that does not fit). Unscanned layers are written
-  scanned in their family's form (`huggingface.scanned_form`).
-
-  Raises:
-    InvalidOptionError: a negative `param_scan_axis`, or one no side of the
-      conversion is scanned on.
-    UnsupportedLayoutError: `scan_layers` for weights without MaxText layers.
-    LayerScanMismatchError: the stored layers are not one decoder (a weight
-      with another layer count or shape), or the axis does not fit them.
-  """
-  given, scan = request.option(PARAM_SCAN_AXIS), request.option(SCAN_LAYERS)
-  where = str(request.source.step_dir)
-  stacks.check_axis(given)
-  have = huggingface.layer_form(shapes)
-  if have is None and scan is not None:
-    raise errors.UnsupportedLayoutError(
-        f'{where}: `scan_layers` asks for MaxText\'s'
-        f' {stacks.SCANNED if scan else stacks.UNSCANNED_NAME} layers, but the weights hold'
-        ' no MaxText decoder layers (decoder/layers/... or decoder/layers_<i>/...).'
-        ' Leave `scan_layers` out.'
-    )
-  want = have if scan is None or have is None else (
-      stacks.UNSCANNED if not scan else have if have.scanned
-      else huggingface.scanned_form(shapes, where))
-  if given is not None and not (have and have.scanned) and not (want and want.scanned):
-    raise errors.InvalidOptionError(
-        f'`param_scan_axis` {given}: '
-        + ('the layers are written as stored (no `scan_layers`), and the weights hold no'
-           ' scanned layers' if scan is None else 'neither the stored nor the written layers'
-           ' are scanned')
-        + ', so no layer axis is used. Leave `param_scan_axis` out'
-        + (', or pass `scan_layers` too.' if scan is None else '.')
-    )
-  if have is None or not (have.scanned or want.scanned):
-    return _Layers(have, want)
-  recorded = stacks.recorded_axis(request.source.detection.source.custom_metadata)
-  named = None if scan else given  # Writing scanned, `given` names the written axis ...
-  if scan and have.scanned and recorded is not None and given is not None:
-    fit = have.axes(shapes)  # ... and the stored one, where the arrays fit it, not the record.
-    named = given if given in fit and recorded not in fit else None
-  axis = None
-  if have.scanned and scan is None and named is None and recorded is None:
-    try:  # As stored: the axis is only recorded, when the shapes tell it.
-      axis = have.axis(shapes, where=where)
-    except errors.LayerScanMismatchError:
-      pass
-  elif have.scanned:
-    axis = have.axis(shapes, named, recorded=recorded, where=where)
-  to_axis = None if not want.scanned else given if scan and given is not None else (
-      stacks.DEFAULT_AXIS if axis is None and not have.scanned else axis)
-  return _Layers(have, want, axis, to_axis)
-
-
-def _relaid(request: Request, shapes, laid: _Layers) -> dict[Path, patterns.Mapped]:
+def _relaid(request: Request, shapes, laid: step_layers.Conversion
+            ) -> dict[Path, patterns.Mapped]:
   """The weights as MaxText holds them in the form `laid` says."""
   if laid.have is None or not laid.relaid:
     return {w: patterns.Mapped((w,), IDENTITY, s) for w, s in shapes.items()}
@@ -136,7 +55,8 @@ def lay_out(request: Request) -> LaidOut:
     # The merged model's weights (the plain model's paths), the layers as stored.
     weights = {p: s.leaf for p, s in request.merge.weights.items()}
   shapes = {w: tuple(leaf.shape) for w, leaf in weights.items()}
-  laid = _layers(request, shapes)
+  laid = step_layers.conversion(source, shapes, request.option(PARAM_SCAN_AXIS),
+                                request.option(SCAN_LAYERS))
   first = tuple(rng_note(source)) + tuple(_not_maxtext_note(weights))
   if laid.relaid:
     first += (f'decoder layers written {laid.want.kind}'
@@ -146,7 +66,7 @@ def lay_out(request: Request) -> LaidOut:
     made = outputs_lib.relay(layout_weights(request), relaid, conventions.MAXTEXT_PARAMS)
     return LaidOut((ItemOutput(ITEM, tuple(made), zarr3=True),), first, _scan_record(laid))
   _refuse_what_maxtext_cannot_continue(source, weights)
-  state = plan.made(read_view(source.detection), relaid, train_state.adamw(), every_weight=True)
+  state = plan.made(source, relaid, train_state.adamw(), every_weight=True)
   if state.problems:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: the Tunix optimizer state cannot be laid out as MaxText\'s'
@@ -164,10 +84,9 @@ def lay_out(request: Request) -> LaidOut:
 def _outputs(request: Request, state: plan.Made) -> tuple[Output, ...]:
   """Every leaf of the state as an output of the writer: counts and step as MaxText has
   them (int32), the rest as stored (cast)."""
-  leaves = {(leaf.item, *leaf.path): leaf for leaf in request.source.leaves}
   out = []
   for path, m in sorted(state.leaves.items()):
-    inputs = tuple(Input(request.source, leaves[s]) for s in m.sources)
+    inputs = tuple(Input(request.source, request.source.by_path[s]) for s in m.sources)
     counter = not inputs or np.issubdtype(inputs[0].leaf.dtype, np.integer)
     dtype = train_state.COUNT_DTYPE if counter else reader.cast_dtype(inputs[0].leaf,
                                                                       request.dtype)
@@ -176,7 +95,7 @@ def _outputs(request: Request, state: plan.Made) -> tuple[Output, ...]:
   return tuple(out)
 
 
-def _scan_record(laid: _Layers) -> dict[str, bool | int]:
+def _scan_record(laid: step_layers.Conversion) -> dict[str, bool | int]:
   """The step's custom metadata: whether its decoder layers are scanned (MaxText's own
   key, which its `from_pretrained` checks) and, when they are, along which axis."""
   if laid.want is None:
@@ -207,7 +126,7 @@ def _not_maxtext_note(weights) -> list[str]:
 
 
 def _refuse_what_maxtext_cannot_continue(
-    source: reader.CanonicalCheckpoint, weights: dict[Path, reader.LeafInfo]
+    source: reader.Source, weights: dict[Path, reader.LeafInfo]
 ) -> None:
   """A full train state needs the run's optimizer state, for MaxText's weights.
 

@@ -44,7 +44,7 @@ from orbax_tunix.layouts.base import (
   register,
 )
 from orbax_tunix.mapping import hf_config as config_lib
-from orbax_tunix.mapping import huggingface, lora, patterns, peft
+from orbax_tunix.mapping import huggingface, lora, patterns, peft, step_layers
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.hf_naming import Family, Naming
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
@@ -393,8 +393,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
   # refused where it does not fit, or where nothing is stacked), from the model's weights (a
   # save of adapters alone: the adapters, stacked as their weights are).
-  axis = hf_layouts.scan_axis(
-      request, naming, {p: leaf.shape for p, leaf in (base or leaves).items()}, where)
+  axis = step_layers.resolve(request.source, naming.form, {p: leaf.shape for p, leaf in (
+      base or leaves).items()}, request.option(hf_layouts.PARAM_SCAN_AXIS))
   if base:  # A full save: the family must take the whole model, as a model export checks.
     model_shapes = {p: m.shape for p, m in naming.form.unstack(
         {p: leaf.shape for p, leaf in base.items()}, axis, where=where).items()}

@@ -64,11 +64,11 @@ from orbax_tunix.mapping.hf_naming import (
   K_EQ_V_NOTE,
   LAYER,
   OUT_PROJ,
+  EveryNth,
   LayerType,
   LoraWeight,
   Naming,
   VocabPadding,
-  gemma4_layer_type,
   per_expert,
   rule,
 )
@@ -242,6 +242,8 @@ _GEMMA4_GLOBAL = LayerType({'head_dim': 'global_head_dim',
                            without=(_MT_VALUE,))
 
 
+# transformers' Gemma4TextConfig without `layer_types`: every sixth layer global, the rest local.
+_GEMMA4_LAYER_TYPES = EveryNth(6, 'full_attention', 'sliding_attention')
 _MT_MOE = f'{MT_LAYER}/mlp/moe_block'
 # MaxText's gemma4-26b experts, as its converter's `moe_gate_up_hook`: wi_0, wi_1 (E, D, F)
 # side by side on F, then (E, 2F, D): stacked (E, D, 2, F) and merged.
@@ -299,14 +301,14 @@ def _maxtext_gemma4() -> Naming:
   return _gemma4_moe_block(dataclasses.replace(
       _maxtext_gemma(divide('sqrt(hidden) as float32', _f32_sqrt, axis=1), IDENTITY,
                      'query|key|out', 'layer_scalar'),
-      dims=dims, form=stacks_lib.local_global(6),
+      dims=dims, form=stacks_lib.local_global(6, 'gemma4'),
       architecture='Gemma4ForCausalLM', model_type='gemma4_text',
       lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
           note=K_EQ_V_NOTE, without=_MT_VALUE)},
       layer_types={'full_attention': _GEMMA4_GLOBAL},
       # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
       # (it also makes the last layer global; MaxText's remainder layers are local).
-      default_layer_type=gemma4_layer_type))
+      default_layer_type=_GEMMA4_LAYER_TYPES))
 
 
 def _maxtext_qwen3_moe() -> Naming:

@@ -67,10 +67,17 @@ HEADS_FIRST = chain(transpose((1, 0, 2)), IN_PROJ)
 HEAD_DIM_OF_HIDDEN = {'head_dim': lambda c: c['hidden_size'] // c['num_attention_heads']}
 
 
-def gemma4_layer_type(i: int) -> str:
-  """Gemma 4's layer `i` as transformers' Gemma4TextConfig types it without `layer_types`:
-  every sixth global (`full_attention`), the rest local."""
-  return 'full_attention' if (i + 1) % 6 == 0 else 'sliding_attention'
+@dataclasses.dataclass(frozen=True)
+class EveryNth:
+  """A config's layer kinds where it has no `layer_types` (a `Naming.default_layer_type`):
+  every `n`-th layer `kind` (layers n-1, 2n-1, ...), the others `other`."""
+
+  n: int
+  kind: str
+  other: str
+
+  def __call__(self, i: int) -> str:
+    return self.kind if (i + 1) % self.n == 0 else self.other
 
 
 def rule(source: str, dest: str, transform=None) -> LayoutRule:
@@ -87,7 +94,7 @@ def per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
 
 
 # What a person serving an adapter of a Gemma 4 layer whose keys are its values should know
-# (a `LoraWeight.note` of every trainer's naming of gemma4).
+# (a `LoraWeight.note` of every trainer's naming of the family).
 K_EQ_V_NOTE = (
     "{module}: Gemma 4's layer reuses its keys as values (k_eq_v): transformers and peft have"
     ' no v_proj there and apply this adapter to the keys, which are the values too (as the'
@@ -109,8 +116,8 @@ class LoraWeight:
       (qwix's `dot_general` adapters, and every einsum whose contracted dimensions lead).
     note: what a person serving the adapter should know, said when the weight is adapted.
     without: a weight pattern (`{i}`: the layer's number): the note holds only in layers
-      without that weight (MaxText gemma4's global layers have no value kernel: their keys
-      are the values).
+      without that weight (global layers with no value kernel: their keys are the
+      values).
   """
 
   einsum: str | None = None
@@ -167,11 +174,11 @@ class LayerType:
   reads the config otherwise.
 
   Attributes:
-    fields: config.json field -> the field such a layer reads instead (gemma4's global
-      layers: `head_dim` -> `global_head_dim`), or a value the config class computes from
+    fields: config.json field -> the field such a layer reads instead (a global layer's:
+      `head_dim` -> `global_head_dim`), or a value the config class computes from
       others, named as `Naming.config_defaults` computes it (`2 x intermediate_size`).
-    without: weight patterns (`{i}`: the layer's number) such a layer has not (MaxText
-      gemma4's global layers: no value kernel).
+    without: weight patterns (`{i}`: the layer's number) such a layer has not (a global
+      layer without a value kernel).
   """
 
   fields: Mapping[str, str]
@@ -229,8 +236,8 @@ class Naming:
     form: the layer form the trainer stores the family's layers in, scanned
       (`stacks.LayerForm`; unscanned, they are the per-layer form its rules name).
     architecture: the `transformers` class the names are, when not the
-      family's (gemma4: MaxText's text decoder is Gemma4ForCausalLM's
-      `model.*`, where the Hub's and Tunix's are Gemma4ForConditionalGeneration's
+      family's (a multimodal family's: MaxText's text decoder is the causal LM's
+      `model.*`, where the Hub's and Tunix's are the conditional generation model's
       `model.language_model.*`).
     model_type: that architecture's config `model_type`, with `architecture`.
     lora: weight pattern -> `LoraWeight`, for weights whose adapters are not laid out as
@@ -387,7 +394,7 @@ class Naming:
     out = []
     for alternatives in self.required:
       # Alternatives over layers are met layer by layer (a layer may hold one alternative,
-      # another layer another: gemma4's global and local layers).
+      # another layer another: global and local layers).
       per_layer = len(alternatives) > 1 and all('{i}' in p for alt in alternatives for p in alt)
       for numbers in ([{'i': [n]} for n in layers] if per_layer else [{'i': layers}]):
         gaps = [

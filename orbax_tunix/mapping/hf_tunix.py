@@ -22,11 +22,11 @@ from orbax_tunix.mapping.hf_naming import (
   LAYER,
   NO_PADDING,
   OUT_PROJ,
+  EveryNth,
   LayerType,
   LoraWeight,
   Naming,
   VocabPadding,
-  gemma4_layer_type,
   per_expert,
   rule,
 )
@@ -282,6 +282,8 @@ _GEMMA4_NORMS = {
     'moe_post_ffw_norm': 'post_feedforward_layernorm_2',
     'post_per_layer_input_norm': 'post_per_layer_input_norm',
 }
+# transformers' Gemma4TextConfig without `layer_types`: every sixth layer global, the rest local.
+_GEMMA4_LAYER_TYPES = EveryNth(6, 'full_attention', 'sliding_attention')
 # A kv-shared layer's MLP width with `use_double_wide_mlp` (transformers' Gemma4TextMLP).
 _DOUBLE_MLP = '2 x intermediate_size'
 
@@ -355,7 +357,7 @@ GEMMA4 = Naming(
                                          'head_dim')},
     layer_types={'full_attention': LayerType({'head_dim': 'global_head_dim'}),
                  'double_wide_mlp': LayerType({'intermediate_size': _DOUBLE_MLP})},
-    default_layer_type=gemma4_layer_type,
+    default_layer_type=_GEMMA4_LAYER_TYPES,
     layer_kinds={'double_wide_mlp': _double_wide_mlp},
     config_defaults={'global_head_dim': lambda c: 512,
                      _DOUBLE_MLP: lambda c: 2 * c['intermediate_size']},

@@ -10,7 +10,7 @@ MaxText 0.2.5 stores a decoder's layers in one of several forms (printed from
   gemma3 scanned            decoder/layers/layers_{j}/<w>, blocks on A      6a + j
                             decoder/layers_remainder/layers_{j}/<w>         6·blocks + j
   gpt-oss scanned           decoder/layers/layers_{j}/<w>, blocks on A      2a + j
-  gemma4 scanned            decoder/scanned_blocks/local_layers/<w>,        6a + k
+  local/global scanned      decoder/scanned_blocks/local_layers/<w>,        6a + k
                               blocks on A, the 5 local layers on A+1
                             decoder/scanned_blocks/global_layer/<w>, on A   6a + 5
                             decoder/layers_remainder/local_layers/<w>, on A 6·blocks + a
@@ -84,7 +84,7 @@ UNSCANNED_NAME = 'unscanned'
 # Custom metadata keys of a converted step: the form (MaxText's own key) and the axis.
 SCAN_LAYERS_KEY = 'scan_layers'
 SCAN_AXIS_KEY = 'param_scan_axis'
-# The most axes a stack holds layers on (a scan within a scan: gemma4's local layers).
+# The most axes a stack holds layers on (a scan within a scan: a block's local layers).
 MAX_DEPTH = 2
 # One layer's weights, in every form taken apart.
 LAYER = ('decoder', 'layers_{i}')
@@ -114,7 +114,7 @@ class Stack:
     positions: the positions in each block of the layers it holds (its `{j}`, or its
       second layer axis, numbers them from the first). Every layer of a stack holds the
       same weights, of one shape a weight (a block's layers of other weights are another
-      stack: gemma4's global one).
+      stack: a block's global one).
     remainder: it holds the layers after the last whole block instead (numbered by
       its `{j}` or its layer axis).
     per_layer: one array per layer, as MaxText writes the form unscanned (`scan_layers=False`:
@@ -526,7 +526,7 @@ class LayerForm:
     Args:
       shapes: the stored weights -> shapes (those outside the stacks ignored).
       given: the axis the caller names (None: not named).
-      recorded: the step's custom metadata `param_scan_axis` (`recorded_axis`).
+      recorded: the step's custom metadata `param_scan_axis` (`step_layers.recorded`).
       count: the layer count wanted (a target's), to choose between axes.
       where: the checkpoint, for messages.
 
@@ -714,10 +714,10 @@ def blocks(period: int) -> LayerForm:
       Stack(('decoder', 'layers_remainder', 'layers_{j}'), 0, remainder=True)), period)
 
 
-def local_global(period: int) -> LayerForm:
-  """Gemma4's scanned form: per block, `period - 1` local layers (an inner scan), a global
-  one; then a remainder of local layers."""
-  return LayerForm(f"gemma4's scanned blocks of {period}", (
+def local_global(period: int, model: str) -> LayerForm:
+  """`model`'s scanned form of local and global layers: per block, `period - 1` local layers
+  (an inner scan), a global one; then a remainder of local layers."""
+  return LayerForm(f"{model}'s scanned blocks of {period}", (
       Stack(('decoder', 'scanned_blocks', 'local_layers'), 2, tuple(range(period - 1))),
       Stack(('decoder', 'scanned_blocks', 'global_layer'), positions=(period - 1,)),
       Stack(('decoder', 'layers_remainder', 'local_layers'), remainder=True)), period)
@@ -834,12 +834,6 @@ def _move(axis: int, to: int, depth: int) -> Transform:
   """The `depth` layer axes from `axis` on moved to `to` on (in their order)."""
   pairs = [(axis + d, to + d) for d in range(depth)]
   return chain(*(move_axis(a, b) for a, b in (pairs if to < axis else reversed(pairs))))
-
-
-def recorded_axis(custom_metadata: Mapping[str, object]) -> int | None:
-  """The layer axis a converted step records (its custom metadata), if any."""
-  found = custom_metadata.get(SCAN_AXIS_KEY)
-  return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def check_axis(axis: int | None) -> None:

@@ -17,12 +17,11 @@ from metadata alone, every mismatch reported before any array is read; a restore
   execute_plan(plan, abstract_state)           ... and to run
   LayerScanMismatchError, LoraOnlyCheckpointError
 
-The flow, a module each: train_state (MaxText's key paths and rules) -> view (the
-checkpoint's canonical leaves) -> optimizer, weights (matching and checking each side)
--> plan -> execute -> handler; layers re-lays the decoder's layers in the target's form,
-with their `mapping.stacks.LayerForm`. The `maxtext` layout (`layouts/maxtext.py`)
-applies the same rules to write MaxText's own step. Its two errors are
-`orbax_tunix.errors`'.
+The flow, a module each: train_state (MaxText's key paths and rules) -> optimizer, weights
+(matching and checking each side) -> plan (on the step opened once, `reader.Source`; its
+decoder's layers re-laid in the target's form by `mapping.step_layers.relayout`) -> execute
+-> handler. The `maxtext` layout (`layouts/maxtext.py`) applies the same rules to write
+MaxText's own step. Its two errors are `orbax_tunix.errors`'.
 """
 
 from orbax_tunix.errors import LayerScanMismatchError, LoraOnlyCheckpointError

@@ -19,10 +19,10 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
+from orbax_tunix.mapping import step_layers
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.mapping.patterns import Mapped
-from orbax_tunix.mapping.transforms import IDENTITY, constant
-from orbax_tunix.maxtext import layers
+from orbax_tunix.mapping.transforms import IDENTITY, Shape, constant
 from orbax_tunix.maxtext.optimizer import Chain, align_states, opt_states, split_opt_path
 from orbax_tunix.maxtext.train_state import (
   COLLECTION,
@@ -33,7 +33,6 @@ from orbax_tunix.maxtext.train_state import (
   STEP,
   under,
 )
-from orbax_tunix.maxtext.view import CheckpointView, Shape, read_view
 from orbax_tunix.maxtext.weights import check_weights
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.planned_item import PlannedItem
@@ -74,13 +73,13 @@ class Made:
                 self.left_out + other.left_out, self.problems + other.problems)
 
 
-def made(view: CheckpointView, relaid: Mapping[Path, Mapped], chain: Chain, *,
+def made(source: reader.Source, relaid: Mapping[Path, Mapped], chain: Chain, *,
          step: bool = True, every_weight: bool = False) -> Made:
   """The leaves of a MaxText state a Tunix step makes: `params/params/<w>` for each weight
   of `relaid`, `chain`'s states from the checkpoint's states they match, and `step`.
 
   Args:
-    view: the checkpoint.
+    source: the checkpoint (opened).
     relaid: the state's weights (no `params` level) -> the stored weights making each
       (the layers in the state's form: `mapping.stacks`).
     chain: the state's optimizer (empty: none).
@@ -89,38 +88,39 @@ def made(view: CheckpointView, relaid: Mapping[Path, Mapped], chain: Chain, *,
       MaxText's own state does; else those the checkpoint's field holds.
   """
   weights = Made(under(relaid, (MODEL,), conventions.MAXTEXT_PARAMS))
-  steps = _step(view) if step else Made()
-  return weights + steps + (_optimizer(view, chain, relaid, every_weight) if chain.states
+  steps = _step(source) if step else Made()
+  return weights + steps + (_optimizer(source, chain, relaid, every_weight) if chain.states
                             else Made())
 
 
-def _fill(view: CheckpointView, reason: str) -> tuple[Mapped, str]:
+def _fill(source: reader.Source, reason: str) -> tuple[Mapped, str]:
   """A leaf whose value is the step: the optimizer's, else the step directory's number."""
-  if view.step_leaf is not None:
-    return (Mapped((view.step_leaf,), IDENTITY, ()),
-            f"the checkpoint's {source_name(view.step_leaf)} ({reason})")
-  return Mapped((), constant(view.step), ()), f'{view.step} ({reason})'
+  if source.step_leaf is not None:
+    return (Mapped((source.step_leaf,), IDENTITY, ()),
+            f"the checkpoint's {source_name(source.step_leaf)} ({reason})")
+  return Mapped((), constant(source.step), ()), f'{source.step} ({reason})'
 
 
-def _step(view: CheckpointView) -> Made:
+def _step(source: reader.Source) -> Made:
   """step <- optimizer_state:step (else the step directory's number)."""
-  if view.step_leaf is not None:
-    return Made({(STEP,): Mapped((view.step_leaf,), IDENTITY, ())})
-  if view.step is not None:
-    leaf, fill = _fill(view, f'no {OPTIMIZER} item: the step directory number')
+  if source.step_leaf is not None:
+    return Made({(STEP,): Mapped((source.step_leaf,), IDENTITY, ())})
+  if source.step is not None:
+    leaf, fill = _fill(source, f'no {OPTIMIZER} item: the step directory number')
     return Made({(STEP,): leaf}, {(STEP,): fill})
   return Made(problems=(f'the target has {STEP}, but the checkpoint has no {OPTIMIZER} item'
                         ' and its directory name carries no step number.',))
 
 
-def _optimizer(view: CheckpointView, chain: Chain, relaid: Mapping[Path, Mapped],
+def _optimizer(source: reader.Source, chain: Chain, relaid: Mapping[Path, Mapped],
                every_weight: bool) -> Made:
   """opt_state/... <- optimizer_state:opt_state/...: the chain's states matched to the
   checkpoint's by their fields in chain order (`align_states`); a field mirroring the
   weights laid out as they are. A state left unmatched is filled when it is a lone `count`
   (a schedule's state, which Tunix's optimizer may not have: it equals the step), and is
   a problem otherwise."""
-  splits = [split_opt_path(p, view.model) for p in view.optimizer if p[0] == OPT_STATE]
+  model = source.paths(MODEL)
+  splits = [split_opt_path(p, model) for p in source.paths(OPTIMIZER) if p[0] == OPT_STATE]
   states = opt_states(splits)
   matched = align_states(chain.states, states)
   mirrors: dict[tuple[Path, str], set[Path]] = {}
@@ -129,23 +129,23 @@ def _optimizer(view: CheckpointView, chain: Chain, relaid: Mapping[Path, Mapped]
   leaves, fills, unmatched, problems = {}, {}, [], []
   for i, state in enumerate(chain.states):
     if i not in matched:
-      if state.fields == _STEP_COUNTER_FIELDS and (view.step_leaf or view.step) is not None:
+      if state.fields == _STEP_COUNTER_FIELDS and (source.step_leaf or source.step) is not None:
         dest = chain.nodes[(state.node, 'count')]
         leaves[dest], fills[dest] = _fill(
-            view, "Tunix never wrote this state; a schedule's count is the step")
+            source, "Tunix never wrote this state; a schedule's count is the step")
       else:
         unmatched.append(str(state))
       continue
     node = states[matched[i]].node
     for field, mirrored in state.fields:
-      source, dest = (OPTIMIZER, OPT_STATE, *node, field), chain.nodes[(state.node, field)]
+      field_of, dest = (OPTIMIZER, OPT_STATE, *node, field), chain.nodes[(state.node, field)]
       held = {w: m for w, m in relaid.items() if set(m.sources) <= mirrors[(node, field)]}
       if every_weight and mirrored and len(held) < len(relaid):
         lacking = sorted(fmt(w) for w in relaid if w not in held)
         problems.append(f'{len(lacking)} weights have no {field} in the checkpoint\'s'
                         f' {fmt((OPT_STATE, *node))}:\n{errors.list_paths(lacking)}')
-      leaves.update(under(held, source, dest) if mirrored
-                    else {dest: Mapped((source,), IDENTITY, None)})
+      leaves.update(under(held, field_of, dest) if mirrored
+                    else {dest: Mapped((field_of,), IDENTITY, None)})
   if unmatched:
     problems.append(
         f"{len(unmatched)} states of the target's optimizer have no counterpart in the"
@@ -155,9 +155,10 @@ def _optimizer(view: CheckpointView, chain: Chain, relaid: Mapping[Path, Mapped]
         ' and inject_hyperparams may differ), or restore with params_only=True.')
   left_out = [f"optimizer state {state} (the target's optimizer has no such state)"
               for j, state in enumerate(states) if j not in matched.values()]
-  if view.side_paths:
+  side = source.detection.maps[OPTIMIZER].side_paths
+  if side:
     left_out.append(
-        f'{len(view.side_paths)} leaves outside the canonical view (the inject_hyperparams'
+        f'{len(side)} leaves outside the canonical view (the inject_hyperparams'
         ' count and hyperparameters): MaxText takes its hyperparameters from its config')
   return Made(leaves, fills, tuple(left_out), tuple(problems))
 
@@ -214,12 +215,12 @@ class RestorePlan:
     return '\n'.join(lines)
 
 
-def make_plan(view: CheckpointView, target: Mapping[Path, Any], *, params_only: bool = False,
+def make_plan(source: reader.Source, target: Mapping[Path, Any], *, params_only: bool = False,
               notes: Sequence[str] = (), param_scan_axis: int | None = None) -> RestorePlan:
   """Works out where every target leaf comes from; a pure function of metadata.
 
   Args:
-    view: the checkpoint's canonical leaves.
+    source: the checkpoint, opened.
     target: the target's leaf paths (MaxText key paths) -> abstract leaves (shape, dtype).
     params_only: plan the `params` subtree only; other leaves are kept.
     notes: carried into the plan.
@@ -233,32 +234,33 @@ def make_plan(view: CheckpointView, target: Mapping[Path, Any], *, params_only: 
   """
   wanted = {p: stored_shape(leaf) for p, leaf in target.items()
             if not params_only or p[0] == PARAMS}
-  where = f'{view.step_dir}: the MaxText target does not match the Tunix checkpoint.'
+  where = f'{source.step_dir}: the MaxText target does not match the Tunix checkpoint.'
   _check_paths(wanted, params_only, where)
   # Which model leaves are weights: those the optimizer mirrors (its `wrt`), never RNG
   # state; with no optimizer item, everything but RNG state.
-  mirrored = {w for p in view.optimizer or () if p[0] == OPT_STATE
-              if (w := split_opt_path(p, view.model)[2]) is not None}
-  aux = frozenset(w for w in view.model
+  model, optimizer = source.paths(MODEL), source.paths(OPTIMIZER)
+  mirrored = {w for p in optimizer or () if p[0] == OPT_STATE
+              if (w := split_opt_path(p, model)[2]) is not None}
+  aux = frozenset(w for w in model
                   if conventions.is_rng_state(w) or (mirrored and w not in mirrored))
   weights = {p[2:]: p for p in wanted if p[0] == PARAMS}
-  relaid, stored = layers.relayout(view, {w: wanted[p] for w, p in weights.items()}, aux,
+  relaid, stored = step_layers.relayout(source, {w: wanted[p] for w, p in weights.items()}, aux,
                                    param_scan_axis)
-  problems = check_weights(view, weights, relaid, aux)
+  problems = check_weights(source, weights, relaid, aux)
   targets = [p for p in wanted if p[0] == OPT_STATE]
-  if targets and view.optimizer is None:
+  if targets and optimizer is None:
     problems.append(
         f'the target has {len(targets)} {OPT_STATE} leaves, but the checkpoint has no'
         f' {OPTIMIZER} item (Tunix wrote only the weights). Use params_only=True, or a'
         ' target without opt_state.')
-  known = set(weights) | view.model
-  chain = Chain.of(targets, known, COLLECTION) if view.optimizer is not None else Chain()
-  state = made(view, {w: m for w, m in relaid.items() if w in weights}, chain,
+  known = set(weights) | model
+  chain = Chain.of(targets, known, COLLECTION) if optimizer is not None else Chain()
+  state = made(source, {w: m for w, m in relaid.items() if w in weights}, chain,
                step=(STEP,) in wanted)
-  aux_leaves, kept, aux_notes = _aux(view, wanted, aux, state.leaves)
+  aux_leaves, kept, aux_notes = _aux(source, wanted, aux, state.leaves)
   state += Made(aux_leaves, left_out=aux_notes)
   left_out = list(state.left_out) + ([f'{OPTIMIZER} (params_only=True)']
-                                     if params_only and view.optimizer is not None else [])
+                                     if params_only and optimizer is not None else [])
   problems += state.problems
   # Never a target leaf handed back unread as if restored.
   unmade = [fmt(p) for p in wanted if p not in state.leaves and p not in kept]
@@ -267,20 +269,14 @@ def make_plan(view: CheckpointView, target: Mapping[Path, Any], *, params_only: 
         f'{len(unmade)} target leaves are not made by the MaxText rules from any leaf of'
         f' the checkpoint:\n{errors.list_paths(unmade)}\nBuild the abstract state from the'
         ' model and the optimizer the run trained with.')
-  shapes = {} if problems else _check_shapes(view, wanted, state, stored, problems)
+  if not problems:
+    _check_shapes(source, wanted, state, stored, problems)
   if problems:
     raise errors.TargetMismatchError('\n'.join([where, *problems]))
-  step = reader.CanonicalCheckpoint(view.detection, {}, {})
-
-  def input_of(source: Path) -> Input:
-    item, path = source[0], source[1:]
-    disk = view.detection.maps[item].canonical_to_disk[path]
-    return Input(step, reader.LeafInfo(item, path, disk, shapes.get(source, ()), None))
-
   outputs = tuple(
-      Output(p, tuple(map(input_of, m.sources)), m.transform, tuple(target[p].shape),
+      Output(p, tuple(Input(source, source.by_path[s]) for s in m.sources), m.transform, tuple(target[p].shape),
              target[p].dtype) for p, m in sorted(state.leaves.items()) if p in wanted)
-  return RestorePlan(view.step_dir, outputs, {p: f for p, f in state.fills.items() if p in wanted},
+  return RestorePlan(source.step_dir, outputs, {p: f for p, f in state.fills.items() if p in wanted},
                      frozenset(p for p in target if p not in wanted) | kept, tuple(left_out),
                      tuple(notes))
 
@@ -304,7 +300,7 @@ def _check_paths(wanted: Mapping[Path, Shape], params_only: bool, where: str) ->
     )
 
 
-def _aux(view: CheckpointView, target: Mapping[Path, Shape], aux: frozenset[Path],
+def _aux(source: reader.Source, target: Mapping[Path, Shape], aux: frozenset[Path],
          leaves: Mapping[Path, Mapped]) -> tuple[dict[Path, Mapped], frozenset[Path], tuple]:
   """nnx_aux[/model]/<path> <- model_params:<path>; other RNG state is left out.
 
@@ -314,10 +310,10 @@ def _aux(view: CheckpointView, target: Mapping[Path, Shape], aux: frozenset[Path
   targets = [p for p in target if p[0] == conventions.MAXTEXT_NNX_AUX]
   depth = 2 if targets and all(
       len(p) > 2 and p[1] == conventions.MAXTEXT_NNX_AUX_MODEL for p in targets) else 1
-  present = {p: target[p] for p in targets if p[depth:] in view.model}
+  present = {p: target[p] for p in targets if p[depth:] in source.paths(MODEL)}
   # Kept as given, as MaxText keeps its own values for what a checkpoint lacks: leaves the
   # checkpoint does not hold, or holds in another form (e.g. other RNG key data).
-  other = view.mismatched_shapes(MODEL, {p[depth:]: s for p, s in present.items()})
+  other = source.mismatched_shapes(MODEL, {p[depth:]: s for p, s in present.items()})
   kept = frozenset(p for p in targets if p not in present or p[depth:] in other)
   notes = [] if not kept else [
       f'{len(kept)} {conventions.MAXTEXT_NNX_AUX} leaves of the target kept as given (the'
@@ -334,16 +330,12 @@ def _aux(view: CheckpointView, target: Mapping[Path, Shape], aux: frozenset[Path
   return read, kept, tuple(notes)
 
 
-def _check_shapes(view: CheckpointView, target: Mapping[Path, Shape], state: Made,
-                  stored: Mapping[Path, Shape], problems: list[str]) -> dict[Path, Shape]:
+def _check_shapes(source: reader.Source, target: Mapping[Path, Shape], state: Made,
+                  stored: Mapping[Path, Shape], problems: list[str]) -> None:
   """Every source's shape the plan assumes, against the store, an item at a time, before
   any read: a leaf read as it is has its target's shape; a re-laid weight's were read
-  (`stored`); an optimizer leaf mirroring one, its weight's.
-
-  Returns:
-    each source -> its stored shape (the mismatches appended to `problems`).
-  """
-  shapes = {(MODEL, *w): s for w, s in stored.items()}
+  (`stored`); an optimizer leaf mirroring one, its weight's. The mismatches are appended
+  to `problems`."""
   mirrors = {s: stored[w] for m in state.leaves.values() if not m.transform.is_identity
              for s in m.sources if s[0] == OPTIMIZER
              # Its weight: the longest end of its path that is one.
@@ -355,19 +347,17 @@ def _check_shapes(view: CheckpointView, target: Mapping[Path, Shape], state: Mad
       if (p in target and m.transform.is_identity and p not in state.fills
           and m.sources[0][0] == item and target[p] is not None):
         reads.setdefault(m.sources[0][1:], []).append(p)
-        shapes[m.sources[0]] = target[p]
-    found = view.mismatched_shapes(item, {path: target[ps[0]] for path, ps in reads.items()})
+    found = source.mismatched_shapes(item, {path: target[ps[0]] for path, ps in reads.items()})
     mismatches += [f'{fmt(p)}: target {target[p]}, checkpoint {have} ({item}:{fmt(path)},'
-                   f' stored as {view.stored(item, path)})'
+                   f' stored as {source.stored(item, path)})'
                    for path, have in found.items() for p in reads[path]]
-  found = view.mismatched_shapes(OPTIMIZER, {s[1:]: shape for s, shape in mirrors.items()})
+  found = source.mismatched_shapes(OPTIMIZER, {s[1:]: shape for s, shape in mirrors.items()})
   mismatches += [f'{OPTIMIZER}:{fmt(path)}: expected {mirrors[(OPTIMIZER, *path)]} (its'
                  f' weight\'s shape), checkpoint {have}' for path, have in found.items()]
   if mismatches:
     problems.append(f'{len(mismatches)} leaves differ in shape:\n'
                     + errors.list_paths(mismatches) + '\nThe target must have the shapes'
                     ' the run trained with (vocabulary, widths, number of layers).')
-  return shapes | mirrors
 
 
 def _target(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Any]:
@@ -447,7 +437,7 @@ def plan_restore(
         f' {detection.kind} one (items {list(detection.items)}). Restore it with'
         ' plain Orbax; `ItemsHandler` does so by itself.'
     )
-  target = _target(flatten(abstract_state)[0])  # Before the view: its errors first.
+  target = _target(flatten(abstract_state)[0])  # Before the step is opened: its errors first.
   model = detection.maps.get(conventions.MODEL_ITEM)
   composed = {} if model is None else model.composed
   if composed:  # Checked before the target's shapes are: a damaged weight named as such.
@@ -455,5 +445,5 @@ def plan_restore(
   quantized = [f'{len(composed)} weights saved quantized (a QLoRA run\'s frozen base, e.g.'
                f' {fmt(min(composed))}) are read dequantized: MaxText\'s model takes float'
                ' kernels'] if composed else []
-  return make_plan(read_view(detection), target, params_only=params_only,
+  return make_plan(reader.open_checkpoint(detection), target, params_only=params_only,
                    notes=(*detection.notes, *quantized), param_scan_axis=param_scan_axis)

@@ -2,7 +2,7 @@
 
 Besides listing weights found on one side only, it recognises a LoRA-only checkpoint,
 which explains a whole set of them at once. (Layers in the other form than the target's
-are re-laid, or refused, by their `LayerForm`: `maxtext/layers.py`.)
+are re-laid, or refused, by their `LayerForm`: `mapping/step_layers.py`.)
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import lora
 from orbax_tunix.mapping.patterns import Mapped
-from orbax_tunix.maxtext.view import CheckpointView
+from orbax_tunix.reading import reader
 
 
 def check_weights(
-    view: CheckpointView,
+    source: reader.Source,
     target: Mapping[Path, Path],
     relaid: Mapping[Path, Mapped],
     aux: Collection[Path],
@@ -25,7 +25,7 @@ def check_weights(
   """Checks the target's weights against the checkpoint's.
 
   Args:
-    view: the checkpoint.
+    source: the checkpoint, opened.
     target: canonical weight path -> target leaf path.
     relaid: the checkpoint's weights in the target's layer form (`layers.relayout`).
     aux: canonical paths of non-weight variables (never required).
@@ -37,16 +37,17 @@ def check_weights(
     LoraOnlyCheckpointError: the checkpoint holds adapters alone, and the target needs
       the weights.
   """
+  model = source.paths(conventions.MODEL_ITEM)
   used = {s for w in target if w in relaid for s in relaid[w].sources}
-  missing = [w for w in target if w not in relaid and w not in view.model]
-  extra = sorted(w for w in view.model if w not in used and w not in aux) if target else []
+  missing = [w for w in target if w not in relaid and w not in model]
+  extra = sorted(w for w in model if w not in used and w not in aux) if target else []
   sections = []
   if missing or extra:
-    disk_weights = sorted(w for w in view.model if w not in aux)
+    disk_weights = sorted(w for w in model if w not in aux)
     needed_full = [w for w in missing if not lora.is_adapter(w)]
     if disk_weights and all(lora.is_adapter(w) for w in disk_weights) and needed_full:
       raise errors.LoraOnlyCheckpointError(
-          f'{view.step_dir}: the checkpoint holds only LoRA adapter weights'
+          f'{source.step_dir}: the checkpoint holds only LoRA adapter weights'
           f' ({len(disk_weights)} leaves), but the target needs full weights:'
           f' {len(needed_full)} target weights are not in it, e.g.\n'
           f'{errors.list_paths([fmt(target[w]) for w in needed_full])}\n'
@@ -64,7 +65,7 @@ def check_weights(
       sections.append(
           f'{len(extra)} weights in the checkpoint are not in the target:\n'
           + errors.list_paths(
-              [f'{fmt(w)} (stored as {view.stored(conventions.MODEL_ITEM, w)})' for w in extra])
+              [f'{fmt(w)} (stored as {source.stored(conventions.MODEL_ITEM, w)})' for w in extra])
       )
       if all(lora.is_adapter(w) for w in extra):
         sections.append(

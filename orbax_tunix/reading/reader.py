@@ -15,7 +15,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import jax
@@ -38,6 +38,9 @@ SCALAR = 'scalar'
 STRING = 'string'
 # What JsonCheckpointHandler items record; their values are read whole.
 JSON_TYPESTR = ocp.JsonCheckpointHandler.typestr()
+
+T = TypeVar('T')
+V = TypeVar('V')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +89,9 @@ class LeafInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class CanonicalCheckpoint:
-  """One step of a checkpoint, seen leaf by leaf in canonical form.
+class Source:
+  """One step of a checkpoint, opened once: what every plan reads (inspect, a layout, a
+  merge, MaxText's restore), leaf by leaf in canonical form, from metadata only.
 
   Attributes:
     detection: what `detect()` found (kind, step, canonical maps, notes).
@@ -107,6 +111,11 @@ class CanonicalCheckpoint:
     return self.detection.step_dir
 
   @property
+  def step(self) -> int | None:
+    """The number in the step directory's name, if any."""
+    return self.detection.step
+
+  @property
   def leaves(self) -> tuple[LeafInfo, ...]:
     return tuple(leaf for item in sorted(self.items) for leaf in self.items[item])
 
@@ -115,6 +124,56 @@ class CanonicalCheckpoint:
     """The model weights (`weights`), found once: every reader of the opened step shares
     them."""
     return _find_weights(self)
+
+  @functools.cached_property
+  def by_path(self) -> dict[tuple[str, ...], LeafInfo]:
+    """`(item, *canonical path)` -> its leaf."""
+    return {(leaf.item, *leaf.path): leaf for leaf in self.leaves}
+
+  def derived(self, key: str, make: Callable[[Source], T]) -> T:
+    """A value made from the opened step once, then shared by every plan that reads it (the
+    decoder's layers: `mapping.step_layers.of`). Kept beside the fields, as
+    `functools.cached_property` keeps its value."""
+    if key not in self.__dict__:
+      self.__dict__[key] = make(self)
+    return self.__dict__[key]
+
+  def paths(self, item: str) -> frozenset[Path] | None:
+    """The canonical paths of `item` (every leaf its map covers; None: no such item)."""
+    found = self.detection.maps.get(item)
+    return None if found is None else frozenset(found.canonical_to_disk)
+
+  @property
+  def step_leaf(self) -> Path | None:
+    """The optimizer's step, `(item, *canonical path)`, where the step holds one."""
+    found = (conventions.OPTIMIZER_ITEM, *conventions.OPTIMIZER_STEP)
+    optimizer = self.paths(conventions.OPTIMIZER_ITEM)
+    return found if optimizer is not None and found[1:] in optimizer else None
+
+  def stored(self, item: str, path: Path) -> str:
+    """A canonical leaf as the checkpoint holds it: 'item/path/on/disk'."""
+    return fmt((item, *self.detection.maps[item].canonical_to_disk[path]))
+
+  def shapes(self, item: str, paths: Collection[Path]) -> dict[Path, tuple[int, ...]]:
+    """Global shapes of some canonical leaves of `item` (their zarr headers)."""
+    to_disk = self.detection.maps[item].canonical_to_disk
+    found = self.detection.item_meta(item).shapes([to_disk[p] for p in paths])
+    return {p: found[to_disk[p]] for p in paths if to_disk[p] in found}
+
+  def mismatched_shapes(self, item: str, expected: Mapping[Path, tuple[int, ...]]
+                        ) -> dict[Path, tuple[int, ...]]:
+    """The canonical leaves of `item` whose stored shape is not the expected one (from one
+    listing of the store where there are many: `Item.mismatched_shapes`)."""
+    if not expected:
+      return {}
+    to_disk = self.detection.maps[item].canonical_to_disk
+    found = self.detection.item_meta(item).mismatched_shapes(
+        {to_disk[p]: shape for p, shape in expected.items()})
+    return {p: found[to_disk[p]] for p in expected if to_disk[p] in found}
+
+
+# The name it had before it was the one opened source (kept for callers of the library).
+CanonicalCheckpoint = Source
 
 
 def _kind(leaf: item_store.Leaf) -> str | None:
@@ -178,7 +237,7 @@ def _item_leaves(
   return tuple(sorted(leaves, key=lambda leaf: leaf.path)), tuple(sorted(side))
 
 
-def open_checkpoint(detection: Detection) -> CanonicalCheckpoint:
+def open_checkpoint(detection: Detection) -> Source:
   """A detected step in canonical form, from metadata only (its location is not resolved
   again: `open_source` opens a path).
 
@@ -189,7 +248,7 @@ def open_checkpoint(detection: Detection) -> CanonicalCheckpoint:
   `detection.require()`.
 
   Returns:
-    A `CanonicalCheckpoint`.
+    A `Source`.
 
   Raises:
     TunixCheckpointError subclasses: a recorded item is missing, damaged, or
@@ -207,7 +266,7 @@ def open_checkpoint(detection: Detection) -> CanonicalCheckpoint:
         ' the items to work on with `items` (that leaves these out).'
     )
   json_items = tuple(sorted(n for n in detection.others if n not in unreadable))
-  return CanonicalCheckpoint(detection, leaves, side, json_items)
+  return Source(detection, leaves, side, json_items)
 
 
 def open_source(
@@ -217,7 +276,7 @@ def open_source(
     *,
     weights_only: bool = False,
     whole: bool = True,
-) -> CanonicalCheckpoint:
+) -> Source:
   """Opens a checkpoint's step once, as far as it is needed: the path resolved
   (`step_store.resolve`), the step detected (`detect`) and its items listed
   (`open_checkpoint`), each once, from metadata only. What is opened is handed down: the
@@ -234,7 +293,7 @@ def open_source(
       on disk (`Detection.require`); else those it lacks are left out, with a note.
 
   Returns:
-    A `CanonicalCheckpoint`.
+    A `Source`.
 
   Raises:
     MissingItemError: an item asked for (or, `whole`, recorded) is not on disk.
@@ -250,7 +309,7 @@ def open_source(
   return source
 
 
-def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
+def weights(ckpt: Source) -> list[tuple[LeafInfo, Path]]:
   """The model weights of a checkpoint, without RNG state (found once per opened step).
 
   The weights are the model item (Tunix's `model_params`, or a canonical
@@ -266,7 +325,7 @@ def weights(ckpt: CanonicalCheckpoint) -> list[tuple[LeafInfo, Path]]:
   return list(ckpt.model_weights)
 
 
-def _find_weights(ckpt: CanonicalCheckpoint) -> tuple[tuple[LeafInfo, Path], ...]:
+def _find_weights(ckpt: Source) -> tuple[tuple[LeafInfo, Path], ...]:
   """`weights`, found."""
   ckpt.detection.require([conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM])
   item, prefix = ckpt.detection.source_kind.weights
@@ -285,7 +344,7 @@ def _find_weights(ckpt: CanonicalCheckpoint) -> tuple[tuple[LeafInfo, Path], ...
   return tuple(sorted(found, key=lambda pair: pair[1]))
 
 
-def _model_item(ckpt: CanonicalCheckpoint) -> str | None:
+def _model_item(ckpt: Source) -> str | None:
   if conventions.MODEL_ITEM in ckpt.items:
     return conventions.MODEL_ITEM
   if ckpt.detection.source.single_item:
@@ -356,7 +415,7 @@ def request_for(leaf: LeafInfo, dtype: np.dtype | None, sharding: Any) -> tuple[
 
 
 def read(
-    ckpt: CanonicalCheckpoint,
+    ckpt: Source,
     item: str,
     leaves: Sequence[LeafInfo],
     *,
@@ -394,9 +453,6 @@ def read(
 # What `read_each` gives for a leaf whose stored data cannot be read.
 UNREADABLE = object()
 
-
-T = TypeVar('T')
-V = TypeVar('V')
 
 
 def stream(
@@ -464,7 +520,7 @@ def stream(
         pending.cancel() or concurrent.futures.wait([pending])
 
 
-def read_each(ckpt: CanonicalCheckpoint, item: str, leaves: Sequence[LeafInfo]) -> list[Any]:
+def read_each(ckpt: Source, item: str, leaves: Sequence[LeafInfo]) -> list[Any]:
   """`read` (as numpy) that names every damaged leaf rather than failing at the first.
 
   One read for all; when stored data is missing or damaged, each leaf is read
@@ -486,7 +542,7 @@ def as_stored(value: Any, leaf: LeafInfo, dtype: np.dtype | None) -> Any:
   return value
 
 
-def read_json_item(ckpt: CanonicalCheckpoint, item: str) -> Any:
+def read_json_item(ckpt: Source, item: str) -> Any:
   """The value of a JSON item, as Orbax's JSON handler reads it.
 
   Raises:

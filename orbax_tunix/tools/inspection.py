@@ -21,7 +21,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt, natural_key, natural_order
-from orbax_tunix.mapping import huggingface, stacks
+from orbax_tunix.mapping import huggingface, stacks, step_layers
 from orbax_tunix.mapping import lora as lora_lib
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.hyperparams import AS_NUMPY, by_shell, hyperparameter_leaves
@@ -227,7 +227,7 @@ class Report:
   num_weights: int
   hyperparameters: Mapping[str, Mapping[str, Any]]
   notes: tuple[str, ...]
-  checkpoint: reader.CanonicalCheckpoint | None = None
+  checkpoint: reader.Source | None = None
   layers: LayerReport | None = None
   source: str | None = None
   quantized: QuantizedReport | None = None
@@ -335,7 +335,7 @@ def optimizer_outline(
 # --- the report -------------------------------------------------------------
 
 
-def _optimizer_leaves(ckpt: reader.CanonicalCheckpoint) -> tuple[str | None, list[tuple[Path, reader.LeafInfo]]]:
+def _optimizer_leaves(ckpt: reader.Source) -> tuple[str | None, list[tuple[Path, reader.LeafInfo]]]:
   """The optimizer state's item and leaves, where the step's kind keeps it (`source_kinds`)."""
   item, prefix = ckpt.detection.source_kind.optimizer
   if item is not None:
@@ -349,7 +349,7 @@ def _optimizer_leaves(ckpt: reader.CanonicalCheckpoint) -> tuple[str | None, lis
   return None, []
 
 
-def _step_counter(ckpt: reader.CanonicalCheckpoint, opt_item: str | None) -> Path | None:
+def _step_counter(ckpt: reader.Source, opt_item: str | None) -> Path | None:
   """The on-disk path of the optimizer's own step counter, if the state has one."""
   if opt_item is None:
     return None
@@ -360,7 +360,7 @@ def _step_counter(ckpt: reader.CanonicalCheckpoint, opt_item: str | None) -> Pat
 
 
 def _read_scalars(
-    ckpt: reader.CanonicalCheckpoint, opt_item: str | None
+    ckpt: reader.Source, opt_item: str | None
 ) -> tuple[dict[str, dict[str, Any]], int | None]:
   """(hyperparameters, the optimizer's step counter): one read per item holding them."""
   detection = ckpt.detection
@@ -419,9 +419,10 @@ def inspect_checkpoint(
   hparams, state_step = _read_scalars(ckpt, opt_item)
   weight_shapes = {path: leaf.shape for leaf, path in weight_pairs}
   outline = optimizer_outline(opt_leaves, weight_shapes, tuple(hparams))
-  layer_form, layer_notes = _layer_form(weight_shapes, detection.source.custom_metadata,
-                                        str(ckpt.step_dir))
-  notes += layer_notes
+  layers = step_layers.of(ckpt)  # As every plan of this step reads them.
+  layer_form = None if layers.form is None else LayerReport(layers.form.kind, layers.count,
+                                                            layers.axis)
+  notes += [] if layers.problem is None else [layers.problem]
   return Report(
       detection=detection,
       steps=detection.steps,
@@ -451,32 +452,3 @@ def _source(shapes: Mapping[Path, tuple[int, ...] | None], layers: LayerReport |
   if layers is not None and layers.form == stacks.SCANNED:
     axis = layers.axis if layers.count is not None else None
   return huggingface.describe_weights({p: s for p, s in shapes.items() if s is not None}, axis)
-
-
-def _layer_form(
-    shapes: Mapping[Path, tuple[int, ...] | None], custom: Mapping[str, Any], where: str
-) -> tuple[LayerReport | None, list[str]]:
-  """MaxText's form of the decoder's layers (the families' forms), their count and (scanned)
-  their axis: the one the step records (a converted step), else the one the shapes tell
-  (`LayerForm.axis`, as every layout finds it); and why, in a note, where the stacked
-  weights are not one decoder (no axis nor count), or their arrays contradict the recorded
-  axis (the arrays' is shown)."""
-  known = {p: s for p, s in shapes.items() if s is not None}
-  form = huggingface.layer_form(known)
-  if form is None:
-    return None, []
-  axis, notes = None, []
-  if form.scanned:
-    recorded = stacks.recorded_axis(custom)
-    try:
-      axis = form.axis(known, recorded=recorded, where=where)
-    except errors.LayerScanMismatchError as e:
-      notes.append(str(e))
-      try:  # A record the arrays contradict: what the arrays say.
-        axis = None if recorded is None else form.axis(known, where=where)
-      except errors.LayerScanMismatchError:
-        pass
-      if axis is None:
-        return LayerReport(form.kind, None, None), notes
-  return LayerReport(form.kind, form.count(known, stacks.DEFAULT_AXIS if axis is None else axis),
-                     axis), notes
