@@ -44,6 +44,14 @@ class Catalog(Generic[T]):
   def names(self) -> tuple[str, ...]:
     return tuple(self._values)
 
+  def values(self) -> tuple[T, ...]:
+    """Every value, in the order registered."""
+    return tuple(self._values.values())
+
+  def find(self, name: str) -> T | None:
+    """The value registered as `name`, or None."""
+    return self._values.get(name)
+
   def get(self, name: str) -> T:
     """The value registered as `name`.
 

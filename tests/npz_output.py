@@ -59,7 +59,7 @@ NPZ = layouts.Destination(
     shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs, write=_write,
     entries=lambda plan: [FILE], dtype=folder.hf_dtype, command='export',
     switch=layouts.Switch(
-        layouts.Option('npz', bool, '', 'write one model.npz of the tensors', switch=True),
+        layouts.Option('npz', bool, None, 'write one model.npz of the tensors'),
         refuses={'hf_config': 'an npz holds no config.json'}, instead='export a folder'),
 )
 

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import re
 import sys
@@ -38,9 +37,9 @@ from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.cli import display, jax_cache
 from orbax_tunix.cli import progress as progress_lib
 from orbax_tunix.cli.display import Printer, format_bytes, format_duration, is_tty
-from orbax_tunix.mapping import huggingface
-from orbax_tunix.mapping import merge as merge_lib
-from orbax_tunix.reading import memory, quantized, timing
+from orbax_tunix.mapping import huggingface, merge_options
+from orbax_tunix.options import Option
+from orbax_tunix.reading import memory, timing
 from orbax_tunix.tools import convert as convert_lib
 from orbax_tunix.tools import diff as diff_lib
 from orbax_tunix.tools import export as export_lib
@@ -181,11 +180,7 @@ def _plan_convert(args: argparse.Namespace) -> convert_lib.ConvertPlan:
       memory_budget=args.memory_budget,
       force=args.force,
       items=args.items,
-      merge_lora=args.merge_lora,
-      lora_alpha=args.lora_alpha,
-      lora_scale=args.lora_scale,
-      base=args.base,
-      **_base_quantized(args),
+      **_merge_keywords(args),
       **_layout_options(args, _destination(args, 'convert')),
   )
 
@@ -238,7 +233,7 @@ def _destination(args: argparse.Namespace, command: str) -> layouts.Destination:
   chosen = [d for d in layouts.destinations(command)
             if d.switch is not None and getattr(args, d.switch.option.name)]
   if len(chosen) > 1:
-    flags = ' and '.join(d.switch.option.flag for d in chosen)
+    flags = ' and '.join(flag_of(d.switch.option) for d in chosen)
     raise errors.InvalidOptionError(f'{flags}: each writes another kind of output; pass one.')
   return chosen[0] if chosen else _default(command)
 
@@ -258,23 +253,23 @@ def _check_switches(args: argparse.Namespace, command: str) -> layouts.Destinati
     # Its refusals say why; another layout option it does not take is refused plainly.
     others = {n: f'the {destination.name} layouts do not take it'
               for d in layouts.destinations(command) for n in layouts.options(d)
-              if n not in mine and layouts.options(d)[n].combine is None}
+              if n not in mine and n not in _MERGE}
     reasons = {**switch.refuses, **{n: why for n, why in others.items() if n not in switch.refuses}}
     given = [name for name in reasons if getattr(args, name, None) not in (None, False)]
     if given:
       flag = _flag(given[0])
       raise errors.InvalidOptionError(
-          f'{switch.option.flag} with {flag}: {reasons[given[0]]}. Leave {flag} out, or'
+          f'{flag_of(switch.option)} with {flag}: {reasons[given[0]]}. Leave {flag} out, or'
           f' {switch.instead}.')
     return destination
   for other in (d for d in layouts.destinations(command) if d.switch is not None):
+    switch = flag_of(other.switch.option)
     for name, option in layouts.options(other).items():
       value = getattr(args, name, None)
-      if name not in mine and option.combine is None and value not in (None, False):
-        alone = option.alone or (f'it is an option of {other.switch.option.flag}; add'
-                                 f' {other.switch.option.flag}')
-        raise errors.InvalidOptionError(f'{option.flag} {value}: {alone}, or leave'
-                                        f' {option.flag} out.')
+      if name not in mine and name not in _MERGE and value not in (None, False):
+        alone = other.switch.alone.get(name, f'it is an option of {switch}; add {switch}')
+        raise errors.InvalidOptionError(f'{flag_of(option)} {value}: {alone}, or leave'
+                                        f' {flag_of(option)} out.')
   return destination
 
 
@@ -293,7 +288,7 @@ def _export(args: argparse.Namespace, out: Printer, destination: layouts.Destina
     plan = export_lib.plan_to(
         destination, args.src, args.out_dir, model=args.model, step=args.step, dtype=args.dtype,
         memory_budget=args.memory_budget, force=args.force,
-        merge_options=_merge_options(args) if destination.merges else None,
+        **(_merge_keywords(args) if destination.merges else {}),
         **_layout_options(args, destination))
   result = _stream(export_lib.run_export, plan, plan.notes, args, out)
   if args.json:
@@ -311,17 +306,14 @@ def _export(args: argparse.Namespace, out: Printer, destination: layouts.Destina
 
 def _layout_options(args: argparse.Namespace, destination: layouts.Destination
                     ) -> dict[str, Any]:
-  """The layout options' flags as given (unset: their `layouts.Option.default`); an option
-  made of other flags (`Option.combine`) made from them."""
-  return {name: option.combine(*(getattr(args, f) for f in option.flags))
-          if option.combine is not None else getattr(args, name)
-          for name, option in layouts.options(destination).items()}
+  """The layout options' flags as given (unset: their `Option.default`), by the options'
+  names (the merge's among them, where the layouts take them: `export --peft --lora-alpha`)."""
+  return {name: getattr(args, name) for name in layouts.options(destination)}
 
 
-def _merge_options(args: argparse.Namespace) -> merge_lib.MergeOptions | None:
-  """The LoRA merge the merge flags ask for (None: no merge)."""
-  return merge_lib.MergeOptions.given(args.merge_lora, args.lora_alpha, args.lora_scale, args.base,
-                                 **_base_quantized(args))
+def _merge_keywords(args: argparse.Namespace) -> dict[str, Any]:
+  """The LoRA merge's flags as given, as the library's keywords (`merge_options.OPTIONS`)."""
+  return {name: getattr(args, name) for name in _MERGE}
 
 
 def _join(args: argparse.Namespace) -> None:
@@ -354,23 +346,33 @@ def cmd_diff(args: argparse.Namespace, out: Printer) -> int:
 
 # --- arguments and main -----------------------------------------------------
 
+def flag_of(option: Option) -> str:
+  """The flag of an option (`orbax_tunix.options.Option`): `--` and its name with dashes."""
+  return _dashed(option.name)
+
+
+def _dashed(name: str) -> str:
+  return '--' + name.replace('_', '-')
+
+
+# The merge's options (`merge_options.OPTIONS`): every command that merges takes their flags.
+_MERGE = merge_options.OPTIONS.names()
+
 # The library's parameters, as its messages name them (in backquotes), and the
 # flags that set them here: `memory_budget` is --memory-budget, the others as listed.
-# The layouts' options and switches name their own flags (`layouts.Option.flag`).
+# The options (the layouts', their switches', the merge's) have their own flags (`flag_of`).
 _FLAGS = {
-    **{name: '--' + name.replace('_', '-') for name in (
+    **{name: _dashed(name) for name in (
         'force', 'params_only', 'layout', 'dtype', 'memory_budget', 'step', 'atol',
-        'ignore_dtype', 'merge_lora', 'lora_alpha', 'lora_scale', 'base', 'model',
-        'coordinator_address', 'num_processes', 'process_id', 'initialization_timeout',
-        'base_qtype', 'base_tile_size', 'base_calibration')},
-    **{name: o.flag for name, o in layouts.options().items() if o.combine is None},
-    **{d.switch.option.name: d.switch.option.flag for d in layouts.destinations() if d.switch},
+        'ignore_dtype', 'model', 'coordinator_address', 'num_processes', 'process_id',
+        'initialization_timeout')},
+    **{o.name: flag_of(o) for o in merge_options.OPTIONS.values()},
+    **{name: flag_of(o) for name, o in layouts.options().items()},
+    **{d.switch.option.name: flag_of(d.switch.option) for d in layouts.destinations() if d.switch},
     'dst': 'DST',
     'src': 'SRC',
     'out_dir': 'OUT_DIR',
     'items': '--item',
-    'alpha': '--lora-alpha',
-    'scale': '--lora-scale',
     'export_peft_adapter': 'export --peft',
 }
 _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
@@ -378,7 +380,7 @@ _PARAMETER = re.compile(r'`(\w+)(=[^`]*)?`')
 
 def _flag(name: str) -> str:
   """The flag that sets the library parameter `name` (`_FLAGS`, else its own spelling)."""
-  return _FLAGS.get(name, '--' + name.replace('_', '-'))
+  return _FLAGS.get(name, _dashed(name))
 
 
 def as_flags(message: str) -> str:
@@ -417,20 +419,21 @@ def _number(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool],
 
 _step = _number(int, 'a step number', lambda value: value >= 0,
                 'step numbers are not negative.')
-# `--lora-alpha`, `--lora-scale`: nan and inf are refused.
-_finite = _number(float, 'a number', math.isfinite, 'expected a finite number (a NaN or'
-                  ' infinite scale makes every merged weight NaN or infinite).')
 _atol = _number(float, 'a number', lambda value: value >= 0, 'the tolerance must be >= 0.')
-_tile = _number(int, 'a tile size', lambda value: value >= 1, 'a tile size is at least 1.')
 
 
-def _add_option(p: argparse.ArgumentParser, option: layouts.Option, said: str = '') -> None:
-  """One option's flag (`layouts.Option`, its data), its help after `said`."""
+def _add_option(p: Any, option: Option, said: str = '', help: str | None = None) -> None:
+  """One option's flag, made from the option (`orbax_tunix.options.Option`): a switch's
+  (`Option.switch`) takes no value; one of a few names (`Option.choices`) is one of them;
+  another's text is `Option.parse`d. Its help is `said`, then `help` (else the option's)."""
+  text = said + (option.help if help is None else help)
   if option.switch:
-    p.add_argument(option.flag, action='store_true', help=said + option.help)
+    p.add_argument(flag_of(option), action='store_true', help=text)
+  elif option.choices is not None:
+    p.add_argument(flag_of(option), choices=option.choices, metavar=option.metavar, help=text)
   else:
-    p.add_argument(option.flag, type=_parsed(option.parse), metavar=option.metavar,
-                   help=said + option.help)
+    p.add_argument(flag_of(option), type=_parsed(option.parse), metavar=option.metavar,
+                   help=text)
 
 
 def _add_layout_options(p: argparse.ArgumentParser, destination: layouts.Destination) -> None:
@@ -451,35 +454,18 @@ def _add_switches(p: argparse.ArgumentParser, command: str) -> None:
       continue
     _add_option(p, destination.switch.option)
     for name, option in layouts.options(destination).items():
-      if name not in layouts.options(default) and option.combine is None:
-        _add_option(p, option, f'{destination.switch.option.flag}: ')
+      if name not in layouts.options(default) and name not in _MERGE:
+        _add_option(p, option, f'{flag_of(destination.switch.option)}: ')
 
 
 def _add_merge_options(p: argparse.ArgumentParser, merge_help: str) -> None:
-  """The LoRA merge's flags, one set for every command that merges (convert, export)."""
-  p.add_argument('--merge-lora', action='store_true', help=merge_help)
-  alpha = p.add_mutually_exclusive_group()
-  alpha.add_argument('--lora-alpha', type=_finite, metavar='A',
-                     help="the run's qwix LoRA alpha (scale = alpha / rank); not stored in"
-                     ' checkpoints')
-  alpha.add_argument('--lora-scale', type=_finite, metavar='S', help='the scale itself')
-  p.add_argument('--base', metavar='BASE',
-                 help='the base weights for --merge-lora (a Tunix, MaxText or canonical'
-                 ' checkpoint); default: SRC itself (a full save)')
-  p.add_argument('--base-qtype', choices=quantized.QTYPES, metavar='Q',
-                 help='an adapters-only QLoRA save: how the run quantized BASE (qwix\'s'
-                 f' weight_qtype: {", ".join(quantized.QTYPES)}); BASE is re-quantized so'
-                 ' before the merge. A full save holds its quantized base: not needed')
-  p.add_argument('--base-tile-size', type=_tile, metavar='N',
-                 help="with --base-qtype: the run's tile_size (default: per channel)")
-  p.add_argument('--base-calibration', choices=quantized.CALIBRATIONS,
-                 help="with --base-qtype: the run's weight_calibration_method (default absmax)")
-
-
-def _base_quantized(args: argparse.Namespace) -> dict[str, Any]:
-  """The recipe flags of an adapters-only QLoRA merge, as the library's keywords."""
-  return {name: getattr(args, name, None)
-          for name in ('base_qtype', 'base_tile_size', 'base_calibration')}
+  """The LoRA merge's flags (`merge_options.OPTIONS`), one set for every command that merges
+  (convert, export): `merge_help` says what `--merge-lora` does there; the scaling's two
+  (`merge_options.SCALING`) exclude each other."""
+  scaling = p.add_mutually_exclusive_group()
+  for option in merge_options.OPTIONS.values():
+    _add_option(scaling if option in merge_options.SCALING else p, option,
+                help=merge_help if option is merge_options.MERGE_LORA else None)
 
 
 _EPILOG = (

@@ -7,7 +7,7 @@ folder (one layout per family) or a PEFT adapter folder. Its `destination` is on
 kind of destination (`commit.Kind`: what may be replaced, how it is committed), how its
 outputs are sharded into files and written (through the one writer, `writing/writer.py`),
 the dtypes it takes, and which command's flag chooses it. Its `options` are data the library
-takes by name and the command line builds its flags from. A new output format is one module
+takes by name (`orbax_tunix.options.Option`) and the command line builds its flags from. A new output format is one module
 (its destination, if it is a new kind, and its layouts) registered in `layouts/__init__.py`.
 
 Its own module so that the layouts (`canonical`, `maxtext`, ...) import it, and the package
@@ -26,48 +26,9 @@ from etils import epath
 from orbax_tunix import catalog, errors
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied
+from orbax_tunix.options import Option
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.writing import commit, writer
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-  """An option a layout takes, as data: the library's keyword, and what the CLI's flag is.
-
-  Attributes:
-    name: the library keyword (the flag: `--scan-layers`); a layout reads its value with
-      `Request.option`.
-    parse: the flag's text -> the value (raises ValueError for text that is none).
-    metavar: how the flag's value is shown.
-    help: what it does, for people.
-    default: its value when not asked for (left out of what a plan records as asked).
-    coerce: a value the library was given -> the layout's (a size's text to bytes, a path's
-      text to a path); raises `InvalidOptionError`.
-    switch: the flag takes no value (it sets True).
-    folder: it names a folder that is read (the destination must be neither it nor inside
-      it).
-    flags: the command's other flags it is made from (by their library names), for an
-      option without a flag of its own (`combine` makes it from their values).
-    combine: those flags' values -> the option's value.
-    alone: what the command says when the option is given without the switch that chooses
-      its layouts' destination (`Destination.switch`); None: a plain refusal.
-  """
-
-  name: str
-  parse: Callable[[str], Any] = dataclasses.field(repr=False)
-  metavar: str
-  help: str
-  default: Any = None
-  coerce: Callable[[Any], Any] = dataclasses.field(default=lambda value: value, repr=False)
-  switch: bool = False
-  folder: bool = False
-  flags: tuple[str, ...] = ()
-  combine: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
-  alone: str | None = None
-
-  @property
-  def flag(self) -> str:
-    return '--' + self.name.replace('_', '-')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +110,8 @@ class Plan:
     files: a folder's safetensors files and what each holds (a step: none).
     other_files: a folder's other files: (name, a path to copy or a text).
     summary: what the layout tells of its output (a family's model, architecture).
-    options: the options the caller gave, by its own names (`lora_alpha`, `max_shard_size`;
-      those not given left out), as given: a job's processes compare them by value
+    options: the options the caller gave, by their names (`Option.name`: a layout's, a
+      merge's; those not given left out), as given: a job's processes compare them by value
       (`agreement`), so a difference names the option, not only what it makes.
   """
 
@@ -214,13 +175,16 @@ class Switch:
 
   Attributes:
     option: the flag (a switch: `Option.switch`).
-    refuses: the command's flags (by their library names) that do not go with it -> why.
+    refuses: the command's flags (by their options' names) that do not go with it -> why.
     instead: what to do instead of such a flag, besides leaving it out.
+    alone: the options of its layouts (by name) -> what the command says when one is given
+      without it (else: that it is an option of this switch).
   """
 
   option: Option
   refuses: Mapping[str, str] = dataclasses.field(default_factory=dict)
   instead: str = ''
+  alone: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _any_dtype(dtype: Any) -> np.dtype | None:
