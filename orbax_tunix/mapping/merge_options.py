@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 from etils import epath
@@ -46,11 +46,31 @@ def _tile(text: str) -> int:
   return value
 
 
+def _finite_number(name: str) -> Callable[[Any], Any]:
+  """A scaling's value as given (None: not given), refused unless a finite number."""
+
+  def check(value: Any) -> Any:
+    try:
+      finite = value is None or (not isinstance(value, bool | str)
+                                 and math.isfinite(float(value)))
+    except (TypeError, ValueError):
+      finite = False
+    if not finite:
+      raise errors.LoraError(
+          f'`{name}={value!r}`: expected a finite number (the run\'s LoRA alpha, or the scale'
+          ' alpha / rank itself); a NaN or infinite scale would make every merged weight NaN'
+          ' or infinite. Pass the value the run was trained with.'
+      )
+    return value
+  return check
+
+
 MERGE_LORA = Option('merge_lora', bool, None, 'merge the LoRA adapters into the weights',
                     default=False)
 LORA_ALPHA = Option('lora_alpha', _finite, 'A', "the run's qwix LoRA alpha (scale = alpha /"
-                    ' rank); not stored in checkpoints')
-LORA_SCALE = Option('lora_scale', _finite, 'S', 'the scale itself')
+                    ' rank); not stored in checkpoints', coerce=_finite_number('lora_alpha'))
+LORA_SCALE = Option('lora_scale', _finite, 'S', 'the scale itself',
+                    coerce=_finite_number('lora_scale'))
 BASE = Option('base', str, 'BASE', 'the base weights for --merge-lora (a Tunix, MaxText or'
               ' canonical checkpoint); default: SRC itself (a full save)')
 BASE_QTYPE = Option(
@@ -136,18 +156,7 @@ def check_scaling(alpha: Any, scale: Any) -> None:
         f'pass {LORA_ALPHA.named()} or {LORA_SCALE.named()}, not both (the scale is'
         ' alpha / rank).')
   for option, value in zip(SCALING, (alpha, scale), strict=True):
-    if value is None:
-      continue
-    try:
-      finite = not isinstance(value, bool | str) and math.isfinite(float(value))
-    except (TypeError, ValueError):
-      finite = False
-    if not finite:
-      raise errors.LoraError(
-          f'{option.named(repr(value))}: expected a finite number (the run\'s LoRA alpha, or'
-          ' the scale alpha / rank itself); a NaN or infinite scale would make every'
-          ' merged weight NaN or infinite. Pass the value the run was trained with.'
-      )
+    option.coerce(value)
 
 
 def _recipe(base: Any, qtype: str | None, tile_size: int | None, calibration: str | None
