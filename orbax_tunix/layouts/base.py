@@ -187,14 +187,11 @@ class Switch:
   alone: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _any_dtype(dtype: Any) -> np.dtype | None:
-  return dtype
-
-
 @dataclasses.dataclass(frozen=True)
 class Destination:
-  """A kind of destination, as one value: what it is, how it is planned, shared and written,
-  and which command writes it.
+  """A kind of destination, as one value: what it is, and which command writes it; how it is
+  planned, shared and written are its methods (a new kind is a subclass: `layouts/step.py`,
+  `layouts/folder.py`, `layouts/peft.py`).
 
   Attributes:
     name: what it is called ('step', 'folder', 'adapter').
@@ -202,14 +199,6 @@ class Destination:
     unit: what one output is, for messages ('array', 'tensor').
     run: what writing one is called ('conversion', 'export').
     doing: the progress line's verb.
-    shard: (items, the options given) -> the items in write order and a folder's files.
-    share: plan -> the outputs this process reads (across hosts).
-    write: (plan, this process's outputs, the staging directory, progress) -> what to
-      record of it (a folder: its files and bytes).
-    entries: plan -> every entry `write` makes at the top of the destination (a bucket's
-      claim names them: `commit.staged`).
-    dtype: the `dtype` the caller gave -> the dtype written (None: as stored); raises
-      `InvalidOptionError` for one the destination's readers do not take.
     command: the command that writes it (`orbax-tunix convert`, `export`).
     switch: the command's flag that chooses it (None: the command's default).
     merges: its layouts take a LoRA merge (the command's merge flags make one).
@@ -225,18 +214,39 @@ class Destination:
   unit: str
   run: str
   doing: str
-  shard: Callable[[Sequence[ItemOutput], Mapping[str, Any]],
-                  tuple[Sequence[ItemOutput], Sequence[writer.Shard]]] = dataclasses.field(
-                      repr=False)
-  share: Callable[[Plan], Sequence[Output]] = dataclasses.field(repr=False)
-  write: Callable[[Plan, Sequence[Output], epath.Path, reader.Progress],
-                  dict[str, Any]] = dataclasses.field(repr=False)
-  entries: Callable[[Plan], Sequence[str]] = dataclasses.field(repr=False)
-  dtype: Callable[[Any], np.dtype | None] = dataclasses.field(default=_any_dtype, repr=False)
   command: str = 'convert'
   switch: Switch | None = None
   merges: bool = True
   safetensors: bool = False
+
+  def shard(self, items: Sequence[ItemOutput], given: Mapping[str, Any]
+            ) -> tuple[Sequence[ItemOutput], Sequence[writer.Shard]]:
+    """The items in write order, and a folder's files (the options given: by name)."""
+    del given
+    return items, ()
+
+  def share(self, plan: Plan) -> Sequence[Output]:
+    """The outputs this process reads (across hosts); all of them here."""
+    return plan.outputs
+
+  def write(self, plan: Plan, mine: Sequence[Output], work: epath.Path,
+            progress: reader.Progress) -> dict[str, Any]:
+    """Writes this process's outputs into the staging directory `work`; returns what to
+    record of it (a folder: its files and bytes)."""
+    raise NotImplementedError
+
+  def entries(self, plan: Plan) -> Sequence[str]:
+    """Every entry `write` makes at the top of the destination (a bucket's claim names
+    them: `commit.staged`)."""
+    raise NotImplementedError
+
+  def dtype(self, dtype: Any) -> np.dtype | None:
+    """The dtype written, from the `dtype` the caller gave (None: as stored).
+
+    Raises:
+      InvalidOptionError: one the destination's readers do not take.
+    """
+    return dtype
 
 
 def _check_destination(destination: object) -> None:

@@ -35,7 +35,6 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts import folder
 from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts.base import (
-  Destination,
   LaidOut,
   Layout,
   Option,
@@ -617,11 +616,19 @@ PEFT = Switch(
     alone={BASE_MODEL.name: 'it names the base model of a PEFT adapter; add --peft (with'
                             ' --lora-alpha)'},
 )
-ADAPTER = Destination(
+@dataclasses.dataclass(frozen=True)
+class AdapterDestination(folder.FolderDestination):
+  """A PEFT adapter folder: a Hugging Face folder whose tensors are all in one file."""
+
+  def shard(self, items: Sequence[ItemOutput], given: Mapping[str, Any]
+            ) -> tuple[list[ItemOutput], list[writer.Shard]]:
+    return _adapter_file(items, given)
+
+
+ADAPTER = AdapterDestination(
     name='adapter', kind=ADAPTER_EXPORT, unit='tensor', run='export',
-    doing='exporting the adapter to', shard=_adapter_file, share=folder.share,
-    write=folder.write, entries=folder.entries, dtype=folder.hf_dtype, command='export',
-    switch=PEFT, merges=False, safetensors=True,
+    doing='exporting the adapter to', command='export', switch=PEFT, merges=False,
+    safetensors=True,
 )
 
 for _family in map(huggingface.get, huggingface.names()):
