@@ -12,7 +12,8 @@ import pytest
 
 import orbax_tunix as ot
 from orbax_tunix import layouts
-from orbax_tunix.cli import commands
+from orbax_tunix.cli import commands, parser
+from orbax_tunix.cli import flags as cli_flags
 from orbax_tunix.mapping import merge_options
 from orbax_tunix.tools import convert, export
 
@@ -24,7 +25,7 @@ DOCUMENTED = ('merge_lora', 'lora_alpha', 'lora_scale', 'base', 'base_qtype', 'b
 
 def _flags(command: str) -> dict[str, argparse.Action]:
   """The flags of a command's parser, by the library name they set (their `dest`)."""
-  sub = next(a for a in commands.build_parser()._actions  # noqa: SLF001 - argparse's own.
+  sub = next(a for a in parser.build_parser()._actions  # noqa: SLF001 - argparse's own.
              if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
   return {a.dest: a for a in sub.choices[command]._actions}  # noqa: SLF001
 
@@ -33,12 +34,12 @@ def test_every_merge_setting_is_one_option_with_one_name_as_keyword_and_flag():
   assert merge_options.OPTIONS.names() == DOCUMENTED
   assert set(typing.get_type_hints(merge_options.MergeKeywords)) == set(DOCUMENTED)
   for command in ('convert', 'export'):
-    flags = _flags(command)
+    actions = _flags(command)
     for option in merge_options.OPTIONS.values():
       flag = '--' + option.name.replace('_', '-')
-      assert flags[option.name].option_strings == [flag], (command, option.name)
-      assert commands.flag_of(option) == flag
-      assert commands.as_flags(option.named()) == flag
+      assert actions[option.name].option_strings == [flag], (command, option.name)
+      assert cli_flags.flag_of(option) == flag
+      assert cli_flags.as_flags(option.named()) == flag
   # The PEFT adapter takes the scaling by the same two options (`export --peft --lora-alpha`).
   adapter = layouts.destinations('export')[1]
   assert set(layouts.options(adapter)) >= {o.name for o in merge_options.SCALING}
