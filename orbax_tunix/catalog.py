@@ -1,4 +1,5 @@
-"""A catalog of named values (output layouts, Hugging Face families): one name each.
+"""A catalog of named values (output layouts, Hugging Face families, trainers, source kinds,
+the LoRA merge's options): one name each, one mechanism for every registry.
 
 Adding a layout or a family is one `register` call next to its value; the CLI's
 choices and the error for an unknown name come from here.
