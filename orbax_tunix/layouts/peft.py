@@ -308,7 +308,8 @@ def _mapped(family: Family, naming: Naming, shapes: Mapping[Path, tuple[int, ...
         ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
         f' `base_model` the base model\'s folder, whose config.json gives them{given}; or'
         ' export the adapter from a save with the base weights beside them, or the merged'
-        ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
+        f' model: {MERGE_LORA.named(True)}, {merge_options.LORA_ALPHA.named()} and'
+        f' {BASE.named()}.') from e
 
 
 @dataclasses.dataclass
@@ -428,7 +429,8 @@ def lay_out(family: Family, request: Request) -> LaidOut:
         f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
         f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
         ' than the run trained. Export the weights with the adapters merged instead:'
-        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
+        f' {MERGE_LORA.named(True)} and {merge_options.LORA_ALPHA.named()} (an adapters-only'
+        f' save also {BASE.named()}).')
   one = peft.Scaling.of(made.ranks, alpha)
   config = peft.config(made.ranks, one, base_model)
   # What whoever serves the adapter should know: said here and in the folder's README.md.

@@ -286,8 +286,9 @@ def _refuse_adapters_only(source: reader.CanonicalCheckpoint, layout: str) -> No
         f'{source.step_dir}: expected model weights, found LoRA adapters only'
         f' ({len(adapters)} leaves, e.g. {adapters[0]}): the run saved no base weights'
         f" (Tunix's save_only_lora_params). A {layout} output is a model, and they alone are"
-        ' none. Merge them into the base weights the run started from: `merge_lora=True`,'
-        ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint); or convert'
+        ' none. Merge them into the base weights the run started from:'
+        f' {merge_options.MERGE_LORA.named(True)}, {merge_options.LORA_ALPHA.named()} (the'
+        f' run\'s LoRA alpha) and {merge_options.BASE.named()} (the base checkpoint); or convert'
         " them as they are (`layout='canonical'`), or export them as a PEFT adapter"
         ' (`export_peft_adapter`).'
     )
