@@ -10,7 +10,7 @@ its flag. The layouts declare theirs (`layouts.Layout.options`), the LoRA merge 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 
@@ -55,8 +55,3 @@ class Option:
     line: `--name`, `--name value`)."""
     return f'`{self.name}`' if value is None else f'`{self.name}={value}`'
 
-
-def given(options: Mapping[str, Option], values: Mapping[str, Any]) -> dict[str, Any]:
-  """The values of `options` set (not None, not their default), by name."""
-  return {name: value for name, value in values.items()
-          if name in options and value is not None and value != options[name].default}
