@@ -68,7 +68,7 @@ def write_checkpoint(root: pathlib.Path, leaves: int, leaf_mib: int, optimizer: 
 
 
 def parse_budget(text: str) -> int:
-  from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.cli.flags import parse_size  # pylint: disable=g-import-not-at-top
 
   return parse_size(text)
 

@@ -320,7 +320,7 @@ def measure(args, work: pathlib.Path, experts: int, py_mt: str) -> dict:
 
 def report(args, m: dict) -> None:
   """The rows of one step: each contender's medians, ours against its bound."""
-  from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.cli.flags import parse_size  # pylint: disable=g-import-not-at-top
 
   what = (f'{m["experts"]} experts, ' if args.model == 'qwen3_moe' else '') + (
       f'{m["model"] / MIB:.0f} MiB (largest array {m["largest"] / MIB:.0f}, chunk'

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
   step = work / 'src' / '1'
   if not step.exists():
     write_checkpoint(work / 'src', args.layers, args.dim)
-  from orbax_tunix.cli.commands import parse_size  # pylint: disable=g-import-not-at-top
+  from orbax_tunix.cli.flags import parse_size  # pylint: disable=g-import-not-at-top
   from orbax_tunix.reading import reader
 
   leaves = reader.open_source(step, weights_only=True).items['model_params']

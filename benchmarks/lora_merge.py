@@ -119,7 +119,7 @@ def child(args) -> None:
           {'layers': tree}, {'layers': args_tree}))
   else:
     def call():
-      return orbax_tunix.restore_merged_lora(root / 'lora', target, scale=0.5)
+      return orbax_tunix.restore_merged_lora(root / 'lora', target, lora_scale=0.5)
 
   measured = harness.calls(lambda: jax.block_until_ready(call()), args.warm, devices,
                            describe_out=lambda out: {'leaves': len(jax.tree.leaves(out))})

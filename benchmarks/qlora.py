@@ -24,7 +24,7 @@ first call) and `--warm K` more times in the same process:
            sharding and dtype: what a user of plain Orbax writes by hand (a reference)
   dequant  `ocp.Checkpointer(orbax_tunix.TunixAwareHandler())` restores the canonical target:
            every weight dequantized, adapters and the rest as stored
-  merge    `orbax_tunix.restore_merged_lora(run, plain_target, alpha=--alpha)`: the plain
+  merge    `orbax_tunix.restore_merged_lora(run, plain_target, lora_alpha=--alpha)`: the plain
            model's weights, W_deq + alpha/rank * a.b where adapted
 
 Before the rounds, one more fresh process checks the contenders once: dequant's weights equal
@@ -294,7 +294,7 @@ def calls_of(args, model: Model, targets: Targets):
           model_params=ocp.args.PyTreeRestore(item=targets.canonical)))['model_params']
 
   def merge():
-    return orbax_tunix.restore_merged_lora(run, targets.plain, alpha=args.alpha)
+    return orbax_tunix.restore_merged_lora(run, targets.plain, lora_alpha=args.alpha)
 
   calls = {'raw': raw, 'qwix': qwix_dequantized, 'dequant': dequant, 'merge': merge}
   return {k: (lambda f=f: jax.block_until_ready(f())) for k, f in calls.items()}

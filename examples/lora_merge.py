@@ -52,7 +52,7 @@ def main(argv=None) -> None:
   step_dir = orbax_tunix.detect(base).step_dir
   meta = orbax_tunix.TunixPyTreeHandler().metadata(step_dir / 'model_params')
   target = jax.tree.map(sharded, meta.tree)
-  merged = orbax_tunix.restore_merged_lora(lora_run, target, alpha=args.alpha, base=base)
+  merged = orbax_tunix.restore_merged_lora(lora_run, target, lora_alpha=args.alpha, base=base)
   leaves = jax.tree_util.tree_flatten_with_path(merged)[0]
   print(f'merged {lora_run} into {base}: {len(leaves)} weights')
   for path, value in leaves:

@@ -55,7 +55,7 @@ def main(argv=None) -> None:
   w = restored['model_params']['layers']['0']['mlp']['up_proj']['kernel']
   print(f'dequantized layers/0/mlp/up_proj/kernel: {w.dtype} {tuple(w.shape)} {w.sharding.spec}')
   # The model that was trained: the adapters merged onto the dequantized base (no `base`).
-  merged = orbax_tunix.restore_merged_lora(args.run, plain(weights), alpha=args.alpha)
+  merged = orbax_tunix.restore_merged_lora(args.run, plain(weights), lora_alpha=args.alpha)
   leaves = jax.tree_util.tree_flatten_with_path(merged)[0]
   print(f'merged {step_dir}: {len(leaves)} weights of the plain model, e.g.')
   for path, value in leaves[:4]:

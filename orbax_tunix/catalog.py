@@ -1,4 +1,5 @@
-"""A catalog of named values (output layouts, Hugging Face families): one name each.
+"""A catalog of named values (output layouts, Hugging Face families, trainers, source kinds,
+the LoRA merge's options): one name each, one mechanism for every registry.
 
 Adding a layout or a family is one `register` call next to its value; the CLI's
 choices and the error for an unknown name come from here.
@@ -43,6 +44,14 @@ class Catalog(Generic[T]):
 
   def names(self) -> tuple[str, ...]:
     return tuple(self._values)
+
+  def values(self) -> tuple[T, ...]:
+    """Every value, in the order registered."""
+    return tuple(self._values.values())
+
+  def find(self, name: str) -> T | None:
+    """The value registered as `name`, or None."""
+    return self._values.get(name)
 
   def get(self, name: str) -> T:
     """The value registered as `name`.

@@ -9,6 +9,7 @@ tests/test_layouts.py in a process of its own (the catalog is process-wide).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zipfile
 from collections.abc import Sequence
@@ -52,14 +53,27 @@ def _write(plan: layouts.Plan, mine: Sequence[Any], work: epath.Path,
   return writer.write(mine, NpzSink(work / FILE), plan.batch_bytes, progress, on_host=True)
 
 
-NPZ = layouts.Destination(
+@dataclasses.dataclass(frozen=True)
+class NpzDestination(layouts.Destination):
+  """One npz file of the tensors (the step's own sharing: every output, one process)."""
+
+  def write(self, plan: layouts.Plan, mine: Sequence[Any], work: epath.Path,
+            progress: reader.Progress) -> dict[str, Any]:
+    return _write(plan, mine, work, progress)
+
+  def entries(self, plan: layouts.Plan) -> list[str]:
+    return [FILE]
+
+  def dtype(self, dtype: Any) -> np.dtype | None:
+    return folder.hf_dtype(dtype)
+
+
+NPZ = NpzDestination(
     name='npz', kind=commit.Kind('an npz export', (FILE,), record=lambda path: None,
                                  commit_file=None, in_place=False),
-    unit='tensor', run='export', doing='writing the npz to',
-    shard=lambda items, given: (items, ()), share=lambda plan: plan.outputs, write=_write,
-    entries=lambda plan: [FILE], dtype=folder.hf_dtype, command='export',
+    unit='tensor', run='export', doing='writing the npz to', command='export',
     switch=layouts.Switch(
-        layouts.Option('npz', bool, '', 'write one model.npz of the tensors', switch=True),
+        layouts.Option('npz', bool, None, 'write one model.npz of the tensors'),
         refuses={'hf_config': 'an npz holds no config.json'}, instead='export a folder'),
 )
 

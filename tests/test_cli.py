@@ -20,7 +20,8 @@ import pytest
 
 import orbax_tunix
 from orbax_tunix import cli
-from orbax_tunix.cli import commands, display, progress
+from orbax_tunix.cli import display, progress
+from orbax_tunix.cli import flags as cli_flags
 from orbax_tunix.keypaths import flat_dict, fmt
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.store import step_store
@@ -700,13 +701,13 @@ def test_the_command_exits_with_mains_status_its_objects_frozen(tunix_data, argv
 def test_parse_size():
   # One rule for every size option: XB decimal (as transformers' max_shard_size), XiB and a
   # bare X binary (as `ls -h`), no unit bytes.
-  assert commands.parse_size('1000') == 1000
-  assert commands.parse_size('2K') == 2048
-  assert commands.parse_size('512M') == 512 * 2**20
-  assert commands.parse_size('1.5GiB') == 3 * 2**29
-  assert commands.parse_size('1gb') == 10**9
-  assert commands.parse_size('5GB') == 5 * 10**9
-  assert commands.parse_size('1e3KB') == 10**6
+  assert cli_flags.parse_size('1000') == 1000
+  assert cli_flags.parse_size('2K') == 2048
+  assert cli_flags.parse_size('512M') == 512 * 2**20
+  assert cli_flags.parse_size('1.5GiB') == 3 * 2**29
+  assert cli_flags.parse_size('1gb') == 10**9
+  assert cli_flags.parse_size('5GB') == 5 * 10**9
+  assert cli_flags.parse_size('1e3KB') == 10**6
 
 
 def test_rich_tables_and_plain_fallback(monkeypatch, tunix_data):

@@ -314,7 +314,7 @@ def test_qwen3_5_lora_run_merged_and_as_peft_adapter(tmp_path, form):
     np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-5, err_msg=name)
   orbax_tunix.export_to_hf(src, tmp_path / 'base', model='qwen3_5_moe', hf_config=cfg,
                            base_only=True)
-  orbax_tunix.export_peft_adapter(src, tmp_path / 'a', model='qwen3_5_moe', alpha=ALPHA,
+  orbax_tunix.export_peft_adapter(src, tmp_path / 'a', model='qwen3_5_moe', lora_alpha=ALPHA,
                                   base_model=str(tmp_path / 'base'))
   base = read_safetensors(tmp_path / 'base' / 'model.safetensors')
   adapter = read_safetensors(tmp_path / 'a' / ADAPTER_FILE)
@@ -332,7 +332,7 @@ def test_qwen3_5_lora_run_merged_and_as_peft_adapter(tmp_path, form):
     ckptr.save(tmp_path / 'only' / '2', args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(
         nest(only)['model_params'])))
   orbax_tunix.export_peft_adapter(tmp_path / 'only', tmp_path / 'a2', model='qwen3_5_moe',
-                                  alpha=ALPHA, base_model=str(tmp_path / 'base'))
+                                  lora_alpha=ALPHA, base_model=str(tmp_path / 'base'))
   alone = read_safetensors(tmp_path / 'a2' / ADAPTER_FILE)
   assert sorted(alone) == sorted(adapter)
   for k, v in adapter.items():
@@ -346,14 +346,14 @@ def test_qwen3_next_shared_expert_adapter_says_what_peft_does(tmp_path):
   flat, _ = lora_tree('qwen3_next', 'unscanned')
   src = save_tunix_run(tmp_path / 'run', flat)
   plan = orbax_tunix.tools.export.plan_peft_export(src, tmp_path / 'a', model='qwen3_next',
-                                                   alpha=ALPHA)
+                                                   lora_alpha=ALPHA)
   said = [n for n in plan.notes if 'peft 0.21' in n]
   assert len(said) == 1 and 'mlp.experts' in said[0], plan.notes
   assert 'model.layers.0.mlp.shared_expert.down_proj' in said[0], said
   flat, _ = lora_tree('qwen3_next', 'unscanned', LORA_TARGETS[:5])
   src = save_tunix_run(tmp_path / 'run2', flat)
   plan = orbax_tunix.tools.export.plan_peft_export(src, tmp_path / 'a2', model='qwen3_next',
-                                                   alpha=ALPHA)
+                                                   lora_alpha=ALPHA)
   assert not [n for n in plan.notes if 'peft 0.21' in n], plan.notes
 
 
@@ -367,7 +367,7 @@ def test_adapters_alone_of_one_layer_kind_take_the_kinds_from_the_config(tmp_pat
         model_params=ocp.args.PyTreeSave(nest(only))))
   cfg = config(tmp_path / 'cfg', 'qwen3_5_moe')
   orbax_tunix.export_peft_adapter(tmp_path / 'only', tmp_path / 'a', model='qwen3_5_moe',
-                                  alpha=ALPHA, base_model=str(cfg))
+                                  lora_alpha=ALPHA, base_model=str(cfg))
   adapter = read_safetensors(tmp_path / 'a' / ADAPTER_FILE)
   # The six linear layers' in_proj_qkv and in_proj_z: A and B each.
   assert len(adapter) == 2 * 2 * 6, sorted(adapter)

@@ -68,7 +68,8 @@ def exports(tmp_path_factory) -> dict[str, dict]:
   for name in LORA_FIXTURES:
     spec, model = manifest(name)['lora'], family_of(name)
     d = work / name
-    result = ot.export_peft_adapter(DATA / name, d / 'adapter', model=model, alpha=spec['alpha'])
+    result = ot.export_peft_adapter(DATA / name, d / 'adapter', model=model,
+                                    lora_alpha=spec['alpha'])
     extra = {'base': DATA / spec['base']} if name.endswith('_only') else {}
     ot.export_to_hf(DATA / name, d / 'merged', model=model, merge_lora=True,
                     lora_alpha=spec['alpha'], **extra)
@@ -137,7 +138,7 @@ def test_a_full_save_is_read_for_its_adapters_alone(tmp_path, monkeypatch, name)
   """Measured at Orbax's restore: the leaves asked for are the adapters, each once."""
   want = sorted(p + '/value' for p in raw_weights(name) if '_lora_' in p)
   calls = builders.spy_restores(monkeypatch)
-  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model=family_of(name), alpha=3)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model=family_of(name), lora_alpha=3)
   asked = [leaf for _, leaves in calls for leaf in leaves]
   assert {item for item, _ in calls} == {'model_params'}
   assert sorted(asked) == want
@@ -176,7 +177,7 @@ def test_gemma_adapters_saved_alone_are_arranged_by_the_familys_data(exports, tm
   alone = {p: v for p, v in raw_weights(name).items() if lora.is_adapter(p.split('/'))}
   _save_model_params(tmp_path / 'run' / '3', alone)
   ot.export_peft_adapter(tmp_path / 'run', tmp_path / 'adapter', model=family_of(name),
-                         alpha=manifest(name)['lora']['alpha'])
+                         lora_alpha=manifest(name)['lora']['alpha'])
   got = tensors(tmp_path / 'adapter' / peft.ADAPTER_FILE)
   want = exports[name]['adapter']
   assert sorted(got) == sorted(want)
@@ -187,7 +188,7 @@ def test_gemma_adapters_saved_alone_are_arranged_by_the_familys_data(exports, tm
 def test_scale_instead_of_alpha(exports, tmp_path):
   spec = manifest('hf_qwen3_lora')['lora']
   ot.export_peft_adapter(DATA / 'hf_qwen3_lora', tmp_path / 'a', model='qwen3',
-                         scale=spec['scale'], base_model='Qwen/Qwen3-0.6B')
+                         lora_scale=spec['scale'], base_model='Qwen/Qwen3-0.6B')
   config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
   assert config == {**exports['hf_qwen3_lora']['config'], 'lora_alpha': spec['scale'] * 2,
                     'base_model_name_or_path': 'Qwen/Qwen3-0.6B'}
@@ -195,7 +196,7 @@ def test_scale_instead_of_alpha(exports, tmp_path):
 
 def test_bfloat16_adapter_is_the_float32_one_cast(exports, tmp_path):
   import ml_dtypes
-  ot.export_peft_adapter(DATA / 'hf_gemma2_lora', tmp_path / 'a', model='gemma2', alpha=3,
+  ot.export_peft_adapter(DATA / 'hf_gemma2_lora', tmp_path / 'a', model='gemma2', lora_alpha=3,
                          dtype='bfloat16')
   got = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
   for k, v in exports['hf_gemma2_lora']['adapter'].items():
@@ -205,7 +206,7 @@ def test_bfloat16_adapter_is_the_float32_one_cast(exports, tmp_path):
 
 def test_gemma4_k_eq_v_layer_says_what_vllm_does():
   plan = export_lib.plan_peft_export(DATA / 'hf_gemma4_moe_lora', '/nonexistent/out',
-                                     model='gemma4', alpha=3)
+                                     model='gemma4', lora_alpha=3)
   said = [n for n in plan.notes if 'k_eq_v' in n]
   assert len(said) == 1 and 'vLLM' in said[0], plan.notes
   assert 'model.language_model.layers.1.self_attn.k_proj' in said[0]
@@ -350,7 +351,7 @@ def test_refusal_names_every_module_at_once(tmp_path):
          for i in (0, 1) for p in ('up', 'down')
          for x, s in (('a', (3, 40 if p == 'up' else 20, 2)), ('b', (2, 20 if p == 'up' else 40)))}})
   with pytest.raises(ot.LoraError) as e:
-    export_lib.plan_peft_export(root, tmp_path / 'out', model='qwen3_moe', alpha=3)
+    export_lib.plan_peft_export(root, tmp_path / 'out', model='qwen3_moe', lora_alpha=3)
   assert str(e.value).count('MoE experts') == 4 * 3  # 4 weights, 3 experts each.
   assert '`merge_lora=True`' in str(e.value)
 
@@ -399,7 +400,7 @@ def _folder(root: pathlib.Path, config: dict) -> pathlib.Path:
 @pytest.mark.parametrize('name', ['hf_qwen3_lora', 'hf_qwen3_lora_only'])
 def test_base_model_folder_config_is_checked(exports, tmp_path, name):
   good = _folder(tmp_path / 'good', QWEN3_CONFIG)
-  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model='qwen3', alpha=3, base_model=good)
+  ot.export_peft_adapter(DATA / name, tmp_path / 'a', model='qwen3', lora_alpha=3, base_model=good)
   config = json.loads((tmp_path / 'a' / peft.CONFIG_FILE).read_text())
   assert config['base_model_name_or_path'] == str(good)
   assert (tmp_path / 'a' / peft.ADAPTER_FILE).read_bytes() == (
@@ -419,7 +420,7 @@ def _refused(run: pathlib.Path, out: pathlib.Path, error=ot.TunixCheckpointError
   parameters named as flags)."""
   from orbax_tunix.cli.commands import as_flags
   with pytest.raises(error) as e:
-    export_lib.plan_peft_export(run, out, model=model, alpha=3, **kwargs)
+    export_lib.plan_peft_export(run, out, model=model, lora_alpha=3, **kwargs)
   return as_flags(str(e.value))
 
 
@@ -431,7 +432,7 @@ def test_base_model_given_as_its_config_json_is_that_folder(exports, tmp_path, m
   monkeypatch.chdir(tmp_path)
   for given in (good / 'config.json', 'good/config.json', 'good', './good/'):
     plan = export_lib.plan_peft_export(DATA / 'hf_qwen3_lora', tmp_path / 'a', model='qwen3',
-                                       alpha=3, base_model=given)
+                                       lora_alpha=3, base_model=given)
     config = json.loads(dict(plan.other_files)[peft.CONFIG_FILE])
     assert config['base_model_name_or_path'] == str(good), (given, config)
   p = cli(DATA / 'hf_qwen3_lora', tmp_path / 'a', '--model', 'qwen3', *PEFT, '--base-model',
@@ -458,7 +459,7 @@ def test_base_model_path_to_anything_else_is_refused(tmp_path, monkeypatch):
     assert said.startswith(f'--base-model {given}:') and 'found ' in said, said
     assert 'Hub name' in said, said
   plan = export_lib.plan_peft_export(DATA / 'hf_qwen3_lora', tmp_path / 'out', model='qwen3',
-                                     alpha=3, base_model='org/no-such-folder')
+                                     lora_alpha=3, base_model='org/no-such-folder')
   assert any('is no folder here' in n for n in plan.notes), plan.notes
   config = json.loads(dict(plan.other_files)[peft.CONFIG_FILE])
   assert config['base_model_name_or_path'] == 'org/no-such-folder'
@@ -538,7 +539,8 @@ def test_adapters_alone_are_checked_against_every_size_of_the_base_config(export
   src = _alone(name, tmp_path / 'run')
   config = _hub_config(name)
   folder = _folder(tmp_path / 'hub', config)
-  ot.export_peft_adapter(src, tmp_path / 'a', model=family_of(name), alpha=3, base_model=folder)
+  ot.export_peft_adapter(src, tmp_path / 'a', model=family_of(name), lora_alpha=3,
+                         base_model=folder)
   got = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
   assert sorted(got) == sorted(exports[name]['adapter'])
   text = config.get('text_config', config)
@@ -579,7 +581,7 @@ def test_adapters_on_lm_head_refuse_a_tied_base_saved_in_full_or_alone(tmp_path,
   vocabulary is checked too."""
   src = _lm_head_adapted(tmp_path / 'run', alone)
   good = _folder(tmp_path / 'good', QWEN3_CONFIG)
-  plan = export_lib.plan_peft_export(src, tmp_path / 'a', model='qwen3', alpha=3,
+  plan = export_lib.plan_peft_export(src, tmp_path / 'a', model='qwen3', lora_alpha=3,
                                      base_model=good)
   assert 'lm_head' in ' '.join(json.loads(dict(plan.other_files)[peft.CONFIG_FILE])[
       'target_modules'])
@@ -615,7 +617,7 @@ def test_multimodal_base_names_the_text_models_modules_as_it_holds_them(tmp_path
                                             'vocab_size': 96})
   got = {}
   for base in (multimodal, causal):
-    ot.export_peft_adapter(run, tmp_path / base.name / 'a', model='gemma3', scale=1.0,
+    ot.export_peft_adapter(run, tmp_path / base.name / 'a', model='gemma3', lora_scale=1.0,
                            base_model=base)
     got[base.name] = tensors(tmp_path / base.name / 'a' / peft.ADAPTER_FILE)
   modules = ['layers.0.mlp.up_proj', 'layers.0.self_attn.q_proj']
@@ -694,7 +696,7 @@ def test_maxtext_model_run_adapter_on_its_base_is_the_merged_export(tmp_path, mo
   src = mt.save_tunix_run(tmp_path / 'run', lora_flat, per_layer_chunks=True)
   ot.export_to_hf(src, tmp_path / 'base', model=model, base_only=True)
   ot.export_to_hf(src, tmp_path / 'merged', model=model, merge_lora=True, lora_alpha=mt.ALPHA)
-  result = ot.export_peft_adapter(src, tmp_path / 'a', model=model, alpha=mt.ALPHA)
+  result = ot.export_peft_adapter(src, tmp_path / 'a', model=model, lora_alpha=mt.ALPHA)
   base = tensors(tmp_path / 'base' / 'model.safetensors')
   merged = tensors(tmp_path / 'merged' / 'model.safetensors')
   adapter = tensors(tmp_path / 'a' / peft.ADAPTER_FILE)
@@ -810,7 +812,7 @@ def test_gemma3_einsum_adapters_with_and_without_their_base(tmp_path, name):
   ot.export_to_hf(tmp_path / 'full', tmp_path / 'merged', model='gemma3', merge_lora=True,
                   lora_scale=0.5)
   for kind in ('full', 'alone'):
-    ot.export_peft_adapter(tmp_path / kind, tmp_path / f'a_{kind}', model='gemma3', scale=0.5)
+    ot.export_peft_adapter(tmp_path / kind, tmp_path / f'a_{kind}', model='gemma3', lora_scale=0.5)
   base, merged = (tensors(tmp_path / k / 'model.safetensors') for k in ('base', 'merged'))
   adapter = tensors(tmp_path / 'a_full' / peft.ADAPTER_FILE)
   alone = tensors(tmp_path / 'a_alone' / peft.ADAPTER_FILE)
@@ -834,24 +836,24 @@ def test_an_existing_adapter_is_replaced_only_with_force(exports, tmp_path):
   (stale / peft.ADAPTER_FILE).write_bytes(b'stale')
   (stale / peft.CONFIG_FILE).write_text('{}')
   with pytest.raises(ot.TunixCheckpointError):
-    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', stale, model='qwen3', alpha=3, force=True)
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', stale, model='qwen3', lora_alpha=3, force=True)
   assert (stale / peft.ADAPTER_FILE).read_bytes() == b'stale'
   out = tmp_path / 'a'
-  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=6)
+  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', lora_alpha=6)
   with pytest.raises(ot.DestinationExistsError):
-    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3)
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', lora_alpha=3)
   assert json.loads((out / peft.CONFIG_FILE).read_text())['lora_alpha'] == 6
-  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+  ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', lora_alpha=3, force=True)
   assert json.loads((out / peft.CONFIG_FILE).read_text())['lora_alpha'] == 3
   assert (out / peft.ADAPTER_FILE).read_bytes() == (
       exports['hf_qwen3_lora']['dir'] / 'adapter' / peft.ADAPTER_FILE).read_bytes()
   (out / 'notes.txt').write_text('mine')  # Not an adapter export's: never replaced.
   with pytest.raises(ot.TunixCheckpointError, match='notes.txt'):
-    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', alpha=3, force=True)
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', out, model='qwen3', lora_alpha=3, force=True)
   model = tmp_path / 'model'
   ot.export_to_hf(DATA / 'hf_qwen3', model, model='qwen3')  # A model folder is no adapter's.
   with pytest.raises(ot.TunixCheckpointError):
-    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', model, model='qwen3', alpha=3, force=True)
+    ot.export_peft_adapter(DATA / 'hf_qwen3_lora', model, model='qwen3', lora_alpha=3, force=True)
   assert (model / 'model.safetensors').exists()
 
 
@@ -920,7 +922,7 @@ def test_maxtext_adapters_saved_alone_take_their_shapes_from_the_base_config(
   alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
   folder = _maxtext_base_folder(tmp_path / 'base', model)
   for src, out in ((full, 'a_full'), (alone, 'a_alone')):
-    ot.export_peft_adapter(src, tmp_path / out, model=model, alpha=mt.ALPHA, base_model=folder)
+    ot.export_peft_adapter(src, tmp_path / out, model=model, lora_alpha=mt.ALPHA, base_model=folder)
   for name in (peft.ADAPTER_FILE, peft.CONFIG_FILE):
     assert (tmp_path / 'a_alone' / name).read_bytes() == (
         tmp_path / 'a_full' / name).read_bytes(), name
@@ -1012,7 +1014,7 @@ def test_maxtext_gemma4_global_key_adapter_says_what_vllm_does(tmp_path, form):
   alone = mt.save_tunix_run(tmp_path / 'alone', {k: v for k, v in run.items() if '_lora_' in k})
   folder = _maxtext_base_folder(tmp_path / 'base', 'gemma4')
   for src in (full, alone):
-    plan = export_lib.plan_peft_export(src, tmp_path / 'out', model='gemma4', alpha=mt.ALPHA,
+    plan = export_lib.plan_peft_export(src, tmp_path / 'out', model='gemma4', lora_alpha=mt.ALPHA,
                                        base_model=folder)
     said = [n for n in plan.notes if 'k_eq_v' in n]
     assert len(said) == 1 and 'vLLM' in said[0], plan.notes
@@ -1066,7 +1068,7 @@ def test_peft_honours_the_axis_the_step_records(tmp_path):
   meta = json.loads((step / '_CHECKPOINT_METADATA').read_text())['custom_metadata']
   assert (meta['scan_layers'], meta['param_scan_axis']) == (True, 1)
   for source, out in ((src, 'a_run'), (step, 'a_step')):
-    ot.export_peft_adapter(source, tmp_path / out, model='gemma3', alpha=mt.ALPHA)
+    ot.export_peft_adapter(source, tmp_path / out, model='gemma3', lora_alpha=mt.ALPHA)
   for name in (peft.ADAPTER_FILE, peft.CONFIG_FILE):
     assert (tmp_path / 'a_step' / name).read_bytes() == (tmp_path / 'a_run' / name).read_bytes()
   for flags in (PEFT, ('--base-only',)):

@@ -585,9 +585,10 @@ def test_lora_merge_with_adapters_and_base_in_a_bucket(bucket, tunix_data, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   target = jax.tree.map(
       lambda m: jax.ShapeDtypeStruct(m.shape, jnp.bfloat16, sharding=replicated), meta.tree)
-  local = ot.restore_merged_lora(tunix_data / 'lora_qwix', target, alpha=4.0,
+  local = ot.restore_merged_lora(tunix_data / 'lora_qwix', target, lora_alpha=4.0,
                                  base=tunix_data / 'lora_base')
-  remote = ot.restore_merged_lora(bucket / 'lora_qwix', target, alpha=4.0, base=bucket / 'lora_base')
+  remote = ot.restore_merged_lora(bucket / 'lora_qwix', target, lora_alpha=4.0,
+                                  base=bucket / 'lora_base')
   for (path, a), (_, b) in zip(_leaves(local).items(), _leaves(remote).items(), strict=True):
     assert a.sharding == b.sharding and a.dtype == b.dtype == jnp.bfloat16, path
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path)

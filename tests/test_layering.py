@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'orbax_tunix'
 # In order: each may import those before it (and itself).
 LAYERS = ['', 'store', 'view', 'reading', 'handlers', 'mapping', 'maxtext', 'writing', 'layouts',
           'tools', 'cli']
-TOP_LEVEL = {'errors', 'sizes', 'keypaths', 'conventions', 'catalog', 'version'}
+TOP_LEVEL = {'errors', 'sizes', 'keypaths', 'conventions', 'catalog', 'options', 'version'}
 
 
 def _module(path: pathlib.Path) -> str:

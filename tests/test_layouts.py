@@ -12,6 +12,7 @@ import pytest
 
 import orbax_tunix as ot
 from orbax_tunix import layouts
+from orbax_tunix.cli import flags
 from orbax_tunix.mapping import huggingface
 
 
@@ -46,7 +47,7 @@ def test_the_step_layouts_are_canonical_and_maxtext():
 def test_a_familys_layout_of_each_export_destination():
   # README: `export --model F` writes F's folder, `--peft` F's PEFT adapter.
   folder, adapter = layouts.destinations('export')
-  assert adapter.switch.option.flag == '--peft'
+  assert flags.flag_of(adapter.switch.option) == '--peft'
   for family in huggingface.names():
     assert layouts.find(folder, family).name == family
     assert layouts.find(adapter, family).name == f'{family}.peft'

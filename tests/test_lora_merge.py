@@ -109,7 +109,7 @@ def test_merged_weights_compute_what_the_lora_model_computes(runs, mesh, name, s
   target = abstract_weights(name, mesh, dtype)
   base = None if saved == 'full' else run_['root'] / 'base'
   alpha = lm.ALPHA if name == 'qwix' else None  # flax's LoRA has no alpha
-  merged = ot.restore_merged_lora(run_['root'] / saved, target, alpha=alpha, base=base)
+  merged = ot.restore_merged_lora(run_['root'] / saved, target, lora_alpha=alpha, base=base)
   assert_target_kept(merged, target)
   atol = F32_ATOL if dtype == jnp.float32 else BF16_ATOL
   np.testing.assert_allclose(forward(name, merged), run_['logits'], atol=atol, rtol=0)
@@ -124,7 +124,7 @@ def test_each_weight_is_the_formula(runs, mesh):
   root = runs['qwix']['root']
   raw = builders.raw_leaves(root / 'full' / '1' / 'model_params')
   merged = dict(flatten(ot.restore_merged_lora(root / 'full', abstract_weights('qwix', mesh),
-                                               alpha=lm.ALPHA))[0])
+                                               lora_alpha=lm.ALPHA))[0])
   scale = lm.ALPHA / lm.RANK
   q = 'layers/1/q_proj/w'
   want = raw[f'{q}/value'] + scale * np.tensordot(raw[f'{q}_lora_a/value'], raw[f'{q}_lora_b/value'], 1)
@@ -144,7 +144,7 @@ def test_the_merges_compile_while_the_weights_are_read(runs, mesh, monkeypatch):
   root = runs['qwix']['root']
   target = abstract_weights('qwix', mesh)
   merged, threads = compiled_on_threads(
-      monkeypatch, lambda: ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA))
+      monkeypatch, lambda: ot.restore_merged_lora(root / 'full', target, lora_alpha=lm.ALPHA))
   merges = merge.plan_merge(root / 'full', merge.MergeOptions(lm.ALPHA)).merges
   leaves = dict(flatten(target)[0])
   kinds = {(m.contraction, m.scale, leaves[p].sharding) for p, m in merges.items()}
@@ -167,12 +167,12 @@ def test_scale_instead_of_alpha_and_partial_target(runs, mesh, monkeypatch):
     return original(self, wanted, *args, **kwargs)
 
   monkeypatch.setattr(PlannedItem, 'read', spy)
-  by_scale = ot.restore_merged_lora(root / 'full', target, scale=lm.ALPHA / lm.RANK)
+  by_scale = ot.restore_merged_lora(root / 'full', target, lora_scale=lm.ALPHA / lm.RANK)
   assert sorted(read) == ['layers/0/q_proj/w', 'layers/0/q_proj/w_lora_a', 'layers/0/q_proj/w_lora_b']
   # One restore: the weight into its target, the adapters to the host (the merge puts them).
   assert calls == [{'layers/0/q_proj/w': jax.ShapeDtypeStruct, 'layers/0/q_proj/w_lora_a': int,
                     'layers/0/q_proj/w_lora_b': int}]
-  by_alpha = ot.restore_merged_lora(root / 'full', target, alpha=lm.ALPHA)
+  by_alpha = ot.restore_merged_lora(root / 'full', target, lora_alpha=lm.ALPHA)
   np.testing.assert_array_equal(np.asarray(by_scale['layers']['0']['q_proj']['w']),
                                 np.asarray(by_alpha['layers']['0']['q_proj']['w']))
 
@@ -196,7 +196,7 @@ def test_maxtext_params_only_with_lora(runs, mesh):
   abstract = {'params': {'params': weights}, 'step': jax.ShapeDtypeStruct((), jnp.int32)}
   restored = maxtext.restore_train_state(root / 'only', abstract, params_only=True,
                                          merge_lora=True, lora_alpha=lm.ALPHA,
-                                         lora_base=root / 'base')
+                                         base=root / 'base')
   assert restored['step'] is abstract['step']
   assert_target_kept(restored['params']['params'], weights)
   np.testing.assert_allclose(forward('qwix', restored['params']['params']),
@@ -242,7 +242,8 @@ def test_errors_before_any_read(runs, mesh, tmp_path, monkeypatch):
   for given in ({'alpha': float('nan')}, {'alpha': float('inf')}, {'scale': -float('inf')},
                 {'alpha': 'four'}, {'alpha': 4.0, 'scale': 2.0}):
     with pytest.raises(ot.LoraError, match='finite number|not both'):
-      ot.restore_merged_lora(tmp_path / 'nothing here', target, **given)
+      ot.restore_merged_lora(tmp_path / 'nothing here', target,
+                             **{f'lora_{k}': v for k, v in given.items()})
     with pytest.raises(ot.LoraError, match='finite number|not both'):
       merge.plan_merge(tmp_path / 'nothing here', merge.MergeOptions(**given))
   with pytest.raises(ot.LoraError, match='finite number'):
@@ -251,22 +252,22 @@ def test_errors_before_any_read(runs, mesh, tmp_path, monkeypatch):
   with pytest.raises(ot.LoraError, match='add `merge_lora=True`'):
     maxtext.restore_train_state(tmp_path / 'nothing here', {}, lora_alpha=4.0)
   with pytest.raises(ot.LoraError, match='base weight of every adapter') as e:
-    ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA)
+    ot.restore_merged_lora(root / 'only', target, lora_alpha=lm.ALPHA)
   assert 'layers/1/v_proj/w (adapted by layers/1/v_proj/w_lora_a)' in str(e.value)
   with pytest.raises(ot.LoraError, match='5 missing') as e:
-    ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA, base=tmp_path / 'partial')
+    ot.restore_merged_lora(root / 'only', target, lora_alpha=lm.ALPHA, base=tmp_path / 'partial')
   assert 'layers/1/up/kernel' in str(e.value) and 'layers/0/' not in str(e.value)
   with pytest.raises(ot.LoraError, match='do not reproduce') as e:
-    ot.restore_merged_lora(root / 'only', target, alpha=lm.ALPHA, base=tmp_path / 'other')
+    ot.restore_merged_lora(root / 'only', target, lora_alpha=lm.ALPHA, base=tmp_path / 'other')
   assert 'layers/0/up/kernel (16, 16)' in str(e.value)
   with pytest.raises(ot.LoraError, match='ranks disagree'):
     merge.plan_merge(tmp_path / 'ranks', merge.MergeOptions(alpha=1.0))
   # A target that is not the plain model: an adapter leaf in it.
   with pytest.raises(ot.TargetMismatchError, match='an adapter'):
     ot.restore_merged_lora(root / 'full', {'layers': {'0': {'up': {'kernel_lora_a': target[
-        'layers'][0]['up']['kernel']}}}}, alpha=lm.ALPHA)
+        'layers'][0]['up']['kernel']}}}}, lora_alpha=lm.ALPHA)
   with pytest.raises(ot.LoraError, match='expected LoRA adapters'):
-    ot.restore_merged_lora(root / 'base', target, alpha=lm.ALPHA)
+    ot.restore_merged_lora(root / 'base', target, lora_alpha=lm.ALPHA)
 
 
 @pytest.mark.parametrize('weight, a, b, expected', [
@@ -352,7 +353,7 @@ def test_fixture_merge_computes_the_lora_models_logits(tunix_data, mesh, case, d
       lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=split if x.ndim == 2 else replicated),
       state)
   merged = ot.restore_merged_lora(tunix_data / name, target,
-                                  alpha=None if name == 'lora_flax' else FIXTURE_ALPHA,
+                                  lora_alpha=None if name == 'lora_flax' else FIXTURE_ALPHA,
                                   base=None if base is None else tunix_data / base)
   assert_target_kept(merged, target)
   # bfloat16: 0.008-0.012 seen; the adapters move these logits by 0.065-0.10.
@@ -407,8 +408,8 @@ def test_a_scale_float32_cannot_hold_is_refused(runs, mesh, tmp_path, capsys, mo
   assert status == 2 and '--lora-alpha 1e+39' in err and 'float32' in err, err
   assert not dst.exists()
   forbid_reads(monkeypatch)
-  for given, name in (({'alpha': 1e39}, 'alpha'), ({'scale': -4e38}, 'scale'),
-                      ({'alpha': 1e-46}, 'alpha')):
+  for given, name in (({'lora_alpha': 1e39}, 'lora_alpha'), ({'lora_scale': -4e38}, 'lora_scale'),
+                      ({'lora_alpha': 1e-46}, 'lora_alpha')):
     with pytest.raises(ot.LoraError, match=f'`{name}=.*float32') as e:
       ot.restore_merged_lora(root / 'full', target, **given)
     assert 'layers/0/q_proj/w_lora_a' in str(e.value) or 'lora_a' in str(e.value)
@@ -447,8 +448,8 @@ def test_flax_adapters_take_no_alpha(runs, mesh, tmp_path, capsys, monkeypatch):
     assert "flax's" in err and 'no alpha' in err, err
     assert not dst.exists()
   forbid_reads(monkeypatch)
-  with pytest.raises(ot.LoraError, match="`alpha` given, but these adapters are flax's"):
-    ot.restore_merged_lora(root / 'full', abstract_weights('flax', mesh), alpha=16.0)
+  with pytest.raises(ot.LoraError, match="`lora_alpha` given, but these adapters are flax's"):
+    ot.restore_merged_lora(root / 'full', abstract_weights('flax', mesh), lora_alpha=16.0)
   with pytest.raises(ot.LoraError, match="`lora_scale` given, but these adapters are flax's"):
     maxtext.restore_train_state(root / 'full', {'params': {'params': abstract_weights(
         'flax', mesh)}}, params_only=True, merge_lora=True, lora_scale=2.0)
@@ -462,7 +463,7 @@ def test_a_target_leaf_that_is_not_an_array_is_a_target_mismatch(runs, mesh, mon
   target['layers'][1]['up']['bias'] = 3
   forbid_reads(monkeypatch)
   with pytest.raises(ot.TargetMismatchError, match='2 leaves that are not arrays') as e:
-    ot.restore_merged_lora(runs['qwix']['root'] / 'full', target, alpha=lm.ALPHA)
+    ot.restore_merged_lora(runs['qwix']['root'] / 'full', target, lora_alpha=lm.ALPHA)
   assert 'layers/0/q_proj/w: float' in str(e.value) and 'layers/1/up/bias: int' in str(e.value)
 
 
@@ -504,7 +505,7 @@ def test_adapters_are_not_merged_twice(runs, mesh, tmp_path, capsys, monkeypatch
     assert not dst.exists()
   forbid_reads(monkeypatch)
   with pytest.raises(ot.LoraError, match='add them twice'):
-    ot.restore_merged_lora(root / 'only', abstract_weights('qwix', mesh), alpha=lm.ALPHA,
+    ot.restore_merged_lora(root / 'only', abstract_weights('qwix', mesh), lora_alpha=lm.ALPHA,
                            base=relaid)
 
 

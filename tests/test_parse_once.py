@@ -53,7 +53,7 @@ def _calls(tunix_data, mesh, tmp_path):
       'ItemsHandler': lambda: ocp.Checkpointer(maxtext.ItemsHandler()).restore(
           step, args=ocp.args.PyTreeRestore(item=abstract, partial_restore=True)),
       'merged LoRA': lambda: ot.restore_merged_lora(
-          tunix_data / 'lora_qwix_full', _plain_target(tunix_data), alpha=4.0),
+          tunix_data / 'lora_qwix_full', _plain_target(tunix_data), lora_alpha=4.0),
       'hyperparameters': lambda: ot.hyperparameters(tunix_data / 'adapter_inject'),
       'convert': lambda: convert.run_convert(convert.plan_convert(
           step, tmp_path / f'out{len(os.listdir(tmp_path))}' / '2')),

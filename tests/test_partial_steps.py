@@ -107,9 +107,10 @@ def test_maxtext_params_only_opens_the_weights_only(copied, tunix_data, tmp_path
 def test_merged_lora_without_the_optimizer(tunix_data, tmp_path, mesh):
   root = tmp_path / 'lora'
   shutil.copytree(tunix_data / 'lora_qwix_full', root)
-  whole = ot.restore_merged_lora(tunix_data / 'lora_qwix_full', _plain_target(tunix_data), alpha=4.0)
+  whole = ot.restore_merged_lora(tunix_data / 'lora_qwix_full', _plain_target(tunix_data),
+                                 lora_alpha=4.0)
   shutil.rmtree(root / '1' / 'optimizer_state')
-  got = ot.restore_merged_lora(root, _plain_target(tunix_data), alpha=4.0)
+  got = ot.restore_merged_lora(root, _plain_target(tunix_data), lora_alpha=4.0)
   for (path, a), (_, b) in zip(flatten(got)[0], flatten(whole)[0], strict=True):
     np.testing.assert_array_equal(a, b, err_msg=fmt(path))
 

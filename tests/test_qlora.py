@@ -319,10 +319,10 @@ def test_full_save_merges_onto_its_dequantized_base(runs, mesh, name):
   target = abstract_weights('qwix', mesh, jnp.float32)
   plan = merge.plan_merge(run['root'] / 'full', merge.MergeOptions(alpha=lm.ALPHA))
   assert any('saved quantized' in n for n in plan.notes), plan.notes
-  merged = ot.restore_merged_lora(run['root'] / 'full', target, alpha=lm.ALPHA)
+  merged = ot.restore_merged_lora(run['root'] / 'full', target, lora_alpha=lm.ALPHA)
   right = np.abs(forward('qwix', merged) - run['logits']).max()
   # The float base merged instead is another model (what a silent float merge wrote).
-  floats = ot.restore_merged_lora(run['root'] / 'only', target, alpha=lm.ALPHA,
+  floats = ot.restore_merged_lora(run['root'] / 'only', target, lora_alpha=lm.ALPHA,
                                   base=run['root'] / 'base')
   wrong = np.abs(forward('qwix', floats) - run['logits']).max()
   if run['dtype'] == jnp.float32:
@@ -386,11 +386,11 @@ def test_adapters_only_without_the_recipe_says_it_cannot_tell(runs):
 def test_a_recipe_that_does_not_fit_is_refused_before_any_read(runs, mesh, keywords, match):
   run = runs['int4_absmax']
   with pytest.raises(errors.LoraError, match=match):
-    ot.restore_merged_lora(run['root'] / 'only', abstract_weights('qwix', mesh), alpha=lm.ALPHA,
-                           base=run['root'] / 'base', **keywords)
+    ot.restore_merged_lora(run['root'] / 'only', abstract_weights('qwix', mesh),
+                           lora_alpha=lm.ALPHA, base=run['root'] / 'base', **keywords)
 
 
 def test_a_recipe_without_a_base_is_refused(runs, mesh):
   with pytest.raises(errors.LoraError, match='`base_qtype=int8` without `base`'):
     ot.restore_merged_lora(runs['int4_absmax']['root'] / 'full', abstract_weights('qwix', mesh),
-                           alpha=lm.ALPHA, base_qtype='int8')
+                           lora_alpha=lm.ALPHA, base_qtype='int8')

@@ -153,7 +153,8 @@ def test_a_recipe_where_no_qlora_run_could_be_is_refused(run, base, match, monke
   reads = builders.spy_restores(monkeypatch)
   with pytest.raises(errors.LoraError, match=match):
     merge.plan_merge(DATA / run, merge.MergeOptions.given(
-        True, ALPHA if run != 'lora_flax' else None, base=DATA / base, base_qtype='int8'))
+        {'lora_alpha': ALPHA if run != 'lora_flax' else None, 'base': DATA / base,
+         'base_qtype': 'int8'}, merging=True))
   assert not reads
 
 
@@ -181,7 +182,7 @@ def test_a_recipe_given_for_adapters_only_is_noted_as_the_callers_word():
   """int8 given for an int4 run: the merge does it, and says that the save cannot confirm
   it, not that it is what the run did."""
   plan = merge.plan_merge(DATA / ONLY, merge.MergeOptions.given(
-      True, ALPHA, base=DATA / 'hf_qwen3', base_qtype='int8'))
+      {'lora_alpha': ALPHA, 'base': DATA / 'hf_qwen3', 'base_qtype': 'int8'}, merging=True))
   (note,) = [n for n in plan.notes if 're-quantized with the recipe given' in n]
   assert 'recipe given (int8, per channel, absmax' in note and 'cannot confirm it' in note
   assert 'as the run did' not in note and 'as the run did' not in plan.describe()
@@ -199,14 +200,15 @@ def test_another_runs_qlora_save_as_base_is_not_called_the_runs():
 
 
 def test_peft_of_adapters_only_says_it_cannot_tell(tmp_path):
-  plan = export.plan_peft_export(DATA / ONLY, tmp_path / 'adapter', model='qwen3', alpha=ALPHA)
+  plan = export.plan_peft_export(DATA / ONLY, tmp_path / 'adapter', model='qwen3', lora_alpha=ALPHA)
   assert any('cannot tell whether the run trained them on a quantized base' in n
              for n in plan.notes), plan.notes
 
 
 def test_a_mixed_run_is_described_weight_by_weight(tmp_path):
   quantized, floats = _mixed()
-  plan = export.plan_peft_export(DATA / MIXED, tmp_path / 'adapter', model='qwen3', alpha=ALPHA)
+  plan = export.plan_peft_export(DATA / MIXED, tmp_path / 'adapter', model='qwen3',
+                                 lora_alpha=ALPHA)
   (note,) = [n for n in plan.notes if n.startswith('QLoRA:')]
   assert f'{len(quantized)} of these {len(quantized) + len(floats)} adapters' in note, note
   assert f'the other {len(floats)} (plain LoRA' in note, note
@@ -230,8 +232,8 @@ def test_a_mixed_run_is_described_weight_by_weight(tmp_path):
 def test_a_recipe_that_does_not_fit_names_the_option(base, keywords, match, monkeypatch):
   reads = builders.spy_restores(monkeypatch)
   with pytest.raises(errors.LoraError) as raised:
-    merge.plan_merge(DATA / ONLY, merge.MergeOptions.given(True, ALPHA, base=DATA / base,
-                                                           **keywords))
+    merge.plan_merge(DATA / ONLY, merge.MergeOptions.given(
+        {'lora_alpha': ALPHA, 'base': DATA / base, **keywords}, merging=True))
   assert re.search(match, str(raised.value), re.S), str(raised.value)
   assert 'reproduce' not in str(raised.value) and not reads
 

@@ -1,6 +1,9 @@
 """`orbax-tunix`: inspect, convert, export and diff checkpoints from the command line.
 
-  commands.py  the arguments, the commands, errors shown as this command's flags
+  commands.py  the commands, and `main`: errors shown as this command's flags
+  parser.py    the argument parser: the top level and each command's flags
+  flags.py     flags made from the library's options; its messages with flags
+  pipes.py     the output streams guarded (a closed pipe, a full disk), libraries quieted
   display.py   tables, aligned text and JSON for people and scripts
   progress.py  progress bars and lines; signals that stop a conversion cleanly
 

@@ -7,7 +7,7 @@ folder (one layout per family) or a PEFT adapter folder. Its `destination` is on
 kind of destination (`commit.Kind`: what may be replaced, how it is committed), how its
 outputs are sharded into files and written (through the one writer, `writing/writer.py`),
 the dtypes it takes, and which command's flag chooses it. Its `options` are data the library
-takes by name and the command line builds its flags from. A new output format is one module
+takes by name (`orbax_tunix.options.Option`) and the command line builds its flags from. A new output format is one module
 (its destination, if it is a new kind, and its layouts) registered in `layouts/__init__.py`.
 
 Its own module so that the layouts (`canonical`, `maxtext`, ...) import it, and the package
@@ -26,48 +26,9 @@ from etils import epath
 from orbax_tunix import catalog, errors
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied
+from orbax_tunix.options import Option
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.writing import commit, writer
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-  """An option a layout takes, as data: the library's keyword, and what the CLI's flag is.
-
-  Attributes:
-    name: the library keyword (the flag: `--scan-layers`); a layout reads its value with
-      `Request.option`.
-    parse: the flag's text -> the value (raises ValueError for text that is none).
-    metavar: how the flag's value is shown.
-    help: what it does, for people.
-    default: its value when not asked for (left out of what a plan records as asked).
-    coerce: a value the library was given -> the layout's (a size's text to bytes, a path's
-      text to a path); raises `InvalidOptionError`.
-    switch: the flag takes no value (it sets True).
-    folder: it names a folder that is read (the destination must be neither it nor inside
-      it).
-    flags: the command's other flags it is made from (by their library names), for an
-      option without a flag of its own (`combine` makes it from their values).
-    combine: those flags' values -> the option's value.
-    alone: what the command says when the option is given without the switch that chooses
-      its layouts' destination (`Destination.switch`); None: a plain refusal.
-  """
-
-  name: str
-  parse: Callable[[str], Any] = dataclasses.field(repr=False)
-  metavar: str
-  help: str
-  default: Any = None
-  coerce: Callable[[Any], Any] = dataclasses.field(default=lambda value: value, repr=False)
-  switch: bool = False
-  folder: bool = False
-  flags: tuple[str, ...] = ()
-  combine: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
-  alone: str | None = None
-
-  @property
-  def flag(self) -> str:
-    return '--' + self.name.replace('_', '-')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +110,8 @@ class Plan:
     files: a folder's safetensors files and what each holds (a step: none).
     other_files: a folder's other files: (name, a path to copy or a text).
     summary: what the layout tells of its output (a family's model, architecture).
-    options: the options the caller gave, by its own names (`lora_alpha`, `max_shard_size`;
-      those not given left out), as given: a job's processes compare them by value
+    options: the options the caller gave, by their names (`Option.name`: a layout's, a
+      merge's; those not given left out), as given: a job's processes compare them by value
       (`agreement`), so a difference names the option, not only what it makes.
   """
 
@@ -214,23 +175,23 @@ class Switch:
 
   Attributes:
     option: the flag (a switch: `Option.switch`).
-    refuses: the command's flags (by their library names) that do not go with it -> why.
+    refuses: the command's flags (by their options' names) that do not go with it -> why.
     instead: what to do instead of such a flag, besides leaving it out.
+    alone: the options of its layouts (by name) -> what the command says when one is given
+      without it (else: that it is an option of this switch).
   """
 
   option: Option
   refuses: Mapping[str, str] = dataclasses.field(default_factory=dict)
   instead: str = ''
-
-
-def _any_dtype(dtype: Any) -> np.dtype | None:
-  return dtype
+  alone: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class Destination:
-  """A kind of destination, as one value: what it is, how it is planned, shared and written,
-  and which command writes it.
+  """A kind of destination, as one value: what it is, and which command writes it; how it is
+  planned, shared and written are its methods (a new kind is a subclass: `layouts/step.py`,
+  `layouts/folder.py`, `layouts/peft.py`).
 
   Attributes:
     name: what it is called ('step', 'folder', 'adapter').
@@ -238,14 +199,6 @@ class Destination:
     unit: what one output is, for messages ('array', 'tensor').
     run: what writing one is called ('conversion', 'export').
     doing: the progress line's verb.
-    shard: (items, the options given) -> the items in write order and a folder's files.
-    share: plan -> the outputs this process reads (across hosts).
-    write: (plan, this process's outputs, the staging directory, progress) -> what to
-      record of it (a folder: its files and bytes).
-    entries: plan -> every entry `write` makes at the top of the destination (a bucket's
-      claim names them: `commit.staged`).
-    dtype: the `dtype` the caller gave -> the dtype written (None: as stored); raises
-      `InvalidOptionError` for one the destination's readers do not take.
     command: the command that writes it (`orbax-tunix convert`, `export`).
     switch: the command's flag that chooses it (None: the command's default).
     merges: its layouts take a LoRA merge (the command's merge flags make one).
@@ -261,18 +214,39 @@ class Destination:
   unit: str
   run: str
   doing: str
-  shard: Callable[[Sequence[ItemOutput], Mapping[str, Any]],
-                  tuple[Sequence[ItemOutput], Sequence[writer.Shard]]] = dataclasses.field(
-                      repr=False)
-  share: Callable[[Plan], Sequence[Output]] = dataclasses.field(repr=False)
-  write: Callable[[Plan, Sequence[Output], epath.Path, reader.Progress],
-                  dict[str, Any]] = dataclasses.field(repr=False)
-  entries: Callable[[Plan], Sequence[str]] = dataclasses.field(repr=False)
-  dtype: Callable[[Any], np.dtype | None] = dataclasses.field(default=_any_dtype, repr=False)
   command: str = 'convert'
   switch: Switch | None = None
   merges: bool = True
   safetensors: bool = False
+
+  def shard(self, items: Sequence[ItemOutput], given: Mapping[str, Any]
+            ) -> tuple[Sequence[ItemOutput], Sequence[writer.Shard]]:
+    """The items in write order, and a folder's files (the options given: by name)."""
+    del given
+    return items, ()
+
+  def share(self, plan: Plan) -> Sequence[Output]:
+    """The outputs this process reads (across hosts); all of them here."""
+    return plan.outputs
+
+  def write(self, plan: Plan, mine: Sequence[Output], work: epath.Path,
+            progress: reader.Progress) -> dict[str, Any]:
+    """Writes this process's outputs into the staging directory `work`; returns what to
+    record of it (a folder: its files and bytes)."""
+    raise NotImplementedError
+
+  def entries(self, plan: Plan) -> Sequence[str]:
+    """Every entry `write` makes at the top of the destination (a bucket's claim names
+    them: `commit.staged`)."""
+    raise NotImplementedError
+
+  def dtype(self, dtype: Any) -> np.dtype | None:
+    """The dtype written, from the `dtype` the caller gave (None: as stored).
+
+    Raises:
+      InvalidOptionError: one the destination's readers do not take.
+    """
+    return dtype
 
 
 def _check_destination(destination: object) -> None:

@@ -126,8 +126,30 @@ def _copy(path: epath.Path, dest: epath.Path) -> None:
       out.write(chunk)
 
 
-FOLDER = Destination(
+@dataclasses.dataclass(frozen=True)
+class FolderDestination(Destination):
+  """A Hugging Face folder of safetensors files (`share`, `write`, `entries`, `hf_dtype`);
+  the PEFT adapter folder is one with its own sharding (`layouts/peft.py`)."""
+
+  def shard(self, items: Sequence[ItemOutput], given: Mapping[str, Any]
+            ) -> tuple[list[ItemOutput], list[writer.Shard]]:
+    return _shard(items, given)
+
+  def share(self, plan: Plan) -> list[Output]:
+    return share(plan)
+
+  def write(self, plan: Plan, mine: Sequence[Output], work: epath.Path,
+            progress: reader.Progress) -> dict[str, Any]:
+    return write(plan, mine, work, progress)
+
+  def entries(self, plan: Plan) -> list[str]:
+    return entries(plan)
+
+  def dtype(self, dtype: Any) -> np.dtype | None:
+    return hf_dtype(dtype)
+
+
+FOLDER = FolderDestination(
     name='folder', kind=EXPORT, unit='tensor', run='export', doing='exporting to',
-    shard=_shard, share=share, write=write, entries=entries, dtype=hf_dtype, command='export',
-    safetensors=True,
+    command='export', safetensors=True,
 )

@@ -318,14 +318,14 @@ PARAM_SCAN_AXIS = Option(
     ' fit; an axis that does not fit is refused)')
 
 BASE_ONLY = Option(
-    'base_only', bool, '', "a full LoRA save's base weights alone (the adapters left out, not"
-    ' merged): the base a PEFT adapter of the run applies to', switch=True)
+    'base_only', bool, None, "a full LoRA save's base weights alone (the adapters left out, not"
+    ' merged): the base a PEFT adapter of the run applies to')
 CONFIG_AS_TRAINED = Option(
-    as_trained.OPTION, bool, '', 'write into config.json the values google-tunix trained with'
+    as_trained.OPTION, bool, None, 'write into config.json the values google-tunix trained with'
     " where its model class ignores the base config's ("
     + '; '.join(f'{fact.field}: {", ".join(families)} {fact.brief}'
                 for fact, families in huggingface.written_as_trained().items())
-    + '); without it the export notes the difference. Needs --hf-config', switch=True)
+    + '); without it the export notes the difference. Needs --hf-config')
 
 for _family in map(huggingface.get, huggingface.names()):
   register(Layout(

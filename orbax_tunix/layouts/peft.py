@@ -35,7 +35,6 @@ from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts import folder
 from orbax_tunix.layouts import huggingface as hf_layouts
 from orbax_tunix.layouts.base import (
-  Destination,
   LaidOut,
   Layout,
   Option,
@@ -44,9 +43,10 @@ from orbax_tunix.layouts.base import (
   register,
 )
 from orbax_tunix.mapping import hf_config as config_lib
-from orbax_tunix.mapping import huggingface, lora, patterns, peft, step_layers
+from orbax_tunix.mapping import huggingface, lora, merge_options, patterns, peft, step_layers
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.hf_naming import Family, Naming
+from orbax_tunix.mapping.merge_options import BASE, BASE_QTYPE, MERGE_LORA
 from orbax_tunix.mapping.outputs import Input, ItemOutput, Output
 from orbax_tunix.mapping.transforms import chain
 from orbax_tunix.reading import reader
@@ -255,9 +255,9 @@ def _names_for_base(family: Family, naming: Naming,
 
 def _adapters(request: Request, where: str
               ) -> tuple[dict[Path, reader.LeafInfo], list[str], dict[Path, lora.Adapter],
-                         merge_lib.MergeOptions, dict[Path, float]]:
+                         float | None, dict[Path, float]]:
   """The save's weights (no AQT state; notes of what was left out), their adapters, the
-  scaling the caller gave and each adapter's scale.
+  alpha the caller gave (None: a scale, or none) and each adapter's scale.
 
   Raises:
     LoraError: a merge asked for; no adapters; no alpha or scale for qwix adapters, or one
@@ -265,10 +265,10 @@ def _adapters(request: Request, where: str
   """
   if request.merge is not None:
     raise errors.LoraError(
-        f'{where}: a PEFT adapter holds the adapters unmerged; `merge_lora` writes a model.'
-        ' Leave out `merge_lora`, or export the merged model (export_to_hf).')
-  scaling = request.option(ADAPTER_SCALING) or merge_lib.MergeOptions()
-  lora.check_scaling(scaling.alpha, scaling.scale, scaling.names)
+        f'{where}: a PEFT adapter holds the adapters unmerged; {MERGE_LORA.named()} writes a'
+        f' model. Leave out {MERGE_LORA.named()}, or export the merged model (export_to_hf).')
+  alpha, scale = (request.option(o) for o in merge_options.SCALING)
+  merge_options.check_scaling(alpha, scale)
   leaves, left_out = huggingface.model_weights(
       {p: leaf for leaf, p in reader.weights(request.source)})
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in leaves.items()})
@@ -279,10 +279,9 @@ def _adapters(request: Request, where: str
         ' weights as a model instead (export_to_hf, not `export_peft_adapter`).')
   # The merge's rules (`plan_merge`): flax's adapters have no alpha (an alpha or scale given
   # for them would be served, by PEFT's lora_alpha / r, where the run added a·b unscaled).
-  lora.check_scaling_applies(adapters, scaling.alpha, scaling.scale, scaling.names)
-  scales = {w: lora.scale_of(a, scaling.alpha, scaling.scale, scaling.names)
-            for w, a in adapters.items()}
-  return leaves, left_out, adapters, scaling, scales
+  lora.check_scaling_applies(adapters, alpha, scale)
+  scales = {w: lora.scale_of(a, alpha, scale) for w, a in adapters.items()}
+  return leaves, left_out, adapters, alpha, scales
 
 
 def _mapped(family: Family, naming: Naming, shapes: Mapping[Path, tuple[int, ...]],
@@ -309,7 +308,8 @@ def _mapped(family: Family, naming: Naming, shapes: Mapping[Path, tuple[int, ...
         ' (qwix flattens a dot_general weight\'s dimensions into lora_a and lora_b). Pass as'
         f' `base_model` the base model\'s folder, whose config.json gives them{given}; or'
         ' export the adapter from a save with the base weights beside them, or the merged'
-        ' model: `merge_lora=True`, `lora_alpha` and `base`.') from e
+        f' model: {MERGE_LORA.named(True)}, {merge_options.LORA_ALPHA.named()} and'
+        f' {BASE.named()}.') from e
 
 
 @dataclasses.dataclass
@@ -387,7 +387,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
     UnsupportedLayoutError: adapted weights that are not the family's.
   """
   where = str(request.source.step_dir)
-  leaves, left_out, adapters, scaling, scales = _adapters(request, where)
+  leaves, left_out, adapters, alpha, scales = _adapters(request, where)
   naming = huggingface.naming(family, list(leaves), where)
   base = merge_lib.plain_weights(leaves, adapters)
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
@@ -429,8 +429,9 @@ def lay_out(family: Family, request: Request) -> LaidOut:
         f'{where}: {len(problems)} adapted weights cannot be written as a PEFT adapter:\n'
         f'{errors.list_paths(problems)}\nAn adapter without them would serve another model'
         ' than the run trained. Export the weights with the adapters merged instead:'
-        ' `merge_lora=True` and `lora_alpha` (an adapters-only save also `base`).')
-  one = peft.Scaling.of(made.ranks, scaling.alpha)
+        f' {MERGE_LORA.named(True)} and {merge_options.LORA_ALPHA.named()} (an adapters-only'
+        f' save also {BASE.named()}).')
+  one = peft.Scaling.of(made.ranks, alpha)
   config = peft.config(made.ranks, one, base_model)
   # What whoever serves the adapter should know: said here and in the folder's README.md.
   readme = [*_scaling_notes(made.ranks, one), *filter(None, [_qlora_note(adapters, base)])]
@@ -502,8 +503,9 @@ def _cannot_tell_note(adapters: Mapping[Path, lora.Adapter], base: Mapping[Path,
   return ('adapters only: a save cannot tell whether the run trained them on a quantized base'
           ' (QLoRA: qwix\'s weight_qtype). If it did, served on the original full-precision'
           ' model they compute close to but not exactly the trained model, as QLoRA adapters'
-          ' do; the merge with the run\'s recipe (`merge_lora`, `base`, `base_qtype`) gives'
-          ' the trained model.')
+          ' do; the merge with the run\'s recipe'
+          f' ({", ".join(o.named() for o in (MERGE_LORA, BASE, BASE_QTYPE))}) gives the trained'
+          ' model.')
 
 
 def _scaling_notes(modules: Mapping[str, tuple[int, float]], one: peft.Scaling) -> list[str]:
@@ -533,24 +535,6 @@ def _scaling_notes(modules: Mapping[str, tuple[int, float]], one: peft.Scaling) 
   return notes
 
 
-def _not_text(text: str) -> None:
-  raise ValueError(f'{text!r}: no flag gives the scaling as one text')
-
-
-def _scaling(value: object) -> merge_lib.MergeOptions:
-  """The scaling as a merge's options spell it (`merge.MergeOptions`), without a base."""
-  if isinstance(value, merge_lib.MergeOptions) and value.base is None:
-    return value
-  raise errors.InvalidOptionError(
-      f'`adapter_scaling` {value!r}: expected `merge.MergeOptions(alpha, scale)` without a `base`'
-      ' (pass `alpha` or `scale` to `export_peft_adapter`).')
-
-
-# qwix's LoRA alpha (PEFT's `lora_alpha`), or the scale itself (alpha / rank).
-# On the command line: --lora-alpha or --lora-scale (the merge's flags).
-ADAPTER_SCALING = Option('adapter_scaling', _not_text, 'A', "the run's qwix LoRA alpha or scale",
-                         coerce=_scaling, flags=('lora_alpha', 'lora_scale'),
-                         combine=lambda alpha, scale: merge_lib.MergeOptions(alpha, scale))
 # A Hugging Face Hub repository id as huggingface_hub validates one: `name` or `org/name`, of
 # letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', without
 # '--' or '..', at most 96 characters.
@@ -589,9 +573,7 @@ def _name_or_path(value: object) -> str:
 
 BASE_MODEL = Option('base_model', str, 'NAME_OR_PATH',
                     "the base model (a Hub name or a folder), the adapter config's"
-                    ' base_model_name_or_path', coerce=_name_or_path,
-                    alone='it names the base model of a PEFT adapter; add --peft (with'
-                          ' --lora-alpha)')
+                    ' base_model_name_or_path', coerce=_name_or_path)
 
 # An exported PEFT adapter (what `force` may replace): its tensors, whose header records
 # the files the export wrote (the tensors and adapter_config.json), as a model export's do.
@@ -615,28 +597,40 @@ def _adapter_file(items: Sequence[ItemOutput], given: Mapping[str, Any]
 
 # `export --peft`: the model export's flags that an adapter export does not take, and why.
 PEFT = Switch(
-    Option('peft', bool, '', "export a LoRA run's adapters as a PEFT adapter folder"
+    Option('peft', bool, None, "export a LoRA run's adapters as a PEFT adapter folder"
            ' (adapter_config.json, adapter_model.safetensors), with --lora-alpha or'
-           ' --lora-scale; reads the adapters only (a save with or without its base)',
-           switch=True),
+           ' --lora-scale; reads the adapters only (a save with or without its base)'),
     refuses={
-        'merge_lora': 'the adapter holds the adapters unmerged; --merge-lora writes a model',
-        'base': 'the adapter is read from SRC alone (--base is the base weights of a merge)',
-        'hf_config': 'an adapter folder holds no config.json or tokenizer of the model',
-        'max_shard_size': 'the adapter is one file (vLLM reads adapter_model.safetensors only)',
-        'base_only': 'the adapter holds the adapters; --base-only writes the base model',
-        'config_as_trained': 'an adapter folder holds no config.json of the model',
-        **dict.fromkeys(('base_qtype', 'base_tile_size', 'base_calibration'),
+        MERGE_LORA.name: 'the adapter holds the adapters unmerged; --merge-lora writes a model',
+        BASE.name: 'the adapter is read from SRC alone (--base is the base weights of a merge)',
+        hf_layouts.HF_CONFIG.name: 'an adapter folder holds no config.json or tokenizer of the'
+                                   ' model',
+        hf_layouts.MAX_SHARD_SIZE.name: 'the adapter is one file (vLLM reads'
+                                        ' adapter_model.safetensors only)',
+        hf_layouts.BASE_ONLY.name: 'the adapter holds the adapters; --base-only writes the base'
+                                   ' model',
+        hf_layouts.CONFIG_AS_TRAINED.name: 'an adapter folder holds no config.json of the model',
+        **dict.fromkeys((o.name for o in merge_options.RECIPE),
                         'it says how a merge\'s --base was quantized (the adapter is read from'
                         ' SRC alone)'),
     },
     instead='export a model without --peft',
+    alone={BASE_MODEL.name: 'it names the base model of a PEFT adapter; add --peft (with'
+                            ' --lora-alpha)'},
 )
-ADAPTER = Destination(
+@dataclasses.dataclass(frozen=True)
+class AdapterDestination(folder.FolderDestination):
+  """A PEFT adapter folder: a Hugging Face folder whose tensors are all in one file."""
+
+  def shard(self, items: Sequence[ItemOutput], given: Mapping[str, Any]
+            ) -> tuple[list[ItemOutput], list[writer.Shard]]:
+    return _adapter_file(items, given)
+
+
+ADAPTER = AdapterDestination(
     name='adapter', kind=ADAPTER_EXPORT, unit='tensor', run='export',
-    doing='exporting the adapter to', shard=_adapter_file, share=folder.share,
-    write=folder.write, entries=folder.entries, dtype=folder.hf_dtype, command='export',
-    switch=PEFT, merges=False, safetensors=True,
+    doing='exporting the adapter to', command='export', switch=PEFT, merges=False,
+    safetensors=True,
 )
 
 for _family in map(huggingface.get, huggingface.names()):
@@ -644,7 +638,7 @@ for _family in map(huggingface.get, huggingface.names()):
       name=layout_name(_family.name),
       description=f'a PEFT LoRA adapter for {_family.architecture}',
       lay_out=functools.partial(lay_out, _family),
-      options=(hf_layouts.PARAM_SCAN_AXIS, ADAPTER_SCALING, BASE_MODEL),
+      options=(hf_layouts.PARAM_SCAN_AXIS, *merge_options.SCALING, BASE_MODEL),
       destination=ADAPTER,
       weights_only=True,
       adapters=True,

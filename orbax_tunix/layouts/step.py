@@ -9,6 +9,7 @@ item; process 0 the JSON items and the metadata. `convert` writes it (`canonical
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -135,8 +136,22 @@ def _shard(items: Sequence[ItemOutput], given: Any) -> tuple[Sequence[ItemOutput
   return items, ()
 
 
-STEP = Destination(
+@dataclasses.dataclass(frozen=True)
+class StepDestination(Destination):
+  """An Orbax step, each item written by Orbax's PyTree handler (`_write`)."""
+
+  def shard(self, items: Sequence[ItemOutput], given: Any) -> tuple[Sequence[ItemOutput], tuple]:
+    return _shard(items, given)
+
+  def write(self, plan: Plan, mine: Sequence[Output], work: epath.Path,
+            progress: reader.Progress) -> dict[str, Any]:
+    return _write(plan, mine, work, progress)
+
+  def entries(self, plan: Plan) -> list[str]:
+    return _entries(plan)
+
+
+STEP = StepDestination(
     name='step', kind=commit.STEP, unit='array', run='conversion', doing='converting to',
-    shard=_shard, share=lambda plan: plan.outputs,
-    write=_write, entries=_entries, command='convert',
+    command='convert',
 )

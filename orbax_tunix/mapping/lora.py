@@ -32,6 +32,7 @@ import numpy as np
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import stacks
+from orbax_tunix.mapping.merge_options import LORA_ALPHA, LORA_SCALE, SCALING
 
 QWIX = 'qwix'
 FLAX = 'flax'
@@ -245,44 +246,14 @@ def _contraction(weight: Shape, a: Shape, b: Shape) -> Contraction | None:
   return None
 
 
-def check_scaling(alpha: float | None, scale: float | None, names: tuple[str, str]) -> None:
-  """Refuses a LoRA scaling that is not one finite number; reads nothing.
-
-  Args:
-    alpha, scale: as given (None: not given).
-    names: the caller's names for them, for the message.
-
-  Raises:
-    LoraError: both given, or one that is not a finite number (a NaN or
-      infinite scale would write NaN or infinite weights).
-  """
-  if alpha is not None and scale is not None:
-    raise errors.LoraError(
-        f'pass `{names[0]}` or `{names[1]}`, not both (the scale is alpha / rank).'
-    )
-  for name, value in zip(names, (alpha, scale), strict=True):
-    if value is None:
-      continue
-    try:
-      finite = not isinstance(value, bool | str) and math.isfinite(float(value))
-    except (TypeError, ValueError):
-      finite = False
-    if not finite:
-      raise errors.LoraError(
-          f'`{name}={value!r}`: expected a finite number (the run\'s LoRA alpha, or the'
-          ' scale alpha / rank itself); a NaN or infinite scale would make every'
-          ' merged weight NaN or infinite. Pass the value the run was trained with.'
-      )
-
-
 def check_scaling_applies(adapters: Mapping[Path, Adapter], alpha: float | None,
-                          scale: float | None, names: tuple[str, str]) -> None:
+                          scale: float | None) -> None:
   """Refuses an alpha or scale for adapters that have none (flax's add `a ⊗ b` unscaled).
 
   Raises:
     LoraError: `alpha` or `scale` given, and every adapter is flax's (it would be ignored).
   """
-  given = [f'`{n}`' for n, v in zip(names, (alpha, scale), strict=True) if v is not None]
+  given = [o.named() for o, v in zip(SCALING, (alpha, scale), strict=True) if v is not None]
   if not given or any(a.style != FLAX for a in adapters.values()):
     return
   first = next(iter(adapters.values()))
@@ -298,14 +269,12 @@ def check_scaling_applies(adapters: Mapping[Path, Adapter], alpha: float | None,
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def scale_of(adapter: Adapter, alpha: float | None, scale: float | None,
-             names: tuple[str, str]) -> float:
+def scale_of(adapter: Adapter, alpha: float | None, scale: float | None) -> float:
   """The factor of `a ⊗ b`: qwix's `alpha / rank` (or `scale`), flax's 1.
 
   Args:
     adapter: the adapter.
     alpha, scale: as given (None: not given).
-    names: the caller's names for `alpha` and `scale`, for messages.
 
   Raises:
     LoraError: a qwix adapter, and neither `alpha` nor `scale` given; or a
@@ -317,17 +286,17 @@ def scale_of(adapter: Adapter, alpha: float | None, scale: float | None,
   if scale is None and alpha is None:
     raise errors.LoraError(
         f'{fmt(adapter.a)}: qwix LoRA scales the adapters by alpha / rank, and alpha'
-        f' is not stored in the checkpoint. Pass `{names[0]}` (the LoraProvider\'s alpha'
-        f' of the run), or `{names[1]}` (alpha / rank) directly.'
+        f' is not stored in the checkpoint. Pass {LORA_ALPHA.named()} (the LoraProvider\'s'
+        f' alpha of the run), or {LORA_SCALE.named()} (alpha / rank) directly.'
     )
   value = float(scale) if scale is not None else float(alpha) / adapter.rank
   with np.errstate(over='ignore', under='ignore'):
     held = float(np.float32(value))
   if abs(value) > _FLOAT32_MAX or (value != 0 and held == 0):
-    name, given = (names[1], scale) if scale is not None else (names[0], alpha)
+    option, given = (LORA_SCALE, scale) if scale is not None else (LORA_ALPHA, alpha)
     what = '' if scale is not None else f' (alpha / rank {adapter.rank})'
     raise errors.LoraError(
-        f'`{name}={given!r}`: the scale {value:g}{what} of {fmt(adapter.a)} is outside'
+        f'{option.named(repr(given))}: the scale {value:g}{what} of {fmt(adapter.a)} is outside'
         f' what float32, the merge\'s arithmetic, holds ({"at most" if held else "at least"}'
         f' {_FLOAT32_MAX if held else float(np.finfo(np.float32).smallest_subnormal):g}):'
         ' every merged weight would be inf, NaN or unchanged. Pass the alpha the run was'

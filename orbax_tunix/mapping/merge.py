@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import numpy as np
@@ -25,13 +25,25 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.mapping import device, lora, transforms
+from orbax_tunix.mapping import device, lora, merge_options, transforms
+from orbax_tunix.mapping.merge_options import (
+    BASE,
+    BASE_CALIBRATION,
+    BASE_QTYPE,
+    BASE_TILE_SIZE,
+    RECIPE,
+    MergeOptions,
+    MergeSettings,
+)
 from orbax_tunix.mapping.outputs import Input, Output, copied
 from orbax_tunix.mapping.transforms import Transform
 from orbax_tunix.reading import quantized, reader
 from orbax_tunix.store import fileio
 
 PyTree = Any
+
+# The scaling's keywords before they took their options' names (`merge_options.SCALING`).
+_OLD_SCALING = {'alpha': merge_options.LORA_ALPHA, 'scale': merge_options.LORA_SCALE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,112 +193,6 @@ def checkpoints_read(
   return [source] if merged is None else [source, merged.base]
 
 
-@dataclasses.dataclass(frozen=True)
-class MergeOptions:
-  """A LoRA merge's options as one value, checked once (`given`): the one spelling
-  every caller carries them in, from its own keywords down to `plan_merge`.
-
-  Attributes:
-    alpha: qwix's LoRA alpha of the run (the scale is alpha / rank).
-    scale: the scale itself, instead of `alpha`.
-    base: the base weights' checkpoint (None: the run's own, a full save).
-    names: the caller's names for `alpha` and `scale`, for messages.
-    base_quantized: how the run quantized `base` before training (an
-      adapters-only QLoRA save): the merge re-quantizes it so. None: `base`
-      as stored.
-  """
-
-  alpha: float | None = None
-  scale: float | None = None
-  base: epath.PathLike | None = None
-  names: tuple[str, str] = ('alpha', 'scale')
-  base_quantized: quantized.Recipe | None = None
-  # The caller's names for `base` and the recipe's qtype, tile size and calibration.
-  base_names: tuple[str, str, str, str] = ('base', 'base_qtype', 'base_tile_size',
-                                          'base_calibration')
-
-  @classmethod
-  def given(cls, merging: bool, alpha: float | None = None, scale: float | None = None,
-            base: epath.PathLike | None = None, base_qtype: str | None = None,
-            base_tile_size: int | None = None, base_calibration: str | None = None,
-            names: tuple[str, ...] = ('lora_alpha', 'lora_scale', 'base', 'base_qtype',
-                                      'base_tile_size', 'base_calibration')) -> MergeOptions | None:
-    """The options of a merge, or None without one; nothing is read.
-
-    Args:
-      merging: whether the caller merges.
-      alpha, scale, base: as the caller was given them (None: not given).
-      base_qtype, base_tile_size, base_calibration: the recipe the run
-        quantized `base` with (qwix's `weight_qtype`, `tile_size`,
-        `weight_calibration_method`; `quantized.Recipe`), for an adapters-only
-        QLoRA save.
-      names: the caller's names for them all (its keywords), for messages.
-
-    Raises:
-      LoraError: options without a merge (the adapters would be copied
-        unmerged); a scaling that is not finite (`lora.check_scaling`); a
-        recipe without `base` or without its qtype, or one qwix does not take.
-    """
-    values = (alpha, scale, base, base_qtype, base_tile_size, base_calibration)
-    given = [n for n, v in zip(names, values, strict=True) if v is not None]
-    if given and not merging:
-      one = len(given) == 1
-      raise errors.LoraError(
-          f'{" and ".join(f"`{n}`" for n in given)} {"is an option" if one else "are options"}'
-          ' of a LoRA merge (without one the adapters would be copied unmerged): add'
-          f' `merge_lora=True`, or drop {"it" if one else "them"}.'
-      )
-    lora.check_scaling(alpha, scale, names[:2])
-    recipe = _recipe(base, base_qtype, base_tile_size, base_calibration, names)
-    return cls(alpha, scale, base, names[:2], recipe, names[2:]) if merging else None
-
-  def asked(self) -> dict[str, Any]:
-    """The options given, by the caller's names (`names`, then `base_names`: `base` a path,
-    as what it is, not as it was written); those not given left out."""
-    base = None if self.base is None else fileio.as_path(self.base)
-    recipe = self.base_quantized
-    values = zip((*self.names, *self.base_names), (
-        self.alpha, self.scale, base, *((None,) * 3 if recipe is None else
-                                        (recipe.qtype, recipe.tile_size, recipe.calibration))),
-        strict=True)
-    return {name: value for name, value in values if value is not None}
-
-  def plan(self, source: epath.PathLike | reader.CanonicalCheckpoint) -> MergePlan:
-    """The merge of `source`'s adapters with these options (`plan_merge`)."""
-    return plan_merge(source, self)
-
-
-def _recipe(base: Any, qtype: str | None, tile_size: int | None, calibration: str | None,
-            names: tuple[str, ...]) -> quantized.Recipe | None:
-  """The quantization recipe of an adapters-only QLoRA save's base, checked (nothing read).
-
-  Raises:
-    LoraError: a tile size or calibration without a qtype; a recipe without a base; a
-      qtype, tile size or calibration qwix does not take.
-  """
-  qtype_name, tile_name, calibration_name = names[3:6]
-  if qtype is None:
-    extra = [n for n, v in ((tile_name, tile_size), (calibration_name, calibration))
-             if v is not None]
-    if extra:
-      raise errors.LoraError(
-          f'`{extra[0]}` given without `{qtype_name}`: they describe how a QLoRA run quantized'
-          f' its base. Pass `{qtype_name}` too (the run\'s weight_qtype: one of'
-          f' {", ".join(quantized.QTYPES)}), or drop `{extra[0]}`.')
-    return None
-  if base is None:
-    raise errors.LoraError(
-        f'`{qtype_name}={qtype}` without `{names[2]}`: it says how a QLoRA run quantized the'
-        f' float base that `{names[2]}` names, for an adapters-only save. A full save holds its'
-        f' quantized base and says how (drop `{qtype_name}`); for adapters only, pass'
-        f' `{names[2]}` too.')
-  try:
-    return quantized.Recipe(qtype, tile_size, calibration or 'absmax')
-  except ValueError as e:
-    raise errors.LoraError(
-        f'`{qtype_name}`, `{tile_name}`, `{calibration_name}`: {e}') from None
-
-
 def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.CanonicalCheckpoint,
                      merges: Mapping[Path, Merge], options: MergeOptions, adapters_only: bool
                      ) -> list[str]:
@@ -317,11 +223,10 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
             ' another run\'s)' for how, paths in sorted(stored.items())]
   recipe = options.base_quantized
   if requantized:
-    names = options.base_names[1:]
     notes.append(
         f'{len(requantized)} adapted weights (e.g. {fmt(requantized[0])}) have their base from'
         f' {base_ckpt.step_dir} re-quantized with the recipe given ({recipe.describe()}:'
-        f' `{names[0]}`, `{names[1]}`, `{names[2]}`) before the merge. {lora_ckpt.step_dir}'
+        f' {", ".join(o.named() for o in RECIPE)}) before the merge. {lora_ckpt.step_dir}'
         ' holds adapters only, which record no recipe and cannot confirm it: with the run\'s'
         ' own recipe and the float base it started from these are the weights it trained with;'
         ' another recipe (int8 for an int4 run) or base gives another model, with no error')
@@ -342,12 +247,11 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
                    f' run quantized: e.g. {fmt(floats[0])}) are merged onto the base as stored')
   elif (adapters_only and not stored
         and any(merges[p].adapter.style != lora.FLAX for p in floats)):
-    names = options.base_names[1:]
     notes.append(
         f'{lora_ckpt.step_dir} holds adapters only, which cannot tell whether the run trained'
         ' them on a quantized base (QLoRA): merged onto the base as stored. If the run'
-        f' quantized it (qwix\'s weight_qtype), pass `{names[0]}` (and `{names[1]}`,'
-        f' `{names[2]}` as the run set them) to re-quantize it as the run did.')
+        f' quantized it (qwix\'s weight_qtype), pass {BASE_QTYPE.named()} (and'
+        f' {BASE_TILE_SIZE.named()}, {BASE_CALIBRATION.named()} as the run set them) to re-quantize it as the run did.')
   return notes
 
 
@@ -378,17 +282,17 @@ def _merges(adapters: Mapping[Path, lora.Adapter], lora_weights: Mapping[Path, r
     requantize = None
     if recipe is not None and adapter.style != lora.FLAX:  # flax's: no qwix run quantized.
       if found.quantized is not None:
-        unfit.setdefault(options.base_names[1], []).append(
+        unfit.setdefault(BASE_QTYPE.name, []).append(
             f'{fmt(weight)}: {found.quantized.describe()}')
         continue
       axes = lora.contracting_axes(arranged, a.shape)
       try:
         recipe.tiled_axes(found.shape, axes)
       except ValueError as e:
-        unfit.setdefault(options.base_names[2], []).append(f'{fmt(weight)}: {e}')
+        unfit.setdefault(BASE_TILE_SIZE.name, []).append(f'{fmt(weight)}: {e}')
         continue
       requantize = (recipe, axes)
-    scale = lora.scale_of(adapter, options.alpha, options.scale, options.names)
+    scale = lora.scale_of(adapter, options.alpha, options.scale)
     merges[weight] = Merge(adapter, Input(base_ckpt, found), a, b, scale, arranged, requantize)
   return merges, missing, bad, unfit
 
@@ -405,16 +309,16 @@ def _recipe_applies(lora_ckpt: reader.CanonicalCheckpoint, adapters: Mapping[Pat
   recipe = options.base_quantized
   if recipe is None:
     return
-  qtype, tile, calibration = options.base_names[1:]
-  given = f'`{qtype}={recipe.qtype}`'
-  drop = f'Drop `{qtype}` (and `{tile}`, `{calibration}`)'
+  given = BASE_QTYPE.named(recipe.qtype)
+  drop = (f'Drop {BASE_QTYPE.named()} (and {BASE_TILE_SIZE.named()},'
+          f' {BASE_CALIBRATION.named()})')
   if all(a.style == lora.FLAX for a in adapters.values()):
     first = next(iter(adapters.values()))
     raise errors.LoraError(
         f'{given} given, but these adapters are flax\'s (nnx.LoRA or nnx.LoRALinear: e.g.'
         f' {fmt(first.a)}), which no QLoRA run trained: the recipe says how qwix\'s'
         ' LoraProvider(weight_qtype=...) quantized a base, and flax\'s LoRA quantizes none.'
-        f' {drop}: the merge adds a·b to `{options.base_names[0]}` as stored.')
+        f' {drop}: the merge adds a·b to {BASE.named()} as stored.')
   saved = sorted((w, lora_weights[a.saved_base]) for w, a in adapters.items()
                  if a.style != lora.FLAX and a.saved_base in lora_weights)
   if saved:
@@ -423,8 +327,8 @@ def _recipe_applies(lora_ckpt: reader.CanonicalCheckpoint, adapters: Mapping[Pat
         f'{lora_ckpt.step_dir}: {given} given, but the save holds the base of {len(saved)}'
         f' adapted weights in float (e.g. {fmt(weight)} {leaf.shape} {leaf.dtype}): a QLoRA'
         ' run saves its base quantized, so this run did not quantize it, and no recipe'
-        f' re-quantizes it. {drop}: the merge adds a·b to `{options.base_names[0]}` as stored'
-        f' (or, without `{options.base_names[0]}`, to the save\'s own base).')
+        f' re-quantizes it. {drop}: the merge adds a·b to {BASE.named()} as stored'
+        f' (or, without {BASE.named()}, to the save\'s own base).')
 
 
 def _refuse_unfit(where: epath.Path, unfit: Mapping[str, list[str]], options: MergeOptions
@@ -435,27 +339,27 @@ def _refuse_unfit(where: epath.Path, unfit: Mapping[str, list[str]], options: Me
     LoraError: a base saved quantized already (`base_qtype`), or a tile size that does not
       divide a weight's last contracting axis (`base_tile_size`).
   """
-  qtype, tile = options.base_names[1:3]
-  if unfit.get(qtype):
-    found = unfit[qtype]
+  qtype, tile = BASE_QTYPE.named(), BASE_TILE_SIZE.named()
+  if unfit.get(BASE_QTYPE.name):
+    found = unfit[BASE_QTYPE.name]
     raise errors.LoraError(
-        f'{where}: `{qtype}` given, but the base holds {len(found)} adapted weights quantized'
+        f'{where}: {qtype} given, but the base holds {len(found)} adapted weights quantized'
         f' already (a QLoRA save):\n{errors.list_paths(found)}\nIts quantization is read from'
-        f' it, not re-done: drop `{qtype}` (and the recipe\'s other options) to merge onto it'
+        f' it, not re-done: drop {qtype} (and the recipe\'s other options) to merge onto it'
         ' dequantized (the weights the run trained with if this is the run\'s own save), or'
-        f' pass as `{options.base_names[0]}` the float base the run started from.')
-  if unfit.get(tile):
-    found = unfit[tile]
+        f' pass as {BASE.named()} the float base the run started from.')
+  if unfit.get(BASE_TILE_SIZE.name):
+    found = unfit[BASE_TILE_SIZE.name]
     raise errors.LoraError(
-        f'{where}: `{tile}={options.base_quantized.tile_size}` does not fit {len(found)}'
+        f'{where}: {BASE_TILE_SIZE.named(options.base_quantized.tile_size)} does not fit {len(found)}'
         f' adapted weights:\n{errors.list_paths(found)}\nqwix tiles a weight\'s last'
         ' contracting axis and takes no tile that does not divide it, so the run did not use'
-        f' this one. Pass the run\'s tile_size, or leave `{tile}` out (one scale per channel).')
+        f' this one. Pass the run\'s tile_size, or leave {tile} out (one scale per channel).')
 
 
 def plan_merge(
     path: epath.PathLike | reader.CanonicalCheckpoint,
-    options: MergeOptions = MergeOptions(),
+    options: MergeOptions = merge_options.NONE,
     *,
     step: int | None = None,
     base_step: int | None = None,
@@ -484,8 +388,8 @@ def plan_merge(
       (before anything is read).
     TunixCheckpointError subclasses: a checkpoint is not readable.
   """
-  alpha, scale, base, names = options.alpha, options.scale, options.base, options.names
-  lora.check_scaling(alpha, scale, names)
+  alpha, scale, base = options.alpha, options.scale, options.base
+  merge_options.check_scaling(alpha, scale)
   lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
                else reader.open_source(path, step, weights_only=True))
   lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
@@ -496,16 +400,16 @@ def plan_merge(
         ' or lora_a/lora_b from flax), found none among its weights. Restore it'
         ' without merging.'
     )
-  lora.check_scaling_applies(adapters, alpha, scale, names)
+  lora.check_scaling_applies(adapters, alpha, scale)
   saved_quantized = sorted(p for p in adapters if getattr(lora_weights.get(p), 'quantized', None))
   if saved_quantized and base is not None:
     how = lora_weights[saved_quantized[0]].quantized.describe()
     raise errors.LoraError(
         f'{lora_ckpt.step_dir}: a QLoRA save: it holds the base weights its adapters were'
         f' trained on, quantized ({how}: {len(saved_quantized)} adapted weights, e.g.'
-        f' {fmt(saved_quantized[0])}); merging onto the float weights of `{options.base_names[0]}`'
-        ' would give another model than the one trained. Drop `'
-        f'{options.base_names[0]}`: the merge then uses the saved base, dequantized.')
+        f' {fmt(saved_quantized[0])}); merging onto the float weights of {BASE.named()}'
+        f' would give another model than the one trained. Drop'
+        f' {BASE.named()}: the merge then uses the saved base, dequantized.')
   _recipe_applies(lora_ckpt, adapters, lora_weights, options)
   base_ckpt = lora_ckpt if base is None else reader.open_source(base, base_step, weights_only=True)
   _refuse_merged_twice(lora_ckpt, base_ckpt)
@@ -680,21 +584,16 @@ def restore_merged_lora(
     path: epath.PathLike,
     target: PyTree,
     *,
-    alpha: float | None = None,
-    scale: float | None = None,
-    base: epath.PathLike | None = None,
     step: int | None = None,
     base_step: int | None = None,
-    base_qtype: str | None = None,
-    base_tile_size: int | None = None,
-    base_calibration: str | None = None,
+    **merge: Unpack[MergeSettings],
 ) -> PyTree:
   """Restores a LoRA run's weights merged into the base, into a plain-model target.
 
   Example::
 
     abstract = nnx.state(nnx.eval_shape(lambda: Model(rngs=nnx.Rngs(0))))  # no LoRA
-    params = orbax_tunix.restore_merged_lora(lora_run, abstract_params, alpha=16.0,
+    params = orbax_tunix.restore_merged_lora(lora_run, abstract_params, lora_alpha=16.0,
                                              base='/ckpts/pretrained')
 
   Each weight is `W + scale * (a ⊗ b)` where adapted (qwix: scale = alpha /
@@ -703,7 +602,7 @@ def restore_merged_lora(
   (so a narrower target rounds `W` once before the merge adds the adapters).
   A QLoRA run's full save merges onto its saved quantized base, dequantized;
   an adapters-only one onto `base` re-quantized as the run did, given its
-  recipe (`base_qtype`...).
+  recipe (`merge_options.RECIPE`).
 
   Args:
     path: the LoRA run's checkpoint (root, step or model item).
@@ -711,22 +610,26 @@ def restore_merged_lora(
       or arrays with shardings (a single local device when they have none);
       any subset of the weights (only that is read); `ocp.PLACEHOLDER` leaves
       are returned as they are.
-    alpha, scale, base: the merge's `MergeOptions`; step, base_step: see `plan_merge`.
-    base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
-      `base` before training (qwix's `weight_qtype`: int8, int4, nf4,
-      float8_e4m3fn; `tile_size`; `weight_calibration_method`: absmax or
-      minmax), for an adapters-only save; see `MergeOptions.given`.
+    step, base_step: see `plan_merge`.
+    **merge: the merge's options (`merge_options.MergeSettings`): `lora_alpha` (qwix's
+      LoRA alpha of the run) or `lora_scale` (alpha / rank); `base` (the base weights'
+      checkpoint, for an adapters-only save); and how a QLoRA run quantized `base` before
+      training, for an adapters-only save: qwix's `weight_qtype` (int8, int4, nf4,
+      float8_e4m3fn), `tile_size` and `weight_calibration_method` (absmax or minmax), by
+      their options' names (`merge_options.RECIPE`). `alpha` and `scale` are the
+      deprecated names of `lora_alpha` and `lora_scale`.
 
   Returns:
     A tree of `target`'s structure holding `jax.Array`s.
 
   Raises:
+    TypeError: a keyword it does not take.
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
-  options = MergeOptions.given(
-      True, alpha, scale, base, base_qtype, base_tile_size, base_calibration,
-      names=('alpha', 'scale', 'base', 'base_qtype', 'base_tile_size', 'base_calibration'))
+  given = merge_options.renamed('restore_merged_lora', dict(merge), _OLD_SCALING)
+  merge_options.check_keywords('restore_merged_lora', given, MergeSettings.__annotations__)
+  options = MergeOptions.given(given, merging=True)
   plan = plan_merge(path, options, step=step, base_step=base_step)
   pairs, treedef = flatten(target)
   wanted = {p: leaf for p, leaf in pairs if leaf is not ocp.PLACEHOLDER}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from orbax_tunix import catalog
 from orbax_tunix.keypaths import Path
 
 
@@ -43,26 +44,23 @@ class Trainer:
     return any(p and p[0] in self.roots for p in paths)
 
 
-TUNIX = Trainer('tunix', 'Tunix model (tunix.models)', 'Tunix (canonical)')
-MAXTEXT = Trainer('maxtext', 'MaxText model', 'MaxText (per layer)',
-                  roots=frozenset({'decoder', 'token_embedder'}), scans=True)
-TRAINERS = (TUNIX, MAXTEXT)
+TRAINERS: catalog.Catalog[Trainer] = catalog.Catalog('trainer')
+TUNIX = TRAINERS.register(Trainer('tunix', 'Tunix model (tunix.models)', 'Tunix (canonical)'))
+MAXTEXT = TRAINERS.register(Trainer('maxtext', 'MaxText model', 'MaxText (per layer)',
+                                    roots=frozenset({'decoder', 'token_embedder'}), scans=True))
 
 
 def of(paths: Collection[Path]) -> Trainer:
   """The trainer whose names the weights at `paths` carry: the one whose `roots` they have,
   else the one without roots (Tunix's)."""
-  return next((t for t in TRAINERS if t.roots and t.names(paths)),
-              next(t for t in TRAINERS if not t.roots))
+  return next((t for t in TRAINERS.values() if t.roots and t.names(paths)),
+              next(t for t in TRAINERS.values() if not t.roots))
 
 
 def get(name: str) -> Trainer:
   """The trainer `name` names.
 
   Raises:
-    KeyError: no such trainer.
+    UnsupportedLayoutError: no such trainer (the message names them).
   """
-  found = next((t for t in TRAINERS if t.name == name), None)
-  if found is None:
-    raise KeyError(f'{name!r}: expected one of {", ".join(t.name for t in TRAINERS)}')
-  return found
+  return TRAINERS.get(name)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import numpy as np
@@ -13,7 +13,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import flatten, fmt
-from orbax_tunix.mapping import device, merge
+from orbax_tunix.mapping import device, merge, merge_options
 from orbax_tunix.maxtext.plan import RestorePlan, plan_restore, require_target
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.read_requests import args_by_path
@@ -60,14 +60,8 @@ def restore_train_state(
     *,
     params_only: bool = False,
     restore_args: PyTree | None = None,
-    merge_lora: bool = False,
-    lora_alpha: float | None = None,
-    lora_scale: float | None = None,
-    lora_base: epath.PathLike | None = None,
     param_scan_axis: int | None = None,
-    lora_base_qtype: str | None = None,
-    lora_base_tile_size: int | None = None,
-    lora_base_calibration: str | None = None,
+    **merge: Unpack[merge_options.MergeKeywords],
 ) -> PyTree:
   """Restores a Tunix checkpoint as MaxText's train state.
 
@@ -91,14 +85,6 @@ def restore_train_state(
     restore_args: optional `ocp.ArrayRestoreArgs` in the target's structure
       (as MaxText passes them); unset dtypes and shardings come from the
       abstract leaves.
-    merge_lora: restore a LoRA run's weights with its adapters merged
-      (`orbax_tunix.restore_merged_lora`); needs `params_only=True`.
-    lora_alpha, lora_scale, lora_base: the merge's `alpha`, `scale` and
-      `base` (the base weights' checkpoint, for an adapters-only save).
-    lora_base_qtype, lora_base_tile_size, lora_base_calibration: how a QLoRA
-      run quantized `lora_base` (`orbax_tunix.restore_merged_lora`'s
-      `base_qtype`...). A QLoRA full save merges onto its own quantized base,
-      dequantized: MaxText's model takes float kernels.
     param_scan_axis: MaxText's layer axis of scanned weights, of the side
       that is scanned. A checkpoint holding the decoder's layers in the other
       form than the target (`decoder/layers/<w>` stacked vs
@@ -107,6 +93,12 @@ def restore_train_state(
       alike). None: the checkpoint's own axis (the one along which every
       stacked weight holds the layer count), or for a scanned target the
       one its shapes give (1, MaxText's default, when several do).
+    **merge: the LoRA merge's options (`merge_options.MergeKeywords`): `merge_lora`
+      restores a LoRA run's weights with its adapters merged
+      (`orbax_tunix.restore_merged_lora`, which takes the others); needs
+      `params_only=True`; `base` (the base weights' checkpoint, for an adapters-only save)
+      implies it. A QLoRA full save merges onto its own quantized base, dequantized:
+      MaxText's model takes float kernels. `lora_base` is the deprecated name of `base`.
 
   Returns:
     A tree of the same structure whose restored leaves are `jax.Array`s. Each
@@ -118,15 +110,16 @@ def restore_train_state(
       raised before any array is read. `LayerScanMismatchError` (scanned vs unscanned with
       layer counts or an axis that do not fit) and `LoraOnlyCheckpointError` are two cases.
     UnsupportedLayoutError: not a Tunix checkpoint.
-    LoraError: a merge without `params_only`, `lora_alpha` or `lora_scale`
-      without a merge, or one that is not a finite number (before any read).
+    TypeError: a keyword it does not take.
+    LoraError: a merge without `params_only`, a merge's option without a merge, or a
+      scaling that is not a finite number (before any read).
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  merging = merge.MergeOptions.given(
-      merge_lora or lora_base is not None, lora_alpha, lora_scale, lora_base, lora_base_qtype,
-      lora_base_tile_size, lora_base_calibration,
-      names=('lora_alpha', 'lora_scale', 'lora_base', 'lora_base_qtype', 'lora_base_tile_size',
-             'lora_base_calibration'))
+  given = merge_options.renamed('restore_train_state', dict(merge),
+                                {'lora_base': merge_options.BASE})
+  merge_options.check_keywords('restore_train_state', given, merge_options.OPTIONS.names())
+  merging = merge_options.MergeOptions.given(given, merging=bool(
+      given.get(merge_options.MERGE_LORA.name)) or given.get(merge_options.BASE.name) is not None)
   require_target(abstract_state, path.step_dir if isinstance(path, Detection) else path)
   if merging is not None:
     return _restore_merged(path, abstract_state, params_only, restore_args, merging)
@@ -136,17 +129,19 @@ def restore_train_state(
   return execute_plan(plan, abstract_state, restore_args=restore_args)
 
 
-def _restore_merged(path, abstract_state, params_only, restore_args, options: merge.MergeOptions):
+def _restore_merged(path, abstract_state, params_only, restore_args,
+                    options: merge_options.MergeOptions):
   """`params/params/<weights>` merged from a LoRA run; the rest as given."""
   where = path.step_dir if isinstance(path, Detection) else path
   if not params_only:
     raise errors.LoraError(
-        f'{where}: `merge_lora=True` needs `params_only=True`. A LoRA run\'s optimizer'
+        f'{where}: {merge_options.MERGE_LORA.named(True)} needs `params_only=True`. A LoRA run\'s optimizer'
         ' state belongs to its adapters, which the merged model no longer has, so a'
         ' full train state cannot be restored from it; restore the parameters and'
         ' start the optimizer afresh.'
     )
-  plan = options.plan(reader.open_checkpoint(path) if isinstance(path, Detection) else path)
+  plan = merge.plan_merge(reader.open_checkpoint(path) if isinstance(path, Detection) else path,
+                          options)
   logger.debug('%s', plan.describe())
   pairs, treedef = flatten(abstract_state)
   args = args_by_path(restore_args)

@@ -54,7 +54,7 @@ def check_weights(
           f'The checkpoint has:\n{errors.list_paths([fmt(w) for w in disk_weights])}\n'
           'A Tunix LoRA run saves only the adapters. Merge them into the base'
           ' weights the run started from: `restore_train_state(path, abstract,'
-          ' params_only=True, merge_lora=True, lora_alpha=ALPHA, lora_base=BASE)`.'
+          ' params_only=True, merge_lora=True, lora_alpha=ALPHA, base=BASE)`.'
       )
     if missing:
       sections.append(

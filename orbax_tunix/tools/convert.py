@@ -12,12 +12,13 @@ one is complete).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Unpack
 
 import numpy as np
 from etils import epath
 
 from orbax_tunix import errors, layouts
-from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping import merge_options
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
@@ -40,15 +41,9 @@ def plan_convert(
     memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
-    merge_lora: bool = False,
-    lora_alpha: float | None = None,
-    lora_scale: float | None = None,
-    base: epath.PathLike | None = None,
-    base_qtype: str | None = None,
-    base_tile_size: int | None = None,
-    base_calibration: str | None = None,
     scan_layers: bool | None = None,
     param_scan_axis: int | None = None,
+    **merge: Unpack[merge_options.MergeKeywords],
 ) -> ConvertPlan:
   """Plans a conversion from metadata only; nothing is written.
 
@@ -65,11 +60,6 @@ def plan_convert(
     force: replace an existing DST (only if it is a checkpoint step).
     items: the source items to convert (default: every item the step records;
       a step holding items that are neither PyTrees nor JSON needs them named).
-    merge_lora: write the weights with the LoRA adapters merged (weights
-      only, as `params_only`); see `orbax_tunix.restore_merged_lora`.
-    lora_alpha, lora_scale, base: the merge's `alpha`, `scale` and `base`.
-    base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
-      `base` (an adapters-only save; see `restore_merged_lora`).
     scan_layers: the `maxtext` layout's form of the decoder's layers
       (True: scanned, stacked along `param_scan_axis`; False: one array per
       layer; None: as stored).
@@ -77,6 +67,9 @@ def plan_convert(
       that is scanned: the written layers' when `scan_layers=True`, else the
       stored ones' (None: the stored step's own, recorded or told by its
       shapes; 1, MaxText's default, for layers stacked anew).
+    **merge: the LoRA merge's options (`merge_options.MergeKeywords`): `merge_lora`
+      writes the weights with the adapters merged (weights only, as `params_only`); the
+      others as `orbax_tunix.restore_merged_lora` takes them.
 
   Returns:
     A `ConvertPlan`.
@@ -87,12 +80,14 @@ def plan_convert(
       `param_scan_axis` without `scan_layers`.
     InvalidDestinationError: DST overlaps the source's run (symlinks
       resolved; see `places.overlap`) or is named like an unfinished step.
-    LoraError: `lora_alpha`, `lora_scale` or `base` without `merge_lora`,
-      or a scaling that is not a finite number (before anything is read).
+    TypeError: a keyword it does not take.
+    LoraError: a merge's option without `merge_lora`, or a scaling that is not a finite
+      number (before anything is read).
     DestinationExistsError: DST exists and not `force`.
     TunixCheckpointError subclasses: the source is not readable, or cannot be
       laid out as asked.
   """
+  merge_options.check_keywords('plan_convert', merge, merge_options.OPTIONS.names())
   steps = [n for d in layouts.destinations('convert') for n in layouts.named(d)]
   if layout not in steps:
     folder = (f'; {layout} is a Hugging Face folder: export it (`export_to_hf`,'
@@ -101,12 +96,8 @@ def plan_convert(
         f'`layout` {layout!r}: expected one of {", ".join(steps)}{folder}.')
   return pipeline.plan(
       src, dst, layout=layout, step=step, params_only=params_only, dtype=dtype,
-      memory_budget=memory_budget, force=force, items=items,
-      merge_options=merge_lib.MergeOptions.given(
-          merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
-          base_calibration),
-      scan_layers=scan_layers, param_scan_axis=param_scan_axis,
-  )
+      memory_budget=memory_budget, force=force, items=items, scan_layers=scan_layers,
+      param_scan_axis=param_scan_axis, **merge)
 
 
 def run_convert(plan: ConvertPlan, progress: reader.Progress | None = None) -> ConvertResult:

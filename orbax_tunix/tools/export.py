@@ -11,15 +11,14 @@ after checking the config against the weights.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Unpack
 
 from etils import epath
 
 from orbax_tunix import layouts
 from orbax_tunix.layouts.folder import DEFAULT_MAX_SHARD_SIZE, FOLDER
 from orbax_tunix.layouts.peft import ADAPTER
-from orbax_tunix.mapping import huggingface
-from orbax_tunix.mapping import merge as merge_lib
+from orbax_tunix.mapping import huggingface, merge_options
 from orbax_tunix.reading import memory, reader
 from orbax_tunix.tools import pipeline
 
@@ -40,8 +39,8 @@ def plan_to(
     destination: the kind of destination.
     src, out_dir: the source and the folder to create.
     model: the Hugging Face family, by name or alias (`huggingface.choices()`).
-    **kwargs: `pipeline.plan`'s (`step`, `dtype`, `memory_budget`, `force`,
-      `merge_options`) and the layout's options.
+    **kwargs: `pipeline.plan`'s (`step`, `dtype`, `memory_budget`, `force`), the layout's
+      options and the merge's (`merge_options.MergeKeywords`).
 
   Raises:
     UnsupportedLayoutError: an unknown family, or one the destination has no layout of;
@@ -59,13 +58,6 @@ def plan_export(
     model: str,
     step: int | None = None,
     dtype: Any = None,
-    merge_lora: bool = False,
-    lora_alpha: float | None = None,
-    lora_scale: float | None = None,
-    base: epath.PathLike | None = None,
-    base_qtype: str | None = None,
-    base_tile_size: int | None = None,
-    base_calibration: str | None = None,
     max_shard_size: int | float | str = DEFAULT_MAX_SHARD_SIZE,
     hf_config: epath.PathLike | None = None,
     memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
@@ -73,6 +65,7 @@ def plan_export(
     param_scan_axis: int | None = None,
     base_only: bool = False,
     config_as_trained: bool = False,
+    **merge: Unpack[merge_options.MergeKeywords],
 ) -> ExportPlan:
   """Plans an export from metadata only; nothing is read or written.
 
@@ -86,11 +79,6 @@ def plan_export(
     step: the step under a root.
     dtype: cast floating weights to this dtype (bfloat16, float16, float32);
       None: as stored.
-    merge_lora: export the LoRA adapters merged into the weights (no adapter
-      tensors); an adapters-only save also needs `base`.
-    lora_alpha, lora_scale, base: the merge's (see `restore_merged_lora`).
-    base_qtype, base_tile_size, base_calibration: how a QLoRA run quantized
-      `base` (an adapters-only save; see `restore_merged_lora`).
     max_shard_size: bytes per file: an int, or a size as `transformers` writes it
       ('5GB' is 5*10**9 bytes, '2GiB' 2*2**30; `sizes.parse_size`).
     hf_config: the base model's Hugging Face folder: its config.json (checked
@@ -111,6 +99,9 @@ def plan_export(
       google-tunix trained with where its model class ignores the base
       config's (the family's `as_trained` facts, e.g. `rope_theta` for qwen3);
       without it such a difference is a note. Needs `hf_config`.
+    **merge: the LoRA merge's options (`merge_options.MergeKeywords`): `merge_lora`
+      exports the adapters merged into the weights (no adapter tensors; an adapters-only
+      save also needs `base`); the others as `orbax_tunix.restore_merged_lora` takes them.
 
   Returns:
     An `ExportPlan`.
@@ -118,18 +109,17 @@ def plan_export(
   Raises:
     UnsupportedLayoutError: an unknown family; weights that do not fit it; a
       config.json that disagrees with them.
+    TypeError: a keyword it does not take.
     LoraOnlyCheckpointError: an adapters-only save without `merge_lora`.
     InvalidDestinationError: `out_dir` overlaps a source's run, or is (or
       holds) the `hf_config` folder; or cannot be reached.
     LoraError, DestinationExistsError, TunixCheckpointError subclasses: see
       their docstrings.
   """
+  merge_options.check_keywords('plan_export', merge, merge_options.OPTIONS.names())
   return plan_to(
       FOLDER, src, out_dir, model=model, step=step, dtype=dtype, memory_budget=memory_budget,
-      force=force, merge_options=merge_lib.MergeOptions.given(
-          merge_lora, lora_alpha, lora_scale, base, base_qtype, base_tile_size,
-          base_calibration),
-      max_shard_size=max_shard_size, hf_config=hf_config,
+      force=force, **merge, max_shard_size=max_shard_size, hf_config=hf_config,
       param_scan_axis=param_scan_axis, base_only=base_only, config_as_trained=config_as_trained,
   )
 
@@ -186,14 +176,15 @@ def plan_peft_export(
     out_dir: epath.PathLike,
     *,
     model: str,
-    alpha: float | None = None,
-    scale: float | None = None,
+    lora_alpha: float | None = None,
+    lora_scale: float | None = None,
     base_model: str | None = None,
     step: int | None = None,
     dtype: Any = None,
     memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     param_scan_axis: int | None = None,
+    **old: Any,
 ) -> ExportPlan:
   """Plans a PEFT adapter export from metadata only; nothing is read or written.
 
@@ -203,34 +194,45 @@ def plan_peft_export(
     out_dir: the folder to create: `adapter_config.json` and
       `adapter_model.safetensors`.
     model: the Hugging Face family (as `plan_export`).
-    alpha: qwix's LoRA alpha of the run (PEFT's `lora_alpha`; the scale is
-      alpha / rank); or `scale`, the scale itself (`lora_alpha` is then
-      scale * r).
+    lora_alpha: qwix's LoRA alpha of the run (PEFT's `lora_alpha`; the scale is
+      alpha / rank); or `lora_scale`, the scale itself (`lora_alpha` is then
+      scale * r). The merge's options (`merge_options.SCALING`).
     base_model: `base_model_name_or_path` of the config (a Hub name or a
       folder); None: null.
     step, dtype, memory_budget, force, param_scan_axis: as `plan_export`.
+    **old: `alpha` and `scale`, the deprecated names of `lora_alpha` and `lora_scale`.
 
   Returns:
     An `ExportPlan`.
 
   Raises:
+    TypeError: a keyword it does not take.
     LoraError: no adapters; no alpha or scale for qwix's adapters; both; one for
       flax's alone (they have none); adapters a PEFT adapter cannot express (every one
       named: export them merged instead).
     UnsupportedLayoutError, InvalidDestinationError, DestinationExistsError,
     TunixCheckpointError subclasses: as `plan_export`.
   """
+  scaling = merge_options.renamed(
+      'plan_peft_export', {**old, **{o.name: v for o, v in zip(
+          merge_options.SCALING, (lora_alpha, lora_scale), strict=True) if v is not None}},
+      _OLD_SCALING)
+  merge_options.check_keywords('plan_peft_export', scaling,
+                               [o.name for o in merge_options.SCALING])
   return plan_to(
       ADAPTER, src, out_dir, model=model, step=step, dtype=dtype, memory_budget=memory_budget,
-      force=force, adapter_scaling=merge_lib.MergeOptions(alpha, scale), base_model=base_model,
-      param_scan_axis=param_scan_axis,
+      force=force, **scaling, base_model=base_model, param_scan_axis=param_scan_axis,
   )
 
 
+# The scaling's keywords before they took their options' names (`merge_options.SCALING`).
+_OLD_SCALING = {'alpha': merge_options.LORA_ALPHA, 'scale': merge_options.LORA_SCALE}
+
+
 def export_peft_adapter(
-    path: epath.PathLike, out_dir: epath.PathLike, *, model: str, alpha: float | None = None,
-    scale: float | None = None, base_model: str | None = None, step: int | None = None,
-    dtype: Any = None, **kwargs: Any,
+    path: epath.PathLike, out_dir: epath.PathLike, *, model: str,
+    lora_alpha: float | None = None, lora_scale: float | None = None,
+    base_model: str | None = None, step: int | None = None, dtype: Any = None, **kwargs: Any,
 ) -> ExportResult:
   """Exports a LoRA run's adapters as a PEFT adapter folder (`adapter_config.json`,
   `adapter_model.safetensors`), reading the adapter arrays only.
@@ -238,11 +240,13 @@ def export_peft_adapter(
   Example::
 
     orbax_tunix.export_peft_adapter('/ckpts/lora_run', '/adapters/run', model='qwen3',
-                                    alpha=16.0, base_model='Qwen/Qwen3-0.6B')
+                                    lora_alpha=16.0, base_model='Qwen/Qwen3-0.6B')
 
   Args:
-    path, out_dir, model, alpha, scale, base_model, step, dtype: see `plan_peft_export`.
-    **kwargs: `plan_peft_export`'s others (`memory_budget`, `force`, `param_scan_axis`).
+    path, out_dir, model, lora_alpha, lora_scale, base_model, step, dtype: see
+      `plan_peft_export`.
+    **kwargs: `plan_peft_export`'s others (`memory_budget`, `force`, `param_scan_axis`;
+      `alpha` and `scale`, deprecated).
 
   Returns:
     An `ExportResult`.
@@ -252,5 +256,5 @@ def export_peft_adapter(
     failure leaves nothing at `out_dir`.
   """
   return run_export(plan_peft_export(
-      path, out_dir, model=model, alpha=alpha, scale=scale, base_model=base_model, step=step,
-      dtype=dtype, **kwargs))
+      path, out_dir, model=model, lora_alpha=lora_alpha, lora_scale=lora_scale,
+      base_model=base_model, step=step, dtype=dtype, **kwargs))

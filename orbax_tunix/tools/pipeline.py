@@ -28,7 +28,7 @@ from etils import epath
 
 from orbax_tunix import errors, layouts, sizes
 from orbax_tunix.keypaths import fmt
-from orbax_tunix.mapping import lora
+from orbax_tunix.mapping import lora, merge_options
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.outputs import ItemOutput
 from orbax_tunix.reading import memory, reader, timing
@@ -110,7 +110,6 @@ def plan(
     memory_budget: int | float | str = memory.DEFAULT_MEMORY_BUDGET,
     force: bool = False,
     items: Iterable[str] | None = None,
-    merge_options: merge_lib.MergeOptions | None = None,
     **options: Any,
 ) -> Plan:
   """Plans a layout's output from metadata only; nothing is read or written.
@@ -123,11 +122,10 @@ def plan(
     dtype: cast floating leaves to this dtype, as the layout's destination takes it
       (`Destination.dtype`); None: kept.
     force: replace an existing destination (only one of the destination's kind).
-    merge_options: the LoRA merge's options (`merge.MergeOptions.given`, from the
-      caller's own keywords); None: no merge.
     **options: the layout's options (`layouts.options()`: `scan_layers`,
       `param_scan_axis`, `hf_config`, `max_shard_size`, ...); another layout's
-      must be left unset.
+      must be left unset. And the LoRA merge's (`merge_options.MergeKeywords`:
+      `merge_lora`, `lora_alpha`, `base`, ...), those the layout does not take itself.
 
   Returns:
     A `Plan`.
@@ -145,15 +143,18 @@ def plan(
   """
   chosen = layouts.get(layout)
   destination = chosen.destination
+  merging = {n: options.pop(n) for n in merge_options.OPTIONS.names()
+             if n in options and not chosen.takes(n)}
+  merge = merge_options.MergeOptions.given(merging)
   dtype = destination.dtype(dtype)
   given = _given(chosen, options)
-  params_only = params_only or merge_options is not None or chosen.weights_only
+  params_only = params_only or merge is not None or chosen.weights_only
   memory_budget = sizes.parse_size(memory_budget, 'memory_budget')
   memory.host_threads()  # ORBAX_TUNIX_THREADS, where set, checked before anything is read.
   items = None if items is None else tuple(items)  # Read twice: the source, and `options`.
   source = reader.open_source(src, step, items, weights_only=params_only)
   dst = as_path(dst)
-  merged = merge_options.plan(source) if merge_options is not None else None
+  merged = merge_lib.plan_merge(source, merge) if merge is not None else None
   for option in (o for o in chosen.options if o.folder and o.name in given):
     # First: the more specific refusal.
     places.check_not_over(dst, given[option.name], f'the `{option.name}` folder')
@@ -185,7 +186,7 @@ def plan(
       memory_budget=memory_budget, force=force, items=tuple(written), notes=tuple(notes),
       merge=merged, custom_metadata=dict(laid.custom_metadata), files=tuple(files),
       other_files=laid.files, summary=dict(laid.summary),
-      options=_asked(given, merge_options, items),
+      options=_asked(given, merge, items),
   )
 
 
@@ -257,14 +258,12 @@ def _dequantized_notes(written: Iterable[ItemOutput], merged: merge_lib.MergePla
           for how, leaves in sorted(found.items())]
 
 
-def _asked(given: Mapping[str, Any], merge_options: merge_lib.MergeOptions | None,
+def _asked(given: Mapping[str, Any], merge: merge_options.MergeOptions | None,
            items: Iterable[str] | None) -> dict[str, Any]:
-  """The options a caller gave, by its own names: the layout's (a merge's options among them:
-  by their own names), the merge's, and the items chosen."""
-  asked: dict[str, Any] = {}
-  for name, value in given.items():
-    asked.update(value.asked() if isinstance(value, merge_lib.MergeOptions) else {name: value})
-  asked.update(merge_options.asked() if merge_options is not None else {})
+  """The options a caller gave, by their names: the layout's, the merge's, and the items
+  chosen."""
+  asked = dict(given)
+  asked.update(merge.asked() if merge is not None else {})
   if items is not None:
     asked['items'] = sorted(items)
   return asked
@@ -287,8 +286,9 @@ def _refuse_adapters_only(source: reader.CanonicalCheckpoint, layout: str) -> No
         f'{source.step_dir}: expected model weights, found LoRA adapters only'
         f' ({len(adapters)} leaves, e.g. {adapters[0]}): the run saved no base weights'
         f" (Tunix's save_only_lora_params). A {layout} output is a model, and they alone are"
-        ' none. Merge them into the base weights the run started from: `merge_lora=True`,'
-        ' `lora_alpha` (the run\'s LoRA alpha) and `base` (the base checkpoint); or convert'
+        ' none. Merge them into the base weights the run started from:'
+        f' {merge_options.MERGE_LORA.named(True)}, {merge_options.LORA_ALPHA.named()} (the'
+        f' run\'s LoRA alpha) and {merge_options.BASE.named()} (the base checkpoint); or convert'
         " them as they are (`layout='canonical'`), or export them as a PEFT adapter"
         ' (`export_peft_adapter`).'
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from orbax_tunix import conventions
+from orbax_tunix import catalog, conventions
 from orbax_tunix.keypaths import Path
 from orbax_tunix.view.canonical_map import CanonicalMap
 
@@ -47,21 +47,23 @@ class SourceKind:
   optimizer: tuple[str | None, Path] = (None, ())
 
 
-TUNIX = SourceKind('tunix', 'Tunix', lambda maps: any(m.rewrites for m in maps.values()))
-MAXTEXT = SourceKind(
+# In the order `classify` tries them.
+KINDS: catalog.Catalog[SourceKind] = catalog.Catalog('source kind')
+TUNIX = KINDS.register(
+    SourceKind('tunix', 'Tunix', lambda maps: any(m.rewrites for m in maps.values())))
+MAXTEXT = KINDS.register(SourceKind(
     'maxtext', 'MaxText', _maxtext_step,
     weights=(conventions.MAXTEXT_ITEM, conventions.MAXTEXT_PARAMS),
     optimizer=(conventions.MAXTEXT_ITEM, (conventions.MAXTEXT_OPT_STATE,)),
-)
-ORBAX = SourceKind('orbax', 'plain Orbax', lambda maps: True)
-KINDS = (TUNIX, MAXTEXT, ORBAX)  # In the order `classify` tries them.
+))
+ORBAX = KINDS.register(SourceKind('orbax', 'plain Orbax', lambda maps: True))
 
 
 def classify(maps: Mapping[str, CanonicalMap]) -> SourceKind:
   """The kind of a step, from its items' maps (metadata only)."""
-  return next(kind for kind in KINDS if kind.holds(maps))
+  return next(kind for kind in KINDS.values() if kind.holds(maps))
 
 
 def get(name: str) -> SourceKind:
   """The kind `Detection.kind` names."""
-  return next(kind for kind in KINDS if kind.name == name)
+  return KINDS.get(name)

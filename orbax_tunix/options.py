@@ -1,0 +1,57 @@
+"""An option the library takes by name, as data: one name everywhere.
+
+The library's keyword is `Option.name`; the command line's flag is derived from it
+(`orbax_tunix.cli`: `--` and the name with dashes), and so is every message that names it:
+a library message names the keyword in backquotes (`named`), which the command line shows as
+its flag. The layouts declare theirs (`layouts.Layout.options`), the LoRA merge its own
+(`mapping/merge_options.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+
+def _as_given(value: Any) -> Any:
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """An option, as data.
+
+  Attributes:
+    name: the library's keyword (the command line's flag is `--` and it with dashes).
+    parse: the value from its text (a flag's); raises ValueError for text that is none.
+      `bool`: a switch (given: True).
+    metavar: how its value is written in help text (None: its choices, else its name).
+    help: what it does, for people.
+    default: its value when not given (what a plan leaves out of what was asked).
+    coerce: a value given -> the value used (a size's text to bytes, a path's text to a
+      path); raises `InvalidOptionError` (or `LoraError`, a merge's) naming the option.
+    folder: it names a folder that is read (the destination must be neither it nor inside
+      it).
+    choices: the values it takes, where they are a few names (None: any `parse` takes).
+  """
+
+  name: str
+  parse: Callable[[str], Any] = dataclasses.field(repr=False)
+  metavar: str | None
+  help: str
+  default: Any = None
+  coerce: Callable[[Any], Any] = dataclasses.field(default=_as_given, repr=False)
+  folder: bool = False
+  choices: tuple[str, ...] | None = None
+
+  @property
+  def switch(self) -> bool:
+    """It is given or not (a flag without a value)."""
+    return self.parse is bool
+
+  def named(self, value: Any = None) -> str:
+    """The option as a message names it: `name`, or `name=value` (a flag, on the command
+    line: `--name`, `--name value`)."""
+    return f'`{self.name}`' if value is None else f'`{self.name}={value}`'
+
