@@ -1,6 +1,6 @@
 """orbax_tunix: restore Tunix checkpoints with any Orbax restore.
 
-The whole public API (`__all__`, and the README's table)::
+The whole public API (`__all__`, and the table in docs/api.md)::
 
   detect(path) -> Detection              what a path holds, which rewrites apply
   TunixPyTreeHandler                     item handler (a PyTreeCheckpointHandler)

@@ -67,7 +67,7 @@ _FULL = f'{MT_LAYER}/attention/attention'
 # Hugging Face's (out, in) transposes of a MaxText (in, out) kernel; conv (K, 1, C) -> (C, 1, K).
 _T = transpose()
 _CONV = transpose((2, 1, 0))
-# qwen3.5-35b-a3b's sizes, for the README's table of maps.
+# qwen3.5-35b-a3b's sizes, for the table of maps in docs/huggingface.md.
 _QWEN3_5_SIZES = {'linear_num_key_heads': 16, 'linear_key_head_dim': 128,
                   'linear_num_value_heads': 32, 'linear_value_head_dim': 128}
 

@@ -200,7 +200,7 @@ class Sized:
     fields: the config.json fields (the text model's) the rules read, positive integers.
     rules: the fields' values, by name -> the rules.
     why: what the sizes are for, for messages.
-    example: values of the fields for the README's table (the family's released model's).
+    example: values of the fields for the table of families (the family's released model's).
   """
 
   sources: tuple[str, ...]

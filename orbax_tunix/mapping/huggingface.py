@@ -5,7 +5,7 @@ The families (`hf_families.py`: one `hf_naming.Family` each, named by each train
 the model) are registered here and found by name or alias (`get`, `names`, `choices`); what
 reads them is here too: which of a family's namings weights carry (`naming`), the family's
 rules applied to weights' shapes and checked (`map_weights`), what kind of model weights are
-(`describe_weights`), and the README's tables of maps (`table`, `markdown`). A new family is
+(`describe_weights`), and the tables of maps in docs/huggingface.md (`table`, `markdown`). A new family is
 one value in `hf_families.py`; `config.json` is checked in `hf_config.py`. Nothing here reads
 an array.
 """
@@ -312,7 +312,7 @@ def scanned_form(paths: Collection[Path], where: str = '') -> stacks_lib.LayerFo
 
 def table(family: Family, trainer: str = trainers.TUNIX.name) -> list[tuple[str, str, str]]:
   """(source path, Hugging Face name, transform) per rule of the family's naming by one
-  trainer (by name), as the README shows them."""
+  trainer (by name), as docs/huggingface.md shows them."""
   naming = family.naming_of(trainers.get(trainer))
   rules = () if naming is None else naming.rules + tuple(
       r for sized in naming.sized for r in sized.rules(sized.example))
@@ -328,8 +328,8 @@ def table(family: Family, trainer: str = trainers.TUNIX.name) -> list[tuple[str,
 
 
 def markdown(trainer: str = trainers.TUNIX.name) -> str:
-  """The README's table of one trainer's maps (by name): each `table` row once, with the
-  families that have it (`scripts/readme_hf_maps.py` writes it into README.md)."""
+  """The table of one trainer's maps (by name): each `table` row once, with the
+  families that have it (`scripts/readme_hf_maps.py` writes it into docs/huggingface.md)."""
   rows: dict[tuple[str, str, str], list[str]] = {}
   for family in map(get, names()):
     for row in table(family, trainer):
@@ -345,7 +345,7 @@ def markdown(trainer: str = trainers.TUNIX.name) -> str:
 
 
 def families_markdown() -> str:
-  """The README's table of families: per family, its `--model` names, its Hugging Face class,
+  """The table of families: per family, its `--model` names, its Hugging Face class,
   and the trainers' models it takes (MaxText's: the layer forms it reads them in)."""
   lines = ['| `--model` (aliases) | Hugging Face class | a Tunix model | a MaxText model, layers |',
            '|---|---|---|---|']

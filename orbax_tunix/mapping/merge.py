@@ -236,7 +236,7 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
         ' jax that divides by the bound as this one does (another kind, or jax 0.10 against'
         ' 0.12, rounds the scales\' last bit otherwise); a bfloat16 base gives the same values'
         ' on a CPU and a TPU, one int8 step off the run\'s in about 1e-5 of the elements'
-        ' (README, QLoRA runs)')
+        ' (docs/lora.md, QLoRA runs)')
     odd = sorted({(str(merges[p].base.leaf.dtype), str(merges[p].a.dtype)) for p in requantized
                   if merges[p].base.leaf.dtype != merges[p].a.dtype})
     notes += [f'the base is stored in {b} and the adapters in {a}: quantized in {a}, the dtype'

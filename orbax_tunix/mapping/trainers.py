@@ -24,9 +24,9 @@ class Trainer:
   """A trainer's model code, as far as its weights' names tell it.
 
   Attributes:
-    name: how the namings and README's tables of maps name it ('tunix', 'maxtext').
+    name: how the namings and the tables of maps (docs/huggingface.md) name it ('tunix', 'maxtext').
     title: how people read weights named by it (`inspect`, notes).
-    heading: the first column's heading of its README table of maps.
+    heading: the first column's heading of its table of maps.
     roots: top-level weight keys only its models have (empty: the trainer taken when no
       other's roots are there; one trainer has none).
     scans: its models may hold their layers stacked (scanned): its weights are told by their

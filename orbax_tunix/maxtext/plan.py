@@ -395,7 +395,7 @@ def require_target(abstract_state: PyTree, where: object) -> None:
         ' state (its leaves say what is restored, in which shape, dtype and sharding),'
         ' found no leaves. Build it as MaxText does: `train_state_nnx.to_checkpoint_dict`'
         ' of its abstract NNX state, or `jax.eval_shape` of a Linen TrainState\'s'
-        ' init, shardings attached (README: "In your own code").'
+        ' init, shardings attached (docs/maxtext.md: "In your own code").'
     )
 
 
