@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'orbax_tunix'
 # In order: each may import those before it (and itself).
-LAYERS = ['', 'store', 'view', 'reading', 'handlers', 'mapping', 'maxtext', 'writing', 'layouts',
+LAYERS = ['', 'store', 'view', 'reading', 'mapping', 'handlers', 'maxtext', 'writing', 'layouts',
           'tools', 'cli']
 TOP_LEVEL = {'errors', 'sizes', 'keypaths', 'conventions', 'catalog', 'options', 'version'}
 

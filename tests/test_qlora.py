@@ -8,9 +8,7 @@ read by plain Orbax, `qwix.quantize` of the float base, and the QLoRA model's ow
 
 from __future__ import annotations
 
-import collections
 import itertools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +24,17 @@ from qwix._src.core import numerics, qarray
 
 import orbax_tunix as ot
 from orbax_tunix import errors
-from orbax_tunix.keypaths import flat_dict, fmt, nest
-from orbax_tunix.mapping import merge
-from orbax_tunix.reading import quantized
+from orbax_tunix.keypaths import flat_dict, flatten, fmt, nest
+from orbax_tunix.mapping import dequantize, device, executor, merge, transforms
+from orbax_tunix.mapping.outputs import Input, Output
+from orbax_tunix.reading import quantized, reader
 from orbax_tunix.reading.planned_item import PlannedItem
 from orbax_tunix.store import item_store
+from orbax_tunix.writing import writer
 from tests import builders
 from tests import lora_models as lm
 from tests.test_lora_merge import F32_ATOL, abstract_weights, forward
+from tests.test_scan_layers import compiled_on_threads
 
 # (name, LoraProvider's quantization keywords, dtype of the model's params)
 RECIPES = {
@@ -148,13 +149,18 @@ def test_each_weights_parts_are_freed_once_it_is_made(runs, mesh, monkeypatch):
   float target peaks at the target and the parts not yet used, not the target beside all
   the parts (benchmarks/qlora.py)."""
   run = runs['int8_minmax_tile4']  # qvalue and zero point int8: two int8 arrays a weight.
-  alive, combine = [], quantized.combine
+  alive, on_devices = [], transforms.on_devices
 
-  def counting(request, values, qscheme):
-    alive.append(sum(1 for a in jax.live_arrays() if a.dtype == jnp.int8))
-    return combine(request, values, qscheme)
+  def counting(*args, **kwargs):  # Each weight's program, called once its parts are read.
+    program = on_devices(*args, **kwargs)
 
-  monkeypatch.setattr(quantized, 'combine', counting)
+    def call(*xs):
+      alive.append(sum(1 for a in jax.live_arrays() if a.dtype == jnp.int8))
+      return program(*xs)
+    call.lower = program.lower
+    return call
+
+  monkeypatch.setattr(transforms, 'on_devices', counting)
   got = _restore_params(run['root'] / 'full' / '1', _float_target(mesh))
   assert len(alive) == 4 and len(jax.tree.leaves(got)) == 4, alive
   # As each weight is made, the weights made before it hold no parts any more.
@@ -179,37 +185,33 @@ def test_the_parts_headers_are_read_in_one_batch(runs, mesh, monkeypatch):
   assert sum('/array/scale' in p or '/array/zero_point' in p for p in with_scales[0]) == 8, batches
 
 
-def test_the_dequantize_programs_compile_while_the_parts_are_read(runs, mesh, monkeypatch,
-                                                                  caplog):
-  """A fresh process's first restore: each dequantize program is compiled on a worker thread,
-  started before Orbax reads the parts, not one by one in the caller's thread after the read."""
-  quantized._on_devices.cache_clear()  # New programs, as in a fresh process.
-  monkeypatch.setattr(quantized, '_ahead', collections.OrderedDict())
-  events, orbax_read, ahead = [], PlannedItem._orbax_read, quantized.compile_ahead
+def test_the_dequantize_programs_compile_while_the_parts_are_read(runs, mesh, monkeypatch):
+  """A fresh process's first restore: each kind of weight's dequantize program is compiled
+  on the executor's compile thread (`device.Compiler`), asked for before Orbax reads the
+  parts, none on the caller's thread after the read; one program per kind, not per weight."""
+  events, orbax_read, submit = [], PlannedItem._orbax_read, device.Compiler.submit
 
   def reading(self, *args, **kwargs):
     events.append('read')
     return orbax_read(self, *args, **kwargs)
 
-  def compiling_ahead(*args):
+  def submitting(self, *args):
     events.append('ahead')
-    return ahead(*args)
+    return submit(self, *args)
 
   monkeypatch.setattr(PlannedItem, '_orbax_read', reading)
-  monkeypatch.setattr(quantized, 'compile_ahead', compiling_ahead)
-  caplog.set_level(logging.DEBUG, logger='jax._src.interpreters.pxla')
+  monkeypatch.setattr(device.Compiler, 'submit', submitting)
   run = runs['int8_minmax_tile4']
-  got = _restore_params(run['root'] / 'full' / '1', _float_target(mesh, jnp.bfloat16))
+  got, threads = compiled_on_threads(monkeypatch, lambda: _restore_params(
+      run['root'] / 'full' / '1', _float_target(mesh, jnp.bfloat16)))
   raw = _raw(run)
   for layer, weight in itertools.product(('0', '1'), ('v_proj/w', 'up/kernel')):
     want = qwix.dequantize(_qarray(raw, f'layers/{layer}/{weight}')).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(flat_dict(got)[('layers', layer, *weight.split('/'))]),
                                   np.asarray(want))
-  threads = [r.threadName for r in caplog.records
-             if r.getMessage().startswith('Compiling jit(dequantize_weight) ')]
   # Asked for before the read; two shapes, two programs, compiled off the caller's thread.
   assert events == ['ahead'] * 4 + ['read'], events
-  assert len(threads) == 2 and all(t.startswith('orbax_tunix.dequantize') for t in threads), threads
+  assert len(threads) == 2 and all(t.startswith('orbax_tunix-compile') for t in threads), threads
 
 
 def test_a_target_of_the_stored_parts_reads_them_as_stored(runs, mesh):
@@ -238,19 +240,25 @@ def test_orbax_v1_loads_the_dequantized_weights(runs):
                                 np.asarray(want))
 
 
-def test_parts_of_a_quantized_weight_read_as_the_same_region_dequantized(runs):
-  """A layer's slice or a block of rows (the writer's partial reads) of a tiled weight."""
+@pytest.mark.parametrize('numpy', [True, False])
+def test_parts_of_a_quantized_weight_read_as_the_same_region_dequantized(runs, numpy):
+  """A layer's slice or a block of rows (the writer's partial reads) of a tiled weight: its
+  parts' regions read, the same region made (on the host, or on a CPU device)."""
   run = runs['int8_minmax_tile4']
-  step = run['root'] / 'full' / '1'
-  found = ot.detect(step)
-  item = PlannedItem.of(found, 'model_params')
-  path = ('layers', '0', 'v_proj', 'w')  # (N, D, H), tiles of 4 on D
-  whole = np.asarray(qwix.dequantize(_qarray(_raw(run), 'layers/0/v_proj/w')))
-  regions = [(1, slice(None), slice(None)), (slice(None), slice(1, 7), slice(None)),
-             (0, slice(3, 8), 2), (slice(1, 2), slice(5, 6), slice(0, 4))]
-  got = item.read_parts([(path, region, None) for region in regions])
-  for region, value in zip(regions, got, strict=True):
-    np.testing.assert_array_equal(value, whole[region])
+  ckpt = reader.open_source(run['root'] / 'full' / '1')
+  leaf = next(x for x in ckpt.items['model_params'] if fmt(x.path) == 'layers/0/v_proj/w')
+  whole = np.asarray(qwix.dequantize(_qarray(_raw(run), 'layers/0/v_proj/w')))  # (N, D, H)
+  regions = {  # (takes, rows) -> the index into the weight (tiles of 4 on D).
+      'layer': (((0, 1),), None, (1, slice(None), slice(None))),
+      'rows': ((), (1, 1, 7), (slice(None), slice(1, 7), slice(None))),
+      'both': (((0, 0), (1, 2)), (0, 3, 8), (0, slice(3, 8), 2)),
+      'one tile': (((2, 1),), (1, 5, 6), (slice(None), slice(5, 6), 1)),
+  }
+  outputs = [Output(('r', str(k)), (Input(ckpt, leaf, takes, rows),), shape=whole[i].shape,
+                    dtype=leaf.dtype) for k, (takes, rows, i) in enumerate(regions.values())]
+  got = executor.run(outputs, writer.OnHost(numpy), executor.Collect(), 1 << 30)['values']
+  for k, (_, _, index) in enumerate(regions.values()):
+    np.testing.assert_array_equal(np.asarray(got[('r', str(k))]), whole[index], err_msg=str(k))
 
 
 @pytest.mark.parametrize('qtype', ['int8', 'int4', 'float8_e4m3fn', 'nf4'])
@@ -274,8 +282,8 @@ def test_dequantize_is_qwix_dequantize(qtype, scale_dtype):
       jnp.asarray(qvalue), jnp.asarray(scale), None if zero_point is None else jnp.asarray(
           zero_point), 'nf4' if qtype == 'nf4' else jnp.dtype(storage)))
   nf4 = qtype == 'nf4'
-  host = quantized.dequantize(qvalue, scale, zero_point, nf4=nf4)
-  dev = jax.jit(lambda *xs: quantized.dequantize(*xs, nf4=nf4))(
+  host = dequantize.dequantize(qvalue, scale, zero_point, nf4=nf4)
+  dev = jax.jit(lambda *xs: dequantize.dequantize(*xs, nf4=nf4))(
       *(jnp.asarray(x) for x in (qvalue, scale) + (() if zero_point is None else (zero_point,))))
   for got in (host, dev):
     assert got.dtype == want.dtype
@@ -329,6 +337,31 @@ def test_full_save_merges_onto_its_dequantized_base(runs, mesh, name):
     assert right <= F32_ATOL and wrong > 5 * F32_ATOL, (right, wrong)
   else:  # bfloat16 through the network blurs both; the quantized base is still the nearer.
     assert right < wrong / 2, (right, wrong)
+
+
+def test_a_full_save_merge_compiles_one_program_per_kind_of_weight(runs, mesh, monkeypatch):
+  """The dequantize runs inside the merge's program (issue 53): one program per kind of
+  adapted weight (its scheme, shape, rank, scale and sharding), compiled on the compile
+  thread while the parts are read, none for the dequantize alone; the merge still as the
+  formula computes it from qwix's dequantize."""
+  run = runs['int8_minmax_tile4']
+  target = abstract_weights('qwix', mesh, jnp.float32)
+  merged, threads = compiled_on_threads(monkeypatch, lambda: ot.restore_merged_lora(
+      run['root'] / 'full', target, alpha=lm.ALPHA))
+  merges = merge.plan_merge(run['root'] / 'full', merge.MergeOptions(alpha=lm.ALPHA)).merges
+  leaves = dict(flatten(target)[0])
+  kinds = {(m.base.leaf.quantized, m.contraction, m.scale, leaves[p].sharding)
+           for p, m in merges.items()}
+  assert len(merges) > len(kinds) and len(threads) == len(kinds), (threads, kinds)
+  assert all(t.startswith('orbax_tunix-compile') for t in threads), threads
+  raw, got = _raw(run), dict(flatten(merged)[0])
+  for path, m in merges.items():
+    assert not m.contraction.reshape and not m.contraction.stacked
+    w = np.asarray(qwix.dequantize(_qarray(raw, fmt(path))))
+    delta = np.tensordot(raw[f'{fmt(path)}_lora_a/value'], raw[f'{fmt(path)}_lora_b/value'], 1)
+    np.testing.assert_allclose(np.asarray(got[path]),
+                               w + m.scale * delta.transpose(m.contraction.permutation),
+                               atol=1e-6, err_msg=fmt(path))
 
 
 def test_full_save_with_a_base_is_refused_naming_quantization(runs):

@@ -20,6 +20,7 @@ from orbax_tunix.handlers.pytree_handler import (
   TunixPyTreeRestore,
   V1ItemRestore,
 )
+from orbax_tunix.mapping import device
 from orbax_tunix.reading import planned_item
 from orbax_tunix.store import _orbax
 
@@ -86,7 +87,7 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
       return await super().load(directory, abstract_checkpointable)
     args = TunixPyTreeRestore(item=abstract_checkpointable)
     # Read through the v0 machinery (with the plan made here); v1 awaits the result.
-    restored = await asyncio.to_thread(planned.restore, args)
+    restored = await asyncio.to_thread(planned.restore, args, None, device.plan_read)
 
     async def _done():
       return restored

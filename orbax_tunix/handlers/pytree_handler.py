@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
+from orbax_tunix.mapping import device
 from orbax_tunix.reading import planned_item
 from orbax_tunix.store import _orbax, fileio
 
@@ -169,7 +170,7 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
           # Orbax's own StandardRestore logic, which calls back `metadata` and
           # `restore` (with PyTreeRestore) on this handler: planned once for both.
           return self._standard.restore(directory, args=args)
-        return planned.restore(args, self._reads)
+        return planned.restore(args, self._reads, device.plan_read)
     except ValueError as e:
       if untargeted and _orbax.is_topology_mismatch(e):
         # Orbax's PyTree path says only that a sharding is missing; its

@@ -35,7 +35,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,10 +43,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import executor, transforms
+from orbax_tunix.mapping import dequantize, executor, transforms
 from orbax_tunix.mapping.outputs import Input, Output
-from orbax_tunix.reading import memory
-from orbax_tunix.reading.planned_item import Reads
+from orbax_tunix.reading import memory, quantized
+from orbax_tunix.reading.planned_item import PlannedItem, Reads
 from orbax_tunix.reading.read_requests import ReadRequest, into, is_key, sharding_of
 
 
@@ -327,6 +327,76 @@ class OnDevices:
       self.compiler.ready(make, unit.abstract_sources)
     made = make(*(_got(reads, s) for s in unit.inputs))
     return list(zip(unit.outputs, jax.block_until_ready(made), strict=True))
+
+
+def _made(transform: transforms.Transform, request: ReadRequest, parts: Sequence[Any],
+          compiler: Compiler) -> tuple[list[ReadRequest], Any]:
+  """How to read a weight's parts for `request` (to the host, as saved, or into the
+  sharding that lines up with the request's), and what makes it from them: a function of
+  the parts' values, compiled ahead on the devices."""
+  target, arg = request
+  if isinstance(arg, ocp.ArrayRestoreArgs) or isinstance(
+      getattr(target, 'sharding', None), jax.sharding.Sharding):
+    dest = Target.of(target, arg).abstract
+    shardings = transforms.source_shardings(transform, dest.sharding, len(dest.shape),
+                                            len(parts))
+    requests = [into(shape, dtype, sharding) for (shape, dtype), sharding
+                in zip(parts, shardings, strict=True)]
+    program = transforms.on_devices([transform], [dest.sharding], [dest.dtype], (), shardings)
+    abstract = [r[0] for r in requests]
+    compiler.submit(program, abstract)
+
+    def compiled(*xs: Any) -> Any:
+      compiler.ready(program, abstract)
+      return program(*xs)[0]
+    return requests, compiled
+  dtype = arg.dtype or getattr(target, 'dtype', None)
+  if arg.restore_type is np.ndarray:  # To the host.
+    requests = [into(shape, stored, None) for shape, stored in parts]
+  else:  # As saved (no sharding asked for): made where qvalue was put.
+    requests = [(0, ocp.RestoreArgs())] * len(parts)
+
+  def make(*xs: Any) -> Any:
+    if isinstance(xs[0], np.ndarray):
+      value = transform.apply(xs)
+      return value if dtype is None else value.astype(dtype)
+    return transforms.on_devices([transform], [xs[0].sharding],
+                                 [dtype or parts[1][1]])(*xs)[0]
+  return requests, make
+
+
+def plan_read(planned: PlannedItem, wanted: Mapping[Path, ReadRequest],
+              via: Any = None) -> Callable[[], dict[Path, Any]]:
+  """`PlannedItem.read` (one Orbax restore) where weights saved quantized are among the
+  canonical leaves asked for (`PlannedItem.restore`'s `plan`): each read as its parts and
+  made by `dequantize.transform` into its request's dtype, on the devices in its sharding
+  (compiled while the parts are read; the parts dropped once it is made), to the host with
+  numpy, or as saved. The parts are checked now, from their headers (`quantized.parts_of`);
+  the read is the function returned.
+
+  Raises:
+    CorruptMetadataError: a weight's parts are not one quantized weight's (now); stored
+      data is missing or damaged (on the read).
+  """
+  made = quantized.parts_of(planned.meta, planned.cmap, wanted)
+  if not made:
+    return lambda: planned.read(wanted, via)
+  path_of = {d: p for p, d in planned.cmap.parts.items()}
+
+  def read() -> dict[Path, Any]:
+    requests = {c: r for c, r in wanted.items() if c not in made}
+    makers = {}
+    with compiling() as compiler:
+      for c, (disk, scheme) in made.items():
+        part_requests, makers[c] = _made(dequantize.transform(scheme), wanted[c],
+                                         scheme.parts, compiler)
+        requests.update(zip((path_of[d] for d in disk), part_requests, strict=True))
+      got = planned.read(requests, via)
+      out = {c: got.pop(c) for c in wanted if c not in made}
+      for c, (disk, _) in made.items():  # Each weight's parts taken out as it is made.
+        out[c] = makers[c](*(got.pop(path_of[d]) for d in disk))
+    return {c: out[c] for c in wanted}
+  return read
 
 
 def execute(

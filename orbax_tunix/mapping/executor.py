@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from orbax_tunix.keypaths import Path
+from orbax_tunix.mapping import dequantize
 from orbax_tunix.mapping.outputs import Output
 from orbax_tunix.reading import memory, reader, timing
 
@@ -88,7 +89,8 @@ def run(outputs: Sequence[Output], placement: Placement, sink: Sink, budget: int
   Returns:
     What the sink records (`Sink.close`).
   """
-  units = placement.units(outputs)
+  # Weights saved quantized made from their parts, like any output from its sources.
+  units = placement.units([dequantize.with_parts(o) for o in outputs])
   batched = memory.batches(units, budget, size=placement.held_bytes)
   # Two batches in flight only where they fit the budget of two (a source larger than one
   # batch is not read beside another).

@@ -219,6 +219,8 @@ def read_sliced(output: Output) -> Output:
   first, *after = transform.steps or (transform,)
   if first.per is not None:  # Each source's own transform first (e.g. a LoRA merge's).
     each, then = first.per
+    if len(each) != len(output.inputs):  # One takes several sources (a weight's parts).
+      return output
   elif len(output.inputs) == 1:
     each, then, after = (transform,), None, ()
   else:

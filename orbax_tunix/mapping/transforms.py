@@ -24,6 +24,7 @@ each with a transform; nothing else here knows a layout.
   interleave(axis)              two sources' entries alternating along an axis
   regroup(axis, groups, sizes, take)  per-block parts gathered part by part
   per_input((t1, t2, ...), t)   each source through its own transform, then t on them all
+  cast(dtype)                   the values in another dtype (a source read as another reads it)
   chain(t1, t2, ...)            t1 first (it may take several sources), then the rest
 
 `leading_takes` and `region` let a reader read only the slices a transform
@@ -468,21 +469,48 @@ def head(axis: int, size: int) -> Transform:
 
 
 def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
-  """Each source through its own transform, then `then` on them all (e.g. one layer taken
-  from a stacked weight and from each of its adapters, then merged)."""
+  """Each source through its own transform, then `then` on what they make (e.g. one layer
+  taken from a stacked weight and from each of its adapters, then merged). Each transform
+  takes as many sources as its arity says, in order (a weight saved quantized: its parts)."""
   transforms = tuple(transforms)
+  counts = tuple(1 if t.arity is None else t.arity for t in transforms)
+
+  def split(xs: Sequence[Any]) -> list[Sequence[Any]]:
+    if len(xs) != sum(counts):
+      raise TransformError(f'{name} takes {sum(counts)} source(s), given {len(xs)}')
+    starts = np.cumsum((0, *counts))
+    return [xs[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
   def shape(shapes: Sequence[Shape]) -> Shape:
-    return then.check([t.check([s]) for t, s in zip(transforms, shapes, strict=True)])
+    return then.check([t.check(s) for t, s in zip(transforms, split(shapes), strict=True)])
 
   def apply(xs: Sequence[Any]) -> Any:
-    return then.apply([t.apply([x]) for t, x in zip(transforms, xs, strict=True)])
+    return then.apply([t.apply(x) for t, x in zip(transforms, split(xs), strict=True)])
+
+  def source_specs(spec: tuple, n: int) -> tuple[tuple | None, ...]:
+    del n
+    each = (then.source_specs(spec, len(transforms)) if then.source_specs is not None
+            else (then.source_spec(spec),) * len(transforms))
+    out: list[tuple | None] = []
+    for t, k, s in zip(transforms, counts, each, strict=True):
+      if s is None:  # What `then` reads to the host, its sources too.
+        out += [None] * k
+      else:
+        out += t.source_specs(s, k) if t.source_specs is not None else [t.source_spec(s)] * k
+    return tuple(out)
 
   name = f'per_input({", ".join(t.name for t in transforms)}) -> {then.name}'
-  return Transform(name, shape, apply, arity=len(transforms),
+  return Transform(name, shape, apply, arity=sum(counts),
                    moves_only=then.moves_only and all(t.moves_only for t in transforms),
-                   per=(transforms, then),
+                   per=(transforms, then), source_specs=source_specs,
                    what=('per_input', tuple(t.computes for t in transforms), then.computes))
+
+
+def cast(dtype: Any) -> Transform:
+  """The values in `dtype` (`x.astype(dtype)`): a source as a reader in that dtype gets it."""
+  dtype = jnp.dtype(dtype)
+  return Transform(f'astype({dtype.name})', _one(lambda s: s), lambda xs: xs[0].astype(dtype),
+                   source_axis=_same_axis)
 
 
 def chain(*transforms: Transform) -> Transform:

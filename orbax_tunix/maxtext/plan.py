@@ -34,8 +34,8 @@ from orbax_tunix.maxtext.train_state import (
   under,
 )
 from orbax_tunix.maxtext.weights import check_weights
+from orbax_tunix.reading import quantized as quantized_lib
 from orbax_tunix.reading import reader
-from orbax_tunix.reading.planned_item import PlannedItem
 from orbax_tunix.reading.read_requests import stored_shape
 from orbax_tunix.store import step_store
 from orbax_tunix.view.detection import Detection, detect, wanted_items
@@ -441,7 +441,7 @@ def plan_restore(
   model = detection.maps.get(conventions.MODEL_ITEM)
   composed = {} if model is None else model.composed
   if composed:  # Checked before the target's shapes are: a damaged weight named as such.
-    PlannedItem.of(detection, conventions.MODEL_ITEM).check_parts()
+    quantized_lib.parts_of(detection.item_meta(conventions.MODEL_ITEM), model)
   quantized = [f'{len(composed)} weights saved quantized (a QLoRA run\'s frozen base, e.g.'
                f' {fmt(min(composed))}) are read dequantized: MaxText\'s model takes float'
                ' kernels'] if composed else []

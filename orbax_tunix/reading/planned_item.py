@@ -29,7 +29,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
-from orbax_tunix.conventions import QARRAY_PARTS, QVALUE
 from orbax_tunix.keypaths import Path, as_lists, flat_dict, flatten, fmt, nest
 from orbax_tunix.reading import quantized, read_requests
 from orbax_tunix.store import _orbax, fileio, item_store, storage_errors
@@ -141,26 +140,15 @@ def _skeleton(
 
 
 def canonical_metadata(meta: Any, cmap: canonical_map.CanonicalMap, where: str = '') -> Any:
-  """An on-disk item's metadata tree in canonical form (no store is read): a quantized
-  weight is described as its qvalue's shape in its scale's dtype (what a read gives).
+  """An on-disk item's metadata tree in canonical form (no store is read): a leaf made of
+  several stored ones described as what a read gives (`quantized.as_read`).
 
   Raises:
     CorruptMetadataError: a quantized weight's parts are not one weight's
       (`quantized.scheme`); `where` (the item) names it.
   """
   tree = canonical_map.to_canonical_tree(meta.tree, cmap)
-  if cmap.composed:
-    stored = flat_dict(meta.tree)
-    weights = flat_dict(tree)
-    for path, parts in cmap.composed.items():
-      infos = {name: (tuple(m.shape), m.dtype) if getattr(m, 'shape', None) is not None
-               and getattr(m, 'dtype', None) is not None else None
-               for name, m in ((name, stored.get(d)) for name, d in parts.items())}
-      dtype = quantized.scheme(infos, f'{where}: {fmt(path)}').dtype
-      if path in weights and dataclasses.is_dataclass(weights[path]):
-        weights[path] = dataclasses.replace(weights[path], dtype=dtype)
-    tree = nest(weights.items())
-  return _orbax.tree_metadata_like(meta, tree)
+  return _orbax.tree_metadata_like(meta, quantized.as_read(tree, meta.tree, cmap, where))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,14 +220,8 @@ class PlannedItem:
       return {}
     meta, cmap = self.meta, self.cmap
     disk_path = (lambda p: p) if on_disk else cmap.disk_path
-    composed = {} if on_disk else self._parts([c for c in wanted if c in cmap.composed])
     with fileio.no_gc():
-      by_disk = {disk_path(c): request for c, request in wanted.items() if c not in composed}
-      for c, (parts, qscheme) in composed.items():  # A quantized weight: read its parts.
-        part_reads = quantized.part_requests(wanted[c], parts)
-        quantized.compile_ahead(wanted[c], part_reads, qscheme)  # Compiles during the read.
-        for name, request in part_reads.items():
-          by_disk.setdefault(cmap.composed[c][name], request)
+      by_disk = {disk_path(c): request for c, request in wanted.items()}
       if meta.has_sequences or 2 * len(by_disk) > len(meta.leaves):
         # Most of the tree, or lists in it: the whole tree, placeholders for the
         # rest (Orbax's plain path; it cannot prune a list).
@@ -254,38 +236,7 @@ class PlannedItem:
         )
         served = meta.tree_json_of(by_disk)
     restored = flat_dict(self._orbax_read(via or through(), args, served))
-    out = {c: restored[disk_path(c)] for c in wanted if c not in composed}
-    for c, (_, qscheme) in composed.items():
-      # Taken out of `restored`: each weight's parts are freed once it is made, rather than
-      # all of them held until the last weight is.
-      parts = {name: restored.pop(d) for name, d in cmap.composed[c].items()}
-      out[c] = quantized.combine(wanted[c], parts, qscheme)
-      del parts
-    return {c: out[c] for c in wanted}
-
-  def check_parts(self, paths: Iterable[Path] | None = None) -> None:
-    """Checks the parts of the weights saved quantized (all, or those among `paths`) from
-    their headers, read in one batch (`quantized.scheme`).
-
-    Raises:
-      CorruptMetadataError: parts that are not one quantized weight's, naming it.
-    """
-    composed = self.cmap.composed
-    self._parts([p for p in (composed if paths is None else paths) if p in composed])
-
-  def _parts(self, paths: Sequence[Path]
-             ) -> dict[Path, tuple[dict[str, tuple[tuple[int, ...], Any]], quantized.Scheme]]:
-    """Composed leaves' parts, name -> (shape, dtype) as stored, and their `Scheme`, by path:
-    from the parts' headers, all read in one batch (not one round trip per weight) and once
-    per item."""
-    composed = self.cmap.composed
-    infos = self.meta.arrays([d for p in paths for d in composed[p].values()])
-    out = {}
-    for path in paths:
-      stored = {name: (infos[d].shape, infos[d].dtype) if d in infos else None
-                for name, d in composed[path].items()}
-      out[path] = stored, quantized.scheme(stored, f'{self.directory}: {fmt(path)}')
-    return out
+    return {c: restored[disk_path(c)] for c in wanted}
 
   def read_parts(
       self, parts: Sequence[tuple[Path, tuple[Any, ...], Any]]
@@ -307,40 +258,19 @@ class PlannedItem:
     """
     if not parts:
       return []
-    cmap = self.cmap
-    reads: list[tuple[Path, tuple[Any, ...], Any]] = []
-    made: list[tuple[int, quantized.Scheme, tuple[Any, ...], Any] | None] = []
-    composed = self._parts(list(dict.fromkeys(p for p, _, _ in parts if p in cmap.composed)))
-    for path, index, dtype in parts:
-      if path not in composed:
-        made.append(None)
-        reads.append((cmap.disk_path(path), index, dtype))
-        continue
-      # A quantized weight: its qvalue's region, and its scale's (zero point's) that covers it.
-      stored, qscheme = composed[path]
-      made.append((len(stored), qscheme, index, dtype))
-      scale_index, _ = quantized.part_index(index, qscheme)
-      reads += [(d, index if name == QVALUE else scale_index, None)
-                for name, d in quantized.disk_parts(cmap.composed[path]).items()]
+    reads = [(self.cmap.disk_path(path), index, dtype) for path, index, dtype in parts]
     with self._damaged('parts of arrays'):
-      got = iter(_orbax.read_parts(self.directory, reads, use_ocdbt=self.meta.use_ocdbt,
-                                   use_zarr3=self.meta.use_zarr3))
-    out = []
-    for how in made:
-      if how is None:
-        out.append(next(got))
-        continue
-      n, qscheme, index, dtype = how
-      # The parts were read in qwix's order; only the last (a zero point) may be absent.
-      values = {name: next(got) for name in QARRAY_PARTS[:n]}
-      out.append(quantized.dequantize_region(values, index, qscheme, dtype))
-    return out
+      return list(_orbax.read_parts(self.directory, reads, use_ocdbt=self.meta.use_ocdbt,
+                                    use_zarr3=self.meta.use_zarr3))
 
-  def restore(self, args: ocp.args.PyTreeRestore, via: OrbaxReads | None = None) -> PyTree:
+  def restore(self, args: ocp.args.PyTreeRestore, via: OrbaxReads | None = None,
+              plan: PlanRead | None = None) -> PyTree:
     """A canonical `PyTreeRestore`: a canonical target (any subset), or none (every leaf).
 
     Target leaves without `restore_args` are read into their own sharding and
-    dtype; `ocp.PLACEHOLDER` leaves are returned unread.
+    dtype; `ocp.PLACEHOLDER` leaves are returned unread. `plan` plans the read of the
+    requests (`PlannedItem.read` by default; the handlers' also makes the leaves made of
+    several stored ones: `mapping.device.plan_read`), its own checks made first.
 
     Raises:
       TargetMismatchError: the target names leaves absent on disk or with
@@ -350,6 +280,7 @@ class PlannedItem:
       CorruptMetadataError: stored data the target needs is missing or damaged.
     """
     via = via or through()
+    plan = plan or _plain_read
     if args.transforms or args.legacy_transform_fn is not None:
       raise errors.UnsupportedLayoutError(
           f'{self.directory}: legacy `transforms` are not supported on a Tunix item;'
@@ -362,16 +293,16 @@ class PlannedItem:
     if args.item is None:
       # Every canonical leaf, restored as saved (as Orbax does without a target).
       wanted = {c: (0, given.get(c, ocp.RestoreArgs())) for c in sorted(self.cmap.canonical_to_disk)}
-      return nest(self.read(wanted, via).items())
+      return nest(plan(self, wanted, via)().items())
     with fileio.no_gc():  # Planning builds an object or two per leaf.
       pairs, treedef = flatten(args.item)
       chosen = [(c, leaf) for c, leaf in pairs if leaf is not ocp.PLACEHOLDER]
       disk = [self.cmap.disk_path(c) for c, _ in chosen]
-      # A quantized weight's parts checked first: its leaf is read at one of them.
-      self.check_parts(c for c, _ in chosen)
-      validate_target(self.meta, [c for c, _ in chosen], disk, [leaf for _, leaf in chosen])
       wanted = {c: (leaf, given.get(c) or read_requests.restore_arg_for(leaf)) for c, leaf in chosen}
-    values = self.read(wanted, via)
+      # The plan's checks first (a quantized weight's parts: its leaf is read at one of them).
+      read = plan(self, wanted, via)
+      validate_target(self.meta, [c for c, _ in chosen], disk, [leaf for _, leaf in chosen])
+    values = read()
     return jax.tree_util.tree_unflatten(treedef, [values.get(c, leaf) for c, leaf in pairs])
 
   def _restore_legacy(self, args: ocp.args.PyTreeRestore, via: OrbaxReads) -> PyTree:
@@ -444,6 +375,17 @@ class PlannedItem:
           f'{self.directory}: reading {what} failed: stored data is missing or damaged'
           f' ({storage_errors.failure_text(cause)}). Expected {expected}.'
       ) from e
+
+
+# How `PlannedItem.restore` reads its requests: (item, canonical path -> request, Orbax's
+# reads) -> what reads them, its checks made (raising before anything is read).
+PlanRead = Callable[['PlannedItem', Mapping[Path, read_requests.ReadRequest], OrbaxReads],
+                    Callable[[], dict[Path, Any]]]
+
+
+def _plain_read(planned: PlannedItem, wanted: Mapping[Path, read_requests.ReadRequest],
+                via: OrbaxReads) -> Callable[[], dict[Path, Any]]:
+  return lambda: planned.read(wanted, via)
 
 
 # --- the one multi-item read --------------------------------------------------------

@@ -12,33 +12,28 @@ in scale's dtype (`convert_from` is the identity but for nf4: a table of 16 valu
 computed in float32 and rounded once to scale's dtype: that is qwix's value bit for bit (the
 difference of two quantized integers, or a table entry in scale's dtype, is exact, as is its
 product with a scale of bfloat16 or float16 in float32; qwix rounds that product once), then
-cast to the dtype asked for. On the devices it runs in one compiled function per shape, in the
-target's sharding: `qvalue` is read in that sharding, `scale` and `zero_point` in the one that
-lines up with it (an axis they hold whole where they are 1 or tiled).
+cast to the dtype asked for. This module knows the parts (`Scheme`, `parts_of`: checked from
+their headers before any read, `part_index`) and qwix's recipes (`Recipe`, `requantize`); a
+weight is made from its parts as any output is made from its sources, by a transform
+(`mapping.dequantize`): on the devices one compiled program per kind of weight, fused with
+what follows it.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import functools
-import os
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 
 from orbax_tunix import errors
 from orbax_tunix.conventions import QARRAY_PARTS, QVALUE, SCALE, ZERO_POINT
-from orbax_tunix.keypaths import Path
-from orbax_tunix.reading import read_requests
-from orbax_tunix.reading.read_requests import ReadRequest
+from orbax_tunix.keypaths import Path, flat_dict, fmt, nest
 
 Shape = tuple[int, ...]
 
@@ -110,6 +105,12 @@ class Scheme:
     s = int(np.prod(self.scale_shape))
     q = max(1, self.qvalue_dtype.itemsize)
     return n * q + s * self.dtype.itemsize + (s * q if self.zero_point else 0)
+
+  @property
+  def parts(self) -> tuple[tuple[Shape, np.dtype], ...]:
+    """Each stored part's (shape, dtype), in qwix's order (qvalue, scale, zero point)."""
+    return ((self.shape, self.qvalue_dtype), (self.scale_shape, self.dtype),
+            *(((self.scale_shape, self.qvalue_dtype),) if self.zero_point else ()))
 
   @property
   def dequantized_bytes(self) -> int:
@@ -197,207 +198,53 @@ def damage(parts: Mapping[str, PartInfo]) -> list[str]:
   return problems
 
 
-# --- the arithmetic ------------------------------------------------------------------
+# --- the parts of a weight, checked --------------------------------------------------
 
 
-def _xp(*arrays: Any) -> Any:
-  return np if all(isinstance(a, np.ndarray | np.generic) for a in arrays) else jnp
+def parts_of(meta: Any, cmap: Any, paths: Iterable[Path] | None = None
+             ) -> dict[Path, tuple[tuple[Path, ...], Scheme]]:
+  """The weights saved quantized of an item (all, or those among `paths`): each one's
+  stored parts in qwix's order (qvalue, scale, zero point: their paths on disk) and its
+  `Scheme`, checked from the parts' headers (read in one batch, once per item: `meta` is
+  its `item_store.Item`, `cmap` its `CanonicalMap`), before any array is read.
 
-
-def _broadcast(op: Any, x: Any, y: Any) -> Any:
-  """`op(x, y)` with `y` repeated over `x` along each axis where it is smaller (a tile of
-  `x` per entry of `y`). On the host without making the repeated `y` (qwix's generic
-  broadcast: reshapes, which are views); on the devices `y` repeated (a reshape of a
-  partitioned axis is no option there; the compiler fuses the repeat into `op`)."""
-  if not isinstance(x, np.ndarray):
-    for axis, (a, b) in enumerate(zip(x.shape, y.shape, strict=True)):
-      if b not in (a, 1):
-        y = jnp.repeat(y, a // b, axis=axis)
-    return op(x, y)
-  xs, ys = [], []
-  for a, b in zip(x.shape, y.shape, strict=True):
-    if a == b or b == 1:
-      xs.append(a)
-      ys.append(b)
-    else:
-      xs += [b, a // b]
-      ys += [b, 1]
-  return op(x.reshape(xs), y.reshape(ys)).reshape(x.shape)
-
-
-def dequantize(qvalue: Any, scale: Any, zero_point: Any = None, *, nf4: bool = False,
-               dtype: Any = None) -> Any:
-  """qwix's `dequantize` of stored parts (see the module), in `dtype` (None: scale's).
-
-  numpy arrays are computed with numpy on the host, jax arrays with jax.numpy.
+  Raises:
+    CorruptMetadataError: parts that are not one quantized weight's, naming it
+      (`scheme`).
   """
-  xp = _xp(qvalue, scale, *([] if zero_point is None else [zero_point]))
-  if nf4:
-    qvalue = xp.asarray(NF4_BUCKETS)[qvalue.astype(np.int32)]
-  value = qvalue.astype(scale.dtype).astype(np.float32)
-  if zero_point is not None:
-    value = _broadcast(xp.subtract, value, zero_point.astype(np.float32))
-  value = _broadcast(xp.multiply, value, scale.astype(np.float32)).astype(scale.dtype)
-  return value if dtype is None else value.astype(dtype)
+  composed = cmap.composed
+  wanted = [p for p in (composed if paths is None else paths) if p in composed]
+  infos = meta.arrays([d for p in wanted for d in composed[p].values()])
+  out = {}
+  for path in wanted:
+    stored = {name: (infos[d].shape, infos[d].dtype) if d in infos else None
+              for name, d in composed[path].items()}
+    qscheme = scheme(stored, f'{meta.directory}: {fmt(path)}')
+    out[path] = tuple(composed[path][n] for n in QARRAY_PARTS if n in composed[path]), qscheme
+  return out
 
 
-# --- compiled on the devices ---------------------------------------------------------
+def as_read(tree: Any, stored: Any, cmap: Any, where: str = '') -> Any:
+  """An item's canonical metadata tree with each weight saved quantized described as a read
+  gives it: qvalue's shape in scale's dtype (`stored`: the metadata tree as on disk; `cmap`:
+  its `CanonicalMap`). No store is read.
 
-
-@functools.lru_cache(maxsize=256)
-def _on_devices(nf4: bool, zero_point: bool, dtype: np.dtype, sharding: Any) -> Any:
-  """`dequantize` compiled into `sharding` and `dtype` (jit's cache keeps one per shape)."""
-
-  def dequantize_weight(qvalue, scale, *rest):  # The name jax's compile logs give.
-    return dequantize(qvalue, scale, rest[0] if zero_point else None, nf4=nf4, dtype=dtype)
-
-  return jax.jit(dequantize_weight, out_shardings=sharding)
-
-
-# Compiled ahead: a read names the programs it will run before Orbax reads the parts
-# (`compile_ahead`), and worker threads lower and compile them meanwhile (XLA's compile
-# leaves the interpreter free), into jit's own caches, so that a fresh process's first
-# restore does not wait for each compile after the read (BENCHMARKS, "QLoRA: dequantize and
-# merge during the read"). Keyed by (nf4, zero point, dtype, output sharding, each part's
-# (shape, dtype, sharding)).
-Signature = tuple[bool, bool, np.dtype, Any, tuple[tuple[Shape, np.dtype, Any], ...]]
-_AHEAD_KEPT = 256  # Signatures remembered (the oldest go first); jit keeps the programs.
-_ahead: collections.OrderedDict[Signature, concurrent.futures.Future] = collections.OrderedDict()
-_ahead_lock = threading.Lock()
-_compiler: concurrent.futures.ThreadPoolExecutor | None = None  # Started on first use.
-
-
-def _forget_threads() -> None:
-  """In a forked child: none of the parent's threads exist there; start afresh."""
-  global _compiler, _ahead_lock
-  _compiler, _ahead_lock = None, threading.Lock()
-  _ahead.clear()
-
-
-os.register_at_fork(after_in_child=_forget_threads)
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-  global _compiler
-  if _compiler is None:
-    _compiler = concurrent.futures.ThreadPoolExecutor(
-        max_workers=2, thread_name_prefix='orbax_tunix.dequantize')
-  return _compiler
-
-
-def _signature(nf4: bool, zero_point: bool, dtype: Any, sharding: Any,
-               operands: Sequence[Any]) -> Signature:
-  return (nf4, zero_point, np.dtype(dtype), sharding,
-          tuple((tuple(o.shape), np.dtype(o.dtype), o.sharding) for o in operands))
-
-
-def _compile(signature: Signature) -> None:
-  nf4, zero_point, dtype, sharding, operands = signature
-  abstract = [jax.ShapeDtypeStruct(s, d, sharding=h) for s, d, h in operands]
-  _on_devices(nf4, zero_point, dtype, sharding).lower(*abstract).compile()
-
-
-def compile_ahead(request: ReadRequest, parts: Mapping[str, ReadRequest], qscheme: Scheme
-                  ) -> None:
-  """Starts compiling, on a worker thread, what `combine` will run for a weight whose parts
-  are read as `parts` (`part_requests`) for `request`: call it before the read, so that the
-  compile overlaps it. Nothing for host reads or reads as saved."""
-  operands = [parts[name][0] for name in QARRAY_PARTS if name in parts]
-  sharding = _sharding_of(request)
-  if sharding is None or not all(isinstance(o, jax.ShapeDtypeStruct) for o in operands):
-    return
-  signature = _signature(qscheme.qtype == NF4, ZERO_POINT in parts,
-                         _dtype_of(request) or qscheme.dtype, sharding, operands)
-  with _ahead_lock:
-    if signature in _ahead:
-      _ahead.move_to_end(signature)
-      return
-    _ahead[signature] = _pool().submit(_compile, signature)
-    while len(_ahead) > _AHEAD_KEPT:
-      _ahead.popitem(last=False)
-
-
-def _wait_for_ahead(signature: Signature) -> None:
-  """Waits for a compile of `signature` started ahead, if any (its failure, if any, is the
-  call's to raise), rather than compiling it a second time."""
-  with _ahead_lock:
-    future = _ahead.get(signature)
-  if future is not None:
-    concurrent.futures.wait([future])
-
-
-# --- reading the parts -------------------------------------------------------------
-
-
-def _sharding_of(request: ReadRequest) -> jax.sharding.Sharding | None:
-  """The sharding a request reads into (None: to the host, or as saved)."""
-  target, args = request
-  if getattr(args, 'restore_type', None) is np.ndarray:
-    return None
-  sharding = getattr(args, 'sharding', None)
-  if isinstance(sharding, jax.sharding.Sharding):
-    return sharding
-  if getattr(args, 'mesh', None) is not None and getattr(args, 'mesh_axes', None) is not None:
-    return jax.sharding.NamedSharding(args.mesh, args.mesh_axes)
-  sharding = getattr(target, 'sharding', None)
-  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
-
-
-def _dtype_of(request: ReadRequest) -> np.dtype | None:
-  target, args = request
-  dtype = getattr(args, 'dtype', None) or getattr(target, 'dtype', None)
-  return None if dtype is None else np.dtype(dtype)
-
-
-def _lined_up(sharding: jax.sharding.Sharding, shape: Shape, weight: Shape
-              ) -> jax.sharding.Sharding:
-  """The sharding of a scale (or zero point) of `shape` that lines up with `sharding` of the
-  weight: partitioned where it has the weight's size, whole where it is 1 or tiled."""
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    return sharding if sharding.is_fully_replicated else jax.sharding.NamedSharding(
-        jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ('d',)),
-        jax.sharding.PartitionSpec())
-  spec = tuple(sharding.spec) + (None,) * (len(weight) - len(sharding.spec))
-  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-      *(p if n == w else None for p, n, w in zip(spec, shape, weight, strict=True))))
-
-
-def part_requests(request: ReadRequest, parts: Mapping[str, tuple[Shape, np.dtype]]
-                  ) -> dict[str, ReadRequest]:
-  """What to read of each part of one quantized weight for `request` (the weight's own):
-  each part in its stored dtype; to the host, as saved, or into the sharding that lines up
-  with the weight's.
-
-  Args:
-    request: (target leaf, restore args) for the weight.
-    parts: part name -> (stored shape, stored dtype).
+  Raises:
+    CorruptMetadataError: a weight's parts are not one weight's (`scheme`); `where` (the
+      item) names it.
   """
-  target, args = request
-  if getattr(args, 'restore_type', None) is np.ndarray:
-    return {name: (0, ocp.RestoreArgs(restore_type=np.ndarray)) for name in parts}
-  sharding = _sharding_of(request)
-  if sharding is None:
-    return {name: (0, ocp.RestoreArgs()) for name in parts}  # As saved, as Orbax does.
-  weight = tuple(parts[QVALUE][0])
-  return {name: read_requests.into(shape, dtype, sharding if name == QVALUE else
-                                   _lined_up(sharding, tuple(shape), weight))
-          for name, (shape, dtype) in parts.items()}
-
-
-def combine(request: ReadRequest, values: Mapping[str, Any], qscheme: Scheme) -> Any:
-  """The weight from its parts read for `request` (`part_requests`): in the request's dtype
-  (else scale's) and sharding (else qvalue's), on the host for host reads."""
-  dtype = _dtype_of(request) or qscheme.dtype
-  zero_point = values.get(ZERO_POINT)
-  nf4 = qscheme.qtype == NF4
-  qvalue, scale = values[QVALUE], values[SCALE]
-  if isinstance(qvalue, np.ndarray):
-    return dequantize(qvalue, np.asarray(scale), None if zero_point is None else
-                      np.asarray(zero_point), nf4=nf4, dtype=dtype)
-  sharding = _sharding_of(request) or qvalue.sharding
-  operands = (qvalue, scale) + (() if zero_point is None else (zero_point,))
-  _wait_for_ahead(_signature(nf4, zero_point is not None, dtype, sharding, operands))
-  return _on_devices(nf4, zero_point is not None, np.dtype(dtype), sharding)(*operands)
+  if not cmap.composed:
+    return tree
+  on_disk = flat_dict(stored)
+  weights = flat_dict(tree)
+  for path, parts in cmap.composed.items():
+    infos = {name: (tuple(m.shape), m.dtype) if getattr(m, 'shape', None) is not None
+             and getattr(m, 'dtype', None) is not None else None
+             for name, m in ((name, on_disk.get(d)) for name, d in parts.items())}
+    dtype = scheme(infos, f'{where}: {fmt(path)}').dtype
+    if path in weights and dataclasses.is_dataclass(weights[path]):
+      weights[path] = dataclasses.replace(weights[path], dtype=dtype)
+  return nest(weights.items())
 
 
 def part_index(index: Sequence[Any], qscheme: Scheme) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -422,32 +269,6 @@ def part_index(index: Sequence[Any], qscheme: Scheme) -> tuple[tuple[Any, ...], 
     into.append(slice(first, -(-stop // per)))
     crop.append(slice(start - first * per, stop - first * per))
   return tuple(into), tuple(crop)
-
-
-def dequantize_region(values: Mapping[str, np.ndarray], index: Sequence[Any], qscheme: Scheme,
-                      dtype: Any) -> np.ndarray:
-  """The weight's region `index` from qvalue's region and the scale (zero point) regions
-  `part_index` names (host arrays)."""
-  _, crop = part_index(index, qscheme)
-  kept = [a for a, at in enumerate(index) if not isinstance(at, int | np.integer)]
-
-  def spread(x: np.ndarray) -> np.ndarray:  # Each entry repeated over its tile, then cut.
-    for axis, a in enumerate(kept):
-      per = qscheme.shape[a] // qscheme.scale_shape[a]
-      if 1 < per < qscheme.shape[a]:
-        x = np.repeat(x, per, axis=axis)
-    return x[crop]
-
-  zero_point = values.get(ZERO_POINT)
-  scale = spread(np.asarray(values[SCALE]))
-  return dequantize(np.asarray(values[QVALUE]), scale,
-                    None if zero_point is None else spread(np.asarray(zero_point)),
-                    nf4=qscheme.qtype == NF4, dtype=dtype)
-
-
-def disk_parts(composed: Mapping[str, Path]) -> dict[str, Path]:
-  """A composed leaf's parts, in qwix's order (qvalue, scale, zero point)."""
-  return {name: composed[name] for name in QARRAY_PARTS if name in composed}
 
 
 # --- quantizing a float base as the run did (an adapters-only QLoRA save) -------------

@@ -440,6 +440,10 @@ def read(
   """
   if not leaves:
     return []
+  made = [leaf.name for leaf in leaves if leaf.quantized is not None]
+  if made:  # Made from their parts by a transform: `mapping.dequantize.read_each`.
+    raise ValueError(f'{made[0]}: a weight saved quantized is read as its parts and made'
+                     ' from them (`mapping.dequantize`), not read as one leaf')
   sharding = None if as_numpy else jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
   reads, det = Reads(), ckpt.detection
   for leaf in leaves:

@@ -26,6 +26,7 @@ from etils import epath
 
 from orbax_tunix import errors, sizes
 from orbax_tunix.keypaths import fmt, natural_key
+from orbax_tunix.mapping import dequantize
 from orbax_tunix.reading import hyperparams, memory, reader
 from orbax_tunix.writing import checksums
 
@@ -307,7 +308,7 @@ def _read_side(
     by_item.setdefault(leaf.item, []).append(i)
   values: list[object] = [None] * len(leaves)
   for item, indices in by_item.items():
-    got = reader.read_each(ckpt, item, [leaves[i] for i in indices])
+    got = dequantize.read_each(ckpt, item, [leaves[i] for i in indices])
     for i, value in zip(indices, got, strict=True):
       values[i] = value
   return values
