@@ -44,7 +44,7 @@ class Request:
       others at their default.
   """
 
-  source: reader.CanonicalCheckpoint
+  source: reader.Source
   params_only: bool = False
   dtype: np.dtype | None = None
   merge: merge_lib.MergePlan | None = None
@@ -115,7 +115,7 @@ class Plan:
       (`agreement`), so a difference names the option, not only what it makes.
   """
 
-  source: reader.CanonicalCheckpoint
+  source: reader.Source
   dst: epath.Path
   layout: str
   params_only: bool

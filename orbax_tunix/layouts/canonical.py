@@ -21,7 +21,7 @@ def weights_item(request: Request, name: str) -> ItemOutput:
   return ItemOutput(name, tuple(o for _, o in sorted(weights(request).items())))
 
 
-def rng_note(source: reader.CanonicalCheckpoint) -> list[str]:
+def rng_note(source: reader.Source) -> list[str]:
   dropped = [leaf for leaf in source.items.get(conventions.MODEL_ITEM, ())
              if conventions.is_rng_state(leaf.path)]
   if not dropped:

@@ -123,7 +123,7 @@ def transform(scheme: quantized.Scheme, index: Sequence[Any] | None = None) -> T
                    what=('dequantize', nf4, scheme.zero_point, region))
 
 
-def _parts_of(ckpt: reader.CanonicalCheckpoint, leaf: reader.LeafInfo
+def _parts_of(ckpt: reader.Source, leaf: reader.LeafInfo
               ) -> tuple[reader.LeafInfo, ...]:
   """A weight saved quantized (`leaf.quantized`: its scheme, checked when the step was
   opened) as its stored parts, in qwix's order (qvalue, scale, zero point): leaves as stored,
@@ -193,7 +193,7 @@ def with_parts(output: Output) -> Output:
                              read_dtypes=tuple(read))
 
 
-def read_each(ckpt: reader.CanonicalCheckpoint, item: str, leaves: Sequence[reader.LeafInfo]
+def read_each(ckpt: reader.Source, item: str, leaves: Sequence[reader.LeafInfo]
               ) -> list[Any]:
   """`reader.read_each` (numpy; a leaf whose data cannot be read as `reader.UNREADABLE`)
   where weights saved quantized are made from their parts."""

@@ -79,8 +79,8 @@ class MergePlan:
     notes: what a person should know of the merge (a quantized base).
   """
 
-  lora: reader.CanonicalCheckpoint
-  base: reader.CanonicalCheckpoint
+  lora: reader.Source
+  base: reader.Source
   weights: Mapping[Path, Input]
   merges: Mapping[Path, Merge]
   notes: tuple[str, ...] = ()
@@ -165,8 +165,8 @@ def record(plan: MergePlan) -> dict[str, Any]:
   }
 
 
-def _refuse_merged_twice(lora_ckpt: reader.CanonicalCheckpoint,
-                         base_ckpt: reader.CanonicalCheckpoint) -> None:
+def _refuse_merged_twice(lora_ckpt: reader.Source,
+                         base_ckpt: reader.Source) -> None:
   """A base whose metadata records these adapters merged into it already: the same step,
   however either path spells it (links, `..`; a bucket's URL normalized: `fileio.same_place`).
 
@@ -187,13 +187,13 @@ def _refuse_merged_twice(lora_ckpt: reader.CanonicalCheckpoint,
 
 
 def checkpoints_read(
-    source: reader.CanonicalCheckpoint, merged: MergePlan | None
-) -> list[reader.CanonicalCheckpoint]:
+    source: reader.Source, merged: MergePlan | None
+) -> list[reader.Source]:
   """Every checkpoint a plan reads: the source, and a merge's base."""
   return [source] if merged is None else [source, merged.base]
 
 
-def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.CanonicalCheckpoint,
+def _quantized_notes(lora_ckpt: reader.Source, base_ckpt: reader.Source,
                      merges: Mapping[Path, Merge], options: MergeOptions, adapters_only: bool
                      ) -> list[str]:
   """What a merge says of its bases, weight by weight: saved quantized (and on whose word they
@@ -256,7 +256,7 @@ def _quantized_notes(lora_ckpt: reader.CanonicalCheckpoint, base_ckpt: reader.Ca
 
 
 def _merges(adapters: Mapping[Path, lora.Adapter], lora_weights: Mapping[Path, reader.LeafInfo],
-            base_weights: Mapping[Path, reader.LeafInfo], base_ckpt: reader.CanonicalCheckpoint,
+            base_weights: Mapping[Path, reader.LeafInfo], base_ckpt: reader.Source,
             options: MergeOptions
             ) -> tuple[dict[Path, Merge], list[str], list[str], dict[str, list[str]]]:
   """Each adapted weight's merge, from metadata: (merges, the weights the base lacks, the
@@ -297,7 +297,7 @@ def _merges(adapters: Mapping[Path, lora.Adapter], lora_weights: Mapping[Path, r
   return merges, missing, bad, unfit
 
 
-def _recipe_applies(lora_ckpt: reader.CanonicalCheckpoint, adapters: Mapping[Path, lora.Adapter],
+def _recipe_applies(lora_ckpt: reader.Source, adapters: Mapping[Path, lora.Adapter],
                     lora_weights: Mapping[Path, reader.LeafInfo], options: MergeOptions) -> None:
   """Refuses a QLoRA recipe (`base_qtype`...) where no QLoRA run could have trained the
   adapters: flax's (`nnx.LoRA`: no qwix run), or a save holding its base weights in float (a
@@ -358,7 +358,7 @@ def _refuse_unfit(where: epath.Path, unfit: Mapping[str, list[str]], options: Me
 
 
 def plan_merge(
-    path: epath.PathLike | reader.CanonicalCheckpoint,
+    path: epath.PathLike | reader.Source,
     options: MergeOptions = merge_options.NONE,
     *,
     step: int | None = None,
@@ -390,7 +390,7 @@ def plan_merge(
   """
   alpha, scale, base = options.alpha, options.scale, options.base
   merge_options.check_scaling(alpha, scale)
-  lora_ckpt = (path if isinstance(path, reader.CanonicalCheckpoint)
+  lora_ckpt = (path if isinstance(path, reader.Source)
                else reader.open_source(path, step, weights_only=True))
   lora_weights = {p: leaf for leaf, p in reader.weights(lora_ckpt)}
   adapters = lora.find_adapters({p: leaf.shape for p, leaf in lora_weights.items()})

@@ -44,7 +44,7 @@ class Input:
       leave, as (axis, start, stop): a block of a tensor too large for a batch.
   """
 
-  ckpt: reader.CanonicalCheckpoint
+  ckpt: reader.Source
   leaf: reader.LeafInfo
   takes: tuple[tuple[int, int], ...] = ()
   rows: tuple[int, int, int] | None = None
@@ -326,7 +326,7 @@ class ItemOutput:
   sequences: frozenset[Path] = frozenset()
   empty: tuple[tuple[Path, tuple[int, ...], str], ...] = ()
   key_types: Mapping[Path, tuple[int, ...]] | None = None
-  json: tuple[reader.CanonicalCheckpoint, str] | None = None
+  json: tuple[reader.Source, str] | None = None
   zarr3: bool = False
 
   @property

@@ -172,9 +172,6 @@ class Source:
     return {p: found[to_disk[p]] for p in expected if to_disk[p] in found}
 
 
-# The name it had before it was the one opened source (kept for callers of the library).
-CanonicalCheckpoint = Source
-
 
 def _kind(leaf: item_store.Leaf) -> str | None:
   kinds = {'string': STRING, 'scalar': SCALAR}

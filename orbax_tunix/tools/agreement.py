@@ -95,7 +95,7 @@ def _canon_of(value: Any) -> Callable[[Any], Any]:
   """How `_canon` tells values of `value`'s type."""
   if value is None or isinstance(value, (bool, int, float, str)):
     return lambda v: v
-  if isinstance(value, reader.CanonicalCheckpoint):
+  if isinstance(value, reader.Source):
     return lambda v: os.fspath(v.step_dir)  # Its identity is the source's own field.
   if isinstance(value, np.dtype):
     return _dtype_name
@@ -134,7 +134,7 @@ def _value(value: Any, seen: dict[str, str]) -> str:
   return f'digest {_digest(value)}'
 
 
-def _metadata_digest(ckpt: reader.CanonicalCheckpoint, seen: dict[str, str]) -> str:
+def _metadata_digest(ckpt: reader.Source, seen: dict[str, str]) -> str:
   """A digest of the step's metadata files (each read once per fingerprint)."""
   step = ckpt.step_dir
   key = os.fspath(step)
@@ -160,7 +160,7 @@ def _where(path: epath.Path) -> str:
   return text if '://' in text else os.path.realpath(text)
 
 
-def _checkpoint(ckpt: reader.CanonicalCheckpoint, seen: dict[str, str]) -> str:
+def _checkpoint(ckpt: reader.Source, seen: dict[str, str]) -> str:
   return (f'{_where(ckpt.step_dir)} (step {ckpt.detection.step}, metadata'
           f' {_metadata_digest(ckpt, seen)})')
 

@@ -292,7 +292,7 @@ def _damaged(sums: dict[str, dict[str, str]], leaf: reader.LeafInfo, value: obje
 
 
 def _views(
-    ckpt: reader.CanonicalCheckpoint, params_only: bool
+    ckpt: reader.Source, params_only: bool
 ) -> dict[str, reader.LeafInfo]:
   if params_only:
     return {fmt(path): leaf for leaf, path in reader.weights(ckpt)}
@@ -300,7 +300,7 @@ def _views(
 
 
 def _read_side(
-    ckpt: reader.CanonicalCheckpoint, leaves: Sequence[reader.LeafInfo]
+    ckpt: reader.Source, leaves: Sequence[reader.LeafInfo]
 ) -> list[object]:
   """Reads leaves that may span items: one partial restore per item."""
   by_item: dict[str, list[int]] = {}
@@ -364,7 +364,7 @@ def _compare_json(a: Any, b: Any, path: tuple[str, ...], found: _Found) -> None:
 
 
 def _compare_json_items(
-    ckpt_a: reader.CanonicalCheckpoint, ckpt_b: reader.CanonicalCheckpoint, found: _Found
+    ckpt_a: reader.Source, ckpt_b: reader.Source, found: _Found
 ) -> int:
   """Compares the JSON items of both sides (`convert` copies them); returns how many."""
   names_a, names_b = set(ckpt_a.json_items), set(ckpt_b.json_items)
@@ -379,7 +379,7 @@ def _compare_json_items(
 # --- the leaves outside the canonical view -----------------------------------------
 
 
-def _recorded_side(ckpt: reader.CanonicalCheckpoint) -> dict[str, Any] | None:
+def _recorded_side(ckpt: reader.Source) -> dict[str, Any] | None:
   """The side leaves a step `convert` wrote records of its source, or None."""
   record = ckpt.detection.source.custom_metadata.get(checksums.RECORD_KEY)
   found = record.get(hyperparams.RECORD_KEY) if isinstance(record, dict) else None
@@ -387,7 +387,7 @@ def _recorded_side(ckpt: reader.CanonicalCheckpoint) -> dict[str, Any] | None:
 
 
 def _side_of(
-    ckpt: reader.CanonicalCheckpoint, items: Iterable[str] | None
+    ckpt: reader.Source, items: Iterable[str] | None
 ) -> dict[str, Any] | None:
   """The leaves outside a side's canonical view, by label (`hyperparams.side_leaves`).
 
@@ -436,7 +436,7 @@ def _side_text(value: Any) -> str:
 
 
 def _compare_sides(
-    ckpt_a: reader.CanonicalCheckpoint, ckpt_b: reader.CanonicalCheckpoint, atol: float,
+    ckpt_a: reader.Source, ckpt_b: reader.Source, atol: float,
     items: Iterable[str] | None,
 ) -> tuple[list[Mismatch], list[str]]:
   """(side leaves that differ, notes): compared when both sides hold them."""
@@ -455,7 +455,7 @@ def _compare_sides(
 
 
 def _compare_leaves(
-    ckpt_a: reader.CanonicalCheckpoint, ckpt_b: reader.CanonicalCheckpoint,
+    ckpt_a: reader.Source, ckpt_b: reader.Source,
     pairs: Sequence[tuple[str, reader.LeafInfo, reader.LeafInfo]], atol: float, budget: int,
     progress: reader.Progress,
 ) -> tuple[list[ValueDiff], float, int, list[str], list[str]]:
@@ -494,8 +494,8 @@ def _compare_leaves(
 
 
 def diff_checkpoints(
-    a: epath.PathLike | reader.CanonicalCheckpoint,
-    b: epath.PathLike | reader.CanonicalCheckpoint,
+    a: epath.PathLike | reader.Source,
+    b: epath.PathLike | reader.Source,
     *,
     atol: float = 0.0,
     params_only: bool = False,
@@ -533,7 +533,7 @@ def diff_checkpoints(
   start = time.monotonic()
   progress = progress or reader.NullProgress()
   items = None if items is None else tuple(items)  # read for both sides
-  ckpt_a, ckpt_b = (side if isinstance(side, reader.CanonicalCheckpoint)
+  ckpt_a, ckpt_b = (side if isinstance(side, reader.Source)
                     else reader.open_source(side, None, items, weights_only=params_only)
                     for side in (a, b))
   view_a, view_b = _views(ckpt_a, params_only), _views(ckpt_b, params_only)

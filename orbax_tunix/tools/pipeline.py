@@ -222,7 +222,7 @@ def _given(layout: layouts.Layout, options: Mapping[str, Any]) -> dict[str, Any]
           if value != known[name].default}
 
 
-def _notes(source: reader.CanonicalCheckpoint, merged: merge_lib.MergePlan | None,
+def _notes(source: reader.Source, merged: merge_lib.MergePlan | None,
            laid: layouts.LaidOut, written: Sequence[ItemOutput]) -> list[str]:
   """What a person should know of a plan: the source's notes (a merge's base's too), the
   layout's, the items skipped, the merge, and the weights written dequantized."""
@@ -269,7 +269,7 @@ def _asked(given: Mapping[str, Any], merge: merge_options.MergeOptions | None,
   return asked
 
 
-def _refuse_adapters_only(source: reader.CanonicalCheckpoint, layout: str) -> None:
+def _refuse_adapters_only(source: reader.Source, layout: str) -> None:
   """A LoRA run saved without its base weights is no model as it is (for a layout that writes
   a model: one that takes adapters as they are is not asked).
 

@@ -91,7 +91,7 @@ class Verification:
 
 
 def verify(
-    ckpt: reader.CanonicalCheckpoint,
+    ckpt: reader.Source,
     *,
     memory_budget: int | float | str,
     progress: reader.Progress | None = None,
