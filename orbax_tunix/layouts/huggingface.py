@@ -38,7 +38,7 @@ from orbax_tunix.mapping import as_trained, huggingface, lora, step_layers
 from orbax_tunix.mapping import hf_config as config_lib
 from orbax_tunix.mapping import merge as merge_lib
 from orbax_tunix.mapping.hf_naming import Family
-from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, copied, read_sliced, relay
+from orbax_tunix.mapping.outputs import Input, ItemOutput, Output, compose, copied, read_sliced
 from orbax_tunix.mapping.transforms import per_input
 from orbax_tunix.reading import reader
 from orbax_tunix.sizes import parse_size, parse_size_text
@@ -85,12 +85,12 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   shapes = {p: m.shape for p, m in per_layer.items()}
   mapped = huggingface.map_weights(family, naming, shapes, where,
                                    config=config_lib.text_fields(base_config))
-  staged = {o.path: o for o in relay(model, per_layer)}
+  staged = {o.path: o for o in compose(model, per_layer)}
   if merged is not None:
     staged.update(_merged_per_layer(merged, model, per_layer, naming, axis))
   # A stacked weight's layers (and a fused weight's parts) are read one by one,
   # not the stack whole for each batch: memory within the budget and one layer.
-  outputs = tuple(read_sliced(_read_as_stored(o)) for o in relay(staged, mapped.outputs))
+  outputs = tuple(read_sliced(_read_as_stored(o)) for o in compose(staged, mapped.outputs))
   trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes,
                               naming.layers(shapes), write=request.option(CONFIG_AS_TRAINED))
   files, notes = _config_files(family, hf_config, base_config, shapes,

@@ -7,7 +7,7 @@ optimizer and `step` as MaxText's adamw chain saves them (`maxtext.train_state`)
 (a Tunix run's RNG keys are of another kind). The custom metadata records
 `scan_layers`, which MaxText's `from_pretrained` checks, and the layer axis.
 
-The leaves are MaxText's rules applied to the run (`maxtext.plan.made`, as a restore
+The leaves are MaxText's rules applied to the run (`maxtext.plan.state_leaves`, as a restore
 applies them), its optimizer matched to MaxText's adamw chain; the decoder's layers in
 the form asked for (`scan_layers`): the family's scanned form or one array per layer
 (`mapping.stacks.LayerForm`; their axis and form: `mapping.step_layers.conversion`).
@@ -63,10 +63,10 @@ def lay_out(request: Request) -> LaidOut:
               + (f' (param_scan_axis={laid.to_axis})' if laid.to_axis is not None else ''),)
   relaid = _relaid(request, shapes, laid)  # A layer refusal before any output is made.
   if request.params_only:  # params/params/<weights> (merged for a LoRA merge)
-    made = outputs_lib.relay(layout_weights(request), relaid, conventions.MAXTEXT_PARAMS)
+    made = outputs_lib.compose(layout_weights(request), relaid, conventions.MAXTEXT_PARAMS)
     return LaidOut((ItemOutput(ITEM, tuple(made), zarr3=True),), first, _scan_record(laid))
   _refuse_what_maxtext_cannot_continue(source, weights)
-  state = plan.made(source, relaid, train_state.adamw(), every_weight=True)
+  state = plan.state_leaves(source, relaid, train_state.adamw(), every_weight=True)
   if state.problems:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: the Tunix optimizer state cannot be laid out as MaxText\'s'
@@ -81,7 +81,7 @@ def lay_out(request: Request) -> LaidOut:
   return LaidOut((item,), tuple(notes), _scan_record(laid))
 
 
-def _outputs(request: Request, state: plan.Made) -> tuple[Output, ...]:
+def _outputs(request: Request, state: plan.StateLeaves) -> tuple[Output, ...]:
   """Every leaf of the state as an output of the writer: counts and step as MaxText has
   them (int32), the rest as stored (cast)."""
   out = []

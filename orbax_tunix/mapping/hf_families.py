@@ -1,12 +1,13 @@
 """The Hugging Face model families, as data: each one `hf_naming.Family`, its namings by
 trainer (`hf_tunix.py`, `hf_maxtext.py`), in the order `huggingface.names()` lists them.
 
-A new family is one more value in `FAMILIES`, with its naming by each trainer that has the
+A new family is one more value registered in `FAMILIES`, with its naming by each trainer that has the
 model; a new trainer's naming of a family is one more entry of that family's `namings`.
 """
 
 from __future__ import annotations
 
+from orbax_tunix import catalog
 from orbax_tunix.mapping import (
     hf_deepseek,
     hf_deepseek4,
@@ -88,6 +89,9 @@ MIXTRAL = Family('mixtral', 'MixtralForCausalLM', 'mixtral', (hf_maxtext.MIXTRAL
 # MaxText's OLMo 3 (no Tunix model).
 OLMO3 = Family('olmo3', 'Olmo3ForCausalLM', 'olmo3', (hf_maxtext.OLMO3,))
 
-FAMILIES = (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, MIXTRAL, OLMO3,
-            GPT_OSS, QWEN3_VL, QWEN3_VL_MOE, DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4,
-            QWEN3_NEXT, QWEN3_5_MOE)
+# The catalog of families (`--model`'s names, and the registry a plugin adds a family to).
+FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
+for _family in (QWEN3, LLAMA3, GEMMA3, QWEN2, QWEN3_MOE, GEMMA, GEMMA2, GEMMA4, MIXTRAL, OLMO3,
+                GPT_OSS, QWEN3_VL, QWEN3_VL_MOE, DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32,
+                DEEPSEEK_V4, QWEN3_NEXT, QWEN3_5_MOE):
+  FAMILIES.register(_family)

@@ -93,10 +93,10 @@ def per_expert(source: str, dest: str, axis: int, then) -> LayoutRule:
                        transform_for=lambda e: chain(take(axis, e), then))
 
 
-# What a person serving an adapter of a Gemma 4 layer whose keys are its values should know
-# (a `LoraWeight.note` of every trainer's naming of the family).
+# What a person serving an adapter of a layer whose keys are its values should know (a
+# `LoraWeight.note` of every trainer's naming of a family with such layers).
 K_EQ_V_NOTE = (
-    "{module}: Gemma 4's layer reuses its keys as values (k_eq_v): transformers and peft have"
+    "{module}: the layer reuses its keys as values (k_eq_v): transformers and peft have"
     ' no v_proj there and apply this adapter to the keys, which are the values too (as the'
     ' run computed); vLLM loads the key weights into separate K and V slots and applies a'
     ' k_proj adapter to K alone, so served by vLLM the values of these layers stay the'
@@ -249,7 +249,7 @@ class Naming:
       fields (a layer's entry: `layer_types[i]`, else `default_layer_type(i)`).
     default_layer_type: a layer's kind when the config has no `layer_types`.
     layer_kinds: other kinds a layer may be of besides its `layer_types` entry -> whether
-      layer `i` of a config is (Gemma 4's kv-shared layers with a double-wide MLP); their
+      layer `i` of a config is (kv-shared layers with a double-wide MLP); their
       `layer_types` entries apply too.
     config_defaults: config field -> its value when config.json leaves it out, as the
       `transformers` config class computes it (Llama's `head_dim`: hidden_size //

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import TypeVar
 
-from orbax_tunix import catalog, conventions, errors
+from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import hf_families, lora, patterns, trainers, transforms
+from orbax_tunix.mapping import lora, patterns, trainers, transforms
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping.as_trained import AsTrained
+from orbax_tunix.mapping.hf_families import FAMILIES
 from orbax_tunix.mapping.hf_naming import Family, Naming
 from orbax_tunix.mapping.transforms import Shape
 
@@ -29,9 +30,6 @@ ADAPTERS_ONLY = 'LoRA adapters only (no base weights)'
 
 T = TypeVar('T')
 
-FAMILIES: catalog.Catalog[Family] = catalog.Catalog('model')
-for _family in hf_families.FAMILIES:
-  FAMILIES.register(_family)
 register, names = FAMILIES.register, FAMILIES.names
 
 

@@ -157,7 +157,7 @@ def copied(leaf_input: Input, path: Path, dtype: np.dtype | None = None) -> Outp
   )
 
 
-def relay(
+def compose(
     sources: Mapping[Path, Output], mapped: Mapping[Path, Any], prefix: Path = ()
 ) -> list[Output]:
   """Outputs of layout rules (`patterns.map_paths`) over outputs already planned.

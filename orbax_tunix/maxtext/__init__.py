@@ -7,7 +7,7 @@ and, for NNX models, `nnx_aux` (RNGs and other non-weight variables). Tunix
 writes `model_params` and `optimizer_state` in nnx's layout instead.
 
 Nothing here knows an optimizer: optax states are matched by their fields in
-chain order. MaxText's state is made by rules from a Tunix step's leaves (`plan.made`),
+chain order. MaxText's state is made by rules from a Tunix step's leaves (`plan.state_leaves`),
 from metadata alone, every mismatch reported before any array is read; a restore's plan
 (`RestorePlan`) is the executor's outputs, each needed array read once.
 

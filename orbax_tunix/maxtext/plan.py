@@ -1,6 +1,6 @@
 """Planning: the leaves of a MaxText train state, made from a Tunix step's canonical leaves.
 
-`made` applies MaxText's rules (`train_state`) to a step, from metadata alone: the weights
+`state_leaves` applies MaxText's rules (`train_state`) to a step, from metadata alone: the weights
 (their layers in the state's form), the optimizer's states matched to the chain the state
 holds (`optimizer.align_states`: nothing knows an optimizer by name), the step; a state
 Tunix never wrote whose value is known (a schedule's `count`: the step) is filled. A restore
@@ -52,7 +52,7 @@ def source_name(source: Path) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Made:
+class StateLeaves:
   """MaxText leaves made from a Tunix step, and what a person should know of them.
 
   Attributes:
@@ -68,13 +68,13 @@ class Made:
   left_out: tuple[str, ...] = ()
   problems: tuple[str, ...] = ()
 
-  def __add__(self, other: Made) -> Made:
-    return Made({**self.leaves, **other.leaves}, {**self.fills, **other.fills},
+  def __add__(self, other: StateLeaves) -> StateLeaves:
+    return StateLeaves({**self.leaves, **other.leaves}, {**self.fills, **other.fills},
                 self.left_out + other.left_out, self.problems + other.problems)
 
 
-def made(source: reader.Source, relaid: Mapping[Path, Mapped], chain: Chain, *,
-         step: bool = True, every_weight: bool = False) -> Made:
+def state_leaves(source: reader.Source, relaid: Mapping[Path, Mapped], chain: Chain, *,
+         step: bool = True, every_weight: bool = False) -> StateLeaves:
   """The leaves of a MaxText state a Tunix step makes: `params/params/<w>` for each weight
   of `relaid`, `chain`'s states from the checkpoint's states they match, and `step`.
 
@@ -87,10 +87,10 @@ def made(source: reader.Source, relaid: Mapping[Path, Mapped], chain: Chain, *,
     every_weight: each mirroring field (adam's `mu`) holds every weight of `relaid`, as
       MaxText's own state does; else those the checkpoint's field holds.
   """
-  weights = Made(under(relaid, (MODEL,), conventions.MAXTEXT_PARAMS))
-  steps = _step(source) if step else Made()
+  weights = StateLeaves(under(relaid, (MODEL,), conventions.MAXTEXT_PARAMS))
+  steps = _step(source) if step else StateLeaves()
   return weights + steps + (_optimizer(source, chain, relaid, every_weight) if chain.states
-                            else Made())
+                            else StateLeaves())
 
 
 def _fill(source: reader.Source, reason: str) -> tuple[Mapped, str]:
@@ -101,19 +101,19 @@ def _fill(source: reader.Source, reason: str) -> tuple[Mapped, str]:
   return Mapped((), constant(source.step), ()), f'{source.step} ({reason})'
 
 
-def _step(source: reader.Source) -> Made:
+def _step(source: reader.Source) -> StateLeaves:
   """step <- optimizer_state:step (else the step directory's number)."""
   if source.step_leaf is not None:
-    return Made({(STEP,): Mapped((source.step_leaf,), IDENTITY, ())})
+    return StateLeaves({(STEP,): Mapped((source.step_leaf,), IDENTITY, ())})
   if source.step is not None:
     leaf, fill = _fill(source, f'no {OPTIMIZER} item: the step directory number')
-    return Made({(STEP,): leaf}, {(STEP,): fill})
-  return Made(problems=(f'the target has {STEP}, but the checkpoint has no {OPTIMIZER} item'
+    return StateLeaves({(STEP,): leaf}, {(STEP,): fill})
+  return StateLeaves(problems=(f'the target has {STEP}, but the checkpoint has no {OPTIMIZER} item'
                         ' and its directory name carries no step number.',))
 
 
 def _optimizer(source: reader.Source, chain: Chain, relaid: Mapping[Path, Mapped],
-               every_weight: bool) -> Made:
+               every_weight: bool) -> StateLeaves:
   """opt_state/... <- optimizer_state:opt_state/...: the chain's states matched to the
   checkpoint's by their fields in chain order (`align_states`); a field mirroring the
   weights laid out as they are. A state left unmatched is filled when it is a lone `count`
@@ -160,7 +160,7 @@ def _optimizer(source: reader.Source, chain: Chain, relaid: Mapping[Path, Mapped
     left_out.append(
         f'{len(side)} leaves outside the canonical view (the inject_hyperparams'
         ' count and hyperparameters): MaxText takes its hyperparameters from its config')
-  return Made(leaves, fills, tuple(left_out), tuple(problems))
+  return StateLeaves(leaves, fills, tuple(left_out), tuple(problems))
 
 
 # --- a restore: the caller's abstract state -------------------------------------------------
@@ -255,10 +255,10 @@ def make_plan(source: reader.Source, target: Mapping[Path, Any], *, params_only:
         ' target without opt_state.')
   known = set(weights) | model
   chain = Chain.of(targets, known, COLLECTION) if optimizer is not None else Chain()
-  state = made(source, {w: m for w, m in relaid.items() if w in weights}, chain,
+  state = state_leaves(source, {w: m for w, m in relaid.items() if w in weights}, chain,
                step=(STEP,) in wanted)
   aux_leaves, kept, aux_notes = _aux(source, wanted, aux, state.leaves)
-  state += Made(aux_leaves, left_out=aux_notes)
+  state += StateLeaves(aux_leaves, left_out=aux_notes)
   left_out = list(state.left_out) + ([f'{OPTIMIZER} (params_only=True)']
                                      if params_only and optimizer is not None else [])
   problems += state.problems
@@ -330,7 +330,7 @@ def _aux(source: reader.Source, target: Mapping[Path, Shape], aux: frozenset[Pat
   return read, kept, tuple(notes)
 
 
-def _check_shapes(source: reader.Source, target: Mapping[Path, Shape], state: Made,
+def _check_shapes(source: reader.Source, target: Mapping[Path, Shape], state: StateLeaves,
                   stored: Mapping[Path, Shape], problems: list[str]) -> None:
   """Every source's shape the plan assumes, against the store, an item at a time, before
   any read: a leaf read as it is has its target's shape; a re-laid weight's were read
