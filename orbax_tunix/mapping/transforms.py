@@ -72,10 +72,6 @@ class Transform:
   shape: Callable[[Sequence[Shape]], Shape] = dataclasses.field(repr=False)
   apply: Callable[[Sequence[Any]], Any] = dataclasses.field(repr=False)
   arity: int | None = 1
-  # The partition of each source (a `PartitionSpec` as a tuple, one entry per
-  # axis) that lines up with a partition of the destination: reading the
-  # sources so, the transform moves no data between devices.
-  source_spec: Callable[[tuple], tuple] = dataclasses.field(repr=False, default=lambda spec: spec)
   # Values are only moved (re-laid), never computed: they stay within their
   # dtype's range. Every transform here; a LoRA merge computes.
   moves_only: bool = True
@@ -92,12 +88,13 @@ class Transform:
       repr=False, default=lambda axis, shapes: None)
   steps: tuple[Transform, ...] = dataclasses.field(default=(), repr=False)
   per: tuple[tuple[Transform, ...], Transform] | None = dataclasses.field(default=None, repr=False)
-  # Where the sources do not all line up alike (a LoRA merge: the weight does,
-  # its small adapters do not): `(destination spec, number of sources) -> each
-  # source's spec`, None for a source read to the host and put whole on every
-  # device; None: `source_spec` for every source.
-  source_specs: Callable[[tuple, int], tuple[tuple, ...]] | None = dataclasses.field(
-      repr=False, default=None)
+  # `(destination spec, number of sources) -> each source's spec`: the partition of
+  # each source (a `PartitionSpec` as a tuple, one entry per axis) that lines up with
+  # the destination's, so that reading the sources so the transform moves no data between
+  # devices; None for a source read to the host and put whole on every device (a LoRA
+  # merge's small adapters). Most transforms give every source one spec (`each`).
+  source_specs: Callable[[tuple, int], tuple[tuple | None, ...]] = dataclasses.field(
+      repr=False, default=lambda spec, n: (spec,) * n)
   # What it computes, where `name` (what people read) leaves something out: a
   # transform made with a function says which (`divide`, `multiply`); composites
   # are their parts'. Two transforms of one `computes` are one compiled program.
@@ -127,6 +124,11 @@ class Transform:
 
 def _one(fn: Callable[[Shape], Shape]) -> Callable[[Sequence[Shape]], Shape]:
   return lambda shapes: fn(shapes[0])
+
+
+def each(fn: Callable[[tuple], tuple]) -> Callable[[tuple, int], tuple[tuple, ...]]:
+  """`Transform.source_specs` giving every source `fn(destination spec)`."""
+  return lambda spec, n: (fn(spec),) * n
 
 
 def xp(*arrays: Any) -> Any:
@@ -168,7 +170,7 @@ def transpose(perm: Sequence[int] | None = None) -> Transform:
 
   name = 'transpose' if perm is None else f'transpose{perm}'
   return Transform(name, _one(shape), lambda xs: xp(*xs).transpose(xs[0], perm),
-                   source_spec=_permuted(order), source_axis=source_axis)
+                   source_specs=each(_permuted(order)), source_axis=source_axis)
 
 
 def merge_axes(start: int, stop: int) -> Transform:
@@ -184,7 +186,7 @@ def merge_axes(start: int, stop: int) -> Transform:
       lambda xs: xp(*xs).reshape(xs[0], shape(xs[0].shape)),
       # The merged axes unpartitioned: a partition of their product does not
       # split into partitions of each.
-      source_spec=lambda spec: (*spec[:start], *(None,) * (stop - start), *spec[start + 1:]),
+      source_specs=each(lambda spec: (*spec[:start], *(None,) * (stop - start), *spec[start + 1:])),
       source_axis=lambda axis, shapes: (
           axis if axis < start else None if axis == start else axis + stop - start - 1),
   )
@@ -203,7 +205,7 @@ def split_axis(axis: int, sizes: Sequence[int]) -> Transform:
       f'split_axis({axis}, {sizes})', _one(shape),
       lambda xs: xp(*xs).reshape(xs[0], shape(xs[0].shape)),
       # The split axis unpartitioned, as `merge_axes` leaves its merged axes.
-      source_spec=lambda spec: (*spec[:axis], None, *spec[axis + len(sizes):]),
+      source_specs=each(lambda spec: (*spec[:axis], None, *spec[axis + len(sizes):])),
       source_axis=lambda d, shapes: (
           d if d < axis else None if d < axis + len(sizes) else d - len(sizes) + 1),
   )
@@ -228,7 +230,8 @@ def take(axis: int, index: int) -> Transform:
       return xs[0][(slice(None),) * (axis % xs[0].ndim) + (index,)]
     return jnp.take(xs[0], index, axis=axis)
 
-  return Transform(f'take(axis={axis}, index={index})', _one(shape), run, source_spec=source_spec,
+  return Transform(f'take(axis={axis}, index={index})', _one(shape), run,
+                   source_specs=each(source_spec),
                    takes=((axis, index),),
                    source_axis=lambda d, shapes: d if d < axis % len(shapes[0]) else d + 1)
 
@@ -278,7 +281,8 @@ def move_axis(source: int, dest: int) -> Transform:
     return tuple(s[a] for a in order(len(s)))
 
   return Transform(f'move_axis({source}, {dest})', _one(shape),
-                   lambda xs: xp(*xs).moveaxis(xs[0], source, dest), source_spec=_permuted(order),
+                   lambda xs: xp(*xs).moveaxis(xs[0], source, dest),
+                   source_specs=each(_permuted(order)),
                    source_axis=lambda axis, shapes: order(len(shapes[0]))[axis])
 
 
@@ -294,7 +298,7 @@ def stack(axis: int) -> Transform:
     return (*first[:axis], len(shapes), *first[axis:])
 
   return Transform(f'stack(axis={axis})', shape, lambda xs: xp(*xs).stack(list(xs), axis=axis),
-                   arity=None, source_spec=lambda spec: (*spec[:axis], *spec[axis + 1:]))
+                   arity=None, source_specs=each(lambda spec: (*spec[:axis], *spec[axis + 1:])))
 
 
 def constant(value: Any) -> Transform:
@@ -318,7 +322,7 @@ def filled(value: float, axis: int) -> Transform:
     return xp(x).full((x.shape[axis],), value, dtype=x.dtype)
 
   return Transform(f'filled({value:g}, axis={axis})', _one(shape), apply, moves_only=False,
-                   source_spec=lambda spec: (None,) * len(spec))
+                   source_specs=each(lambda spec: (None,) * len(spec)))
 
 
 def concat(axis: int = 0, scaled: bool = False) -> Transform:
@@ -359,7 +363,7 @@ def concat(axis: int = 0, scaled: bool = False) -> Transform:
 
   if not scaled:  # Each source read whole along the axis, in the destination's other blocks.
     return Transform(f'concat(axis={axis})', shape, apply, arity=None,
-                     source_spec=_whole(axis))
+                     source_specs=each(_whole(axis)))
   # A scale vector is of another shape than the destination: every source read whole.
   return Transform(f'concat(axis={axis}, scaled)', shape, apply, arity=None, moves_only=False,
                    source_specs=lambda spec, n: (None,) * n)
@@ -418,7 +422,8 @@ def deinterleave(axis: int = -1) -> Transform:
     n = x.shape[axis]
     return xp(x).take(x, np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)]), axis=axis)
 
-  return Transform(f'deinterleave(axis={axis})', _one(shape), apply, source_spec=_whole(axis),
+  return Transform(f'deinterleave(axis={axis})', _one(shape), apply,
+                   source_specs=each(_whole(axis)),
                    source_axis=lambda d, shapes: None if d == axis % len(shapes[0]) else d)
 
 
@@ -443,7 +448,8 @@ def interleave(axis: int = -1) -> Transform:
     pairs = np_or_jnp.stack([first, second], axis=at + 1)  # (..., n, 2, ...): pairs in order.
     return np_or_jnp.reshape(pairs, shape([first.shape, second.shape]))
 
-  return Transform(f'interleave(axis={axis})', shape, apply, arity=2, source_spec=_whole(axis))
+  return Transform(f'interleave(axis={axis})', shape, apply, arity=2,
+                   source_specs=each(_whole(axis)))
 
 
 def head(axis: int, size: int) -> Transform:
@@ -465,7 +471,7 @@ def head(axis: int, size: int) -> Transform:
   # A block of the destination is the same block of the source, also along the
   # cut axis (the destination's rows are the source's first `size`).
   return Transform(f'head(axis={axis}, size={size})', _one(shape), apply,
-                   source_spec=_whole(axis), source_axis=_same_axis)
+                   source_specs=each(_whole(axis)), source_axis=_same_axis)
 
 
 def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
@@ -489,14 +495,10 @@ def per_input(transforms: Sequence[Transform], then: Transform) -> Transform:
 
   def source_specs(spec: tuple, n: int) -> tuple[tuple | None, ...]:
     del n
-    each = (then.source_specs(spec, len(transforms)) if then.source_specs is not None
-            else (then.source_spec(spec),) * len(transforms))
     out: list[tuple | None] = []
-    for t, k, s in zip(transforms, counts, each, strict=True):
-      if s is None:  # What `then` reads to the host, its sources too.
-        out += [None] * k
-      else:
-        out += t.source_specs(s, k) if t.source_specs is not None else [t.source_spec(s)] * k
+    for t, k, s in zip(transforms, counts, then.source_specs(spec, len(transforms)), strict=True):
+      # What `then` reads to the host, its sources too.
+      out += [None] * k if s is None else t.source_specs(s, k)
     return tuple(out)
 
   name = f'per_input({", ".join(t.name for t in transforms)}) -> {then.name}'
@@ -530,12 +532,11 @@ def chain(*transforms: Transform) -> Transform:
   def apply(xs: Sequence[Any]) -> Any:
     return functools.reduce(lambda out, t: t.apply([out]), rest, first.apply(xs))
 
-  def source_spec(spec: tuple) -> tuple:
-    return functools.reduce(lambda out, t: t.source_spec(out), reversed(transforms), spec)
-
-  def source_specs(spec: tuple, n: int) -> tuple[tuple, ...]:
+  def source_specs(spec: tuple, n: int) -> tuple[tuple | None, ...]:
     for t in reversed(rest):
-      spec = t.source_spec(spec)
+      (spec,) = t.source_specs(spec, 1)
+      if spec is None:  # Read to the host: its sources too.
+        return (None,) * n
     return first.source_specs(spec, n)
 
   def source_axis(axis: int, shapes: Sequence[Shape]) -> int | None:
@@ -554,9 +555,9 @@ def chain(*transforms: Transform) -> Transform:
   takes = tuple(k for t in transforms for k in t.takes)
   pure = all(t.takes for t in transforms)
   return Transform(' -> '.join(t.name for t in transforms), shape, apply, first.arity,
-                   source_spec, all(t.moves_only for t in transforms), source_axis=source_axis,
+                   moves_only=all(t.moves_only for t in transforms), source_axis=source_axis,
                    what=('chain', tuple(t.computes for t in transforms)),
-                   source_specs=source_specs if first.source_specs else None,
+                   source_specs=source_specs,
                    takes=takes if pure else (),
                    steps=tuple(s for t in transforms for s in (t.steps or (t,))))
 
@@ -573,8 +574,7 @@ def source_shardings(
   """
   spec = tuple(getattr(dest, 'spec', ()))
   spec += (None,) * (dest_ndim - len(spec))
-  specs = (transform.source_specs(spec, n) if transform.source_specs is not None
-           else (transform.source_spec(spec),) * n)
+  specs = transform.source_specs(spec, n)
   if isinstance(dest, jax.sharding.NamedSharding):
     return tuple(None if s is None else jax.sharding.NamedSharding(
         dest.mesh, jax.sharding.PartitionSpec(*s)) for s in specs)
@@ -656,5 +656,5 @@ def regroup(axis: int, groups: int, sizes: Sequence[int], take: Sequence[int]) -
     return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=at)
 
   return Transform(f'regroup(axis={axis}, groups={groups}, sizes={sizes}, take={take})',
-                   _one(shape), apply, source_spec=_whole(axis),
+                   _one(shape), apply, source_specs=each(_whole(axis)),
                    source_axis=lambda d, shapes: None if d == axis % len(shapes[0]) else d)
