@@ -27,7 +27,7 @@ def check_weights(
   Args:
     source: the checkpoint, opened.
     target: canonical weight path -> target leaf path.
-    relaid: the checkpoint's weights in the target's layer form (`layers.relayout`).
+    relaid: the checkpoint's weights in the target's layer form (`step_layers.relayout`).
     aux: canonical paths of non-weight variables (never required).
 
   Returns:
