@@ -233,22 +233,21 @@ class MergeOptions:
           f' adapters would be copied unmerged): add {MERGE_LORA.named(True)}, or drop'
           f' {"it" if one else "them"}.'
       )
-    alpha, scale, base, qtype, tile, calibration = (
-        values.get(o.name) for o in OPTIONS.values() if o is not MERGE_LORA)
+    alpha, scale, base = (values.get(o.name) for o in (*SCALING, BASE))
     check_scaling(alpha, scale)
-    recipe = _recipe(base, qtype, tile, calibration)
+    recipe = _recipe(base, *(values.get(o.name) for o in RECIPE))
     return cls(alpha, scale, base, recipe) if merging else None
 
   def asked(self) -> dict[str, Any]:
     """The options given, by their names (`base` a path, as what it is, not as it was
     written); those not given left out."""
-    base = None if self.base is None else fileio.as_path(self.base)
     recipe = self.base_quantized
-    values = (self.alpha, self.scale, base, *((None,) * 3 if recipe is None else
-                                              (recipe.qtype, recipe.tile_size,
-                                               recipe.calibration)))
-    names = [o.name for o in OPTIONS.values() if o is not MERGE_LORA]
-    return {name: value for name, value in zip(names, values, strict=True) if value is not None}
+    values = {LORA_ALPHA: self.alpha, LORA_SCALE: self.scale,
+              BASE: None if self.base is None else fileio.as_path(self.base)}
+    if recipe is not None:
+      values |= dict(zip(RECIPE, (recipe.qtype, recipe.tile_size, recipe.calibration),
+                         strict=True))
+    return {o.name: v for o, v in values.items() if v is not None}
 
 
 # A merge given no option (a full save of flax adapters needs none).
