@@ -7,7 +7,8 @@ dtype, on the weight's device. This compares, per qtype, calibration, tiling and
 on each device kind JAX has here, the base qwix makes that way (the reference) with:
 
   qwix_jit   the same qwix calls under one jax.jit (XLA may fuse and rewrite them);
-  ours       orbax_tunix's `quantized.requantize` (as the merge calls it);
+  ours       orbax_tunix's `quantized.requantize`, eagerly on the device's array;
+  ours_jit   the same compiled, as the merge compiles it (inside the merge's program);
   cpu        the reference computed on the CPU (what an export on a CPU host reproduces);
 
 and prints, for each, the fraction of elements that differ and the largest difference in
@@ -79,13 +80,16 @@ def compare(device, cpu, shape, quick) -> list[dict]:
     ref = _qwix(w, qtype, calibration, tile)  # eager, as apply_lora_to_model runs it
     jitted = jax.jit(lambda x, q=qtype, c=calibration, t=tile: _qwix(x, q, c, t))(w)
     on_cpu = _qwix(jax.device_put(host.astype(dtype), cpu), qtype, calibration, tile)
+    err = ''
     try:
       ours = _ours(w, qtype, calibration, tile)
+      ours_jit = jax.jit(lambda x, q=qtype, c=calibration, t=tile: _ours(x, q, c, t))(w)
     except Exception as e:  # noqa: BLE001 - an experiment: the row says what failed
-      ours = None
+      ours = ours_jit = None
       err = f'{type(e).__name__}: {e}'
     row = {'dtype': dtype, 'qtype': qtype, 'calibration': calibration, 'tile': tile}
-    for name, got in (('qwix_jit', jitted), ('ours', ours), ('cpu', on_cpu)):
+    for name, got in (('qwix_jit', jitted), ('ours', ours), ('ours_jit', ours_jit),
+                      ('cpu', on_cpu)):
       row[name] = err if got is None else _steps(got, ref, ref)
     rows.append(row)
     print(json.dumps(row), flush=True)

@@ -381,8 +381,12 @@ def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
   info = ml_dtypes.finfo(dtype)
   narrower = dtype.itemsize < 4
 
-  def rnd(x: Any) -> Any:  # One of qwix's steps in `dtype`: its float32 result, rounded.
-    return jax.lax.reduce_precision(x, info.nexp, info.nmant) if narrower else x
+  def rnd(x: Any) -> Any:
+    """One of qwix's steps in `dtype`: its float32 result, rounded, and fenced: qwix runs each
+    step as a program of its own (eagerly), and a TPU computes a step fused with the next
+    otherwise (a float32 scale's last bit, measured on a v5e)."""
+    x = jax.lax.reduce_precision(x, info.nexp, info.nmant) if narrower else x
+    return jax.lax.optimization_barrier(x)
 
   shape = tuple(w.shape)
   tiled = recipe.tiled_axes(shape, contracting)
@@ -401,19 +405,21 @@ def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
   zero_point = None
   if recipe.calibration == 'minmax':
     qmin, qmax = qtype.asymmetric
-    low = jnp.minimum(x.min(axis=reduce, keepdims=True), 0)
-    high = jnp.maximum(x.max(axis=reduce, keepdims=True), 0)
+    low = rnd(jnp.minimum(x.min(axis=reduce, keepdims=True), 0))
+    high = rnd(jnp.maximum(x.max(axis=reduce, keepdims=True), 0))
     scale = rnd(_by_bound(rnd(high - low), qmax - qmin, narrower))
-    scale = jnp.where(scale < tiny, np.float32(1), scale)
-    zero_point = _to_qtype(rnd(np.float32(qmin) - rnd(low / scale)), recipe.qtype)
-    zero_point = zero_point.astype(np.float32)
+    scale = rnd(jnp.where(scale < tiny, np.float32(1), scale))
+    zero_point = _to_qtype(rnd(np.float32(qmin) - rnd(_divide(low, scale, dtype))),
+                           recipe.qtype)
+    zero_point = rnd(zero_point.astype(np.float32))
   else:
-    scale = rnd(_by_bound(jnp.abs(x).max(axis=reduce, keepdims=True), qtype.bound, narrower))
-    scale = jnp.where(scale < tiny, np.float32(1), scale)
-  q = rnd(x / scale)
+    absmax = rnd(jnp.abs(x).max(axis=reduce, keepdims=True))
+    scale = rnd(_by_bound(absmax, qtype.bound, narrower))
+    scale = rnd(jnp.where(scale < tiny, np.float32(1), scale))
+  q = rnd(_divide(x, scale, dtype))
   if zero_point is not None:
     q = rnd(q + zero_point)
-  q = _to_qtype(q, recipe.qtype)
+  q = jax.lax.optimization_barrier(_to_qtype(q, recipe.qtype))
   value = rnd(jnp.asarray(NF4_BUCKETS)[q.astype(np.int32)] if recipe.qtype == NF4
               else q.astype(np.float32))
   if zero_point is not None:
@@ -423,27 +429,47 @@ def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
   return jax.lax.optimization_barrier(rnd(value * scale).reshape(shape))
 
 
-def _by_bound(x: Any, bound: float, narrower: bool) -> Any:
-  """`x / bound` as qwix's eager `calibration / qmax` computes it on this JAX.
+def _divide(a: Any, b: Any, dtype: np.dtype) -> Any:
+  """qwix's `a / b` of two arrays of `dtype` (float32 values of it), as float32 values.
 
-  Eagerly, a Python number is a constant to some JAX versions (0.10: XLA multiplies by its
-  reciprocal, as it does in compiled code) and an argument to others (0.12: a true division);
-  a float32 scale differs in its last bit between the two. Compiled code folds a constant, so
-  where qwix's division is a true one the bound is hidden from the compiler. Narrower dtypes
-  are rounded from float32 either way (checked equal on both versions).
+  A division in the narrower dtype itself: a TPU divides bfloat16 by a method of its own, which
+  differs from float32's division rounded to bfloat16 in about 1e-4 of the quotients (TPU v5e,
+  `benchmarks/requantize_devices.py`); the CPU's is float32's, rounded. The cast back and the
+  rounding keep the quotient rounded where the compiler would carry float32 on.
+  """
+  if np.dtype(dtype).itemsize >= 4:
+    return a / b
+  info = ml_dtypes.finfo(dtype)
+  quotient = (jnp.asarray(a).astype(dtype) / jnp.asarray(b).astype(dtype)).astype(np.float32)
+  return jax.lax.reduce_precision(quotient, info.nexp, info.nmant)
+
+
+def _by_bound(x: Any, bound: float, narrower: bool) -> Any:
+  """`x / bound` as qwix's eager `calibration / qmax` computes it on this JAX and device.
+
+  Eagerly, a Python number is a constant to some JAX versions on the CPU (0.10: XLA multiplies
+  by its reciprocal, as it does in compiled code) and a runtime operand elsewhere (0.12: a true
+  division; a TPU: its own division, neither of the two); a float32 scale's last bit differs.
+  Compiled code folds a constant, so where qwix's division is a runtime one the bound is hidden
+  from the compiler. Narrower dtypes are rounded from float32 either way (checked equal on both
+  versions and on a TPU v5e).
   """
   bound = np.float32(bound)
-  if narrower or not _eager_divides_truly():
+  if narrower or not _eager_divides_at_runtime():
     return x / bound
   return x / jax.lax.optimization_barrier(jnp.asarray(bound))
 
 
 @functools.cache
-def _eager_divides_truly() -> bool:
-  """Whether an eager `array / python_float` is a true division on this JAX (and device)."""
-  x = np.linspace(1, 2, 257, dtype=np.float32)
+def _eager_divides_at_runtime() -> bool:
+  """Whether an eager `array / python_float` on this JAX and default device is the compiled
+  division by a runtime operand (not a product with the constant's reciprocal)."""
+  x = np.linspace(1, 2, 1025, dtype=np.float32)
   with jax.ensure_compile_time_eval():  # Eager even where first asked while tracing.
-    return bool(np.array_equal(np.asarray(jnp.asarray(x) / 127.5), x / np.float32(127.5)))
+    eager = np.asarray(jnp.asarray(x) / 127.5)
+  hidden = jax.jit(lambda v: v / jax.lax.optimization_barrier(jnp.float32(127.5)))
+  runtime = np.asarray(hidden.lower(x).compile()(x))  # Run now, even while tracing.
+  return bool(np.array_equal(eager, runtime))
 
 
 def _to_qtype(x: Any, qtype: str) -> Any:
