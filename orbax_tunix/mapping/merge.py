@@ -231,12 +231,11 @@ def _quantized_notes(lora_ckpt: reader.Source, base_ckpt: reader.Source,
         ' own recipe and the float base it started from these are the weights it trained with;'
         ' another recipe (int8 for an int4 run) or base gives another model, with no error')
     notes.append(
-        f're-quantized on {jax.devices()[0].device_kind} with jax {jax.__version__}: a float32'
-        ' base is the run\'s bit for bit where it was quantized on this kind of device with a'
-        ' jax that divides by the bound as this one does (another kind, or jax 0.10 against'
-        ' 0.12, rounds the scales\' last bit otherwise); a bfloat16 base gives the same values'
-        ' on a CPU and a TPU, one int8 step off the run\'s in about 1e-5 of the elements'
-        ' (docs/lora.md, QLoRA runs)')
+        f're-quantized on {jax.devices()[0].device_kind} with jax {jax.__version__}: the run\'s'
+        ' base bit for bit where the run quantized it on this kind of device (a CPU, a TPU)'
+        ' with a jax that divides as this one does; on another kind, or jax 0.10 against 0.12,'
+        ' a float32 base\'s scales differ in their last bit, and a bfloat16 int8 base is one'
+        ' step off in about 1e-5 of the elements (docs/lora.md, QLoRA runs)')
     odd = sorted({(str(merges[p].base.leaf.dtype), str(merges[p].a.dtype)) for p in requantized
                   if merges[p].base.leaf.dtype != merges[p].a.dtype})
     notes += [f'the base is stored in {b} and the adapters in {a}: quantized in {a}, the dtype'
