@@ -1,7 +1,7 @@
 """Does a Tunix restore through orbax_tunix cost what a plain Orbax restore costs?
 
   python benchmarks/restore_cost.py                 # the full run (~1 GB, 5 rounds)
-  python benchmarks/restore_cost.py --quick         # a smoke run (64 MB, 1 round; < 2 min)
+  python benchmarks/restore_cost.py --quick         # a smoke run (64 MB, 1 round; < 2 min, on a TPU too)
 
 Writes, with Orbax directly, a synthetic transformer state twice (Tunix layout
 and canonical, see `synthetic.py`), then runs the contenders of
@@ -79,6 +79,7 @@ def run_child(
     extra: Sequence[str] = (),
     concurrent_gb: float | None = None,
     warm: int = 0,
+    platforms: str | None = None,
 ) -> dict[str, Any]:
   """Runs one repetition in a fresh interpreter; returns its RESULT (or the error)."""
   cmd = [str(CHILD), contender, str(workdir), *extra, '--warm', str(warm),
@@ -89,6 +90,8 @@ def run_child(
     cmd += ['--devices', str(args.devices)]
   env = dict(os.environ)
   env.pop('BENCH_RESTORE_CONCURRENT_GB', None)
+  if platforms:
+    env['JAX_PLATFORMS'] = platforms
   if concurrent_gb:
     env['BENCH_RESTORE_CONCURRENT_GB'] = str(concurrent_gb)
   result = harness.run_child(cmd, args.timeout, env)
@@ -310,7 +313,10 @@ def scan(args, policy: harness.CachePolicy) -> dict[str, Any]:
   out: dict[str, Any] = {'points': []}
   for n in args.scan_leaves:
     shape = synthetic.shape_for(args.scan_size_mb, n, args.param_dtype)
-    workdir = args.workdir / f'scan-{n}'
+    # A point of the main comparison's shape reads its checkpoints (quick: no second write).
+    same = shape == synthetic.shape_for(args.size_mb, args.leaves, args.param_dtype)
+    workdir = args.workdir / ('main' if same else f'scan-{n}')
+    platforms = 'cpu' if args.scan_backend == 'cpu' else None
     t = time.perf_counter()
     restore = n <= args.scan_restore_max
     dirs = write(workdir, shape)  # Both layouts: g reads the canonical copy at every point.
@@ -321,7 +327,7 @@ def scan(args, policy: harness.CachePolicy) -> dict[str, Any]:
     for i in range(args.scan_reps):
       policy.prepare(list(dirs.values()))
       extra = ['--with-orbax'] if i == 0 and n <= args.orbax_metadata_max else []
-      plans.append(run_child('plan', workdir, args, extra))
+      plans.append(run_child('plan', workdir, args, extra, platforms=platforms))
     point['plan'] = plans
     for c in args.scan_contenders:
       if restore or c in 'fgh':
@@ -330,7 +336,8 @@ def scan(args, policy: harness.CachePolicy) -> dict[str, Any]:
       for _ in range(args.scan_reps):
         for c in point['runs']:
           policy.prepare(list(dirs.values()))
-          res = run_child(c, workdir, args, concurrent_gb=args.restore_concurrent_gb)
+          res = run_child(c, workdir, args, concurrent_gb=args.restore_concurrent_gb,
+                          platforms=platforms)
           point['runs'][c].append(res)
           print(f'scan {shape.disk_leaves} {c}: {res.get("wall_s", float("nan")):.2f} s,'
                 f' planning {res.get("plan_s", float("nan")):.3f} s'
@@ -411,10 +418,15 @@ def report_scan(points) -> str:
 # Defaults of the full run and of `--quick`, for the flags they differ on.
 # The quick run is a smoke run (every contender and every table once, within 2 minutes):
 # each child is a fresh process, which on a TPU host also opens the chip (seconds).
-FULL = {'size_mb': 1024, 'reps': 5, 'scan_leaves': '1000,10000,50000', 'scan_size_mb': 256,
-        'scan_restore_max': 10000, 'scan_reps': 2, 'memory_check_gb': 0.1, 'memory_reps': 3}
-QUICK = {'size_mb': 64, 'reps': 1, 'scan_leaves': '300,600', 'scan_size_mb': 8,
-         'scan_restore_max': 600, 'scan_reps': 1, 'memory_check_gb': 0.0, 'memory_reps': 1}
+# On a TPU host every child opening the chip costs about 10 s (measured on a v5e), so the
+# quick run keeps its children few: one scan point, on the main comparison's checkpoints, its
+# children on the host's CPU (the scan measures planning, which is host work).
+FULL = {'size_mb': 1024, 'leaves': 1000, 'reps': 5, 'scan_leaves': '1000,10000,50000',
+        'scan_size_mb': 256, 'scan_restore_max': 10000, 'scan_reps': 2, 'scan_backend': 'same',
+        'memory_check_gb': 0.1, 'memory_reps': 3}
+QUICK = {'size_mb': 64, 'leaves': 300, 'reps': 1, 'scan_leaves': '300', 'scan_size_mb': 64,
+         'scan_restore_max': 600, 'scan_reps': 1, 'scan_backend': 'cpu', 'memory_check_gb': 0.0,
+         'memory_reps': 1}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -423,7 +435,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument('--size-mb', type=float, help='state size, params + mu + nu (1024; quick 64)')
-  p.add_argument('--leaves', type=int, default=1000, help='leaves on disk (sets the layers)')
+  p.add_argument('--leaves', type=int, help='leaves on disk, sets the layers (1000; quick 300)')
   p.add_argument('--param-dtype', default='bfloat16', help='weights dtype (mu, nu: float32)')
   p.add_argument('--reps', type=int, help='rounds of all contenders (5; quick 1)')
   p.add_argument('--contenders', default='abcde', help='subset of abcde')
@@ -436,8 +448,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--no-verify', dest='verify', action='store_false',
                  help='skip checking b, c, d against a')
   p.add_argument('--scan-leaves',
-                 help='leaf counts of the planning scan, "" for none (1000,10000,50000; quick 300,600)')
-  p.add_argument('--scan-size-mb', type=float, help='state size in the scan (256; quick 8)')
+                 help='leaf counts of the planning scan, "" for none (1000,10000,50000; quick 300)')
+  p.add_argument('--scan-size-mb', type=float, help='state size in the scan (256; quick 64)')
+  p.add_argument('--scan-backend', choices=('same', 'cpu'),
+                 help="the scan's children: on the backend of the comparison, or on the host's"
+                 ' CPU (same; quick cpu)')
   p.add_argument('--scan-reps', type=int, help='rounds of the scan (2; quick 1)')
   p.add_argument('--scan-restore-max', type=int,
                  help='restore (not only plan) up to this many leaves (10000; quick 600)')
@@ -454,8 +469,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument('--timeout', type=float, default=1800, help='per child, seconds')
   p.add_argument('--json', type=pathlib.Path, help='also write every figure here')
   p.add_argument('--quick', action='store_true',
-                 help='smoke run: 64 MB, 1 round, scan 300/600 leaves at 8 MB once, no memory'
-                 ' check')
+                 help='smoke run: 64 MB in 300 leaves, 1 round, one scan point on those'
+                 ' checkpoints, on the CPU, no memory check')
   harness.add_flags(p, cpu_default=8, warm=True)
   args = p.parse_args(argv)
   for key, value in (QUICK if args.quick else FULL).items():
@@ -516,7 +531,8 @@ def main(argv: Sequence[str]) -> None:
             f' (`restore_concurrent_gb={c["memory"]["budget_gb"]}`, a and b alike):\n')
       print(c['memory']['report'])
   if 'scan' in out:
-    print(f'\n### Planning scan ({args.scan_size_mb:.0f} MiB of state at each leaf count)\n')
+    where = "; its children on the host's CPU" if args.scan_backend == 'cpu' else ''
+    print(f'\n### Planning scan ({args.scan_size_mb:.0f} MiB of state at each leaf count{where})\n')
     print(out['scan']['report'])
   if args.json:
     args.json.write_text(json.dumps(out, indent=1, default=str))
