@@ -705,3 +705,16 @@ def test_error_no_abstract_state(tunix_data, no_reads, target, params_only):
     msg = str(e.value)
     assert f'`abstract_state` {target!r}: expected MaxText\'s abstract train state' in msg
     assert 'train_state_nnx.to_checkpoint_dict' in msg and 'sft_full' in msg
+
+
+def test_error_a_target_leaf_that_is_not_an_array(tunix_data, no_reads):
+  """A float or an int among MaxText's abstract state: each named with what it is, before the
+  step is opened, with how to build the state (the same refusal as a merge's target)."""
+  target = {'params': {'params': {'decoder': {'w': 1.0, 'b': 3}}},
+            'step': jax.ShapeDtypeStruct((), jnp.int32)}
+  with pytest.raises(ot.TargetMismatchError) as e:
+    maxtext.restore_train_state(tunix_data / 'sft_full', target)
+  msg = str(e.value)
+  assert 'The abstract state has 2 leaves that are not arrays' in msg, msg
+  assert 'params/params/decoder/w: float' in msg and 'params/params/decoder/b: int' in msg, msg
+  assert 'jax.eval_shape' in msg, msg

@@ -42,12 +42,32 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.mapping import dequantize, executor, transforms
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.reading import memory, quantized
 from orbax_tunix.reading.planned_item import PlannedItem, Reads
 from orbax_tunix.reading.read_requests import ReadRequest, into, is_key, sharding_of
+
+
+def require_arrays(targets: Mapping[Path, Any], subject: str, build: str) -> None:
+  """Refuses target leaves that are not arrays (a float, an int, None), before any read.
+
+  Args:
+    targets: path -> a caller's target leaf (an abstract or concrete array, or a `Target`).
+    subject: what holds them, for the message (e.g. 'The abstract state').
+    build: how to build a target of arrays.
+
+  Raises:
+    TargetMismatchError: naming each such leaf and what it is.
+  """
+  bad = [f'{fmt(p)}: {type(t).__name__}' for p, t in targets.items()
+         if not isinstance(t, Target) and not (hasattr(t, 'shape') and hasattr(t, 'dtype'))]
+  if bad:
+    raise errors.TargetMismatchError(
+        f'{subject} has {len(bad)} leaves that are not arrays (expected'
+        f' jax.ShapeDtypeStruct or jax.Array):\n{errors.list_paths(bad)}\n{build}')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -562,16 +562,9 @@ def read_merged(plan: MergePlan, targets: Mapping[Path, Any]) -> dict[Path, jax.
     TargetMismatchError: leaves that are not arrays; see `check_target` (before any read).
     CorruptMetadataError: stored data is missing or damaged.
   """
-  not_arrays = [f'{fmt(p)}: {type(t).__name__}' for p, t in targets.items()
-                if not isinstance(t, device.Target) and not (
-                    hasattr(t, 'shape') and hasattr(t, 'dtype'))]
-  if not_arrays:
-    raise errors.TargetMismatchError(
-        f'{plan.base.step_dir}: the target has {len(not_arrays)} leaves that are not arrays'
-        ' (expected jax.ShapeDtypeStruct or jax.Array):\n'
-        f'{errors.list_paths(not_arrays)}\nPass the plain model\'s abstract weights, e.g.'
-        ' nnx.state(nnx.eval_shape(...)) (or `ocp.PLACEHOLDER` for leaves not to restore).'
-    )
+  device.require_arrays(
+      targets, f'{plan.base.step_dir}: the target', 'Pass the plain model\'s abstract weights,'
+      ' e.g. nnx.state(nnx.eval_shape(...)) (or `ocp.PLACEHOLDER` for leaves not to restore).')
   resolved = {p: t if isinstance(t, device.Target) else device.Target.of(t)
               for p, t in targets.items()}
   check_target(plan, {p: t.abstract for p, t in resolved.items()})

@@ -19,7 +19,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.mapping import step_layers
+from orbax_tunix.mapping import device, step_layers
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.mapping.patterns import Mapped
 from orbax_tunix.mapping.transforms import IDENTITY, Shape, constant
@@ -37,8 +37,7 @@ from orbax_tunix.maxtext.weights import check_weights
 from orbax_tunix.reading import quantized as quantized_lib
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.read_requests import stored_shape
-from orbax_tunix.store import step_store
-from orbax_tunix.view.detection import Detection, detect, wanted_items
+from orbax_tunix.view.detection import Detection, detect
 
 PyTree = Any
 # A state Tunix may not have written but whose value is known: a schedule's
@@ -360,18 +359,6 @@ def _check_shapes(source: reader.Source, target: Mapping[Path, Shape], state: St
                     ' the run trained with (vocabulary, widths, number of layers).')
 
 
-def _target(pairs: Sequence[tuple[Path, Any]]) -> dict[Path, Any]:
-  """Target leaf path -> its abstract leaf; every leaf must be an array."""
-  bad = [fmt(p) for p, leaf in pairs if not hasattr(leaf, 'dtype')]
-  if bad:
-    raise errors.TargetMismatchError(
-        f'The abstract state has {len(bad)} leaves that are not arrays (expected'
-        ' jax.ShapeDtypeStruct or jax.Array):\n'
-        f'{errors.list_paths(bad)}\nBuild it with jax.eval_shape.'
-    )
-  return dict(pairs)
-
-
 def needed_items(params_only: bool) -> tuple[str, ...]:
   """The Tunix items a MaxText restore reads: the weights, and the optimizer unless params-only."""
   return (MODEL,) if params_only else (MODEL, OPTIMIZER)
@@ -379,8 +366,7 @@ def needed_items(params_only: bool) -> tuple[str, ...]:
 
 def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
   """Detects only the items a MaxText restore needs (a params-only one opens no optimizer)."""
-  location = step_store.resolve(path)
-  return detect(location, items=wanted_items(location, needed_items(params_only)))
+  return detect(path, roles=needed_items(params_only))
 
 
 def require_target(abstract_state: PyTree, where: object) -> None:
@@ -437,7 +423,9 @@ def plan_restore(
         f' {detection.kind} one (items {list(detection.items)}). Restore it with'
         ' plain Orbax; `ItemsHandler` does so by itself.'
     )
-  target = _target(flatten(abstract_state)[0])  # Before the step is opened: its errors first.
+  target = dict(flatten(abstract_state)[0])
+  # Before the step is opened: its errors first.
+  device.require_arrays(target, 'The abstract state', 'Build it with jax.eval_shape.')
   model = detection.maps.get(conventions.MODEL_ITEM)
   composed = {} if model is None else model.composed
   if composed:  # Checked before the target's shapes are: a damaged weight named as such.

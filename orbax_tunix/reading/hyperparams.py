@@ -18,9 +18,8 @@ from etils import epath
 from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.reading.planned_item import Reads
-from orbax_tunix.store import step_store
 from orbax_tunix.view import rules
-from orbax_tunix.view.detection import Detection, detect, wanted_items
+from orbax_tunix.view.detection import Detection, detect
 
 # How a scalar is read: to the host, as saved.
 AS_NUMPY = ocp.RestoreArgs(restore_type=np.ndarray)
@@ -55,8 +54,7 @@ def hyperparameters(path: epath.PathLike, *, step: int | None = None) -> dict[st
     MissingItemError: the step records an optimizer item that is not on disk.
     TunixCheckpointError subclasses, as `detect()`.
   """
-  location = step_store.resolve(path, step)
-  detection = detect(location, items=wanted_items(location, (conventions.OPTIMIZER_ITEM,)))
+  detection = detect(path, step=step, roles=(conventions.OPTIMIZER_ITEM,))
   found = hyperparameter_leaves(detection)
   if found is None:
     return {}

@@ -30,7 +30,7 @@ from orbax_tunix.reading import quantized as quantized_lib
 from orbax_tunix.reading import read_requests, timing
 from orbax_tunix.reading.planned_item import Reads
 from orbax_tunix.store import _orbax, item_store, step_store
-from orbax_tunix.view.detection import Detection, detect, wanted_items
+from orbax_tunix.view.detection import Detection, detect
 
 # Leaf kinds, from the Orbax value type of each leaf.
 ARRAY = 'array'
@@ -298,8 +298,8 @@ def open_source(
   """
   location = step_store.resolve(path, step)
   if weights_only and items is None:
-    wanted = wanted_items(location, (conventions.MODEL_ITEM, conventions.MAXTEXT_ITEM))
-    return open_checkpoint(detect(location, items=wanted))
+    return open_checkpoint(detect(location, roles=(conventions.MODEL_ITEM,
+                                                   conventions.MAXTEXT_ITEM)))
   source = open_checkpoint(detect(location, items=items))
   if items is None and whole:
     source.detection.require()

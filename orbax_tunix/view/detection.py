@@ -190,6 +190,7 @@ def detect(
     *,
     step: int | None = None,
     items: Iterable[str] | None = None,
+    roles: Iterable[str] | None = None,
 ) -> Detection:
   """Says what a checkpoint path holds and which rewrites apply.
 
@@ -205,6 +206,10 @@ def detect(
       the step records (an item directory: that item); those it records but
       lacks are left out and named in `absent` and `notes`. Items not looked
       at are not read, and damage to them is not reported.
+    roles: instead of `items`, the Tunix items a caller needs (`conventions.MODEL_ITEM`,
+      `OPTIMIZER_ITEM`): those of them the step records or holds, so that nothing else is
+      opened; every item where the step holds none of them (not Tunix's: its own items
+      decide), and the item of an item directory or of one saved on its own.
 
   Returns:
     A `Detection`; `is_tunix` is False for plain Orbax and MaxText checkpoints.
@@ -215,6 +220,10 @@ def detect(
     MissingItemError: an item in `items` is not in the step.
   """
   location = path if isinstance(path, step_store.Location) else step_store.resolve(path, step)
+  if roles is not None:
+    if items is not None:
+      raise TypeError('detect: pass items or roles, not both')
+    items = _of_roles(location, roles)
   found = location.step
   absent: list[str] = []
   if items is not None:
@@ -252,18 +261,10 @@ def detect(
   )
 
 
-def wanted_items(location: step_store.Location, roles: Iterable[str]) -> list[str] | None:
-  """The items a caller that needs some Tunix items (by role) should look at.
-
-  Args:
-    location: where the path led.
-    roles: the Tunix items needed (`conventions.MODEL_ITEM`, `OPTIMIZER_ITEM`).
-
-  Returns:
-    Those of them that the step records or holds, for `detect(items=...)`;
-    None (every item) for an item directory or an item saved on its own, or
-    a step that holds none of them (not Tunix's: its own items decide).
-  """
+def _of_roles(location: step_store.Location, roles: Iterable[str]) -> list[str] | None:
+  """The items `detect(roles=...)` looks at: those of `roles` the step records or holds;
+  None (every item) for an item directory or an item saved on its own, or a step that holds
+  none of them."""
   step = location.step
   if location.item is not None or step.single_item:
     return None
