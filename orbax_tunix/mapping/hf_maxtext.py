@@ -65,6 +65,7 @@ from orbax_tunix.mapping.hf_naming import (
   LAYER,
   OUT_PROJ,
   EveryNth,
+  LayerKinds,
   LayerType,
   LoraWeight,
   Naming,
@@ -305,10 +306,9 @@ def _maxtext_gemma4() -> Naming:
       architecture='Gemma4ForCausalLM', model_type='gemma4_text',
       lora={f'{MT_LAYER}/self_attention/key/kernel': LoraWeight(
           note=K_EQ_V_NOTE, without=_MT_VALUE)},
-      layer_types={'full_attention': _GEMMA4_GLOBAL},
       # transformers' Gemma4TextConfig without `layer_types`: every sixth is global
       # (it also makes the last layer global; MaxText's remainder layers are local).
-      default_layer_type=_GEMMA4_LAYER_TYPES))
+      kinds=LayerKinds({'full_attention': _GEMMA4_GLOBAL}, _GEMMA4_LAYER_TYPES)))
 
 
 def _maxtext_qwen3_moe() -> Naming:

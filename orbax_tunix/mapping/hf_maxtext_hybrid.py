@@ -48,6 +48,7 @@ from orbax_tunix.mapping.hf_maxtext import MAXTEXT_PADDING, MT_LAYER
 from orbax_tunix.mapping.hf_naming import (
   IN_PROJ,
   LAYER,
+  LayerKinds,
   LoraWeight,
   Naming,
   Sized,
@@ -195,7 +196,7 @@ def _hybrid(rules, sized=(), form=stacks_lib.UNSCANNED, **kwargs) -> Naming:
       layer=stacks_lib.LAYER, vocab={'token_embedder/embedding': 0,
                                      'decoder/logits_dense/kernel': 1},
       vocab_padding=MAXTEXT_PADDING, form=form, axes=_AXES, config_defaults=_CONFIG_DEFAULTS,
-      lora_flattened=True, sized=tuple(sized), typed_by=_TYPED_BY, **kwargs)
+      lora_flattened=True, sized=tuple(sized), kinds=LayerKinds(typed_by=_TYPED_BY), **kwargs)
 
 
 # peft 0.21.2 on transformers 5 converts a Qwen3-Next adapter's config as if trained on

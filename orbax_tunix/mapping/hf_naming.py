@@ -21,7 +21,7 @@ trainer's naming shares to make Hugging Face's linear weights are here (`IN_PROJ
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
@@ -69,7 +69,7 @@ HEAD_DIM_OF_HIDDEN = {'head_dim': lambda c: c['hidden_size'] // c['num_attention
 
 @dataclasses.dataclass(frozen=True)
 class EveryNth:
-  """A config's layer kinds where it has no `layer_types` (a `Naming.default_layer_type`):
+  """A config's layer kinds where it has no `layer_types` (a `LayerKinds.default`):
   every `n`-th layer `kind` (layers n-1, 2n-1, ...), the others `other`."""
 
   n: int
@@ -170,7 +170,7 @@ class Derived:
 
 @dataclasses.dataclass(frozen=True)
 class LayerType:
-  """How a layer of one kind (a config's `layer_types` entry, or a `Naming.layer_kinds` one)
+  """How a layer of one kind (a config's `layer_types` entry, or a `LayerKinds.extra` one)
   reads the config otherwise.
 
   Attributes:
@@ -186,6 +186,52 @@ class LayerType:
 
 
 _ANY_LAYER = LayerType({})
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKinds:
+  """How a decoder's layers of different kinds are told apart, where they are (Gemma 4's
+  global and local layers, a hybrid decoder's linear and full attention).
+
+  Attributes:
+    types: config `layer_types` entry -> `LayerType`, for layers that read other fields (a
+      layer's entry: `layer_types[i]`, else `default(i)`).
+    default: a layer's kind when the config has no `layer_types`.
+    extra: other kinds a layer may be of besides its `layer_types` entry -> whether layer `i`
+      of a config is (kv-shared layers with a double-wide MLP); their `types` apply too.
+    typed_by: config `layer_types` entry -> a weight pattern (`{i}` the layer) only a layer
+      of that kind holds: the weights then imply `layer_types` (every layer holding one),
+      which a config.json must agree with.
+  """
+
+  types: Mapping[str, LayerType] = dataclasses.field(default_factory=dict)
+  default: Callable[[int], str] | None = None
+  extra: Mapping[str, Callable[[int, Mapping[str, object]], bool]] = dataclasses.field(
+      default_factory=dict)
+  typed_by: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def of(self, i: int, config: Mapping[str, object]) -> LayerType:
+    """How layer `i` of a model of `config` reads it: its `layer_types` entry's (else its
+    default kind's) `LayerType`, with those of the `extra` kinds it is of."""
+    kinds, kind = config.get('layer_types'), None
+    if isinstance(kinds, list) and i < len(kinds):
+      kind = kinds[i]
+    elif self.default is not None:
+      kind = self.default(i)
+    found = [self.types[k] for k in (kind, *self.extra)
+             if isinstance(k, str) and k in self.types
+             and (k == kind or self.extra[k](i, config))]
+    if len(found) <= 1:
+      return found[0] if found else _ANY_LAYER
+    return LayerType({f: v for t in found for f, v in t.fields.items()},
+                     tuple(w for t in found for w in t.without))
+
+  def implied(self, shapes: Collection[Path], layers: Sequence[str]) -> list[str] | None:
+    """The `layer_types` the weights imply (`typed_by`: each layer holds the weight of
+    exactly one kind), or None where they do not."""
+    kinds = [[kind for kind, pattern in self.typed_by.items()
+              if tuple(pattern.replace('{i}', i).split('/')) in shapes] for i in layers]
+    return [k[0] for k in kinds] if kinds and all(len(k) == 1 for k in kinds) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,12 +291,7 @@ class Naming:
     axes: weight pattern -> the config.json field giving each of its axes (`dims` read the
       other way): the shape a base model's config gives a weight that a save of adapters
       alone lacks (qwix flattens a MaxText kernel's dimensions into its adapters).
-    layer_types: config `layer_types` entry -> `LayerType`, for layers that read other
-      fields (a layer's entry: `layer_types[i]`, else `default_layer_type(i)`).
-    default_layer_type: a layer's kind when the config has no `layer_types`.
-    layer_kinds: other kinds a layer may be of besides its `layer_types` entry -> whether
-      layer `i` of a config is (kv-shared layers with a double-wide MLP); their
-      `layer_types` entries apply too.
+    kinds: how its layers of different kinds are told apart (`LayerKinds`; none: all alike).
     config_defaults: config field -> its value when config.json leaves it out, as the
       `transformers` config class computes it (Llama's `head_dim`: hidden_size //
       num_attention_heads; the Hub's Llama 3 configs have no `head_dim`); also values
@@ -269,9 +310,6 @@ class Naming:
     derived: weight pattern (per layer, a name the trainer has not) -> the `Derived` that makes
       it of the weights it replaces, in each layer holding them all (`huggingface.derive`).
     sized: rules made from config.json's sizes (`Sized`), beside `rules`: see `rules_for`.
-    typed_by: config `layer_types` entry -> a weight pattern (`{i}` the layer) only a layer
-      of that kind holds: the weights then imply `layer_types` (every layer holding one),
-      which a config.json must agree with (a hybrid decoder's linear and full attention).
   """
 
   trainer: trainers.Trainer
@@ -287,10 +325,7 @@ class Naming:
   model_type: str | None = None
   lora: Mapping[str, LoraWeight] = dataclasses.field(default_factory=dict)
   axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-  layer_types: Mapping[str, LayerType] = dataclasses.field(default_factory=dict)
-  default_layer_type: Callable[[int], str] | None = None
-  layer_kinds: Mapping[str, Callable[[int, Mapping[str, object]], bool]] = dataclasses.field(
-      default_factory=dict)
+  kinds: LayerKinds = LayerKinds()
   config_defaults: Mapping[str, Callable[[Mapping[str, object]], object]] = dataclasses.field(
       default_factory=dict)
   lora_flattened: bool = False
@@ -299,7 +334,6 @@ class Naming:
   fills: Mapping[str, Fill] = dataclasses.field(default_factory=dict)
   derived: Mapping[str, Derived] = dataclasses.field(default_factory=dict)
   sized: tuple[Sized, ...] = ()
-  typed_by: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   def rules_for(self, config: Mapping[str, object] | None, paths: Collection[Path],
                 where: str = '', option: str = 'hf_config') -> tuple[LayoutRule, ...]:
@@ -355,22 +389,10 @@ class Naming:
     return int(match[0]['i']) if match else None
 
   def layer_type(self, path: Path, config: Mapping[str, object]) -> LayerType:
-    """How the layer of the weight at `path` reads `config`: its `layer_types` entry's
-    `LayerType`, with those of the `layer_kinds` it is of."""
-    i, kinds, kind = self.layer_number(path), config.get('layer_types'), None
-    if i is None:
-      return _ANY_LAYER
-    if isinstance(kinds, list) and i < len(kinds):
-      kind = kinds[i]
-    elif self.default_layer_type is not None:
-      kind = self.default_layer_type(i)
-    found = [self.layer_types[k] for k in (kind, *self.layer_kinds)
-             if isinstance(k, str) and k in self.layer_types
-             and (k == kind or self.layer_kinds[k](i, config))]
-    if len(found) <= 1:
-      return found[0] if found else _ANY_LAYER
-    return LayerType({f: v for t in found for f, v in t.fields.items()},
-                     tuple(w for t in found for w in t.without))
+    """How the layer of the weight at `path` reads `config` (`LayerKinds.of`; a weight in
+    no layer: as every layer does)."""
+    i = self.layer_number(path)
+    return _ANY_LAYER if i is None else self.kinds.of(i, config)
 
   def has(self, path: Path, config: Mapping[str, object]) -> bool:
     """Whether a model of `config` has the weight at `path` as far as its layer's kind says
@@ -419,12 +441,9 @@ class Naming:
       held = Pattern.parse(pattern.split('/')).expand({'i': self.layers(shapes)})
       out[field] = sum(p in shapes for p in held)
     out['tie_word_embeddings'] = True if self.tied is None else self.tied(shapes)
-    if self.typed_by:
-      kinds = [[kind for kind, pattern in self.typed_by.items()
-                if tuple(pattern.replace('{i}', i).split('/')) in shapes]
-               for i in self.layers(shapes)]
-      if kinds and all(len(k) == 1 for k in kinds):
-        out['layer_types'] = [k[0] for k in kinds]
+    implied = self.kinds.implied(shapes, self.layers(shapes))
+    if implied is not None:
+      out['layer_types'] = implied
     return out
 
 
