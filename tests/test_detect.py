@@ -226,3 +226,17 @@ def test_a_step_directory_that_cannot_be_read_is_said_so(tunix_data, tmp_path, m
   err = capsys.readouterr().err
   assert 'found step directories that cannot be read: 2 (Permission denied)' in err
   assert 'only empty step directories' not in err
+
+
+def test_roles_look_at_only_the_tunix_items_the_step_has(tunix_data):
+  """`roles`: the Tunix items a caller needs, those of them the step has (nothing else is
+  opened); none of them in the step: every item (its own items decide); not with `items`."""
+  step = tunix_data / 'sft_full'
+  assert list(ot.detect(step).items) == ['model_params', 'optimizer_state']
+  assert list(ot.detect(step, roles=('model_params',)).items) == ['model_params']
+  assert list(ot.detect(step, roles=('optimizer_state', 'actor_params')).items) == [
+      'optimizer_state']
+  assert list(ot.detect(step, roles=('actor_params',)).items) == [
+      'model_params', 'optimizer_state']
+  with pytest.raises(TypeError, match='items or roles'):
+    ot.detect(step, items=['model_params'], roles=('model_params',))
