@@ -356,11 +356,12 @@ def requantize(w: Any, recipe: Recipe, contracting: Sequence[int]) -> Any:
   op's how-to-quantize: one scale per channel, reduced over the contracting axes, or per tile
   of the last one): the base a QLoRA run trained on, from its float base.
 
-  Computed by XLA as qwix's own steps are (a host array on JAX's default device, and back):
-  each step in float32, rounded to `w`'s dtype where qwix computes in it
-  (`lax.reduce_precision`, which compiled code keeps), so the values are the run's bit for
-  bit where XLA divides as it did for the run (the same kind of device: CPU, TPU and GPU
-  round a float division differently).
+  Computed by XLA as qwix's own eager steps are (a host array on JAX's default device, and
+  back): each step in float32, rounded to `w`'s dtype where qwix computes in it
+  (`lax.reduce_precision`, which compiled code keeps), its divisions in that dtype, and each
+  step fenced from the next, as eager programs are (inside a caller's compiled merge too); so
+  the values are the run's bit for bit where XLA divides as it did for the run (the same kind
+  of device: CPU, TPU and GPU divide differently; checked on a TPU v5e and the CPU).
 
   Returns:
     float32 values, each one of `w`'s dtype (the run's base weight, exactly).
