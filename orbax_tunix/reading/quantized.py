@@ -431,18 +431,16 @@ def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
 
 
 def _divide(a: Any, b: Any, dtype: np.dtype) -> Any:
-  """qwix's `a / b` of two arrays of `dtype` (float32 values of it), as float32 values.
+  """qwix's `a / b` of two arrays of `dtype` (float32 values of it), as float32 values, to be
+  rounded by the caller's step (`rnd`).
 
   A division in the narrower dtype itself: a TPU divides bfloat16 by a method of its own, which
   differs from float32's division rounded to bfloat16 in about 1e-4 of the quotients (TPU v5e,
-  `benchmarks/requantize_devices.py`); the CPU's is float32's, rounded. The cast back and the
-  rounding keep the quotient rounded where the compiler would carry float32 on.
+  `benchmarks/requantize_devices.py`); the CPU's is float32's, rounded.
   """
   if np.dtype(dtype).itemsize >= 4:
     return a / b
-  info = ml_dtypes.finfo(dtype)
-  quotient = (jnp.asarray(a).astype(dtype) / jnp.asarray(b).astype(dtype)).astype(np.float32)
-  return jax.lax.reduce_precision(quotient, info.nexp, info.nmant)
+  return (jnp.asarray(a).astype(dtype) / jnp.asarray(b).astype(dtype)).astype(np.float32)
 
 
 def _by_bound(x: Any, bound: float, narrower: bool) -> Any:
