@@ -108,6 +108,25 @@ def test_run_tidily_drains_what_a_failed_coroutine_left():
   assert started[0].cancelled()
 
 
+def test_run_tidily_drops_what_a_thread_posts_to_its_loop_after_it_closed():
+  """TensorStore posts an operation's completion to the awaiting loop from its own thread;
+  an operation cancelled by the drain can complete after the loop closed. Its post is
+  dropped, not raised (TensorStore would report "Event loop is closed" as unraisable)."""
+  loop, ran = [], []
+
+  async def call():
+    loop.append(asyncio.get_running_loop())
+    raise RuntimeError('one write failed')
+
+  with pytest.raises(RuntimeError, match='one write failed'):
+    loops.run_tidily(call())
+  assert loop[0].is_closed()
+  late = threading.Thread(target=loop[0].call_soon_threadsafe, args=(ran.append, 1))
+  late.start()
+  late.join()
+  assert loop[0].call_soon_threadsafe(ran.append, 2) is None and ran == []
+
+
 def test_wait_for_threads_waits_for_those_started_since():
   before = set(threading.enumerate())
   done = threading.Event()

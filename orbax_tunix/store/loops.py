@@ -52,7 +52,7 @@ def run_tidily(coro: Any) -> Any:
   (KeyboardInterrupt, SystemExit), they are let finish (`finish`). Either way
   the failure itself is raised.
   """
-  loop = asyncio.new_event_loop()
+  loop = _dropping_late_posts(asyncio.new_event_loop())
   try:
     asyncio.set_event_loop(loop)
     try:
@@ -68,6 +68,29 @@ def run_tidily(coro: Any) -> Any:
   finally:
     asyncio.set_event_loop(None)
     loop.close()
+
+
+def _dropping_late_posts(loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+  """`loop`, whose `call_soon_threadsafe` drops what a thread posts after it closed.
+
+  TensorStore resolves the asyncio future that awaits one of its reads or writes by
+  posting to the loop from its own thread (`call_soon_threadsafe`, looked up when it
+  posts). An operation that `drain` cancelled may complete just as the loop closes; its
+  post then raises "Event loop is closed", which TensorStore reports as unraisable, at
+  some later time. Its task was cancelled and awaited already: nothing is waiting for it.
+  """
+  post = loop.call_soon_threadsafe
+
+  def call_soon_threadsafe(callback: Any, *args: Any, context: Any = None) -> Any:
+    try:
+      return post(callback, *args, context=context)
+    except RuntimeError:
+      if not loop.is_closed():
+        raise
+      return None
+
+  loop.call_soon_threadsafe = call_soon_threadsafe  # type: ignore[method-assign]
+  return loop
 
 
 def wait_for_threads(before: set[threading.Thread]) -> None:
