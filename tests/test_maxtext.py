@@ -27,7 +27,7 @@ import orbax_tunix as ot
 from orbax_tunix import maxtext
 from orbax_tunix.handlers.pytree_handler import TunixPyTreeHandler
 from orbax_tunix.keypaths import flatten, fmt
-from orbax_tunix.maxtext import optimizer as maxtext_optimizer
+from orbax_tunix.mapping import optax_states
 from orbax_tunix.maxtext import plan as maxtext_plan
 from orbax_tunix.reading import reader
 from tests import builders
@@ -662,7 +662,7 @@ def test_example_runs(args):
 
 
 def _state(node, *fields):
-  return maxtext_optimizer.OptState(tuple(node.split('/')), tuple(sorted(fields)))
+  return optax_states.OptState(tuple(node.split('/')), tuple(sorted(fields)))
 
 
 ADAM = (('count', False), ('mu', True), ('nu', True))
@@ -672,22 +672,22 @@ COUNT = (('count', False),)
 def test_align_states_skips_empty_and_extra_states():
   target = [_state('1/0', *ADAM), _state('1/2', *COUNT)]  # chain(clip, adamw(schedule))
   source = [_state('inner_opt_state/0', *ADAM)]  # MultiSteps(inject(adamw)), shell removed
-  assert maxtext_optimizer.align_states(target, source) == {0: 0}
+  assert optax_states.align_states(target, source) == {0: 0}
 
 
 def test_align_states_prefers_data_over_a_counter():
   # The orders disagree: keeping adam's mu/nu matters more than a count, which is filled.
   target = [_state('0', *ADAM), _state('2', *COUNT)]
   source = [_state('0', *COUNT), _state('1', *ADAM)]
-  assert maxtext_optimizer.align_states(target, source) == {0: 1}
+  assert optax_states.align_states(target, source) == {0: 1}
 
 
 def test_split_opt_path_finds_the_mirrored_weights():
   weights = {('layers', '0', 'w')}
-  assert maxtext_optimizer.split_opt_path(
+  assert optax_states.split_opt_path(
       ('opt_state', '1', '0', 'mu', 'params', 'layers', '0', 'w'), weights, 'params'
   ) == (('1', '0'), 'mu', ('layers', '0', 'w'))
-  assert maxtext_optimizer.split_opt_path(('opt_state', '0', 'count'), weights) == (
+  assert optax_states.split_opt_path(('opt_state', '0', 'count'), weights) == (
       ('0',), 'count', None)
 
 

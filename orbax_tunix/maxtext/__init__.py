@@ -1,10 +1,7 @@
 """MaxText's view: a Tunix checkpoint restored as MaxText's train state.
 
-MaxText keeps one item, `items`, holding a Linen `TrainState`:
-`params/params/<weights>` (the Linen `params` collection), `opt_state` (the
-optax chain's states in chain order, `None` where a state is empty), `step`
-and, for NNX models, `nnx_aux` (RNGs and other non-weight variables). Tunix
-writes `model_params` and `optimizer_state` in nnx's layout instead.
+MaxText keeps one item, `items`, holding a Linen `TrainState` (as data: `train_state`);
+Tunix writes `model_params` and `optimizer_state` in nnx's layout instead.
 
 Nothing here knows an optimizer: optax states are matched by their fields in
 chain order. MaxText's state is made by rules from a Tunix step's leaves (`plan.state_leaves`),
@@ -17,8 +14,8 @@ from metadata alone, every mismatch reported before any array is read; a restore
   execute_plan(plan, abstract_state)           ... and to run
   LayerScanMismatchError, LoraOnlyCheckpointError
 
-The flow, a module each: train_state (MaxText's key paths and rules) -> optimizer, weights
-(matching and checking each side) -> plan (on the step opened once, `reader.Source`; its
+The flow, a module each: train_state (MaxText's key paths and rules) -> weights (checking
+the target's against the step's; optimizer states matched by `mapping.optax_states`) -> plan (on the step opened once, `reader.Source`; its
 decoder's layers re-laid in the target's form by `mapping.step_layers.relayout`) -> execute
 -> handler. The `maxtext` layout (`layouts/maxtext.py`) applies the same rules to write
 MaxText's own step. Its two errors are `orbax_tunix.errors`'.

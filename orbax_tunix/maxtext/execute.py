@@ -120,7 +120,6 @@ def restore_train_state(
   merge_options.check_keywords('restore_train_state', given, merge_options.OPTIONS.names())
   merging = merge_options.MergeOptions.given(given, merging=bool(
       given.get(merge_options.MERGE_LORA.name)) or given.get(merge_options.BASE.name) is not None)
-  require_target(abstract_state, path.step_dir if isinstance(path, Detection) else path)
   if merging is not None:
     return _restore_merged(path, abstract_state, params_only, restore_args, merging)
   plan = plan_restore(path, abstract_state, params_only=params_only,
@@ -133,6 +132,7 @@ def _restore_merged(path, abstract_state, params_only, restore_args,
                     options: merge_options.MergeOptions):
   """`params/params/<weights>` merged from a LoRA run; the rest as given."""
   where = path.step_dir if isinstance(path, Detection) else path
+  require_target(abstract_state, where)  # (plan_restore checks it where nothing is merged)
   if not params_only:
     raise errors.LoraError(
         f'{where}: {merge_options.MERGE_LORA.named(True)} needs `params_only=True`. A LoRA run\'s optimizer'

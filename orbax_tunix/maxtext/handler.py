@@ -14,7 +14,7 @@ from etils import epath
 
 from orbax_tunix import errors
 from orbax_tunix.maxtext.execute import restore_train_state
-from orbax_tunix.maxtext.plan import detect_for, require_target
+from orbax_tunix.maxtext.plan import detect_for
 from orbax_tunix.store import fileio
 
 PyTree = Any
@@ -80,7 +80,6 @@ class ItemsHandler(ocp.PyTreeCheckpointHandler):
           ' checkpoint; pass the MaxText abstract state as `item` (the mapping'
           ' is worked out from it).'
       )
-    require_target(args.item, directory)
     return restore_train_state(
         found,
         args.item,

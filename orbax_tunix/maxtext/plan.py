@@ -20,10 +20,10 @@ from etils import epath
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
 from orbax_tunix.mapping import device, step_layers
+from orbax_tunix.mapping.optax_states import Chain, align_states, opt_states, split_opt_path
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.mapping.patterns import Mapped
 from orbax_tunix.mapping.transforms import IDENTITY, Shape, constant
-from orbax_tunix.maxtext.optimizer import Chain, align_states, opt_states, split_opt_path
 from orbax_tunix.maxtext.train_state import (
   COLLECTION,
   MODEL,
@@ -34,7 +34,6 @@ from orbax_tunix.maxtext.train_state import (
   under,
 )
 from orbax_tunix.maxtext.weights import check_weights
-from orbax_tunix.reading import quantized as quantized_lib
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.read_requests import stored_shape
 from orbax_tunix.view.detection import Detection, detect
@@ -43,11 +42,6 @@ PyTree = Any
 # A state Tunix may not have written but whose value is known: a schedule's
 # `count` (ScaleByScheduleState) is the number of steps taken.
 _STEP_COUNTER_FIELDS = (('count', False),)
-
-
-def source_name(source: Path) -> str:
-  """A source leaf, `(item, *canonical path)`, for people: 'item:path'."""
-  return f'{source[0]}:{fmt(source[1:])}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +90,7 @@ def _fill(source: reader.Source, reason: str) -> tuple[Mapped, str]:
   """A leaf whose value is the step: the optimizer's, else the step directory's number."""
   if source.step_leaf is not None:
     return (Mapped((source.step_leaf,), IDENTITY, ()),
-            f"the checkpoint's {source_name(source.step_leaf)} ({reason})")
+            f"the checkpoint's {OPTIMIZER}:{fmt(source.step_leaf[1:])} ({reason})")
   return Mapped((), constant(source.step), ()), f'{source.step} ({reason})'
 
 
@@ -428,8 +422,6 @@ def plan_restore(
   device.require_arrays(target, 'The abstract state', 'Build it with jax.eval_shape.')
   model = detection.maps.get(conventions.MODEL_ITEM)
   composed = {} if model is None else model.composed
-  if composed:  # Checked before the target's shapes are: a damaged weight named as such.
-    quantized_lib.parts_of(detection.item_meta(conventions.MODEL_ITEM), model)
   quantized = [f'{len(composed)} weights saved quantized (a QLoRA run\'s frozen base, e.g.'
                f' {fmt(min(composed))}) are read dequantized: MaxText\'s model takes float'
                ' kernels'] if composed else []

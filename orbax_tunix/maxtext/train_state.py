@@ -23,8 +23,8 @@ import numpy as np
 
 from orbax_tunix import conventions
 from orbax_tunix.keypaths import Path
+from orbax_tunix.mapping.optax_states import Chain, OptState
 from orbax_tunix.mapping.patterns import Mapped
-from orbax_tunix.maxtext.optimizer import Chain, OptState
 
 # The names the MaxText view uses (defined once, in `conventions`).
 PARAMS, COLLECTION = conventions.MAXTEXT_PARAMS

@@ -1,8 +1,9 @@
-"""Matching optax states: the target's `opt_state` against the checkpoint's.
+"""Matching optax states: one tree's `opt_state` against another's (a MaxText target's
+against a Tunix step's: `maxtext/plan.py`).
 
 Leaf paths are split into (state node, field, mirrored weight), grouped into
 `OptState`s in chain order, and aligned by their fields; nothing here knows an
-optimizer by name.
+optimizer by name, nor a trainer.
 """
 
 from __future__ import annotations
