@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from etils import epath
 
 from orbax_tunix import errors
-from orbax_tunix.keypaths import fmt
+from orbax_tunix.keypaths import Path, fmt
 from orbax_tunix.layouts.base import (
   LaidOut,
   Layout,
@@ -64,21 +64,20 @@ def lay_out(family: Family, request: Request) -> LaidOut:
     InvalidOptionError: an `hf_config` that is not a readable model folder.
   """
   source, merged = request.source, request.merge
-  if request.option(BASE_ONLY):
-    found = base_weights(request)
-  else:
-    if merged is None:
-      _refuse_adapters(source)
-    found = weights(request)
+  base_only, given_axis, hf_config, config_as_trained = (  # The options, read once.
+      request.option(BASE_ONLY), request.option(PARAM_SCAN_AXIS), request.option(HF_CONFIG),
+      request.option(CONFIG_AS_TRAINED))
+  found = base_weights(request) if base_only else weights(request)
   where = str(source.step_dir)
+  if merged is None and not base_only:
+    _refuse_adapters(where, list(found))
   model, left_out = huggingface.model_weights(found)
   naming = huggingface.naming(family, model, where)
   stored = {p: o.shape for p, o in model.items()}
-  axis = step_layers.resolve(source, naming.form, stored, request.option(PARAM_SCAN_AXIS))
+  axis = step_layers.resolve(source, naming.form, stored, given_axis)
   # MaxText's stacked layers taken apart first, then the family's names.
   per_layer = naming.form.unstack(stored, axis, where=where)
   per_layer, fill_notes = huggingface.fill_absent(naming, huggingface.derive(naming, per_layer))
-  hf_config = request.option(HF_CONFIG)
   base_config = config_lib.read(hf_config)
   per_layer, vocab_notes = config_lib.cut_vocab(
       naming, per_layer, _config_vocab(base_config), f'{hf_config}/config.json')
@@ -92,7 +91,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   # not the stack whole for each batch: memory within the budget and one layer.
   outputs = tuple(read_sliced(_read_as_stored(o)) for o in compose(staged, mapped.outputs))
   trained = functools.partial(as_trained.apply, naming.as_trained, family.name, shapes,
-                              naming.layers(shapes), write=request.option(CONFIG_AS_TRAINED))
+                              naming.layers(shapes), write=config_as_trained)
   files, notes = _config_files(family, hf_config, base_config, shapes,
                                {o.dtype.name for o in outputs if o.dtype is not None}, trained)
   notes = [*rng_note(source), *left_out, *fill_notes, *vocab_notes, *notes,
@@ -176,8 +175,8 @@ def _config_vocab(values: object) -> int | None:
   return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
-def _refuse_adapters(source: reader.Source) -> None:
-  found = [path for _, path in reader.weights(source)]
+def _refuse_adapters(where: str, found: list[Path]) -> None:
+  """Refuses weights (`found`: their canonical paths) holding LoRA adapters, unmerged."""
   adapters = [fmt(p) for p in found if lora.is_adapter(p)]
   if not adapters:
     return
@@ -186,7 +185,7 @@ def _refuse_adapters(source: reader.Source) -> None:
   base_only = '' if len(adapters) == len(found) else ' (and its base: `base_only=True`)'
   error = errors.LoraOnlyCheckpointError if len(adapters) == len(found) else errors.LoraError
   raise error(
-      f'{source.step_dir}: expected a model\'s weights, found {what} ({len(adapters)} leaves,'
+      f'{where}: expected a model\'s weights, found {what} ({len(adapters)} leaves,'
       f' e.g. {adapters[0]}): a Hugging Face model has no adapter tensors. Export the'
       f' weights with the adapters merged: `merge_lora=True`, `lora_alpha`{base}; or the'
       ' adapters as a PEFT adapter to serve on the base model: `export_peft_adapter`'
