@@ -134,3 +134,24 @@ def test_wait_for_threads_waits_for_those_started_since():
   thread.start()
   loops.wait_for_threads(before)
   assert done.is_set() and not thread.is_alive()
+
+
+def test_wait_for_threads_passes_over_threads_python_did_not_start():
+  """A foreign thread that ran Python code (TensorStore's, calling back) is listed by
+  `threading.enumerate` as a stand-in that cannot be joined; it is not waited for."""
+  import _thread  # noqa: PLC0415  (a thread that threading did not start)
+
+  before, listed, release = set(threading.enumerate()), threading.Event(), threading.Event()
+
+  def foreign():
+    threading.current_thread()  # Registers the stand-in, as any Python code there does.
+    listed.set()
+    release.wait(5)
+
+  _thread.start_new_thread(foreign, ())
+  listed.wait(5)
+  try:
+    assert any(isinstance(t, threading._DummyThread) for t in threading.enumerate())
+    loops.wait_for_threads(before)
+  finally:
+    release.set()

@@ -98,7 +98,10 @@ def wait_for_threads(before: set[threading.Thread]) -> None:
   (interrupts meanwhile are ignored: the clean-up that follows needs them done)."""
   deadline = time.monotonic() + PENDING_WRITES_TIMEOUT
   for thread in threading.enumerate():
-    if thread in before or thread is threading.current_thread():
+    # A thread Python did not start (TensorStore's, once it ran Python code) is listed as
+    # threading's stand-in, which cannot be joined (its join fails an assertion).
+    if (thread in before or thread is threading.current_thread()
+        or isinstance(thread, threading._DummyThread)):  # pylint: disable=protected-access
       continue
     while thread.is_alive() and time.monotonic() < deadline:
       try:
