@@ -411,6 +411,32 @@ def test_reads_each_needed_array_once_and_nothing_else(tunix_data, mesh, monkeyp
   assert 'opt_state/inner_opt_state/inner_state/0/mu/layers/0/attn/q_proj/w/value' in opt
 
 
+def test_a_step_opened_once_is_restored_without_opening_it_again(tunix_data, mesh, monkeypatch):
+  """The step opened once (`reader.open_source`, as the other tools take it) is what the
+  restore reads: the same state as from its path, and the step not detected again. One
+  opened without an item the restore needs is refused, naming it."""
+  abstract = abstract_state(TinyLM(), adamw(), mesh)
+  source = reader.open_source(tunix_data / 'grad_accum')
+  weights_only = reader.open_source(tunix_data / 'grad_accum', weights_only=True)
+  expected = maxtext.restore_train_state(tunix_data / 'grad_accum', abstract)
+  opened = []
+  for module, name in ((maxtext_plan, 'detect'), (reader, 'open_checkpoint'),
+                       (reader, 'open_source')):
+    monkeypatch.setattr(module, name, lambda *a, _name=name, **k: opened.append(_name))
+  restored = maxtext.restore_train_state(source, abstract)
+  assert opened == []
+  for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(restored), strict=True):
+    assert got.sharding == want.sharding and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ot.MissingItemError, match=r"grad_accum/\d+: the step was opened without"
+                     r" \['optimizer_state'\]"):
+    maxtext.plan_restore(weights_only, abstract)
+  params = maxtext.restore_train_state(weights_only, abstract, params_only=True)
+  np.testing.assert_array_equal(np.asarray(params.params['params']['embedder']['embedding']),
+                                np.asarray(expected.params['params']['embedder']['embedding']))
+  assert opened == []
+
+
 # --- as an Orbax handler, called as MaxText's restore calls it ------------------
 
 

@@ -9,12 +9,11 @@ from typing import Any, Unpack
 
 import jax
 import numpy as np
-from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import flatten, fmt
 from orbax_tunix.mapping import device, merge, merge_options
-from orbax_tunix.maxtext.plan import RestorePlan, plan_restore, require_target
+from orbax_tunix.maxtext.plan import RestorePlan, Step, plan_restore, require_target, step_dir
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.read_requests import args_by_path
 from orbax_tunix.view.detection import Detection
@@ -55,7 +54,7 @@ def execute_plan(
 
 
 def restore_train_state(
-    path: epath.PathLike | Detection,
+    path: Step,
     abstract_state: PyTree,
     *,
     params_only: bool = False,
@@ -71,8 +70,8 @@ def restore_train_state(
     state = orbax_tunix.maxtext.restore_train_state(tunix_root, abstract)
 
   Args:
-    path: a Tunix root (the latest committed step), step or RL root, or its
-      `detect()` result.
+    path: a Tunix root (the latest committed step), step or RL root, its `detect()`
+      result, or the step opened already (`reader.Source`, as the other tools take it).
     abstract_state: a pytree with MaxText's key paths (a flax `TrainState`
       from `jax.eval_shape`, or a dict): `params/params/<weights>`,
       `opt_state` (optax states in chain order, empty ones `None` or
@@ -131,7 +130,7 @@ def restore_train_state(
 def _restore_merged(path, abstract_state, params_only, restore_args,
                     options: merge_options.MergeOptions):
   """`params/params/<weights>` merged from a LoRA run; the rest as given."""
-  where = path.step_dir if isinstance(path, Detection) else path
+  where = step_dir(path)
   require_target(abstract_state, where)  # (plan_restore checks it where nothing is merged)
   if not params_only:
     raise errors.LoraError(

@@ -353,6 +353,10 @@ def _check_shapes(source: reader.Source, target: Mapping[Path, Shape], state: St
                     ' the run trained with (vocabulary, widths, number of layers).')
 
 
+# What a MaxText restore takes: a path, its `detect()` result, or the step opened already.
+Step = epath.PathLike | Detection | reader.Source
+
+
 def needed_items(params_only: bool) -> tuple[str, ...]:
   """The Tunix items a MaxText restore reads: the weights, and the optimizer unless params-only."""
   return (MODEL,) if params_only else (MODEL, OPTIMIZER)
@@ -361,6 +365,34 @@ def needed_items(params_only: bool) -> tuple[str, ...]:
 def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
   """Detects only the items a MaxText restore needs (a params-only one opens no optimizer)."""
   return detect(path, roles=needed_items(params_only))
+
+
+def step_dir(path: Step) -> object:
+  """Where a restore's step is, for messages."""
+  return path.step_dir if isinstance(path, (Detection, reader.Source)) else path
+
+
+def _detection(path: Step, params_only: bool) -> Detection:
+  """The detection of the step a restore reads (made here for a path), with the items it
+  needs on disk, and in the view of a step opened already.
+
+  Raises:
+    MissingItemError: a needed item is recorded but not on disk, or was left out when the
+      step given was opened.
+  """
+  needed = needed_items(params_only)
+  if isinstance(path, reader.Source):
+    found = path.detection
+    left_out = [n for n in needed if n not in found.maps and n in found.source.items]
+    if left_out:
+      raise errors.MissingItemError(
+          f'{found.step_dir}: the step was opened without {left_out}, which this restore'
+          f' reads. Open it with them (`reader.open_source(path, items={list(needed)})`), or'
+          ' pass its path.')
+  else:
+    found = path if isinstance(path, Detection) else detect_for(path, params_only)
+  found.require(needed)
+  return found
 
 
 def require_target(abstract_state: PyTree, where: object) -> None:
@@ -380,7 +412,7 @@ def require_target(abstract_state: PyTree, where: object) -> None:
 
 
 def plan_restore(
-    path: epath.PathLike | Detection,
+    path: Step,
     abstract_state: PyTree,
     *,
     params_only: bool = False,
@@ -392,8 +424,8 @@ def plan_restore(
   `params_only`), and what checks the shapes of the arrays the target needs.
 
   Args:
-    path: a Tunix root (latest committed step), step or RL root, or its
-      `detect()` result.
+    path: a Tunix root (latest committed step), step or RL root, its `detect()`
+      result, or the step opened already (`reader.Source`: opened once for every tool).
     abstract_state: MaxText's train state, abstract (see `restore_train_state`).
     params_only: plan the `params` subtree only.
     param_scan_axis: the layer axis of scanned weights (see `make_plan`).
@@ -405,12 +437,12 @@ def plan_restore(
     UnsupportedLayoutError: not a Tunix checkpoint.
     TargetMismatchError (and subclasses): an `abstract_state` with no leaves
       (None, {}); see `make_plan`.
-    MissingItemError: an item the restore needs is recorded but not on disk.
+    MissingItemError: an item the restore needs is recorded but not on disk, or was left
+      out of the `reader.Source` given.
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  require_target(abstract_state, path.step_dir if isinstance(path, Detection) else path)
-  detection = path if isinstance(path, Detection) else detect_for(path, params_only)
-  detection.require(needed_items(params_only))
+  require_target(abstract_state, step_dir(path))
+  detection = _detection(path, params_only)
   if not detection.is_tunix:
     raise errors.UnsupportedLayoutError(
         f'{detection.step_dir}: expected a Tunix checkpoint, found a'
@@ -425,5 +457,6 @@ def plan_restore(
   quantized = [f'{len(composed)} weights saved quantized (a QLoRA run\'s frozen base, e.g.'
                f' {fmt(min(composed))}) are read dequantized: MaxText\'s model takes float'
                ' kernels'] if composed else []
-  return make_plan(reader.open_checkpoint(detection), target, params_only=params_only,
+  source = path if isinstance(path, reader.Source) else reader.open_checkpoint(detection)
+  return make_plan(source, target, params_only=params_only,
                    notes=(*detection.notes, *quantized), param_scan_axis=param_scan_axis)
