@@ -315,7 +315,7 @@ def cut_vocab(
   """The weights with a padded vocabulary cut to the config's `vocab_size`.
 
   Rows past it are dropped, as MaxText's converter does, where they are padding
-  (`Naming.vocab_padding`); elsewhere they are trained, and a smaller `vocab_size` is refused.
+  (`Naming.vocab`); elsewhere they are trained, and a smaller `vocab_size` is refused.
 
   Args:
     naming: the weights' naming (its `vocab` axes).
@@ -333,7 +333,7 @@ def cut_vocab(
   out, notes = dict(mapped), []
   if vocab_size is None:
     return out, notes
-  for pattern, axis in naming.vocab.items():
+  for pattern, axis in naming.vocab.axes.items():
     path = tuple(pattern.split('/'))
     if path not in out:
       continue
@@ -345,7 +345,7 @@ def cut_vocab(
           f' ({fmt(path)} {m.shape} has {rows} along axis {axis}): the config is not this'
           ' model\'s. Pass as `hf_config` the folder of the model this run was trained from.'
       )
-    if vocab_size < rows and not naming.vocab_padding.allows(rows, vocab_size):
+    if vocab_size < rows and not naming.vocab.allows(rows, vocab_size):
       raise errors.UnsupportedLayoutError(
           f'{where}: vocab_size {vocab_size} is smaller than the weights\' vocabulary'
           f' ({fmt(path)} {m.shape} has {rows} along axis {axis}), and a'
@@ -358,5 +358,5 @@ def cut_vocab(
       cut = head(axis, vocab_size)
       out[path] = Mapped(m.sources, chain(m.transform, cut), cut.check([m.shape]))
       notes.append(f'{fmt(path)}: vocabulary padding cut, {rows} -> {vocab_size} (the'
-                   f' config\'s vocab_size; {naming.vocab_padding.why})')
+                   f' config\'s vocab_size; {naming.vocab.why})')
   return out, notes

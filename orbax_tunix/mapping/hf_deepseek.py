@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping import trainers
-from orbax_tunix.mapping.hf_maxtext import MAXTEXT_PADDING, MT_LAYER
+from orbax_tunix.mapping.hf_maxtext import MT_LAYER, MT_VOCAB
 from orbax_tunix.mapping.hf_naming import (
   IN_PROJ,
   LAYER,
@@ -57,7 +57,6 @@ DEEPSEEK_FORM = stacks_lib.leading("DeepSeek's dense then MoE layers", 'dense_la
                                    'moe_layers', axis_zero=(ROUTER_BIAS,))
 # How many MaxText layers `dims` looks through for the first MoE (and dense) layer.
 _SEARCHED = 64
-_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
 _ATTN = f'{MT_LAYER}/self_attention'
 # A step without the routing bias: V3's and V3.2's classes hold it (transformers starts it at
 # zeros and reports it missing; vLLM's DeepSeek makes it `torch.empty` and reads whatever is
@@ -196,7 +195,7 @@ def maxtext_deepseek(indexer: bool = False, bias: bool = True) -> Naming:
   return Naming(
       trainers.MAXTEXT, rules, required, _dims(indexer),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=stacks_lib.LAYER, vocab=_VOCAB, vocab_padding=MAXTEXT_PADDING, form=DEEPSEEK_FORM,
+      layer=stacks_lib.LAYER, vocab=MT_VOCAB, form=DEEPSEEK_FORM,
       axes=_axes(indexer), lora_flattened=True,
       layer_counts={'first_k_dense_replace': f'{MT_LAYER}/mlp/wi_0/kernel'},
       fills={f'{MT_LAYER}/{ROUTER_BIAS}': BIAS_FILL} if bias else {})

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping import trainers
-from orbax_tunix.mapping.hf_maxtext import MAXTEXT_PADDING, MT_LAYER
+from orbax_tunix.mapping.hf_maxtext import MT_LAYER, MT_VOCAB
 from orbax_tunix.mapping.hf_naming import IN_PROJ, Derived, Naming, per_expert, rule
 from orbax_tunix.mapping.patterns import LayoutRule
 from orbax_tunix.mapping.transforms import (
@@ -151,9 +151,7 @@ def _maxtext_deepseek4() -> Naming:
   return Naming(
       trainers.MAXTEXT, _rules(), required, dims,
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=stacks_lib.LAYER, vocab={'token_embedder/embedding': 0,
-                                     'decoder/logits_dense/kernel': 1},
-      vocab_padding=MAXTEXT_PADDING, form=DEEPSEEK4_FORM, lora_flattened=True,
+      layer=stacks_lib.LAYER, vocab=MT_VOCAB, form=DEEPSEEK4_FORM, lora_flattened=True,
       layer_counts={'num_hash_layers': f'{MT_LAYER}/{HASH_TABLE}'}, derived=_derived())
 
 

@@ -69,7 +69,7 @@ from orbax_tunix.mapping.hf_naming import (
   LayerType,
   LoraWeight,
   Naming,
-  VocabPadding,
+  Vocab,
   per_expert,
   rule,
 )
@@ -89,12 +89,12 @@ from orbax_tunix.mapping.transforms import (
   transpose,
 )
 
-MAXTEXT_PADDING = VocabPadding(any=True, why='MaxText pads the vocabulary for sharding')
+# The vocabulary axes of MaxText's embedding and logits kernel, padded for sharding.
+MT_VOCAB = Vocab({'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}, any=True,
+                 why='MaxText pads the vocabulary for sharding')
 
 # The per-layer form the layer forms take stacked layers apart into (`LayerForm.unstack`).
 MT_LAYER = '/'.join(stacks_lib.LAYER)
-_MT_VOCAB = {'token_embedder/embedding': 0, 'decoder/logits_dense/kernel': 1}
-
 
 def _mt_attention(norm=None, query=IN_PROJ, key=IN_PROJ) -> list[LayoutRule]:
   """MaxText's attention (D, N, H) / (N, H, D) kernels, and its q/k norms through `norm`."""
@@ -175,7 +175,7 @@ def _maxtext_qwen3_style(norms: bool, query=IN_PROJ, key=IN_PROJ, config_default
   return Naming(
       trainers.MAXTEXT, tuple(rules), tuple((r,) for r in required), _mt_dims(),
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      layer=stacks_lib.LAYER, vocab=MT_VOCAB,
       form=stacks_lib.SCANNED_FORM, axes=_MT_AXES, config_defaults=config_defaults or {},
       lora_flattened=True,
   )
@@ -223,7 +223,7 @@ def _maxtext_gemma(embedding, norm, kernels: str, *own: str) -> Naming:
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   )
   return Naming(trainers.MAXTEXT, rules, ((required,),), _mt_dims(),
-                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                layer=stacks_lib.LAYER, vocab=MT_VOCAB,
                 form=stacks_lib.blocks(6), axes=_MT_AXES, lora_flattened=True)
 
 
@@ -411,7 +411,7 @@ def _maxtext_gpt_oss() -> Naming:
   return Naming(
       trainers.MAXTEXT, tuple(rules), tuple((r,) for r in required), dims,
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+      layer=stacks_lib.LAYER, vocab=MT_VOCAB,
       form=stacks_lib.cycles(2, 'gpt-oss'), axes=axes, lora_flattened=True)
 
 
@@ -607,7 +607,7 @@ def _maxtext_gemma2() -> Naming:
       *(f'{MT_LAYER}/{mt}/scale' for mt in _MT_GEMMA_NORMS),
   )
   return Naming(trainers.MAXTEXT, rules, ((required,),), _mt_dims(),
-                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                layer=stacks_lib.LAYER, vocab=MT_VOCAB,
                 form=stacks_lib.paired('_local', '_global'), axes=_MT_AXES,
                 lora_flattened=True)
 
@@ -654,7 +654,7 @@ def _maxtext_olmo3() -> Naming:
   axes = {p.replace('/self_attention/', '/attention/'): f for p, f in _MT_AXES.items()}
   return Naming(trainers.MAXTEXT, rules, ((required,),), dims,
                 tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-                layer=stacks_lib.LAYER, vocab=_MT_VOCAB, vocab_padding=MAXTEXT_PADDING,
+                layer=stacks_lib.LAYER, vocab=MT_VOCAB,
                 form=dataclasses.replace(stacks_lib.blocks(4),
                                          name="olmo3's scanned blocks of 4"),
                 axes=axes, config_defaults=HEAD_DIM_OF_HIDDEN, lora_flattened=True)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from orbax_tunix.mapping import stacks as stacks_lib
 from orbax_tunix.mapping import trainers
-from orbax_tunix.mapping.hf_maxtext import MAXTEXT_PADDING, MT_LAYER
+from orbax_tunix.mapping.hf_maxtext import MT_LAYER, MT_VOCAB
 from orbax_tunix.mapping.hf_naming import (
   IN_PROJ,
   LAYER,
@@ -193,9 +193,7 @@ def _hybrid(rules, sized=(), form=stacks_lib.UNSCANNED, **kwargs) -> Naming:
   return Naming(
       trainers.MAXTEXT, tuple(rules), ((_COMMON_REQUIRED,), _KINDS_REQUIRED), _DIMS,
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=stacks_lib.LAYER, vocab={'token_embedder/embedding': 0,
-                                     'decoder/logits_dense/kernel': 1},
-      vocab_padding=MAXTEXT_PADDING, form=form, axes=_AXES, config_defaults=_CONFIG_DEFAULTS,
+      layer=stacks_lib.LAYER, vocab=MT_VOCAB, form=form, axes=_AXES, config_defaults=_CONFIG_DEFAULTS,
       lora_flattened=True, sized=tuple(sized), kinds=LayerKinds(typed_by=_TYPED_BY), **kwargs)
 
 

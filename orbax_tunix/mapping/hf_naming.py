@@ -33,25 +33,27 @@ from orbax_tunix.mapping.transforms import Shape, Transform, chain, merge_axes, 
 
 
 @dataclasses.dataclass(frozen=True)
-class VocabPadding:
-  """Which rows past a config's `vocab_size` a naming's weights hold as padding (never
-  trained), so that an export may cut them; rows of any other naming are the model's own.
+class Vocab:
+  """A naming's vocabulary: the weights' axes along it, and which of their rows past a
+  config's `vocab_size` are padding (never trained), so that an export may cut them; rows
+  of any other naming are the model's own.
 
   Attributes:
+    axes: weight pattern -> its vocabulary axis (cut to the config's `vocab_size` when the
+      checkpoint's is padded).
     any: every cut is padding (MaxText pads the vocabulary to a multiple of its sharding).
     known: (stored rows, real vocabulary) pairs that are padding.
     why: who pads, for notes.
   """
 
+  axes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   any: bool = False
   known: tuple[tuple[int, int], ...] = ()
   why: str = ''
 
   def allows(self, rows: int, vocab_size: int) -> bool:
+    """Whether the rows past `vocab_size` of a weight holding `rows` are padding."""
     return self.any or (rows, vocab_size) in self.known
-
-
-NO_PADDING = VocabPadding()
 
 # --- Hugging Face's side, shared by every trainer's namings ---------------------------------
 
@@ -276,9 +278,8 @@ class Naming:
     tied: config.json's `tie_word_embeddings` from the weights' paths (None:
       always tied).
     layer: the pattern of one layer's prefix (`{i}` its number).
-    vocab: weight pattern -> its vocabulary axis (cut to the config's
-      `vocab_size` when the checkpoint's is padded).
-    vocab_padding: which cuts of those axes are padding (`VocabPadding`).
+    vocab: its vocabulary axes, and which rows past a config's `vocab_size` are padding
+      (`Vocab`).
     form: the layer form the trainer stores the family's layers in, scanned
       (`stacks.LayerForm`; unscanned, they are the per-layer form its rules name).
     architecture: the `transformers` class the names are, when not the
@@ -318,8 +319,7 @@ class Naming:
   dims: Mapping[str, tuple[tuple[str, int], ...]]
   tied: Callable[[Collection[Path]], bool] | None = None
   layer: tuple[str, ...] = ('layers', '{i}')
-  vocab: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  vocab_padding: VocabPadding = NO_PADDING
+  vocab: Vocab = Vocab()
   form: stacks_lib.LayerForm = stacks_lib.UNSCANNED
   architecture: str | None = None
   model_type: str | None = None

@@ -20,26 +20,26 @@ from orbax_tunix.mapping.hf_naming import (
   IN_PROJ,
   K_EQ_V_NOTE,
   LAYER,
-  NO_PADDING,
   OUT_PROJ,
   EveryNth,
   LayerKinds,
   LayerType,
   LoraWeight,
   Naming,
-  VocabPadding,
+  Vocab,
   per_expert,
   rule,
 )
 from orbax_tunix.mapping.patterns import LayoutRule
 from orbax_tunix.mapping.transforms import chain, merge_axes, take, transpose
 
-# The vocabulary axes of Tunix's embedding and lm_head (see `Naming.vocab`).
-VOCAB = {'embedder/input_embedding': 0, 'lm_head/w': 1}
+# The vocabulary axes of Tunix's embedding and lm_head (see `Naming.vocab`): its rows are
+# the model's own.
+VOCAB = Vocab({'embedder/input_embedding': 0, 'lm_head/w': 1})
 # Gemma 1 and 2's own checkpoints (Kaggle's, which Tunix's `gemma` models load) hold 256128
 # rows for the tokenizer's 256000 (Hugging Face's `vocab_size`).
-GEMMA_PADDING = VocabPadding(known=((256128, 256000),),
-                             why="Gemma's checkpoints pad 256000 tokens to 256128 rows")
+GEMMA_VOCAB = dataclasses.replace(VOCAB, known=((256128, 256000),),
+                                  why="Gemma's checkpoints pad 256000 tokens to 256128 rows")
 
 
 # Measured with `transformers` (tests/test_hf_clients.py): Tunix's Llama3 and Qwen3 (its MoE
@@ -214,7 +214,7 @@ _GEMMA_DIMS = {
 
 
 def _gemma(norms: Mapping[str, str], qk_norms: bool = False,
-           vocab_padding: VocabPadding = GEMMA_PADDING) -> Naming:
+           vocab: Vocab = GEMMA_VOCAB) -> Naming:
   """Gemma 1 and 2 (`tunix/models/gemma`: one model class, its norms set by the config) and
   Gemma 3 (q/k norms too).
 
@@ -241,14 +241,13 @@ def _gemma(norms: Mapping[str, str], qk_norms: bool = False,
             *(f'layers/{{i}}/{t}/scale' for t in norms)),),
       ),
       dims=_GEMMA_DIMS,
-      vocab=VOCAB,
+      vocab=vocab,
       lora=GEMMA_LORA,
-      vocab_padding=vocab_padding,
       axes=_GEMMA_AXES,
   )
 
 
-GEMMA3 = _gemma(_GEMMA_NORMS, qk_norms=True, vocab_padding=NO_PADDING)
+GEMMA3 = _gemma(_GEMMA_NORMS, qk_norms=True, vocab=VOCAB)
 # Gemma 2 (Gemma2ForCausalLM): norms around both blocks, as Tunix's safetensors loader maps
 # them (`tunix/models/gemma/params_safetensors.py`).
 GEMMA2 = _gemma({
