@@ -27,7 +27,7 @@ from orbax_tunix import errors
 from orbax_tunix.keypaths import flat_dict, flatten, fmt, nest
 from orbax_tunix.mapping import dequantize, device, executor, merge, transforms
 from orbax_tunix.mapping.outputs import Input, Output
-from orbax_tunix.reading import quantized, reader
+from orbax_tunix.reading import memory, quantized, reader
 from orbax_tunix.reading.planned_item import PlannedItem
 from orbax_tunix.store import item_store
 from orbax_tunix.writing import writer
@@ -165,6 +165,47 @@ def test_each_weights_parts_are_freed_once_it_is_made(runs, mesh, monkeypatch):
   assert len(alive) == 4 and len(jax.tree.leaves(got)) == 4, alive
   # As each weight is made, the weights made before it hold no parts any more.
   assert np.diff(alive).tolist() == [-2, -2, -2], alive
+
+
+def test_the_parts_are_read_a_group_at_a_time_each_made_before_the_next_is_read(
+    runs, mesh, monkeypatch):
+  """Weights of more parts than a device group (`memory.DEVICE_GROUP_BYTES`) are read a
+  group at a time, one Orbax restore each (the other leaves with the first), each group
+  dispatched to the devices before the next is read (so that it is made while that one is
+  read): every part read once, the values, shardings and dtypes those of one read."""
+  step = runs['int8_minmax_tile4']['root'] / 'full' / '1'
+  bias = {'bias': jax.ShapeDtypeStruct((lm.F,), jnp.float32)}  # Stored as it is.
+  target = _float_target(mesh)
+  target['layers']['0']['up'].update(bias)
+  whole = _restore_params(step, target)
+  events, on_devices, restore = [], transforms.on_devices, ocp.PyTreeCheckpointHandler.restore
+
+  def made(*args, **kwargs):
+    program = on_devices(*args, **kwargs)
+
+    def call(*xs):
+      events.append('made')
+      return program(*xs)
+    call.lower = program.lower
+    return call
+
+  def read(self, directory, *args, **kwargs):
+    leaves = [fmt(p) for p, leaf in flatten(kwargs['args'].item)[0] if leaf is not ocp.PLACEHOLDER]
+    events.append(leaves)
+    return restore(self, directory, *args, **kwargs)
+
+  monkeypatch.setattr(transforms, 'on_devices', made)
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', read)
+  monkeypatch.setattr(memory, 'DEVICE_GROUP_BYTES', 1)  # A weight a group.
+  grouped = _restore_params(step, target)
+  reads = [e for e in events if e != 'made']
+  assert ['made' if e == 'made' else 'read' for e in events] == ['read', 'made'] * 4, events
+  parts = [p for leaves in reads for p in leaves]
+  assert len(parts) == len(set(parts)) == 4 * 3 + 1, reads  # qvalue, scale, zero point.
+  assert [any('up/bias' in p for p in leaves) for leaves in reads] == [True, False, False, False], reads
+  for want, got in zip(jax.tree.leaves(whole), jax.tree.leaves(grouped), strict=True):
+    assert got.sharding == want.sharding and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_the_parts_headers_are_read_in_one_batch(runs, mesh, monkeypatch):

@@ -391,8 +391,10 @@ def plan_read(planned: PlannedItem, wanted: Mapping[Path, ReadRequest],
   canonical leaves asked for (`PlannedItem.restore`'s `plan`): each read as its parts and
   made by `dequantize.transform` into its request's dtype, on the devices in its sharding
   (compiled while the parts are read; the parts dropped once it is made), to the host with
-  numpy, or as saved. The parts are checked now, from their headers (`quantized.parts_of`);
-  the read is the function returned.
+  numpy, or as saved. The parts are read `memory.DEVICE_GROUP_BYTES` at a time, one Orbax
+  restore a group, each group made before the next is read (on the devices: while it is
+  read). The parts are checked now, from their headers (`quantized.parts_of`); the read is
+  the function returned.
 
   Raises:
     CorruptMetadataError: a weight's parts are not one quantized weight's (now); stored
@@ -403,18 +405,28 @@ def plan_read(planned: PlannedItem, wanted: Mapping[Path, ReadRequest],
     return lambda: planned.read(wanted, via)
   path_of = {d: p for p, d in planned.cmap.parts.items()}
 
+  def parts_bytes(c: Path) -> int:
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in made[c][1].parts)
+
   def read() -> dict[Path, Any]:
-    requests = {c: r for c, r in wanted.items() if c not in made}
-    makers = {}
+    out: dict[Path, Any] = {}
     with compiling() as compiler:
-      for c, (disk, scheme) in made.items():
-        part_requests, makers[c] = _made(dequantize.transform(scheme), wanted[c],
-                                         scheme.parts, compiler)
-        requests.update(zip((path_of[d] for d in disk), part_requests, strict=True))
-      got = planned.read(requests, via)
-      out = {c: got.pop(c) for c in wanted if c not in made}
-      for c, (disk, _) in made.items():  # Each weight's parts taken out as it is made.
-        out[c] = makers[c](*(got.pop(path_of[d]) for d in disk))
+      makers, part_requests = {}, {}
+      for c, (_, scheme) in made.items():  # Every program submitted before the first read.
+        part_requests[c], makers[c] = _made(dequantize.transform(scheme), wanted[c],
+                                            scheme.parts, compiler)
+      # The parts read a group at a time (the other leaves with the first): a group is made
+      # on the devices, asynchronously, while the next one is read.
+      for i, group in enumerate(memory.batches(list(made), memory.DEVICE_GROUP_BYTES,
+                                               size=parts_bytes)):
+        requests = {c: r for c, r in wanted.items() if c not in made} if i == 0 else {}
+        for c in group:
+          requests.update(zip((path_of[d] for d in made[c][0]), part_requests[c], strict=True))
+        got = planned.read(requests, via)
+        out.update((c, got.pop(c)) for c in wanted if c not in made and c in got)
+        for c in group:  # Each weight's parts taken out as it is made.
+          out[c] = makers[c](*(got.pop(path_of[d]) for d in made[c][0]))
+        del got
     return {c: out[c] for c in wanted}
   return read
 
