@@ -367,6 +367,31 @@ def device_memory(devices: Sequence[Any]) -> dict[str, int] | None:
           'limit': sum(s.get('bytes_limit', 0) for s in stats)}
 
 
+# JAX's compile events (`jax.monitoring` durations), summed over each measured call: where a
+# first call's compilation goes (tracing, lowering, the persistent cache's retrieval, XLA).
+_COMPILE_EVENTS = {
+    '/jax/core/compile/jaxpr_trace_duration': 'trace_s',
+    '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower_s',
+    '/jax/compilation_cache/cache_retrieval_time_sec': 'cache_retrieval_s',
+    '/jax/core/compile/backend_compile_duration': 'backend_compile_s',
+}
+_compile_seconds: dict[str, float] = {}
+
+
+def _compile_listener() -> None:
+  """Registers the sums of `_COMPILE_EVENTS` once per process (after jax is imported)."""
+  if _compile_seconds:
+    return
+  import jax.monitoring  # pylint: disable=g-import-not-at-top
+
+  _compile_seconds.update({name: 0.0 for name in _COMPILE_EVENTS.values()})
+
+  def heard(event: str, seconds: float, **_: Any) -> None:
+    if event in _COMPILE_EVENTS:
+      _compile_seconds[_COMPILE_EVENTS[event]] += seconds
+  jax.monitoring.register_event_duration_secs_listener(heard)
+
+
 def measure(call: Callable[[], Any], devices: Sequence[Any] = ()) -> tuple[Any, dict[str, Any]]:
   """Runs `call` once (it must block until its result is ready) and reads the counters.
 
@@ -375,8 +400,11 @@ def measure(call: Callable[[], Any], devices: Sequence[Any] = ()) -> tuple[Any, 
     absent); peak_rss_bytes above the RSS before the call and peak_rss_exact;
     device_in_use_before, device_in_use_after and device_peak_bytes (the
     devices' peak since the process started, summed over them; None on a
-    backend that reports none).
+    backend that reports none); `compile`: JAX's compile events during the call, in
+    seconds by kind (`_COMPILE_EVENTS`; on any thread, so overlapping the call's reads).
   """
+  _compile_listener()
+  compiled0 = dict(_compile_seconds)
   dev0 = device_memory(devices)
   rss = RssPeak()
   io0 = io_counters()
@@ -397,6 +425,7 @@ def measure(call: Callable[[], Any], devices: Sequence[Any] = ()) -> tuple[Any, 
       'device_in_use_before': dev0 and dev0['in_use'],
       'device_in_use_after': dev1 and dev1['in_use'],
       'device_peak_bytes': dev1 and dev1['peak'],
+      'compile': {k: round(v - compiled0[k], 4) for k, v in _compile_seconds.items()},
   }
 
 
