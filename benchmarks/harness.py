@@ -368,12 +368,14 @@ def device_memory(devices: Sequence[Any]) -> dict[str, int] | None:
 
 
 # JAX's compile events (`jax.monitoring` durations), summed over each measured call: where a
-# first call's compilation goes (tracing, lowering, the persistent cache's retrieval, XLA).
+# first call's compilation goes (tracing, lowering, the persistent cache's retrieval, XLA);
+# and Orbax's own reads (its restores' durations, which it reports the same way).
 _COMPILE_EVENTS = {
     '/jax/core/compile/jaxpr_trace_duration': 'trace_s',
     '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower_s',
     '/jax/compilation_cache/cache_retrieval_time_sec': 'cache_retrieval_s',
     '/jax/core/compile/backend_compile_duration': 'backend_compile_s',
+    '/jax/orbax/read/total_duration_secs': 'orbax_read_s',
 }
 _compile_seconds: dict[str, float] = {}
 
@@ -400,8 +402,8 @@ def measure(call: Callable[[], Any], devices: Sequence[Any] = ()) -> tuple[Any, 
     absent); peak_rss_bytes above the RSS before the call and peak_rss_exact;
     device_in_use_before, device_in_use_after and device_peak_bytes (the
     devices' peak since the process started, summed over them; None on a
-    backend that reports none); `compile`: JAX's compile events during the call, in
-    seconds by kind (`_COMPILE_EVENTS`; on any thread, so overlapping the call's reads).
+    backend that reports none); `compile`: JAX's compile events and Orbax's reads during
+    the call, in seconds by kind (`_COMPILE_EVENTS`; on any thread, so overlapping).
   """
   _compile_listener()
   compiled0 = dict(_compile_seconds)

@@ -53,6 +53,8 @@ import json
 import math
 import pathlib
 import tempfile
+import time
+from collections.abc import Callable
 from typing import Any
 
 import harness  # sibling module; the script's directory is on sys.path
@@ -374,9 +376,34 @@ def child(args) -> None:
     harness.emit({'contender': 'check', 'checked': checked,
                   'devices': harness.describe(devices, mesh)})
     return
+  waited = _compile_waits()
   measured = harness.calls(calls[args.child], args.warm, devices,
-                           describe_out=lambda out: {'leaves': len(jax.tree.leaves(out))})
+                           describe_out=lambda out: {'leaves': len(jax.tree.leaves(out)),
+                                                     'compile_wait_s': waited()})
   harness.emit(harness.child_result(args.child, measured, devices, mesh))
+
+
+def _compile_waits() -> Callable[[], float]:
+  """Times what callers wait in `device.Compiler.ready` (a program asked for before it is
+  compiled: the read outran the compile thread); returns a function giving the seconds
+  waited since it last gave them (each call's, read after it)."""
+  from orbax_tunix.mapping import device  # pylint: disable=g-import-not-at-top
+
+  total, ready = [0.0], device.Compiler.ready
+
+  def timed(self, *args: Any, **kwargs: Any) -> Any:
+    start = time.perf_counter()
+    try:
+      return ready(self, *args, **kwargs)
+    finally:
+      total[0] += time.perf_counter() - start
+
+  device.Compiler.ready = timed
+
+  def taken() -> float:
+    seconds, total[0] = total[0], 0.0
+    return round(seconds, 4)
+  return taken
 
 
 # --- the parent ------------------------------------------------------------------------

@@ -202,7 +202,8 @@ def test_the_parts_are_read_a_group_at_a_time_each_made_before_the_next_is_read(
   assert ['made' if e == 'made' else 'read' for e in events] == ['read', 'made'] * 4, events
   parts = [p for leaves in reads for p in leaves]
   assert len(parts) == len(set(parts)) == 4 * 3 + 1, reads  # qvalue, scale, zero point.
-  assert [any('up/bias' in p for p in leaves) for leaves in reads] == [True, False, False, False], reads
+  with_bias = [any('up/bias' in p for p in leaves) for leaves in reads]
+  assert with_bias == [True, False, False, False], reads
   for want, got in zip(jax.tree.leaves(whole), jax.tree.leaves(grouped), strict=True):
     assert got.sharding == want.sharding and got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

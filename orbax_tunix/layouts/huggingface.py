@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from etils import epath
 
@@ -70,7 +70,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   found = base_weights(request) if base_only else weights(request)
   where = str(source.step_dir)
   if merged is None and not base_only:
-    _refuse_adapters(where, list(found))
+    _refuse_adapters(where, found)
   model, left_out = huggingface.model_weights(found)
   naming = huggingface.naming(family, model, where)
   stored = {p: o.shape for p, o in model.items()}
@@ -175,7 +175,7 @@ def _config_vocab(values: object) -> int | None:
   return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
-def _refuse_adapters(where: str, found: list[Path]) -> None:
+def _refuse_adapters(where: str, found: Collection[Path]) -> None:
   """Refuses weights (`found`: their canonical paths) holding LoRA adapters, unmerged."""
   adapters = [fmt(p) for p in found if lora.is_adapter(p)]
   if not adapters:

@@ -405,9 +405,6 @@ def plan_read(planned: PlannedItem, wanted: Mapping[Path, ReadRequest],
     return lambda: planned.read(wanted, via)
   path_of = {d: p for p, d in planned.cmap.parts.items()}
 
-  def parts_bytes(c: Path) -> int:
-    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in made[c][1].parts)
-
   def read() -> dict[Path, Any]:
     out: dict[Path, Any] = {}
     with compiling() as compiler:
@@ -415,18 +412,18 @@ def plan_read(planned: PlannedItem, wanted: Mapping[Path, ReadRequest],
       for c, (_, scheme) in made.items():  # Every program submitted before the first read.
         part_requests[c], makers[c] = _made(dequantize.transform(scheme), wanted[c],
                                             scheme.parts, compiler)
-      # The parts read a group at a time (the other leaves with the first): a group is made
+      # The parts read a group at a time, the other leaves with the first: a group is made
       # on the devices, asynchronously, while the next one is read.
-      for i, group in enumerate(memory.batches(list(made), memory.DEVICE_GROUP_BYTES,
-                                               size=parts_bytes)):
-        requests = {c: r for c, r in wanted.items() if c not in made} if i == 0 else {}
+      others = {c: r for c, r in wanted.items() if c not in made}
+      for group in memory.batches(list(made), memory.DEVICE_GROUP_BYTES,
+                                  size=lambda c: made[c][1].stored_bytes):
+        requests, others = others, {}
         for c in group:
           requests.update(zip((path_of[d] for d in made[c][0]), part_requests[c], strict=True))
         got = planned.read(requests, via)
-        out.update((c, got.pop(c)) for c in wanted if c not in made and c in got)
         for c in group:  # Each weight's parts taken out as it is made.
           out[c] = makers[c](*(got.pop(path_of[d]) for d in made[c][0]))
-        del got
+        out.update(got)  # What is left: the other leaves (the first group's).
     return {c: out[c] for c in wanted}
   return read
 

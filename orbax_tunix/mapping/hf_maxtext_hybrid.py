@@ -193,7 +193,8 @@ def _hybrid(rules, sized=(), form=stacks_lib.UNSCANNED, **kwargs) -> Naming:
   return Naming(
       trainers.MAXTEXT, tuple(rules), ((_COMMON_REQUIRED,), _KINDS_REQUIRED), _DIMS,
       tied=lambda paths: ('decoder', 'logits_dense', 'kernel') not in paths,
-      layer=stacks_lib.LAYER, vocab=MT_VOCAB, form=form, axes=_AXES, config_defaults=_CONFIG_DEFAULTS,
+      layer=stacks_lib.LAYER, vocab=MT_VOCAB, form=form, axes=_AXES,
+      config_defaults=_CONFIG_DEFAULTS,
       lora_flattened=True, sized=tuple(sized), kinds=LayerKinds(typed_by=_TYPED_BY), **kwargs)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import flatten, fmt
 from orbax_tunix.mapping import device, merge, merge_options
-from orbax_tunix.maxtext.plan import RestorePlan, Step, plan_restore, require_target, step_dir
+from orbax_tunix.maxtext.plan import RestorePlan, StepLike, plan_restore, require_target, step_dir
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.read_requests import args_by_path
 from orbax_tunix.view.detection import Detection
@@ -54,7 +54,7 @@ def execute_plan(
 
 
 def restore_train_state(
-    path: Step,
+    path: StepLike,
     abstract_state: PyTree,
     *,
     params_only: bool = False,

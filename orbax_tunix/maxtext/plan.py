@@ -354,7 +354,7 @@ def _check_shapes(source: reader.Source, target: Mapping[Path, Shape], state: St
 
 
 # What a MaxText restore takes: a path, its `detect()` result, or the step opened already.
-Step = epath.PathLike | Detection | reader.Source
+StepLike = epath.PathLike | Detection | reader.Source
 
 
 def needed_items(params_only: bool) -> tuple[str, ...]:
@@ -367,12 +367,12 @@ def detect_for(path: epath.PathLike, params_only: bool) -> Detection:
   return detect(path, roles=needed_items(params_only))
 
 
-def step_dir(path: Step) -> object:
+def step_dir(path: StepLike) -> object:
   """Where a restore's step is, for messages."""
   return path.step_dir if isinstance(path, (Detection, reader.Source)) else path
 
 
-def _detection(path: Step, params_only: bool) -> Detection:
+def _detection(path: StepLike, params_only: bool) -> Detection:
   """The detection of the step a restore reads (made here for a path), with the items it
   needs on disk, and in the view of a step opened already.
 
@@ -412,7 +412,7 @@ def require_target(abstract_state: PyTree, where: object) -> None:
 
 
 def plan_restore(
-    path: Step,
+    path: StepLike,
     abstract_state: PyTree,
     *,
     params_only: bool = False,
