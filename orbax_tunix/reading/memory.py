@@ -39,8 +39,10 @@ HOST_WRITE_COPIES = 3
 # Comparing or checksumming: the compressed bytes and the decoded array.
 READ_COPIES = 2
 # The device executor (a restore has no budget of its own: the caller's state is the
-# target): sources held at once beside the outputs they make, at least one group.
-DEVICE_GROUP_BYTES = 64 << 20
+# target): sources held at once beside the outputs they make, at least one group. A group
+# is one Orbax restore, whose fixed cost at 64 MiB groups was a quarter of a QLoRA read's
+# time on a TPU v5e host; at 256 MiB it is within noise of one restore (BENCHMARKS §28).
+DEVICE_GROUP_BYTES = 256 << 20
 # Held by each thread that writes host files (safetensors), whatever the batch: the block of
 # rows of a transposed tensor it copies into C order before writing it (less under a small
 # budget: `copy_buffer_bytes`).
