@@ -369,7 +369,9 @@ def device_memory(devices: Sequence[Any]) -> dict[str, int] | None:
 
 # JAX's compile events (`jax.monitoring` durations), summed over each measured call: where a
 # first call's compilation goes (tracing, lowering, the persistent cache's retrieval, XLA);
-# and Orbax's own reads (its restores' durations, which it reports the same way).
+# and the time inside Orbax's `Checkpointer.restore`, which Orbax reports the same way: all
+# of a restore through a checkpointer, the handler's own work included (ours: its
+# dequantize too); none for a call that uses a handler directly (the merge's reads).
 _COMPILE_EVENTS = {
     '/jax/core/compile/jaxpr_trace_duration': 'trace_s',
     '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower_s',
@@ -402,8 +404,8 @@ def measure(call: Callable[[], Any], devices: Sequence[Any] = ()) -> tuple[Any, 
     absent); peak_rss_bytes above the RSS before the call and peak_rss_exact;
     device_in_use_before, device_in_use_after and device_peak_bytes (the
     devices' peak since the process started, summed over them; None on a
-    backend that reports none); `compile`: JAX's compile events and Orbax's reads during
-    the call, in seconds by kind (`_COMPILE_EVENTS`; on any thread, so overlapping).
+    backend that reports none); `compile`: JAX's compile events and the time in Orbax's
+    `Checkpointer.restore` during the call, in seconds by kind (`_COMPILE_EVENTS`; on any thread, so overlapping).
   """
   _compile_listener()
   compiled0 = dict(_compile_seconds)

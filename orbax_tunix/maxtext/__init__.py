@@ -18,7 +18,8 @@ The flow, a module each: train_state (MaxText's key paths and rules) -> weights 
 the target's against the step's; optimizer states matched by `mapping.optax_states`) -> plan
 (on the step opened once, `reader.Source`; its decoder's layers re-laid in the target's form
 by `mapping.step_layers.relayout`) -> execute -> handler. The `maxtext` layout
-(`layouts/maxtext.py`) applies the same rules to write MaxText's own step. Its two errors are `orbax_tunix.errors`'.
+(`layouts/maxtext.py`) applies the same rules to write MaxText's own step. Its two errors
+are `orbax_tunix.errors`'.
 """
 
 from orbax_tunix.errors import LayerScanMismatchError, LoraOnlyCheckpointError
