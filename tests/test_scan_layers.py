@@ -22,9 +22,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from orbax_tunix import maxtext
+from orbax_tunix import errors, maxtext
 from orbax_tunix.keypaths import flatten, fmt
-from orbax_tunix.mapping import device, step_layers, transforms
+from orbax_tunix.mapping import device, huggingface, step_layers, trainers, transforms
 from orbax_tunix.reading import memory, reader
 from tests import builders
 from tests.test_cli import run
@@ -569,6 +569,7 @@ def test_a_step_opened_once_carries_the_layers_inspect_export_and_restore_take(t
     scanned, count = config['scan_layers'] == 'True', int(config['base_num_decoder_layers'])
     layers = step_layers.of(source)
     assert step_layers.of(source) is layers  # Resolved once, then shared by every plan.
+    assert layers.trainer is trainers.MAXTEXT  # decoder/..., token_embedder/...
     shown = {'form': 'scanned' if scanned else 'unscanned', 'count': count,
              'axis': 1 if scanned else None}
     assert {'form': layers.form.kind, 'count': layers.count, 'axis': layers.axis} == shown
@@ -585,3 +586,30 @@ def test_a_step_opened_once_carries_the_layers_inspect_export_and_restore_take(t
           f'take(axis={layers.axis}, index={i})' for i in range(count)]
     else:
       assert [(str(o.transform), len(o.inputs)) for o in kernels] == [('stack(axis=1)', count)]
+
+
+def test_an_opened_step_carries_the_trainer_whose_naming_its_layouts_map_by(tmp_path):
+  """Whose model code named a step's weights is resolved with its layers, once per opened step
+  (`Layers.trainer`), and a family's naming is taken by it (`step_layers.naming`): Tunix's for
+  a Tunix model's weights, MaxText's for its decoder's; a step with no weights has none, and
+  asking it for a naming says so."""
+  data = pathlib.Path(__file__).parent / 'data'
+  qwen3, llama2 = huggingface.get('qwen3'), huggingface.get('llama2')
+  cases = ((data / 'tunix/hf_qwen3', qwen3, trainers.TUNIX),
+           (data / 'maxtext/tunix_llama2_unscan', llama2, trainers.MAXTEXT))
+  for path, family, trainer in cases:
+    source = reader.open_source(path)
+    assert step_layers.of(source).trainer is trainer, path
+    assert step_layers.naming(source, family) is family.naming_of(trainer), path
+    names = [p for _, p in reader.weights(source)]
+    assert trainers.of(names) is trainer  # As the weights' own roots say, independently.
+  # An Orbax step holding no model weights (an optimizer's state alone): no trainer, and no
+  # naming to lay it out by.
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'plain', ocp.args.Composite(
+        opt_state=ocp.args.PyTreeSave({'count': np.zeros((), np.int32)})))
+  source = reader.open_source(tmp_path / 'plain')
+  assert step_layers.of(source).trainer is None
+  with pytest.raises(errors.UnsupportedLayoutError, match='expected model weights') as e:
+    step_layers.naming(source, qwen3)
+  assert str(tmp_path / 'plain') in str(e.value)

@@ -72,7 +72,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   if merged is None and not base_only:
     _refuse_adapters(where, found)
   model, left_out = huggingface.model_weights(found)
-  naming = huggingface.naming(family, model, where)
+  naming = step_layers.naming(source, family)
   stored = {p: o.shape for p, o in model.items()}
   axis = step_layers.resolve(source, naming.form, stored, given_axis)
   # MaxText's stacked layers taken apart first, then the family's names.

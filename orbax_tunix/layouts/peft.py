@@ -388,7 +388,7 @@ def lay_out(family: Family, request: Request) -> LaidOut:
   """
   where = str(request.source.step_dir)
   leaves, left_out, adapters, alpha, scales = _adapters(request, where)
-  naming = huggingface.naming(family, list(leaves), where)
+  naming = step_layers.naming(request.source, family)
   base = merge_lib.plain_weights(leaves, adapters)
   # The layer axis as the model export resolves it (given, recorded, or told by the shapes;
   # refused where it does not fit, or where nothing is stacked), from the model's weights (a

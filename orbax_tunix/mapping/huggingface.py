@@ -82,13 +82,21 @@ def _namings_by(trainer: trainers.Trainer) -> dict[str, Naming]:
 
 def naming(family: Family, paths: Collection[Path], where: str = '') -> Naming:
   """The family's naming by the trainer whose names the weights at `paths` carry
-  (`trainers.of`).
+  (`trainers.of`; an opened step's: `step_layers.naming`).
+
+  Raises:
+    UnsupportedLayoutError: as `naming_by`.
+  """
+  return naming_by(family, trainers.of(paths), where)
+
+
+def naming_by(family: Family, trainer: trainers.Trainer, where: str = '') -> Naming:
+  """The family's naming by `trainer`.
 
   Raises:
     UnsupportedLayoutError: the family has no naming by that trainer (the message names the
       families that have one).
   """
-  trainer = trainers.of(paths)
   found = family.naming_of(trainer)
   if found is None:
     takers = list(_namings_by(trainer))

@@ -1,4 +1,5 @@
-"""The decoder's layers of an opened step: their form, layer axis and count, resolved here.
+"""The model of an opened step: whose model code named its weights, and its decoder's layers
+(their form, layer axis and count), resolved here.
 
 Every plan that reads a step's layers takes them from this module: `inspect` reports them
 (`of`: once per opened step, shared by every reader of it), a layout unstacks them (`resolve`)
@@ -16,7 +17,8 @@ from collections.abc import Collection, Mapping
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import huggingface, stacks
+from orbax_tunix.mapping import huggingface, stacks, trainers
+from orbax_tunix.mapping.hf_naming import Family, Naming
 from orbax_tunix.mapping.patterns import Mapped
 from orbax_tunix.mapping.transforms import IDENTITY, Shape
 from orbax_tunix.reading import reader
@@ -24,9 +26,11 @@ from orbax_tunix.reading import reader
 
 @dataclasses.dataclass(frozen=True)
 class Layers:
-  """The decoder's layers as a step stores them.
+  """The decoder's layers as a step stores them, and the trainer that named its weights.
 
   Attributes:
+    trainer: the trainer whose model code named the weights (`trainers.of`: a family's naming
+      by it is what a layout maps them by); None: the step holds no weights.
     form: their form (`stacks.LayerForm`: a family's scanned one, or UNSCANNED); None: the
       weights hold no MaxText decoder layers.
     axis: the layer axis of scanned layers: the recorded one, else the one the shapes tell;
@@ -36,6 +40,7 @@ class Layers:
       message), else None.
   """
 
+  trainer: trainers.Trainer | None = None
   form: stacks.LayerForm | None = None
   axis: int | None = None
   count: int | None = None
@@ -60,10 +65,13 @@ def _of(source: reader.Source) -> Layers:
     pairs = reader.weights(source)
   except (errors.UnsupportedLayoutError, errors.MissingItemError):
     pairs = []  # No weights here: no layers.
+  if not pairs:
+    return Layers()
+  trainer = trainers.of([p for _, p in pairs])
   known = {p: leaf.shape for leaf, p in pairs if leaf.shape is not None}
   form = huggingface.layer_form(known)
   if form is None:
-    return Layers()
+    return Layers(trainer)
   axis, problem, where = None, None, str(source.step_dir)
   if form.scanned:
     record = recorded(source)
@@ -76,9 +84,24 @@ def _of(source: reader.Source) -> Layers:
       except errors.LayerScanMismatchError:
         pass
       if axis is None:
-        return Layers(form, problem=problem)
+        return Layers(trainer, form, problem=problem)
   count = form.count(known, stacks.DEFAULT_AXIS if axis is None else axis)
-  return Layers(form, axis, count, problem)
+  return Layers(trainer, form, axis, count, problem)
+
+
+def naming(source: reader.Source, family: Family) -> Naming:
+  """The family's naming by the trainer that named the step's weights (`Layers.trainer`).
+
+  Raises:
+    UnsupportedLayoutError: the step holds no weights, or the family has no naming by that
+      trainer (as `huggingface.naming_by`).
+  """
+  trainer = of(source).trainer
+  if trainer is None:
+    raise errors.UnsupportedLayoutError(
+        f'{source.step_dir}: expected model weights to lay out as {family.name}, found none'
+        ' (no weights item, or an empty one). Export a step that holds the model.')
+  return huggingface.naming_by(family, trainer, str(source.step_dir))
 
 
 def resolve(source: reader.Source, form: stacks.LayerForm, shapes: Mapping[Path, Shape | None],
