@@ -97,11 +97,14 @@ def naming(source: reader.Source, family: Family) -> Naming:
       trainer (as `huggingface.naming_by`).
   """
   trainer = of(source).trainer
+  found = None if trainer is None else family.naming_of(trainer)
+  if found is not None:
+    return found
   if trainer is None:
     raise errors.UnsupportedLayoutError(
         f'{source.step_dir}: expected model weights to lay out as {family.name}, found none'
         ' (no weights item, or an empty one). Export a step that holds the model.')
-  return huggingface.naming_by(family, trainer, str(source.step_dir))
+  return huggingface.naming_by(family, trainer, str(source.step_dir))  # Refused, named.
 
 
 def resolve(source: reader.Source, form: stacks.LayerForm, shapes: Mapping[Path, Shape | None],

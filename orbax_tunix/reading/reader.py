@@ -106,8 +106,9 @@ class Source:
   side_leaves: Mapping[str, tuple[Path, ...]]
   json_items: tuple[str, ...] = ()
 
-  @property
+  @functools.cached_property
   def step_dir(self) -> epath.Path:
+    """The step directory (every plan's messages name it: kept once found)."""
     return self.detection.step_dir
 
   @property
