@@ -405,7 +405,8 @@ def measure(call: Callable[[], Any], devices: Sequence[Any] = ()) -> tuple[Any, 
     device_in_use_before, device_in_use_after and device_peak_bytes (the
     devices' peak since the process started, summed over them; None on a
     backend that reports none); `compile`: JAX's compile events and the time in Orbax's
-    `Checkpointer.restore` during the call, in seconds by kind (`_COMPILE_EVENTS`; on any thread, so overlapping).
+    `Checkpointer.restore` during the call, in seconds by kind (`_COMPILE_EVENTS`; on any
+    thread, so overlapping).
   """
   _compile_listener()
   compiled0 = dict(_compile_seconds)

@@ -96,15 +96,12 @@ def naming(source: reader.Source, family: Family) -> Naming:
     UnsupportedLayoutError: the step holds no weights, or the family has no naming by that
       trainer (as `huggingface.naming_by`).
   """
-  trainer = of(source).trainer
-  found = None if trainer is None else family.naming_of(trainer)
-  if found is not None:
-    return found
+  trainer, where = of(source).trainer, str(source.step_dir)
   if trainer is None:
     raise errors.UnsupportedLayoutError(
-        f'{source.step_dir}: expected model weights to lay out as {family.name}, found none'
+        f'{where}: expected model weights to lay out as {family.name}, found none'
         ' (no weights item, or an empty one). Export a step that holds the model.')
-  return huggingface.naming_by(family, trainer, str(source.step_dir))  # Refused, named.
+  return huggingface.naming_by(family, trainer, where)
 
 
 def resolve(source: reader.Source, form: stacks.LayerForm, shapes: Mapping[Path, Shape | None],
