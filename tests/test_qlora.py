@@ -9,6 +9,11 @@ read by plain Orbax, `qwix.quantize` of the float base, and the QLoRA model's ow
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +30,13 @@ from qwix._src.core import numerics, qarray
 import orbax_tunix as ot
 from orbax_tunix import errors
 from orbax_tunix.keypaths import flat_dict, flatten, fmt, nest
-from orbax_tunix.mapping import dequantize, device, executor, merge, transforms
+from orbax_tunix.mapping import dequantize, device, executables, executor, merge, transforms
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.reading import memory, quantized, reader
 from orbax_tunix.reading.planned_item import PlannedItem
 from orbax_tunix.store import item_store
 from orbax_tunix.writing import writer
-from tests import builders
+from tests import builders, clients
 from tests import lora_models as lm
 from tests.test_lora_merge import F32_ATOL, abstract_weights, forward
 from tests.test_scan_layers import compiled_on_threads
@@ -429,14 +434,58 @@ def test_a_full_save_merge_compiles_one_program_per_kind_of_weight(runs, mesh, m
            for p, m in merges.items()}
   assert len(merges) > len(kinds) and len(threads) == len(kinds), (threads, kinds)
   assert all(t.startswith('orbax_tunix-compile') for t in threads), threads
-  raw, got = _raw(run), dict(flatten(merged)[0])
-  for path, m in merges.items():
+  got = dict(flatten(merged)[0])
+  for path, expected in _merged_by_formula(run).items():
+    np.testing.assert_allclose(np.asarray(got[path]), expected, atol=1e-6, err_msg=fmt(path))
+
+
+def _merged_by_formula(run) -> dict:
+  """Each adapted weight of a full save merged, from the raw parts plain Orbax reads: qwix's
+  dequantize of the base plus the adapters' scaled product (float32)."""
+  raw, out = _raw(run), {}
+  for path, m in merge.plan_merge(run['root'] / 'full',
+                                  merge.MergeOptions(alpha=lm.ALPHA)).merges.items():
     assert not m.contraction.reshape and not m.contraction.stacked
     w = np.asarray(qwix.dequantize(_qarray(raw, fmt(path))))
     delta = np.tensordot(raw[f'{fmt(path)}_lora_a/value'], raw[f'{fmt(path)}_lora_b/value'], 1)
-    np.testing.assert_allclose(np.asarray(got[path]),
-                               w + m.scale * delta.transpose(m.contraction.permutation),
-                               atol=1e-6, err_msg=fmt(path))
+    out[path] = w + m.scale * delta.transpose(m.contraction.permutation)
+  return out
+
+
+def test_the_next_process_loads_the_merges_programs_without_lowering_them(runs, tmp_path):
+  """With JAX's persistent cache on (as the commands keep it), the merge's programs are kept
+  under their own key (`executables`): a second process loads them and lowers none; an entry
+  that does not load is compiled again and kept anew; `ORBAX_TUNIX_EXECUTABLE_CACHE=0` keeps
+  none. Every process's weights are the formula's, in their targets' shardings and dtypes."""
+  run, cache = runs['int8_minmax_tile4'], tmp_path / 'jax-cache'
+  kept = cache / executables.SUBDIRECTORY
+  expected = _merged_by_formula(run)
+
+  def merge_in_a_process(name: str, **env: str) -> int:
+    out = subprocess.run(
+        [sys.executable, '-m', 'tests.merge_in_a_process', str(run['root'] / 'full'), str(cache),
+         str(tmp_path / f'{name}.npz')], capture_output=True, text=True, timeout=600,
+        check=False, cwd=clients.ROOT, env={**os.environ, 'PYTHONPATH': str(clients.ROOT), **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = json.loads(out.stdout.strip().splitlines()[-1])
+    assert said['as_targets'], name
+    got = np.load(tmp_path / f'{name}.npz')
+    for path, value in expected.items():
+      np.testing.assert_allclose(got[fmt(path)], value, atol=1e-6, err_msg=f'{name}: {fmt(path)}')
+    return said['lowered']
+
+  programs = merge_in_a_process('first')
+  assert programs > 0 and len(list(kept.iterdir())) == programs
+  assert merge_in_a_process('second') == 0
+  for entry in kept.iterdir():  # Damaged: one byte of each changed.
+    data = bytearray(entry.read_bytes())
+    data[-1] ^= 0xFF
+    entry.write_bytes(bytes(data))
+  assert merge_in_a_process('damaged') == programs
+  assert merge_in_a_process('after') == 0  # Kept anew.
+  shutil.rmtree(kept)
+  assert merge_in_a_process('off', ORBAX_TUNIX_EXECUTABLE_CACHE='0') == programs
+  assert not kept.exists()
 
 
 def test_full_save_with_a_base_is_refused_naming_quantization(runs):

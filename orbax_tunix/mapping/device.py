@@ -44,7 +44,7 @@ import orbax.checkpoint as ocp
 
 from orbax_tunix import errors
 from orbax_tunix.keypaths import Path, fmt
-from orbax_tunix.mapping import dequantize, executor, transforms
+from orbax_tunix.mapping import dequantize, executables, executor, transforms
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.reading import memory, quantized
 from orbax_tunix.reading.planned_item import PlannedItem, Reads
@@ -239,30 +239,38 @@ def _got(reads: Reads, source: Input) -> Any:
 
 
 class Compiler:
-  """Programs compiled on a thread, ahead of their first call: `submit` each, `ready`
-  before calling it (a program's own call then runs what was compiled, from jit's cache).
+  """Programs compiled on a thread, ahead of their first call: `submit` each, then call what
+  `ready` gives (kept across processes where `executables` keeps them; else the program,
+  whose own call runs what was compiled, from jit's cache).
 
   A compile that fails is left to the program's own call to raise (it compiles again).
   """
 
   def __init__(self):
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='orbax_tunix-compile')
+    # Half the host's threads (the rest read), at most 8: XLA compiles outside the GIL, and
+    # a TPU's compiles of one merge's programs (a second each, BENCHMARKS.md §28) overlap.
+    threads = min(8, max(1, memory.host_threads() // 2))
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads,
+                                                       thread_name_prefix='orbax_tunix-compile')
     self._compiling: dict[Hashable, concurrent.futures.Future] = {}
 
-  def submit(self, program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> None:
-    """Compiles jitted `program` for arguments like `abstract` into jit's cache (once)."""
+  def submit(self, program: transforms.Program, abstract: Sequence[jax.ShapeDtypeStruct]) -> None:
+    """Compiles `program` for arguments like `abstract` (once)."""
     key = (program, tuple((s.shape, s.dtype, s.sharding) for s in abstract))
     if key not in self._compiling:
       # The caller's context (e.g. Orbax's served metadata) is the thread's.
       run = contextvars.copy_context().run
-      self._compiling[key] = self._pool.submit(run, lambda: program.lower(*abstract).compile())
+      self._compiling[key] = self._pool.submit(run, executables.compiled, program, abstract)
 
-  def ready(self, program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> None:
-    """Waits until `program`'s compile for `abstract` (if submitted) is done."""
+  def ready(self, program: transforms.Program,
+            abstract: Sequence[jax.ShapeDtypeStruct]) -> Callable:
+    """What to call `program` as for arguments like `abstract`, once its compile (if
+    submitted) is done."""
     key = (program, tuple((s.shape, s.dtype, s.sharding) for s in abstract))
     found = self._compiling.get(key)
-    if found is not None:
-      concurrent.futures.wait([found])
+    if found is None or found.exception() is not None:
+      return program
+    return found.result()
 
   def close(self) -> None:
     """Stops compiling what has not started; waits for what has."""
@@ -344,7 +352,7 @@ class OnDevices:
               *((o, self.targets[o.path].converted(value)) for o in others)]
     make = self._program(unit)
     if self.compiler is not None:
-      self.compiler.ready(make, unit.abstract_sources)
+      make = self.compiler.ready(make, unit.abstract_sources)
     made = make(*(_got(reads, s) for s in unit.inputs))
     return list(zip(unit.outputs, jax.block_until_ready(made), strict=True))
 
@@ -367,8 +375,7 @@ def _made(transform: transforms.Transform, request: ReadRequest, parts: Sequence
     compiler.submit(program, abstract)
 
     def compiled(*xs: Any) -> Any:
-      compiler.ready(program, abstract)
-      return program(*xs)[0]
+      return compiler.ready(program, abstract)(*xs)[0]
     return requests, compiled
   dtype = arg.dtype or getattr(target, 'dtype', None)
   if arg.restore_type is np.ndarray:  # To the host.

@@ -593,14 +593,35 @@ def everywhere(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-_COMPILED: dict[tuple, Callable] = {}
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+  """A jitted function of sources (`on_devices`), with what it is made of.
+
+  Attributes:
+    key: what it computes, as data (`Transform.computes` of each transform, the
+      destinations' shardings and dtypes, the donated sources, the sources' shardings): two
+      programs of one key compute the same (`executables` keeps them across processes by it).
+    jitted: the function, jitted.
+  """
+
+  key: tuple
+  jitted: Callable
+
+  def __call__(self, *xs: Any) -> Any:
+    return self.jitted(*xs)
+
+  def lower(self, *abstract: Any) -> Any:
+    return self.jitted.lower(*abstract)
+
+
+_COMPILED: dict[tuple, Program] = {}
 
 
 def on_devices(
     transforms: Sequence[Transform], shardings: Sequence[jax.sharding.Sharding],
     dtypes: Sequence[Any], donate: Sequence[int] = (),
     in_shardings: Sequence[jax.sharding.Sharding] | None = None,
-) -> Callable:
+) -> Program:
   """Several transforms of the same sources, compiled as one function on the devices.
 
   `(sources...) -> (destination in sharding i and dtype i, ...)`. Compiled once
@@ -617,9 +638,9 @@ def on_devices(
       _COMPILED.clear()
     ts, ds = list(transforms), list(dtypes)
     placed = {} if in_shardings is None else {'in_shardings': tuple(in_shardings)}
-    _COMPILED[key] = jax.jit(
+    _COMPILED[key] = Program(key, jax.jit(
         lambda *xs: tuple(t.apply(xs).astype(d) for t, d in zip(ts, ds, strict=True)),
-        out_shardings=tuple(shardings), donate_argnums=tuple(donate), **placed)
+        out_shardings=tuple(shardings), donate_argnums=tuple(donate), **placed))
   return _COMPILED[key]
 
 

@@ -1,0 +1,196 @@
+"""The device programs kept compiled across processes, under a key of their own: a process
+loads them without tracing or lowering them.
+
+JAX's persistent compilation cache finds a program by its lowered module, so every process
+traces and lowers each program before it can load it: on a TPU v5e's host 0.18-0.34 s for a
+QLoRA merge's five programs, most of what a first call with a warm cache pays above a warm
+call (BENCHMARKS.md §28). The programs `transforms.on_devices` makes are known before they are
+traced, by what they compute (`transforms.Program.key`) and the sources' shapes, dtypes and
+shardings, so they are kept under that key, beside JAX's entries:
+
+  where     <JAX's compilation cache directory>/orbax-tunix-executables, only while JAX's
+            persistent cache is on (the commands keep it on: `cli/jax_cache.py`; for the API,
+            JAX's own configuration decides), a local directory, one process
+  key       sha256 of: the program's key and each source's shape, dtype and sharding (devices
+            by id); JAX's, jaxlib's, numpy's and this package's versions and the source text of
+            this package's modules (an edit makes new keys); the backend's platform, version
+            and devices; JAX's settings and the XLA flags
+  not kept  a program whose key holds a value with no exact text (a function, an object): it
+            is compiled as JAX compiles it (`ORBAX_TUNIX_EXECUTABLE_CACHE=0`: none is kept)
+  shared    by processes at once: an entry is written whole under a temporary name, then
+            renamed into place; one that does not load (damaged, or from another JAX) is
+            compiled again and written anew
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import os
+import pathlib
+import pickle
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_tunix import version
+
+SUBDIRECTORY = 'orbax-tunix-executables'
+_MAGIC = b'orbax-tunix-executable/1\n'
+_VARIABLE = 'ORBAX_TUNIX_EXECUTABLE_CACHE'
+# JAX settings that change where and whether programs are cached, not what they compute.
+_NOT_KEYED = ('jax_compilation_cache', 'jax_persistent_cache', 'jax_enable_compilation_cache',
+              'jax_explain_cache_misses', 'jax_log_compiles', 'jax_raise_persistent_cache_errors')
+
+# Loaded (or compiled) in this process, by key: the next restore takes them from here.
+_LOADED: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+class _NoText(Exception):
+  """A key part with no exact, stable text: its program is not kept."""
+
+
+def _text(x: Any) -> str:
+  """`x` as text that tells apart any two values that compile differently."""
+  if isinstance(x, np.generic):  # Before Python's scalars: np.float64 is a float.
+    return f'{_text(x.dtype)}:{x.tobytes().hex()}'
+  if x is None or isinstance(x, bool | int | str):
+    return repr(x)
+  if isinstance(x, float):  # Weakly typed in JAX, unlike numpy's.
+    return float.hex(x)
+  if isinstance(x, enum.Enum):
+    return f'{type(x).__qualname__}.{x.name}'
+  if isinstance(x, np.dtype):
+    return f'dtype({x.str}{x.name})'
+  if isinstance(x, tuple | list):
+    return '(' + ','.join(map(_text, x)) + ')'
+  if isinstance(x, jax.sharding.PartitionSpec):
+    return 'P' + _text(tuple(x))
+  if isinstance(x, jax.sharding.NamedSharding):
+    mesh = x.mesh
+    return 'Named' + _text((tuple(mesh.axis_names), tuple(mesh.devices.shape),
+                            tuple(d.id for d in mesh.devices.flat), tuple(mesh.axis_types),
+                            x.spec, x.memory_kind))
+  if isinstance(x, jax.sharding.SingleDeviceSharding):
+    return 'Single' + _text((next(iter(x.device_set)).id, x.memory_kind))
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return 'Array' + _text((tuple(x.shape), np.dtype(x.dtype), x.sharding))
+  raise _NoText(type(x).__qualname__)
+
+
+@functools.cache
+def _versions() -> str:
+  """The versions of what makes a program, and the source text of this package's modules (a
+  program's code is in them)."""
+  digest = hashlib.sha256()
+  root = pathlib.Path(__file__).resolve().parents[1]
+  for path in sorted(root.rglob('*.py')):
+    digest.update(str(path.relative_to(root)).encode() + b'\0' + path.read_bytes() + b'\0')
+  return _text((version.__version__, digest.hexdigest(), jax.__version__, importlib.metadata.version('jaxlib'),
+                np.__version__))
+
+
+def _environment() -> str:
+  """What else a compiled program depends on: the backend, JAX's settings, XLA's flags."""
+  backend = jax.devices()[0].client
+  settings = tuple(sorted((name, value) for name, value in jax.config.values.items()
+                          if not name.startswith(_NOT_KEYED)))
+  return _versions() + _text((
+      backend.platform, backend.platform_version,
+      tuple((d.id, d.device_kind, d.process_index) for d in backend.devices()), settings,
+      os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')))
+
+
+def directory() -> pathlib.Path | None:
+  """Where programs are kept now, or None: not kept (see the module)."""
+  where = jax.config.jax_compilation_cache_dir
+  if (os.environ.get(_VARIABLE, '1') == '0' or not jax.config.jax_enable_compilation_cache
+      or not where or '://' in where or jax.process_count() != 1):
+    return None
+  return pathlib.Path(where) / SUBDIRECTORY
+
+
+def key(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> str | None:
+  """The program's key for arguments like `abstract`, or None: it has none (not kept)."""
+  try:
+    text = _text((program.key, tuple(abstract))) + _environment()
+  except _NoText:
+    return None
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def compiled(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> Callable:
+  """`program` compiled for arguments like `abstract`: loaded where it is kept, else
+  compiled (then kept); where it is not kept, into the program's own cache (JAX's
+  persistent cache as configured) and the program itself returned.
+
+  Args:
+    program: a `transforms.Program`.
+    abstract: its arguments' shapes, dtypes and shardings.
+
+  Returns:
+    What to call with the arguments: the compiled executable, or the program.
+
+  Raises:
+    Whatever JAX's compile raises.
+  """
+  where = directory()
+  name = None if where is None else key(program, abstract)
+  if name is None:
+    program.lower(*abstract).compile()  # Into the jitted function's cache.
+    return program
+  with _LOCK:
+    found = _LOADED.get(name)
+  if found is None:
+    found = _load(where / name)
+    if found is None:
+      found = program.lower(*abstract).compile()
+      _save(where, name, found)
+    with _LOCK:
+      if len(_LOADED) > 256:
+        _LOADED.clear()
+      _LOADED[name] = found
+  return found
+
+
+def _load(path: pathlib.Path) -> Any:
+  """The executable kept at `path`, or None: none, or it does not load."""
+  from jax.experimental import serialize_executable  # pylint: disable=g-import-not-at-top
+  try:
+    data = path.read_bytes()
+  except OSError:
+    return None
+  head, digest, body = data[:len(_MAGIC)], data[len(_MAGIC):len(_MAGIC) + 32], data[
+      len(_MAGIC) + 32:]
+  if head != _MAGIC or hashlib.sha256(body).digest() != digest:
+    return None
+  try:
+    payload, in_tree, out_tree = pickle.loads(body)
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+  except Exception:  # pylint: disable=broad-except
+    return None  # Another JAX's, or damaged: compiled again.
+
+
+def _save(where: pathlib.Path, name: str, executable: Any) -> None:
+  """Keeps `executable` as `where/name`, whole or not at all (a failure only loses it)."""
+  from jax.experimental import serialize_executable  # pylint: disable=g-import-not-at-top
+  try:
+    body = pickle.dumps(serialize_executable.serialize(executable))
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=where, prefix=f'.{name}.')
+    try:
+      with os.fdopen(fd, 'wb') as f:
+        f.write(_MAGIC + hashlib.sha256(body).digest() + body)
+      os.replace(temporary, where / name)
+    except BaseException:
+      os.unlink(temporary)
+      raise
+  except Exception:  # pylint: disable=broad-except
+    pass  # Not kept: the next process compiles it again.

@@ -1,0 +1,89 @@
+"""The device programs kept across processes (`mapping/executables.py`): the key tells apart
+whatever compiles differently, and what is kept is where JAX's persistent cache is, only while
+it is on. The round trip through a second process is `test_qlora.py`'s
+`test_the_next_process_loads_the_merges_programs_without_lowering_them`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from orbax_tunix.mapping import executables, transforms
+
+SPEC = P('data', 'model')
+
+
+@pytest.fixture
+def cache_on(tmp_path):
+  before = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+  jax.config.update('jax_enable_compilation_cache', True)
+  jax.config.update('jax_compilation_cache_dir', str(tmp_path))
+  yield tmp_path
+  jax.config.update('jax_enable_compilation_cache', before[0])
+  jax.config.update('jax_compilation_cache_dir', before[1])
+
+
+def _abstract(mesh, shape=(8, 4), dtype=jnp.float32, spec=SPEC):
+  return [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))]
+
+
+def _program(mesh, transform=None, dtype=jnp.float32, spec=SPEC):
+  return transforms.on_devices([transform or transforms.shift(1.0)],
+                               [NamedSharding(mesh, spec)], [dtype])
+
+
+def test_the_key_tells_apart_what_compiles_differently(mesh, monkeypatch):
+  base = executables.key(_program(mesh), _abstract(mesh))
+  assert base is not None and base == executables.key(_program(mesh), _abstract(mesh))
+  others = [
+      executables.key(_program(mesh, transforms.shift(2.0)), _abstract(mesh)),
+      executables.key(_program(mesh, dtype=jnp.bfloat16), _abstract(mesh)),
+      executables.key(_program(mesh, spec=P('data')), _abstract(mesh)),
+      executables.key(_program(mesh), _abstract(mesh, shape=(16, 4))),
+      executables.key(_program(mesh), _abstract(mesh, dtype=jnp.bfloat16)),
+      executables.key(_program(mesh), _abstract(mesh, spec=P(None, 'model'))),
+      # The same devices in another order are another program.
+      executables.key(_program(mesh), _abstract(jax.sharding.Mesh(
+          mesh.devices[::-1], mesh.axis_names))),
+  ]
+  monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=true')
+  others.append(executables.key(_program(mesh), _abstract(mesh)))
+  assert None not in others and len({base, *others}) == len(others) + 1
+
+
+def test_a_program_whose_key_holds_a_function_is_not_kept(mesh):
+  program = _program(mesh, transforms.divide('by two', lambda n: 2.0, axis=0))
+  assert executables.key(program, _abstract(mesh)) is None
+
+
+def test_kept_only_beside_a_local_jax_cache_that_is_on(cache_on, monkeypatch):
+  assert executables.directory() == cache_on / executables.SUBDIRECTORY
+  monkeypatch.setenv('ORBAX_TUNIX_EXECUTABLE_CACHE', '0')
+  assert executables.directory() is None
+  monkeypatch.delenv('ORBAX_TUNIX_EXECUTABLE_CACHE')
+  jax.config.update('jax_compilation_cache_dir', 'gs://bucket/jax')
+  assert executables.directory() is None
+  jax.config.update('jax_compilation_cache_dir', str(cache_on))
+  jax.config.update('jax_enable_compilation_cache', False)
+  assert executables.directory() is None
+
+
+def test_a_kept_program_computes_what_the_jitted_one_does(mesh, cache_on, monkeypatch):
+  """Compiled, kept, then loaded (this process's own copies forgotten): the same values, in
+  the destination's sharding and dtype."""
+  x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4),
+                     NamedSharding(mesh, P('data', 'model')))
+  program, abstract = _program(mesh, dtype=jnp.bfloat16), _abstract(mesh)
+  fresh = executables.compiled(program, abstract)
+  assert fresh is not program and len(list((cache_on / executables.SUBDIRECTORY).iterdir())) == 1
+  monkeypatch.setattr(executables, '_LOADED', {})
+  monkeypatch.setattr(transforms.Program, 'lower', lambda *a: pytest.fail('lowered again'))
+  loaded = executables.compiled(program, abstract)
+  assert loaded is not fresh
+  (out,) = loaded(x)
+  assert out.dtype == jnp.bfloat16 and out.sharding == NamedSharding(mesh, P('data', 'model'))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.arange(32).reshape(8, 4) + 1.0)
