@@ -78,11 +78,11 @@ def test_a_kept_program_computes_what_the_jitted_one_does(mesh, cache_on, monkey
   x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4),
                      NamedSharding(mesh, P('data', 'model')))
   program, abstract = _program(mesh, dtype=jnp.bfloat16), _abstract(mesh)
-  fresh = executables.compiled(program, abstract)
+  fresh = executables.compiled(program, abstract, executables.entry(program, abstract))
   assert fresh is not program and len(list((cache_on / executables.SUBDIRECTORY).iterdir())) == 1
   monkeypatch.setattr(executables, '_LOADED', {})
   monkeypatch.setattr(transforms.Program, 'lower', lambda *a: pytest.fail('lowered again'))
-  loaded = executables.compiled(program, abstract)
+  loaded = executables.compiled(program, abstract, executables.entry(program, abstract))
   assert loaded is not fresh
   (out,) = loaded(x)
   assert out.dtype == jnp.bfloat16 and out.sharding == NamedSharding(mesh, P('data', 'model'))

@@ -260,7 +260,8 @@ class Compiler:
     if key not in self._compiling:
       # The caller's context (e.g. Orbax's served metadata) is the thread's.
       run = contextvars.copy_context().run
-      self._compiling[key] = self._pool.submit(run, executables.compiled, program, abstract)
+      self._compiling[key] = self._pool.submit(run, executables.compiled, program, abstract,
+                                               executables.entry(program, abstract))
 
   def ready(self, program: transforms.Program,
             abstract: Sequence[jax.ShapeDtypeStruct]) -> Callable:

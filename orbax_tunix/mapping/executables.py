@@ -12,9 +12,9 @@ shardings, so they are kept under that key, beside JAX's entries:
             persistent cache is on (the commands keep it on: `cli/jax_cache.py`; for the API,
             JAX's own configuration decides), a local directory, one process
   key       sha256 of: the program's key and each source's shape, dtype and sharding (devices
-            by id); JAX's, jaxlib's, numpy's and this package's versions and the source text of
-            this package's modules (an edit makes new keys); the backend's platform, version
-            and devices; JAX's settings and the XLA flags
+            by id); JAX's, jaxlib's, numpy's and this package's versions, and this package's
+            modules' names, sizes and modification times (an edit makes new keys); the
+            backend's platform, version and devices; JAX's settings and the XLA flags
   not kept  a program whose key holds a value with no exact text (a function, an object): it
             is compiled as JAX compiles it (`ORBAX_TUNIX_EXECUTABLE_CACHE=0`: none is kept)
   shared    by processes at once: an entry is written whole under a temporary name, then
@@ -25,9 +25,7 @@ shardings, so they are kept under that key, beside JAX's entries:
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
-import importlib.metadata
 import os
 import pathlib
 import pickle
@@ -37,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jaxlib.version
 import numpy as np
 
 from orbax_tunix import version
@@ -51,6 +50,7 @@ _NOT_KEYED = ('jax_compilation_cache', 'jax_persistent_cache', 'jax_enable_compi
 # Loaded (or compiled) in this process, by key: the next restore takes them from here.
 _LOADED: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_VERSIONS: list[str] = []  # `_versions()`, once found.
 
 
 class _NoText(Exception):
@@ -85,16 +85,20 @@ def _text(x: Any) -> str:
   raise _NoText(type(x).__qualname__)
 
 
-@functools.cache
 def _versions() -> str:
-  """The versions of what makes a program, and the source text of this package's modules (a
-  program's code is in them)."""
-  digest = hashlib.sha256()
-  root = pathlib.Path(__file__).resolve().parents[1]
-  for path in sorted(root.rglob('*.py')):
-    digest.update(str(path.relative_to(root)).encode() + b'\0' + path.read_bytes() + b'\0')
-  return _text((version.__version__, digest.hexdigest(), jax.__version__, importlib.metadata.version('jaxlib'),
-                np.__version__))
+  """The versions of what makes a program, and this package's modules as they are on disk
+  (their names, sizes and modification times: an edit makes new keys), once per process."""
+  with _LOCK:  # The compile threads ask at once; one looks (a TPU host's files are slow).
+    if _VERSIONS:
+      return _VERSIONS[0]
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = []
+    for path in sorted(root.rglob('*.py')):
+      stat = path.stat()
+      files.append((str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns))
+    _VERSIONS.append(_text((version.__version__, tuple(files), jax.__version__,
+                            jaxlib.version.__version__, np.__version__)))
+    return _VERSIONS[0]
 
 
 def _environment() -> str:
@@ -126,14 +130,25 @@ def key(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> str | None:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def compiled(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> Callable:
-  """`program` compiled for arguments like `abstract`: loaded where it is kept, else
-  compiled (then kept); where it is not kept, into the program's own cache (JAX's
-  persistent cache as configured) and the program itself returned.
+def entry(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> pathlib.Path | None:
+  """Where `program` for arguments like `abstract` is kept, or None: it is not (see the
+  module). Cheap once a process has looked at its versions: ask it on the thread that reads,
+  before the reads (on a compile thread, its file system calls wait on the reads' GIL)."""
+  where = directory()
+  name = None if where is None else key(program, abstract)
+  return None if name is None else where / name
+
+
+def compiled(program: Any, abstract: Sequence[jax.ShapeDtypeStruct],
+             kept: pathlib.Path | None) -> Callable:
+  """`program` compiled for arguments like `abstract`: loaded from `kept` where it is there,
+  else compiled and kept there; with `kept` None, compiled into the program's own cache
+  (JAX's persistent cache as configured) and the program itself returned.
 
   Args:
     program: a `transforms.Program`.
     abstract: its arguments' shapes, dtypes and shardings.
+    kept: `entry(program, abstract)`.
 
   Returns:
     What to call with the arguments: the compiled executable, or the program.
@@ -141,22 +156,20 @@ def compiled(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> Callable
   Raises:
     Whatever JAX's compile raises.
   """
-  where = directory()
-  name = None if where is None else key(program, abstract)
-  if name is None:
+  if kept is None:
     program.lower(*abstract).compile()  # Into the jitted function's cache.
     return program
   with _LOCK:
-    found = _LOADED.get(name)
+    found = _LOADED.get(kept.name)
   if found is None:
-    found = _load(where / name)
+    found = _load(kept)
     if found is None:
       found = program.lower(*abstract).compile()
-      _save(where, name, found)
+      _save(kept, found)
     with _LOCK:
       if len(_LOADED) > 256:
         _LOADED.clear()
-      _LOADED[name] = found
+      _LOADED[kept.name] = found
   return found
 
 
@@ -178,17 +191,17 @@ def _load(path: pathlib.Path) -> Any:
     return None  # Another JAX's, or damaged: compiled again.
 
 
-def _save(where: pathlib.Path, name: str, executable: Any) -> None:
-  """Keeps `executable` as `where/name`, whole or not at all (a failure only loses it)."""
+def _save(path: pathlib.Path, executable: Any) -> None:
+  """Keeps `executable` at `path`, whole or not at all (a failure only loses it)."""
   from jax.experimental import serialize_executable  # pylint: disable=g-import-not-at-top
   try:
     body = pickle.dumps(serialize_executable.serialize(executable))
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=where, prefix=f'.{name}.')
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.')
     try:
       with os.fdopen(fd, 'wb') as f:
         f.write(_MAGIC + hashlib.sha256(body).digest() + body)
-      os.replace(temporary, where / name)
+      os.replace(temporary, path)
     except BaseException:
       os.unlink(temporary)
       raise
