@@ -87,3 +87,11 @@ def test_a_kept_program_computes_what_the_jitted_one_does(mesh, cache_on, monkey
   (out,) = loaded(x)
   assert out.dtype == jnp.bfloat16 and out.sharding == NamedSharding(mesh, P('data', 'model'))
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.arange(32).reshape(8, 4) + 1.0)
+
+
+def test_programs_of_sub_byte_arguments_and_programs_without_a_key_are_not_kept(mesh):
+  """int4 arrays as read have the layout of a byte an element, not the packed one a program
+  compiled for int4 expects (jit compiles for what it is given; a loaded program refuses it)."""
+  assert executables.key(_program(mesh), _abstract(mesh, dtype=jnp.int4)) is None
+  jitted = jax.jit(lambda x: x + 1)
+  assert executables.key(jitted, _abstract(mesh)) is None

@@ -15,8 +15,9 @@ shardings, so they are kept under that key, beside JAX's entries:
             by id); JAX's, jaxlib's, numpy's and this package's versions, and this package's
             modules' names, sizes and modification times (an edit makes new keys); the
             backend's platform, version and devices; JAX's settings and the XLA flags
-  not kept  a program whose key holds a value with no exact text (a function, an object): it
-            is compiled as JAX compiles it (`ORBAX_TUNIX_EXECUTABLE_CACHE=0`: none is kept)
+  not kept  a program whose key holds a value with no exact text (a function, an object), or
+            of sub-byte arguments (int4: see `key`): it is compiled as JAX compiles it
+            (`ORBAX_TUNIX_EXECUTABLE_CACHE=0`: none is kept)
   shared    by processes at once: an entry is written whole under a temporary name, then
             renamed into place; one that does not load (damaged, or from another JAX) is
             compiled again and written anew
@@ -36,6 +37,7 @@ from typing import Any
 
 import jax
 import jaxlib.version
+import ml_dtypes
 import numpy as np
 
 from orbax_tunix import version
@@ -121,11 +123,26 @@ def directory() -> pathlib.Path | None:
   return pathlib.Path(where) / SUBDIRECTORY
 
 
+def _bits(dtype: Any) -> int:
+  """The bits an element of `dtype` holds (int4: 4, though numpy stores it in a byte)."""
+  dtype = np.dtype(dtype)
+  if dtype.kind in 'iu' or dtype.name.startswith(('int', 'uint')):
+    return ml_dtypes.iinfo(dtype).bits
+  if dtype.kind == 'f' or dtype.name.startswith('float'):
+    return ml_dtypes.finfo(dtype).bits
+  return dtype.itemsize * 8
+
+
 def key(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> str | None:
-  """The program's key for arguments like `abstract`, or None: it has none (not kept)."""
+  """The program's key for arguments like `abstract`, or None: not kept (a program with no
+  key as data, or one of a value with no exact text; or of sub-byte arguments, e.g. int4,
+  whose layout as read is not the one a program compiled for them expects: jit
+  recompiles for it, an executable loaded would refuse it)."""
   try:
+    if getattr(program, 'key', None) is None or any(_bits(a.dtype) < 8 for a in abstract):
+      return None
     text = _text((program.key, tuple(abstract))) + _environment()
-  except _NoText:
+  except (_NoText, TypeError):  # TypeError: a dtype numpy has not (e.g. a PRNG key's).
     return None
   return hashlib.sha256(text.encode()).hexdigest()
 
