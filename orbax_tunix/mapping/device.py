@@ -21,10 +21,10 @@ read alone. A source read exactly as its one output (a weight a merge adds
 to) is donated: the output reuses its buffer.
 
 Every group's program is known, by shapes, dtypes and shardings, before any
-byte is read: `Compiler` compiles them on a thread while the sources are read,
+byte is read: `Compiler` compiles them on threads while the sources are read,
 so that a first call does not compile after its reads (BENCHMARKS.md, issue 48: XLA
 compiles partly outside the GIL; on a TPU the first compile in a process takes
-longer than the merges).
+longer than the merges), or loads them where `executables` kept them.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def _got(reads: Reads, source: Input) -> Any:
 
 
 class Compiler:
-  """Programs compiled on a thread, ahead of their first call: `submit` each, then call what
+  """Programs compiled on threads, ahead of their first call: `submit` each, then call what
   `ready` gives (kept across processes where `executables` keeps them; else the program,
   whose own call runs what was compiled, from jit's cache).
 

@@ -21,6 +21,12 @@ shardings, so they are kept under that key, beside JAX's entries:
   shared    by processes at once: an entry is written whole under a temporary name, then
             renamed into place; one that does not load (damaged, or from another JAX) is
             compiled again and written anew
+  trusted   as JAX's own entries are: what is kept there is loaded and run (the directory is
+            the user's, made readable by its owner only; never a checkpoint's)
+
+The programs are compiled on several threads (`device.Compiler`); they lower one at a time
+(`_LOWERING`): lowering is Python, which several threads run no faster, and which slows the
+read beside them (BENCHMARKS.md §29), while XLA's compiles that follow run at once.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ _NOT_KEYED = ('jax_compilation_cache', 'jax_persistent_cache', 'jax_enable_compi
 # Loaded (or compiled) in this process, by key: the next restore takes them from here.
 _LOADED: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_LOWERING = threading.Lock()  # One program lowered at a time (see the module).
 _VERSIONS: list[str] = []  # `_versions()`, once found.
 
 
@@ -174,20 +181,25 @@ def compiled(program: Any, abstract: Sequence[jax.ShapeDtypeStruct],
     Whatever JAX's compile raises.
   """
   if kept is None:
-    program.lower(*abstract).compile()  # Into the jitted function's cache.
+    _lowered(program, abstract).compile()  # Into the jitted function's cache.
     return program
   with _LOCK:
     found = _LOADED.get(kept.name)
   if found is None:
     found = _load(kept)
     if found is None:
-      found = program.lower(*abstract).compile()
+      found = _lowered(program, abstract).compile()
       _save(kept, found)
     with _LOCK:
       if len(_LOADED) > 256:
         _LOADED.clear()
       _LOADED[kept.name] = found
   return found
+
+
+def _lowered(program: Any, abstract: Sequence[jax.ShapeDtypeStruct]) -> Any:
+  with _LOWERING:
+    return program.lower(*abstract)
 
 
 def _load(path: pathlib.Path) -> Any:
