@@ -5,6 +5,9 @@ it is on. The round trip through a second process is `test_qlora.py`'s
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,3 +98,32 @@ def test_programs_of_sub_byte_arguments_and_programs_without_a_key_are_not_kept(
   assert executables.key(_program(mesh), _abstract(mesh, dtype=jnp.int4)) is None
   jitted = jax.jit(lambda x: x + 1)
   assert executables.key(jitted, _abstract(mesh)) is None
+
+
+def test_programs_lower_one_at_a_time_and_compile_on_several_threads(mesh, monkeypatch):
+  """Lowering is Python: the compile threads take turns at it (`executables._LOWERING`), and
+  compile (XLA, outside the GIL) at once."""
+  from orbax_tunix.mapping import device  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('ORBAX_TUNIX_THREADS', '8')  # 4 compile threads.
+  monkeypatch.setattr(transforms, '_COMPILED', {})
+  lowering, most, threads = [0], [0], set()
+  lower = transforms.Program.lower
+
+  def slow_lower(self, *abstract):
+    lowering[0] += 1
+    most[0] = max(most[0], lowering[0])
+    time.sleep(0.05)
+    lowering[0] -= 1
+    threads.add(threading.current_thread().name)
+    return lower(self, *abstract)
+
+  monkeypatch.setattr(transforms.Program, 'lower', slow_lower)
+  programs = [(_program(mesh, transforms.shift(float(i))), _abstract(mesh)) for i in range(6)]
+  with device.compiling() as compiler:
+    for program, abstract in programs:
+      compiler.submit(program, abstract)
+    x = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, SPEC))
+    outs = [compiler.ready(p, a)(x)[0] for p, a in programs]
+  assert most[0] == 1 and len(threads) > 1, (most, threads)
+  for i, out in enumerate(outs):
+    np.testing.assert_array_equal(np.asarray(out), np.full((8, 4), float(i), np.float32))
