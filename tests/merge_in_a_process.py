@@ -35,9 +35,9 @@ def main(step_root: str, cache: str, out: str) -> None:
   jax.config.update('jax_enable_compilation_cache', True)
   jax.config.update('jax_compilation_cache_dir', cache)
   mesh = jax.make_mesh((4, 2), ('data', 'model'))
-  target = dict(flatten(abstract_weights('qwix', mesh, jnp.float32))[0])
-  got = dict(flatten(ot.restore_merged_lora(step_root, abstract_weights('qwix', mesh, jnp.float32),
-                                            alpha=lm.ALPHA))[0])
+  abstract = abstract_weights('qwix', mesh, jnp.float32)
+  target = dict(flatten(abstract)[0])
+  got = dict(flatten(ot.restore_merged_lora(step_root, abstract, alpha=lm.ALPHA))[0])
   np.savez(out, **{fmt(p): np.asarray(v) for p, v in got.items()})
   print(json.dumps({
       'lowered': len(lowered),

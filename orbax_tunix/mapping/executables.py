@@ -21,8 +21,8 @@ shardings, so they are kept under that key, beside JAX's entries:
   shared    by processes at once: an entry is written whole under a temporary name, then
             renamed into place; one that does not load (damaged, or from another JAX) is
             compiled again and written anew
-  trusted   as JAX's own entries are: what is kept there is loaded and run (the directory is
-            the user's, made readable by its owner only; never a checkpoint's)
+  trusted   as JAX's own entries are: what is kept there is loaded and run (the user's cache
+            directory, never a checkpoint's; this subdirectory made readable by its owner only)
 
 The programs are compiled on several threads (`device.Compiler`); they lower one at a time
 (`_LOWERING`): lowering is Python, which several threads run no faster, and which slows the
