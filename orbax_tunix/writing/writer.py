@@ -468,9 +468,11 @@ class Shard:
 # time, each block in strips of STRIP columns: a strip's rows are read from STRIP rows of the
 # stored matrix, pages the processor keeps at hand (numpy's own copy of a transposed matrix,
 # or square tiles, walks a whole stored row apart per element: 2.5-3.5x slower, measured in
-# BENCHMARKS §23). Each strip is one numpy copy, which releases the GIL, so that several
-# threads copy at once. The bytes are copied as unsigned integers of the same width: numpy's
-# loops for them are faster than for ml_dtypes' bfloat16 (1.6x) and move the same bits.
+# BENCHMARKS §23). The strips are one numpy call (`_strips`), not a Python loop of copies:
+# with a loop, the threads that copy took the GIL for every strip, and on 13 threads together
+# they copied slower than one (BENCHMARKS §30). The bytes are copied as unsigned integers of
+# the same width: numpy's loops for them are faster than for ml_dtypes' bfloat16 (1.6x) and
+# move the same bits.
 STRIP = 8
 
 
@@ -491,8 +493,23 @@ def copy_rows(part: np.ndarray, out: np.ndarray) -> None:
   if not _transposed(part):
     dst[...] = src
     return
-  for col in range(0, part.shape[1], STRIP):
+  whole = part.shape[1] - part.shape[1] % STRIP
+  if whole and src.dtype.kind == 'u':
+    np.positive(_strips(src[:, :whole]), out=_strips(dst[:, :whole]))
+  else:  # No unsigned view of this width: a copy per strip.
+    whole = 0
+  for col in range(whole, part.shape[1], STRIP):
     dst[:, col:col + STRIP] = src[:, col:col + STRIP]
+
+
+def _strips(matrix: np.ndarray) -> np.ndarray:
+  """A 2-D view, its columns a multiple of STRIP, as (strip, row, column in the strip): a
+  ufunc of unsigned integers copies it in that order (numpy keeps the given order of axes
+  where its operands' strides disagree on it) in one call, the GIL released throughout."""
+  rows, cols = matrix.shape
+  row_stride, col_stride = matrix.strides
+  return np.lib.stride_tricks.as_strided(
+      matrix, (cols // STRIP, rows, STRIP), (STRIP * col_stride, row_stride, col_stride))
 
 
 def row_pieces(array: np.ndarray, piece_bytes: int) -> list[tuple[int, np.ndarray]]:
