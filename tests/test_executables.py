@@ -5,6 +5,7 @@ it is on. The round trip through a second process is `test_qlora.py`'s
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -15,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from orbax_tunix.mapping import executables, transforms
+from orbax_tunix.mapping import executables, hf_maxtext, transforms
 
 SPEC = P('data', 'model')
 
@@ -58,9 +59,27 @@ def test_the_key_tells_apart_what_compiles_differently(mesh, monkeypatch):
   assert None not in others and len({base, *others}) == len(others) + 1
 
 
-def test_a_program_whose_key_holds_a_function_is_not_kept(mesh):
-  program = _program(mesh, transforms.divide('by two', lambda n: 2.0, axis=0))
-  assert executables.key(program, _abstract(mesh)) is None
+def _half(n: int) -> float:
+  return n / 2
+
+
+def test_a_function_in_a_key_is_kept_only_where_its_name_stands_for_its_body(mesh):
+  """A re-layout made with one of this package's module-level functions (MaxText's
+  sqrt(hidden)) or the standard library's (`math.sqrt`) is kept, under a key of that function,
+  what it does with it and along which axis; one made with a lambda, a nested function or
+  another module's (here, this test's) is not: its body may change under the same name."""
+
+  def nested(n):
+    return 2.0
+
+  kept = [transforms.divide('sqrt', math.sqrt, axis=1), transforms.multiply('sqrt', math.sqrt, axis=1),
+          transforms.divide('sqrt', math.sqrt, axis=0), transforms.divide('sqrt', math.log, axis=1),
+          transforms.divide('sqrt', hf_maxtext._f32_sqrt, axis=1),
+          transforms.divide('sqrt', hf_maxtext._bf16_sqrt, axis=1)]
+  keys = [executables.key(_program(mesh, t), _abstract(mesh)) for t in kept]
+  assert None not in keys and len(set(keys)) == len(kept)
+  for fn in (lambda n: 2.0, nested, _half):
+    assert executables.key(_program(mesh, transforms.divide('x', fn, axis=0)), _abstract(mesh)) is None
 
 
 def test_kept_only_beside_a_local_jax_cache_that_is_on(cache_on, monkeypatch):
@@ -75,12 +94,17 @@ def test_kept_only_beside_a_local_jax_cache_that_is_on(cache_on, monkeypatch):
   assert executables.directory() is None
 
 
-def test_a_kept_program_computes_what_the_jitted_one_does(mesh, cache_on, monkeypatch):
-  """Compiled, kept, then loaded (this process's own copies forgotten): the same values, in
-  the destination's sharding and dtype."""
+@pytest.mark.parametrize('transform, formula', [
+    (transforms.shift(1.0), lambda x: x + 1.0),
+    (transforms.divide('sqrt', math.sqrt, axis=1), lambda x: x / np.float32(2.0)),
+])
+def test_a_kept_program_computes_what_the_jitted_one_does(mesh, cache_on, monkeypatch,
+                                                          transform, formula):
+  """Compiled, kept, then loaded (this process's own copies forgotten): the values of the
+  formula in numpy, in the destination's sharding and dtype."""
   x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4),
                      NamedSharding(mesh, P('data', 'model')))
-  program, abstract = _program(mesh, dtype=jnp.bfloat16), _abstract(mesh)
+  program, abstract = _program(mesh, transform, dtype=jnp.bfloat16), _abstract(mesh)
   fresh = executables.compiled(program, abstract, executables.entry(program, abstract))
   assert fresh is not program and len(list((cache_on / executables.SUBDIRECTORY).iterdir())) == 1
   monkeypatch.setattr(executables, '_LOADED', {})
@@ -89,7 +113,8 @@ def test_a_kept_program_computes_what_the_jitted_one_does(mesh, cache_on, monkey
   assert loaded is not fresh
   (out,) = loaded(x)
   assert out.dtype == jnp.bfloat16 and out.sharding == NamedSharding(mesh, P('data', 'model'))
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.arange(32).reshape(8, 4) + 1.0)
+  want = formula(np.arange(32, dtype=np.float32).reshape(8, 4)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out), want)
 
 
 def test_programs_of_sub_byte_arguments_and_programs_without_a_key_are_not_kept(mesh):

@@ -12,11 +12,13 @@ shardings, so they are kept under that key, beside JAX's entries:
             persistent cache is on (the commands keep it on: `cli/jax_cache.py`; for the API,
             JAX's own configuration decides), a local directory, one process
   key       sha256 of: the program's key and each source's shape, dtype and sharding (devices
-            by id); JAX's, jaxlib's, numpy's and this package's versions, and this package's
-            modules' names, sizes and modification times (an edit makes new keys); the
+            by id); JAX's, jaxlib's, numpy's, Python's and this package's versions, and this
+            package's modules' names, sizes and modification times (an edit makes new keys); the
             backend's platform, version and devices; JAX's settings and the XLA flags
-  not kept  a program whose key holds a value with no exact text (a function, an object), or
-            of sub-byte arguments (int4: see `key`): it is compiled as JAX compiles it
+  not kept  a program whose key holds a value with no exact text (an object; a function other
+            than this package's module-level ones and the standard library's built-ins,
+            whose names stand for their bodies: `_defined_in_key`), or of sub-byte arguments
+            (int4: see `key`): it is compiled as JAX compiles it
             (`ORBAX_TUNIX_EXECUTABLE_CACHE=0`: none is kept)
   shared    by processes at once: an entry is written whole under a temporary name, then
             renamed into place; one that does not load (damaged, or from another JAX) is
@@ -36,8 +38,10 @@ import hashlib
 import os
 import pathlib
 import pickle
+import sys
 import tempfile
 import threading
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,7 +95,26 @@ def _text(x: Any) -> str:
     return 'Single' + _text((next(iter(x.device_set)).id, x.memory_kind))
   if isinstance(x, jax.ShapeDtypeStruct):
     return 'Array' + _text((tuple(x.shape), np.dtype(x.dtype), x.sharding))
+  if _defined_in_key(x):
+    return f'function {x.__module__}.{x.__qualname__}'
   raise _NoText(type(x).__qualname__)
+
+
+def _defined_in_key(fn: Any) -> bool:
+  """Whether `fn`'s name stands for what it computes: a function defined at the top of one
+  of this package's modules (their files are in `_versions`: an edit makes new keys) or one of
+  the interpreter's built-in modules' (e.g. `math.sqrt`; the interpreter's version is in
+  `_versions`). A lambda, a nested function or another package's function has no such name:
+  its body may change under the same one."""
+  if isinstance(fn, types.BuiltinFunctionType):
+    module = getattr(fn, '__self__', None)
+    return (isinstance(module, types.ModuleType) and module.__name__ in sys.stdlib_module_names
+            and getattr(module, fn.__name__, None) is fn)
+  if not isinstance(fn, types.FunctionType) or '<' in fn.__qualname__:
+    return False
+  module = sys.modules.get(fn.__module__)
+  return (fn.__module__.partition('.')[0] == __name__.partition('.')[0]
+          and getattr(module, fn.__qualname__, None) is fn)
 
 
 def _versions() -> str:
@@ -106,7 +129,7 @@ def _versions() -> str:
       stat = path.stat()
       files.append((str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns))
     _VERSIONS.append(_text((version.__version__, tuple(files), jax.__version__,
-                            jaxlib.version.__version__, np.__version__)))
+                            jaxlib.version.__version__, np.__version__, sys.version)))
     return _VERSIONS[0]
 
 
