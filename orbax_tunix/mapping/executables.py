@@ -102,8 +102,8 @@ def _text(x: Any) -> str:
 
 def _defined_in_key(fn: Any) -> bool:
   """Whether `fn`'s name stands for what it computes: a function defined at the top of one
-  of this package's modules (their files are in `_versions`: an edit makes new keys) or one of
-  the interpreter's built-in modules' (e.g. `math.sqrt`; the interpreter's version is in
+  of this package's modules (their files are in `_versions`: an edit makes new keys) or a
+  built-in function of Python's standard library (e.g. `math.sqrt`; Python's version is in
   `_versions`). A lambda, a nested function or another package's function has no such name:
   its body may change under the same one."""
   if isinstance(fn, types.BuiltinFunctionType):
