@@ -125,3 +125,16 @@ def test_compile_cache_modes_reach_the_children(tmp_path):
   warm.prime([argv])
   loaded = warm.run(argv)
   assert loaded['dir'] == str(tmp_path / 'warm') and loaded['before'] >= 1, loaded
+
+
+def test_copy_threads_checks_both_copies_and_reports_each(capsys):
+  """`copy_threads.py` on small odd shapes (a remainder of columns past the last strip):
+  both copies checked against numpy's, one row per shape, dtype and thread count."""
+  import copy_threads  # noqa: PLC0415
+
+  copy_threads.main(['--shapes', '300x77,64x40', '--dtypes', 'float32,bfloat16,int8',
+                     '--threads', '1,2', '--reps', '1'])
+  rows = [line for line in capsys.readouterr().out.splitlines()
+          if line.startswith('| ') and line[2].isdigit()]
+  assert len(rows) == 2 * 3 * 2
+  assert all(float(cell) > 0 for row in rows for cell in row.strip('| ').split(' | ')[3:5])
