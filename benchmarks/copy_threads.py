@@ -80,15 +80,17 @@ def main(argv=None) -> None:
   parser.add_argument('--shapes', default='4096x12288,12288x4096',
                       help='stored shapes, ROWSxCOLS, comma-separated')
   parser.add_argument('--dtypes', default='float32,bfloat16')
-  parser.add_argument('--threads', default=f'1,{os.cpu_count()}',
-                      help='thread counts, comma-separated')
+  parser.add_argument('--threads', default=f'1,{memory.host_threads()}',
+                      help="thread counts, comma-separated (default: 1 and the writer's threads'"
+                      ' bound, `memory.host_threads`)')
   parser.add_argument('--reps', type=int, default=3)
   args = parser.parse_args(argv)
   shapes = [tuple(int(n) for n in s.split('x')) for s in args.shapes.split(',')]
   dtypes = [np.dtype(getattr(ml_dtypes, d, d)) for d in args.dtypes.split(',')]
   counts = [int(n) for n in args.threads.split(',')]
   print(f'Command: `python benchmarks/copy_threads.py --shapes {args.shapes} --dtypes '
-        f'{args.dtypes} --threads {args.threads} --reps {args.reps}` on {os.cpu_count()} CPUs\n')
+        f'{args.dtypes} --threads {args.threads} --reps {args.reps}` on {memory.host_threads()} CPUs'
+        ' (this process may use)\n')
   print('| stored | dtype | threads | sink GB/s | loop GB/s | sink / loop |')
   print('|---|---|---|---|---|---|')
   for shape in shapes:
