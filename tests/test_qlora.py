@@ -30,7 +30,7 @@ from qwix._src.core import numerics, qarray
 import orbax_tunix as ot
 from orbax_tunix import errors
 from orbax_tunix.keypaths import flat_dict, flatten, fmt, nest
-from orbax_tunix.mapping import dequantize, device, executables, executor, merge, transforms
+from orbax_tunix.mapping import dequantize, device, effort, executables, executor, merge, transforms
 from orbax_tunix.mapping.outputs import Input, Output
 from orbax_tunix.reading import memory, quantized, reader
 from orbax_tunix.reading.planned_item import PlannedItem
@@ -551,3 +551,36 @@ def test_a_recipe_without_a_base_is_refused(runs, mesh):
   with pytest.raises(errors.LoraError, match='`base_qtype=int8` without `base`'):
     ot.restore_merged_lora(runs['int4_absmax']['root'] / 'full', abstract_weights('qwix', mesh),
                            lora_alpha=lm.ALPHA, base_qtype='int8')
+
+
+@pytest.mark.parametrize('name', ['int8_minmax_tile4', 'int8_bf16'])
+def test_merges_compiled_at_the_lowest_effort_are_the_same_bits(runs, mesh, name, monkeypatch):
+  """ORBAX_TUNIX_COMPILE_EFFORT=low (a TPU's default: `mapping/effort.py`): this JAX takes the
+  option, and the re-quantizing and the full save's merges come out as at XLA's default
+  effort, bit for bit, in the target's shardings and dtypes."""
+  run, recipe = runs[name], runs[name]['recipe']
+  target = abstract_weights('qwix', mesh, jnp.bfloat16)
+  given = dict(base=run['root'] / 'base', base_qtype=recipe['weight_qtype'],
+               base_tile_size=recipe.get('tile_size'),
+               base_calibration=recipe.get('weight_calibration_method'))
+
+  def both():
+    return (flat_dict(ot.restore_merged_lora(run['root'] / 'only', target, alpha=lm.ALPHA,
+                                             **given)),
+            flat_dict(ot.restore_merged_lora(run['root'] / 'full', target, alpha=lm.ALPHA)))
+
+  monkeypatch.setenv(effort.VARIABLE, 'default')
+  default = both()
+  monkeypatch.setenv(effort.VARIABLE, 'low')
+  transforms._COMPILED.clear()
+  low = both()
+  options = {key[-1] for key in transforms._COMPILED}
+  assert options == {effort.compiler_options(list(flat_dict(target).values())[:1])}, options
+  assert options != {()}
+  wanted = flat_dict(target)
+  for at_default, at_low in zip(default, low, strict=True):
+    assert at_default.keys() == at_low.keys() == wanted.keys()
+    for path, value in at_low.items():
+      assert value.sharding == wanted[path].sharding and value.dtype == jnp.bfloat16, path
+      np.testing.assert_array_equal(np.asarray(value), np.asarray(at_default[path]),
+                                    err_msg=str(path))

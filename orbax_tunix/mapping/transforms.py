@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orbax_tunix.mapping import effort
+
 Shape = tuple[int, ...]
 
 
@@ -599,7 +601,8 @@ class Program:
 
   Attributes:
     key: what it computes, as data (`Transform.computes` of each transform, the
-      destinations' shardings and dtypes, the donated sources, the sources' shardings): two
+      destinations' shardings and dtypes, the donated sources, the sources' shardings,
+      XLA's options: `effort.compiler_options`): two
       programs of one key compute the same (`executables` keeps them across processes by it).
     jitted: the function, jitted.
   """
@@ -631,8 +634,9 @@ def on_devices(
   layers of one stacked weight are one compilation, its `mu` and `nu` reuse it.
   `in_shardings`: where the sources are put (None: as they are).
   """
+  options = effort.compiler_options(shardings)
   key = (tuple(t.computes for t in transforms), tuple(shardings), tuple(np.dtype(d) for d in dtypes),
-         tuple(donate), None if in_shardings is None else tuple(in_shardings))
+         tuple(donate), None if in_shardings is None else tuple(in_shardings), options)
   if key not in _COMPILED:
     if len(_COMPILED) > 256:
       _COMPILED.clear()
@@ -640,7 +644,8 @@ def on_devices(
     placed = {} if in_shardings is None else {'in_shardings': tuple(in_shardings)}
     _COMPILED[key] = Program(key, jax.jit(
         lambda *xs: tuple(t.apply(xs).astype(d) for t, d in zip(ts, ds, strict=True)),
-        out_shardings=tuple(shardings), donate_argnums=tuple(donate), **placed))
+        out_shardings=tuple(shardings), donate_argnums=tuple(donate),
+        compiler_options=dict(options) or None, **placed))
   return _COMPILED[key]
 
 

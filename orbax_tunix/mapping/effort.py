@@ -1,0 +1,59 @@
+"""How hard XLA optimizes this package's device programs: least on a TPU, where its compile is
+what a first call waits for.
+
+The programs (`transforms.on_devices`: casts, re-layouts, LoRA merges, QLoRA dequantization
+and re-quantization) are a few elementwise operations and small matmuls over arrays just read:
+memory-bound, they run in milliseconds. On a TPU v5e XLA spends 0.33-1.1 s compiling each at
+its default effort and 0.12-0.22 s at its lowest, which runs them as fast and gives the same
+bits (BENCHMARKS.md §31): what a first call with a cold cache waits for. On the CPU the effort
+changes neither compile time nor bits (§31), so there XLA's default stays.
+
+  ORBAX_TUNIX_COMPILE_EFFORT   auto (the default): lowest on a TPU, XLA's default elsewhere;
+                               low: lowest everywhere; default: XLA's default everywhere
+
+The options are part of a program's key (`transforms.Program.key`), so the programs kept
+across processes (`executables`) and JAX's own cache tell the efforts apart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+VARIABLE = 'ORBAX_TUNIX_COMPILE_EFFORT'
+CHOICES = ('auto', 'low', 'default')
+# XLA's optimization level O0 (jax.CompilerEffortLevel.O0; JAX 0.10 has the level under another
+# name, the same value): a compile option every JAX this package supports takes.
+_LOWEST = (('optimization_level', 9),)
+
+
+def _choice() -> str:
+  """The variable's value.
+
+  Raises:
+    ValueError: a value other than `CHOICES`.
+  """
+  value = os.environ.get(VARIABLE, 'auto').strip().lower() or 'auto'
+  if value not in CHOICES:
+    raise ValueError(f'{VARIABLE}={os.environ[VARIABLE]!r}: expected one of {", ".join(CHOICES)}'
+                     ' (auto: the lowest effort on a TPU); unset it for auto.')
+  return value
+
+
+def compiler_options(shardings: Sequence[jax.sharding.Sharding]) -> tuple[tuple[str, Any], ...]:
+  """XLA's options for a program whose outputs are in `shardings`, as sorted (name, value)
+  pairs (part of the program's key); () for XLA's defaults.
+
+  Raises:
+    ValueError: `ORBAX_TUNIX_COMPILE_EFFORT` holds an unknown value.
+  """
+  choice = _choice()
+  if choice == 'default':
+    return ()
+  if choice == 'low':
+    return _LOWEST
+  platforms = {d.platform for s in shardings for d in s.device_set}
+  return _LOWEST if platforms == {'tpu'} else ()
