@@ -138,3 +138,17 @@ def test_copy_threads_checks_both_copies_and_reports_each(capsys):
           if line.startswith('| ') and line[2].isdigit()]
   assert len(rows) == 2 * 3 * 2
   assert all(float(cell) > 0 for row in rows for cell in row.strip('| ').split(' | ')[3:5])
+
+
+def test_compile_effort_compiles_each_program_at_both_efforts_to_the_same_bits(capsys):
+  """`compile_effort.py` on small sizes: one row per size and program, each compiled anew at
+  both efforts (JAX's caches defeated: a nonzero compile each), the bits the same."""
+  import compile_effort  # noqa: PLC0415
+
+  compile_effort.main(['--sizes', '64,96', '--reps', '1'])
+  rows = [line.strip('| ').split(' | ') for line in capsys.readouterr().out.splitlines()
+          if line.startswith('| ') and line[2].isdigit()]
+  assert [(r[0], r[1]) for r in rows] == [(n, p) for n in ('64', '96')
+                                          for p in ('merge', 'qmerge', 'requant')]
+  assert all(r[7] == 'yes' and float(r[2].split()[0]) > 0 < float(r[3].split()[0])
+             for r in rows), rows
