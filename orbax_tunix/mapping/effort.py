@@ -3,10 +3,11 @@ what a first call waits for.
 
 The programs (`transforms.on_devices`: casts, re-layouts, LoRA merges, QLoRA dequantization
 and re-quantization) are a few elementwise operations and small matmuls over arrays just read:
-memory-bound, they run in milliseconds. On a TPU v5e XLA spends 0.33-1.1 s compiling each at
-its default effort and 0.12-0.22 s at its lowest, which runs them as fast and gives the same
-bits (BENCHMARKS.md §31): what a first call with a cold cache waits for. On the CPU the effort
-changes neither compile time nor bits (§31), so there XLA's default stays.
+memory-bound, they run in a millisecond or less. On a TPU v5e XLA compiles each 2.3-5x faster
+at its lowest effort than at its default (0.09-0.22 s against 0.23-1.1 s), with the same bits
+out and runs still under a millisecond (BENCHMARKS.md §31): the compiles are what a first call
+with a cold cache waits for. On the CPU the effort changes neither compile time nor bits (§31),
+so there XLA's default stays.
 
   ORBAX_TUNIX_COMPILE_EFFORT   auto (the default): lowest on a TPU, XLA's default elsewhere;
                                low: lowest everywhere; default: XLA's default everywhere
