@@ -24,9 +24,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-import harness  # noqa: E402
 
 
 def _programs(n: int, rng):
@@ -105,14 +103,15 @@ def measure(sizes, reps: int) -> list[dict]:
 
 
 def main(argv=None) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  harness.add_flags(parser, cpu_default=1)
   parser.add_argument('--sizes', default='1024,2048,4096')
   parser.add_argument('--reps', type=int, default=2)
   args = parser.parse_args(argv)
-  devices = harness.use_devices(args.devices, cpu_default=1)
+  device = jax.devices()[0]  # The backend JAX_PLATFORMS picks; its first device.
   print(f'Command: `python benchmarks/compile_effort.py --sizes {args.sizes} --reps {args.reps}`')
-  print(f'Backend: {devices[0].platform} ({devices[0].device_kind}); compiles best of {args.reps}'
+  print(f'Backend: {device.platform} ({device.device_kind}); compiles best of {args.reps}'
         ', runs best of 5 per compile')
   print('\n| N | program | compile, default | compile, lowest | default / lowest '
         '| run, default | run, lowest | same bits |')
