@@ -4,10 +4,13 @@ Per square size N and per program, each compiled at XLA's default effort and at 
 (`mapping/effort.py`'s options, which the package passes on a TPU), side by side in one process
 (one compile first, unmeasured: a process's first compile also starts the compiler):
 
-  merge      a LoRA merge of a bfloat16 NxN weight: w + 2 * (a @ b), rank 16, in float32
-  qmerge     the same onto an int8 weight dequantized by its per-channel scale (a QLoRA merge)
+  merge      a LoRA merge of a bfloat16 NxN weight, rank 16, scale 2 (`merge.combine`)
+  qmerge     the same onto an int8 weight dequantized by its per-channel scale
+             (`dequantize.dequantize`, then `merge.combine`: a QLoRA merge)
   requant    `quantized.requantize` of a bfloat16 NxN weight (int8, per channel): the base an
              adapters-only QLoRA merge re-quantizes
+
+The formulas are the package's own; each effort's options are `effort.options_for`'s.
 
 Reported: the compile's wall at each effort (best of `--reps`, each a fresh jit) and their
 ratio, the compiled program's run time at each, and whether the two give the same bits.
@@ -29,30 +32,28 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 def _programs(n: int, rng):
   """name -> (function, arguments) for size `n` (see the module)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
+  from orbax_tunix.mapping import dequantize, lora, merge  # pylint: disable=g-import-not-at-top
   from orbax_tunix.reading import quantized  # pylint: disable=g-import-not-at-top
 
   bf16 = ml_dtypes.bfloat16
   recipe = quantized.Recipe('int8')
-
-  def merge(w, a, b):
-    return (w.astype(jnp.float32) + 2.0 * (a.astype(jnp.float32) @ b.astype(jnp.float32))
-            ).astype(w.dtype)
+  w = rng.standard_normal((n, n)).astype(bf16)
+  a, b = rng.standard_normal((n, 16)).astype(bf16), rng.standard_normal((16, n)).astype(bf16)
+  merged = merge.combine(lora.contraction(w.shape, a.shape, b.shape), 2.0)
 
   def qmerge(q, s, a, b):
-    return merge((q.astype(jnp.float32) * s.astype(jnp.float32)).astype(jnp.bfloat16), a, b)
+    return merged(dequantize.dequantize(q, s), a, b)
 
   def requant(w):
     return quantized.requantize(w, recipe, (0,)).astype(w.dtype)
 
-  w = rng.standard_normal((n, n)).astype(bf16)
-  a, b = rng.standard_normal((n, 16)).astype(bf16), rng.standard_normal((16, n)).astype(bf16)
   q = rng.integers(-127, 128, (n, n)).astype(np.int8)
   s = (rng.random((1, n)) / 100).astype(bf16)
-  return {'merge': (merge, (w, a, b)), 'qmerge': (qmerge, (q, s, a, b)), 'requant': (requant, (w,))}
+  return {'merge': (merged, (w, a, b)), 'qmerge': (qmerge, (q, s, a, b)),
+          'requant': (requant, (w,))}
 
 
 def _renamed(fn, name: str):
@@ -70,7 +71,8 @@ def measure(sizes, reps: int) -> list[dict]:
 
   from orbax_tunix.mapping import effort  # pylint: disable=g-import-not-at-top
 
-  efforts = {'default': None, 'low': dict(effort._LOWEST)}  # noqa: SLF001 (the package's own)
+  sharding = [jax.sharding.SingleDeviceSharding(jax.devices()[0])]  # Where the programs run.
+  efforts = {e: dict(effort.options_for(e, sharding)) or None for e in ('default', 'low')}
   jax.config.update('jax_enable_compilation_cache', False)  # Every compile measured whole.
   jax.jit(lambda x: x + 1).lower(np.float32(0)).compile()  # The compiler started, unmeasured.
   rows = []

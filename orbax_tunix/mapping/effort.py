@@ -45,13 +45,18 @@ def _choice() -> str:
 
 
 def compiler_options(shardings: Sequence[jax.sharding.Sharding]) -> tuple[tuple[str, Any], ...]:
-  """XLA's options for a program whose outputs are in `shardings`, as sorted (name, value)
-  pairs (part of the program's key); () for XLA's defaults.
+  """`options_for` the effort `ORBAX_TUNIX_COMPILE_EFFORT` chooses.
 
   Raises:
     ValueError: `ORBAX_TUNIX_COMPILE_EFFORT` holds an unknown value.
   """
-  choice = _choice()
+  return options_for(_choice(), shardings)
+
+
+def options_for(choice: str, shardings: Sequence[jax.sharding.Sharding]
+                ) -> tuple[tuple[str, Any], ...]:
+  """XLA's options for a program whose outputs are in `shardings`, at effort `choice` (one of
+  `CHOICES`), as (name, value) pairs (part of the program's key); () for XLA's defaults."""
   if choice == 'default':
     return ()
   if choice == 'low':
