@@ -365,6 +365,27 @@ def test_requantize_is_qwix_quantize_then_dequantize(qtype, calibration, dtype):
                                     err_msg=f'{recipe} {shape}')
 
 
+@pytest.mark.parametrize('calibration', ['absmax', 'minmax'])
+@pytest.mark.parametrize('tile', [None, 4])
+def test_requantize_is_qwix_s_whatever_else_the_program_computes(mesh, calibration, tile):
+  """Several re-quantizations in one compiled program, sharded over the mesh, each bit for bit
+  qwix's: the bound is divided as qwix's eager step divides it, not as XLA happens to fold it
+  in a larger program (JAX 0.10: the second of two divided where the first multiplied)."""
+  rs = np.random.RandomState(5)
+  sharding = NamedSharding(mesh, P(None, 'model'))
+  recipe = quantized.Recipe('int8', tile, calibration)
+  how = qarray.HowToQuantize(qtype=jnp.int8, channelwise_axes=[1],
+                             tiled_axes=recipe.tiled_axes((16, 8), (0,)),
+                             calibration_method=calibration)
+  weights = [(rs.randn(16, 8) * rs.uniform(0.01, 3)).astype(np.float32) for _ in range(3)]
+  got = jax.jit(lambda *ws: [quantized.requantize(w, recipe, (0,)) for w in ws],
+                out_shardings=sharding)(*(jax.device_put(w, sharding) for w in weights))
+  for w, value in zip(weights, got, strict=True):
+    want = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(w), how)))
+    assert value.sharding == sharding and value.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(value).view(np.uint8), want.view(np.uint8))
+
+
 def _equations(jaxpr):
   """Every equation of a jaxpr and of the jaxprs inside it."""
   for eqn in jaxpr.eqns:

@@ -447,28 +447,40 @@ def _by_bound(x: Any, bound: float, narrower: bool) -> Any:
   """`x / bound` as qwix's eager `calibration / qmax` computes it on this JAX and device.
 
   Eagerly, a Python number is a constant to some JAX versions on the CPU (0.10: XLA multiplies
-  by its reciprocal, as it does in compiled code) and a runtime operand elsewhere (0.12: a true
-  division; a TPU: its own division, neither of the two); a float32 scale's last bit differs.
-  Compiled code folds a constant, so where qwix's division is a runtime one the bound is hidden
-  from the compiler. Narrower dtypes are rounded from float32 either way (checked equal on both
+  by its float32 reciprocal) and a runtime operand elsewhere (0.12: a true division; a TPU: its
+  own division, neither of the two); a float32 scale's last bit differs. The product is written
+  out, not left to the compiler: whether XLA folds a hidden constant depends on the program
+  around it (JAX 0.10 on 8 CPU devices: the second of two re-quantizations in one program
+  divided, the first multiplied; BENCHMARKS.md §32). A runtime division keeps the bound from
+  the compiler. Narrower dtypes are rounded from float32 either way (checked equal on both
   versions and on a TPU v5e).
   """
   bound = np.float32(bound)
-  if narrower or not _eager_divides_at_runtime():
+  if narrower:
+    return x / bound
+  how = _eager_division()
+  if how == 'reciprocal':
+    return x * (np.float32(1) / bound)
+  if how == 'constant':
     return x / bound
   return x / jax.lax.optimization_barrier(jnp.asarray(bound))
 
 
 @functools.cache
-def _eager_divides_at_runtime() -> bool:
-  """Whether an eager `array / python_float` on this JAX and default device is the compiled
-  division by a runtime operand (not a product with the constant's reciprocal)."""
-  x = np.linspace(1, 2, 1025, dtype=np.float32)
+def _eager_division() -> str:
+  """How an eager `array / python_float` divides on this JAX and default device: 'reciprocal'
+  (a product with the float32 reciprocal, as numpy computes it), 'runtime' (as a compiled
+  division by a runtime operand), or 'constant' (as neither: by the constant as XLA folds it)."""
+  x = np.concatenate([np.linspace(1, 2, 1025, dtype=np.float32),
+                      np.random.default_rng(0).standard_normal(4096).astype(np.float32)])
+  bound = np.float32(127.5)
   with jax.ensure_compile_time_eval():  # Eager even where first asked while tracing.
     eager = np.asarray(jnp.asarray(x) / 127.5)
+  if np.array_equal(eager, x * (np.float32(1) / bound)) and not np.array_equal(eager, x / bound):
+    return 'reciprocal'
   hidden = jax.jit(lambda v: v / jax.lax.optimization_barrier(jnp.float32(127.5)))
   runtime = np.asarray(hidden.lower(x).compile()(x))  # Run now, even while tracing.
-  return bool(np.array_equal(eager, runtime))
+  return 'runtime' if np.array_equal(eager, runtime) else 'constant'
 
 
 def _to_qtype(x: Any, qtype: str) -> Any:
