@@ -365,25 +365,45 @@ def test_requantize_is_qwix_quantize_then_dequantize(qtype, calibration, dtype):
                                     err_msg=f'{recipe} {shape}')
 
 
-@pytest.mark.parametrize('calibration', ['absmax', 'minmax'])
-@pytest.mark.parametrize('tile', [None, 4])
-def test_requantize_is_qwix_s_whatever_else_the_program_computes(mesh, calibration, tile):
-  """Several re-quantizations in one compiled program, sharded over the mesh, each bit for bit
-  qwix's: the bound is divided as qwix's eager step divides it, not as XLA happens to fold it
-  in a larger program (JAX 0.10: the second of two divided where the first multiplied)."""
+@pytest.mark.parametrize('qtype,calibration', [
+    ('int8', 'absmax'), ('int8', 'minmax'), ('int4', 'minmax'), ('float8_e4m3fn', 'absmax'),
+    ('nf4', 'absmax')])
+@pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16])
+def test_requantize_is_qwix_s_in_a_sharded_program_of_several(mesh, qtype, calibration, dtype):
+  """Several re-quantizations in one compiled program, sharded over a mesh of explicit axes
+  (`jax.make_mesh`'s), each bit for bit qwix's: the bound divided as qwix's eager step
+  divides it, not as XLA happens to fold it in a larger program (JAX 0.10: the second of two
+  divided where the first multiplied), and nf4's table read without a gather (which a sharded
+  index cannot take there)."""
   rs = np.random.RandomState(5)
   sharding = NamedSharding(mesh, P(None, 'model'))
-  recipe = quantized.Recipe('int8', tile, calibration)
-  how = qarray.HowToQuantize(qtype=jnp.int8, channelwise_axes=[1],
-                             tiled_axes=recipe.tiled_axes((16, 8), (0,)),
-                             calibration_method=calibration)
-  weights = [(rs.randn(16, 8) * rs.uniform(0.01, 3)).astype(np.float32) for _ in range(3)]
-  got = jax.jit(lambda *ws: [quantized.requantize(w, recipe, (0,)) for w in ws],
-                out_shardings=sharding)(*(jax.device_put(w, sharding) for w in weights))
-  for w, value in zip(weights, got, strict=True):
-    want = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(w), how)))
-    assert value.sharding == sharding and value.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(value).view(np.uint8), want.view(np.uint8))
+  for tile in (None, 4):
+    recipe = quantized.Recipe(qtype, tile, calibration)
+    how = qarray.HowToQuantize(qtype='nf4' if qtype == 'nf4' else jnp.dtype(qtype),
+                               channelwise_axes=[1], tiled_axes=recipe.tiled_axes((16, 8), (0,)),
+                               calibration_method=calibration)
+    weights = [(rs.randn(16, 8) * rs.uniform(0.01, 3)).astype(dtype) for _ in range(3)]
+    got = jax.jit(lambda *ws, r=recipe: [quantized.requantize(w, r, (0,)) for w in ws],
+                  out_shardings=sharding)(*(jax.device_put(w, sharding) for w in weights))
+    for w, value in zip(weights, got, strict=True):
+      want = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(w), how)))
+      assert value.sharding == sharding and value.dtype == jnp.float32
+      np.testing.assert_array_equal(np.asarray(value).astype(want.dtype).view(np.uint8),
+                                    want.view(np.uint8), err_msg=f'{recipe}')
+
+
+def test_nf4_dequantizes_as_qwix_does_on_a_mesh_of_explicit_axes(mesh):
+  """nf4's qvalue is an index into its table: sharded over a mesh of explicit axes it is read
+  without a gather, each value qwix's, in the output's sharding."""
+  rs = np.random.RandomState(3)
+  qvalue = rs.randint(0, 16, (16, 8)).astype(ml_dtypes.uint4)
+  scale = rs.uniform(0.01, 2, (1, 8)).astype(np.float32)
+  sharding = NamedSharding(mesh, P(None, 'model'))
+  got = jax.jit(lambda q, s: dequantize.dequantize(q, s, nf4=True), out_shardings=sharding)(
+      jax.device_put(qvalue.astype(np.uint8), sharding), jax.device_put(scale, sharding))
+  want = qarray.dequantize(qwix.QArray(jnp.asarray(qvalue), jnp.asarray(scale), None, 'nf4'))
+  assert got.sharding == sharding and got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _equations(jaxpr):

@@ -57,7 +57,7 @@ def dequantize(qvalue: Any, scale: Any, zero_point: Any = None, *, nf4: bool = F
   the devices (`transforms.xp`)."""
   xp = transforms.xp(qvalue, scale, *(() if zero_point is None else (zero_point,)))
   if nf4:
-    qvalue = xp.asarray(quantized.NF4_BUCKETS)[qvalue.astype(np.int32)]
+    qvalue = quantized.nf4_values(qvalue)
   value = qvalue.astype(scale.dtype).astype(np.float32)
   if zero_point is not None:
     value = _broadcast(xp.subtract, value, zero_point.astype(np.float32))

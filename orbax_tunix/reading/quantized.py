@@ -49,6 +49,19 @@ NF4 = 'nf4'
 _NF4_STORAGE = np.dtype(ml_dtypes.uint4)
 
 
+def nf4_values(index: Any) -> Any:
+  """`NF4_BUCKETS[index]`, float32, element by element: numpy indexes on the host; on the
+  devices one select per bucket, not a gather, which an index sharded over a mesh of explicit
+  axes (`jax.make_mesh`'s) cannot take without an output sharding."""
+  if isinstance(index, np.ndarray | np.generic):
+    return NF4_BUCKETS[np.asarray(index).astype(np.int32)]
+  index = index.astype(np.int32)
+  out = jnp.full_like(index, NF4_BUCKETS[0], dtype=np.float32)
+  for k, value in enumerate(NF4_BUCKETS[1:], 1):
+    out = jnp.where(index == k, value, out)
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Scheme:
   """How one weight is quantized, as its stored parts say (nothing else records it).
@@ -421,7 +434,7 @@ def _requantize(w: Any, recipe: Recipe, contracting: tuple[int, ...]) -> Any:
   if zero_point is not None:
     q = rnd(q + zero_point)
   q = jax.lax.optimization_barrier(_to_qtype(q, recipe.qtype))
-  value = rnd(jnp.asarray(NF4_BUCKETS)[q.astype(np.int32)] if recipe.qtype == NF4
+  value = rnd(nf4_values(q) if recipe.qtype == NF4
               else q.astype(np.float32))
   if zero_point is not None:
     value = rnd(value - zero_point)
@@ -499,7 +512,8 @@ def _to_qtype(x: Any, qtype: str) -> Any:
 def _nearest_bucket(x: Any) -> Any:
   """qwix's `fp_to_nf4`: the index of the nearest nf4 bucket (`argmin |bucket - x|` in
   float32, the first on a tie), from the two buckets around each value, not all sixteen."""
-  buckets = jnp.asarray(NF4_BUCKETS)
-  hi = jnp.clip(jnp.searchsorted(buckets, x), 1, len(NF4_BUCKETS) - 1)
+  # The first bucket not below x (a search of the sorted buckets, as a count: elementwise).
+  above = sum((x > b).astype(np.int32) for b in NF4_BUCKETS)
+  hi = jnp.clip(above, 1, len(NF4_BUCKETS) - 1)
   lo = hi - 1
-  return jnp.where(jnp.abs(buckets[lo] - x) <= jnp.abs(buckets[hi] - x), lo, hi)
+  return jnp.where(jnp.abs(nf4_values(lo) - x) <= jnp.abs(nf4_values(hi) - x), lo, hi)
