@@ -536,6 +536,30 @@ def test_full_save_with_a_base_is_refused_naming_quantization(runs):
         alpha=lm.ALPHA, base=run['root'] / 'base'))
 
 
+def test_an_nf4_run_s_adapters_merge_onto_its_requantized_base_on_a_mesh(tmp_path, mesh):
+  """A QLoRA run of an nf4 base, saved adapters-only (nf4's uint4 parts cannot be saved in
+  full): merged onto its float base re-quantized as qwix did, into a target sharded over a
+  mesh of explicit axes, it computes the run's logits."""
+  base = lm.QwixLM(rngs=nnx.Rngs(0))
+  builders.save_tunix(tmp_path / 'base', 1, base)
+  model = lm.train(lm.with_qwix_lora(nnx.clone(base), weight_qtype='nf4'))
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    ckptr.save(tmp_path / 'only' / '1', args=ocp.args.Composite(
+        model_params=ocp.args.PyTreeSave(nnx.state(model, nnx.LoRAParam))))
+  target = abstract_weights('qwix', mesh, jnp.float32)
+  merged = ot.restore_merged_lora(tmp_path / 'only', target, alpha=lm.ALPHA,
+                                  base=tmp_path / 'base', base_qtype='nf4')
+  for path, leaf in flatten(target)[0]:
+    value = flat_dict(merged)[path]
+    assert value.sharding == leaf.sharding and value.dtype == leaf.dtype, path
+  logits = np.asarray(model(jnp.asarray(lm.TOKENS)), np.float32)
+  assert np.abs(forward('qwix', merged) - logits).max() <= F32_ATOL
+  # The float base merged as it is, not re-quantized, is measurably another model.
+  floats = ot.restore_merged_lora(tmp_path / 'only', target, alpha=lm.ALPHA,
+                                  base=tmp_path / 'base', base_qtype=None)
+  assert np.abs(forward('qwix', floats) - logits).max() > 5 * F32_ATOL
+
+
 @pytest.mark.parametrize('name', RECIPES)
 def test_adapters_only_with_the_recipe_merges_onto_the_requantized_base(runs, mesh, name):
   run = runs[name]
