@@ -549,9 +549,9 @@ def test_an_nf4_run_s_adapters_merge_onto_its_requantized_base_on_a_mesh(tmp_pat
   target = abstract_weights('qwix', mesh, jnp.float32)
   merged = ot.restore_merged_lora(tmp_path / 'only', target, alpha=lm.ALPHA,
                                   base=tmp_path / 'base', base_qtype='nf4')
+  values = flat_dict(merged)
   for path, leaf in flatten(target)[0]:
-    value = flat_dict(merged)[path]
-    assert value.sharding == leaf.sharding and value.dtype == leaf.dtype, path
+    assert values[path].sharding == leaf.sharding and values[path].dtype == leaf.dtype, path
   logits = np.asarray(model(jnp.asarray(lm.TOKENS)), np.float32)
   assert np.abs(forward('qwix', merged) - logits).max() <= F32_ATOL
   # The float base merged as it is, not re-quantized, is measurably another model.

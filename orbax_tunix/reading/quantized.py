@@ -469,14 +469,12 @@ def _by_bound(x: Any, bound: float, narrower: bool) -> Any:
   versions and on a TPU v5e).
   """
   bound = np.float32(bound)
-  if narrower:
-    return x / bound
-  how = _eager_division()
+  how = 'constant' if narrower else _eager_division()
   if how == 'reciprocal':
     return x * (np.float32(1) / bound)
-  if how == 'constant':
-    return x / bound
-  return x / jax.lax.optimization_barrier(jnp.asarray(bound))
+  if how == 'runtime':
+    return x / jax.lax.optimization_barrier(jnp.asarray(bound))
+  return x / bound
 
 
 @functools.cache
@@ -488,10 +486,10 @@ def _eager_division() -> str:
                       np.random.default_rng(0).standard_normal(4096).astype(np.float32)])
   bound = np.float32(127.5)
   with jax.ensure_compile_time_eval():  # Eager even where first asked while tracing.
-    eager = np.asarray(jnp.asarray(x) / 127.5)
+    eager = np.asarray(jnp.asarray(x) / float(bound))  # A Python number, as qwix divides by.
   if np.array_equal(eager, x * (np.float32(1) / bound)) and not np.array_equal(eager, x / bound):
     return 'reciprocal'
-  hidden = jax.jit(lambda v: v / jax.lax.optimization_barrier(jnp.float32(127.5)))
+  hidden = jax.jit(lambda v: v / jax.lax.optimization_barrier(jnp.asarray(bound)))
   runtime = np.asarray(hidden.lower(x).compile()(x))  # Run now, even while tracing.
   return 'runtime' if np.array_equal(eager, runtime) else 'constant'
 
@@ -512,7 +510,8 @@ def _to_qtype(x: Any, qtype: str) -> Any:
 def _nearest_bucket(x: Any) -> Any:
   """qwix's `fp_to_nf4`: the index of the nearest nf4 bucket (`argmin |bucket - x|` in
   float32, the first on a tie), from the two buckets around each value, not all sixteen."""
-  # The first bucket not below x (a search of the sorted buckets, as a count: elementwise).
+  # The first bucket not below x (a search of the sorted buckets, as a count: elementwise; a
+  # NaN counts none, and its scale, NaN too, makes its value NaN whichever bucket it takes).
   above = sum((x > b).astype(np.int32) for b in NF4_BUCKETS)
   hi = jnp.clip(above, 1, len(NF4_BUCKETS) - 1)
   lo = hi - 1
