@@ -27,6 +27,14 @@ first call) and `--warm K` more times in the same process:
   merge    `orbax_tunix.restore_merged_lora(run, plain_target, lora_alpha=--alpha)`: the plain
            model's weights, W_deq + alpha/rank * a.b where adapted
 
+and, only where `--contenders` names them, the arithmetic alone (what no read can hide on a host
+whose cores the read keeps busy): each reads raw's arrays at its first call and keeps them, so
+that its warm calls time only its programs:
+
+  dequant-math  qwix's `dequantize` of each weight (qwix's warm calls without the read)
+  merge-math    each weight's merge as one program: qwix's `dequantize`, then
+                W + alpha/rank * a.b in float32, in the model's dtype
+
 Before the rounds, one more fresh process checks the contenders once: dequant's weights equal
 `qwix.dequantize` of raw's parts (bit for bit, cast to the target's dtype), its adapters and
 other leaves raw's; merge's weights equal numpy's W_deq + s * tensordot(a, b) on the first and
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -62,11 +71,14 @@ import synthetic  # sibling module
 
 MIB = 2**20
 CONTENDERS = ('raw', 'qwix', 'dequant', 'merge')
+ARITHMETIC = ('dequant-math', 'merge-math')  # Run only where `--contenders` names them.
 NAMES = {
     'raw': 'plain Orbax: the raw leaves (floor)',
     'qwix': 'raw, then qwix.dequantize on the devices',
     'dequant': 'TunixAwareHandler: the canonical float target',
     'merge': 'restore_merged_lora: the plain model',
+    'dequant-math': "qwix.dequantize alone (warm calls), of raw's arrays read once",
+    'merge-math': "dequantize + W + s a.b alone (warm calls), of raw's arrays read once",
 }
 # Orbax cannot save qwix's nf4 (uint4: "Unsupported data type"), so a full save has none.
 QTYPES = ('int8', 'int4', 'float8_e4m3fn')
@@ -242,27 +254,44 @@ class Targets:
 _COMPILED: dict[Any, Any] = {}
 
 
-def _dequantize_qwix(model: Model, targets: Targets, tree) -> dict[str, Any]:
-  """qwix's `dequantize` of each weight of a raw read, compiled into its target's sharding."""
-  import jax  # pylint: disable=g-import-not-at-top
+def _made_qwix(n: int, scale: float | None, dtype: Any, *xs: Any) -> Any:
+  """One weight from its `n` parts (qvalue, scale[, zero point]) by qwix's `dequantize`; with
+  `scale`, merged with the adapters after them: W + scale * a.b in float32, in `dtype`."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import qwix  # pylint: disable=g-import-not-at-top
+
+  qvalue, scale_part, zero_point = (*xs[:n], None)[:3]
+  w = qwix.dequantize(qwix.QArray(qvalue, scale_part, zero_point, qvalue.dtype)).astype(dtype)
+  if scale is None:
+    return w
+  a, b = (x.astype(jnp.float32) for x in xs[n:])
+  return (w.astype(jnp.float32) + jnp.float32(scale) * jnp.tensordot(a, b, axes=1)).astype(dtype)
+
+
+def _dequantize_qwix(model: Model, targets: Targets, tree, scale: float | None = None
+                     ) -> dict[str, Any]:
+  """qwix's `dequantize` of each weight of a raw read, compiled into its target's sharding;
+  with `scale`, each weight merged in the same program: W + scale * a.b in float32 (the
+  contracting axes lead each projection, as `check` assumes), in the model's dtype."""
+  import jax  # pylint: disable=g-import-not-at-top
 
   dtype = jax.numpy.dtype(model.dtype)
   compiled = _COMPILED  # Kept across calls, as a user's jitted function is.
   out = {}
   for path in model.weights():
-    node = tree
-    for p in path.split('/'):
-      node = node[p]
-    parts = [node['array'][k]['value'] for k in PARTS if k in node['array']]
+    *parents, name = path.split('/')
+    parent = tree
+    for p in parents:
+      parent = parent[p]
+    parts = [parent[name]['array'][k]['value'] for k in PARTS if k in parent[name]['array']]
+    adapters = [] if scale is None else [parent[f'{name}_lora_{n}']['value'] for n in 'ab']
     sharding = targets.shardings[path]
-    fn = compiled.get(sharding)
-    if fn is None:
-      def deq(qvalue, scale, *zero_point):
-        q = qwix.QArray(qvalue, scale, zero_point[0] if zero_point else None, qvalue.dtype)
-        return qwix.dequantize(q).astype(dtype)
-      fn = compiled[sharding] = jax.jit(deq, out_shardings=sharding)
-    out[path] = fn(*parts)
+    key = (sharding, len(parts), scale)
+    if key not in compiled:
+      compiled[key] = jax.jit(functools.partial(_made_qwix, len(parts), scale, dtype),
+                              out_shardings=sharding)
+    fn = compiled[key]
+    out[path] = fn(*parts, *adapters)
   return out
 
 
@@ -298,7 +327,18 @@ def calls_of(args, model: Model, targets: Targets):
   def merge():
     return orbax_tunix.restore_merged_lora(run, targets.plain, lora_alpha=args.alpha)
 
-  calls = {'raw': raw, 'qwix': qwix_dequantized, 'dequant': dequant, 'merge': merge}
+  held = {}
+
+  def read_once():
+    # Read by the first call and kept: the warm calls time the arithmetic alone.
+    if 'tree' not in held:
+      held['tree'] = raw()
+    return held['tree']
+
+  calls = {'raw': raw, 'qwix': qwix_dequantized, 'dequant': dequant, 'merge': merge,
+           'dequant-math': lambda: _dequantize_qwix(model, targets, read_once()),
+           'merge-math': lambda: _dequantize_qwix(model, targets, read_once(),
+                                                  args.alpha / model.rank)}
   return {k: (lambda f=f: jax.block_until_ready(f())) for k, f in calls.items()}
 
 
@@ -341,18 +381,20 @@ def check(args, model: Model, targets: Targets, calls) -> dict[str, Any]:
     checked['dequant_others'] += 1
   del dequant
   merged = calls['merge']()
+  # The arithmetic contender computes what it times: the same merge, by qwix and jax.numpy.
+  merged_math = calls['merge-math']()
   s = np.float32(args.alpha / model.rank)
   for path, w in wanted.items():
     a = np.asarray(at(raw, f'{path}_lora_a/value')).astype(np.float32)
     b = np.asarray(at(raw, f'{path}_lora_b/value')).astype(np.float32)
     want = w.astype(np.float32) + s * np.tensordot(a, b, axes=1)
-    got = at(merged, path)
-    assert got.dtype == dtype and got.sharding == targets.shardings[path], path
     # float32: summation order only; bfloat16: the result rounded once to 8 bits.
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(
         rtol=float(ml_dtypes.finfo(dtype).eps), atol=1e-3)
-    np.testing.assert_allclose(np.asarray(got).astype(np.float32),
-                               want.astype(dtype).astype(np.float32), err_msg=path, **tol)
+    for got in (at(merged, path), merged_math[path]):
+      assert got.dtype == dtype and got.sharding == targets.shardings[path], path
+      np.testing.assert_allclose(np.asarray(got).astype(np.float32),
+                                 want.astype(dtype).astype(np.float32), err_msg=path, **tol)
     checked['merge_weights'] += 1
   for path in model.others():
     np.testing.assert_array_equal(np.asarray(at(merged, path)), np.asarray(at(raw, f'{path}/value')))
@@ -518,11 +560,12 @@ def main(argv=None) -> None:
   parser.add_argument('--quick', action='store_true',
                       help='a small smoke run: ' + ' '.join(f'--{k} {v}' for k, v in QUICK.items()))
   parser.add_argument('--contenders', default=','.join(CONTENDERS),
-                      help=f'comma-separated, of {",".join(CONTENDERS)}')
+                      help=f'comma-separated, of {",".join(CONTENDERS + ARITHMETIC)}')
   parser.add_argument('--no-check', action='store_true', help='skip the correctness check')
   parser.add_argument('--json', help='write every figure, per repetition, here')
   parser.add_argument('--workdir', help='where the checkpoints are kept (reused across runs)')
-  parser.add_argument('--child', choices=(*CONTENDERS, 'check'), help=argparse.SUPPRESS)
+  parser.add_argument('--child', choices=(*CONTENDERS, *ARITHMETIC, 'check'),
+                      help=argparse.SUPPRESS)
   harness.add_flags(parser, cpu_default=8, warm=True, compile_cache=True)
   args = parser.parse_args(argv)
   if args.quick:
@@ -532,9 +575,10 @@ def main(argv=None) -> None:
   if args.child:
     return child(args)
   contenders = tuple(c.strip() for c in args.contenders.split(',') if c.strip())
-  unknown = set(contenders) - set(CONTENDERS)
+  unknown = set(contenders) - set(CONTENDERS + ARITHMETIC)
   if unknown:
-    raise SystemExit(f'--contenders: unknown {sorted(unknown)}; pick from {CONTENDERS}')
+    raise SystemExit(f'--contenders: unknown {sorted(unknown)}; pick from'
+                     f' {CONTENDERS + ARITHMETIC}')
   model = model_of(args)
   for path, (shape, contracting, _) in model.weights().items():
     axis = contracting[-1]
