@@ -254,18 +254,27 @@ class Targets:
 _COMPILED: dict[Any, Any] = {}
 
 
-def _made_qwix(n: int, scale: float | None, dtype: Any, *xs: Any) -> Any:
+def _made_qwix(n: int, scale: float | None, dtype: Any, sharding: Any, *xs: Any) -> Any:
   """One weight from its `n` parts (qvalue, scale[, zero point]) by qwix's `dequantize`; with
-  `scale`, merged with the adapters after them: W + scale * a.b in float32, in `dtype`."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  `scale`, merged with the adapters after them: W + scale * a.b in float32, in `dtype`, each
+  device computing its own block (a laid out as W's leading, contracting axes, b as the rest:
+  the product then moves no data between devices)."""
+  import jax  # pylint: disable=g-import-not-at-top
   import qwix  # pylint: disable=g-import-not-at-top
 
+  jnp, laid = jax.numpy, jax.sharding.NamedSharding
   qvalue, scale_part, zero_point = (*xs[:n], None)[:3]
   w = qwix.dequantize(qwix.QArray(qvalue, scale_part, zero_point, qvalue.dtype)).astype(dtype)
   if scale is None:
     return w
   a, b = (x.astype(jnp.float32) for x in xs[n:])
-  return (w.astype(jnp.float32) + jnp.float32(scale) * jnp.tensordot(a, b, axes=1)).astype(dtype)
+  k = a.ndim - 1  # The contracting axes lead W's.
+  spec = (*sharding.spec, *(None,) * (w.ndim - len(sharding.spec)))
+  a = jax.sharding.reshard(a, laid(sharding.mesh, jax.sharding.PartitionSpec(*spec[:k], None)))
+  b = jax.sharding.reshard(b, laid(sharding.mesh, jax.sharding.PartitionSpec(None, *spec[k:])))
+  axes = 'abcdefgh'[:w.ndim]
+  delta = jnp.einsum(f'{axes[:k]}r,r{axes[k:]}->{axes}', a, b)
+  return (w.astype(jnp.float32) + jnp.float32(scale) * delta).astype(dtype)
 
 
 def _dequantize_qwix(model: Model, targets: Targets, tree, scale: float | None = None
@@ -288,7 +297,7 @@ def _dequantize_qwix(model: Model, targets: Targets, tree, scale: float | None =
     sharding = targets.shardings[path]
     key = (sharding, len(parts), scale)
     if key not in compiled:
-      compiled[key] = jax.jit(functools.partial(_made_qwix, len(parts), scale, dtype),
+      compiled[key] = jax.jit(functools.partial(_made_qwix, len(parts), scale, dtype, sharding),
                               out_shardings=sharding)
     fn = compiled[key]
     out[path] = fn(*parts, *adapters)
