@@ -262,7 +262,7 @@ def _made_qwix(n: int, scale: float | None, dtype: Any, sharding: Any, *xs: Any)
   import jax  # pylint: disable=g-import-not-at-top
   import qwix  # pylint: disable=g-import-not-at-top
 
-  jnp, laid = jax.numpy, jax.sharding.NamedSharding
+  jnp = jax.numpy
   qvalue, scale_part, zero_point = (*xs[:n], None)[:3]
   w = qwix.dequantize(qwix.QArray(qvalue, scale_part, zero_point, qvalue.dtype)).astype(dtype)
   if scale is None:
@@ -270,8 +270,11 @@ def _made_qwix(n: int, scale: float | None, dtype: Any, sharding: Any, *xs: Any)
   a, b = (x.astype(jnp.float32) for x in xs[n:])
   k = a.ndim - 1  # The contracting axes lead W's.
   spec = (*sharding.spec, *(None,) * (w.ndim - len(sharding.spec)))
-  a = jax.sharding.reshard(a, laid(sharding.mesh, jax.sharding.PartitionSpec(*spec[:k], None)))
-  b = jax.sharding.reshard(b, laid(sharding.mesh, jax.sharding.PartitionSpec(None, *spec[k:])))
+  # jax.make_mesh's axes are explicit (resharded); a Mesh's are auto (constrained).
+  explicit = all(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+  lay = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+  a = lay(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:k], None)))
+  b = lay(b, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec[k:])))
   axes = 'abcdefgh'[:w.ndim]
   delta = jnp.einsum(f'{axes[:k]}r,r{axes[k:]}->{axes}', a, b)
   return (w.astype(jnp.float32) + jnp.float32(scale) * delta).astype(dtype)
