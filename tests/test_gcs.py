@@ -570,10 +570,13 @@ def test_planning_requests_do_not_grow_per_leaf(gcs, bucket, mesh, capsys, monke
         'inspect': _requests(gcs, lambda root=root: run(capsys, 'inspect', root)),
         'plan': _requests(gcs, plan),
     }
+  added = 1024 - 16
   for what in ('detect', 'inspect', 'plan'):
-    # 64 times the leaves; a few more requests at most (tensorstore re-checks
-    # the OCDBT manifest a varying number of times), never one per leaf.
-    assert counts[1024][what] <= counts[16][what] + 10, (what, counts)
+    # 64 times the leaves: a request per leaf would add `added`. The item's own requests
+    # vary by a few to a dozen (tensorstore re-checks the OCDBT manifest a varying number
+    # of times, more on a loaded machine: 7 against 20 for `plan` in one CI run, 7-10
+    # against 15-17 on a quiet one), so the bound is one request per 20 added leaves.
+    assert counts[1024][what] - counts[16][what] < added // 20, (what, counts)
 
 
 def test_lora_merge_with_adapters_and_base_in_a_bucket(bucket, tunix_data, mesh):
