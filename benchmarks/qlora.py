@@ -254,18 +254,19 @@ class Targets:
 _COMPILED: dict[Any, Any] = {}
 
 
-def _made_qwix(n: int, scale: float | None, dtype: Any, sharding: Any, *xs: Any) -> Any:
+def _made_qwix(n: int, merge_scale: float | None, dtype: Any, sharding: Any, *xs: Any) -> Any:
   """One weight from its `n` parts (qvalue, scale[, zero point]) by qwix's `dequantize`; with
-  `scale`, merged with the adapters after them: W + scale * a.b in float32, in `dtype`, each
-  device computing its own block (a laid out as W's leading, contracting axes, b as the rest:
-  the product then moves no data between devices)."""
+  `merge_scale`, merged with the adapters after them: W + merge_scale * a.b in float32, in
+  `dtype`, each device computing its own block (a laid out as W's leading, contracting axes, b
+  as the rest: the product then moves no data between devices)."""
   import jax  # pylint: disable=g-import-not-at-top
   import qwix  # pylint: disable=g-import-not-at-top
 
   jnp = jax.numpy
-  qvalue, scale_part, zero_point = (*xs[:n], None)[:3]
-  w = qwix.dequantize(qwix.QArray(qvalue, scale_part, zero_point, qvalue.dtype)).astype(dtype)
-  if scale is None:
+  qvalue, scale, *zero_point = xs[:n]
+  w = qwix.dequantize(qwix.QArray(qvalue, scale, *(zero_point or [None]), qvalue.dtype))
+  w = w.astype(dtype)
+  if merge_scale is None:
     return w
   a, b = (x.astype(jnp.float32) for x in xs[n:])
   k = a.ndim - 1  # The contracting axes lead W's.
@@ -277,14 +278,14 @@ def _made_qwix(n: int, scale: float | None, dtype: Any, sharding: Any, *xs: Any)
   b = lay(b, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec[k:])))
   axes = 'abcdefgh'[:w.ndim]
   delta = jnp.einsum(f'{axes[:k]}r,r{axes[k:]}->{axes}', a, b)
-  return (w.astype(jnp.float32) + jnp.float32(scale) * delta).astype(dtype)
+  return (w.astype(jnp.float32) + jnp.float32(merge_scale) * delta).astype(dtype)
 
 
-def _dequantize_qwix(model: Model, targets: Targets, tree, scale: float | None = None
-                     ) -> dict[str, Any]:
+def _qwix_weights(model: Model, targets: Targets, tree, merge_scale: float | None = None
+                  ) -> dict[str, Any]:
   """qwix's `dequantize` of each weight of a raw read, compiled into its target's sharding;
-  with `scale`, each weight merged in the same program: W + scale * a.b in float32 (the
-  contracting axes lead each projection, as `check` assumes), in the model's dtype."""
+  with `merge_scale`, each weight merged in the same program (`_made_qwix`), in the model's
+  dtype."""
   import jax  # pylint: disable=g-import-not-at-top
 
   dtype = jax.numpy.dtype(model.dtype)
@@ -296,14 +297,13 @@ def _dequantize_qwix(model: Model, targets: Targets, tree, scale: float | None =
     for p in parents:
       parent = parent[p]
     parts = [parent[name]['array'][k]['value'] for k in PARTS if k in parent[name]['array']]
-    adapters = [] if scale is None else [parent[f'{name}_lora_{n}']['value'] for n in 'ab']
+    adapters = [] if merge_scale is None else [parent[f'{name}_lora_{n}']['value'] for n in 'ab']
     sharding = targets.shardings[path]
-    key = (sharding, len(parts), scale)
+    key = (sharding, len(parts), merge_scale)
     if key not in compiled:
-      compiled[key] = jax.jit(functools.partial(_made_qwix, len(parts), scale, dtype, sharding),
-                              out_shardings=sharding)
-    fn = compiled[key]
-    out[path] = fn(*parts, *adapters)
+      made = functools.partial(_made_qwix, len(parts), merge_scale, dtype, sharding)
+      compiled[key] = jax.jit(made, out_shardings=sharding)
+    out[path] = compiled[key](*parts, *adapters)
   return out
 
 
@@ -328,7 +328,7 @@ def calls_of(args, model: Model, targets: Targets):
 
   def qwix_dequantized():
     tree = raw()
-    return tree, _dequantize_qwix(model, targets, tree)
+    return tree, _qwix_weights(model, targets, tree)
 
   def dequant():
     with ocp.Checkpointer(orbax_tunix.TunixAwareHandler(
@@ -348,8 +348,8 @@ def calls_of(args, model: Model, targets: Targets):
     return held['tree']
 
   calls = {'raw': raw, 'qwix': qwix_dequantized, 'dequant': dequant, 'merge': merge,
-           'dequant-math': lambda: _dequantize_qwix(model, targets, read_once()),
-           'merge-math': lambda: _dequantize_qwix(model, targets, read_once(),
+           'dequant-math': lambda: _qwix_weights(model, targets, read_once()),
+           'merge-math': lambda: _qwix_weights(model, targets, read_once(),
                                                   args.alpha / model.rank)}
   return {k: (lambda f=f: jax.block_until_ready(f())) for k, f in calls.items()}
 

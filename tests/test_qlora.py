@@ -547,7 +547,7 @@ def test_an_nf4_run_s_adapters_merge_onto_its_requantized_base_on_a_mesh(tmp_pat
     ckptr.save(tmp_path / 'only' / '1', args=ocp.args.Composite(
         model_params=ocp.args.PyTreeSave(nnx.state(model, nnx.LoRAParam))))
   target = abstract_weights('qwix', mesh, jnp.float32)
-  merged = ot.restore_merged_lora(tmp_path / 'only', target, alpha=lm.ALPHA,
+  merged = ot.restore_merged_lora(tmp_path / 'only', target, lora_alpha=lm.ALPHA,
                                   base=tmp_path / 'base', base_qtype='nf4')
   values = flat_dict(merged)
   for path, leaf in flatten(target)[0]:
@@ -555,7 +555,7 @@ def test_an_nf4_run_s_adapters_merge_onto_its_requantized_base_on_a_mesh(tmp_pat
   logits = np.asarray(model(jnp.asarray(lm.TOKENS)), np.float32)
   assert np.abs(forward('qwix', merged) - logits).max() <= F32_ATOL
   # The float base merged as it is, not re-quantized, is measurably another model.
-  floats = ot.restore_merged_lora(tmp_path / 'only', target, alpha=lm.ALPHA,
+  floats = ot.restore_merged_lora(tmp_path / 'only', target, lora_alpha=lm.ALPHA,
                                   base=tmp_path / 'base', base_qtype=None)
   assert np.abs(forward('qwix', floats) - logits).max() > 5 * F32_ATOL
 
