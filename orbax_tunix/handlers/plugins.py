@@ -12,6 +12,7 @@ import asyncio
 import importlib.metadata
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -20,7 +21,7 @@ from orbax_tunix.handlers.pytree_handler import (
   TunixPyTreeRestore,
   V1ItemRestore,
 )
-from orbax_tunix.mapping import device
+from orbax_tunix.mapping import device, warmup
 from orbax_tunix.reading import planned_item
 from orbax_tunix.store import _orbax
 
@@ -81,6 +82,7 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
     return False
 
   async def load(self, directory: epath.Path, abstract_checkpointable: Any = None):
+    warmup.start(jax.tree.leaves(abstract_checkpointable))  # Started while it is planned.
     planned = await asyncio.to_thread(planned_item.find, directory)
     if (planned is None or not planned.is_tunix
         or planned.as_stored(abstract_checkpointable)):  # Orbax's, unchanged.

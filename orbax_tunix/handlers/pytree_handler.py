@@ -11,11 +11,12 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_tunix import errors
-from orbax_tunix.mapping import device
+from orbax_tunix.mapping import device, warmup
 from orbax_tunix.reading import planned_item
 from orbax_tunix.store import _orbax, fileio
 
@@ -139,6 +140,9 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
       CorruptMetadataError: stored data the target needs is missing or damaged.
     """
     directory = _existing(directory)
+    # Started while the item is planned; its programs (e.g. a QLoRA dequantization) compile after.
+    warmup.start(jax.tree.leaves((item, restore_args, getattr(args, 'item', None),
+                                  getattr(args, 'restore_args', None))))
     planned = planned_item.find(directory)
     if args is None:
       nothing = item is None and restore_args is None and transforms is None

@@ -153,6 +153,16 @@ def directory() -> pathlib.Path | None:
   return pathlib.Path(where) / SUBDIRECTORY
 
 
+def any_kept() -> bool:
+  """Whether any program is kept now (`directory` holds an entry): a process likely to load its
+  programs rather than compile them."""
+  where = directory()
+  try:
+    return where is not None and any(where.iterdir())
+  except OSError:  # None there yet, or unreadable: nothing to load.
+    return False
+
+
 def _bits(dtype: Any) -> int:
   """The bits an element of `dtype` holds (int4: 4, though numpy stores it in a byte)."""
   dtype = np.dtype(dtype)

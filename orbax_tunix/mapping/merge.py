@@ -25,7 +25,7 @@ from etils import epath
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import Path, flatten, fmt
-from orbax_tunix.mapping import device, lora, merge_options, transforms
+from orbax_tunix.mapping import device, lora, merge_options, transforms, warmup
 from orbax_tunix.mapping.merge_options import (
     BASE,
     BASE_CALIBRATION,
@@ -619,6 +619,7 @@ def restore_merged_lora(
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
+  warmup.start(jax.tree.leaves(target))  # The compiler starts while the merge is planned.
   given = merge_options.renamed('restore_merged_lora', dict(merge), _OLD_SCALING)
   merge_options.check_keywords('restore_merged_lora', given, MergeSettings.__annotations__)
   options = MergeOptions.given(given, merging=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 from orbax_tunix import conventions, errors
 from orbax_tunix.keypaths import flatten, fmt
-from orbax_tunix.mapping import device, merge, merge_options
+from orbax_tunix.mapping import device, merge, merge_options, warmup
 from orbax_tunix.maxtext.plan import RestorePlan, StepLike, plan_restore, require_target, step_dir
 from orbax_tunix.reading import reader
 from orbax_tunix.reading.read_requests import args_by_path
@@ -114,6 +114,7 @@ def restore_train_state(
       scaling that is not a finite number (before any read).
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
+  warmup.start(jax.tree.leaves(abstract_state))  # Started while the restore is planned.
   given = merge_options.renamed('restore_train_state', dict(merge),
                                 {'lora_base': merge_options.BASE})
   merge_options.check_keywords('restore_train_state', given, merge_options.OPTIONS.names())
