@@ -10,7 +10,8 @@ its flag. The layouts declare theirs (`layouts.Layout.options`), the LoRA merge 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -55,3 +56,17 @@ class Option:
     line: `--name`, `--name value`)."""
     return f'`{self.name}`' if value is None else f'`{self.name}={value}`'
 
+
+
+def from_environment(variable: str, choices: Sequence[str], auto_means: str) -> str:
+  """The value of the environment variable `variable`, one of `choices`, whose first is the
+  default (unset or empty), compared without case or surrounding spaces.
+
+  Raises:
+    ValueError: another value, naming the variable, the choices and what the default does.
+  """
+  value = os.environ.get(variable, '').strip().lower() or choices[0]
+  if value not in choices:
+    raise ValueError(f'{variable}={os.environ[variable]!r}: expected one of {", ".join(choices)}'
+                     f' ({choices[0]}: {auto_means}); unset it for {choices[0]}.')
+  return value

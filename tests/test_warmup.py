@@ -19,6 +19,7 @@ import orbax_tunix as ot
 from orbax_tunix.keypaths import flatten, nest
 from orbax_tunix.mapping import executables, merge, warmup
 from orbax_tunix.reading import planned_item
+from tests.test_scan_layers import compiled_on_threads
 
 _Device = collections.namedtuple('_Device', 'platform id')
 
@@ -53,18 +54,12 @@ def test_asked_for_it_compiles_once_per_process_on_a_device_the_target_names(fre
                                                                             monkeypatch):
   monkeypatch.setenv(warmup.VARIABLE, '1')
   assert warmup.start([np.zeros(3), ocp.RestoreArgs()]) is None  # No device named: none.
-  heard = []
 
-  def listener(event, duration, **kwargs):
-    del duration, kwargs
-    if event == '/jax/core/compile/backend_compile_duration':
-      heard.append(threading.current_thread().name)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  def started_and_done():
     thread = warmup.start(_leaves(mesh))
     thread.join()
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
+    return thread
+  thread, heard = compiled_on_threads(monkeypatch, started_and_done)
   first = min(mesh.devices.flat, key=lambda d: d.id)
   assert fresh == [(first, 'orbax_tunix-warm-compiler')]
   assert heard == ['orbax_tunix-warm-compiler'] and not thread.daemon

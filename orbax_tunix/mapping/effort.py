@@ -18,11 +18,12 @@ across processes (`executables`) and JAX's own cache tell the efforts apart.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+from orbax_tunix import options
 
 VARIABLE = 'ORBAX_TUNIX_COMPILE_EFFORT'
 CHOICES = ('auto', 'low', 'default')
@@ -32,16 +33,12 @@ _LOWEST = (('optimization_level', 9),)
 
 
 def _choice() -> str:
-  """The variable's value.
+  """The variable's value (`options.from_environment`).
 
   Raises:
     ValueError: a value other than `CHOICES`.
   """
-  value = os.environ.get(VARIABLE, 'auto').strip().lower() or 'auto'
-  if value not in CHOICES:
-    raise ValueError(f'{VARIABLE}={os.environ[VARIABLE]!r}: expected one of {", ".join(CHOICES)}'
-                     ' (auto: the lowest effort on a TPU); unset it for auto.')
-  return value
+  return options.from_environment(VARIABLE, CHOICES, 'the lowest effort on a TPU')
 
 
 def compiler_options(shardings: Sequence[jax.sharding.Sharding]) -> tuple[tuple[str, Any], ...]:

@@ -20,7 +20,6 @@ target already names is used. A warm-up that fails only loses its head start.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from orbax_tunix import options
 from orbax_tunix.mapping import effort, executables
 
 VARIABLE = 'ORBAX_TUNIX_WARM_COMPILER'
@@ -37,16 +37,12 @@ _LOCK = threading.Lock()
 
 
 def _choice() -> str:
-  """The variable's value.
+  """The variable's value (`options.from_environment`).
 
   Raises:
     ValueError: a value other than `CHOICES`.
   """
-  value = os.environ.get(VARIABLE, 'auto').strip().lower() or 'auto'
-  if value not in CHOICES:
-    raise ValueError(f'{VARIABLE}={os.environ[VARIABLE]!r}: expected one of {", ".join(CHOICES)}'
-                     ' (auto: on a TPU where no program is kept); unset it for auto.')
-  return value
+  return options.from_environment(VARIABLE, CHOICES, 'on a TPU where no program is kept')
 
 
 def _device(leaves: Iterable[Any]) -> Any:
