@@ -38,32 +38,35 @@ def fresh(monkeypatch):
   return compiled
 
 
-def _leaves(mesh):
-  return [np.zeros(3), 7, None,
-          jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P('data')))]
+def _target(mesh):
+  """A nested target whose first leaves name no device."""
+  sharded = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P('data')))
+  return {'a': [np.zeros(3), 7, None], 'b': {'c': ocp.RestoreArgs(), 'd': (sharded,)}}
 
 
 def test_nothing_starts_on_the_cpu_unless_asked(fresh, mesh, monkeypatch):
   monkeypatch.delenv(warmup.VARIABLE, raising=False)
-  assert warmup.start(_leaves(mesh)) is None
+  assert warmup.start(_target(mesh)) is None
   monkeypatch.setenv(warmup.VARIABLE, '0')
-  assert warmup.start(_leaves(mesh)) is None and fresh == []
+  assert warmup.start(_target(mesh)) is None and fresh == []
 
 
 def test_asked_for_it_compiles_once_per_process_on_a_device_the_target_names(fresh, mesh,
                                                                             monkeypatch):
   monkeypatch.setenv(warmup.VARIABLE, '1')
   assert warmup.start([np.zeros(3), ocp.RestoreArgs()]) is None  # No device named: none.
+  # The walk stops after `_LOOKED_AT` nodes: a large target costs no flattening.
+  assert warmup.start({'a': [np.zeros(1)] * warmup._LOOKED_AT, 'b': _target(mesh)}) is None
 
   def started_and_done():
-    thread = warmup.start(_leaves(mesh))
+    thread = warmup.start(_target(mesh))
     thread.join()
     return thread
   thread, heard = compiled_on_threads(monkeypatch, started_and_done)
   first = min(mesh.devices.flat, key=lambda d: d.id)
   assert fresh == [(first, 'orbax_tunix-warm-compiler')]
   assert heard == ['orbax_tunix-warm-compiler'] and not thread.daemon
-  assert warmup.start(_leaves(mesh)) is None and len(fresh) == 1  # Once per process.
+  assert warmup.start(_target(mesh)) is None and len(fresh) == 1  # Once per process.
 
 
 def test_on_a_tpu_only_where_no_program_is_kept(fresh, monkeypatch, tmp_path):
@@ -103,7 +106,7 @@ def test_an_unknown_value_is_refused_naming_the_variable_and_the_choices(mesh, m
   monkeypatch.setenv(warmup.VARIABLE, 'yes')
   with pytest.raises(ValueError, match=r"ORBAX_TUNIX_WARM_COMPILER='yes': expected one of"
                                        r' auto, 1, 0'):
-    warmup.start(_leaves(mesh))
+    warmup.start(_target(mesh))
 
 
 def test_a_qlora_restore_warms_the_compiler_before_planning_and_reads_the_same(

@@ -12,7 +12,6 @@ import asyncio
 import importlib.metadata
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -82,7 +81,7 @@ class TunixV1PyTreeHandler(ocp.v1.handlers.PyTreeHandler):
     return False
 
   async def load(self, directory: epath.Path, abstract_checkpointable: Any = None):
-    warmup.start(jax.tree.leaves(abstract_checkpointable))  # Started while it is planned.
+    warmup.start(abstract_checkpointable)  # Started while it is planned.
     planned = await asyncio.to_thread(planned_item.find, directory)
     if (planned is None or not planned.is_tunix
         or planned.as_stored(abstract_checkpointable)):  # Orbax's, unchanged.

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -141,8 +140,8 @@ class TunixPyTreeHandler(ocp.PyTreeCheckpointHandler):
     """
     directory = _existing(directory)
     # Started while the item is planned; its programs (e.g. a QLoRA dequantization) compile after.
-    warmup.start(jax.tree.leaves((item, restore_args, getattr(args, 'item', None),
-                                  getattr(args, 'restore_args', None))))
+    warmup.start((item, restore_args, getattr(args, 'item', None),
+                  getattr(args, 'restore_args', None)))
     planned = planned_item.find(directory)
     if args is None:
       nothing = item is None and restore_args is None and transforms is None

@@ -619,7 +619,7 @@ def restore_merged_lora(
     LoraError, TargetMismatchError: before any array is read (see
       `plan_merge` and `check_target`).
   """
-  warmup.start(jax.tree.leaves(target))  # The compiler starts while the merge is planned.
+  warmup.start(target)  # The compiler starts while the merge is planned.
   given = merge_options.renamed('restore_merged_lora', dict(merge), _OLD_SCALING)
   merge_options.check_keywords('restore_merged_lora', given, MergeSettings.__annotations__)
   options = MergeOptions.given(given, merging=True)

@@ -114,7 +114,7 @@ def restore_train_state(
       scaling that is not a finite number (before any read).
     NotACheckpointError, UncommittedStepError, CorruptMetadataError.
   """
-  warmup.start(jax.tree.leaves(abstract_state))  # Started while the restore is planned.
+  warmup.start(abstract_state)  # Started while the restore is planned.
   given = merge_options.renamed('restore_train_state', dict(merge),
                                 {'lora_base': merge_options.BASE})
   merge_options.check_keywords('restore_train_state', given, merge_options.OPTIONS.names())
