@@ -27,7 +27,7 @@ _Device = collections.namedtuple('_Device', 'platform id')
 @pytest.fixture
 def fresh(monkeypatch):
   """No platform warmed yet in this process; the warm-ups' devices, as compiled."""
-  monkeypatch.setattr(warmup, '_STARTED', set())
+  monkeypatch.setattr(warmup, '_DECIDED', set())
   compiled = []
   real = warmup._compile
 
@@ -36,6 +36,19 @@ def fresh(monkeypatch):
     real(device)
   monkeypatch.setattr(warmup, '_compile', recorded)
   return compiled
+
+
+def _events(monkeypatch) -> list[str]:
+  """'started' each time `warmup.start` starts a thread, in order with what the test adds."""
+  events, start = [], warmup.start
+
+  def recorded(target):
+    thread = start(target)
+    if thread is not None:
+      events.append('started')
+    return thread
+  monkeypatch.setattr(warmup, 'start', recorded)
+  return events
 
 
 def _target(mesh):
@@ -84,7 +97,7 @@ def test_on_a_tpu_only_where_no_program_is_kept(fresh, monkeypatch, tmp_path):
     jax.config.update('jax_enable_compilation_cache', True)
     jax.config.update('jax_compilation_cache_dir', str(tmp_path))
     for kept in (False, True):
-      warmup._STARTED.clear()
+      warmup._DECIDED.clear()
       if kept:
         executables.directory().mkdir()
         (executables.directory() / ('0' * 64)).write_bytes(b'a kept program')
@@ -93,12 +106,15 @@ def test_on_a_tpu_only_where_no_program_is_kept(fresh, monkeypatch, tmp_path):
       assert (thread is None) is kept
       if thread is not None:
         thread.join()
+    # Decided once per process: a later restore does not look for kept programs again.
+    monkeypatch.setattr(executables, 'any_kept', lambda: pytest.fail('looked again'))
+    assert warmup.start([]) is None
   finally:
     jax.config.update('jax_enable_compilation_cache', before[0])
     jax.config.update('jax_compilation_cache_dir', before[1])
   assert fresh == [tpu, tpu]
   monkeypatch.setattr(warmup, '_device', lambda leaves: _Device('gpu', 0))
-  warmup._STARTED.clear()
+  warmup._DECIDED.clear()
   assert warmup.start([]) is None
 
 
@@ -121,16 +137,15 @@ def test_a_qlora_restore_warms_the_compiler_before_planning_and_reads_the_same(
       m.shape, m.dtype, sharding=NamedSharding(mesh, P())), meta)
   monkeypatch.setenv(warmup.VARIABLE, '0')
   want = ckptr.restore(item_dir, args=ocp.args.PyTreeRestore(item=target))
-  started_first = []
-  find = planned_item.find
+  events, find = _events(monkeypatch), planned_item.find
 
   def spied(directory):
-    started_first.append(bool(warmup._STARTED))
+    events.append('planned')
     return find(directory)
   monkeypatch.setattr(planned_item, 'find', spied)
   monkeypatch.setenv(warmup.VARIABLE, '1')
   got = ckptr.restore(item_dir, args=ocp.args.PyTreeRestore(item=target))
-  assert started_first[0] and [d for d, _ in fresh] == [min(mesh.devices.flat, key=lambda d: d.id)]
+  assert events[:2] == ['started', 'planned'] and [d for d, _ in fresh] == [min(mesh.devices.flat, key=lambda d: d.id)]
   (want_leaves, treedef), got_leaves = jax.tree.flatten(want), jax.tree.leaves(got)
   assert treedef == jax.tree.structure(got) and len(want_leaves) > 10
   for w, g, t in zip(want_leaves, got_leaves, jax.tree.leaves(target), strict=True):
@@ -148,16 +163,15 @@ def test_a_merge_warms_the_compiler_before_planning_and_merges_the_same(tunix_da
                 for p, (s, d) in shapes.items())
   monkeypatch.setenv(warmup.VARIABLE, '0')
   want = dict(flatten(ot.restore_merged_lora(run, target, lora_alpha=4.0))[0])
-  started_first = []
-  plan = merge.plan_merge
+  events, plan = _events(monkeypatch), merge.plan_merge
 
   def spied(*args, **kwargs):
-    started_first.append(bool(warmup._STARTED))
+    events.append('planned')
     return plan(*args, **kwargs)
   monkeypatch.setattr(merge, 'plan_merge', spied)
   monkeypatch.setenv(warmup.VARIABLE, '1')
   got = dict(flatten(ot.restore_merged_lora(run, target, lora_alpha=4.0))[0])
-  assert started_first == [True] and len(fresh) == 1 and set(got) == set(want)
+  assert events == ['started', 'planned'] and len(fresh) == 1 and set(got) == set(want)
   for path, w in want.items():
     assert got[path].sharding == w.sharding and got[path].dtype == w.dtype
     np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(w))

@@ -31,7 +31,7 @@ from orbax_tunix.mapping import effort, executables
 
 VARIABLE = 'ORBAX_TUNIX_WARM_COMPILER'
 CHOICES = ('auto', '1', '0')
-_STARTED: set[str] = set()  # Platforms warmed in this process.
+_DECIDED: set[str] = set()  # Platforms this process has warmed, or decided not to.
 _LOCK = threading.Lock()
 _LOOKED_AT = 64  # Nodes `_device` looks at, at most.
 _END = object()
@@ -90,20 +90,23 @@ def start(target: Any) -> threading.Thread | None:
       leaves without a sharding are passed over).
 
   Returns:
-    The thread compiling, or None: nothing started (not asked for here, started already in
-    this process, or no device named among the target's first nodes).
+    The thread compiling, or None: nothing started (not asked for here, decided already in
+    this process for the device's platform, or no device named among the target's first
+    nodes).
 
   Raises:
     ValueError: `ORBAX_TUNIX_WARM_COMPILER` holds an unknown value.
   """
   choice = _choice()
   device = None if choice == '0' else _device(target)
-  if device is None or (choice == 'auto' and (device.platform != 'tpu' or executables.any_kept())):
+  if device is None:
     return None
-  with _LOCK:
-    if device.platform in _STARTED:
+  with _LOCK:  # Decided once per process and platform: a restore after it looks no further.
+    if device.platform in _DECIDED:
       return None
-    _STARTED.add(device.platform)
+    _DECIDED.add(device.platform)
+  if choice == 'auto' and (device.platform != 'tpu' or executables.any_kept()):
+    return None
   # Not a daemon: a process that ends at once waits for the compile rather than leaving XLA
   # running while the interpreter shuts down.
   thread = threading.Thread(target=_compile, args=(device,), name='orbax_tunix-warm-compiler')
