@@ -1,7 +1,7 @@
 """XLA's compiler started when a restore begins, on a TPU where no program is kept yet: a
 process's first compile there is slow, and slower beside a read.
 
-On a TPU v5e the first program a process compiles takes 0.5-0.6 s more than the next (the
+On a TPU v5e the first program a process compiles takes 0.51-0.64 s, the next 0.06-0.13 s (the
 compiler's own start); begun while a restore reads, the first compile took 1.6-1.7 s, and a
 LoRA merge's first call with a cold compilation cache waited for it: 1.39-1.55x the plain
 restore (BENCHMARKS.md §34). A trivial program compiled on a thread when the restore begins,
