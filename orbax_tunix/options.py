@@ -5,6 +5,9 @@ The library's keyword is `Option.name`; the command line's flag is derived from 
 a library message names the keyword in backquotes (`named`), which the command line shows as
 its flag. The layouts declare theirs (`layouts.Layout.options`), the LoRA merge its own
 (`mapping/merge_options.py`).
+
+`from_environment` reads the package's environment variables of a few choices alike
+(`ORBAX_TUNIX_COMPILE_EFFORT`, `ORBAX_TUNIX_WARM_COMPILER`).
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ class Option:
     """The option as a message names it: `name`, or `name=value` (a flag, on the command
     line: `--name`, `--name value`)."""
     return f'`{self.name}`' if value is None else f'`{self.name}={value}`'
-
 
 
 def from_environment(variable: str, choices: Sequence[str], auto_means: str) -> str:
